@@ -1,0 +1,23 @@
+"""zchannel.broker: the channel broker, its client library and the wire codec.
+
+``Channel`` is the handle workers use; ``Work`` the handle of an asynchronous operation;
+``Delivery`` an item received with ``ack=True``.  See ``docs/`` for the protocol and guarantees.
+"""
+
+from zchannel.broker.client import DEFAULT_KEY, Channel
+from zchannel.broker.codec import register_type, serializable
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, HookError
+from zchannel.broker.work import Delivery, Work
+
+__all__ = [
+    "DEFAULT_KEY",
+    "BrokerUnavailable",
+    "Channel",
+    "ChannelError",
+    "ChannelNotFound",
+    "Delivery",
+    "HookError",
+    "Work",
+    "register_type",
+    "serializable",
+]

@@ -1,0 +1,469 @@
+"""``Channel``: the handle through which workers put and get items.
+
+``Channel.create`` starts a broker process (or connects to the live one serving the name);
+``Channel.connect`` attaches to an existing broker by name or address.  Every operation is a
+request to the broker over one DEALER socket (see ``connection.py``); ``async_op=True`` returns a
+``Work`` handle instead of waiting.  ``local=True`` gives an in-process channel with the same API
+(``local.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import zmq
+from zchannel.broker import codec, paths
+from zchannel.broker.connection import CLOSED, Connection, probe
+from zchannel.broker.core import check_key, check_timeout, check_weight
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
+from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
+from zchannel.broker.work import Delivery, Work
+from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec
+
+log = logging.getLogger("zchannel.client")
+
+DEFAULT_KEY = "default_queue"
+START_TIMEOUT_S = 60.0
+
+_open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _hook_for_child(hook: Any) -> Any:
+    """A hook as the broker child receives it: a name/path, or an instance's class and state."""
+    if isinstance(hook, (Collector, Dispatcher)):
+        state = dict(vars(hook))
+        try:
+            codec.encode(state)
+        except TypeError as exc:
+            raise TypeError(
+                f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
+                "or name and configure it through options="
+            ) from None
+        cls = type(hook)
+        hook_spec(cls)  # raises for classes the broker process cannot import
+        return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+    return hook_spec(hook)
+
+
+def _identity(identity: str | None) -> str | None:
+    if identity is None:
+        identity = os.environ.get("ZCHANNEL_IDENTITY") or None
+    return None if identity is None else check_consumer_id(identity)
+
+
+class Channel:
+    """A named, distributed producer-consumer queue (see ``docs/`` and the spec, §3-§4)."""
+
+    def __init__(self, name: str | None, address: str, *, identity: str | None = None,
+                 curve_keys: Any = None, _proc: subprocess.Popen | None = None,
+                 _token: str | None = None) -> None:
+        self._name = name
+        self._address = address
+        self._explicit_identity = identity
+        self._identity: str | None = None
+        self._identity_read = False
+        self._curve_keys = curve_keys
+        self._proc = _proc
+        self._token = _token
+        self._creator_pid = os.getpid()
+        self._conn: Connection | None = None
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        _open_handles.add(self)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        maxsize: int = 0,
+        *,
+        address: str | None = None,
+        collector: Any = None,
+        dispatcher: Any = None,
+        producers: Iterable[str] | None = None,
+        consumers: Iterable[str] | Mapping[str, int] | None = None,
+        options: Mapping[str, Any] | None = None,
+        local: bool = False,
+        identity: str | None = None,
+        distributed: bool = False,
+        node_rank: int | None = None,
+        curve_keys: Any = None,
+        insecure: bool = False,
+        lease_timeout: float = 30.0,
+    ) -> Channel:
+        """Start a broker for ``name`` and return a connected handle; if a live broker already
+        serves the name, connect to it (its settings win; differing arguments are logged)."""
+        paths.check_name(name)
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"maxsize must be an int >= 0, got {maxsize!r}")
+        if identity is not None:
+            check_consumer_id(identity)
+        from zchannel.hooks import expand_consumers
+
+        declared = list(expand_consumers(consumers))
+        if producers is not None and isinstance(producers, str):
+            raise TypeError("producers= takes a list of group names")
+        if local:
+            from zchannel.broker.local import LocalChannel
+
+            return LocalChannel.create_local(
+                name, maxsize, collector=collector, dispatcher=dispatcher,
+                producers=list(producers or ()), consumers=declared, options=dict(options or {}),
+                identity=identity, lease_timeout=lease_timeout,
+            )
+        if distributed:
+            log.info("distributed=True without Ray or a cluster file: one local replica")
+        if node_rank is not None:
+            log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
+        address = address or paths.default_address(name)
+        paths.check_bind_address(address, secure=curve_keys is not None, insecure=insecure)
+        config = {
+            "name": name, "address": address, "maxsize": maxsize,
+            "collector": _hook_for_child(collector), "dispatcher": _hook_for_child(dispatcher),
+            "producers": list(producers or ()), "consumers": declared,
+            "options": dict(options or {}), "lease_timeout": float(lease_timeout),
+            "insecure": bool(insecure),
+        }
+        codec.encode(config)  # options must be msgpack-able: fail here, not in the child
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            lock_fd = paths.try_lock(name)
+            if lock_fd is not None:
+                break
+            existing = paths.read_address(name)
+            if existing:
+                try:
+                    handle = cls.connect(existing, identity=identity, timeout=2.0)
+                except BrokerUnavailable:
+                    handle = None
+                if handle is not None:
+                    handle._name = name
+                    handle._warn_differences(config)
+                    return handle
+            if time.monotonic() > deadline:
+                raise ChannelError(f"channel {name!r} is locked but no broker answers")
+            time.sleep(0.05)  # another process is starting the broker
+        try:
+            proc, real_address, token = _spawn_broker(config, lock_fd)
+        finally:
+            os.close(lock_fd)
+        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
+                     _proc=proc, _token=token)
+        try:
+            handle._connection(timeout=START_TIMEOUT_S)
+        except BaseException:
+            handle._kill_broker()
+            raise
+        return handle
+
+    @classmethod
+    def connect(cls, name_or_address: str, *, identity: str | None = None,
+                timeout: float = 10.0, curve_keys: Any = None) -> Channel:
+        """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
+
+        Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
+        """
+        if identity is not None:
+            check_consumer_id(identity)
+        if paths.is_address(name_or_address):
+            name, address = None, name_or_address
+        else:
+            name = paths.check_name(name_or_address)
+            from zchannel.broker.local import LocalChannel
+
+            local = LocalChannel.lookup(name)
+            if local is not None:
+                return local.new_handle(identity)
+            address = paths.read_address(name)
+            if address is None:
+                raise ChannelNotFound(f"no channel named {name!r} on this host")
+        probe(address)
+        handle = cls(name, address, identity=identity, curve_keys=curve_keys)
+        handle._connection(timeout=timeout)
+        return handle
+
+    def _warn_differences(self, config: dict) -> None:
+        info = self._connection().broker_info
+        if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
+            log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
+                        config["name"], info.get("maxsize"), config["maxsize"])
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _connection(self, timeout: float = 10.0) -> Connection:
+        conn = self._conn
+        if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
+            return conn
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
+        with self._conn_lock:
+            conn = self._conn
+            if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
+                return conn
+            conn = Connection(self._address, identity=self.identity)
+            if not conn.wait_up(timeout):
+                conn.close(timeout=0)
+                raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
+            if self._name is None:
+                self._name = conn.broker_info.get("name")
+            self._conn = conn
+            return conn
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def identity(self) -> str | None:
+        """This handle's consumer id: ``identity=``, else ``ZCHANNEL_IDENTITY`` at first use."""
+        if not self._identity_read:
+            self._identity = _identity(self._explicit_identity)
+            self._identity_read = True
+        return self._identity
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
+                copy: bool | None = None) -> Work:
+        frames: list = []
+        if has_item:
+            body, buffers = codec.encode(item)
+            frames = [body, *buffers]
+            rec["fs"] = [len(body), *(memoryview(b).nbytes for b in buffers)]
+        op = rec["op"]
+        convert = None
+        if op == GET:
+            convert = _get_converter(copy)
+        elif op == GET_BATCH:
+            convert = _batch_converter(copy)
+        elif op == STATS:
+            convert = _stats_converter
+        return self._connection().request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+
+    def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
+            timeout: float | None = None) -> Work | None:
+        """Enqueue ``item`` under ``key``; blocks while a target queue is full.
+
+        Raises ``TimeoutError`` if not admitted by ``timeout``, ``TypeError`` for an item that
+        cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
+        """
+        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "t": check_timeout(timeout)}
+        work = self._submit(rec, item, has_item=True)
+        return work if async_op else work.wait()
+
+    def put_nowait(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY) -> None:
+        """Enqueue without waiting; ``asyncio.QueueFull`` (nothing enqueued) if a target is full."""
+        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "nw": True}
+        self._submit(rec, item, has_item=True).wait()
+
+    def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
+            *, ack: bool = False, copy: bool | None = None) -> Any:
+        """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
+        then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
+        rec = {"op": GET, "k": check_key(key), "t": check_timeout(timeout), "ack": bool(ack)}
+        work = self._submit(rec, copy=copy)
+        return work if async_op else work.wait()
+
+    def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
+        """Like ``get`` without waiting; ``asyncio.QueueEmpty`` when nothing is available."""
+        rec = {"op": GET, "k": check_key(key), "nw": True, "ack": bool(ack)}
+        return self._submit(rec, copy=copy).wait()
+
+    def get_batch(self, target_weight: int, key: Any = DEFAULT_KEY, async_op: bool = False,
+                  timeout: float | None = None, *, copy: bool | None = None) -> list | Work:
+        """Take head items up to ``target_weight`` (see the spec, §4); never returns ``[]``."""
+        if isinstance(target_weight, bool) or not isinstance(target_weight, int) or target_weight <= 0:
+            raise ValueError(f"target_weight must be an int > 0, got {target_weight!r}")
+        rec = {"op": GET_BATCH, "k": check_key(key), "tw": target_weight, "t": check_timeout(timeout)}
+        work = self._submit(rec, copy=copy)
+        return work if async_op else work.wait()
+
+    def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
+        rec = {"op": QSIZE, "k": check_key(key), "c": consumer}
+        return self._submit(rec).wait()
+
+    def empty(self, key: Any = DEFAULT_KEY) -> bool:
+        return self.qsize(key) == 0
+
+    def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
+        rec = {"op": FULL, "k": check_key(key), "c": consumer}
+        return self._submit(rec).wait()
+
+    def stats(self) -> dict:
+        return self._submit({"op": STATS}).wait()
+
+    def ack(self, delivery: Delivery) -> None:
+        """Confirm a delivery received with ``get(..., ack=True)``."""
+        if not isinstance(delivery, Delivery):
+            raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
+        self._submit({"op": ACK, "lease": delivery.lease_id}).wait()
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Withdraw this handle's parked requests, wait (at most the heartbeat expiry) for its
+        put acknowledgements, and close its socket.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def shutdown(self) -> None:
+        """Stop the broker.  Only the handle whose ``create`` started it may
+        (``PermissionError`` otherwise)."""
+        if self._proc is None or self._creator_pid != os.getpid():
+            raise PermissionError("only the handle that created the channel's broker may shut it down")
+        proc = self._proc
+        try:
+            if proc.poll() is None and not self._closed:
+                self._submit({"op": SHUTDOWN, "token": self._token}).wait(timeout=5.0)
+        except (ChannelError, TimeoutError):
+            pass
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close(timeout=0, bye=False)
+        try:
+            proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._kill_broker()
+        self._proc = None
+
+    def _kill_broker(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()  # by PID
+            proc.wait(timeout=10.0)
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._proc is not None and self._creator_pid == os.getpid():
+            self.shutdown()
+        else:
+            self.close()
+
+    def __reduce__(self) -> Any:
+        return (_unpickle, (self._name, self._address, self._explicit_identity, self._curve_keys))
+
+    def __repr__(self) -> str:
+        return f"Channel(name={self._name!r}, address={self._address!r})"
+
+
+def _unpickle(name: str | None, address: str, identity: str | None, curve_keys: Any) -> Channel:
+    return Channel(name, address, identity=identity, curve_keys=curve_keys)
+
+
+# -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
+
+
+def _decode_frames(frames: list, copy: bool | None) -> Any:
+    body = frames[0]
+    return codec.decode(body.buffer if isinstance(body, zmq.Frame) else body, frames[1:],
+                        copy=bool(copy))
+
+
+def _get_converter(copy: bool | None):
+    def convert(rec: dict, frames: list) -> Any:
+        item = _decode_frames(frames, copy)
+        lease = rec.get("lease")
+        return Delivery(item, lease) if lease is not None else item
+
+    return convert
+
+
+def _batch_converter(copy: bool | None):
+    def convert(rec: dict, frames: list) -> list:
+        out, pos = [], 0
+        for n in rec.get("n") or ():
+            out.append(_decode_frames(frames[pos : pos + n], copy))
+            pos += n
+        return out
+
+    return convert
+
+
+def _stats_converter(rec: dict, frames: list) -> dict:
+    return _decode_frames(frames, True)
+
+
+# -- starting a broker ------------------------------------------------------------------------
+
+
+def _spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
+    """Start ``python -m zchannel.broker`` as a child in its own session; it inherits the lock
+    fd and stderr, reads its config from stdin and prints ``ready <address>``."""
+    token = secrets.token_hex(16)
+    config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
+    body, buffers = codec.encode(config)
+    assert not buffers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.broker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        pass_fds=(lock_fd,),
+        start_new_session=True,
+        close_fds=True,
+    )
+    try:
+        proc.stdin.write(body)
+        proc.stdin.close()
+        line = _read_line(proc, START_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if not line.startswith("ready "):
+        proc.kill()
+        proc.wait()
+        raise ChannelError(f"broker for {config['name']!r} failed to start: {line.strip() or 'no output'}")
+    return proc, line.split(None, 1)[1].strip(), token
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ChannelError("the broker did not report ready in time")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace")
+
+
+@atexit.register
+def _close_all() -> None:
+    for handle in list(_open_handles):
+        try:
+            if handle._proc is not None and handle._creator_pid == os.getpid():
+                handle.shutdown()
+            else:
+                handle.close()
+        except Exception:
+            pass

@@ -1,0 +1,379 @@
+"""Item serialization: a msgpack body plus zero-copy buffers for large arrays and tensors.
+
+``encode(item)`` returns ``(body, buffers)``.  The body is msgpack; non-native values are ext
+types whose payload is itself msgpack:
+
+=====  ==============  ==========================================================
+code   value           payload
+=====  ==============  ==========================================================
+1      tuple           ``[elements...]`` (so tuples stay tuples, also nested)
+2      numpy array     ``[dtype.str, shape, loc]``
+3      torch tensor    ``[dtype name, shape, loc, device]``
+4      dataclass       ``[tag, {field: value}]`` (registered classes only)
+5      numpy scalar    ``[dtype.str, raw bytes]``
+6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
+=====  ==============  ==========================================================
+
+``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer.  Every buffer
+is ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
+(dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+
+INLINE_LIMIT = 64 * 1024
+MAX_RANK = 32
+
+EXT_TUPLE, EXT_NDARRAY, EXT_TENSOR, EXT_DATACLASS, EXT_NPSCALAR, EXT_BYTES = 1, 2, 3, 4, 5, 6
+
+# numpy dtypes allowed on the wire: numeric and bool, either byte order.
+_NP_DTYPES: dict[str, np.dtype] = {}
+for _code in ("b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16"):
+    for _order in ("<", ">", "|"):
+        _dt = np.dtype(_order + _code) if _code[1:] != "1" or _order == "|" else None
+        if _dt is not None:
+            _NP_DTYPES[_dt.str] = _dt
+
+_TORCH_DTYPE_NAMES = (
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 "
+    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+).split()
+_TORCH_DTYPES: dict[str, Any] = {}
+_TORCH_DTYPE_NAME: dict[Any, str] = {}
+
+
+def _torch() -> Any:
+    """torch, imported on first use (a broker that never decodes a tensor never imports it)."""
+    import torch
+
+    if not _TORCH_DTYPES:
+        for name in _TORCH_DTYPE_NAMES:
+            if hasattr(torch, name):
+                _TORCH_DTYPES[name] = getattr(torch, name)
+                _TORCH_DTYPE_NAME[getattr(torch, name)] = name
+    return torch
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+# ---------------------------------------------------------------------------------------------
+# Registered dataclasses
+
+C = TypeVar("C", bound=type)
+_TAG_TO_CLS: dict[str, type] = {}
+_CLS_TO_TAG: dict[type, str] = {}
+
+
+def register_type(cls: C, name: str | None = None) -> C:
+    """Allow instances of dataclass ``cls`` on the wire, tagged ``name`` (default
+    ``"module:qualname"``).  Re-registering the same class is a no-op; another class under a
+    taken tag is a ``ValueError``."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"register_type takes a dataclass, not {cls!r}")
+    tag = name or f"{cls.__module__}:{cls.__qualname__}"
+    owner = _TAG_TO_CLS.get(tag)
+    if owner is not None and owner is not cls:
+        if f"{owner.__module__}:{owner.__qualname__}" != f"{cls.__module__}:{cls.__qualname__}":
+            raise ValueError(f"serializable tag {tag!r} is already registered to {owner!r}")
+    _TAG_TO_CLS[tag] = cls
+    _CLS_TO_TAG[cls] = tag
+    return cls
+
+
+def serializable(cls: C | None = None, *, name: str | None = None) -> Any:
+    """Class decorator form of :func:`register_type`: ``@serializable`` or
+    ``@serializable(name="tag")``."""
+    if cls is None:
+        return lambda c: register_type(c, name)
+    return register_type(cls, name)
+
+
+def _lookup_tag(tag: str) -> type:
+    cls = _TAG_TO_CLS.get(tag)
+    if cls is None:
+        from zchannel.hooks import load_entry_points  # plug-ins register their types on import
+
+        load_entry_points()
+        cls = _TAG_TO_CLS.get(tag)
+    if cls is None:
+        raise ValueError(
+            f"unknown serializable type tag {tag!r}: import the module that registers it"
+        )
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _tensor_bytes(t: Any) -> np.ndarray:
+    """A flat uint8 numpy view of a CPU tensor's data, made contiguous once if needed."""
+    torch = _torch()
+    t = t.detach()
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Encoder:
+    __slots__ = ("buffers", "packer")
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.packer = msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True)
+
+    def pack(self, obj: Any) -> bytes:
+        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+
+    def loc(self, data: Any, nbytes: int) -> Any:
+        if nbytes < INLINE_LIMIT:
+            return bytes(memoryview(data).cast("B")) if nbytes else b""
+        self.buffers.append(data)
+        return len(self.buffers) - 1
+
+    def default(self, obj: Any) -> Any:
+        if _is_tensor(obj):
+            _torch()
+            name = _TORCH_DTYPE_NAME.get(obj.dtype)
+            if name is None:
+                raise TypeError(f"torch dtype {obj.dtype} cannot be sent")
+            shape = list(obj.shape)
+            device = str(obj.device)
+            raw = _tensor_bytes(obj)
+            return msgpack.ExtType(
+                EXT_TENSOR, self.pack([name, shape, self.loc(raw, raw.nbytes), device])
+            )
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.str not in _NP_DTYPES:
+                raise TypeError(
+                    f"numpy dtype {obj.dtype} cannot be sent (numeric and bool dtypes only)"
+                )
+            arr = np.ascontiguousarray(obj)
+            return msgpack.ExtType(
+                EXT_NDARRAY, self.pack([arr.dtype.str, list(arr.shape), self.loc(arr, arr.nbytes)])
+            )
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        if isinstance(obj, np.generic):
+            if obj.dtype.str not in _NP_DTYPES:
+                raise TypeError(f"numpy scalar of dtype {obj.dtype} cannot be sent")
+            return msgpack.ExtType(EXT_NPSCALAR, self.pack([obj.dtype.str, obj.tobytes()]))
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            view = memoryview(obj)
+            if view.nbytes >= INLINE_LIMIT:
+                if not view.c_contiguous:
+                    view = memoryview(view.tobytes())
+                return msgpack.ExtType(EXT_BYTES, self.pack(self.loc(view, view.nbytes)))
+            return bytes(view)
+        tag = _CLS_TO_TAG.get(type(obj))
+        if tag is not None:
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return int(obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            cls = type(obj)
+            raise TypeError(
+                f"dataclass {cls.__module__}.{cls.__qualname__} is not registered for the wire: "
+                "decorate it with @zchannel.broker.serializable or call "
+                "zchannel.broker.register_type(cls)"
+            )
+        raise TypeError(
+            f"cannot send an object of type {type(obj).__module__}.{type(obj).__qualname__}: "
+            "items are None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays, "
+            "torch tensors and registered dataclasses"
+        )
+
+
+def encode(obj: Any) -> tuple[bytes, list[Any]]:
+    """Encode ``obj`` into a msgpack body and a list of buffers (each 64 KiB or more).
+
+    The buffers reference the caller's memory (no copy): do not modify the arrays or tensors
+    until the message is sent.  Raises ``TypeError`` for values that cannot travel.
+    """
+    enc = _Encoder()
+    try:
+        body = enc.pack(obj)
+    except OverflowError as exc:
+        raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
+    except ValueError as exc:  # msgpack raises ValueError for recursion depth
+        raise TypeError(f"cannot encode item: {exc}") from None
+    return body, enc.buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise ValueError(f"array shape must be a list of at most {MAX_RANK} ints")
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"invalid array dimension {dim!r}")
+    return tuple(shape)
+
+
+class _Decoder:
+    __slots__ = ("frames", "copy")
+
+    def __init__(self, frames: Sequence[Any], copy: bool) -> None:
+        self.frames = frames
+        self.copy = copy
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(
+            data, ext_hook=self.ext_hook, strict_map_key=False, raw=False, use_list=True
+        )
+
+    def raw(self, loc: Any, nbytes: int) -> np.ndarray:
+        """A writable flat uint8 array holding ``nbytes`` bytes at ``loc``."""
+        if isinstance(loc, bytes):
+            if len(loc) != nbytes:
+                raise ValueError(f"inline array holds {len(loc)} bytes, expected {nbytes}")
+            return np.frombuffer(loc, dtype=np.uint8).copy()
+        if isinstance(loc, bool) or not isinstance(loc, int) or not 0 <= loc < len(self.frames):
+            raise ValueError(f"buffer index {loc!r} out of range ({len(self.frames)} buffers)")
+        view = memoryview(self.frames[loc])
+        if view.nbytes != nbytes:
+            raise ValueError(f"buffer {loc} holds {view.nbytes} bytes, expected {nbytes}")
+        arr = np.frombuffer(view, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+        if self.copy or not arr.flags.writeable:
+            arr = arr.copy()
+        return arr
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            value = self.unpack(data)
+            if not isinstance(value, list):
+                raise ValueError("malformed tuple")
+            return tuple(value)
+        if code == EXT_NDARRAY:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 3):
+                raise ValueError("malformed array descriptor")
+            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None:
+                raise ValueError(f"array dtype {value[0]!r} is not allowed")
+            shape = _check_shape(value[1])
+            nbytes = math.prod(shape) * dtype.itemsize
+            return self.raw(value[2], nbytes).view(dtype).reshape(shape)
+        if code == EXT_TENSOR:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 4):
+                raise ValueError("malformed tensor descriptor")
+            torch = _torch()
+            dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None:
+                raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
+            shape = _check_shape(value[1])
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            raw = self.raw(value[2], math.prod(shape) * itemsize)
+            tensor = torch.from_numpy(raw)
+            tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+            tensor = tensor.reshape(shape)
+            return _restore_device(tensor, value[3])
+        if code == EXT_DATACLASS:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
+                raise ValueError("malformed dataclass")
+            if not isinstance(value[0], str):
+                raise ValueError("malformed dataclass tag")
+            return _build_dataclass(_lookup_tag(value[0]), value[1])
+        if code == EXT_NPSCALAR:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
+                raise ValueError("malformed numpy scalar")
+            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None or len(value[1]) != dtype.itemsize:
+                raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
+            return np.frombuffer(value[1], dtype=dtype)[0]
+        if code == EXT_BYTES:
+            index = self.unpack(data)
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError("malformed bytes reference")
+            if not 0 <= index < len(self.frames):
+                raise ValueError(f"buffer index {index} out of range")
+            return bytes(memoryview(self.frames[index]))
+        raise ValueError(f"unknown ext type {code}")
+
+
+def _restore_device(tensor: Any, device: Any) -> Any:
+    torch = _torch()
+    if not isinstance(device, str) or len(device) > 32:
+        raise ValueError("malformed tensor device")
+    kind = device.partition(":")[0]
+    if kind == "cpu":
+        return tensor
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        return tensor  # no such device here: the tensor stays on the CPU
+    try:
+        return tensor.to(device)
+    except (RuntimeError, ValueError):
+        return tensor.to(kind)
+
+
+def _build_dataclass(cls: type, fields: dict) -> Any:
+    init, rest = {}, {}
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        f = known.get(name)
+        if f is None:
+            raise ValueError(f"{cls.__qualname__} has no field {name!r}")
+        (init if f.init else rest)[name] = value
+    try:
+        obj = cls(**init)
+    except TypeError as exc:
+        raise ValueError(f"cannot rebuild {cls.__qualname__}: {exc}") from None
+    for name, value in rest.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False) -> Any:
+    """Decode an item encoded by :func:`encode`.
+
+    ``frames`` are the buffers (``zmq.Frame``, bytes, memoryview...).  Arrays and tensors read
+    from frames are writable views of them unless ``copy`` is true; inline ones are owned
+    copies.  Raises ``ValueError`` for anything malformed or not allowed.
+    """
+    dec = _Decoder(frames, copy)
+    try:
+        return dec.unpack(body)
+    except ValueError:
+        raise
+    except Exception as exc:  # msgpack's own errors, RecursionError, ...
+        raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
+
+
+def decoder_for(frames: Sequence[Any], copy: bool = False) -> Callable[[bytes], Any]:
+    """A function decoding bodies that reference ``frames``."""
+    return lambda body: decode(body, frames, copy=copy)

@@ -1,0 +1,305 @@
+"""The client side of the wire: one DEALER socket owned by one I/O thread.
+
+User threads never touch the socket.  They hand requests to the I/O thread (a deque and an
+eventfd wake-up) and wait on ``Work`` handles, which the I/O thread completes when replies
+arrive.  Requests queued together are coalesced into one message.  The I/O thread also keeps
+the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
+with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, error_from_wire
+from zchannel.broker.protocol import BYE, EXPIRED, HEARTBEAT, HELLO, PROTOCOL_VERSION, pack_header
+from zchannel.broker.work import Work
+
+log = logging.getLogger("zchannel.client")
+
+CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
+MAX_OPS_PER_MESSAGE = 512
+MAX_BYTES_PER_MESSAGE = 64 << 20
+
+Convert = Callable[[dict, list], Any]
+
+
+class _Pending:
+    __slots__ = ("work", "convert", "is_put")
+
+    def __init__(self, work: Work, convert: Convert | None, is_put: bool) -> None:
+        self.work, self.convert, self.is_put = work, convert, is_put
+
+
+class Connection:
+    """A connection to one broker address (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: str,
+        identity: str | None = None,
+        heartbeat_interval: float = 1.0,
+        liveness: int = 3,
+        max_inflight: int = 1024,
+    ) -> None:
+        self.address = address
+        self.identity = identity
+        self.hb = heartbeat_interval
+        self.liveness = liveness
+        self.state = CONNECTING
+        self.broker_info: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
+        self._pending: dict[int, _Pending] = {}
+        self._inflight = threading.BoundedSemaphore(max_inflight)
+        self._state_cv = threading.Condition()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._closing = False
+        self._hello_id = 0
+        self.pid = os.getpid()
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._sock.connect(address)
+        self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
+        self._thread.start()
+
+    # -- user-thread side --------------------------------------------------------------------
+
+    def wait_up(self, timeout: float) -> bool:
+        """Wait until the broker answered the hello; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._state_cv:
+            while self.state != UP:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.state == CLOSED:
+                    return False
+                self._state_cv.wait(remaining)
+        return True
+
+    def request(self, rec: dict, frames: list, convert: Convert | None = None,
+                cancellable: bool = False) -> Work:
+        """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
+        (or the reply's ``r`` field) or with the reply's error."""
+        if self.state == CLOSED or self._closing:
+            raise ChannelError("this channel handle is closed")
+        if self.state == DOWN:
+            raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
+        self._inflight.acquire()
+        rid = next(self._ids)
+        rec["id"] = rid
+        rec["nf"] = len(frames)
+        work = Work((lambda w: self._cancel(w, rid)) if cancellable else None)
+        pending = _Pending(work, convert, rec.get("op") == "put")
+        self._queue.append((rec, frames, pending))
+        os.eventfd_write(self._wake, 1)
+        return work
+
+    def _cancel(self, work: Work, rid: int) -> bool:
+        try:
+            answer = self.request({"op": "cancel", "rid": rid}, []).wait()
+        except ChannelError:
+            return False
+        if answer:
+            entry = self._pending.pop(rid, None)
+            if entry is not None:
+                self._inflight.release()
+            from concurrent.futures import CancelledError
+
+            work.set_exception(CancelledError("the broker withdrew the operation"))
+        return bool(answer)
+
+    def close(self, timeout: float | None = None, bye: bool = True) -> None:
+        """Wait (at most the heartbeat expiry) for put acknowledgements, withdraw parked
+        requests (``bye``), and close the socket.  Idempotent."""
+        if self._closing or self.state == CLOSED:
+            return
+        if os.getpid() != self.pid:
+            self._closing = True
+            return  # a forked child never touches its parent's socket
+        limit = self.hb * self.liveness if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while self.state == UP and time.monotonic() < deadline and (
+            self._queue or any(p.is_put for p in list(self._pending.values()))
+        ):
+            time.sleep(0.005)
+        if self.state == UP and bye:
+            try:
+                self.request({"op": BYE}, []).wait(max(0.05, deadline - time.monotonic()))
+            except (ChannelError, TimeoutError):
+                pass
+        self._closing = True
+        os.eventfd_write(self._wake, 1)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+
+    # -- I/O thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        now = time.monotonic()
+        self._last_recv = now
+        self._last_send = 0.0
+        self._send_hello()
+        try:
+            while not self._closing:
+                events = dict(poller.poll(int(self.hb * 500)))
+                if self._wake in events:
+                    try:
+                        os.eventfd_read(self._wake)
+                    except BlockingIOError:
+                        pass
+                if self._queue:
+                    self._send_queued()
+                if sock in events:
+                    self._recv_all()
+                self._keepalive(time.monotonic())
+        except Exception:  # pragma: no cover - a bug here must not hang callers
+            log.exception("zchannel I/O thread failed")
+        finally:
+            self._set_state(CLOSED)
+            self._fail_all(ChannelError("this channel handle is closed"))
+            while self._queue:
+                _, _, pending = self._queue.popleft()
+                if pending is not None:
+                    self._inflight.release()
+                    pending.work.set_exception(ChannelError("this channel handle is closed"))
+            sock.close(linger=0)
+            os.close(self._wake)
+
+    def _set_state(self, state: str) -> None:
+        with self._state_cv:
+            self.state = state
+            self._state_cv.notify_all()
+
+    def _send(self, records: list[dict], frames: list) -> None:
+        self._sock.send_multipart([pack_header(records), *frames], copy=False)
+        self._last_send = time.monotonic()
+
+    def _send_hello(self) -> None:
+        self._hello_id = next(self._ids)
+        self._send([{"op": HELLO, "id": self._hello_id, "ident": self.identity,
+                     "v": PROTOCOL_VERSION}], [])
+
+    def _send_queued(self) -> None:
+        queue = self._queue
+        while queue:
+            records: list[dict] = []
+            frames: list = []
+            nbytes = 0
+            while queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE:
+                rec, op_frames, pending = queue.popleft()
+                if pending is not None:
+                    self._pending[rec["id"]] = pending
+                records.append(rec)
+                frames.extend(op_frames)
+                nbytes += sum(rec.get("fs") or ())
+            self._send(records, frames)
+
+    def _recv_all(self) -> None:
+        sock = self._sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._last_recv = time.monotonic()
+            try:
+                records = msgpack.unpackb(frames[0].buffer, raw=False, strict_map_key=False)
+            except Exception:
+                log.warning("dropped a malformed reply from the broker")
+                continue
+            pos = 1
+            for rec in records:
+                nf = rec.get("nf", 0)
+                self._on_reply(rec, frames[pos : pos + nf])
+                pos += nf
+
+    def _on_reply(self, rec: dict, frames: list) -> None:
+        rid = rec.get("id")
+        if rid is None:
+            op = rec.get("op")
+            if op == EXPIRED:
+                log.warning("the broker at %s expired this client: registering again", self.address)
+                self._fail_all(BrokerUnavailable("the broker expired this client (it was silent "
+                                                 "too long); the request was dropped"))
+                self._send_hello()
+            return
+        if rid == self._hello_id:
+            self.broker_info = rec.get("r") or {}
+            if self.state != UP:
+                self._set_state(UP)
+            return
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        self._inflight.release()
+        work = pending.work
+        if "e" in rec:
+            work.set_exception(error_from_wire(rec["e"]))
+        elif pending.convert is not None:
+            convert = pending.convert
+            work.set_result(None, lambda: convert(rec, frames))
+        else:
+            work.set_result(rec.get("r"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            self._inflight.release()
+            entry.work.set_exception(exc)
+
+    def _keepalive(self, now: float) -> None:
+        silent = now - self._last_recv
+        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
+            if self.state == UP:
+                log.warning("the broker at %s is silent for %.1fs: unavailable", self.address, silent)
+            self._set_state(DOWN)
+            self._fail_all(BrokerUnavailable(
+                f"the broker at {self.address} did not answer for {silent:.1f}s"))
+        if self.state == DOWN:
+            if now - self._last_send >= self.hb:
+                self._send_hello()
+        elif now - self._last_send >= self.hb:
+            self._send([{"op": HEARTBEAT, "id": 0}], [])
+
+
+def probe(address: str) -> None:
+    """Raise ``ChannelNotFound`` at once when nothing can be listening at ``address``."""
+    from zchannel.broker import paths
+
+    ipc = paths.ipc_path(address)
+    if ipc is not None:
+        if not os.path.exists(ipc):
+            raise ChannelNotFound(f"no broker at {address} (no socket file)")
+        return
+    hp = paths.tcp_host_port(address)
+    if hp is None:
+        raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
+    import socket
+
+    try:
+        with socket.create_connection(hp, timeout=2.0):
+            pass
+    except ConnectionRefusedError:
+        raise ChannelNotFound(f"no broker at {address} (connection refused)") from None
+    except OSError:
+        pass  # unreachable or slow: let the hello decide

@@ -1,0 +1,142 @@
+"""Where a channel's files live: run directory, default ipc address, lock and address files."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import ipaddress
+import os
+import re
+import socket
+from pathlib import Path
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+IPC_PATH_LIMIT = 107
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(
+            f"invalid channel name {name!r}: 1-64 characters of [A-Za-z0-9._-]"
+        )
+    return name
+
+
+def run_dir() -> Path:
+    """``$ZCHANNEL_RUN_DIR``, else ``$XDG_RUNTIME_DIR/zchannel``, else ``/tmp/zchannel-<uid>``;
+    created with mode 0700."""
+    base = os.environ.get("ZCHANNEL_RUN_DIR")
+    if base:
+        path = Path(base)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel"
+    else:
+        path = Path(f"/tmp/zchannel-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.chmod(path, 0o700)
+    except PermissionError:
+        pass
+    return path
+
+
+def default_address(name: str) -> str:
+    path = str(run_dir() / f"{name}.sock")
+    if len(path) > IPC_PATH_LIMIT:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+        path = str(run_dir() / f"{digest}.sock")
+        if len(path) > IPC_PATH_LIMIT:
+            path = f"/tmp/zchannel-{os.getuid()}-{digest}.sock"
+    return f"ipc://{path}"
+
+
+def lock_path(name: str) -> Path:
+    return run_dir() / f"{name}.lock"
+
+
+def addr_path(name: str) -> Path:
+    return run_dir() / f"{name}.addr"
+
+
+def try_lock(name: str) -> int | None:
+    """Open and ``flock`` the channel's lock file without blocking; the fd, or None if held."""
+    fd = os.open(lock_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def read_address(name: str) -> str | None:
+    try:
+        text = addr_path(name).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def write_address(name: str, address: str) -> None:
+    tmp = addr_path(name).with_suffix(".addr.tmp")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, addr_path(name))
+
+
+def remove_address(name: str, address: str) -> None:
+    if read_address(name) == address:
+        try:
+            addr_path(name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def is_address(text: str) -> bool:
+    return text.startswith(("ipc://", "tcp://"))
+
+
+def ipc_path(address: str) -> str | None:
+    return address[len("ipc://"):] if address.startswith("ipc://") else None
+
+
+def tcp_host_port(address: str) -> tuple[str, int] | None:
+    if not address.startswith("tcp://"):
+        return None
+    rest = address[len("tcp://"):]
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    try:
+        return host, int(port)
+    except ValueError:
+        return None
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(
+                ipaddress.ip_address(info[4][0]).is_loopback
+                for info in socket.getaddrinfo(host, None)
+            )
+        except (OSError, ValueError):
+            return False
+
+
+def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
+    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``."""
+    hp = tcp_host_port(address)
+    if hp is None:
+        if not address.startswith("ipc://"):
+            raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
+        return
+    host, _ = hp
+    if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
+        if not (secure or insecure):
+            raise ValueError(
+                f"refusing to bind {address} (not loopback) without CURVE keys: pass curve keys "
+                "or insecure=True / --insecure"
+            )

@@ -1,0 +1,71 @@
+"""The wire protocol between clients (DEALER) and a broker (ROUTER), written once.
+
+A message is ``[header, *frames]``.  The header is msgpack: a list of *records*, one per
+operation (clients and the broker coalesce several operations into one message).  Record ``i``
+owns the next ``record["nf"]`` frames.  See ``docs/protocol.md`` for the full description.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Request operations (client -> broker).
+HELLO, BYE, HEARTBEAT = "hello", "bye", "hb"
+PUT, GET, GET_BATCH = "put", "get", "get_batch"
+QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN = "qsize", "full", "stats", "ack", "cancel", "shutdown"
+REQUEST_OPS = frozenset(
+    {HELLO, BYE, HEARTBEAT, PUT, GET, GET_BATCH, QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN}
+)
+# Broker -> client records without a request id.
+EXPIRED = "expired"
+
+# Default limits (the broker's are configurable).
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAMES = 65536
+MAX_RECORDS = 4096
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol."""
+
+
+def pack_header(records: list[dict[str, Any]]) -> bytes:
+    return msgpack.packb(records, use_bin_type=True)
+
+
+def unpack_header(data: bytes | memoryview, nframes: int, max_bytes: int = MAX_HEADER_BYTES) -> list[dict]:
+    """Decode and check a header against the ``nframes`` frames that follow it."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"header of {len(data)} bytes exceeds the header limit ({max_bytes})")
+    try:
+        records = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
+    if not isinstance(records, list) or not records or len(records) > MAX_RECORDS:
+        raise ProtocolError("a header is a non-empty list of records")
+    total = 0
+    for record in records:
+        if not isinstance(record, dict):
+            raise ProtocolError("a header record is a map")
+        nf = record.get("nf", 0)
+        if isinstance(nf, bool) or not isinstance(nf, int) or nf < 0:
+            raise ProtocolError("record field nf must be an int >= 0")
+        total += nf
+    if total != nframes:
+        raise ProtocolError(f"header declares {total} frames but the message has {nframes}")
+    return records
+
+
+def key_to_wire(key: Any) -> Any:
+    """Keys travel as msgpack; tuples become arrays (a key is never a list)."""
+    return key
+
+
+def key_from_wire(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(key_from_wire(v) for v in value)
+    return value

@@ -1,0 +1,510 @@
+"""The broker process: one ROUTER socket, one single-threaded event loop over a ``QueueCore``.
+
+The loop reads messages, dispatches each record on its ``op``, lets the core expire deadlines,
+keeps heartbeats in both directions, and flushes the replies it coalesced per client.  With no
+collector and a built-in dispatcher it never decodes a payload: the ``zmq.Frame`` objects it
+received are stored and sent on with ``copy=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zchannel.broker import codec, paths
+from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
+from zchannel.broker.errors import BrokerUnavailable, error_to_wire
+from zchannel.broker.protocol import (
+    ACK,
+    BYE,
+    CANCEL,
+    EXPIRED,
+    FULL,
+    GET,
+    GET_BATCH,
+    HEARTBEAT,
+    HELLO,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    PUT,
+    QSIZE,
+    SHUTDOWN,
+    STATS,
+    ProtocolError,
+    key_from_wire,
+    pack_header,
+    unpack_header,
+)
+from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
+
+log = logging.getLogger("zchannel.broker")
+
+
+@dataclass
+class BrokerConfig:
+    """Everything a broker is started with (CLI flags, a TOML file, or ``Channel.create``)."""
+
+    name: str
+    address: str | None = None
+    maxsize: int = 0
+    collector: Any = None
+    dispatcher: Any = None
+    producers: list[str] = field(default_factory=list)
+    consumers: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+    imports: list[str] = field(default_factory=list)
+    lease_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    max_bytes: int = 0
+    max_message_bytes: int = 0
+    max_frames: int = MAX_FRAMES
+    max_header_bytes: int = MAX_HEADER_BYTES
+    key_grace: float = 30.0
+    insecure: bool = False
+    parent_pid: int | None = None
+    lock_fd: int | None = None
+    token: str | None = None
+
+
+class _RateLimitFilter(logging.Filter):
+    """At most ``burst`` records of the same message template per ``period`` seconds."""
+
+    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.period = burst, period
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        start, count = self._seen.get(record.msg, (now, 0))
+        if now - start > self.period:
+            start, count = now, 0
+        self._seen[record.msg] = (start, count + 1)
+        return count < self.burst
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s zchannel[%(process)d] %(levelname)s %(message)s"))
+    handler.addFilter(_RateLimitFilter())
+    root = logging.getLogger("zchannel")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class _Outbox:
+    __slots__ = ("records", "frames", "deliveries")
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.frames: list[Any] = []
+        self.deliveries: list[tuple] = []
+
+
+class Broker:
+    """Serves one channel on one ROUTER socket until stopped."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        paths.check_name(config.name)
+        for module in config.imports:
+            __import__(module)
+        self._lock_fd = config.lock_fd
+        if self._lock_fd is None:
+            self._lock_fd = paths.try_lock(config.name)
+            if self._lock_fd is None:
+                raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
+        self.address = config.address or paths.default_address(config.name)
+        paths.check_bind_address(self.address, secure=False, insecure=config.insecure)
+        self.core = QueueCore(
+            name=config.name,
+            maxsize=config.maxsize,
+            collector=resolve_collector(config.collector),
+            dispatcher=resolve_dispatcher(config.dispatcher),
+            producers=tuple(config.producers or ()),
+            consumers=expand_consumers(config.consumers),
+            options=config.options,
+            reply=self._reply,
+            decode_item=_decode_item,
+            encode_item=_encode_item,
+            lease_timeout=config.lease_timeout,
+            max_bytes=config.max_bytes,
+            key_grace=config.key_grace,
+        )
+        self.clients: dict[bytes, Client] = {}
+        self.last_sent: dict[bytes, float] = {}
+        self._out: dict[bytes, _Outbox] = {}
+        self._running = False
+        self._expired_told: dict[bytes, float] = {}
+        self.sock: zmq.Socket | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.config.max_message_bytes:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        ipc = paths.ipc_path(self.address)
+        if ipc and os.path.exists(ipc):
+            os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
+        sock.bind(self.address)
+        if self.address.startswith("tcp://"):
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ipc:
+            os.chmod(ipc, 0o600)
+        self.sock = sock
+        paths.write_address(self.config.name, self.address)
+        return self.address
+
+    def serve_forever(self) -> None:
+        """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
+        or the death of the parent process."""
+        self.bind()
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        old_wakeup = signal.set_wakeup_fd(wfd)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(rfd, zmq.POLLIN)
+        parent_fd = self._watch_parent(poller)
+        sys.stdout.write(f"ready {self.address}\n")
+        sys.stdout.flush()
+        log.info("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
+        self._running = True
+        hb = self.config.heartbeat_interval
+        next_hb = time.monotonic() + hb / 2
+        try:
+            while self._running:
+                now = time.monotonic()
+                wake = min(next_hb, self.core.next_deadline() or next_hb)
+                timeout_ms = max(0, int((wake - now) * 1000) + 1)
+                events = dict(poller.poll(timeout_ms))
+                if events.get(self.sock):
+                    self._drain()
+                if events.get(rfd):
+                    os.read(rfd, 512)
+                if parent_fd is not None and events.get(parent_fd):
+                    log.warning("creator process %s exited: stopping", self.config.parent_pid)
+                    self._running = False
+                now = time.monotonic()
+                self.core.tick(now)
+                if now >= next_hb:
+                    self._heartbeats(now)
+                    next_hb = now + hb / 2
+                    if self.config.parent_pid and os.getppid() != self.config.parent_pid:
+                        log.warning("creator process %s is gone: stopping", self.config.parent_pid)
+                        self._running = False
+                self._flush()
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            self.close()
+            os.close(rfd)
+            os.close(wfd)
+
+    def _watch_parent(self, poller: zmq.Poller) -> int | None:
+        pid = self.config.parent_pid
+        if not pid:
+            return None
+        if os.getppid() != pid:
+            raise SystemExit(f"creator process {pid} is already gone")
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None  # fall back to the getppid() check on every heartbeat tick
+        poller.register(fd, zmq.POLLIN)
+        return fd
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._running = False
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self._flush()
+            self.sock.close(linger=0)
+            self.sock = None
+            paths.remove_address(self.config.name, self.address)
+            ipc = paths.ipc_path(self.address)
+            if ipc:
+                try:
+                    os.unlink(ipc)
+                except FileNotFoundError:
+                    pass
+            log.info("broker %r stopped", self.config.name)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        sock = self.sock
+        for _ in range(4096):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # a broker never crashes because of one client
+                log.exception("unexpected error handling a message")
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        address = frames[0].bytes
+        if len(frames) < 2:
+            log.warning("dropped a message without a header")
+            return
+        if len(frames) - 2 > self.config.max_frames:
+            log.warning("dropped a message of %d frames (frame limit %d)", len(frames), self.config.max_frames)
+            return
+        try:
+            records = unpack_header(frames[1].buffer, len(frames) - 2, self.config.max_header_bytes)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        client = self.clients.get(address)
+        now = time.monotonic()
+        pos = 2
+        for rec in records:
+            nf = rec.get("nf", 0)
+            op_frames = frames[pos : pos + nf]
+            pos += nf
+            op = rec.get("op")
+            if client is None or op == HELLO:
+                if op == HELLO:
+                    client = self._hello(address, rec)
+                elif op != BYE:
+                    self._tell_expired(address, now)
+                continue
+            client.last_seen = now
+            rid = rec.get("id")
+            if isinstance(rid, bool) or not isinstance(rid, int):
+                log.warning("dropped a record without a request id (op %r)", op)
+                continue
+            try:
+                self._dispatch(client, op, rid, rec, op_frames)
+            except Exception as exc:
+                if not isinstance(exc, (ValueError, TypeError)):
+                    log.exception("error handling op %r", op)
+                self._reply(client, rid, error=exc)
+            if op == BYE:
+                client = None
+
+    def _hello(self, address: bytes, rec: dict) -> Client:
+        old = self.clients.pop(address, None)
+        if old is not None:
+            self.core.client_gone(old)
+        identity = rec.get("ident")
+        if identity is not None and not isinstance(identity, str):
+            identity = None
+        client = Client(address=address, identity=identity)
+        self.clients[address] = client
+        self._expired_told.pop(address, None)
+        rid = rec.get("id")
+        self._reply(client, rid if isinstance(rid, int) else 0, result={
+            "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
+            "liveness": self.config.liveness, "deals": self.core.deals,
+            "maxsize": self.core.maxsize,
+        })
+        return client
+
+    def _tell_expired(self, address: bytes, now: float) -> None:
+        if now - self._expired_told.get(address, 0.0) < 0.2:
+            return
+        self._expired_told[address] = now
+        self._send(address, [{"op": EXPIRED}], [])
+
+    def _dispatch(self, client: Client, op: Any, rid: int, rec: dict, frames: list) -> None:
+        core = self.core
+        if op == PUT:
+            if not frames:
+                raise ValueError("a put carries at least one frame (the body)")
+            sizes = rec.get("fs")
+            if sizes is not None and (
+                not isinstance(sizes, list) or len(sizes) != len(frames)
+                or any(s != len(f) for s, f in zip(sizes, frames, strict=False))
+            ):
+                raise ValueError("put frame sizes do not match the header")
+            nbytes = sum(len(f) for f in frames)
+            if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
+                raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
+            item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
+            core.put(client, rid, key_from_wire(rec.get("k")), item,
+                     check_timeout(rec.get("t")), bool(rec.get("nw")))
+        elif op == GET or op == GET_BATCH:
+            target = rec.get("tw", 0) if op == GET_BATCH else 0
+            if op == GET_BATCH and (isinstance(target, bool) or not isinstance(target, int) or target <= 0):
+                raise ValueError(f"target_weight must be an int > 0, got {target!r}")
+            core.get(client, rid, key_from_wire(rec.get("k")), check_timeout(rec.get("t")),
+                     bool(rec.get("nw")), ack=bool(rec.get("ack")), batch_target=target)
+        elif op == HEARTBEAT:
+            pass
+        elif op == QSIZE:
+            self._reply(client, rid, result=core.qsize(key_from_wire(rec.get("k")), _consumer(rec)))
+        elif op == FULL:
+            self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
+        elif op == STATS:
+            stats = core.stats()
+            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients))
+            body, _ = codec.encode(stats)
+            self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
+        elif op == ACK:
+            core.ack(client, rid, rec.get("lease"))
+        elif op == CANCEL:
+            core.cancel(client, rid, rec.get("rid"))
+        elif op == BYE:
+            self.clients.pop(client.address, None)
+            core.client_gone(client)
+            self._reply(client, rid, result=True)
+        elif op == SHUTDOWN:
+            if self.config.token and rec.get("token") != self.config.token:
+                raise PermissionError("only the handle that created the channel may shut it down")
+            self._reply(client, rid, result=True)
+            self._running = False
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
+               items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
+               origin: Any = None, raw: bool = False) -> bool:
+        rec: dict[str, Any] = {"id": rid}
+        out = self._out.get(client.address)
+        if out is None:
+            out = self._out[client.address] = _Outbox()
+        if error is not None:
+            rec["e"] = error_to_wire(error)
+        elif items is not None:
+            nf = 0
+            counts = []
+            for item in items:
+                out.frames.extend(item.payload)
+                nf += len(item.payload)
+                counts.append(len(item.payload))
+            rec["nf"] = nf
+            if batch:
+                rec["n"] = counts
+            if lease is not None:
+                rec["lease"] = lease
+            if not raw:
+                out.deliveries.append((client, origin, items, lease))
+        elif result is not None:
+            rec["r"] = result
+        out.records.append(rec)
+        return True
+
+    def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
+        try:
+            self.sock.send_multipart([address, pack_header(records), *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+        self.last_sent[address] = time.monotonic()
+        return True
+
+    def _flush(self) -> None:
+        while self._out and self.sock is not None:
+            out_all, self._out = self._out, {}
+            for address, out in out_all.items():
+                if self._send(address, out.records, out.frames):
+                    continue
+                client = self.clients.pop(address, None)
+                for c, origin, items, lease in out.deliveries:
+                    self.core.requeue(c, origin, items, lease)
+                if client is not None:
+                    log.info("client went away before its reply was sent; its items were requeued")
+                    self.core.client_gone(client)
+
+    def _heartbeats(self, now: float) -> None:
+        hb = self.config.heartbeat_interval
+        expiry = hb * self.config.liveness
+        for address, client in list(self.clients.items()):
+            if now - client.last_seen > expiry:
+                log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
+                del self.clients[address]
+                self.last_sent.pop(address, None)
+                self.core.client_gone(client)
+                self._send(address, [{"op": EXPIRED}], [])
+            elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
+                out = self._out[address] = _Outbox()
+                out.records.append({"op": HEARTBEAT})
+        for address in [a for a in self.last_sent if a not in self.clients]:
+            del self.last_sent[address]
+        for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
+            del self._expired_told[address]
+
+
+def _consumer(rec: dict) -> str | None:
+    consumer = rec.get("c")
+    if consumer is not None and not isinstance(consumer, str):
+        raise TypeError("consumer must be a str")
+    return consumer
+
+
+def _decode_item(item: Item) -> Any:
+    frames = item.payload
+    return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
+
+
+def _encode_item(value: Any, weight: int) -> Item:
+    body, buffers = codec.encode(value)
+    frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
+    return Item(frames, weight, sum(len(f) for f in frames), value, True)
+
+
+def hook_from_wire(spec: Any) -> Any:
+    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``."""
+    if isinstance(spec, dict) and "class" in spec:
+        cls = import_path(spec["class"])
+        obj = cls.__new__(cls)
+        obj.__dict__.update(spec.get("state") or {})
+        return obj
+    return spec
+
+
+def run_broker(config: BrokerConfig) -> int:
+    """Run a broker in this process until it stops; the exit status."""
+    setup_logging()
+    broker = Broker(config)
+    broker.serve_forever()
+    return 0
+
+
+def main_from_stdin() -> int:
+    """Entry of ``python -m zchannel.broker``: the config arrives as msgpack on stdin (the trusted
+    start-up pipe of ``Channel.create``)."""
+    data = sys.stdin.buffer.read()
+    fields = codec.decode(data)
+    for name in ("collector", "dispatcher"):
+        fields[name] = hook_from_wire(fields.get(name))
+    config = BrokerConfig(**fields)
+    setup_logging()
+    try:
+        broker = Broker(config)
+    except Exception as exc:
+        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
+        sys.stdout.flush()
+        return 1
+    try:
+        broker.serve_forever()
+    except zmq.ZMQError as exc:
+        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
+        sys.stdout.flush()
+        return 1
+    return 0
+
+
+__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "run_broker"]

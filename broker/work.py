@@ -1,0 +1,144 @@
+"""``Work``: the handle of an operation in flight, usable from threads and from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """An item received with ``get(..., ack=True)``: acknowledge it with ``channel.ack``."""
+
+    item: Any
+    lease_id: int
+
+
+class Work:
+    """Result of an ``async_op=True`` call.
+
+    ``wait(timeout)`` returns the result or raises the operation's error; a ``TimeoutError``
+    from ``wait`` leaves the operation pending.  ``await work`` (or ``await work.async_wait()``)
+    yields to the event loop without a thread per handle; cancelling the awaiting task does not
+    cancel the operation.  ``cancel()`` returns True iff the broker withdrew the operation.
+    """
+
+    __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock", "__weakref__")
+
+    def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
+        self._state = _PENDING
+        self._value: Any = None
+        self._convert: Callable[[], Any] | None = None
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._callbacks: list[Callable[[Work], None]] = []
+        self._cancel_fn = cancel_fn
+        self._lock = threading.Lock()
+
+    # -- completion (called by the transport) ------------------------------------------------
+
+    def _finish(self, state: int, value: Any, convert: Callable[[], Any] | None = None) -> None:
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._value, self._convert, self._state = value, convert, state
+            callbacks, self._callbacks = self._callbacks, []
+        self._gate.release()
+        for callback in callbacks:
+            callback(self)
+
+    def set_result(self, value: Any = None, convert: Callable[[], Any] | None = None) -> None:
+        """Complete with ``value``, or with ``convert()`` computed lazily by the first reader."""
+        self._finish(_DONE, value, convert)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._finish(_FAILED, exc)
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        with self._lock:
+            if self._state == _PENDING:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    # -- user API ----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._state == _PENDING:
+            acquired = self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+            if not acquired:
+                raise TimeoutError("Work.wait timed out; the operation is still pending")
+            self._gate.release()
+        return self.result()
+
+    def result(self) -> Any:
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError("the operation is still pending")
+        if self._state == _FAILED:
+            raise self._value
+        if self._convert is not None:
+            with self._lock:
+                if self._convert is not None:
+                    convert, self._convert = self._convert, None
+                    try:
+                        self._value = convert()
+                    except BaseException as exc:
+                        self._state, self._value = _FAILED, exc
+                        raise
+        if self._state == _FAILED:
+            raise self._value
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        if self._state == _FAILED:
+            return self._value
+        return None
+
+    def cancel(self) -> bool:
+        """Ask the broker to withdraw the operation; True iff it did before completing it."""
+        if self._state != _PENDING or self._cancel_fn is None:
+            return False
+        return self._cancel_fn(self)
+
+    async def async_wait(self) -> Any:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+
+            def wake(_: Work) -> None:
+                loop.call_soon_threadsafe(_resolve, future)
+
+            self.add_done_callback(wake)
+            # shield: cancelling the awaiting task does not cancel the operation
+            await asyncio.shield(future)
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.async_wait().__await__()
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
+        return f"<Work {state}>"
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def completed(value: Any = None) -> Work:
+    work = Work()
+    work.set_result(value)
+    return work
+
+
+__all__ = ["CancelledError", "Delivery", "Work", "completed"]

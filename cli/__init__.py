@@ -1,0 +1,1 @@
+"""zchannel.cli: the ``zchannel`` command (click)."""

@@ -1,0 +1,156 @@
+"""The ``zchannel`` command: ``broker``, ``stat``, ``bench`` and friends."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from zchannel.broker import paths
+
+
+def _parse_consumers(values: tuple[str, ...]) -> Any:
+    """``--consumers actor:3`` means ``{"actor": 3}``; ``--consumers actor:0,actor:2`` a list."""
+    if not values:
+        return None
+    mapping: dict[str, int] = {}
+    ids: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            group, sep, count = part.rpartition(":")
+            if not sep or not count.isdigit():
+                raise click.BadParameter(f"{part!r}: expected group:count or group:rank")
+            if len(values) == 1 and "," not in value:
+                mapping[group] = int(count)
+            else:
+                ids.append(part)
+    return mapping or ids
+
+
+def _parse_options(values: tuple[str, ...]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{value!r}: expected key=value")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
+@click.group()
+@click.version_option(package_name="zchannel")
+def main() -> None:
+    """zchannel: ZeroMQ channels for distributed RL workers."""
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--address", help="ipc://PATH or tcp://HOST:PORT (port 0 = any free port)")
+@click.option("--maxsize", type=int, help="per-queue capacity (0 = unbounded)")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              help="a TOML file ([channel], [hooks], [options])")
+@click.option("--collector", help="collector: registered name, module:Class")
+@click.option("--dispatcher", help="dispatcher: registered name, module:Class")
+@click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
+@click.option("--producers", multiple=True, help="producer group names")
+@click.option("--option", "options", multiple=True, help="hook option key=value (JSON values)")
+@click.option("--import", "imports", multiple=True, help="module to import before resolving hooks")
+@click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
+@click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
+@click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
+def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
+           producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
+           **flags: Any) -> None:
+    """Run the broker of channel NAME in the foreground.
+
+    Prints ``ready <address>`` on stdout once bound; logs go to stderr; SIGINT/SIGTERM stop it.
+    """
+    from zchannel.broker.config import build_config
+    from zchannel.broker.server import run_broker
+
+    try:
+        config = build_config(
+            config_file, name=name, consumers=_parse_consumers(consumers),
+            producers=list(producers), options=_parse_options(options), imports=list(imports),
+            **flags,
+        )
+        paths.check_name(config.name)
+        paths.check_bind_address(config.address or "ipc://", False, bool(config.insecure))
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        sys.exit(run_broker(config))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+def _fmt_key(key: Any) -> str:
+    return repr(key) if not isinstance(key, str) else key
+
+
+@main.command()
+@click.argument("target")
+@click.option("--json", "as_json", is_flag=True, help="print the raw stats as JSON")
+@click.option("--timeout", type=float, default=5.0, show_default=True)
+def stat(target: str, as_json: bool, timeout: float) -> None:
+    """Show the state of the broker serving TARGET (a channel name or an address)."""
+    from zchannel.broker import Channel, ChannelNotFound
+
+    try:
+        channel = Channel.connect(target, timeout=timeout)
+    except ChannelNotFound as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    try:
+        stats = channel.stats()
+    finally:
+        channel.close()
+    if as_json:
+        click.echo(json.dumps(stats, default=_jsonable, indent=2, sort_keys=True))
+        return
+    click.echo(f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})")
+    click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
+               f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
+    click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}")
+    if stats.get("collector_stats"):
+        click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")
+    click.echo(f"consumers {', '.join(stats.get('consumers') or []) or '-'}")
+    keys = stats.get("keys") or {}
+    rows = [("key", "depth", "weight", "getters", "putters", "private")]
+    for key, ks in sorted(keys.items(), key=lambda kv: repr(kv[0])):
+        private = " ".join(f"{c}={d}" for c, d in sorted(ks.get("private", {}).items()))
+        rows.append((_fmt_key(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
+                     str(ks["putters"]), private or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value)
+
+
+def _register_optional_commands() -> None:
+    try:
+        from zchannel.cli.bench import bench
+    except ImportError:
+        return
+    main.add_command(bench)
+
+
+_register_optional_commands()
+
+if __name__ == "__main__":
+    main()

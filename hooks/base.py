@@ -1,0 +1,120 @@
+"""Base classes of the two broker hooks and the context they are set up with.
+
+A put runs, inside the broker and serially, ``Collector.collect(item, key)`` and then
+``Dispatcher.route(out_item, out_key)`` for every output.  Hook state therefore needs no locks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+CONSUMER_ID_RE = re.compile(r"^[A-Za-z0-9._-]+:\d+$")
+
+
+def consumer_sort_key(consumer_id: str) -> tuple[str, int]:
+    """Sort key of a consumer id ``"group:rank"``: by group, then by integer rank."""
+    group, _, rank = consumer_id.rpartition(":")
+    return (group, int(rank))
+
+
+def check_consumer_id(consumer_id: object) -> str:
+    """Return ``consumer_id`` if it matches ``group:rank``, else raise ``ValueError``."""
+    if not isinstance(consumer_id, str) or not CONSUMER_ID_RE.match(consumer_id):
+        raise ValueError(
+            f"invalid consumer id {consumer_id!r}: expected 'group:rank' "
+            "(group of [A-Za-z0-9._-], integer rank), e.g. 'actor:0'"
+        )
+    return consumer_id
+
+
+def expand_consumers(consumers: Iterable[str] | Mapping[str, int] | None) -> tuple[str, ...]:
+    """Expand ``consumers=`` (a list of ids or a mapping ``{"actor": 3}``) to sorted ids."""
+    if consumers is None:
+        return ()
+    if isinstance(consumers, Mapping):
+        ids = []
+        for group, count in consumers.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"consumer count for group {group!r} must be an int >= 0")
+            ids.extend(check_consumer_id(f"{group}:{rank}") for rank in range(count))
+    elif isinstance(consumers, str):
+        raise TypeError("consumers= takes a list of ids or a mapping {group: count}, not a str")
+    else:
+        ids = [check_consumer_id(c) for c in consumers]
+    return tuple(sorted(set(ids), key=consumer_sort_key))
+
+
+@dataclass
+class ChannelContext:
+    """What hooks know about their channel.
+
+    ``consumers`` is kept current by the broker as consumers join and leave (sorted by
+    ``(group, int(rank))``); ``options`` is the msgpack-able dict given at creation.
+    """
+
+    name: str
+    maxsize: int = 0
+    producers: tuple[str, ...] = ()
+    consumers: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Collector:
+    """Turns one put into zero or more ``(out_key, out_item)`` or ``(out_key, out_item, weight)``.
+
+    The default collector passes the item through unchanged.  ``collect`` may be a generator.
+    Raising, or yielding anything but a 2- or 3-tuple, fails the put with ``HookError`` and
+    enqueues nothing of it.
+    """
+
+    def setup(self, ctx: ChannelContext) -> None:  # noqa: B027 - optional override
+        """Called once in the broker before any traffic."""
+
+    def collect(self, item: Any, key: Any) -> Iterable[tuple]:
+        yield key, item
+
+    def stats(self) -> dict[str, Any]:
+        """Optional figures shown by ``zchannel stat`` (must be msgpack-able)."""
+        return {}
+
+
+class Dispatcher:
+    """Decides, per output item, whether it stays shared or is dealt to one consumer.
+
+    ``route`` returns ``None`` (shared queue) or a consumer id (that consumer's private queue).
+    A dispatcher that overrides ``route`` is *dealing* (``deals`` is True).
+    """
+
+    #: Whether ``route``/``rebalance`` look at the item.  When False the broker does not
+    #: decode payloads for this dispatcher (the built-ins set it False).
+    needs_item: bool = True
+
+    def setup(self, ctx: ChannelContext) -> None:
+        """Called once in the broker before any traffic; keeps ``ctx`` as ``self.ctx``."""
+        self.ctx = ctx
+
+    def route(self, item: Any, key: Any) -> str | None:
+        return None
+
+    @property
+    def deals(self) -> bool:
+        return type(self).route is not Dispatcher.route
+
+    def observe(self, consumer_id: str) -> None:  # noqa: B027 - optional override
+        """A consumer joined (``ctx.consumers`` already includes it)."""
+
+    def forget(self, consumer_id: str) -> None:  # noqa: B027 - optional override
+        """A consumer left (``ctx.consumers`` no longer includes it)."""
+
+    def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
+        """Name a donor whose oldest item the starved consumer takes, or ``None``."""
+        return None
+
+    def key_dropped(self, key: Any) -> None:  # noqa: B027 - optional override
+        """The broker dropped an idle key: per-key dealing state may be discarded."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,153 @@
+"""Registration and resolution of hooks by name, class, instance or ``"module:ClassName"``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from zchannel.hooks.base import Collector, Dispatcher
+
+ENTRY_POINT_GROUP = "zchannel.hooks"
+
+T = TypeVar("T", bound=type)
+
+_registries: dict[type, dict[str, type]] = {Collector: {}, Dispatcher: {}}
+_entry_points_loaded = False
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _register(base: type, name: str) -> Callable[[T], T]:
+    if not isinstance(name, str) or not name:
+        raise ValueError("a hook name must be a non-empty str")
+    lname = name.lower()
+
+    def decorator(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"{cls!r} is not a subclass of {base.__name__}")
+        registry = _registries[base]
+        taken = registry.get(lname)
+        if taken is not None and _qualified(taken) != _qualified(cls):
+            raise ValueError(
+                f"{base.__name__.lower()} name {lname!r} is already registered to "
+                f"{_qualified(taken)}; register {_qualified(cls)} under another name"
+            )
+        registry[lname] = cls
+        cls.hook_name = lname  # type: ignore[attr-defined]
+        return cls
+
+    return decorator
+
+
+def register_collector(name: str) -> Callable[[T], T]:
+    """Class decorator: register a ``Collector`` subclass under ``name`` (lowercased).
+
+    Registering the same ``module:qualname`` again is a no-op; another class under a taken
+    name is a ``ValueError``.
+    """
+    return _register(Collector, name)
+
+
+def register_dispatcher(name: str) -> Callable[[T], T]:
+    """Class decorator: register a ``Dispatcher`` subclass under ``name`` (lowercased)."""
+    return _register(Dispatcher, name)
+
+
+def registered(base: type) -> dict[str, type]:
+    """A copy of the registry of ``base`` (``Collector`` or ``Dispatcher``)."""
+    return dict(_registries[base])
+
+
+def load_entry_points() -> None:
+    """Import every module published under the ``zchannel.hooks`` entry-point group (once)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception:  # a broken plug-in must not break every channel
+            import logging
+
+            logging.getLogger("zchannel.hooks").warning(
+                "could not load hook entry point %s", ep.value, exc_info=True
+            )
+
+
+def import_path(path: str) -> Any:
+    """Import ``"module:qualname"`` and return the object."""
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"expected 'module:ClassName', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _resolve(base: type, spec: Any) -> Any:
+    kind = base.__name__.lower()
+    if isinstance(spec, base):
+        return spec
+    if isinstance(spec, type):
+        if not issubclass(spec, base):
+            raise TypeError(f"{spec.__qualname__} is not a {base.__name__} subclass")
+        return spec()
+    if isinstance(spec, str):
+        if ":" in spec:
+            obj = import_path(spec)
+            return _resolve(base, obj)
+        lname = spec.lower()
+        registry = _registries[base]
+        if lname not in registry:
+            load_entry_points()
+        if lname not in registry:
+            known = ", ".join(sorted(registry)) or "(none)"
+            raise ValueError(f"unknown {kind} {spec!r}; known {kind}s: {known}")
+        return registry[lname]()
+    raise TypeError(
+        f"a {kind} is given as an instance, a class, 'module:ClassName' or a registered name, "
+        f"not {type(spec).__name__}"
+    )
+
+
+def resolve_collector(spec: Any) -> Collector:
+    """Resolve a collector spec; ``None`` gives the pass-through ``Collector``."""
+    if spec is None:
+        return Collector()
+    return _resolve(Collector, spec)
+
+
+def resolve_dispatcher(spec: Any) -> Dispatcher:
+    """Resolve a dispatcher spec; ``None`` gives the shared (non-dealing) ``Dispatcher``."""
+    if spec is None:
+        return _registries[Dispatcher]["shared"]()
+    return _resolve(Dispatcher, spec)
+
+
+def hook_spec(hook: Any) -> str | None:
+    """A string naming ``hook`` that another process can resolve, or None for the defaults.
+
+    Registered classes give their registered name, other classes ``module:qualname``.
+    """
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        return hook
+    cls = hook if isinstance(hook, type) else type(hook)
+    name = getattr(cls, "hook_name", None)
+    if name and _registries[Collector if issubclass(cls, Collector) else Dispatcher].get(
+        name
+    ) is cls:
+        return name
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise ValueError(
+            f"hook class {cls.__qualname__} must be importable in the broker process: define it "
+            "in a module (not __main__, not inside a function) or register it by name"
+        )
+    return _qualified(cls)

@@ -1,0 +1,144 @@
+"""Shared fixtures: a private run dir per test, channel factories that always clean up, and
+worker processes ended by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from zchannel.broker import Channel
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def run_dir(tmp_path_factory, monkeypatch) -> Iterator[str]:
+    """Each test gets its own ``ZCHANNEL_RUN_DIR`` (short path: ipc paths are limited)."""
+    path = f"/tmp/zct-{uuid.uuid4().hex[:10]}"
+    os.makedirs(path, mode=0o700)
+    monkeypatch.setenv("ZCHANNEL_RUN_DIR", path)
+    monkeypatch.delenv("ZCHANNEL_IDENTITY", raising=False)
+    yield path
+    for name in os.listdir(path):
+        try:
+            os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def channels() -> Iterator[list]:
+    """A list to which tests append channels; each is shut down (or closed) at teardown."""
+    opened: list = []
+    yield opened
+    for ch in reversed(opened):
+        try:
+            if getattr(ch, "_proc", None) is not None or getattr(ch, "_owner", False):
+                ch.shutdown()
+            else:
+                ch.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture(params=["broker", "local"])
+def make(request, channels):
+    """``make(name, **kw)`` creates a channel served by a broker process, or a local one."""
+    local = request.param == "local"
+
+    def factory(name: str = "ch", **kwargs):
+        ch = Channel.create(name, local=local, **kwargs)
+        channels.append(ch)
+        return ch
+
+    factory.local = local
+    return factory
+
+
+@pytest.fixture
+def make_remote(channels):
+    def factory(name: str = "ch", **kwargs):
+        ch = Channel.create(name, **kwargs)
+        channels.append(ch)
+        return ch
+
+    return factory
+
+
+class Workers:
+    """Python worker processes started from source text; all killed by PID at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.path.join(REPO, "tests"), full_env.get("PYTHONPATH")) if p
+        )
+        full_env.update(env or {})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            env=full_env,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def wait_line(self, proc: subprocess.Popen, expected: str | None = None, timeout: float = 60) -> str:
+        """Read one line of the worker's stdout (a readiness handshake), with a timeout."""
+        import select
+
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"worker {proc.pid} printed nothing within {timeout}s")
+        line = proc.stdout.readline().strip()
+        if expected is not None:
+            assert line == expected, f"worker said {line!r}, expected {expected!r}"
+        return line
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 60) -> str:
+        out, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}: {out}"
+        return out
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for stream in (proc.stdout, proc.stdin):
+                if stream:
+                    stream.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    yield w
+    w.kill_all()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

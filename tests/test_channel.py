@@ -1,0 +1,369 @@
+"""Channel semantics (spec §3-§4), each against a broker process and against a local channel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from zchannel.broker import DEFAULT_KEY, Channel, Delivery, Work
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_put_get_default_key(make):
+    ch = make()
+    assert ch.put("a") is None
+    assert ch.qsize() == 1 and ch.qsize(DEFAULT_KEY) == 1
+    assert not ch.empty()
+    assert ch.get() == "a"
+    assert ch.empty()
+
+
+def test_operations_table(make):
+    ch = make(maxsize=2)
+    assert ch.qsize("missing") == 0 and ch.empty("missing") and not ch.full("missing")
+    ch.put_nowait(1, key="k")
+    ch.put(2, key="k", weight=5)
+    assert ch.full("k")
+    with pytest.raises(asyncio.QueueFull):
+        ch.put_nowait(3, key="k")
+    assert ch.qsize("k") == 2  # the failed put_nowait enqueued nothing
+    with pytest.raises(TimeoutError):
+        ch.put(3, key="k", timeout=0.1)
+    assert ch.qsize("k") == 2
+    stats = ch.stats()
+    assert stats["keys"]["k"]["depth"] == 2
+    assert stats["keys"]["k"]["weight"] == 5
+    assert ch.get_nowait("k") == 1
+    assert ch.get("k", timeout=1) == 2
+    with pytest.raises(asyncio.QueueEmpty):
+        ch.get_nowait("k")
+    with pytest.raises(TimeoutError):
+        ch.get("k", timeout=0.1)
+
+
+def test_async_put_order(make):
+    ch = make()
+    works = [ch.put(i, async_op=True) for i in range(1000)]
+    assert all(isinstance(w, Work) for w in works)
+    for w in works:
+        assert w.wait(timeout=30) is None
+    assert [ch.get() for _ in range(1000)] == list(range(1000))
+
+
+def test_thousand_keys(make):
+    ch = make()
+    works = [ch.put(("k", i), key=("k", i), async_op=True) for i in range(1000)]
+    for w in works:
+        w.wait(timeout=30)
+    gets = [ch.get(key=("k", i), async_op=True) for i in reversed(range(1000))]
+    assert [g.wait(timeout=30) for g in gets] == [("k", i) for i in reversed(range(1000))]
+    assert ch.stats()["keys"][("k", 7)]["depth"] == 0
+
+
+def test_key_types(make):
+    ch = make()
+    for key in ["s", 3, b"b", ("t", 1, b"x"), -5]:
+        ch.put(key, key=key)
+        assert ch.get(key=key) == key
+    for bad in [True, 1.5, ["list"], None]:
+        with pytest.raises((TypeError, ValueError)):
+            ch.put(1, key=bad)
+
+
+def test_pending_get_does_not_swallow_other_reply(make):
+    ch = make()
+    waiting = ch.get(key="empty", async_op=True)
+    ch.put("x", key="other")
+    assert ch.get(key="other", timeout=5) == "x"
+    assert not waiting.done()
+    ch.put("late", key="empty")
+    assert waiting.wait(timeout=5) == "late"
+
+
+def test_blocking_put_unblocks_after_get(make):
+    ch = make(maxsize=1)
+    ch.put("first")
+    second = ch.put("second", async_op=True)
+    with pytest.raises(TimeoutError):
+        second.wait(timeout=0.2)  # still pending: the queue is full
+    assert not second.done()
+    assert ch.get() == "first"
+    second.wait(timeout=5)
+    assert ch.get() == "second"
+
+
+def test_full_key_never_blocks_another_key(make):
+    ch = make(maxsize=1)
+    ch.put(1, key="a")
+    blocked = ch.put(2, key="a", async_op=True)
+    ch.put(3, key="b", timeout=5)
+    assert ch.get(key="b", timeout=5) == 3
+    assert not blocked.done()
+    assert ch.get(key="a") == 1
+    blocked.wait(timeout=5)
+
+
+@pytest.mark.parametrize(
+    "weights,target,expected",
+    [
+        ([1, 2, 3], 3, [[0, 1], [2]]),  # spec example: target 3 -> first two; then [3] alone
+        ([5, 1], 3, [[0], [1]]),  # an overweight head comes alone
+        ([1, 2, 0, 0, 1], 3, [[0, 1, 2, 3], [4]]),  # weight-0 items ride along
+    ],
+)
+def test_get_batch(make, weights, target, expected):
+    ch = make()
+    for i, w in enumerate(weights):
+        ch.put(i, weight=w)
+    got = [ch.get_batch(target, timeout=5) for _ in expected[:1]]
+    if len(expected) > 1:
+        got.append(ch.get_batch(expected and 2 if weights == [1, 2, 3] else target, timeout=0.3))
+    assert got == expected
+
+
+def test_get_batch_timeouts(make):
+    ch = make()
+    with pytest.raises(TimeoutError):
+        ch.get_batch(3, timeout=0.1)  # nothing at all
+    ch.put("a", weight=1)
+    assert ch.get_batch(3, timeout=0.2) == ["a"]  # partial batch on timeout
+    with pytest.raises(ValueError):
+        ch.get_batch(0)
+
+
+def test_get_batch_keeps_its_place(make):
+    ch = make()
+    batch = ch.get_batch(4, async_op=True)
+    later = ch.get(async_op=True)
+    ch.put("x", weight=1)
+    ch.put("y", weight=3)
+    assert batch.wait(timeout=5) == ["x", "y"]
+    assert not later.done()
+    ch.put("z")
+    assert later.wait(timeout=5) == "z"
+
+
+def test_timed_out_get_leaves_queue_untouched(make):
+    ch = make()
+    with pytest.raises(TimeoutError):
+        ch.get(timeout=0.1)
+    ch.put("kept")
+    assert ch.qsize() == 1
+    assert ch.get() == "kept"
+
+
+def test_bad_arguments(make):
+    ch = make()
+    with pytest.raises(ValueError):
+        ch.put(1, weight=-1)
+    with pytest.raises(ValueError):
+        ch.put(1, weight=True)
+    with pytest.raises(ValueError):
+        ch.get(timeout=-1)
+    with pytest.raises(ValueError):
+        Channel.create("bad name!")
+    with pytest.raises(ValueError):
+        Channel.create("x" * 65)
+
+
+def _roundtrip_values():
+    from payloads import Sample
+
+    return [
+        "str",
+        b"bytes",
+        None,
+        True,
+        3.5,
+        -(2**62),
+        [1, (2, (3, "x")), {"a": [None, b"z"]}],
+        {"nested": {"t": (1, 2)}, 5: "int key"},
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        [torch.ones(3), torch.zeros(2, 2, dtype=torch.int64)],
+        {"a": torch.ones(2, dtype=torch.bfloat16), "b": torch.tensor([True, False])},
+        Sample(torch.arange(5), ["x", torch.ones(2)], {"t": torch.zeros(1)}),
+        torch.arange(20, dtype=torch.float16).reshape(4, 5).t(),  # non-contiguous
+        torch.tensor(7.0),  # 0-d
+        torch.zeros(0, 3),  # empty
+        torch.ones(300, 300, dtype=torch.bfloat16),  # its own frame
+        torch.randn(200, 100)[:, ::3],  # strided slice of a large tensor
+        torch.tensor([1 + 2j], dtype=torch.complex64),
+        np.arange(10, dtype=np.int16),
+        np.ones((256, 256), dtype=np.float32),  # its own frame
+        np.float32(2.5),
+        np.array([True, False]),
+        bytes(range(256)) * 300,  # large bytes travel as a buffer
+    ]
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous(), b)
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(
+            _equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__
+        )
+    return type(a) is type(b) and a == b
+
+
+def test_roundtrip_values(make):
+    ch = make()
+    values = _roundtrip_values()
+    for i, value in enumerate(values):
+        ch.put(value, key=i)
+    for i, value in enumerate(values):
+        got = ch.get(key=i, timeout=10)
+        assert _equal(value, got), (i, value, got)
+
+
+def test_received_tensors_are_writable_views(make_remote):
+    ch = make_remote()
+    ch.put(torch.zeros(100_000))
+    got = ch.get()
+    got += 1  # writable: the receive buffer belongs to this process
+    assert float(got.sum()) == 100_000
+    ch.put(torch.ones(4))
+    copied = ch.get(copy=True)
+    assert torch.equal(copied, torch.ones(4))
+
+
+def test_unregistered_dataclass_is_type_error(make_remote):
+    from payloads import Unregistered
+
+    ch = make_remote()
+    with pytest.raises(TypeError, match="serializable"):
+        ch.put(Unregistered())
+    with pytest.raises(TypeError):
+        ch.put(object())
+    with pytest.raises(TypeError):
+        ch.put(np.array(["a"], dtype=object))
+    assert ch.qsize() == 0
+
+
+def test_three_threads_share_one_handle(make):
+    ch = make()
+    errors = []
+
+    def producer(tid: int) -> None:
+        try:
+            for i in range(200):
+                ch.put((tid, i), key=tid)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    for tid in range(3):
+        assert [ch.get(key=tid) for _ in range(200)] == [(tid, i) for i in range(200)]
+
+
+def test_asyncio_consumer_keeps_loop_running(make):
+    ch = make()
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(ticker())
+        work = ch.get(async_op=True)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, lambda: ch.put("hello", async_op=True))
+        value = await work
+        stop.set()
+        await task
+        also = ch.put("again", async_op=True)
+        await also.async_wait()
+        return value, ticks, ch.get()
+
+    value, ticks, again = asyncio.run(main())
+    assert value == "hello" and again == "again"
+    assert ticks >= 5  # the loop ran while the get was pending
+
+
+def test_cancelling_await_does_not_cancel_operation(make):
+    ch = make()
+
+    async def main():
+        work = ch.get(async_op=True)
+        task = asyncio.ensure_future(work.async_wait())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ch.put("still delivered")
+        return await work
+
+    assert asyncio.run(main()) == "still delivered"
+
+
+def test_work_cancel(make):
+    ch = make()
+    pending = ch.get(async_op=True)
+    assert pending.cancel() is True
+    ch.put("x")
+    assert ch.get(timeout=5) == "x"  # the cancelled get did not swallow it
+    done = ch.put("y", async_op=True)
+    done.wait(timeout=5)
+    assert done.cancel() is False
+
+
+def test_ack_redelivers_unacknowledged(make):
+    ch = make(lease_timeout=0.3)
+    ch.put("a")
+    first = ch.get(ack=True)
+    assert isinstance(first, Delivery) and first.item == "a"
+    assert ch.stats()["leases"] == 1
+    # not acknowledged: after the lease it is delivered again (the waiting get receives it)
+    again = ch.get(ack=True, timeout=5)
+    assert again.item == "a" and again.lease_id != first.lease_id
+    ch.ack(again)
+    assert ch.stats()["leases"] == 0
+    ch.put("b")
+    assert ch.get(timeout=5) == "b"
+    with pytest.raises(ValueError):
+        ch.ack(again)  # already acknowledged
+
+
+def test_connect_and_identity(make):
+    ch = make()
+    other = Channel.connect("ch", identity="actor:0")
+    try:
+        assert other.identity == "actor:0"
+        other.put("via other")
+        assert ch.get() == "via other"
+    finally:
+        other.close()
+    with pytest.raises(ValueError):
+        Channel.connect("ch", identity="bad id")
+
+
+def test_context_manager_closes(make):
+    with make("ctx") as ch:
+        ch.put(1)
+        assert ch.get() == 1
