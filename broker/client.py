@@ -29,7 +29,7 @@ from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
 from zchannel.broker.work import Delivery, Work
-from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec
+from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec, registered
 
 log = logging.getLogger("zchannel.client")
 
@@ -39,8 +39,12 @@ START_TIMEOUT_S = 60.0
 _open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
 
 
-def _hook_for_child(hook: Any) -> Any:
-    """A hook as the broker child receives it: a name/path, or an instance's class and state."""
+def _hook_for_child(hook: Any, imports: list[str]) -> Any:
+    """A hook as the broker child receives it: a name/path, or an instance's class and state.
+
+    Modules of hook classes registered in this process are added to ``imports`` so that the
+    child knows their registered names too.
+    """
     if isinstance(hook, (Collector, Dispatcher)):
         state = dict(vars(hook))
         try:
@@ -53,6 +57,14 @@ def _hook_for_child(hook: Any) -> Any:
         cls = type(hook)
         hook_spec(cls)  # raises for classes the broker process cannot import
         return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+    if isinstance(hook, str) and ":" not in hook:
+        for base in (Collector, Dispatcher):
+            cls = registered(base).get(hook.lower())
+            if cls is not None and not cls.__module__.startswith("zchannel."):
+                imports.append(cls.__module__)
+        return hook
+    if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
+        imports.append(hook.__module__)
     return hook_spec(hook)
 
 
@@ -130,12 +142,14 @@ class Channel:
             log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
         address = address or paths.default_address(name)
         paths.check_bind_address(address, secure=curve_keys is not None, insecure=insecure)
+        imports: list[str] = []
         config = {
             "name": name, "address": address, "maxsize": maxsize,
-            "collector": _hook_for_child(collector), "dispatcher": _hook_for_child(dispatcher),
+            "collector": _hook_for_child(collector, imports),
+            "dispatcher": _hook_for_child(dispatcher, imports),
             "producers": list(producers or ()), "consumers": declared,
             "options": dict(options or {}), "lease_timeout": float(lease_timeout),
-            "insecure": bool(insecure),
+            "insecure": bool(insecure), "imports": sorted(set(imports)),
         }
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from zchannel.broker import Channel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +23,10 @@ def run_dir(tmp_path_factory, monkeypatch) -> Iterator[str]:
     path = f"/tmp/zct-{uuid.uuid4().hex[:10]}"
     os.makedirs(path, mode=0o700)
     monkeypatch.setenv("ZCHANNEL_RUN_DIR", path)
+    # broker children import the tests' hook modules (hookmods, payloads)
+    tests_dir = os.path.join(REPO, "tests")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.delenv("ZCHANNEL_IDENTITY", raising=False)
     yield path
     for name in os.listdir(path):
@@ -93,7 +96,7 @@ class Workers:
             stdout=subprocess.PIPE,
             stdin=subprocess.PIPE,
             env=full_env,
-            text=True,
+            bufsize=0,  # unbuffered: readline() never reads past the line it returns
         )
         self.procs.append(proc)
         return proc
@@ -105,15 +108,21 @@ class Workers:
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:
             raise TimeoutError(f"worker {proc.pid} printed nothing within {timeout}s")
-        line = proc.stdout.readline().strip()
+        line = proc.stdout.readline().decode().strip()
         if expected is not None:
             assert line == expected, f"worker said {line!r}, expected {expected!r}"
         return line
 
     def finish(self, proc: subprocess.Popen, timeout: float = 60) -> str:
         out, _ = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}: {out}"
-        return out
+        text = out.decode()
+        assert proc.returncode == 0, f"worker {proc.pid} exited with {proc.returncode}: {text}"
+        return text
+
+    @staticmethod
+    def send(proc: subprocess.Popen, line: str = "") -> None:
+        proc.stdin.write((line + "\n").encode())
+        proc.stdin.flush()
 
     def kill_all(self) -> None:
         for proc in self.procs:

@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from zchannel.broker import DEFAULT_KEY, Channel, Delivery, Work
 
 pytestmark = pytest.mark.timeout(60)

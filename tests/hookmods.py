@@ -1,0 +1,103 @@
+"""Hooks used by the tests; importable in broker processes (tests/ is on PYTHONPATH there)."""
+
+from __future__ import annotations
+
+import os
+
+from zchannel.hooks import Collector, Dispatcher, register_collector, register_dispatcher
+
+
+# The seed document's two example classes, registered under names of their own
+# ("flatten_batch" is taken by the built-in).
+@register_collector("seed_flatten")
+class FlattenBatchCollector(Collector):
+    """Emit each sample in an incoming batch as one queue item."""
+
+    def collect(self, item, key):
+        for sample in item:
+            yield key, sample
+
+
+@register_dispatcher("even")
+class EvenDispatcher(Dispatcher):
+    """Assign items to consumers in a fixed rotation."""
+
+    def setup(self, ctx):
+        self.consumers = sorted(ctx.consumers)
+        self.next_consumer = 0
+
+    def route(self, item, key):
+        if not self.consumers:
+            return None
+        consumer = self.consumers[self.next_consumer % len(self.consumers)]
+        self.next_consumer += 1
+        return consumer
+
+
+class Raising(Collector):
+    def collect(self, item, key):
+        if item == "boom":
+            raise RuntimeError("collector exploded")
+        yield key, item
+
+
+class BadYield(Collector):
+    def collect(self, item, key):
+        if item == "bad":
+            yield "just a key"
+            return
+        yield key, item
+
+
+class PartialThenRaise(Collector):
+    """Yields one output, then fails: nothing of the put may be enqueued."""
+
+    def collect(self, item, key):
+        yield key, "first half"
+        if item == "fail":
+            raise ValueError("second half failed")
+        yield key, item
+
+
+class Rekey(Collector):
+    """Drops items that are None, re-keys ints by parity, weights strings by their length."""
+
+    def collect(self, item, key):
+        if item is None:
+            return
+        if isinstance(item, int):
+            yield ("even" if item % 2 == 0 else "odd"), item
+        else:
+            yield key, item, len(item)
+
+
+class Scaled(Collector):
+    """An instance with state handed to the broker at creation."""
+
+    def __init__(self, factor: int = 1) -> None:
+        self.factor = factor
+
+    def collect(self, item, key):
+        yield key, item * self.factor
+
+
+class EchoOptions(Collector):
+    def setup(self, ctx):
+        self.ctx = ctx
+
+    def collect(self, item, key):
+        yield key, {"options": dict(self.ctx.options), "producers": list(self.ctx.producers),
+                    "consumers": list(self.ctx.consumers), "pid": os.getpid()}
+
+
+class HalfTensor(Collector):
+    """Yields views of the received tensor: they must travel on without a copy."""
+
+    def collect(self, item, key):
+        n = item.shape[0] // 2
+        yield key, item[:n]
+        yield key, item[n:]
+
+
+class NotAHook:
+    pass

@@ -1,0 +1,372 @@
+"""Collector -> Dispatcher pipeline (spec §5): resolution, hooks in the broker, dealing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from zchannel.broker import Channel, HookError
+from zchannel.hooks import (
+    ChannelContext,
+    Collector,
+    register_collector,
+    register_dispatcher,
+    resolve_collector,
+    resolve_dispatcher,
+)
+from zchannel.hooks.builtin import (
+    FlattenBatch,
+    LeastLoadedDispatcher,
+    LeastLoadedStealingDispatcher,
+    RoundRobinDispatcher,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+SAMPLES = ["s0", "s1", "s2", "s3", "s4", "s5"]
+EXPECTED = {"actor:0": ["s0", "s3"], "actor:1": ["s1", "s4"], "actor:2": ["s2", "s5"]}
+
+
+# -- resolution ---------------------------------------------------------------------------------
+
+
+def test_resolution_forms():
+    import hookmods
+
+    assert isinstance(resolve_collector("flatten_batch"), FlattenBatch)
+    assert isinstance(resolve_collector("FLATTEN_BATCH"), FlattenBatch)  # case-insensitive
+    assert isinstance(resolve_collector(FlattenBatch), FlattenBatch)
+    inst = FlattenBatch()
+    assert resolve_collector(inst) is inst
+    assert isinstance(resolve_collector("hookmods:Rekey"), hookmods.Rekey)
+    assert isinstance(resolve_dispatcher("round_robin"), RoundRobinDispatcher)
+    assert isinstance(resolve_dispatcher("even"), hookmods.EvenDispatcher)
+    assert not resolve_dispatcher(None).deals and not resolve_dispatcher("shared").deals
+    assert resolve_dispatcher("least_loaded").deals
+    with pytest.raises(ValueError, match="flatten_batch"):  # unknown names list the known ones
+        resolve_collector("no_such_collector")
+    with pytest.raises(TypeError):
+        resolve_collector(RoundRobinDispatcher)  # wrong base
+    with pytest.raises(TypeError):
+        resolve_dispatcher("hookmods:NotAHook")
+    with pytest.raises(TypeError):
+        resolve_collector(42)
+
+
+def test_registration_rules():
+    @register_collector("Test_Dup_Name")
+    class One(Collector):
+        pass
+
+    register_collector("test_dup_name")(One)  # the same class again: a no-op
+    assert isinstance(resolve_collector("test_dup_name"), One)
+
+    class Other(Collector):
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_collector("test_dup_name")(Other)
+    with pytest.raises(TypeError):
+        register_dispatcher("not_a_dispatcher")(One)
+
+
+def test_entry_point_plugin_is_found():
+    # setup.cfg publishes zchannel.embodied's hooks under the zchannel.hooks entry-point group
+    pytest.importorskip("zchannel.embodied.collector")
+    assert resolve_dispatcher("embodied_trajectory").deals
+
+
+# -- dispatcher rules (pure) ----------------------------------------------------------------------
+
+
+def _ctx(consumers):
+    return ChannelContext(name="t", consumers=tuple(consumers))
+
+
+def test_round_robin_order_and_per_key_state():
+    d = RoundRobinDispatcher()
+    d.setup(_ctx(["actor:0", "actor:1", "actor:2", "actor:10"]))  # (group, int(rank)) order
+    assert [d.route(None, "a") for _ in range(5)] == [
+        "actor:0", "actor:1", "actor:2", "actor:10", "actor:0"]
+    # per-key: another key starts its own rotation
+    assert d.route(None, "b") == "actor:0"
+    assert d.route(None, "a") == "actor:1"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_consumers=st.integers(1, 6),
+    events=st.lists(st.one_of(st.just("item"), st.just("join"), st.just("leave")), max_size=80),
+)
+def test_round_robin_counts_differ_by_at_most_one(n_consumers, events):
+    present = [f"w:{i}" for i in range(n_consumers)]
+    ctx = _ctx(present)
+    d = RoundRobinDispatcher()
+    d.setup(ctx)
+    throughout = set(present)
+    counts: dict[str, int] = {}
+    next_id = n_consumers
+    for event in events:
+        if event == "join":
+            present.append(f"w:{next_id}")
+            next_id += 1
+        elif event == "leave" and len(present) > 1:
+            gone = present.pop(0)
+            throughout.discard(gone)
+        else:
+            target = d.route(None, "k")
+            counts[target] = counts.get(target, 0) + 1
+            continue
+        ctx.consumers = tuple(sorted(present, key=lambda c: int(c.split(":")[1])))
+    dealt = [counts.get(c, 0) for c in throughout]
+    if dealt:
+        assert max(dealt) - min(dealt) <= 1
+
+
+def test_least_loaded_and_stealing_rules():
+    d = LeastLoadedDispatcher()
+    ctx = _ctx(["a:0", "a:1"])
+    d.setup(ctx)
+    assert [d.route(None, "k") for _ in range(3)] == ["a:0", "a:1", "a:0"]
+    ctx.consumers = ("a:0", "a:1", "a:2")  # a newcomer gets items until it catches up
+    assert [d.route(None, "k") for _ in range(3)] == ["a:2", "a:1", "a:2"]
+    assert d.route(None, "other") == "a:0"
+    s = LeastLoadedStealingDispatcher()
+    s.setup(ctx)
+    assert s.rebalance("k", "a:0", {"a:0": 0, "a:1": 2, "a:2": 2}) == "a:1"  # ties -> first id
+    assert s.rebalance("k", "a:0", {"a:0": 0, "a:1": 0}) is None
+
+
+# -- through a broker ---------------------------------------------------------------------------
+
+
+def _consumer_code() -> str:
+    return """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1], identity=sys.argv[2])
+        print("ready", flush=True)
+        n = int(sys.argv[3])
+        print(" ".join(str(ch.get(timeout=30)) for _ in range(n)), flush=True)
+        ch.close()
+    """
+
+
+@pytest.mark.parametrize(
+    "collector,dispatcher",
+    [("flatten_batch", "round_robin"), ("seed_flatten", "even"),
+     ("hookmods:FlattenBatchCollector", "hookmods:EvenDispatcher")],
+)
+def test_seed_example_three_consumer_processes(workers, channels, collector, dispatcher):
+    ch = Channel.create("samples", collector=collector, dispatcher=dispatcher,
+                        producers=["rollout"], consumers={"actor": 3})
+    channels.append(ch)
+    ch.put(SAMPLES)  # dealt before any consumer connects: declared consumers exist from creation
+    assert ch.stats()["keys"]["default_queue"]["private"] == {c: 2 for c in EXPECTED}
+    procs = {c: workers.start(_consumer_code(), ch.address, c, "2") for c in EXPECTED}
+    for consumer, proc in procs.items():
+        workers.wait_line(proc, "ready")
+    for consumer, proc in procs.items():
+        assert workers.finish(proc).split() == EXPECTED[consumer]
+
+
+def test_seed_example_local(channels):
+    ch = Channel.create("samples", local=True, collector=FlattenBatch, dispatcher="round_robin",
+                        consumers={"actor": 3})
+    channels.append(ch)
+    ch.put(SAMPLES)
+    for consumer, expected in EXPECTED.items():
+        handle = Channel.connect("samples", identity=consumer)
+        assert [handle.get(timeout=5), handle.get(timeout=5)] == expected
+        handle.close()
+
+
+def test_hook_instance_and_context(make):
+    import hookmods
+
+    ch = make("inst", collector=hookmods.Scaled(3))
+    ch.put(5)
+    assert ch.get(timeout=5) == 15
+    ch2 = make("ctxt", collector="hookmods:EchoOptions", producers=["rollout"],
+               consumers=["actor:1", "actor:0"], options={"alpha": 0.5, "mode": "x"})
+    ch2.put("anything")
+    seen = ch2.get(timeout=5)
+    assert seen["options"] == {"alpha": 0.5, "mode": "x"}
+    assert seen["producers"] == ["rollout"]
+    assert seen["consumers"] == ["actor:0", "actor:1"]
+    if not make.local:
+        assert seen["pid"] != os.getpid()  # the hook ran in the broker
+
+
+def test_failing_hooks_reach_the_putter(make):
+    ch = make("raising", collector="hookmods:Raising")
+    with pytest.raises(HookError) as info:
+        ch.put("boom")
+    assert info.value.exc_type == "RuntimeError"
+    assert "collector exploded" in str(info.value)
+    assert "Traceback" in info.value.remote_traceback
+    ch.put("fine")
+    assert ch.get(timeout=5) == "fine"
+
+    bad = make("badyield", collector="hookmods:BadYield")
+    with pytest.raises(HookError) as info:
+        bad.put("bad")
+    assert info.value.exc_type == "TypeError"
+    bad.put("ok")
+    assert bad.get(timeout=5) == "ok"
+
+    partial = make("partial", collector="hookmods:PartialThenRaise")
+    with pytest.raises(HookError, match="second half failed"):
+        partial.put("fail")
+    assert partial.qsize() == 0  # nothing of the failed put was enqueued
+    partial.put("x")
+    assert [partial.get(timeout=5), partial.get(timeout=5)] == ["first half", "x"]
+
+
+def test_collector_drops_and_rekeys(make):
+    ch = make("rekey", collector="hookmods:Rekey")
+    for item in [1, 2, None, 3, "abc"]:
+        ch.put(item)
+    assert [ch.get("odd", timeout=5), ch.get("odd", timeout=5)] == [1, 3]
+    assert ch.get("even", timeout=5) == 2
+    assert ch.stats()["keys"]["default_queue"]["weight"] == 3  # weight from the 3-tuple
+    assert ch.get(timeout=5) == "abc"
+    assert ch.qsize() == 0  # None was dropped
+
+
+def test_collector_outputs_views_of_received_tensors(make_remote):
+    ch = make_remote("views", collector="hookmods:HalfTensor")
+    t = torch.arange(100_000, dtype=torch.float32)
+    ch.put(t)
+    a, b = ch.get(timeout=5), ch.get(timeout=5)
+    assert torch.equal(a, t[:50_000]) and torch.equal(b, t[50_000:])
+
+
+def test_items_routed_before_any_consumer_go_to_first_asker(make):
+    ch = make("early", dispatcher="round_robin")
+    ch.put("early bird")  # no consumers exist: the item stays shared
+    late = Channel.connect("early", identity="late:0")
+    try:
+        assert late.get(timeout=5) == "early bird"
+    finally:
+        late.close()
+
+
+def test_get_without_identity_on_dealing_channel(make):
+    ch = make("needsid", dispatcher="round_robin", consumers={"actor": 1})
+    with pytest.raises(ValueError, match="identity"):
+        ch.get(timeout=1)
+
+
+def test_private_maxsize_and_multi_output_put(make):
+    ch = make("privmax", maxsize=2, collector="flatten_batch", dispatcher="round_robin",
+              consumers={"actor": 2})
+    ch.put([1, 2, 3, 4])  # two items to each consumer: both private queues are at maxsize
+    assert ch.full(consumer="actor:0") and ch.full(consumer="actor:1")
+    assert ch.qsize() == 4 and ch.qsize(consumer="actor:0") == 2
+    blocked = ch.put([5, 6], async_op=True)  # one output to each: waits for both queues
+    a0 = Channel.connect("privmax", identity="actor:0")
+    a1 = Channel.connect("privmax", identity="actor:1")
+    try:
+        assert a0.get(timeout=5) == 1
+        with pytest.raises(TimeoutError):
+            blocked.wait(timeout=0.3)  # actor:1's queue is still full
+        assert a1.get(timeout=5) == 2
+        blocked.wait(timeout=5)  # completes after its last output was admitted
+        assert [a0.get(timeout=5), a0.get(timeout=5)] == [3, 5]
+        assert [a1.get(timeout=5), a1.get(timeout=5)] == [4, 6]
+    finally:
+        a0.close()
+        a1.close()
+
+
+def test_per_key_dealing_state(make):
+    ch = make("perkey", dispatcher="round_robin", consumers={"w": 2})
+    ch.put("a0", key="a")
+    ch.put("b0", key="b")
+    ch.put("a1", key="a")
+    assert ch.stats()["keys"]["a"]["private"] == {"w:0": 1, "w:1": 1}
+    assert ch.stats()["keys"]["b"]["private"] == {"w:0": 1}
+
+
+def test_stealing_idle_consumer_drains_blocked_peer(workers, channels):
+    ch = Channel.create("steal", dispatcher="least_loaded_stealing", consumers={"w": 2})
+    channels.append(ch)
+    # w:0 takes one item and then "works" for a long time without asking again
+    slow = workers.start(
+        """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1], identity="w:0")
+        print("got", ch.get(timeout=30), flush=True)
+        sys.stdin.readline()
+        """,
+        ch.address,
+    )
+    ch.put(0)
+    assert workers.wait_line(slow) == "got 0"
+    fast = Channel.connect("steal", identity="w:1")
+    try:
+        waiting = fast.get(async_op=True)
+        fast.qsize()  # the get is parked once this answers
+        for i in range(1, 9):  # dealt alternately, half of them to the busy w:0
+            ch.put(i)
+        got = [waiting.wait(timeout=5)] + [fast.get(timeout=5) for _ in range(7)]
+        assert sorted(got) == list(range(1, 9))
+        assert ch.qsize() == 0
+    finally:
+        fast.close()
+        workers.send(slow)
+
+
+def test_killed_consumer_items_are_redealt_exactly_once(workers, channels):
+    ch = Channel.create("redeal", dispatcher="round_robin", consumers={"w": 3})
+    channels.append(ch)
+    victim = workers.start(
+        """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1], identity="w:0")
+        print("got", ch.get(timeout=30), flush=True)
+        sys.stdin.readline()
+        """,
+        ch.address,
+    )
+    for i in range(12):
+        ch.put(i)
+    assert workers.wait_line(victim) == "got 0"  # w:0 took item 0; 3, 6, 9 wait for it
+    assert ch.stats()["keys"]["default_queue"]["private"]["w:0"] == 3
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    deadline = time.monotonic() + 10
+    while "w:0" in ch.stats()["consumers"]:
+        assert time.monotonic() < deadline, "the dead consumer never left"
+        time.sleep(0.1)
+    survivors = [Channel.connect("redeal", identity=f"w:{i}") for i in (1, 2)]
+    try:
+        got = []
+        for handle in survivors:
+            while True:
+                try:
+                    got.append(handle.get_nowait())
+                except Exception:
+                    break
+        assert sorted(got) == list(range(1, 12))  # all but the delivered item 0, exactly once
+    finally:
+        for handle in survivors:
+            handle.close()
+
+
+def test_stat_shows_consumers_and_hooks(make_remote):
+    ch = make_remote("statme", collector="flatten_batch", dispatcher="round_robin",
+                     consumers={"actor": 2})
+    ch.put([1, 2, 3])
+    stats = ch.stats()
+    assert stats["collector"] == "flatten_batch" and stats["dispatcher"] == "round_robin"
+    assert stats["consumers"] == ["actor:0", "actor:1"]
+    assert stats["keys"]["default_queue"]["private"] == {"actor:0": 2, "actor:1": 1}

@@ -1,0 +1,333 @@
+"""Broker lifetime and multi-process behaviour: real brokers, real worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from conftest import pid_alive
+from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
+from zchannel.broker.protocol import pack_header
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _wait_dead(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_connect_to_nothing_is_quick():
+    for target in ("nothing-here", "ipc:///tmp/zchannel-no-such.sock", "tcp://127.0.0.1:9"):
+        start = time.monotonic()
+        with pytest.raises(ChannelNotFound):
+            Channel.connect(target, timeout=5)
+        assert time.monotonic() - start < 2.5, target
+
+
+def test_create_twice_gives_one_broker(channels):
+    a = Channel.create("twice", maxsize=3)
+    channels.append(a)
+    b = Channel.create("twice", maxsize=5)  # connects; the running broker's settings win
+    channels.append(b)
+    assert a.stats()["pid"] == b.stats()["pid"]
+    assert b.stats()["maxsize"] == 3
+    with pytest.raises(PermissionError):
+        b.shutdown()
+    b.put("from b")
+    assert a.get(timeout=5) == "from b"
+
+
+def test_create_from_two_processes_at_once(workers, channels):
+    code = """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.create("race")
+        print(ch.stats()["pid"], flush=True)
+        sys.stdin.readline()
+    """
+    procs = [workers.start(code) for _ in range(2)]
+    pids = [workers.wait_line(p) for p in procs]
+    assert pids[0] == pids[1]
+    for p in procs:
+        workers.send(p)
+
+
+def test_producer_and_consumer_processes_over_tcp(workers, channels):
+    ch = Channel.create("tcpchan", address="tcp://127.0.0.1:0")
+    channels.append(ch)
+    assert ch.address.startswith("tcp://127.0.0.1:") and not ch.address.endswith(":0")
+    producer = workers.start(
+        """
+        import sys, torch
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1])
+        for i in range(200):
+            ch.put({"i": i, "t": torch.full((1000,), float(i))}, key="work", async_op=(i % 2 == 0))
+        ch.close()
+        print("done", flush=True)
+        """,
+        ch.address,
+    )
+    consumer = workers.start(
+        """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1])
+        total = 0
+        for i in range(200):
+            item = ch.get(key="work", timeout=30)
+            assert item["i"] == i and float(item["t"][0]) == i, (i, item["i"])
+            total += int(item["t"].sum())
+        print(total, flush=True)
+        """,
+        ch.address,
+    )
+    assert workers.finish(producer).strip() == "done"
+    assert int(workers.finish(consumer).strip()) == sum(i * 1000 for i in range(200))
+    # connect(name) also finds a tcp broker on this host through the .addr file
+    again = Channel.connect("tcpchan")
+    channels.append(again)
+    assert again.address == ch.address
+
+
+def test_sigkill_broker_while_get_waits(channels):
+    ch = Channel.create("killme")
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    work = ch.get(async_op=True)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        work.wait(timeout=15)
+    assert time.monotonic() - start < 6  # a few heartbeat intervals, never a hang
+    with pytest.raises(BrokerUnavailable):
+        ch.put("while down")
+
+
+def test_broker_dies_with_its_creator(workers):
+    creator = workers.start(
+        """
+        from zchannel.broker import Channel
+        ch = Channel.create("orphan")
+        print(ch.stats()["pid"], flush=True)
+        import time
+        time.sleep(600)
+        """
+    )
+    broker_pid = int(workers.wait_line(creator))
+    assert pid_alive(broker_pid)
+    os.kill(creator.pid, signal.SIGKILL)
+    creator.wait()
+    assert _wait_dead(broker_pid, 10), "the broker outlived its SIGKILLed creator"
+
+
+def _consume_pickled(channel, queue):
+    queue.put(channel.get(timeout=30))
+    channel.close()
+
+
+def test_pickled_handle_in_spawned_process(channels):
+    ch = Channel.create("pickled")
+    channels.append(ch)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_consume_pickled, args=(ch, results))
+    proc.start()
+    try:
+        ch.put("across processes")
+        assert results.get(timeout=60) == "across processes"
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+    assert proc.exitcode == 0
+
+
+def test_malformed_messages_do_not_hurt_the_broker(channels):
+    ch = Channel.create("hostile")
+    channels.append(ch)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(ch.address)
+    try:
+        bad = [
+            [b"not msgpack \xff\xff"],
+            [pack_header([{"op": "hello", "id": 1}])],
+            [pack_header([{"op": "put", "id": 2, "k": "x", "nf": 3}]), b"only one frame"],
+            [pack_header([{"op": "put", "id": 3, "k": [[[]]], "nf": 1}]), b"\xc1"],
+            [pack_header([{"op": "put", "id": 4, "k": "x", "w": -3, "nf": 1}]), b"\x01"],
+            [pack_header([{"op": "get", "id": "five"}])],
+            [pack_header([{"op": "nonsense", "id": 6}])],
+            [pack_header([{"op": "get_batch", "id": 7, "tw": "lots"}])],
+            [pack_header("not a list")],
+        ]
+        for message in bad:
+            raw.send_multipart(message)
+        # the records with an id got error replies; the broker is still serving everybody
+        replies = []
+        while raw.poll(2000):
+            replies.append(raw.recv_multipart())
+        assert len(replies) >= 2
+        ch.put("still fine")
+        assert ch.get(timeout=5) == "still fine"
+    finally:
+        raw.close()
+
+
+def test_undecodable_item_is_value_error_and_handle_survives(channels):
+    ch = Channel.create("undecodable")
+    channels.append(ch)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(ch.address)
+    try:
+        raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+        raw.recv_multipart()
+        # an ndarray ext with an object dtype: must never be unpickled
+        import msgpack
+
+        evil = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], b"\x80\x04"])))
+        raw.send_multipart([pack_header([{"op": "put", "id": 2, "k": "default_queue", "nf": 1}]), evil])
+        raw.recv_multipart()
+    finally:
+        raw.close()
+    with pytest.raises(ValueError):
+        ch.get(timeout=5)
+    ch.put("next")
+    assert ch.get(timeout=5) == "next"
+
+
+def test_consumer_killed_while_parked_loses_nothing(workers, channels):
+    ch = Channel.create("parked")
+    channels.append(ch)
+    consumer = workers.start(
+        """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1])
+        work = ch.get(key="k", async_op=True)
+        ch.qsize("k")  # the get is registered once this answers
+        print("parked", flush=True)
+        work.wait()
+        """,
+        ch.address,
+    )
+    workers.wait_line(consumer, "parked")
+    os.kill(consumer.pid, signal.SIGKILL)
+    consumer.wait()
+    deadline = time.monotonic() + 10
+    while ch.stats()["keys"].get("k", {}).get("getters", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the broker expires the dead client after its heartbeats stop
+    ch.put("for a live consumer", key="k")
+    assert ch.get(key="k", timeout=5) == "for a live consumer"
+
+
+def test_cli_broker_and_stat(run_dir, tmp_path):
+    env = dict(os.environ)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "clichan", "--maxsize", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("ready ipc://"), line
+        ch = Channel.connect("clichan")
+        ch.put(b"x", key="a", weight=2)
+        out = subprocess.run(
+            [sys.executable, "-m", "zchannel.cli.main", "stat", "clichan"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "clichan" in out.stdout and "a" in out.stdout
+        js = subprocess.run(
+            [sys.executable, "-m", "zchannel.cli.main", "stat", "clichan", "--json"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        import json
+
+        data = json.loads(js.stdout)
+        assert data["keys"]["a"]["depth"] == 1 and data["keys"]["a"]["weight"] == 2
+        assert data["maxsize"] == 4
+        ch.close()
+        # a second broker for the same name refuses to start
+        second = subprocess.run(
+            [sys.executable, "-m", "zchannel.cli.main", "broker", "clichan"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert second.returncode != 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0
+    assert not os.path.exists(os.path.join(run_dir, "clichan.addr"))  # removed on a clean stop
+
+
+def test_cli_refuses_public_bind_without_curve():
+    out = subprocess.run(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "pub", "--address", "tcp://0.0.0.0:0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "insecure" in out.stderr
+    with pytest.raises(ValueError):
+        Channel.create("pub", address="tcp://0.0.0.0:0")
+
+
+def test_broker_restart_reconnects_handles(run_dir):
+    env = dict(os.environ)
+    address = f"ipc://{run_dir}/restart.sock"
+
+    def start():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zchannel.cli.main", "broker", "restart", "--address", address],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        assert proc.stdout.readline().startswith("ready ")
+        return proc
+
+    first = start()
+    second = None
+    try:
+        ch = Channel.connect(address)
+        ch.put(1)
+        assert ch.get(timeout=5) == 1
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        pending = ch.get(async_op=True)
+        with pytest.raises(BrokerUnavailable):
+            pending.wait(timeout=15)
+        second = start()
+        deadline = time.monotonic() + 15
+        while True:  # calls while the handle reconnects raise BrokerUnavailable, later ones work
+            try:
+                ch.put(2, timeout=5)
+                break
+            except BrokerUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert ch.get(timeout=5) == 2
+        ch.close()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
