@@ -134,11 +134,10 @@ def _tensor_bytes(t: Any) -> np.ndarray:
 
 
 class _Encoder:
-    __slots__ = ("buffers", "packer")
+    __slots__ = ("buffers",)
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
-        self.packer = msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True)
 
     def pack(self, obj: Any) -> bytes:
         return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
@@ -211,12 +210,18 @@ class _Encoder:
         )
 
 
+_PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
+
+
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
     """Encode ``obj`` into a msgpack body and a list of buffers (each 64 KiB or more).
 
     The buffers reference the caller's memory (no copy): do not modify the arrays or tensors
     until the message is sent.  Raises ``TypeError`` for values that cannot travel.
     """
+    kind = type(obj)
+    if kind in _PLAIN_TYPES and (kind is not bytes or len(obj) < INLINE_LIMIT):
+        return msgpack.packb(obj, use_bin_type=True), []  # fast path: no ext types needed
     enc = _Encoder()
     try:
         body = enc.pack(obj)

@@ -22,7 +22,16 @@ from typing import Any
 import msgpack
 import zmq
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, error_from_wire
-from zchannel.broker.protocol import BYE, EXPIRED, HEARTBEAT, HELLO, PROTOCOL_VERSION, pack_header
+from zchannel.broker.protocol import (
+    BYE,
+    EXPIRED,
+    HEARTBEAT,
+    HELLO,
+    PROTOCOL_VERSION,
+    pack_header,
+    recv_message,
+    send_message,
+)
 from zchannel.broker.work import Work
 
 log = logging.getLogger("zchannel.client")
@@ -61,7 +70,16 @@ class Connection:
         self._ids = itertools.count(1)
         self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
         self._pending: dict[int, _Pending] = {}
-        self._inflight = threading.BoundedSemaphore(max_inflight)
+        # Flow control: requests issued minus requests completed.  ``_issued`` is an atomic
+        # counter; ``_completed`` is written by the I/O thread only.  Callers wait on
+        # ``_room`` only when the limit is reached.
+        self._max_inflight = max_inflight
+        self._issued = itertools.count()
+        self._n_issued = 0
+        self._completed = 0
+        self._completed_count = itertools.count(1)
+        self._room = threading.Condition()
+        self._room_waiters = 0
         self._state_cv = threading.Condition()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closing = False
@@ -100,7 +118,9 @@ class Connection:
             raise ChannelError("this channel handle is closed")
         if self.state == DOWN:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-        self._inflight.acquire()
+        self._n_issued = next(self._issued) + 1
+        if self._n_issued - self._completed > self._max_inflight:
+            self._wait_for_room()
         rid = next(self._ids)
         rec["id"] = rid
         rec["nf"] = len(frames)
@@ -110,6 +130,24 @@ class Connection:
         os.eventfd_write(self._wake, 1)
         return work
 
+    def _wait_for_room(self) -> None:
+        with self._room:
+            self._room_waiters += 1
+            try:
+                while self._n_issued - self._completed > self._max_inflight:
+                    if self.state in (DOWN, CLOSED):
+                        raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
+                    self._room.wait(self.hb)
+            finally:
+                self._room_waiters -= 1
+
+    def _release(self) -> None:
+        # next() on a count is atomic, so a cancel in a user thread cannot lose an increment
+        self._completed = next(self._completed_count)
+        if self._room_waiters:
+            with self._room:
+                self._room.notify_all()
+
     def _cancel(self, work: Work, rid: int) -> bool:
         try:
             answer = self.request({"op": "cancel", "rid": rid}, []).wait()
@@ -118,7 +156,7 @@ class Connection:
         if answer:
             entry = self._pending.pop(rid, None)
             if entry is not None:
-                self._inflight.release()
+                self._release()
             from concurrent.futures import CancelledError
 
             work.set_exception(CancelledError("the broker withdrew the operation"))
@@ -180,7 +218,7 @@ class Connection:
             while self._queue:
                 _, _, pending = self._queue.popleft()
                 if pending is not None:
-                    self._inflight.release()
+                    self._release()
                     pending.work.set_exception(ChannelError("this channel handle is closed"))
             sock.close(linger=0)
             os.close(self._wake)
@@ -191,7 +229,7 @@ class Connection:
             self._state_cv.notify_all()
 
     def _send(self, records: list[dict], frames: list) -> None:
-        self._sock.send_multipart([pack_header(records), *frames], copy=False)
+        send_message(self._sock, [pack_header(records), *frames])
         self._last_send = time.monotonic()
 
     def _send_hello(self) -> None:
@@ -217,9 +255,8 @@ class Connection:
     def _recv_all(self) -> None:
         sock = self._sock
         while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = recv_message(sock)
+            if frames is None:
                 return
             self._last_recv = time.monotonic()
             try:
@@ -251,7 +288,7 @@ class Connection:
         pending = self._pending.pop(rid, None)
         if pending is None:
             return
-        self._inflight.release()
+        self._release()
         work = pending.work
         if "e" in rec:
             work.set_exception(error_from_wire(rec["e"]))
@@ -264,7 +301,7 @@ class Connection:
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
-            self._inflight.release()
+            self._release()
             entry.work.set_exception(exc)
 
     def _keepalive(self, now: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import zmq
 
 PROTOCOL_VERSION = 1
 
@@ -31,6 +32,32 @@ MAX_RECORDS = 4096
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol."""
+
+
+# Plain ints: pyzmq's enum flags cost an enum operation per frame on the hot path.
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+
+
+def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
+    """Send a multipart message without copying large frames (small ones are copied by pyzmq
+    anyway, below its copy threshold)."""
+    flags = _NOBLOCK if nonblock else 0
+    last = len(parts) - 1
+    send = sock.send
+    for i, part in enumerate(parts):
+        send(part, flags if i == last else flags | _SNDMORE, copy=False)
+
+
+def recv_message(sock: zmq.Socket) -> list[zmq.Frame] | None:
+    """Receive one multipart message without blocking (None if there is none)."""
+    try:
+        frames = [sock.recv(_NOBLOCK, copy=False)]
+    except zmq.Again:
+        return None
+    recv, getsockopt = sock.recv, sock.getsockopt
+    while getsockopt(_RCVMORE):
+        frames.append(recv(0, copy=False))
+    return frames
 
 
 def pack_header(records: list[dict[str, Any]]) -> bytes:

@@ -39,6 +39,8 @@ from zchannel.broker.protocol import (
     ProtocolError,
     key_from_wire,
     pack_header,
+    recv_message,
+    send_message,
     unpack_header,
 )
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
@@ -251,9 +253,8 @@ class Broker:
     def _drain(self) -> None:
         sock = self.sock
         for _ in range(4096):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = recv_message(sock)
+            if frames is None:
                 return
             try:
                 self._handle(frames)
@@ -407,7 +408,7 @@ class Broker:
 
     def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
         try:
-            self.sock.send_multipart([address, pack_header(records), *frames], zmq.NOBLOCK, copy=False)
+            send_message(self.sock, [address, pack_header(records), *frames], nonblock=True)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 return False

@@ -169,7 +169,7 @@ def test_seed_example_three_consumer_processes(workers, channels, collector, dis
     ch.put(SAMPLES)  # dealt before any consumer connects: declared consumers exist from creation
     assert ch.stats()["keys"]["default_queue"]["private"] == {c: 2 for c in EXPECTED}
     procs = {c: workers.start(_consumer_code(), ch.address, c, "2") for c in EXPECTED}
-    for consumer, proc in procs.items():
+    for proc in procs.values():
         workers.wait_line(proc, "ready")
     for consumer, proc in procs.items():
         assert workers.finish(proc).split() == EXPECTED[consumer]

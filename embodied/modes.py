@@ -1,0 +1,548 @@
+"""The three output modes of the trajectory collector: rollout, pipeline and lerobot (§10).
+
+A mode groups joined chunks into *scopes* and flushes a scope when all its keys are complete.
+Every put is handled in two phases so that it is atomic (§6):
+
+* ``prepare(chunks)`` computes the put's whole effect on the side — new scope contents, flush
+  outputs, advanced shuffle generators, lerobot accumulators — without touching the mode;
+* ``commit(prepared)`` installs that effect; it performs no work that can fail.
+
+An error in ``prepare`` therefore leaves the mode exactly as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from zchannel.embodied.advantages import compute_advantages, to_training_batch
+from zchannel.embodied.joiner import JoinedChunk
+from zchannel.embodied.lerobot import LeRobotEpisodeAccumulator
+from zchannel.embodied.plan import TrajectoryPlan
+from zchannel.embodied.trajectory import (
+    ActorBatch,
+    EpisodeShard,
+    Trajectory,
+    TrajectoryAccumulator,
+    TrajectoryStep,
+)
+from zchannel.embodied.types import SourceID, TrajectoryKey
+
+EXTERNAL_ACTIONS_MESSAGE = "External policy actions are only supported for online LeRobot DAgger."
+PACK_SEPARATOR = "::"
+EPISODE_DATA_KEYS = ("chunk_actions", "obs_list", "terminations", "truncations", "infos_list")
+_BOUNDARY_KEYS = ("dones", "terminations", "truncations", "prev_values")
+
+ScopeID = tuple[int, ...]
+
+
+@dataclass
+class Scope:
+    """An open scope: its completed keys and the per-source data gathered so far."""
+
+    keys: set[TrajectoryKey] = field(default_factory=set)
+    sources: dict[SourceID, Any] = field(default_factory=dict)
+
+    def copy(self) -> Scope:
+        """A copy whose containers can be changed without affecting this scope."""
+        return Scope(set(self.keys), {sid: _copy_entry(v) for sid, v in self.sources.items()})
+
+
+def _copy_entry(value: Any) -> Any:
+    if isinstance(value, TrajectoryAccumulator):
+        return value.copy()
+    return list(value)
+
+
+@dataclass
+class PreparedPut:
+    """The computed effect of one put, installed by ``OutputMode.commit``."""
+
+    outputs: list[Any] = field(default_factory=list)
+    staged: dict[ScopeID, Scope] = field(default_factory=dict)
+    flushed: dict[ScopeID, Scope] = field(default_factory=dict)
+    side: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def flushed_keys(self) -> set[TrajectoryKey]:
+        """Every key of the scopes this put flushes."""
+        return {key for scope in self.flushed.values() for key in scope.keys}
+
+
+class OutputMode:
+    """Scope bookkeeping shared by the three modes; subclasses define scopes and flushes."""
+
+    name = ""
+
+    def __init__(self, plan: TrajectoryPlan) -> None:
+        self.plan = plan
+        self.scopes: dict[ScopeID, Scope] = {}
+
+    # -- hooks for subclasses ---------------------------------------------------------------
+
+    def scope_id(self, key: TrajectoryKey) -> ScopeID:
+        raise NotImplementedError
+
+    def scope_size(self) -> int:
+        """Number of keys that complete a scope."""
+        raise NotImplementedError
+
+    def add(self, scope: Scope, chunk: JoinedChunk) -> None:
+        """Add the chunk's record to ``scope`` (a private copy); may raise ``ValueError``."""
+        raise NotImplementedError
+
+    def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
+        """Outputs of a complete scope; mode state may only change through ``side``."""
+        raise NotImplementedError
+
+    def commit_side(self, side: dict[Any, Any]) -> None:  # noqa: B027 - optional override
+        """Install side state computed by ``flush`` (must not fail)."""
+
+    # -- the two phases ----------------------------------------------------------------------
+
+    def prepare(self, chunks: Iterable[JoinedChunk]) -> PreparedPut:
+        """Compute the effect of the put's joined chunks, in order, without changing the mode.
+
+        Raises ``ValueError`` for a key completed twice in an open scope ("duplicate trajectory
+        event") and for anything the mode's records or flushes reject.
+        """
+        prepared = PreparedPut()
+        for chunk in chunks:
+            sid = self.scope_id(chunk.key)
+            scope = prepared.staged.get(sid)
+            if scope is None:
+                flushed = prepared.flushed.get(sid)
+                base = self.scopes.get(sid) if flushed is None else None
+                scope = base.copy() if base is not None else Scope()
+            if chunk.key in scope.keys or (
+                sid in prepared.flushed and chunk.key in prepared.flushed[sid].keys
+            ):
+                raise ValueError(
+                    f"Received a duplicate trajectory event for {chunk.key} while its scope "
+                    f"{sid} is open."
+                )
+            self.add(scope, chunk)
+            scope.keys.add(chunk.key)
+            if len(scope.keys) >= self.scope_size():
+                prepared.outputs.extend(self.flush(sid, scope, prepared.side))
+                prepared.staged.pop(sid, None)
+                prepared.flushed[sid] = scope
+            else:
+                prepared.staged[sid] = scope
+        return prepared
+
+    def commit(self, prepared: PreparedPut) -> None:
+        """Install a prepared put: staged scopes replace the old ones, flushed ones are deleted."""
+        for sid in prepared.flushed:
+            self.scopes.pop(sid, None)
+        self.scopes.update(prepared.staged)
+        self.commit_side(prepared.side)
+
+    # -- shared helpers ----------------------------------------------------------------------
+
+    def build_step(self, chunk: JoinedChunk) -> TrajectoryStep:
+        """The chunk's TrajectoryStep with its rewards (§10.1), built without side effects."""
+        plan = self.plan
+        if not chunk.policy.inferred:
+            raise ValueError(EXTERNAL_ACTIONS_MESSAGE)
+        rewards = chunk.env.compute_rewards(
+            env_reward_weight=plan.env_reward_weight,
+            reward_weight=plan.reward_weight,
+            auto_reset=plan.auto_reset,
+            bootstrap_type=plan.bootstrap_type,
+            gamma=plan.gamma,
+        )
+        return TrajectoryStep.from_parts(
+            chunk.policy,
+            chunk.env,
+            rewards=rewards,
+            collect_prev_infos=plan.collect_prev_infos,
+            collect_transitions=plan.collect_transitions,
+            enable_rlt=plan.enable_rlt,
+            include_final_value=chunk.key.chunk_id == plan.num_chunks - 1,
+        )
+
+    def append_step(self, accumulator: TrajectoryAccumulator, chunk: JoinedChunk) -> None:
+        """Build the chunk's step and append it with its history-reward data."""
+        transition = chunk.env.transition
+        accumulator.append(
+            chunk.key,
+            self.build_step(chunk),
+            reward_model_output=transition.reward_model_output,
+            reward_assign_lengths=transition.reward_assign_lengths,
+        )
+
+    def to_trajectory(self, accumulator: TrajectoryAccumulator) -> Trajectory:
+        return accumulator.to_trajectory(
+            max_episode_length=self.plan.max_episode_length,
+            reward_weight=self.plan.reward_weight,
+        )
+
+    def held_objects(self) -> Iterator[Any]:
+        """Everything the mode holds, for byte accounting."""
+        for scope in self.scopes.values():
+            yield from scope.sources.values()
+
+
+class RolloutMode(OutputMode):
+    """Scope ``(step_id, env_rank, stage_id)``; flushes ``shards_per_source`` Trajectories."""
+
+    name = "rollout"
+
+    def scope_id(self, key: TrajectoryKey) -> ScopeID:
+        return (key.step_id, key.env_rank, key.stage_id)
+
+    def scope_size(self) -> int:
+        return self.plan.rollout_epochs * self.plan.num_chunks
+
+    def add(self, scope: Scope, chunk: JoinedChunk) -> None:
+        accumulator = scope.sources.setdefault(chunk.source, TrajectoryAccumulator())
+        self.append_step(accumulator, chunk)
+
+    def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
+        (accumulator,) = scope.sources.values()
+        return self.to_trajectory(accumulator).split(self.plan.shards_per_source)
+
+
+class PipelineMode(OutputMode):
+    """Scope ``(step_id, epoch_id)`` over all S sources; flushes ActorBatch micro-batches."""
+
+    name = "pipeline"
+
+    def __init__(self, plan: TrajectoryPlan) -> None:
+        super().__init__(plan)
+        self.generators: dict[int, torch.Generator] = {}
+
+    def scope_id(self, key: TrajectoryKey) -> ScopeID:
+        return (key.step_id, key.epoch_id)
+
+    def scope_size(self) -> int:
+        return self.plan.num_sources * self.plan.num_chunks
+
+    def add(self, scope: Scope, chunk: JoinedChunk) -> None:
+        accumulator = scope.sources.setdefault(chunk.source, TrajectoryAccumulator())
+        self.append_step(accumulator, chunk)
+
+    def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
+        plan = self.plan
+        if len(scope.sources) != plan.num_sources:
+            raise ValueError(
+                f"Pipeline scope {sid} completed {len(scope.keys)} keys from "
+                f"{len(scope.sources)} sources; expected exactly {plan.num_sources} sources."
+            )
+        step_id, epoch_id = sid
+        pieces: dict[int, list[Trajectory]] = {}
+        for rank, source in enumerate(sorted(scope.sources)):
+            trajectory = self.to_trajectory(scope.sources[source])
+            routes = route_source_rows(rank, plan.source_batch_size, plan.actor_width)
+            shards = [trajectory] if len(routes) == 1 else trajectory.split([n for _, n in routes])
+            for (actor, _), shard in zip(routes, shards, strict=True):
+                pieces.setdefault(actor, []).append(shard)
+        outputs: list[Any] = []
+        for actor in sorted(pieces):
+            batch = compute_advantages(to_training_batch(pieces[actor], plan), plan)
+            generator = self._generator(actor, side) if plan.shuffle else None
+            outputs.extend(self.micro_batches(actor, step_id, epoch_id, batch, generator))
+        return outputs
+
+    def _generator(self, actor: int, side: dict[Any, Any]) -> torch.Generator:
+        """The actor's shuffle generator as a side copy (the committed one is never advanced)."""
+        generators = side.setdefault("generators", {})
+        generator = generators.get(actor)
+        if generator is None:
+            generator = torch.Generator()
+            committed = self.generators.get(actor)
+            if committed is None:
+                generator.manual_seed(self.plan.seed + actor)
+            else:
+                generator.set_state(committed.get_state())
+            generators[actor] = generator
+        return generator
+
+    def commit_side(self, side: dict[Any, Any]) -> None:
+        self.generators.update(side.get("generators", {}))
+
+    def micro_batches(
+        self,
+        actor: int,
+        step_id: int,
+        epoch_id: int,
+        batch: dict[str, Any],
+        generator: torch.Generator | None,
+    ) -> list[ActorBatch]:
+        """Flatten an actor's training batch to rows, permute and cut it into micro-batches.
+
+        Raises ``ValueError`` for a key containing ``"env_info"``, a leaf that is not
+        ``[T_b, actor_width, ...]`` or a row count not divisible by ``micro_batch_size``.
+        """
+        plan = self.plan
+        width = plan.actor_width
+        actions = batch.get("actions")
+        if not isinstance(actions, torch.Tensor):
+            raise ValueError("A pipeline training batch needs an 'actions' tensor.")
+        time_rows = int(actions.shape[0])
+        n = time_rows * width
+        mbs = plan.micro_batch_size
+        if mbs is None or n % mbs:
+            raise ValueError(
+                f"micro_batch_size {mbs} does not divide the {n} rows of actor {actor}."
+            )
+        if generator is not None:
+            perm = torch.randperm(n, generator=generator)
+        else:
+            perm = torch.arange(n)
+        rows = flatten_rows(batch, time_rows, width, perm)
+        return [
+            ActorBatch(
+                actor_rank=actor,
+                step_id=step_id,
+                epoch_id=epoch_id,
+                micro_batch_index=m,
+                data={k: v[m * mbs : (m + 1) * mbs] for k, v in rows.items()},
+            )
+            for m in range(n // mbs)
+        ]
+
+
+def route_source_rows(rank: int, batch: int, width: int) -> list[tuple[int, int]]:
+    """``[(actor, rows), ...]``: the non-empty intersections of source ``rank``'s global rows
+    ``[rank·B, (rank+1)·B)`` with the actors' rows ``[a·W, (a+1)·W)``, in ascending actor order."""
+    start, stop = rank * batch, (rank + 1) * batch
+    routes = []
+    position = start
+    while position < stop:
+        actor = position // width
+        end = min(stop, (actor + 1) * width)
+        routes.append((actor, end - position))
+        position = end
+    return routes
+
+
+def flatten_rows(
+    batch: dict[str, Any], time_rows: int, width: int, perm: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Pack a ``[T, W, ...]`` batch into ``{"parent::child": [T·W, ...][perm]}``.
+
+    The last time row of the boundary fields (dones, terminations, truncations, prev_values) is
+    dropped first.  None values are dropped; numpy leaves become tensors.  Raises ``ValueError``
+    for keys containing ``"env_info"`` or leaves of another shape, ``TypeError`` for non-tensor
+    leaves.
+    """
+    out: dict[str, torch.Tensor] = {}
+
+    def visit(value: Any, path: str, top: str) -> None:
+        if "env_info" in path.split(PACK_SEPARATOR)[-1]:
+            raise ValueError(f"Training batch key {path!r} is an env_info entry; drop it first.")
+        if value is None:
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{path}{PACK_SEPARATOR}{k}", top)
+            return
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"Training batch entry {path!r} is a {type(value).__name__}, not a tensor."
+            )
+        if path in _BOUNDARY_KEYS:
+            value = value[:-1]
+        if value.dim() < 2 or value.shape[0] != time_rows or value.shape[1] != width:
+            raise ValueError(
+                f"Training batch entry {path!r} has shape {tuple(value.shape)}; expected "
+                f"[{time_rows}, {width}, ...]."
+            )
+        flat = value.reshape(time_rows * width, *value.shape[2:])
+        out[path] = flat.index_select(0, perm)
+
+    for key, value in batch.items():
+        visit(value, str(key), str(key))
+    return out
+
+
+class LeRobotMode(OutputMode):
+    """Scope ``(step_id, env_rank, stage_id)``; flushes ``shards_per_source`` EpisodeShards.
+
+    Each source keeps one ``LeRobotEpisodeAccumulator`` across training steps.  A scope stores
+    its chunks' inputs and feeds them to the accumulator in ``(epoch_id, chunk_id)`` order when
+    it flushes; the flush works on a snapshot of the accumulator that replaces it on commit.
+    """
+
+    name = "lerobot"
+
+    def __init__(self, plan: TrajectoryPlan) -> None:
+        super().__init__(plan)
+        self.accumulators: dict[SourceID, LeRobotEpisodeAccumulator] = {}
+
+    def scope_id(self, key: TrajectoryKey) -> ScopeID:
+        return (key.step_id, key.env_rank, key.stage_id)
+
+    def scope_size(self) -> int:
+        return self.plan.rollout_epochs * self.plan.num_chunks
+
+    def add(self, scope: Scope, chunk: JoinedChunk) -> None:
+        transition = chunk.env.transition
+        data = transition.episode_data
+        if data is None:
+            raise ValueError(
+                f"LeRobot mode needs episode_data on every chunk's transition; {chunk.key} has none."
+            )
+        if not isinstance(data, dict):
+            raise ValueError(f"episode_data of {chunk.key} must be a dict.")
+        missing = [k for k in EPISODE_DATA_KEYS if k not in data]
+        if missing:
+            raise ValueError(f"episode_data of {chunk.key} is missing {missing}.")
+        if not isinstance(data["obs_list"], list):
+            raise ValueError(f"episode_data['obs_list'] of {chunk.key} must be a list.")
+        output = chunk.policy.output
+        records = scope.sources.setdefault(chunk.source, [])
+        records.append((chunk.key, output, transition.rewards, data))
+
+    def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
+        plan = self.plan
+        step_id, env_rank, stage_id = sid
+        source = (env_rank, stage_id)
+        accumulators = side.setdefault("accumulators", {})
+        accumulator = accumulators.get(source)
+        if accumulator is None:
+            committed = self.accumulators.get(source)
+            accumulator = snapshot(committed) if committed is not None else self._new_accumulator()
+            accumulators[source] = accumulator
+        records = sorted(scope.sources[source], key=lambda r: (r[0].epoch_id, r[0].chunk_id))
+        for _key, output, rewards, data in records:
+            accumulator.append_chunk(
+                policy_output=output,
+                rewards=rewards,
+                chunk_actions=data["chunk_actions"],
+                obs_list=data["obs_list"],
+                terminations=data["terminations"],
+                truncations=data["truncations"],
+                infos_list=data["infos_list"],
+                valid_action_mask=data.get("valid_action_mask"),
+            )
+        episodes = list(accumulator.drain_episodes())
+        k = plan.shards_per_source
+        return [
+            EpisodeShard(
+                step_id=step_id,
+                env_rank=env_rank,
+                stage_id=stage_id,
+                shard_index=i,
+                episodes=episodes[i::k],
+            )
+            for i in range(k)
+        ]
+
+    def _new_accumulator(self) -> LeRobotEpisodeAccumulator:
+        plan = self.plan
+        return LeRobotEpisodeAccumulator(
+            num_envs=plan.source_batch_size,
+            only_success=plan.lerobot_only_success,
+            num_action_chunks=plan.num_action_chunks,
+            action_dim=plan.action_dim,
+            fps=plan.lerobot_fps,
+        )
+
+    def commit_side(self, side: dict[Any, Any]) -> None:
+        self.accumulators.update(side.get("accumulators", {}))
+
+    def held_objects(self) -> Iterator[Any]:
+        yield from super().held_objects()
+        yield from self.accumulators.values()
+
+
+def snapshot(obj: Any) -> Any:
+    """A deep copy of ``obj`` that shares its numpy arrays and tensors.
+
+    Containers and plain objects are copied, so the snapshot can be advanced without changing
+    ``obj``, as long as array data is never modified in place.
+    """
+    memo: dict[int, Any] = {}
+    _share_arrays(obj, memo, set())
+    return copy.deepcopy(obj, memo)
+
+
+def _share_arrays(obj: Any, memo: dict[int, Any], seen: set[int]) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        memo[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _share_arrays(value, memo, seen)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for value in obj:
+            _share_arrays(value, memo, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        _share_arrays(vars(obj), memo, seen)
+
+
+MODES: dict[str, type[OutputMode]] = {
+    "rollout": RolloutMode,
+    "pipeline": PipelineMode,
+    "lerobot": LeRobotMode,
+}
+
+
+def make_mode(plan: TrajectoryPlan) -> OutputMode:
+    """The output mode object of ``plan.mode``."""
+    return MODES[plan.mode](plan)
+
+
+def held_bytes(objects: Iterable[Any]) -> int:
+    """Bytes of tensor and array data reachable from ``objects`` (each storage counted once)."""
+    seen: set[int] = set()
+    storages: set[tuple[int, int]] = set()
+    total = 0
+    stack = list(objects)
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            ident = (storage.data_ptr(), storage.nbytes())
+            if ident not in storages:
+                storages.add(ident)
+                total += storage.nbytes()
+        elif isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            ident = (id(base), -1)
+            if ident not in storages:
+                storages.add(ident)
+                total += base.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+        elif hasattr(obj, "__slots__"):
+            stack.extend(getattr(obj, s) for s in obj.__slots__ if hasattr(obj, s))
+    return total
+
+
+__all__ = [
+    "EXTERNAL_ACTIONS_MESSAGE",
+    "LeRobotMode",
+    "OutputMode",
+    "PipelineMode",
+    "PreparedPut",
+    "RolloutMode",
+    "Scope",
+    "flatten_rows",
+    "held_bytes",
+    "make_mode",
+    "route_source_rows",
+    "snapshot",
+]
