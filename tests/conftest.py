@@ -96,6 +96,7 @@ class Workers:
             stdout=subprocess.PIPE,
             stdin=subprocess.PIPE,
             env=full_env,
+            cwd=os.path.join(REPO, "tests"),  # not the repo root, whose folders shadow modules
             bufsize=0,  # unbuffered: readline() never reads past the line it returns
         )
         self.procs.append(proc)

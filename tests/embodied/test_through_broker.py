@@ -1,0 +1,125 @@
+"""zchannel.embodied through a real broker process, with producer and actor processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from zchannel.broker import Channel
+
+from embodied.test_collector import hooks, key, make_plan, parts, put
+
+pytestmark = pytest.mark.timeout(120)
+
+PIPE = dict(
+    mode="pipeline", num_sources=2, source_batch_size=4, num_chunks=2, rollout_epochs=1,
+    actor_world_size=2, num_action_chunks=2, action_dim=1, micro_batch_size=2, gamma=0.9,
+    gae_lambda=0.8, seed=7,
+)
+
+PRODUCER = """
+    import sys
+    from embodied.test_collector import key, make_plan, parts
+    from zchannel.broker import Channel
+    import zchannel.embodied  # registers the transport types
+    plan = make_plan(**__import__("json").loads(sys.argv[2]))
+    ch = Channel.connect(sys.argv[1])
+    rank = int(sys.argv[3])
+    halves = []
+    for c in range(plan.num_chunks):
+        policy, env = parts(plan, key(rank=rank, chunk=c))
+        halves += [env, policy] if c % 2 else [policy, env]  # interleaved, env first sometimes
+    for p in reversed(halves):  # out of order
+        ch.put(p)
+    ch.close()
+    print("done", flush=True)
+"""
+
+ACTOR = """
+    import sys, json
+    import zchannel.embodied
+    from zchannel.broker import Channel
+    ch = Channel.connect(sys.argv[1], identity=sys.argv[2])
+    out = []
+    for _ in range(int(sys.argv[3])):
+        item = ch.get(timeout=60)
+        out.append({"type": type(item).__name__,
+                    "rank": getattr(item, "actor_rank", None),
+                    "mb": getattr(item, "micro_batch_index", None),
+                    "adv": float(item.data["advantages"].double().sum()) if hasattr(item, "data")
+                           else None,
+                    "cols": int(item.actions.shape[1]) if hasattr(item, "actions") else None})
+    print(json.dumps(out), flush=True)
+    ch.close()
+"""
+
+
+def _expected_pipeline(plan):
+    collector = hooks(plan)[0]
+    out = []
+    for r in range(plan.num_sources):
+        for c in range(plan.num_chunks):
+            policy, env = parts(plan, key(rank=r, chunk=c))
+            out += put(collector, policy) + put(collector, env)
+    return out
+
+
+def test_pipeline_actor_batches_through_broker(workers, channels):
+    plan = make_plan(**PIPE)
+    ch = Channel.create("traj", collector="embodied_trajectory", dispatcher="embodied_trajectory",
+                        producers=["rollout"], consumers={"actor": 2}, options=plan.to_options())
+    channels.append(ch)
+    expected = _expected_pipeline(plan)
+    per_actor = plan.num_chunks * plan.actor_width // plan.micro_batch_size
+    actors = [workers.start(ACTOR, ch.address, f"actor:{a}", str(per_actor)) for a in range(2)]
+    producers = [workers.start(PRODUCER, ch.address, json.dumps(PIPE), str(r)) for r in range(2)]
+    for p in producers:
+        assert workers.finish(p).strip() == "done"
+    for a, proc in enumerate(actors):
+        got = json.loads(workers.finish(proc))
+        assert all(g["type"] == "ActorBatch" and g["rank"] == a for g in got)
+        assert [g["mb"] for g in got] == list(range(per_actor))
+        mine = [b for b in expected if b.actor_rank == a]
+        for g, e in zip(got, mine, strict=True):
+            assert g["adv"] == pytest.approx(float(e.data["advantages"].double().sum()), abs=1e-6)
+    stats = ch.stats()
+    assert stats["collector_stats"]  # the collector reports its state to `zchannel stat`
+
+
+def test_rollout_trajectories_dealt_least_loaded(workers, channels):
+    options = dict(PIPE, mode="rollout", micro_batch_size=None)
+    plan = make_plan(**options)
+    ch = Channel.create("trajroll", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", consumers={"actor": 2},
+                        options=plan.to_options())
+    channels.append(ch)
+    producers = [workers.start(PRODUCER, ch.address, json.dumps(options), str(r)) for r in range(2)]
+    for p in producers:
+        assert workers.finish(p).strip() == "done"
+    # 2 sources x shards_per_source(1) = 2 trajectories, one per actor (least loaded)
+    assert ch.stats()["keys"]["default_queue"]["private"] == {"actor:0": 1, "actor:1": 1}
+    actors = [workers.start(ACTOR, ch.address, f"actor:{a}", "1") for a in range(2)]
+    for proc in actors:
+        got = json.loads(workers.finish(proc))
+        assert got[0]["type"] == "Trajectory" and got[0]["cols"] == plan.source_batch_size
+
+
+def test_failed_put_reaches_putter_as_hook_error(channels):
+    from zchannel.broker import HookError
+    from zchannel.embodied import PolicyPart, TrajectorySource
+
+    plan = make_plan(**PIPE)
+    ch = Channel.create("trajbad", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", consumers={"actor": 2},
+                        options=plan.to_options())
+    channels.append(ch)
+    bad = PolicyPart([TrajectorySource(key(epoch=5), 4, 0)], {"s": torch.zeros(4)},
+                     external_actions=torch.zeros(4, 2))
+    with pytest.raises(HookError) as info:
+        ch.put(bad)
+    assert info.value.exc_type == "ValueError"
+    with pytest.raises(HookError):
+        ch.put("not a trajectory part")
+    policy, env = parts(plan, key(rank=0, chunk=0))
+    ch.put(policy)  # the broker carries on
