@@ -141,7 +141,9 @@ class Channel:
         if node_rank is not None:
             log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
         address = address or paths.default_address(name)
-        paths.check_bind_address(address, secure=curve_keys is not None, insecure=insecure)
+        server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
+        paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
+                                 insecure=insecure)
         imports: list[str] = []
         config = {
             "name": name, "address": address, "maxsize": maxsize,
@@ -150,6 +152,8 @@ class Channel:
             "producers": list(producers or ()), "consumers": declared,
             "options": dict(options or {}), "lease_timeout": float(lease_timeout),
             "insecure": bool(insecure), "imports": sorted(set(imports)),
+            "curve_secret_key": server_keys.get("server_secret_key"),
+            "curve_public_keys": server_keys.get("public_keys"),
         }
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -160,7 +164,8 @@ class Channel:
             existing = paths.read_address(name)
             if existing:
                 try:
-                    handle = cls.connect(existing, identity=identity, timeout=2.0)
+                    handle = cls.connect(existing, identity=identity, timeout=2.0,
+                                         curve_keys=curve_keys)
                 except BrokerUnavailable:
                     handle = None
                 if handle is not None:
@@ -227,7 +232,10 @@ class Channel:
             conn = self._conn
             if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
                 return conn
-            conn = Connection(self._address, identity=self.identity)
+            from zchannel.broker.security import client_keys
+
+            conn = Connection(self._address, identity=self.identity,
+                              curve=client_keys(self._curve_keys))
             if not conn.wait_up(timeout):
                 conn.close(timeout=0)
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")

@@ -60,6 +60,7 @@ class Connection:
         heartbeat_interval: float = 1.0,
         liveness: int = 3,
         max_inflight: int = 1024,
+        curve: Any = None,
     ) -> None:
         self.address = address
         self.identity = identity
@@ -93,6 +94,8 @@ class Connection:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if curve is not None:
+            curve.apply(self._sock)
         self._sock.connect(address)
         self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
         self._thread.start()

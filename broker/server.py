@@ -70,6 +70,8 @@ class BrokerConfig:
     max_header_bytes: int = MAX_HEADER_BYTES
     key_grace: float = 30.0
     insecure: bool = False
+    curve_secret_key: str | None = None
+    curve_public_keys: str | None = None
     parent_pid: int | None = None
     lock_fd: int | None = None
     token: str | None = None
@@ -125,7 +127,9 @@ class Broker:
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
         self.address = config.address or paths.default_address(config.name)
-        paths.check_bind_address(self.address, secure=False, insecure=config.insecure)
+        paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
+                                 insecure=config.insecure)
+        self._auth = None
         self.core = QueueCore(
             name=config.name,
             maxsize=config.maxsize,
@@ -159,6 +163,11 @@ class Broker:
         sock.setsockopt(zmq.LINGER, 0)
         if self.config.max_message_bytes:
             sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.config.curve_secret_key:
+            from zchannel.broker.security import secure_server
+
+            self._auth = secure_server(sock, self.config.curve_secret_key,
+                                       self.config.curve_public_keys)
         ipc = paths.ipc_path(self.address)
         if ipc and os.path.exists(ipc):
             os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
@@ -239,6 +248,8 @@ class Broker:
             self._flush()
             self.sock.close(linger=0)
             self.sock = None
+            if self._auth is not None:
+                self._auth.stop()
             paths.remove_address(self.config.name, self.address)
             ipc = paths.ipc_path(self.address)
             if ipc:

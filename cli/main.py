@@ -65,6 +65,10 @@ def main() -> None:
 @click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
 @click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
 @click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
+@click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
+              help="the broker's CURVE key pair file (zchannel keygen)")
+@click.option("--curve-public-keys", type=click.Path(exists=True, file_okay=False),
+              help="directory of the public key files of the clients let in")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:
@@ -82,7 +86,8 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
             **flags,
         )
         paths.check_name(config.name)
-        paths.check_bind_address(config.address or "ipc://", False, bool(config.insecure))
+        paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
+                                 bool(config.insecure))
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
     try:
@@ -90,6 +95,24 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     except (RuntimeError, ValueError, TypeError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="broker", show_default=True, help="file name stem")
+def keygen(directory: str, name: str) -> None:
+    """Write a CURVE key pair: DIRECTORY/NAME.key (public) and NAME.key_secret (mode 0600).
+
+    Give the broker its NAME.key_secret (--curve-secret-key) and a directory holding the clients'
+    public .key files (--curve-public-keys); give each client its own .key_secret and the
+    broker's .key (curve_keys=(secret, server_public) or ZCHANNEL_CURVE_SECRET_KEY /
+    ZCHANNEL_CURVE_SERVER_KEY).
+    """
+    from zchannel.broker.security import keygen as make_keys
+
+    public, secret = make_keys(directory, name)
+    click.echo(f"public {public}")
+    click.echo(f"secret {secret}")
 
 
 def _fmt_key(key: Any) -> str:
