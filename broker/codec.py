@@ -220,7 +220,9 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     until the message is sent.  Raises ``TypeError`` for values that cannot travel.
     """
     kind = type(obj)
-    if kind in _PLAIN_TYPES and (kind is not bytes or len(obj) < INLINE_LIMIT):
+    if kind in _PLAIN_TYPES:
+        if kind is bytes and len(obj) >= INLINE_LIMIT:  # a large bytes item: its own frame
+            return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
         return msgpack.packb(obj, use_bin_type=True), []  # fast path: no ext types needed
     enc = _Encoder()
     try:

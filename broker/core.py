@@ -380,7 +380,7 @@ class QueueCore:
         if not routed:
             self.reply(client, rid)
             return
-        if self._admissible(req, self._waiting_targets()):
+        if self._admissible(req, self._waiting_targets() if self.putters else set()):
             self._enqueue(req)
             self.reply(client, rid)
             return
@@ -414,6 +414,8 @@ class QueueCore:
         return waiting
 
     def _admissible(self, req: Request, blocked: set) -> bool:
+        if not (blocked or self.max_bytes or self.maxsize > 0):
+            return True  # unbounded channel, nobody waiting: the common case
         targets = self._targets(req)
         if blocked and targets & blocked:
             return False

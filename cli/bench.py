@@ -1,0 +1,1414 @@
+"""``zchannel bench``: bounded load on a channel broker, compared with baselines in the same run.
+
+Every scenario starts a broker (or uses ``--address``) and producer/consumer worker processes
+(``spawn``), releases them together after a readiness handshake, checks every item on arrival
+(content and sequence numbers; see ``bench_baselines.PayloadFactory``) and prints one row per
+case: items/s, MB/s, p50/p99 latency, the broker's peak RSS (``VmHWM``) and the ratio to the
+baseline measured on the same payloads.  A content mismatch, a lost or a duplicated item fails
+the run (exit 1).
+
+Latency columns: end-to-end (put issued -> item received, from the send time stamped in the
+item) for streaming cases; request -> reply for ``put_only`` (the put acknowledgement),
+``get_only`` (the get) and ``batch`` (one ``get_batch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import click
+import click.core
+import numpy as np
+import tomllib
+from zchannel.broker import Channel, ChannelError
+from zchannel.cli.bench_baselines import (
+    PAYLOAD_TYPES,
+    SEQ_SHIFT,
+    WORKER_DEADLINE_S,
+    Mismatch,
+    PayloadFactory,
+    Tally,
+    Workers,
+    mp_consumer_worker,
+    mp_producer_worker,
+    part_sizes,
+    ray_available,
+    read_proc_status,
+    run_ray_baselines,
+    verify_seqs,
+    zmq_consumer_worker,
+    zmq_echo_client_worker,
+    zmq_echo_worker,
+    zmq_producer_worker,
+    zmq_proxy_worker,
+)
+from zchannel.hooks import register_collector
+from zchannel.hooks.builtin import FlattenBatch
+
+SCENARIOS = (
+    "quick",
+    "channel",
+    "put_only",
+    "get_only",
+    "random_key",
+    "batch",
+    "hooks",
+    "all",
+    "targets",
+)
+ALL_SCENARIOS = ("channel", "put_only", "get_only", "random_key", "batch", "hooks")
+BATCH_ITEMS = 64
+HOOK_BATCH = 8  # items per put in the hooks scenario (flattened by the collector)
+DEFAULT_KEYS = 128
+MAX_BYTES_PER_CASE = 1 << 30  # large payloads: at most this many bytes per case
+MAX_INFLIGHT_BYTES = 256 << 20  # large payloads: window capped to this many bytes per worker
+GET_TIMEOUT_S = 0.1  # consumers poll with this get timeout once the stream may be over
+MIB = 1 << 20
+
+
+@register_collector("bench_flatten")
+class BenchFlatten(FlattenBatch):
+    """``flatten_batch`` under a name whose module registers ``BenchSample``: used for the
+    ``dataclass`` payload, whose tag the broker must know to decode the body."""
+
+
+# -- data model -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measurement: a scenario with its payload, process counts and transport."""
+
+    scenario: str
+    ptype: str = "bytes"
+    size: int = 64
+    messages: int = 20000
+    producers: int = 1
+    consumers: int = 1
+    transport: str = "ipc"
+    window: int = 64
+    keys: int = 1
+    hooks: bool = False
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        extra = f" keys={self.keys}" if self.scenario == "random_key" else ""
+        extra += " +hooks" if self.hooks else (" nohooks" if self.scenario == "hooks" else "")
+        return (
+            self.label
+            or f"{self.scenario} {self.ptype} {fmt_size(self.size)} "
+            f"{self.producers}P/{self.consumers}C w{self.window}{extra}"
+        )
+
+
+@dataclasses.dataclass
+class Result:
+    """One row of the table."""
+
+    case: str
+    kind: str  # "zchannel" or the baseline's name
+    scenario: str
+    ptype: str
+    size: int
+    producers: int
+    consumers: int
+    transport: str
+    window: int
+    messages: int
+    items_s: float
+    mb_s: float
+    p50_us: float
+    p99_us: float
+    latency: str
+    seconds: float
+    rss_peak_mb: float | None = None
+    baseline: str | None = None
+    ratio: float | None = None
+    ratio_metric: str | None = None
+    note: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TargetResult:
+    """One of T1-T8: a measured figure against its reference."""
+
+    target: str
+    description: str
+    measured: float
+    reference: float
+    unit: str
+    ratio: float
+    threshold: float
+    higher_is_better: bool
+    passed: bool
+    note: str = ""
+
+
+class BenchFailure(click.ClickException):
+    """A run that must exit non-zero (a mismatch, a worker failure)."""
+
+    exit_code = 1
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """``64``, ``64B``, ``1KB``, ``16MB``, ``1GiB`` -> bytes (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r}: expected a size like 64B, 1KB, 16MB, 1GB")
+    unit = m.group(2).lower()[:1]
+    if unit == "b":
+        unit = ""
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 16:
+        raise click.BadParameter(f"{text!r}: payloads are at least 16 bytes (the item header)")
+    return value
+
+
+def fmt_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal counts."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def bounded(case: Case) -> Case:
+    """Cap messages and window of large payloads (bytes per case, bytes in flight)."""
+    nbytes = max(case.size, 1)
+    messages = min(case.messages, max(8, MAX_BYTES_PER_CASE // nbytes))
+    window = max(1, min(case.window, MAX_INFLIGHT_BYTES // nbytes))
+    return dataclasses.replace(case, messages=messages, window=window)
+
+
+def percentiles(lat_ns: np.ndarray) -> tuple[float, float]:
+    if lat_ns.size == 0:
+        return float("nan"), float("nan")
+    p50, p99 = np.percentile(lat_ns, [50, 99])
+    return float(p50) / 1e3, float(p99) / 1e3
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU count and model, kernel, and the versions that matter."""
+    import zmq
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover
+        torch_version = None
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "mem_total_gb": round(mem / (1 << 30), 1) if mem else None,
+        "loadavg": os.getloadavg(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "numpy": np.__version__,
+    }
+
+
+# -- the channel under test -------------------------------------------------------------------
+
+
+class Target:
+    """The broker measured: one started for the case (``create``), or ``--address``."""
+
+    def __init__(
+        self,
+        case: Case,
+        address: str | None,
+        tmpdir: str,
+        collector: Any = None,
+        dispatcher: Any = None,
+        consumers: list[str] | None = None,
+    ) -> None:
+        self.owned: Channel | None = None
+        if address:
+            self.handle = Channel.connect(address)
+            self.address = address
+        else:
+            name = f"bench-{uuid.uuid4().hex[:12]}"
+            addr = f"ipc://{tmpdir}/{name}.sock" if case.transport == "ipc" else "tcp://127.0.0.1:0"
+            self.owned = Channel.create(
+                name, address=addr, collector=collector, dispatcher=dispatcher, consumers=consumers
+            )
+            self.handle = self.owned
+            self.address = self.owned.address
+        self.key_prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        self.pid = int(self.handle.stats().get("pid") or 0)
+
+    def peak_rss(self) -> int | None:
+        return read_proc_status(self.pid, "VmHWM") if self.pid else None
+
+    def rss(self) -> int | None:
+        return read_proc_status(self.pid, "VmRSS") if self.pid else None
+
+    def close(self) -> None:
+        if self.owned is not None:
+            self.owned.shutdown()
+        else:
+            self.handle.close()
+
+
+# -- channel workers (run in spawned processes) -----------------------------------------------
+
+
+def _key(spec: dict, index: int) -> Any:
+    sched = spec.get("schedule")
+    if sched is None:
+        return spec["key"]
+    return f"{spec['key']}-p{spec['pidx']}-k{int(sched[index])}"
+
+
+def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
+    """Puts ``n`` items (``group`` per put for the hooks scenario) with ``window`` in flight;
+    records each put's request -> acknowledgement time."""
+    ch = Channel.connect(spec["address"])
+    window, group, n = spec["window"], spec.get("group", 1), spec["n"]
+    fac = PayloadFactory(spec["ptype"], spec["size"], ring=(window + 1) * group)
+    base = spec["pidx"] << SEQ_SHIFT
+    inflight: deque = deque()
+    lat: list[int] = []
+    ready()
+    go_wait()
+    t_start = time.monotonic_ns()
+    for i in range(0, n, group):
+        if len(inflight) >= window:
+            work, t0 = inflight.popleft()
+            work.wait(WORKER_DEADLINE_S)
+            lat.append(time.monotonic_ns() - t0)
+        if group == 1:
+            item = fac.make(base | i, i)[0]
+        else:
+            item = [fac.make(base | j, j)[0] for j in range(i, min(n, i + group))]
+        t0 = time.monotonic_ns()
+        inflight.append((ch.put(item, weight=1, key=_key(spec, i), async_op=True), t0))
+    for work, t0 in inflight:
+        work.wait(WORKER_DEADLINE_S)
+        lat.append(time.monotonic_ns() - t0)
+    t_end = time.monotonic_ns()
+    ch.close()
+    return {
+        "t_start": t_start,
+        "t_end": t_end,
+        "count": n,
+        "lat_ns": np.asarray(lat, dtype=np.int64),
+    }
+
+
+def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
+    """Gets (or ``get_batch``es) with ``window`` requests in flight until all consumers
+    together received ``total`` items; with a ``schedule`` it gets its producers' keys in
+    their order.  Latency: end-to-end, or per request when ``request_latency``."""
+    ch = Channel.connect(spec["address"], identity=spec.get("identity"))
+    fac = PayloadFactory(spec["ptype"], spec["size"])
+    counts, slot, total = spec["counts"], spec["slot"], spec["total"]
+    batch = spec.get("batch", 0)
+    key = spec["key"]
+    keys: list[Any] | None = None
+    if spec.get("schedules"):
+        keys = [
+            _key({"key": key, "schedule": s, "pidx": p}, i)
+            for p, s in spec["schedules"]
+            for i in range(len(s))
+        ]
+    window = spec["window"]
+    request_latency = spec.get("request_latency", False)
+    tally = Tally()
+    req_lat: list[int] = []
+    inflight: deque = deque()
+    deadline = time.monotonic() + WORKER_DEADLINE_S
+    issued = n = 0
+    stopping = False
+
+    def issue() -> None:
+        nonlocal issued
+        t0 = time.monotonic_ns()
+        if keys is not None:
+            work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
+        elif batch:
+            work = ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S)
+        else:
+            work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S)
+        issued += 1
+        inflight.append((work, t0))
+
+    ready()
+    go_wait()
+    tally.t_start = time.monotonic_ns()
+    while True:
+        while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
+            issue()
+        if not inflight:
+            break
+        work, t0 = inflight.popleft()
+        try:
+            got = work.wait(WORKER_DEADLINE_S)
+        except TimeoutError:
+            if sum(counts) >= total or (keys is not None and n >= len(keys)):
+                stopping = True
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"consumer got {n}; all together {sum(counts)}/{total}"
+                ) from None
+            continue
+        now = time.monotonic_ns()
+        for item in got if batch else (got,):
+            seq, t_sent = fac.check(item)
+            tally.add(seq, t_sent, now)
+            n += 1
+        if request_latency:
+            req_lat.append(now - t0)
+        counts[slot] = n
+        if sum(counts) >= total or (keys is not None and n >= len(keys)):
+            stopping = True
+    ch.close()
+    result = tally.result()
+    if request_latency:
+        result["lat_ns"] = np.asarray(req_lat, dtype=np.int64)
+    return result
+
+
+# -- running one case -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measured:
+    """Raw figures of one run of a case."""
+
+    items: int
+    seconds: float
+    lat_ns: np.ndarray
+    rss_peak: int | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _stream_figures(prod: list[dict], cons: list[dict], t_go: int) -> tuple[float, np.ndarray]:
+    t0 = min([r["t_start"] for r in prod] or [t_go])
+    t1 = max(r["t_end"] for r in cons)
+    lat = np.concatenate([r["lat_ns"] for r in cons]) if cons else np.zeros(0, np.int64)
+    return max(1e-9, (t1 - t0) / 1e9), lat
+
+
+def _check_all(cons: list[dict], counts: list[int]) -> None:
+    verify_seqs([r["seqs"] for r in cons], counts)
+
+
+def _producer_specs(
+    case: Case, address: str, key: str, group: int = 1, schedules: list[np.ndarray] | None = None
+) -> list[dict]:
+    return [
+        {
+            "name": f"producer-{p}",
+            "address": address,
+            "key": key,
+            "pidx": p,
+            "n": n,
+            "ptype": case.ptype,
+            "size": case.size,
+            "window": case.window,
+            "group": group,
+            "schedule": None if schedules is None else schedules[p],
+        }
+        for p, n in enumerate(split(case.messages, case.producers))
+    ]
+
+
+def _schedules(case: Case) -> list[np.ndarray]:
+    """Per producer, a shuffled key index for each of its items (each key used evenly)."""
+    out = []
+    for p, n in enumerate(split(case.messages, case.producers)):
+        rng = np.random.default_rng(p)
+        out.append(rng.permutation(np.arange(n) % max(1, case.keys)).astype(np.int32))
+    return out
+
+
+def run_channel_stream(case: Case, address: str | None, tmpdir: str) -> Measured:
+    """Concurrent producers and consumers (``channel``, ``random_key``, ``batch``, ``hooks``)."""
+    collector = dispatcher = None
+    identities: list[str | None] = [None] * case.consumers
+    if case.hooks:
+        collector = f"{__name__}:BenchFlatten" if case.ptype == "dataclass" else "flatten_batch"
+        dispatcher = "round_robin"
+        identities = [f"bench:{c}" for c in range(case.consumers)]
+    target = Target(
+        case, address, tmpdir, collector, dispatcher, consumers=[i for i in identities if i] or None
+    )
+    try:
+        with Workers() as w:
+            counts_arr = w.counters(case.consumers)
+            per_prod = split(case.messages, case.producers)
+            schedules = _schedules(case) if case.scenario == "random_key" else None
+            key = target.key_prefix
+            for spec in _producer_specs(
+                case,
+                target.address,
+                key,
+                group=HOOK_BATCH if case.hooks else 1,
+                schedules=schedules,
+            ):
+                w.start(channel_producer, spec)
+            for c in range(case.consumers):
+                spec = {
+                    "name": f"consumer-{c}",
+                    "address": target.address,
+                    "key": key,
+                    "identity": identities[c],
+                    "ptype": case.ptype,
+                    "size": case.size,
+                    "window": case.window,
+                    "counts": counts_arr,
+                    "slot": c,
+                    "total": case.messages,
+                }
+                if schedules is not None:
+                    spec["schedules"] = [
+                        (p, schedules[p]) for p in range(case.producers) if p % case.consumers == c
+                    ]
+                if case.scenario == "batch":
+                    spec["batch"] = BATCH_ITEMS
+                    spec["window"] = max(2, case.window // 32)
+                    spec["request_latency"] = True
+                w.start(channel_consumer, spec)
+            w.wait_ready()
+            t_go = w.go()
+            results = w.collect(case.producers + case.consumers)
+        prod = [r for r in results if r["name"].startswith("producer")]
+        cons = [r for r in results if r["name"].startswith("consumer")]
+        _check_all(cons, per_prod)
+        seconds, lat = _stream_figures(prod, cons, t_go)
+        extra = {}
+        if case.scenario == "batch":
+            extra["batches"] = int(sum(r["lat_ns"].size for r in cons))
+        return Measured(case.messages, seconds, lat, target.peak_rss(), extra)
+    finally:
+        target.close()
+
+
+def run_put_get(
+    case: Case, address: str | None, tmpdir: str, get_phase: bool = True
+) -> tuple[Measured, Measured | None]:
+    """Puts alone (``put_only``), then gets from the filled queue (``get_only``)."""
+    target = Target(case, address, tmpdir)
+    try:
+        with Workers() as w:
+            counts_arr = w.counters(case.consumers)
+            per_prod = split(case.messages, case.producers)
+            key = target.key_prefix
+            # the fill of a get_only case keeps at least 64 puts in flight (its gets use --window)
+            fill = case if not get_phase else dataclasses.replace(case, window=max(64, case.window))
+            for spec in _producer_specs(fill, target.address, key):
+                w.start(channel_producer, spec, group="put")
+            if get_phase:
+                for c in range(case.consumers):
+                    w.start(
+                        channel_consumer,
+                        {
+                            "name": f"consumer-{c}",
+                            "address": target.address,
+                            "key": key,
+                            "ptype": case.ptype,
+                            "size": case.size,
+                            "window": case.window,
+                            "counts": counts_arr,
+                            "slot": c,
+                            "total": case.messages,
+                            "request_latency": True,
+                        },
+                        group="get",
+                    )
+            w.wait_ready()
+            t_go = w.go("put")
+            prod = w.collect(case.producers)
+            t_put = (max(r["t_end"] for r in prod) - min(r["t_start"] for r in prod)) / 1e9
+            put = Measured(
+                case.messages,
+                max(t_put, 1e-9),
+                np.concatenate([r["lat_ns"] for r in prod]),
+                target.peak_rss(),
+            )
+            put.extra["broker_rss_filled_mb"] = (target.rss() or 0) / MIB
+            if not get_phase:
+                return put, None
+            t_go = w.go("get")
+            cons = w.collect(case.consumers)
+        _check_all(cons, per_prod)
+        t_get = (max(r["t_end"] for r in cons) - t_go) / 1e9
+        lat = np.concatenate([r["lat_ns"] for r in cons])
+        get = Measured(
+            case.messages, max(t_get, 1e-9), lat, target.peak_rss(), {"put_seconds": t_put}
+        )
+        return put, get
+    finally:
+        target.close()
+
+
+# -- baselines --------------------------------------------------------------------------------
+
+
+def run_zmq_proxy(case: Case, tmpdir: str) -> Measured:
+    """The raw relay: P producer DEALERs -> zmq.proxy (ROUTER/DEALER) -> C consumer DEALERs."""
+    with Workers() as w:
+        addr_q = w.ctx.Queue()
+        hwm = max(2, case.window)
+        sub = tempfile.mkdtemp(prefix="zp-", dir=tmpdir)
+        w.start(
+            zmq_proxy_worker,
+            {
+                "name": "proxy",
+                "transport": case.transport,
+                "tmpdir": sub,
+                "hwm": hwm,
+                "addr_queue": addr_q,
+            },
+            group="proxy",
+        )
+        front, back = addr_q.get(timeout=120)
+        proxy_pid = w.procs[0].pid
+        counts_arr = w.counters(case.consumers)
+        per_prod = split(case.messages, case.producers)
+        done = w.ctx.Event()
+        for p, n in enumerate(per_prod):
+            w.start(
+                zmq_producer_worker,
+                {
+                    "name": f"producer-{p}",
+                    "address": front,
+                    "pidx": p,
+                    "n": n,
+                    "ptype": case.ptype,
+                    "size": case.size,
+                    "window": case.window,
+                    "hwm": hwm,
+                    "done": done,
+                },
+            )
+        for c in range(case.consumers):
+            w.start(
+                zmq_consumer_worker,
+                {
+                    "name": f"consumer-{c}",
+                    "address": back,
+                    "ptype": case.ptype,
+                    "size": case.size,
+                    "hwm": hwm,
+                    "counts": counts_arr,
+                    "slot": c,
+                    "total": case.messages,
+                },
+            )
+        w.wait_ready()
+        t_go = w.go()
+        results = w.collect(case.consumers)
+        done.set()
+        results += w.collect(case.producers)
+        rss = read_proc_status(proxy_pid, "VmHWM")
+    prod = [r for r in results if r["name"].startswith("producer")]
+    cons = [r for r in results if r["name"].startswith("consumer")]
+    _check_all(cons, per_prod)
+    seconds, lat = _stream_figures(prod, cons, t_go)
+    return Measured(case.messages, seconds, lat, rss)
+
+
+def run_zmq_echo(case: Case, tmpdir: str) -> Measured:
+    """Raw DEALER -> ROUTER echo round trips (``window`` in flight), each reply checked."""
+    with Workers() as w:
+        addr_q = w.ctx.Queue()
+        sub = tempfile.mkdtemp(prefix="ze-", dir=tmpdir)
+        w.start(
+            zmq_echo_worker,
+            {"name": "echo", "transport": case.transport, "tmpdir": sub, "addr_queue": addr_q},
+            group="echo",
+        )
+        address = addr_q.get(timeout=120)
+        echo_pid = w.procs[0].pid
+        w.start(
+            zmq_echo_client_worker,
+            {
+                "name": "client",
+                "address": address,
+                "ptype": case.ptype,
+                "size": case.size,
+                "window": case.window,
+                "n": case.messages,
+            },
+        )
+        w.wait_ready()
+        w.go()
+        (res,) = w.collect(1)
+        rss = read_proc_status(echo_pid, "VmHWM")
+    verify_seqs([res["seqs"]], [case.messages])
+    return Measured(case.messages, (res["t_end"] - res["t_start"]) / 1e9, res["lat_ns"], rss)
+
+
+def run_mp_queue(case: Case, tmpdir: str) -> Measured:
+    """``multiprocessing.Queue`` with P producer and C consumer processes."""
+    with Workers() as w:
+        q = w.ctx.Queue(maxsize=max(2, case.window))
+        counts_arr = w.counters(case.consumers)
+        per_prod = split(case.messages, case.producers)
+        for p, n in enumerate(per_prod):
+            w.start(
+                mp_producer_worker,
+                {
+                    "name": f"producer-{p}",
+                    "queue": q,
+                    "pidx": p,
+                    "n": n,
+                    "ptype": case.ptype,
+                    "size": case.size,
+                },
+            )
+        for c in range(case.consumers):
+            w.start(
+                mp_consumer_worker,
+                {
+                    "name": f"consumer-{c}",
+                    "queue": q,
+                    "ptype": case.ptype,
+                    "size": case.size,
+                    "counts": counts_arr,
+                    "slot": c,
+                    "total": case.messages,
+                },
+            )
+        w.wait_ready()
+        t_go = w.go()
+        results = w.collect(case.producers + case.consumers)
+    prod = [r for r in results if r["name"].startswith("producer")]
+    cons = [r for r in results if r["name"].startswith("consumer")]
+    _check_all(cons, per_prod)
+    seconds, lat = _stream_figures(prod, cons, t_go)
+    return Measured(case.messages, seconds, lat)
+
+
+# -- the runner: cases, repeats, baselines ----------------------------------------------------
+
+
+def _summarise(case: Case, kind: str, runs: list[Measured], latency: str) -> Result:
+    """The median over repeats of each figure."""
+    secs = statistics.median(r.seconds for r in runs)
+    items_s = statistics.median(r.items / r.seconds for r in runs)
+    nbytes = sum(part_sizes(case.ptype, case.size))
+    pcts = [percentiles(r.lat_ns) for r in runs]
+    rss = [r.rss_peak for r in runs if r.rss_peak]
+    extra: dict[str, Any] = {}
+    for r in runs:
+        for k, v in r.extra.items():
+            extra.setdefault(k, []).append(v)
+    per_run = [round(r.items / r.seconds, 1) for r in runs]
+    return Result(
+        case=case.name,
+        kind=kind,
+        scenario=case.scenario,
+        ptype=case.ptype,
+        size=case.size,
+        producers=case.producers,
+        consumers=case.consumers,
+        transport=case.transport,
+        window=case.window,
+        messages=case.messages,
+        items_s=items_s,
+        mb_s=items_s * nbytes / MIB,
+        p50_us=statistics.median(p[0] for p in pcts),
+        p99_us=statistics.median(p[1] for p in pcts),
+        latency=latency,
+        seconds=secs,
+        rss_peak_mb=max(rss) / MIB if rss else None,
+        extra={
+            "runs_items_s": per_run,
+            **{
+                k: statistics.median(v) if all(isinstance(x, (int, float)) for x in v) else v
+                for k, v in extra.items()
+            },
+        },
+    )
+
+
+LATENCY_KIND = {
+    "channel": "e2e",
+    "random_key": "e2e",
+    "hooks": "e2e",
+    "batch": "get_batch",
+    "put_only": "put",
+    "get_only": "get",
+}
+
+
+class Runner:
+    """Runs cases with repeats, and the baseline of each case once per distinct set-up."""
+
+    def __init__(
+        self, *, address: str | None, baseline: str, repeats: int, tmpdir: str, progress: Any = None
+    ) -> None:
+        self.address = address
+        self.baseline = baseline
+        self.repeats = max(1, repeats)
+        self.tmpdir = tmpdir
+        self.progress = progress
+        self.rows: list[Result] = []
+        self.notes: list[str] = []
+        self._baselines: dict[tuple, Result | None] = {}
+
+    def _tick(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def measure(self, case: Case) -> Result:
+        """Run ``case`` (repeats), add its row (and its baseline's row) and return it."""
+        case = bounded(case)
+        if case.scenario in ("put_only", "get_only"):
+            runs = [
+                run_put_get(case, self.address, self.tmpdir, get_phase=case.scenario == "get_only")
+                for _ in range(self.repeats)
+            ]
+            self._tick()
+            chosen = [r[1] if case.scenario == "get_only" else r[0] for r in runs]
+            result = _summarise(case, "zchannel", chosen, LATENCY_KIND[case.scenario])
+            if case.scenario == "get_only":
+                both = [r[0].seconds + r[1].seconds for r in runs]
+                result.extra["put_then_get_items_s"] = case.messages / statistics.median(both)
+                result.extra["put_items_s"] = statistics.median(
+                    r[0].items / r[0].seconds for r in runs
+                )
+        else:
+            runs = [
+                run_channel_stream(case, self.address, self.tmpdir) for _ in range(self.repeats)
+            ]
+            self._tick()
+            result = _summarise(case, "zchannel", runs, LATENCY_KIND[case.scenario])
+        base = self.baseline_for(case)
+        if base is not None:
+            result.baseline = base.case
+            if case.scenario == "get_only" and case.window == 1 and base.p50_us > 0:
+                result.ratio, result.ratio_metric = result.p50_us / base.p50_us, "p50"
+            elif base.items_s > 0:
+                result.ratio, result.ratio_metric = result.items_s / base.items_s, "items/s"
+        self.rows.append(result)
+        return result
+
+    def baseline_for(self, case: Case) -> Result | None:
+        """The baseline row for ``case`` (measured once per distinct set-up)."""
+        if self.baseline == "none":
+            return None
+        kind = self.baseline
+        if kind == "zmq":
+            kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
+        base_case = dataclasses.replace(case, scenario="channel", keys=1, hooks=False, label="")
+        if kind == "zmq.echo":
+            base_case = dataclasses.replace(
+                base_case, producers=1, consumers=1, scenario="get_only"
+            )
+        if kind == "ray":
+            base_case = dataclasses.replace(base_case, producers=1, consumers=1)
+        key = (kind, base_case)
+        if key in self._baselines:
+            return self._baselines[key]
+        result = self._run_baseline(kind, base_case)
+        self._baselines[key] = result
+        if result is not None:
+            self.rows.append(result)
+        return result
+
+    def _run_baseline(self, kind: str, case: Case) -> Result | None:
+        label = (
+            f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C "
+            f"w{case.window}"
+        )
+        if kind == "zmq.proxy":
+            runs = [run_zmq_proxy(case, self.tmpdir) for _ in range(self.repeats)]
+            latency = "e2e"
+        elif kind == "zmq.echo":
+            runs = [run_zmq_echo(case, self.tmpdir) for _ in range(self.repeats)]
+            latency = "rtt"
+        elif kind == "mp":
+            runs = [run_mp_queue(case, self.tmpdir) for _ in range(self.repeats)]
+            latency = "e2e"
+        elif kind == "ray":
+            if not ray_available():
+                self._note("ray baseline skipped: `ray` is not importable (pip install ray)")
+                return None
+            raw = [
+                run_ray_baselines(case.ptype, case.size, case.messages, case.window)
+                for _ in range(self.repeats)
+            ]
+            for variant in ("ray.actor",):
+                runs = [_ray_measured(r[variant], case.messages) for r in raw]
+                row = _summarise(
+                    dataclasses.replace(case, label=label.replace("ray", variant)),
+                    variant,
+                    runs,
+                    "e2e",
+                )
+                self.rows.append(row)
+            runs = [_ray_measured(r["ray.queue"], case.messages) for r in raw]
+            label = label.replace("ray", "ray.queue")
+            kind = "ray.queue"
+            latency = "e2e"
+        else:
+            raise click.BadParameter(f"unknown baseline {kind!r}")
+        self._tick()
+        return _summarise(dataclasses.replace(case, label=label), kind, runs, latency)
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+def _ray_measured(res: dict, n: int) -> Measured:
+    verify_seqs([res["seqs"]], [n])
+    return Measured(n, max(1e-9, (res["t_end"] - res["t_start"]) / 1e9), res["lat_ns"])
+
+
+# -- scenarios --------------------------------------------------------------------------------
+
+
+def scenario_cases(scenario: str, base: Case, keys: int | None) -> list[Case]:
+    """The cases of one scenario, from the options in ``base``."""
+    if scenario == "quick":
+        small = dataclasses.replace(base, ptype="bytes", size=64, messages=min(base.messages, 5000))
+        return [
+            dataclasses.replace(small, scenario="channel"),
+            dataclasses.replace(small, scenario="get_only", window=1, messages=1000),
+            dataclasses.replace(small, scenario="batch"),
+            dataclasses.replace(
+                base, scenario="channel", ptype="tensor", size=MIB, messages=256, window=8
+            ),
+        ]
+    if scenario == "all":
+        return [c for s in ALL_SCENARIOS for c in scenario_cases(s, base, keys)]
+    if scenario == "random_key":
+        return [
+            dataclasses.replace(
+                base, scenario="random_key", keys=keys or min(DEFAULT_KEYS, base.messages)
+            )
+        ]
+    if scenario == "hooks":
+        consumers = max(2, base.consumers)
+        return [
+            dataclasses.replace(base, scenario="hooks", consumers=consumers, hooks=False),
+            dataclasses.replace(base, scenario="hooks", consumers=consumers, hooks=True),
+        ]
+    return [dataclasses.replace(base, scenario=scenario)]
+
+
+def run_scenario(runner: Runner, scenario: str, base: Case, keys: int | None) -> None:
+    for case in scenario_cases(scenario, base, keys):
+        if case.hooks and runner.address:
+            runner._note("hooks case skipped with --address (hooks are the broker's settings)")
+            continue
+        runner.measure(case)
+
+
+# -- targets T1-T8 ----------------------------------------------------------------------------
+
+
+def _target(
+    name: str,
+    desc: str,
+    measured: float,
+    reference: float,
+    unit: str,
+    threshold: float,
+    higher: bool = True,
+    note: str = "",
+) -> TargetResult:
+    ratio = measured / reference if reference else float("nan")
+    passed = ratio >= threshold if higher else ratio <= threshold
+    return TargetResult(
+        name, desc, measured, reference, unit, ratio, threshold, higher, passed, note
+    )
+
+
+def measure_rss_target(runner: Runner, tmpdir: str) -> TargetResult:
+    """T8: broker RSS holding 1 GiB of 16 MiB tensors, above its idle RSS; then drained and
+    every tensor checked."""
+    case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4)
+    target = Target(case, runner.address, tmpdir)
+    try:
+        idle = target.rss() or 0
+        with Workers() as w:
+            counts_arr = w.counters(1)
+            for spec in _producer_specs(case, target.address, target.key_prefix):
+                w.start(channel_producer, spec, group="put")
+            w.start(
+                channel_consumer,
+                {
+                    "name": "consumer-0",
+                    "address": target.address,
+                    "key": target.key_prefix,
+                    "ptype": case.ptype,
+                    "size": case.size,
+                    "window": 4,
+                    "counts": counts_arr,
+                    "slot": 0,
+                    "total": case.messages,
+                },
+                group="get",
+            )
+            w.wait_ready()
+            w.go("put")
+            w.collect(1)
+            held = target.rss() or 0
+            peak = target.peak_rss() or 0
+            w.go("get")
+            (cons,) = w.collect(1)
+        verify_seqs([cons["seqs"]], [case.messages])
+    finally:
+        target.close()
+    delta = held - idle
+    runner._tick()
+    return _target(
+        "T8",
+        "broker RSS holding 1 GiB of 16 MiB tensors, above idle (GiB)",
+        delta / (1 << 30),
+        1.0,
+        "GiB",
+        1.1,
+        higher=False,
+        note=f"idle {idle / MIB:.0f} MiB, held {held / MIB:.0f} MiB, VmHWM {peak / MIB:.0f} MiB",
+    )
+
+
+def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
+    """T1-T4 and T6-T8 of the issue (T5, the Ray queue, is ``--baseline ray``)."""
+    small = dataclasses.replace(
+        base, ptype="bytes", size=64, transport="ipc", producers=1, consumers=1, window=64
+    )
+    out: list[TargetResult] = []
+    saved = runner.baseline
+    runner.baseline = "zmq"
+    try:
+        t1 = runner.measure(
+            Case(
+                "channel",
+                ptype="tensor",
+                size=16 * MIB,
+                messages=64,
+                window=8,
+                label="T1 channel tensor 16MiB 1P/1C ipc",
+            )
+        )
+        b1 = runner.baseline_for(
+            bounded(Case("channel", ptype="tensor", size=16 * MIB, messages=64, window=8))
+        )
+        out.append(
+            _target(
+                "T1", "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy", t1.mb_s, b1.mb_s, "MB/s", 0.90
+            )
+        )
+        t2 = runner.measure(
+            dataclasses.replace(small, scenario="get_only", label="T2 put(w64) then get(w64) 64B")
+        )
+        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"))
+        composite = t2.extra["put_then_get_items_s"]
+        out.append(
+            _target(
+                "T2",
+                "64 B async puts (w64) then gets, items/s vs zmq.proxy",
+                composite,
+                b2.items_s,
+                "items/s",
+                0.30,
+                note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
+            )
+        )
+        t3 = runner.measure(
+            dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
+        )
+        out.append(
+            _target(
+                "T3",
+                "64 B via get_batch (64/batch), items/s vs zmq.proxy",
+                t3.items_s,
+                b2.items_s,
+                "items/s",
+                0.30,
+            )
+        )
+        t4 = runner.measure(
+            dataclasses.replace(
+                small,
+                scenario="get_only",
+                window=1,
+                messages=min(small.messages, 3000),
+                label="T4 get latency 64B prefilled",
+            )
+        )
+        b4 = runner.baseline_for(
+            bounded(
+                dataclasses.replace(
+                    small, scenario="get_only", window=1, messages=min(small.messages, 3000)
+                )
+            )
+        )
+        out.append(
+            _target(
+                "T4",
+                "get p50 latency, 64 B, prefilled vs raw echo p50 (us)",
+                t4.p50_us,
+                b4.p50_us,
+                "us",
+                1.3,
+                higher=False,
+            )
+        )
+        one = runner.measure(
+            dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C")
+        )
+        four = runner.measure(
+            dataclasses.replace(
+                small, scenario="channel", producers=4, consumers=4, label="T6 channel 64B 4P/4C"
+            )
+        )
+        out.append(
+            _target(
+                "T6",
+                "64 B 4P/4C aggregate items/s vs 1P/1C",
+                four.items_s,
+                one.items_s,
+                "items/s",
+                0.8,
+            )
+        )
+        k1 = runner.measure(
+            dataclasses.replace(
+                small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
+            )
+        )
+        k10k = runner.measure(
+            dataclasses.replace(
+                small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
+            )
+        )
+        out.append(
+            _target(
+                "T7",
+                "64 B over 10,000 keys vs 1 key, items/s",
+                k10k.items_s,
+                k1.items_s,
+                "items/s",
+                0.8,
+            )
+        )
+        out.append(measure_rss_target(runner, tmpdir))
+    finally:
+        runner.baseline = saved
+    return out
+
+
+TARGET_STEPS = 14  # progress-bar length of the targets suite (cases + baselines)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _print_grid(table: list[tuple]) -> None:
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            click.echo("  ".join("-" * w for w in widths))
+
+
+def print_table(rows: list[Result], targets: list[TargetResult], notes: list[str]) -> None:
+    """The results table (and the PASS/FAIL table of the targets, when measured) on stdout."""
+    table: list[tuple] = [
+        ("case", "kind", "items/s", "MB/s", "p50 us", "p99 us", "lat", "RSS MB", "vs baseline")
+    ]
+    for r in rows:
+        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x {r.ratio_metric}"
+        table.append(
+            (
+                r.case,
+                r.kind,
+                _fmt(r.items_s),
+                _fmt(r.mb_s, ".1f"),
+                _fmt(r.p50_us, ".1f"),
+                _fmt(r.p99_us, ".1f"),
+                r.latency,
+                _fmt(r.rss_peak_mb),
+                ratio,
+            )
+        )
+    if rows:
+        _print_grid(table)
+    if targets:
+        click.echo("")
+        grid: list[tuple] = [
+            ("target", "result", "ratio", "threshold", "measured", "reference", "description")
+        ]
+        for t in targets:
+            op = ">=" if t.higher_is_better else "<="
+            grid.append(
+                (
+                    t.target,
+                    "PASS" if t.passed else "FAIL",
+                    f"{t.ratio:.2f}",
+                    f"{op} {t.threshold}",
+                    f"{_fmt(t.measured, '.4g')} {t.unit}",
+                    f"{_fmt(t.reference, '.4g')} {t.unit}",
+                    t.description + (f" [{t.note}]" if t.note else ""),
+                )
+            )
+        _print_grid(grid)
+    click.echo(
+        "(MB = 2**20 bytes; lat: e2e = put issued -> item received, put/get/get_batch/rtt"
+        " = request -> reply)"
+    )
+    for note in notes:
+        click.echo(f"note: {note}")
+
+
+def write_json(
+    path: str,
+    machine: dict,
+    options: dict,
+    rows: list[Result],
+    targets: list[TargetResult],
+    notes: list[str],
+    ok: bool,
+    error: str | None,
+) -> None:
+    doc = {
+        "machine": machine,
+        "options": options,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "targets": [dataclasses.asdict(t) for t in targets],
+        "notes": notes,
+        "ok": ok,
+        "error": error,
+    }
+    with open(path, "w") as f:
+        json.dump(
+            doc, f, indent=2, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)
+        )
+
+
+# -- the command ------------------------------------------------------------------------------
+
+_OPTION_NAMES = (
+    "scenario",
+    "payload_type",
+    "payload_size",
+    "messages",
+    "producers",
+    "consumers",
+    "transport",
+    "window",
+    "baseline",
+    "repeats",
+    "keys",
+    "address",
+    "json_path",
+)
+
+
+def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) -> dict[str, Any]:
+    """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
+    if not path:
+        return values
+    with open(path, "rb") as f:
+        table = tomllib.load(f).get("bench", {})
+    out = dict(values)
+    for raw_key, value in table.items():
+        key = raw_key.replace("-", "_")
+        key = "json_path" if key == "json" else key
+        if key not in _OPTION_NAMES:
+            raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
+        if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
+            out[key] = value
+    return out
+
+
+@click.command()
+@click.option(
+    "--scenario",
+    type=click.Choice(SCENARIOS),
+    default="quick",
+    show_default=True,
+    help="what to measure (quick: a short suite; targets: T1-T4, T6-T8)",
+)
+@click.option(
+    "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
+)
+@click.option(
+    "--payload-size",
+    default="64B",
+    show_default=True,
+    help="bytes per item: 64, 64B, 4KB, 16MB, 1GB",
+)
+@click.option(
+    "--messages",
+    type=click.IntRange(1),
+    default=20000,
+    show_default=True,
+    help="items per case (large payloads are capped at 1 GiB per case)",
+)
+@click.option("--producers", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--consumers", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--transport", type=click.Choice(("ipc", "tcp")), default="ipc", show_default=True)
+@click.option(
+    "--window",
+    type=click.IntRange(1, 1024),
+    default=64,
+    show_default=True,
+    help="asynchronous operations in flight per worker",
+)
+@click.option(
+    "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 20),
+    default=1,
+    show_default=True,
+    help="runs per case; the table shows medians",
+)
+@click.option(
+    "--keys",
+    type=click.IntRange(1),
+    default=None,
+    help="keys of the random_key scenario (default: up to 128)",
+)
+@click.option("--address", default=None, help="measure the running broker at this address")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="also write every row and the machine description to this file",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a TOML file with a [bench] table of these options",
+)
+@click.pass_context
+def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
+    """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
+
+    Starts what it needs (or measures --address), runs bounded load, checks every item and
+    prints one table; exits 1 on a lost, duplicated or corrupted item.
+    """
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    opts = _apply_config(ctx, config_path, values)
+    size = parse_size(opts["payload_size"])
+    base = Case(
+        "channel",
+        ptype=opts["payload_type"],
+        size=size,
+        messages=int(opts["messages"]),
+        producers=int(opts["producers"]),
+        consumers=int(opts["consumers"]),
+        transport=opts["transport"],
+        window=int(opts["window"]),
+    )
+    scenario = opts["scenario"]
+    keys = opts.get("keys")
+    machine = machine_description()
+    targets: list[TargetResult] = []
+    error: str | None = None
+    with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
+        n_steps = (
+            TARGET_STEPS if scenario == "targets" else 2 * len(scenario_cases(scenario, base, keys))
+        )
+        runner = Runner(
+            address=opts.get("address"),
+            baseline=opts["baseline"],
+            repeats=int(opts["repeats"]),
+            tmpdir=tmpdir,
+        )
+        started = time.monotonic()
+        try:
+            with click.progressbar(
+                length=n_steps, label=f"zchannel bench {scenario}", file=sys.stderr
+            ) as bar:
+                runner.progress = bar
+                if scenario == "targets":
+                    targets = run_targets(runner, base, tmpdir)
+                else:
+                    run_scenario(runner, scenario, base, keys)
+        except Mismatch as exc:
+            error = f"content check failed: {exc}"
+        except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
+            error = f"benchmark failed: {exc}"
+        elapsed = time.monotonic() - started
+    click.echo(
+        f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), python "
+        f"{machine['python']}, torch {machine['torch']}, pyzmq {machine['pyzmq']} "
+        f"(libzmq {machine['libzmq']}); {elapsed:.1f}s"
+    )
+    print_table(runner.rows, targets, runner.notes)
+    if opts.get("json_path"):
+        options = {k: opts.get(k) for k in _OPTION_NAMES}
+        options["payload_bytes"] = size
+        write_json(
+            opts["json_path"],
+            machine,
+            options,
+            runner.rows,
+            targets,
+            runner.notes,
+            error is None,
+            error,
+        )
+    if error is not None:
+        raise BenchFailure(error)
