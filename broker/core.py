@@ -54,9 +54,12 @@ def check_key(key: Any, _depth: int = 0) -> Any:
     raise TypeError(f"a key is a str, int, bytes or a tuple of those, not {type(key).__name__}")
 
 
+MAX_WEIGHT = 2**53
+
+
 def check_weight(weight: Any) -> int:
-    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
-        raise ValueError(f"weight must be an int >= 0, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"weight must be an int in [0, 2**53], got {weight!r}")
     return weight
 
 
@@ -751,8 +754,8 @@ class QueueCore:
         for key, ks in self.keys.items():
             keys[key] = {
                 "depth": ks.depth(),
-                "weight": sum(i.weight for i in ks.shared)
-                + sum(i.weight for q in ks.private.values() for i in q),
+                "weight": min(2**63 - 1, sum(i.weight for i in ks.shared)
+                              + sum(i.weight for q in ks.private.values() for i in q)),
                 "private": {c: len(q) for c, q in ks.private.items() if q},
                 "getters": len(ks.getters),
                 "putters": ks.putters,

@@ -195,7 +195,7 @@ class Broker:
         parent_fd = self._watch_parent(poller)
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
-        log.info("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
+        log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
         self._running = True
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
@@ -257,7 +257,7 @@ class Broker:
                     os.unlink(ipc)
                 except FileNotFoundError:
                     pass
-            log.info("broker %r stopped", self.config.name)
+            log.debug("broker %r stopped", self.config.name)
 
     # -- receiving ---------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from zchannel.cli.bench_baselines import (
     zmq_producer_worker,
     zmq_proxy_worker,
 )
+from zchannel.cli.bench_trajectory import TrajectoryCase, chunk_bytes, run_trajectory_case
 from zchannel.hooks import register_collector
 from zchannel.hooks.builtin import FlattenBatch
 
@@ -69,6 +70,7 @@ SCENARIOS = (
     "hooks",
     "all",
     "targets",
+    "trajectory",
 )
 ALL_SCENARIOS = ("channel", "put_only", "get_only", "random_key", "batch", "hooks")
 BATCH_ITEMS = 64
@@ -1148,6 +1150,82 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
 TARGET_STEPS = 14  # progress-bar length of the targets suite (cases + baselines)
 
 
+# -- trajectory collector ---------------------------------------------------------------------
+
+TRAJECTORY_STEPS = 8  # global steps streamed per trajectory case (unless --messages is given)
+
+
+def trajectory_cases(steps: int, batch: int) -> list[TrajectoryCase]:
+    """Rollout and pipeline mode: S=2 sources of B envs, N=8 chunks, C=8, A=7, AW=2."""
+    return [
+        TrajectoryCase(mode="rollout", batch=batch, steps=steps),
+        TrajectoryCase(mode="pipeline", batch=batch, steps=steps),
+    ]
+
+
+def _trajectory_row(case: TrajectoryCase, kind: str, runs: list[dict], transport: str) -> Result:
+    secs = statistics.median(r["seconds"] for r in runs)
+    chunks_s = statistics.median(r["chunks"] / r["seconds"] for r in runs)
+    nbytes = chunk_bytes(case)
+    rss = [r["rss_peak"] for r in runs if r["rss_peak"]]
+    return Result(
+        case=f"{case.label} {kind}",
+        kind=kind,
+        scenario="trajectory",
+        ptype="parts",
+        size=nbytes,
+        producers=case.num_sources,
+        consumers=case.actors,
+        transport=transport,
+        window=case.window,
+        messages=case.total_chunks,
+        items_s=chunks_s,
+        mb_s=chunks_s * nbytes / MIB,
+        p50_us=float("nan"),
+        p99_us=float("nan"),
+        latency="-",
+        seconds=secs,
+        rss_peak_mb=max(rss) / MIB if rss else None,
+        extra={
+            "runs_chunks_s": [round(r["chunks"] / r["seconds"], 1) for r in runs],
+            "outputs": runs[0]["outputs"],
+            "per_consumer": runs[0]["per_consumer"],
+            "options": case.options(),
+            "image": [3, case.image, case.image],
+        },
+    )
+
+
+def run_trajectory(runner: Runner, base: Case, steps: int, batch: int) -> None:
+    """Each mode through the ``embodied_trajectory`` collector, then the same halves through a
+    channel without hooks; the collector row's ratio is collector / plain chunks/s."""
+    if runner.address:
+        raise click.BadParameter("--scenario trajectory starts its own brokers (no --address)")
+
+    def address_for(name: str) -> str:
+        if base.transport == "ipc":
+            return f"ipc://{runner.tmpdir}/{name}.sock"
+        return "tcp://127.0.0.1:0"
+
+    for case in trajectory_cases(steps, batch):
+        runs = {}
+        for collector in (True, False):
+            runs[collector] = [
+                run_trajectory_case(case, collector, runner.tmpdir, address_for)
+                for _ in range(runner.repeats)
+            ]
+            runner._tick()
+        hooked = _trajectory_row(case, "collector", runs[True], base.transport)
+        plain = _trajectory_row(case, "plain", runs[False], base.transport)
+        hooked.baseline = plain.case
+        hooked.ratio, hooked.ratio_metric = hooked.items_s / plain.items_s, "chunks/s"
+        runner.rows += [hooked, plain]
+    runner._note(
+        "trajectory rows: items/s = chunks/s (one PolicyPart + one EnvPart per chunk of B envs),"
+        " MB/s = bytes of both halves put; outputs counted by consumers actor:i"
+    )
+
+
 # -- output -----------------------------------------------------------------------------------
 
 
@@ -1255,6 +1333,7 @@ _OPTION_NAMES = (
     "keys",
     "address",
     "json_path",
+    "trajectory_batch",
 )
 
 
@@ -1325,6 +1404,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     default=None,
     help="keys of the random_key scenario (default: up to 128)",
 )
+@click.option(
+    "--trajectory-batch",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="trajectory scenario: envs per source B (--messages sets the global steps, default 8)",
+)
 @click.option("--address", default=None, help="measure the running broker at this address")
 @click.option(
     "--json",
@@ -1367,9 +1453,12 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
     targets: list[TargetResult] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        n_steps = (
-            TARGET_STEPS if scenario == "targets" else 2 * len(scenario_cases(scenario, base, keys))
-        )
+        if scenario == "targets":
+            n_steps = TARGET_STEPS
+        elif scenario == "trajectory":
+            n_steps = 4
+        else:
+            n_steps = 2 * len(scenario_cases(scenario, base, keys))
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
@@ -1384,6 +1473,13 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
                 runner.progress = bar
                 if scenario == "targets":
                     targets = run_targets(runner, base, tmpdir)
+                elif scenario == "trajectory":
+                    given = ctx.get_parameter_source("messages") not in (
+                        click.core.ParameterSource.DEFAULT,
+                        None,
+                    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
+                    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
+                    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
                 else:
                     run_scenario(runner, scenario, base, keys)
         except Mismatch as exc:

@@ -165,15 +165,13 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _register_optional_commands() -> None:
-    try:
-        from zchannel.cli.bench import bench
-    except ImportError:
-        return
+def _register_commands() -> None:
+    from zchannel.cli.bench import bench
+
     main.add_command(bench)
 
 
-_register_optional_commands()
+_register_commands()
 
 if __name__ == "__main__":
     main()

@@ -113,3 +113,16 @@ def test_corrupted_item_fails_the_run(tmp_path):
     assert "content mismatch" in result.output
     doc = json.loads(out.read_text())
     assert doc["ok"] is False and "mismatch" in doc["error"]
+
+
+@pytest.mark.timeout(30)
+def test_trajectory_collector_counts(tmp_path):
+    from zchannel.cli.bench_trajectory import TrajectoryCase, check_counts, run_trajectory_case
+
+    case = TrajectoryCase(mode="pipeline", batch=4, image=8, steps=1)
+    res = run_trajectory_case(case, True, str(tmp_path), lambda n: f"ipc://{tmp_path}/{n}.sock")
+    assert res["outputs"] == case.expected_outputs() == sum(res["per_consumer"]) > 0
+    assert res["chunks"] == 2 * 8 and res["seconds"] > 0
+    with pytest.raises(Mismatch, match="expected 5"):
+        check_counts([{"count": 2}, {"count": 2}], 5, "pipeline")
+    assert "trajectory" in CliRunner().invoke(bench, ["--help"]).output
