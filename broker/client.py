@@ -269,6 +269,10 @@ class Channel:
             body, buffers = codec.encode(item)
             frames = [body, *buffers]
             rec["fs"] = [len(body), *(memoryview(b).nbytes for b in buffers)]
+            limit = self._connection().broker_info.get("max_message_bytes")
+            if limit and sum(rec["fs"]) > limit:
+                raise ValueError(f"item of {sum(rec['fs'])} bytes exceeds the broker's "
+                                 f"max_message_bytes limit ({limit})")
         op = rec["op"]
         convert = None
         if op == GET:

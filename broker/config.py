@@ -3,7 +3,8 @@
 A file has up to three tables::
 
     [channel]                 # name, address, maxsize, lease_timeout, heartbeat_interval,
-    name = "samples"          # liveness, max_bytes, max_message_bytes, insecure, key_grace
+    name = "samples"          # liveness, max_bytes, max_keys, max_message_bytes, max_frames,
+                              # max_header_bytes, insecure, key_grace, curve_secret_key, ...
     maxsize = 64
 
     [hooks]                   # collector, dispatcher, consumers, producers, imports
@@ -25,7 +26,8 @@ from zchannel.broker.server import BrokerConfig
 
 _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",
-    "max_bytes", "max_message_bytes", "max_frames", "max_header_bytes", "insecure", "key_grace",
+    "max_bytes", "max_keys", "max_message_bytes", "max_frames", "max_header_bytes", "insecure",
+    "key_grace", "curve_secret_key", "curve_public_keys",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
 

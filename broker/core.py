@@ -164,6 +164,7 @@ class QueueCore:
         encode_item: Callable[[Any, int], Item],
         lease_timeout: float = 30.0,
         max_bytes: int = 0,
+        max_keys: int = 100_000,
         key_grace: float = KEY_GRACE_S,
     ) -> None:
         self.name = name
@@ -175,6 +176,7 @@ class QueueCore:
         self.encode_item = encode_item
         self.lease_timeout = lease_timeout
         self.max_bytes = max_bytes
+        self.max_keys = max_keys
         self.key_grace = key_grace
         self.keys: dict[Any, KeyState] = {}
         self.consumers: dict[str, Consumer] = {c: Consumer(declared=True) for c in consumers}
@@ -266,6 +268,14 @@ class QueueCore:
             ks = self.keys[key] = KeyState(key)
         ks.idle_since = None
         return ks
+
+    def _check_new_keys(self, keys: Any) -> None:
+        """Raise ``ValueError`` naming the limit if ``keys`` would pass ``max_keys``."""
+        if self.max_keys and len(self.keys) + len(keys) > self.max_keys:
+            new = [k for k in keys if k not in self.keys]
+            if len(self.keys) + len(new) > self.max_keys:
+                raise ValueError(f"the broker holds {len(self.keys)} keys: the max_keys limit "
+                                 f"({self.max_keys}) is reached")
 
     def _queue(self, ks: KeyState, consumer: str | None) -> deque[Item]:
         if consumer is None:
@@ -376,6 +386,7 @@ class QueueCore:
             check_weight(item.weight)
             outputs = self._collect(item, key, item.weight)
             routed = [(k, self._route(it, k), it) for k, it in outputs]
+            self._check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)
             return
@@ -492,6 +503,7 @@ class QueueCore:
             key = check_key(key)
             if batch_target and (isinstance(batch_target, bool) or batch_target <= 0):
                 raise ValueError("target_weight must be > 0")
+            self._check_new_keys((key,))
             if self.deals and client.identity is None:
                 raise ValueError(
                     f"channel {self.name!r} deals items to consumers: a consumer needs an "

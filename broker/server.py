@@ -65,6 +65,7 @@ class BrokerConfig:
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_bytes: int = 0
+    max_keys: int = 100_000
     max_message_bytes: int = 0
     max_frames: int = MAX_FRAMES
     max_header_bytes: int = MAX_HEADER_BYTES
@@ -143,6 +144,7 @@ class Broker:
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,
             max_bytes=config.max_bytes,
+            max_keys=config.max_keys,
             key_grace=config.key_grace,
         )
         self.clients: dict[bytes, Client] = {}
@@ -327,7 +329,7 @@ class Broker:
         self._reply(client, rid if isinstance(rid, int) else 0, result={
             "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
             "liveness": self.config.liveness, "deals": self.core.deals,
-            "maxsize": self.core.maxsize,
+            "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
         })
         return client
 
@@ -440,7 +442,22 @@ class Broker:
                     log.info("client went away before its reply was sent; its items were requeued")
                     self.core.client_gone(client)
 
+    def _release_memory(self) -> None:
+        """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
+        otherwise, and the broker's RSS would stay at its peak)."""
+        held = self.core.bytes_held
+        self._peak_held = max(getattr(self, "_peak_held", 0), held)
+        if held == 0 and self._peak_held >= 16 << 20:
+            self._peak_held = 0
+            try:
+                import ctypes
+
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass
+
     def _heartbeats(self, now: float) -> None:
+        self._release_memory()
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness
         for address, client in list(self.clients.items()):

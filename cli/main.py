@@ -64,6 +64,8 @@ def main() -> None:
 @click.option("--import", "imports", multiple=True, help="module to import before resolving hooks")
 @click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
 @click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
+@click.option("--max-keys", type=int, help="number of keys the broker holds at most (default 100000)")
+@click.option("--max-message-bytes", type=int, help="largest message accepted (0 = no limit)")
 @click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
               help="the broker's CURVE key pair file (zchannel keygen)")

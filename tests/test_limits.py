@@ -1,0 +1,100 @@
+"""Broker limits and producers killed mid-put."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from zchannel.broker import Channel
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def cli_broker(run_dir):
+    procs = []
+
+    def start(name, *flags):
+        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", name, *flags],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        return line.split()[1]
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_limits_name_themselves_and_store_nothing(cli_broker):
+    address = cli_broker("limited", "--max-keys", "2", "--max-bytes", "200000",
+                         "--max-message-bytes", "150000")
+    ch = Channel.connect(address)
+    try:
+        ch.put(1, key="a")
+        ch.put(2, key="b")
+        with pytest.raises(ValueError, match="max_keys"):
+            ch.put(3, key="c")
+        with pytest.raises(ValueError, match="max_keys"):
+            ch.get(key="c", timeout=0.1)
+        assert ch.get(key="a") == 1  # existing keys still work
+        ch.put(torch.zeros(30_000), key="a")  # 120 kB
+        with pytest.raises(asyncio.QueueFull):  # would pass max_bytes: waits like a full queue
+            ch.put_nowait(torch.zeros(30_000), key="a")
+        with pytest.raises(TimeoutError):
+            ch.put(torch.zeros(30_000), key="a", timeout=0.2)
+        assert ch.qsize("a") == 1
+        ch.get(key="a")
+        ch.put(torch.zeros(30_000), key="a")  # admitted once bytes were freed
+        with pytest.raises(ValueError, match="max_message_bytes"):
+            ch.put(torch.zeros(60_000), key="b", timeout=2)
+    finally:
+        ch.close()
+    fresh = Channel.connect(address)
+    try:
+        assert fresh.qsize("a") == 1 and fresh.qsize("b") == 1  # nothing half-stored
+    finally:
+        fresh.close()
+
+
+def test_producer_killed_mid_put_enqueues_whole_items_or_nothing(workers, channels):
+    ch = Channel.create("midput")
+    channels.append(ch)
+    producer = workers.start(
+        """
+        import sys, torch
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1])
+        i = 0
+        while True:
+            t = torch.full((8 << 20,), float(i))  # 32 MiB per item
+            work = ch.put(t, async_op=True)
+            if i == 0:
+                work.wait()  # one acknowledged item; the rest stream while we are killed
+                print("streaming", flush=True)
+            i += 1
+        """,
+        ch.address,
+    )
+    workers.wait_line(producer, "streaming")
+    os.kill(producer.pid, signal.SIGKILL)
+    producer.wait()
+    n = ch.qsize()
+    assert n >= 1
+    for _ in range(n):
+        item = ch.get(timeout=10)
+        assert item.shape == (8 << 20,)
+        assert bool((item == item[0]).all())  # intact, never a torn item
+    ch.put("after")
+    assert ch.get(timeout=5) == "after"
