@@ -238,6 +238,29 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
 # Decoding
 
 
+def restrict(dtypes: list[str] | None = None, max_rank: int | None = None) -> None:
+    """Narrow what this process decodes (a broker's ``allowed_dtypes`` / ``max_rank`` limits).
+
+    ``dtypes`` names numpy ``dtype.str`` values (``"<f4"``) and/or torch dtype names
+    (``"bfloat16"``); anything outside the built-in allow-lists is a ``ValueError``.
+    """
+    global MAX_RANK
+    if max_rank is not None:
+        if not 0 <= max_rank <= 32:
+            raise ValueError("max_rank must be in [0, 32]")
+        MAX_RANK = max_rank
+    if dtypes is not None:
+        _torch()
+        unknown = [d for d in dtypes if d not in _NP_DTYPES and d not in _TORCH_DTYPES]
+        if unknown:
+            raise ValueError(f"allowed_dtypes: unknown or not allowed dtypes {unknown}")
+        for table in (_NP_DTYPES, _TORCH_DTYPES):
+            for name in [d for d in table if d not in dtypes]:
+                del table[name]
+        for dtype in [d for d, n in _TORCH_DTYPE_NAME.items() if n not in dtypes]:
+            del _TORCH_DTYPE_NAME[dtype]
+
+
 def _check_shape(shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise ValueError(f"array shape must be a list of at most {MAX_RANK} ints")

@@ -66,6 +66,8 @@ class BrokerConfig:
     liveness: int = 3
     max_bytes: int = 0
     max_keys: int = 100_000
+    allowed_dtypes: list[str] | None = None
+    max_rank: int | None = None
     max_message_bytes: int = 0
     max_frames: int = MAX_FRAMES
     max_header_bytes: int = MAX_HEADER_BYTES
@@ -122,6 +124,8 @@ class Broker:
         paths.check_name(config.name)
         for module in config.imports:
             __import__(module)
+        if config.allowed_dtypes is not None or config.max_rank is not None:
+            codec.restrict(config.allowed_dtypes, config.max_rank)
         self._lock_fd = config.lock_fd
         if self._lock_fd is None:
             self._lock_fd = paths.try_lock(config.name)

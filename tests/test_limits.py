@@ -98,3 +98,26 @@ def test_producer_killed_mid_put_enqueues_whole_items_or_nothing(workers, channe
         assert bool((item == item[0]).all())  # intact, never a torn item
     ch.put("after")
     assert ch.get(timeout=5) == "after"
+
+
+def test_dtype_allow_list_and_rank_limit_for_decoding_brokers(tmp_path, run_dir):
+    config = tmp_path / "strict.toml"
+    config.write_text(
+        '[channel]\nname = "strict"\nallowed_dtypes = ["float32", "<f4"]\nmax_rank = 2\n'
+        '[hooks]\ncollector = "flatten_batch"\n'
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "--config",
+                             str(config)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("ready ")
+        ch = Channel.connect("strict")
+        ch.put([torch.ones(2, 2)])  # decoded by the collector: allowed
+        assert torch.equal(ch.get(timeout=5), torch.ones(2, 2))
+        for bad in ([torch.ones(2, dtype=torch.int64)], [torch.ones(1, 1, 1)]):
+            with pytest.raises(ValueError):
+                ch.put(bad)
+        assert ch.qsize() == 0
+        ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
