@@ -139,7 +139,7 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
     finally:
         channel.close()
     if as_json:
-        click.echo(json.dumps(stats, default=_jsonable, indent=2, sort_keys=True))
+        click.echo(json.dumps(_json_keys(stats), default=_jsonable, indent=2, sort_keys=True))
         return
     click.echo(f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})")
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
@@ -157,6 +157,15 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _json_keys(value: Any) -> Any:
+    """JSON objects need str keys: str keys stay, other keys (int, bytes, tuple) become repr()."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): _json_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_keys(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:

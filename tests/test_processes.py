@@ -247,6 +247,8 @@ def test_cli_broker_and_stat(run_dir, tmp_path):
         assert line.startswith("ready ipc://"), line
         ch = Channel.connect("clichan")
         ch.put(b"x", key="a", weight=2)
+        ch.put(b"y", key=("t", 1))
+        ch.put(b"z", key=b"\x01")
         out = subprocess.run(
             [sys.executable, "-m", "zchannel.cli.main", "stat", "clichan"],
             capture_output=True, text=True, timeout=60, env=env,
@@ -261,6 +263,7 @@ def test_cli_broker_and_stat(run_dir, tmp_path):
 
         data = json.loads(js.stdout)
         assert data["keys"]["a"]["depth"] == 1 and data["keys"]["a"]["weight"] == 2
+        assert data["keys"]["('t', 1)"]["depth"] == 1 and data["keys"]["b'\\x01'"]["depth"] == 1
         assert data["maxsize"] == 4
         ch.close()
         # a second broker for the same name refuses to start
