@@ -123,3 +123,35 @@ def test_failed_put_reaches_putter_as_hook_error(channels):
         ch.put("not a trajectory part")
     policy, env = parts(plan, key(rank=0, chunk=0))
     ch.put(policy)  # the broker carries on
+
+
+def test_lerobot_unfinished_episode_carries_across_steps(channels):
+    from embodied.test_collector import episode_data
+
+    plan = make_plan(mode="lerobot", num_chunks=2, actor_world_size=2, num_action_chunks=2)
+    ch = Channel.create("trajlerobot", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", consumers={"actor": 2},
+                        options=plan.to_options())
+    channels.append(ch)
+    actors = [Channel.connect("trajlerobot", identity=f"actor:{a}") for a in range(2)]
+    try:
+        for step, last_done in ((0, False), (1, True)):
+            for c in range(plan.num_chunks):
+                done = last_done and c == plan.num_chunks - 1
+                policy, env = parts(plan, key(step=step, chunk=c), external=True,
+                                    episode_data=episode_data(done))
+                ch.put(env)
+                ch.put(policy)
+            shards = [actor.get(timeout=10) for actor in actors]
+            assert [type(s).__name__ for s in shards] == ["EpisodeShard", "EpisodeShard"]
+            assert all(s.step_id == step for s in shards)
+            episodes = [e for s in shards for e in s.episodes]
+            if step == 0:
+                assert episodes == []  # not finished yet: it stays in the broker's accumulator
+            else:
+                (episode,) = episodes  # 2 steps x 2 chunks x 2 frames, in one episode
+                assert [f["frame_index"] for f in episode] == list(range(8))
+                assert episode[-1]["next.done"] and episode[0]["episode_index"] == 0
+    finally:
+        for actor in actors:
+            actor.close()
