@@ -264,12 +264,13 @@ class Channel:
 
     def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None) -> Work:
+        conn = self._connection()
         frames: list = []
         if has_item:
             body, buffers = codec.encode(item)
             frames = [body, *buffers]
             rec["fs"] = [len(body), *(memoryview(b).nbytes for b in buffers)]
-            limit = self._connection().broker_info.get("max_message_bytes")
+            limit = conn.broker_info.get("max_message_bytes")
             if limit and sum(rec["fs"]) > limit:
                 raise ValueError(f"item of {sum(rec['fs'])} bytes exceeds the broker's "
                                  f"max_message_bytes limit ({limit})")
@@ -281,7 +282,7 @@ class Channel:
             convert = _batch_converter(copy)
         elif op == STATS:
             convert = _stats_converter
-        return self._connection().request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        return conn.request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
 
     def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
             timeout: float | None = None) -> Work | None:

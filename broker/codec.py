@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -403,7 +403,3 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False) -> Any:
     except Exception as exc:  # msgpack's own errors, RecursionError, ...
         raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
 
-
-def decoder_for(frames: Sequence[Any], copy: bool = False) -> Callable[[bytes], Any]:
-    """A function decoding bodies that reference ``frames``."""
-    return lambda body: decode(body, frames, copy=copy)

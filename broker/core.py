@@ -9,6 +9,7 @@ of ``reply`` — a result or an error — unless the client withdrew it or went 
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
@@ -347,10 +348,7 @@ class QueueCore:
     def _collect(self, item: Item, key: Any, weight: int) -> list[tuple[Any, Item]]:
         if self.passthrough:
             return [(key, item)]
-        try:
-            value = self._value(item)
-        except ValueError:
-            raise
+        value = self._value(item)  # a decode error is the putter's ValueError, not a HookError
         outputs: list[tuple[Any, Item]] = []
         try:
             produced = self.collector.collect(value, key)
@@ -665,8 +663,6 @@ class QueueCore:
                 return
         self._remove_getter(req)
         if nowait:
-            import asyncio
-
             self.reply(req.client, req.rid, error=asyncio.QueueEmpty(f"no item for key {req.key!r}"))
         else:
             self.reply(req.client, req.rid, error=TimeoutError(f"get timed out on key {req.key!r}"))
@@ -791,8 +787,6 @@ class QueueCore:
 
 
 def _queue_full(core: QueueCore, req: Request) -> Exception:
-    import asyncio
-
     return asyncio.QueueFull(f"a target queue of key {req.key!r} is full (maxsize {core.maxsize})")
 
 

@@ -87,12 +87,8 @@ def unpack_header(data: bytes | memoryview, nframes: int, max_bytes: int = MAX_H
     return records
 
 
-def key_to_wire(key: Any) -> Any:
-    """Keys travel as msgpack; tuples become arrays (a key is never a list)."""
-    return key
-
-
 def key_from_wire(value: Any) -> Any:
+    """Keys travel as msgpack, tuples as arrays (a key is never a list): arrays become tuples."""
     if isinstance(value, list):
         return tuple(key_from_wire(v) for v in value)
     return value

@@ -156,6 +156,7 @@ class Broker:
         self._out: dict[bytes, _Outbox] = {}
         self._running = False
         self._expired_told: dict[bytes, float] = {}
+        self._peak_held = 0
         self.sock: zmq.Socket | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -450,7 +451,7 @@ class Broker:
         """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
         otherwise, and the broker's RSS would stay at its peak)."""
         held = self.core.bytes_held
-        self._peak_held = max(getattr(self, "_peak_held", 0), held)
+        self._peak_held = max(self._peak_held, held)
         if held == 0 and self._peak_held >= 16 << 20:
             self._peak_held = 0
             try:

@@ -135,10 +135,4 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def completed(value: Any = None) -> Work:
-    work = Work()
-    work.set_result(value)
-    return work
-
-
-__all__ = ["CancelledError", "Delivery", "Work", "completed"]
+__all__ = ["CancelledError", "Delivery", "Work"]

@@ -15,6 +15,8 @@ import pytest
 from zchannel.broker import Channel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "docs", "examples")  # seed_hooks.py: the seed's example hooks
+sys.path.insert(0, EXAMPLES)
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +28,7 @@ def run_dir(tmp_path_factory, monkeypatch) -> Iterator[str]:
     # broker children import the tests' hook modules (hookmods, payloads)
     tests_dir = os.path.join(REPO, "tests")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+        p for p in (tests_dir, EXAMPLES, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.delenv("ZCHANNEL_IDENTITY", raising=False)
     yield path
     for name in os.listdir(path):

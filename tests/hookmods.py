@@ -4,34 +4,7 @@ from __future__ import annotations
 
 import os
 
-from zchannel.hooks import Collector, Dispatcher, register_collector, register_dispatcher
-
-
-# The seed document's two example classes, registered under names of their own
-# ("flatten_batch" is taken by the built-in).
-@register_collector("seed_flatten")
-class FlattenBatchCollector(Collector):
-    """Emit each sample in an incoming batch as one queue item."""
-
-    def collect(self, item, key):
-        for sample in item:
-            yield key, sample
-
-
-@register_dispatcher("even")
-class EvenDispatcher(Dispatcher):
-    """Assign items to consumers in a fixed rotation."""
-
-    def setup(self, ctx):
-        self.consumers = sorted(ctx.consumers)
-        self.next_consumer = 0
-
-    def route(self, item, key):
-        if not self.consumers:
-            return None
-        consumer = self.consumers[self.next_consumer % len(self.consumers)]
-        self.next_consumer += 1
-        return consumer
+from zchannel.hooks import Collector
 
 
 class Raising(Collector):

@@ -37,6 +37,7 @@ EXPECTED = {"actor:0": ["s0", "s3"], "actor:1": ["s1", "s4"], "actor:2": ["s2", 
 
 def test_resolution_forms():
     import hookmods
+    import seed_hooks
 
     assert isinstance(resolve_collector("flatten_batch"), FlattenBatch)
     assert isinstance(resolve_collector("FLATTEN_BATCH"), FlattenBatch)  # case-insensitive
@@ -45,7 +46,7 @@ def test_resolution_forms():
     assert resolve_collector(inst) is inst
     assert isinstance(resolve_collector("hookmods:Rekey"), hookmods.Rekey)
     assert isinstance(resolve_dispatcher("round_robin"), RoundRobinDispatcher)
-    assert isinstance(resolve_dispatcher("even"), hookmods.EvenDispatcher)
+    assert isinstance(resolve_dispatcher("even"), seed_hooks.EvenDispatcher)
     assert not resolve_dispatcher(None).deals and not resolve_dispatcher("shared").deals
     assert resolve_dispatcher("least_loaded").deals
     with pytest.raises(ValueError, match="flatten_batch"):  # unknown names list the known ones
@@ -159,10 +160,11 @@ def _consumer_code() -> str:
 
 @pytest.mark.parametrize(
     "collector,dispatcher",
-    [("flatten_batch", "round_robin"), ("seed_flatten", "even"),
-     ("hookmods:FlattenBatchCollector", "hookmods:EvenDispatcher")],
+    [("flatten_batch", "round_robin"), ("seed_flatten_batch", "even"),
+     ("seed_hooks:FlattenBatchCollector", "seed_hooks:EvenDispatcher")],
 )
 def test_seed_example_three_consumer_processes(workers, channels, collector, dispatcher):
+    import seed_hooks  # noqa: F401 - registers the seed's names in the creator too
     ch = Channel.create("samples", collector=collector, dispatcher=dispatcher,
                         producers=["rollout"], consumers={"actor": 3})
     channels.append(ch)
