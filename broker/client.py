@@ -263,7 +263,7 @@ class Channel:
     # -- requests ----------------------------------------------------------------------------
 
     def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
-                copy: bool | None = None) -> Work:
+                copy: bool | None = None, wait: bool = False) -> Work:
         conn = self._connection()
         frames: list = []
         if has_item:
@@ -282,7 +282,8 @@ class Channel:
             convert = _batch_converter(copy)
         elif op == STATS:
             convert = _stats_converter
-        return conn.request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        send = conn.call if wait else conn.request
+        return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
 
     def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
             timeout: float | None = None) -> Work | None:
@@ -292,26 +293,26 @@ class Channel:
         cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
         """
         rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "t": check_timeout(timeout)}
-        work = self._submit(rec, item, has_item=True)
+        work = self._submit(rec, item, has_item=True, wait=not async_op)
         return work if async_op else work.wait()
 
     def put_nowait(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY) -> None:
         """Enqueue without waiting; ``asyncio.QueueFull`` (nothing enqueued) if a target is full."""
         rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "nw": True}
-        self._submit(rec, item, has_item=True).wait()
+        self._submit(rec, item, has_item=True, wait=True).wait()
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
         """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
         then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
         rec = {"op": GET, "k": check_key(key), "t": check_timeout(timeout), "ack": bool(ack)}
-        work = self._submit(rec, copy=copy)
+        work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``asyncio.QueueEmpty`` when nothing is available."""
         rec = {"op": GET, "k": check_key(key), "nw": True, "ack": bool(ack)}
-        return self._submit(rec, copy=copy).wait()
+        return self._submit(rec, copy=copy, wait=True).wait()
 
     def get_batch(self, target_weight: int, key: Any = DEFAULT_KEY, async_op: bool = False,
                   timeout: float | None = None, *, copy: bool | None = None) -> list | Work:
@@ -319,28 +320,28 @@ class Channel:
         if isinstance(target_weight, bool) or not isinstance(target_weight, int) or target_weight <= 0:
             raise ValueError(f"target_weight must be an int > 0, got {target_weight!r}")
         rec = {"op": GET_BATCH, "k": check_key(key), "tw": target_weight, "t": check_timeout(timeout)}
-        work = self._submit(rec, copy=copy)
+        work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
         rec = {"op": QSIZE, "k": check_key(key), "c": consumer}
-        return self._submit(rec).wait()
+        return self._submit(rec, wait=True).wait()
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
         return self.qsize(key) == 0
 
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
         rec = {"op": FULL, "k": check_key(key), "c": consumer}
-        return self._submit(rec).wait()
+        return self._submit(rec, wait=True).wait()
 
     def stats(self) -> dict:
-        return self._submit({"op": STATS}).wait()
+        return self._submit({"op": STATS}, wait=True).wait()
 
     def ack(self, delivery: Delivery) -> None:
         """Confirm a delivery received with ``get(..., ack=True)``."""
         if not isinstance(delivery, Delivery):
             raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
-        self._submit({"op": ACK, "lease": delivery.lease_id}).wait()
+        self._submit({"op": ACK, "lease": delivery.lease_id}, wait=True).wait()
 
     # -- lifetime ----------------------------------------------------------------------------
 

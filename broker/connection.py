@@ -1,8 +1,11 @@
 """The client side of the wire: one DEALER socket owned by one I/O thread.
 
-User threads never touch the socket.  They hand requests to the I/O thread (a deque and an
-eventfd wake-up) and wait on ``Work`` handles, which the I/O thread completes when replies
-arrive.  Requests queued together are coalesced into one message.  The I/O thread also keeps
+User threads hand requests to the I/O thread (a deque and an eventfd wake-up) and wait on
+``Work`` handles, which the I/O thread completes when replies arrive.  Requests queued together
+are coalesced into one message.  A blocking call (``call``) skips the two thread hand-offs when
+the socket is free: it takes the socket lock, sends, and reads replies itself for a short while
+(``DRIVE_S``), completing every reply it reads, then hands the socket back.  Whoever holds
+``_sock_lock`` is the only thread touching the socket and ``_pending``.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
 with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself.
 """
@@ -37,8 +40,12 @@ from zchannel.broker.work import Work
 log = logging.getLogger("zchannel.client")
 
 CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
+_POLLIN = int(zmq.POLLIN)
 MAX_OPS_PER_MESSAGE = 512
 MAX_BYTES_PER_MESSAGE = 64 << 20
+# How long a blocking caller drives the socket itself before leaving its reply to the I/O
+# thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
+DRIVE_S = 0.05
 
 Convert = Callable[[dict, list], Any]
 
@@ -83,6 +90,7 @@ class Connection:
         self._room_waiters = 0
         self._state_cv = threading.Condition()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sock_lock = threading.Lock()
         self._closing = False
         self._hello_id = 0
         self.pid = os.getpid()
@@ -117,6 +125,41 @@ class Connection:
                 cancellable: bool = False) -> Work:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error."""
+        work = self._enqueue(rec, frames, convert, cancellable)
+        os.eventfd_write(self._wake, 1)
+        return work
+
+    def call(self, rec: dict, frames: list, convert: Convert | None = None,
+             cancellable: bool = False) -> Work:
+        """``request`` for a caller that waits for the result at once.
+
+        When no other thread holds the socket, the caller sends its request and reads replies
+        itself for up to ``DRIVE_S`` (a sync round trip without waking the I/O thread twice);
+        whatever is still pending after that is completed by the I/O thread as usual."""
+        if self.state != UP or not self._sock_lock.acquire(blocking=False):
+            return self.request(rec, frames, convert, cancellable)
+        try:
+            work = self._enqueue(rec, frames, convert, cancellable)
+            self._send_queued()
+            sock = self._sock
+            poll_set = [(sock, _POLLIN)]
+            deadline = time.monotonic() + DRIVE_S
+            while work._state == 0:  # pending
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closing:
+                    break
+                if zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
+                    self._recv_one()
+                if self._queue:
+                    self._send_queued()
+        finally:
+            self._sock_lock.release()
+        if self._queue or work._state == 0:
+            os.eventfd_write(self._wake, 1)  # the I/O thread takes over (and polls the socket)
+        return work
+
+    def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
+                 cancellable: bool) -> Work:
         if self.state == CLOSED or self._closing:
             raise ChannelError("this channel handle is closed")
         if self.state == DOWN:
@@ -130,7 +173,6 @@ class Connection:
         work = Work((lambda w: self._cancel(w, rid)) if cancellable else None)
         pending = _Pending(work, convert, rec.get("op") == "put")
         self._queue.append((rec, frames, pending))
-        os.eventfd_write(self._wake, 1)
         return work
 
     def _wait_for_room(self) -> None:
@@ -193,26 +235,30 @@ class Connection:
 
     def _run(self) -> None:
         sock = self._sock
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
+        # The socket is polled only while this thread waits for replies; an idle handle's
+        # incoming heartbeats are read at the next tick, and a caller driving the socket
+        # (``call``) is not raced for every reply it reads.
+        idle_poll = [(self._wake, _POLLIN)]
+        busy_poll = [(sock, _POLLIN), (self._wake, _POLLIN)]
+        tick_ms = int(self.hb * 500)
         now = time.monotonic()
         self._last_recv = now
         self._last_send = 0.0
-        self._send_hello()
+        with self._sock_lock:
+            self._send_hello()
         try:
             while not self._closing:
-                events = dict(poller.poll(int(self.hb * 500)))
-                if self._wake in events:
-                    try:
-                        os.eventfd_read(self._wake)
-                    except BlockingIOError:
-                        pass
-                if self._queue:
-                    self._send_queued()
-                if sock in events:
+                busy = self._pending or self.state != UP
+                zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
+                try:
+                    os.eventfd_read(self._wake)
+                except BlockingIOError:
+                    pass
+                with self._sock_lock:
+                    if self._queue:
+                        self._send_queued()
                     self._recv_all()
-                self._keepalive(time.monotonic())
+                    self._keepalive(time.monotonic())
         except Exception:  # pragma: no cover - a bug here must not hang callers
             log.exception("zchannel I/O thread failed")
         finally:
@@ -256,22 +302,26 @@ class Connection:
             self._send(records, frames)
 
     def _recv_all(self) -> None:
-        sock = self._sock
-        while True:
-            frames = recv_message(sock)
-            if frames is None:
-                return
-            self._last_recv = time.monotonic()
-            try:
-                records = msgpack.unpackb(frames[0].buffer, raw=False, strict_map_key=False)
-            except Exception:
-                log.warning("dropped a malformed reply from the broker")
-                continue
-            pos = 1
-            for rec in records:
-                nf = rec.get("nf", 0)
-                self._on_reply(rec, frames[pos : pos + nf])
-                pos += nf
+        while self._recv_one():
+            pass
+
+    def _recv_one(self) -> bool:
+        """Read and complete one message if there is one; False if there was none."""
+        frames = recv_message(self._sock)
+        if frames is None:
+            return False
+        self._last_recv = time.monotonic()
+        try:
+            records = msgpack.unpackb(frames[0].buffer, raw=False, strict_map_key=False)
+        except Exception:
+            log.warning("dropped a malformed reply from the broker")
+            return True
+        pos = 1
+        for rec in records:
+            nf = rec.get("nf", 0)
+            self._on_reply(rec, frames[pos : pos + nf])
+            pos += nf
+        return True
 
     def _on_reply(self, rec: dict, frames: list) -> None:
         rid = rec.get("id")

@@ -181,7 +181,7 @@ class LocalChannel(Channel):
             return _registry.get(name)
 
     def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
-                copy: bool | None = None) -> Work:
+                copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
         if self._client.identity is None and self.identity is not None:

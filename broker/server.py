@@ -196,10 +196,10 @@ class Broker:
         old_wakeup = signal.set_wakeup_fd(wfd)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(rfd, zmq.POLLIN)
-        parent_fd = self._watch_parent(poller)
+        parent_fd = self._watch_parent()
+        poll_set = [(self.sock, zmq.POLLIN), (rfd, zmq.POLLIN)]
+        if parent_fd is not None:
+            poll_set.append((parent_fd, zmq.POLLIN))
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
@@ -211,12 +211,12 @@ class Broker:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                events = dict(poller.poll(timeout_ms))
-                if events.get(self.sock):
+                ready = [obj for obj, _ in zmq.zmq_poll(poll_set, timeout_ms)]
+                if self.sock in ready:
                     self._drain()
-                if events.get(rfd):
+                if rfd in ready:
                     os.read(rfd, 512)
-                if parent_fd is not None and events.get(parent_fd):
+                if parent_fd is not None and parent_fd in ready:
                     log.warning("creator process %s exited: stopping", self.config.parent_pid)
                     self._running = False
                 now = time.monotonic()
@@ -234,7 +234,7 @@ class Broker:
             os.close(rfd)
             os.close(wfd)
 
-    def _watch_parent(self, poller: zmq.Poller) -> int | None:
+    def _watch_parent(self) -> int | None:
         pid = self.config.parent_pid
         if not pid:
             return None
@@ -244,7 +244,6 @@ class Broker:
             fd = os.pidfd_open(pid)
         except (AttributeError, OSError):
             return None  # fall back to the getppid() check on every heartbeat tick
-        poller.register(fd, zmq.POLLIN)
         return fd
 
     def _on_signal(self, signum: int, frame: Any) -> None:

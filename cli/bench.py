@@ -386,7 +386,23 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     ready()
     go_wait()
     tally.t_start = time.monotonic_ns()
-    while True:
+    # window 1: the latency of the blocking call a user makes (no Work handle, no pipeline)
+    sync = window == 1 and request_latency and keys is None and not batch
+    while sync and sum(counts) < total:
+        t0 = time.monotonic_ns()
+        try:
+            item = ch.get(key=key, timeout=GET_TIMEOUT_S)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"consumer got {n}; all together {sum(counts)}/{total}") from None
+            continue
+        now = time.monotonic_ns()
+        seq, t_sent = fac.check(item)
+        tally.add(seq, t_sent, now)
+        req_lat.append(now - t0)
+        n += 1
+        counts[slot] = n
+    while not sync:
         while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
             issue()
         if not inflight:
