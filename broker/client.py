@@ -37,6 +37,9 @@ DEFAULT_KEY = "default_queue"
 START_TIMEOUT_S = 60.0
 
 _open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
+# os.getpid() on every request is a system call; a forked child updates the cached value.
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
 def _hook_for_child(hook: Any, imports: list[str]) -> Any:
@@ -224,7 +227,7 @@ class Channel:
 
     def _connection(self, timeout: float = 10.0) -> Connection:
         conn = self._conn
-        if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
+        if conn is not None and conn.pid == _pid[0] and conn.state != CLOSED:
             return conn
         if self._closed:
             raise ChannelError("this channel handle is closed")

@@ -46,6 +46,8 @@ MAX_BYTES_PER_MESSAGE = 64 << 20
 # How long a blocking caller drives the socket itself before leaving its reply to the I/O
 # thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
 DRIVE_S = 0.05
+# Queued async requests a caller sends itself when the socket is free (see ``request``).
+SEND_RUN = 16
 
 Convert = Callable[[dict, list], Any]
 
@@ -91,6 +93,7 @@ class Connection:
         self._state_cv = threading.Condition()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
+        self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
         self._closing = False
         self._hello_id = 0
         self.pid = os.getpid()
@@ -126,8 +129,22 @@ class Connection:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error."""
         work = self._enqueue(rec, frames, convert, cancellable)
-        os.eventfd_write(self._wake, 1)
+        # A caller issuing many async requests holds the GIL, so the I/O thread would only
+        # send them once the caller blocks; sending full runs from here lets the broker work
+        # on one run while the caller issues the next.
+        if len(self._queue) >= SEND_RUN and self._sock_lock.acquire(blocking=False):
+            try:
+                self._send_queued()
+            finally:
+                self._sock_lock.release()
+        self._wake_io()
         return work
+
+    def _wake_io(self) -> None:
+        """Make sure the I/O thread wakes (once per batch: it re-arms before each round)."""
+        if not self._woken:
+            self._woken = True
+            os.eventfd_write(self._wake, 1)
 
     def call(self, rec: dict, frames: list, convert: Convert | None = None,
              cancellable: bool = False) -> Work:
@@ -155,7 +172,7 @@ class Connection:
         finally:
             self._sock_lock.release()
         if self._queue or work._state == 0:
-            os.eventfd_write(self._wake, 1)  # the I/O thread takes over (and polls the socket)
+            self._wake_io()  # the I/O thread takes over (and polls the socket)
         return work
 
     def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
@@ -250,6 +267,7 @@ class Connection:
             while not self._closing:
                 busy = self._pending or self.state != UP
                 zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
+                self._woken = False
                 try:
                     os.eventfd_read(self._wake)
                 except BlockingIOError:

@@ -122,10 +122,14 @@ class KeyState:
     idle_since: float | None = None
 
     def depth(self) -> int:
+        if not self.private:
+            return len(self.shared)
         return len(self.shared) + sum(len(q) for q in self.private.values())
 
     def idle(self) -> bool:
-        return not (self.depth() or self.getters or self.putters or self.leases)
+        if self.shared or self.getters or self.putters or self.leases:
+            return False
+        return not any(self.private.values())
 
 
 @dataclass(eq=False)
@@ -382,9 +386,14 @@ class QueueCore:
         try:
             key = check_key(key)
             check_weight(item.weight)
-            outputs = self._collect(item, key, item.weight)
-            routed = [(k, self._route(it, k), it) for k, it in outputs]
-            self._check_new_keys({k for k, _, _ in routed})
+            if self.passthrough and not self.deals:  # no hooks at work: the common case
+                routed = [(key, None, item)]
+                if key not in self.keys:
+                    self._check_new_keys((key,))
+            else:
+                outputs = self._collect(item, key, item.weight)
+                routed = [(k, self._route(it, k), it) for k, it in outputs]
+                self._check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)
             return

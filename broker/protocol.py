@@ -35,8 +35,8 @@ class ProtocolError(ValueError):
 
 
 # Plain ints: pyzmq's enum flags cost an enum operation per frame on the hot path.
-_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
 
 
 def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
@@ -51,13 +51,15 @@ def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
 
 def recv_message(sock: zmq.Socket) -> list[zmq.Frame] | None:
     """Receive one multipart message without blocking (None if there is none)."""
-    # Asking ZMQ_EVENTS is cheaper than the zmq.Again raised by an empty non-blocking recv.
-    if not sock.getsockopt(_EVENTS) & _POLLIN:
+    # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
+    if not zmq.zmq_poll([(sock, _POLLIN)], 0):
         return None
-    recv, getsockopt = sock.recv, sock.getsockopt
-    frames = [recv(_NOBLOCK, copy=False)]
-    while getsockopt(_RCVMORE):
-        frames.append(recv(0, copy=False))
+    recv = sock.recv
+    frame = recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(0, copy=False)
+        frames.append(frame)
     return frames
 
 
