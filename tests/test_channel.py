@@ -276,6 +276,44 @@ def test_three_threads_share_one_handle(make):
         assert [ch.get(key=tid) for _ in range(200)] == [(tid, i) for i in range(200)]
 
 
+def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
+    """Blocking calls drive the socket themselves when it is free and hand it back to the I/O
+    thread otherwise: every reply must reach its caller, in order per thread and key."""
+    ch = make_remote("mix")
+    n, errors, got = 300, [], {}
+
+    def sync_producer(tid: int) -> None:
+        for i in range(n):
+            ch.put((tid, i), key=("k", tid))
+
+    def async_producer(tid: int) -> None:
+        works = [ch.put((tid, i), key=("k", tid), async_op=True) for i in range(n)]
+        for w in works:
+            w.wait(30)
+
+    def consumer(tid: int) -> None:
+        got[tid] = [ch.get(key=("k", tid), timeout=30) for _ in range(n)]
+
+    def run(fn, tid):
+        try:
+            fn(tid)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(consumer, t)) for t in range(4)]
+    threads += [threading.Thread(target=run, args=(sync_producer, t)) for t in (0, 1)]
+    threads += [threading.Thread(target=run, args=(async_producer, t)) for t in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert all(not t.is_alive() for t in threads)
+    for tid in range(4):
+        assert got[tid] == [(tid, i) for i in range(n)]
+    assert ch.qsize(("k", 0)) == 0 and ch.stats()["bytes_held"] == 0
+
+
 def test_asyncio_consumer_keeps_loop_running(make):
     ch = make()
 
