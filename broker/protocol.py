@@ -82,10 +82,10 @@ def unpack_header(data: bytes | memoryview, nframes: int, max_bytes: int = MAX_H
         raise ProtocolError("a header is a non-empty list of records")
     total = 0
     for record in records:
-        if not isinstance(record, dict):
+        if type(record) is not dict:  # msgpack gives exact types; this loop is per operation
             raise ProtocolError("a header record is a map")
         nf = record.get("nf", 0)
-        if isinstance(nf, bool) or not isinstance(nf, int) or nf < 0:
+        if type(nf) is not int or nf < 0:  # bool is not int here
             raise ProtocolError("record field nf must be an int >= 0")
         total += nf
     if total != nframes:

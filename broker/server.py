@@ -8,6 +8,7 @@ received are stored and sent on with ``copy=False``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -204,6 +205,10 @@ class Broker:
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
         self._running = True
+        # The broker allocates a few container objects per item and rarely makes cycles: a
+        # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
         try:
@@ -348,13 +353,11 @@ class Broker:
         if op == PUT:
             if not frames:
                 raise ValueError("a put carries at least one frame (the body)")
+            lengths = [len(f) for f in frames]
             sizes = rec.get("fs")
-            if sizes is not None and (
-                not isinstance(sizes, list) or len(sizes) != len(frames)
-                or any(s != len(f) for s, f in zip(sizes, frames, strict=False))
-            ):
+            if sizes is not None and sizes != lengths:
                 raise ValueError("put frame sizes do not match the header")
-            nbytes = sum(len(f) for f in frames)
+            nbytes = sum(lengths)
             if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
                 raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
             item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
