@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 
 def write_cluster(directory: str, nodes: tuple[str, ...] = ("n0", "n0", "n0"),
@@ -34,3 +39,49 @@ def free_tcp_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+class Replicas:
+    """Replica processes started with ``zchannel broker NAME --cluster FILE --replica I``;
+    killed by PID at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self, name: str, cluster_file: str, indices, *args: str,
+              env: dict | None = None, prefix: tuple[str, ...] = (), timeout: float = 60) -> None:
+        started = []
+        for i in indices:
+            proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "zchannel.cli.main", "broker", name,
+                 "--cluster", cluster_file, "--replica", str(i), *args],
+                stdout=subprocess.PIPE, env={**os.environ, **(env or {})},
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            )
+            self.procs[i] = proc
+            started.append(proc)
+        deadline = time.monotonic() + timeout
+        for proc in started:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = proc.stdout.readline().decode() if ready else ""
+            if not line.startswith("ready "):
+                raise RuntimeError(f"replica {proc.args} did not start: {line!r}")
+
+    def kill(self, index: int) -> None:
+        proc = self.procs[index]
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
