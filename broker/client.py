@@ -221,10 +221,11 @@ class Channel:
                 return local.new_handle(identity)
             address = paths.read_address(name)
             if address is None:  # a distributed channel: cluster file or Ray (distributed.py)
-                from zchannel.broker.distributed import find_address
+                from zchannel.broker.distributed import connect_by_name
 
-                address = find_address(name)
-            if address is None:
+                found = connect_by_name(name, identity=identity, timeout=timeout)
+                if found is not None:
+                    return found
                 raise ChannelNotFound(f"no channel named {name!r} on this host")
         probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys)

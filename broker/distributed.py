@@ -354,9 +354,10 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     return handle
 
 
-def find_address(name: str) -> str | None:
-    """An address serving channel ``name`` when this host has no ``.addr`` file for it: from
-    ``$ZCHANNEL_CLUSTER`` (this node's replica, else replica 0), else from Ray's KV."""
+def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Channel | None:
+    """A handle of channel ``name`` when this host has no ``.addr`` file for it: from
+    ``$ZCHANNEL_CLUSTER``, else from Ray (when this process is connected); None if neither
+    knows the name.  ``ChannelNotFound`` if the replica it should talk to does not answer."""
     path = cluster.find_file()
     if path:
         try:
@@ -364,14 +365,18 @@ def find_address(name: str) -> str | None:
         except ValueError:
             cl = None
         if cl is not None:
-            node = cluster.local_node(cl.replicas)
-            local = [r for r in cl.replicas if r.node == node]
-            return (local or cl.replicas)[0].address
+            handle = DistributedChannel(name, cl.table(), identity=identity)
+            try:
+                handle._sub(handle._home)._connection(timeout=timeout)
+            except BaseException:
+                handle.close()
+                raise
+            return handle
     if ray_connected():
         from zchannel.broker import ray_placement
 
-        return ray_placement.find_address(name)
+        return ray_placement.connect(name, identity=identity, timeout=timeout)
     return None
 
 
-__all__ = ["DistributedChannel", "create", "find_address", "ray_connected"]
+__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected"]
