@@ -249,3 +249,30 @@ def test_cli_cluster_flags(run_dir):
                           "--cluster", far, "--replica", "0"],
                          capture_output=True, text=True, timeout=60, cwd=os.path.dirname(__file__))
     assert out.returncode == 2 and "CURVE" in out.stderr
+
+
+def test_cluster_file_and_node_detection(run_dir, monkeypatch):
+    import socket
+
+    from zchannel.broker import cluster
+
+    example = cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                        "cluster_example.toml"))
+    assert [r.node for r in example.replicas] == ["host-a", "host-b", "host-c"]
+    assert example.name == "samples" and example.insecure
+    with pytest.raises(ValueError):
+        cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                  "cluster_example.toml"), "other-channel")
+    here = socket.gethostname()
+    path = write_cluster(run_dir, ("elsewhere", here, here))
+    table = cluster.load(path, "c").replicas
+    assert table[1].address.endswith("/c-r1.sock")  # {name} filled in
+    monkeypatch.delenv("ZCHANNEL_NODE", raising=False)
+    assert cluster.local_node(table) == here  # matched by hostname
+    monkeypatch.setenv("ZCHANNEL_NODE", "elsewhere")
+    assert cluster.local_node(table) == "elsewhere"
+    # two replicas on one node share its keys by a stable hash; a node without a replica
+    # spreads its keys over all of them
+    assert {cluster.choose_replica(table, here, ("k", i)) for i in range(50)} == {1, 2}
+    assert {cluster.choose_replica(table, "nowhere", ("k", i)) for i in range(50)} == {0, 1, 2}
+    assert cluster.choose_replica(table, here, "x") == cluster.choose_replica(table, here, "x")
