@@ -23,17 +23,28 @@ pytestmark = pytest.mark.timeout(90)
 NODES = ("node-a", "node-b", "node-c")
 
 
-@pytest.fixture
-def tcp_cluster(run_dir):
-    """Three replicas of channel ``dist`` on 127.0.0.1 (collector ``hookmods:RouteTo``)."""
+def _start_cluster(run_dir, *args):
     ports = free_tcp_ports(3)
     path = write_cluster(run_dir, NODES, [f"tcp://127.0.0.1:{p}" for p in ports])
     reps = Replicas()
     try:
-        reps.start("dist", path, range(3), "--collector", "hookmods:RouteTo")
+        reps.start("dist", path, range(3), *args)
         yield path, reps
     finally:
         reps.stop_all()
+
+
+@pytest.fixture
+def tcp_cluster(run_dir):
+    """Three replicas of channel ``dist`` on 127.0.0.1, no hooks (brokers never decode)."""
+    yield from _start_cluster(run_dir)
+
+
+@pytest.fixture
+def routing_cluster(run_dir):
+    """The same with collector ``hookmods:RouteTo`` (decoding brokers: the tests put no tensors
+    there, so the brokers never import torch while clients wait)."""
+    yield from _start_cluster(run_dir, "--collector", "hookmods:RouteTo")
 
 
 def _handle(monkeypatch, path, node, **kw) -> DistributedChannel:
@@ -136,8 +147,8 @@ def test_cached_binding_survives_replica0(tcp_cluster, monkeypatch):
     b.close()
 
 
-def test_collector_output_binding(tcp_cluster, monkeypatch):
-    path, _ = tcp_cluster
+def test_collector_output_binding(routing_cluster, monkeypatch):
+    path, _ = routing_cluster
     a = _handle(monkeypatch, path, "node-a")
     b = _handle(monkeypatch, path, "node-b")
     c = _handle(monkeypatch, path, "node-c")
