@@ -31,6 +31,7 @@ from zchannel.hooks import consumer_sort_key
 log = logging.getLogger("zchannel.client")
 
 _SUM_FIELDS = ("bytes_held", "leases", "clients")
+STATS_CONNECT_S = 3.0
 
 
 def ray_connected() -> bool:
@@ -185,7 +186,9 @@ class DistributedChannel(Channel):
         for i, r in enumerate(self._replicas):
             summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
             try:
-                s = self._sub(i).stats()
+                sub = self._sub(i)
+                sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
+                s = sub.stats()
             except (BrokerUnavailable, ChannelError) as exc:
                 summary["error"] = f"{type(exc).__name__}: {exc}"
                 summaries.append(summary)

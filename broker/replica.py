@@ -20,7 +20,8 @@ from zchannel.hooks import Collector
 log = logging.getLogger("zchannel.broker")
 
 BIND = "bind"
-BIND_TIMEOUT_S = 10.0
+# the round trip blocks this replica's loop: stay well inside the clients' liveness window (3 s)
+BIND_TIMEOUT_S = 2.0
 
 
 class ReplicaState:

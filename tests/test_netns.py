@@ -54,7 +54,7 @@ def test_each_key_stays_in_its_namespace(nets, workdir):
     from netns_bench import run_workload
 
     r = run_workload(nets, workdir, "distributed", 16 * MIB, tensor_bytes=MIB,
-                     concurrent=False, check_held=True)
+                     concurrent=False, check_held=True, numpy_arrays=True)
     # consumers checked every item (exit status 0); each replica holds its own producer's 16 MiB
     for ns in nets.names:
         assert 16 * MIB <= r["held_per_broker"][ns] < 16 * MIB + 64 * 1024, r
@@ -66,7 +66,7 @@ def test_without_locality_payloads_cross(nets, workdir):
     from netns_bench import run_workload
 
     r = run_workload(nets, workdir, "replica0", 16 * MIB, tensor_bytes=MIB,
-                     concurrent=False, check_held=True)
+                     concurrent=False, check_held=True, numpy_arrays=True)
     held = r["held_per_broker"]
     assert held[nets.names[0]] >= 48 * MIB and held[nets.names[1]] == held[nets.names[2]] == 0
     # namespaces 1 and 2 send their puts to namespace 0 and their gets come back: 4 x 16 MiB

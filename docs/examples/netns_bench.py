@@ -33,10 +33,18 @@ import textwrap
 import time
 
 WORKER = r"""
-import sys, time, torch
+import os, sys, time
 from zchannel.broker import Channel
 role, target, tag, n, nbytes, nkeys = sys.argv[1:7]
 n, nbytes, nkeys = int(n), int(nbytes), int(nkeys)
+if os.environ.get("ZCD_ARRAYS") == "numpy":  # the tests: same frames, no torch start-up cost
+    import numpy as np
+    arange = lambda k: np.arange(k, dtype=np.int32)
+    full = lambda k, v: np.full((k,), v, dtype=np.int32)
+else:
+    import torch
+    arange = lambda k: torch.arange(k, dtype=torch.int32)
+    full = lambda k, v: torch.full((k,), v, dtype=torch.int32)
 ch = Channel.connect(target, timeout=30)
 keys = [(tag, k) for k in range(nkeys)]
 for key in keys:
@@ -46,10 +54,10 @@ sys.stdin.readline()  # go
 start = time.monotonic()
 elems = nbytes // 4
 if role == "put":
-    base = torch.arange(elems, dtype=torch.int32)
+    base = arange(elems)
     works = []
     for i in range(n):
-        t = base if n > 64 else torch.full((elems,), i, dtype=torch.int32)
+        t = base if n > 64 else full(elems, i)
         works.append(ch.put(t, key=keys[i % nkeys], async_op=True))
         if len(works) >= 32:
             works.pop(0).wait()
@@ -60,7 +68,7 @@ else:
     for i in range(n):
         t = ch.get(key=keys[i % nkeys], timeout=120)
         expected = (elems - 1) if n > 64 else i
-        if t.numel() != elems or int(t[-1]) != expected:
+        if len(t) != elems or int(t[-1]) != expected:
             bad += 1
     if bad:
         print("bad", bad, flush=True)
@@ -240,7 +248,7 @@ def start_brokers(nets: Namespaces, procs: Procs, workdir: str, name: str, mode:
 
 def run_workload(nets: Namespaces, workdir: str, mode: str, nbytes_per_producer: int,
                  tensor_bytes: int = 4 << 20, nkeys: int = 4, concurrent: bool = True,
-                 check_held: bool = False) -> dict:
+                 check_held: bool = False, numpy_arrays: bool = False) -> dict:
     """One producer and one consumer per namespace; returns seconds, MB/s, crossing bytes and
     (``check_held``: producers first, then stats, then consumers) bytes held per replica."""
     name = f"bench-{mode}"
@@ -252,7 +260,8 @@ def run_workload(nets: Namespaces, workdir: str, mode: str, nbytes_per_producer:
         for i in range(nets.count):
             node = nets.names[0] if mode == "replica0" else nets.names[i]
             env = dict(python_env(workdir), ZCHANNEL_NODE=node,
-                       ZCHANNEL_RUN_DIR=os.path.join(workdir, f"client-{i}"))
+                       ZCHANNEL_RUN_DIR=os.path.join(workdir, f"client-{i}"),
+                       ZCD_ARRAYS="numpy" if numpy_arrays else "torch")
             for role in ("get", "put"):
                 p = procs.add(nets.popen(
                     i, [sys.executable, "-c", textwrap.dedent(WORKER), role, addresses[i],
