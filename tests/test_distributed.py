@@ -287,3 +287,25 @@ def test_cluster_file_and_node_detection(run_dir, monkeypatch):
     assert {cluster.choose_replica(table, here, ("k", i)) for i in range(50)} == {1, 2}
     assert {cluster.choose_replica(table, "nowhere", ("k", i)) for i in range(50)} == {0, 1, 2}
     assert cluster.choose_replica(table, here, "x") == cluster.choose_replica(table, here, "x")
+
+
+def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
+    import signal
+
+    from conftest import pid_alive
+
+    path = write_cluster(run_dir, ("n0", "n0", "elsewhere"))
+    proc = workers.start("""
+        from zchannel.broker import Channel
+        ch = Channel.create("mine", distributed=True)
+        print(" ".join(str(s._proc.pid) for s in ch._subs.values() if s._proc), flush=True)
+        input()
+    """, env={"ZCHANNEL_CLUSTER": path, "ZCHANNEL_NODE": "n0", "ZCHANNEL_RUN_DIR": run_dir})
+    pids = [int(p) for p in workers.wait_line(proc, timeout=60).split()]
+    assert len(pids) == 2  # only this node's replicas; "elsewhere" starts its own
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "replicas outlived their creator"
+        time.sleep(0.1)  # polling the outcome, not synchronising

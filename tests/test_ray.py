@@ -157,3 +157,26 @@ def test_single_broker_placement(cluster):
     finally:
         ch.shutdown()
     ray.kill(producer)
+
+
+def test_creator_death_leaves_no_brokers(cluster, workers):
+    import signal
+    import time
+
+    proc = workers.start("""
+        import sys, ray
+        ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+        from zchannel.broker import Channel
+        ch = Channel.create("orphan", distributed=True)
+        ch.put("x", key="k")
+        print(" ".join(str(r["pid"]) for r in ch.stats()["replicas"]), flush=True)
+        sys.stdin.readline()
+    """, cluster.address)
+    pids = [int(p) for p in workers.wait_line(proc, timeout=120).split()]
+    assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+    os.kill(proc.pid, signal.SIGKILL)  # the creator dies: Ray removes its actors, brokers follow
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "brokers outlived their creator"
+        time.sleep(0.2)  # polling the outcome, not synchronising
