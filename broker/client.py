@@ -71,6 +71,11 @@ def _hook_for_child(hook: Any, imports: list[str]) -> Any:
     return hook_spec(hook)
 
 
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")  # zchannel never imports ray unless the process did
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
 def _identity(identity: str | None) -> str | None:
     if identity is None:
         identity = os.environ.get("ZCHANNEL_IDENTITY") or None
@@ -128,6 +133,11 @@ class Channel:
             check_consumer_id(identity)
         from zchannel.hooks import expand_consumers
 
+        targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
+        if not local and (producers or consumers) and _ray_connected():
+            from zchannel.broker.ray_placement import split_targets
+
+            producers, consumers, targets = split_targets(producers, consumers)
         declared = list(expand_consumers(consumers))
         if producers is not None and isinstance(producers, str):
             raise TypeError("producers= takes a list of group names")
@@ -139,10 +149,6 @@ class Channel:
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
                 identity=identity, lease_timeout=lease_timeout,
             )
-        if distributed:
-            log.info("distributed=True without Ray or a cluster file: one local replica")
-        if node_rank is not None:
-            log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
         address = address or paths.default_address(name)
         server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
         paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
@@ -159,6 +165,13 @@ class Channel:
             "curve_public_keys": server_keys.get("public_keys"),
         }
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
+        if distributed or node_rank is not None or targets:  # cluster file / Ray: distributed.py
+            from zchannel.broker import distributed as _dist
+
+            placed = _dist.create(config, distributed=distributed, node_rank=node_rank,
+                                  targets=targets, identity=identity, curve_keys=curve_keys)
+            if placed is not None:
+                return placed
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             lock_fd = paths.try_lock(name)
@@ -210,11 +223,20 @@ class Channel:
             if local is not None:
                 return local.new_handle(identity)
             address = paths.read_address(name)
-            if address is None:
+            if address is None:  # a distributed channel: cluster file or Ray (distributed.py)
+                from zchannel.broker.distributed import connect_by_name
+
+                found = connect_by_name(name, identity=identity, timeout=timeout)
+                if found is not None:
+                    return found
                 raise ChannelNotFound(f"no channel named {name!r} on this host")
         probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys)
         handle._connection(timeout=timeout)
+        if "replicas" in handle._conn.broker_info:  # a replica: route per key (distributed.py)
+            from zchannel.broker.distributed import DistributedChannel
+
+            return DistributedChannel.from_handle(handle)
         return handle
 
     def _warn_differences(self, config: dict) -> None:

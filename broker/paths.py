@@ -78,7 +78,7 @@ def read_address(name: str) -> str | None:
 
 
 def write_address(name: str, address: str) -> None:
-    tmp = addr_path(name).with_suffix(".addr.tmp")
+    tmp = addr_path(name).with_suffix(f".addr.{os.getpid()}.tmp")  # replicas may race here
     tmp.write_text(address + "\n")
     os.replace(tmp, addr_path(name))
 

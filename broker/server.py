@@ -79,6 +79,10 @@ class BrokerConfig:
     parent_pid: int | None = None
     lock_fd: int | None = None
     token: str | None = None
+    # distributed channels (broker/replica.py): a cluster file or the replica table, and our index
+    cluster: str | None = None
+    replica: int | None = None
+    replicas: list[dict[str, Any]] | None = None
 
 
 class _RateLimitFilter(logging.Filter):
@@ -127,9 +131,18 @@ class Broker:
             __import__(module)
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
+        # -- distributed: this broker is one replica (see broker/replica.py) --
+        self.replica = None
+        lock_name = config.name
+        if config.cluster is not None or config.replicas is not None:
+            from zchannel.broker.replica import replica_state
+
+            self.replica = replica_state(config)
+            lock_name = f"{config.name}.replica{config.replica}"
+        # -- end distributed --
         self._lock_fd = config.lock_fd
         if self._lock_fd is None:
-            self._lock_fd = paths.try_lock(config.name)
+            self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
         self.address = config.address or paths.default_address(config.name)
@@ -139,7 +152,7 @@ class Broker:
         self.core = QueueCore(
             name=config.name,
             maxsize=config.maxsize,
-            collector=resolve_collector(config.collector),
+            collector=self._collector(resolve_collector(config.collector)),
             dispatcher=resolve_dispatcher(config.dispatcher),
             producers=tuple(config.producers or ()),
             consumers=expand_consumers(config.consumers),
@@ -159,6 +172,13 @@ class Broker:
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
         self.sock: zmq.Socket | None = None
+
+    def _collector(self, collector: Any) -> Any:
+        if self.replica is None:
+            return collector
+        from zchannel.broker.replica import wrap_collector
+
+        return wrap_collector(collector, self.replica)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -262,6 +282,8 @@ class Broker:
             if self._auth is not None:
                 self._auth.stop()
             paths.remove_address(self.config.name, self.address)
+            if self.replica is not None:
+                self.replica.close()
             ipc = paths.ipc_path(self.address)
             if ipc:
                 try:
@@ -339,6 +361,7 @@ class Broker:
             "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
             "liveness": self.config.liveness, "deals": self.core.deals,
             "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
+            **(self.replica.info() if self.replica is not None else {}),
         })
         return client
 
@@ -378,6 +401,8 @@ class Broker:
         elif op == STATS:
             stats = core.stats()
             stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients))
+            if self.replica is not None:
+                self.replica.annotate(stats)
             body, _ = codec.encode(stats)
             self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
         elif op == ACK:
@@ -393,6 +418,9 @@ class Broker:
                 raise PermissionError("only the handle that created the channel may shut it down")
             self._reply(client, rid, result=True)
             self._running = False
+        elif op == "bind" and self.replica is not None:  # distributed: replica 0 binds keys
+            self._reply(client, rid, result=self.replica.bind(
+                key_from_wire(rec.get("k")), rec.get("node"), rec.get("replica")))
         else:
             raise ValueError(f"unknown op {op!r}")
 

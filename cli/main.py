@@ -71,6 +71,9 @@ def main() -> None:
               help="the broker's CURVE key pair file (zchannel keygen)")
 @click.option("--curve-public-keys", type=click.Path(exists=True, file_okay=False),
               help="directory of the public key files of the clients let in")
+@click.option("--cluster", type=click.Path(exists=True, dir_okay=False),
+              help="cluster file of a distributed channel (docs/distributed.md); needs --replica")
+@click.option("--replica", type=int, help="the index of the replica to run (with --cluster)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:
@@ -88,6 +91,12 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
             **flags,
         )
         paths.check_name(config.name)
+        if config.cluster is not None or config.replica is not None:  # one replica of a cluster
+            if config.cluster is None or config.replica is None:
+                raise ValueError("--cluster FILE and --replica I go together")
+            from zchannel.broker.replica import replica_state
+
+            replica_state(config)  # its address (and insecure) come from the cluster file
         paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
                                  bool(config.insecure))
     except (ValueError, TypeError) as exc:
@@ -148,12 +157,17 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
     if stats.get("collector_stats"):
         click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")
     click.echo(f"consumers {', '.join(stats.get('consumers') or []) or '-'}")
+    for rep in stats.get("replicas") or ():  # a distributed channel: one line per replica
+        state = rep.get("error") or (f"pid {rep.get('pid')}  keys {rep.get('keys')}  "
+                                     f"bytes held {rep.get('bytes_held')}")
+        click.echo(f"replica   {rep['replica']}  node {rep['node']}  at {rep['address']}  {state}")
     keys = stats.get("keys") or {}
-    rows = [("key", "depth", "weight", "getters", "putters", "private")]
+    nodes = "replicas" in stats
+    rows = [("key", "depth", "weight", "getters", "putters", "private") + (("node",) if nodes else ())]
     for key, ks in sorted(keys.items(), key=lambda kv: repr(kv[0])):
         private = " ".join(f"{c}={d}" for c, d in sorted(ks.get("private", {}).items()))
         rows.append((_fmt_key(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
-                     str(ks["putters"]), private or "-"))
+                     str(ks["putters"]), private or "-") + ((str(ks.get("node")),) if nodes else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -57,17 +57,26 @@ def channels() -> Iterator[list]:
             pass
 
 
-@pytest.fixture(params=["broker", "local"])
-def make(request, channels):
-    """``make(name, **kw)`` creates a channel served by a broker process, or a local one."""
+@pytest.fixture(params=["broker", "local", "distributed"])
+def make(request, channels, run_dir):
+    """``make(name, **kw)`` creates a channel served by a broker process, a local one, or a
+    distributed one (three replicas on this host, keys spread over them: tests/cluster_util.py)."""
     local = request.param == "local"
+    distributed = request.param == "distributed"
+    if distributed:
+        from cluster_util import write_cluster
+
+        mp = request.getfixturevalue("monkeypatch")
+        mp.setenv("ZCHANNEL_CLUSTER", write_cluster(run_dir))
+        mp.setenv("ZCHANNEL_NODE", "n0")
 
     def factory(name: str = "ch", **kwargs):
-        ch = Channel.create(name, local=local, **kwargs)
+        ch = Channel.create(name, local=local, distributed=distributed, **kwargs)
         channels.append(ch)
         return ch
 
     factory.local = local
+    factory.distributed = distributed
     return factory
 
 

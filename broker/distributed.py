@@ -1,0 +1,385 @@
+"""The client side of a distributed channel: one handle, one broker replica per node.
+
+``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
+The first operation of any kind on a key asks replica 0 to bind the key (first toucher wins,
+permanent: to the replica of the caller's node); the handle caches the binding, so every later
+operation on that key goes straight to its replica over that replica's own connection.  All
+per-key semantics (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of
+the replica that holds the key.  ``stats()`` aggregates over the replicas.
+
+Where the replica table comes from: a cluster file (``broker/cluster.py``), Ray
+(``broker/ray_placement.py``, imported only when the process is connected to Ray), or the hello
+reply of any replica (so ``Channel.connect`` of any replica's address or name yields this handle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from zchannel.broker import cluster, paths
+from zchannel.broker.client import DEFAULT_KEY, START_TIMEOUT_S, Channel, _spawn_broker
+from zchannel.broker.core import check_key, check_timeout, check_weight
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.replica import BIND
+from zchannel.broker.work import Delivery, Work
+from zchannel.hooks import consumer_sort_key
+
+log = logging.getLogger("zchannel.client")
+
+_SUM_FIELDS = ("bytes_held", "leases", "clients")
+STATS_CONNECT_S = 3.0
+
+
+def ray_connected() -> bool:
+    """True when this process is connected to Ray (zchannel never calls ``ray.init()``)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
+
+
+class DistributedChannel(Channel):
+    """A handle of a channel served by several broker replicas (see the module docstring)."""
+
+    def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
+                 identity: str | None = None, curve_keys: Any = None,
+                 subs: dict[int, Channel] | None = None, owner: bool = False,
+                 ray_owner: Any = None) -> None:
+        self._replicas = cluster.from_table(replicas)
+        self._node = cluster.local_node(self._replicas)
+        local = [i for i, r in enumerate(self._replicas) if r.node == self._node]
+        self._home = local[0] if local else 0
+        super().__init__(name, self._replicas[self._home].address, identity=identity,
+                         curve_keys=curve_keys)
+        self._subs: dict[int, Channel] = dict(subs or {})
+        self._subs_lock = threading.Lock()
+        self._bindings: dict[Any, int] = {}
+        self._owner = owner
+        self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
+
+    @classmethod
+    def from_handle(cls, handle: Channel) -> DistributedChannel:
+        """Turn a plain handle connected to one replica into the distributed handle."""
+        info = handle._conn.broker_info
+        dist = cls(handle._name or info.get("name"), info["replicas"],
+                   identity=handle._explicit_identity, curve_keys=handle._curve_keys,
+                   subs={int(info.get("replica", 0)): handle})
+        return dist
+
+    # -- routing ------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[dict[str, Any]]:
+        """The replica table: ``[{"node", "address", "hostnames"}, ...]`` (index = replica)."""
+        return [r.as_dict() for r in self._replicas]
+
+    @property
+    def node(self) -> str:
+        """This process's node (``ZCHANNEL_NODE``, the Ray node id, or the hostname)."""
+        return self._node
+
+    def _sub(self, index: int) -> Channel:
+        sub = self._subs.get(index)
+        if sub is not None:
+            return sub
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
+        with self._subs_lock:
+            sub = self._subs.get(index)
+            if sub is None:
+                sub = Channel(self._name, self._replicas[index].address,
+                              identity=self._explicit_identity, curve_keys=self._curve_keys)
+                self._subs[index] = sub
+            return sub
+
+    def replica_of(self, key: Any = DEFAULT_KEY) -> int:
+        """The index of the replica ``key`` is bound to, binding it now (first touch) if this
+        handle has not seen it yet."""
+        key = check_key(key)
+        index = self._bindings.get(key)
+        if index is not None:
+            return index
+        if len(self._replicas) == 1:
+            index = 0
+        else:
+            work = self._sub(0)._submit({"op": BIND, "k": key, "node": self._node})
+            index = work.wait()
+            if isinstance(index, bool) or not isinstance(index, int) \
+                    or not 0 <= index < len(self._replicas):
+                raise ChannelError(f"replica 0 bound {key!r} to an unknown replica {index!r}")
+        self._bindings[key] = index
+        return index
+
+    def node_of(self, key: Any = DEFAULT_KEY) -> str:
+        """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
+        return self._replicas[self.replica_of(key)].node
+
+    def _for(self, key: Any) -> Channel:
+        return self._sub(self.replica_of(key))
+
+    # -- operations ---------------------------------------------------------------------
+
+    def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
+            timeout: float | None = None) -> Work | None:
+        check_weight(weight)
+        check_timeout(timeout)
+        return self._for(key).put(item, weight, key, async_op, timeout)
+
+    def put_nowait(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY) -> None:
+        check_weight(weight)
+        self._for(key).put_nowait(item, weight, key)
+
+    def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
+            *, ack: bool = False, copy: bool | None = None) -> Any:
+        check_timeout(timeout)
+        index = self.replica_of(key)
+        result = self._sub(index).get(key, async_op, timeout, ack=ack, copy=copy)
+        if not ack:
+            return result
+        if async_op:
+            return _mapped(result, lambda d: self._tag(d, index))
+        return self._tag(result, index)
+
+    def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
+        index = self.replica_of(key)
+        result = self._sub(index).get_nowait(key, ack=ack, copy=copy)
+        return self._tag(result, index) if ack else result
+
+    def get_batch(self, target_weight: int, key: Any = DEFAULT_KEY, async_op: bool = False,
+                  timeout: float | None = None, *, copy: bool | None = None) -> list | Work:
+        if isinstance(target_weight, bool) or not isinstance(target_weight, int) or target_weight <= 0:
+            raise ValueError(f"target_weight must be an int > 0, got {target_weight!r}")
+        check_timeout(timeout)
+        return self._for(key).get_batch(target_weight, key, async_op, timeout, copy=copy)
+
+    def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
+        return self._for(key).qsize(key, consumer)
+
+    def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
+        return self._for(key).full(key, consumer)
+
+    def _tag(self, delivery: Delivery, index: int) -> Delivery:
+        # lease ids are per replica: fold the replica index into the id the caller sees
+        return Delivery(delivery.item, delivery.lease_id * len(self._replicas) + index)
+
+    def ack(self, delivery: Delivery) -> None:
+        if not isinstance(delivery, Delivery):
+            raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
+        n = len(self._replicas)
+        lease = delivery.lease_id
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease < 0:
+            raise ValueError(f"unknown lease {lease!r}")
+        self._sub(lease % n).ack(Delivery(delivery.item, lease // n))
+
+    def stats(self) -> dict:
+        """The replicas' stats merged: keys (each with its ``node``), consumers, summed counters,
+        and ``replicas``: one summary per replica (``error`` for one that does not answer)."""
+        parts: list[dict] = []
+        summaries: list[dict] = []
+        for i, r in enumerate(self._replicas):
+            summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
+            try:
+                sub = self._sub(i)
+                sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
+                s = sub.stats()
+            except (BrokerUnavailable, ChannelError) as exc:
+                summary["error"] = f"{type(exc).__name__}: {exc}"
+                summaries.append(summary)
+                continue
+            parts.append(s)
+            summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
+                           keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
+                           uptime_s=s.get("uptime_s"))
+            if "bound_keys" in s:
+                summary["bound_keys"] = s["bound_keys"]
+            summaries.append(summary)
+        if not parts:
+            raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
+        first = parts[0]
+        out = {k: v for k, v in first.items() if k not in ("replica", "node", "bound_keys")}
+        keys: dict = {}
+        consumers: set = set()
+        for s in parts:
+            keys.update(s.get("keys") or {})
+            consumers.update(s.get("consumers") or ())
+        out["keys"] = keys
+        out["consumers"] = sorted(consumers, key=consumer_sort_key)
+        for name in _SUM_FIELDS:
+            out[name] = sum(s.get(name, 0) or 0 for s in parts)
+        out["uptime_s"] = max(s.get("uptime_s", 0) for s in parts)
+        home = next((s for s in parts if s.get("replica") == self._home), first)
+        out["address"], out["pid"] = home.get("address"), home.get("pid")
+        out["node"] = self._node
+        out["replicas"] = summaries
+        return out
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _each_sub(self) -> list[Channel]:
+        with self._subs_lock:
+            return list(self._subs.values())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self._each_sub():
+            try:
+                sub.close()
+            except Exception:
+                log.exception("closing a replica handle failed")
+
+    def shutdown(self) -> None:
+        """Stop the replicas this handle's ``create`` started (and their Ray actors)."""
+        if not self._owner or self._creator_pid != os.getpid():
+            raise PermissionError("only the handle that created the channel's brokers may shut them down")
+        for sub in self._each_sub():
+            try:
+                if sub._proc is not None:
+                    sub.shutdown()
+                else:
+                    sub.close()
+            except Exception:
+                log.exception("stopping a replica failed")
+        self._closed = True
+        if self._ray_owner is not None:
+            owner, self._ray_owner = self._ray_owner, None
+            owner.teardown()
+        self._owner = False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._owner and self._creator_pid == os.getpid():
+            self.shutdown()
+        else:
+            self.close()
+
+    def __reduce__(self) -> Any:
+        return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys))
+
+    def __repr__(self) -> str:
+        return (f"DistributedChannel(name={self._name!r}, replicas={len(self._replicas)}, "
+                f"node={self._node!r})")
+
+
+def _unpickle(name: str | None, replicas: list, identity: str | None, curve_keys: Any) -> Channel:
+    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
+
+
+def _mapped(work: Work, fn: Any) -> Work:
+    """A ``Work`` completing with ``fn(result)`` of ``work`` (cancel goes to ``work``)."""
+    out = Work(lambda w: work.cancel())
+
+    def done(w: Work) -> None:
+        try:
+            value = w.wait(0)
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(fn(value))
+
+    work.add_done_callback(done)
+    return out
+
+
+# -- creating and finding distributed channels ---------------------------------------------
+
+
+def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
+           identity: str | None, curve_keys: Any) -> Channel | None:
+    """What ``Channel.create`` calls for ``distributed=True``, ``node_rank=`` or Ray placement
+    targets; None means "start one ordinary local broker"."""
+    if ray_connected():
+        from zchannel.broker import ray_placement
+
+        return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
+                                    targets=targets, identity=identity, curve_keys=curve_keys)
+    if distributed:
+        path = cluster.find_file(config.get("options"))
+        if path:
+            return create_from_cluster(config, path, identity=identity, curve_keys=curve_keys)
+        log.info("distributed=True without Ray or a cluster file: one local replica")
+    if node_rank is not None:
+        log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
+    return None
+
+
+def create_from_cluster(config: dict, path: str, *, identity: str | None,
+                        curve_keys: Any) -> DistributedChannel:
+    """Start the replicas of the cluster file that live on this process's node (other nodes
+    start theirs with ``zchannel broker NAME --cluster FILE --replica I``) and connect."""
+    name = config["name"]
+    cl = cluster.load(path, name)
+    node = cluster.local_node(cl.replicas)
+    table = cl.table()
+    subs: dict[int, Channel] = {}
+    errors: list[BaseException] = []
+
+    def start(i: int, r: cluster.Replica) -> None:
+        lock_fd = paths.try_lock(f"{name}.replica{i}")
+        if lock_fd is None:
+            return  # a live replica (or one being started) holds it: connect to it
+        rconfig = dict(config, address=r.address, replica=i, replicas=table,
+                       insecure=bool(config.get("insecure")) or cl.insecure)
+        try:
+            proc, real_address, token = _spawn_broker(rconfig, lock_fd)
+        except BaseException as exc:
+            errors.append(exc)
+            return
+        finally:
+            os.close(lock_fd)
+        subs[i] = Channel(name, real_address, identity=identity, curve_keys=curve_keys,
+                          _proc=proc, _token=token)
+
+    try:
+        # the node's replicas start in parallel (each is a child process, as in create())
+        threads = [threading.Thread(target=start, args=(i, r)) for i, r in enumerate(cl.replicas)
+                   if r.node == node]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
+                                    subs=subs, owner=bool(subs))
+        handle._sub(0)._connection(timeout=START_TIMEOUT_S)  # replica 0 binds keys: wait for it
+    except BaseException:
+        for sub in subs.values():
+            sub._kill_broker()
+        raise
+    return handle
+
+
+def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Channel | None:
+    """A handle of channel ``name`` when this host has no ``.addr`` file for it: from
+    ``$ZCHANNEL_CLUSTER``, else from Ray (when this process is connected); None if neither
+    knows the name.  ``ChannelNotFound`` if the replica it should talk to does not answer."""
+    path = cluster.find_file()
+    if path:
+        try:
+            cl = cluster.load(path, name)
+        except ValueError:
+            cl = None
+        if cl is not None:
+            handle = DistributedChannel(name, cl.table(), identity=identity)
+            try:
+                handle._sub(handle._home)._connection(timeout=timeout)
+            except BaseException:
+                handle.close()
+                raise
+            return handle
+    if ray_connected():
+        from zchannel.broker import ray_placement
+
+        return ray_placement.connect(name, identity=identity, timeout=timeout)
+    return None
+
+
+__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected"]

@@ -1,0 +1,311 @@
+"""Distributed channels from a cluster file: three replicas on loopback tcp, each claiming its own
+node, started with ``zchannel broker NAME --cluster FILE --replica I``; clients claim nodes with
+``ZCHANNEL_NODE`` (in this process and in worker processes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cluster_util import Replicas, free_tcp_ports, write_cluster
+from zchannel.broker import BrokerUnavailable, Channel, HookError
+from zchannel.broker.distributed import DistributedChannel
+
+pytestmark = pytest.mark.timeout(90)
+
+NODES = ("node-a", "node-b", "node-c")
+
+
+def _start_cluster(run_dir, *args):
+    ports = free_tcp_ports(3)
+    path = write_cluster(run_dir, NODES, [f"tcp://127.0.0.1:{p}" for p in ports])
+    reps = Replicas()
+    try:
+        reps.start("dist", path, range(3), *args)
+        yield path, reps
+    finally:
+        reps.stop_all()
+
+
+@pytest.fixture
+def tcp_cluster(run_dir):
+    """Three replicas of channel ``dist`` on 127.0.0.1, no hooks (brokers never decode)."""
+    yield from _start_cluster(run_dir)
+
+
+@pytest.fixture
+def routing_cluster(run_dir):
+    """The same with collector ``hookmods:RouteTo`` (decoding brokers: the tests put no tensors
+    there, so the brokers never import torch while clients wait)."""
+    yield from _start_cluster(run_dir, "--collector", "hookmods:RouteTo")
+
+
+def _handle(monkeypatch, path, node, **kw) -> DistributedChannel:
+    """A handle of ``dist`` claiming ``node`` (node detection happens when the handle is made)."""
+    monkeypatch.setenv("ZCHANNEL_NODE", node)
+    ch = Channel.connect(_address(path, 0), **kw)
+    assert isinstance(ch, DistributedChannel) and isinstance(ch, Channel) and ch.node == node
+    return ch
+
+
+def _address(path: str, index: int) -> str:
+    from zchannel.broker import cluster
+
+    return cluster.load(path).replicas[index].address
+
+
+def test_locality_first_toucher_and_stat(tcp_cluster, monkeypatch, workers):
+    path, _ = tcp_cluster
+    # three producer processes, one per node, each on its own keys; they connect by name (this
+    # host's .addr file names one replica; its hello reply carries the whole replica table)
+    code = """
+        import sys, torch
+        from zchannel.broker import Channel
+        ch = Channel.connect("dist")
+        node = sys.argv[1]
+        for i in range(5):
+            ch.put(torch.full((100_000,), i, dtype=torch.int32), key=(node, i))
+        print("done", ch.node, flush=True)
+        ch.close()
+    """
+    procs = [workers.start(code, node, env={"ZCHANNEL_NODE": node, "ZCHANNEL_CLUSTER": path})
+             for node in NODES]
+    for node, proc in zip(NODES, procs, strict=True):
+        assert workers.finish(proc).strip() == f"done {node}"
+
+    reader = _handle(monkeypatch, path, "node-c")
+    stats = reader.stats()
+    for node in NODES:
+        for i in range(5):
+            assert stats["keys"][(node, i)]["node"] == node  # each key lives on its producer's node
+    per_replica = {r["node"]: r for r in stats["replicas"]}
+    for node in NODES:  # bytes per replica: exactly its own producer's tensors
+        assert per_replica[node]["keys"] == 5
+        assert per_replica[node]["bytes_held"] >= 5 * 400_000
+        assert per_replica[node]["bytes_held"] < 5 * 400_000 + 5 * 4096
+    assert stats["bytes_held"] == sum(r["bytes_held"] for r in stats["replicas"])
+    assert per_replica["node-a"]["bound_keys"] == 15
+
+    # a reader on another node finds every key where it lives, data intact
+    for node in NODES:
+        t = reader.get((node, 3), timeout=10)
+        assert torch.equal(t, torch.full((100_000,), 3, dtype=torch.int32))
+        assert reader.node_of((node, 3)) == node
+
+    # first toucher wins, for any operation (the "first-touch binding" pitfall): a qsize from
+    # node-c binds the key to node-c, and node-a's later puts go there too
+    assert reader.qsize("touched-by-c") == 0
+    producer = _handle(monkeypatch, path, "node-a")
+    producer.put("x", key="touched-by-c")
+    assert producer.node_of("touched-by-c") == "node-c"
+    assert producer.stats()["keys"]["touched-by-c"]["node"] == "node-c"
+
+    # zchannel stat (by address of any replica) aggregates and shows where each key lives
+    out = subprocess.run(
+        [sys.executable, "-m", "zchannel.cli.main", "stat", _address(path, 1)],
+        capture_output=True, text=True, timeout=60, cwd=os.path.dirname(__file__),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("replica ") for line in lines) == 3
+    header = next(line for line in lines if line.startswith("key "))
+    assert header.split()[-1] == "node"
+    row = next(line for line in lines if line.startswith("touched-by-c"))
+    assert row.split()[-1] == "node-c"
+    as_json = subprocess.run(
+        [sys.executable, "-m", "zchannel.cli.main", "stat", "--json", _address(path, 2)],
+        capture_output=True, text=True, timeout=60, cwd=os.path.dirname(__file__),
+    )
+    data = json.loads(as_json.stdout)
+    assert data["keys"]["('node-b', 0)"]["node"] == "node-b"
+    assert [r["node"] for r in data["replicas"]] == list(NODES)
+    reader.close()
+    producer.close()
+
+
+def test_cached_binding_survives_replica0(tcp_cluster, monkeypatch):
+    path, reps = tcp_cluster
+    b = _handle(monkeypatch, path, "node-b")
+    b.put(1, key="kb")
+    assert b.replica_of("kb") == 1
+    reps.kill(0)  # replica 0 (the binding table) is gone
+    # the binding is cached: operations on kb go straight to replica 1
+    b.put(2, key="kb")
+    assert [b.get("kb", timeout=5), b.get("kb", timeout=5)] == [1, 2]
+    # a new key needs replica 0: BrokerUnavailable, never a hang
+    with pytest.raises(BrokerUnavailable):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            b.put(3, key="new-key", timeout=2)
+    b.close()
+
+
+def test_collector_output_binding(routing_cluster, monkeypatch):
+    path, _ = routing_cluster
+    a = _handle(monkeypatch, path, "node-a")
+    b = _handle(monkeypatch, path, "node-b")
+    c = _handle(monkeypatch, path, "node-c")
+    # an output whose key is unbound binds to the replica that produced it (node-a's)
+    a.put({"to": "out-x", "v": "payload"}, key="src-a")
+    assert a.stats()["keys"]["out-x"]["node"] == "node-a"
+    assert c.node_of("out-x") == "node-a"  # node-c's first touch finds the existing binding
+    assert c.get("out-x", timeout=5) == "payload"
+    # an output for a key bound elsewhere fails the put with HookError; nothing is enqueued
+    assert b.qsize("out-y") == 0  # binds out-y to node-b
+    with pytest.raises(HookError) as info:
+        a.put({"to": "out-y", "v": "lost"}, key="src-a")
+    assert info.value.exc_type == "KeyBoundElsewhere"
+    assert "node-b" in str(info.value)
+    assert a.qsize("src-a") == 0 and b.qsize("out-y") == 0
+    # the same put on node-b's replica is fine
+    b.put({"to": "out-y", "v": "kept"}, key="src-b")
+    assert c.get("out-y", timeout=5) == "kept"
+    for h in (a, b, c):
+        h.close()
+
+
+def test_replica_death_fails_only_its_keys(tcp_cluster, monkeypatch):
+    path, reps = tcp_cluster
+    h = {node: _handle(monkeypatch, path, node) for node in NODES}
+    for node in NODES:
+        h[node].put("v", key=node)
+    reader = _handle(monkeypatch, path, "node-a")
+    for node in NODES:
+        assert reader.qsize(node) == 1  # binds the reader's cache, connects to every replica
+    reps.kill(2)
+    start = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        reader.get("node-c", timeout=30)  # fails as soon as the replica is known to be gone
+    assert time.monotonic() - start < 8
+    with pytest.raises(BrokerUnavailable):
+        reader.put("w", key="node-c")
+    # keys of the other replicas are unaffected
+    assert reader.get("node-a", timeout=5) == "v" and reader.get("node-b", timeout=5) == "v"
+    stats = reader.stats()
+    assert "error" in stats["replicas"][2] and "error" not in stats["replicas"][0]
+    assert "node-c" not in stats["keys"]
+    for ch in (*h.values(), reader):
+        ch.close()
+
+
+def test_async_ack_and_pickle_across_nodes(tcp_cluster, monkeypatch, workers):
+    path, _ = tcp_cluster
+    b = _handle(monkeypatch, path, "node-b", identity="learner:0")
+    works = [b.put(i, key="q", async_op=True) for i in range(50)]
+    for w in works:
+        w.wait(timeout=10)
+    got = b.get("q", async_op=True, ack=True).wait(timeout=5)
+    assert got.item == 0
+    b.ack(got)
+    assert b.get("q", timeout=5) == 1
+    # a pickled handle re-detects its node where it is unpickled
+    blob = pickle.dumps(b)
+    proc = workers.start("""
+        import pickle, sys
+        ch = pickle.loads(sys.stdin.buffer.read())
+        ch.put("from-c", key="made-on-c")
+        print(ch.node, ch.node_of("made-on-c"), ch.identity, flush=True)
+        ch.close()
+    """, env={"ZCHANNEL_NODE": "node-c"})
+    proc.stdin.write(blob)
+    proc.stdin.close()
+    proc.stdin = None
+    assert workers.finish(proc).split() == ["node-c", "node-c", "learner:0"]
+    assert b.get("made-on-c", timeout=5) == "from-c"
+    with pytest.raises(PermissionError):
+        b.shutdown()
+    b.close()
+
+
+def test_one_node_cluster_is_a_plain_channel(run_dir, monkeypatch, channels):
+    path = write_cluster(run_dir, ("solo",))
+    monkeypatch.setenv("ZCHANNEL_NODE", "solo")
+    ch = Channel.create("one", distributed=True, options={"cluster": path})
+    channels.append(ch)
+    assert isinstance(ch, DistributedChannel)
+    ch.put([1, 2], key="k")
+    assert ch.get("k") == [1, 2]
+    ch.put("z")
+    stats = ch.stats()
+    assert stats["keys"]["default_queue"]["node"] == "solo"
+    assert stats["replicas"][0]["bound_keys"] == 0  # one replica: no binding round trips
+
+
+def test_distributed_without_cluster_or_ray_is_one_local_broker(make_remote, monkeypatch, caplog):
+    monkeypatch.delenv("ZCHANNEL_CLUSTER", raising=False)
+    with caplog.at_level(logging.INFO, logger="zchannel.client"):
+        ch = make_remote("plain", distributed=True)
+    assert not isinstance(ch, DistributedChannel)
+    assert "one local replica" in caplog.text
+    ch.put(1)
+    assert ch.get() == 1
+
+
+def test_cli_cluster_flags(run_dir):
+    path = write_cluster(run_dir, ("a", "b"))
+    for args in (["--cluster", path], ["--replica", "0"]):
+        out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "x", *args],
+                             capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(__file__))
+        assert out.returncode == 2 and "go together" in out.stderr
+    far = write_cluster(run_dir, ("a",), ["tcp://10.255.255.1:5555"], file_name="far.toml")
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "x",
+                          "--cluster", far, "--replica", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=os.path.dirname(__file__))
+    assert out.returncode == 2 and "CURVE" in out.stderr
+
+
+def test_cluster_file_and_node_detection(run_dir, monkeypatch):
+    import socket
+
+    from zchannel.broker import cluster
+
+    example = cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                        "cluster_example.toml"))
+    assert [r.node for r in example.replicas] == ["host-a", "host-b", "host-c"]
+    assert example.name == "samples" and example.insecure
+    with pytest.raises(ValueError):
+        cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                  "cluster_example.toml"), "other-channel")
+    here = socket.gethostname()
+    path = write_cluster(run_dir, ("elsewhere", here, here))
+    table = cluster.load(path, "c").replicas
+    assert table[1].address.endswith("/c-r1.sock")  # {name} filled in
+    monkeypatch.delenv("ZCHANNEL_NODE", raising=False)
+    assert cluster.local_node(table) == here  # matched by hostname
+    monkeypatch.setenv("ZCHANNEL_NODE", "elsewhere")
+    assert cluster.local_node(table) == "elsewhere"
+    # two replicas on one node share its keys by a stable hash; a node without a replica
+    # spreads its keys over all of them
+    assert {cluster.choose_replica(table, here, ("k", i)) for i in range(50)} == {1, 2}
+    assert {cluster.choose_replica(table, "nowhere", ("k", i)) for i in range(50)} == {0, 1, 2}
+    assert cluster.choose_replica(table, here, "x") == cluster.choose_replica(table, here, "x")
+
+
+def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
+    import signal
+
+    from conftest import pid_alive
+
+    path = write_cluster(run_dir, ("n0", "n0", "elsewhere"))
+    proc = workers.start("""
+        from zchannel.broker import Channel
+        ch = Channel.create("mine", distributed=True)
+        print(" ".join(str(s._proc.pid) for s in ch._subs.values() if s._proc), flush=True)
+        input()
+    """, env={"ZCHANNEL_CLUSTER": path, "ZCHANNEL_NODE": "n0", "ZCHANNEL_RUN_DIR": run_dir})
+    pids = [int(p) for p in workers.wait_line(proc, timeout=60).split()]
+    assert len(pids) == 2  # only this node's replicas; "elsewhere" starts its own
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "replicas outlived their creator"
+        time.sleep(0.1)  # polling the outcome, not synchronising

@@ -1,0 +1,182 @@
+"""Brokers placed by Ray: a simulated three-node cluster (``ray.cluster_utils.Cluster``) on this
+machine; producers pinned to nodes by custom resources.  Skipped when ray is not installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
+
+import torch  # noqa: E402
+from conftest import pid_alive  # noqa: E402
+from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
+from zchannel.broker.distributed import DistributedChannel  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    run_dir = tempfile.mkdtemp(prefix="zcr-")
+    old = os.environ.get("ZCHANNEL_RUN_DIR")
+    os.environ["ZCHANNEL_RUN_DIR"] = run_dir  # what the cluster's worker processes inherit
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
+    try:
+        for i in (1, 2):
+            c.add_node(num_cpus=1, resources={f"node{i}": 1})
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if old is None:
+            os.environ.pop("ZCHANNEL_RUN_DIR", None)
+        else:
+            os.environ["ZCHANNEL_RUN_DIR"] = old
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def produce(self, channel, tag: str, n: int) -> str:
+        for i in range(n):
+            channel.put(torch.full((50_000,), i, dtype=torch.int32), key=(tag, i))
+        node = channel.node_of((tag, 0))
+        channel.close()
+        return node
+
+    def consume(self, channel, tag: str, n: int) -> list:
+        got = [int(channel.get((tag, i), timeout=30)[0]) for i in range(n)]
+        channel.close()
+        return got
+
+
+@ray.remote(num_cpus=0)
+def read_by_name(name: str, key) -> int:
+    ch = Channel.connect(name)
+    try:
+        return int(ch.get(key, timeout=30)[0])
+    finally:
+        ch.close()
+
+
+def _pinned(i: int):
+    return Producer.options(resources={f"node{i}": 0.01}).remote()
+
+
+def _sorted_nodes() -> list[str]:
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+
+def _assert_gone(pids: list[int], actor_name: str, actor_ids: list[str] = ()) -> None:
+    import ray._private.state as state
+
+    assert actor_name not in ray.util.list_named_actors()
+    for actor_id in actor_ids:
+        assert state.actors(actor_id=actor_id)["State"] in ("DEAD", 4)
+    for pid in pids:  # shutdown() waited for the actors to stop their brokers
+        assert not pid_alive(pid), f"broker {pid} outlived its channel"
+
+
+def test_replica_per_node_keys_stay_with_producers(cluster):
+    ch = Channel.create("rayd", distributed=True)
+    try:
+        assert isinstance(ch, DistributedChannel)
+        nodes = [r["node"] for r in ch.replicas]
+        assert sorted(nodes) == _sorted_nodes()
+        producers = [_pinned(i) for i in range(3)]
+        producer_nodes = ray.get([p.node.remote() for p in producers])
+        placed = ray.get([p.produce.remote(ch, f"p{i}", 4) for i, p in enumerate(producers)])
+        assert placed == producer_nodes  # each key lives on its producer's node
+        stats = ch.stats()
+        for i, node in enumerate(producer_nodes):
+            for k in range(4):
+                assert stats["keys"][(f"p{i}", k)]["node"] == node
+        per_replica = {r["node"]: r["bytes_held"] for r in stats["replicas"]}
+        for node in producer_nodes:
+            assert 4 * 200_000 <= per_replica[node] < 4 * 200_000 + 16_384
+        # round trips: a consumer on another node, and the driver
+        assert ray.get(producers[1].consume.remote(ch, "p0", 2)) == [0, 1]
+        assert [int(ch.get(("p2", k), timeout=10)[0]) for k in range(4)] == [0, 1, 2, 3]
+        # any process of the job finds the channel by name
+        assert ray.get(read_by_name.remote("rayd", ("p1", 3))) == 3
+        # CURVE: the simulated nodes bind a non-loopback IP, so the channel got its own keys
+        if not ray.util.get_node_ip_address().startswith("127."):
+            assert ch._curve_keys is not None
+        pids = [r["pid"] for r in stats["replicas"]]
+        # the actors (and the brokers they spawn) run this checkout's code
+        exe, module = ray.get(ch._ray_owner.actors[0].where.remote())
+        import zchannel.broker
+
+        assert module == zchannel.broker.__file__, (exe, module)
+        actor_ids = [a._actor_id.hex() for a in ch._ray_owner.actors]
+    finally:
+        ch.shutdown()
+    _assert_gone(pids, "zchannel:rayd", actor_ids)
+    with pytest.raises(ChannelNotFound):
+        Channel.connect("rayd", timeout=2)
+
+
+def test_single_broker_placement(cluster):
+    nodes = _sorted_nodes()
+    ch = Channel.create("rank2", node_rank=2)
+    try:
+        stats = ch.stats()
+        assert [r["node"] for r in stats["replicas"]] == [nodes[2]]
+        ch.put("x")
+        assert ch.stats()["keys"]["default_queue"]["node"] == nodes[2]
+        assert ch.get() == "x"
+        pids = [stats["replicas"][0]["pid"]]
+    finally:
+        ch.shutdown()
+    _assert_gone(pids, "zchannel:rank2")
+
+    producer = _pinned(1)
+    consumer_node = nodes[0]
+    ch = Channel.create("byproducer", producers=[producer, "rollout"], consumers=[consumer_node])
+    try:
+        stats = ch.stats()
+        assert [r["node"] for r in stats["replicas"]] == [ray.get(producer.node.remote())]
+        assert stats["producers"] == ["rollout"]  # the actor handle only placed the broker
+    finally:
+        ch.shutdown()
+    ch = Channel.create("byconsumer", consumers=[consumer_node])
+    try:
+        assert [r["node"] for r in ch.stats()["replicas"]] == [consumer_node]
+    finally:
+        ch.shutdown()
+    ray.kill(producer)
+
+
+def test_creator_death_leaves_no_brokers(cluster, workers):
+    import signal
+    import time
+
+    proc = workers.start("""
+        import sys, ray
+        ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+        from zchannel.broker import Channel
+        ch = Channel.create("orphan", distributed=True)
+        ch.put("x", key="k")
+        print(" ".join(str(r["pid"]) for r in ch.stats()["replicas"]), flush=True)
+        sys.stdin.readline()
+    """, cluster.address)
+    pids = [int(p) for p in workers.wait_line(proc, timeout=120).split()]
+    assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+    os.kill(proc.pid, signal.SIGKILL)  # the creator dies: Ray removes its actors, brokers follow
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "brokers outlived their creator"
+        time.sleep(0.2)  # polling the outcome, not synchronising
