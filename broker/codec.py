@@ -51,6 +51,14 @@ _TORCH_DTYPES: dict[str, Any] = {}
 _TORCH_DTYPE_NAME: dict[Any, str] = {}
 
 
+def preload() -> None:
+    """Import torch now (decoding imports it lazily on the first tensor)."""
+    try:
+        _torch()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
 def _torch() -> Any:
     """torch, imported on first use (a broker that never decodes a tensor never imports it)."""
     import torch

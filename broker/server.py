@@ -165,6 +165,10 @@ class Broker:
             max_keys=config.max_keys,
             key_grace=config.key_grace,
         )
+        if not self.core.passthrough or (self.core.deals and self.core.dispatcher.needs_item):
+            # A hook decodes items: import torch before serving, not on the first tensor (that
+            # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
+            codec.preload()
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, _Outbox] = {}
