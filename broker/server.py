@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, paths
+from zchannel.broker import codec, paths, shm
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
 from zchannel.broker.protocol import (
@@ -71,6 +71,8 @@ class BrokerConfig:
     max_message_bytes: int = 0
     max_frames: int = MAX_FRAMES
     max_header_bytes: int = MAX_HEADER_BYTES
+    shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
+    shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
     key_grace: float = 30.0
     insecure: bool = False
     curve_secret_key: str | None = None
@@ -135,6 +137,9 @@ class Broker:
         paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
                                  insecure=config.insecure)
         self._auth = None
+        self.shm = shm.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+                                 config.shm_pool_bytes,
+                                 2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(
             name=config.name,
             maxsize=config.maxsize,
@@ -144,13 +149,14 @@ class Broker:
             consumers=expand_consumers(config.consumers),
             options=config.options,
             reply=self._reply,
-            decode_item=_decode_item,
+            decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,
             max_bytes=config.max_bytes,
             max_keys=config.max_keys,
             key_grace=config.key_grace,
         )
+        self.core.client_gone = self.shm.wrap_client_gone(self.core.client_gone)  # frees slots
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, _Outbox] = {}
@@ -258,6 +264,7 @@ class Broker:
             if self._auth is not None:
                 self._auth.stop()
             paths.remove_address(self.config.name, self.address)
+            self.shm.close()
             ipc = paths.ipc_path(self.address)
             if ipc:
                 try:
@@ -335,6 +342,7 @@ class Broker:
             "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
             "liveness": self.config.liveness, "deals": self.core.deals,
             "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
+            "shm": self.shm.hello_info(),
         })
         return client
 
@@ -359,6 +367,8 @@ class Broker:
             if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
                 raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
             item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
+            if "sm" in rec:  # shared-memory slots: held, and counted in item.nbytes
+                self.shm.attach_put(client, rec["sm"], item)
             core.put(client, rid, key_from_wire(rec.get("k")), item,
                      check_timeout(rec.get("t")), bool(rec.get("nw")))
         elif op == GET or op == GET_BATCH:
@@ -375,7 +385,8 @@ class Broker:
             self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
         elif op == STATS:
             stats = core.stats()
-            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients))
+            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients),
+                         shm=self.shm.stats())
             body, _ = codec.encode(stats)
             self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
         elif op == ACK:
@@ -386,6 +397,8 @@ class Broker:
             self.clients.pop(client.address, None)
             core.client_gone(client)
             self._reply(client, rid, result=True)
+        elif op in shm.SHM_OPS:
+            self.shm.handle(client, op, rec)
         elif op == SHUTDOWN:
             if self.config.token and rec.get("token") != self.config.token:
                 raise PermissionError("only the handle that created the channel may shut it down")
@@ -408,10 +421,13 @@ class Broker:
         elif items is not None:
             nf = 0
             counts = []
-            for item in items:
+            for i, item in enumerate(items):
                 out.frames.extend(item.payload)
-                nf += len(item.payload)
-                counts.append(len(item.payload))
+                n = len(item.payload)
+                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
+                    n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
+                nf += n
+                counts.append(n)
             rec["nf"] = nf
             if batch:
                 rec["n"] = counts
@@ -463,6 +479,7 @@ class Broker:
 
     def _heartbeats(self, now: float) -> None:
         self._release_memory()
+        self.shm.sweep(now)
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness
         for address, client in list(self.clients.items()):
