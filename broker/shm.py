@@ -51,11 +51,13 @@ SHM_DIR = "/dev/shm"
 MAGIC = b"ZCSHM001"
 HEADER_BYTES = 4096
 STATES_OFFSET = 64
-MAX_SLOTS = 64
+MAX_SLOTS = 64  # per segment, and per size class of a pool
 FREE, USED = 0, 1
 DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_POOL_BYTES = 1 << 30  # per producer handle, all size classes together
-CLASS_BYTES = 256 << 20  # one size class's segment at most
+FIRST_SEGMENT_BYTES = 32 << 20  # a size class's first segment (more are added on demand)
+CLASS_BYTES = 512 << 20  # a size class of a pool holds at most this much (and MAX_SLOTS slots)
+OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
 
@@ -65,6 +67,7 @@ SHM_OPS = frozenset({SHM_HELLO, SHM_RELEASE})
 
 _NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+[A-Za-z0-9._-]{1,64}$")
 _PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+$")
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -128,8 +131,9 @@ class Segment:
         return cls(name, mm, slot_size, nslots)
 
     @classmethod
-    def open(cls, name: str) -> Segment:
-        """Map an existing segment; ``ValueError`` if it is missing or malformed."""
+    def open(cls, name: str, populate: bool = False) -> Segment:
+        """Map an existing segment (``populate``: map all its pages now, not one fault at a time
+        on the hot path); ``ValueError`` if it is missing or malformed."""
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"invalid shared-memory segment name {name!r}")
         try:
@@ -147,6 +151,11 @@ class Segment:
         if (magic != MAGIC or not 0 < nslots <= MAX_SLOTS or slot_size <= 0
                 or slot_size % 4096 or HEADER_BYTES + slot_size * nslots > size):
             raise ValueError(f"shared-memory segment {name!r} has a malformed header")
+        if populate:
+            try:
+                mm.madvise(_MADV_POPULATE_READ)
+            except (OSError, ValueError):
+                pass
         return cls(name, mm, slot_size, nslots)
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
@@ -168,32 +177,38 @@ def _size_class(nbytes: int, threshold: int) -> int:
 
 
 class Pool:
-    """The segments of one producer handle (see the module docstring).  Thread-safe."""
+    """The segments of one producer handle (see the module docstring).  Thread-safe.
+
+    A size class starts with one small segment and adds segments (doubling its slot count) when
+    all its slots are in use, up to ``MAX_SLOTS`` slots per class and ``budget`` bytes per pool.
+    """
 
     def __init__(self, prefix: str, threshold: int, budget: int = DEFAULT_POOL_BYTES) -> None:
         self.prefix, self.threshold, self.budget = prefix, threshold, budget
         self.lock = threading.Lock()
-        self.segments: dict[int, Segment | None] = {}  # size class -> segment (None: none fits)
+        self.classes: dict[int, list[Segment]] = {}  # size class -> its segments
         self.by_name: dict[str, Segment] = {}
-        self.cursor: dict[int, int] = {}
+        self.cursor: dict[int, int] = {}  # size class -> next slot to look at (over all segments)
         self.total = 0
         self.announced: set[str] = set()  # segments named in a put sent to the broker
         self.fallbacks = 0
+        self.failed = False  # a segment could not be created: no more attempts
 
-    def _segment(self, size: int) -> Segment | None:
-        if size in self.segments:
-            return self.segments[size]
-        nslots = min(MAX_SLOTS, CLASS_BYTES // size, (self.budget - self.total) // size)
-        seg = None
-        if nslots >= 1:
-            try:
-                seg = Segment.create(self.prefix, size, nslots)
-            except OSError as exc:
-                log.warning("cannot create a shared-memory segment (%s): large items go as frames", exc)
-            else:
-                self.total += size * nslots
-                self.by_name[seg.name] = seg
-        self.segments[size] = seg
+    def _grow(self, size: int, segs: list[Segment]) -> Segment | None:
+        have = sum(s.nslots for s in segs)
+        nslots = min(MAX_SLOTS - have, max(have, 2, FIRST_SEGMENT_BYTES // size),
+                     max(2, CLASS_BYTES // size) - have, (self.budget - self.total) // size)
+        if nslots < 1 or self.failed:
+            return None
+        try:
+            seg = Segment.create(self.prefix, size, nslots)
+        except OSError as exc:
+            self.failed = True
+            log.warning("cannot create a shared-memory segment (%s): large items go as frames", exc)
+            return None
+        self.total += size * nslots
+        self.by_name[seg.name] = seg
+        segs.append(seg)
         return seg
 
     def __call__(self, data: Any, nbytes: int) -> list | None:
@@ -203,22 +218,28 @@ class Pool:
             return None
         size = _size_class(nbytes, self.threshold)
         with self.lock:
-            seg = self._segment(size)
-            if seg is None:
-                return None
-            states, n = seg.states, seg.nslots
+            segs = self.classes.setdefault(size, [])
+            total = sum(s.nslots for s in segs)
             start = self.cursor.get(size, 0)
-            slot = -1
-            for k in range(n):
-                i = (start + k) % n
-                if states[i] == FREE:
-                    slot = i
+            seg, slot = None, -1
+            for k in range(total):
+                i = (start + k) % total
+                for cand in segs:  # slot i of the class, over its segments in order
+                    if i < cand.nslots:
+                        break
+                    i -= cand.nslots
+                if cand.states[i] == FREE:
+                    seg, slot = cand, i
+                    self.cursor[size] = (start + k + 1) % total
                     break
-            if slot < 0:
-                self.fallbacks += 1
-                return None
-            states[slot] = USED
-            self.cursor[size] = slot + 1
+            if seg is None:
+                seg = self._grow(size, segs)
+                if seg is None:
+                    self.fallbacks += 1
+                    return None
+                slot = 0
+                self.cursor[size] = total + 1
+            seg.states[slot] = USED
         dst = seg.view(slot, nbytes)
         src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         np.copyto(dst, src.reshape(-1).view(np.uint8), casting="no")
@@ -240,7 +261,7 @@ class Pool:
         for name in self.by_name:
             if name not in self.announced:
                 _unlink(name)
-        self.segments.clear()
+        self.classes.clear()
         self.by_name.clear()
 
 
@@ -253,6 +274,7 @@ class ShmClient:
         self.pool: Pool | None = None  # set while same-host is proven for the current hello
         self.mapped: OrderedDict[str, Segment] = OrderedDict()
         self.lock = threading.Lock()
+        self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
@@ -295,12 +317,31 @@ class ShmClient:
             if seg is not None:
                 self.mapped.move_to_end(name)
                 return seg
-        seg = Segment.open(name)
+        seg = Segment.open(name, populate=True)
         with self.lock:
             self.mapped[name] = seg
             while len(self.mapped) > MAPPED_SEGMENTS:
                 self.mapped.popitem(last=False)  # views of it keep its mapping alive
         return seg
+
+    def copy_out(self, view: np.ndarray) -> np.ndarray:
+        """An owned copy of a slot, in a buffer recycled from copies already garbage collected
+        (a fresh allocation would fault in every page of it again)."""
+        n = view.nbytes
+        free = self.out_cache.get(n)
+        owner = free.pop() if free else np.empty(n, dtype=np.uint8)
+        np.copyto(owner, view)
+        out = np.frombuffer(memoryview(owner), dtype=np.uint8)  # views of it all share `out`
+        weakref.finalize(out, self._recycle, owner)
+        return out
+
+    def _recycle(self, owner: np.ndarray) -> None:
+        free = self.out_cache.setdefault(owner.nbytes, [])
+        if len(free) < OUT_CACHE:
+            free.append(owner)
+        if len(self.out_cache) > 16:  # many sizes: keep only the newest
+            for n in list(self.out_cache)[:-16]:
+                self.out_cache.pop(n, None)
 
     def release(self, hold_ids: list[int]) -> None:
         """Tell the broker these slots are no longer used here (no reply; any thread)."""
@@ -344,7 +385,10 @@ class ShmClient:
                 if copy is False:  # the view keeps the slot until it is garbage collected
                     weakref.finalize(view, self.release, [hold])
                     holds.pop()
-                views.append(view)
+                    views.append(view)
+                else:
+                    views.append(self.copy_out(view))
+                    shm_copy = False  # copied already
             return _decode_frames(frames, copy, views, shm_copy)
         finally:
             self.release(holds)  # copied out (or failed): the slots go back at once

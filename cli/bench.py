@@ -108,6 +108,7 @@ class Case:
     hooks: bool = False
     label: str = ""
     shm: bool = True  # same-host shared memory for large arrays/tensors (docs/shm.md)
+    maxsize: int = 0  # the channel's maxsize (0: unbounded)
 
     @property
     def name(self) -> str:
@@ -289,6 +290,7 @@ class Target:
                 dispatcher=dispatcher,
                 consumers=consumers,
                 shm_threshold=None if case.shm else 0,
+                maxsize=case.maxsize,
             )
             self.handle = self.owned
             self.address = self.owned.address
@@ -852,7 +854,9 @@ class Runner:
         kind = self.baseline
         if kind == "zmq":
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
-        base_case = dataclasses.replace(case, scenario="channel", keys=1, hooks=False, label="")
+        base_case = dataclasses.replace(
+            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0
+        )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
                 base_case, producers=1, consumers=1, scenario="get_only"
@@ -1190,8 +1194,12 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
     runner.baseline = "zmq"
     out: list[TargetResult] = []
     try:
+        # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
+        # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
         c9 = bounded(Case("channel", ptype="tensor", size=16 * MIB, messages=64, window=8))
-        t9 = runner.measure(dataclasses.replace(c9, label="T9 shm tensor 16MiB 1P/1C ipc"))
+        t9 = runner.measure(
+            dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        )
         b9 = runner.baseline_for(c9)
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
@@ -1216,7 +1224,9 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
             )
         )
         c10 = bounded(Case("channel", ptype="tensor", size=MIB, messages=1024, window=16))
-        t10 = runner.measure(dataclasses.replace(c10, label="T10 shm tensor 1MiB 1P/1C ipc"))
+        t10 = runner.measure(
+            dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
+        )
         b10 = runner.baseline_for(c10)
         out.append(
             _target(

@@ -553,7 +553,13 @@ def run_ray_baselines(
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local",  # our own instance, never a cluster another process started here
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     try:
 
         @ray.remote(num_cpus=0)
