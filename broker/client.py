@@ -29,6 +29,7 @@ from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
 from zchannel.broker.shm import client_submit as shm_submit
+from zchannel.broker.shm import client_undo as shm_undo
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec, registered
 
@@ -281,8 +282,7 @@ class Channel:
                 rec["sm"] = refs
             limit = conn.broker_info.get("max_message_bytes")
             if limit and sum(rec["fs"]) > limit:
-                if refs:
-                    conn.shm.pool.undo(refs)
+                shm_undo(conn, refs)
                 raise ValueError(f"item of {sum(rec['fs'])} bytes exceeds the broker's "
                                  f"max_message_bytes limit ({limit})")
         op = rec["op"]
@@ -293,7 +293,11 @@ class Channel:
             convert = _batch_converter(copy, conn.shm)
         elif op == STATS:
             convert = _stats_converter
-        return conn.request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        try:
+            return conn.request(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        except BaseException:
+            shm_undo(conn, rec.get("sm"))  # not sent: its slots go back to the pool
+            raise
 
     def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
             timeout: float | None = None) -> Work | None:

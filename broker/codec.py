@@ -258,12 +258,12 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
     enc = _Encoder(alloc)
     try:
         body = enc.pack(obj)
-    except OverflowError as exc:
-        raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
-    except ValueError as exc:
-        raise TypeError(f"cannot encode item: {exc}") from None
-    except BaseException:
+    except BaseException as exc:
         alloc.undo(enc.refs)  # slots taken for an item that will not travel
+        if isinstance(exc, OverflowError):
+            raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
+        if isinstance(exc, ValueError):
+            raise TypeError(f"cannot encode item: {exc}") from None
         raise
     return body, enc.buffers, enc.refs
 

@@ -354,6 +354,16 @@ class ShmClient:
         except OSError:
             pass
 
+    def _slot(self, entry: Any) -> np.ndarray:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
+            raise ValueError("malformed shared-memory reference")
+        name, slot, nbytes, _ = entry
+        seg = self._map(name)
+        if not (isinstance(slot, int) and 0 <= slot < seg.nslots and isinstance(nbytes, int)
+                and 0 <= nbytes <= seg.slot_size):
+            raise ValueError("shared-memory reference out of range")
+        return seg.view(slot, nbytes)
+
     def decode(self, entries: Any, frames: list, copy: bool | None) -> Any:
         """Decode an item of a reply whose ``sm`` entries name its slots: ``[segment, slot,
         nbytes, hold]`` (mapped here) or an int (the index of a frame holding the slot's bytes,
@@ -373,18 +383,11 @@ class ShmClient:
                     views.append(np.frombuffer(memoryview(frames[entry]), dtype=np.uint8))
                     shm_copy = bool(copy)  # frames: the usual copy semantics
                     continue
-                if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
-                    raise ValueError("malformed shared-memory reference")
-                name, slot, nbytes, hold = entry
-                holds.append(hold)
-                seg = self._map(name)
-                if not (isinstance(slot, int) and 0 <= slot < seg.nslots and isinstance(nbytes, int)
-                        and 0 <= nbytes <= seg.slot_size):
-                    raise ValueError("shared-memory reference out of range")
-                view = seg.view(slot, nbytes)
+                if isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int):
+                    holds.append(entry[3])
+                view = self._slot(entry)
                 if copy is False:  # the view keeps the slot until it is garbage collected
-                    weakref.finalize(view, self.release, [hold])
-                    holds.pop()
+                    weakref.finalize(view, self.release, [holds.pop()])
                     views.append(view)
                 else:
                     views.append(self.copy_out(view))
@@ -406,6 +409,13 @@ def client_submit(conn: Any, item: Any) -> tuple[bytes, list, list | None]:
     if refs:
         pool.sent(refs)
     return body, buffers, refs or None
+
+
+def client_undo(conn: Any, refs: list | None) -> None:
+    """A put whose slots were taken is not sent after all: free them."""
+    pool = conn.shm.pool if refs and conn.shm is not None else None
+    if pool is not None:
+        pool.undo(refs)
 
 
 # ---------------------------------------------------------------------------------------------

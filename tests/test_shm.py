@@ -288,3 +288,13 @@ def test_threshold_zero_is_off(make_remote):
     ch.put(torch.zeros(MIB))
     assert torch.equal(ch.get(timeout=10), torch.zeros(MIB))
     assert _shm_stats(ch)["slots_in"] == 0 and _segments(_shm_stats(ch)["prefix"]) == []
+
+
+def test_unsent_put_gives_its_slots_back(make_remote):
+    ch = make_remote("undo", shm_threshold=T)
+    with pytest.raises(TypeError):
+        ch.put({"a": torch.zeros(T), "b": object()})  # the tensor took a slot, then encoding failed
+    pool = ch._connection().shm.pool
+    assert all(int((s.states == shm.USED).sum()) == 0 for segs in pool.classes.values() for s in segs)
+    ch.put({"a": torch.zeros(T)})
+    assert torch.equal(ch.get(timeout=10)["a"], torch.zeros(T))
