@@ -348,11 +348,14 @@ class ShmClient:
         conn = self.conn
         if not hold_ids or conn._closing or conn.state == "closed":
             return
-        conn._queue.append(({"op": SHM_RELEASE, "id": 0, "nf": 0, "h": hold_ids}, [], None))
-        try:
-            os.eventfd_write(conn._wake, 1)
-        except OSError:
-            pass
+        queue = conn._queue
+        woken = bool(queue)  # the I/O thread drains the queue in one go: a wake-up is due
+        queue.append(({"op": SHM_RELEASE, "id": 0, "nf": 0, "h": hold_ids}, [], None))
+        if not woken:
+            try:
+                os.eventfd_write(conn._wake, 1)
+            except OSError:
+                pass
 
     def _slot(self, entry: Any) -> np.ndarray:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
