@@ -349,7 +349,10 @@ class ShmClient:
         if not hold_ids or conn._closing or conn.state == "closed":
             return
         queue = conn._queue
-        woken = bool(queue)  # the I/O thread drains the queue in one go: a wake-up is due
+        # No wake-up of the I/O thread when one is due anyway: it drains the queue whenever it
+        # wakes, and it wakes for the reply of any request still outstanding (or its poll
+        # timeout), so the release then rides along with the next message.
+        woken = bool(queue) or bool(conn._pending)
         queue.append(({"op": SHM_RELEASE, "id": 0, "nf": 0, "h": hold_ids}, [], None))
         if not woken:
             try:

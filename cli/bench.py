@@ -985,7 +985,7 @@ def _target(
 def measure_rss_target(runner: Runner, tmpdir: str) -> TargetResult:
     """T8: broker RSS holding 1 GiB of 16 MiB tensors, above its idle RSS; then drained and
     every tensor checked."""
-    case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4)
+    case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4, shm=False)
     target = Target(case, runner.address, tmpdir)
     try:
         idle = target.rss() or 0
