@@ -265,6 +265,13 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     assert _segments(prefix) == [f"{prefix}probe"]  # ...the next one removes every stale one
     ch2.put(torch.full((16384,), 1.0))
     assert float(ch2.get(timeout=10)[0]) == 1.0
+    # the first handle reconnects by itself and puts through a fresh pool
+    new_pid = ch2.stats()["pid"]
+    assert _poll(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
+                 timeout=20)
+    ch.put(torch.full((16384,), 9.0), timeout=10)
+    assert float(ch2.get(timeout=10)[0]) == 9.0
+    assert _shm_stats(ch2)["slots_in"] == 2
     ch2.shutdown()
     assert _segments(prefix) == []
 
