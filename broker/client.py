@@ -28,6 +28,8 @@ from zchannel.broker.connection import CLOSED, Connection, probe
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
+from zchannel.broker.shm import client_submit as shm_submit
+from zchannel.broker.shm import client_undo as shm_undo
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec, registered
 
@@ -87,7 +89,7 @@ class Channel:
 
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
                  curve_keys: Any = None, _proc: subprocess.Popen | None = None,
-                 _token: str | None = None) -> None:
+                 _token: str | None = None, shm: bool | None = None) -> None:
         self._name = name
         self._address = address
         self._explicit_identity = identity
@@ -100,6 +102,7 @@ class Channel:
         self._conn: Connection | None = None
         self._conn_lock = threading.Lock()
         self._closed = False
+        self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
         _open_handles.add(self)
 
     # -- construction ------------------------------------------------------------------------
@@ -123,6 +126,7 @@ class Channel:
         curve_keys: Any = None,
         insecure: bool = False,
         lease_timeout: float = 30.0,
+        shm_threshold: int | None = None,
     ) -> Channel:
         """Start a broker for ``name`` and return a connected handle; if a live broker already
         serves the name, connect to it (its settings win; differing arguments are logged)."""
@@ -164,6 +168,8 @@ class Channel:
             "curve_secret_key": server_keys.get("server_secret_key"),
             "curve_public_keys": server_keys.get("public_keys"),
         }
+        if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
+            config["shm_threshold"] = shm_threshold
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         if distributed or node_rank is not None or targets:  # cluster file / Ray: distributed.py
             from zchannel.broker import distributed as _dist
@@ -206,9 +212,11 @@ class Channel:
 
     @classmethod
     def connect(cls, name_or_address: str, *, identity: str | None = None,
-                timeout: float = 10.0, curve_keys: Any = None) -> Channel:
+                timeout: float = 10.0, curve_keys: Any = None, shm: bool | None = None) -> Channel:
         """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
 
+        ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
+        the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
         if identity is not None:
@@ -231,7 +239,7 @@ class Channel:
                     return found
                 raise ChannelNotFound(f"no channel named {name!r} on this host")
         probe(address)
-        handle = cls(name, address, identity=identity, curve_keys=curve_keys)
+        handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
         handle._connection(timeout=timeout)
         if "replicas" in handle._conn.broker_info:  # a replica: route per key (distributed.py)
             from zchannel.broker.distributed import DistributedChannel
@@ -260,7 +268,7 @@ class Channel:
             from zchannel.broker.security import client_keys
 
             conn = Connection(self._address, identity=self.identity,
-                              curve=client_keys(self._curve_keys))
+                              curve=client_keys(self._curve_keys), shm=self._shm)
             if not conn.wait_up(timeout):
                 conn.close(timeout=0)
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
@@ -292,23 +300,30 @@ class Channel:
         conn = self._connection()
         frames: list = []
         if has_item:
-            body, buffers = codec.encode(item)
+            body, buffers, refs = shm_submit(conn, item)  # refs: shared-memory slots or None
             frames = [body, *buffers]
             rec["fs"] = [len(body), *(memoryview(b).nbytes for b in buffers)]
+            if refs:
+                rec["sm"] = refs
             limit = conn.broker_info.get("max_message_bytes")
             if limit and sum(rec["fs"]) > limit:
+                shm_undo(conn, refs)
                 raise ValueError(f"item of {sum(rec['fs'])} bytes exceeds the broker's "
                                  f"max_message_bytes limit ({limit})")
         op = rec["op"]
         convert = None
         if op == GET:
-            convert = _get_converter(copy)
+            convert = _get_converter(copy, conn.shm)
         elif op == GET_BATCH:
-            convert = _batch_converter(copy)
+            convert = _batch_converter(copy, conn.shm)
         elif op == STATS:
             convert = _stats_converter
         send = conn.call if wait else conn.request
-        return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        try:
+            return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+        except BaseException:
+            shm_undo(conn, rec.get("sm"))  # not sent: its slots go back to the pool
+            raise
 
     def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
             timeout: float | None = None) -> Work | None:
@@ -430,26 +445,31 @@ def _unpickle(name: str | None, address: str, identity: str | None, curve_keys: 
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
 
 
-def _decode_frames(frames: list, copy: bool | None) -> Any:
+def _decode_frames(frames: list, copy: bool | None, shm: list = (), shm_copy: bool = True) -> Any:
     body = frames[0]
     return codec.decode(body.buffer if isinstance(body, zmq.Frame) else body, frames[1:],
-                        copy=bool(copy))
+                        copy=bool(copy), shm=shm, shm_copy=shm_copy)
 
 
-def _get_converter(copy: bool | None):
+def _get_converter(copy: bool | None, shm: Any = None):
     def convert(rec: dict, frames: list) -> Any:
-        item = _decode_frames(frames, copy)
+        sm = rec.get("sm")  # shared-memory slots of the item (broker/shm.py)
+        item = shm.decode(sm[0], frames, copy) if sm and sm[0] else _decode_frames(frames, copy)
         lease = rec.get("lease")
         return Delivery(item, lease) if lease is not None else item
 
     return convert
 
 
-def _batch_converter(copy: bool | None):
+def _batch_converter(copy: bool | None, shm: Any = None):
     def convert(rec: dict, frames: list) -> list:
         out, pos = [], 0
-        for n in rec.get("n") or ():
-            out.append(_decode_frames(frames[pos : pos + n], copy))
+        sm = rec.get("sm") or ()  # shared-memory slots per item (broker/shm.py)
+        for i, n in enumerate(rec.get("n") or ()):
+            if i < len(sm) and sm[i]:
+                out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
+            else:
+                out.append(_decode_frames(frames[pos : pos + n], copy))
             pos += n
         return out
 

@@ -14,8 +14,9 @@ code   value           payload
 6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
 =====  ==============  ==========================================================
 
-``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer.  Every buffer
-is ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
+``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
+``i``-th shared-memory slot of the item (same-host path, ``broker/shm.py``).  Every buffer is
+``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
 (dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
 """
 
@@ -142,10 +143,12 @@ def _tensor_bytes(t: Any) -> np.ndarray:
 
 
 class _Encoder:
-    __slots__ = ("buffers",)
+    __slots__ = ("buffers", "shm", "refs")
 
-    def __init__(self) -> None:
+    def __init__(self, shm: Any = None) -> None:
         self.buffers: list[Any] = []
+        self.shm = shm  # shared-memory slot allocator (broker/shm.py) or None
+        self.refs: list[Any] = []
 
     def pack(self, obj: Any) -> bytes:
         return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
@@ -155,6 +158,16 @@ class _Encoder:
             return bytes(memoryview(data).cast("B")) if nbytes else b""
         self.buffers.append(data)
         return len(self.buffers) - 1
+
+    def array_loc(self, data: Any, nbytes: int) -> Any:
+        """``loc`` of an array's or tensor's bytes: a shared-memory slot ``[i]`` when the
+        allocator takes it (same host, above its threshold, a free slot), else ``loc``."""
+        if self.shm is not None and nbytes >= INLINE_LIMIT:
+            ref = self.shm(data, nbytes)
+            if ref is not None:
+                self.refs.append(ref)
+                return [len(self.refs) - 1]
+        return self.loc(data, nbytes)
 
     def default(self, obj: Any) -> Any:
         if _is_tensor(obj):
@@ -166,7 +179,7 @@ class _Encoder:
             device = str(obj.device)
             raw = _tensor_bytes(obj)
             return msgpack.ExtType(
-                EXT_TENSOR, self.pack([name, shape, self.loc(raw, raw.nbytes), device])
+                EXT_TENSOR, self.pack([name, shape, self.array_loc(raw, raw.nbytes), device])
             )
         if isinstance(obj, np.ndarray):
             if obj.dtype.str not in _NP_DTYPES:
@@ -175,7 +188,8 @@ class _Encoder:
                 )
             arr = np.ascontiguousarray(obj)
             return msgpack.ExtType(
-                EXT_NDARRAY, self.pack([arr.dtype.str, list(arr.shape), self.loc(arr, arr.nbytes)])
+                EXT_NDARRAY,
+                self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
             )
         if isinstance(obj, tuple):
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
@@ -242,6 +256,26 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     return body, enc.buffers
 
 
+def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
+    """:func:`encode` with a shared-memory slot allocator ``alloc(data, nbytes) -> ref | None``
+    (``broker/shm.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
+    ``(body, buffers, refs)``."""
+    if type(obj) in _PLAIN_TYPES:
+        body, buffers = encode(obj)
+        return body, buffers, []
+    enc = _Encoder(alloc)
+    try:
+        body = enc.pack(obj)
+    except BaseException as exc:
+        alloc.undo(enc.refs)  # slots taken for an item that will not travel
+        if isinstance(exc, OverflowError):
+            raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
+        if isinstance(exc, ValueError):
+            raise TypeError(f"cannot encode item: {exc}") from None
+        raise
+    return body, enc.buffers, enc.refs
+
+
 # ---------------------------------------------------------------------------------------------
 # Decoding
 
@@ -279,11 +313,14 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 
 class _Decoder:
-    __slots__ = ("frames", "copy")
+    __slots__ = ("frames", "copy", "shm", "shm_copy")
 
-    def __init__(self, frames: Sequence[Any], copy: bool) -> None:
+    def __init__(self, frames: Sequence[Any], copy: bool, shm: Sequence[Any] = (),
+                 shm_copy: bool = True) -> None:
         self.frames = frames
         self.copy = copy
+        self.shm = shm  # uint8 arrays of the item's shared-memory slots
+        self.shm_copy = shm_copy
 
     def unpack(self, data: bytes) -> Any:
         return msgpack.unpackb(
@@ -296,6 +333,14 @@ class _Decoder:
             if len(loc) != nbytes:
                 raise ValueError(f"inline array holds {len(loc)} bytes, expected {nbytes}")
             return np.frombuffer(loc, dtype=np.uint8).copy()
+        if isinstance(loc, list):  # a shared-memory slot of the item
+            index = loc[0] if len(loc) == 1 else None
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.shm):
+                raise ValueError(f"shared-memory slot {loc!r} out of range ({len(self.shm)} slots)")
+            slot = self.shm[index]
+            if slot.nbytes != nbytes:
+                raise ValueError(f"slot {index} holds {slot.nbytes} bytes, expected {nbytes}")
+            return slot.copy() if self.shm_copy else slot
         if isinstance(loc, bool) or not isinstance(loc, int) or not 0 <= loc < len(self.frames):
             raise ValueError(f"buffer index {loc!r} out of range ({len(self.frames)} buffers)")
         view = memoryview(self.frames[loc])
@@ -396,14 +441,17 @@ def _build_dataclass(cls: type, fields: dict) -> Any:
     return obj
 
 
-def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False) -> Any:
+def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Sequence[Any] = (),
+           shm_copy: bool = True) -> Any:
     """Decode an item encoded by :func:`encode`.
 
     ``frames`` are the buffers (``zmq.Frame``, bytes, memoryview...).  Arrays and tensors read
     from frames are writable views of them unless ``copy`` is true; inline ones are owned
-    copies.  Raises ``ValueError`` for anything malformed or not allowed.
+    copies.  ``shm`` are the uint8 arrays of the item's shared-memory slots (``broker/shm.py``),
+    copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
+    allowed.
     """
-    dec = _Decoder(frames, copy)
+    dec = _Decoder(frames, copy, shm, shm_copy)
     try:
         return dec.unpack(body)
     except ValueError:

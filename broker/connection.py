@@ -35,6 +35,7 @@ from zchannel.broker.protocol import (
     recv_message,
     send_message,
 )
+from zchannel.broker.shm import ShmClient
 from zchannel.broker.work import Work
 
 log = logging.getLogger("zchannel.client")
@@ -70,6 +71,7 @@ class Connection:
         liveness: int = 3,
         max_inflight: int = 1024,
         curve: Any = None,
+        shm: bool | None = None,
     ) -> None:
         self.address = address
         self.identity = identity
@@ -97,6 +99,7 @@ class Connection:
         self._closing = False
         self._hello_id = 0
         self.pid = os.getpid()
+        self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
         ctx = zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
@@ -282,6 +285,7 @@ class Connection:
         finally:
             self._set_state(CLOSED)
             self._fail_all(ChannelError("this channel handle is closed"))
+            self.shm.close()
             while self._queue:
                 _, _, pending = self._queue.popleft()
                 if pending is not None:
@@ -353,6 +357,7 @@ class Connection:
             return
         if rid == self._hello_id:
             self.broker_info = rec.get("r") or {}
+            self.shm.on_hello(self.broker_info)
             if self.state != UP:
                 self._set_state(UP)
             return

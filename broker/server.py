@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, paths
+from zchannel.broker import codec, paths, shm
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
 from zchannel.broker.protocol import (
@@ -72,6 +72,8 @@ class BrokerConfig:
     max_message_bytes: int = 0
     max_frames: int = MAX_FRAMES
     max_header_bytes: int = MAX_HEADER_BYTES
+    shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
+    shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
     key_grace: float = 30.0
     insecure: bool = False
     curve_secret_key: str | None = None
@@ -149,6 +151,9 @@ class Broker:
         paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
                                  insecure=config.insecure)
         self._auth = None
+        self.shm = shm.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+                                 config.shm_pool_bytes,
+                                 2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(
             name=config.name,
             maxsize=config.maxsize,
@@ -158,7 +163,7 @@ class Broker:
             consumers=expand_consumers(config.consumers),
             options=config.options,
             reply=self._reply,
-            decode_item=_decode_item,
+            decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,
             max_bytes=config.max_bytes,
@@ -169,6 +174,7 @@ class Broker:
             # A hook decodes items: import torch before serving, not on the first tensor (that
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()
+        self.core.client_gone = self.shm.wrap_client_gone(self.core.client_gone)  # frees slots
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, _Outbox] = {}
@@ -288,6 +294,7 @@ class Broker:
             paths.remove_address(self.config.name, self.address)
             if self.replica is not None:
                 self.replica.close()
+            self.shm.close()
             ipc = paths.ipc_path(self.address)
             if ipc:
                 try:
@@ -366,6 +373,7 @@ class Broker:
             "liveness": self.config.liveness, "deals": self.core.deals,
             "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
             **(self.replica.info() if self.replica is not None else {}),
+            "shm": self.shm.hello_info(),
         })
         return client
 
@@ -388,6 +396,8 @@ class Broker:
             if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
                 raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
             item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
+            if "sm" in rec:  # shared-memory slots: held, and counted in item.nbytes
+                self.shm.attach_put(client, rec["sm"], item)
             core.put(client, rid, key_from_wire(rec.get("k")), item,
                      check_timeout(rec.get("t")), bool(rec.get("nw")))
         elif op == GET or op == GET_BATCH:
@@ -404,7 +414,8 @@ class Broker:
             self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
         elif op == STATS:
             stats = core.stats()
-            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients))
+            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients),
+                         shm=self.shm.stats())
             if self.replica is not None:
                 self.replica.annotate(stats)
             body, _ = codec.encode(stats)
@@ -417,6 +428,8 @@ class Broker:
             self.clients.pop(client.address, None)
             core.client_gone(client)
             self._reply(client, rid, result=True)
+        elif op in shm.SHM_OPS:
+            self.shm.handle(client, op, rec)
         elif op == SHUTDOWN:
             if self.config.token and rec.get("token") != self.config.token:
                 raise PermissionError("only the handle that created the channel may shut it down")
@@ -442,10 +455,13 @@ class Broker:
         elif items is not None:
             nf = 0
             counts = []
-            for item in items:
+            for i, item in enumerate(items):
                 out.frames.extend(item.payload)
-                nf += len(item.payload)
-                counts.append(len(item.payload))
+                n = len(item.payload)
+                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
+                    n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
+                nf += n
+                counts.append(n)
             rec["nf"] = nf
             if batch:
                 rec["n"] = counts
@@ -497,6 +513,7 @@ class Broker:
 
     def _heartbeats(self, now: float) -> None:
         self._release_memory()
+        self.shm.sweep(now)
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness
         for address, client in list(self.clients.items()):

@@ -71,6 +71,7 @@ SCENARIOS = (
     "all",
     "targets",
     "trajectory",
+    "shm",
 )
 ALL_SCENARIOS = ("channel", "put_only", "get_only", "random_key", "batch", "hooks")
 BATCH_ITEMS = 64
@@ -106,6 +107,8 @@ class Case:
     keys: int = 1
     hooks: bool = False
     label: str = ""
+    shm: bool = True  # same-host shared memory for large arrays/tensors (docs/shm.md)
+    maxsize: int = 0  # the channel's maxsize (0: unbounded)
 
     @property
     def name(self) -> str:
@@ -210,6 +213,7 @@ def bounded(case: Case) -> Case:
     return dataclasses.replace(case, messages=messages, window=window)
 
 
+
 def percentiles(lat_ns: np.ndarray) -> tuple[float, float]:
     if lat_ns.size == 0:
         return float("nan"), float("nan")
@@ -280,7 +284,13 @@ class Target:
             name = f"bench-{uuid.uuid4().hex[:12]}"
             addr = f"ipc://{tmpdir}/{name}.sock" if case.transport == "ipc" else "tcp://127.0.0.1:0"
             self.owned = Channel.create(
-                name, address=addr, collector=collector, dispatcher=dispatcher, consumers=consumers
+                name,
+                address=addr,
+                collector=collector,
+                dispatcher=dispatcher,
+                consumers=consumers,
+                shm_threshold=None if case.shm else 0,
+                maxsize=case.maxsize,
             )
             self.handle = self.owned
             self.address = self.owned.address
@@ -860,7 +870,9 @@ class Runner:
         kind = self.baseline
         if kind == "zmq":
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
-        base_case = dataclasses.replace(case, scenario="channel", keys=1, hooks=False, label="")
+        base_case = dataclasses.replace(
+            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0
+        )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
                 base_case, producers=1, consumers=1, scenario="get_only"
@@ -989,7 +1001,7 @@ def _target(
 def measure_rss_target(runner: Runner, tmpdir: str) -> TargetResult:
     """T8: broker RSS holding 1 GiB of 16 MiB tensors, above its idle RSS; then drained and
     every tensor checked."""
-    case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4)
+    case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4, shm=False)
     target = Target(case, runner.address, tmpdir)
     try:
         idle = target.rss() or 0
@@ -1052,7 +1064,8 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 size=16 * MIB,
                 messages=64,
                 window=8,
-                label="T1 channel tensor 16MiB 1P/1C ipc",
+                label="T1 channel tensor 16MiB 1P/1C ipc frames",
+                shm=False,  # the socket path; T9 measures the shared-memory path
             )
         )
         b1 = runner.baseline_for(
@@ -1160,10 +1173,93 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
         out.append(measure_rss_target(runner, tmpdir))
     finally:
         runner.baseline = saved
+    out.extend(run_shm_targets(runner))
     return out
 
 
-TARGET_STEPS = 14  # progress-bar length of the targets suite (cases + baselines)
+def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
+    """Pipelined Ray actor calls (``window`` in flight) on ``case``'s payloads, as a row."""
+    key = ("ray.actor", case)
+    if key in runner._baselines:
+        return runner._baselines[key]
+    result = None
+    if not ray_available():
+        runner._note("ray comparison skipped: `ray` is not importable (pip install ray)")
+    else:
+        raw = [
+            run_ray_baselines(case.ptype, case.size, case.messages, case.window, queue=False)
+            for _ in range(runner.repeats)
+        ]
+        runs = [_ray_measured(r["ray.actor"], case.messages) for r in raw]
+        label = f"ray.actor {case.ptype} {fmt_size(case.size)} 1P/1C w{case.window}"
+        result = _summarise(dataclasses.replace(case, label=label), "ray.actor", runs, "e2e")
+        runner.rows.append(result)
+    runner._baselines[key] = result
+    runner._tick()
+    return result
+
+
+SHM_STEPS = 6  # progress-bar length of the shm targets (cases + baselines)
+
+
+def run_shm_targets(runner: Runner) -> list[TargetResult]:
+    """T9 and T10 of the shared-memory issue: large tensors 1P -> 1C on this host, through
+    shared memory (default copy-out consumer), against zmq.proxy and pipelined Ray actor calls
+    measured in the same run."""
+    saved = runner.baseline
+    runner.baseline = "zmq"
+    out: list[TargetResult] = []
+    try:
+        # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
+        # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
+        c9 = bounded(Case("channel", ptype="tensor", size=16 * MIB, messages=64, window=8))
+        t9 = runner.measure(
+            dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        )
+        b9 = runner.baseline_for(c9)
+        r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
+        if r9 is not None:
+            out.append(
+                _target(
+                    "T9",
+                    "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs Ray pipelined actor calls",
+                    t9.mb_s,
+                    r9.mb_s,
+                    "MB/s",
+                    2.0,
+                )
+            )
+        out.append(
+            _target(
+                "T9",
+                "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
+                t9.mb_s,
+                b9.mb_s,
+                "MB/s",
+                3.0,
+            )
+        )
+        c10 = bounded(Case("channel", ptype="tensor", size=MIB, messages=1024, window=16))
+        t10 = runner.measure(
+            dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
+        )
+        b10 = runner.baseline_for(c10)
+        out.append(
+            _target(
+                "T10",
+                "1 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
+                t10.mb_s,
+                b10.mb_s,
+                "MB/s",
+                2.0,
+            )
+        )
+    finally:
+        runner.baseline = saved
+    return out
+
+
+TARGET_STEPS = 14 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 
 
 # -- trajectory collector ---------------------------------------------------------------------
@@ -1350,6 +1446,7 @@ _OPTION_NAMES = (
     "address",
     "json_path",
     "trajectory_batch",
+    "shm",
 )
 
 
@@ -1376,7 +1473,7 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     type=click.Choice(SCENARIOS),
     default="quick",
     show_default=True,
-    help="what to measure (quick: a short suite; targets: T1-T4, T6-T8)",
+    help="what to measure (quick: a short suite; targets: T1-T4, T6-T10; shm: T9, T10)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -1427,6 +1524,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     show_default=True,
     help="trajectory scenario: envs per source B (--messages sets the global steps, default 8)",
 )
+@click.option(
+    "--shm",
+    type=click.Choice(("on", "off")),
+    default="on",
+    show_default=True,
+    help="same-host shared memory for arrays/tensors >= 1 MiB (off: frames only)",
+)
 @click.option("--address", default=None, help="measure the running broker at this address")
 @click.option(
     "--json",
@@ -1462,7 +1566,13 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
         consumers=int(opts["consumers"]),
         transport=opts["transport"],
         window=int(opts["window"]),
+        shm=opts.get("shm", "on") == "on",
     )
+    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
+        # brokers started here get shm_threshold=0; with --address the workers (spawned: they
+        # inherit the environment) keep off shared memory themselves
+        os.environ["ZCHANNEL_SHM"] = "0"
+        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
     scenario = opts["scenario"]
     keys = opts.get("keys")
     machine = machine_description()
@@ -1471,6 +1581,8 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
         if scenario == "targets":
             n_steps = TARGET_STEPS
+        elif scenario == "shm":
+            n_steps = SHM_STEPS
         elif scenario == "trajectory":
             n_steps = 4
         else:
@@ -1489,6 +1601,8 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
                 runner.progress = bar
                 if scenario == "targets":
                     targets = run_targets(runner, base, tmpdir)
+                elif scenario == "shm":
+                    targets = run_shm_targets(runner)
                 elif scenario == "trajectory":
                     given = ctx.get_parameter_source("messages") not in (
                         click.core.ParameterSource.DEFAULT,

@@ -542,15 +542,24 @@ def ray_available() -> bool:
     return True
 
 
-def run_ray_baselines(ptype: str, size: int, n: int, window: int) -> dict[str, dict]:
-    """1 producer -> ``ray.util.queue.Queue`` -> 1 consumer (Ray tasks), and ``n`` pipelined
-    actor calls from the driver (``window`` in flight).  Returns raw tallies per variant."""
+def run_ray_baselines(
+    ptype: str, size: int, n: int, window: int, queue: bool = True
+) -> dict[str, dict]:
+    """1 producer -> ``ray.util.queue.Queue`` -> 1 consumer (Ray tasks; unless ``queue`` is
+    false), and ``n`` pipelined actor calls from the driver (``window`` in flight).  Returns raw
+    tallies per variant."""
     import ray
     from ray.util.queue import Queue
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local",  # our own instance, never a cluster another process started here
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     try:
 
         @ray.remote(num_cpus=0)
@@ -578,12 +587,13 @@ def run_ray_baselines(ptype: str, size: int, n: int, window: int) -> dict[str, d
                 return self.fac.check(item)
 
         out: dict[str, dict] = {}
-        q = Queue()
-        cons = consume.remote(q, ptype, size, n)
-        prod = produce.remote(q, ptype, size, n)
-        prod_res, cons_res = ray.get([prod, cons])
-        cons_res["t_start"] = prod_res["t_start"]
-        out["ray.queue"] = cons_res
+        if queue:
+            q = Queue()
+            cons = consume.remote(q, ptype, size, n)
+            prod = produce.remote(q, ptype, size, n)
+            prod_res, cons_res = ray.get([prod, cons])
+            cons_res["t_start"] = prod_res["t_start"]
+            out["ray.queue"] = cons_res
         sink = Sink.remote(ptype, size)
         ray.get(sink.push.remote(PayloadFactory(ptype, size).make(0, 0, fresh=True)[0]))
         fac = PayloadFactory(ptype, size)

@@ -66,6 +66,9 @@ def main() -> None:
 @click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
 @click.option("--max-keys", type=int, help="number of keys the broker holds at most (default 100000)")
 @click.option("--max-message-bytes", type=int, help="largest message accepted (0 = no limit)")
+@click.option("--shm-threshold", type=int,
+              help="arrays/tensors of at least this many bytes use same-host shared memory "
+                   "(default 1048576; 0 = off)")
 @click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
               help="the broker's CURVE key pair file (zchannel keygen)")
@@ -154,6 +157,12 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
                f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
     click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}")
+    shm = stats.get("shm") or {}
+    if shm.get("enabled"):
+        click.echo(f"shm       threshold {shm.get('threshold')}   segments {shm.get('segments')}   "
+                   f"slots used {shm.get('slots_used')}   bytes held {shm.get('bytes_held')}   "
+                   f"held by consumers {shm.get('consumer_bytes')}   same-host clients "
+                   f"{shm.get('clients')}")
     if stats.get("collector_stats"):
         click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")
     click.echo(f"consumers {', '.join(stats.get('consumers') or []) or '-'}")

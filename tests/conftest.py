@@ -31,6 +31,10 @@ def run_dir(tmp_path_factory, monkeypatch) -> Iterator[str]:
         p for p in (tests_dir, EXAMPLES, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.delenv("ZCHANNEL_IDENTITY", raising=False)
     yield path
+    from zchannel.broker import shm  # segments of brokers a test SIGKILLed (no next start here)
+
+    for name in shm.list_segments(shm.run_prefix(path)):
+        os.unlink(os.path.join(shm.SHM_DIR, name))
     for name in os.listdir(path):
         try:
             os.unlink(os.path.join(path, name))

@@ -1,0 +1,307 @@
+"""Same-host shared-memory path (issue 8, docs/shm.md): real brokers, real sockets, real /dev/shm."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from zchannel.broker import Channel, codec, shm
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 64 * 1024  # test threshold: small slots keep the suite light
+MIB = 1 << 20
+
+
+def _segments(ch_or_prefix) -> list[str]:
+    prefix = ch_or_prefix if isinstance(ch_or_prefix, str) else ch_or_prefix.stats()["shm"]["prefix"]
+    return shm.list_segments(prefix)
+
+
+def _shm_stats(ch) -> dict:
+    return ch.stats()["shm"]
+
+
+def _poll(cond, timeout: float = 10.0):
+    """Wait for a condition the broker reaches on its own (client expiry), with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def _raw(nbytes: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
+
+
+def _np_values() -> list[np.ndarray]:
+    out = []
+    for i, (_name, dtype) in enumerate(sorted(codec._NP_DTYPES.items())):
+        raw = _raw(2 * T, i)
+        if dtype.kind == "b":
+            raw %= 2
+        out.append(raw.view(dtype).reshape(4, -1))
+    out.append(np.arange(3 * T, dtype=np.float32).reshape(3 * 64, -1).T)  # non-contiguous
+    out.append(np.arange(4 * T, dtype=np.int16)[::2])  # strided
+    return out
+
+
+def _torch_values() -> list[torch.Tensor]:
+    codec._torch()
+    out = []
+    for i, (_name, dtype) in enumerate(sorted(codec._TORCH_DTYPES.items())):
+        raw = torch.from_numpy(_raw(2 * T, 100 + i))
+        if dtype == torch.bool:
+            raw %= 2
+        out.append(raw.view(dtype).reshape(2, -1))
+    out.append(torch.arange(T, dtype=torch.float32).reshape(256, -1).t())  # non-contiguous
+    out.append(torch.ones(T, dtype=torch.bfloat16)[::1].reshape(-1, 8)[:, 2:6])  # strided slice
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+            and np.ascontiguousarray(a).tobytes() == b.tobytes())
+
+
+@pytest.mark.parametrize("copy", [None, False, True])
+def test_every_dtype_round_trips_through_shm(make_remote, copy):
+    ch = make_remote("rt", shm_threshold=T)
+    values = _np_values() + _torch_values()
+    for i, v in enumerate(values):
+        ch.put({"i": i, "v": v, "small": np.ones(3)}, key=i)
+    assert _shm_stats(ch)["slots_in"] == len(values)  # every one of them took a slot
+    got = [ch.get(key=i, timeout=10, copy=copy) for i in range(len(values))]
+    for i, (v, g) in enumerate(zip(values, got, strict=True)):
+        assert g["i"] == i and _same(v, g["v"]), (i, v.dtype)
+    held = _shm_stats(ch)["consumer_holds"]
+    assert held == (len(values) if copy is False else 0)
+    del got, g
+    gc.collect()
+    st = _shm_stats(ch)  # releases travel before this request on the same handle
+    assert st["consumer_holds"] == 0 and st["slots_used"] == 0 and st["bytes_held"] == 0
+
+
+def test_tcp_to_a_local_address_uses_shm_and_batches(make_remote):
+    ch = make_remote("tcp", address="tcp://127.0.0.1:0", shm_threshold=T)
+    ts = [torch.full((T,), float(i)) for i in range(5)]
+    for t in ts:
+        ch.put(t, weight=1)
+    assert _shm_stats(ch)["slots_in"] == 5
+    batch = ch.get_batch(5, timeout=10)
+    assert all(torch.equal(a, b) for a, b in zip(ts, batch, strict=True))
+    assert _shm_stats(ch)["slots_used"] == 0
+
+
+def test_mixed_shm_and_frame_consumers(make_remote, workers):
+    ch = make_remote("mixed", shm_threshold=T)
+    frames_only = Channel.connect("mixed", shm=False)
+    try:
+        ts = [torch.randn(T // 4 * 3) for _ in range(6)]
+        for t in ts:
+            ch.put(t)
+        got = []
+        for i in range(6):
+            handle = frames_only if i % 2 else ch
+            got.append(handle.get(timeout=10, copy=False if i == 3 else None))
+        assert all(torch.equal(a, b) for a, b in zip(ts, got, strict=True))
+        st = _shm_stats(ch)
+        assert st["slots_in"] == 6 and st["converted"] == 3 and st["clients"] == 1
+        # a consumer process with shm switched off by environment
+        ch.put(ts[0])
+        proc = workers.start("""
+            import torch
+            from zchannel.broker import Channel
+            ch = Channel.connect("mixed")
+            t = ch.get(timeout=10)
+            print(float(t.sum()), ch._connection().shm.pool is None, flush=True)
+            ch.close()
+        """, env={"ZCHANNEL_SHM": "0"})
+        total, no_pool = workers.finish(proc).split()
+        assert float(total) == pytest.approx(float(ts[0].sum()), rel=1e-5) and no_pool == "True"
+        del got
+        gc.collect()
+        assert _shm_stats(ch)["slots_used"] == 0
+    finally:
+        frames_only.close()
+
+
+def test_pool_exhaustion_falls_back_to_frames(make_remote):
+    ch = make_remote("exhaust", shm_threshold=T)
+    n = shm.MAX_SLOTS + 6
+    ts = [torch.full((T // 4,), float(i)) for i in range(n)]
+    for t in ts:
+        ch.put(t)  # nothing consumed: the pool of the 64 KiB class runs out
+    st = _shm_stats(ch)
+    assert st["slots_in"] == shm.MAX_SLOTS and st["slots_used"] == shm.MAX_SLOTS
+    assert ch._connection().shm.pool.fallbacks == 6
+    for t in ts:
+        assert torch.equal(ch.get(timeout=10), t)
+    assert _shm_stats(ch)["slots_used"] == 0
+    ch.put(ts[0])  # slots come back to the pool
+    assert _shm_stats(ch)["slots_in"] == shm.MAX_SLOTS + 1
+    assert torch.equal(ch.get(timeout=10), ts[0])
+
+
+def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
+    ch = make_remote("view", shm_threshold=T)
+    pool_of = ch._connection().shm
+    ch.put(torch.full((T // 4,), 7.0))
+    view = ch.get(timeout=10, copy=False)
+    part = view[10:20].view(torch.int32)  # a derived view shares the slot
+    del view
+    gc.collect()
+    assert _shm_stats(ch)["consumer_holds"] == 1
+    (seg,) = pool_of.pool.by_name.values()
+    held = [i for i in range(seg.nslots) if seg.states[i] == shm.USED]
+    assert len(held) == 1
+    for i in range(3 * shm.MAX_SLOTS):  # cycle the pool several times: the held slot is skipped
+        ch.put(torch.full((T // 4,), float(i)))
+        assert float(ch.get(timeout=10)[0]) == float(i)
+        assert seg.states[held[0]] == shm.USED
+    assert torch.equal(part.view(torch.float32), torch.full((10,), 7.0))
+    del part
+    gc.collect()
+    st = _shm_stats(ch)
+    assert st["consumer_holds"] == 0 and st["slots_used"] == 0
+    assert seg.states[held[0]] == shm.FREE  # the broker gave it back to the producer
+
+
+def test_hooks_see_slot_views_and_outputs_stay_valid(make_remote):
+    ch = make_remote("hooks", shm_threshold=T, collector="flatten_batch", dispatcher="round_robin",
+                     consumers=["a:0"])
+    consumer = Channel.connect("hooks", identity="a:0")
+    try:
+        ts = [torch.full((T // 4,), float(i)) for i in range(4)]
+        ch.put(ts)  # flattened by the broker: outputs are re-encoded from views of the slots
+        for _ in range(4):
+            ch.put(torch.full((T // 4,), -1.0))  # cycle the producer's pool meanwhile
+        got = [consumer.get(timeout=10) for _ in range(8)]
+        assert all(torch.equal(a, b) for a, b in zip(ts, got[:4], strict=True))
+        assert _poll(lambda: _shm_stats(ch)["slots_used"] == 0)
+    finally:
+        consumer.close()
+
+
+def test_byte_limit_and_stat_count_shm_bytes(run_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "lim",
+                             "--shm-threshold", str(T), "--max-bytes", str(3 * MIB)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("ready ")
+        ch = Channel.connect("lim")
+        try:
+            ch.put(torch.zeros(MIB // 4))  # 1 MiB
+            ch.put(torch.zeros(MIB // 4))
+            st = ch.stats()
+            assert st["shm"]["bytes_held"] == 2 * MIB and st["bytes_held"] >= 2 * MIB
+            with pytest.raises(TimeoutError):  # a third would pass max_bytes
+                ch.put(torch.zeros(MIB // 2), timeout=0.2)
+            assert ch.stats()["shm"]["bytes_held"] == 2 * MIB  # the refused put's slot is free
+            out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "stat", "lim"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            assert "shm" in out and f"bytes held {2 * MIB}" in out
+            ch.get(timeout=10)
+            ch.put(torch.zeros(MIB // 4), timeout=5)
+        finally:
+            ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert not shm.list_segments(shm.prefix_for("lim", run_dir))
+
+
+def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, workers, channels,
+                                                                  run_dir):
+    ch = make_remote("kill", shm_threshold=T)
+    prefix = _shm_stats(ch)["prefix"]
+    producer = workers.start("""
+        import sys, numpy as np, torch
+        from zchannel.broker import Channel
+        ch = Channel.connect("kill")
+        ch.put(torch.full((16384,), 3.0))       # 64 KiB slot, held by the broker
+        pool = ch._connection().shm.pool
+        pool(np.zeros(1 << 20, np.uint8), 1 << 20)  # mid-write: a slot taken, nothing sent
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)
+    workers.wait_line(producer, "ready")
+    assert len(_segments(prefix)) == 3  # probe, the announced segment, the unannounced one
+    os.kill(producer.pid, signal.SIGKILL)
+    consumer = workers.start("""
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect("kill")
+        t = ch.get(timeout=10, copy=False)       # a view of the dead producer's slot
+        print("held", float(t[0]), flush=True)
+        sys.stdin.readline()
+    """)
+    assert workers.wait_line(consumer) == "held 3.0"
+    assert _shm_stats(ch)["consumer_holds"] == 1
+    os.kill(consumer.pid, signal.SIGKILL)
+    # both clients expire; the dead producer's segment goes with the last release
+    assert _poll(lambda: _shm_stats(ch)["consumer_holds"] == 0 and _shm_stats(ch)["segments"] == 0,
+                 timeout=30)
+    left = _segments(prefix)
+    assert len(left) == 2 and f"{prefix}probe" in left  # the mid-write one: unknown to the broker
+    ch.put(torch.full((16384,), 5.0))  # the broker holds a slot of a live producer too
+    os.kill(ch._proc.pid, signal.SIGKILL)
+    ch._proc.wait()
+    assert len(_segments(prefix)) == 3  # a SIGKILLed broker removes nothing...
+    ch2 = Channel.create("kill", shm_threshold=T)
+    channels.append(ch2)
+    assert _segments(prefix) == [f"{prefix}probe"]  # ...the next one removes every stale one
+    ch2.put(torch.full((16384,), 1.0))
+    assert float(ch2.get(timeout=10)[0]) == 1.0
+    # the first handle reconnects by itself and puts through a fresh pool
+    new_pid = ch2.stats()["pid"]
+    assert _poll(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
+                 timeout=20)
+    ch.put(torch.full((16384,), 9.0), timeout=10)
+    assert float(ch2.get(timeout=10)[0]) == 9.0
+    assert _shm_stats(ch2)["slots_in"] == 2
+    ch2.shutdown()
+    assert _segments(prefix) == []
+
+
+def test_other_run_dirs_segments_are_untouched(make_remote, tmp_path, monkeypatch):
+    other = shm.prefix_for("iso", "/tmp/some-other-run-dir")
+    fd = os.open(os.path.join(shm.SHM_DIR, f"{other}1234-stale"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        ch = make_remote("iso", shm_threshold=T)
+        assert _shm_stats(ch)["prefix"] != other
+        ch.shutdown()
+        assert _segments(other) == [f"{other}1234-stale"]
+    finally:
+        os.unlink(os.path.join(shm.SHM_DIR, f"{other}1234-stale"))
+
+
+def test_threshold_zero_is_off(make_remote):
+    ch = make_remote("off", shm_threshold=0)
+    assert ch._connection().broker_info.get("shm") is None
+    ch.put(torch.zeros(MIB))
+    assert torch.equal(ch.get(timeout=10), torch.zeros(MIB))
+    assert _shm_stats(ch)["slots_in"] == 0 and _segments(_shm_stats(ch)["prefix"]) == []
+
+
+def test_unsent_put_gives_its_slots_back(make_remote):
+    ch = make_remote("undo", shm_threshold=T)
+    with pytest.raises(TypeError):
+        ch.put({"a": torch.zeros(T), "b": object()})  # the tensor took a slot, then encoding failed
+    pool = ch._connection().shm.pool
+    assert all(int((s.states == shm.USED).sum()) == 0 for segs in pool.classes.values() for s in segs)
+    ch.put({"a": torch.zeros(T)})
+    assert torch.equal(ch.get(timeout=10)["a"], torch.zeros(T))
