@@ -161,12 +161,22 @@ class PayloadFactory:
                 raise Mismatch(f"buffer {i} holds {got.nbytes} bytes, expected {want.nbytes}")
         seq, t_ns = HEADER.unpack_from(arrays[0], 0)
         h = HEADER.size
-        ok = np.array_equal(arrays[0][h:], self.expected[0][h:]) and all(
-            np.array_equal(g, w) for g, w in zip(arrays[1:], self.expected[1:], strict=True)
+        ok = _equal(arrays[0][h:], self.expected[0][h:]) and all(
+            _equal(g, w) for g, w in zip(arrays[1:], self.expected[1:], strict=True)
         )
         if not ok:
             raise Mismatch(f"content mismatch in item seq={seq:#x}")
         return seq, t_ns
+
+
+def _equal(got: np.ndarray, want: np.ndarray) -> bool:
+    """Byte equality of two equally long uint8 arrays, compared 8 bytes at a time (half the
+    time of a uint8 compare on 16 MiB: the check must not dominate what the bench measures)."""
+    n = got.nbytes - got.nbytes % 8
+    return bool(
+        np.array_equal(got[:n].view(np.uint64), want[:n].view(np.uint64))
+        and np.array_equal(got[n:], want[n:])
+    )
 
 
 def expected_seqs(counts: list[int]) -> np.ndarray:

@@ -172,8 +172,15 @@ class Namespaces:
         return total
 
     def popen(self, i: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.names[i], *argv],
-                                env={**os.environ, **(env or {})}, **kw)
+        """Run ``argv`` in namespace ``i`` as if on a host of its own: ``ip netns exec`` gives it
+        a private mount namespace, where a fresh tmpfs on /dev/shm hides the host's segments,
+        so zchannel's same-host handshake (docs/shm.md) fails and data goes as frames over the
+        veths, as between real hosts.  Where that mount is refused, shared memory is switched
+        off instead (``ZCHANNEL_SHM=0``)."""
+        shell = ('mount -t tmpfs -o size=4g zcshm /dev/shm 2>/dev/null || export ZCHANNEL_SHM=0; '
+                 'exec "$@"')
+        return subprocess.Popen(["ip", "netns", "exec", self.names[i], "sh", "-c", shell, "sh",
+                                 *argv], env={**os.environ, **(env or {})}, **kw)
 
 
 class Procs:
