@@ -5,7 +5,8 @@ User threads hand requests to the I/O thread (a deque and an eventfd wake-up) an
 are coalesced into one message.  A blocking call (``call``) skips the two thread hand-offs when
 the socket is free: it takes the socket lock, sends, and reads replies itself for a short while
 (``DRIVE_S``), completing every reply it reads, then hands the socket back.  Whoever holds
-``_sock_lock`` is the only thread touching the socket and ``_pending``.  The I/O thread also keeps
+``_sock_lock`` is the only thread touching the socket (zmq sockets are not thread-safe): the
+I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
 with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself.
 """
@@ -169,13 +170,15 @@ class Connection:
                 if remaining <= 0 or self._closing:
                     break
                 if zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
-                    self._recv_one()
+                    self._recv_one(ready=True)
                 if self._queue:
                     self._send_queued()
         finally:
             self._sock_lock.release()
-        if self._queue or work._state == 0:
-            self._wake_io()  # the I/O thread takes over (and polls the socket)
+        if self._queue or self._pending:
+            # the I/O thread takes over the rest (this caller may have consumed the socket's
+            # notification edge, so it must look at the socket itself)
+            self._wake_io()
         return work
 
     def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
@@ -255,26 +258,32 @@ class Connection:
 
     def _run(self) -> None:
         sock = self._sock
-        # The socket is polled only while this thread waits for replies; an idle handle's
-        # incoming heartbeats are read at the next tick, and a caller driving the socket
-        # (``call``) is not raced for every reply it reads.
+        # This thread waits without touching the socket: a zmq socket is not thread-safe and a
+        # blocking caller (``call``) may be using it.  It polls the socket's notification fd
+        # (ZMQ_FD: readable when the socket's state may have changed) and reads the socket only
+        # under ``_sock_lock``, always until it is empty (which re-arms ZMQ_FD).  That fd is
+        # polled only while this thread waits for replies; an idle handle's incoming heartbeats
+        # are read at the next tick, and a caller driving the socket is not raced for its reply.
+        with self._sock_lock:
+            notify_fd = sock.getsockopt(zmq.FD)
+            self._send_hello()
         idle_poll = [(self._wake, _POLLIN)]
-        busy_poll = [(sock, _POLLIN), (self._wake, _POLLIN)]
+        busy_poll = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
         tick_ms = int(self.hb * 500)
         now = time.monotonic()
         self._last_recv = now
         self._last_send = 0.0
-        with self._sock_lock:
-            self._send_hello()
         try:
             while not self._closing:
                 busy = self._pending or self.state != UP
                 zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
-                self._woken = False
                 try:
                     os.eventfd_read(self._wake)
                 except BlockingIOError:
                     pass
+                # cleared after the read: a wake-up written before it is consumed here, and the
+                # request behind it is seen below; one written after it stays pending
+                self._woken = False
                 with self._sock_lock:
                     if self._queue:
                         self._send_queued()
@@ -291,7 +300,8 @@ class Connection:
                 if pending is not None:
                     self._release()
                     pending.work.set_exception(ChannelError("this channel handle is closed"))
-            sock.close(linger=0)
+            with self._sock_lock:  # a blocking caller may still be reading it
+                sock.close(linger=0)
             os.close(self._wake)
 
     def _set_state(self, state: str) -> None:
@@ -327,9 +337,9 @@ class Connection:
         while self._recv_one():
             pass
 
-    def _recv_one(self) -> bool:
+    def _recv_one(self, ready: bool = False) -> bool:
         """Read and complete one message if there is one; False if there was none."""
-        frames = recv_message(self._sock)
+        frames = recv_message(self._sock, ready)
         if frames is None:
             return False
         self._last_recv = time.monotonic()

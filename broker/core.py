@@ -522,6 +522,16 @@ class QueueCore:
             return
         self._join(client)
         ks = self._ks(key)
+        if not (batch_target or ack or self.deals or ks.getters) and ks.shared:
+            # the common case (a plain get of a shared queue nobody else waits on): the head
+            # item at once, without a Request record
+            item = ks.shared.popleft()
+            self.bytes_held -= item.nbytes
+            self.reply(client, rid, items=[item], origin=(key, None))
+            if self.putters:
+                self._admit_putters()
+            self._mark_idle(ks)
+            return
         req = Request(client, rid, "batch" if batch_target else "get", key, None,
                       target=batch_target, ack=ack)
         ks.getters.append(req)

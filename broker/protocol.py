@@ -49,10 +49,11 @@ def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
         send(part, flags if i == last else flags | _SNDMORE, copy=False)
 
 
-def recv_message(sock: zmq.Socket) -> list[zmq.Frame] | None:
-    """Receive one multipart message without blocking (None if there is none)."""
+def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | None:
+    """Receive one multipart message without blocking (None if there is none); ``ready``: a
+    poll just said one is there."""
     # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
-    if not zmq.zmq_poll([(sock, _POLLIN)], 0):
+    if not ready and not zmq.zmq_poll([(sock, _POLLIN)], 0):
         return None
     recv = sock.recv
     frame = recv(_NOBLOCK, copy=False)
