@@ -157,10 +157,15 @@ class Connection:
         When no other thread holds the socket, the caller sends its request and reads replies
         itself for up to ``DRIVE_S`` (a sync round trip without waking the I/O thread twice);
         whatever is still pending after that is completed by the I/O thread as usual."""
-        if self.state != UP or not self._sock_lock.acquire(blocking=False):
+        if self.state != UP:
             return self.request(rec, frames, convert, cancellable)
+        # queued first: waiting for room (max_inflight) must not hold the socket, or the
+        # replies that make room could never be read
+        work = self._enqueue(rec, frames, convert, cancellable)
+        if not self._sock_lock.acquire(blocking=False):
+            self._wake_io()
+            return work
         try:
-            work = self._enqueue(rec, frames, convert, cancellable)
             self._send_queued()
             sock = self._sock
             poll_set = [(sock, _POLLIN)]

@@ -280,6 +280,9 @@ def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
     """Blocking calls drive the socket themselves when it is free and hand it back to the I/O
     thread otherwise: every reply must reach its caller, in order per thread and key."""
     ch = make_remote("mix")
+    # a small in-flight limit: blocking callers must wait for room without holding the socket
+    # (regression: a caller waiting for room while driving the socket deadlocked the handle)
+    ch._connection()._max_inflight = 16
     n, errors, got = 300, [], {}
 
     def sync_producer(tid: int) -> None:
