@@ -272,6 +272,7 @@ class Connection:
         with self._sock_lock:
             notify_fd = sock.getsockopt(zmq.FD)
             self._send_hello()
+            self._recv_all()  # re-arms ZMQ_FD after the send
         idle_poll = [(self._wake, _POLLIN)]
         busy_poll = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
         tick_ms = int(self.hb * 500)
@@ -292,8 +293,10 @@ class Connection:
                 with self._sock_lock:
                     if self._queue:
                         self._send_queued()
-                    self._recv_all()
                     self._keepalive(time.monotonic())
+                    # last, after every send: ZMQ_FD only signals again once the socket was
+                    # read until empty (a send may consume a pending notification)
+                    self._recv_all()
         except Exception:  # pragma: no cover - a bug here must not hang callers
             log.exception("zchannel I/O thread failed")
         finally:
