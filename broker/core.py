@@ -586,6 +586,8 @@ class QueueCore:
         blocked: set[str | None] = set()
         starving: list[Request] = []
         for req in list(ks.getters):
+            if not (ks.shared or ks.private or self.deals):
+                break  # nothing left to hand out, nothing to steal: the rest keep waiting
             consumer = req.client.consumer
             private = ks.private.get(consumer) if consumer is not None else None
             if private:
