@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -155,6 +156,18 @@ def workers() -> Iterator[Workers]:
     w = Workers()
     yield w
     w.kill_all()
+
+
+def wait_until(cond, timeout: float = 10.0, interval: float = 0.05):
+    """Poll ``cond()`` until it is truthy or ``timeout`` passes; its last value.  For outcomes
+    nothing can signal (a process that died, a client the broker expires on its own clock), not
+    for synchronising with a live peer (those use readiness handshakes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
 
 
 def pid_alive(pid: int) -> bool:

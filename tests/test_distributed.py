@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from cluster_util import Replicas, free_tcp_ports, write_cluster
+from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel, HookError
 from zchannel.broker.distributed import DistributedChannel
 
@@ -305,7 +306,5 @@ def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
     assert len(pids) == 2  # only this node's replicas; "elsewhere" starts its own
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in pids):
-        assert time.monotonic() < deadline, "replicas outlived their creator"
-        time.sleep(0.1)  # polling the outcome, not synchronising
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10), \
+        "replicas outlived their creator"

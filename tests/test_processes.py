@@ -11,20 +11,11 @@ import time
 
 import pytest
 import zmq
-from conftest import pid_alive
+from conftest import pid_alive, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
 from zchannel.broker.protocol import pack_header
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _wait_dead(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_connect_to_nothing_is_quick():
@@ -129,7 +120,7 @@ def test_broker_dies_with_its_creator(workers):
     assert pid_alive(broker_pid)
     os.kill(creator.pid, signal.SIGKILL)
     creator.wait()
-    assert _wait_dead(broker_pid, 10), "the broker outlived its SIGKILLed creator"
+    assert wait_until(lambda: not pid_alive(broker_pid), 10), "the broker outlived its SIGKILLed creator"
 
 
 def _consume_pickled(channel, queue):
@@ -229,9 +220,8 @@ def test_consumer_killed_while_parked_loses_nothing(workers, channels):
     workers.wait_line(consumer, "parked")
     os.kill(consumer.pid, signal.SIGKILL)
     consumer.wait()
-    deadline = time.monotonic() + 10
-    while ch.stats()["keys"].get("k", {}).get("getters", 0) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the broker expires the dead client after its heartbeats stop
+    # the broker expires the dead client after its heartbeats stop
+    wait_until(lambda: not ch.stats()["keys"].get("k", {}).get("getters", 0), 10)
     ch.put("for a live consumer", key="k")
     assert ch.get(key="k", timeout=5) == "for a live consumer"
 

@@ -12,7 +12,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
 
 import torch  # noqa: E402
-from conftest import pid_alive  # noqa: E402
+from conftest import pid_alive, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.distributed import DistributedChannel  # noqa: E402
 
@@ -166,7 +166,6 @@ def test_single_broker_placement(cluster):
 
 def test_creator_death_leaves_no_brokers(cluster, workers):
     import signal
-    import time
 
     from zchannel.broker import shm
 
@@ -185,10 +184,8 @@ def test_creator_death_leaves_no_brokers(cluster, workers):
     assert len(pids) == 3 and all(pid_alive(p) for p in pids)
     os.kill(proc.pid, signal.SIGKILL)  # the creator dies: Ray removes its actors, brokers follow
     proc.wait()
-    deadline = time.monotonic() + 60
-    while any(pid_alive(p) for p in pids):
-        assert time.monotonic() < deadline, "brokers outlived their creator"
-        time.sleep(0.2)  # polling the outcome, not synchronising
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 60), \
+        "brokers outlived their creator"
     # Ray SIGKILLs an exiting worker's child processes, so these brokers could not remove their
     # shared-memory probe segments (a later broker of the channel would, in the same run dir).
     for name in set(os.listdir(shm.SHM_DIR)) - before:

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 from zchannel.broker import Channel, codec, shm
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,16 +27,6 @@ def _segments(ch_or_prefix) -> list[str]:
 
 def _shm_stats(ch) -> dict:
     return ch.stats()["shm"]
-
-
-def _poll(cond, timeout: float = 10.0):
-    """Wait for a condition the broker reaches on its own (client expiry), with a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def _raw(nbytes: int, seed: int) -> np.ndarray:
@@ -190,7 +180,7 @@ def test_hooks_see_slot_views_and_outputs_stay_valid(make_remote):
             ch.put(torch.full((T // 4,), -1.0))  # cycle the producer's pool meanwhile
         got = [consumer.get(timeout=10) for _ in range(8)]
         assert all(torch.equal(a, b) for a, b in zip(ts, got[:4], strict=True))
-        assert _poll(lambda: _shm_stats(ch)["slots_used"] == 0)
+        assert wait_until(lambda: _shm_stats(ch)["slots_used"] == 0)
     finally:
         consumer.close()
 
@@ -252,7 +242,7 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     assert _shm_stats(ch)["consumer_holds"] == 1
     os.kill(consumer.pid, signal.SIGKILL)
     # both clients expire; the dead producer's segment goes with the last release
-    assert _poll(lambda: _shm_stats(ch)["consumer_holds"] == 0 and _shm_stats(ch)["segments"] == 0,
+    assert wait_until(lambda: _shm_stats(ch)["consumer_holds"] == 0 and _shm_stats(ch)["segments"] == 0,
                  timeout=30)
     left = _segments(prefix)
     assert len(left) == 2 and f"{prefix}probe" in left  # the mid-write one: unknown to the broker
@@ -267,7 +257,7 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     assert float(ch2.get(timeout=10)[0]) == 1.0
     # the first handle reconnects by itself and puts through a fresh pool
     new_pid = ch2.stats()["pid"]
-    assert _poll(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
+    assert wait_until(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
                  timeout=20)
     ch.put(torch.full((16384,), 9.0), timeout=10)
     assert float(ch2.get(timeout=10)[0]) == 9.0
