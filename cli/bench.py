@@ -34,7 +34,7 @@ import click
 import click.core
 import numpy as np
 import tomllib
-from zchannel.broker import Channel, ChannelError
+from zchannel.broker import Channel, ChannelError, Work
 from zchannel.cli.bench_baselines import (
     PAYLOAD_TYPES,
     SEQ_SHIFT,
@@ -382,10 +382,18 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     issued = n = 0
     stopping = False
 
+    sync = window == 1 and request_latency and keys is None and not batch
+
     def issue() -> None:
         nonlocal issued
         t0 = time.monotonic_ns()
-        if keys is not None:
+        if sync:  # window 1: the latency of the blocking call a user makes, not of a Work
+            work = Work()
+            try:
+                work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
+            except TimeoutError as exc:
+                work.set_exception(exc)
+        elif keys is not None:
             work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
         elif batch:
             work = ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S)
@@ -397,23 +405,7 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     ready()
     go_wait()
     tally.t_start = time.monotonic_ns()
-    # window 1: the latency of the blocking call a user makes (no Work handle, no pipeline)
-    sync = window == 1 and request_latency and keys is None and not batch
-    while sync and sum(counts) < total:
-        t0 = time.monotonic_ns()
-        try:
-            item = ch.get(key=key, timeout=GET_TIMEOUT_S)
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"consumer got {n}; all together {sum(counts)}/{total}") from None
-            continue
-        now = time.monotonic_ns()
-        seq, t_sent = fac.check(item)
-        tally.add(seq, t_sent, now)
-        req_lat.append(now - t0)
-        n += 1
-        counts[slot] = n
-    while not sync:
+    while True:
         while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
             issue()
         if not inflight:
