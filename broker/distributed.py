@@ -85,6 +85,16 @@ class DistributedChannel(Channel):
         """This process's node (``ZCHANNEL_NODE``, the Ray node id, or the hostname)."""
         return self._node
 
+    def _connect_home(self, timeout: float) -> DistributedChannel:
+        """Connect to this node's replica now (``ChannelNotFound`` if it does not answer in
+        ``timeout``; the handle is closed then)."""
+        try:
+            self._sub(self._home)._connection(timeout=timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     def _sub(self, index: int) -> Channel:
         sub = self._subs.get(index)
         if sub is not None:
@@ -368,13 +378,7 @@ def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Chann
         except ValueError:
             cl = None
         if cl is not None:
-            handle = DistributedChannel(name, cl.table(), identity=identity)
-            try:
-                handle._sub(handle._home)._connection(timeout=timeout)
-            except BaseException:
-                handle.close()
-                raise
-            return handle
+            return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
     if ray_connected():
         from zchannel.broker import ray_placement
 

@@ -36,7 +36,7 @@ import ray
 import zmq
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from zchannel.broker import paths
-from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.errors import ChannelError
 from zchannel.broker.security import CurveKeys
 
 log = logging.getLogger("zchannel.client")
@@ -290,13 +290,7 @@ def connect(name: str, *, identity: str | None, timeout: float) -> Any:
     info = _lookup(name)
     if info is None:
         return None
-    handle = _connect(name, info, identity)
-    try:
-        handle._sub(handle._home)._connection(timeout=timeout)
-    except ChannelNotFound:
-        handle.close()
-        raise
-    return handle
+    return _connect(name, info, identity)._connect_home(timeout)
 
 
 __all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]
