@@ -29,6 +29,7 @@ stop every segment of its own prefix.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import itertools
 import logging
@@ -44,6 +45,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+from zchannel.broker import codec
 
 log = logging.getLogger("zchannel.shm")
 
@@ -101,6 +103,32 @@ def env_enabled() -> bool:
     return os.environ.get("ZCHANNEL_SHM", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+
+
+def _populate(mm: mmap.mmap, advice: int) -> None:
+    """Map every page of ``mm`` now (best effort: kernels before 5.14 lack the advice).  Through
+    libc when it can: ``mmap.madvise`` holds the GIL, for ~70 ms per 256 MiB here."""
+    if _MADVISE is not None:
+        addr = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        _MADVISE(addr, len(mm), advice)
+        return
+    try:
+        mm.madvise(advice)
+    except (OSError, ValueError):
+        pass
+
+
 class Segment:
     """A mapped segment (any side)."""
 
@@ -123,10 +151,7 @@ class Segment:
             _unlink(name)
             raise
         os.close(fd)
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE)  # map every page now, not on the hot path
-        except (OSError, ValueError):
-            pass
+        _populate(mm, _MADV_POPULATE_WRITE)  # map every page now, not on the hot path
         _HEAD.pack_into(mm, 0, MAGIC, slot_size, nslots, os.getpid())
         return cls(name, mm, slot_size, nslots)
 
@@ -152,10 +177,7 @@ class Segment:
                 or slot_size % 4096 or HEADER_BYTES + slot_size * nslots > size):
             raise ValueError(f"shared-memory segment {name!r} has a malformed header")
         if populate:
-            try:
-                mm.madvise(_MADV_POPULATE_READ)
-            except (OSError, ValueError):
-                pass
+            _populate(mm, _MADV_POPULATE_READ)
         return cls(name, mm, slot_size, nslots)
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
@@ -179,8 +201,11 @@ def _size_class(nbytes: int, threshold: int) -> int:
 class Pool:
     """The segments of one producer handle (see the module docstring).  Thread-safe.
 
-    A size class starts with one small segment and adds segments (doubling its slot count) when
-    all its slots are in use, up to ``MAX_SLOTS`` slots per class and ``budget`` bytes per pool.
+    A size class starts with one small segment and adds segments (doubling its slot count), up
+    to ``MAX_SLOTS`` slots per class and ``budget`` bytes per pool.  The next segment is made in
+    a background thread as soon as half of a class's slots are in use, so that a producer
+    filling its pipeline does not stall on creating (and faulting in) hundreds of MiB; a put
+    that finds every slot in use waits for a segment being made, or makes one itself.
     """
 
     def __init__(self, prefix: str, threshold: int, budget: int = DEFAULT_POOL_BYTES) -> None:
@@ -189,27 +214,73 @@ class Pool:
         self.classes: dict[int, list[Segment]] = {}  # size class -> its segments
         self.by_name: dict[str, Segment] = {}
         self.cursor: dict[int, int] = {}  # size class -> next slot to look at (over all segments)
-        self.total = 0
+        self.growing: dict[int, threading.Event] = {}  # size class -> set when its growth ended
+        self.total = 0  # bytes of the segments made or being made
         self.announced: set[str] = set()  # segments named in a put sent to the broker
         self.fallbacks = 0
         self.failed = False  # a segment could not be created: no more attempts
+        self.closed = False
 
-    def _grow(self, size: int, segs: list[Segment]) -> Segment | None:
-        have = sum(s.nslots for s in segs)
+    def _reserve(self, size: int) -> int:
+        """Slots of the class's next segment (0: none allowed); reserves their bytes."""
+        have = sum(s.nslots for s in self.classes[size])
         nslots = min(MAX_SLOTS - have, max(have, 2, FIRST_SEGMENT_BYTES // size),
                      max(2, CLASS_BYTES // size) - have, (self.budget - self.total) // size)
-        if nslots < 1 or self.failed:
-            return None
+        if nslots < 1 or self.failed or self.closed:
+            return 0
+        self.total += size * nslots
+        return nslots
+
+    def _make(self, size: int, nslots: int) -> Segment | None:
+        """Create a segment (outside the lock) and add it to its class."""
         try:
             seg = Segment.create(self.prefix, size, nslots)
         except OSError as exc:
-            self.failed = True
+            seg = None
             log.warning("cannot create a shared-memory segment (%s): large items go as frames", exc)
-            return None
-        self.total += size * nslots
-        self.by_name[seg.name] = seg
-        segs.append(seg)
+        with self.lock:
+            if seg is None:
+                self.failed = True
+                self.total -= size * nslots
+            elif self.closed:  # closed meanwhile: nobody will use (or announce) it
+                _unlink(seg.name)
+                seg = None
+            else:
+                self.by_name[seg.name] = seg
+                self.classes[size].append(seg)
+            done = self.growing.pop(size, None)
+        if done is not None:
+            done.set()
         return seg
+
+    def _grow_soon(self, size: int) -> None:
+        """Start making the class's next segment in the background (under the lock)."""
+        nslots = self._reserve(size)
+        if nslots:
+            self.growing[size] = threading.Event()
+            threading.Thread(target=self._make, args=(size, nslots), daemon=True,
+                             name="zchannel-shm-grow").start()
+
+    def _take(self, size: int) -> tuple[Segment, int] | None:
+        """A free slot of the class, marked USED (under the lock)."""
+        segs = self.classes[size]
+        total = sum(s.nslots for s in segs)
+        start = self.cursor.get(size, 0)
+        for k in range(total):
+            i = (start + k) % total
+            for seg in segs:  # slot i of the class, over its segments in order
+                if i < seg.nslots:
+                    break
+                i -= seg.nslots
+            if seg.states[i] == FREE:
+                seg.states[i] = USED
+                self.cursor[size] = (start + k + 1) % total
+                if (size not in self.growing and total < MAX_SLOTS
+                        and 2 * sum(int((s.states == FREE).sum()) for s in segs)
+                        <= total):
+                    self._grow_soon(size)  # half in use: make room before the pipeline stalls
+                return seg, i
+        return None
 
     def __call__(self, data: Any, nbytes: int) -> list | None:
         """Copy ``data`` (a C-contiguous array or tensor bytes) into a free slot: the slot
@@ -217,29 +288,27 @@ class Pool:
         if nbytes < self.threshold:
             return None
         size = _size_class(nbytes, self.threshold)
-        with self.lock:
-            segs = self.classes.setdefault(size, [])
-            total = sum(s.nslots for s in segs)
-            start = self.cursor.get(size, 0)
-            seg, slot = None, -1
-            for k in range(total):
-                i = (start + k) % total
-                for cand in segs:  # slot i of the class, over its segments in order
-                    if i < cand.nslots:
-                        break
-                    i -= cand.nslots
-                if cand.states[i] == FREE:
-                    seg, slot = cand, i
-                    self.cursor[size] = (start + k + 1) % total
+        for _ in range(3):  # take; or wait for (or make) a segment and take again
+            with self.lock:
+                self.classes.setdefault(size, [])
+                got = self._take(size)
+                if got is not None:
                     break
-            if seg is None:
-                seg = self._grow(size, segs)
-                if seg is None:
-                    self.fallbacks += 1
-                    return None
-                slot = 0
-                self.cursor[size] = total + 1
-            seg.states[slot] = USED
+                pending = self.growing.get(size)
+                nslots = 0 if pending is not None else self._reserve(size)
+                if pending is None and nslots:
+                    pending = self.growing[size] = threading.Event()
+            if pending is None:
+                break
+            if nslots:
+                self._make(size, nslots)
+            else:
+                pending.wait()
+        if got is None:
+            with self.lock:
+                self.fallbacks += 1
+            return None
+        seg, slot = got
         dst = seg.view(slot, nbytes)
         src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         np.copyto(dst, src.reshape(-1).view(np.uint8), casting="no")
@@ -258,6 +327,8 @@ class Pool:
 
     def close(self) -> None:
         """Unlink the segments the broker never heard of (it removes the others)."""
+        with self.lock:
+            self.closed = True  # a segment still being made unlinks itself
         for name in self.by_name:
             if name not in self.announced:
                 _unlink(name)
@@ -406,8 +477,6 @@ class ShmClient:
 
 def client_submit(conn: Any, item: Any) -> tuple[bytes, list, list | None]:
     """Encode ``item`` for a put: ``(body, buffers, slot refs or None)``."""
-    from zchannel.broker import codec
-
     pool = conn.shm.pool if conn.shm is not None else None
     if pool is None:
         body, buffers = codec.encode(item)
@@ -612,7 +681,6 @@ class ShmBroker:
     def decode_item(self, fallback: Any) -> Any:
         """A ``decode_item`` for the core: items with slots decode to views of them (each keeps
         its slot alive while a hook, or a frame made from it, still uses it)."""
-        from zchannel.broker import codec
 
         def decode(item: Any) -> Any:
             if not item.shm:

@@ -145,6 +145,28 @@ def test_pool_exhaustion_falls_back_to_frames(make_remote):
     assert torch.equal(ch.get(timeout=10), ts[0])
 
 
+def test_pool_grows_ahead_of_need_and_never_falls_back(make_remote):
+    ch = make_remote("grow", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    item = 4 * MIB  # a size class whose first segment holds 8 slots
+    first = shm.FIRST_SEGMENT_BYTES // item
+    ts = [torch.full((item // 4,), float(i)) for i in range(2 * first)]
+    for t in ts[: first // 2]:
+        ch.put(t)
+    # half of the class in use: its next segment is made in the background, before any put
+    # needs it (so a producer filling its pipeline does not stall on it)
+    wait_until(lambda: len(pool.by_name) == 2, timeout=10)
+    (small, big) = sorted(pool.by_name.values(), key=lambda s: s.nslots)
+    assert (small.nslots, big.nslots) == (first, first)
+    for t in ts[first // 2 :]:
+        ch.put(t)
+    st = _shm_stats(ch)
+    assert pool.fallbacks == 0 and st["slots_in"] == st["slots_used"] == 2 * first
+    for t in ts:
+        assert torch.equal(ch.get(timeout=10), t)
+    assert _shm_stats(ch)["slots_used"] == 0
+
+
 def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
     ch = make_remote("view", shm_threshold=T)
     pool_of = ch._connection().shm
