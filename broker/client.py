@@ -301,21 +301,26 @@ class Channel:
         frames: list = []
         if has_item:
             body, buffers, refs = shm_submit(conn, item)  # refs: shared-memory slots or None
-            frames = [body, *buffers]
-            rec["fs"] = [len(body), *(memoryview(b).nbytes for b in buffers)]
+            if buffers:
+                frames = [body, *buffers]
+                rec["fs"] = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
+            else:
+                frames = [body]
+                rec["fs"] = sizes = [len(body)]
             if refs:
                 rec["sm"] = refs
             limit = conn.broker_info.get("max_message_bytes")
-            if limit and sum(rec["fs"]) > limit:
+            if limit and sum(sizes) > limit:
                 shm_undo(conn, refs)
-                raise ValueError(f"item of {sum(rec['fs'])} bytes exceeds the broker's "
+                raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
                                  f"max_message_bytes limit ({limit})")
         op = rec["op"]
         convert = None
-        if op == GET:
-            convert = _get_converter(copy, conn.shm)
-        elif op == GET_BATCH:
-            convert = _batch_converter(copy, conn.shm)
+        if op == GET or op == GET_BATCH:
+            convert = conn.converters.get((op, copy))
+            if convert is None:  # one per connection, op and copy (not a closure per call)
+                make = _get_converter if op == GET else _batch_converter
+                convert = conn.converters[(op, copy)] = make(copy, conn.shm)
         elif op == STATS:
             convert = _stats_converter
         send = conn.call if wait else conn.request
@@ -332,7 +337,9 @@ class Channel:
         Raises ``TimeoutError`` if not admitted by ``timeout``, ``TypeError`` for an item that
         cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
         """
-        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "t": check_timeout(timeout)}
+        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight)}
+        if timeout is not None:  # the broker's default: no timeout
+            rec["t"] = check_timeout(timeout)
         work = self._submit(rec, item, has_item=True, wait=not async_op)
         return work if async_op else work.wait()
 
@@ -345,7 +352,11 @@ class Channel:
             *, ack: bool = False, copy: bool | None = None) -> Any:
         """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
         then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
-        rec = {"op": GET, "k": check_key(key), "t": check_timeout(timeout), "ack": bool(ack)}
+        rec = {"op": GET, "k": check_key(key)}
+        if timeout is not None:  # the broker's defaults: no timeout, no ack
+            rec["t"] = check_timeout(timeout)
+        if ack:
+            rec["ack"] = True
         work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
@@ -447,8 +458,11 @@ def _unpickle(name: str | None, address: str, identity: str | None, curve_keys: 
 
 def _decode_frames(frames: list, copy: bool | None, shm: list = (), shm_copy: bool = True) -> Any:
     body = frames[0]
-    return codec.decode(body.buffer if isinstance(body, zmq.Frame) else body, frames[1:],
-                        copy=bool(copy), shm=shm, shm_copy=shm_copy)
+    if type(body) is zmq.Frame:
+        body = body.buffer
+    if len(frames) == 1 and not shm:  # the common small item: nothing but its body
+        return codec.decode(body)
+    return codec.decode(body, frames[1:], copy=bool(copy), shm=shm, shm_copy=shm_copy)
 
 
 def _get_converter(copy: bool | None, shm: Any = None):

@@ -233,6 +233,8 @@ class _Encoder:
 
 
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
+# one packer for scalars: packing one never calls back into Python, so threads cannot interleave
+_plain_packer = msgpack.Packer(use_bin_type=True)
 
 
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
@@ -245,7 +247,10 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     if kind in _PLAIN_TYPES:
         if kind is bytes and len(obj) >= INLINE_LIMIT:  # a large bytes item: its own frame
             return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
-        return msgpack.packb(obj, use_bin_type=True), []  # fast path: no ext types needed
+        try:
+            return _plain_packer.pack(obj), []  # fast path: no ext types needed
+        except OverflowError as exc:
+            raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
     enc = _Encoder()
     try:
         body = enc.pack(obj)
@@ -441,6 +446,9 @@ def _build_dataclass(cls: type, fields: dict) -> Any:
     return obj
 
 
+_INLINE = _Decoder((), False)  # items without frames or slots (stateless: shared by threads)
+
+
 def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Sequence[Any] = (),
            shm_copy: bool = True) -> Any:
     """Decode an item encoded by :func:`encode`.
@@ -451,7 +459,7 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
     allowed.
     """
-    dec = _Decoder(frames, copy, shm, shm_copy)
+    dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
         return dec.unpack(body)
     except ValueError:

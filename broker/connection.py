@@ -54,11 +54,8 @@ SEND_RUN = 16
 Convert = Callable[[dict, list], Any]
 
 
-class _Pending:
-    __slots__ = ("work", "convert", "is_put")
-
-    def __init__(self, work: Work, convert: Convert | None, is_put: bool) -> None:
-        self.work, self.convert, self.is_put = work, convert, is_put
+# a request in flight: (its Work, its reply converter or None, is it a put)
+_Pending = tuple[Work, Convert | None, bool]
 
 
 class Connection:
@@ -101,6 +98,7 @@ class Connection:
         self._hello_id = 0
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
+        self.converters: dict[tuple[str, bool | None], Convert] = {}  # reply decoders (client.py)
         ctx = zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
@@ -198,9 +196,9 @@ class Connection:
         rid = next(self._ids)
         rec["id"] = rid
         rec["nf"] = len(frames)
-        work = Work((lambda w: self._cancel(w, rid)) if cancellable else None)
-        pending = _Pending(work, convert, rec.get("op") == "put")
-        self._queue.append((rec, frames, pending))
+        work = Work(self._cancel if cancellable else None)
+        work._tag = rid
+        self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
         return work
 
     def _wait_for_room(self) -> None:
@@ -221,7 +219,8 @@ class Connection:
             with self._room:
                 self._room.notify_all()
 
-    def _cancel(self, work: Work, rid: int) -> bool:
+    def _cancel(self, work: Work) -> bool:
+        rid = work._tag
         try:
             answer = self.request({"op": "cancel", "rid": rid}, []).wait()
         except ChannelError:
@@ -246,7 +245,7 @@ class Connection:
         limit = self.hb * self.liveness if timeout is None else timeout
         deadline = time.monotonic() + limit
         while self.state == UP and time.monotonic() < deadline and (
-            self._queue or any(p.is_put for p in list(self._pending.values()))
+            self._queue or any(p[2] for p in list(self._pending.values()))
         ):
             time.sleep(0.005)
         if self.state == UP and bye:
@@ -307,7 +306,7 @@ class Connection:
                 _, _, pending = self._queue.popleft()
                 if pending is not None:
                     self._release()
-                    pending.work.set_exception(ChannelError("this channel handle is closed"))
+                    pending[0].set_exception(ChannelError("this channel handle is closed"))
             with self._sock_lock:  # a blocking caller may still be reading it
                 sock.close(linger=0)
             os.close(self._wake)
@@ -383,12 +382,11 @@ class Connection:
         if pending is None:
             return
         self._release()
-        work = pending.work
+        work, convert, _ = pending
         if "e" in rec:
             work.set_exception(error_from_wire(rec["e"]))
-        elif pending.convert is not None:
-            convert = pending.convert
-            work.set_result(None, lambda: convert(rec, frames))
+        elif convert is not None:
+            work._set_converted(convert, rec, frames)
         else:
             work.set_result(rec.get("r"))
 
@@ -396,7 +394,7 @@ class Connection:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             self._release()
-            entry.work.set_exception(exc)
+            entry[0].set_exception(exc)
 
     def _keepalive(self, now: float) -> None:
         silent = now - self._last_recv

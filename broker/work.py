@@ -29,33 +29,44 @@ class Work:
     cancel the operation.  ``cancel()`` returns True iff the broker withdrew the operation.
     """
 
-    __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock", "__weakref__")
+    __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
+                 "_tag", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
         self._value: Any = None
-        self._convert: Callable[[], Any] | None = None
+        self._convert: Callable[..., Any] | None = None
         self._gate = threading.Lock()
         self._gate.acquire()
-        self._callbacks: list[Callable[[Work], None]] = []
+        self._callbacks: list[Callable[[Work], None]] | None = None
         self._cancel_fn = cancel_fn
+        self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
 
-    def _finish(self, state: int, value: Any, convert: Callable[[], Any] | None = None) -> None:
+    def _finish(self, state: int, value: Any, convert: Callable[..., Any] | None = None) -> None:
         with self._lock:
             if self._state != _PENDING:
                 return
             self._value, self._convert, self._state = value, convert, state
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks, None
         self._gate.release()
-        for callback in callbacks:
-            callback(self)
+        if callbacks:
+            for callback in callbacks:
+                callback(self)
 
     def set_result(self, value: Any = None, convert: Callable[[], Any] | None = None) -> None:
         """Complete with ``value``, or with ``convert()`` computed lazily by the first reader."""
-        self._finish(_DONE, value, convert)
+        if convert is None:
+            self._finish(_DONE, value)
+        else:
+            self._finish(_DONE, (), convert)
+
+    def _set_converted(self, convert: Callable[..., Any], *args: Any) -> None:
+        """Complete with ``convert(*args)``, computed lazily by the first reader (no closure
+        per reply)."""
+        self._finish(_DONE, args, convert)
 
     def set_exception(self, exc: BaseException) -> None:
         self._finish(_FAILED, exc)
@@ -63,6 +74,8 @@ class Work:
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         with self._lock:
             if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -90,7 +103,7 @@ class Work:
                 if self._convert is not None:
                     convert, self._convert = self._convert, None
                     try:
-                        self._value = convert()
+                        self._value = convert(*self._value)
                     except BaseException as exc:
                         self._state, self._value = _FAILED, exc
                         raise
