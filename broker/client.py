@@ -26,6 +26,7 @@ import zmq
 from zchannel.broker import codec, paths
 from zchannel.broker.connection import CLOSED, Connection, probe
 from zchannel.broker.core import check_key, check_timeout, check_weight
+from zchannel.broker.errors import _BY_NAME as _ERRORS_BY_NAME
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
 from zchannel.broker.shm import client_submit as shm_submit
@@ -509,8 +510,17 @@ def _spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, st
     if not line.startswith("ready "):
         proc.kill()
         proc.wait()
-        raise ChannelError(f"broker for {config['name']!r} failed to start: {line.strip() or 'no output'}")
+        raise _start_error(config["name"], line.strip())
     return proc, line.split(None, 1)[1].strip(), token
+
+
+def _start_error(name: str, line: str) -> BaseException:
+    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``:
+    standard errors (an unknown hook name, bad options: ``ValueError``) keep their type."""
+    message = f"broker for {name!r} failed to start: {line or 'no output'}"
+    exc_name, sep, _ = line.removeprefix("error ").partition(":")
+    cls = _ERRORS_BY_NAME.get(exc_name) if line.startswith("error ") and sep else None
+    return (cls or ChannelError)(message)
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

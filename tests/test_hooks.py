@@ -205,6 +205,19 @@ def test_hook_instance_and_context(make):
         assert seen["pid"] != os.getpid()  # the hook ran in the broker
 
 
+def test_unknown_hook_names_at_create_are_value_errors(make):
+    # spec §5: "an unknown name is a ValueError listing the known ones" -- also when the broker
+    # process resolves the name; a class of the wrong kind stays a TypeError
+    with pytest.raises(ValueError, match="flatten_batch"):
+        make("unknownc", collector="no_such_collector")
+    with pytest.raises(ValueError, match="round_robin"):
+        make("unknownd", dispatcher="no_such_dispatcher")
+    with pytest.raises(TypeError):
+        make("notahook", collector="hookmods:NotAHook")
+    with pytest.raises(ValueError):  # a hook whose setup rejects the options
+        make("badopts", collector="embodied_trajectory", options={})
+
+
 def test_failing_hooks_reach_the_putter(make):
     ch = make("raising", collector="hookmods:Raising")
     with pytest.raises(HookError) as info:
