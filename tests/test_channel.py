@@ -317,6 +317,32 @@ def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
     assert ch.qsize(("k", 0)) == 0 and ch.stats()["bytes_held"] == 0
 
 
+def test_waiting_for_inflight_room_counts_against_timeout(make_remote):
+    """spec §4 flow control: issuing past ``max_inflight`` blocks the caller, counted against
+    its timeout -- a call whose timeout passes while it waits for room raises TimeoutError
+    (nothing sent) instead of blocking for ever."""
+    ch = make_remote("room")
+    producer = Channel.connect("room")
+    conn = ch._connection()
+    conn._max_inflight = 8
+    parked = [ch.get(key="k", async_op=True) for _ in range(8)]  # all 8 slots taken
+    with pytest.raises(TimeoutError):
+        ch.get(key="other", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        ch.put("never sent", key="other", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        ch.get_batch(1, key="other", timeout=0)
+    for i in range(8):
+        producer.put(i, key="k")
+    assert sorted(w.wait(timeout=10) for w in parked) == list(range(8))
+    # the failed calls gave their slots back and changed nothing in the broker
+    assert producer.qsize("other") == 0
+    works = [ch.put(i, weight=1, key="again", async_op=True) for i in range(8)]
+    assert [w.wait(timeout=10) for w in works] == [None] * 8
+    assert ch.get_batch(8, key="again", timeout=5) == list(range(8))
+    producer.close()
+
+
 def test_asyncio_consumer_keeps_loop_running(make):
     ch = make()
 
