@@ -74,6 +74,27 @@ def _hook_for_child(hook: Any, imports: list[str]) -> Any:
     return hook_spec(hook)
 
 
+def _hook_label(spec: Any) -> str | None:
+    """A hook as given to ``create`` (after ``_hook_for_child``), named the way the broker's
+    ``stats()`` names it: its registered name, else ``module:qualname``."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        spec = spec.get("class")
+    if not isinstance(spec, str):
+        return None
+    if ":" in spec:
+        from zchannel.hooks import import_path
+
+        try:
+            cls = import_path(spec)
+        except Exception:
+            return spec
+        name = getattr(cls, "hook_name", None)
+        return name if isinstance(name, str) else spec
+    return spec.lower()
+
+
 def _ray_connected() -> bool:
     ray = sys.modules.get("ray")  # zchannel never imports ray unless the process did
     return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
@@ -253,6 +274,17 @@ class Channel:
         if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
             log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
                         config["name"], info.get("maxsize"), config["maxsize"])
+        if config["collector"] is None and config["dispatcher"] is None:
+            return
+        try:
+            running = self.stats()
+        except ChannelError:
+            return
+        for kind in ("collector", "dispatcher"):
+            given = _hook_label(config[kind])
+            if given is not None and given != running.get(kind):
+                log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                            kind, running.get(kind), kind, given)
 
     # -- connection --------------------------------------------------------------------------
 

@@ -218,6 +218,24 @@ def test_unknown_hook_names_at_create_are_value_errors(make):
         make("badopts", collector="embodied_trajectory", options={})
 
 
+def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, caplog):
+    # spec §3: "the running broker's settings win and differing arguments are logged as a warning"
+    make_remote("running", maxsize=3, collector="flatten_batch", dispatcher="round_robin")
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        make_remote("running", maxsize=3, collector="FLATTEN_BATCH",
+                    dispatcher="zchannel.hooks.builtin:RoundRobinDispatcher")  # the same hooks
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        second = make_remote("running", maxsize=5, collector="hookmods:Rekey",
+                             dispatcher="least_loaded")
+    text = caplog.text
+    assert "maxsize=5 ignored" in text
+    assert "collector=hookmods:Rekey ignored" in text
+    assert "dispatcher=least_loaded ignored" in text
+    second.put([1, 2])
+    assert second.qsize() == 2  # the running broker's flatten_batch collector still applies
+
+
 def test_failing_hooks_reach_the_putter(make):
     ch = make("raising", collector="hookmods:Raising")
     with pytest.raises(HookError) as info:
