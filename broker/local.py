@@ -42,7 +42,7 @@ class _LocalBroker:
             collector=resolve_collector(collector), dispatcher=resolve_dispatcher(dispatcher),
             producers=tuple(producers), consumers=tuple(consumers), options=options,
             reply=self._reply, decode_item=lambda item: item.payload,
-            encode_item=lambda value, weight: Item(value, weight, 0, value, True),
+            encode_item=_local_item,
             lease_timeout=lease_timeout,
         )
         self.timer = threading.Thread(target=self._run_timers, name=f"zchannel-local {name}",
@@ -151,6 +151,12 @@ class _LocalBroker:
                 del _registry[self.name]
 
 
+def _local_item(value: Any, weight: int) -> Item:
+    """A collector output: checked like a put (a broker would have to encode it)."""
+    codec.check_item(value)
+    return Item(value, weight, 0, value, True)
+
+
 def _copy(value: Any) -> Any:
     body, buffers = codec.encode(value)
     return codec.decode(body, buffers, copy=True)
@@ -186,6 +192,8 @@ class LocalChannel(Channel):
             raise ChannelError("this channel handle is closed")
         if self._client.identity is None and self.identity is not None:
             self._client.identity = self.identity
+        if has_item:
+            codec.check_item(item)  # no serialization, but the same items as a broker accepts
         return self._broker.submit(self._client, rec, item, copy)
 
     def close(self) -> None:

@@ -261,6 +261,17 @@ def test_failing_hooks_reach_the_putter(make):
     assert [partial.get(timeout=5), partial.get(timeout=5)] == ["first half", "x"]
 
 
+def test_unsendable_collector_output_is_hook_error(make):
+    # the broker must encode a new output; a local channel checks it the same way
+    ch = make("unsendable_out", collector="hookmods:YieldsUnsendable")
+    with pytest.raises(HookError) as info:
+        ch.put("unsendable")
+    assert info.value.exc_type == "TypeError"
+    assert ch.qsize() == 0
+    ch.put("fine")
+    assert ch.get(timeout=5) == "fine"
+
+
 def test_collector_drops_and_rekeys(make):
     ch = make("rekey", collector="hookmods:Rekey")
     for item in [1, 2, None, 3, "abc"]:
