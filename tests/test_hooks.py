@@ -82,6 +82,33 @@ def test_entry_point_plugin_is_found():
     assert resolve_dispatcher("embodied_trajectory").deals
 
 
+def test_hook_class_published_under_an_entry_point_name(tmp_path, monkeypatch, channels):
+    """spec §5: a hook may be "a name published under the zchannel.hooks entry-point group" --
+    also when the entry point names a hook class that is not registered by a decorator."""
+    dist = tmp_path / "zchannel_audit_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zchannel-audit-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[zchannel.hooks]\nAudit_Scaled = hookmods:Scaled\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    ch = Channel.create("published", collector="audit_scaled")  # the broker finds it
+    channels.append(ch)
+    ch.put(4)
+    assert ch.get(timeout=5) == 4  # Scaled() with its default factor 1
+    with pytest.raises(ValueError, match="known collectors: .*audit_scaled"):
+        Channel.create("published2", collector="no_such_collector")
+    with pytest.raises(ValueError, match="unknown dispatcher"):  # a collector, not a dispatcher
+        Channel.create("published3", dispatcher="audit_scaled")
+    from zchannel.hooks import registry
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_entry_point_objects", {})
+    import hookmods
+
+    assert type(resolve_collector("AUDIT_SCALED")) is hookmods.Scaled  # in this process too
+
+
 # -- dispatcher rules (pure) ----------------------------------------------------------------------
 
 
