@@ -16,7 +16,7 @@ from typing import Any
 from zchannel.broker import codec
 from zchannel.broker.client import Channel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
-from zchannel.broker.errors import ChannelError
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, STATS
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
@@ -83,7 +83,7 @@ class _LocalBroker:
     def submit(self, client: Client, rec: dict, item: Any, copy: bool | None) -> Work:
         with self.cv:
             if self.closed:
-                raise ChannelError(f"local channel {self.name!r} was shut down")
+                raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
             rid = next(self.ids)
             work = Work(lambda w, rid=rid: self.cancel(client, rid))
             self.pending[(id(client), rid)] = (work, bool(copy))
@@ -144,7 +144,7 @@ class _LocalBroker:
             self.closed = True
             pending, self.pending = self.pending, {}
             for work, _ in pending.values():
-                work.set_exception(ChannelError(f"local channel {self.name!r} was shut down"))
+                work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
         with _registry_lock:
             if _registry.get(self.name) is self:

@@ -423,6 +423,22 @@ def test_work_cancel(make):
     assert done.cancel() is False
 
 
+def test_shutdown_fails_other_handles_with_broker_unavailable(make):
+    """spec §4: a broker that went away reaches the caller as BrokerUnavailable (never a hang) --
+    for a local channel too (its "broker" is the shut-down in-process state)."""
+    from zchannel.broker import BrokerUnavailable
+
+    ch = make("gone")
+    other = Channel.connect("gone")
+    pending = other.get(async_op=True)
+    ch.shutdown()
+    with pytest.raises(BrokerUnavailable):
+        pending.wait(timeout=30)
+    with pytest.raises(BrokerUnavailable):
+        other.put("after", timeout=30)
+    other.close()
+
+
 def test_ack_redelivers_unacknowledged(make):
     ch = make(lease_timeout=0.3)
     ch.put("a")
