@@ -26,6 +26,7 @@ import zmq
 from zchannel.broker import codec, paths
 from zchannel.broker.connection import CLOSED, Connection, probe
 from zchannel.broker.core import check_key, check_timeout, check_weight
+from zchannel.broker.errors import _BY_NAME as _ERRORS_BY_NAME
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
 from zchannel.broker.shm import client_submit as shm_submit
@@ -71,6 +72,27 @@ def _hook_for_child(hook: Any, imports: list[str]) -> Any:
     if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
         imports.append(hook.__module__)
     return hook_spec(hook)
+
+
+def _hook_label(spec: Any) -> str | None:
+    """A hook as given to ``create`` (after ``_hook_for_child``), named the way the broker's
+    ``stats()`` names it: its registered name, else ``module:qualname``."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        spec = spec.get("class")
+    if not isinstance(spec, str):
+        return None
+    if ":" in spec:
+        from zchannel.hooks import import_path
+
+        try:
+            cls = import_path(spec)
+        except Exception:
+            return spec
+        name = getattr(cls, "hook_name", None)
+        return name if isinstance(name, str) else spec
+    return spec.lower()
 
 
 def _ray_connected() -> bool:
@@ -252,6 +274,17 @@ class Channel:
         if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
             log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
                         config["name"], info.get("maxsize"), config["maxsize"])
+        if config["collector"] is None and config["dispatcher"] is None:
+            return
+        try:
+            running = self.stats()
+        except ChannelError:
+            return
+        for kind in ("collector", "dispatcher"):
+            given = _hook_label(config[kind])
+            if given is not None and given != running.get(kind):
+                log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                            kind, running.get(kind), kind, given)
 
     # -- connection --------------------------------------------------------------------------
 
@@ -523,8 +556,17 @@ def _spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, st
     if not line.startswith("ready "):
         proc.kill()
         proc.wait()
-        raise ChannelError(f"broker for {config['name']!r} failed to start: {line.strip() or 'no output'}")
+        raise _start_error(config["name"], line.strip())
     return proc, line.split(None, 1)[1].strip(), token
+
+
+def _start_error(name: str, line: str) -> BaseException:
+    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``:
+    standard errors (an unknown hook name, bad options: ``ValueError``) keep their type."""
+    message = f"broker for {name!r} failed to start: {line or 'no output'}"
+    exc_name, sep, _ = line.removeprefix("error ").partition(":")
+    cls = _ERRORS_BY_NAME.get(exc_name) if line.startswith("error ") and sep else None
+    return (cls or ChannelError)(message)
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

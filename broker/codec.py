@@ -235,6 +235,56 @@ class _Encoder:
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
 # one packer for scalars: packing one never calls back into Python, so threads cannot interleave
 _plain_packer = msgpack.Packer(use_bin_type=True)
+_MAX_DEPTH = 512  # msgpack's own nesting limit
+
+
+def check_item(obj: Any, _depth: int = 0) -> None:
+    """Raise ``TypeError`` for a value :func:`encode` would refuse, without encoding it.
+
+    Local channels pass items by reference (no serialization) but accept exactly the items a
+    broker accepts; this walks the value (tensors and arrays are not touched or copied).
+    """
+    kind = type(obj)
+    if kind in _PLAIN_TYPES:
+        if kind is int and not -(2**63) <= obj < 2**64:
+            raise TypeError(f"cannot send an integer outside the 64-bit range: {obj}")
+        return
+    if _depth >= _MAX_DEPTH:
+        raise TypeError("cannot encode item: nested too deeply")
+    if _is_tensor(obj):
+        torch = _torch()
+        if obj.dtype not in _TORCH_DTYPE_NAME:
+            raise TypeError(f"torch dtype {obj.dtype} cannot be sent")
+        if obj.layout != torch.strided:
+            raise TypeError(f"cannot send a {obj.layout} tensor; convert it to a dense tensor")
+        return
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.str not in _NP_DTYPES:
+            raise TypeError(f"numpy dtype {obj.dtype} cannot be sent (numeric and bool dtypes only)")
+        return
+    if isinstance(obj, np.generic):
+        if obj.dtype.str not in _NP_DTYPES:
+            raise TypeError(f"numpy scalar of dtype {obj.dtype} cannot be sent")
+        return
+    if isinstance(obj, (tuple, list)):
+        for value in obj:
+            check_item(value, _depth + 1)
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            check_item(key, _depth + 1)
+            check_item(value, _depth + 1)
+        return
+    if isinstance(obj, (bytes, bytearray, memoryview, str, float)):
+        return
+    if isinstance(obj, int):  # int subclasses travel as ints (bool is a plain type above)
+        check_item(int(obj), _depth)
+        return
+    if type(obj) in _CLS_TO_TAG:
+        for f in dataclasses.fields(obj):
+            check_item(getattr(obj, f.name), _depth + 1)
+        return
+    _Encoder().default(obj)  # raises the encoder's TypeError for everything else
 
 
 def encode(obj: Any) -> tuple[bytes, list[Any]]:

@@ -192,7 +192,11 @@ class Connection:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
         self._n_issued = next(self._issued) + 1
         if self._n_issued - self._completed > self._max_inflight:
-            self._wait_for_room()
+            try:
+                self._wait_for_room(rec)
+            except BaseException:
+                self._release()  # never issued: give its slot back
+                raise
         rid = next(self._ids)
         rec["id"] = rid
         rec["nf"] = len(frames)
@@ -201,16 +205,31 @@ class Connection:
         self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
         return work
 
-    def _wait_for_room(self) -> None:
+    def _wait_for_room(self, rec: dict) -> None:
+        """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
+        against the request's ``timeout`` (``rec["t"]``): the rest travels with the request, and
+        ``TimeoutError`` (nothing sent) when none is left."""
+        timeout = rec.get("t")
+        start = time.monotonic()
         with self._room:
             self._room_waiters += 1
             try:
                 while self._n_issued - self._completed > self._max_inflight:
                     if self.state in (DOWN, CLOSED):
                         raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-                    self._room.wait(self.hb)
+                    wait = self.hb
+                    if timeout is not None:
+                        remaining = timeout - (time.monotonic() - start)
+                        if remaining <= 0:
+                            raise TimeoutError(
+                                f"{rec.get('op')} timed out waiting for room among this "
+                                f"handle's {self._max_inflight} outstanding requests")
+                        wait = min(wait, remaining)
+                    self._room.wait(wait)
             finally:
                 self._room_waiters -= 1
+        if timeout is not None:
+            rec["t"] = max(0.0, timeout - (time.monotonic() - start))
 
     def _release(self) -> None:
         # next() on a count is atomic, so a cancel in a user thread cannot lose an increment

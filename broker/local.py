@@ -16,7 +16,7 @@ from typing import Any
 from zchannel.broker import codec
 from zchannel.broker.client import Channel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
-from zchannel.broker.errors import ChannelError
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, STATS
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
@@ -42,7 +42,7 @@ class _LocalBroker:
             collector=resolve_collector(collector), dispatcher=resolve_dispatcher(dispatcher),
             producers=tuple(producers), consumers=tuple(consumers), options=options,
             reply=self._reply, decode_item=lambda item: item.payload,
-            encode_item=lambda value, weight: Item(value, weight, 0, value, True),
+            encode_item=_local_item,
             lease_timeout=lease_timeout,
         )
         self.timer = threading.Thread(target=self._run_timers, name=f"zchannel-local {name}",
@@ -83,7 +83,7 @@ class _LocalBroker:
     def submit(self, client: Client, rec: dict, item: Any, copy: bool | None) -> Work:
         with self.cv:
             if self.closed:
-                raise ChannelError(f"local channel {self.name!r} was shut down")
+                raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
             rid = next(self.ids)
             work = Work(lambda w, rid=rid: self.cancel(client, rid))
             self.pending[(id(client), rid)] = (work, bool(copy))
@@ -144,11 +144,17 @@ class _LocalBroker:
             self.closed = True
             pending, self.pending = self.pending, {}
             for work, _ in pending.values():
-                work.set_exception(ChannelError(f"local channel {self.name!r} was shut down"))
+                work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
         with _registry_lock:
             if _registry.get(self.name) is self:
                 del _registry[self.name]
+
+
+def _local_item(value: Any, weight: int) -> Item:
+    """A collector output: checked like a put (a broker would have to encode it)."""
+    codec.check_item(value)
+    return Item(value, weight, 0, value, True)
 
 
 def _copy(value: Any) -> Any:
@@ -186,6 +192,8 @@ class LocalChannel(Channel):
             raise ChannelError("this channel handle is closed")
         if self._client.identity is None and self.identity is not None:
             self._client.identity = self.identity
+        if has_item:
+            codec.check_item(item)  # no serialization, but the same items as a broker accepts
         return self._broker.submit(self._client, rec, item, copy)
 
     def close(self) -> None:

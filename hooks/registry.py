@@ -15,6 +15,9 @@ T = TypeVar("T", bound=type)
 
 _registries: dict[type, dict[str, type]] = {Collector: {}, Dispatcher: {}}
 _entry_points_loaded = False
+# what each entry point of the group loaded, by its (lowercased) name: a module whose import
+# registers hooks, or a hook class published under that name
+_entry_point_objects: dict[str, Any] = {}
 
 
 def _qualified(cls: type) -> str:
@@ -70,7 +73,7 @@ def load_entry_points() -> None:
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
-            ep.load()
+            _entry_point_objects[ep.name.lower()] = ep.load()
         except Exception:  # a broken plug-in must not break every channel
             import logging
 
@@ -106,8 +109,13 @@ def _resolve(base: type, spec: Any) -> Any:
         registry = _registries[base]
         if lname not in registry:
             load_entry_points()
+        published = _entry_point_objects.get(lname)
+        if lname not in registry and isinstance(published, type) and issubclass(published, base):
+            return published()  # a hook class published under this entry-point name
         if lname not in registry:
-            known = ", ".join(sorted(registry)) or "(none)"
+            published = {n for n, obj in _entry_point_objects.items()
+                         if isinstance(obj, type) and issubclass(obj, base)}
+            known = ", ".join(sorted(set(registry) | published)) or "(none)"
             raise ValueError(f"unknown {kind} {spec!r}; known {kind}s: {known}")
         return registry[lname]()
     raise TypeError(

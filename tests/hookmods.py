@@ -84,3 +84,10 @@ class RouteTo(Collector):
             yield item["to"], item["v"]
         else:
             yield key, item
+
+
+class YieldsUnsendable(Collector):
+    """Yields an object no channel can carry when asked to."""
+
+    def collect(self, item, key):
+        yield key, (object() if item == "unsendable" else item)

@@ -255,6 +255,30 @@ def test_unregistered_dataclass_is_type_error(make_remote):
     assert ch.qsize() == 0
 
 
+def test_unsendable_items_are_type_errors_everywhere(make):
+    """spec §1: anything outside the item types is a TypeError at put -- also on a local
+    channel (no serialization there, but the same API), and also a plain int beyond 64 bits."""
+    from payloads import Sample, Unregistered
+
+    ch = make("unsendable")
+    bad = [object(), {1, 2}, np.array(["a"], dtype=object), Unregistered(), 2**64, -(2**63) - 1,
+           [1, (2, {"x": object()})], {object(): 1}, Sample(torch.arange(2), [object()], {})]
+    for item in bad:
+        with pytest.raises(TypeError):
+            ch.put(item)
+        with pytest.raises(TypeError):
+            ch.put_nowait(item)
+    assert ch.qsize() == 0
+    value = [2**64 - 1, -(2**63), bytearray(b"ab"), np.float32(1.5)]
+    ch.put(value)
+    got = ch.get(timeout=5)
+    assert got[:2] == value[:2] and bytes(got[2]) == b"ab" and float(got[3]) == 1.5
+    if make.local:
+        ref = [torch.ones(2)]
+        ch.put(ref)
+        assert ch.get(timeout=5) is ref  # still passed by reference
+
+
 def test_three_threads_share_one_handle(make):
     ch = make()
     errors = []
@@ -317,6 +341,32 @@ def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
     assert ch.qsize(("k", 0)) == 0 and ch.stats()["bytes_held"] == 0
 
 
+def test_waiting_for_inflight_room_counts_against_timeout(make_remote):
+    """spec §4 flow control: issuing past ``max_inflight`` blocks the caller, counted against
+    its timeout -- a call whose timeout passes while it waits for room raises TimeoutError
+    (nothing sent) instead of blocking for ever."""
+    ch = make_remote("room")
+    producer = Channel.connect("room")
+    conn = ch._connection()
+    conn._max_inflight = 8
+    parked = [ch.get(key="k", async_op=True) for _ in range(8)]  # all 8 slots taken
+    with pytest.raises(TimeoutError):
+        ch.get(key="other", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        ch.put("never sent", key="other", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        ch.get_batch(1, key="other", timeout=0)
+    for i in range(8):
+        producer.put(i, key="k")
+    assert sorted(w.wait(timeout=10) for w in parked) == list(range(8))
+    # the failed calls gave their slots back and changed nothing in the broker
+    assert producer.qsize("other") == 0
+    works = [ch.put(i, weight=1, key="again", async_op=True) for i in range(8)]
+    assert [w.wait(timeout=10) for w in works] == [None] * 8
+    assert ch.get_batch(8, key="again", timeout=5) == list(range(8))
+    producer.close()
+
+
 def test_asyncio_consumer_keeps_loop_running(make):
     ch = make()
 
@@ -371,6 +421,22 @@ def test_work_cancel(make):
     done = ch.put("y", async_op=True)
     done.wait(timeout=5)
     assert done.cancel() is False
+
+
+def test_shutdown_fails_other_handles_with_broker_unavailable(make):
+    """spec §4: a broker that went away reaches the caller as BrokerUnavailable (never a hang) --
+    for a local channel too (its "broker" is the shut-down in-process state)."""
+    from zchannel.broker import BrokerUnavailable
+
+    ch = make("gone")
+    other = Channel.connect("gone")
+    pending = other.get(async_op=True)
+    ch.shutdown()
+    with pytest.raises(BrokerUnavailable):
+        pending.wait(timeout=30)
+    with pytest.raises(BrokerUnavailable):
+        other.put("after", timeout=30)
+    other.close()
 
 
 def test_ack_redelivers_unacknowledged(make):

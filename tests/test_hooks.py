@@ -82,6 +82,33 @@ def test_entry_point_plugin_is_found():
     assert resolve_dispatcher("embodied_trajectory").deals
 
 
+def test_hook_class_published_under_an_entry_point_name(tmp_path, monkeypatch, channels):
+    """spec §5: a hook may be "a name published under the zchannel.hooks entry-point group" --
+    also when the entry point names a hook class that is not registered by a decorator."""
+    dist = tmp_path / "zchannel_audit_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zchannel-audit-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[zchannel.hooks]\nAudit_Scaled = hookmods:Scaled\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    ch = Channel.create("published", collector="audit_scaled")  # the broker finds it
+    channels.append(ch)
+    ch.put(4)
+    assert ch.get(timeout=5) == 4  # Scaled() with its default factor 1
+    with pytest.raises(ValueError, match="known collectors: .*audit_scaled"):
+        Channel.create("published2", collector="no_such_collector")
+    with pytest.raises(ValueError, match="unknown dispatcher"):  # a collector, not a dispatcher
+        Channel.create("published3", dispatcher="audit_scaled")
+    from zchannel.hooks import registry
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_entry_point_objects", {})
+    import hookmods
+
+    assert type(resolve_collector("AUDIT_SCALED")) is hookmods.Scaled  # in this process too
+
+
 # -- dispatcher rules (pure) ----------------------------------------------------------------------
 
 
@@ -205,6 +232,37 @@ def test_hook_instance_and_context(make):
         assert seen["pid"] != os.getpid()  # the hook ran in the broker
 
 
+def test_unknown_hook_names_at_create_are_value_errors(make):
+    # spec §5: "an unknown name is a ValueError listing the known ones" -- also when the broker
+    # process resolves the name; a class of the wrong kind stays a TypeError
+    with pytest.raises(ValueError, match="flatten_batch"):
+        make("unknownc", collector="no_such_collector")
+    with pytest.raises(ValueError, match="round_robin"):
+        make("unknownd", dispatcher="no_such_dispatcher")
+    with pytest.raises(TypeError):
+        make("notahook", collector="hookmods:NotAHook")
+    with pytest.raises(ValueError):  # a hook whose setup rejects the options
+        make("badopts", collector="embodied_trajectory", options={})
+
+
+def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, caplog):
+    # spec §3: "the running broker's settings win and differing arguments are logged as a warning"
+    make_remote("running", maxsize=3, collector="flatten_batch", dispatcher="round_robin")
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        make_remote("running", maxsize=3, collector="FLATTEN_BATCH",
+                    dispatcher="zchannel.hooks.builtin:RoundRobinDispatcher")  # the same hooks
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        second = make_remote("running", maxsize=5, collector="hookmods:Rekey",
+                             dispatcher="least_loaded")
+    text = caplog.text
+    assert "maxsize=5 ignored" in text
+    assert "collector=hookmods:Rekey ignored" in text
+    assert "dispatcher=least_loaded ignored" in text
+    second.put([1, 2])
+    assert second.qsize() == 2  # the running broker's flatten_batch collector still applies
+
+
 def test_failing_hooks_reach_the_putter(make):
     ch = make("raising", collector="hookmods:Raising")
     with pytest.raises(HookError) as info:
@@ -228,6 +286,17 @@ def test_failing_hooks_reach_the_putter(make):
     assert partial.qsize() == 0  # nothing of the failed put was enqueued
     partial.put("x")
     assert [partial.get(timeout=5), partial.get(timeout=5)] == ["first half", "x"]
+
+
+def test_unsendable_collector_output_is_hook_error(make):
+    # the broker must encode a new output; a local channel checks it the same way
+    ch = make("unsendable_out", collector="hookmods:YieldsUnsendable")
+    with pytest.raises(HookError) as info:
+        ch.put("unsendable")
+    assert info.value.exc_type == "TypeError"
+    assert ch.qsize() == 0
+    ch.put("fine")
+    assert ch.get(timeout=5) == "fine"
 
 
 def test_collector_drops_and_rekeys(make):
