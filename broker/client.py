@@ -421,6 +421,16 @@ class Channel:
     def stats(self) -> dict:
         return self._submit({"op": STATS}, wait=True).wait()
 
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make this
+        handle's pool hold ``slots`` slots of that size now, so that the first puts do not pay
+        for creating and faulting in segments (docs/shm.md).  Returns the slots held (capped by
+        the pool's limits); 0 when this handle has no shared memory with its broker (another
+        host, ``shm=False``, ``shm_threshold=0``, or ``nbytes`` below the threshold).  Kept for
+        the handle's life: a reconnect to a restarted broker reserves again.  ``ValueError``
+        for ``nbytes`` or ``slots`` not an int > 0."""
+        return self._connection().shm.reserve(nbytes, slots)
+
     def ack(self, delivery: Delivery) -> None:
         """Confirm a delivery received with ``get(..., ack=True)``."""
         if not isinstance(delivery, Delivery):

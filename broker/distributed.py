@@ -175,6 +175,10 @@ class DistributedChannel(Channel):
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
         return self._for(key).full(key, consumer)
 
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
+        return self._sub(self._home).reserve_shm(nbytes, slots)
+
     def _tag(self, delivery: Delivery, index: int) -> Delivery:
         # lease ids are per replica: fold the replica index into the id the caller sees
         return Delivery(delivery.item, delivery.lease_id * len(self._replicas) + index)

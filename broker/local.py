@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from zchannel.broker import codec
+from zchannel.broker import codec, shm
 from zchannel.broker.client import Channel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
@@ -195,6 +195,11 @@ class LocalChannel(Channel):
         if has_item:
             codec.check_item(item)  # no serialization, but the same items as a broker accepts
         return self._broker.submit(self._client, rec, item, copy)
+
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """Items of a local channel are passed by reference: no shared memory, always 0."""
+        shm.check_reserve(nbytes, slots)
+        return 0
 
     def close(self) -> None:
         if self._closed:

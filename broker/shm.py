@@ -187,6 +187,13 @@ class Segment:
                              offset=HEADER_BYTES + slot * self.slot_size)
 
 
+def check_reserve(nbytes: Any, slots: Any) -> None:
+    """The arguments of ``Channel.reserve_shm``: ``ValueError`` unless both are ints > 0."""
+    for name, value in (("nbytes", nbytes), ("slots", slots)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be an int > 0, got {value!r}")
+
+
 def _size_class(nbytes: int, threshold: int) -> int:
     size = max(4096, threshold)
     while size < nbytes:
@@ -282,6 +289,34 @@ class Pool:
                 return seg, i
         return None
 
+    def reserve(self, nbytes: int, slots: int) -> int:
+        """Make the size class of ``nbytes`` hold at least ``slots`` slots now (creating and
+        faulting in its segments here, not on the puts' path); the slots it then holds (capped
+        by ``MAX_SLOTS``, the class and pool byte limits)."""
+        if nbytes < self.threshold:
+            return 0
+        size = _size_class(nbytes, self.threshold)
+        while True:
+            with self.lock:
+                segs = self.classes.setdefault(size, [])
+                have = sum(s.nslots for s in segs)
+                pending = self.growing.get(size)
+                nslots = 0
+                if pending is None and have < slots:
+                    cap = min(MAX_SLOTS, max(2, CLASS_BYTES // size)) - have
+                    nslots = min(slots - have, cap, (self.budget - self.total) // size)
+                    if nslots >= 1 and not (self.failed or self.closed):
+                        self.total += size * nslots
+                        pending = self.growing[size] = threading.Event()
+                    else:
+                        return have
+            if pending is None:
+                return have
+            if nslots:
+                self._make(size, nslots)
+            else:
+                pending.wait()
+
     def __call__(self, data: Any, nbytes: int) -> list | None:
         """Copy ``data`` (a C-contiguous array or tensor bytes) into a free slot: the slot
         reference ``[segment, slot, nbytes]``, or None (below the threshold, pool exhausted)."""
@@ -346,6 +381,7 @@ class ShmClient:
         self.mapped: OrderedDict[str, Segment] = OrderedDict()
         self.lock = threading.Lock()
         self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
+        self.reserved: dict[int, int] = {}  # nbytes -> slots asked for with reserve()
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
@@ -372,7 +408,19 @@ class ShmClient:
         if len(data) < 24 or data[:8] != MAGIC:
             return
         self.conn._send([{"op": SHM_HELLO, "id": 0, "tok": data[8:24]}], [])
-        self.pool = Pool(prefix, threshold, budget)
+        pool = self.pool = Pool(prefix, threshold, budget)
+        if self.reserved:  # a new session (broker restarted): reserve again, off this thread
+            wanted = dict(self.reserved)
+            threading.Thread(target=lambda: [pool.reserve(n, k) for n, k in wanted.items()],
+                             daemon=True, name="zchannel-shm-reserve").start()
+
+    def reserve(self, nbytes: int, slots: int) -> int:
+        """``Channel.reserve_shm``: the slots of ``nbytes`` the pool now holds (0: no shared
+        memory with this broker)."""
+        check_reserve(nbytes, slots)
+        self.reserved[nbytes] = max(slots, self.reserved.get(nbytes, 0))
+        pool = self.pool
+        return 0 if pool is None else pool.reserve(nbytes, slots)
 
     def close(self) -> None:
         pool, self.pool = self.pool, None

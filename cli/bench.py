@@ -327,6 +327,9 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     ch = Channel.connect(spec["address"])
     window, group, n = spec["window"], spec.get("group", 1), spec["n"]
     fac = PayloadFactory(spec["ptype"], spec["size"], ring=(window + 1) * group)
+    if spec.get("shm_slots"):
+        for nbytes in set(fac.parts):  # 0 (nothing made) below the broker's shm threshold
+            ch.reserve_shm(nbytes, spec["shm_slots"])
     base = spec["pidx"] << SEQ_SHIFT
     inflight: deque = deque()
     lat: list[int] = []
@@ -487,6 +490,11 @@ def _producer_specs(
             "window": case.window,
             "group": group,
             "schedule": None if schedules is None else schedules[p],
+            # shared-memory slots a producer preallocates before the clock starts (a real
+            # producer does it once at start-up): its puts in flight, the queue, and the gets
+            # in flight may all hold one (docs/shm.md, pool sizing)
+            "shm_slots": (case.window * group + (case.maxsize or case.window) + case.window + 2)
+            if case.shm else 0,
         }
         for p, n in enumerate(split(case.messages, case.producers))
     ]

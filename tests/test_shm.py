@@ -167,6 +167,76 @@ def test_pool_grows_ahead_of_need_and_never_falls_back(make_remote):
     assert _shm_stats(ch)["slots_used"] == 0
 
 
+def test_reserve_shm_preallocates_the_pool(make_remote):
+    ch = make_remote("reserve", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    assert ch.reserve_shm(4 * MIB, 12) == 12
+    (seg,) = pool.by_name.values()  # made now, before any put, in one segment
+    assert (seg.nslots, seg.slot_size) == (12, 4 * MIB)
+    assert ch.reserve_shm(4 * MIB + 1, 3) == 3  # the 8 MiB class, exactly as asked
+    assert ch.reserve_shm(3 * MIB, 5) == 12  # the same class as 4 MiB, which holds 12 already
+    ts = [torch.full((MIB,), float(i)) for i in range(12)]
+    for t in ts:
+        ch.put(t)
+    assert pool.fallbacks == 0 and _shm_stats(ch)["slots_in"] == 12
+    for t in ts:
+        assert torch.equal(ch.get(timeout=10), t)
+    assert ch.reserve_shm(T // 2, 4) == 0  # below the threshold: frames
+    for bad in ((0, 1), (MIB, 0), (True, 1), (MIB, 2.0)):
+        with pytest.raises(ValueError):
+            ch.reserve_shm(*bad)
+    frames_only = Channel.connect(ch.address, shm=False)
+    try:
+        assert frames_only.reserve_shm(4 * MIB, 2) == 0
+    finally:
+        frames_only.close()
+    local = Channel.create("reserve-local", local=True)
+    try:
+        assert local.reserve_shm(4 * MIB, 2) == 0
+    finally:
+        local.shutdown()
+
+
+def test_reserve_shm_is_kept_across_a_broker_restart(run_dir):
+    address = f"ipc://{run_dir}/reserve.sock"
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zchannel.cli.main", "broker", "reserve2", "--address", address,
+             "--shm-threshold", str(T)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().startswith("ready ")
+        return proc
+
+    procs = [start()]
+    ch = None
+    try:
+        ch = Channel.connect(address)
+        assert ch.reserve_shm(4 * MIB, 6) == 6
+        first_pool = ch._connection().shm.pool
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        procs.append(start())
+
+        def reserved_again() -> bool:
+            pool = ch._connection().shm.pool
+            return (pool is not None and pool is not first_pool
+                    and sum(s.nslots for s in pool.classes.get(4 * MIB, [])) == 6)
+
+        wait_until(reserved_again, timeout=20)
+        ch.put(torch.ones(MIB), timeout=10)
+        assert torch.equal(ch.get(timeout=10), torch.ones(MIB))
+        assert _shm_stats(ch)["slots_in"] == 1
+    finally:
+        if ch is not None:
+            ch.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in shm.list_segments(shm.prefix_for("reserve2", run_dir)):
+            os.unlink(os.path.join(shm.SHM_DIR, name))
+
+
 def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
     ch = make_remote("view", shm_threshold=T)
     pool_of = ch._connection().shm
