@@ -28,7 +28,17 @@ from zchannel.broker.connection import CLOSED, Connection, probe
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import _BY_NAME as _ERRORS_BY_NAME
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
-from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, SHUTDOWN, STATS
+from zchannel.broker.protocol import (
+    ACK,
+    FULL,
+    GET,
+    GET_BATCH,
+    INLINE_BODY,
+    PUT,
+    QSIZE,
+    SHUTDOWN,
+    STATS,
+)
 from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
 from zchannel.broker.work import Delivery, Work
@@ -334,7 +344,10 @@ class Channel:
         frames: list = []
         if has_item:
             body, buffers, refs = shm_submit(conn, item)  # refs: shared-memory slots or None
-            if buffers:
+            if not buffers and not refs and len(body) <= INLINE_BODY:
+                rec["b"] = body  # a small item rides in its record (no frame)
+                sizes = [len(body)]
+            elif buffers:
                 frames = [body, *buffers]
                 rec["fs"] = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
             else:
@@ -511,7 +524,15 @@ def _decode_frames(frames: list, copy: bool | None, shm: list = (), shm_copy: bo
 def _get_converter(copy: bool | None, shm: Any = None):
     def convert(rec: dict, frames: list) -> Any:
         sm = rec.get("sm")  # shared-memory slots of the item (broker/shm.py)
-        item = shm.decode(sm[0], frames, copy) if sm and sm[0] else _decode_frames(frames, copy)
+        if sm and sm[0]:
+            item = shm.decode(sm[0], frames, copy)
+        elif "b" in rec:  # a small item inside its record
+            body = rec["b"]
+            if type(body) is not bytes or frames:
+                raise ValueError("malformed reply: an inline item is bytes, with no frames")
+            item = codec.decode(body)
+        else:
+            item = _decode_frames(frames, copy)
         lease = rec.get("lease")
         return Delivery(item, lease) if lease is not None else item
 

@@ -31,6 +31,7 @@ from zchannel.broker.protocol import (
     GET_BATCH,
     HEARTBEAT,
     HELLO,
+    INLINE_BODY,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
     PUT,
@@ -386,12 +387,20 @@ class Broker:
     def _dispatch(self, client: Client, op: Any, rid: int, rec: dict, frames: list) -> None:
         core = self.core
         if op == PUT:
-            if not frames:
-                raise ValueError("a put carries at least one frame (the body)")
-            lengths = [len(f) for f in frames]
-            sizes = rec.get("fs")
-            if sizes is not None and sizes != lengths:
-                raise ValueError("put frame sizes do not match the header")
+            if "b" in rec:  # a small item inside its record
+                body = rec["b"]
+                if type(body) is not bytes or len(body) > INLINE_BODY or frames:
+                    raise ValueError(f"an inline put body is at most {INLINE_BODY} bytes, with "
+                                     "no frames")
+                frames = [body]
+                lengths = [len(body)]
+            else:
+                if not frames:
+                    raise ValueError("a put carries at least one frame (the body)")
+                lengths = [len(f) for f in frames]
+                sizes = rec.get("fs")
+                if sizes is not None and sizes != lengths:
+                    raise ValueError("put frame sizes do not match the header")
             nbytes = sum(lengths)
             if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
                 raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
@@ -452,6 +461,14 @@ class Broker:
             out = self._out[client.address] = _Outbox()
         if error is not None:
             rec["e"] = error_to_wire(error)
+        elif items is not None and not batch and not raw and len(items) == 1 \
+                and not items[0].shm and len(items[0].payload) == 1 \
+                and len(items[0].payload[0]) <= INLINE_BODY:
+            body = items[0].payload[0]  # a small item rides in the reply record (no frame)
+            rec["b"] = body if type(body) is bytes else body.bytes
+            if lease is not None:
+                rec["lease"] = lease
+            out.deliveries.append((client, origin, items, lease))
         elif items is not None:
             nf = 0
             counts = []

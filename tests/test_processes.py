@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 import zmq
 from conftest import pid_alive, wait_until
-from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
-from zchannel.broker.protocol import pack_header
+from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound, codec
+from zchannel.broker.protocol import INLINE_BODY, pack_header
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -200,6 +201,44 @@ def test_undecodable_item_is_value_error_and_handle_survives(channels):
         ch.get(timeout=5)
     ch.put("next")
     assert ch.get(timeout=5) == "next"
+
+
+def test_inline_bodies_are_checked_and_small_items_travel_inline(channels):
+    ch = Channel.create("inline")
+    channels.append(ch)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(ch.address)
+    try:
+        raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+        raw.recv_multipart()
+        body = codec.encode(b"y" * 64)[0]
+        bad = [
+            [pack_header([{"op": "put", "id": 2, "k": "x", "b": "a str", "nf": 0}])],
+            [pack_header([{"op": "put", "id": 3, "k": "x", "b": b"\xc4" * (INLINE_BODY + 1),
+                           "nf": 0}])],
+            [pack_header([{"op": "put", "id": 4, "k": "x", "b": body, "nf": 1}]), body],
+        ]
+        for message in bad:
+            raw.send_multipart(message)
+            (header,) = raw.recv_multipart()
+            (rec,) = msgpack.unpackb(header)
+            assert rec["e"][0] == "ValueError", rec  # refused, nothing enqueued
+        assert ch.qsize("x") == 0
+        # a good inline put, and its get: the reply carries the body in its record, no frame
+        raw.send_multipart([pack_header([{"op": "put", "id": 5, "k": "x", "b": body, "nf": 0}])])
+        assert msgpack.unpackb(raw.recv_multipart()[0]) == [{"id": 5}]
+        raw.send_multipart([pack_header([{"op": "get", "id": 6, "k": "x"}])])
+        reply = raw.recv_multipart()
+        (rec,) = msgpack.unpackb(reply[0])
+        assert len(reply) == 1 and rec["b"] == body and codec.decode(rec["b"]) == b"y" * 64
+    finally:
+        raw.close()
+    big = b"z" * (2 * INLINE_BODY)  # above the inline size: frames, as before
+    ch.put(big, key="y")
+    ch.put(b"small", key="y")
+    assert ch.get(key="y", timeout=5) == big and ch.get(key="y", timeout=5) == b"small"
 
 
 def test_consumer_killed_while_parked_loses_nothing(workers, channels):
