@@ -228,11 +228,17 @@ class Pool:
         self.failed = False  # a segment could not be created: no more attempts
         self.closed = False
 
-    def _reserve(self, size: int) -> int:
-        """Slots of the class's next segment (0: none allowed); reserves their bytes."""
+    @staticmethod
+    def _cap(size: int) -> int:
+        """The most slots a size class may hold."""
+        return min(MAX_SLOTS, max(2, CLASS_BYTES // size))
+
+    def _reserve(self, size: int, want: int | None = None) -> int:
+        """Slots of the class's next segment, reserving their bytes (under the lock; 0: none
+        allowed): doubling the class (at least the first segment's size), or up to ``want``."""
         have = sum(s.nslots for s in self.classes[size])
-        nslots = min(MAX_SLOTS - have, max(have, 2, FIRST_SEGMENT_BYTES // size),
-                     max(2, CLASS_BYTES // size) - have, (self.budget - self.total) // size)
+        grow = max(have, 2, FIRST_SEGMENT_BYTES // size) if want is None else want - have
+        nslots = min(grow, self._cap(size) - have, (self.budget - self.total) // size)
         if nslots < 1 or self.failed or self.closed:
             return 0
         self.total += size * nslots
@@ -282,9 +288,8 @@ class Pool:
             if seg.states[i] == FREE:
                 seg.states[i] = USED
                 self.cursor[size] = (start + k + 1) % total
-                if (size not in self.growing and total < MAX_SLOTS
-                        and 2 * sum(int((s.states == FREE).sum()) for s in segs)
-                        <= total):
+                if (size not in self.growing and total < self._cap(size)
+                        and 2 * sum(int((s.states == FREE).sum()) for s in segs) <= total):
                     self._grow_soon(size)  # half in use: make room before the pipeline stalls
                 return seg, i
         return None
@@ -299,23 +304,16 @@ class Pool:
         while True:
             with self.lock:
                 segs = self.classes.setdefault(size, [])
-                have = sum(s.nslots for s in segs)
                 pending = self.growing.get(size)
-                nslots = 0
-                if pending is None and have < slots:
-                    cap = min(MAX_SLOTS, max(2, CLASS_BYTES // size)) - have
-                    nslots = min(slots - have, cap, (self.budget - self.total) // size)
-                    if nslots >= 1 and not (self.failed or self.closed):
-                        self.total += size * nslots
-                        pending = self.growing[size] = threading.Event()
-                    else:
-                        return have
-            if pending is None:
-                return have
+                nslots = 0 if pending is not None else self._reserve(size, slots)
+                if pending is None:
+                    if not nslots:  # enough already, or nothing more allowed
+                        return sum(s.nslots for s in segs)
+                    pending = self.growing[size] = threading.Event()
             if nslots:
                 self._make(size, nslots)
             else:
-                pending.wait()
+                pending.wait()  # a segment being made: then look again
 
     def __call__(self, data: Any, nbytes: int) -> list | None:
         """Copy ``data`` (a C-contiguous array or tensor bytes) into a free slot: the slot
