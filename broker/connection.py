@@ -127,10 +127,12 @@ class Connection:
         return True
 
     def request(self, rec: dict, frames: list, convert: Convert | None = None,
-                cancellable: bool = False) -> Work:
+                cancellable: bool = False, room: bool = True) -> Work:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error."""
-        work = self._enqueue(rec, frames, convert, cancellable)
+        work = self._enqueue(rec, frames, convert, cancellable, room)
+        if work._state:  # failed already: the handle closed meanwhile
+            return work
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
@@ -160,6 +162,8 @@ class Connection:
         # queued first: waiting for room (max_inflight) must not hold the socket, or the
         # replies that make room could never be read
         work = self._enqueue(rec, frames, convert, cancellable)
+        if work._state:  # failed already: the handle closed meanwhile
+            return work
         if not self._sock_lock.acquire(blocking=False):
             self._wake_io()
             return work
@@ -185,13 +189,13 @@ class Connection:
         return work
 
     def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
-                 cancellable: bool) -> Work:
+                 cancellable: bool, room: bool = True) -> Work:
         if self.state == CLOSED or self._closing:
             raise ChannelError("this channel handle is closed")
         if self.state == DOWN:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
         self._n_issued = next(self._issued) + 1
-        if self._n_issued - self._completed > self._max_inflight:
+        if room and self._n_issued - self._completed > self._max_inflight:
             try:
                 self._wait_for_room(rec)
             except BaseException:
@@ -203,6 +207,10 @@ class Connection:
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
         self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
+        if self.state == CLOSED:
+            # the I/O thread ended after the check above and may have failed the queue before
+            # this request joined it: fail it here, or a wait() without a timeout would hang
+            work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
     def _wait_for_room(self, rec: dict) -> None:
@@ -269,7 +277,9 @@ class Connection:
             time.sleep(0.005)
         if self.state == UP and bye:
             try:
-                self.request({"op": BYE}, []).wait(max(0.05, deadline - time.monotonic()))
+                # past the in-flight limit: a handle full of parked gets must still say bye
+                self.request({"op": BYE}, [], room=False).wait(
+                    max(0.05, deadline - time.monotonic()))
             except (ChannelError, TimeoutError):
                 pass
         self._closing = True

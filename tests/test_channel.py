@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from zchannel.broker import DEFAULT_KEY, Channel, Delivery, Work
+from conftest import wait_until
+from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, Work
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -298,6 +299,35 @@ def test_three_threads_share_one_handle(make):
     assert not errors
     for tid in range(3):
         assert [ch.get(key=tid) for _ in range(200)] == [(tid, i) for i in range(200)]
+
+
+def test_close_while_threads_issue_requests_leaves_nothing_pending(make_remote):
+    """Requests racing a close() either raise or end with an error; none is left pending (a
+    wait() without a timeout would hang on it)."""
+    ch = make_remote("racing-close")
+    handle = Channel.connect(ch.address)
+    handle.put("warm")  # connected before the threads start
+    works, stop = [], threading.Event()
+
+    def issue() -> None:
+        while not stop.is_set():
+            try:
+                works.append(handle.get(key="empty", async_op=True))  # parks: no items
+            except ChannelError:
+                return  # closed: refused at once
+
+    threads = [threading.Thread(target=issue) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(works) >= 200, timeout=10)
+    handle.close()
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert all(not t.is_alive() for t in threads)
+    for work in works:
+        with pytest.raises(ChannelError):
+            work.wait(10)
 
 
 def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
