@@ -45,6 +45,9 @@ CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
 _POLLIN = int(zmq.POLLIN)
 MAX_OPS_PER_MESSAGE = 512
 MAX_BYTES_PER_MESSAGE = 64 << 20
+# Inline bodies per message (docs/protocol.md): with 512 records this keeps a header under
+# ~100 KiB, far below the broker's max_header_bytes (1 MiB by default)
+MAX_INLINE_PER_MESSAGE = 64 << 10
 # How long a blocking caller drives the socket itself before leaving its reply to the I/O
 # thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
 DRIVE_S = 0.05
@@ -360,13 +363,18 @@ class Connection:
             records: list[dict] = []
             frames: list = []
             nbytes = 0
-            while queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE:
+            inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
+            while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
+                   and inline < MAX_INLINE_PER_MESSAGE):
                 rec, op_frames, pending = queue.popleft()
                 if pending is not None:
                     self._pending[rec["id"]] = pending
                 records.append(rec)
-                frames.extend(op_frames)
-                nbytes += sum(rec.get("fs") or ())
+                if op_frames:
+                    frames.extend(op_frames)
+                    nbytes += sum(rec.get("fs") or ())
+                elif "b" in rec:
+                    inline += len(rec["b"])
             self._send(records, frames)
 
     def _recv_all(self) -> None:

@@ -239,6 +239,12 @@ def test_inline_bodies_are_checked_and_small_items_travel_inline(channels):
     ch.put(big, key="y")
     ch.put(b"small", key="y")
     assert ch.get(key="y", timeout=5) == big and ch.get(key="y", timeout=5) == b"small"
+    # a burst of inline items larger than one message's inline budget: split, none lost
+    items = [bytes([i % 256]) * (INLINE_BODY - 16) for i in range(400)]
+    works = [ch.put(v, key="burst", async_op=True) for v in items]
+    for w in works:
+        w.wait(10)
+    assert [ch.get(key="burst", timeout=5) for _ in items] == items
 
 
 def test_consumer_killed_while_parked_loses_nothing(workers, channels):
