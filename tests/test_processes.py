@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -147,14 +149,25 @@ def test_pickled_handle_in_spawned_process(channels):
     assert proc.exitcode == 0
 
 
-def test_malformed_messages_do_not_hurt_the_broker(channels):
-    ch = Channel.create("hostile")
-    channels.append(ch)
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
+@contextlib.contextmanager
+def _raw_dealer(ch: Channel, hello: bool = True) -> Iterator[zmq.Socket]:
+    """A bare DEALER on ``ch``'s broker (registered with a hello unless ``hello=False``)."""
+    raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(ch.address)
     try:
+        if hello:
+            raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+            raw.recv_multipart()
+        yield raw
+    finally:
+        raw.close()
+
+
+def test_malformed_messages_do_not_hurt_the_broker(channels):
+    ch = Channel.create("hostile")
+    channels.append(ch)
+    with _raw_dealer(ch, hello=False) as raw:
         bad = [
             [b"not msgpack \xff\xff"],
             [pack_header([{"op": "hello", "id": 1}])],
@@ -175,28 +188,16 @@ def test_malformed_messages_do_not_hurt_the_broker(channels):
         assert len(replies) >= 2
         ch.put("still fine")
         assert ch.get(timeout=5) == "still fine"
-    finally:
-        raw.close()
 
 
 def test_undecodable_item_is_value_error_and_handle_survives(channels):
     ch = Channel.create("undecodable")
     channels.append(ch)
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(ch.address)
-    try:
-        raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
-        raw.recv_multipart()
+    with _raw_dealer(ch) as raw:
         # an ndarray ext with an object dtype: must never be unpickled
-        import msgpack
-
         evil = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], b"\x80\x04"])))
         raw.send_multipart([pack_header([{"op": "put", "id": 2, "k": "default_queue", "nf": 1}]), evil])
         raw.recv_multipart()
-    finally:
-        raw.close()
     with pytest.raises(ValueError):
         ch.get(timeout=5)
     ch.put("next")
@@ -206,13 +207,7 @@ def test_undecodable_item_is_value_error_and_handle_survives(channels):
 def test_inline_bodies_are_checked_and_small_items_travel_inline(channels):
     ch = Channel.create("inline")
     channels.append(ch)
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(ch.address)
-    try:
-        raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
-        raw.recv_multipart()
+    with _raw_dealer(ch) as raw:
         body = codec.encode(b"y" * 64)[0]
         bad = [
             [pack_header([{"op": "put", "id": 2, "k": "x", "b": "a str", "nf": 0}])],
@@ -233,8 +228,6 @@ def test_inline_bodies_are_checked_and_small_items_travel_inline(channels):
         reply = raw.recv_multipart()
         (rec,) = msgpack.unpackb(reply[0])
         assert len(reply) == 1 and rec["b"] == body and codec.decode(rec["b"]) == b"y" * 64
-    finally:
-        raw.close()
     big = b"z" * (2 * INLINE_BODY)  # above the inline size: frames, as before
     ch.put(big, key="y")
     ch.put(b"small", key="y")
