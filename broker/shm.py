@@ -69,7 +69,6 @@ SHM_OPS = frozenset({SHM_HELLO, SHM_RELEASE})
 
 _NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+[A-Za-z0-9._-]{1,64}$")
 _PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+$")
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -156,9 +155,8 @@ class Segment:
         return cls(name, mm, slot_size, nslots)
 
     @classmethod
-    def open(cls, name: str, populate: bool = False) -> Segment:
-        """Map an existing segment (``populate``: map all its pages now, not one fault at a time
-        on the hot path); ``ValueError`` if it is missing or malformed."""
+    def open(cls, name: str) -> Segment:
+        """Map an existing segment; ``ValueError`` if it is missing or malformed."""
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"invalid shared-memory segment name {name!r}")
         try:
@@ -176,8 +174,6 @@ class Segment:
         if (magic != MAGIC or not 0 < nslots <= MAX_SLOTS or slot_size <= 0
                 or slot_size % 4096 or HEADER_BYTES + slot_size * nslots > size):
             raise ValueError(f"shared-memory segment {name!r} has a malformed header")
-        if populate:
-            _populate(mm, _MADV_POPULATE_READ)
         return cls(name, mm, slot_size, nslots)
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
@@ -221,6 +217,7 @@ class Pool:
         self.classes: dict[int, list[Segment]] = {}  # size class -> its segments
         self.by_name: dict[str, Segment] = {}
         self.cursor: dict[int, int] = {}  # size class -> next slot to look at (over all segments)
+        self.reserved: dict[int, int] = {}  # size class -> slots asked for with reserve()
         self.growing: dict[int, threading.Event] = {}  # size class -> set when its growth ended
         self.total = 0  # bytes of the segments made or being made
         self.announced: set[str] = set()  # segments named in a put sent to the broker
@@ -288,9 +285,13 @@ class Pool:
             if seg.states[i] == FREE:
                 seg.states[i] = USED
                 self.cursor[size] = (start + k + 1) % total
-                if (size not in self.growing and total < self._cap(size)
-                        and 2 * sum(int((s.states == FREE).sum()) for s in segs) <= total):
-                    self._grow_soon(size)  # half in use: make room before the pipeline stalls
+                if size not in self.growing and total < self._cap(size):
+                    free = sum(int((s.states == FREE).sum()) for s in segs)
+                    # half in use: make room before the pipeline stalls; a class sized with
+                    # reserve() grows only once its last free slot is taken (its owner said
+                    # how many it keeps in flight)
+                    if free == 0 or (2 * free <= total and total > self.reserved.get(size, 0)):
+                        self._grow_soon(size)
                 return seg, i
         return None
 
@@ -301,6 +302,8 @@ class Pool:
         if nbytes < self.threshold:
             return 0
         size = _size_class(nbytes, self.threshold)
+        with self.lock:
+            self.reserved[size] = max(slots, self.reserved.get(size, 0))
         while True:
             with self.lock:
                 segs = self.classes.setdefault(size, [])
@@ -434,7 +437,10 @@ class ShmClient:
             if seg is not None:
                 self.mapped.move_to_end(name)
                 return seg
-        seg = Segment.open(name, populate=True)
+        # Not populated: mapping all of a 400 MiB segment at once costs ~40 ms before the
+        # first item is read (the pipeline stands still meanwhile); first reads of each slot
+        # fault its pages in a few at a time (fault-around), while the producer works on.
+        seg = Segment.open(name)
         with self.lock:
             self.mapped[name] = seg
             while len(self.mapped) > MAPPED_SEGMENTS:

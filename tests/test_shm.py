@@ -176,8 +176,13 @@ def test_reserve_shm_preallocates_the_pool(make_remote):
     assert ch.reserve_shm(4 * MIB + 1, 3) == 3  # the 8 MiB class, exactly as asked
     assert ch.reserve_shm(3 * MIB, 5) == 12  # the same class as 4 MiB, which holds 12 already
     ts = [torch.full((MIB,), float(i)) for i in range(12)]
-    for t in ts:
+    for t in ts[:11]:
         ch.put(t)
+    # a reserved class does not grow ahead at half use (its owner said what it keeps in
+    # flight), only once its last free slot is taken
+    assert [s.nslots for s in pool.classes[4 * MIB]] == [12] and 4 * MIB not in pool.growing
+    ch.put(ts[11])
+    wait_until(lambda: [s.nslots for s in pool.classes[4 * MIB]] == [12, 12], timeout=10)
     assert pool.fallbacks == 0 and _shm_stats(ch)["slots_in"] == 12
     for t in ts:
         assert torch.equal(ch.get(timeout=10), t)
