@@ -214,7 +214,6 @@ def bounded(case: Case) -> Case:
     return dataclasses.replace(case, messages=messages, window=window)
 
 
-
 def percentiles(lat_ns: np.ndarray) -> tuple[float, float]:
     if lat_ns.size == 0:
         return float("nan"), float("nan")
@@ -494,7 +493,8 @@ def _producer_specs(
             # producer does it once at start-up): its puts in flight, the queue, and the gets
             # in flight may all hold one (docs/shm.md, pool sizing)
             "shm_slots": (case.window * group + (case.maxsize or case.window) + case.window + 2)
-            if case.shm else 0,
+            if case.shm
+            else 0,
         }
         for p, n in enumerate(split(case.messages, case.producers))
     ]
@@ -842,13 +842,50 @@ class Runner:
 
     def measure(self, case: Case) -> Result:
         """Run ``case`` (repeats), add its row (and its baseline's row) and return it."""
-        case = bounded(case)
+        return self.measure_together([case])[0]
+
+    def measure_together(
+        self, cases: list[Case], baselines_of: list[Case] = (), fresh: bool = False
+    ) -> list[Result]:
+        """Run ``cases`` in rounds, one run of each per round, ``repeats`` rounds, together with
+        the zmq/mp baselines they (and ``baselines_of``) are compared to, where not measured yet
+        (``fresh``: measure them again, alongside these cases).
+
+        Interleaving pairs each run with the runs it is compared to in time: on a shared
+        machine the rate of every transport drifts by 10-30 % over minutes, and a block of
+        repeats of one side then a block of the other puts that drift into the ratio."""
+        cases = [bounded(c) for c in cases]
+        keys: list[tuple] = []
+        for c in [*cases, *(bounded(b) for b in baselines_of)]:
+            key = self._baseline_key(c)
+            if (
+                key is not None
+                and key[0] != "ray"
+                and (fresh or key not in self._baselines)
+                and key not in keys
+            ):
+                keys.append(key)
+        case_runs: list[list] = [[] for _ in cases]
+        base_runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
+        for _ in range(self.repeats):
+            for runs, case in zip(case_runs, cases, strict=True):
+                runs.append(self._run_case(case))
+            for key in keys:
+                base_runs[key].append(self._run_baseline_once(*key))
+        for key in keys:
+            self._store_baseline(key, self._summarise_baseline(*key, base_runs[key]))
+        return [self._case_result(c, runs) for c, runs in zip(cases, case_runs, strict=True)]
+
+    def _run_case(self, case: Case) -> Any:
         if case.scenario in ("put_only", "get_only"):
-            runs = [
-                run_put_get(case, self.address, self.tmpdir, get_phase=case.scenario == "get_only")
-                for _ in range(self.repeats)
-            ]
-            self._tick()
+            return run_put_get(
+                case, self.address, self.tmpdir, get_phase=case.scenario == "get_only"
+            )
+        return run_channel_stream(case, self.address, self.tmpdir)
+
+    def _case_result(self, case: Case, runs: list) -> Result:
+        self._tick()
+        if case.scenario in ("put_only", "get_only"):
             chosen = [r[1] if case.scenario == "get_only" else r[0] for r in runs]
             result = _summarise(case, "zchannel", chosen, LATENCY_KIND[case.scenario])
             if case.scenario == "get_only":
@@ -858,10 +895,6 @@ class Runner:
                     r[0].items / r[0].seconds for r in runs
                 )
         else:
-            runs = [
-                run_channel_stream(case, self.address, self.tmpdir) for _ in range(self.repeats)
-            ]
-            self._tick()
             result = _summarise(case, "zchannel", runs, LATENCY_KIND[case.scenario])
         base = self.baseline_for(case)
         if base is not None:
@@ -873,8 +906,8 @@ class Runner:
         self.rows.append(result)
         return result
 
-    def baseline_for(self, case: Case) -> Result | None:
-        """The baseline row for ``case`` (measured once per distinct set-up)."""
+    def _baseline_key(self, case: Case) -> tuple | None:
+        """(kind, the baseline's own case) for ``case``; None without a baseline."""
         if self.baseline == "none":
             return None
         kind = self.baseline
@@ -889,54 +922,68 @@ class Runner:
             )
         if kind == "ray":
             base_case = dataclasses.replace(base_case, producers=1, consumers=1)
-        key = (kind, base_case)
-        if key in self._baselines:
-            return self._baselines[key]
-        result = self._run_baseline(kind, base_case)
+        return kind, base_case
+
+    def baseline_for(self, case: Case) -> Result | None:
+        """The baseline row for ``case`` (measured once per distinct set-up)."""
+        key = self._baseline_key(case)
+        if key is None:
+            return None
+        if key not in self._baselines:
+            kind, base_case = key
+            if kind == "ray":
+                self._store_baseline(key, self._run_ray_baseline(base_case))
+            else:
+                runs = [self._run_baseline_once(kind, base_case) for _ in range(self.repeats)]
+                self._store_baseline(key, self._summarise_baseline(kind, base_case, runs))
+        return self._baselines[key]
+
+    def _store_baseline(self, key: tuple, result: Result | None) -> None:
         self._baselines[key] = result
         if result is not None:
             self.rows.append(result)
-        return result
 
-    def _run_baseline(self, kind: str, case: Case) -> Result | None:
-        label = (
-            f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C "
-            f"w{case.window}"
-        )
+    def _run_baseline_once(self, kind: str, case: Case) -> Measured:
         if kind == "zmq.proxy":
-            runs = [run_zmq_proxy(case, self.tmpdir) for _ in range(self.repeats)]
-            latency = "e2e"
-        elif kind == "zmq.echo":
-            runs = [run_zmq_echo(case, self.tmpdir) for _ in range(self.repeats)]
-            latency = "rtt"
-        elif kind == "mp":
-            runs = [run_mp_queue(case, self.tmpdir) for _ in range(self.repeats)]
-            latency = "e2e"
-        elif kind == "ray":
-            if not ray_available():
-                self._note("ray baseline skipped: `ray` is not importable (pip install ray)")
-                return None
-            raw = [
-                run_ray_baselines(case.ptype, case.size, case.messages, case.window)
-                for _ in range(self.repeats)
-            ]
-            for variant in ("ray.actor",):
-                runs = [_ray_measured(r[variant], case.messages) for r in raw]
-                row = _summarise(
-                    dataclasses.replace(case, label=label.replace("ray", variant)),
-                    variant,
-                    runs,
-                    "e2e",
-                )
-                self.rows.append(row)
-            runs = [_ray_measured(r["ray.queue"], case.messages) for r in raw]
-            label = label.replace("ray", "ray.queue")
-            kind = "ray.queue"
-            latency = "e2e"
-        else:
-            raise click.BadParameter(f"unknown baseline {kind!r}")
+            return run_zmq_proxy(case, self.tmpdir)
+        if kind == "zmq.echo":
+            return run_zmq_echo(case, self.tmpdir)
+        if kind == "mp":
+            return run_mp_queue(case, self.tmpdir)
+        raise click.BadParameter(f"unknown baseline {kind!r}")
+
+    def _summarise_baseline(self, kind: str, case: Case, runs: list[Measured]) -> Result:
         self._tick()
+        label = f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
+        latency = "rtt" if kind == "zmq.echo" else "e2e"
         return _summarise(dataclasses.replace(case, label=label), kind, runs, latency)
+
+    def _run_ray_baseline(self, case: Case) -> Result | None:
+        if not ray_available():
+            self._note("ray baseline skipped: `ray` is not importable (pip install ray)")
+            return None
+        raw = [
+            run_ray_baselines(case.ptype, case.size, case.messages, case.window)
+            for _ in range(self.repeats)
+        ]
+        label = f"{fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
+        actor = [_ray_measured(r["ray.actor"], case.messages) for r in raw]
+        self.rows.append(
+            _summarise(
+                dataclasses.replace(case, label=f"ray.actor {case.ptype} {label}"),
+                "ray.actor",
+                actor,
+                "e2e",
+            )
+        )
+        runs = [_ray_measured(r["ray.queue"], case.messages) for r in raw]
+        self._tick()
+        return _summarise(
+            dataclasses.replace(case, label=f"ray.queue {case.ptype} {label}"),
+            "ray.queue",
+            runs,
+            "e2e",
+        )
 
     def _note(self, text: str) -> None:
         if text not in self.notes:
@@ -1069,8 +1116,9 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
     try:
         # 4 GiB per run, as T9: over 1 GiB the start (connections, first allocations) weighs
         # in and single runs of both sides swing by +-20 %
-        c1 = Case("channel", ptype="tensor", size=16 * MIB, messages=256, window=8,
-                  max_bytes=4 << 30)
+        c1 = Case(
+            "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
+        )
         t1 = runner.measure(
             dataclasses.replace(
                 c1,
@@ -1084,8 +1132,14 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 "T1", "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy", t1.mb_s, b1.mb_s, "MB/s", 0.90
             )
         )
-        t2 = runner.measure(
-            dataclasses.replace(small, scenario="get_only", label="T2 put(w64) then get(w64) 64B")
+        # each target's case runs in rounds with what it is compared to (Runner.measure_together)
+        (t2,) = runner.measure_together(
+            [
+                dataclasses.replace(
+                    small, scenario="get_only", label="T2 put(w64) then get(w64) 64B"
+                )
+            ],
+            baselines_of=[dataclasses.replace(small, scenario="channel")],
         )
         b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"))
         composite = t2.extra["put_then_get_items_s"]
@@ -1140,13 +1194,17 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 higher=False,
             )
         )
-        one = runner.measure(
-            dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C")
-        )
-        four = runner.measure(
-            dataclasses.replace(
-                small, scenario="channel", producers=4, consumers=4, label="T6 channel 64B 4P/4C"
-            )
+        one, four = runner.measure_together(
+            [
+                dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C"),
+                dataclasses.replace(
+                    small,
+                    scenario="channel",
+                    producers=4,
+                    consumers=4,
+                    label="T6 channel 64B 4P/4C",
+                ),
+            ]
         )
         out.append(
             _target(
@@ -1158,15 +1216,15 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 0.8,
             )
         )
-        k1 = runner.measure(
-            dataclasses.replace(
-                small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
-            )
-        )
-        k10k = runner.measure(
-            dataclasses.replace(
-                small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
-            )
+        k1, k10k = runner.measure_together(
+            [
+                dataclasses.replace(
+                    small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
+                ),
+                dataclasses.replace(
+                    small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
+                ),
+            ]
         )
         out.append(
             _target(
@@ -1222,10 +1280,15 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
         # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
         # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
         # and faulting in its segments costs the first ~400 MiB; docs/shm.md, pool sizing)
-        c9 = bounded(Case("channel", ptype="tensor", size=16 * MIB, messages=256, window=8,
-                          max_bytes=4 << 30))
-        t9 = runner.measure(
-            dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9 = bounded(
+            Case(
+                "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
+            )
+        )
+        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
+        (t9,) = runner.measure_together(
+            [dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")],
+            fresh=True,
         )
         b9 = runner.baseline_for(c9)
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
@@ -1250,8 +1313,9 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 3.0,
             )
         )
-        c10 = bounded(Case("channel", ptype="tensor", size=MIB, messages=4096, window=16,
-                           max_bytes=4 << 30))
+        c10 = bounded(
+            Case("channel", ptype="tensor", size=MIB, messages=4096, window=16, max_bytes=4 << 30)
+        )
         t10 = runner.measure(
             dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
         )

@@ -126,3 +126,38 @@ def test_trajectory_collector_counts(tmp_path):
     with pytest.raises(Mismatch, match="expected 5"):
         check_counts([{"count": 2}, {"count": 2}], 5, "pipeline")
     assert "trajectory" in CliRunner().invoke(bench, ["--help"]).output
+
+
+@pytest.mark.timeout(120)
+def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
+    """measure_together: one run of each case, then of each baseline not measured yet, per
+    round; a baseline measured already is reused unless asked for fresh."""
+    from zchannel.cli import bench as bench_mod
+
+    order: list[str] = []
+
+    def logged(name, fn):
+        def run(case, *args, **kwargs):
+            order.append(f"{name}:{case.producers}")
+            return fn(case, *args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(
+        bench_mod, "run_channel_stream", logged("case", bench_mod.run_channel_stream)
+    )
+    monkeypatch.setattr(bench_mod, "run_zmq_proxy", logged("proxy", bench_mod.run_zmq_proxy))
+    runner = bench_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
+    one = bench_mod.Case("channel", messages=300, window=16)
+    two = bench_mod.dataclasses.replace(one, producers=2, consumers=2)
+    a, b = runner.measure_together([one, two])
+    assert order == ["case:1", "case:2", "proxy:1", "proxy:2"] * 2
+    assert a.messages == b.messages == 300 and a.ratio > 0 and b.ratio > 0
+    order.clear()
+    runner.measure(one)  # its baseline is known: the case alone
+    assert order == ["case:1", "case:1"]
+    order.clear()
+    runner.measure_together([one], fresh=True)
+    assert order == ["case:1", "proxy:1"] * 2
+    proxies = [r for r in runner.rows if r.kind == "zmq.proxy"]
+    assert len(proxies) == 3  # 1P/1C twice (fresh adds a row), 2P/2C once
