@@ -7,8 +7,9 @@ a slot reference instead of a frame.  Everything else about an item is unchanged
 Pieces:
 
 - ``Segment``: one file in ``/dev/shm``: a 4 KiB header (magic, slot size, slot count, one state
-  byte per slot) and ``nslots`` slots of ``slot_size`` bytes.  Only the producer flips a slot's
-  state FREE -> USED (when it copies an item in); only the broker flips USED -> FREE (when
+  byte per slot, and per slot when the broker last freed it) and ``nslots`` slots of
+  ``slot_size`` bytes.  Only the producer flips a slot's state FREE -> USED (when it copies an
+  item in; it takes the slot freed last, the warmest); only the broker flips USED -> FREE (when
   nothing references the slot any more).  So no round trip is needed per item.
 - ``Pool`` (producer side): segments of one handle, one per size class (powers of two from the
   threshold), created on first use and reused; ``alloc`` copies an array into a free slot or
@@ -53,6 +54,7 @@ SHM_DIR = "/dev/shm"
 MAGIC = b"ZCSHM001"
 HEADER_BYTES = 4096
 STATES_OFFSET = 64
+FREED_OFFSET = 1024  # one uint64 per slot: when the broker last freed it (a broker-wide count)
 MAX_SLOTS = 64  # per segment, and per size class of a pool
 FREE, USED = 0, 1
 DEFAULT_THRESHOLD = 1 << 20
@@ -131,11 +133,12 @@ def _populate(mm: mmap.mmap, advice: int) -> None:
 class Segment:
     """A mapped segment (any side)."""
 
-    __slots__ = ("name", "mm", "slot_size", "nslots", "states", "__weakref__")
+    __slots__ = ("name", "mm", "slot_size", "nslots", "states", "freed", "__weakref__")
 
     def __init__(self, name: str, mm: mmap.mmap, slot_size: int, nslots: int) -> None:
         self.name, self.mm, self.slot_size, self.nslots = name, mm, slot_size, nslots
         self.states = np.frombuffer(mm, dtype=np.uint8, count=nslots, offset=STATES_OFFSET)
+        self.freed = np.frombuffer(mm, dtype=np.uint64, count=nslots, offset=FREED_OFFSET)
 
     @classmethod
     def create(cls, prefix: str, slot_size: int, nslots: int) -> Segment:
@@ -216,7 +219,6 @@ class Pool:
         self.lock = threading.Lock()
         self.classes: dict[int, list[Segment]] = {}  # size class -> its segments
         self.by_name: dict[str, Segment] = {}
-        self.cursor: dict[int, int] = {}  # size class -> next slot to look at (over all segments)
         self.reserved: dict[int, int] = {}  # size class -> slots asked for with reserve()
         self.growing: dict[int, threading.Event] = {}  # size class -> set when its growth ended
         self.total = 0  # bytes of the segments made or being made
@@ -272,28 +274,31 @@ class Pool:
                              name="zchannel-shm-grow").start()
 
     def _take(self, size: int) -> tuple[Segment, int] | None:
-        """A free slot of the class, marked USED (under the lock)."""
+        """The free slot of the class the broker freed last (its pages are the likeliest to
+        be in the caches still; a slot never used counts as freed first), marked USED (under
+        the lock); None if every slot is in use."""
         segs = self.classes[size]
-        total = sum(s.nslots for s in segs)
-        start = self.cursor.get(size, 0)
-        for k in range(total):
-            i = (start + k) % total
-            for seg in segs:  # slot i of the class, over its segments in order
-                if i < seg.nslots:
-                    break
-                i -= seg.nslots
-            if seg.states[i] == FREE:
-                seg.states[i] = USED
-                self.cursor[size] = (start + k + 1) % total
-                if size not in self.growing and total < self._cap(size):
-                    free = sum(int((s.states == FREE).sum()) for s in segs)
-                    # half in use: make room before the pipeline stalls; a class sized with
-                    # reserve() grows only once its last free slot is taken (its owner said
-                    # how many it keeps in flight)
-                    if free == 0 or (2 * free <= total and total > self.reserved.get(size, 0)):
-                        self._grow_soon(size)
-                return seg, i
-        return None
+        best: tuple[int, Segment, int] | None = None
+        total = free = 0
+        for seg in segs:
+            total += seg.nslots
+            idx = np.flatnonzero(seg.states == FREE)
+            if idx.size:
+                free += idx.size
+                j = int(idx[np.argmax(seg.freed[idx])])
+                if best is None or int(seg.freed[j]) > best[0]:
+                    best = (int(seg.freed[j]), seg, j)
+        if best is None:
+            return None
+        _, seg, i = best
+        seg.states[i] = USED
+        free -= 1
+        # half in use: make room before the pipeline stalls; a class sized with reserve()
+        # grows only once its last free slot is taken (its owner said what it keeps in flight)
+        if (size not in self.growing and total < self._cap(size)
+                and (free == 0 or (2 * free <= total and total > self.reserved.get(size, 0)))):
+            self._grow_soon(size)
+        return seg, i
 
     def reserve(self, nbytes: int, slots: int) -> int:
         """Make the size class of ``nbytes`` hold at least ``slots`` slots now (creating and
@@ -611,6 +616,7 @@ class ShmBroker:
         self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
         self.client_holds: dict[Any, set[int]] = {}
         self._ids = itertools.count(1)
+        self._freed_count = itertools.count(1)
         self.bytes_held = 0  # slot bytes referenced by items in the broker
         self.consumer_bytes = 0  # slot bytes delivered and not yet released by consumers
         self.converted = 0  # slots sent as frames to consumers not on this host
@@ -755,6 +761,7 @@ class ShmBroker:
             else:
                 self.consumer_bytes -= hold.nbytes
             if bseg.refs[hold.slot] == 0:
+                bseg.seg.freed[hold.slot] = next(self._freed_count)
                 bseg.seg.states[hold.slot] = FREE
                 if (bseg.orphan and time.monotonic() - bseg.orphan_at >= self.orphan_grace
                         and not any(bseg.refs)):

@@ -392,3 +392,23 @@ def test_unsent_put_gives_its_slots_back(make_remote):
     assert all(int((s.states == shm.USED).sum()) == 0 for segs in pool.classes.values() for s in segs)
     ch.put({"a": torch.zeros(T)})
     assert torch.equal(ch.get(timeout=10)["a"], torch.zeros(T))
+
+
+def test_a_put_takes_the_slot_freed_last(make_remote):
+    """Slots are reused warmest first: the one the broker freed last, before slots never used
+    and before slots freed earlier (their pages are the likeliest to be cached still)."""
+    ch = make_remote("lifo", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    assert ch.reserve_shm(T, 4) == 4
+    (seg,) = pool.classes[T]
+    ts = [torch.full((T // 4,), float(i)) for i in range(3)]
+    for t in ts:
+        ch.put(t)
+    assert list(seg.states) == [shm.USED, shm.USED, shm.USED, shm.FREE]
+    for t in ts:
+        assert torch.equal(ch.get(timeout=10), t)
+    wait_until(lambda: _shm_stats(ch)["slots_used"] == 0, timeout=10)
+    assert list(seg.freed[:3]) == sorted(seg.freed[:3]) and seg.freed[3] == 0
+    ch.put(ts[1])
+    assert list(seg.states) == [shm.FREE, shm.FREE, shm.USED, shm.FREE]
+    assert torch.equal(ch.get(timeout=10), ts[1])
