@@ -616,6 +616,7 @@ def run_put_get(
             put.extra["broker_rss_filled_mb"] = (target.rss() or 0) / MIB
             if not get_phase:
                 return put, None
+            w.join("put")  # the gets run alone, as the echo baseline's round trips do
             t_go = w.go("get")
             cons = w.collect(case.consumers)
         _check_all(cons, per_prod)

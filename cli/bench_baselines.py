@@ -278,6 +278,7 @@ class Workers:
         self.ctx = mp.get_context("spawn")
         self.out = self.ctx.Queue()
         self.procs: list[Any] = []
+        self.groups: list[str] = []  # the group of each process in ``procs``
         self.ready: list[Any] = []
         self.gos: dict[str, Any] = {}
 
@@ -296,6 +297,7 @@ class Workers:
         )
         proc.start()
         self.procs.append(proc)
+        self.groups.append(group)
         self.ready.append(ready)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -311,6 +313,15 @@ class Workers:
         now = time.monotonic_ns()
         self.gos[group].set()
         return now
+
+    def join(self, group: str, timeout: float = 30.0) -> None:
+        """Wait until the workers of ``group`` have exited (after reporting, a worker still
+        closes its channel and tears its interpreter down: tens of ms of CPU that must not
+        overlap the next phase's measurement); ``close()`` ends any that does not."""
+        deadline = time.monotonic() + timeout
+        for proc, g in zip(self.procs, self.groups, strict=True):
+            if g == group:
+                proc.join(max(0.0, deadline - time.monotonic()))
 
     def collect(self, n: int, timeout: float = WORKER_DEADLINE_S) -> list[dict]:
         """Results of ``n`` workers; raises on an error, ``Mismatch`` on a content mismatch."""
