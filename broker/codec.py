@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -50,6 +51,9 @@ _TORCH_DTYPE_NAMES = (
 ).split()
 _TORCH_DTYPES: dict[str, Any] = {}
 _TORCH_DTYPE_NAME: dict[Any, str] = {}
+_TORCH_ITEMSIZE: dict[Any, int] = {}  # torch dtype -> bytes per element
+_TORCH_NUMPY: dict[Any, np.dtype] = {}  # torch dtype -> numpy dtype, where numpy has one
+_torch_tables = False  # the tables above are built (restrict() may empty _TORCH_DTYPES later)
 
 
 def preload() -> None:
@@ -64,11 +68,22 @@ def _torch() -> Any:
     """torch, imported on first use (a broker that never decodes a tensor never imports it)."""
     import torch
 
-    if not _TORCH_DTYPES:
-        for name in _TORCH_DTYPE_NAMES:
-            if hasattr(torch, name):
-                _TORCH_DTYPES[name] = getattr(torch, name)
-                _TORCH_DTYPE_NAME[getattr(torch, name)] = name
+    global _torch_tables
+    if not _torch_tables:
+        with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+            warnings.simplefilter("ignore")
+            for name in _TORCH_DTYPE_NAMES:
+                if hasattr(torch, name):
+                    dtype = getattr(torch, name)
+                    _TORCH_DTYPES[name] = dtype
+                    _TORCH_DTYPE_NAME[dtype] = name
+                    probe = torch.empty(0, dtype=dtype)
+                    _TORCH_ITEMSIZE[dtype] = probe.element_size()
+                    try:
+                        _TORCH_NUMPY[dtype] = probe.numpy().dtype
+                    except (TypeError, RuntimeError):
+                        pass  # bfloat16, float8, complex32: no numpy dtype
+        _torch_tables = True
     return torch
 
 
@@ -126,19 +141,23 @@ def _lookup_tag(tag: str) -> type:
 # Encoding
 
 
-def _tensor_bytes(t: Any) -> np.ndarray:
-    """A flat uint8 numpy view of a CPU tensor's data, made contiguous once if needed."""
+def _tensor_bytes(t: Any, device: str) -> np.ndarray:
+    """A flat uint8 numpy view of a tensor's data (on ``device``, ``str(t.device)``): copied to
+    the CPU and made contiguous once if needed."""
     torch = _torch()
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.layout != torch.strided:
         raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
-    if t.device.type != "cpu":
+    if device != "cpu":
         t = t.cpu()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     t = t.contiguous()
+    if t.dtype in _TORCH_NUMPY:  # numpy's reshape and view cost a third of torch's
+        return t.numpy().reshape(-1).view(np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -177,7 +196,7 @@ class _Encoder:
                 raise TypeError(f"torch dtype {obj.dtype} cannot be sent")
             shape = list(obj.shape)
             device = str(obj.device)
-            raw = _tensor_bytes(obj)
+            raw = _tensor_bytes(obj, device)
             return msgpack.ExtType(
                 EXT_TENSOR, self.pack([name, shape, self.array_loc(raw, raw.nbytes), device])
             )
@@ -431,11 +450,14 @@ class _Decoder:
             if dtype is None:
                 raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
             shape = _check_shape(value[1])
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            raw = self.raw(value[2], math.prod(shape) * itemsize)
-            tensor = torch.from_numpy(raw)
-            tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
-            tensor = tensor.reshape(shape)
+            raw = self.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
+            np_dtype = _TORCH_NUMPY.get(dtype)
+            if np_dtype is not None:  # one torch call: view and reshape in numpy
+                tensor = torch.from_numpy(raw.view(np_dtype).reshape(shape))
+            else:
+                tensor = torch.from_numpy(raw)
+                tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+                tensor = tensor.reshape(shape)
             return _restore_device(tensor, value[3])
         if code == EXT_DATACLASS:
             value = self.unpack(data)

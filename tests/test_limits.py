@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from zchannel.broker import Channel
@@ -114,6 +115,31 @@ def test_dtype_allow_list_and_rank_limit_for_decoding_brokers(tmp_path, run_dir)
         ch.put([torch.ones(2, 2)])  # decoded by the collector: allowed
         assert torch.equal(ch.get(timeout=5), torch.ones(2, 2))
         for bad in ([torch.ones(2, dtype=torch.int64)], [torch.ones(1, 1, 1)]):
+            with pytest.raises(ValueError):
+                ch.put(bad)
+        assert ch.qsize() == 0
+        ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_an_allow_list_of_numpy_dtypes_only_refuses_every_tensor(tmp_path, run_dir):
+    """With only numpy dtypes allowed, no torch dtype may come back allowed once the broker
+    first decodes a tensor (its dtype tables are built once, then narrowed)."""
+    config = tmp_path / "numpy_only.toml"
+    config.write_text(
+        '[channel]\nname = "numpy_only"\nallowed_dtypes = ["<f4"]\n'
+        '[hooks]\ncollector = "flatten_batch"\n'
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "--config",
+                             str(config)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("ready ")
+        ch = Channel.connect("numpy_only")
+        ch.put([np.ones(3, np.float32)])
+        assert np.array_equal(ch.get(timeout=5), np.ones(3, np.float32))
+        for bad in ([torch.ones(2)], [np.ones(2, np.float64)]):
             with pytest.raises(ValueError):
                 ch.put(bad)
         assert ch.qsize() == 0
