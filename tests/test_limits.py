@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -101,49 +102,44 @@ def test_producer_killed_mid_put_enqueues_whole_items_or_nothing(workers, channe
     assert ch.get(timeout=5) == "after"
 
 
-def test_dtype_allow_list_and_rank_limit_for_decoding_brokers(tmp_path, run_dir):
-    config = tmp_path / "strict.toml"
+@contextlib.contextmanager
+def _decoding_broker(tmp_path, name: str, channel_options: str):
+    """A broker started from a config file with ``channel_options`` and a collector (so it
+    decodes every item), and a handle to it; the broker is terminated by PID afterwards."""
+    config = tmp_path / f"{name}.toml"
     config.write_text(
-        '[channel]\nname = "strict"\nallowed_dtypes = ["float32", "<f4"]\nmax_rank = 2\n'
-        '[hooks]\ncollector = "flatten_batch"\n'
+        f'[channel]\nname = "{name}"\n{channel_options}\n[hooks]\ncollector = "flatten_batch"\n'
     )
     proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "--config",
                              str(config)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().startswith("ready ")
-        ch = Channel.connect("strict")
+        ch = Channel.connect(name)
+        yield ch
+        ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_dtype_allow_list_and_rank_limit_for_decoding_brokers(tmp_path, run_dir):
+    options = 'allowed_dtypes = ["float32", "<f4"]\nmax_rank = 2'
+    with _decoding_broker(tmp_path, "strict", options) as ch:
         ch.put([torch.ones(2, 2)])  # decoded by the collector: allowed
         assert torch.equal(ch.get(timeout=5), torch.ones(2, 2))
         for bad in ([torch.ones(2, dtype=torch.int64)], [torch.ones(1, 1, 1)]):
             with pytest.raises(ValueError):
                 ch.put(bad)
         assert ch.qsize() == 0
-        ch.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_an_allow_list_of_numpy_dtypes_only_refuses_every_tensor(tmp_path, run_dir):
     """With only numpy dtypes allowed, no torch dtype may come back allowed once the broker
     first decodes a tensor (its dtype tables are built once, then narrowed)."""
-    config = tmp_path / "numpy_only.toml"
-    config.write_text(
-        '[channel]\nname = "numpy_only"\nallowed_dtypes = ["<f4"]\n'
-        '[hooks]\ncollector = "flatten_batch"\n'
-    )
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "--config",
-                             str(config)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().startswith("ready ")
-        ch = Channel.connect("numpy_only")
+    with _decoding_broker(tmp_path, "numpy_only", 'allowed_dtypes = ["<f4"]') as ch:
         ch.put([np.ones(3, np.float32)])
         assert np.array_equal(ch.get(timeout=5), np.ones(3, np.float32))
         for bad in ([torch.ones(2)], [np.ones(2, np.float64)]):
             with pytest.raises(ValueError):
                 ch.put(bad)
         assert ch.qsize() == 0
-        ch.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
