@@ -286,8 +286,9 @@ class Pool:
             if idx.size:
                 free += idx.size
                 j = int(idx[np.argmax(seg.freed[idx])])
-                if best is None or int(seg.freed[j]) > best[0]:
-                    best = (int(seg.freed[j]), seg, j)
+                when = int(seg.freed[j])
+                if best is None or when > best[0]:
+                    best = (when, seg, j)
         if best is None:
             return None
         _, seg, i = best

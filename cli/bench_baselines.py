@@ -316,8 +316,8 @@ class Workers:
 
     def join(self, group: str, timeout: float = 30.0) -> None:
         """Wait until the workers of ``group`` have exited (after reporting, a worker still
-        closes its channel and tears its interpreter down: tens of ms of CPU that must not
-        overlap the next phase's measurement); ``close()`` ends any that does not."""
+        tears its interpreter down: tens of ms of CPU that must not overlap the next phase's
+        measurement); ``close()`` ends any that does not."""
         deadline = time.monotonic() + timeout
         for proc, g in zip(self.procs, self.groups, strict=True):
             if g == group:
