@@ -1260,8 +1260,7 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
         runs = [_ray_measured(r["ray.actor"], case.messages) for r in raw]
         label = f"ray.actor {case.ptype} {fmt_size(case.size)} 1P/1C w{case.window}"
         result = _summarise(dataclasses.replace(case, label=label), "ray.actor", runs, "e2e")
-        runner.rows.append(result)
-    runner._baselines[key] = result
+    runner._store_baseline(key, result)
     runner._tick()
     return result
 
