@@ -33,11 +33,11 @@ from zchannel.broker.protocol import (
     HELLO,
     PROTOCOL_VERSION,
     pack_header,
-    recv_message,
+    recv_reply,
     send_message,
 )
 from zchannel.broker.shm import ShmClient
-from zchannel.broker.work import Work
+from zchannel.broker.work import _DONE, Work
 
 log = logging.getLogger("zchannel.client")
 
@@ -51,6 +51,27 @@ MAX_INLINE_PER_MESSAGE = 64 << 10
 # How long a blocking caller drives the socket itself before leaving its reply to the I/O
 # thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
 DRIVE_S = 0.05
+
+
+def _spin_us() -> int:
+    text = os.environ.get("ZCHANNEL_SPIN_US", "250")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"ZCHANNEL_SPIN_US must be an int >= 0 (microseconds), got {text!r}")
+    return value
+
+
+# A blocking call first polls for its reply without sleeping for up to SPIN_US: a reply that
+# comes back within it skips two thread wake-ups (on a 2-vCPU VM a raw ZeroMQ round trip takes
+# ~100 us with a sleeping recv and ~55 us polling).  A spin that sees its reply scores +1 (up
+# to SPIN_SCORE_MAX), one that does not -2; at 0 a handle spins only every SPIN_PROBE-th call
+# until a spin sees its reply again (docs/decisions.md).  ZCHANNEL_SPIN_US=0: no spinning.
+SPIN_US = _spin_us()
+SPIN_PROBE = 32
+SPIN_SCORE_MAX = 8
 # Queued async requests a caller sends itself when the socket is free (see ``request``).
 SEND_RUN = 16
 
@@ -97,6 +118,9 @@ class Connection:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
+        self._spin_s = SPIN_US / 1e6
+        self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
+        self._calls = itertools.count()
         self._closing = False
         self._hello_id = 0
         self.pid = os.getpid()
@@ -172,24 +196,59 @@ class Connection:
             return work
         try:
             self._send_queued()
-            sock = self._sock
-            poll_set = [(sock, _POLLIN)]
-            deadline = time.monotonic() + DRIVE_S
-            while work._state == 0:  # pending
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closing:
-                    break
-                if zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
-                    self._recv_one(ready=True)
-                if self._queue:
-                    self._send_queued()
+            if self._spin_s and (self._spin_score > 0 or next(self._calls) % SPIN_PROBE == 0):
+                self._spin(work)
+            took_wake = self._drive(work) if work._state == 0 else False
         finally:
             self._sock_lock.release()
-        if self._queue or self._pending:
+        if took_wake or self._queue or self._pending:
             # the I/O thread takes over the rest (this caller may have consumed the socket's
             # notification edge, so it must look at the socket itself)
             self._wake_io()
         return work
+
+    def _spin(self, work: Work) -> None:
+        """Poll for ``work``'s reply without sleeping, for up to ``SPIN_US``."""
+        sock = self._sock
+        poll_set = [(sock, _POLLIN)]
+        poll = zmq.zmq_poll
+        end = time.perf_counter() + self._spin_s
+        while work._state == 0 and not self._closing:
+            if poll(poll_set, 0):
+                self._on_message(*recv_reply(sock))
+            elif time.perf_counter() >= end:
+                self._spin_score = max(0, self._spin_score - 2)
+                return
+            if self._queue:  # other threads' requests go out at once, not after this reply
+                self._send_queued()
+        self._spin_score = min(SPIN_SCORE_MAX, self._spin_score + 1)
+
+    def _drive(self, work: Work) -> bool:
+        """Wait for ``work``'s reply for up to ``DRIVE_S``, reading replies and sending what
+        other threads queue meanwhile: their wake-up of the I/O thread wakes this caller too
+        (the I/O thread, finding the socket taken, writes it again for this caller).  True if
+        it took such a wake-up: the caller passes it on when it lets the socket go."""
+        sock, wake = self._sock, self._wake
+        poll_set = [(sock, _POLLIN), (wake, _POLLIN)]
+        took_wake = False
+        deadline = time.monotonic() + DRIVE_S
+        while work._state == 0 and not self._closing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for obj, _ in zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
+                if obj is sock:
+                    self._on_message(*recv_reply(sock))
+                else:
+                    try:
+                        os.eventfd_read(wake)
+                    except BlockingIOError:  # the I/O thread read it first
+                        pass
+                    self._woken = False
+                    took_wake = True
+            if self._queue:
+                self._send_queued()
+        return took_wake
 
     def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
                  cancellable: bool, room: bool = True) -> Work:
@@ -206,7 +265,8 @@ class Connection:
                 raise
         rid = next(self._ids)
         rec["id"] = rid
-        rec["nf"] = len(frames)
+        if frames:
+            rec["nf"] = len(frames)  # 0 by default (docs/protocol.md)
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
         self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
@@ -321,13 +381,20 @@ class Connection:
                 # cleared after the read: a wake-up written before it is consumed here, and the
                 # request behind it is seen below; one written after it stays pending
                 self._woken = False
-                with self._sock_lock:
+                if not self._sock_lock.acquire(blocking=False):
+                    # a blocking caller drives the socket (``_drive``, which polls the eventfd
+                    # too): pass the wake-up on to it, so that queued requests go out now
+                    os.eventfd_write(self._wake, 1)
+                    self._sock_lock.acquire()
+                try:
                     if self._queue:
                         self._send_queued()
                     self._keepalive(time.monotonic())
                     # last, after every send: ZMQ_FD only signals again once the socket was
                     # read until empty (a send may consume a pending notification)
                     self._recv_all()
+                finally:
+                    self._sock_lock.release()
         except Exception:  # pragma: no cover - a bug here must not hang callers
             log.exception("zchannel I/O thread failed")
         finally:
@@ -359,6 +426,12 @@ class Connection:
 
     def _send_queued(self) -> None:
         queue = self._queue
+        if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
+            rec, frames, pending = queue.popleft()
+            if pending is not None:
+                self._pending[rec["id"]] = pending
+            self._send([rec], frames)
+            return
         while queue:
             records: list[dict] = []
             frames: list = []
@@ -381,23 +454,27 @@ class Connection:
         while self._recv_one():
             pass
 
-    def _recv_one(self, ready: bool = False) -> bool:
+    def _recv_one(self) -> bool:
         """Read and complete one message if there is one; False if there was none."""
-        frames = recv_message(self._sock, ready)
-        if frames is None:
+        # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
+        sock = self._sock
+        if not zmq.zmq_poll([(sock, _POLLIN)], 0):
             return False
+        self._on_message(*recv_reply(sock))
+        return True
+
+    def _on_message(self, header: bytes, frames: list) -> None:
         self._last_recv = time.monotonic()
         try:
-            records = msgpack.unpackb(frames[0].buffer, raw=False, strict_map_key=False)
+            records = msgpack.unpackb(header, raw=False, strict_map_key=False)
         except Exception:
             log.warning("dropped a malformed reply from the broker")
-            return True
-        pos = 1
+            return
+        pos = 0
         for rec in records:
             nf = rec.get("nf", 0)
             self._on_reply(rec, frames[pos : pos + nf])
             pos += nf
-        return True
 
     def _on_reply(self, rec: dict, frames: list) -> None:
         rid = rec.get("id")
@@ -423,9 +500,9 @@ class Connection:
         if "e" in rec:
             work.set_exception(error_from_wire(rec["e"]))
         elif convert is not None:
-            work._set_converted(convert, rec, frames)
+            work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
-            work.set_result(rec.get("r"))
+            work._finish(_DONE, rec.get("r"))
 
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}

@@ -36,6 +36,8 @@ MAX_KEY_BYTES = 1024
 
 def check_key(key: Any, _depth: int = 0) -> Any:
     """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those)."""
+    if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
+        return key
     if isinstance(key, bool):
         raise TypeError("a key may not be a bool")
     if isinstance(key, (str, bytes)):

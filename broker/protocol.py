@@ -69,6 +69,24 @@ def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | Non
     return frames
 
 
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def recv_reply(sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame]]:
+    """Receive one message, without waiting, as (header, frames): the header (small) copied,
+    the frames after it not.  ``zmq.Again`` when there is none (poll first: it is cheaper)."""
+    header = sock.recv(_NOBLOCK)
+    frames: list[zmq.Frame] = []
+    if sock.getsockopt(_RCVMORE):
+        recv = sock.recv
+        frame = recv(0, copy=False)
+        frames.append(frame)
+        while frame.more:
+            frame = recv(0, copy=False)
+            frames.append(frame)
+    return header, frames
+
+
 _packer = msgpack.Packer(use_bin_type=True)
 
 

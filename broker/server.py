@@ -250,6 +250,7 @@ class Broker:
                 ready = [obj for obj, _ in zmq.zmq_poll(poll_set, timeout_ms)]
                 if self.sock in ready:
                     self._drain()
+                    self._flush()  # replies first: the rest of the turn is not on their path
                 if rfd in ready:
                     os.read(rfd, 512)
                 if parent_fd is not None and parent_fd in ready:
@@ -307,9 +308,10 @@ class Broker:
     # -- receiving ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
+        """Handle the messages waiting (at most 4096); called when a poll said one is there."""
         sock = self.sock
-        for _ in range(4096):
-            frames = recv_message(sock)
+        for i in range(4096):
+            frames = recv_message(sock, ready=i == 0)
             if frames is None:
                 return
             try:

@@ -63,11 +63,6 @@ class Work:
         else:
             self._finish(_DONE, (), convert)
 
-    def _set_converted(self, convert: Callable[..., Any], *args: Any) -> None:
-        """Complete with ``convert(*args)``, computed lazily by the first reader (no closure
-        per reply)."""
-        self._finish(_DONE, args, convert)
-
     def set_exception(self, exc: BaseException) -> None:
         self._finish(_FAILED, exc)
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -328,6 +331,88 @@ def test_close_while_threads_issue_requests_leaves_nothing_pending(make_remote):
     for work in works:
         with pytest.raises(ChannelError):
             work.wait(10)
+
+
+def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remote, monkeypatch):
+    """A thread blocked in get() on an empty queue holds the handle's socket while it waits;
+    a put from another thread on the same handle must go out at once, not when some message
+    (a broker heartbeat, after up to a second) or the end of the get's drive window
+    (``DRIVE_S``, made 60 s here) lets the getter look at its queue again."""
+    from zchannel.broker import connection
+
+    monkeypatch.setattr(connection, "DRIVE_S", 60.0)
+    monkeypatch.setattr(connection, "SPIN_US", 0)  # the getter waits in _drive, not _spin
+    events: list[str] = []
+    Conn = connection.Connection
+    enqueue, send, on_message = Conn._enqueue, Conn._send, Conn._on_message
+
+    def logged_enqueue(self, rec, *args, **kwargs):
+        events.append(f"queued {rec.get('op')}")
+        return enqueue(self, rec, *args, **kwargs)
+
+    def logged_send(self, records, frames):
+        events.extend(f"sent {r.get('op')}" for r in records)
+        send(self, records, frames)
+
+    def logged_on_message(self, header, frames):
+        events.append("received")
+        on_message(self, header, frames)
+
+    monkeypatch.setattr(Conn, "_enqueue", logged_enqueue)
+    monkeypatch.setattr(Conn, "_send", logged_send)
+    monkeypatch.setattr(Conn, "_on_message", logged_on_message)
+    ch = make_remote("drive-window")
+    ch.put("warm")
+    assert ch.get() == "warm"
+    conn = ch._connection()
+    got: list = []
+    getter = threading.Thread(target=lambda: got.append(ch.get(key="late", timeout=20)))
+    events.clear()
+    getter.start()
+    # the getter (or, now and then, the I/O thread) holds the socket while the get waits
+    wait_until(lambda: "sent get" in events and conn._sock_lock.locked(), timeout=10,
+               interval=0.001)
+    ch.put("item", key="late")
+    getter.join(timeout=30)
+    assert got == ["item"]
+    after = events[events.index("queued put") + 1 :]
+    assert [e for e in after if e in ("sent put", "received")][0] == "sent put", events
+
+
+def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, monkeypatch):
+    """A blocking call spins up to SPIN_US for its reply; calls whose replies keep coming later
+    (gets that time out on an empty queue) stop spinning after 4 misses and then spin only
+    every SPIN_PROBE-th call, so a handle waiting for data does not burn a core."""
+    from zchannel.broker import connection
+
+    monkeypatch.setattr(connection, "SPIN_US", 200)
+    ch = make_remote("spin")
+    ch.put("warm")
+    assert ch.get() == "warm"  # connected with the spin set above
+    conn = ch._connection()
+    spins = []
+    spin = connection.Connection._spin
+    monkeypatch.setattr(connection.Connection, "_spin",
+                        lambda self, work: (spins.append(1), spin(self, work)))
+    for _ in range(40):
+        with pytest.raises(TimeoutError):
+            ch.get(key="empty", timeout=0.005)  # each reply comes >= 5 ms later: a miss
+    # 4 misses take the score from 8 to 0; then probes at the 1st and 33rd call after that
+    assert len(spins) == 6
+    assert conn._spin_score == 0
+
+
+def test_spin_setting_is_checked():
+    code = "import zchannel.broker.connection"
+    for bad in ("-1", "fast"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "ZCHANNEL_SPIN_US": bad}, timeout=60)
+        assert proc.returncode != 0
+        assert "ZCHANNEL_SPIN_US must be an int >= 0" in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code + "; print(zchannel.broker.connection.SPIN_US)"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ZCHANNEL_SPIN_US": "0"})
+    assert proc.stdout.strip() == "0"
 
 
 def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
