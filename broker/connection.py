@@ -3,8 +3,9 @@
 User threads hand requests to the I/O thread (a deque and an eventfd wake-up) and wait on
 ``Work`` handles, which the I/O thread completes when replies arrive.  Requests queued together
 are coalesced into one message.  A blocking call (``call``) skips the two thread hand-offs when
-the socket is free: it takes the socket lock, sends, and reads replies itself for a short while
-(``DRIVE_S``), completing every reply it reads, then hands the socket back.  Whoever holds
+the socket is free: it takes the socket lock, sends, polls for its reply without sleeping for
+up to ``SPIN_US``, then waits for it in ``poll`` for a short while (``DRIVE_S``), completing
+every reply it reads, and hands the socket back.  Whoever holds
 ``_sock_lock`` is the only thread touching the socket (zmq sockets are not thread-safe): the
 I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
@@ -182,8 +183,9 @@ class Connection:
         """``request`` for a caller that waits for the result at once.
 
         When no other thread holds the socket, the caller sends its request and reads replies
-        itself for up to ``DRIVE_S`` (a sync round trip without waking the I/O thread twice);
-        whatever is still pending after that is completed by the I/O thread as usual."""
+        itself, spinning for up to ``SPIN_US`` and then sleeping in ``poll`` for up to
+        ``DRIVE_S`` (a sync round trip without waking the I/O thread twice); whatever is still
+        pending after that is completed by the I/O thread as usual."""
         if self.state != UP:
             return self.request(rec, frames, convert, cancellable)
         # queued first: waiting for room (max_inflight) must not hold the socket, or the

@@ -61,7 +61,10 @@ def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | Non
     if not ready and not zmq.zmq_poll([(sock, _POLLIN)], 0):
         return None
     recv = sock.recv
-    frame = recv(_NOBLOCK, copy=False)
+    try:
+        frame = recv(_NOBLOCK, copy=False)
+    except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
+        return None
     frames = [frame]
     while frame.more:
         frame = recv(0, copy=False)
