@@ -196,17 +196,18 @@ class Connection:
         if not self._sock_lock.acquire(blocking=False):
             self._wake_io()
             return work
+        took_wake = False
         try:
             self._send_queued()
             if self._spin_s and (self._spin_score > 0 or next(self._calls) % SPIN_PROBE == 0):
                 self._spin(work)
             took_wake = self._drive(work) if work._state == 0 else False
-        finally:
+        finally:  # also when interrupted (KeyboardInterrupt): the request stays pending
             self._sock_lock.release()
-        if took_wake or self._queue or self._pending:
-            # the I/O thread takes over the rest (this caller may have consumed the socket's
-            # notification edge, so it must look at the socket itself)
-            self._wake_io()
+            if took_wake or self._queue or self._pending:
+                # the I/O thread takes over the rest (this caller may have consumed the
+                # socket's notification edge, so it must look at the socket itself)
+                self._wake_io()
         return work
 
     def _spin(self, work: Work) -> None:
