@@ -54,22 +54,27 @@ def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
         send(part, flags if i == last else flags | _SNDMORE, copy=False)
 
 
+def _recv_frames(sock: zmq.Socket, flags: int) -> list[zmq.Frame]:
+    """A frame received with ``flags`` and the rest of its message, none of them copied."""
+    recv = sock.recv
+    frame = recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(0, copy=False)
+        frames.append(frame)
+    return frames
+
+
 def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | None:
     """Receive one multipart message without blocking (None if there is none); ``ready``: a
     poll just said one is there."""
     # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
     if not ready and not zmq.zmq_poll([(sock, _POLLIN)], 0):
         return None
-    recv = sock.recv
     try:
-        frame = recv(_NOBLOCK, copy=False)
+        return _recv_frames(sock, _NOBLOCK)
     except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
         return None
-    frames = [frame]
-    while frame.more:
-        frame = recv(0, copy=False)
-        frames.append(frame)
-    return frames
 
 
 _RCVMORE = int(zmq.RCVMORE)
@@ -79,15 +84,7 @@ def recv_reply(sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame]]:
     """Receive one message, without waiting, as (header, frames): the header (small) copied,
     the frames after it not.  ``zmq.Again`` when there is none (poll first: it is cheaper)."""
     header = sock.recv(_NOBLOCK)
-    frames: list[zmq.Frame] = []
-    if sock.getsockopt(_RCVMORE):
-        recv = sock.recv
-        frame = recv(0, copy=False)
-        frames.append(frame)
-        while frame.more:
-            frame = recv(0, copy=False)
-            frames.append(frame)
-    return header, frames
+    return header, _recv_frames(sock, 0) if sock.getsockopt(_RCVMORE) else []
 
 
 _packer = msgpack.Packer(use_bin_type=True)
