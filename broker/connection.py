@@ -73,6 +73,17 @@ def _spin_us() -> int:
 SPIN_US = _spin_us()
 SPIN_PROBE = 32
 SPIN_SCORE_MAX = 8
+
+
+def spin_seconds() -> float:
+    """How long a blocking call of this process spins: ``SPIN_US``, or 0 when the process may
+    run on one CPU only (its reply can then only come while it does not run)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return SPIN_US / 1e6 if cpus > 1 else 0.0
+
 # Queued async requests a caller sends itself when the socket is free (see ``request``).
 SEND_RUN = 16
 
@@ -119,7 +130,7 @@ class Connection:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
-        self._spin_s = SPIN_US / 1e6
+        self._spin_s = spin_seconds()
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
         self._closing = False

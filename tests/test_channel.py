@@ -385,11 +385,11 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     every SPIN_PROBE-th call, so a handle waiting for data does not burn a core."""
     from zchannel.broker import connection
 
-    monkeypatch.setattr(connection, "SPIN_US", 200)
     ch = make_remote("spin")
     ch.put("warm")
-    assert ch.get() == "warm"  # connected with the spin set above
+    assert ch.get() == "warm"
     conn = ch._connection()
+    conn._spin_s = 200e-6  # also on a machine with one CPU (where it would be 0)
     conn._spin_score = connection.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
     spins = []
     spin = connection.Connection._spin
@@ -415,6 +415,21 @@ def test_spin_setting_is_checked():
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "ZCHANNEL_SPIN_US": "0"})
     assert proc.stdout.strip() == "0"
+
+
+def test_a_process_on_one_cpu_does_not_spin():
+    """Pinned to one CPU, a spinning caller would only hold the CPU its reply needs."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from zchannel.broker import connection; print(connection.spin_seconds())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ZCHANNEL_SPIN_US": "250"})
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) == 0.0
+    if len(os.sched_getaffinity(0)) > 1:
+        code = "from zchannel.broker import connection; print(connection.spin_seconds())"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "ZCHANNEL_SPIN_US": "250"})
+        assert float(proc.stdout) == 250e-6
 
 
 def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
