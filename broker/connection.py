@@ -84,6 +84,7 @@ def spin_seconds() -> float:
         cpus = os.cpu_count() or 1
     return SPIN_US / 1e6 if cpus > 1 else 0.0
 
+
 # Queued async requests a caller sends itself when the socket is free (see ``request``).
 SEND_RUN = 16
 
