@@ -230,7 +230,7 @@ class Connection:
         end = time.perf_counter() + self._spin_s
         while work._state == 0 and not self._closing:
             if poll(poll_set, 0):
-                self._on_message(*recv_reply(sock))
+                self._recv_one(ready=True)
             elif time.perf_counter() >= end:
                 self._spin_score = max(0, self._spin_score - 2)
                 return
@@ -253,7 +253,7 @@ class Connection:
                 break
             for obj, _ in zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
                 if obj is sock:
-                    self._on_message(*recv_reply(sock))
+                    self._recv_one(ready=True)
                 else:
                     try:
                         os.eventfd_read(wake)
@@ -469,13 +469,13 @@ class Connection:
         while self._recv_one():
             pass
 
-    def _recv_one(self) -> bool:
-        """Read and complete one message if there is one; False if there was none."""
-        # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
-        sock = self._sock
-        if not zmq.zmq_poll([(sock, _POLLIN)], 0):
+    def _recv_one(self, ready: bool = False) -> bool:
+        """Read and complete one message if there is one; False if there was none.
+        ``ready``: a poll just said one is there."""
+        message = recv_reply(self._sock, ready)
+        if message is None:
             return False
-        self._on_message(*recv_reply(sock))
+        self._on_message(*message)
         return True
 
     def _on_message(self, header: bytes, frames: list) -> None:

@@ -65,11 +65,15 @@ def _recv_frames(sock: zmq.Socket, flags: int) -> list[zmq.Frame]:
     return frames
 
 
+def _waiting(sock: zmq.Socket, ready: bool) -> bool:
+    # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
+    return ready or bool(zmq.zmq_poll([(sock, _POLLIN)], 0))
+
+
 def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | None:
     """Receive one multipart message without blocking (None if there is none); ``ready``: a
     poll just said one is there."""
-    # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
-    if not ready and not zmq.zmq_poll([(sock, _POLLIN)], 0):
+    if not _waiting(sock, ready):
         return None
     try:
         return _recv_frames(sock, _NOBLOCK)
@@ -80,10 +84,15 @@ def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | Non
 _RCVMORE = int(zmq.RCVMORE)
 
 
-def recv_reply(sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame]]:
-    """Receive one message, without waiting, as (header, frames): the header (small) copied,
-    the frames after it not.  ``zmq.Again`` when there is none (poll first: it is cheaper)."""
-    header = sock.recv(_NOBLOCK)
+def recv_reply(sock: zmq.Socket, ready: bool = False) -> tuple[bytes, list[zmq.Frame]] | None:
+    """Like ``recv_message``, as (header, frames): the header (small) copied, the frames after
+    it not."""
+    if not _waiting(sock, ready):
+        return None
+    try:
+        header = sock.recv(_NOBLOCK)
+    except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
+        return None
     return header, _recv_frames(sock, 0) if sock.getsockopt(_RCVMORE) else []
 
 
