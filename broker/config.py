@@ -28,7 +28,7 @@ _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",
     "max_bytes", "max_keys", "max_message_bytes", "max_frames", "max_header_bytes", "insecure",
     "key_grace", "curve_secret_key", "curve_public_keys", "allowed_dtypes", "max_rank",
-    "shm_threshold", "shm_pool_bytes",
+    "shm_threshold", "shm_pool_bytes", "direct",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zchannel.broker import direct, paths
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, error_from_wire
 from zchannel.broker.protocol import (
     BYE,
@@ -87,6 +88,13 @@ def spin_seconds() -> float:
 
 # Queued async requests a caller sends itself when the socket is free (see ``request``).
 SEND_RUN = 16
+# How often a handle whose direct link broke tries to connect it again.
+RELINK_S = 0.1
+
+
+def direct_enabled() -> bool:
+    """Whether handles of this process use direct links (``ZCHANNEL_DIRECT=0``: never)."""
+    return os.environ.get("ZCHANNEL_DIRECT", "1").strip() not in ("0", "false", "no", "off")
 
 Convert = Callable[[dict, list], Any]
 
@@ -131,6 +139,7 @@ class Connection:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
+        self._io_watching = False  # the I/O thread polls the socket for replies (see _run)
         self._spin_s = spin_seconds()
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
@@ -139,19 +148,35 @@ class Connection:
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
         self.converters: dict[tuple[str, bool | None], Convert] = {}  # reply decoders (client.py)
-        ctx = zmq.Context.instance()
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        if curve is not None:
-            curve.apply(self._sock)
-        self._sock.connect(address)
+        # A same-host broker's direct link when there is one (broker/direct.py), else ZeroMQ.
+        self._link = self._open_link(address) if curve is None else None
+        self._relink_at = 0.0
+        self._sock: Any = None
+        if self._link is None:
+            ctx = zmq.Context.instance()
+            self._sock = ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+            self._sock.setsockopt(zmq.SNDHWM, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if curve is not None:
+                curve.apply(self._sock)
+            self._sock.connect(address)
+        # what a poll waits on for replies: the socket, or the link's descriptor
+        self._readable: Any = self._sock if self._link is None else self._link.fd
         self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
         self._thread.start()
+
+    def _open_link(self, address: str) -> direct.Link | None:
+        path = direct.link_path(paths.ipc_path(address) or "")
+        if path is None or not direct_enabled() or not os.path.exists(path):
+            return None
+        try:
+            return direct.Link(path, stall_s=self.hb * self.liveness)
+        except OSError:  # no broker listening there (yet): ZeroMQ connects when one is
+            return None
 
     # -- user-thread side --------------------------------------------------------------------
 
@@ -224,8 +249,7 @@ class Connection:
 
     def _spin(self, work: Work) -> None:
         """Poll for ``work``'s reply without sleeping, for up to ``SPIN_US``."""
-        sock = self._sock
-        poll_set = [(sock, _POLLIN)]
+        poll_set = [(self._readable, _POLLIN)]
         poll = zmq.zmq_poll
         end = time.perf_counter() + self._spin_s
         while work._state == 0 and not self._closing:
@@ -243,7 +267,7 @@ class Connection:
         other threads queue meanwhile: their wake-up of the I/O thread wakes this caller too
         (the I/O thread, finding the socket taken, writes it again for this caller).  True if
         it took such a wake-up: the caller passes it on when it lets the socket go."""
-        sock, wake = self._sock, self._wake
+        sock, wake = self._readable, self._wake
         poll_set = [(sock, _POLLIN), (wake, _POLLIN)]
         took_wake = False
         deadline = time.monotonic() + DRIVE_S
@@ -252,7 +276,7 @@ class Connection:
             if remaining <= 0:
                 break
             for obj, _ in zmq.zmq_poll(poll_set, int(remaining * 1000.0) + 1):
-                if obj is sock:
+                if obj != wake:
                     self._recv_one(ready=True)
                 else:
                     try:
@@ -376,7 +400,7 @@ class Connection:
         # polled only while this thread waits for replies; an idle handle's incoming heartbeats
         # are read at the next tick, and a caller driving the socket is not raced for its reply.
         with self._sock_lock:
-            notify_fd = sock.getsockopt(zmq.FD)
+            notify_fd = sock.getsockopt(zmq.FD) if self._link is None else self._link.fd
             self._send_hello()
             self._recv_all()  # re-arms ZMQ_FD after the send
         idle_poll = [(self._wake, _POLLIN)]
@@ -387,7 +411,11 @@ class Connection:
         self._last_send = 0.0
         try:
             while not self._closing:
+                # cleared before the test: a request that misses it finds it False (and wakes
+                # this thread); one that finds it True is seen by the test
+                self._io_watching = False
                 busy = self._pending or self.state != UP
+                self._io_watching = bool(busy)
                 zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
                 try:
                     os.eventfd_read(self._wake)
@@ -422,7 +450,10 @@ class Connection:
                     self._release()
                     pending[0].set_exception(ChannelError("this channel handle is closed"))
             with self._sock_lock:  # a blocking caller may still be reading it
-                sock.close(linger=0)
+                if self._link is not None:
+                    self._link.close()
+                else:
+                    sock.close(linger=0)
             os.close(self._wake)
 
     def _set_state(self, state: str) -> None:
@@ -431,7 +462,10 @@ class Connection:
             self._state_cv.notify_all()
 
     def _send(self, records: list[dict], frames: list) -> None:
-        send_message(self._sock, [pack_header(records), *frames])
+        if self._link is not None:
+            self._link.send([pack_header(records), *frames])  # lost if the link broke
+        else:
+            send_message(self._sock, [pack_header(records), *frames])
         self._last_send = time.monotonic()
 
     def _send_hello(self) -> None:
@@ -472,6 +506,12 @@ class Connection:
     def _recv_one(self, ready: bool = False) -> bool:
         """Read and complete one message if there is one; False if there was none.
         ``ready``: a poll just said one is there."""
+        if self._link is not None:
+            parts = self._link.recv()
+            if parts is None:
+                return False
+            self._on_message(parts[0], parts[1:])
+            return True
         message = recv_reply(self._sock, ready)
         if message is None:
             return False
@@ -526,6 +566,13 @@ class Connection:
             entry[0].set_exception(exc)
 
     def _keepalive(self, now: float) -> None:
+        link = self._link
+        if link is not None and not link.up and now >= self._relink_at:
+            # the broker closed the link (it stopped, or died): connect to its successor, if
+            # there is one yet; the heartbeat rules below decide as they do for ZeroMQ
+            self._relink_at = now + RELINK_S
+            if link.reconnect() and self.state != UP:
+                self._send_hello()
         silent = now - self._last_recv
         if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
             if self.state == UP:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, paths, shm
+from zchannel.broker import codec, direct, paths, shm
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
 from zchannel.broker.protocol import (
@@ -75,6 +75,7 @@ class BrokerConfig:
     max_header_bytes: int = MAX_HEADER_BYTES
     shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
     shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
+    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/direct.py)
     key_grace: float = 30.0
     insecure: bool = False
     curve_secret_key: str | None = None
@@ -183,6 +184,8 @@ class Broker:
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
         self.sock: zmq.Socket | None = None
+        self.direct: direct.Listener | None = None
+        self._poll_dirty = False
 
     def _collector(self, collector: Any) -> Any:
         if self.replica is None:
@@ -216,6 +219,14 @@ class Broker:
         if ipc:
             os.chmod(ipc, 0o600)
         self.sock = sock
+        link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth else None
+        if link is not None:
+            try:
+                self.direct = direct.Listener(link, self.config.max_frames + 1,
+                                              self.config.max_header_bytes,
+                                              self.config.max_message_bytes)
+            except OSError as exc:  # clients then use ZeroMQ only
+                log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
         return self.address
 
@@ -232,6 +243,10 @@ class Broker:
         poll_set = [(self.sock, zmq.POLLIN), (rfd, zmq.POLLIN)]
         if parent_fd is not None:
             poll_set.append((parent_fd, zmq.POLLIN))
+        if self.direct is not None:
+            poll_set.append((self.direct.fd, zmq.POLLIN))
+        self._poll_base = poll_set
+        self._poll_set = list(poll_set)
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
@@ -247,10 +262,15 @@ class Broker:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                ready = [obj for obj, _ in zmq.zmq_poll(poll_set, timeout_ms)]
+                if self._poll_dirty:
+                    self._update_poll_set()
+                events = zmq.zmq_poll(self._poll_set, timeout_ms)
+                ready = [obj for obj, _ in events]
                 if self.sock in ready:
                     self._drain()
                     self._flush()  # replies first: the rest of the turn is not on their path
+                if self.direct is not None and len(events) > (self.sock in ready):
+                    self._direct_events(events)
                 if rfd in ready:
                     os.read(rfd, 512)
                 if parent_fd is not None and parent_fd in ready:
@@ -291,6 +311,9 @@ class Broker:
             self._flush()
             self.sock.close(linger=0)
             self.sock = None
+            if self.direct is not None:
+                self.direct.close()
+                self.direct = None
             if self._auth is not None:
                 self._auth.stop()
             paths.remove_address(self.config.name, self.address)
@@ -320,21 +343,24 @@ class Broker:
                 log.exception("unexpected error handling a message")
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        address = frames[0].bytes
         if len(frames) < 2:
             log.warning("dropped a message without a header")
             return
-        if len(frames) - 2 > self.config.max_frames:
-            log.warning("dropped a message of %d frames (frame limit %d)", len(frames), self.config.max_frames)
+        self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
+
+    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> None:
+        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames."""
+        if len(frames) - pos > self.config.max_frames:
+            log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
+                        self.config.max_frames)
             return
         try:
-            records = unpack_header(frames[1].buffer, len(frames) - 2, self.config.max_header_bytes)
+            records = unpack_header(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
         client = self.clients.get(address)
         now = time.monotonic()
-        pos = 2
         for rec in records:
             nf = rec.get("nf", 0)
             op_frames = frames[pos : pos + nf]
@@ -467,7 +493,7 @@ class Broker:
                 and not items[0].shm and len(items[0].payload) == 1 \
                 and len(items[0].payload[0]) <= INLINE_BODY:
             body = items[0].payload[0]  # a small item rides in the reply record (no frame)
-            rec["b"] = body if type(body) is bytes else body.bytes
+            rec["b"] = body if type(body) is bytes else bytes(body)
             if lease is not None:
                 rec["lease"] = lease
             out.deliveries.append((client, origin, items, lease))
@@ -494,6 +520,19 @@ class Broker:
         return True
 
     def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
+        if self.direct is not None:
+            peer = self.direct.by_address.get(address)
+            if peer is not None:
+                if not peer.send([pack_header(records), *frames]):
+                    self.direct.drop(peer)  # _flush requeues and ends the client
+                    self._poll_dirty = True
+                    return False
+                if peer.out:
+                    self._poll_dirty = True
+                self.last_sent[address] = time.monotonic()
+                return True
+            if address[:2] == b"\x00D":
+                return False  # a direct link that is gone
         try:
             send_message(self.sock, [address, pack_header(records), *frames], nonblock=True)
         except zmq.ZMQError as exc:
@@ -515,6 +554,74 @@ class Broker:
                 if client is not None:
                     log.info("client went away before its reply was sent; its items were requeued")
                     self.core.client_gone(client)
+
+    # -- direct links (broker/direct.py) -------------------------------------------------------
+
+    def _direct_events(self, events: list) -> None:
+        """Accept new links, read the ready ones (and handle their messages), write out what
+        full sockets held back."""
+        listener = self.direct
+        assert listener is not None
+        changed = False
+        for obj, ev in events:
+            if obj == listener.fd:
+                changed = bool(listener.accept()) or changed
+                continue
+            peer = listener.by_fd.get(obj) if type(obj) is int else None
+            if peer is None:
+                continue
+            if ev & zmq.POLLOUT and not peer.write_out():
+                self._direct_gone(peer)
+                changed = True
+                continue
+            if ev & (zmq.POLLIN | zmq.POLLERR) and not self._direct_read(peer):
+                changed = True
+        self._flush()
+        self._poll_dirty = self._poll_dirty or changed
+
+    def _update_poll_set(self) -> None:
+        """The poll set after links came or went, or a full socket held bytes back."""
+        self._poll_dirty = False
+        assert self.direct is not None
+        self._poll_set = self._poll_base + [
+            (fd, zmq.POLLIN | (zmq.POLLOUT if p.out else 0))
+            for fd, p in self.direct.by_fd.items()
+        ]
+
+    def _direct_read(self, peer: direct.Peer) -> bool:
+        """Read a ready link and handle the messages it completed; False if it is gone."""
+        reader = peer.reader
+        try:
+            alive = reader.read(peer.fd)
+        except BlockingIOError:
+            return True
+        except (OSError, direct.FramingError) as exc:
+            if isinstance(exc, direct.FramingError):
+                log.warning("closed a direct link that broke the framing: %s", exc)
+            alive = False
+        while reader.messages:
+            parts = reader.messages.popleft()
+            try:
+                self._handle_message(peer.address, parts[0], parts, 1)
+            except Exception:  # a broker never crashes because of one client
+                log.exception("unexpected error handling a message")
+        if not alive:
+            self._direct_gone(peer)
+        return alive
+
+    def _direct_gone(self, peer: direct.Peer) -> None:
+        """A link closed (its process exited or was killed): the client is gone at once."""
+        assert self.direct is not None
+        self.direct.drop(peer)
+        self._poll_dirty = True
+        client = self.clients.pop(peer.address, None)
+        self.last_sent.pop(peer.address, None)
+        out = self._out.pop(peer.address, None)
+        if out is not None:  # deliveries not sent yet go back first (as in _flush)
+            for c, origin, items, lease in out.deliveries:
+                self.core.requeue(c, origin, items, lease)
+        if client is not None:
+            self.core.client_gone(client)
 
     def _release_memory(self) -> None:
         """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them

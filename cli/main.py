@@ -69,6 +69,9 @@ def main() -> None:
 @click.option("--shm-threshold", type=int,
               help="arrays/tensors of at least this many bytes use same-host shared memory "
                    "(default 1048576; 0 = off)")
+@click.option("--direct/--no-direct", default=None,
+              help="same-host clients of an ipc address talk over a Unix stream socket beside it, "
+                   "without libzmq (default: on; docs/protocol.md)")
 @click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
               help="the broker's CURVE key pair file (zchannel keygen)")

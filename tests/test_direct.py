@@ -1,0 +1,193 @@
+"""The same-host direct link (broker/direct.py): real brokers, real Unix sockets, real clients."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from zchannel.broker import Channel, direct
+from zchannel.broker.protocol import pack_header
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _link_file(ch: Channel) -> str:
+    address = ch.stats()["address"]
+    assert address.startswith("ipc://")
+    path = direct.link_path(address[len("ipc://"):])
+    assert path is not None
+    return path
+
+
+class RawLink:
+    """A hand-driven direct link: frames messages as clients do, reads with a timeout."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.reader = direct.Reader(1 << 20, 1 << 30)
+
+    def send(self, records: list[dict], frames: list = ()) -> None:
+        self.send_raw(b"".join(bytes(p) for p in direct._iovec([pack_header(records), *frames])))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self, timeout: float = 10.0) -> list | None:
+        """The next message, or None once the broker closed the link."""
+        while not self.reader.messages:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            assert ready, "no message from the broker in time"
+            if not self.reader.read(self.sock.fileno()):
+                return None
+        return self.reader.messages.popleft()
+
+    def replies(self, n: int) -> list[tuple[dict, list]]:
+        """The next ``n`` reply records with their frames (heartbeats skipped)."""
+        import msgpack
+
+        out: list[tuple[dict, list]] = []
+        while len(out) < n:
+            parts = self.recv()
+            assert parts is not None, "the broker closed the link"
+            pos = 1
+            for rec in msgpack.unpackb(parts[0], raw=False):
+                nf = rec.get("nf", 0)
+                if "id" in rec:
+                    out.append((rec, parts[pos:pos + nf]))
+                pos += nf
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_same_host_handles_use_the_direct_link(make_remote):
+    ch = make_remote("dl")
+    path = _link_file(ch)
+    assert os.path.exists(path)
+    assert ch._connection()._link is not None
+    rng = np.random.default_rng(0)
+    # small, inline, one scratch buffer, larger than the scratch buffer, several frames
+    values = [b"x", os.urandom(100 << 10), os.urandom(3 << 20),
+              [torch.arange(10), rng.random((3, 4)), b"tail"],
+              {"a": np.zeros(0, np.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16)}]
+    for value in values:
+        ch.put(value)
+    for value in values:
+        got = ch.get(timeout=10)
+        if isinstance(value, bytes):
+            assert got == value
+        elif isinstance(value, list):
+            assert torch.equal(got[0], value[0]) and np.array_equal(got[1], value[1])
+            assert got[2] == value[2]
+        else:
+            assert got["a"].shape == (0,) and torch.equal(got["b"], value["b"])
+    works = [ch.put(i, async_op=True) for i in range(2000)]
+    for w in works:
+        w.wait(10)
+    assert [ch.get(timeout=10) for _ in range(2000)] == list(range(2000))
+    ch.shutdown()
+    assert not os.path.exists(path), "the broker removes its link socket when it stops"
+
+
+def test_zchannel_direct_0_keeps_a_handle_on_zeromq(make_remote, monkeypatch):
+    ch = make_remote("dz")
+    monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
+    other = Channel.connect("dz")
+    try:
+        assert other._connection()._link is None
+        assert ch._connection()._link is not None
+        other.put(b"over zmq")
+        assert ch.get(timeout=10) == b"over zmq"
+        ch.put(np.arange(5))
+        assert np.array_equal(other.get(timeout=10), np.arange(5))
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x00\x00\x00\x00",  # a message of no parts
+    (10**9).to_bytes(4, "little"),  # more parts than the broker's frame limit
+    (1).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little"),  # a header beyond its limit
+])
+def test_a_broken_direct_stream_closes_that_link_only(make_remote, garbage):
+    ch = make_remote("db")
+    ch.put(1)
+    raw = RawLink(_link_file(ch))
+    try:
+        raw.send_raw(garbage)
+        assert raw.recv() is None, "the broker closes a link that breaks the framing"
+    finally:
+        raw.close()
+    assert ch.get(timeout=10) == 1  # and keeps serving everyone else
+    ch.put(2)
+    assert ch.get(timeout=10) == 2
+
+
+def test_a_client_that_does_not_read_does_not_stall_the_broker(make_remote):
+    ch = make_remote("ds")
+    blobs = [os.urandom(1 << 20) for _ in range(12)]
+    for blob in blobs:
+        ch.put(blob, key="big")
+    raw = RawLink(_link_file(ch))
+    try:
+        raw.send([{"op": "hello", "id": 1, "ident": None, "v": 1}])
+        raw.replies(1)
+        # 12 MiB of replies, far more than a socket buffer holds, and nobody reads them yet
+        raw.send([{"op": "get", "id": 10 + i, "k": "big"} for i in range(12)])
+        for i in range(200):  # the broker goes on serving others meanwhile
+            ch.put(i, key="small")
+            assert ch.get(key="small", timeout=10) == i
+        got = raw.replies(12)
+        assert [rec["id"] for rec, _ in got] == [10 + i for i in range(12)]
+        from zchannel.broker import codec
+
+        assert [codec.decode(frames[0], frames[1:]) for _, frames in got] == blobs
+    finally:
+        raw.close()
+
+
+def test_a_killed_direct_client_gives_its_lease_back_at_once(run_dir, workers, tmp_path):
+    """A consumer SIGKILLed while holding a lease: the broker sees its link close and requeues
+    the item then, not after the heartbeat expiry (90 s here) or the lease timeout (300 s)."""
+    conf = tmp_path / "b.toml"
+    conf.write_text('[channel]\nheartbeat_interval = 30.0\nlease_timeout = 300.0\n')
+    address = f"ipc://{run_dir}/kill.sock"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "dk", "--address", address,
+         "--config", str(conf)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert broker.stdout.readline().startswith("ready ")
+        ch = Channel.connect(address)
+        ch.put(b"precious")
+        consumer = workers.start("""
+            import sys
+            from zchannel.broker import Channel
+            ch = Channel.connect(sys.argv[1])
+            assert ch._connection()._link is not None
+            d = ch.get(ack=True, timeout=10)
+            print("got", d.item, flush=True)
+            sys.stdin.readline()
+        """, address)
+        line = workers.wait_line(consumer)
+        assert line.startswith("got") and "precious" in line
+        assert ch.qsize() == 0
+        os.kill(consumer.pid, signal.SIGKILL)
+        consumer.wait()
+        assert ch.get(timeout=20) == b"precious"
+        ch.close()
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        try:
+            broker.wait(10)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            broker.wait()
