@@ -171,7 +171,10 @@ class Connection:
 
     def _open_link(self, address: str) -> direct.Link | None:
         path = direct.link_path(paths.ipc_path(address) or "")
-        if path is None or not direct_enabled() or not os.path.exists(path):
+        # only beside shared memory: large arrays then bypass the link, and libzmq's I/O
+        # threads move large frames faster than a Python loop (docs/decisions.md)
+        if path is None or not self.shm.enabled or not direct_enabled() \
+                or not os.path.exists(path):
             return None
         try:
             return direct.Link(path, stall_s=self.hb * self.liveness)

@@ -22,10 +22,23 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 _COUNT = struct.Struct("<I")
 IOV_MAX = 1024
 SCRATCH = 256 << 10  # messages up to half of this are read in place and copied out
-_EOF = object()
+READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at most
+# Large messages cross the socket in pieces of its send buffer, each piece a wake-up of the
+# reader and then of the writer: ask for 4 MiB (the kernel caps it at net.core.wmem_max).
+SOCKET_BUFFER = 4 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
 
 
 def link_path(ipc_path: str) -> str | None:
@@ -55,33 +68,33 @@ class Reader:
         self.max_part = max_part  # 0: no limit
         self.buf = bytearray(SCRATCH)
         self.start = self.end = 0
-        self.big: tuple[bytearray, int, tuple[int, ...]] | None = None  # buffer, filled, lengths
+        self.big: tuple[np.ndarray, int, tuple[int, ...]] | None = None  # buffer, filled, lengths
         self.messages: deque[list] = deque()
 
-    def read(self, fd: int) -> bool:
+    def read(self, fd: int) -> int:
         """Read what the socket has (one system call) and cut the messages it completes into
-        ``messages``.  False at end of stream; ``BlockingIOError`` when nothing is there;
-        ``FramingError`` on a broken stream."""
+        ``messages``; the bytes read, 0 at end of stream.  ``BlockingIOError`` when nothing is
+        there; ``FramingError`` on a broken stream."""
         if self.big is not None:
             buf, filled, lens = self.big
             n = os.readv(fd, [memoryview(buf)[filled:]])
             if n == 0:
-                return False
+                return 0
             filled += n
-            if filled < len(buf):
+            if filled < buf.nbytes:
                 self.big = (buf, filled, lens)
-                return True
+                return n
             self.big = None
             self.messages.append(_slices(memoryview(buf), lens))
-            return True
+            return n
         if self.end == len(self.buf):
             self._compact()
         n = os.readv(fd, [memoryview(self.buf)[self.end:]])
         if n == 0:
-            return False
+            return 0
         self.end += n
         self._cut()
-        return True
+        return n
 
     def _compact(self) -> None:
         avail = self.end - self.start
@@ -123,9 +136,9 @@ class Reader:
                 self.messages.append(parts)
                 continue
             # a large message: its own buffer, read into directly (its parts are not copied again)
-            big = bytearray(total)
+            big = np.empty(total, np.uint8)  # not zero-filled, unlike a bytearray
             have = min(total, avail - prefix)
-            big[:have] = buf[start + prefix:start + prefix + have]
+            big[:have] = np.frombuffer(buf, np.uint8, have, start + prefix)
             self.start += prefix + have
             if have == total:
                 self.messages.append(_slices(memoryview(big), lens))
@@ -187,6 +200,7 @@ class Link:
     def reconnect(self) -> bool:
         """Connect a new socket (at once, or False)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _tune(sock)
         try:
             sock.connect(self.path)
         except OSError:
@@ -346,6 +360,7 @@ class Listener:
             except OSError:  # e.g. out of descriptors: the client falls back or retries
                 return peers
             sock.setblocking(False)
+            _tune(sock)
             self._serial += 1
             # \x00 + "D": never a ZeroMQ routing id (ours are 16 random bytes, libzmq's 5)
             address = b"\x00D" + self._serial.to_bytes(8, "little")

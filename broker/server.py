@@ -219,7 +219,9 @@ class Broker:
         if ipc:
             os.chmod(ipc, 0o600)
         self.sock = sock
-        link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth else None
+        # beside shared memory only (see Connection._open_link); never around CURVE
+        link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
+            and self.config.shm_threshold > 0 else None
         if link is not None:
             try:
                 self.direct = direct.Listener(link, self.config.max_frames + 1,
@@ -591,10 +593,17 @@ class Broker:
     def _direct_read(self, peer: direct.Peer) -> bool:
         """Read a ready link and handle the messages it completed; False if it is gone."""
         reader = peer.reader
+        alive = True
         try:
-            alive = reader.read(peer.fd)
+            # until the socket is empty, or for at most READ_BUDGET bytes (the other clients
+            # wait meanwhile): a loop turn per read would cost more than the read
+            budget = direct.READ_BUDGET
+            while alive and budget > 0:
+                n = reader.read(peer.fd)
+                alive = n > 0
+                budget -= n
         except BlockingIOError:
-            return True
+            pass
         except (OSError, direct.FramingError) as exc:
             if isinstance(exc, direct.FramingError):
                 log.warning("closed a direct link that broke the framing: %s", exc)

@@ -191,3 +191,23 @@ def test_a_killed_direct_client_gives_its_lease_back_at_once(run_dir, workers, t
         except subprocess.TimeoutExpired:
             broker.kill()
             broker.wait()
+
+
+def test_without_shared_memory_handles_stay_on_zeromq(make_remote):
+    """Large frames move faster through libzmq's I/O threads: the link is used only beside the
+    shared-memory path (a broker with shm_threshold=0 does not listen, shm=False keeps zmq)."""
+    off = make_remote("doff", shm_threshold=0)
+    path = direct.link_path(off.stats()["address"][len("ipc://"):])
+    assert path is not None and not os.path.exists(path)
+    assert off._connection()._link is None
+    on = make_remote("don")
+    plain = Channel.connect("don", shm=False)
+    try:
+        assert plain._connection()._link is None
+        blob = os.urandom(2 << 20)
+        plain.put(blob)
+        assert on.get(timeout=10) == blob
+        off.put(blob)
+        assert off.get(timeout=10) == blob
+    finally:
+        plain.close()
