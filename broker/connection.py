@@ -139,7 +139,6 @@ class Connection:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
-        self._io_watching = False  # the I/O thread polls the socket for replies (see _run)
         self._spin_s = spin_seconds()
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
@@ -414,11 +413,7 @@ class Connection:
         self._last_send = 0.0
         try:
             while not self._closing:
-                # cleared before the test: a request that misses it finds it False (and wakes
-                # this thread); one that finds it True is seen by the test
-                self._io_watching = False
                 busy = self._pending or self.state != UP
-                self._io_watching = bool(busy)
                 zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
                 try:
                     os.eventfd_read(self._wake)

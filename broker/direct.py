@@ -89,7 +89,7 @@ class Reader:
             return n
         if self.end == len(self.buf):
             self._compact()
-        n = os.readv(fd, [memoryview(self.buf)[self.end:]])
+        n = os.readv(fd, [memoryview(self.buf)[self.end :]])
         if n == 0:
             return 0
         self.end += n
@@ -99,7 +99,7 @@ class Reader:
     def _compact(self) -> None:
         avail = self.end - self.start
         if self.start:
-            self.buf[:avail] = self.buf[self.start:self.end]
+            self.buf[:avail] = self.buf[self.start : self.end]
             self.start, self.end = 0, avail
         if avail == len(self.buf):  # a prefix larger than the scratch buffer (many parts)
             self.buf.extend(bytes(len(self.buf)))
@@ -129,7 +129,7 @@ class Reader:
                 pos = start + prefix
                 parts = []
                 for n in lens:
-                    parts.append(bytes(view[pos:pos + n]))
+                    parts.append(bytes(view[pos : pos + n]))
                     pos += n
                 view.release()
                 self.start = pos
@@ -155,7 +155,7 @@ def _slices(view: memoryview, lens: tuple[int, ...]) -> list:
     parts: list = []
     pos = 0
     for n in lens:
-        parts.append(view[pos:pos + n])
+        parts.append(view[pos : pos + n])
         pos += n
     parts[0] = bytes(parts[0])  # the header: small, and decoded at once
     return parts

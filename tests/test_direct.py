@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 def _link_file(ch: Channel) -> str:
     address = ch.stats()["address"]
     assert address.startswith("ipc://")
-    path = direct.link_path(address[len("ipc://"):])
+    path = direct.link_path(address[len("ipc://") :])
     assert path is not None
     return path
 
@@ -61,7 +61,7 @@ class RawLink:
             for rec in msgpack.unpackb(parts[0], raw=False):
                 nf = rec.get("nf", 0)
                 if "id" in rec:
-                    out.append((rec, parts[pos:pos + nf]))
+                    out.append((rec, parts[pos : pos + nf]))
                 pos += nf
         return out
 
@@ -76,9 +76,13 @@ def test_same_host_handles_use_the_direct_link(make_remote):
     assert ch._connection()._link is not None
     rng = np.random.default_rng(0)
     # small, inline, one scratch buffer, larger than the scratch buffer, several frames
-    values = [b"x", os.urandom(100 << 10), os.urandom(3 << 20),
-              [torch.arange(10), rng.random((3, 4)), b"tail"],
-              {"a": np.zeros(0, np.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16)}]
+    values = [
+        b"x",
+        os.urandom(100 << 10),
+        os.urandom(3 << 20),
+        [torch.arange(10), rng.random((3, 4)), b"tail"],
+        {"a": np.zeros(0, np.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16)},
+    ]
     for value in values:
         ch.put(value)
     for value in values:
@@ -113,11 +117,14 @@ def test_zchannel_direct_0_keeps_a_handle_on_zeromq(make_remote, monkeypatch):
         other.close()
 
 
-@pytest.mark.parametrize("garbage", [
-    b"\x00\x00\x00\x00",  # a message of no parts
-    (10**9).to_bytes(4, "little"),  # more parts than the broker's frame limit
-    (1).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little"),  # a header beyond its limit
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00\x00\x00\x00",  # a message of no parts
+        (10**9).to_bytes(4, "little"),  # more parts than the broker's frame limit
+        (1).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little"),  # a header beyond its limit
+    ],
+)
 def test_a_broken_direct_stream_closes_that_link_only(make_remote, garbage):
     ch = make_remote("db")
     ch.put(1)
@@ -159,16 +166,29 @@ def test_a_killed_direct_client_gives_its_lease_back_at_once(run_dir, workers, t
     """A consumer SIGKILLed while holding a lease: the broker sees its link close and requeues
     the item then, not after the heartbeat expiry (90 s here) or the lease timeout (300 s)."""
     conf = tmp_path / "b.toml"
-    conf.write_text('[channel]\nheartbeat_interval = 30.0\nlease_timeout = 300.0\n')
+    conf.write_text("[channel]\nheartbeat_interval = 30.0\nlease_timeout = 300.0\n")
     address = f"ipc://{run_dir}/kill.sock"
     broker = subprocess.Popen(
-        [sys.executable, "-m", "zchannel.cli.main", "broker", "dk", "--address", address,
-         "--config", str(conf)], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "zchannel.cli.main",
+            "broker",
+            "dk",
+            "--address",
+            address,
+            "--config",
+            str(conf),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert broker.stdout.readline().startswith("ready ")
         ch = Channel.connect(address)
         ch.put(b"precious")
-        consumer = workers.start("""
+        consumer = workers.start(
+            """
             import sys
             from zchannel.broker import Channel
             ch = Channel.connect(sys.argv[1])
@@ -176,7 +196,9 @@ def test_a_killed_direct_client_gives_its_lease_back_at_once(run_dir, workers, t
             d = ch.get(ack=True, timeout=10)
             print("got", d.item, flush=True)
             sys.stdin.readline()
-        """, address)
+        """,
+            address,
+        )
         line = workers.wait_line(consumer)
         assert line.startswith("got") and "precious" in line
         assert ch.qsize() == 0
@@ -197,7 +219,7 @@ def test_without_shared_memory_handles_stay_on_zeromq(make_remote):
     """Large frames move faster through libzmq's I/O threads: the link is used only beside the
     shared-memory path (a broker with shm_threshold=0 does not listen, shm=False keeps zmq)."""
     off = make_remote("doff", shm_threshold=0)
-    path = direct.link_path(off.stats()["address"][len("ipc://"):])
+    path = direct.link_path(off.stats()["address"][len("ipc://") :])
     assert path is not None and not os.path.exists(path)
     assert off._connection()._link is None
     on = make_remote("don")
