@@ -10,6 +10,14 @@ every reply it reads, and hands the socket back.  Whoever holds
 I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
 with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself.
+
+Over a direct link (a Unix stream socket to a same-host broker, ``broker/direct.py``) instead
+of the DEALER, sending costs one system call, so a caller whose request finds the socket free
+sends it itself; and a thread that waits on a ``Work`` reads the link itself (``wait_for``,
+like ``call``).  The I/O thread then keeps out of the way: while a thread reads the link, or
+did less than ``LAZY_S`` ago, it only looks every ``LAZY_S`` (a stream of waits never wakes it
+per reply); a thread that sleeps on a ``Work`` instead, or a done-callback (asyncio), makes it
+watch the link at once.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ def spin_seconds() -> float:
 SEND_RUN = 16
 # How often a handle whose direct link broke tries to connect it again.
 RELINK_S = 0.1
+# Over a direct link a thread waiting for a reply reads the link itself (``wait_for``).  When
+# it stops, the I/O thread takes over only after LAZY_S without a reader, looking every LAZY_S:
+# a stream whose waits follow each other then never wakes the I/O thread per reply.
+LAZY_S = 0.02
+LAZY_MS = max(1, int(LAZY_S * 1000))
 
 
 def direct_enabled() -> bool:
@@ -139,6 +152,11 @@ class Connection:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
+        self._read_end = 0.0  # when a waiting thread last stopped reading the link
+        self._sleepers = 0  # threads asleep in wait_for (the I/O thread then watches the link)
+        self._sleepers_lock = threading.Lock()
+        self.io_turns = 0  # I/O thread wake-ups (tests check that a stream needs few)
+        self._io_idle = True  # the I/O thread sleeps without watching the socket (see _run)
         self._spin_s = spin_seconds()
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
@@ -200,6 +218,17 @@ class Connection:
         work = self._enqueue(rec, frames, convert, cancellable, room)
         if work._state:  # failed already: the handle closed meanwhile
             return work
+        if self._link is not None and self._sock_lock.acquire(blocking=False):
+            # a direct link costs one system call to send on: the caller sends, and wakes the
+            # I/O thread only when it sleeps without watching the link (no reply due before)
+            try:
+                self._send_queued()
+            finally:
+                self._sock_lock.release()
+            if not self._queue:
+                if self._io_idle:
+                    self._wake_io()
+                return work
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
@@ -242,8 +271,9 @@ class Connection:
                 self._spin(work)
             took_wake = self._drive(work) if work._state == 0 else False
         finally:  # also when interrupted (KeyboardInterrupt): the request stays pending
+            self._read_end = time.monotonic()
             self._sock_lock.release()
-            if took_wake or self._queue or self._pending:
+            if took_wake or self._queue or (self._pending and self._link is None):
                 # the I/O thread takes over the rest (this caller may have consumed the
                 # socket's notification edge, so it must look at the socket itself)
                 self._wake_io()
@@ -264,15 +294,54 @@ class Connection:
                 self._send_queued()
         self._spin_score = min(SPIN_SCORE_MAX, self._spin_score + 1)
 
-    def _drive(self, work: Work) -> bool:
-        """Wait for ``work``'s reply for up to ``DRIVE_S``, reading replies and sending what
+    def wait_for(self, work: Work, timeout: float | None) -> None:
+        """``Work.wait`` over a direct link: unless another thread has the socket, read the link
+        until ``work`` completes, for up to ``DRIVE_S``; then (or else) sleep until the I/O
+        thread completes it, for the rest of ``timeout``.  Replies that come while nobody reads
+        are the I/O thread's once ``LAZY_S`` passed without a reader."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        if self.state == UP and not self._closing and os.getpid() == self.pid \
+                and self._sock_lock.acquire(blocking=False):
+            took_wake = False
+            try:
+                if self._queue:
+                    self._send_queued()
+                limit = DRIVE_S if deadline is None else min(DRIVE_S, deadline - time.monotonic())
+                took_wake = self._drive(work, max(0.0, limit))
+            finally:
+                self._read_end = time.monotonic()
+                self._sock_lock.release()
+                if took_wake or self._queue:
+                    self._wake_io()
+            if work._state:
+                return
+        # sleep on the gate: the I/O thread must watch the link now, not in LAZY_S
+        with self._sleepers_lock:
+            self._sleepers += 1
+        try:
+            self._wake_io()
+            remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if work._gate.acquire(timeout=remaining):
+                work._gate.release()
+        finally:
+            with self._sleepers_lock:
+                self._sleepers -= 1
+
+    def watch(self) -> None:
+        """Make the I/O thread watch the direct link now (a Work got a done-callback, e.g. an
+        asyncio await: no thread may come to read its reply)."""
+        self._read_end = 0.0
+        self._wake_io()
+
+    def _drive(self, work: Work, limit: float = DRIVE_S) -> bool:
+        """Wait for ``work``'s reply for up to ``limit``, reading replies and sending what
         other threads queue meanwhile: their wake-up of the I/O thread wakes this caller too
         (the I/O thread, finding the socket taken, writes it again for this caller).  True if
         it took such a wake-up: the caller passes it on when it lets the socket go."""
         sock, wake = self._readable, self._wake
         poll_set = [(sock, _POLLIN), (wake, _POLLIN)]
         took_wake = False
-        deadline = time.monotonic() + DRIVE_S
+        deadline = time.monotonic() + limit
         while work._state == 0 and not self._closing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -310,6 +379,8 @@ class Connection:
             rec["nf"] = len(frames)  # 0 by default (docs/protocol.md)
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
+        if self._link is not None:
+            work._reader = self
         self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
         if self.state == CLOSED:
             # the I/O thread ended after the check above and may have failed the queue before
@@ -413,16 +484,31 @@ class Connection:
         self._last_send = 0.0
         try:
             while not self._closing:
-                busy = self._pending or self.state != UP
-                zmq.zmq_poll(busy_poll if busy else idle_poll, tick_ms)
+                self.io_turns += 1
+                self._io_idle = True  # before the test: a request that misses it wakes us
+                busy = self._pending or self._queue or self.state != UP
+                timeout = tick_ms
+                if self._link is not None and not self._sleepers and (
+                    self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
+                ):
+                    # waiting threads read the link: look again in LAZY_S (also with nothing
+                    # due now: in a stream the next request comes at once)
+                    busy, timeout = False, LAZY_MS
+                    self._io_idle = False
+                elif busy:
+                    self._io_idle = False
+                zmq.zmq_poll(busy_poll if busy else idle_poll, timeout)
                 try:
                     os.eventfd_read(self._wake)
+                    woken = True
                 except BlockingIOError:
-                    pass
+                    woken = False
                 # cleared after the read: a wake-up written before it is consumed here, and the
                 # request behind it is seen below; one written after it stays pending
                 self._woken = False
                 if not self._sock_lock.acquire(blocking=False):
+                    if not woken and self._link is not None:
+                        continue  # a reader has the link; look again in LAZY_S
                     # a blocking caller drives the socket (``_drive``, which polls the eventfd
                     # too): pass the wake-up on to it, so that queued requests go out now
                     os.eventfd_write(self._wake, 1)

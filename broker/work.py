@@ -30,7 +30,7 @@ class Work:
     """
 
     __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
-                 "_tag", "__weakref__")
+                 "_tag", "_reader", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
@@ -41,6 +41,8 @@ class Work:
         self._callbacks: list[Callable[[Work], None]] | None = None
         self._cancel_fn = cancel_fn
         self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
+        # a transport whose waiting threads read their replies themselves (a direct link)
+        self._reader: Any = None
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
@@ -72,6 +74,8 @@ class Work:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(callback)
+                if self._reader is not None:
+                    self._reader.watch()  # nobody may wait: its reply must not wait for one
                 return
         callback(self)
 
@@ -81,7 +85,11 @@ class Work:
         return self._state != _PENDING
 
     def wait(self, timeout: float | None = None) -> Any:
-        if self._state == _PENDING:
+        if self._state == _PENDING and self._reader is not None:
+            self._reader.wait_for(self, timeout)  # reads its reply itself (connection.py)
+            if self._state == _PENDING:
+                raise TimeoutError("Work.wait timed out; the operation is still pending")
+        elif self._state == _PENDING:
             acquired = self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
             if not acquired:
                 raise TimeoutError("Work.wait timed out; the operation is still pending")

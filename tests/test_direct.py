@@ -233,3 +233,101 @@ def test_without_shared_memory_handles_stay_on_zeromq(make_remote):
         assert off.get(timeout=10) == blob
     finally:
         plain.close()
+
+
+def test_a_stream_over_a_link_reads_its_replies_in_the_waiting_thread(make_remote):
+    """Threads that wait read the link themselves: a windowed stream of 4,000 puts and gets
+    wakes each handle's I/O thread far less than once per reply (it would be ~once per reply if
+    the I/O thread read them)."""
+    producer = make_remote("dw")
+    consumer = Channel.connect("dw")
+    try:
+        pconn, cconn = producer._connection(), consumer._connection()
+        assert pconn._link is not None and cconn._link is not None
+        before = pconn.io_turns + cconn.io_turns
+        n, window = 4000, 16
+        puts: list = []
+        gets: list = []
+        got = []
+        for i in range(n):
+            puts.append(producer.put(i, async_op=True))
+            gets.append(consumer.get(async_op=True, timeout=10))
+            if len(puts) >= window:
+                puts.pop(0).wait(10)
+                got.append(gets.pop(0).wait(10))
+        for w in puts:
+            w.wait(10)
+        got.extend(w.wait(10) for w in gets)
+        assert got == list(range(n))
+        turns = pconn.io_turns + cconn.io_turns - before
+        assert turns < n // 4, f"the I/O threads woke {turns} times for {n} items"
+    finally:
+        consumer.close()
+
+
+def test_replies_nobody_waits_for_still_complete(make_remote):
+    """After a waiting thread stopped reading, a reply that no thread waits for is read by the
+    I/O thread (LAZY_S later at most); a done-callback (asyncio's await) makes it watch at once."""
+    import asyncio
+    import threading
+
+    ch = make_remote("dn")
+    ch.put(b"a")
+    assert ch.get(timeout=10) == b"a"  # this thread read the link just now
+    work = ch.get(async_op=True, timeout=10)
+    ch.put(b"b", async_op=True)
+    done = threading.Event()
+    deadline = 5.0
+    assert _poll_done(work, deadline), "a reply nobody waited for never completed"
+    assert work.wait(0) == b"b"
+    work = ch.get(async_op=True, timeout=10)
+    work.add_done_callback(lambda _: done.set())
+    ch.put(b"c", async_op=True)
+    assert done.wait(deadline)
+
+    async def consume():
+        w = ch.get(async_op=True, timeout=10)
+        ch.put(b"d", async_op=True)
+        return await w
+
+    assert asyncio.run(asyncio.wait_for(consume(), deadline)) == b"d"
+
+
+def _poll_done(work, timeout: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not work.done():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_many_threads_waiting_on_one_handle_all_get_their_replies(make_remote):
+    """Waits from several threads: one reads the link, the others sleep until it (or the I/O
+    thread) completes their Work; nobody is left waiting, a timeout still works."""
+    import threading
+
+    ch = make_remote("dm")
+    errors: list = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(300):
+                ch.put((t, i), key=t, async_op=True).wait(10)
+                assert ch.get(key=t, async_op=True, timeout=10).wait(10) == (t, i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not any(th.is_alive() for th in threads)
+    pending = ch.get(key="empty", async_op=True)
+    with pytest.raises(TimeoutError):
+        pending.wait(0.2)
+    ch.put(b"late", key="empty")
+    assert pending.wait(10) == b"late"  # a timed-out wait leaves the get pending
