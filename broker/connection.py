@@ -63,14 +63,15 @@ MAX_INLINE_PER_MESSAGE = 64 << 10
 DRIVE_S = 0.05
 
 
-def _spin_us() -> int:
-    text = os.environ.get("ZCHANNEL_SPIN_US", "250")
+def _env_int(name: str, default: int, unit: str) -> int:
+    """An int >= 0 from the environment (``ValueError`` naming it otherwise)."""
+    text = os.environ.get(name, str(default))
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"ZCHANNEL_SPIN_US must be an int >= 0 (microseconds), got {text!r}")
+        raise ValueError(f"{name} must be an int >= 0 ({unit}), got {text!r}")
     return value
 
 
@@ -79,7 +80,7 @@ def _spin_us() -> int:
 # ~100 us with a sleeping recv and ~55 us polling).  A spin that sees its reply scores +1 (up
 # to SPIN_SCORE_MAX), one that does not -2; at 0 a handle spins only every SPIN_PROBE-th call
 # until a spin sees its reply again (docs/decisions.md).  ZCHANNEL_SPIN_US=0: no spinning.
-SPIN_US = _spin_us()
+SPIN_US = _env_int("ZCHANNEL_SPIN_US", 250, "microseconds")
 SPIN_PROBE = 32
 SPIN_SCORE_MAX = 8
 
@@ -98,11 +99,15 @@ def spin_seconds() -> float:
 SEND_RUN = 16
 # How often a handle whose direct link broke tries to connect it again.
 RELINK_S = 0.1
+
+
 # Over a direct link a thread waiting for a reply reads the link itself (``wait_for``).  When
 # it stops, the I/O thread takes over only after LAZY_S without a reader, looking every LAZY_S:
-# a stream whose waits follow each other then never wakes the I/O thread per reply.
-LAZY_S = 0.02
-LAZY_MS = max(1, int(LAZY_S * 1000))
+# a stream whose waits follow each other then never wakes the I/O thread per reply, and its
+# async requests go out together at the next wait, LAZY_S later at most (``request``).
+# ZCHANNEL_LAZY_MS=0: the I/O thread always watches and nothing is held back.
+LAZY_MS = _env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
+LAZY_S = LAZY_MS / 1000
 
 
 def direct_enabled() -> bool:
@@ -156,7 +161,9 @@ class Connection:
         self._sleepers = 0  # threads asleep in wait_for (the I/O thread then watches the link)
         self._sleepers_lock = threading.Lock()
         self.io_turns = 0  # I/O thread wake-ups (tests check that a stream needs few)
+        self.held_back = 0  # requests held back to go out with later ones (``request``)
         self._io_idle = True  # the I/O thread sleeps without watching the socket (see _run)
+        self._io_lazy = False  # the I/O thread looks again within LAZY_S (see _run)
         self._spin_s = spin_seconds()
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
@@ -218,17 +225,24 @@ class Connection:
         work = self._enqueue(rec, frames, convert, cancellable, room)
         if work._state:  # failed already: the handle closed meanwhile
             return work
-        if self._link is not None and self._sock_lock.acquire(blocking=False):
-            # a direct link costs one system call to send on: the caller sends, and wakes the
-            # I/O thread only when it sleeps without watching the link (no reply due before)
-            try:
-                self._send_queued()
-            finally:
-                self._sock_lock.release()
-            if not self._queue:
-                if self._io_idle:
-                    self._wake_io()
+        if self._link is not None:
+            if self._pending and len(self._queue) < SEND_RUN and self._io_lazy \
+                    and not self._sock_lock.locked():
+                # replies are due and threads read them: the request waits for the next wait
+                # (or the I/O thread's look within LAZY_S) and goes out with those after it
+                self.held_back += 1
                 return work
+            if self._sock_lock.acquire(blocking=False):
+                # a direct link costs one system call to send on: the caller sends, and wakes
+                # the I/O thread only when it sleeps without watching the link
+                try:
+                    self._send_queued()
+                finally:
+                    self._sock_lock.release()
+                if not self._queue:
+                    if self._io_idle:
+                        self._wake_io()
+                    return work
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
@@ -486,15 +500,21 @@ class Connection:
             while not self._closing:
                 self.io_turns += 1
                 self._io_idle = True  # before the test: a request that misses it wakes us
+                self._io_lazy = False
                 busy = self._pending or self._queue or self.state != UP
                 timeout = tick_ms
-                if self._link is not None and not self._sleepers and (
+                if LAZY_MS and self._link is not None and not self._sleepers and (
                     self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
                 ):
                     # waiting threads read the link: look again in LAZY_S (also with nothing
-                    # due now: in a stream the next request comes at once)
+                    # due now: in a stream the next request comes at once); requests held
+                    # back meanwhile (``request``) go out then at the latest
                     busy, timeout = False, LAZY_MS
                     self._io_idle = False
+                    if self._queue and not self._sock_lock.locked():
+                        timeout = 0  # held back before this turn: out now
+                    else:
+                        self._io_lazy = True
                 elif busy:
                     self._io_idle = False
                 zmq.zmq_poll(busy_poll if busy else idle_poll, timeout)

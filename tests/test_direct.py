@@ -331,3 +331,56 @@ def test_many_threads_waiting_on_one_handle_all_get_their_replies(make_remote):
         pending.wait(0.2)
     ch.put(b"late", key="empty")
     assert pending.wait(10) == b"late"  # a timed-out wait leaves the get pending
+
+
+def test_a_request_held_back_goes_out_soon_without_a_wait(make_remote):
+    """With replies due and a thread reading the link, an async request waits to go out with
+    the next ones; if no wait comes, the I/O thread sends it within LAZY_S (20 ms), not at its
+    next heartbeat tick (500 ms)."""
+    import statistics
+    import time
+
+
+    ch = make_remote("dh")
+    other = Channel.connect("dh")
+    try:
+        conn = ch._connection()
+        parked = ch.get(key="never", async_op=True)  # a reply due all along
+        delays = []
+        for i in range(12):
+            ch.qsize()  # a blocking call: this thread just read the link
+            start = time.monotonic()
+            ch.put(i, key="k", async_op=True)  # no wait follows
+            assert other.get(key="k", timeout=5) == i
+            delays.append(time.monotonic() - start)
+        assert conn.held_back >= 1, "the test never held a request back"
+        # a held-back request waits LAZY_S at most; the heartbeat tick would be 0.5 s
+        assert statistics.median(delays) < 0.25, delays
+        assert not parked.done()
+    finally:
+        other.close()
+
+
+def test_lazy_setting_is_checked_and_zero_holds_nothing_back(make_remote):
+    make_remote("dlz")
+    for bad in ("-1", "soon"):
+        proc = subprocess.run([sys.executable, "-c", "import zchannel.broker.connection"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "ZCHANNEL_LAZY_MS": bad})
+        assert proc.returncode != 0
+        assert "ZCHANNEL_LAZY_MS must be an int >= 0" in proc.stderr
+    code = """
+from zchannel.broker import Channel
+ch = Channel.connect("dlz")
+parked = ch.get(key="never", async_op=True)
+for i in range(50):
+    ch.qsize()
+    ch.put(i, key="k", async_op=True)
+assert [ch.get(key="k", timeout=5) for _ in range(50)] == list(range(50))
+print(ch._connection().held_back)
+ch.close()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "ZCHANNEL_LAZY_MS": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0"
