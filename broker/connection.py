@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -155,6 +156,9 @@ class Connection:
         self._room_waiters = 0
         self._state_cv = threading.Condition()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # closed with this object, not when the I/O thread ends: a thread may still write a
+        # wake-up then, which must not reach a descriptor that reused the number
+        weakref.finalize(self, os.close, self._wake)
         self._sock_lock = threading.Lock()
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
         self._read_end = 0.0  # when a waiting thread last stopped reading the link
@@ -558,7 +562,6 @@ class Connection:
                     self._link.close()
                 else:
                     sock.close(linger=0)
-            os.close(self._wake)
 
     def _set_state(self, state: str) -> None:
         with self._state_cv:

@@ -19,6 +19,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -191,7 +192,9 @@ class Link:
         self._idle = os.eventfd(0, os.EFD_CLOEXEC)
         self.fd = os.dup(self._idle)
         os.set_inheritable(self.fd, False)
+        weakref.finalize(self, _close_fds, self.fd, self._idle)
         self.up = False
+        self.closed = False
         self.reader = Reader(1 << 20, 1 << 40)
         if not self.reconnect():
             self.close()
@@ -199,6 +202,8 @@ class Link:
 
     def reconnect(self) -> bool:
         """Connect a new socket (at once, or False)."""
+        if self.closed:
+            return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         _tune(sock)
         try:
@@ -277,12 +282,18 @@ class Link:
         return messages.popleft()
 
     def close(self) -> None:
-        self.up = False
-        for fd in (self.fd, self._idle):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Close the socket (the broker sees the end of the stream); the descriptors go with
+        this object, so that no late poll or wake-up can reach a reused number."""
+        self.closed = True
+        self.drop()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _head(bufs: deque) -> list:
