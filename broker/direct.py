@@ -29,6 +29,9 @@ _COUNT = struct.Struct("<I")
 IOV_MAX = 1024
 SCRATCH = 256 << 10  # messages up to half of this are read in place and copied out
 READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at most
+# The broker's address of a link's client: never a ZeroMQ routing id (a client's is 16 random
+# bytes, one libzmq makes up 5 starting with \x00).
+ADDRESS_PREFIX = b"\x00D"
 # Large messages cross the socket in pieces of its send buffer, each piece a wake-up of the
 # reader and then of the writer: ask for 4 MiB (the kernel caps it at net.core.wmem_max).
 SOCKET_BUFFER = 4 << 20
@@ -373,8 +376,7 @@ class Listener:
             sock.setblocking(False)
             _tune(sock)
             self._serial += 1
-            # \x00 + "D": never a ZeroMQ routing id (ours are 16 random bytes, libzmq's 5)
-            address = b"\x00D" + self._serial.to_bytes(8, "little")
+            address = ADDRESS_PREFIX + self._serial.to_bytes(8, "little")
             peer = Peer(sock, address, Reader(*self.limits))
             self.by_fd[peer.fd] = peer
             self.by_address[address] = peer

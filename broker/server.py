@@ -533,7 +533,7 @@ class Broker:
                     self._poll_dirty = True
                 self.last_sent[address] = time.monotonic()
                 return True
-            if address[:2] == b"\x00D":
+            if address.startswith(direct.ADDRESS_PREFIX):
                 return False  # a direct link that is gone
         try:
             send_message(self.sock, [address, pack_header(records), *frames], nonblock=True)
@@ -550,12 +550,20 @@ class Broker:
             for address, out in out_all.items():
                 if self._send(address, out.records, out.frames):
                     continue
-                client = self.clients.pop(address, None)
-                for c, origin, items, lease in out.deliveries:
-                    self.core.requeue(c, origin, items, lease)
-                if client is not None:
+                if self._end_client(address, out) is not None:
                     log.info("client went away before its reply was sent; its items were requeued")
-                    self.core.client_gone(client)
+
+    def _end_client(self, address: bytes, out: _Outbox | None) -> Client | None:
+        """``address`` cannot be reached: the deliveries of ``out`` that were not sent go back
+        to their queues first, then the client ends (its leases, parked requests, holds)."""
+        client = self.clients.pop(address, None)
+        self.last_sent.pop(address, None)
+        if out is not None:
+            for c, origin, items, lease in out.deliveries:
+                self.core.requeue(c, origin, items, lease)
+        if client is not None:
+            self.core.client_gone(client)
+        return client
 
     # -- direct links (broker/direct.py) -------------------------------------------------------
 
@@ -623,14 +631,7 @@ class Broker:
         assert self.direct is not None
         self.direct.drop(peer)
         self._poll_dirty = True
-        client = self.clients.pop(peer.address, None)
-        self.last_sent.pop(peer.address, None)
-        out = self._out.pop(peer.address, None)
-        if out is not None:  # deliveries not sent yet go back first (as in _flush)
-            for c, origin, items, lease in out.deliveries:
-                self.core.requeue(c, origin, items, lease)
-        if client is not None:
-            self.core.client_gone(client)
+        self._end_client(peer.address, self._out.pop(peer.address, None))
 
     def _release_memory(self) -> None:
         """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
