@@ -306,7 +306,7 @@ def _head(bufs: deque) -> list:
 class Peer:
     """The broker's end of one direct link."""
 
-    __slots__ = ("sock", "fd", "address", "reader", "out")
+    __slots__ = ("sock", "fd", "address", "reader", "out", "since", "greeted")
 
     def __init__(self, sock: socket.socket, address: bytes, reader: Reader) -> None:
         self.sock = sock
@@ -314,6 +314,8 @@ class Peer:
         self.address = address
         self.reader = reader
         self.out: deque = deque()  # bytes not yet written (the socket was full)
+        self.since = time.monotonic()  # accepted then
+        self.greeted = False  # it said hello (a link that never does is closed after expiry)
 
     def send(self, parts: list) -> bool:
         """Queue one message and write what the socket takes now; False if the peer is gone."""

@@ -389,6 +389,8 @@ class Broker:
                 client = None
 
     def _hello(self, address: bytes, rec: dict) -> Client:
+        if self.direct is not None and address in self.direct.by_address:
+            self.direct.by_address[address].greeted = True
         old = self.clients.pop(address, None)
         if old is not None:
             self.core.client_gone(old)
@@ -664,6 +666,11 @@ class Broker:
                 out.records.append({"op": HEARTBEAT})
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
+        if self.direct is not None:  # links that never said hello hold a descriptor each
+            for peer in [p for p in self.direct.by_fd.values()
+                         if not p.greeted and now - p.since > expiry]:
+                log.info("closed a direct link that said nothing for %.1fs", now - peer.since)
+                self._direct_gone(peer)
         for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
             del self._expired_told[address]
 

@@ -387,3 +387,19 @@ ch.close()
                           timeout=60, env={**os.environ, "ZCHANNEL_LAZY_MS": "0"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0"
+
+
+def test_a_link_that_never_says_hello_is_closed_after_the_expiry(make_remote):
+    """A local process that connects to the link and stays silent holds a descriptor of the
+    broker: it is closed once the heartbeat expiry (3 s here) passed; handles stay served."""
+    ch = make_remote("dq")
+    raw = RawLink(_link_file(ch))
+    try:
+        ch.put(1)
+        assert raw.recv(timeout=20) is None, "the broker closes a silent link"
+        assert ch.get(timeout=10) == 1
+        conn = ch._connection()
+        assert conn._link.up and conn._relink_at == 0.0, "the handle's own link stayed open"
+        assert ch.stats()["clients"] == 1
+    finally:
+        raw.close()
