@@ -282,12 +282,21 @@ class Connection:
         if not self._sock_lock.acquire(blocking=False):
             self._wake_io()
             return work
+        spin = bool(self._spin_s) and (
+            self._spin_score > 0 or next(self._calls) % SPIN_PROBE == 0)
+        self._read_for(work, DRIVE_S, spin)
+        return work
+
+    def _read_for(self, work: Work, limit: float, spin: bool = False) -> None:
+        """With ``_sock_lock`` taken by the caller (released here): send what is queued, read
+        replies until ``work`` completes (spinning first if ``spin``), for up to ``limit``."""
         took_wake = False
         try:
             self._send_queued()
-            if self._spin_s and (self._spin_score > 0 or next(self._calls) % SPIN_PROBE == 0):
+            if spin:
                 self._spin(work)
-            took_wake = self._drive(work) if work._state == 0 else False
+            if work._state == 0:
+                took_wake = self._drive(work, limit)
         finally:  # also when interrupted (KeyboardInterrupt): the request stays pending
             self._read_end = time.monotonic()
             self._sock_lock.release()
@@ -295,7 +304,6 @@ class Connection:
                 # the I/O thread takes over the rest (this caller may have consumed the
                 # socket's notification edge, so it must look at the socket itself)
                 self._wake_io()
-        return work
 
     def _spin(self, work: Work) -> None:
         """Poll for ``work``'s reply without sleeping, for up to ``SPIN_US``."""
@@ -320,17 +328,8 @@ class Connection:
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         if self.state == UP and not self._closing and os.getpid() == self.pid \
                 and self._sock_lock.acquire(blocking=False):
-            took_wake = False
-            try:
-                if self._queue:
-                    self._send_queued()
-                limit = DRIVE_S if deadline is None else min(DRIVE_S, deadline - time.monotonic())
-                took_wake = self._drive(work, max(0.0, limit))
-            finally:
-                self._read_end = time.monotonic()
-                self._sock_lock.release()
-                if took_wake or self._queue:
-                    self._wake_io()
+            limit = DRIVE_S if deadline is None else min(DRIVE_S, deadline - time.monotonic())
+            self._read_for(work, max(0.0, limit))
             if work._state:
                 return
         # sleep on the gate: the I/O thread must watch the link now, not in LAZY_S

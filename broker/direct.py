@@ -165,9 +165,11 @@ def _slices(view: memoryview, lens: tuple[int, ...]) -> list:
     return parts
 
 
-def _iovec(parts: list) -> list:
-    prefix = struct.pack(f"<I{len(parts)}Q", len(parts), *[_byte_view(p).nbytes for p in parts])
-    return [prefix, *parts]
+def _iovec(parts: list) -> tuple[list, int]:
+    """The buffers of one framed message (its prefix, then ``parts``) and their total size."""
+    sizes = [_byte_view(p).nbytes for p in parts]
+    prefix = struct.pack(f"<I{len(parts)}Q", len(parts), *sizes)
+    return [prefix, *parts], len(prefix) + sum(sizes)
 
 
 def _advance(bufs: deque, n: int) -> None:
@@ -232,28 +234,24 @@ class Link:
         the link down, when it cannot."""
         if not self.up:
             return False
-        bufs = _iovec(parts)
-        if len(bufs) <= IOV_MAX:
-            try:
-                n = os.writev(self.fd, bufs)
-            except BlockingIOError:
-                n = 0
-            except OSError:
-                self.drop()
-                return False
-            total = sum(len(b) if type(b) is bytes else _byte_view(b).nbytes for b in bufs)
-            if n == total:
-                return True
-            rest: deque = deque(bufs)
-            _advance(rest, n)
-        else:
-            rest = deque(bufs)
+        bufs, total = _iovec(parts)
+        try:
+            n = os.writev(self.fd, bufs[:IOV_MAX])
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self.drop()
+            return False
+        if n == total:
+            return True
+        rest = deque(bufs)
+        _advance(rest, n)
         deadline = time.monotonic() + self.stall_s
         poller = select.poll()
         poller.register(self.fd, select.POLLOUT)
         while rest:
             try:
-                n = os.writev(self.fd, list(_head(rest)))
+                n = os.writev(self.fd, _head(rest))
             except BlockingIOError:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -319,17 +317,16 @@ class Peer:
 
     def send(self, parts: list) -> bool:
         """Queue one message and write what the socket takes now; False if the peer is gone."""
-        bufs = _iovec(parts)
+        bufs, total = _iovec(parts)
         if self.out:
             self.out.extend(bufs)
             return True
         try:
-            n = os.writev(self.fd, bufs) if len(bufs) <= IOV_MAX else 0
+            n = os.writev(self.fd, bufs[:IOV_MAX])
         except BlockingIOError:
             n = 0
         except OSError:
             return False
-        total = sum(len(b) if type(b) is bytes else _byte_view(b).nbytes for b in bufs)
         if n < total:
             self.out.extend(bufs)
             _advance(self.out, n)

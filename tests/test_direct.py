@@ -35,7 +35,7 @@ class RawLink:
         self.reader = direct.Reader(1 << 20, 1 << 30)
 
     def send(self, records: list[dict], frames: list = ()) -> None:
-        self.send_raw(b"".join(bytes(p) for p in direct._iovec([pack_header(records), *frames])))
+        self.send_raw(b"".join(bytes(p) for p in direct._iovec([pack_header(records), *frames])[0]))
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
