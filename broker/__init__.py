@@ -6,17 +6,28 @@
 
 from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.codec import register_type, serializable
-from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, HookError
+from zchannel.broker.errors import (
+    BrokerStartError,
+    BrokerUnavailable,
+    ChannelError,
+    ChannelNotFound,
+    HookError,
+    QueueEmpty,
+    QueueFull,
+)
 from zchannel.broker.work import Delivery, Work
 
 __all__ = [
     "DEFAULT_KEY",
+    "BrokerStartError",
     "BrokerUnavailable",
     "Channel",
     "ChannelError",
     "ChannelNotFound",
     "Delivery",
     "HookError",
+    "QueueEmpty",
+    "QueueFull",
     "Work",
     "register_type",
     "serializable",

@@ -12,8 +12,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import secrets
-import select
 import subprocess
 import sys
 import threading
@@ -24,16 +22,22 @@ from typing import Any
 
 import zmq
 from zchannel.broker import codec, paths
+from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.connection import CLOSED, Connection, probe
 from zchannel.broker.core import check_key, check_timeout, check_weight
-from zchannel.broker.errors import _BY_NAME as _ERRORS_BY_NAME
-from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
+from zchannel.broker.errors import (
+    BrokerStartError,
+    BrokerUnavailable,
+    ChannelError,
+    ChannelNotFound,
+)
 from zchannel.broker.protocol import (
     ACK,
     FULL,
     GET,
     GET_BATCH,
     INLINE_BODY,
+    PEEK,
     PUT,
     QSIZE,
     SHUTDOWN,
@@ -41,13 +45,17 @@ from zchannel.broker.protocol import (
 )
 from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
+from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
 from zchannel.broker.work import Delivery, Work
-from zchannel.hooks import Collector, Dispatcher, check_consumer_id, hook_spec, registered
+from zchannel.hooks import (
+    Collector,
+    Dispatcher,
+    check_consumer_id,
+)
 
 log = logging.getLogger("zchannel.client")
 
 DEFAULT_KEY = "default_queue"
-START_TIMEOUT_S = 60.0
 
 _open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
 # os.getpid() on every request is a system call; a forked child updates the cached value.
@@ -55,54 +63,20 @@ _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
-def _hook_for_child(hook: Any, imports: list[str]) -> Any:
-    """A hook as the broker child receives it: a name/path, or an instance's class and state.
-
-    Modules of hook classes registered in this process are added to ``imports`` so that the
-    child knows their registered names too.
-    """
-    if isinstance(hook, (Collector, Dispatcher)):
-        state = dict(vars(hook))
-        try:
-            codec.encode(state)
-        except TypeError as exc:
-            raise TypeError(
-                f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
-                "or name and configure it through options="
-            ) from None
-        cls = type(hook)
-        hook_spec(cls)  # raises for classes the broker process cannot import
-        return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
-    if isinstance(hook, str) and ":" not in hook:
-        for base in (Collector, Dispatcher):
-            cls = registered(base).get(hook.lower())
-            if cls is not None and not cls.__module__.startswith("zchannel."):
-                imports.append(cls.__module__)
-        return hook
-    if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
-        imports.append(hook.__module__)
-    return hook_spec(hook)
-
-
-def _hook_label(spec: Any) -> str | None:
-    """A hook as given to ``create`` (after ``_hook_for_child``), named the way the broker's
-    ``stats()`` names it: its registered name, else ``module:qualname``."""
-    if spec is None:
-        return None
-    if isinstance(spec, dict):
-        spec = spec.get("class")
-    if not isinstance(spec, str):
-        return None
-    if ":" in spec:
-        from zchannel.hooks import import_path
-
-        try:
-            cls = import_path(spec)
-        except Exception:
-            return spec
-        name = getattr(cls, "hook_name", None)
-        return name if isinstance(name, str) else spec
-    return spec.lower()
+def _worker_identity(current_worker: Any) -> str | None:
+    """The consumer id ``connect``'s ``current_worker`` stands for (see ``Channel.connect``)."""
+    if current_worker is None or isinstance(current_worker, str):
+        return current_worker
+    identity = getattr(current_worker, "identity", None)
+    if isinstance(identity, str):
+        return identity
+    group, rank = getattr(current_worker, "group_name", None), getattr(current_worker, "rank", None)
+    if isinstance(group, str) and isinstance(rank, int) and not isinstance(rank, bool):
+        return f"{group}:{rank}"
+    raise TypeError(
+        "current_worker is a consumer id 'group:rank', or an object with an identity str or "
+        f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
+        "zchannel has no Worker class, a handle acts for the consumer id it is given")
 
 
 def _ray_connected() -> bool:
@@ -117,7 +91,12 @@ def _identity(identity: str | None) -> str | None:
 
 
 class Channel:
-    """A named, distributed producer-consumer queue (see ``docs/`` and the spec, §3-§4)."""
+    """A named, distributed producer-consumer queue (``README.md``, ``docs/guarantees.md``).
+
+    ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
+    one that attached to a running broker, on ``connect`` handles and on unpickled copies.
+    ``repr()``/``str()`` are cheap and never touch the network; ``peek`` shows items.
+    """
 
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
                  curve_keys: Any = None, _proc: subprocess.Popen | None = None,
@@ -135,6 +114,7 @@ class Channel:
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
+        self.created = _proc is not None
         _open_handles.add(self)
 
     # -- construction ------------------------------------------------------------------------
@@ -144,6 +124,9 @@ class Channel:
         cls,
         name: str,
         maxsize: int = 0,
+        distributed: bool = False,
+        node_rank: int | None = None,
+        local: bool = False,
         *,
         address: str | None = None,
         collector: Any = None,
@@ -151,20 +134,32 @@ class Channel:
         producers: Iterable[str] | None = None,
         consumers: Iterable[str] | Mapping[str, int] | None = None,
         options: Mapping[str, Any] | None = None,
-        local: bool = False,
         identity: str | None = None,
-        distributed: bool = False,
-        node_rank: int | None = None,
         curve_keys: Any = None,
         insecure: bool = False,
         lease_timeout: float = 30.0,
         shm_threshold: int | None = None,
     ) -> Channel:
-        """Start a broker for ``name`` and return a connected handle; if a live broker already
-        serves the name, connect to it (its settings win; differing arguments are logged)."""
+        """Start a broker for ``name`` and return a connected handle (``created`` True); if a
+        live broker already serves the name, attach to it (``created`` False, a warning on the
+        ``zchannel.client`` logger names its pid, address and items held; its settings win and
+        differing arguments are logged).
+
+        The first five parameters keep RLinf's positional order (``name, maxsize,
+        distributed, node_rank, local``); the rest are keyword-only.  Wrong arguments are
+        ``ValueError``/``TypeError`` before anything starts; a broker that cannot start (busy
+        address, a hook failing in it) is ``BrokerStartError`` (``docs/errors.md``).
+        """
         paths.check_name(name)
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
             raise ValueError(f"maxsize must be an int >= 0, got {maxsize!r}")
+        for flag, value in (("distributed", distributed), ("local", local)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
+                                "order is name, maxsize, distributed, node_rank, local)")
+        if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                      or node_rank < 0):
+            raise ValueError(f"node_rank must be None or an int >= 0, got {node_rank!r}")
         if identity is not None:
             check_consumer_id(identity)
         from zchannel.hooks import expand_consumers
@@ -192,8 +187,8 @@ class Channel:
         imports: list[str] = []
         config = {
             "name": name, "address": address, "maxsize": maxsize,
-            "collector": _hook_for_child(collector, imports),
-            "dispatcher": _hook_for_child(dispatcher, imports),
+            "collector": hook_for_child(collector, imports, Collector),
+            "dispatcher": hook_for_child(dispatcher, imports, Dispatcher),
             "producers": list(producers or ()), "consumers": declared,
             "options": dict(options or {}), "lease_timeout": float(lease_timeout),
             "insecure": bool(insecure), "imports": sorted(set(imports)),
@@ -224,13 +219,14 @@ class Channel:
                     handle = None
                 if handle is not None:
                     handle._name = name
+                    handle._log_attached()
                     handle._warn_differences(config)
                     return handle
             if time.monotonic() > deadline:
-                raise ChannelError(f"channel {name!r} is locked but no broker answers")
+                raise BrokerStartError(f"channel {name!r} is locked but no broker answers")
             time.sleep(0.05)  # another process is starting the broker
         try:
-            proc, real_address, token = _spawn_broker(config, lock_fd)
+            proc, real_address, token = spawn_broker(config, lock_fd)
         finally:
             os.close(lock_fd)
         handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
@@ -243,14 +239,25 @@ class Channel:
         return handle
 
     @classmethod
-    def connect(cls, name_or_address: str, *, identity: str | None = None,
-                timeout: float = 10.0, curve_keys: Any = None, shm: bool | None = None) -> Channel:
+    def connect(cls, name_or_address: str, current_worker: Any = None, *,
+                identity: str | None = None, timeout: float = 10.0, curve_keys: Any = None,
+                shm: bool | None = None) -> Channel:
         """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
 
+        ``current_worker`` (RLinf's second positional argument) names the consumer this handle
+        acts for and becomes its ``identity``: a ``"group:rank"`` str, or an object with an
+        ``identity`` str or with ``group_name`` and ``rank`` attributes (zchannel has no Worker
+        class).  None keeps ``identity=``, else ``ZCHANNEL_IDENTITY``.
         ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
         the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
+        worker_identity = _worker_identity(current_worker)
+        if worker_identity is not None:
+            if identity is not None and identity != worker_identity:
+                raise ValueError(f"current_worker stands for {worker_identity!r} but "
+                                 f"identity={identity!r}: give one of them")
+            identity = worker_identity
         if identity is not None:
             check_consumer_id(identity)
         if paths.is_address(name_or_address):
@@ -279,6 +286,19 @@ class Channel:
             return DistributedChannel.from_handle(handle)
         return handle
 
+    def _log_attached(self) -> None:
+        """The warning of a ``create`` that attached to a running broker instead of starting
+        one (``created`` is False)."""
+        try:
+            stats = self.stats()
+        except ChannelError:
+            stats = {}
+        held = sum(k.get("depth", 0) for k in (stats.get("keys") or {}).values())
+        log.warning("channel %r: attached to the broker already serving it (pid %s at %s, "
+                    "%d items held) instead of starting one; its settings win, and shutdown() "
+                    "is left to its creator", self._name, stats.get("pid", os.getpid()),
+                    stats.get("address") or self._address, held)
+
     def _warn_differences(self, config: dict) -> None:
         info = self._connection().broker_info
         if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
@@ -291,7 +311,7 @@ class Channel:
         except ChannelError:
             return
         for kind in ("collector", "dispatcher"):
-            given = _hook_label(config[kind])
+            given = hook_label(config[kind])
             if given is not None and given != running.get(kind):
                 log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
                             kind, running.get(kind), kind, given)
@@ -327,6 +347,11 @@ class Channel:
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def is_local(self) -> bool:
+        """True for an in-process channel (``local=True``), False for one served by brokers."""
+        return False
 
     @property
     def identity(self) -> str | None:
@@ -369,6 +394,8 @@ class Channel:
                 convert = conn.converters[(op, copy)] = make(copy, conn.shm)
         elif op == STATS:
             convert = _stats_converter
+        elif op == PEEK:
+            convert = _peek_converter(conn.shm)
         send = conn.call if wait else conn.request
         try:
             return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
@@ -376,9 +403,12 @@ class Channel:
             shm_undo(conn, rec.get("sm"))  # not sent: its slots go back to the pool
             raise
 
-    def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
-            timeout: float | None = None) -> Work | None:
+    def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
+            async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Enqueue ``item`` under ``key``; blocks while a target queue is full.
+
+        ``weight``: an int or finite float >= 0 (``ValueError`` otherwise); it never changes
+        order.  ``key``: a str, int, bytes or tuple of those (``TypeError`` otherwise).
 
         Raises ``TimeoutError`` if not admitted by ``timeout``, ``TypeError`` for an item that
         cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
@@ -389,8 +419,9 @@ class Channel:
         work = self._submit(rec, item, has_item=True, wait=not async_op)
         return work if async_op else work.wait()
 
-    def put_nowait(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY) -> None:
-        """Enqueue without waiting; ``asyncio.QueueFull`` (nothing enqueued) if a target is full."""
+    def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
+        """Enqueue without waiting; ``QueueFull`` (nothing enqueued) if a target is full: it
+        subclasses both ``asyncio.QueueFull`` and ``queue.Full``."""
         rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "nw": True}
         self._submit(rec, item, has_item=True, wait=True).wait()
 
@@ -407,16 +438,20 @@ class Channel:
         return work if async_op else work.wait()
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
-        """Like ``get`` without waiting; ``asyncio.QueueEmpty`` when nothing is available."""
+        """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
+        both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
         rec = {"op": GET, "k": check_key(key), "nw": True, "ack": bool(ack)}
         return self._submit(rec, copy=copy, wait=True).wait()
 
-    def get_batch(self, target_weight: int, key: Any = DEFAULT_KEY, async_op: bool = False,
-                  timeout: float | None = None, *, copy: bool | None = None) -> list | Work:
-        """Take head items up to ``target_weight`` (see the spec, §4); never returns ``[]``."""
-        if isinstance(target_weight, bool) or not isinstance(target_weight, int) or target_weight <= 0:
-            raise ValueError(f"target_weight must be an int > 0, got {target_weight!r}")
-        rec = {"op": GET_BATCH, "k": check_key(key), "tw": target_weight, "t": check_timeout(timeout)}
+    def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
+                  async_op: bool = False, timeout: float | None = None, *,
+                  copy: bool | None = None) -> list | Work:
+        """Take head items whose weights add up to at most ``target_weight`` (an int or finite
+        float > 0, required), plus weight-0 items right behind; never returns ``[]``: a head
+        heavier than the target comes alone (``docs/guarantees.md``).  Float sums within a
+        relative 1e-9 of the target count as reaching it (0.1 + 0.2 meets 0.3)."""
+        rec = {"op": GET_BATCH, "k": check_key(key), "tw": check_target_weight(target_weight),
+               "t": check_timeout(timeout)}
         work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
@@ -431,8 +466,32 @@ class Channel:
         rec = {"op": FULL, "k": check_key(key), "c": consumer}
         return self._submit(rec, wait=True).wait()
 
-    def stats(self) -> dict:
-        return self._submit({"op": STATS}, wait=True).wait()
+    def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
+             weights: bool = False) -> list:
+        """Copies of up to ``n`` (1..1024) items at the head of ``key``'s queue, head first,
+        which stay queued: nothing is removed, reordered or leased, and changing a copy
+        changes nothing in the channel.  ``[]`` for an empty or unknown key.
+
+        Without ``consumer`` it shows the shared queue; with a consumer id, what that
+        consumer's gets would take next (its private queue, then the shared one).
+        ``weights=True`` gives ``(item, weight)`` pairs.  For debugging: RLinf's
+        ``str(channel)`` listed the default queue, zchannel's ``str()`` never touches the
+        network.
+        """
+        rec = {"op": PEEK, "k": check_key(key), "n": check_peek_count(n)}
+        if consumer is not None:
+            rec["c"] = check_consumer_id(consumer)
+        pairs = self._submit(rec, copy=True, wait=True).wait()
+        return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
+
+    def stats(self, *, exclude_self: bool = False) -> dict:
+        """The broker's state (keys, consumers, counters; ``docs/guarantees.md``).
+        ``exclude_self=True`` leaves this handle out of ``clients`` (what ``zchannel stat``
+        does, so that an observer does not count itself)."""
+        rec: dict[str, Any] = {"op": STATS}
+        if exclude_self:
+            rec["xs"] = True
+        return self._submit(rec, wait=True).wait()
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make this
@@ -502,7 +561,10 @@ class Channel:
         return (_unpickle, (self._name, self._address, self._explicit_identity, self._curve_keys))
 
     def __repr__(self) -> str:
-        return f"Channel(name={self._name!r}, address={self._address!r})"
+        # cheap and local on purpose: no request (RLinf's str() fetched items; see peek())
+        state = ", closed" if self._closed else ""
+        return (f"{type(self).__name__}(name={self._name!r}, address={self._address!r}, "
+                f"identity={self._explicit_identity!r}, created={self.created}{state})")
 
 
 def _unpickle(name: str | None, address: str, identity: str | None, curve_keys: Any) -> Channel:
@@ -554,67 +616,21 @@ def _batch_converter(copy: bool | None, shm: Any = None):
     return convert
 
 
+def _peek_converter(shm: Any = None):
+    batch = _batch_converter(True, shm)  # copies: nothing the caller holds points into a slot
+
+    def convert(rec: dict, frames: list) -> list:
+        items = batch(rec, frames)
+        weights = rec.get("ws") or ()
+        if len(weights) != len(items):
+            raise ValueError("malformed peek reply: one weight per item")
+        return list(zip(items, weights, strict=True))
+
+    return convert
+
+
 def _stats_converter(rec: dict, frames: list) -> dict:
     return _decode_frames(frames, True)
-
-
-# -- starting a broker ------------------------------------------------------------------------
-
-
-def _spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m zchannel.broker`` as a child in its own session; it inherits the lock
-    fd and stderr, reads its config from stdin and prints ``ready <address>``."""
-    token = secrets.token_hex(16)
-    config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
-    body, buffers = codec.encode(config)
-    assert not buffers
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zchannel.broker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        pass_fds=(lock_fd,),
-        start_new_session=True,
-        close_fds=True,
-    )
-    try:
-        proc.stdin.write(body)
-        proc.stdin.close()
-        line = _read_line(proc, START_TIMEOUT_S)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    if not line.startswith("ready "):
-        proc.kill()
-        proc.wait()
-        raise _start_error(config["name"], line.strip())
-    return proc, line.split(None, 1)[1].strip(), token
-
-
-def _start_error(name: str, line: str) -> BaseException:
-    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``:
-    standard errors (an unknown hook name, bad options: ``ValueError``) keep their type."""
-    message = f"broker for {name!r} failed to start: {line or 'no output'}"
-    exc_name, sep, _ = line.removeprefix("error ").partition(":")
-    cls = _ERRORS_BY_NAME.get(exc_name) if line.startswith("error ") and sep else None
-    return (cls or ChannelError)(message)
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    data = b""
-    while b"\n" not in data:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ChannelError("the broker did not report ready in time")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if ready:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            data += chunk
-    return data.decode(errors="replace")
 
 
 @atexit.register

@@ -9,7 +9,6 @@ of ``reply`` — a result or an error — unless the client withdrew it or went 
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import logging
@@ -17,10 +16,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from zchannel.broker.errors import HookError
+from zchannel.broker.checks import (  # noqa: F401 - check_timeout is re-exported
+    check_key,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+    exceeds,
+    reaches,
+)
+from zchannel.broker.errors import HookError, QueueEmpty, QueueFull
+from zchannel.broker.records import Client, Consumer, Item, KeyState, Lease, Request
 from zchannel.hooks import (
     ChannelContext,
     Collector,
@@ -31,124 +38,6 @@ from zchannel.hooks import (
 log = logging.getLogger("zchannel.broker")
 
 KEY_GRACE_S = 30.0
-MAX_KEY_BYTES = 1024
-
-
-def check_key(key: Any, _depth: int = 0) -> Any:
-    """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those)."""
-    if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
-        return key
-    if isinstance(key, bool):
-        raise TypeError("a key may not be a bool")
-    if isinstance(key, (str, bytes)):
-        if len(key) > MAX_KEY_BYTES:
-            raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES})")
-        return key
-    if isinstance(key, int):
-        if not -(2**63) <= key < 2**64:
-            raise ValueError("an int key must fit in 64 bits")
-        return key
-    if isinstance(key, tuple) and _depth < 4:
-        if len(key) > 64:
-            raise ValueError("a tuple key may have at most 64 parts")
-        for part in key:
-            check_key(part, _depth + 1)
-        return key
-    raise TypeError(f"a key is a str, int, bytes or a tuple of those, not {type(key).__name__}")
-
-
-MAX_WEIGHT = 2**53
-
-
-def check_weight(weight: Any) -> int:
-    if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
-        raise ValueError(f"weight must be an int in [0, 2**53], got {weight!r}")
-    return weight
-
-
-def check_timeout(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-    return float(timeout)
-
-
-@dataclass(slots=True, eq=False)
-class Item:
-    """One queued item: an opaque payload (frames, or the object itself in a local channel)."""
-
-    payload: Any
-    weight: int
-    nbytes: int
-    value: Any = None  # the decoded item, when a hook needed it
-    decoded: bool = False
-    shm: Any = None  # shared-memory slot holds (broker/shm.py), or None
-
-
-@dataclass(eq=False)
-class Client:
-    """One connected handle (a DEALER socket, or a local handle)."""
-
-    address: Any
-    identity: str | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    parked: dict[int, Request] = field(default_factory=dict)
-    leases: set[int] = field(default_factory=set)
-    consumer: str | None = None  # set once the handle joined as a consumer
-    gone: bool = False
-
-
-@dataclass(eq=False)
-class Request:
-    """A parked get, get_batch or put."""
-
-    client: Client
-    rid: int
-    kind: str  # "get" | "batch" | "put"
-    key: Any
-    deadline: float | None
-    target: int = 0  # get_batch target weight
-    ack: bool = False
-    outputs: list[tuple[Any, str | None, Item]] = field(default_factory=list)
-    alive: bool = True
-
-
-@dataclass(eq=False)
-class KeyState:
-    key: Any
-    shared: deque[Item] = field(default_factory=deque)
-    private: dict[str, deque[Item]] = field(default_factory=dict)
-    getters: deque[Request] = field(default_factory=deque)
-    putters: int = 0
-    leases: int = 0
-    idle_since: float | None = None
-
-    def depth(self) -> int:
-        if not self.private:
-            return len(self.shared)
-        return len(self.shared) + sum(len(q) for q in self.private.values())
-
-    def idle(self) -> bool:
-        if self.shared or self.getters or self.putters or self.leases:
-            return False
-        return not any(self.private.values())
-
-
-@dataclass(eq=False)
-class Lease:
-    lease_id: int
-    key: Any
-    origin: str | None
-    item: Item
-    client: Client
-    deadline: float
-
-
-@dataclass
-class Consumer:
-    declared: bool
-    handles: int = 0
 
 
 Reply = Callable[..., bool]
@@ -507,12 +396,12 @@ class QueueCore:
         timeout: float | None,
         nowait: bool,
         ack: bool = False,
-        batch_target: int = 0,
+        batch_target: int | float = 0,
     ) -> None:
         try:
             key = check_key(key)
-            if batch_target and (isinstance(batch_target, bool) or batch_target <= 0):
-                raise ValueError("target_weight must be > 0")
+            if batch_target:
+                check_target_weight(batch_target)
             self._check_new_keys((key,))
             if self.deals and client.identity is None:
                 raise ValueError(
@@ -566,14 +455,14 @@ class QueueCore:
         return ks
 
     @staticmethod
-    def _batch_take(queue: deque[Item], target: int, final: bool) -> int:
+    def _batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
         """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
         total = 0
         for n, item in enumerate(queue):
-            if total + item.weight > target:
+            if exceeds(total + item.weight, target):
                 return n or 1
             total += item.weight
-            if total >= target:
+            if reaches(total, target):
                 n += 1
                 while n < len(queue) and queue[n].weight == 0:
                     n += 1
@@ -687,7 +576,7 @@ class QueueCore:
                 return
         self._remove_getter(req)
         if nowait:
-            self.reply(req.client, req.rid, error=asyncio.QueueEmpty(f"no item for key {req.key!r}"))
+            self.reply(req.client, req.rid, error=QueueEmpty(f"no item for key {req.key!r}"))
         else:
             self.reply(req.client, req.rid, error=TimeoutError(f"get timed out on key {req.key!r}"))
         if ks is not None:
@@ -772,6 +661,17 @@ class QueueCore:
             return ks.depth()
         return len(ks.shared) + len(ks.private.get(consumer) or ())
 
+    def peek(self, key: Any, n: int, consumer: str | None = None) -> list[Item]:
+        """Up to ``n`` items at the head of ``key``'s queue, left in place: the shared queue,
+        or what ``consumer``'s gets would take next (its private queue, then the shared one)."""
+        ks = self.keys.get(check_key(key))
+        if ks is None:
+            return []
+        private = ks.private.get(consumer) if consumer is not None else None
+        items = list(itertools.islice(private, n)) if private else []
+        items.extend(itertools.islice(ks.shared, n - len(items)))
+        return items
+
     def full(self, key: Any, consumer: str | None = None) -> bool:
         if self.maxsize <= 0:
             return False
@@ -811,7 +711,7 @@ class QueueCore:
 
 
 def _queue_full(core: QueueCore, req: Request) -> Exception:
-    return asyncio.QueueFull(f"a target queue of key {req.key!r} is full (maxsize {core.maxsize})")
+    return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {core.maxsize})")
 
 
 def _hook_error(exc: BaseException) -> HookError:

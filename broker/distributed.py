@@ -21,10 +21,12 @@ import threading
 from typing import Any
 
 from zchannel.broker import cluster, paths
-from zchannel.broker.client import DEFAULT_KEY, START_TIMEOUT_S, Channel, _spawn_broker
+from zchannel.broker.checks import check_target_weight
+from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.replica import BIND
+from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import consumer_sort_key
 
@@ -62,6 +64,7 @@ class DistributedChannel(Channel):
         self._subs_lock = threading.Lock()
         self._bindings: dict[Any, int] = {}
         self._owner = owner
+        self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
 
     @classmethod
@@ -136,13 +139,13 @@ class DistributedChannel(Channel):
 
     # -- operations ---------------------------------------------------------------------
 
-    def put(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
-            timeout: float | None = None) -> Work | None:
+    def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
+            async_op: bool = False, timeout: float | None = None) -> Work | None:
         check_weight(weight)
         check_timeout(timeout)
         return self._for(key).put(item, weight, key, async_op, timeout)
 
-    def put_nowait(self, item: Any, weight: int = 0, key: Any = DEFAULT_KEY) -> None:
+    def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         check_weight(weight)
         self._for(key).put_nowait(item, weight, key)
 
@@ -154,7 +157,7 @@ class DistributedChannel(Channel):
         if not ack:
             return result
         if async_op:
-            return _mapped(result, lambda d: self._tag(d, index))
+            return result.then(lambda d: self._tag(d, index))
         return self._tag(result, index)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
@@ -162,10 +165,10 @@ class DistributedChannel(Channel):
         result = self._sub(index).get_nowait(key, ack=ack, copy=copy)
         return self._tag(result, index) if ack else result
 
-    def get_batch(self, target_weight: int, key: Any = DEFAULT_KEY, async_op: bool = False,
-                  timeout: float | None = None, *, copy: bool | None = None) -> list | Work:
-        if isinstance(target_weight, bool) or not isinstance(target_weight, int) or target_weight <= 0:
-            raise ValueError(f"target_weight must be an int > 0, got {target_weight!r}")
+    def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
+                  async_op: bool = False, timeout: float | None = None, *,
+                  copy: bool | None = None) -> list | Work:
+        check_target_weight(target_weight)
         check_timeout(timeout)
         return self._for(key).get_batch(target_weight, key, async_op, timeout, copy=copy)
 
@@ -174,6 +177,11 @@ class DistributedChannel(Channel):
 
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
         return self._for(key).full(key, consumer)
+
+    def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
+             weights: bool = False) -> list:
+        """``Channel.peek`` on the replica holding ``key``."""
+        return self._for(key).peek(key, n, consumer=consumer, weights=weights)
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
@@ -192,7 +200,7 @@ class DistributedChannel(Channel):
             raise ValueError(f"unknown lease {lease!r}")
         self._sub(lease % n).ack(Delivery(delivery.item, lease // n))
 
-    def stats(self) -> dict:
+    def stats(self, *, exclude_self: bool = False) -> dict:
         """The replicas' stats merged: keys (each with its ``node``), consumers, summed counters,
         and ``replicas``: one summary per replica (``error`` for one that does not answer)."""
         parts: list[dict] = []
@@ -202,7 +210,7 @@ class DistributedChannel(Channel):
             try:
                 sub = self._sub(i)
                 sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
-                s = sub.stats()
+                s = sub.stats(exclude_self=exclude_self)
             except (BrokerUnavailable, ChannelError) as exc:
                 summary["error"] = f"{type(exc).__name__}: {exc}"
                 summaries.append(summary)
@@ -279,27 +287,11 @@ class DistributedChannel(Channel):
 
     def __repr__(self) -> str:
         return (f"DistributedChannel(name={self._name!r}, replicas={len(self._replicas)}, "
-                f"node={self._node!r})")
+                f"node={self._node!r}, created={self.created})")
 
 
 def _unpickle(name: str | None, replicas: list, identity: str | None, curve_keys: Any) -> Channel:
     return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
-
-
-def _mapped(work: Work, fn: Any) -> Work:
-    """A ``Work`` completing with ``fn(result)`` of ``work`` (cancel goes to ``work``)."""
-    out = Work(lambda w: work.cancel())
-
-    def done(w: Work) -> None:
-        try:
-            value = w.wait(0)
-        except BaseException as exc:
-            out.set_exception(exc)
-            return
-        out.set_result(fn(value))
-
-    work.add_done_callback(done)
-    return out
 
 
 # -- creating and finding distributed channels ---------------------------------------------
@@ -342,7 +334,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
         rconfig = dict(config, address=r.address, replica=i, replicas=table,
                        insecure=bool(config.get("insecure")) or cl.insecure)
         try:
-            proc, real_address, token = _spawn_broker(rconfig, lock_fd)
+            proc, real_address, token = spawn_broker(rconfig, lock_fd)
         except BaseException as exc:
             errors.append(exc)
             return
@@ -364,6 +356,8 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
         handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
                                     subs=subs, owner=bool(subs))
         handle._sub(0)._connection(timeout=START_TIMEOUT_S)  # replica 0 binds keys: wait for it
+        if not subs:
+            handle._log_attached()
     except BaseException:
         for sub in subs.values():
             sub._kill_broker()

@@ -1,13 +1,15 @@
 """The project's error types and their transport across the wire.
 
 Standard errors keep their standard types across the wire (``ValueError``, ``TypeError``,
-``TimeoutError``, ``asyncio.QueueFull``, ``asyncio.QueueEmpty``, ``PermissionError``...).
+``TimeoutError``, ``PermissionError``...); a full or empty queue arrives as ``QueueFull`` /
+``QueueEmpty``, which subclass both the ``asyncio`` and the ``queue`` module's classes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import queue
 
 
 class ChannelError(Exception):
@@ -20,6 +22,31 @@ class BrokerUnavailable(ChannelError, ConnectionError):
 
 class ChannelNotFound(BrokerUnavailable):
     """Nothing serves that channel name or address."""
+
+
+class BrokerStartError(ChannelError):
+    """``Channel.create`` accepted its arguments but the broker could not start: the address is
+    in use, the socket path is not writable, a hook failed in the broker process, or the
+    broker exited or stayed silent.  ``reason`` names the broker's exception type (e.g.
+    ``"ZMQError"``).  Arguments that are wrong in themselves are ``ValueError``/``TypeError``
+    instead (``docs/errors.md``)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.reason))
+
+
+class QueueEmpty(asyncio.QueueEmpty, queue.Empty):
+    """``get_nowait`` found nothing: both ``except asyncio.QueueEmpty`` (as in RLinf) and
+    ``except queue.Empty`` (the standard library's form) catch it."""
+
+
+class QueueFull(asyncio.QueueFull, queue.Full):
+    """``put_nowait`` found a target queue full (nothing was enqueued): both ``except
+    asyncio.QueueFull`` and ``except queue.Full`` catch it."""
 
 
 class HookError(ChannelError):
@@ -42,8 +69,9 @@ _BY_NAME: dict[str, type[BaseException]] = {
     "BrokerUnavailable": BrokerUnavailable,
     "ChannelNotFound": ChannelNotFound,
     "HookError": HookError,
-    "QueueFull": asyncio.QueueFull,
-    "QueueEmpty": asyncio.QueueEmpty,
+    "BrokerStartError": BrokerStartError,
+    "QueueFull": QueueFull,
+    "QueueEmpty": QueueEmpty,
 }
 for _name in (
     "ValueError TypeError TimeoutError PermissionError KeyError RuntimeError "

@@ -14,10 +14,11 @@ import time
 from typing import Any
 
 from zchannel.broker import codec, shm
+from zchannel.broker.checks import check_peek_count
 from zchannel.broker.client import Channel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PUT, QSIZE, STATS
+from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, STATS
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
 
@@ -104,6 +105,9 @@ class _LocalBroker:
                     self._reply(client, rid, result=dict(core.stats(), address=None))
                 elif op == ACK:
                     core.ack(client, rid, rec.get("lease"))
+                elif op == PEEK:  # (copy, weight) pairs: the items stay where they are
+                    items = core.peek(rec["k"], check_peek_count(rec.get("n", 1)), rec.get("c"))
+                    self._reply(client, rid, result=[(_copy(i.payload), i.weight) for i in items])
                 else:
                     raise ValueError(f"unknown op {op!r}")
             except Exception as exc:
@@ -151,7 +155,7 @@ class _LocalBroker:
                 del _registry[self.name]
 
 
-def _local_item(value: Any, weight: int) -> Item:
+def _local_item(value: Any, weight: int | float) -> Item:
     """A collector output: checked like a put (a broker would have to encode it)."""
     codec.check_item(value)
     return Item(value, weight, 0, value, True)
@@ -169,17 +173,19 @@ class LocalChannel(Channel):
         super().__init__(broker.name, f"local://{broker.name}", identity=identity)
         self._broker = broker
         self._owner = owner
+        self.created = owner
         self._client = Client(address=self)
 
     @classmethod
     def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> Channel:
         with _registry_lock:
             existing = _registry.get(name)
-            if existing is not None:
-                return cls(existing, identity, owner=False)
-            broker = _LocalBroker(name, maxsize, **kwargs)
-            _registry[name] = broker
-        return cls(broker, identity, owner=True)
+            if existing is None:
+                broker = _registry[name] = _LocalBroker(name, maxsize, **kwargs)
+                return cls(broker, identity, owner=True)
+        handle = cls(existing, identity, owner=False)
+        handle._log_attached()
+        return handle
 
     @classmethod
     def lookup(cls, name: str) -> _LocalBroker | None:
@@ -195,6 +201,10 @@ class LocalChannel(Channel):
         if has_item:
             codec.check_item(item)  # no serialization, but the same items as a broker accepts
         return self._broker.submit(self._client, rec, item, copy)
+
+    @property
+    def is_local(self) -> bool:
+        return True
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """Items of a local channel are passed by reference: no shared memory, always 0."""

@@ -18,8 +18,9 @@ PROTOCOL_VERSION = 1
 HELLO, BYE, HEARTBEAT = "hello", "bye", "hb"
 PUT, GET, GET_BATCH = "put", "get", "get_batch"
 QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN = "qsize", "full", "stats", "ack", "cancel", "shutdown"
+PEEK = "peek"  # copies of head items, left in place (docs/protocol.md)
 REQUEST_OPS = frozenset(
-    {HELLO, BYE, HEARTBEAT, PUT, GET, GET_BATCH, QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN}
+    {HELLO, BYE, HEARTBEAT, PUT, GET, GET_BATCH, QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN, PEEK}
 )
 # Broker -> client records without a request id.
 EXPIRED = "expired"

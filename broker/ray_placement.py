@@ -94,7 +94,7 @@ class BrokerActor:
             return s.getsockname()[1]
 
     def start(self, config: dict, curve: dict | None) -> tuple[str, int]:
-        from zchannel.broker.client import _spawn_broker
+        from zchannel.broker.starting import spawn_broker
 
         config = dict(config)
         if curve is not None:
@@ -117,7 +117,7 @@ class BrokerActor:
         if lock_fd is None:
             raise ChannelError(f"a broker for {lock_name!r} already runs in this actor")
         try:
-            self.proc, address, self.token = _spawn_broker(config, lock_fd)
+            self.proc, address, self.token = spawn_broker(config, lock_fd)
         finally:
             os.close(lock_fd)
         return address, self.proc.pid

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 from zchannel.broker import codec, direct, paths, shm
+from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
 from zchannel.broker.protocol import (
@@ -34,6 +35,7 @@ from zchannel.broker.protocol import (
     INLINE_BODY,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
+    PEEK,
     PUT,
     QSIZE,
     SHUTDOWN,
@@ -442,9 +444,7 @@ class Broker:
             core.put(client, rid, key_from_wire(rec.get("k")), item,
                      check_timeout(rec.get("t")), bool(rec.get("nw")))
         elif op == GET or op == GET_BATCH:
-            target = rec.get("tw", 0) if op == GET_BATCH else 0
-            if op == GET_BATCH and (isinstance(target, bool) or not isinstance(target, int) or target <= 0):
-                raise ValueError(f"target_weight must be an int > 0, got {target!r}")
+            target = check_target_weight(rec.get("tw", 0)) if op == GET_BATCH else 0
             core.get(client, rid, key_from_wire(rec.get("k")), check_timeout(rec.get("t")),
                      bool(rec.get("nw")), ack=bool(rec.get("ack")), batch_target=target)
         elif op == HEARTBEAT:
@@ -455,7 +455,9 @@ class Broker:
             self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
         elif op == STATS:
             stats = core.stats()
-            stats.update(address=self.address, pid=os.getpid(), clients=len(self.clients),
+            # "xs": the asker is an observer (zchannel stat) and does not count itself
+            clients = len(self.clients) - (1 if rec.get("xs") and client.address in self.clients else 0)
+            stats.update(address=self.address, pid=os.getpid(), clients=clients,
                          shm=self.shm.stats())
             if self.replica is not None:
                 self.replica.annotate(stats)
@@ -463,6 +465,11 @@ class Broker:
             self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
         elif op == ACK:
             core.ack(client, rid, rec.get("lease"))
+        elif op == PEEK:  # copies of head items: sent like a batch, never tracked as delivered
+            items = core.peek(key_from_wire(rec.get("k")), check_peek_count(rec.get("n", 1)),
+                              _consumer(rec))
+            self._reply(client, rid, items=items, batch=True, raw=True,
+                        fields={"ws": [item.weight for item in items]})
         elif op == CANCEL:
             core.cancel(client, rid, rec.get("rid"))
         elif op == BYE:
@@ -486,8 +493,8 @@ class Broker:
 
     def _reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
                items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
-               origin: Any = None, raw: bool = False) -> bool:
-        rec: dict[str, Any] = {"id": rid}
+               origin: Any = None, raw: bool = False, fields: dict | None = None) -> bool:
+        rec: dict[str, Any] = {"id": rid, **fields} if fields else {"id": rid}
         out = self._out.get(client.address)
         if out is None:
             out = self._out[client.address] = _Outbox()

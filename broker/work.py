@@ -125,6 +125,30 @@ class Work:
             return False
         return self._cancel_fn(self)
 
+    def then(self, fn: Callable[[Any], Any]) -> Work:
+        """A new ``Work`` that resolves to ``fn(result)`` once this one succeeds.
+
+        If this operation fails, or ``fn`` raises, the new ``Work`` fails with that error
+        (``fn`` is not called after a failure).  ``fn`` runs once, in the thread that completes
+        this operation: the handle's I/O thread (keep it short and never block on the same
+        channel there), or the calling thread when this one is already done.  Chains nest:
+        ``work.then(f).then(g)``.  ``cancel()`` on the new ``Work`` cancels this operation.
+        """
+        if not callable(fn):
+            raise TypeError(f"then() takes a callable, not {type(fn).__name__}")
+        out = Work(lambda _: self.cancel())
+
+        def done(work: Work) -> None:
+            try:
+                value = fn(work.result())
+            except BaseException as exc:  # the operation's error, or fn's
+                out.set_exception(exc)
+                return
+            out.set_result(value)
+
+        self.add_done_callback(done)
+        return out
+
     async def async_wait(self) -> Any:
         if self._state == _PENDING:
             loop = asyncio.get_running_loop()

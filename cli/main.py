@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 from zchannel.broker import paths
+from zchannel.cli.summary import parse_key, summarize
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
@@ -140,8 +141,17 @@ def _fmt_key(key: Any) -> str:
 @click.argument("target")
 @click.option("--json", "as_json", is_flag=True, help="print the raw stats as JSON")
 @click.option("--timeout", type=float, default=5.0, show_default=True)
-def stat(target: str, as_json: bool, timeout: float) -> None:
-    """Show the state of the broker serving TARGET (a channel name or an address)."""
+@click.option("--peek", "peek_key", metavar="KEY",
+              help="also show copies of the head items of KEY, left in place (int, bytes and "
+                   "tuple keys as Python literals: 7, b'x', ('train', 3))")
+@click.option("-n", "peek_count", type=click.IntRange(1, 1024), default=10, show_default=True,
+              help="how many head items --peek shows")
+def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
+         peek_count: int) -> None:
+    """Show the state of the broker serving TARGET (a channel name or an address).
+
+    This command's own connection is not counted in ``clients``.
+    """
     from zchannel.broker import Channel, ChannelNotFound
 
     try:
@@ -150,10 +160,15 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     try:
-        stats = channel.stats()
+        stats = channel.stats(exclude_self=True)
+        peeked = None if peek_key is None else (
+            parse_key(peek_key), channel.peek(parse_key(peek_key), peek_count, weights=True))
     finally:
         channel.close()
     if as_json:
+        if peeked is not None:
+            stats["peek"] = {"key": peeked[0], "items": [
+                {"weight": w, "summary": summarize(item)} for item, w in peeked[1]]}
         click.echo(json.dumps(_json_keys(stats), default=_jsonable, indent=2, sort_keys=True))
         return
     click.echo(f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})")
@@ -183,6 +198,17 @@ def stat(target: str, as_json: bool, timeout: float) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if peeked is not None:
+        _echo_peek(*peeked, stats)
+
+
+def _echo_peek(key: Any, items: list, stats: dict) -> None:
+    """The ``--peek`` section: one line per head item (index, weight, summary)."""
+    depth = (stats.get("keys") or {}).get(key, {}).get("depth", len(items))
+    click.echo(f"peek      {_fmt_key(key)}: {len(items)} of {depth} item(s), head first, "
+               "left in place")
+    for i, (item, weight) in enumerate(items):
+        click.echo(f"  [{i}] weight {weight}  {summarize(item)}")
 
 
 def _json_keys(value: Any) -> Any:

@@ -1,0 +1,112 @@
+"""Checks of the arguments every transport validates the same way: keys, weights, timeouts,
+``get_batch`` targets and ``peek`` counts, and the weight comparisons of ``get_batch``.
+
+Used by the client (before a request is sent), the broker (on what arrives) and the local
+channel, so that all three refuse the same values with the same messages.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+MAX_KEY_BYTES = 1024
+MAX_WEIGHT = 2**53
+MAX_PEEK = 1024
+# Float weights are summed in binary floating point: 0.1 + 0.2 is 0.30000000000000004, which
+# a target of 0.3 would otherwise refuse.  A total within this relative slack of the target
+# counts as reaching it and not as exceeding it (int weights and targets compare exactly).
+FLOAT_SLACK = 1e-9
+
+_KEY_WHY = ("keys are str, int, bytes or tuples of those, because True == 1 and 1.0 == 1 "
+            "would share a queue in a Python dict (as in RLinf) but not on the wire")
+
+
+def check_key(key: Any, _depth: int = 0) -> Any:
+    """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those)."""
+    if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
+        return key
+    if isinstance(key, bool):
+        raise TypeError(f"a key may not be a bool: {_KEY_WHY}")
+    if isinstance(key, (str, bytes)):
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES})")
+        return key
+    if isinstance(key, int):
+        if not -(2**63) <= key < 2**64:
+            raise ValueError("an int key must fit in 64 bits")
+        return key
+    if isinstance(key, tuple) and _depth < 4:
+        if len(key) > 64:
+            raise ValueError("a tuple key may have at most 64 parts")
+        for part in key:
+            check_key(part, _depth + 1)
+        return key
+    raise TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
+
+
+def check_weight(weight: Any, what: str = "weight") -> int | float:
+    """Return ``weight`` if it is an int or a finite float in ``[0, 2**53]`` (numpy numbers
+    become the int or float they equal), else ``ValueError`` naming the value."""
+    kind = type(weight)
+    if kind is int or kind is float:
+        if 0 <= weight <= MAX_WEIGHT:  # NaN fails every comparison, inf the upper bound
+            return weight
+    elif not isinstance(weight, bool) and isinstance(weight, numbers.Integral):
+        value = int(weight)
+        if 0 <= value <= MAX_WEIGHT:
+            return value
+    elif not isinstance(weight, bool) and isinstance(weight, numbers.Real):
+        value = float(weight)
+        if 0 <= value <= MAX_WEIGHT:
+            return value
+    raise ValueError(f"{what} must be an int or a finite float in [0, 2**53] (not a bool, NaN, "
+                     f"infinite or negative), got {weight!r}")
+
+
+def check_target_weight(target: Any) -> int | float:
+    """``get_batch``'s target: an int or finite float > 0."""
+    try:
+        value = check_weight(target, "target_weight")
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"target_weight must be an int or a finite float > 0, got {target!r}: zchannel has "
+            "no default target, because RLinf's default of 0 returns an empty batch and a "
+            "zchannel batch is never empty")
+    return value
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_peek_count(n: Any) -> int:
+    """``peek``'s item count: an int in ``[1, MAX_PEEK]``."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PEEK:
+        raise ValueError(f"n must be an int in [1, {MAX_PEEK}], got {n!r}")
+    return n
+
+
+def exceeds(total: int | float, target: int | float) -> bool:
+    """``total > target``, where float sums within ``FLOAT_SLACK`` of the target do not count
+    as exceeding it."""
+    if total <= target:
+        return False
+    if type(total) is int and type(target) is int:
+        return True
+    return total - target > target * FLOAT_SLACK
+
+
+def reaches(total: int | float, target: int | float) -> bool:
+    """``total >= target``, where float sums within ``FLOAT_SLACK`` below it count as reaching."""
+    if total >= target:
+        return True
+    if type(total) is int and type(target) is int:
+        return False
+    return target - total <= target * FLOAT_SLACK

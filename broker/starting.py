@@ -1,0 +1,145 @@
+"""Starting a broker process for ``Channel.create``: the hooks as the child receives them
+(checked here first, so that a wrong name fails before anything starts), the child process
+itself, and the errors of a start that failed (``docs/errors.md``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from zchannel.broker import codec
+from zchannel.broker.errors import BrokerStartError
+from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, named_hook, registered
+
+START_TIMEOUT_S = 60.0
+
+
+def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
+    """A hook (a ``base`` subclass) as the broker child receives it: a name/path, or an
+    instance's class and state.
+
+    Modules of hook classes registered in this process are added to ``imports`` so that the
+    child knows their registered names too.  An unknown name or a path that does not import
+    is a ``ValueError`` here, before any process starts.
+    """
+    if isinstance(hook, str):
+        check_hook_name(hook, base)
+    if isinstance(hook, (Collector, Dispatcher)):
+        state = dict(vars(hook))
+        try:
+            codec.encode(state)
+        except TypeError as exc:
+            raise TypeError(
+                f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
+                "or name and configure it through options="
+            ) from None
+        cls = type(hook)
+        hook_spec(cls)  # raises for classes the broker process cannot import
+        return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+    if isinstance(hook, str) and ":" not in hook:
+        cls = registered(base).get(hook.lower())
+        if cls is not None and not cls.__module__.startswith("zchannel."):
+            imports.append(cls.__module__)
+        return hook
+    if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
+        imports.append(hook.__module__)
+    return hook_spec(hook)
+
+
+def check_hook_name(spec: str, base: type) -> None:
+    """``ValueError`` unless ``spec`` names a ``base`` hook: a registered or published name, or
+    a ``module:Class`` path that imports."""
+    if ":" not in spec:
+        named_hook(base, spec)
+        return
+    try:
+        obj = import_path(spec)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot import {base.__name__.lower()} {spec!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(obj, type) and issubclass(obj, base)) and not isinstance(obj, base):
+        raise TypeError(f"{spec!r} is not a {base.__name__} subclass")
+
+
+def hook_label(spec: Any) -> str | None:
+    """A hook as given to ``create`` (after ``hook_for_child``), named the way the broker's
+    ``stats()`` names it: its registered name, else ``module:qualname``."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        spec = spec.get("class")
+    if not isinstance(spec, str):
+        return None
+    if ":" in spec:
+        try:
+            cls = import_path(spec)
+        except Exception:
+            return spec
+        name = getattr(cls, "hook_name", None)
+        return name if isinstance(name, str) else spec
+    return spec.lower()
+
+
+def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
+    """Start ``python -m zchannel.broker`` as a child in its own session; it inherits the lock
+    fd and stderr, reads its config from stdin and prints ``ready <address>``."""
+    token = secrets.token_hex(16)
+    config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
+    body, buffers = codec.encode(config)
+    assert not buffers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.broker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        pass_fds=(lock_fd,),
+        start_new_session=True,
+        close_fds=True,
+    )
+    try:
+        proc.stdin.write(body)
+        proc.stdin.close()
+        line = read_line(proc, START_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if not line.startswith("ready "):
+        proc.kill()
+        proc.wait()
+        raise start_error(config["name"], line.strip())
+    return proc, line.split(None, 1)[1].strip(), token
+
+
+def start_error(name: str, line: str) -> BaseException:
+    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``:
+    a ``ValueError``/``TypeError`` of the broker (options a hook's ``setup`` refused) keeps
+    its type, as a wrong argument; anything else (an address in use, a hook that failed
+    otherwise, no output) is ``BrokerStartError``."""
+    message = f"broker for {name!r} failed to start: {line or 'no output'}"
+    exc_name, sep, _ = line.removeprefix("error ").partition(":")
+    reason = exc_name if line.startswith("error ") and sep else ""
+    if reason in ("ValueError", "TypeError"):
+        return ValueError(message) if reason == "ValueError" else TypeError(message)
+    return BrokerStartError(message, reason)
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BrokerStartError("the broker did not report ready in time", "timeout")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace")
