@@ -14,7 +14,7 @@ from typing import Any
 
 from zchannel.broker import codec
 from zchannel.broker.errors import BrokerStartError
-from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, named_hook, registered
+from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, registered
 
 START_TIMEOUT_S = 60.0
 
@@ -24,11 +24,9 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
     instance's class and state.
 
     Modules of hook classes registered in this process are added to ``imports`` so that the
-    child knows their registered names too.  An unknown name or a path that does not import
-    is a ``ValueError`` here, before any process starts.
+    child knows their registered names too.  Names and paths are resolved by the broker
+    process (its environment decides which exist): an unknown one is its ``ValueError``.
     """
-    if isinstance(hook, str):
-        check_hook_name(hook, base)
     if isinstance(hook, (Collector, Dispatcher)):
         state = dict(vars(hook))
         try:
@@ -49,21 +47,6 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
     if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
         imports.append(hook.__module__)
     return hook_spec(hook)
-
-
-def check_hook_name(spec: str, base: type) -> None:
-    """``ValueError`` unless ``spec`` names a ``base`` hook: a registered or published name, or
-    a ``module:Class`` path that imports."""
-    if ":" not in spec:
-        named_hook(base, spec)
-        return
-    try:
-        obj = import_path(spec)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"cannot import {base.__name__.lower()} {spec!r}: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if not (isinstance(obj, type) and issubclass(obj, base)) and not isinstance(obj, base):
-        raise TypeError(f"{spec!r} is not a {base.__name__} subclass")
 
 
 def hook_label(spec: Any) -> str | None:
@@ -116,15 +99,21 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
 
 
 def start_error(name: str, line: str) -> BaseException:
-    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``:
-    a ``ValueError``/``TypeError`` of the broker (options a hook's ``setup`` refused) keeps
-    its type, as a wrong argument; anything else (an address in use, a hook that failed
-    otherwise, no output) is ``BrokerStartError``."""
+    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``.
+
+    Wrong arguments keep the standard types, wherever they are found: the broker's
+    ``ValueError``/``TypeError`` (an unknown hook name, options a hook's ``setup`` refused)
+    stay so, and a hook module that does not import (``ImportError``) is a ``ValueError``.
+    Anything else (an address in use, a hook failing otherwise, no output) is
+    ``BrokerStartError`` with the broker's exception type as ``reason``.
+    """
     message = f"broker for {name!r} failed to start: {line or 'no output'}"
     exc_name, sep, _ = line.removeprefix("error ").partition(":")
     reason = exc_name if line.startswith("error ") and sep else ""
-    if reason in ("ValueError", "TypeError"):
-        return ValueError(message) if reason == "ValueError" else TypeError(message)
+    if reason == "TypeError":
+        return TypeError(message)
+    if reason in ("ValueError", "ImportError", "ModuleNotFoundError"):
+        return ValueError(message)
     return BrokerStartError(message, reason)
 
 

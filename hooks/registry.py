@@ -93,25 +93,6 @@ def import_path(path: str) -> Any:
     return obj
 
 
-def named_hook(base: type, name: str) -> type:
-    """The ``base`` subclass registered (or published as an entry point) under ``name``;
-    ``ValueError`` listing the known names if there is none."""
-    kind = base.__name__.lower()
-    lname = name.lower()
-    registry = _registries[base]
-    if lname not in registry:
-        load_entry_points()
-    published = _entry_point_objects.get(lname)
-    if lname not in registry and isinstance(published, type) and issubclass(published, base):
-        return published  # a hook class published under this entry-point name
-    if lname not in registry:
-        published = {n for n, obj in _entry_point_objects.items()
-                     if isinstance(obj, type) and issubclass(obj, base)}
-        known = ", ".join(sorted(set(registry) | published)) or "(none)"
-        raise ValueError(f"unknown {kind} {name!r}; known {kind}s: {known}")
-    return registry[lname]
-
-
 def _resolve(base: type, spec: Any) -> Any:
     kind = base.__name__.lower()
     if isinstance(spec, base):
@@ -124,7 +105,19 @@ def _resolve(base: type, spec: Any) -> Any:
         if ":" in spec:
             obj = import_path(spec)
             return _resolve(base, obj)
-        return named_hook(base, spec)()
+        lname = spec.lower()
+        registry = _registries[base]
+        if lname not in registry:
+            load_entry_points()
+        published = _entry_point_objects.get(lname)
+        if lname not in registry and isinstance(published, type) and issubclass(published, base):
+            return published()  # a hook class published under this entry-point name
+        if lname not in registry:
+            published = {n for n, obj in _entry_point_objects.items()
+                         if isinstance(obj, type) and issubclass(obj, base)}
+            known = ", ".join(sorted(set(registry) | published)) or "(none)"
+            raise ValueError(f"unknown {kind} {spec!r}; known {kind}s: {known}")
+        return registry[lname]()
     raise TypeError(
         f"a {kind} is given as an instance, a class, 'module:ClassName' or a registered name, "
         f"not {type(spec).__name__}"
