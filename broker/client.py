@@ -1,10 +1,10 @@
 """``Channel``: the handle through which workers put and get items.
 
-``Channel.create`` starts a broker process (or connects to the live one serving the name);
-``Channel.connect`` attaches to an existing broker by name or address.  Every operation is a
-request to the broker over one DEALER socket (see ``connection.py``); ``async_op=True`` returns a
-``Work`` handle instead of waiting.  ``local=True`` gives an in-process channel with the same API
-(``local.py``).
+``Channel.create`` starts a broker process (``starting.py``), or attaches to the live one
+serving the name; ``Channel.connect`` attaches to an existing broker by name or address.  Every
+operation is a request to the broker over one DEALER socket (see ``connection.py``);
+``async_op=True`` returns a ``Work`` handle instead of waiting.  ``local=True`` gives an
+in-process channel with the same API (``local.py``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,7 @@ from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
 from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
 from zchannel.broker.work import Delivery, Work
-from zchannel.hooks import (
-    Collector,
-    Dispatcher,
-    check_consumer_id,
-)
+from zchannel.hooks import Collector, Dispatcher, check_consumer_id
 
 log = logging.getLogger("zchannel.client")
 
@@ -147,8 +143,9 @@ class Channel:
 
         The first five parameters keep RLinf's positional order (``name, maxsize,
         distributed, node_rank, local``); the rest are keyword-only.  Wrong arguments are
-        ``ValueError``/``TypeError`` before anything starts; a broker that cannot start (busy
-        address, a hook failing in it) is ``BrokerStartError`` (``docs/errors.md``).
+        ``ValueError``/``TypeError``, also those the starting broker finds (an unknown hook
+        name); a broker that cannot start with valid arguments (busy address) is
+        ``BrokerStartError`` (``docs/errors.md``).
         """
         paths.check_name(name)
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:

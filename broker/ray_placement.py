@@ -227,9 +227,10 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
            identity: str | None, curve_keys: Any) -> Any:
     name = config["name"]
     info = _lookup(name)
-    if info is not None:
-        log.warning("channel %r is already placed by Ray; connecting to it (its settings win)", name)
-        return _connect(name, info, identity)
+    if info is not None:  # placed by Ray already: attach (logged like any attaching create)
+        handle = _connect(name, info, identity)
+        handle._log_attached()
+        return handle
     nodes = _alive_nodes()
     if distributed:
         if node_rank is not None:

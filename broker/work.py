@@ -130,9 +130,11 @@ class Work:
 
         If this operation fails, or ``fn`` raises, the new ``Work`` fails with that error
         (``fn`` is not called after a failure).  ``fn`` runs once, in the thread that completes
-        this operation: the handle's I/O thread (keep it short and never block on the same
-        channel there), or the calling thread when this one is already done.  Chains nest:
-        ``work.then(f).then(g)``.  ``cancel()`` on the new ``Work`` cancels this operation.
+        this operation — usually the handle's I/O thread (a thread reading its own reply may
+        complete it too; in a local channel, the thread whose call completed it): keep ``fn``
+        short and never block on a channel in it.  If this operation is already done, ``fn``
+        runs at once in the calling thread.  Chains nest: ``work.then(f).then(g)``.
+        ``cancel()`` on the new ``Work`` cancels this operation.
         """
         if not callable(fn):
             raise TypeError(f"then() takes a callable, not {type(fn).__name__}")
