@@ -146,8 +146,11 @@ def _fmt_key(key: Any) -> str:
                    "tuple keys as Python literals: 7, b'x', ('train', 3))")
 @click.option("-n", "peek_count", type=click.IntRange(1, 1024), default=10, show_default=True,
               help="how many head items --peek shows")
+@click.option("--consumer", "peek_consumer", metavar="ID",
+              help="--peek shows what consumer ID would take next (its private queue, then the "
+                   "shared one) instead of the shared queue")
 def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
-         peek_count: int) -> None:
+         peek_count: int, peek_consumer: str | None) -> None:
     """Show the state of the broker serving TARGET (a channel name or an address).
 
     This command's own connection is not counted in ``clients``.
@@ -161,8 +164,10 @@ def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
         sys.exit(1)
     try:
         stats = channel.stats(exclude_self=True)
-        peeked = None if peek_key is None else (
-            parse_key(peek_key), channel.peek(parse_key(peek_key), peek_count, weights=True))
+        peeked = None if peek_key is None else (parse_key(peek_key), channel.peek(
+            parse_key(peek_key), peek_count, consumer=peek_consumer, weights=True))
+    except (ValueError, TypeError) as exc:  # a key or consumer id the channel refuses
+        raise click.UsageError(str(exc)) from None
     finally:
         channel.close()
     if as_json:
@@ -204,11 +209,14 @@ def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
 
 def _echo_peek(key: Any, items: list, stats: dict) -> None:
     """The ``--peek`` section: one line per head item (index, weight, summary)."""
-    depth = (stats.get("keys") or {}).get(key, {}).get("depth", len(items))
-    click.echo(f"peek      {_fmt_key(key)}: {len(items)} of {depth} item(s), head first, "
-               "left in place")
+    key_stats = (stats.get("keys") or {}).get(key, {})
+    click.echo(f"peek      {_fmt_key(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
+               "item(s), head first, left in place")
     for i, (item, weight) in enumerate(items):
         click.echo(f"  [{i}] weight {weight}  {summarize(item)}")
+    if key_stats.get("private"):
+        click.echo("  (items dealt to consumers wait in private queues: --consumer ID shows "
+                   "what ID would take next)")
 
 
 def _json_keys(value: Any) -> Any:

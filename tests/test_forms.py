@@ -234,6 +234,25 @@ def test_stat_peek_prints_a_summary_and_leaves_the_items(make_remote):
     assert ch.qsize("train") == 2 and ch.qsize(7) == 1 and ch.qsize("big") == 1
 
 
+def test_stat_peek_of_a_consumers_private_queue(make_remote):
+    ch = make_remote("statdeal", dispatcher="round_robin", consumers=["a:0", "a:1"])
+    for i in range(4):
+        ch.put(f"s{i}")  # a:0 gets s0, s2; a:1 gets s1, s3
+    runner = CliRunner()
+    result = runner.invoke(main, ["stat", "statdeal", "--peek", "default_queue"])
+    assert result.exit_code == 0, result.output
+    assert "default_queue: 0 of 4 item(s)" in result.output
+    assert "--consumer ID shows what ID would take next" in result.output
+    result = runner.invoke(main, ["stat", "statdeal", "--peek", "default_queue",
+                                  "--consumer", "a:1"])
+    assert result.exit_code == 0, result.output
+    assert "  [0] weight 0  's1'\n  [1] weight 0  's3'" in result.output
+    result = runner.invoke(main, ["stat", "statdeal", "--peek", "default_queue",
+                                  "--consumer", "not-an-id"])
+    assert result.exit_code == 2 and "not-an-id" in result.output
+    assert ch.qsize() == 4
+
+
 def test_stat_does_not_count_itself(make_remote):
     ch = make_remote("statself")
     other = Channel.connect("statself")
