@@ -180,7 +180,8 @@ class DistributedChannel(Channel):
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
              weights: bool = False) -> list:
-        """``Channel.peek`` on the replica holding ``key``."""
+        """``Channel.peek`` on the replica holding ``key`` (an unbound key is bound to this
+        node's replica first, as by any operation)."""
         return self._for(key).peek(key, n, consumer=consumer, weights=weights)
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
