@@ -91,3 +91,11 @@ class YieldsUnsendable(Collector):
 
     def collect(self, item, key):
         yield key, (object() if item == "unsendable" else item)
+
+
+class FloatWeights(Collector):
+    """Yields each item with the weight it carries (``{"w": weight, ...}``): float weights from
+    a hook."""
+
+    def collect(self, item, key):
+        yield key, item, item["w"]

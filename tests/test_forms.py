@@ -25,6 +25,7 @@ from zchannel.broker import (
     BrokerStartError,
     Channel,
     ChannelError,
+    HookError,
     QueueEmpty,
     QueueFull,
     Work,
@@ -314,6 +315,17 @@ def test_float_weights_with_async_get_batch(make):
     ch.put("d", weight=0.0)  # weight-0 items right behind a reached target ride along
     ch.put("e", weight=0.1)
     assert ch.get_batch(0.7, timeout=5) == ["c", "d"]
+
+
+def test_collector_outputs_carry_float_weights(make):
+    ch = make("fwhook", collector="hookmods:FloatWeights")
+    ch.put({"w": 0.25, "i": 0}, weight=5)  # the collector's weight wins over the put's
+    ch.put({"w": 0.75, "i": 1})
+    assert [(v["i"], w) for v, w in ch.peek(n=2, weights=True)] == [(0, 0.25), (1, 0.75)]
+    with pytest.raises(HookError) as info:
+        ch.put({"w": float("nan"), "i": 2})
+    assert info.value.exc_type == "ValueError" and "finite float" in str(info.value)
+    assert [v["i"] for v in ch.get_batch(1.0, timeout=5)] == [0, 1]
 
 
 def test_key_errors_say_why(make):
