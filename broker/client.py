@@ -52,6 +52,7 @@ from zchannel.hooks import Collector, Dispatcher, check_consumer_id
 log = logging.getLogger("zchannel.client")
 
 DEFAULT_KEY = "default_queue"
+"""The key of operations that name none."""
 
 _open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
 # os.getpid() on every request is a system call; a forked child updates the cached value.
@@ -87,7 +88,11 @@ def _identity(identity: str | None) -> str | None:
 
 
 class Channel:
-    """A named, distributed producer-consumer queue (``README.md``, ``docs/guarantees.md``).
+    """A handle on a named channel: per-key FIFO queues served by one broker process.
+
+    Make one with ``Channel.create`` (starts the broker, or attaches to the live broker of that
+    name) or ``Channel.connect``; a handle may be pickled to other processes.  The behaviour of
+    every operation is described in ``docs/channel.md``.
 
     ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
     one that attached to a running broker, on ``connect`` handles and on unpickled copies.
@@ -339,10 +344,12 @@ class Channel:
 
     @property
     def name(self) -> str | None:
+        """The channel's name (for a handle connected by address: the name its broker reports)."""
         return self._name
 
     @property
     def address(self) -> str:
+        """The broker's real address (``ipc://…`` or ``tcp://HOST:PORT``)."""
         return self._address
 
     @property
@@ -453,13 +460,18 @@ class Channel:
         return work if async_op else work.wait()
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
+        """Items queued under ``key``: the shared queue plus every private queue, or plus only
+        ``consumer``'s private queue; 0 for an unknown key."""
         rec = {"op": QSIZE, "k": check_key(key), "c": consumer}
         return self._submit(rec, wait=True).wait()
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
+        """``qsize(key) == 0``."""
         return self.qsize(key) == 0
 
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
+        """Whether the shared queue of ``key`` (or ``consumer``'s private queue) holds ``maxsize``
+        items; never with ``maxsize=0``."""
         rec = {"op": FULL, "k": check_key(key), "c": consumer}
         return self._submit(rec, wait=True).wait()
 

@@ -58,7 +58,9 @@ class HookError(ChannelError):
     def __init__(self, message: str, exc_type: str = "Exception", remote_traceback: str = ""):
         super().__init__(message)
         self.exc_type = exc_type
+        """The class name of the hook's exception (``"TypeError"`` for a bad yield)."""
         self.remote_traceback = remote_traceback
+        """The hook's traceback, as text from the broker process."""
 
     def __reduce__(self):
         return (type(self), (str(self), self.exc_type, self.remote_traceback))

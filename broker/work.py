@@ -17,7 +17,9 @@ class Delivery:
     """An item received with ``get(..., ack=True)``: acknowledge it with ``channel.ack``."""
 
     item: Any
+    """The item taken from the queue."""
     lease_id: int
+    """The broker's lease; the item is delivered again if not acknowledged in time."""
 
 
 class Work:
@@ -69,6 +71,8 @@ class Work:
         self._finish(_FAILED, exc)
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        """Call ``callback(work)`` once the operation is done (at once if it already is), in the
+        thread that completes it."""
         with self._lock:
             if self._state == _PENDING:
                 if self._callbacks is None:
@@ -82,9 +86,15 @@ class Work:
     # -- user API ----------------------------------------------------------------------------
 
     def done(self) -> bool:
+        """True once the operation completed or failed (never blocks)."""
         return self._state != _PENDING
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Block until the operation completes and return its result or raise its error.
+
+        A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
+        operation's own ``timeout=`` withdraws it).
+        """
         if self._state == _PENDING and self._reader is not None:
             self._reader.wait_for(self, timeout)  # reads its reply itself (connection.py)
             if self._state == _PENDING:
@@ -97,6 +107,8 @@ class Work:
         return self.result()
 
     def result(self) -> Any:
+        """The result of a completed operation, or its error raised; ``asyncio.InvalidStateError``
+        while it is pending."""
         if self._state == _PENDING:
             raise asyncio.InvalidStateError("the operation is still pending")
         if self._state == _FAILED:
@@ -115,6 +127,7 @@ class Work:
         return self._value
 
     def exception(self) -> BaseException | None:
+        """The error of a failed operation; None while pending or after success."""
         if self._state == _FAILED:
             return self._value
         return None
@@ -152,6 +165,8 @@ class Work:
         return out
 
     async def async_wait(self) -> Any:
+        """Await the result in asyncio (``await work`` is the same); cancelling the awaiting task
+        does not cancel the operation."""
         if self._state == _PENDING:
             loop = asyncio.get_running_loop()
             future = loop.create_future()

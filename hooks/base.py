@@ -56,10 +56,15 @@ class ChannelContext:
     """
 
     name: str
+    """The channel's name."""
     maxsize: int = 0
+    """Items per queue before a put waits (0: unbounded)."""
     producers: tuple[str, ...] = ()
+    """Producer group names given at creation."""
     consumers: tuple[str, ...] = ()
+    """Current and declared consumer ids, sorted by ``(group, int(rank))``."""
     options: dict[str, Any] = field(default_factory=dict)
+    """The ``options=`` dict given at creation (msgpack-able)."""
 
 
 class Collector:
@@ -74,6 +79,8 @@ class Collector:
         """Called once in the broker before any traffic."""
 
     def collect(self, item: Any, key: Any) -> Iterable[tuple]:
+        """Yield ``(out_key, out_item)`` or ``(out_key, out_item, weight)`` for one put; yield
+        nothing to drop it.  An output without a weight inherits the put's."""
         yield key, item
 
     def stats(self) -> dict[str, Any]:
@@ -97,10 +104,15 @@ class Dispatcher:
         self.ctx = ctx
 
     def route(self, item: Any, key: Any) -> str | None:
+        """The consumer id whose private queue gets ``item``, or None for the key's shared queue.
+
+        An id that is neither present nor declared sends the item to the shared queue (logged).
+        """
         return None
 
     @property
     def deals(self) -> bool:
+        """True iff ``route`` is overridden: consumers then need an identity."""
         return type(self).route is not Dispatcher.route
 
     def observe(self, consumer_id: str) -> None:  # noqa: B027 - optional override
@@ -117,4 +129,5 @@ class Dispatcher:
         """The broker dropped an idle key: per-key dealing state may be discarded."""
 
     def stats(self) -> dict[str, Any]:
+        """Optional figures shown by ``zchannel stat`` (must be msgpack-able)."""
         return {}
