@@ -3,7 +3,7 @@
 Replica 0 holds the key-binding table (key -> replica index; first toucher wins, permanent) and
 answers ``bind`` requests.  Every replica checks its collector's outputs: an output whose key is
 unbound binds to this replica, an output for a key bound elsewhere fails the put with
-``HookError`` (spec §7).  Other replicas ask replica 0 over an ordinary client connection and
+``HookError``.  Other replicas ask replica 0 over an ordinary client connection and
 cache the answers (bindings never change, so the cache is never stale).
 """
 

@@ -1,4 +1,4 @@
-"""zchannel.embodied: the trajectory contract for embodied RL (see ``docs`` and the spec).
+"""zchannel.embodied: the trajectory contract for embodied RL (guide: docs/embodied.md).
 
 Importing this package registers every transport dataclass (TrajectoryKey, TrajectorySource,
 EnvTransition, EnvOutput, PolicyOutput, PolicyPart, EnvPart, PolicyInput, TrajectoryStep,

@@ -1,10 +1,10 @@
-"""Actor-side training-batch construction and advantage estimation (spec §11).
+"""Actor-side training-batch construction and advantage estimation (docs/embodied.md).
 
 ``to_training_batch`` turns a list of ``Trajectory`` shards into one training batch: it merges
-their batches, folds the epochs into the batch dimension (§11.1 step 2), computes the loss mask
+their batches, folds the epochs into the batch dimension (docs/embodied.md), computes the loss mask
 (step 3) and applies the reward filter (step 4).  ``compute_advantages`` adds ``advantages``
-(and ``returns`` for gae) with one of the estimators of §11.2 and, when the plan asks for it,
-the per-actor normalisation of §11.3.  Both the pipeline mode of the collector and every
+(and ``returns`` for gae) with one of the estimators gae, grpo, reinpp or raw and, when the
+plan asks for it, the per-actor normalisation.  Both the pipeline mode of the collector and every
 non-pipeline consumer use exactly these two functions.
 
 The functions only read attributes of ``plan`` (``TrajectoryPlan`` or any object with the same
@@ -45,11 +45,11 @@ _REWARD_TYPES = ("action_level", "chunk_level")
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 to_training_batch
+# to_training_batch
 
 
 def to_training_batch(trajectories: Sequence[Any], plan: Any) -> dict[str, Any]:
-    """Build one actor's training batch from trajectory shards (spec §11.1).
+    """Build one actor's training batch from trajectory shards (docs/embodied.md).
 
     Concatenates the shards with ``Trajectory.to_batch``, merges the epochs into the batch
     dimension (``[T', E'·W, …]``), adds ``loss_mask``/``loss_mask_sum`` unless
@@ -72,7 +72,7 @@ def to_training_batch(trajectories: Sequence[Any], plan: Any) -> dict[str, Any]:
 
 
 def _finish_training_batch(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
-    """Steps 2-4 of §11.1 on a plain ``to_batch`` dict: epochs, loss mask, reward filter."""
+    """Steps 2-4 of ``to_training_batch`` on a ``to_batch`` dict: epochs, loss mask, reward filter."""
     batch = _merge_epochs(batch)
     if not plan.auto_reset and not plan.ignore_terminations:
         loss_mask, loss_mask_sum = compute_loss_mask(batch["dones"], plan.reward_type)
@@ -91,7 +91,7 @@ def _finish_training_batch(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
 
 
 def _merge_epochs(batch: dict[str, Any]) -> dict[str, Any]:
-    """Fold the epochs of a time-major batch into its batch dimension (spec §11.1 step 2).
+    """Fold the epochs of a time-major batch into its batch dimension (docs/embodied.md).
 
     ``E' = rows(dones) − rows(actions)``.  Every tensor leaf (also inside nested dicts)
     ``[E'·T', W, …]`` becomes ``[T', E'·W, …]``; column ``e·W + w`` is env ``w`` of epoch ``e``.
@@ -145,7 +145,7 @@ def _merge_epochs_leaf(value: torch.Tensor, epochs: int, path: str) -> torch.Ten
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 step 3: loss mask
+# to_training_batch step 3: loss mask
 
 
 def _check_reward_type(reward_type: str) -> None:
@@ -168,7 +168,7 @@ def _unflatten_time_major(x: torch.Tensor, k: int) -> torch.Tensor:
 def compute_loss_mask(
     dones: torch.Tensor, reward_type: str = "action_level"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss mask from the boundary dones ``[N+1, W, C]`` (spec §11.1 step 3).
+    """Loss mask from the boundary dones ``[N+1, W, C]`` (docs/embodied.md: "The training batch").
 
     A step is valid until the first done *before* it (the step that ends the episode is still
     valid).  Returns ``(loss_mask, loss_mask_sum)``: bool ``[N, W, C]`` and int64 ``[N, W, C]``
@@ -196,7 +196,7 @@ def compute_loss_mask(
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 step 4: reward filter
+# to_training_batch step 4: reward filter
 
 
 def apply_reward_filter(
@@ -251,7 +251,7 @@ def apply_reward_filter(
 
 
 # ------------------------------------------------------------------------------------------
-# §11.2 estimators on flat [n, W] tensors
+# estimators on flat [n, W] tensors
 
 
 def compute_group_scores(rewards: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
@@ -360,13 +360,13 @@ def compute_raw_advantages(
 
 
 # ------------------------------------------------------------------------------------------
-# §11.3 normalisation
+# normalisation
 
 
 def normalize_advantages(
     advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Whiten advantages with float64 statistics over the masked entries (spec §11.3).
+    """Whiten advantages with float64 statistics over the masked entries (docs/embodied.md).
 
     ``mean = sum/max(count,1)``, ``var = sumsq/count − mean²`` (population variance) and
     ``adv ← (adv − mean)·rsqrt(max(var,0) + 1e-5)`` on every entry, returned as float32.
@@ -390,7 +390,7 @@ def normalize_advantages(
 
 
 # ------------------------------------------------------------------------------------------
-# §11.2 compute_advantages
+# compute_advantages
 
 
 def _as_steps(x: torch.Tensor, name: str, rows: int, width: int, k: int) -> torch.Tensor:
@@ -411,7 +411,7 @@ def compute_advantages(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
     critic-free without) and ``loss_mask`` (optional, all ones when absent) from the batch;
     ``k = 1`` for ``plan.reward_type == "chunk_level"`` (rewards summed, dones/mask max'ed over
     slots), else ``k = C``.  The estimator is ``plan.adv_type`` (gae, grpo, reinpp, raw); the
-    per-actor normalisation of §11.3 is applied last when ``plan.normalize_advantages``.
+    per-actor normalisation is applied last when ``plan.normalize_advantages``.
 
     Raises ``ValueError`` for missing or mis-shaped rewards/dones/prev_values/loss_mask, an
     unknown estimator or reward type, and a width not divisible by ``plan.group_size`` for the

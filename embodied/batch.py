@@ -1,4 +1,4 @@
-"""Batch helpers: split and merge batch-first values and lerobot episode data (spec §3).
+"""Batch helpers: split and merge batch-first values and lerobot episode data (docs/embodied.md).
 
 A *batch value* is None, a tensor or numpy array ``[B, ...]``, a list of B items, a dict of batch
 values, or a scalar (``bool``, ``int``, ``float``, ``str``, numpy scalar) describing the whole

@@ -4,7 +4,7 @@ The collector joins the policy and environment halves of each action chunk (``Ch
 hands the joined chunks to the plan's output mode (``zchannel.embodied.modes``) and yields the
 mode's outputs on ``DEFAULT_KEY``.  A put is atomic: its outputs are computed on the side, and the
 mode state, the joiner acknowledgements and the scope clean-up are committed only when all of
-them succeeded (§6).
+them succeeded (docs/embodied.md: "Pairing the halves").
 
 The dispatcher deals ``ActorBatch`` items to the consumer of their rank (rank-bound, even when that
 consumer left) and every other item least-loaded.
@@ -71,11 +71,13 @@ def consumer_rank(consumer_id: str) -> int:
 
 @register_collector(HOOK_NAME)
 class TrajectoryCollector(Collector):
-    """Turns PolicyPart/EnvPart puts into Trajectory, ActorBatch or EpisodeShard items (§10).
+    """Turns PolicyPart/EnvPart puts into Trajectory, ActorBatch or EpisodeShard items.
+
+    See docs/embodied.md.
 
     ``collect`` raises ``ValueError`` for a foreign item, a key outside ``[0, E) × [0, N)``,
     external policy actions outside lerobot mode, a duplicate key in an open scope, joiner
-    errors (§6) and anything the output mode rejects; the put then changes nothing except that
+    errors and anything the output mode rejects; the put then changes nothing except that
     a valid half stays stored in the joiner.
     """
 
@@ -151,7 +153,7 @@ class TrajectoryCollector(Collector):
 
 @register_dispatcher(HOOK_NAME)
 class TrajectoryDispatcher(Dispatcher):
-    """Deals ``ActorBatch`` items by rank and every other item least-loaded (§10).
+    """Deals ``ActorBatch`` items by rank and every other item least-loaded (docs/embodied.md).
 
     ``ActorBatch`` items are rank-bound: ``route`` returns the consumer id of ``actor_rank``
     fixed at setup (pipeline mode), also after that consumer left, so they wait for it.  Other

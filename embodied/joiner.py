@@ -1,4 +1,4 @@
-"""``ChunkJoiner``: pair the policy and environment halves of each action chunk (spec §6).
+"""``ChunkJoiner``: pair the policy and environment halves of each action chunk (docs/embodied.md).
 
 Parts covering a whole source batch are stored directly; fragments are buffered per
 ``(part type, key)`` until they add up to the source batch, then merged.  A rejected push changes

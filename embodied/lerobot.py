@@ -1,4 +1,4 @@
-"""LeRobot episode recording from action chunks (spec §10.3).
+"""LeRobot episode recording from action chunks (docs/embodied.md: "LeRobot mode").
 
 ``LeRobotEpisodeAccumulator`` decodes each action chunk of one logical source into per-step,
 per-environment records, runs the per-env recording state machine (``record_reset``,
@@ -189,7 +189,7 @@ class _Step:
 
 
 class LeRobotEpisodeAccumulator:
-    """Turns action chunks of ``num_envs`` environments into LeRobot episodes (spec §10.3).
+    """Turns action chunks of ``num_envs`` environments into LeRobot episodes (docs/embodied.md).
 
     Frames carry exactly the keys ``observation.state``, ``observation.images.<camera>``,
     ``action``, ``next.reward``, ``next.done``, ``next.success``, ``task``, ``intervention``,
@@ -462,7 +462,7 @@ class LeRobotEpisodeAccumulator:
     # -- state machine ------------------------------------------------------------------------
 
     def _advance(self, state: _EnvState, step: _Step, own_info: Any) -> None:
-        """Run the per-env state machine of §10.3 for one decoded step."""
+        """Run the per-env state machine (docs/embodied.md: "LeRobot mode") for one decoded step."""
         flags = own_info if isinstance(own_info, Mapping) else {}
         if _truthy(flags.get("record_reset")):
             state.clear()

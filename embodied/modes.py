@@ -1,7 +1,7 @@
-"""The three output modes of the trajectory collector: rollout, pipeline and lerobot (§10).
+"""The output modes of the trajectory collector: rollout, pipeline and lerobot (docs/embodied.md).
 
 A mode groups joined chunks into *scopes* and flushes a scope when all its keys are complete.
-Every put is handled in two phases so that it is atomic (§6):
+Every put is handled in two phases so that it is atomic (docs/embodied.md: "Pairing the halves"):
 
 * ``prepare(chunks)`` computes the put's whole effect on the side — new scope contents, flush
   outputs, advanced shuffle generators, lerobot accumulators — without touching the mode;
@@ -145,7 +145,7 @@ class OutputMode:
     # -- shared helpers ----------------------------------------------------------------------
 
     def build_step(self, chunk: JoinedChunk) -> TrajectoryStep:
-        """The chunk's TrajectoryStep with its rewards (§10.1), built without side effects."""
+        """The chunk's TrajectoryStep with its rewards, built without side effects."""
         plan = self.plan
         if not chunk.policy.inferred:
             raise ValueError(EXTERNAL_ACTIONS_MESSAGE)

@@ -1,4 +1,4 @@
-"""``TrajectoryPlan``: the single configuration object of ``zchannel.embodied`` (spec §1).
+"""``TrajectoryPlan``: the single configuration object of ``zchannel.embodied`` (docs/embodied.md).
 
 The channel carries the plan as its ``options`` dict (``plan.to_options()``); hooks rebuild it with
 ``TrajectoryPlan.from_options(ctx.options)``.  Every field is checked at construction; an invalid
@@ -75,7 +75,7 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class TrajectoryPlan:
-    """Geometry, estimator and output-mode settings of one trajectory channel (spec §1).
+    """Geometry, estimator and output-mode settings of one trajectory channel (docs/embodied.md).
 
     Raises ``ValueError`` naming the offending field for a wrong type, an out-of-range or unknown
     value, or an inconsistent geometry.  Ints given for float fields are stored as floats.

@@ -1,4 +1,4 @@
-"""Time-major training data: ``TrajectoryStep``, ``Trajectory`` and the output items (§8, §9, §10).
+"""Time-major training data: ``TrajectoryStep``, ``Trajectory``, the output items (docs/embodied.md).
 
 A ``TrajectoryStep`` is one joined action chunk for the B environments of a logical source.  The
 internal ``TrajectoryAccumulator`` keeps the steps of one scope and materialises them, sorted by
@@ -59,7 +59,7 @@ def get_model_weights_id(versions: torch.Tensor | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# §8 TrajectoryStep
+# TrajectoryStep
 
 
 def _chunk_flags(flags: torch.Tensor, batch: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _chunk_flags(flags: torch.Tensor, batch: int) -> torch.Tensor:
 def apply_interventions(
     actions: torch.Tensor | None, intervene_actions: torch.Tensor, flags: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Replace model actions by expert actions where the environment intervened (§8).
+    """Replace model actions by expert actions where the environment intervened (docs/embodied.md).
 
     ``actions`` is ``[B, D]``; ``intervene_actions`` is ``[B, C, A]`` or ``[B, D]``; ``flags`` is
     bool ``[B, C']`` or ``[B]`` (then one flag per chunk).  Returns new tensors
@@ -151,7 +151,7 @@ def _rlt_current(
 
 @dataclass(eq=False)
 class TrajectoryStep:
-    """One joined action chunk for the B environments of a logical source (§8).
+    """One joined action chunk for the B environments of a logical source (docs/embodied.md).
 
     Per-chunk fields are batch-first: ``actions`` ``[B, D]``, ``intervene_flags`` bool ``[B, D]``
     (all False by default when actions exist), ``prev_logprobs``, ``prev_values``, ``versions``,
@@ -210,7 +210,7 @@ class TrajectoryStep:
         enable_rlt: bool,
         include_final_value: bool,
     ) -> TrajectoryStep:
-        """Build the step of one joined chunk (§8); the parts are never modified.
+        """Build the step of one joined chunk (docs/embodied.md); the parts are never modified.
 
         Env interventions are applied first, then model flags overwrite ``intervene_flags``.
         Raises ``ValueError`` for an external (non-inferred) policy part, intervention actions
@@ -285,7 +285,7 @@ _FLAG_FIELDS = (
 )
 
 # ---------------------------------------------------------------------------------------------
-# §9 Trajectory
+# Trajectory
 
 _PER_CHUNK_FIELDS = ("actions", "intervene_flags", "rewards", "prev_logprobs", "versions")
 _BOUNDARY_FIELDS = ("terminations", "truncations", "dones")
@@ -377,7 +377,7 @@ def _cat_dim1(values: list[Any], name: str) -> Any:
 
 @dataclass(eq=False)
 class Trajectory:
-    """Time-major training data of one or more environment columns (§9).
+    """Time-major training data of one or more environment columns (docs/embodied.md).
 
     Per-chunk tensors are ``[T, W, ...]`` with T = E·N; boundary flags (``dones``,
     ``truncations``, ``terminations``) and ``prev_values`` have N+1 rows per epoch.  Dict fields
@@ -414,7 +414,7 @@ class Trajectory:
     def from_steps(
         cls, steps: Sequence[TrajectoryStep], *, max_episode_length: int = 0
     ) -> Trajectory:
-        """Stack time-ordered steps into a trajectory (§9).
+        """Stack time-ordered steps into a trajectory (docs/embodied.md: "The trajectory layout").
 
         Per-chunk fields stack to ``[T, B, ...]`` (None skipped); boundary fields append
         ``initial_X`` (if present) then ``X`` per step; ``prev_values`` appends ``prev_values``
@@ -515,7 +515,7 @@ class Trajectory:
     def extract_intervene_traj(
         self, mode: Literal["any", "all"] = "any"
     ) -> list[Trajectory] | None:
-        """One single-column trajectory per env column with intervened rows (§9).
+        """One single-column trajectory per env column with intervened rows (docs/embodied.md).
 
         The row mask ``[T, B]`` is ``intervene_flags.any(-1)`` (or ``all``).  Per-chunk fields keep
         the masked rows; boundary fields keep every epoch-boundary row and row ``e(N+1)+j+1`` where
@@ -614,7 +614,7 @@ class TrajectoryAccumulator:
     """The steps of one scope and one logical source, in arrival order (internal).
 
     ``append`` stores ``(key, step, transition extras)`` without copying; ``to_trajectory``
-    sorts by ``(epoch_id, chunk_id)``, applies history rewards (§7 step 4) to copies and stacks.
+    sorts by ``(epoch_id, chunk_id)``, applies history rewards to copies and stacks.
     Accumulators are cheap to ``copy`` (the entries are shared), which the collector uses to
     compute a put's effect before committing it.
     """
@@ -689,7 +689,7 @@ class TrajectoryAccumulator:
 
 @dataclass(eq=False)
 class ActorBatch:
-    """One training micro-batch for the actor of rank ``actor_rank`` (pipeline mode, §10.2).
+    """One training micro-batch for the actor of rank ``actor_rank`` (pipeline mode).
 
     ``data`` maps packed keys (``"parent::child"``) to tensors whose dim 0 is the micro-batch.
     """
@@ -706,7 +706,7 @@ class ActorBatch:
 
 @dataclass(eq=False)
 class EpisodeShard:
-    """Completed LeRobot episodes of one source and training step (lerobot mode, §10.3).
+    """Completed LeRobot episodes of one source and training step (lerobot mode).
 
     ``episodes`` is a list of episodes, each a list of frame dicts; it may be empty.
     """

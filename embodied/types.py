@@ -1,4 +1,4 @@
-"""Transport types of ``zchannel.embodied``: identities, env/policy halves and requests (§2, §4).
+"""Transport types of ``zchannel.embodied``: keys, env/policy halves, requests (docs/embodied.md).
 
 Every tensor given to these types, including leaves nested in dicts and lists, is stored detached,
 on CPU and contiguous (``to_cpu_contiguous`` in ``__post_init__``).  Flag tensors are stored as
@@ -63,7 +63,7 @@ def _check_sources(sources: Any, what: str) -> list[TrajectorySource]:
 
 
 # ---------------------------------------------------------------------------------------------
-# §2 Identity
+# Identity
 
 
 @dataclass(frozen=True, order=True)
@@ -157,7 +157,7 @@ class TrajectorySource:
 
 
 # ---------------------------------------------------------------------------------------------
-# §4.1 EnvTransition and §7 rewards
+# EnvTransition and rewards
 
 _TRANSITION_FLAGS = ("dones", "terminations", "truncations", "intervene_flags")
 _TRANSITION_DICT_FIELDS = (
@@ -177,7 +177,7 @@ def assign_history_rewards(
     assign_lengths: Sequence[Sequence[int] | None],
     reward_weight: float,
 ) -> list[torch.Tensor]:
-    """Apply delayed reward-model outputs to earlier steps (spec §7 step 4), on copies.
+    """Apply delayed reward-model outputs to earlier steps (docs/embodied.md: "Rewards"), on copies.
 
     The three lists describe the accumulator's steps whose rewards are not None, sorted by
     ``(epoch_id, chunk_id)``: ``steps_rewards[i]`` is ``[B, C]``, and step i's transition has
@@ -296,7 +296,7 @@ class EnvTransition:
         bootstrap_type: str,
         gamma: float,
     ) -> torch.Tensor | None:
-        """The chunk's training rewards ``[B, C]`` (spec §7 steps 1-3), as a new tensor.
+        """The chunk's training rewards ``[B, C]`` (docs/embodied.md: "Rewards"), as a new tensor.
 
         None without rewards.  With a reward-model output the rewards are
         ``env_reward_weight * rewards + reward_weight * reward_model_output``.  With
@@ -324,7 +324,7 @@ class EnvTransition:
 
 
 # ---------------------------------------------------------------------------------------------
-# §4.2 EnvOutput
+# EnvOutput
 
 _OBSERVATION_KEYS = ("main_images", "wrist_images", "extra_view_images", "states")
 
@@ -386,7 +386,7 @@ class EnvOutput:
 
 
 # ---------------------------------------------------------------------------------------------
-# §4.3 EnvPart
+# EnvPart
 
 _ENV_PART_BATCHED = ("next_obs", "next_rlt_obs", "bootstrap_values", "final_prev_values")
 
@@ -502,7 +502,7 @@ class EnvPart:
 
 
 # ---------------------------------------------------------------------------------------------
-# §4.4 PolicyOutput, §4.5 PolicyPart
+# PolicyOutput, PolicyPart
 
 _POLICY_OUTPUT_FIELDS = ("forward_inputs", "prev_logprobs", "prev_values", "intervene_flags")
 
@@ -616,7 +616,7 @@ TrajectoryPart = PolicyPart | EnvPart
 
 
 # ---------------------------------------------------------------------------------------------
-# §4.6 PolicyInput
+# PolicyInput
 
 _INPUT_FLAGS = ("rlt_switch_flags", "intervene_flags")
 

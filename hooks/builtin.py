@@ -1,4 +1,4 @@
-"""Built-in hooks: the ``flatten_batch`` collector and the four dispatchers of the spec."""
+"""Built-in hooks: the ``flatten_batch`` collector and the four built-in dispatchers."""
 
 from __future__ import annotations
 

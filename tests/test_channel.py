@@ -1,4 +1,4 @@
-"""Channel semantics (spec §3-§4), each against a broker process and against a local channel."""
+"""Channel semantics, each against a broker process and against a local channel."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def test_unregistered_dataclass_is_type_error(make_remote):
 
 
 def test_unsendable_items_are_type_errors_everywhere(make):
-    """spec §1: anything outside the item types is a TypeError at put -- also on a local
+    """docs/channel.md: anything outside the item types is a TypeError at put -- also on a local
     channel (no serialization there, but the same API), and also a plain int beyond 64 bits."""
     from payloads import Sample, Unregistered
 
@@ -474,7 +474,7 @@ def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
 
 
 def test_waiting_for_inflight_room_counts_against_timeout(make_remote):
-    """spec §4 flow control: issuing past ``max_inflight`` blocks the caller, counted against
+    """docs/channel.md: issuing past ``max_inflight`` blocks the caller, counted against
     its timeout -- a call whose timeout passes while it waits for room raises TimeoutError
     (nothing sent) instead of blocking for ever."""
     ch = make_remote("room")
@@ -556,7 +556,7 @@ def test_work_cancel(make):
 
 
 def test_shutdown_fails_other_handles_with_broker_unavailable(make):
-    """spec §4: a broker that went away reaches the caller as BrokerUnavailable (never a hang) --
+    """docs/channel.md: a broker that went away reaches the caller as BrokerUnavailable (never a hang) --
     for a local channel too (its "broker" is the shut-down in-process state)."""
     from zchannel.broker import BrokerUnavailable
 

@@ -1,4 +1,4 @@
-"""Collector -> Dispatcher pipeline (spec §5): resolution, hooks in the broker, dealing."""
+"""Collector -> Dispatcher pipeline: resolution, hooks in the broker, dealing."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_entry_point_plugin_is_found():
 
 
 def test_hook_class_published_under_an_entry_point_name(tmp_path, monkeypatch, channels):
-    """spec §5: a hook may be "a name published under the zchannel.hooks entry-point group" --
+    """docs/hooks.md: a hook may be "a name published under the zchannel.hooks entry-point group" --
     also when the entry point names a hook class that is not registered by a decorator."""
     dist = tmp_path / "zchannel_audit_plugin-0.1.dist-info"
     dist.mkdir()
@@ -233,7 +233,7 @@ def test_hook_instance_and_context(make):
 
 
 def test_unknown_hook_names_at_create_are_value_errors(make):
-    # spec §5: "an unknown name is a ValueError listing the known ones" -- also when the broker
+    # docs/hooks.md: "an unknown name is a ValueError listing the known ones" -- also when the broker
     # process resolves the name; a class of the wrong kind stays a TypeError
     with pytest.raises(ValueError, match="flatten_batch"):
         make("unknownc", collector="no_such_collector")
@@ -246,7 +246,7 @@ def test_unknown_hook_names_at_create_are_value_errors(make):
 
 
 def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, caplog):
-    # spec §3: "the running broker's settings win and differing arguments are logged as a warning"
+    # docs/channel.md: "the running broker's settings win; differing arguments are logged"
     make_remote("running", maxsize=3, collector="flatten_batch", dispatcher="round_robin")
     with caplog.at_level("WARNING", logger="zchannel.client"):
         make_remote("running", maxsize=3, collector="FLATTEN_BATCH",

@@ -1,4 +1,4 @@
-"""Tests of zchannel.embodied.advantages (spec §11): epochs, loss mask, reward filter, estimators."""
+"""Tests of zchannel.embodied.advantages: epochs, loss mask, reward filter, estimators."""
 
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ def col(values, dtype=torch.float32):
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 step 2: epochs
+# to_training_batch step 2: epochs
 
 
 def test_merge_epochs_spec_example():
-    """The E=2 trajectory of §9: actions 2 rows, dones [F,T,F,T], prev_values [0,5,0,5]."""
+    """The E=2 trajectory example: actions 2 rows, dones [F,T,F,T], prev_values [0,5,0,5]."""
     D = 3
     batch = {
         "actions": torch.arange(2 * D, dtype=torch.float32).view(2, 1, D),
@@ -156,7 +156,7 @@ def test_to_training_batch_with_trajectories():
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 step 3: loss mask
+# to_training_batch step 3: loss mask
 
 
 def test_loss_mask_spec_example():
@@ -217,7 +217,7 @@ def test_loss_mask_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# §11.1 step 4: reward filter
+# to_training_batch step 4: reward filter
 
 
 def filter_batch(sums, C=1, mask=None):
@@ -278,7 +278,7 @@ def test_reward_filter_via_plan_and_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# §11.2 GAE
+# GAE
 
 
 def test_gae_three_step_example():
@@ -352,7 +352,7 @@ def test_gae_prev_values_shape_errors():
 
 
 def reference_gae(rewards, dones, values, mask, *, reward_type, gamma, lam, normalize):
-    """Straightforward per-column loops over plain Python floats (spec §11.2, §11.3)."""
+    """Straightforward per-column loops over plain Python floats."""
     N, W, C = rewards.shape
     k = 1 if reward_type == "chunk_level" else C
     adv = np.zeros((N, W, k))
@@ -452,7 +452,7 @@ def test_gae_matches_reference_loop(reward_type, use_critic, use_mask, seed):
 
 
 # ------------------------------------------------------------------------------------------
-# §11.2 group estimators
+# group estimators
 
 
 def grpo_batch():
@@ -589,7 +589,7 @@ def test_action_level_group_estimator_shapes():
 
 
 # ------------------------------------------------------------------------------------------
-# §11.3 normalisation
+# normalisation
 
 
 def test_normalize_population_variance_over_masked_entries():

@@ -1,4 +1,4 @@
-"""The embodied_trajectory collector and dispatcher, driven in-process (spec §6, §10)."""
+"""The embodied_trajectory collector and dispatcher, driven in-process."""
 
 from __future__ import annotations
 

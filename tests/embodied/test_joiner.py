@@ -1,4 +1,4 @@
-"""ChunkJoiner: pairing policy and env halves by key (spec §6)."""
+"""ChunkJoiner: pairing policy and env halves by key."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def rewards(chunk: JoinedChunk):
     return chunk.env.transition.rewards.view(-1).tolist()
 
 
-# -- the §6 example and basic pairing (checklist 13) ------------------------------------------
+# -- the pairing example and basic pairing (checklist 13) ------------------------------------------
 
 
 def test_spec_example_fragments_then_env():

@@ -1,4 +1,4 @@
-"""Tests of zchannel.embodied.lerobot (spec §10.3): chunk decoding, state machine, frames."""
+"""Tests of zchannel.embodied.lerobot: chunk decoding, state machine, frames."""
 
 from __future__ import annotations
 

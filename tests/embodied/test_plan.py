@@ -1,4 +1,4 @@
-"""TrajectoryPlan: fields, derived geometry, options round trip and validation (spec §1)."""
+"""TrajectoryPlan: fields, derived geometry, options round trip and validation."""
 
 from __future__ import annotations
 

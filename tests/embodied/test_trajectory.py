@@ -1,4 +1,4 @@
-"""TrajectoryStep, Trajectory, the accumulator and the output items (spec §8, §9)."""
+"""TrajectoryStep, Trajectory, the accumulator and the output items."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def flags(*rows):
 
 
 def golden_parts(k, *, value=0.0, final=5.0, version=7.0):
-    """The §9 golden chunk: E=N=B=C=A=1."""
+    """The golden chunk: E=N=B=C=A=1."""
     policy = PolicyPart(
         [TrajectorySource(k, 1, 0)],
         {"states": torch.zeros(1, 2)},
@@ -119,7 +119,7 @@ def golden_step(k, *, collect_prev_infos=True, last=True):
 
 
 # ---------------------------------------------------------------------------------------------
-# §8 TrajectoryStep
+# TrajectoryStep
 
 
 def intervention_parts(env_flags, model_flags=None):
@@ -315,7 +315,7 @@ def test_step_tensors_are_cpu_contiguous_detached():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9 Trajectory
+# Trajectory
 
 
 def test_golden_trajectory():
@@ -385,7 +385,7 @@ def test_accumulator_sorts_by_epoch_and_chunk():
 
 
 def test_accumulator_history_rewards_on_copies_any_order():
-    """§7 history example: N=3, B=2, C=1 gives [[5,1],[4,6],[4,6]] whatever the order."""
+    """The history-reward example: N=3, B=2, C=1 gives [[5,1],[4,6],[4,6]] whatever the order."""
     outputs = [[1.0, 1.0], [0.0, 0.0], [4.0, 6.0]]
     steps = {}
     for c in range(3):

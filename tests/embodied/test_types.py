@@ -1,4 +1,4 @@
-"""Transport types, batch helpers and rewards (spec §2, §3, §4, §7)."""
+"""Transport types, batch helpers and rewards."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def policy_output(B=2, D=4, seed=0):
     )
 
 
-# -- §2 identity (checklist 6) -----------------------------------------------------------------
+# -- identity (checklist 6) -------------------------------------------------------------------
 
 
 def test_key_is_frozen_hashable_and_positional():
@@ -142,7 +142,7 @@ def test_source_split_merge_round_trip(spec, data):
     assert TrajectorySource.merge(shards) == sources
 
 
-# -- §3 batch helpers (checklist 7, 8) --------------------------------------------------------
+# -- batch helpers (checklist 7, 8) -----------------------------------------------------------
 
 
 def test_scalars_repeat_and_survive_split_merge():
@@ -287,7 +287,7 @@ def test_episode_data_rejects_different_chunk_lengths():
         merge_episode_data([a, b])
 
 
-# -- §4.1 EnvTransition and §7 rewards (checklist 18, 19) -------------------------------------
+# -- EnvTransition and rewards (checklist 18, 19) ---------------------------------------------
 
 
 def test_transition_to_dict_and_with_trajectory_data():
@@ -444,7 +444,7 @@ def test_history_rewards_work_on_copies_and_need_model_output():
         assign_history_rewards(base, [None, None, torch.ones(2, 1)], [None, None, [2]], 1.0)
 
 
-# -- §4.2 EnvOutput ---------------------------------------------------------------------------
+# -- EnvOutput --------------------------------------------------------------------------------
 
 
 def test_env_output_properties_and_prepare_observations():
@@ -479,7 +479,7 @@ def test_env_output_properties_and_prepare_observations():
     assert prepared["main_images"].shape == (2, 4, 4, 3)
 
 
-# -- §4.3 EnvPart (checklist 9, 10) -----------------------------------------------------------
+# -- EnvPart (checklist 9, 10) ----------------------------------------------------------------
 
 
 def test_env_part_complete_keeps_identity_and_bootstrap():
@@ -550,7 +550,7 @@ def test_env_part_merge_errors():
         EnvPart.merge([b, a])  # out of order: offsets 1, 0 do not coalesce
 
 
-# -- §4.4/4.5 PolicyOutput, PolicyPart (checklist 11) -----------------------------------------
+# -- PolicyOutput, PolicyPart (checklist 11) --------------------------------------------------
 
 
 def test_policy_output_has_no_actions_and_defaults():
@@ -604,7 +604,7 @@ def test_policy_part_split_merge():
         PolicyPart.merge([c, external])
 
 
-# -- §4.6 PolicyInput (checklist 12) ----------------------------------------------------------
+# -- PolicyInput (checklist 12) ---------------------------------------------------------------
 
 
 def test_policy_input_merge_example():
@@ -680,7 +680,7 @@ def test_policy_input_split():
         PolicyInput.merge([a, b]).split([1, 2])  # two env parts
 
 
-# -- construction invariants (checklist 5) ------------------------------------------------------
+# -- construction invariants (checklist 5) ----------------------------------------------------
 
 
 def messy(*shape):
@@ -760,7 +760,7 @@ def test_transition_flags_become_bool():
     assert t.dones.dtype == torch.bool and t.intervene_flags.dtype == torch.bool
 
 
-# -- serialization (spec §0) --------------------------------------------------------------------
+# -- serialization ----------------------------------------------------------------------------
 
 
 def wire_objects():
