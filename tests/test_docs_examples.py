@@ -66,3 +66,24 @@ def test_lerobot_example():
         for key in ("'observation.state'", "'observation.images.main'", "'action'",
                     "'next.done'", "'timestamp'", "'episode_index'"):
             assert key in line
+
+
+def test_readme_and_docs_are_self_contained():
+    """README.md and docs/ link only to files of this repository, and cite no '§' of files a
+    user does not have."""
+    pages = [os.path.join(REPO, "README.md")]
+    docs = os.path.join(REPO, "docs")
+    for folder, _, files in os.walk(docs):
+        pages += [os.path.join(folder, f) for f in files if f.endswith(".md")]
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        name = os.path.relpath(page, REPO)
+        assert "§" not in text, name
+        assert "shared/spec" not in text and "../shared" not in text, name
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            assert not re.match(r"[a-z]+://", target), f"{name} links outside the repo: {target}"
+            path = target.split("#", 1)[0]
+            if path:
+                resolved = os.path.normpath(os.path.join(os.path.dirname(page), path))
+                assert resolved.startswith(REPO + os.sep), f"{name}: {target} leaves the repo"
+                assert os.path.exists(resolved), f"{name}: {target} does not exist"
