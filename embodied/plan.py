@@ -82,35 +82,65 @@ class TrajectoryPlan:
     """
 
     mode: Mode
+    """What the collector hands out: Trajectory shards, ActorBatch items or EpisodeShards."""
     num_sources: int
+    """S: logical sources, one per ``(env_rank, stage_id)``."""
     source_batch_size: int
+    """B: environments in one source."""
     num_chunks: int
+    """N: action chunks per source per rollout epoch."""
     rollout_epochs: int
+    """E: rollout epochs per training step."""
     actor_world_size: int
+    """AW: actor consumers (ranks ``0..AW-1``)."""
     num_action_chunks: int
+    """C: actions per chunk."""
     action_dim: int
+    """A: width of one action."""
     adv_type: AdvType = "gae"
+    """Advantage estimator."""
     gamma: float = 1.0
+    """Discount (also scales the truncation bootstrap)."""
     gae_lambda: float = 1.0
+    """GAE λ."""
     group_size: int = 8
+    """Consecutive environment columns per group (grpo, reinpp, raw, reward filter)."""
     normalize_advantages: bool = True
+    """Whiten advantages over one actor's batch, last."""
     reward_type: RewardType = "chunk_level"
+    """One advantage per action slot, or one per chunk."""
     bootstrap_type: BootstrapType = "standard"
+    """Terminals that get the truncation bootstrap: truncations, or every done."""
     auto_reset: bool = False
+    """Environments reset inside an epoch: no loss mask, bootstrap at truncations."""
     ignore_terminations: bool = False
+    """No loss mask from dones."""
     env_reward_weight: float = 0.0
+    """Weight of the env reward when a reward-model output is present."""
     reward_weight: float = 1.0
+    """Weight of the reward-model output."""
     collect_prev_infos: bool = True
+    """Keep ``prev_logprobs``, ``prev_values`` and the final values."""
     collect_transitions: bool = False
+    """Keep ``curr_obs``/``next_obs`` (otherwise they stay ``{}``)."""
     enable_rlt: bool = False
+    """Keep compact RLT features as the transitions."""
     max_episode_length: int = 0
+    """Copied into ``Trajectory.max_episode_length`` (0: unknown)."""
     micro_batch_size: int | None = None
+    """Pipeline mode: rows per ActorBatch (required there)."""
     shuffle: bool = True
+    """Pipeline mode: shuffle rows before cutting micro-batches."""
     seed: int = 0
+    """Pipeline mode: actor a's shuffle generator is seeded ``seed + a``."""
     rewards_lower_bound: float | None = None
+    """Reward filter: mask groups whose mean reward is below (None: unbounded)."""
     rewards_upper_bound: float | None = None
+    """Reward filter: mask groups whose mean reward is above (None: unbounded)."""
     lerobot_only_success: bool = False
+    """LeRobot mode: keep only successful, terminated episodes."""
     lerobot_fps: float = 10
+    """LeRobot mode: ``timestamp = frame_index / lerobot_fps``."""
 
     def __post_init__(self) -> None:
         self._check_fields()

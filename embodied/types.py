@@ -71,10 +71,15 @@ class TrajectoryKey:
     """One action chunk of one logical source: ``(step, epoch, env_rank, stage, chunk)``."""
 
     step_id: int
+    """Training step."""
     epoch_id: int
+    """Rollout epoch within the step, in ``[0, rollout_epochs)``."""
     env_rank: int
+    """Rank of the env worker (with ``stage_id``, the logical source)."""
     stage_id: int
+    """Pipeline stage of the env worker."""
     chunk_id: int
+    """Action chunk within the epoch, in ``[0, num_chunks)``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -397,13 +402,19 @@ class EnvPart:
 
     sources: list[TrajectorySource]
     transition: EnvTransition
+    """Rewards, done flags and interventions of the chunk, batch-first ``[B, C]``."""
     _: KW_ONLY
     next_obs: dict[str, Any] | None = None
+    """The observation after the chunk (kept with ``collect_transitions``)."""
     requires_inference: bool = False
+    """Rollout must run terminal inference before publishing (``complete`` clears it)."""
     next_rlt_obs: dict[str, Any] | None = None
     bootstrap_values: torch.Tensor | None = None
+    """``[B, 1]`` V(terminal obs): the truncation bootstrap added with ``auto_reset``."""
     final_prev_values: torch.Tensor | None = None
+    """Last chunk of an epoch: V(obs after the epoch), the last row of ``prev_values``."""
     initial_transition: EnvTransition | None = None
+    """Chunk 0 only (required there): the done flags before the epoch's first action."""
 
     def __post_init__(self) -> None:
         self.sources = _check_sources(self.sources, "EnvPart")
