@@ -229,7 +229,8 @@ class _Encoder:
             )
         if isinstance(obj, np.ndarray):
             check_array(obj)
-            arr = np.ascontiguousarray(obj)
+            # (np.ascontiguousarray would make a 0-d array 1-d)
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             return msgpack.ExtType(
                 EXT_NDARRAY,
                 self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
@@ -538,8 +539,8 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
         return dec.unpack(body)
-    except ValueError:
-        raise
-    except Exception as exc:  # msgpack's own errors, RecursionError, ...
+    except Exception as exc:  # msgpack's own errors (ValueError subclasses), RecursionError, ...
+        if type(exc) is ValueError:  # the decoder's own words
+            raise
         raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
 
