@@ -166,7 +166,7 @@ def tensor_dtype_name(t: Any) -> str:
 
 def check_array(obj: Any) -> None:
     """``TypeError`` for a numpy array or scalar that cannot travel."""
-    if isinstance(obj, np.ma.MaskedArray):
+    if type(obj) is not np.ndarray and isinstance(obj, np.ma.MaskedArray):
         refuse(obj)
     if obj.dtype.str not in _NP_DTYPES:
         what = "numpy dtype" if isinstance(obj, np.ndarray) else "numpy scalar of dtype"

@@ -33,11 +33,19 @@ def wire_form(obj: Any, _depth: int = 0) -> Any:
         return obj
     if _depth >= MAX_DEPTH:
         raise TypeError("cannot encode item: nested too deeply")
-    if codec.is_tensor(obj):
+    if kind is dict:  # the exact containers first: no subclass question to ask
+        return _dict(obj, _depth)
+    if kind is list or kind is tuple:
+        return _sequence(obj, kind, _depth)
+    if kind is np.ndarray:
+        codec.check_array(obj)
+        return obj
+    torch = sys.modules.get("torch")  # (not imported: no tensor can exist)
+    if torch is not None and isinstance(obj, torch.Tensor):
         codec.tensor_dtype_name(obj)
-        if kind is sys.modules["torch"].Tensor and not obj.requires_grad:
+        if kind is torch.Tensor and not obj.requires_grad:
             return obj
-        return obj.detach().as_subclass(sys.modules["torch"].Tensor)
+        return obj.detach().as_subclass(torch.Tensor)
     if isinstance(obj, np.ndarray):
         codec.check_array(obj)
         return obj if kind is np.ndarray else obj.view(np.ndarray)
@@ -75,6 +83,8 @@ def _sequence(obj: Any, base: type, depth: int) -> Any:
     itself if nothing changes, else a new ``base``."""
     out: list | None = None
     for i, value in enumerate(obj):
+        if out is None and type(value) in _AS_IS:  # the common element: nothing to call
+            continue
         form = wire_form(value, depth + 1)
         if out is None:
             if form is value:
@@ -89,6 +99,8 @@ def _sequence(obj: Any, base: type, depth: int) -> Any:
 def _dict(obj: dict, depth: int) -> dict:
     out: dict | None = None
     for i, (key, value) in enumerate(obj.items()):
+        if out is None and type(key) in _AS_IS and type(value) in _AS_IS:
+            continue
         key_form, value_form = wire_form(key, depth + 1), wire_form(value, depth + 1)
         if out is None:
             if key_form is key and value_form is value:
