@@ -53,6 +53,7 @@ EXT_TUPLE, EXT_NDARRAY, EXT_TENSOR, EXT_DATACLASS, EXT_NPSCALAR, EXT_BYTES = 1, 
 EXT_SET, EXT_FROZENSET, EXT_COMPLEX, EXT_BIGINT, EXT_SIZE, EXT_ENUM = 7, 8, 9, 10, 11, 12
 INT_MIN, INT_END = -(2**63), 2**64  # msgpack ints: [INT_MIN, INT_END); others are EXT_BIGINT
 _COMPLEX = struct.Struct("<dd")
+NESTED_TOO_DEEPLY = "cannot encode item: nested too deeply"
 
 # numpy dtypes allowed on the wire: numeric and bool, either byte order.
 _NP_DTYPES: dict[str, np.dtype] = {}
@@ -298,9 +299,17 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     enc = _Encoder()
     try:
         body = enc.pack(obj)
-    except (ValueError, RecursionError) as exc:  # msgpack's ValueError: nested too deeply
-        raise TypeError(f"cannot encode item: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise _refusal(exc) from None
     return body, enc.buffers
+
+
+def _refusal(exc: ValueError | RecursionError) -> TypeError:
+    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large) or a
+    ``RecursionError`` (tuples, sets... nested too deeply)."""
+    if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
+        return TypeError(NESTED_TOO_DEEPLY)
+    return TypeError(f"cannot encode item: {exc}")
 
 
 def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
@@ -316,7 +325,7 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
     except BaseException as exc:
         alloc.undo(enc.refs)  # slots taken for an item that will not travel
         if isinstance(exc, (ValueError, RecursionError)):
-            raise TypeError(f"cannot encode item: {exc}") from None
+            raise _refusal(exc) from None
         raise
     return body, enc.buffers, enc.refs
 

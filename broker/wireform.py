@@ -24,15 +24,23 @@ MAX_DEPTH = 512  # msgpack's own nesting limit
 _AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-def wire_form(obj: Any, _depth: int = 0) -> Any:
+def wire_form(obj: Any) -> Any:
     """``obj`` as a receiver gets it from a broker (``obj`` itself if that is the same); raises
-    the ``TypeError`` that ``codec.encode`` raises for a value that cannot travel.  The checks
-    come in the encoder's order, so that a value of several kinds takes the same form."""
+    the ``TypeError`` that ``codec.encode`` raises for a value that cannot travel."""
+    try:
+        return _form(obj, 0)
+    except RecursionError:  # as codec.encode: refused, not a crash
+        raise TypeError(codec.NESTED_TOO_DEEPLY) from None
+
+
+def _form(obj: Any, _depth: int) -> Any:
+    """:func:`wire_form` at nesting depth ``_depth``.  The checks come in the encoder's order,
+    so that a value of several kinds (a ``str`` Enum, a named tuple) takes the same form."""
     kind = type(obj)
     if kind in _AS_IS:
         return obj
     if _depth >= MAX_DEPTH:
-        raise TypeError("cannot encode item: nested too deeply")
+        raise TypeError(codec.NESTED_TOO_DEEPLY)
     if kind is dict:  # the exact containers first: no subclass question to ask
         return _dict(obj, _depth)
     if kind is list or kind is tuple:
@@ -85,7 +93,7 @@ def _sequence(obj: Any, base: type, depth: int) -> Any:
     for i, value in enumerate(obj):
         if out is None and type(value) in _AS_IS:  # the common element: nothing to call
             continue
-        form = wire_form(value, depth + 1)
+        form = _form(value, depth + 1)
         if out is None:
             if form is value:
                 continue
@@ -101,7 +109,7 @@ def _dict(obj: dict, depth: int) -> dict:
     for i, (key, value) in enumerate(obj.items()):
         if out is None and type(key) in _AS_IS and type(value) in _AS_IS:
             continue
-        key_form, value_form = wire_form(key, depth + 1), wire_form(value, depth + 1)
+        key_form, value_form = _form(key, depth + 1), _form(value, depth + 1)
         if out is None:
             if key_form is key and value_form is value:
                 continue
@@ -116,7 +124,7 @@ def _dataclass(obj: Any, depth: int) -> Any:
     """A registered dataclass instance: ``obj`` if no field changes, else rebuilt as the
     receiver rebuilds it (constructor for init fields, then the others)."""
     fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    forms = {name: wire_form(value, depth + 1) for name, value in fields.items()}
+    forms = {name: _form(value, depth + 1) for name, value in fields.items()}
     if all(forms[name] is value for name, value in fields.items()):
         return obj
     return codec.build_dataclass(type(obj), forms)

@@ -71,6 +71,13 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(7)
 
 
+def _nested(depth: int, kind: type = list) -> object:
+    value: object = 0
+    for _ in range(depth):
+        value = kind([value])
+    return value
+
+
 def _table() -> list[tuple[str, object, object]]:
     """``(name, value, expected arrival)`` rows."""
     g = _gen()
@@ -182,6 +189,9 @@ def _table() -> list[tuple[str, object, object]]:
         ("object", object(), NOT_AN_ITEM),
         ("object deep inside", [1, {"k": (2, {object()})}], NOT_AN_ITEM),
         ("unregistered Enum inside", {"shape": Shape.CIRCLE}, NOT_REGISTERED_ENUM),
+        ("nested 3000 deep", _nested(3000), Refused("cannot encode item: nested too deeply")),
+        ("tuples nested 3000 deep", _nested(3000, tuple),
+         Refused("cannot encode item: nested too deeply")),
     ]
     return rows
 
