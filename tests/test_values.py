@@ -270,13 +270,16 @@ def test_value_table_arrives_the_same_on_every_path(path, channels, monkeypatch)
         rows = list(enumerate(GOOD))[start : start + 8]
         for i, (_name, value, _expected) in rows:
             ch.put(_wrap(path, value), key=i)
-        for i, (name, _value, expected) in rows:
-            got = _unwrap(path, ch.get(key=i, timeout=30))
-            if not same(expected, got):
-                wrong.append((name, expected, got))
+            ch.put(_wrap(path, value), key="batch", weight=1)
+        got = [ch.get(key=i, timeout=30) for i, _row in rows]
+        got_batch = ch.get_batch(len(rows), key="batch", timeout=30)  # another reply format
+        for (_i, (name, _value, expected)), one, in_batch in zip(rows, got, got_batch, strict=True):
+            for arrived in (one, in_batch):
+                if not same(expected, _unwrap(path, arrived)):
+                    wrong.append((name, expected, arrived))
     assert not wrong, wrong
     if path == "shm":  # every item took slots for its large tensors and arrays
-        assert ch.stats()["shm"]["slots_in"] >= 2 * len(GOOD)
+        assert ch.stats()["shm"]["slots_in"] >= 4 * len(GOOD)
     if path == "zmq":
         stats = ch.stats().get("shm") or {}
         assert stats.get("slots_in", 0) == 0
@@ -369,6 +372,22 @@ def test_base_forms_are_the_same_locally_and_through_the_codec(value):
     assert wire_form(local) is local  # a wire form is final
     again = codec.decode(*codec.encode(decoded))
     assert same(decoded, again)
+
+
+@settings(max_examples=300, deadline=None)
+@given(canonical, st.data())
+def test_a_mutated_encoding_is_a_value_error_or_a_value(value, data):
+    """The decoder never fails otherwise on bytes of the new forms gone wrong."""
+    body = bytearray(codec.encode(value)[0])
+    for _ in range(data.draw(st.integers(1, 3))):
+        if body and data.draw(st.booleans()):
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+        else:
+            del body[data.draw(st.integers(0, len(body))):]
+    try:
+        codec.decode(bytes(body))
+    except ValueError as exc:
+        assert type(exc) is ValueError and str(exc)
 
 
 # -- malformed new forms against live brokers ----------------------------------------------------
