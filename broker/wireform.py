@@ -33,18 +33,18 @@ def wire_form(obj: Any) -> Any:
         raise TypeError(codec.NESTED_TOO_DEEPLY) from None
 
 
-def _form(obj: Any, _depth: int) -> Any:
-    """:func:`wire_form` at nesting depth ``_depth``.  The checks come in the encoder's order,
+def _form(obj: Any, depth: int) -> Any:
+    """:func:`wire_form` at nesting level ``depth``.  The checks come in the encoder's order,
     so that a value of several kinds (a ``str`` Enum, a named tuple) takes the same form."""
     kind = type(obj)
     if kind in _AS_IS:
         return obj
-    if _depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH:
         raise TypeError(codec.NESTED_TOO_DEEPLY)
     if kind is dict:  # the exact containers first: no subclass question to ask
-        return _dict(obj, _depth)
+        return _dict(obj, depth)
     if kind is list or kind is tuple:
-        return _sequence(obj, kind, _depth)
+        return _sequence(obj, kind, depth)
     if kind is np.ndarray:
         codec.check_array(obj)
         return obj
@@ -54,25 +54,25 @@ def _form(obj: Any, _depth: int) -> Any:
         if kind is torch.Tensor and not obj.requires_grad:
             return obj
         return obj.detach().as_subclass(torch.Tensor)
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
         codec.check_array(obj)
-        return obj if kind is np.ndarray else obj.view(np.ndarray)
+        return obj.view(np.ndarray)
     if kind in CLS_TO_TAG:
-        return obj if isinstance(obj, enum.Enum) else _dataclass(obj, _depth)
+        return obj if isinstance(obj, enum.Enum) else _dataclass(obj, depth)
     if isinstance(obj, tuple):
         if codec.is_size(obj):
             size = sys.modules["torch"].Size
             return obj if kind is size else size(obj)
-        return _sequence(obj, tuple, _depth)
+        return _sequence(obj, tuple, depth)
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         codec.check_array(obj)
         return obj
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return memoryview(obj).tobytes()
     if isinstance(obj, dict):
-        return _dict(obj, _depth)
+        return _dict(obj, depth)
     if isinstance(obj, list):
-        return _sequence(obj, list, _depth)
+        return _sequence(obj, list, depth)
     if isinstance(obj, str):
         return str.__str__(obj)
     if isinstance(obj, int):
@@ -82,7 +82,7 @@ def _form(obj: Any, _depth: int) -> Any:
     if isinstance(obj, complex):
         return complex(obj.real, obj.imag)
     if isinstance(obj, (set, frozenset)):
-        return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, _depth)
+        return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, depth)
     codec.refuse(obj)
 
 
