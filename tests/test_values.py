@@ -10,6 +10,7 @@ tensors and arrays), a broker that decodes and re-encodes every item (a collecto
 from __future__ import annotations
 
 import collections
+import enum
 import math
 import re
 
@@ -37,12 +38,11 @@ from payloads import (
     Tag,
     Unregistered,
 )
-from zchannel.broker import Channel, codec
+from zchannel.broker import Channel, codec, register_type
 from zchannel.broker.protocol import pack_header
 from zchannel.broker.wireform import wire_form
 
 pytestmark = pytest.mark.timeout(120)
-
 
 
 class Refused:
@@ -319,6 +319,24 @@ def test_local_and_codec_refuse_alike(name, value, pattern):
     with pytest.raises(TypeError) as by_local:
         wire_form(value)
     assert str(by_codec.value) == str(by_local.value)
+
+
+def test_register_type_takes_dataclasses_and_enums_only():
+    class Mode(str, enum.Enum):
+        EVAL = "eval"
+
+    assert codec.decode(*codec.encode(Mode.EVAL)) == "eval"  # unregistered: its value
+    assert register_type(Mode, name="tests.Mode") is Mode
+    assert codec.decode(*codec.encode([Mode.EVAL])) == [Mode.EVAL]  # registered: the member
+    assert register_type(Mode, name="tests.Mode") is Mode  # again: a no-op
+    with pytest.raises(TypeError, match="dataclass or an Enum class"):
+        register_type(int)
+
+    class Other(enum.Enum):
+        A = 1
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_type(Other, name="tests.Mode")
 
 
 # -- the new wire forms, property-tested at the codec level --------------------------------------
