@@ -220,6 +220,8 @@ class _Encoder:
         return self.loc(data, nbytes)
 
     def default(self, obj: Any) -> Any:
+        if type(obj) is tuple:  # the commonest ext: no subclass question to ask
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
         if is_tensor(obj):
             name = tensor_dtype_name(obj)
             shape = list(obj.shape)
