@@ -5,7 +5,6 @@
 """
 
 from zchannel.broker.client import DEFAULT_KEY, Channel
-from zchannel.broker.codec import register_type, serializable
 from zchannel.broker.errors import (
     BrokerStartError,
     BrokerUnavailable,
@@ -15,6 +14,7 @@ from zchannel.broker.errors import (
     QueueEmpty,
     QueueFull,
 )
+from zchannel.broker.registry import register_type, serializable
 from zchannel.broker.work import Delivery, Work
 
 __all__ = [

@@ -12,7 +12,18 @@ code   value           payload
 4      dataclass       ``[tag, {field: value}]`` (registered classes only)
 5      numpy scalar    ``[dtype.str, raw bytes]``
 6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
+7      set             ``[elements...]``
+8      frozenset       ``[elements...]``
+9      complex         16 raw bytes: real and imaginary part, little-endian float64 (not msgpack)
+10     big int         raw bytes: the int in big-endian two's complement (not msgpack); ints
+                       outside ``[-2**63, 2**64)``, which msgpack cannot hold
+11     torch.Size      ``[ints...]``
+12     Enum member     ``[tag, member name]`` (registered Enums; a ``Flag`` combination:
+                       ``[tag, int value]``)
 =====  ==============  ==========================================================
+
+What becomes of every Python type (base values of subclasses, refusals) is ``docs/values.md``;
+:func:`wire_form` (``broker/wireform.py``) gives the same answer without encoding.
 
 ``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
 ``i``-th shared-memory slot of the item (same-host path, ``broker/shm.py``).  Every buffer is
@@ -23,19 +34,26 @@ code   value           payload
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import struct
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
+from zchannel.broker.registry import CLS_TO_TAG, lookup_tag, member_from_ref, member_ref
 
 INLINE_LIMIT = 64 * 1024
 MAX_RANK = 32
 
 EXT_TUPLE, EXT_NDARRAY, EXT_TENSOR, EXT_DATACLASS, EXT_NPSCALAR, EXT_BYTES = 1, 2, 3, 4, 5, 6
+EXT_SET, EXT_FROZENSET, EXT_COMPLEX, EXT_BIGINT, EXT_SIZE, EXT_ENUM = 7, 8, 9, 10, 11, 12
+INT_MIN, INT_END = -(2**63), 2**64  # msgpack ints: [INT_MIN, INT_END); others are EXT_BIGINT
+_COMPLEX = struct.Struct("<dd")
+NESTED_TOO_DEEPLY = "cannot encode item: nested too deeply"
 
 # numpy dtypes allowed on the wire: numeric and bool, either byte order.
 _NP_DTYPES: dict[str, np.dtype] = {}
@@ -87,58 +105,73 @@ def _torch() -> Any:
     return torch
 
 
-def _is_tensor(obj: Any) -> bool:
+def is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor (without importing torch)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
-# ---------------------------------------------------------------------------------------------
-# Registered dataclasses
 
-C = TypeVar("C", bound=type)
-_TAG_TO_CLS: dict[str, type] = {}
-_CLS_TO_TAG: dict[type, str] = {}
-
-
-def register_type(cls: C, name: str | None = None) -> C:
-    """Allow instances of dataclass ``cls`` on the wire, tagged ``name`` (default
-    ``"module:qualname"``).  Re-registering the same class is a no-op; another class under a
-    taken tag is a ``ValueError``."""
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise TypeError(f"register_type takes a dataclass, not {cls!r}")
-    tag = name or f"{cls.__module__}:{cls.__qualname__}"
-    owner = _TAG_TO_CLS.get(tag)
-    if owner is not None and owner is not cls:
-        if f"{owner.__module__}:{owner.__qualname__}" != f"{cls.__module__}:{cls.__qualname__}":
-            raise ValueError(f"serializable tag {tag!r} is already registered to {owner!r}")
-    _TAG_TO_CLS[tag] = cls
-    _CLS_TO_TAG[cls] = tag
-    return cls
+def is_size(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.Size`` (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Size)
 
 
-def serializable(cls: C | None = None, *, name: str | None = None) -> Any:
-    """Class decorator form of :func:`register_type`: ``@serializable`` or
-    ``@serializable(name="tag")``."""
-    if cls is None:
-        return lambda c: register_type(c, name)
-    return register_type(cls, name)
+def bigint_bytes(value: int) -> bytes:
+    """The payload of an ``EXT_BIGINT``: ``value`` in big-endian two's complement."""
+    return value.to_bytes(value.bit_length() // 8 + 1, "big", signed=True)
 
 
-def _lookup_tag(tag: str) -> type:
-    cls = _TAG_TO_CLS.get(tag)
-    if cls is None:
-        from zchannel.hooks import load_entry_points  # plug-ins register their types on import
-
-        load_entry_points()
-        cls = _TAG_TO_CLS.get(tag)
-    if cls is None:
-        raise ValueError(
-            f"unknown serializable type tag {tag!r}: import the module that registers it"
+def refuse(obj: Any) -> NoReturn:
+    """Raise the ``TypeError`` for a value that cannot travel, naming its type and the fix."""
+    cls = type(obj)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(obj, enum.Enum):
+        raise TypeError(
+            f"Enum {name} is not registered for the wire: decorate it with "
+            "@zchannel.broker.serializable or call zchannel.broker.register_type(cls) (its "
+            "members then arrive as themselves; str and int Enums unregistered arrive as their "
+            "value)"
         )
-    return cls
-
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        raise TypeError(
+            f"dataclass {name} is not registered for the wire: "
+            "decorate it with @zchannel.broker.serializable or call "
+            "zchannel.broker.register_type(cls)"
+        )
+    if isinstance(obj, np.ma.MaskedArray):
+        raise TypeError(
+            f"cannot send a {name}: its mask would be lost; send arr.filled(value), or arr.data "
+            "and arr.mask as two arrays"
+        )
+    raise TypeError(
+        f"cannot send an object of type {name}: items are None, bool, int, float, complex, str, "
+        "bytes, list, tuple, dict, set, frozenset, numpy arrays and scalars, torch tensors, "
+        "torch.Size and registered dataclasses and Enums (docs/values.md)"
+    )
 
 # ---------------------------------------------------------------------------------------------
 # Encoding
+
+
+def tensor_dtype_name(t: Any) -> str:
+    """The wire name of tensor ``t``'s dtype; ``TypeError`` for a tensor that cannot travel."""
+    torch = _torch()
+    name = _TORCH_DTYPE_NAME.get(t.dtype)
+    if name is None:
+        raise TypeError(f"torch dtype {t.dtype} cannot be sent")
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
+    return name
+
+
+def check_array(obj: Any) -> None:
+    """``TypeError`` for a numpy array or scalar that cannot travel."""
+    if type(obj) is not np.ndarray and isinstance(obj, np.ma.MaskedArray):
+        refuse(obj)
+    if obj.dtype.str not in _NP_DTYPES:
+        what = "numpy dtype" if isinstance(obj, np.ndarray) else "numpy scalar of dtype"
+        raise TypeError(f"{what} {obj.dtype} cannot be sent (numeric and bool dtypes only)")
 
 
 def _tensor_bytes(t: Any, device: str) -> np.ndarray:
@@ -147,8 +180,6 @@ def _tensor_bytes(t: Any, device: str) -> np.ndarray:
     torch = _torch()
     if t.requires_grad:
         t = t.detach()
-    if t.layout != torch.strided:
-        raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
     if device != "cpu":
         t = t.cpu()
     if t.is_conj():
@@ -189,11 +220,10 @@ class _Encoder:
         return self.loc(data, nbytes)
 
     def default(self, obj: Any) -> Any:
-        if _is_tensor(obj):
-            _torch()
-            name = _TORCH_DTYPE_NAME.get(obj.dtype)
-            if name is None:
-                raise TypeError(f"torch dtype {obj.dtype} cannot be sent")
+        if type(obj) is tuple:  # the commonest ext: no subclass question to ask
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        if is_tensor(obj):
+            name = tensor_dtype_name(obj)
             shape = list(obj.shape)
             device = str(obj.device)
             raw = _tensor_bytes(obj, device)
@@ -201,20 +231,25 @@ class _Encoder:
                 EXT_TENSOR, self.pack([name, shape, self.array_loc(raw, raw.nbytes), device])
             )
         if isinstance(obj, np.ndarray):
-            if obj.dtype.str not in _NP_DTYPES:
-                raise TypeError(
-                    f"numpy dtype {obj.dtype} cannot be sent (numeric and bool dtypes only)"
-                )
-            arr = np.ascontiguousarray(obj)
+            check_array(obj)
+            # (np.ascontiguousarray would make a 0-d array 1-d)
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             return msgpack.ExtType(
                 EXT_NDARRAY,
                 self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
             )
+        tag = CLS_TO_TAG.get(type(obj))
+        if tag is not None:
+            if isinstance(obj, enum.Enum):
+                return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
         if isinstance(obj, tuple):
+            if is_size(obj):
+                return msgpack.ExtType(EXT_SIZE, self.pack([int(d) for d in obj]))
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
-        if isinstance(obj, np.generic):
-            if obj.dtype.str not in _NP_DTYPES:
-                raise TypeError(f"numpy scalar of dtype {obj.dtype} cannot be sent")
+        if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
+            check_array(obj)
             return msgpack.ExtType(EXT_NPSCALAR, self.pack([obj.dtype.str, obj.tobytes()]))
         if isinstance(obj, (bytes, bytearray, memoryview)):
             view = memoryview(obj)
@@ -222,88 +257,33 @@ class _Encoder:
                 if not view.c_contiguous:
                     view = memoryview(view.tobytes())
                 return msgpack.ExtType(EXT_BYTES, self.pack(self.loc(view, view.nbytes)))
-            return bytes(view)
-        tag = _CLS_TO_TAG.get(type(obj))
-        if tag is not None:
-            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
+            return view.tobytes()
+        # subclasses of the base types below (str and int Enums among them) travel as their
+        # base value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")
         if isinstance(obj, dict):
             return dict(obj)
         if isinstance(obj, list):
             return list(obj)
         if isinstance(obj, str):
-            return str(obj)
+            return str.__str__(obj)
+        if isinstance(obj, int):  # bool is packed natively (it cannot be subclassed)
+            value = int.__int__(obj)
+            if INT_MIN <= value < INT_END:
+                return value
+            return msgpack.ExtType(EXT_BIGINT, bigint_bytes(value))
         if isinstance(obj, float):
-            return float(obj)
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return int(obj)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            cls = type(obj)
-            raise TypeError(
-                f"dataclass {cls.__module__}.{cls.__qualname__} is not registered for the wire: "
-                "decorate it with @zchannel.broker.serializable or call "
-                "zchannel.broker.register_type(cls)"
-            )
-        raise TypeError(
-            f"cannot send an object of type {type(obj).__module__}.{type(obj).__qualname__}: "
-            "items are None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays, "
-            "torch tensors and registered dataclasses"
-        )
+            return float.__float__(obj)
+        if isinstance(obj, complex):
+            return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
+        if isinstance(obj, (set, frozenset)):
+            code = EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET
+            return msgpack.ExtType(code, self.pack(list(obj)))
+        refuse(obj)
 
 
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
 # one packer for scalars: packing one never calls back into Python, so threads cannot interleave
 _plain_packer = msgpack.Packer(use_bin_type=True)
-_MAX_DEPTH = 512  # msgpack's own nesting limit
-
-
-def check_item(obj: Any, _depth: int = 0) -> None:
-    """Raise ``TypeError`` for a value :func:`encode` would refuse, without encoding it.
-
-    Local channels pass items by reference (no serialization) but accept exactly the items a
-    broker accepts; this walks the value (tensors and arrays are not touched or copied).
-    """
-    kind = type(obj)
-    if kind in _PLAIN_TYPES:
-        if kind is int and not -(2**63) <= obj < 2**64:
-            raise TypeError(f"cannot send an integer outside the 64-bit range: {obj}")
-        return
-    if _depth >= _MAX_DEPTH:
-        raise TypeError("cannot encode item: nested too deeply")
-    if _is_tensor(obj):
-        torch = _torch()
-        if obj.dtype not in _TORCH_DTYPE_NAME:
-            raise TypeError(f"torch dtype {obj.dtype} cannot be sent")
-        if obj.layout != torch.strided:
-            raise TypeError(f"cannot send a {obj.layout} tensor; convert it to a dense tensor")
-        return
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.str not in _NP_DTYPES:
-            raise TypeError(f"numpy dtype {obj.dtype} cannot be sent (numeric and bool dtypes only)")
-        return
-    if isinstance(obj, np.generic):
-        if obj.dtype.str not in _NP_DTYPES:
-            raise TypeError(f"numpy scalar of dtype {obj.dtype} cannot be sent")
-        return
-    if isinstance(obj, (tuple, list)):
-        for value in obj:
-            check_item(value, _depth + 1)
-        return
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            check_item(key, _depth + 1)
-            check_item(value, _depth + 1)
-        return
-    if isinstance(obj, (bytes, bytearray, memoryview, str, float)):
-        return
-    if isinstance(obj, int):  # int subclasses travel as ints (bool is a plain type above)
-        check_item(int(obj), _depth)
-        return
-    if type(obj) in _CLS_TO_TAG:
-        for f in dataclasses.fields(obj):
-            check_item(getattr(obj, f.name), _depth + 1)
-        return
-    _Encoder().default(obj)  # raises the encoder's TypeError for everything else
 
 
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
@@ -316,18 +296,22 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     if kind in _PLAIN_TYPES:
         if kind is bytes and len(obj) >= INLINE_LIMIT:  # a large bytes item: its own frame
             return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
-        try:
+        if kind is not int or INT_MIN <= obj < INT_END:
             return _plain_packer.pack(obj), []  # fast path: no ext types needed
-        except OverflowError as exc:
-            raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
     enc = _Encoder()
     try:
         body = enc.pack(obj)
-    except OverflowError as exc:
-        raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
-    except ValueError as exc:  # msgpack raises ValueError for recursion depth
-        raise TypeError(f"cannot encode item: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise _refusal(exc) from None
     return body, enc.buffers
+
+
+def _refusal(exc: ValueError | RecursionError) -> TypeError:
+    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large) or a
+    ``RecursionError`` (tuples, sets... nested too deeply)."""
+    if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
+        return TypeError(NESTED_TOO_DEEPLY)
+    return TypeError(f"cannot encode item: {exc}")
 
 
 def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
@@ -342,10 +326,8 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
         body = enc.pack(obj)
     except BaseException as exc:
         alloc.undo(enc.refs)  # slots taken for an item that will not travel
-        if isinstance(exc, OverflowError):
-            raise TypeError(f"cannot send an integer outside the 64-bit range: {exc}") from None
-        if isinstance(exc, ValueError):
-            raise TypeError(f"cannot encode item: {exc}") from None
+        if isinstance(exc, (ValueError, RecursionError)):
+            raise _refusal(exc) from None
         raise
     return body, enc.buffers, enc.refs
 
@@ -465,7 +447,10 @@ class _Decoder:
                 raise ValueError("malformed dataclass")
             if not isinstance(value[0], str):
                 raise ValueError("malformed dataclass tag")
-            return _build_dataclass(_lookup_tag(value[0]), value[1])
+            cls = lookup_tag(value[0])
+            if not dataclasses.is_dataclass(cls):
+                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not a dataclass")
+            return build_dataclass(cls, value[1])
         if code == EXT_NPSCALAR:
             value = self.unpack(data)
             if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
@@ -481,6 +466,37 @@ class _Decoder:
             if not 0 <= index < len(self.frames):
                 raise ValueError(f"buffer index {index} out of range")
             return bytes(memoryview(self.frames[index]))
+        if code in (EXT_SET, EXT_FROZENSET):
+            value = self.unpack(data)
+            if not isinstance(value, list):
+                raise ValueError("malformed set: its payload is not an array")
+            try:
+                return set(value) if code == EXT_SET else frozenset(value)
+            except TypeError:  # a list or dict element
+                raise ValueError("malformed set: an element is not hashable") from None
+        if code == EXT_COMPLEX:
+            if len(data) != _COMPLEX.size:
+                raise ValueError(f"malformed complex: {len(data)} bytes, expected 16")
+            return complex(*_COMPLEX.unpack(data))
+        if code == EXT_BIGINT:
+            if not data:
+                raise ValueError("malformed big int: no bytes")
+            return int.from_bytes(data, "big", signed=True)
+        if code == EXT_SIZE:
+            value = self.unpack(data)
+            if not isinstance(value, list) or not all(
+                type(d) is int and INT_MIN <= d < 2**63 for d in value
+            ):
+                raise ValueError("malformed torch.Size: not an array of 64-bit ints")
+            return _torch().Size(value)
+        if code == EXT_ENUM:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+                raise ValueError("malformed Enum member: not [tag, name]")
+            cls = lookup_tag(value[0])
+            if not issubclass(cls, enum.Enum):
+                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not an Enum")
+            return member_from_ref(cls, value[1])
         raise ValueError(f"unknown ext type {code}")
 
 
@@ -501,7 +517,7 @@ def _restore_device(tensor: Any, device: Any) -> Any:
         return tensor.to(kind)
 
 
-def _build_dataclass(cls: type, fields: dict) -> Any:
+def build_dataclass(cls: type, fields: dict) -> Any:
     init, rest = {}, {}
     known = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in fields.items():
@@ -534,8 +550,8 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
         return dec.unpack(body)
-    except ValueError:
-        raise
-    except Exception as exc:  # msgpack's own errors, RecursionError, ...
+    except Exception as exc:  # msgpack's own errors (ValueError subclasses), RecursionError, ...
+        if type(exc) is ValueError:  # the decoder's own words
+            raise
         raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
 

@@ -1,7 +1,9 @@
 """In-process channels (``Channel.create(name, local=True)``).
 
 The same ``QueueCore`` and hook pipeline as a broker, driven under a lock in the caller's process;
-items are passed by reference (no serialization).  A small timer thread expires deadlines.
+items are passed by reference (no serialization), in the form a broker would deliver them
+(``wireform.wire_form``: the item itself unless something in it travels in a base form, e.g. an
+unregistered ``str`` Enum member as its value).  A small timer thread expires deadlines.
 A local channel is not picklable; ``Channel.connect(name)`` in the same process returns another
 handle to it.
 """
@@ -19,6 +21,7 @@ from zchannel.broker.client import Channel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, STATS
+from zchannel.broker.wireform import wire_form
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
 
@@ -156,8 +159,8 @@ class _LocalBroker:
 
 
 def _local_item(value: Any, weight: int | float) -> Item:
-    """A collector output: checked like a put (a broker would have to encode it)."""
-    codec.check_item(value)
+    """A collector output, in wire form like a put (a broker would have to encode it)."""
+    value = wire_form(value)
     return Item(value, weight, 0, value, True)
 
 
@@ -198,8 +201,8 @@ class LocalChannel(Channel):
             raise ChannelError("this channel handle is closed")
         if self._client.identity is None and self.identity is not None:
             self._client.identity = self.identity
-        if has_item:
-            codec.check_item(item)  # no serialization, but the same items as a broker accepts
+        if has_item:  # no serialization, but what a broker would deliver, or its TypeError
+            item = wire_form(item)
         return self._broker.submit(self._client, rec, item, copy)
 
     @property

@@ -261,11 +261,11 @@ def test_unregistered_dataclass_is_type_error(make_remote):
 
 def test_unsendable_items_are_type_errors_everywhere(make):
     """docs/channel.md: anything outside the item types is a TypeError at put -- also on a local
-    channel (no serialization there, but the same API), and also a plain int beyond 64 bits."""
+    channel (no serialization there, but the same API).  (The full table: tests/test_values.py.)"""
     from payloads import Sample, Unregistered
 
     ch = make("unsendable")
-    bad = [object(), {1, 2}, np.array(["a"], dtype=object), Unregistered(), 2**64, -(2**63) - 1,
+    bad = [object(), {1, object()}, np.array(["a"], dtype=object), Unregistered(),
            [1, (2, {"x": object()})], {object(): 1}, Sample(torch.arange(2), [object()], {})]
     for item in bad:
         with pytest.raises(TypeError):
@@ -276,7 +276,8 @@ def test_unsendable_items_are_type_errors_everywhere(make):
     value = [2**64 - 1, -(2**63), bytearray(b"ab"), np.float32(1.5)]
     ch.put(value)
     got = ch.get(timeout=5)
-    assert got[:2] == value[:2] and bytes(got[2]) == b"ab" and float(got[3]) == 1.5
+    assert got[:2] == value[:2] and type(got[2]) is bytes and got[2] == b"ab"
+    assert type(got[3]) is np.float32 and got[3] == 1.5
     if make.local:
         ref = [torch.ones(2)]
         ch.put(ref)
