@@ -31,6 +31,7 @@ from zchannel.broker.errors import (
     ChannelError,
     ChannelNotFound,
 )
+from zchannel.broker.metrics import check_port
 from zchannel.broker.protocol import (
     ACK,
     FULL,
@@ -140,6 +141,7 @@ class Channel:
         insecure: bool = False,
         lease_timeout: float = 30.0,
         shm_threshold: int | None = None,
+        metrics_port: int | None = None,
     ) -> Channel:
         """Start a broker for ``name`` and return a connected handle (``created`` True); if a
         live broker already serves the name, attach to it (``created`` False, a warning on the
@@ -151,6 +153,9 @@ class Channel:
         ``ValueError``/``TypeError``, also those the starting broker finds (an unknown hook
         name); a broker that cannot start with valid arguments (busy address) is
         ``BrokerStartError`` (``docs/errors.md``).
+
+        ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
+        (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
         """
         paths.check_name(name)
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
@@ -174,6 +179,8 @@ class Channel:
         declared = list(expand_consumers(consumers))
         if producers is not None and isinstance(producers, str):
             raise TypeError("producers= takes a list of group names")
+        if local and metrics_port is not None:
+            raise ValueError("metrics_port needs a broker process (local=False)")
         if local:
             from zchannel.broker.local import LocalChannel
 
@@ -199,6 +206,8 @@ class Channel:
         }
         if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
             config["shm_threshold"] = shm_threshold
+        if metrics_port is not None:
+            config["metrics_port"] = check_port(metrics_port)
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         if distributed or node_rank is not None or targets:  # cluster file / Ray: distributed.py
             from zchannel.broker import distributed as _dist

@@ -4,7 +4,8 @@ A file has up to three tables::
 
     [channel]                 # name, address, maxsize, lease_timeout, heartbeat_interval,
     name = "samples"          # liveness, max_bytes, max_keys, max_message_bytes, max_frames,
-                              # max_header_bytes, insecure, key_grace, curve_secret_key, ...
+                              # max_header_bytes, insecure, key_grace, curve_secret_key,
+                              # metrics_port, metrics_address, ...
     maxsize = 64
 
     [hooks]                   # collector, dispatcher, consumers, producers, imports
@@ -28,7 +29,7 @@ _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",
     "max_bytes", "max_keys", "max_message_bytes", "max_frames", "max_header_bytes", "insecure",
     "key_grace", "curve_secret_key", "curve_public_keys", "allowed_dtypes", "max_rank",
-    "shm_threshold", "shm_pool_bytes", "direct",
+    "shm_threshold", "shm_pool_bytes", "direct", "metrics_port", "metrics_address",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, direct, paths, shm
+from zchannel.broker import codec, direct, metrics, paths, shm
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
@@ -89,6 +89,9 @@ class BrokerConfig:
     cluster: str | None = None
     replica: int | None = None
     replicas: list[dict[str, Any]] | None = None
+    # Prometheus metrics over HTTP (broker/metrics.py); None = off, 0 = any free port
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
 
 
 class _RateLimitFilter(logging.Filter):
@@ -188,6 +191,12 @@ class Broker:
         self.sock: zmq.Socket | None = None
         self.direct: direct.Listener | None = None
         self._poll_dirty = False
+        self.counters = metrics.Counters()
+        self.hook_time = metrics.HookTime()
+        self.metrics: metrics.MetricsServer | None = None
+        if config.metrics_port is not None:
+            metrics.check_port(config.metrics_port)
+            metrics.time_hooks(self.core, self.hook_time)
 
     def _collector(self, collector: Any) -> Any:
         if self.replica is None:
@@ -238,6 +247,15 @@ class Broker:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
         self.bind()
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
+                                                     self.config.metrics_address,
+                                                     self.config.metrics_port)
+            except BaseException:
+                self.close()
+                raise
+            log.info("metrics of %r at %s", self.config.name, self.metrics.url)
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
         old_wakeup = signal.set_wakeup_fd(wfd)
@@ -249,6 +267,8 @@ class Broker:
             poll_set.append((parent_fd, zmq.POLLIN))
         if self.direct is not None:
             poll_set.append((self.direct.fd, zmq.POLLIN))
+        if self.metrics is not None:
+            poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
         self._poll_set = list(poll_set)
         sys.stdout.write(f"ready {self.address}\n")
@@ -277,6 +297,8 @@ class Broker:
                     self._direct_events(events)
                 if rfd in ready:
                     os.read(rfd, 512)
+                if self.metrics is not None and self.metrics.fd in ready:
+                    self.metrics.publish()  # a scrape asked for a snapshot
                 if parent_fd is not None and parent_fd in ready:
                     log.warning("creator process %s exited: stopping", self.config.parent_pid)
                     self._running = False
@@ -311,6 +333,9 @@ class Broker:
         self._running = False
 
     def close(self) -> None:
+        if self.metrics is not None:  # its thread stops before the pipe closes
+            self.metrics.close()
+            self.metrics = None
         if self.sock is not None:
             self._flush()
             self.sock.close(linger=0)
@@ -441,10 +466,12 @@ class Broker:
             item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
             if "sm" in rec:  # shared-memory slots: held, and counted in item.nbytes
                 self.shm.attach_put(client, rec["sm"], item)
+            self.counters.puts += 1
             core.put(client, rid, key_from_wire(rec.get("k")), item,
                      check_timeout(rec.get("t")), bool(rec.get("nw")))
         elif op == GET or op == GET_BATCH:
             target = check_target_weight(rec.get("tw", 0)) if op == GET_BATCH else 0
+            self.counters.gets += 1
             core.get(client, rid, key_from_wire(rec.get("k")), check_timeout(rec.get("t")),
                      bool(rec.get("nw")), ack=bool(rec.get("ack")), batch_target=target)
         elif op == HEARTBEAT:
@@ -458,7 +485,8 @@ class Broker:
             # "xs": the asker is an observer (zchannel stat) and does not count itself
             clients = len(self.clients) - (1 if rec.get("xs") and client.address in self.clients else 0)
             stats.update(address=self.address, pid=os.getpid(), clients=clients,
-                         shm=self.shm.stats())
+                         shm=self.shm.stats(), **self.counters.as_dict(),
+                         metrics=self.metrics.url if self.metrics is not None else None)
             if self.replica is not None:
                 self.replica.annotate(stats)
             body, _ = codec.encode(stats)
@@ -508,6 +536,7 @@ class Broker:
             if lease is not None:
                 rec["lease"] = lease
             out.deliveries.append((client, origin, items, lease))
+            self.counters.delivered += 1
         elif items is not None:
             nf = 0
             counts = []
@@ -525,6 +554,7 @@ class Broker:
                 rec["lease"] = lease
             if not raw:
                 out.deliveries.append((client, origin, items, lease))
+                self.counters.delivered += len(items)
         elif result is not None:
             rec["r"] = result
         out.records.append(rec)

@@ -81,6 +81,10 @@ def main() -> None:
 @click.option("--cluster", type=click.Path(exists=True, dir_okay=False),
               help="cluster file of a distributed channel (docs/distributed.md); needs --replica")
 @click.option("--replica", type=int, help="the index of the replica to run (with --cluster)")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="serve Prometheus metrics over HTTP on this port (0 = any free port; needs "
+                   "pip install 'zchannel[metrics]'; docs/metrics.md)")
+@click.option("--metrics-address", help="address the metrics endpoint binds (default 127.0.0.1)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:
