@@ -153,11 +153,20 @@ def _fmt_key(key: Any) -> str:
 @click.option("--consumer", "peek_consumer", metavar="ID",
               help="--peek shows what consumer ID would take next (its private queue, then the "
                    "shared one) instead of the shared queue")
+@click.option("--watch", is_flag=True,
+              help="refresh a live view (with puts/gets/delivered per second) until Ctrl-C")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="seconds between refreshes of --watch")
+@click.option("--count", type=click.IntRange(min=1),
+              help="stop --watch after this many refreshes (default: until Ctrl-C)")
 def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
-         peek_count: int, peek_consumer: str | None) -> None:
+         peek_count: int, peek_consumer: str | None, watch: bool, interval: float,
+         count: int | None) -> None:
     """Show the state of the broker serving TARGET (a channel name or an address).
 
-    This command's own connection is not counted in ``clients``.
+    This command's own connection is not counted in ``clients``.  With --watch, redraw it
+    every --interval seconds with rates computed from successive stats; --json then prints
+    one JSON object per refresh (its "rates" included).
     """
     from zchannel.broker import Channel, ChannelNotFound
 
@@ -166,6 +175,18 @@ def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
     except ChannelNotFound as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    if watch:
+        from zchannel.cli.stat_watch import watch_stats
+
+        if peek_key is not None:
+            channel.close()
+            raise click.UsageError("--peek and --watch do not go together")
+        try:
+            watch_stats(channel, interval, count, (lambda s: json.dumps(
+                _json_keys(s), default=_jsonable, sort_keys=True)) if as_json else None)
+        finally:
+            channel.close()
+        return
     try:
         stats = channel.stats(exclude_self=True)
         peeked = None if peek_key is None else (parse_key(peek_key), channel.peek(
@@ -184,6 +205,11 @@ def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
                f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
     click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}")
+    if "puts" in stats:  # request counters since the broker started (--watch shows their rates)
+        click.echo(f"requests  puts {stats['puts']}   gets {stats['gets']}   "
+                   f"delivered {stats['delivered']}")
+    if stats.get("metrics"):
+        click.echo(f"metrics   {stats['metrics']}")
     shm = stats.get("shm") or {}
     if shm.get("enabled"):
         click.echo(f"shm       threshold {shm.get('threshold')}   segments {shm.get('segments')}   "

@@ -1,0 +1,110 @@
+"""``zchannel stat NAME --watch``: a live view of a broker, redrawn every ``--interval`` seconds.
+
+Each refresh asks the broker for its stats (one ``stats()`` request, as ``zchannel stat`` does)
+and shows the rates computed from the previous refresh: puts, gets and delivered items per
+second, and how fast each key's depth changes.  On a terminal the screen is cleared before each
+frame; otherwise (a pipe, a file) frames follow each other.  ``--json`` prints one JSON object
+per refresh (its ``rates`` included) instead.  Ctrl-C ends it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+from zchannel.broker import BrokerUnavailable, ChannelError
+
+COUNTERS = ("puts", "gets", "delivered")
+MAX_KEY_ROWS = 20  # keys shown per frame (the deepest)
+
+
+def rates(prev: dict | None, cur: dict, seconds: float) -> dict[str, Any]:
+    """Per-second rates between two stats: the counters, and each key's depth change."""
+    if prev is None or seconds <= 0:
+        return {}
+    out: dict[str, Any] = {
+        name: (cur.get(name, 0) - prev.get(name, 0)) / seconds for name in COUNTERS
+        if name in cur and name in prev
+    }
+    before = prev.get("keys") or {}
+    out["depth"] = {key: (ks["depth"] - before[key]["depth"]) / seconds
+                    for key, ks in (cur.get("keys") or {}).items() if key in before}
+    return out
+
+
+def _human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _rate(per_s: dict, name: str) -> str:
+    return f" ({per_s[name]:,.1f}/s)" if name in per_s else ""
+
+
+def render(stats: dict, per_s: dict, interval: float) -> list[str]:
+    """The lines of one frame."""
+    held = sum(ks["depth"] for ks in (stats.get("keys") or {}).values())
+    lines = [
+        f"zchannel stat {stats.get('name')} --watch   every {interval:g}s, Ctrl-C to stop   "
+        f"{time.strftime('%H:%M:%S')}",
+        f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})   "
+        f"uptime {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}",
+        "   ".join(f"{name} {stats.get(name, 0):,}{_rate(per_s, name)}" for name in COUNTERS
+                   if name in stats) or "(this broker reports no request counters)",
+        f"held      {held:,} items, {_human_bytes(stats.get('bytes_held', 0))}   leases "
+        f"{stats.get('leases', 0)}   consumers {', '.join(stats.get('consumers') or []) or '-'}",
+    ]
+    shm = stats.get("shm") or {}
+    if shm.get("enabled"):
+        lines.append(f"shm       slots used {shm.get('slots_used')}   bytes held "
+                     f"{_human_bytes(shm.get('bytes_held', 0))}   held by consumers "
+                     f"{_human_bytes(shm.get('consumer_bytes', 0))}")
+    if stats.get("metrics"):
+        lines.append(f"metrics   {stats['metrics']}")
+    keys = stats.get("keys") or {}
+    depth_rate = per_s.get("depth", {})
+    shown = sorted(keys.items(), key=lambda kv: -kv[1]["depth"])[:MAX_KEY_ROWS]
+    rows = [("key", "depth", "depth/s", "getters", "putters", "leases")]
+    for key, ks in shown:
+        change = f"{depth_rate[key]:+,.1f}" if key in depth_rate else "-"
+        rows.append((key if isinstance(key, str) else repr(key), f"{ks['depth']:,}", change,
+                     str(ks.get("getters", 0)), str(ks.get("putters", 0)),
+                     str(ks.get("leases", 0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    if len(keys) > len(shown):
+        lines.append(f"... {len(keys) - len(shown)} more keys (the {len(shown)} deepest shown)")
+    return lines
+
+
+def watch_stats(channel: Any, interval: float, count: int | None,
+                to_json: Callable[[dict], str] | None = None) -> None:
+    """Refresh until Ctrl-C, or ``count`` times; with ``to_json`` one JSON line per refresh."""
+    prev: dict | None = None
+    prev_t = 0.0
+    shown = 0
+    try:
+        while count is None or shown < count:
+            t = time.monotonic()
+            try:
+                stats = channel.stats(exclude_self=True)
+            except (BrokerUnavailable, ChannelError, TimeoutError) as exc:
+                raise click.ClickException(f"the broker stopped answering: {exc}") from None
+            per_s = rates(prev, stats, t - prev_t)
+            if to_json is not None:
+                click.echo(to_json(dict(stats, rates=per_s)))
+            else:
+                click.clear()
+                click.echo("\n".join(render(stats, per_s, interval)))
+                click.echo("")
+            prev, prev_t = stats, t
+            shown += 1
+            if count is None or shown < count:
+                time.sleep(max(0.0, interval - (time.monotonic() - t)))
+    except KeyboardInterrupt:
+        pass

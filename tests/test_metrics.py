@@ -1,0 +1,204 @@
+"""Operators' views of a live broker: ``zchannel broker --metrics-port`` scraped over HTTP, and
+``zchannel stat --watch``; both against what ``zchannel stat`` reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from zchannel.broker import Channel
+
+pytestmark = pytest.mark.timeout(90)
+
+CLI = [sys.executable, "-m", "zchannel.cli.main"]
+
+
+def _start_broker(name: str, run_dir: str, *args: str, env: dict | None = None):
+    proc = subprocess.Popen(
+        [*CLI, "broker", name, "--address", f"ipc://{run_dir}/{name}.sock", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    line = proc.stdout.readline()
+    return proc, line
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _stat_json(target: str) -> dict:
+    out = subprocess.run([*CLI, "stat", "--json", target], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample of the exposition text."""
+    assert url.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_scraped_metrics_match_stat(run_dir):
+    """Items and bytes per key, puts/gets/delivered, leases, consumers and per-client lag,
+    scraped from a broker process, equal what ``zchannel stat`` says after the same puts."""
+    proc, line = _start_broker("mx", run_dir, "--metrics-port", "0")
+    try:
+        assert line.startswith("ready "), proc.stderr.read()
+        address = line.split()[1]
+        producer = Channel.connect(address)
+        consumer = Channel.connect(address, identity="learner:0")
+        for _ in range(7):
+            producer.put(bytes(100), key="obs")
+        for i in range(3):
+            producer.put({"step": i}, key=("traj", 2))
+        assert consumer.get(key="obs", timeout=10) == bytes(100)
+        delivery = consumer.get(key="obs", ack=True, timeout=10)  # a lease outstanding
+        stats = _stat_json(address)
+        url = stats["metrics"]
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)
+        m = _scrape(url)
+
+        assert stats["puts"] == 10 and m["zchannel_puts_total"] == 10
+        assert stats["gets"] == 2 and m["zchannel_gets_total"] == 2
+        assert stats["delivered"] == 2 and m["zchannel_delivered_items_total"] == 2
+        keys = stats["keys"]
+        assert keys["obs"]["depth"] == 5 == m['zchannel_key_items_held{key="obs"}']
+        assert keys["('traj', 2)"]["depth"] == 3 == m["zchannel_key_items_held{key=\"('traj', 2)\"}"]
+        assert m['zchannel_key_bytes_held{key="obs"}'] >= 5 * 100
+        assert m["zchannel_bytes_held"] == stats["bytes_held"] > 0
+        assert m["zchannel_leases_outstanding"] == stats["leases"] == 1
+        assert m['zchannel_key_leases{key="obs"}'] == 1
+        assert m["zchannel_consumers"] == len(stats["consumers"]) == 1
+        assert m['zchannel_consumer_handles{consumer="learner:0"}'] == 1
+        # producer and consumer (stat's own handle was counted while it was connected)
+        assert m["zchannel_clients"] == 2 and stats["clients"] in (2, 3)
+        lag = {k: v for k, v in m.items() if k.startswith("zchannel_client_leases{")}
+        assert [v for k, v in lag.items() if 'identity="learner:0"' in k] == [1.0]
+        seen = [v for k, v in m.items() if k.startswith("zchannel_client_seconds_since_seen{")]
+        assert len(seen) == 2 and all(0 <= s < 30 for s in seen)
+        assert m['zchannel_hook_seconds_total{hook="collector"}'] == 0
+        assert "zchannel_shm_slots_used" in m and m["process_resident_memory_bytes"] > 0
+
+        consumer.ack(delivery)
+        producer.put(bytes(10), key="obs")
+        # a snapshot is reused for up to 0.5 s; a later scrape reflects the changes
+        deadline = time.monotonic() + 20
+        later = _scrape(url)
+        while later["zchannel_puts_total"] != 11 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            later = _scrape(url)
+        assert later["zchannel_puts_total"] == 11
+        assert later["zchannel_leases_outstanding"] == 0
+        assert later['zchannel_key_items_held{key="obs"}'] == 6
+        producer.close()
+        consumer.close()
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+
+
+def test_hook_time_is_measured(run_dir, tmp_path):
+    """With a collector and a dispatcher at work, hook seconds and calls add up."""
+    proc, line = _start_broker("mh", run_dir, "--metrics-port", "0", "--collector",
+                               "flatten_batch", "--dispatcher", "round_robin",
+                               "--consumers", "actor:2")
+    try:
+        assert line.startswith("ready "), proc.stderr.read()
+        ch = Channel.connect(line.split()[1])
+        ch.put([1, 2, 3, 4], key="k")
+        url = ch.stats()["metrics"]
+        m = _scrape(url)
+        assert m['zchannel_hook_calls_total{hook="collector"}'] == 1
+        assert m['zchannel_hook_calls_total{hook="dispatcher"}'] == 4
+        assert m['zchannel_hook_seconds_total{hook="collector"}'] > 0
+        assert m['zchannel_key_items_held{key="k"}'] == 4
+        ch.close()
+    finally:
+        _stop(proc)
+
+
+def test_metrics_port_errors(run_dir, tmp_path):
+    """Without prometheus_client: one line naming the extra; a busy port: one line naming it;
+    a bad port value: a usage error."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "prometheus_client.py").write_text("raise ImportError('not installed')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ["PYTHONPATH"]]))
+    proc, line = _start_broker("mm", run_dir, "--metrics-port", "0", env=env)
+    err = proc.stderr.read()
+    proc.wait(30)
+    assert proc.returncode == 1 and line == ""
+    assert "error: --metrics-port needs prometheus_client: pip install 'zchannel[metrics]'" in err
+    assert "Traceback" not in err
+
+    first, line = _start_broker("m1", run_dir, "--metrics-port", "0")
+    try:
+        port = _stat_json(line.split()[1])["metrics"].rsplit(":", 1)[1].split("/")[0]
+        second, line2 = _start_broker("m2", run_dir, "--metrics-port", port)
+        err = second.stderr.read()
+        second.wait(30)
+        assert second.returncode == 1 and line2 == ""
+        assert f"metrics endpoint 127.0.0.1:{port}" in err and "Traceback" not in err
+    finally:
+        _stop(first)
+    out = subprocess.run([*CLI, "broker", "m3", "--metrics-port", "70000"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--metrics-port" in out.stderr
+
+
+def test_stat_watch_refreshes_with_rates(run_dir):
+    """``stat --watch --count 2`` prints two frames; the second has rates from the first."""
+    proc, line = _start_broker("mw", run_dir)
+    try:
+        assert line.startswith("ready ")
+        address = line.split()[1]
+        ch = Channel.connect(address)
+        for _ in range(4):
+            ch.put(b"x", key="a")
+        watch = subprocess.Popen([*CLI, "stat", address, "--watch", "--interval", "0.5",
+                                  "--count", "2"], stdout=subprocess.PIPE, text=True)
+        first = []
+        for text in watch.stdout:  # the first frame ends with a blank line
+            if not text.strip():
+                break
+            first.append(text)
+        for _ in range(6):  # between the frames: 6 puts, 2 gets
+            ch.put(b"y", key="a")
+        ch.get(key="a", timeout=10)
+        ch.get(key="a", timeout=10)
+        rest, _ = watch.communicate(timeout=60)
+        assert watch.returncode == 0
+        frame1, frame2 = "".join(first), rest
+        assert "--watch" in frame1 and "puts 4" in frame1 and "/s)" not in frame1
+        assert re.search(r"puts 10 \(\d[\d,]*\.\d/s\)", frame2), frame2
+        assert re.search(r"gets 2 \(\d[\d,]*\.\d/s\)", frame2), frame2
+        assert re.search(r"^a\s+8\s+\+\d", frame2, re.M), frame2  # depth 8, growing
+        out = subprocess.run([*CLI, "stat", address, "--watch", "--json", "--count", "2",
+                              "--interval", "0.2"], capture_output=True, text=True, timeout=60)
+        docs = [json.loads(line) for line in out.stdout.splitlines()]
+        assert len(docs) == 2 and docs[0]["rates"] == {}
+        assert docs[1]["rates"]["puts"] == 0.0 and docs[1]["keys"]["a"]["depth"] == 8
+        ch.close()
+    finally:
+        _stop(proc)
