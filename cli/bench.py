@@ -15,7 +15,6 @@ item) for streaming cases; request -> reply for ``put_only`` (the put acknowledg
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import re
@@ -55,6 +54,14 @@ from zchannel.cli.bench_baselines import (
     zmq_echo_worker,
     zmq_producer_worker,
     zmq_proxy_worker,
+)
+from zchannel.cli.bench_report import (
+    Progress,
+    Result,
+    TargetResult,
+    print_report,
+    set_ratio,
+    write_json,
 )
 from zchannel.cli.bench_trajectory import TrajectoryCase, chunk_bytes, run_trajectory_case
 from zchannel.hooks import register_collector
@@ -120,50 +127,6 @@ class Case:
             or f"{self.scenario} {self.ptype} {fmt_size(self.size)} "
             f"{self.producers}P/{self.consumers}C w{self.window}{extra}"
         )
-
-
-@dataclasses.dataclass
-class Result:
-    """One row of the table."""
-
-    case: str
-    kind: str  # "zchannel" or the baseline's name
-    scenario: str
-    ptype: str
-    size: int
-    producers: int
-    consumers: int
-    transport: str
-    window: int
-    messages: int
-    items_s: float
-    mb_s: float
-    p50_us: float
-    p99_us: float
-    latency: str
-    seconds: float
-    rss_peak_mb: float | None = None
-    baseline: str | None = None
-    ratio: float | None = None
-    ratio_metric: str | None = None
-    note: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class TargetResult:
-    """One of T1-T8: a measured figure against its reference."""
-
-    target: str
-    description: str
-    measured: float
-    reference: float
-    unit: str
-    ratio: float
-    threshold: float
-    higher_is_better: bool
-    passed: bool
-    note: str = ""
 
 
 class BenchFailure(click.ClickException):
@@ -802,6 +765,9 @@ def _summarise(case: Case, kind: str, runs: list[Measured], latency: str) -> Res
         latency=latency,
         seconds=secs,
         rss_peak_mb=max(rss) / MIB if rss else None,
+        repeats=len(runs),
+        runs={"items_s": per_run, "p50_us": [round(p[0], 1) for p in pcts],
+              "p99_us": [round(p[1], 1) for p in pcts]},
         extra={
             "runs_items_s": per_run,
             **{
@@ -841,6 +807,11 @@ class Runner:
         if self.progress is not None:
             self.progress.update(1)
 
+    def _logged(self, what: str, index: int, fn: Callable[[], Any]) -> Any:
+        """``fn()``, run ``index`` of ``what``, shown by the progress display."""
+        run = getattr(self.progress, "run", None)
+        return fn() if run is None else run(what, index, self.repeats, fn)
+
     def measure(self, case: Case) -> Result:
         """Run ``case`` (repeats), add its row (and its baseline's row) and return it."""
         return self.measure_together([case])[0]
@@ -868,11 +839,12 @@ class Runner:
                 keys.append(key)
         case_runs: list[list] = [[] for _ in cases]
         base_runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
-        for _ in range(self.repeats):
+        for i in range(self.repeats):
             for runs, case in zip(case_runs, cases, strict=True):
-                runs.append(self._run_case(case))
+                runs.append(self._logged(case.name, i, lambda c=case: self._run_case(c)))
             for key in keys:
-                base_runs[key].append(self._run_baseline_once(*key))
+                base_runs[key].append(self._logged(
+                    _baseline_label(*key), i, lambda k=key: self._run_baseline_once(*k)))
         for key in keys:
             self._store_baseline(key, self._summarise_baseline(*key, base_runs[key]))
         return [self._case_result(c, runs) for c, runs in zip(cases, case_runs, strict=True)]
@@ -900,10 +872,8 @@ class Runner:
         base = self.baseline_for(case)
         if base is not None:
             result.baseline = base.case
-            if case.scenario == "get_only" and case.window == 1 and base.p50_us > 0:
-                result.ratio, result.ratio_metric = result.p50_us / base.p50_us, "p50"
-            elif base.items_s > 0:
-                result.ratio, result.ratio_metric = result.items_s / base.items_s, "items/s"
+            p50 = case.scenario == "get_only" and case.window == 1 and base.p50_us > 0
+            set_ratio(result, base, "p50" if p50 else "items/s")
         self.rows.append(result)
         return result
 
@@ -935,7 +905,9 @@ class Runner:
             if kind == "ray":
                 self._store_baseline(key, self._run_ray_baseline(base_case))
             else:
-                runs = [self._run_baseline_once(kind, base_case) for _ in range(self.repeats)]
+                runs = [self._logged(_baseline_label(kind, base_case), i,
+                                     lambda: self._run_baseline_once(kind, base_case))
+                        for i in range(self.repeats)]
                 self._store_baseline(key, self._summarise_baseline(kind, base_case, runs))
         return self._baselines[key]
 
@@ -955,8 +927,8 @@ class Runner:
 
     def _summarise_baseline(self, kind: str, case: Case, runs: list[Measured]) -> Result:
         self._tick()
-        label = f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
         latency = "rtt" if kind == "zmq.echo" else "e2e"
+        label = _baseline_label(kind, case)
         return _summarise(dataclasses.replace(case, label=label), kind, runs, latency)
 
     def _run_ray_baseline(self, case: Case) -> Result | None:
@@ -964,8 +936,9 @@ class Runner:
             self._note("ray baseline skipped: `ray` is not importable (pip install ray)")
             return None
         raw = [
-            run_ray_baselines(case.ptype, case.size, case.messages, case.window)
-            for _ in range(self.repeats)
+            self._logged("ray", i, lambda: run_ray_baselines(
+                case.ptype, case.size, case.messages, case.window))
+            for i in range(self.repeats)
         ]
         label = f"{fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
         actor = [_ray_measured(r["ray.actor"], case.messages) for r in raw]
@@ -989,6 +962,10 @@ class Runner:
     def _note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+
+def _baseline_label(kind: str, case: Case) -> str:
+    return f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
 
 
 def _ray_measured(res: dict, n: int) -> Measured:
@@ -1254,8 +1231,9 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
         runner._note("ray comparison skipped: `ray` is not importable (pip install ray)")
     else:
         raw = [
-            run_ray_baselines(case.ptype, case.size, case.messages, case.window, queue=False)
-            for _ in range(runner.repeats)
+            runner._logged("ray.actor", i, lambda: run_ray_baselines(
+                case.ptype, case.size, case.messages, case.window, queue=False))
+            for i in range(runner.repeats)
         ]
         runs = [_ray_measured(r["ray.actor"], case.messages) for r in raw]
         label = f"ray.actor {case.ptype} {fmt_size(case.size)} 1P/1C w{case.window}"
@@ -1374,6 +1352,8 @@ def _trajectory_row(case: TrajectoryCase, kind: str, runs: list[dict], transport
         latency="-",
         seconds=secs,
         rss_peak_mb=max(rss) / MIB if rss else None,
+        repeats=len(runs),
+        runs={"items_s": [round(r["chunks"] / r["seconds"], 1) for r in runs]},
         extra={
             "runs_chunks_s": [round(r["chunks"] / r["seconds"], 1) for r in runs],
             "outputs": runs[0]["outputs"],
@@ -1399,110 +1379,21 @@ def run_trajectory(runner: Runner, base: Case, steps: int, batch: int) -> None:
         runs = {}
         for collector in (True, False):
             runs[collector] = [
-                run_trajectory_case(case, collector, runner.tmpdir, address_for)
-                for _ in range(runner.repeats)
+                runner._logged(
+                    f"{case.label} {'collector' if collector else 'plain'}", i,
+                    lambda c=collector, t=case: run_trajectory_case(t, c, runner.tmpdir, address_for),
+                )
+                for i in range(runner.repeats)
             ]
             runner._tick()
         hooked = _trajectory_row(case, "collector", runs[True], base.transport)
         plain = _trajectory_row(case, "plain", runs[False], base.transport)
-        hooked.baseline = plain.case
-        hooked.ratio, hooked.ratio_metric = hooked.items_s / plain.items_s, "chunks/s"
+        set_ratio(hooked, plain, "chunks/s")
         runner.rows += [hooked, plain]
     runner._note(
         "trajectory rows: items/s = chunks/s (one PolicyPart + one EnvPart per chunk of B envs),"
         " MB/s = bytes of both halves put; outputs counted by consumers actor:i"
     )
-
-
-# -- output -----------------------------------------------------------------------------------
-
-
-def _fmt(value: float | None, spec: str = ".0f") -> str:
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def _print_grid(table: list[tuple]) -> None:
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
-    for i, row in enumerate(table):
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if i == 0:
-            click.echo("  ".join("-" * w for w in widths))
-
-
-def print_table(rows: list[Result], targets: list[TargetResult], notes: list[str]) -> None:
-    """The results table (and the PASS/FAIL table of the targets, when measured) on stdout."""
-    table: list[tuple] = [
-        ("case", "kind", "items/s", "MB/s", "p50 us", "p99 us", "lat", "RSS MB", "vs baseline")
-    ]
-    for r in rows:
-        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x {r.ratio_metric}"
-        table.append(
-            (
-                r.case,
-                r.kind,
-                _fmt(r.items_s),
-                _fmt(r.mb_s, ".1f"),
-                _fmt(r.p50_us, ".1f"),
-                _fmt(r.p99_us, ".1f"),
-                r.latency,
-                _fmt(r.rss_peak_mb),
-                ratio,
-            )
-        )
-    if rows:
-        _print_grid(table)
-    if targets:
-        click.echo("")
-        grid: list[tuple] = [
-            ("target", "result", "ratio", "threshold", "measured", "reference", "description")
-        ]
-        for t in targets:
-            op = ">=" if t.higher_is_better else "<="
-            grid.append(
-                (
-                    t.target,
-                    "PASS" if t.passed else "FAIL",
-                    f"{t.ratio:.2f}",
-                    f"{op} {t.threshold}",
-                    f"{_fmt(t.measured, '.4g')} {t.unit}",
-                    f"{_fmt(t.reference, '.4g')} {t.unit}",
-                    t.description + (f" [{t.note}]" if t.note else ""),
-                )
-            )
-        _print_grid(grid)
-    click.echo(
-        "(MB = 2**20 bytes; lat: e2e = put issued -> item received, put/get/get_batch/rtt"
-        " = request -> reply)"
-    )
-    for note in notes:
-        click.echo(f"note: {note}")
-
-
-def write_json(
-    path: str,
-    machine: dict,
-    options: dict,
-    rows: list[Result],
-    targets: list[TargetResult],
-    notes: list[str],
-    ok: bool,
-    error: str | None,
-) -> None:
-    doc = {
-        "machine": machine,
-        "options": options,
-        "rows": [dataclasses.asdict(r) for r in rows],
-        "targets": [dataclasses.asdict(t) for t in targets],
-        "notes": notes,
-        "ok": ok,
-        "error": error,
-    }
-    with open(path, "w") as f:
-        json.dump(
-            doc, f, indent=2, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)
-        )
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -1526,6 +1417,10 @@ _OPTION_NAMES = (
 )
 
 
+_CONFIG_ALIASES = {"json": "json_path", "num_producers": "producers",
+                   "num_consumers": "consumers", "repeat": "repeats"}
+
+
 def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) -> dict[str, Any]:
     """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
     if not path:
@@ -1535,7 +1430,7 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     out = dict(values)
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
-        key = "json_path" if key == "json" else key
+        key = _CONFIG_ALIASES.get(key, key)
         if key not in _OPTION_NAMES:
             raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
         if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
@@ -1567,8 +1462,15 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     show_default=True,
     help="items per case (large payloads are capped at 1 GiB per case)",
 )
-@click.option("--producers", type=click.IntRange(1, 64), default=1, show_default=True)
-@click.option("--consumers", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--num-producers", "producers", type=click.IntRange(1, 64), default=1,
+              show_default=True, help="producer processes per case")
+@click.option("--num-consumers", "consumers", type=click.IntRange(1, 64), default=1,
+              show_default=True, help="consumer processes per case")
+@click.option("--producers", "old_producers", type=click.IntRange(1, 64),
+              help="deprecated spelling of --num-producers (on `zchannel broker`, --producers "
+                   "names producer groups)")
+@click.option("--consumers", "old_consumers", type=click.IntRange(1, 64),
+              help="deprecated spelling of --num-consumers")
 @click.option("--transport", type=click.Choice(("ipc", "tcp")), default="ipc", show_default=True)
 @click.option(
     "--window",
@@ -1581,11 +1483,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
 )
 @click.option(
+    "--repeat",
     "--repeats",
+    "repeats",
     type=click.IntRange(1, 20),
-    default=1,
+    default=3,
     show_default=True,
-    help="runs per case; the table shows medians",
+    help="runs per case (and baseline); the table shows medians and the spread",
 )
 @click.option(
     "--keys",
@@ -1611,8 +1515,9 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
 @click.option(
     "--json",
     "json_path",
-    type=click.Path(dir_okay=False, writable=True),
-    help="also write every row and the machine description to this file",
+    type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+    help="also write every row (with each repeat) and the machine description to this file; "
+    "'-' prints the JSON on stdout and the report on stderr",
 )
 @click.option(
     "--config",
@@ -1625,12 +1530,18 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
     """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
 
     Starts what it needs (or measures --address), runs bounded load, checks every item and
-    prints one table; exits 1 on a lost, duplicated or corrupted item.
+    prints one table with a legend and the ratios in words (docs/benchmarks.md: how to read
+    it); exits 1 on a lost, duplicated or corrupted item.  Progress goes to stderr.
     """
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
+        if values.pop(old) is not None:
+            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
+            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
+                values[new] = ctx.params[old]
     opts = _apply_config(ctx, config_path, values)
     size = parse_size(opts["payload_size"])
     base = Case(
@@ -1655,25 +1566,19 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
     targets: list[TargetResult] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        if scenario == "targets":
-            n_steps = TARGET_STEPS
-        elif scenario == "shm":
-            n_steps = SHM_STEPS
-        elif scenario == "trajectory":
-            n_steps = 4
-        else:
-            n_steps = 2 * len(scenario_cases(scenario, base, keys))
+        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
             repeats=int(opts["repeats"]),
             tmpdir=tmpdir,
         )
+        if n_steps is None:  # the cases and their distinct baselines
+            cases = [bounded(c) for c in scenario_cases(scenario, base, keys)]
+            n_steps = len(cases) + len({runner._baseline_key(c) for c in cases} - {None})
         started = time.monotonic()
         try:
-            with click.progressbar(
-                length=n_steps, label=f"zchannel bench {scenario}", file=sys.stderr
-            ) as bar:
+            with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
                 runner.progress = bar
                 if scenario == "targets":
                     targets = run_targets(runner, base, tmpdir)
@@ -1693,24 +1598,18 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
         except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
             error = f"benchmark failed: {exc}"
         elapsed = time.monotonic() - started
-    click.echo(
-        f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), python "
-        f"{machine['python']}, torch {machine['torch']}, pyzmq {machine['pyzmq']} "
-        f"(libzmq {machine['libzmq']}); {elapsed:.1f}s"
-    )
-    print_table(runner.rows, targets, runner.notes)
+    # with --json - the JSON owns stdout and the report goes to stderr
+    out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
+    out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
+        f"{elapsed:.1f}s")
+    out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
+        f"{machine['loadavg'][0]:.1f}, python {machine['python']}, torch {machine['torch']}, "
+        f"pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+    warnings = print_report(runner.rows, targets, runner.notes, out)
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size
-        write_json(
-            opts["json_path"],
-            machine,
-            options,
-            runner.rows,
-            targets,
-            runner.notes,
-            error is None,
-            error,
-        )
+        write_json(opts["json_path"], machine, options, runner.rows, targets, runner.notes,
+                   error is None, error, warnings)
     if error is not None:
         raise BenchFailure(error)

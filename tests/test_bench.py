@@ -4,6 +4,7 @@ item failing the run."""
 from __future__ import annotations
 
 import json
+import re
 
 import click
 import numpy as np
@@ -54,7 +55,8 @@ def test_registered_as_subcommand():
 @pytest.mark.timeout(40)
 def test_channel_with_zmq_baseline_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    result = _run("--scenario", "channel", "--messages", "300", "--window", "8", "--json", str(out))
+    result = _run("--scenario", "channel", "--messages", "300", "--window", "8", "--json", str(out),
+                  "--repeat", "1")
     assert result.exit_code == 0, result.output
     assert "channel bytes 64B 1P/1C w8" in result.stdout
     assert "zmq.proxy bytes 64B 1P/1C w8" in result.stdout
@@ -76,7 +78,7 @@ def test_config_file_and_scenarios(tmp_path):
         'payload_size = "1KB"\nmessages = 256\nbaseline = "none"\n'
     )
     out = tmp_path / "b.json"
-    result = _run("--config", str(cfg), "--json", str(out))
+    result = _run("--config", str(cfg), "--json", str(out), "--repeat", "1")
     assert result.exit_code == 0, result.output
     assert "batch tensor_dict 1KiB 1P/1C w64" in result.stdout
     result = _run(
@@ -90,6 +92,8 @@ def test_config_file_and_scenarios(tmp_path):
         "none",
         "--payload-type",
         "dataclass",
+        "--repeat",
+        "1",
     )
     assert result.exit_code == 0, result.output
     assert "get_only dataclass 64B 1P/1C w1" in result.stdout
@@ -107,6 +111,8 @@ def test_corrupted_item_fails_the_run(tmp_path):
         "none",
         "--json",
         str(out),
+        "--repeat",
+        "1",
         env={CORRUPT_ENV: "17"},
     )
     assert result.exit_code == 1
@@ -161,3 +167,68 @@ def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
     assert order == ["case:1", "proxy:1"] * 2
     proxies = [r for r in runner.rows if r.kind == "zmq.proxy"]
     assert len(proxies) == 3  # 1P/1C twice (fresh adds a row), 2P/2C once
+
+
+@pytest.mark.timeout(90)
+def test_report_is_readable(tmp_path):
+    """--repeat 2: progress lines on stderr, a legend, every ratio naming its baseline and which
+    way is better, median with range and spread; --json - prints the JSON on stdout (with each
+    repeat) and the report on stderr; the deprecated --producers still works, with a warning."""
+    result = _run("--scenario", "get_only", "--window", "1", "--messages", "100",
+                  "--repeat", "2")
+    assert result.exit_code == 0, result.output
+    out, err = result.stdout, result.stderr
+    assert "zchannel bench get_only: 2 cases and baselines, 2 run(s) each" in err
+    assert re.search(r"get_only bytes 64B 1P/1C w1: run 2/2, [\d,]+ items/s in", err)
+    assert re.search(r"zmq.echo bytes 64B 1P/1C w1: run 1/2", err)
+    header = out.splitlines()[2]
+    assert "items/s" in header and "range (min-max)" in header and "spread" in header
+    row = next(line for line in out.splitlines() if line.startswith("get_only"))
+    assert re.search(r"\s\d+-\d+\s+\d+%\s", row) and "B1 p50, lower is better" in row
+    assert re.search(r"get_only bytes 64B 1P/1C w1: [\d.]+x the p50 latency of B1 = zmq.echo "
+                     r"bytes 64B 1P/1C w1 \(raw DEALER -> ROUTER echo.*\); lower is better, so "
+                     r"(about the same|[\d.]+x (faster|slower)); per round [\d.]+x-[\d.]+x", out)
+    legend = out[out.index("legend:"):]
+    for abbreviation in ("1P/1C", "w64", "p50, p99 us", "B1, B2", "RSS MB", "zmq.echo = "):
+        assert abbreviation in legend
+
+    result = _run("--scenario", "channel", "--messages", "300", "--window", "8", "--repeat",
+                  "2", "--producers", "1", "--json", "-")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["options"]["repeats"] == 2 and doc["options"]["producers"] == 1
+    row = next(r for r in doc["rows"] if r["kind"] == "zchannel")
+    assert row["repeats"] == 2 and len(row["runs"]["items_s"]) == 2
+    assert len(row["runs"]["p50_us"]) == 2 and len(row["ratio_runs"]) == 2
+    assert row["ratio_higher_is_better"] is True and row["baseline"].startswith("zmq.proxy")
+    assert "bench --producers is deprecated; use --num-producers" in result.stderr
+    assert "B1 items/s, higher is better" in result.stderr
+    assert "--num-producers" in CliRunner().invoke(bench, ["--help"]).output
+
+
+def test_report_explains_queueing_and_warns_on_spread():
+    """A 40 ms p50 of 64 B items in a w64 window is explained; a 50 % spread warns."""
+    from zchannel.cli.bench_report import Result, print_report, set_ratio
+
+    def row(case, kind, runs, p50, window=64, latency="e2e"):
+        return Result(case=case, kind=kind, scenario="channel", ptype="bytes", size=64,
+                      producers=1, consumers=1, transport="ipc", window=window, messages=100,
+                      items_s=sorted(runs)[len(runs) // 2], mb_s=1.0, p50_us=p50, p99_us=p50,
+                      latency=latency, seconds=1.0, repeats=len(runs),
+                      runs={"items_s": runs, "p50_us": [p50] * len(runs)})
+
+    base = row("zmq.proxy bytes 64B 1P/1C w64", "zmq.proxy", [50000.0, 52000.0, 51000.0], 20000.0)
+    noisy = row("channel bytes 64B 1P/1C w64", "zchannel", [20000.0, 30000.0, 25000.0], 40000.0)
+    steady = row("get_only bytes 64B 1P/1C w1", "zchannel", [6000.0, 6100.0, 6050.0], 80.0,
+                 window=1, latency="get")
+    set_ratio(noisy, base, "items/s")
+    assert noisy.ratio == pytest.approx(25000 / 51000) and len(noisy.ratio_runs) == 3
+    lines: list[str] = []
+    warnings = print_report([base, noisy, steady], [], [], lines.append)
+    text = "\n".join(lines)
+    assert "40000.0*" in text and "p50 *" in text
+    assert "channel bytes 64B 1P/1C w64: p50 40.0 ms = about 1,000 items waiting ahead" in text
+    assert "one request alone takes 80 us (get_only bytes 64B 1P/1C w1)" in text
+    assert "0.49x the items/s of B1 = zmq.proxy" in text and "2.04x slower" in text
+    assert len(warnings) == 1 and warnings[0] in text
+    assert "channel bytes 64B 1P/1C w64: items/s varied 40% between repeats" in warnings[0]
