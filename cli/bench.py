@@ -4,8 +4,9 @@ Every scenario starts a broker (or uses ``--address``) and producer/consumer wor
 (``spawn``), releases them together after a readiness handshake, checks every item on arrival
 (content and sequence numbers; see ``bench_baselines.PayloadFactory``) and prints one row per
 case: items/s, MB/s, p50/p99 latency, the broker's peak RSS (``VmHWM``) and the ratio to the
-baseline measured on the same payloads.  A content mismatch, a lost or a duplicated item fails
-the run (exit 1).
+baseline measured on the same payloads (medians over ``--repeat`` runs; the report, its
+legend and the progress display are ``bench_report``).  A content mismatch, a lost or a
+duplicated item fails the run (exit 1).
 
 Latency columns: end-to-end (put issued -> item received, from the send time stamped in the
 item) for streaming cases; request -> reply for ``put_only`` (the put acknowledgement),
@@ -1538,10 +1539,11 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
     for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
-        if values.pop(old) is not None:
+        count = values.pop(old)
+        if count is not None:
             click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
             if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
-                values[new] = ctx.params[old]
+                values[new] = count
     opts = _apply_config(ctx, config_path, values)
     size = parse_size(opts["payload_size"])
     base = Case(

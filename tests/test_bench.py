@@ -193,14 +193,15 @@ def test_report_is_readable(tmp_path):
         assert abbreviation in legend
 
     result = _run("--scenario", "channel", "--messages", "300", "--window", "8", "--repeat",
-                  "2", "--producers", "1", "--json", "-")
+                  "2", "--producers", "2", "--json", "-")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["options"]["repeats"] == 2 and doc["options"]["producers"] == 1
+    assert doc["options"]["repeats"] == 2 and doc["options"]["producers"] == 2
     row = next(r for r in doc["rows"] if r["kind"] == "zchannel")
     assert row["repeats"] == 2 and len(row["runs"]["items_s"]) == 2
     assert len(row["runs"]["p50_us"]) == 2 and len(row["ratio_runs"]) == 2
     assert row["ratio_higher_is_better"] is True and row["baseline"].startswith("zmq.proxy")
+    assert row["case"] == "channel bytes 64B 2P/1C w8"
     assert "bench --producers is deprecated; use --num-producers" in result.stderr
     assert "B1 items/s, higher is better" in result.stderr
     assert "--num-producers" in CliRunner().invoke(bench, ["--help"]).output
