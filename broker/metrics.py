@@ -9,8 +9,8 @@ turns it into metric families.  A snapshot less than ``SNAPSHOT_MAX_AGE_S`` old 
 without asking, so scrapes in a burst cost the loop one snapshot per half second at most; a loop
 that does not answer within ``SCRAPE_WAIT_S`` gets the previous snapshot served.
 
-What the loop pays on its hot path, metrics or not: three integer increments per request
-(``Counters``).  With ``--metrics-port`` and hooks at work it also times each hook call
+What the loop pays on its hot path, metrics or not: one integer increment per put or get
+request and one per reply that delivers items (``Counters``).  With ``--metrics-port`` and hooks at work it also times each hook call
 (``time_hooks``: two ``perf_counter`` calls).
 """
 

@@ -204,3 +204,27 @@ def test_stat_watch_refreshes_with_rates(run_dir):
         ch.close()
     finally:
         _stop(proc)
+
+
+def test_metrics_port_from_create_and_config(run_dir, channels, tmp_path):
+    """``Channel.create(metrics_port=0)`` and ``metrics_port`` in a config file's [channel];
+    an in-process channel has no broker to serve them."""
+    ch = Channel.create("mcreate", metrics_port=0)
+    channels.append(ch)
+    for _ in range(3):
+        ch.put(b"abc", key="k")
+    m = _scrape(ch.stats()["metrics"])
+    assert m['zchannel_key_items_held{key="k"}'] == 3 and m["zchannel_puts_total"] == 3
+    with pytest.raises(ValueError, match="metrics_port"):
+        Channel.create("mlocal", local=True, metrics_port=0)
+    with pytest.raises(ValueError, match="metrics_port must be an int in 0..65535"):
+        Channel.create("mbad", metrics_port=-1)
+    conf = tmp_path / "m.toml"
+    conf.write_text("[channel]\nmetrics_port = 0\nmetrics_address = \"127.0.0.1\"\n")
+    proc, line = _start_broker("mconf", run_dir, "--config", str(conf))
+    try:
+        assert line.startswith("ready "), proc.stderr.read()
+        url = _stat_json(line.split()[1])["metrics"]
+        assert _scrape(url)["zchannel_keys"] == 0
+    finally:
+        _stop(proc)
