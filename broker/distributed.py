@@ -32,7 +32,7 @@ from zchannel.hooks import consumer_sort_key
 
 log = logging.getLogger("zchannel.client")
 
-_SUM_FIELDS = ("bytes_held", "leases", "clients")
+_SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
 STATS_CONNECT_S = 3.0
 
 
@@ -239,6 +239,7 @@ class DistributedChannel(Channel):
         out["uptime_s"] = max(s.get("uptime_s", 0) for s in parts)
         home = next((s for s in parts if s.get("replica") == self._home), first)
         out["address"], out["pid"] = home.get("address"), home.get("pid")
+        out["metrics"] = home.get("metrics")  # each replica serves its own (metrics_port)
         out["node"] = self._node
         out["replicas"] = summaries
         return out

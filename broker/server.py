@@ -3,7 +3,8 @@
 The loop reads messages, dispatches each record on its ``op``, lets the core expire deadlines,
 keeps heartbeats in both directions, and flushes the replies it coalesced per client.  With no
 collector and a built-in dispatcher it never decodes a payload: the ``zmq.Frame`` objects it
-received are stored and sent on with ``copy=False``.
+received are stored and sent on with ``copy=False``.  With ``metrics_port`` a thread serves
+Prometheus metrics from snapshots the loop builds when a scrape asks (``metrics.py``).
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ def test_locality_first_toucher_and_stat(tcp_cluster, monkeypatch, workers):
         assert per_replica[node]["bytes_held"] < 5 * 400_000 + 5 * 4096
     assert stats["bytes_held"] == sum(r["bytes_held"] for r in stats["replicas"])
     assert per_replica["node-a"]["bound_keys"] == 15
+    assert stats["puts"] == 15  # the request counters, summed over the replicas
 
     # a reader on another node finds every key where it lives, data intact
     for node in NODES:
