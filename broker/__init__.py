@@ -6,6 +6,7 @@
 
 from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.errors import (
+    AuthenticationFailed,
     BrokerStartError,
     BrokerUnavailable,
     ChannelError,
@@ -19,6 +20,7 @@ from zchannel.broker.work import Delivery, Work
 
 __all__ = [
     "DEFAULT_KEY",
+    "AuthenticationFailed",
     "BrokerStartError",
     "BrokerUnavailable",
     "Channel",

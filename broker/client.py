@@ -44,6 +44,7 @@ from zchannel.broker.protocol import (
     SHUTDOWN,
     STATS,
 )
+from zchannel.broker.security import client_keys
 from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
 from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
@@ -238,8 +239,10 @@ class Channel:
             time.sleep(0.05)  # another process is starting the broker
         try:
             proc, real_address, token = spawn_broker(config, lock_fd)
-        finally:
-            os.close(lock_fd)
+        except BaseException:
+            paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
+            raise
+        os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
         handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
                      _proc=proc, _token=token)
         try:
@@ -288,6 +291,9 @@ class Channel:
                 if found is not None:
                     return found
                 raise ChannelNotFound(f"no channel named {name!r} on this host")
+        keys = client_keys(curve_keys)
+        if keys is not None:
+            keys.load()  # a key file that does not hold its key: ValueError naming it, first
         probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
         handle._connection(timeout=timeout)
@@ -339,12 +345,12 @@ class Channel:
             conn = self._conn
             if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
                 return conn
-            from zchannel.broker.security import client_keys
-
             conn = Connection(self._address, identity=self.identity,
                               curve=client_keys(self._curve_keys), shm=self._shm)
             if not conn.wait_up(timeout):
                 conn.close(timeout=0)
+                if conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
+                    raise conn.refused
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
             if self._name is None:
                 self._name = conn.broker_info.get("name")
@@ -561,10 +567,16 @@ class Channel:
         self._proc = None
 
     def _kill_broker(self) -> None:
+        """Stop the broker this handle started: SIGTERM (it removes its files), then SIGKILL
+        if it has not exited within 5 s (by PID)."""
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            proc.kill()  # by PID
-            proc.wait(timeout=10.0)
+            proc.terminate()
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10.0)
 
     def __enter__(self) -> Channel:
         return self

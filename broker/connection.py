@@ -36,7 +36,13 @@ from typing import Any
 import msgpack
 import zmq
 from zchannel.broker import direct, paths
-from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound, error_from_wire
+from zchannel.broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ChannelError,
+    ChannelNotFound,
+    error_from_wire,
+)
 from zchannel.broker.protocol import (
     BYE,
     EXPIRED,
@@ -47,6 +53,7 @@ from zchannel.broker.protocol import (
     recv_reply,
     send_message,
 )
+from zchannel.broker.security import HandshakeWatch
 from zchannel.broker.shm import ShmClient
 from zchannel.broker.work import _DONE, Work
 
@@ -180,18 +187,30 @@ class Connection:
         self._link = self._open_link(address) if curve is None else None
         self._relink_at = 0.0
         self._sock: Any = None
+        # a CURVE mismatch fails the connection at once (broker/security.py); set by the I/O
+        # thread, which alone reads ``_handshake``
+        self.refused: AuthenticationFailed | None = None
+        self._handshake: HandshakeWatch | None = None
         if self._link is None:
             ctx = zmq.Context.instance()
             self._sock = ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-            self._sock.setsockopt(zmq.SNDHWM, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            if curve is not None:
-                curve.apply(self._sock)
-            self._sock.connect(address)
+            try:
+                self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+                self._sock.setsockopt(zmq.SNDHWM, 0)
+                self._sock.setsockopt(zmq.RCVHWM, 0)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+                self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                if curve is not None:
+                    curve.apply(self._sock)
+                self._handshake = HandshakeWatch(self._sock, address, curve)
+                self._sock.connect(address)
+            except BaseException:  # bad key files: nothing of this connection stays open
+                if self._handshake is not None:
+                    self._handshake.close()
+                self._sock.close(linger=0)
+                self.shm.close()
+                raise
         # what a poll waits on for replies: the socket, or the link's descriptor
         self._readable: Any = self._sock if self._link is None else self._link.fd
         self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
@@ -212,12 +231,13 @@ class Connection:
     # -- user-thread side --------------------------------------------------------------------
 
     def wait_up(self, timeout: float) -> bool:
-        """Wait until the broker answered the hello; False on timeout."""
+        """Wait until the broker answered the hello; False on timeout, or at once when the
+        handshake was refused (``refused`` then says why)."""
         deadline = time.monotonic() + timeout
         with self._state_cv:
             while self.state != UP:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.state == CLOSED:
+                if remaining <= 0 or self.state == CLOSED or self.refused is not None:
                     return False
                 self._state_cv.wait(remaining)
         return True
@@ -495,6 +515,8 @@ class Connection:
             self._recv_all()  # re-arms ZMQ_FD after the send
         idle_poll = [(self._wake, _POLLIN)]
         busy_poll = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
+        if self._handshake is not None:  # until the first handshake ends (not connecting: idle)
+            busy_poll.append((self._handshake.socket, _POLLIN))
         tick_ms = int(self.hb * 500)
         now = time.monotonic()
         self._last_recv = now
@@ -537,6 +559,8 @@ class Connection:
                     os.eventfd_write(self._wake, 1)
                     self._sock_lock.acquire()
                 try:
+                    if self._handshake is not None and self._watch_handshake():
+                        busy_poll = busy_poll[:2]
                     if self._queue:
                         self._send_queued()
                     self._keepalive(time.monotonic())
@@ -560,7 +584,25 @@ class Connection:
                 if self._link is not None:
                     self._link.close()
                 else:
+                    if self._handshake is not None:
+                        self._handshake.close()
                     sock.close(linger=0)
+
+    def _watch_handshake(self) -> bool:
+        """Read the handshake events (I/O thread, holding the socket); True once watching
+        ended: a handshake succeeded, or one was refused (which fails every request)."""
+        watch = self._handshake
+        refused = watch.check()
+        if refused is None and not watch.done:
+            return False
+        self._handshake = None
+        watch.close()
+        if refused is not None:
+            self.refused = refused
+            self._fail_all(refused)
+            with self._state_cv:
+                self._state_cv.notify_all()
+        return True
 
     def _set_state(self, state: str) -> None:
         with self._state_cv:
@@ -571,7 +613,13 @@ class Connection:
         if self._link is not None:
             self._link.send([pack_header(records), *frames])  # lost if the link broke
         else:
-            send_message(self._sock, [pack_header(records), *frames])
+            try:
+                # never blocks with a peer (no high-water mark); without one (libzmq drops the
+                # peer for good after a failed handshake) the message is lost, as over a broken
+                # link, instead of blocking this thread for ever
+                send_message(self._sock, [pack_header(records), *frames], nonblock=True)
+            except zmq.Again:
+                pass
         self._last_send = time.monotonic()
 
     def _send_hello(self) -> None:

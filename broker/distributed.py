@@ -338,10 +338,10 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
         try:
             proc, real_address, token = spawn_broker(rconfig, lock_fd)
         except BaseException as exc:
+            paths.release_lock(f"{name}.replica{i}", lock_fd)
             errors.append(exc)
             return
-        finally:
-            os.close(lock_fd)
+        os.close(lock_fd)  # the replica holds it now
         subs[i] = Channel(name, real_address, identity=identity, curve_keys=curve_keys,
                           _proc=proc, _token=token)
 

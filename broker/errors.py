@@ -49,6 +49,12 @@ class QueueFull(asyncio.QueueFull, queue.Full):
     asyncio.QueueFull`` and ``except queue.Full`` catch it."""
 
 
+class AuthenticationFailed(ChannelError, PermissionError):
+    """The broker and this client do not agree on CURVE: the broker requires keys and the client
+    has none, refused the client's key, does not use CURVE, or cannot read the client's hello
+    (wrong server key).  Retrying does not help."""
+
+
 class HookError(ChannelError):
     """A collector or dispatcher failed on a put.
 
@@ -70,6 +76,7 @@ _BY_NAME: dict[str, type[BaseException]] = {
     "ChannelError": ChannelError,
     "BrokerUnavailable": BrokerUnavailable,
     "ChannelNotFound": ChannelNotFound,
+    "AuthenticationFailed": AuthenticationFailed,
     "HookError": HookError,
     "BrokerStartError": BrokerStartError,
     "QueueFull": QueueFull,

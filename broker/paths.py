@@ -59,14 +59,42 @@ def addr_path(name: str) -> Path:
 
 
 def try_lock(name: str) -> int | None:
-    """Open and ``flock`` the channel's lock file without blocking; the fd, or None if held."""
-    fd = os.open(lock_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+    """Open and ``flock`` the channel's lock file without blocking; the fd, or None if held.
+
+    A holder removes the file before it lets go (``release_lock``), so a lock taken on a file
+    that is no longer the one at the path is worthless: it is dropped and the path opened again
+    (flock, then check the inode)."""
+    path = lock_path(name)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # its holder removed it between our open and our flock
+
+
+def release_lock(name: str, fd: int) -> None:
+    """Remove the lock file of ``name`` while still holding it through ``fd``, then close
+    ``fd`` (a starter that opened the old file sees it is gone: ``try_lock``)."""
+    path = lock_path(name)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if _same_file(fd, path):
+            path.unlink()
+    finally:
         os.close(fd)
-        return None
-    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def read_address(name: str) -> str | None:

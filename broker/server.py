@@ -23,6 +23,7 @@ from zchannel.broker import codec, direct, metrics, paths, shm
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
+from zchannel.broker.limits import check_settings
 from zchannel.broker.protocol import (
     ACK,
     BYE,
@@ -48,6 +49,7 @@ from zchannel.broker.protocol import (
     send_message,
     unpack_header,
 )
+from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
@@ -93,6 +95,9 @@ class BrokerConfig:
     # Prometheus metrics over HTTP (broker/metrics.py); None = off, 0 = any free port
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_settings(vars(self))
 
 
 class _RateLimitFilter(logging.Filter):
@@ -150,15 +155,27 @@ class Broker:
             self.replica = replica_state(config)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
+        self._lock_name = lock_name
         self._lock_fd = config.lock_fd
         if self._lock_fd is None:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
+        self.shm: shm.ShmBroker | None = None
+        self.sock: zmq.Socket | None = None
+        try:
+            self._setup(config)
+        except BaseException:  # a failed start leaves no files behind
+            self._release_files()
+            raise
+
+    def _setup(self, config: BrokerConfig) -> None:
         self.address = config.address or paths.default_address(config.name)
         paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
                                  insecure=config.insecure)
         self._auth = None
+        self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/security.py)
+        self._handshakes: BrokerHandshakes | None = None
         self.shm = shm.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
                                  config.shm_pool_bytes,
                                  2 * config.heartbeat_interval * config.liveness)
@@ -189,7 +206,6 @@ class Broker:
         self._running = False
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
-        self.sock: zmq.Socket | None = None
         self.direct: direct.Listener | None = None
         self._poll_dirty = False
         self.counters = metrics.Counters()
@@ -209,8 +225,10 @@ class Broker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> str:
+        """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
+        ``close()`` then removes what was made)."""
         ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
+        sock = self.sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -218,19 +236,21 @@ class Broker:
         if self.config.max_message_bytes:
             sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         if self.config.curve_secret_key:
-            from zchannel.broker.security import secure_server
-
             self._auth = secure_server(sock, self.config.curve_secret_key,
-                                       self.config.curve_public_keys)
+                                       self.config.curve_public_keys, self.refusals)
+        self._handshakes = BrokerHandshakes(sock, bool(self._auth), self.refusals)
         ipc = paths.ipc_path(self.address)
         if ipc and os.path.exists(ipc):
             os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
-        sock.bind(self.address)
+        try:
+            sock.bind(self.address)
+        except zmq.ZMQError as exc:  # a busy address: say which
+            reason = zmq.strerror(exc.errno)
+            raise zmq.ZMQError(exc.errno, f"cannot bind {self.address}: {reason}") from None
         if self.address.startswith("tcp://"):
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
             os.chmod(ipc, 0o600)
-        self.sock = sock
         # beside shared memory only (see Connection._open_link); never around CURVE
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
@@ -247,7 +267,11 @@ class Broker:
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
-        self.bind()
+        try:
+            self.bind()
+        except BaseException:
+            self.close()
+            raise
         if self.config.metrics_port is not None:
             try:
                 self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
@@ -259,11 +283,13 @@ class Broker:
             log.info("metrics of %r at %s", self.config.name, self.metrics.url)
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
+        self._running = True  # before the handlers: a signal right after "ready" stops us
         old_wakeup = signal.set_wakeup_fd(wfd)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         parent_fd = self._watch_parent()
-        poll_set = [(self.sock, zmq.POLLIN), (rfd, zmq.POLLIN)]
+        poll_set = [(self.sock, zmq.POLLIN), (rfd, zmq.POLLIN),
+                    (self._handshakes.socket, zmq.POLLIN)]
         if parent_fd is not None:
             poll_set.append((parent_fd, zmq.POLLIN))
         if self.direct is not None:
@@ -275,7 +301,6 @@ class Broker:
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
-        self._running = True
         # The broker allocates a few container objects per item and rarely makes cycles: a
         # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
         gc.freeze()
@@ -300,6 +325,8 @@ class Broker:
                     os.read(rfd, 512)
                 if self.metrics is not None and self.metrics.fd in ready:
                     self.metrics.publish()  # a scrape asked for a snapshot
+                if self._handshakes.socket in ready:
+                    self._handshakes.check()
                 if parent_fd is not None and parent_fd in ready:
                     log.warning("creator process %s exited: stopping", self.config.parent_pid)
                     self._running = False
@@ -334,11 +361,15 @@ class Broker:
         self._running = False
 
     def close(self) -> None:
+        """Stop serving and remove this broker's files: address file, socket file, shared
+        memory, and last the lock file (a successor may start once it is released)."""
         if self.metrics is not None:  # its thread stops before the pipe closes
             self.metrics.close()
             self.metrics = None
         if self.sock is not None:
             self._flush()
+            if self._handshakes is not None:
+                self._handshakes.close()
             self.sock.close(linger=0)
             self.sock = None
             if self.direct is not None:
@@ -349,7 +380,6 @@ class Broker:
             paths.remove_address(self.config.name, self.address)
             if self.replica is not None:
                 self.replica.close()
-            self.shm.close()
             ipc = paths.ipc_path(self.address)
             if ipc:
                 try:
@@ -357,6 +387,15 @@ class Broker:
                 except FileNotFoundError:
                     pass
             log.debug("broker %r stopped", self.config.name)
+        self._release_files()
+
+    def _release_files(self) -> None:
+        """Remove the shared-memory segments and the lock file (while holding the lock)."""
+        if self.shm is not None:
+            self.shm.close()
+        if self._lock_fd is not None:
+            paths.release_lock(self._lock_name, self._lock_fd)
+            self._lock_fd = None
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -766,7 +805,7 @@ def main_from_stdin() -> int:
         return 1
     try:
         broker.serve_forever()
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, ValueError, OSError) as exc:  # a busy address, a bad key file
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()
         return 1

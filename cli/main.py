@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 from zchannel.broker import paths
+from zchannel.broker.errors import ChannelError
+from zchannel.cli.failures import Cli
 from zchannel.cli.summary import parse_key, summarize
 
 
@@ -45,10 +47,15 @@ def _parse_options(values: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
-@click.group()
+@click.group(cls=Cli)
 @click.version_option(package_name="zchannel")
 def main() -> None:
-    """zchannel: ZeroMQ channels for distributed RL workers."""
+    """zchannel: ZeroMQ channels for distributed RL workers.
+
+    An expected failure (a bad option, a busy address, a key file that cannot be read, no
+    broker) prints one line, "error: ...", on stderr and exits with status 2
+    (ZCHANNEL_DEBUG=1: a traceback instead).
+    """
 
 
 @main.command()
@@ -95,28 +102,26 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     from zchannel.broker.config import build_config
     from zchannel.broker.server import run_broker
 
-    try:
-        config = build_config(
-            config_file, name=name, consumers=_parse_consumers(consumers),
-            producers=list(producers), options=_parse_options(options), imports=list(imports),
-            **flags,
-        )
-        paths.check_name(config.name)
-        if config.cluster is not None or config.replica is not None:  # one replica of a cluster
-            if config.cluster is None or config.replica is None:
-                raise ValueError("--cluster FILE and --replica I go together")
-            from zchannel.broker.replica import replica_state
+    # expected failures (bad values, unreadable files, a busy address, a name already served)
+    # become one line on stderr and exit status 2 (cli/failures.py)
+    config = build_config(
+        config_file, name=name, consumers=_parse_consumers(consumers),
+        producers=list(producers), options=_parse_options(options), imports=list(imports),
+        **flags,
+    )
+    paths.check_name(config.name)
+    if config.cluster is not None or config.replica is not None:  # one replica of a cluster
+        if config.cluster is None or config.replica is None:
+            raise ValueError("--cluster FILE and --replica I go together")
+        from zchannel.broker.replica import replica_state
 
-            replica_state(config)  # its address (and insecure) come from the cluster file
-        paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
-                                 bool(config.insecure))
-    except (ValueError, TypeError) as exc:
-        raise click.UsageError(str(exc)) from None
+        replica_state(config)  # its address (and insecure) come from the cluster file
+    paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
+                             bool(config.insecure))
     try:
         sys.exit(run_broker(config))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    except RuntimeError as exc:  # a broker already serves the name
+        raise ChannelError(str(exc)) from None
 
 
 @main.command()
@@ -132,6 +137,7 @@ def keygen(directory: str, name: str) -> None:
     """
     from zchannel.broker.security import keygen as make_keys
 
+    paths.check_name(name)  # a file name stem: no separators
     public, secret = make_keys(directory, name)
     click.echo(f"public {public}")
     click.echo(f"secret {secret}")
@@ -142,9 +148,16 @@ def _fmt_key(key: Any) -> str:
 
 
 @main.command()
-@click.argument("target")
+@click.argument("target", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print the raw stats as JSON")
-@click.option("--timeout", type=float, default=5.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, help="seconds to wait for the broker")
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SECRET_KEY", show_envvar=True,
+              help="this client's CURVE key pair file, for a broker with CURVE keys")
+@click.option("--curve-server-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SERVER_KEY", show_envvar=True,
+              help="the broker's CURVE public key file (NAME.key)")
 @click.option("--peek", "peek_key", metavar="KEY",
               help="also show copies of the head items of KEY, left in place (int, bytes and "
                    "tuple keys as Python literals: 7, b'x', ('train', 3))")
@@ -159,22 +172,30 @@ def _fmt_key(key: Any) -> str:
               help="seconds between refreshes of --watch")
 @click.option("--count", type=click.IntRange(min=1),
               help="stop --watch after this many refreshes (default: until Ctrl-C)")
-def stat(target: str, as_json: bool, timeout: float, peek_key: str | None,
-         peek_count: int, peek_consumer: str | None, watch: bool, interval: float,
-         count: int | None) -> None:
+def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: str | None,
+         curve_server_key: str | None, peek_key: str | None, peek_count: int,
+         peek_consumer: str | None, watch: bool, interval: float, count: int | None) -> None:
     """Show the state of the broker serving TARGET (a channel name or an address).
 
     This command's own connection is not counted in ``clients``.  With --watch, redraw it
     every --interval seconds with rates computed from successive stats; --json then prints
     one JSON object per refresh (its "rates" included).
-    """
-    from zchannel.broker import Channel, ChannelNotFound
 
-    try:
-        channel = Channel.connect(target, timeout=timeout)
-    except ChannelNotFound as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    Without TARGET: list the brokers of this host (from the run directory) and the stale
+    entries that brokers which did not stop cleanly left behind ("zchannel clean" removes
+    them).
+    """
+    from zchannel.broker import Channel
+
+    curve_keys = _stat_keys(curve_secret_key, curve_server_key)
+    if target is None:
+        from zchannel.cli.host import show_host
+
+        if peek_key is not None or watch:
+            raise click.UsageError("--peek and --watch need a channel NAME or ADDRESS")
+        show_host(as_json, timeout, curve_keys)
+        return
+    channel = Channel.connect(target, timeout=timeout, curve_keys=curve_keys)
     if watch:
         from zchannel.cli.stat_watch import watch_stats
 
@@ -249,6 +270,18 @@ def _echo_peek(key: Any, items: list, stats: dict) -> None:
                    "what ID would take next)")
 
 
+def _stat_keys(secret: str | None, server: str | None) -> Any:
+    if bool(secret) != bool(server):
+        raise click.UsageError("--curve-secret-key and --curve-server-key go together")
+    if not secret:
+        return None
+    from zchannel.broker.security import CurveKeys
+
+    keys = CurveKeys(secret, server)
+    keys.load()  # a file that does not hold a key: say which, now
+    return keys
+
+
 def _json_keys(value: Any) -> Any:
     """JSON objects need str keys: str keys stay, other keys (int, bytes, tuple) become repr()."""
     if isinstance(value, dict):
@@ -268,8 +301,10 @@ def _jsonable(value: Any) -> Any:
 
 def _register_commands() -> None:
     from zchannel.cli.bench import bench
+    from zchannel.cli.host import clean
 
     main.add_command(bench)
+    main.add_command(clean)
 
 
 _register_commands()

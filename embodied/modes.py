@@ -156,6 +156,9 @@ class OutputMode:
             bootstrap_type=plan.bootstrap_type,
             gamma=plan.gamma,
         )
+        last = chunk.key.chunk_id == plan.num_chunks - 1
+        if last:
+            check_final_value(plan, chunk)
         return TrajectoryStep.from_parts(
             chunk.policy,
             chunk.env,
@@ -163,7 +166,7 @@ class OutputMode:
             collect_prev_infos=plan.collect_prev_infos,
             collect_transitions=plan.collect_transitions,
             enable_rlt=plan.enable_rlt,
-            include_final_value=chunk.key.chunk_id == plan.num_chunks - 1,
+            include_final_value=last,
         )
 
     def append_step(self, accumulator: TrajectoryAccumulator, chunk: JoinedChunk) -> None:
@@ -306,6 +309,20 @@ class PipelineMode(OutputMode):
             )
             for m in range(n // mbs)
         ]
+
+
+def check_final_value(plan: TrajectoryPlan, chunk: JoinedChunk) -> None:
+    """Refuse an epoch's last chunk without ``EnvPart.final_prev_values`` in gae mode when the
+    policy reports ``prev_values``: the trajectory's ``prev_values`` would get N rows per epoch
+    instead of N+1, and the estimator needs V(obs after the epoch) as its last row."""
+    output = chunk.policy.output
+    if (plan.adv_type == "gae" and plan.collect_prev_infos and output is not None
+            and output.prev_values is not None and chunk.env.final_prev_values is None):
+        raise ValueError(
+            f"EnvPart.final_prev_values is missing on the epoch's last chunk (key {chunk.key}): "
+            f"adv_type='gae' with prev_values needs the value of the observation after the "
+            f"epoch there (complete(..., final_prev_values=V[B, 1 or C]))"
+        )
 
 
 def route_source_rows(rank: int, batch: int, width: int) -> list[tuple[int, int]]:

@@ -1,0 +1,39 @@
+"""The ranges of a broker's numeric settings, checked wherever a broker is configured
+(``Channel.create``, ``zchannel broker`` flags, a TOML file): one rule for all three."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# field -> (lowest value, ints only, what it means)
+RANGES: dict[str, tuple[float, bool, str]] = {
+    "maxsize": (0, True, "per-queue capacity, 0 = unbounded"),
+    "lease_timeout": (0, False, "seconds, > 0"),
+    "heartbeat_interval": (0, False, "seconds, > 0"),
+    "liveness": (1, True, "heartbeats"),
+    "max_bytes": (0, True, "bytes, 0 = no limit"),
+    "max_keys": (1, True, "keys"),
+    "max_message_bytes": (0, True, "bytes, 0 = no limit"),
+    "max_frames": (1, True, "frames"),
+    "max_header_bytes": (1, True, "bytes"),
+    "shm_threshold": (0, True, "bytes, 0 = off"),
+    "shm_pool_bytes": (0, True, "bytes"),
+    "key_grace": (0, False, "seconds"),
+}
+_POSITIVE = {"lease_timeout", "heartbeat_interval"}
+
+
+def check_settings(values: dict[str, Any]) -> None:
+    """``ValueError`` naming the first setting of ``values`` out of its range (others pass)."""
+    for name, value in values.items():
+        if name not in RANGES:
+            continue
+        low, ints, meaning = RANGES[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and (isinstance(value, int) or not ints) and math.isfinite(value) and (
+            value > low if name in _POSITIVE else value >= low)
+        if not ok:
+            bound = f"> {low}" if name in _POSITIVE else f">= {low}"
+            kind = "an int" if ints else "a number"
+            raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {value!r}")

@@ -1,0 +1,62 @@
+"""How the ``zchannel`` command reports an expected failure: one line on stderr, exit status 2.
+
+Expected failures are bad options and arguments (click's usage errors), zchannel's own errors
+(``ChannelError`` and its subclasses), invalid values (``ValueError``, ``TypeError``), files
+that cannot be read (``OSError``) and ZeroMQ errors such as a busy address.  Set
+``ZCHANNEL_DEBUG=1`` to get the traceback of such a failure instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+import zmq
+from zchannel.broker.errors import ChannelError
+
+USAGE_STATUS = 2
+EXPECTED = (ChannelError, ValueError, TypeError, OSError, zmq.ZMQError)
+# click >= 8.2 raises this for a group called without arguments (it shows the help)
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def fail(message: str) -> None:
+    """Print ``error: MESSAGE`` (one line) on stderr and exit with status 2."""
+    click.echo(f"error: {' '.join(message.split())}", err=True)
+    sys.exit(USAGE_STATUS)
+
+
+class Cli(click.Group):
+    """The ``zchannel`` group: every command's expected failures become ``fail()``."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        debug = os.environ.get("ZCHANNEL_DEBUG", "").strip() not in ("", "0")
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except click.ClickException as exc:  # a bad option, argument or file argument
+            if debug or isinstance(exc, _NO_ARGS):  # no arguments at all: the help, as click does
+                if not debug:
+                    exc.show()
+                    sys.exit(exc.exit_code)
+                raise
+            fail(_click_message(exc))
+        except EXPECTED as exc:
+            if debug:
+                raise
+            fail(str(exc) or type(exc).__name__)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def _click_message(exc: click.ClickException) -> str:
+    message = exc.format_message()
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        return f"{message} (see '{ctx.command_path} --help')"
+    return message

@@ -1,0 +1,111 @@
+"""Every ``zchannel`` command turns an expected failure into one line on stderr and exit
+status 2, and the CLI refuses what the Python API refuses (issue 19, "Why" 3)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from zchannel.broker import Channel
+from zchannel.cli.main import main as cli
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _zchannel(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "zchannel.cli.main", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in stderr
+    return lines[0]
+
+
+def test_busy_tcp_address_is_one_line(run_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _zchannel("broker", "busy", "--address", f"tcp://127.0.0.1:{port}")
+    assert out.returncode == 2
+    assert _one_line(out.stderr) == (
+        f"error: cannot bind tcp://127.0.0.1:{port}: Address already in use")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["broker", "neg", "--maxsize", "-1"], "maxsize must be an int >= 0"),
+    (["broker", "neg", "--lease-timeout", "0"], "lease_timeout must be a number > 0"),
+    (["broker", "neg", "--max-keys", "0"], "max_keys must be an int >= 1"),
+    (["broker", "neg", "--shm-threshold", "-5"], "shm_threshold must be an int >= 0"),
+    (["broker", "neg", "--maxsize", "many"], "Invalid value for '--maxsize'"),
+    (["broker", "neg", "--config", "/nonexistent/broker.toml"],
+     "'/nonexistent/broker.toml' does not exist"),
+    (["broker", "neg", "--collector", "no_such_collector"], "unknown collector 'no_such_collector'"),
+    (["broker", "neg", "--consumers", "actor"], "expected group:count or group:rank"),
+    (["broker", "bad/name"], "invalid channel name 'bad/name'"),
+    (["stat", "nothing-here"], "no channel named 'nothing-here' on this host"),
+    (["stat", "--timeout", "-1"], "Invalid value for '--timeout'"),
+    (["stat", "x", "--curve-secret-key", "/nonexistent/client.key_secret",
+      "--curve-server-key", "/nonexistent/broker.key"],
+     "cannot read the client's CURVE key pair from /nonexistent/client.key_secret: no such file"),
+    (["stat", "x", "--curve-secret-key", "/nonexistent/client.key_secret"],
+     "--curve-secret-key and --curve-server-key go together"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+])
+def test_expected_failures_are_one_line_and_status_2(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0]
+
+
+def test_cli_refuses_what_the_api_refuses():
+    with pytest.raises(ValueError, match="maxsize must be an int >= 0") as api:
+        Channel.create("neg", maxsize=-1)
+    out = _zchannel("broker", "neg", "--maxsize", "-1")
+    assert out.returncode == 2
+    line = _one_line(out.stderr)
+    assert str(api.value).split(",")[0] in line  # "maxsize must be an int >= 0" in both
+
+
+def test_config_file_values_are_checked_too(tmp_path):
+    config = tmp_path / "broker.toml"
+    config.write_text('[channel]\nname = "fromfile"\nmaxsize = -3\n')
+    out = _zchannel("broker", "--config", str(config))
+    assert out.returncode == 2
+    assert "maxsize must be an int >= 0" in _one_line(out.stderr)
+    config.write_text("[channel\n")
+    out = _zchannel("broker", "--config", str(config))
+    assert out.returncode == 2
+    _one_line(out.stderr)
+
+
+def test_second_broker_of_a_name_is_one_line(run_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "twice"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("ready ")
+        out = _zchannel("broker", "twice")
+        assert out.returncode == 2
+        assert _one_line(out.stderr) == (
+            "error: a broker already serves channel 'twice' on this host")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+def test_help_and_debug_tracebacks(monkeypatch):
+    runner = CliRunner()
+    result = runner.invoke(cli, [])  # no command: click's help, not an error line
+    assert "Usage: " in result.output and "Commands:" in result.output
+    monkeypatch.setenv("ZCHANNEL_DEBUG", "1")
+    result = runner.invoke(cli, ["broker", "neg", "--maxsize", "-1"])
+    assert isinstance(result.exception, ValueError)  # raised, for the traceback
+    assert "maxsize must be an int >= 0" in str(result.exception)

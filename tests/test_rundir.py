@@ -1,0 +1,168 @@
+"""Brokers clean up after themselves; ``zchannel stat`` lists this host's brokers and stale
+entries and ``zchannel clean`` removes the stale ones (issue 19, "Why" 8)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from zchannel.broker import Channel, paths, shm
+from zchannel.cli.main import main as cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _leftovers(run_dir):
+    """Files in the run directory and this run directory's segments in /dev/shm."""
+    return sorted(os.listdir(run_dir)) + shm.list_segments(shm.run_prefix(run_dir))
+
+
+@pytest.fixture
+def brokers():
+    """``start(*args)`` runs ``zchannel broker ARGS``: (process, address); any still running
+    at teardown is killed by PID."""
+    procs = []
+
+    def start(*args):
+        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), proc.communicate(timeout=10)
+        return proc, line.split()[1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=20)
+
+
+def test_failed_starts_leave_nothing(run_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "busy",
+                              "--address", f"tcp://127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Address already in use" in out.stderr
+        with pytest.raises(Exception, match="Address already in use"):
+            Channel.create("busy", address=f"tcp://127.0.0.1:{port}")
+    assert _leftovers(run_dir) == []
+    with pytest.raises(ValueError, match="unknown collector"):
+        Channel.create("nohook", collector="no_such_collector")
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "nohook",
+                          "--collector", "no_such_collector"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert _leftovers(run_dir) == []
+
+
+def test_clean_shutdown_leaves_nothing(run_dir, brokers):
+    ch = Channel.create("tidy")
+    ch.put(b"x" * (2 << 20))  # a shared-memory item: the producer's pool segment exists
+    assert any(name.endswith(".lock") for name in os.listdir(run_dir))
+    assert shm.list_segments(shm.run_prefix(run_dir))
+    ch.shutdown()
+    assert _leftovers(run_dir) == []
+    proc, _ = brokers("tidy-cli")
+    assert "tidy-cli.lock" in os.listdir(run_dir)
+    proc.send_signal(signal.SIGTERM)  # at once after "ready": it stops all the same
+    proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert _leftovers(run_dir) == []
+
+
+def test_lock_file_removal_does_not_let_two_holders_in(run_dir):
+    first = paths.try_lock("racy")
+    assert first is not None and paths.try_lock("racy") is None
+    late = os.open(paths.lock_path("racy"), os.O_RDWR)  # a starter that opened the old file
+    paths.release_lock("racy", first)
+    assert not paths.lock_path("racy").exists()
+    fcntl.flock(late, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the old file's lock...
+    second = paths.try_lock("racy")  # ...which is worthless: the path's file is the lock
+    assert second is not None and paths.try_lock("racy") is None
+    assert os.fstat(second).st_ino == os.stat(paths.lock_path("racy")).st_ino
+    os.close(late)
+    paths.release_lock("racy", second)
+    assert _leftovers(run_dir) == []
+
+
+def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, brokers):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["stat"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [f"no brokers in {run_dir}", "no stale entries"]
+    live, live_address = brokers("alive")
+    dead, _ = brokers("dead")
+    handle = Channel.connect("alive")
+    handle.put(1)
+    handle.put(2)
+    dead_handle = Channel.connect("dead", shm=True)
+    dead_handle.put(b"y" * (2 << 20))  # leaves a pool segment
+    dead_handle.close()
+    os.kill(dead.pid, signal.SIGKILL)  # no clean exit: its files stay
+    dead.communicate(timeout=20)
+    result = runner.invoke(cli, ["stat"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"brokers in {run_dir}"
+    row = next(line.split() for line in lines if line.split()[:1] == ["alive"])
+    assert row == ["alive", live_address, str(live.pid), row[3], "1", "2"]
+    assert not any(line.split()[:1] == ["dead"] for line in lines[:3])
+    stale_line = next(line for line in lines if line.strip().startswith("dead:"))
+    for name in ("dead.lock", "dead.addr", "dead.sock", "+dead+probe"):
+        assert name in stale_line, result.output
+    data = json.loads(runner.invoke(cli, ["stat", "--json"]).output)
+    assert [b["name"] for b in data["brokers"]] == ["alive"]
+    assert [s["name"] for s in data["stale"]] == ["dead"]
+    stale_files = data["stale"][0]["files"]
+    result = runner.invoke(cli, ["clean", "--dry-run"])
+    assert all(os.path.lexists(path) for path in stale_files)
+    assert sorted(result.output.split("would remove ")[1:]) == sorted(
+        f"{path}\n" for path in stale_files)
+    result = runner.invoke(cli, ["clean"])
+    assert result.exit_code == 0, result.output
+    assert sorted(result.output.splitlines()) == sorted(f"removed {p}" for p in stale_files)
+    assert not any(os.path.lexists(path) for path in stale_files)
+    assert not [n for n in os.listdir(run_dir) if n.startswith("dead")]
+    assert not shm.list_segments(shm.prefix_for("dead", run_dir))
+    assert runner.invoke(cli, ["stat"]).output.splitlines()[-1] == "no stale entries"
+    assert handle.get(timeout=10) == 1  # the live broker kept its files and works
+    handle.close()
+    assert runner.invoke(cli, ["clean"]).output.strip() == f"nothing to remove in {run_dir}"
+    live.terminate()
+    live.communicate(timeout=20)
+    assert _leftovers(run_dir) == []
+
+
+def test_create_whose_client_is_refused_leaves_nothing(run_dir, tmp_path):
+    from zchannel.broker import AuthenticationFailed
+    from zchannel.broker.security import keygen
+
+    server_pub, server_sec = keygen(str(tmp_path), "broker")
+    _, other_sec = keygen(str(tmp_path), "other")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()  # nobody is let in
+    with pytest.raises(AuthenticationFailed, match="refused this client key"):
+        Channel.create("refused", address="tcp://127.0.0.1:0", curve_keys={
+            "server_secret_key": server_sec, "public_keys": str(allowed),
+            "secret_key": other_sec, "server_public_key": server_pub})
+    assert _leftovers(run_dir) == []
+
+
+def test_create_with_a_bad_server_key_file_names_it_and_leaves_nothing(run_dir, tmp_path):
+    bad = tmp_path / "broker.key_secret"
+    bad.write_text("garbage\n")
+    with pytest.raises(ValueError, match=f"cannot read the broker's CURVE key pair from {bad}"):
+        Channel.create("badkey", address="tcp://127.0.0.1:0",
+                       curve_keys={"server_secret_key": str(bad)})
+    assert _leftovers(run_dir) == []
