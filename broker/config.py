@@ -1,4 +1,5 @@
-"""Broker configuration files (TOML) and their merge with command-line flags.
+"""A broker's configuration (``BrokerConfig``), its files (TOML) and their merge with
+command-line flags.
 
 A file has up to three tables::
 
@@ -19,11 +20,60 @@ A file has up to three tables::
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
-from zchannel.broker.server import BrokerConfig
+from zchannel.broker import shm
+from zchannel.broker.limits import check_settings
+from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES
+
+
+@dataclass
+class BrokerConfig:
+    """Everything a broker is started with (CLI flags, a TOML file, or ``Channel.create``)."""
+
+    name: str
+    address: str | None = None
+    maxsize: int = 0
+    collector: Any = None
+    dispatcher: Any = None
+    producers: list[str] = field(default_factory=list)
+    consumers: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+    imports: list[str] = field(default_factory=list)
+    lease_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    max_bytes: int = 0
+    max_keys: int = 100_000
+    allowed_dtypes: list[str] | None = None
+    max_rank: int | None = None
+    max_message_bytes: int = 0
+    max_frames: int = MAX_FRAMES
+    max_header_bytes: int = MAX_HEADER_BYTES
+    shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
+    shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
+    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/direct.py)
+    key_grace: float = 30.0
+    insecure: bool = False
+    curve_secret_key: str | None = None
+    curve_public_keys: str | None = None
+    parent_pid: int | None = None
+    lock_fd: int | None = None
+    token: str | None = None
+    # distributed channels (broker/replica.py): a cluster file or the replica table, and our index
+    cluster: str | None = None
+    replica: int | None = None
+    replicas: list[dict[str, Any]] | None = None
+    # Prometheus metrics over HTTP (broker/metrics.py); None = off, 0 = any free port
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_settings(vars(self))
+
 
 _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",

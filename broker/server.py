@@ -15,15 +15,14 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from zchannel.broker import codec, direct, metrics, paths, shm
 from zchannel.broker.checks import check_peek_count, check_target_weight
+from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
-from zchannel.broker.limits import check_settings
 from zchannel.broker.protocol import (
     ACK,
     BYE,
@@ -35,8 +34,6 @@ from zchannel.broker.protocol import (
     HEARTBEAT,
     HELLO,
     INLINE_BODY,
-    MAX_FRAMES,
-    MAX_HEADER_BYTES,
     PEEK,
     PUT,
     QSIZE,
@@ -53,51 +50,6 @@ from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
-
-
-@dataclass
-class BrokerConfig:
-    """Everything a broker is started with (CLI flags, a TOML file, or ``Channel.create``)."""
-
-    name: str
-    address: str | None = None
-    maxsize: int = 0
-    collector: Any = None
-    dispatcher: Any = None
-    producers: list[str] = field(default_factory=list)
-    consumers: Any = None
-    options: dict[str, Any] = field(default_factory=dict)
-    imports: list[str] = field(default_factory=list)
-    lease_timeout: float = 30.0
-    heartbeat_interval: float = 1.0
-    liveness: int = 3
-    max_bytes: int = 0
-    max_keys: int = 100_000
-    allowed_dtypes: list[str] | None = None
-    max_rank: int | None = None
-    max_message_bytes: int = 0
-    max_frames: int = MAX_FRAMES
-    max_header_bytes: int = MAX_HEADER_BYTES
-    shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
-    shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
-    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/direct.py)
-    key_grace: float = 30.0
-    insecure: bool = False
-    curve_secret_key: str | None = None
-    curve_public_keys: str | None = None
-    parent_pid: int | None = None
-    lock_fd: int | None = None
-    token: str | None = None
-    # distributed channels (broker/replica.py): a cluster file or the replica table, and our index
-    cluster: str | None = None
-    replica: int | None = None
-    replicas: list[dict[str, Any]] | None = None
-    # Prometheus metrics over HTTP (broker/metrics.py); None = off, 0 = any free port
-    metrics_port: int | None = None
-    metrics_address: str = "127.0.0.1"
-
-    def __post_init__(self) -> None:
-        check_settings(vars(self))
 
 
 class _RateLimitFilter(logging.Filter):
