@@ -150,7 +150,7 @@ def test_metrics_port_errors(run_dir, tmp_path):
     proc, line = _start_broker("mm", run_dir, "--metrics-port", "0", env=env)
     err = proc.stderr.read()
     proc.wait(30)
-    assert proc.returncode == 1 and line == ""
+    assert proc.returncode == 2 and line == ""  # an expected failure: exit 2 (cli/failures.py)
     assert "error: --metrics-port needs prometheus_client: pip install 'zchannel[metrics]'" in err
     assert "Traceback" not in err
 
@@ -160,7 +160,7 @@ def test_metrics_port_errors(run_dir, tmp_path):
         second, line2 = _start_broker("m2", run_dir, "--metrics-port", port)
         err = second.stderr.read()
         second.wait(30)
-        assert second.returncode == 1 and line2 == ""
+        assert second.returncode == 2 and line2 == ""
         assert f"metrics endpoint 127.0.0.1:{port}" in err and "Traceback" not in err
     finally:
         _stop(first)
