@@ -3,6 +3,7 @@ worker processes ended by PID."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -45,6 +46,17 @@ def run_dir(tmp_path_factory, monkeypatch) -> Iterator[str]:
         os.rmdir(path)
     except OSError:
         pass
+
+
+@pytest.fixture(autouse=True)
+def zchannel_logging() -> Iterator[None]:
+    """A ``zchannel broker`` run in this process (click's CliRunner) sets up the broker's
+    logging (``setup_logging``: no propagation to the root logger); put it back afterwards,
+    so that later tests' ``caplog`` sees zchannel's records."""
+    logger = logging.getLogger("zchannel")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
 
 
 @pytest.fixture
