@@ -21,7 +21,7 @@ def _broker_row(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> d
         row["error"] = str(exc)
         return row
     try:
-        stats = channel.stats()
+        stats = channel.stats(exclude_self=True)  # this listing is not one of its clients
     except ChannelError as exc:
         row["error"] = str(exc)
         return row

@@ -116,7 +116,7 @@ def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, br
     lines = result.output.splitlines()
     assert lines[0] == f"brokers in {run_dir}"
     row = next(line.split() for line in lines if line.split()[:1] == ["alive"])
-    assert row == ["alive", live_address, str(live.pid), row[3], "1", "2"]
+    assert row == ["alive", live_address, str(live.pid), "1", "1", "2"]  # 1 client: handle
     assert not any(line.split()[:1] == ["dead"] for line in lines[:3])
     stale_line = next(line for line in lines if line.strip().startswith("dead:"))
     for name in ("dead.lock", "dead.addr", "dead.sock", "+dead+probe"):
