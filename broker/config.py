@@ -22,8 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from zchannel.broker.server import BrokerConfig
+from zchannel.broker.toml import tomllib
 
 _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 import torch
 from zchannel.broker import DEFAULT_KEY
+from zchannel.broker.toml import tomllib
 from zchannel.embodied.advantages import compute_advantages, to_training_batch
 from zchannel.embodied.collector import TrajectoryCollector, TrajectoryDispatcher
 from zchannel.embodied.modes import route_source_rows
@@ -22,8 +23,6 @@ from zchannel.embodied.types import (
     TrajectorySource,
 )
 from zchannel.hooks import ChannelContext, Collector, Dispatcher, registered
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 T, F = True, False
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
