@@ -573,6 +573,7 @@ class QueueCore:
             n = self._batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
+                self._admit_putters()  # the batch freed room in its queue
                 return
         self._remove_getter(req)
         if nowait:
