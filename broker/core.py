@@ -573,7 +573,8 @@ class QueueCore:
             n = self._batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
-                self._admit_putters()  # the batch freed room in its queue
+                self._serve(ks)  # getters it held back may take the rest now, or steal
+                self._admit_putters()  # it freed room for waiting puts
                 return
         self._remove_getter(req)
         if nowait:

@@ -425,14 +425,20 @@ def test_queue_core_matches_reference_long():
     _run(int(os.environ.get("ZCHANNEL_FUZZ_EXAMPLES", "5000")))
 
 
-def test_batch_delivered_at_its_deadline_admits_waiting_puts():
-    """Found by the model: a get_batch that completed at ``nowait`` (or at its timeout) freed
-    room in its queue but left the put waiting for that room parked."""
+def _core(dispatcher: Dispatcher, maxsize: int = 0) -> tuple[QueueCore, dict[int, tuple]]:
     replies: dict[int, tuple] = {}
-    core = QueueCore(name="m", maxsize=1, collector=Collector(), dispatcher=Dispatcher(),
+    core = QueueCore(name="m", maxsize=maxsize, collector=Collector(), dispatcher=dispatcher,
+                     consumers=DECLARED,
                      reply=lambda client, rid, **out: replies.setdefault(rid, _outcome(**out)),
                      decode_item=lambda item: item.payload,
                      encode_item=lambda value, weight: Item(value, weight, 1))
+    return core, replies
+
+
+def test_batch_delivered_at_its_deadline_admits_waiting_puts():
+    """Found by the model: a get_batch that completed at ``nowait`` (or at its timeout) freed
+    room in its queue but left the put waiting for that room parked."""
+    core, replies = _core(Dispatcher(), maxsize=1)
     producer, consumer = Client(address=0), Client(address=1)
     core.put(producer, 1, "a", Item((0, None), 1, 1), None, False)
     core.put(producer, 2, "a", Item((1, None), 1, 1), None, False)
@@ -441,3 +447,20 @@ def test_batch_delivered_at_its_deadline_admits_waiting_puts():
     assert replies[3] == ("items", [0], True, False)
     assert replies[2] == ("ok", None)
     assert core.qsize("a") == 1
+
+
+def test_getter_held_back_by_a_batch_steals_once_the_batch_took_the_shared_items():
+    """Found by the model: a get waiting behind an incomplete get_batch kept waiting after a
+    nowait get_batch emptied the shared queue, although another consumer's item was there to
+    steal."""
+    core, replies = _core(ToDispatcher(steal=True))
+    producer, consumer = Client(address=0), Client(address=1, identity="c:0")
+    core.put(producer, 1, "b", Item((0, "c:1"), 0, 1), None, False)  # c:1's private queue
+    core.put(producer, 2, "b", Item((1, None), 0, 1), None, False)  # the shared queue
+    core.get(consumer, 3, "b", None, False, batch_target=1)  # waits: weight 0 of 1
+    core.get(consumer, 4, "b", None, False)  # held back behind the batch
+    assert 3 not in replies and 4 not in replies
+    core.get(consumer, 5, "b", None, True, batch_target=1)  # nowait: takes the shared item
+    assert replies[5] == ("items", [1], True, False)
+    assert replies[4] == ("items", [0], False, False)  # stolen from c:1
+    assert 3 not in replies  # a batch does not steal
