@@ -16,7 +16,7 @@ import pytest
 import zmq
 from conftest import pid_alive, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound, codec
-from zchannel.broker.protocol import INLINE_BODY, pack_header
+from zchannel.broker.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -157,7 +157,7 @@ def _raw_dealer(ch: Channel, hello: bool = True) -> Iterator[zmq.Socket]:
     raw.connect(ch.address)
     try:
         if hello:
-            raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+            raw.send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
             raw.recv_multipart()
         yield raw
     finally:
@@ -170,7 +170,7 @@ def test_malformed_messages_do_not_hurt_the_broker(channels):
     with _raw_dealer(ch, hello=False) as raw:
         bad = [
             [b"not msgpack \xff\xff"],
-            [pack_header([{"op": "hello", "id": 1}])],
+            [pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])],
             [pack_header([{"op": "put", "id": 2, "k": "x", "nf": 3}]), b"only one frame"],
             [pack_header([{"op": "put", "id": 3, "k": [[[]]], "nf": 1}]), b"\xc1"],
             [pack_header([{"op": "put", "id": 4, "k": "x", "w": -3, "nf": 1}]), b"\x01"],
