@@ -24,23 +24,10 @@ from zchannel.embodied.types import (
 )
 from zchannel.hooks import ChannelContext, Collector, Dispatcher, registered
 
+from .conftest import make_plan
+
 T, F = True, False
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def make_plan(**kw) -> TrajectoryPlan:
-    options = dict(
-        mode="rollout",
-        num_sources=1,
-        source_batch_size=1,
-        num_chunks=1,
-        rollout_epochs=1,
-        actor_world_size=1,
-        num_action_chunks=1,
-        action_dim=1,
-    )
-    options.update(kw)
-    return TrajectoryPlan.from_options(options)
 
 
 def hooks(plan, consumers=None):
