@@ -22,11 +22,13 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_connect_to_nothing_is_quick():
-    for target in ("nothing-here", "ipc:///tmp/zchannel-no-such.sock", "tcp://127.0.0.1:9"):
-        start = time.monotonic()
-        with pytest.raises(ChannelNotFound):
-            Channel.connect(target, timeout=5)
-        assert time.monotonic() - start < 2.5, target
+    """Nothing to connect to is found out at once (no name, no socket file, refused), not by
+    waiting for the connect timeout: the error names that cause, not the timeout."""
+    for target, cause in (("nothing-here", "no channel named"),
+                          ("ipc:///tmp/zchannel-no-such.sock", "no socket file"),
+                          ("tcp://127.0.0.1:9", "connection refused")):
+        with pytest.raises(ChannelNotFound, match=cause):
+            Channel.connect(target, timeout=600)  # waiting for it would hit pytest's limit
 
 
 def test_create_twice_gives_one_broker(channels):
@@ -101,10 +103,10 @@ def test_sigkill_broker_while_get_waits(channels):
     pid = ch.stats()["pid"]
     work = ch.get(async_op=True)
     os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
+    # found out after a few heartbeat intervals, never a hang: BrokerUnavailable, not the
+    # TimeoutError of the wait
     with pytest.raises(BrokerUnavailable):
-        work.wait(timeout=15)
-    assert time.monotonic() - start < 6  # a few heartbeat intervals, never a hang
+        work.wait(timeout=60)
     with pytest.raises(BrokerUnavailable):
         ch.put("while down")
 
@@ -347,7 +349,7 @@ def test_broker_restart_reconnects_handles(run_dir):
         with pytest.raises(BrokerUnavailable):
             pending.wait(timeout=15)
         second = start()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # generous: a loaded machine
         while True:  # calls while the handle reconnects raise BrokerUnavailable, later ones work
             try:
                 ch.put(2, timeout=5)
