@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import tomllib
+from zchannel.broker.toml import tomllib
 
 ENV_CLUSTER = "ZCHANNEL_CLUSTER"
 ENV_NODE = "ZCHANNEL_NODE"

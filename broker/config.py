@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from zchannel.broker import shm
 from zchannel.broker.limits import check_settings
 from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES
+from zchannel.broker.toml import tomllib
 
 
 @dataclass

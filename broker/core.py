@@ -276,6 +276,8 @@ class QueueCore:
         nowait: bool,
     ) -> None:
         try:
+            if rid in client.parked:
+                raise _duplicate_id(rid)
             key = check_key(key)
             check_weight(item.weight)
             if self.passthrough and not self.deals:  # no hooks at work: the common case
@@ -399,6 +401,8 @@ class QueueCore:
         batch_target: int | float = 0,
     ) -> None:
         try:
+            if rid in client.parked:
+                raise _duplicate_id(rid)
             key = check_key(key)
             if batch_target:
                 check_target_weight(batch_target)
@@ -573,6 +577,8 @@ class QueueCore:
             n = self._batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
+                self._serve(ks)  # getters it held back may take the rest now, or steal
+                self._admit_putters()  # it freed room for waiting puts
                 return
         self._remove_getter(req)
         if nowait:
@@ -673,9 +679,10 @@ class QueueCore:
         return items
 
     def full(self, key: Any, consumer: str | None = None) -> bool:
+        key = check_key(key)  # a bad key is an error also where nothing can be full
         if self.maxsize <= 0:
             return False
-        ks = self.keys.get(check_key(key))
+        ks = self.keys.get(key)
         if ks is None:
             return False
         queue = ks.shared if consumer is None else ks.private.get(consumer)
@@ -708,6 +715,11 @@ class QueueCore:
             "collector_stats": _safe_stats(self.collector),
             "dispatcher_stats": _safe_stats(self.dispatcher),
         }
+
+
+def _duplicate_id(rid: int) -> ValueError:
+    # a second waiting request under one id could be neither told apart nor withdrawn
+    return ValueError(f"request id {rid} is already used by a waiting request of this client")
 
 
 def _queue_full(core: QueueCore, req: Request) -> Exception:

@@ -35,6 +35,7 @@ from zchannel.broker.protocol import (
     HELLO,
     INLINE_BODY,
     PEEK,
+    PROTOCOL_VERSION,
     PUT,
     QSIZE,
     SHUTDOWN,
@@ -407,7 +408,17 @@ class Broker:
             if op == BYE:
                 client = None
 
-    def _hello(self, address: bytes, rec: dict) -> Client:
+    def _hello(self, address: bytes, rec: dict) -> Client | None:
+        """Register ``address`` (anew) and answer with the broker's parameters; a hello of
+        another protocol version gets an error reply and changes nothing."""
+        rid = rec.get("id")
+        version = rec.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            self._reply(Client(address=address), rid if isinstance(rid, int) else 0,
+                        error=ValueError(
+                            f"protocol version {version!r} is not supported: this broker speaks "
+                            f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
+            return self.clients.get(address)
         if self.direct is not None and address in self.direct.by_address:
             self.direct.by_address[address].greeted = True
         old = self.clients.pop(address, None)
@@ -419,7 +430,6 @@ class Broker:
         client = Client(address=address, identity=identity)
         self.clients[address] = client
         self._expired_told.pop(address, None)
-        rid = rec.get("id")
         self._reply(client, rid if isinstance(rid, int) else 0, result={
             "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
             "liveness": self.config.liveness, "deals": self.core.deals,

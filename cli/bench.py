@@ -33,8 +33,8 @@ from typing import Any
 import click
 import click.core
 import numpy as np
-import tomllib
 from zchannel.broker import Channel, ChannelError, Work
+from zchannel.broker.toml import tomllib
 from zchannel.cli.bench_baselines import (
     PAYLOAD_TYPES,
     SEQ_SHIFT,

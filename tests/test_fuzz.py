@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zchannel.broker import Channel
 from zchannel.broker.codec import encode
-from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES, pack_header
+from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES, PROTOCOL_VERSION, pack_header
 
 GOOD_KEY = "well-behaved"  # only the well-behaved client uses this key
 OPS = [
@@ -239,7 +239,7 @@ def _fuzz(channels, max_examples: int) -> int:
         sock.setsockopt(zmq.SNDTIMEO, 5000)
         sock.connect(ch.address)
         sockets.append(sock)
-    sockets[0].send_multipart([pack_header([{"op": "hello", "id": 1}])])
+    sockets[0].send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
     assert sockets[0].poll(10_000)
     # the size limits, once each: an oversized header and one frame too many
     sockets[0].send_multipart([b"\x91" + b"\x00" * MAX_HEADER_BYTES])
@@ -264,7 +264,7 @@ def _fuzz(channels, max_examples: int) -> int:
             state["sent"] += 1
         for index, message in plan:
             if index == 2:
-                sockets[2].send_multipart([pack_header([{"op": "hello", "id": 0}])])
+                sockets[2].send_multipart([pack_header([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
             sockets[index].send_multipart(message)
         if state["got"] < state["sent"]:
             item = good.get(key=GOOD_KEY, timeout=10)

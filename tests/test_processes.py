@@ -16,17 +16,19 @@ import pytest
 import zmq
 from conftest import pid_alive, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound, codec
-from zchannel.broker.protocol import INLINE_BODY, pack_header
+from zchannel.broker.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def test_connect_to_nothing_is_quick():
-    for target in ("nothing-here", "ipc:///tmp/zchannel-no-such.sock", "tcp://127.0.0.1:9"):
-        start = time.monotonic()
-        with pytest.raises(ChannelNotFound):
-            Channel.connect(target, timeout=5)
-        assert time.monotonic() - start < 2.5, target
+    """Nothing to connect to is found out at once (no name, no socket file, refused), not by
+    waiting for the connect timeout: the error names that cause, not the timeout."""
+    for target, cause in (("nothing-here", "no channel named"),
+                          ("ipc:///tmp/zchannel-no-such.sock", "no socket file"),
+                          ("tcp://127.0.0.1:9", "connection refused")):
+        with pytest.raises(ChannelNotFound, match=cause):
+            Channel.connect(target, timeout=600)  # waiting for it would hit pytest's limit
 
 
 def test_create_twice_gives_one_broker(channels):
@@ -101,10 +103,10 @@ def test_sigkill_broker_while_get_waits(channels):
     pid = ch.stats()["pid"]
     work = ch.get(async_op=True)
     os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
+    # found out after a few heartbeat intervals, never a hang: BrokerUnavailable, not the
+    # TimeoutError of the wait
     with pytest.raises(BrokerUnavailable):
-        work.wait(timeout=15)
-    assert time.monotonic() - start < 6  # a few heartbeat intervals, never a hang
+        work.wait(timeout=60)
     with pytest.raises(BrokerUnavailable):
         ch.put("while down")
 
@@ -157,7 +159,7 @@ def _raw_dealer(ch: Channel, hello: bool = True) -> Iterator[zmq.Socket]:
     raw.connect(ch.address)
     try:
         if hello:
-            raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+            raw.send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
             raw.recv_multipart()
         yield raw
     finally:
@@ -170,7 +172,7 @@ def test_malformed_messages_do_not_hurt_the_broker(channels):
     with _raw_dealer(ch, hello=False) as raw:
         bad = [
             [b"not msgpack \xff\xff"],
-            [pack_header([{"op": "hello", "id": 1}])],
+            [pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])],
             [pack_header([{"op": "put", "id": 2, "k": "x", "nf": 3}]), b"only one frame"],
             [pack_header([{"op": "put", "id": 3, "k": [[[]]], "nf": 1}]), b"\xc1"],
             [pack_header([{"op": "put", "id": 4, "k": "x", "w": -3, "nf": 1}]), b"\x01"],
@@ -347,7 +349,7 @@ def test_broker_restart_reconnects_handles(run_dir):
         with pytest.raises(BrokerUnavailable):
             pending.wait(timeout=15)
         second = start()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # generous: a loaded machine
         while True:  # calls while the handle reconnects raise BrokerUnavailable, later ones work
             try:
                 ch.put(2, timeout=5)

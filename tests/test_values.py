@@ -39,7 +39,7 @@ from payloads import (
     Unregistered,
 )
 from zchannel.broker import Channel, codec, register_type
-from zchannel.broker.protocol import pack_header
+from zchannel.broker.protocol import PROTOCOL_VERSION, pack_header
 from zchannel.broker.wireform import wire_form
 
 pytestmark = pytest.mark.timeout(120)
@@ -436,7 +436,7 @@ def _raw_put(ch: Channel, bodies: list[bytes]) -> list[dict]:
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(ch.address)
     try:
-        raw.send_multipart([pack_header([{"op": "hello", "id": 1}])])
+        raw.send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
         assert raw.poll(10_000), "no hello reply"
         raw.recv_multipart()
         replies = []

@@ -19,25 +19,10 @@ from zchannel.embodied.advantages import (
     normalize_advantages,
     to_training_batch,
 )
-from zchannel.embodied.plan import TrajectoryPlan
+
+from .conftest import make_plan
 
 F, T = False, True
-
-
-def make_plan(**overrides):
-    """A rollout plan with one source of ``source_batch_size`` envs and one actor."""
-    options = dict(
-        mode="rollout",
-        num_sources=1,
-        source_batch_size=1,
-        num_chunks=1,
-        rollout_epochs=1,
-        actor_world_size=1,
-        num_action_chunks=1,
-        action_dim=1,
-    )
-    options.update(overrides)
-    return TrajectoryPlan(**options)
 
 
 def col(values, dtype=torch.float32):

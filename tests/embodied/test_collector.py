@@ -8,6 +8,7 @@ import msgpack
 import pytest
 import torch
 from zchannel.broker import DEFAULT_KEY
+from zchannel.broker.toml import tomllib
 from zchannel.embodied.advantages import compute_advantages, to_training_batch
 from zchannel.embodied.collector import TrajectoryCollector, TrajectoryDispatcher
 from zchannel.embodied.modes import route_source_rows
@@ -23,25 +24,10 @@ from zchannel.embodied.types import (
 )
 from zchannel.hooks import ChannelContext, Collector, Dispatcher, registered
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+from .conftest import make_plan
 
 T, F = True, False
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def make_plan(**kw) -> TrajectoryPlan:
-    options = dict(
-        mode="rollout",
-        num_sources=1,
-        source_batch_size=1,
-        num_chunks=1,
-        rollout_epochs=1,
-        actor_world_size=1,
-        num_action_chunks=1,
-        action_dim=1,
-    )
-    options.update(kw)
-    return TrajectoryPlan.from_options(options)
 
 
 def hooks(plan, consumers=None):

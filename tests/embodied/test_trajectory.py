@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from zchannel.broker.codec import decode, encode
 from zchannel.embodied.trajectory import (
     ActorBatch,
     EpisodeShard,
@@ -26,39 +25,9 @@ from zchannel.embodied.types import (
     TrajectorySource,
 )
 
+from .conftest import assert_same, roundtrip
+
 T, F = True, False
-
-
-def assert_same(a, b, path="value"):
-    """Deep equality: same types; tensors/arrays with equal dtype, shape and values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-        )
-        assert torch.equal(a, b), f"{path}: {a} != {b}"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert np.array_equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{path}: {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(a):
-        for f in dataclasses.fields(a):
-            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def roundtrip(obj):
-    body, buffers = encode(obj)
-    assert b"pickle" not in body
-    return decode(body, [bytes(memoryview(b).cast("B")) for b in buffers])
 
 
 def key(epoch=0, chunk=0, step=0, rank=0, stage=0):

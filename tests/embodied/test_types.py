@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from zchannel.broker.codec import decode, encode
+from zchannel.broker.codec import encode
 from zchannel.embodied.batch import (
     merge_batch_values,
     merge_episode_data,
@@ -30,33 +30,11 @@ from zchannel.embodied.types import (
     assign_history_rewards,
 )
 
+from .conftest import assert_same, roundtrip
+
 K0 = TrajectoryKey(0, 0, 0, 0, 0)
 K1 = TrajectoryKey(0, 0, 0, 0, 1)
 T, F = True, False
-
-
-def assert_same(a, b, path="value"):
-    """Deep equality: same types; tensors/arrays with equal dtype, shape and values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert np.array_equal(a, b), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(a):
-        for f in dataclasses.fields(a):
-            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-    else:
-        assert a == b, path
 
 
 def flags(rows):
@@ -817,9 +795,7 @@ def wire_objects():
 
 @pytest.mark.parametrize("obj", wire_objects(), ids=lambda o: type(o).__name__)
 def test_codec_round_trip(obj):
-    body, buffers = encode(obj)
-    assert b"pickle" not in body
-    decoded = decode(body, buffers)
+    decoded = roundtrip(obj)
     assert type(decoded) is type(obj)
     assert_same(decoded, obj)
 
