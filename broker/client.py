@@ -387,7 +387,7 @@ class Channel:
         conn = self._connection()
         frames: list = []
         if has_item:
-            body, buffers, refs = shm_submit(conn, item)  # refs: shared-memory slots or None
+            body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
             if not buffers and not refs and len(body) <= INLINE_BODY:
                 rec["b"] = body  # a small item rides in its record (no frame)
                 sizes = [len(body)]

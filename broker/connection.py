@@ -727,7 +727,12 @@ class Connection:
             self._relink_at = now + RELINK_S
             if link.reconnect() and self.state != UP:
                 self._send_hello()
-        silent = now - self._last_recv
+        # life is any bytes from the broker, not only whole messages: a reply of many large
+        # frames takes a while to arrive, and the broker's heartbeats queue behind it
+        silent = now - max(self._last_recv, link.last_read if link is not None else 0.0)
+        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
+            self._recv_all()  # what waits unread (this thread was held up) is life too
+            silent = now - max(self._last_recv, link.last_read if link is not None else 0.0)
         if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
             if self.state == UP:
                 log.warning("the broker at %s is silent for %.1fs: unavailable", self.address, silent)

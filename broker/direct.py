@@ -200,6 +200,7 @@ class Link:
         weakref.finalize(self, _close_fds, self.fd, self._idle)
         self.up = False
         self.closed = False
+        self.last_read = 0.0  # when bytes last came from the broker (monotonic)
         self.reader = Reader(1 << 20, 1 << 40)
         if not self.reconnect():
             self.close()
@@ -246,6 +247,8 @@ class Link:
             return True
         rest = deque(bufs)
         _advance(rest, n)
+        # a stall is judged on progress: a large message may take longer than stall_s to go
+        # out while the broker is busy, and the broker is alive as long as it takes bytes
         deadline = time.monotonic() + self.stall_s
         poller = select.poll()
         poller.register(self.fd, select.POLLOUT)
@@ -263,6 +266,7 @@ class Link:
                 self.drop()
                 return False
             _advance(rest, n)
+            deadline = time.monotonic() + self.stall_s
         return True
 
     def recv(self) -> list | None:
@@ -275,6 +279,7 @@ class Link:
                 if not self.reader.read(self.fd):
                     self.drop()
                     return None
+                self.last_read = time.monotonic()  # life, even within a long message
             except BlockingIOError:
                 return None
             except (OSError, FramingError):

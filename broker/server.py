@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, direct, metrics, paths, shm
+from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
@@ -80,13 +80,35 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.propagate = False
 
 
+# Frame bytes per reply message at most (a single record may exceed it): replies coalesced in
+# one turn for a client with many gets out would otherwise make one message of hundreds of MiB,
+# which arrives whole only after seconds, with the heartbeats queued behind it.
+MAX_REPLY_BYTES = 64 << 20
+
+
 class _Outbox:
-    __slots__ = ("records", "frames", "deliveries")
+    """The replies of one turn for one client, sent as few messages as ``MAX_REPLY_BYTES``
+    allows (``cuts``: where a new message starts, as record and frame indices)."""
+
+    __slots__ = ("records", "frames", "deliveries", "cuts", "nbytes")
 
     def __init__(self) -> None:
         self.records: list[dict] = []
         self.frames: list[Any] = []
         self.deliveries: list[tuple] = []
+        self.cuts: list[tuple[int, int]] = []
+        self.nbytes = 0  # frame bytes since the last cut
+
+    def messages(self) -> list[tuple[list[dict], list]]:
+        """``(records, frames)`` of each message to send."""
+        if not self.cuts:
+            return [(self.records, self.frames)]
+        out, r0, f0 = [], 0, 0
+        for r1, f1 in self.cuts:
+            out.append((self.records[r0:r1], self.frames[f0:f1]))
+            r0, f0 = r1, f1
+        out.append((self.records[r0:], self.frames[f0:]))
+        return out
 
 
 class Broker:
@@ -129,7 +151,7 @@ class Broker:
         self._auth = None
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/security.py)
         self._handshakes: BrokerHandshakes | None = None
-        self.shm = shm.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+        self.shm = shm_broker.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
                                  config.shm_pool_bytes,
                                  2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(
@@ -542,6 +564,7 @@ class Broker:
         elif items is not None:
             nf = 0
             counts = []
+            r0, f0 = len(out.records), len(out.frames)
             for i, item in enumerate(items):
                 out.frames.extend(item.payload)
                 n = len(item.payload)
@@ -550,6 +573,11 @@ class Broker:
                 nf += n
                 counts.append(n)
             rec["nf"] = nf
+            nbytes = sum(len(f) for f in out.frames[f0:])
+            if out.nbytes and out.nbytes + nbytes > MAX_REPLY_BYTES:
+                out.cuts.append((r0, f0))
+                out.nbytes = 0
+            out.nbytes += nbytes
             if batch:
                 rec["n"] = counts
             if lease is not None:
@@ -589,7 +617,7 @@ class Broker:
         while self._out and self.sock is not None:
             out_all, self._out = self._out, {}
             for address, out in out_all.items():
-                if self._send(address, out.records, out.frames):
+                if all(self._send(address, records, frames) for records, frames in out.messages()):
                     continue
                 if self._end_client(address, out) is not None:
                     log.info("client went away before its reply was sent; its items were requeued")
@@ -643,10 +671,10 @@ class Broker:
         """Read a ready link and handle the messages it completed; False if it is gone."""
         reader = peer.reader
         alive = True
+        # until the socket is empty, or for at most READ_BUDGET bytes (the other clients
+        # wait meanwhile): a loop turn per read would cost more than the read
+        budget = direct.READ_BUDGET
         try:
-            # until the socket is empty, or for at most READ_BUDGET bytes (the other clients
-            # wait meanwhile): a loop turn per read would cost more than the read
-            budget = direct.READ_BUDGET
             while alive and budget > 0:
                 n = reader.read(peer.fd)
                 alive = n > 0
@@ -657,6 +685,9 @@ class Broker:
             if isinstance(exc, direct.FramingError):
                 log.warning("closed a direct link that broke the framing: %s", exc)
             alive = False
+        client = self.clients.get(peer.address)
+        if client is not None and budget < direct.READ_BUDGET:
+            client.last_seen = time.monotonic()  # bytes are life, even within a long message
         while reader.messages:
             parts = reader.messages.popleft()
             try:

@@ -12,12 +12,15 @@ Pieces:
   item in; it takes the slot freed last, the warmest); only the broker flips USED -> FREE (when
   nothing references the slot any more).  So no round trip is needed per item.
 - ``Pool`` (producer side): segments of one handle, one per size class (powers of two from the
-  threshold), created on first use and reused; ``alloc`` copies an array into a free slot or
-  returns None (the array then goes as a frame: the pool never blocks nor fails a put).
+  threshold), created on first use and reused; a call copies an array into a free slot.  When
+  every slot of a class at its limit is in use, the put waits for the broker to free one
+  (backpressure: bounded shared memory per producer), for up to the handle's heartbeat expiry;
+  after that, or with no shared memory, it returns None and the array goes as a frame (the pool
+  never fails a put).
 - ``ShmClient`` (one per ``Connection``): proves same-host at hello (reads the token of the
   broker's probe segment and sends it back), owns the ``Pool``, maps the segments named in
   replies, decodes items whose slots it receives and sends ``shm_rel`` records for them.
-- ``ShmBroker`` (in the broker): the probe, the segments it mapped, ``Hold`` references (one per
+- ``ShmBroker`` (in the broker, ``broker/shm_broker.py``): the probe, the segments it mapped, ``Hold`` references (one per
   item holding a slot, one per consumer delivery), byte accounting, the conversion of slots to
   frames for consumers that are not on the same host, cleanup of dead clients' slots and of
   stale segments.
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import logging
 import mmap
 import os
@@ -63,6 +65,10 @@ FIRST_SEGMENT_BYTES = 32 << 20  # a size class's first segment (more are added o
 CLASS_BYTES = 512 << 20  # a size class of a pool holds at most this much (and MAX_SLOTS slots)
 OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
+# A put that finds every slot of its class in use (the class at its limit) waits for the
+# broker to free one, polling the segments' state bytes (sleeping up to SLOT_POLL_MAX_S between
+# looks), for up to its handle's heartbeat expiry (docs/shm.md, "Backpressure").
+SLOT_POLL_MAX_S = 0.001
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
 
 # protocol ops (client -> broker), no reply: see docs/protocol.md
@@ -214,8 +220,10 @@ class Pool:
     that finds every slot in use waits for a segment being made, or makes one itself.
     """
 
-    def __init__(self, prefix: str, threshold: int, budget: int = DEFAULT_POOL_BYTES) -> None:
+    def __init__(self, prefix: str, threshold: int, budget: int = DEFAULT_POOL_BYTES,
+                 slot_wait: float = 3.0) -> None:
         self.prefix, self.threshold, self.budget = prefix, threshold, budget
+        self.slot_wait = slot_wait  # the longest a put waits for a free slot (_wait_free)
         self.lock = threading.Lock()
         self.classes: dict[int, list[Segment]] = {}  # size class -> its segments
         self.by_name: dict[str, Segment] = {}
@@ -224,6 +232,7 @@ class Pool:
         self.total = 0  # bytes of the segments made or being made
         self.announced: set[str] = set()  # segments named in a put sent to the broker
         self.fallbacks = 0
+        self.stalled: set[int] = set()  # classes whose last wait for a free slot timed out
         self.failed = False  # a segment could not be created: no more attempts
         self.closed = False
 
@@ -291,6 +300,7 @@ class Pool:
                     best = (when, seg, j)
         if best is None:
             return None
+        self.stalled.discard(size)
         _, seg, i = best
         seg.states[i] = USED
         free -= 1
@@ -324,9 +334,10 @@ class Pool:
             else:
                 pending.wait()  # a segment being made: then look again
 
-    def __call__(self, data: Any, nbytes: int) -> list | None:
+    def __call__(self, data: Any, nbytes: int, wait: float | None = None) -> list | None:
         """Copy ``data`` (a C-contiguous array or tensor bytes) into a free slot: the slot
-        reference ``[segment, slot, nbytes]``, or None (below the threshold, pool exhausted)."""
+        reference ``[segment, slot, nbytes]``, or None (below the threshold, or no slot free
+        within ``wait`` seconds, by default ``slot_wait``)."""
         if nbytes < self.threshold:
             return None
         size = _size_class(nbytes, self.threshold)
@@ -347,6 +358,8 @@ class Pool:
             else:
                 pending.wait()
         if got is None:
+            got = self._wait_free(size, self.slot_wait if wait is None else wait)
+        if got is None:
             with self.lock:
                 self.fallbacks += 1
             return None
@@ -355,6 +368,29 @@ class Pool:
         src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         streamcopy.copy(dst, src.reshape(-1).view(np.uint8))
         return [seg.name, slot, nbytes]
+
+    def _wait_free(self, size: int, wait: float) -> tuple[Segment, int] | None:
+        """Every slot of a full class is in use: wait for the broker to free one (backpressure
+        on a producer faster than its consumers) for up to ``wait`` seconds.  None when none
+        came back in that time (nothing consumes: the item goes as a frame, and so do the
+        following ones, without waiting, until a slot is free again)."""
+        if size in self.stalled or wait <= 0:
+            return None
+        deadline = time.monotonic() + wait
+        pause = 50e-6
+        while not self.closed and not self.failed:
+            time.sleep(pause)
+            with self.lock:
+                if self.closed:
+                    break
+                got = self._take(size)
+                if got is not None:
+                    return got
+                if time.monotonic() >= deadline:
+                    self.stalled.add(size)
+                    break
+            pause = min(2 * pause, SLOT_POLL_MAX_S)
+        return None
 
     def undo(self, refs: list) -> None:
         """Free slots taken for an item that is not sent (the broker never saw them)."""
@@ -415,7 +451,7 @@ class ShmClient:
         if len(data) < 24 or data[:8] != MAGIC:
             return
         self.conn._send([{"op": SHM_HELLO, "id": 0, "tok": data[8:24]}], [])
-        pool = self.pool = Pool(prefix, threshold, budget)
+        pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
         if self.reserved:  # a new session (broker restarted): reserve again, off this thread
             wanted = dict(self.reserved)
             threading.Thread(target=lambda: [pool.reserve(n, k) for n, k in wanted.items()],
@@ -533,13 +569,32 @@ class ShmClient:
             self.release(holds)  # copied out (or failed): the slots go back at once
 
 
-def client_submit(conn: Any, item: Any) -> tuple[bytes, list, list | None]:
-    """Encode ``item`` for a put: ``(body, buffers, slot refs or None)``."""
+class _Alloc:
+    """A pool whose puts wait at most ``wait`` seconds for a free slot (``Pool.__call__``)."""
+
+    __slots__ = ("pool", "wait")
+
+    def __init__(self, pool: Pool, wait: float | None) -> None:
+        self.pool, self.wait = pool, wait
+
+    def __call__(self, data: Any, nbytes: int) -> list | None:
+        return self.pool(data, nbytes, self.wait)
+
+    def undo(self, refs: list) -> None:
+        self.pool.undo(refs)
+
+
+def client_submit(conn: Any, item: Any, rec: dict | None = None) -> tuple[bytes, list, list | None]:
+    """Encode ``item`` for a put: ``(body, buffers, slot refs or None)``.  A put (``rec``) with
+    ``nw`` never waits for a free slot, one with a timeout ``t`` at most that long."""
     pool = conn.shm.pool if conn.shm is not None else None
     if pool is None:
         body, buffers = codec.encode(item)
         return body, buffers, None
-    body, buffers, refs = codec.encode_shm(item, pool)
+    alloc: Any = pool
+    if rec is not None and (rec.get("nw") or rec.get("t") is not None):
+        alloc = _Alloc(pool, 0.0 if rec.get("nw") else min(pool.slot_wait, rec["t"]))
+    body, buffers, refs = codec.encode_shm(item, alloc)
     if refs:
         pool.sent(refs)
     return body, buffers, refs or None
@@ -550,279 +605,3 @@ def client_undo(conn: Any, refs: list | None) -> None:
     pool = conn.shm.pool if refs and conn.shm is not None else None
     if pool is not None:
         pool.undo(refs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Broker side
-
-
-class Hold:
-    """One reference to a slot held in the broker (an item, or a consumer's delivery)."""
-
-    __slots__ = ("owner", "seg", "slot", "nbytes", "counted")
-
-    def __init__(self, owner: ShmBroker, seg: _BrokerSegment, slot: int, nbytes: int,
-                 counted: bool) -> None:
-        self.owner, self.seg, self.slot, self.nbytes, self.counted = owner, seg, slot, nbytes, counted
-        with owner.lock:
-            seg.refs[slot] += 1
-            if counted:
-                owner.bytes_held += nbytes
-            else:
-                owner.consumer_bytes += nbytes
-
-    def view(self) -> np.ndarray:
-        """A view of the slot's bytes that keeps this hold alive while it (or any view derived
-        from it, or a zero-copy frame of it) exists."""
-        arr = self.seg.seg.view(self.slot, self.nbytes)
-        weakref.finalize(arr, _keep, self)
-        return arr
-
-    def __del__(self) -> None:
-        try:
-            self.owner._drop_ref(self)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-
-
-def _keep(obj: Any) -> None:
-    """A finalizer whose only job is to hold ``obj`` until it runs."""
-
-
-class _BrokerSegment:
-    __slots__ = ("seg", "owner", "addr", "refs", "orphan", "orphan_at")
-
-    def __init__(self, seg: Segment, owner: Any) -> None:
-        self.seg, self.owner, self.refs, self.orphan = seg, owner, [0] * seg.nslots, False
-        self.addr = owner.address  # the owner's routing id (kept across its reconnects)
-        self.orphan_at = 0.0
-
-
-class ShmBroker:
-    """The broker's shared-memory state (see the module docstring)."""
-
-    def __init__(self, name: str, run_dir: str, threshold: int = DEFAULT_THRESHOLD,
-                 pool_bytes: int = DEFAULT_POOL_BYTES, orphan_grace: float = 6.0) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"shm_threshold must be an int >= 0, got {threshold!r}")
-        self.threshold = threshold
-        self.pool_bytes = pool_bytes
-        # A departed owner's segments stay this long after their last release: a client that
-        # was expired (not dead) may still send puts it encoded before it registered again.
-        self.orphan_grace = orphan_grace
-        self.prefix = prefix_for(name, run_dir)
-        self.lock = threading.RLock()  # holds may be dropped by pyzmq's zero-copy free thread
-        self.segments: dict[str, _BrokerSegment] = {}
-        self.verified: set[Any] = set()  # clients that proved they share our /dev/shm
-        self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
-        self.client_holds: dict[Any, set[int]] = {}
-        self._ids = itertools.count(1)
-        self._freed_count = itertools.count(1)
-        self.bytes_held = 0  # slot bytes referenced by items in the broker
-        self.consumer_bytes = 0  # slot bytes delivered and not yet released by consumers
-        self.converted = 0  # slots sent as frames to consumers not on this host
-        self.slots_in = 0  # slots received in puts
-        self.probe: str | None = None
-        self._token = b""
-        stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
-        for seg_name in stale:
-            _unlink(seg_name)
-        if stale:
-            log.info("removed %d stale shared-memory segment(s) of channel %r", len(stale), name)
-        if threshold:
-            try:
-                self._make_probe()
-            except OSError as exc:
-                log.warning("shared memory unavailable (%s): large items go as frames", exc)
-                self.threshold = 0
-
-    def _make_probe(self) -> None:
-        self._token = secrets.token_bytes(16)
-        name = f"{self.prefix}probe"
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, MAGIC + self._token)
-        finally:
-            os.close(fd)
-        self.probe = name
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.threshold) and self.probe is not None
-
-    def hello_info(self) -> dict | None:
-        """The ``shm`` field of the hello reply (None: shared memory is off)."""
-        if not self.enabled:
-            return None
-        return {"probe": self.probe, "prefix": self.prefix, "threshold": self.threshold,
-                "pool": self.pool_bytes}
-
-    # -- records -------------------------------------------------------------------------------
-
-    def handle(self, client: Any, op: str, rec: dict) -> None:
-        """``shm_hi`` (same-host proof) and ``shm_rel`` (slots released) records; no reply."""
-        if op == SHM_HELLO:
-            token = rec.get("tok")
-            if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
-                self.verified.add(client)
-            return
-        ids = rec.get("h")
-        if not isinstance(ids, list):
-            raise ValueError("shm_rel carries a list of hold ids")
-        mine = self.client_holds.get(client)
-        if not mine:
-            return
-        for hid in ids:
-            if isinstance(hid, int) and hid in mine:
-                mine.discard(hid)
-                self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
-
-    def attach_put(self, client: Any, refs: Any, item: Any) -> None:
-        """Turn the slot references of a put into ``Hold``s on ``item`` (``item.shm``) and count
-        their bytes in ``item.nbytes``.  ``ValueError`` for anything that does not check out."""
-        if client not in self.verified:
-            raise ValueError("shared-memory slots from a client that did not prove it shares "
-                             "the broker's host")
-        if not isinstance(refs, list) or not refs or len(refs) > 4096:
-            raise ValueError("malformed shared-memory slot list")
-        holds = []
-        for ref in refs:
-            if not (isinstance(ref, list) and len(ref) == 3):
-                raise ValueError("malformed shared-memory slot reference")
-            name, slot, nbytes = ref
-            if not isinstance(name, str) or not name.startswith(self.prefix) or name == self.probe:
-                raise ValueError(f"shared-memory segment {name!r} is not one of this channel")
-            bseg = self.segments.get(name)
-            if bseg is None:
-                bseg = self.segments[name] = _BrokerSegment(Segment.open(name), client)
-            if bseg.owner is not client and not (bseg.owner is None and bseg.addr == client.address):
-                raise ValueError(f"shared-memory segment {name!r} belongs to another client")
-            seg = bseg.seg
-            if (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < seg.nslots
-                    or isinstance(nbytes, bool) or not isinstance(nbytes, int)
-                    or not 0 < nbytes <= seg.slot_size):
-                raise ValueError("shared-memory slot reference out of range")
-            if seg.states[slot] != USED or bseg.refs[slot]:
-                raise ValueError(f"shared-memory slot {slot} of {name!r} is not a fresh slot")
-            holds.append(Hold(self, bseg, slot, nbytes, True))
-        item.shm = holds
-        self.slots_in += len(holds)
-        item.nbytes += sum(h.nbytes for h in holds)
-
-    def attach_reply(self, client: Any, item: Any, rec: dict, index: int, count: int,
-                     frames: list) -> int:
-        """Add the slots of ``item`` (the ``index``-th of ``count`` in reply ``rec``) to the
-        reply: references for a same-host client (a consumer hold each), else the slots' bytes
-        as zero-copy frames appended to ``frames``.  Returns the number of frames added."""
-        import zmq
-
-        sm = rec.get("sm")
-        if sm is None:
-            sm = rec["sm"] = [None] * count
-        entries: list[Any] = []
-        if client in self.verified:
-            mine = self.client_holds.setdefault(client, set())
-            for h in item.shm:
-                hid = next(self._ids)
-                self.holds[hid] = (client, Hold(self, h.seg, h.slot, h.nbytes, False))
-                mine.add(hid)
-                entries.append([h.seg.seg.name, h.slot, h.nbytes, hid])
-            sm[index] = entries
-            return 0
-        base = len(item.payload)
-        for j, h in enumerate(item.shm):
-            frames.append(zmq.Frame(h.view(), copy=False))
-            entries.append(base + j)
-        self.converted += len(item.shm)
-        sm[index] = entries
-        return len(entries)
-
-    def decode_item(self, fallback: Any) -> Any:
-        """A ``decode_item`` for the core: items with slots decode to views of them (each keeps
-        its slot alive while a hook, or a frame made from it, still uses it)."""
-
-        def decode(item: Any) -> Any:
-            if not item.shm:
-                return fallback(item)
-            frames = item.payload
-            body = frames[0]
-            body = body.buffer if hasattr(body, "buffer") else body
-            return codec.decode(body, frames[1:], shm=[h.view() for h in item.shm], shm_copy=False)
-
-        return decode
-
-    # -- lifetime ------------------------------------------------------------------------------
-
-    def _drop_ref(self, hold: Hold) -> None:
-        with self.lock:
-            bseg = hold.seg
-            bseg.refs[hold.slot] -= 1
-            if hold.counted:
-                self.bytes_held -= hold.nbytes
-            else:
-                self.consumer_bytes -= hold.nbytes
-            if bseg.refs[hold.slot] == 0:
-                bseg.seg.freed[hold.slot] = next(self._freed_count)
-                bseg.seg.states[hold.slot] = FREE
-                if (bseg.orphan and time.monotonic() - bseg.orphan_at >= self.orphan_grace
-                        and not any(bseg.refs)):
-                    self._remove(bseg)
-
-    def _remove(self, bseg: _BrokerSegment) -> None:
-        if self.segments.get(bseg.seg.name) is bseg:
-            del self.segments[bseg.seg.name]
-        _unlink(bseg.seg.name)
-
-    def client_gone(self, client: Any) -> None:
-        """A client left or died: drop the slots it held as a consumer; its own segments go
-        once nothing references them any more."""
-        self.verified.discard(client)
-        for hid in self.client_holds.pop(client, ()):
-            self.holds.pop(hid, None)
-        now = time.monotonic()
-        with self.lock:
-            for bseg in list(self.segments.values()):
-                if bseg.owner is client:
-                    bseg.orphan, bseg.owner, bseg.orphan_at = True, None, now
-        self.sweep(now)
-
-    def sweep(self, now: float) -> None:
-        """Remove departed owners' segments that nothing references past the grace period."""
-        with self.lock:
-            for bseg in list(self.segments.values()):
-                if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
-                        and not any(bseg.refs)):
-                    self._remove(bseg)
-
-    def wrap_client_gone(self, core_client_gone: Any) -> Any:
-        def client_gone(client: Any) -> None:
-            core_client_gone(client)
-            self.client_gone(client)
-
-        return client_gone
-
-    def stats(self) -> dict:
-        with self.lock:
-            used = sum(1 for b in self.segments.values() for r in b.refs if r)
-            return {
-                "enabled": self.enabled,
-                "threshold": self.threshold,
-                "prefix": self.prefix,
-                "segments": len(self.segments),
-                "slots_used": used,
-                "bytes_held": self.bytes_held,
-                "consumer_bytes": self.consumer_bytes,
-                "consumer_holds": len(self.holds),
-                "clients": len(self.verified),
-                "converted": self.converted,
-                "slots_in": self.slots_in,
-            }
-
-    def close(self) -> None:
-        """The broker stops: remove every segment of this channel (clients keep their
-        mappings as long as they use them)."""
-        self.holds.clear()
-        self.client_holds.clear()
-        self.segments.clear()
-        for seg_name in list_segments(self.prefix):
-            _unlink(seg_name)

@@ -118,6 +118,9 @@ class Case:
     shm: bool = True  # same-host shared memory for large arrays/tensors (docs/shm.md)
     maxsize: int = 0  # the channel's maxsize (0: unbounded)
     max_bytes: int = MAX_BYTES_PER_CASE  # payload bytes per case (``bounded``)
+    max_inflight: int = MAX_INFLIGHT_BYTES  # payload bytes in flight per worker (``bounded``)
+    reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
+    compare: bool = True  # measured against the --baseline transport (else against another case)
 
     @property
     def name(self) -> str:
@@ -174,7 +177,7 @@ def bounded(case: Case) -> Case:
     """Cap messages and window of large payloads (bytes per case, bytes in flight)."""
     nbytes = max(case.size, 1)
     messages = min(case.messages, max(8, case.max_bytes // nbytes))
-    window = max(1, min(case.window, MAX_INFLIGHT_BYTES // nbytes))
+    window = max(1, min(case.window, case.max_inflight // nbytes))
     return dataclasses.replace(case, messages=messages, window=window)
 
 
@@ -457,7 +460,7 @@ def _producer_specs(
             # producer does it once at start-up): its puts in flight, the queue, and the gets
             # in flight may all hold one (docs/shm.md, pool sizing)
             "shm_slots": (case.window * group + (case.maxsize or case.window) + case.window + 2)
-            if case.shm
+            if case.shm and case.reserve
             else 0,
         }
         for p, n in enumerate(split(case.messages, case.producers))
@@ -880,7 +883,7 @@ class Runner:
 
     def _baseline_key(self, case: Case) -> tuple | None:
         """(kind, the baseline's own case) for ``case``; None without a baseline."""
-        if self.baseline == "none":
+        if self.baseline == "none" or not case.compare:
             return None
         kind = self.baseline
         if kind == "zmq":
@@ -1244,7 +1247,7 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
     return result
 
 
-SHM_STEPS = 6  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 7  # progress-bar length of the shm targets (cases + baselines)
 
 
 def run_shm_targets(runner: Runner) -> list[TargetResult]:
@@ -1264,9 +1267,16 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
             )
         )
+        # the same stream as a user writes it: default Channel.create (unbounded), nothing
+        # reserved, 64 puts and 64 gets in flight (issue 17's burst); same rounds as T9
+        c9d = dataclasses.replace(
+            c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
+            label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
+        )
         # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        (t9,) = runner.measure_together(
-            [dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")],
+        t9, t9d = runner.measure_together(
+            [dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8"),
+             c9d],
             fresh=True,
         )
         b9 = runner.baseline_for(c9)
@@ -1290,6 +1300,17 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 b9.mb_s,
                 "MB/s",
                 3.0,
+            )
+        )
+        out.append(
+            _target(
+                "T9d",
+                "16 MiB tensors, default settings (windows 64, unbounded, no reserve_shm), "
+                "MB/s vs T9 tuned (same rounds)",
+                t9d.mb_s,
+                t9.mb_s,
+                "MB/s",
+                0.8,
             )
         )
         c10 = bounded(

@@ -1,0 +1,305 @@
+"""The broker's side of the same-host shared-memory path (see ``broker/shm.py`` and
+``docs/shm.md``): the probe segment that proves same-host, the producers' segments the broker
+mapped, ``Hold`` references (one per item holding a slot, one per consumer delivery), byte
+accounting, the conversion of slots to frames for consumers that are not on the same host, and
+the cleanup of departed clients' slots and of stale segments."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import zmq
+from zchannel.broker import codec
+from zchannel.broker.shm import (
+    DEFAULT_POOL_BYTES,
+    DEFAULT_THRESHOLD,
+    FREE,
+    MAGIC,
+    SHM_DIR,
+    SHM_HELLO,
+    USED,
+    Segment,
+    _unlink,
+    list_segments,
+    prefix_for,
+)
+
+log = logging.getLogger("zchannel.shm")
+
+
+class Hold:
+    """One reference to a slot held in the broker (an item, or a consumer's delivery)."""
+
+    __slots__ = ("owner", "seg", "slot", "nbytes", "counted")
+
+    def __init__(self, owner: ShmBroker, seg: _BrokerSegment, slot: int, nbytes: int,
+                 counted: bool) -> None:
+        self.owner, self.seg, self.slot, self.nbytes, self.counted = owner, seg, slot, nbytes, counted
+        with owner.lock:
+            seg.refs[slot] += 1
+            if counted:
+                owner.bytes_held += nbytes
+            else:
+                owner.consumer_bytes += nbytes
+
+    def view(self) -> np.ndarray:
+        """A view of the slot's bytes that keeps this hold alive while it (or any view derived
+        from it, or a zero-copy frame of it) exists."""
+        arr = self.seg.seg.view(self.slot, self.nbytes)
+        weakref.finalize(arr, _keep, self)
+        return arr
+
+    def __del__(self) -> None:
+        try:
+            self.owner._drop_ref(self)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _keep(obj: Any) -> None:
+    """A finalizer whose only job is to hold ``obj`` until it runs."""
+
+
+class _BrokerSegment:
+    __slots__ = ("seg", "owner", "addr", "refs", "orphan", "orphan_at")
+
+    def __init__(self, seg: Segment, owner: Any) -> None:
+        self.seg, self.owner, self.refs, self.orphan = seg, owner, [0] * seg.nslots, False
+        self.addr = owner.address  # the owner's routing id (kept across its reconnects)
+        self.orphan_at = 0.0
+
+
+class ShmBroker:
+    """The broker's shared-memory state (see the module docstring)."""
+
+    def __init__(self, name: str, run_dir: str, threshold: int = DEFAULT_THRESHOLD,
+                 pool_bytes: int = DEFAULT_POOL_BYTES, orphan_grace: float = 6.0) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"shm_threshold must be an int >= 0, got {threshold!r}")
+        self.threshold = threshold
+        self.pool_bytes = pool_bytes
+        # A departed owner's segments stay this long after their last release: a client that
+        # was expired (not dead) may still send puts it encoded before it registered again.
+        self.orphan_grace = orphan_grace
+        self.prefix = prefix_for(name, run_dir)
+        self.lock = threading.RLock()  # holds may be dropped by pyzmq's zero-copy free thread
+        self.segments: dict[str, _BrokerSegment] = {}
+        self.verified: set[Any] = set()  # clients that proved they share our /dev/shm
+        self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
+        self.client_holds: dict[Any, set[int]] = {}
+        self._ids = itertools.count(1)
+        self._freed_count = itertools.count(1)
+        self.bytes_held = 0  # slot bytes referenced by items in the broker
+        self.consumer_bytes = 0  # slot bytes delivered and not yet released by consumers
+        self.converted = 0  # slots sent as frames to consumers not on this host
+        self.slots_in = 0  # slots received in puts
+        self.probe: str | None = None
+        self._token = b""
+        stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
+        for seg_name in stale:
+            _unlink(seg_name)
+        if stale:
+            log.info("removed %d stale shared-memory segment(s) of channel %r", len(stale), name)
+        if threshold:
+            try:
+                self._make_probe()
+            except OSError as exc:
+                log.warning("shared memory unavailable (%s): large items go as frames", exc)
+                self.threshold = 0
+
+    def _make_probe(self) -> None:
+        self._token = secrets.token_bytes(16)
+        name = f"{self.prefix}probe"
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, MAGIC + self._token)
+        finally:
+            os.close(fd)
+        self.probe = name
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.threshold) and self.probe is not None
+
+    def hello_info(self) -> dict | None:
+        """The ``shm`` field of the hello reply (None: shared memory is off)."""
+        if not self.enabled:
+            return None
+        return {"probe": self.probe, "prefix": self.prefix, "threshold": self.threshold,
+                "pool": self.pool_bytes}
+
+    # -- records -------------------------------------------------------------------------------
+
+    def handle(self, client: Any, op: str, rec: dict) -> None:
+        """``shm_hi`` (same-host proof) and ``shm_rel`` (slots released) records; no reply."""
+        if op == SHM_HELLO:
+            token = rec.get("tok")
+            if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
+                self.verified.add(client)
+            return
+        ids = rec.get("h")
+        if not isinstance(ids, list):
+            raise ValueError("shm_rel carries a list of hold ids")
+        mine = self.client_holds.get(client)
+        if not mine:
+            return
+        for hid in ids:
+            if isinstance(hid, int) and hid in mine:
+                mine.discard(hid)
+                self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
+
+    def attach_put(self, client: Any, refs: Any, item: Any) -> None:
+        """Turn the slot references of a put into ``Hold``s on ``item`` (``item.shm``) and count
+        their bytes in ``item.nbytes``.  ``ValueError`` for anything that does not check out."""
+        if client not in self.verified:
+            raise ValueError("shared-memory slots from a client that did not prove it shares "
+                             "the broker's host")
+        if not isinstance(refs, list) or not refs or len(refs) > 4096:
+            raise ValueError("malformed shared-memory slot list")
+        holds = []
+        for ref in refs:
+            if not (isinstance(ref, list) and len(ref) == 3):
+                raise ValueError("malformed shared-memory slot reference")
+            name, slot, nbytes = ref
+            if not isinstance(name, str) or not name.startswith(self.prefix) or name == self.probe:
+                raise ValueError(f"shared-memory segment {name!r} is not one of this channel")
+            bseg = self.segments.get(name)
+            if bseg is None:
+                bseg = self.segments[name] = _BrokerSegment(Segment.open(name), client)
+            if bseg.owner is not client and not (bseg.owner is None and bseg.addr == client.address):
+                raise ValueError(f"shared-memory segment {name!r} belongs to another client")
+            seg = bseg.seg
+            if (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < seg.nslots
+                    or isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                    or not 0 < nbytes <= seg.slot_size):
+                raise ValueError("shared-memory slot reference out of range")
+            if seg.states[slot] != USED or bseg.refs[slot]:
+                raise ValueError(f"shared-memory slot {slot} of {name!r} is not a fresh slot")
+            holds.append(Hold(self, bseg, slot, nbytes, True))
+        item.shm = holds
+        self.slots_in += len(holds)
+        item.nbytes += sum(h.nbytes for h in holds)
+
+    def attach_reply(self, client: Any, item: Any, rec: dict, index: int, count: int,
+                     frames: list) -> int:
+        """Add the slots of ``item`` (the ``index``-th of ``count`` in reply ``rec``) to the
+        reply: references for a same-host client (a consumer hold each), else the slots' bytes
+        as zero-copy frames appended to ``frames``.  Returns the number of frames added."""
+        sm = rec.get("sm")
+        if sm is None:
+            sm = rec["sm"] = [None] * count
+        entries: list[Any] = []
+        if client in self.verified:
+            mine = self.client_holds.setdefault(client, set())
+            for h in item.shm:
+                hid = next(self._ids)
+                self.holds[hid] = (client, Hold(self, h.seg, h.slot, h.nbytes, False))
+                mine.add(hid)
+                entries.append([h.seg.seg.name, h.slot, h.nbytes, hid])
+            sm[index] = entries
+            return 0
+        base = len(item.payload)
+        for j, h in enumerate(item.shm):
+            frames.append(zmq.Frame(h.view(), copy=False))
+            entries.append(base + j)
+        self.converted += len(item.shm)
+        sm[index] = entries
+        return len(entries)
+
+    def decode_item(self, fallback: Any) -> Any:
+        """A ``decode_item`` for the core: items with slots decode to views of them (each keeps
+        its slot alive while a hook, or a frame made from it, still uses it)."""
+
+        def decode(item: Any) -> Any:
+            if not item.shm:
+                return fallback(item)
+            frames = item.payload
+            body = frames[0]
+            body = body.buffer if hasattr(body, "buffer") else body
+            return codec.decode(body, frames[1:], shm=[h.view() for h in item.shm], shm_copy=False)
+
+        return decode
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def _drop_ref(self, hold: Hold) -> None:
+        with self.lock:
+            bseg = hold.seg
+            bseg.refs[hold.slot] -= 1
+            if hold.counted:
+                self.bytes_held -= hold.nbytes
+            else:
+                self.consumer_bytes -= hold.nbytes
+            if bseg.refs[hold.slot] == 0:
+                bseg.seg.freed[hold.slot] = next(self._freed_count)
+                bseg.seg.states[hold.slot] = FREE
+                if (bseg.orphan and time.monotonic() - bseg.orphan_at >= self.orphan_grace
+                        and not any(bseg.refs)):
+                    self._remove(bseg)
+
+    def _remove(self, bseg: _BrokerSegment) -> None:
+        if self.segments.get(bseg.seg.name) is bseg:
+            del self.segments[bseg.seg.name]
+        _unlink(bseg.seg.name)
+
+    def client_gone(self, client: Any) -> None:
+        """A client left or died: drop the slots it held as a consumer; its own segments go
+        once nothing references them any more."""
+        self.verified.discard(client)
+        for hid in self.client_holds.pop(client, ()):
+            self.holds.pop(hid, None)
+        now = time.monotonic()
+        with self.lock:
+            for bseg in list(self.segments.values()):
+                if bseg.owner is client:
+                    bseg.orphan, bseg.owner, bseg.orphan_at = True, None, now
+        self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        """Remove departed owners' segments that nothing references past the grace period."""
+        with self.lock:
+            for bseg in list(self.segments.values()):
+                if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
+                        and not any(bseg.refs)):
+                    self._remove(bseg)
+
+    def wrap_client_gone(self, core_client_gone: Any) -> Any:
+        def client_gone(client: Any) -> None:
+            core_client_gone(client)
+            self.client_gone(client)
+
+        return client_gone
+
+    def stats(self) -> dict:
+        with self.lock:
+            used = sum(1 for b in self.segments.values() for r in b.refs if r)
+            return {
+                "enabled": self.enabled,
+                "threshold": self.threshold,
+                "prefix": self.prefix,
+                "segments": len(self.segments),
+                "slots_used": used,
+                "bytes_held": self.bytes_held,
+                "consumer_bytes": self.consumer_bytes,
+                "consumer_holds": len(self.holds),
+                "clients": len(self.verified),
+                "converted": self.converted,
+                "slots_in": self.slots_in,
+            }
+
+    def close(self) -> None:
+        """The broker stops: remove every segment of this channel (clients keep their
+        mappings as long as they use them)."""
+        self.holds.clear()
+        self.client_holds.clear()
+        self.segments.clear()
+        for seg_name in list_segments(self.prefix):
+            _unlink(seg_name)
