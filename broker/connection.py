@@ -517,7 +517,6 @@ class Connection:
         busy_poll = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
         if self._handshake is not None:  # until the first handshake ends (not connecting: idle)
             busy_poll.append((self._handshake.socket, _POLLIN))
-        tick_ms = int(self.hb * 500)
         now = time.monotonic()
         self._last_recv = now
         self._last_send = 0.0
@@ -527,7 +526,7 @@ class Connection:
                 self._io_idle = True  # before the test: a request that misses it wakes us
                 self._io_lazy = False
                 busy = self._pending or self._queue or self.state != UP
-                timeout = tick_ms
+                timeout = int(self.hb * 500)  # the broker's interval once it said hello
                 if LAZY_MS and self._link is not None and not self._sleepers and (
                     self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
                 ):
@@ -697,6 +696,7 @@ class Connection:
             return
         if rid == self._hello_id:
             self.broker_info = rec.get("r") or {}
+            self._adopt_heartbeat(self.broker_info)
             self.shm.on_hello(self.broker_info)
             if self.state != UP:
                 self._set_state(UP)
@@ -712,6 +712,17 @@ class Connection:
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
             work._finish(_DONE, rec.get("r"))
+
+    def _adopt_heartbeat(self, info: dict) -> None:
+        """Both sides keep the broker's heartbeat interval and liveness (its hello reply
+        says them): a broker set to expire clients sooner (or later) is judged the same way."""
+        hb, liveness = info.get("hb"), info.get("liveness")
+        if (isinstance(hb, (int, float)) and not isinstance(hb, bool) and 0 < hb <= 3600
+                and isinstance(liveness, int) and not isinstance(liveness, bool)
+                and 1 <= liveness <= 1000):
+            self.hb, self.liveness = float(hb), liveness
+            if self._link is not None:
+                self._link.stall_s = self.hb * liveness
 
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
