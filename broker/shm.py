@@ -62,7 +62,12 @@ FREE, USED = 0, 1
 DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_POOL_BYTES = 1 << 30  # per producer handle, all size classes together
 FIRST_SEGMENT_BYTES = 32 << 20  # a size class's first segment (more are added on demand)
-CLASS_BYTES = 512 << 20  # a size class of a pool holds at most this much (and MAX_SLOTS slots)
+# A size class grows by itself to this much (and MAX_SLOTS slots), ``reserve`` beyond: puts
+# wait for freed slots beyond it (backpressure), and a stream runs as fast in 8 slots of
+# 16 MiB as in 32, without faulting in 384 MiB more (docs/decisions.md, "Bursts of large
+# tensors").
+CLASS_BYTES = 128 << 20
+MIN_CLASS_SLOTS = 4  # a class of very large tensors still holds this many slots
 OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
 # A put that finds every slot of its class in use (the class at its limit) waits for the
@@ -214,10 +219,11 @@ class Pool:
     """The segments of one producer handle (see the module docstring).  Thread-safe.
 
     A size class starts with one small segment and adds segments (doubling its slot count), up
-    to ``MAX_SLOTS`` slots per class and ``budget`` bytes per pool.  The next segment is made in
+    to ``_cap`` slots per class and ``budget`` bytes per pool.  The next segment is made in
     a background thread as soon as half of a class's slots are in use, so that a producer
     filling its pipeline does not stall on creating (and faulting in) hundreds of MiB; a put
-    that finds every slot in use waits for a segment being made, or makes one itself.
+    that finds every slot in use waits for a segment being made, or makes one itself, or, with
+    the class at its limit, waits for the broker to free a slot (``_wait_free``).
     """
 
     def __init__(self, prefix: str, threshold: int, budget: int = DEFAULT_POOL_BYTES,
@@ -236,10 +242,11 @@ class Pool:
         self.failed = False  # a segment could not be created: no more attempts
         self.closed = False
 
-    @staticmethod
-    def _cap(size: int) -> int:
-        """The most slots a size class may hold."""
-        return min(MAX_SLOTS, max(2, CLASS_BYTES // size))
+    def _cap(self, size: int) -> int:
+        """The most slots a size class may hold: ``CLASS_BYTES`` worth (at least
+        ``MIN_CLASS_SLOTS``), or what ``reserve`` asked for; at most ``MAX_SLOTS``."""
+        return min(MAX_SLOTS, max(MIN_CLASS_SLOTS, CLASS_BYTES // size,
+                                  self.reserved.get(size, 0)))
 
     def _reserve(self, size: int, want: int | None = None) -> int:
         """Slots of the class's next segment, reserving their bytes (under the lock; 0: none
