@@ -1466,7 +1466,7 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     type=click.Choice(SCENARIOS),
     default="quick",
     show_default=True,
-    help="what to measure (quick: a short suite; targets: T1-T4, T6-T10; shm: T9, T10)",
+    help="what to measure (quick: a short suite; targets: T1-T4, T6-T10; shm: T9, T9d (defaults vs tuned T9), T10)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True

@@ -233,3 +233,36 @@ def test_report_explains_queueing_and_warns_on_spread():
     assert "0.49x the items/s of B1 = zmq.proxy" in text and "2.04x slower" in text
     assert len(warnings) == 1 and warnings[0] in text
     assert "channel bytes 64B 1P/1C w64: items/s varied 40% between repeats" in warnings[0]
+
+def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch):
+    """``--scenario shm``: T9d (the burst as users write it: windows 64, unbounded queue, no
+    ``reserve_shm``) runs in the same rounds as T9 and is reported as a ratio to it."""
+    import numpy as np
+    from zchannel.cli import bench as bench_mod
+
+    runs: list = []
+
+    def fake_stream(case, *args, **kwargs):
+        runs.append(case)
+        seconds = 2.0 if case.label.startswith("T9d") else 1.0
+        return bench_mod.Measured(case.messages, seconds, np.array([1000], dtype=np.int64))
+
+    def fake_proxy(case, *args, **kwargs):
+        return bench_mod.Measured(case.messages, 4.0, np.array([1000], dtype=np.int64))
+
+    monkeypatch.setattr(bench_mod, "run_channel_stream", fake_stream)
+    monkeypatch.setattr(bench_mod, "run_zmq_proxy", fake_proxy)
+    monkeypatch.setattr(bench_mod, "measure_ray_actor", lambda runner, case: None)
+    runner = bench_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
+    targets = bench_mod.run_shm_targets(runner)
+    labels = [c.label.split()[0] for c in runs]
+    assert labels[:6] == ["T9", "T9d"] * 3  # interleaved, one of each per round
+    tuned, default = runs[0], runs[1]
+    assert (tuned.window, tuned.maxsize, tuned.reserve) == (8, 8, True)
+    assert (default.window, default.maxsize, default.reserve) == (64, 0, False)
+    assert default.size == tuned.size == 16 << 20 and default.messages == tuned.messages
+    spec = bench_mod._producer_specs(default, "ipc://x", "k")[0]
+    assert spec["shm_slots"] == 0 and spec["window"] == 64
+    (t9d,) = [t for t in targets if t.target == "T9d"]
+    assert t9d.ratio == 0.5 and t9d.threshold == 0.8 and not t9d.passed
+    assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
