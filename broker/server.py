@@ -289,7 +289,11 @@ class Broker:
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
                 if self._poll_dirty:
                     self._update_poll_set()
+                polled = time.monotonic()
                 events = zmq.zmq_poll(self._poll_set, timeout_ms)
+                late = time.monotonic() - polled - timeout_ms / 1000
+                if late > hb:
+                    self._was_stalled(late)
                 ready = [obj for obj, _ in events]
                 if self.sock in ready:
                     self._drain()
@@ -718,6 +722,14 @@ class Broker:
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
             except (OSError, AttributeError):
                 pass
+
+    def _was_stalled(self, seconds: float) -> None:
+        """This process did not run for ``seconds`` (a loaded machine): the clients' silence
+        meanwhile is not theirs (their heartbeats may still be on the way in), so it does not
+        count towards their expiry."""
+        log.info("the broker did not run for %.1fs: clients' expiry moved on as much", seconds)
+        for client in self.clients.values():
+            client.last_seen += seconds
 
     def _heartbeats(self, now: float) -> None:
         self._release_memory()

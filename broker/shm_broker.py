@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ from zchannel.broker.shm import (
 )
 
 log = logging.getLogger("zchannel.shm")
+
+PROVEN_ADDRESSES = 4096  # connections remembered as same-host after their client left
 
 
 class Hold:
@@ -93,6 +96,9 @@ class ShmBroker:
         self.lock = threading.RLock()  # holds may be dropped by pyzmq's zero-copy free thread
         self.segments: dict[str, _BrokerSegment] = {}
         self.verified: set[Any] = set()  # clients that proved they share our /dev/shm
+        # addresses (one per connection) that proved it: a client expired under load and
+        # registered again still sends puts with slots before its new proof arrives
+        self.proven: OrderedDict[bytes, None] = OrderedDict()
         self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
         self.client_holds: dict[Any, set[int]] = {}
         self._ids = itertools.count(1)
@@ -144,6 +150,9 @@ class ShmBroker:
             token = rec.get("tok")
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
                 self.verified.add(client)
+                self.proven[client.address] = None
+                while len(self.proven) > PROVEN_ADDRESSES:
+                    self.proven.popitem(last=False)
             return
         ids = rec.get("h")
         if not isinstance(ids, list):
@@ -159,6 +168,8 @@ class ShmBroker:
     def attach_put(self, client: Any, refs: Any, item: Any) -> None:
         """Turn the slot references of a put into ``Hold``s on ``item`` (``item.shm``) and count
         their bytes in ``item.nbytes``.  ``ValueError`` for anything that does not check out."""
+        if client not in self.verified and client.address in self.proven:
+            self.verified.add(client)  # the same connection: the same host
         if client not in self.verified:
             raise ValueError("shared-memory slots from a client that did not prove it shares "
                              "the broker's host")
