@@ -23,6 +23,7 @@ from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
+from zchannel.broker.outbox import Outbox
 from zchannel.broker.protocol import (
     ACK,
     BYE,
@@ -78,37 +79,6 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
-
-
-# Frame bytes per reply message at most (a single record may exceed it): replies coalesced in
-# one turn for a client with many gets out would otherwise make one message of hundreds of MiB,
-# which arrives whole only after seconds, with the heartbeats queued behind it.
-MAX_REPLY_BYTES = 64 << 20
-
-
-class _Outbox:
-    """The replies of one turn for one client, sent as few messages as ``MAX_REPLY_BYTES``
-    allows (``cuts``: where a new message starts, as record and frame indices)."""
-
-    __slots__ = ("records", "frames", "deliveries", "cuts", "nbytes")
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-        self.frames: list[Any] = []
-        self.deliveries: list[tuple] = []
-        self.cuts: list[tuple[int, int]] = []
-        self.nbytes = 0  # frame bytes since the last cut
-
-    def messages(self) -> list[tuple[list[dict], list]]:
-        """``(records, frames)`` of each message to send."""
-        if not self.cuts:
-            return [(self.records, self.frames)]
-        out, r0, f0 = [], 0, 0
-        for r1, f1 in self.cuts:
-            out.append((self.records[r0:r1], self.frames[f0:f1]))
-            r0, f0 = r1, f1
-        out.append((self.records[r0:], self.frames[f0:]))
-        return out
 
 
 class Broker:
@@ -177,7 +147,7 @@ class Broker:
         self.core.client_gone = self.shm.wrap_client_gone(self.core.client_gone)  # frees slots
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
-        self._out: dict[bytes, _Outbox] = {}
+        self._out: dict[bytes, Outbox] = {}
         self._running = False
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
@@ -553,7 +523,7 @@ class Broker:
         rec: dict[str, Any] = {"id": rid, **fields} if fields else {"id": rid}
         out = self._out.get(client.address)
         if out is None:
-            out = self._out[client.address] = _Outbox()
+            out = self._out[client.address] = Outbox()
         if error is not None:
             rec["e"] = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \
@@ -577,11 +547,7 @@ class Broker:
                 nf += n
                 counts.append(n)
             rec["nf"] = nf
-            nbytes = sum(len(f) for f in out.frames[f0:])
-            if out.nbytes and out.nbytes + nbytes > MAX_REPLY_BYTES:
-                out.cuts.append((r0, f0))
-                out.nbytes = 0
-            out.nbytes += nbytes
+            out.record_added(r0, f0)
             if batch:
                 rec["n"] = counts
             if lease is not None:
@@ -626,7 +592,7 @@ class Broker:
                 if self._end_client(address, out) is not None:
                     log.info("client went away before its reply was sent; its items were requeued")
 
-    def _end_client(self, address: bytes, out: _Outbox | None) -> Client | None:
+    def _end_client(self, address: bytes, out: Outbox | None) -> Client | None:
         """``address`` cannot be reached: the deliveries of ``out`` that were not sent go back
         to their queues first, then the client ends (its leases, parked requests, holds)."""
         client = self.clients.pop(address, None)
@@ -744,7 +710,7 @@ class Broker:
                 self.core.client_gone(client)
                 self._send(address, [{"op": EXPIRED}], [])
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
-                out = self._out[address] = _Outbox()
+                out = self._out[address] = Outbox()
                 out.records.append({"op": HEARTBEAT})
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]

@@ -38,8 +38,8 @@ import torch
 from conftest import wait_until
 from zchannel.broker import Channel, direct, shm
 from zchannel.broker.connection import UP, Connection
+from zchannel.broker.outbox import MAX_REPLY_BYTES
 from zchannel.broker.protocol import pack_header
-from zchannel.broker.server import MAX_REPLY_BYTES
 
 SIZE = 16 << 20
 N = 256
