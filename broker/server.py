@@ -261,9 +261,7 @@ class Broker:
                     self._update_poll_set()
                 polled = time.monotonic()
                 events = zmq.zmq_poll(self._poll_set, timeout_ms)
-                late = time.monotonic() - polled - timeout_ms / 1000
-                if late > hb:
-                    self._was_stalled(late)
+                woke = time.monotonic()
                 ready = [obj for obj, _ in events]
                 if self.sock in ready:
                     self._drain()
@@ -280,6 +278,11 @@ class Broker:
                     log.warning("creator process %s exited: stopping", self.config.parent_pid)
                     self._running = False
                 now = time.monotonic()
+                # how long this loop did not look at its sockets beyond what it planned (its
+                # process did not run, or this turn was long): not the clients' silence
+                away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
+                if away > hb:
+                    self._was_stalled(away)
                 self.core.tick(now)
                 if now >= next_hb:
                     self._heartbeats(now)
@@ -690,10 +693,11 @@ class Broker:
                 pass
 
     def _was_stalled(self, seconds: float) -> None:
-        """This process did not run for ``seconds`` (a loaded machine): the clients' silence
-        meanwhile is not theirs (their heartbeats may still be on the way in), so it does not
-        count towards their expiry."""
-        log.info("the broker did not run for %.1fs: clients' expiry moved on as much", seconds)
+        """The loop did not look at its sockets for ``seconds`` more than it planned (a loaded
+        machine did not run it, or a turn was long): the clients' silence meanwhile is not
+        theirs (their heartbeats may still be on the way in), so it does not count towards
+        their expiry."""
+        log.info("the broker did not read for %.1fs: clients' expiry moved on as much", seconds)
         for client in self.clients.values():
             client.last_seen += seconds
 
