@@ -93,10 +93,10 @@ def ppo_update(policy: Any, optimizer: torch.optim.Optimizer, rows: dict[str, to
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             optimizer.step()
-            totals["policy_loss"] += float(policy_loss)
-            totals["value_loss"] += float(value_loss)
-            totals["entropy"] += float(entropy.mean())
-            totals["clip_frac"] += float(((ratio - 1).abs() > cfg.clip).float().mean())
+            totals["policy_loss"] += float(policy_loss.detach())
+            totals["value_loss"] += float(value_loss.detach())
+            totals["entropy"] += float(entropy.mean().detach())
+            totals["clip_frac"] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mean())
             count += 1
     return {k: v / max(count, 1) for k, v in totals.items()}
 

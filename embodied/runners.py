@@ -358,8 +358,10 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
     env_steps = sum(e["env_steps"] for e in envs)
     chunks = cfg.envs * cfg.num_chunks * cfg.rollout_epochs
     try:
-        held = int(trajectory.stats().get("bytes_held", 0))
-    except Exception:
+        stats = trajectory.stats()
+        held = int(stats.get("bytes_held", 0)) + int(
+            (stats.get("collector_stats") or {}).get("held_bytes", 0))
+    except Exception:  # a stats failure must not end a training run
         held = None
     return {
         "step": step,
