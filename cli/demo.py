@@ -143,12 +143,15 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
                f"{evaluation['trained_success']:.2f}   random policy: return "
                f"{evaluation['random_return']:.2f}, success {evaluation['random_success']:.2f}"
                f"   (same env seeds {seeds})")
+    if result.get("placement"):
+        click.echo(f"trajectory channel placed by Ray on node(s) {result['placement']}")
     click.echo(f"wall {result['wall_s']:.1f}s, policy lag mean "
                f"{sum(r['policy_lag'] for r in records) / len(records):.2f}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"config": result["config"], "steps": records, "evaluation": evaluation,
                        "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
+                       "trajectory_channel_nodes": result.get("placement"),
                        "wall_s": result["wall_s"]}, f, indent=1)
     if plot_path:
         _plot(records, plot_path, f"PointReach, {runner} runner, {mode} mode")

@@ -133,14 +133,21 @@ def _report_error(names: dict, who: str) -> None:
 # Worker entry points (module level: picklable for multiprocessing spawn)
 
 
-def env_worker(data: dict, rank: int) -> None:
+def _handles(names: dict, channels: dict | None, wanted: tuple[str, ...],
+             identity: str | None = None) -> list:
+    """The handles passed by the driver (they bind to this worker), else connected by name."""
+    if channels is not None:
+        return [channels[k] for k in wanted]
+    return [_connect(names[k], identity) for k in wanted]
+
+
+def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     cfg = _config(data)
     names = cfg.names()
     torch.set_num_threads(1)
     try:
         plan = cfg.plan(_spaces(cfg)[1])
-        requests, actions = _connect(names["requests"]), _connect(names["actions"])
-        sync = _connect(names["sync"])
+        requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
         loop = EnvLoop(ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks),
                        plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
         loop.start(seed=cfg.seed * 1000 + rank)
@@ -158,15 +165,15 @@ def env_worker(data: dict, rank: int) -> None:
         raise
 
 
-def rollout_worker(data: dict, rank: int = 0) -> None:
+def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> None:
     cfg = _config(data)
     names = cfg.names()
     torch.set_num_threads(1)
     try:
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
-        requests, actions = _connect(names["requests"]), _connect(names["actions"])
-        trajectory, sync = _connect(names["trajectory"]), _connect(names["sync"])
+        requests, actions, trajectory, sync = _handles(
+            names, channels, ("requests", "actions", "trajectory", "sync"))
         rollout = Rollout(policy, plan, requests=requests, actions=actions, trajectory=trajectory,
                           weights=WeightReceiver(sync, policy, rank),
                           max_staleness=RUNNERS[cfg.runner])
@@ -180,15 +187,18 @@ def rollout_worker(data: dict, rank: int = 0) -> None:
         raise
 
 
-def actor_worker(data: dict, rank: int) -> None:
+def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     cfg = _config(data)
     names = cfg.names()
     torch.set_num_threads(1)
     try:
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
-        trajectory = _connect(names["trajectory"], identity=f"actor:{rank}")
-        sync = _connect(names["sync"])
+        if channels is None:
+            trajectory = _connect(names["trajectory"], identity=f"actor:{rank}")
+            sync = _connect(names["sync"])
+        else:  # handed over by the driver: bound to this worker's identity (actor:<rank>)
+            trajectory, sync = channels["trajectory"], channels["sync"]
         actor = Actor(policy, plan, cfg.ppo, rank=rank, world=cfg.actors, trajectory=trajectory,
                       sync=sync, weights=WeightPublisher(sync), seed=cfg.seed)
         for step in range(cfg.steps):
@@ -249,7 +259,26 @@ class _Workers:
                     proc.join(5)
 
 
-def _create_channels(cfg: RunConfig, plan: TrajectoryPlan) -> dict[str, Any]:
+class _LocalLauncher:
+    """Workers as local processes (spawn) or, for ``transport="inproc"``, threads."""
+
+    def __init__(self, inproc: bool) -> None:
+        self.workers = _Workers(inproc)
+
+    def groups(self) -> tuple[list | None, Any]:
+        return None, None
+
+    def start(self, cfg: RunConfig, data: dict, channels: dict) -> _Workers:
+        for rank in range(cfg.envs):
+            self.workers.start(f"env:{rank}", env_worker, data, rank)
+        self.workers.start("rollout:0", rollout_worker, data, 0)
+        for rank in range(cfg.actors):
+            self.workers.start(f"actor:{rank}", actor_worker, data, rank)
+        return self.workers
+
+
+def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | None = None,
+                     consumers: Any = None) -> dict[str, Any]:
     names = cfg.names()
     local = cfg.transport == "inproc"
     return {
@@ -257,34 +286,33 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan) -> dict[str, Any]:
         "actions": Channel.create(names["actions"], local=local),
         "trajectory": Channel.create(
             names["trajectory"], collector="embodied_trajectory",
-            dispatcher="embodied_trajectory", producers=["rollout"],
-            consumers={"actor": cfg.actors}, options=plan.to_options(), local=local,
+            dispatcher="embodied_trajectory", producers=producers or ["rollout"],
+            consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
             lease_timeout=cfg.lease_timeout),
         "sync": Channel.create(names["sync"], local=local),
     }
 
 
 def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
-        kill: Callable[[int, _Workers], None] | None = None) -> dict:
+        kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
     """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
 
-    ``kill(step, workers)`` is a test hook called after each step's record.
+    ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
+    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).
     """
     if not cfg.run_id:
         cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
     plan = cfg.plan(_spaces(cfg)[1])
-    channels = _create_channels(cfg, plan)
+    launcher = launcher or _LocalLauncher(cfg.transport == "inproc")
+    producers, consumers = launcher.groups()
+    channels = _create_channels(cfg, plan, producers, consumers)
     sync, trajectory = channels["sync"], channels["trajectory"]
-    workers = _Workers(cfg.transport == "inproc")
     data = cfg.to_dict()
     records: list[dict] = []
     dead_actors: set[int] = set()
+    workers = None
     try:
-        for rank in range(cfg.envs):
-            workers.start(f"env:{rank}", env_worker, data, rank)
-        workers.start("rollout:0", rollout_worker, data, 0)
-        for rank in range(cfg.actors):
-            workers.start(f"actor:{rank}", actor_worker, data, rank)
+        workers = launcher.start(cfg, data, channels)
         t_start = t_prev = time.monotonic()
         env_reports: dict[int, list] = {}
         for step in range(cfg.steps):
@@ -318,16 +346,27 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         channels["requests"].put(STOP, key=REQUESTS_KEY)
         rollout_report = sync.get(key="rollout_metrics", timeout=120)
         workers.stop()
-        return {"records": records, "final_weights": final, "rollout": rollout_report,
+        placement = _placement(trajectory)
+        return {"placement": placement,"records": records, "final_weights": final, "rollout": rollout_report,
                 "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
                 "dead_actors": sorted(dead_actors)}
     finally:
-        workers.stop(timeout=5)
+        if workers is not None:
+            workers.stop(timeout=5)
         for ch in channels.values():
             try:
                 ch.shutdown()
             except Exception:
                 pass
+
+
+def _placement(channel: Any) -> list | None:
+    """The nodes of a Ray-placed channel's brokers (None for other channels)."""
+    try:
+        replicas = channel.stats().get("replicas")
+    except Exception:  # only informative
+        return None
+    return None if not replicas else [r.get("node") for r in replicas]
 
 
 def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfig) -> None:
