@@ -158,3 +158,45 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
 
 
 __all__ = ["demo"]
+
+
+@demo.command("embodied-bench")
+@click.option("--steps", type=click.IntRange(3, 1000), default=8, show_default=True,
+              help="training steps per run (the first is start-up and is not counted)")
+@click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
+@click.option("--runners", default="sync,async", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True))
+def embodied_bench(steps: int, repeats: int, runners: str, json_path: str | None) -> None:
+    """Throughput of the demo: each runner over brokers and over in-process channels, in one
+    run; medians over the steady-state steps (step 0 includes worker start-up)."""
+    import statistics
+
+    from zchannel.embodied.runners import RunConfig, run
+
+    rows = []
+    for runner in [r.strip() for r in runners.split(",") if r.strip()]:
+        for transport in ("broker", "inproc"):
+            step_s, env_rate, chunk_rate = [], [], []
+            for rep in range(repeats):
+                result = run(RunConfig(runner=runner, transport=transport, steps=steps,
+                                       seed=rep))
+                steady = result["records"][1:]
+                step_s += [r["step_s"] for r in steady]
+                env_rate += [r["env_steps_per_s"] for r in steady]
+                chunk_rate += [r["chunks_per_s"] for r in steady]
+            rows.append({"runner": runner, "transport": transport,
+                         "step_s": statistics.median(step_s),
+                         "env_steps_per_s": statistics.median(env_rate),
+                         "chunks_per_s": statistics.median(chunk_rate)})
+            click.echo(f"{runner:>9} {transport:>7}: step {rows[-1]['step_s'] * 1000:7.1f} ms  "
+                       f"env steps/s {rows[-1]['env_steps_per_s']:8.0f}  chunks/s "
+                       f"{rows[-1]['chunks_per_s']:6.1f}")
+    by = {(r["runner"], r["transport"]): r for r in rows}
+    for runner in sorted({r["runner"] for r in rows}):
+        broker, inproc = by[(runner, "broker")], by[(runner, "inproc")]
+        share = 1 - inproc["step_s"] / broker["step_s"]
+        click.echo(f"{runner}: channel share of the step wall time "
+                   f"(1 - inproc/broker) = {share * 100:.1f} %")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
