@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from zchannel.broker import DEFAULT_KEY
 from zchannel.embodied.checks import check_env_part
 from zchannel.embodied.envs import ChunkedEnv
 from zchannel.embodied.plan import TrajectoryPlan
@@ -42,6 +43,7 @@ from zchannel.embodied.types import (
 )
 
 REQUESTS_KEY = "requests"
+MAX_INFLIGHT = 64  # a rollout's unacknowledged puts
 WEIGHTS_KEY = "weights"
 STOP = "stop"
 RLT_FEATURES = {"rlt_transition_z_rl": "z_rl", "rlt_transition_proprio": "proprio",
@@ -185,6 +187,7 @@ class EnvLoop:
     env_steps: int = 0
     _pending: EnvPart | None = None
     _boundary: EnvTransition | None = None
+    _sent: Any = None  # the Work of the last request put
 
     def start(self, seed: int) -> None:
         self.env.reset(seed=seed)
@@ -193,7 +196,11 @@ class EnvLoop:
         self._boundary = EnvTransition(dones=false, terminations=false, truncations=false)
 
     def _send(self, request: PolicyInput) -> None:
-        self.requests.put(request, key=REQUESTS_KEY)
+        # asynchronous: the reply to this request proves its arrival; a failed put raises at
+        # the next send (or at ``flush``)
+        if self._sent is not None:
+            self._sent.wait()
+        self._sent = self.requests.put(request, key=REQUESTS_KEY, async_op=True)
 
     def run_step(self, step_id: int) -> None:
         """Collect every epoch of training step ``step_id``."""
@@ -237,6 +244,9 @@ class EnvLoop:
             self._send(PolicyInput(obs=self.env.obs, env_parts=[self._pending],
                                    request_sizes=[self.plan.source_batch_size], is_last=True))
             self._pending = None
+        if self._sent is not None:
+            self._sent.wait()
+            self._sent = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +267,7 @@ class Rollout:
         self.chunks = 0
         self.lags: list[int] = []
         self._held: list[Any] = []  # requests taken off the channel, to serve in order
+        self._inflight: list[Any] = []  # Work handles of puts not yet acknowledged
 
     def infer(self, obs: dict[str, Any]) -> PolicyOutput:
         return stamp_version(self.policy(obs), self.weights.version)
@@ -348,9 +359,9 @@ class Rollout:
             if len(requests) > 1 else [output]
         for request, piece in zip(requests, pieces, strict=True):
             rank = request.sources[0].key.env_rank
-            self.actions.put(chunk_actions(piece, self.plan.num_action_chunks),
-                             key=actions_key(rank))
-        self.trajectory.put(PolicyPart(merged.sources, merged.obs, output=output))
+            self._put(self.actions, chunk_actions(piece, self.plan.num_action_chunks),
+                      actions_key(rank))
+        self._put(self.trajectory, PolicyPart(merged.sources, merged.obs, output=output))
         self.chunks += len(requests)
         return pieces
 
@@ -360,8 +371,21 @@ class Rollout:
                 if part is None:
                     continue
                 check_env_part(part, self.plan)
-                self.trajectory.put(complete_env_part(part, request.obs, self.infer, self.plan,
-                                                      output))
+                self._put(self.trajectory,
+                          complete_env_part(part, request.obs, self.infer, self.plan, output))
+
+    def _put(self, channel: Any, item: Any, key: Any = DEFAULT_KEY) -> None:
+        """Put without waiting for the broker's acknowledgement; finished puts are checked
+        (their errors raised) on later puts and at ``drain``, at most ``MAX_INFLIGHT`` wait."""
+        inflight = self._inflight
+        while inflight and (inflight[0].done() or len(inflight) >= MAX_INFLIGHT):
+            inflight.pop(0).wait()
+        inflight.append(channel.put(item, key=key, async_op=True))
+
+    def drain(self) -> None:
+        """Wait for every put in flight (raising the first error)."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
 
     def run(self, stop_after: int | None = None) -> None:
         """Serve until a ``STOP`` request, or until ``stop_after`` is_last requests."""
@@ -371,11 +395,13 @@ class Rollout:
             if request is None:
                 continue
             if request == STOP:
+                self.drain()
                 return
             self.serve(request)
             if request.is_last:
                 finals += 1
                 if stop_after is not None and finals >= stop_after:
+                    self.drain()
                     return
 
 
