@@ -189,7 +189,7 @@ class TrajectoryStep:
     def apply_interventions(
         self, intervene_actions: torch.Tensor, intervene_flags: torch.Tensor | None
     ) -> TrajectoryStep:
-        """Replace this step's model actions by the expert's where the flags are set (§8):
+        """Replace this step's model actions by the expert's where the flags are set:
         ``actions``, ``intervene_flags`` and ``forward_inputs["action"]`` are updated in place
         (``forward_inputs["model_action"]`` is dropped); returns ``self``.  No-op without
         actions; ``ValueError`` without flags or for shapes that do not fit."""
