@@ -31,8 +31,8 @@ from zchannel.broker.errors import (
     ChannelError,
     ChannelNotFound,
 )
-from zchannel.broker.metrics import check_port
 from zchannel.broker.groups import expand_groups
+from zchannel.broker.metrics import check_port
 from zchannel.broker.protocol import (
     ACK,
     FULL,
