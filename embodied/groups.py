@@ -109,12 +109,47 @@ class GroupCall:
                  ready: list[Callable[[], bool]]) -> None:
         self.group, self.method = group, method
         self._waiters, self._ready = waiters, ready
+        self._results: dict[int, tuple[bool, Any]] = {}  # rank -> (ok, value or error)
+
+    def _wait_rank(self, rank: int, timeout: float | None) -> Any:
+        if rank not in self._results:
+            try:
+                self._results[rank] = (True, self._waiters[rank](timeout))
+            except WorkerError as exc:
+                self._results[rank] = (False, exc)
+        ok, value = self._results[rank]
+        if not ok:
+            raise value
+        return value
 
     def done(self) -> bool:
-        return all(r() for r in self._ready)
+        return all(rank in self._results or ready() for rank, ready in enumerate(self._ready))
+
+    def failures(self) -> dict[int, str]:
+        """The ranks whose call already ended in an error (or whose worker died): rank -> why."""
+        out = {}
+        for rank, ready in enumerate(self._ready):
+            if rank in self._results or ready():
+                try:
+                    self._wait_rank(rank, 0)
+                except (WorkerError, TimeoutError) as exc:
+                    out[rank] = str(exc).splitlines()[0]
+        return out
 
     def wait(self, timeout: float | None = None) -> list:
-        return [w(timeout) for w in self._waiters]
+        """Every rank's result in rank order; the first rank's error is raised after all ranks
+        answered (so no answer is left behind for the next call)."""
+        first: BaseException | None = None
+        out = []
+        for rank in range(len(self._waiters)):
+            try:
+                out.append(self._wait_rank(rank, timeout))
+            except WorkerError as exc:
+                first = first or exc
+                out.append(None)
+        if first is not None:
+            raise first
+        return out
 
 
 class WorkerGroup:

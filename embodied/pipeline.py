@@ -326,6 +326,8 @@ class Rollout:
         weights may serve (other sources' earlier chunks and last parts), holding the others in
         arrival order."""
         self.weights.poll()
+        if self.weights.version < version:
+            self.drain()  # the step's last parts go out before the rollout sits waiting
         while self.weights.version < version:
             self.weights.wait_for(self.weights.version + 1, timeout=0.05, quiet=True)
             waiting, self._held = self._held, []
@@ -359,8 +361,10 @@ class Rollout:
             if len(requests) > 1 else [output]
         for request, piece in zip(requests, pieces, strict=True):
             rank = request.sources[0].key.env_rank
-            self._put(self.actions, chunk_actions(piece, self.plan.num_action_chunks),
-                      actions_key(rank))
+            # on the env's critical path: sent at once (an async put may wait for the
+            # connection's next wait while earlier replies are due)
+            self.actions.put(chunk_actions(piece, self.plan.num_action_chunks),
+                             key=actions_key(rank))
         self._put(self.trajectory, PolicyPart(merged.sources, merged.obs, output=output))
         self.chunks += len(requests)
         return pieces

@@ -42,14 +42,8 @@ class _GroupWorkers:
         self.calls, self.groups, self.procs = calls, groups, {}
 
     def dead(self) -> dict[str, str]:
-        out = {}
-        for group, call in self.calls.items():
-            if call.done():
-                try:
-                    call.wait(0)
-                except (WorkerError, TimeoutError) as exc:
-                    out[f"{group}:0"] = str(exc).splitlines()[0]
-        return out
+        return {f"{group}:{rank}": why for group, call in self.calls.items()
+                for rank, why in call.failures().items()}
 
     def stop(self, timeout: float = 30.0) -> None:
         for call in self.calls.values():

@@ -58,8 +58,11 @@ def test_local_group_calls_and_channel_binding(channels):
         got = group.take(ch, 2).wait(60)  # the handle binds to each worker's identity
         assert [g[0] for g in got] == ["actor:0", "actor:1"]
         assert sorted(x for g in got for x in g[1]) == [0, 1, 2, 3]
+        call = group.boom()
         with pytest.raises(WorkerError, match="(?s)actor:0 failed.*boom on purpose"):
-            group.boom().wait(60)
+            call.wait(60)
+        assert call.done() and set(call.failures()) == {0, 1}  # both ranks, results kept
+        assert group.whoami().wait(60)[1][0] == "actor:1"  # the workers go on serving
         with pytest.raises(AttributeError, match="no public method"):
             _ = group.nothing
     finally:
