@@ -31,6 +31,7 @@ from zchannel.broker.errors import (
     ChannelError,
     ChannelNotFound,
 )
+from zchannel.broker.groups import expand_groups
 from zchannel.broker.metrics import check_port
 from zchannel.broker.protocol import (
     ACK,
@@ -172,6 +173,7 @@ class Channel:
             check_consumer_id(identity)
         from zchannel.hooks import expand_consumers
 
+        producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
         targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
         if not local and (producers or consumers) and _ray_connected():
             from zchannel.broker.ray_placement import split_targets
@@ -210,7 +212,9 @@ class Channel:
         if metrics_port is not None:
             config["metrics_port"] = check_port(metrics_port)
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
-        if distributed or node_rank is not None or targets:  # cluster file / Ray: distributed.py
+        # cluster file / Ray (distributed.py); on Ray every channel is Ray-placed, by default on
+        # the first producer's node, else the first consumer's, else the creator's
+        if distributed or node_rank is not None or targets or _ray_connected():
             from zchannel.broker import distributed as _dist
 
             placed = _dist.create(config, distributed=distributed, node_rank=node_rank,

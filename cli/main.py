@@ -305,6 +305,7 @@ def _register_commands() -> None:
 
     main.add_command(bench)
     main.add_command(clean)
+    main.add_command(__import__("zchannel.cli.demo", fromlist=["demo"]).demo)
 
 
 _register_commands()

@@ -1,4 +1,11 @@
-"""zchannel.embodied: the trajectory contract for embodied RL (guide: docs/embodied.md).
+"""zchannel.embodied: the trajectory contract for embodied RL (guide: docs/embodied.md) and the
+pipeline that runs it (docs/pipeline.md).
+
+The contract (types, joiner, collector, output modes, advantages) and the producer side that
+feeds it (``envs``: the ``VectorEnv`` protocol and action chunks; ``policy``: the ``Policy``
+protocol; ``pipeline``: the env loop, the rollout and weight sync).  The runners
+(``zchannel.embodied.runners``), actors (``actor``), PPO (``ppo``) and worker groups
+(``groups``) are imported from their modules.
 
 Importing this package registers every transport dataclass (TrajectoryKey, TrajectorySource,
 EnvTransition, EnvOutput, PolicyOutput, PolicyPart, EnvPart, PolicyInput, TrajectoryStep,
@@ -13,15 +20,27 @@ from zchannel.embodied.batch import (
     split_batch_value,
     split_episode_data,
 )
+from zchannel.embodied.checks import check_env_part, check_part, check_policy_part
 from zchannel.embodied.collector import TrajectoryCollector, TrajectoryDispatcher
+from zchannel.embodied.envs import ChunkedEnv, GymVectorEnv, PointReach, VectorEnv, make_env
 from zchannel.embodied.joiner import ChunkJoiner, JoinedChunk
 from zchannel.embodied.lerobot import LeRobotEpisodeAccumulator
+from zchannel.embodied.pipeline import (
+    EnvLoop,
+    Rollout,
+    WeightPublisher,
+    WeightReceiver,
+    complete_env_part,
+    rlt_features,
+)
 from zchannel.embodied.plan import TrajectoryPlan
+from zchannel.embodied.policy import MLPPolicy, Policy, RandomPolicy, chunk_actions
 from zchannel.embodied.trajectory import (
     ActorBatch,
     EpisodeShard,
     Trajectory,
     TrajectoryStep,
+    apply_interventions,
     get_model_weights_id,
 )
 from zchannel.embodied.types import (
@@ -40,6 +59,25 @@ from zchannel.embodied.types import (
 __all__ = [
     "ActorBatch",
     "ChunkJoiner",
+    "ChunkedEnv",
+    "EnvLoop",
+    "GymVectorEnv",
+    "MLPPolicy",
+    "PointReach",
+    "Policy",
+    "RandomPolicy",
+    "Rollout",
+    "VectorEnv",
+    "WeightPublisher",
+    "WeightReceiver",
+    "apply_interventions",
+    "check_env_part",
+    "check_part",
+    "check_policy_part",
+    "chunk_actions",
+    "complete_env_part",
+    "make_env",
+    "rlt_features",
     "EnvOutput",
     "EnvPart",
     "EnvTransition",

@@ -20,6 +20,7 @@ from typing import Any
 
 import zchannel.embodied  # noqa: F401 - registers every transport type
 from zchannel.broker import DEFAULT_KEY
+from zchannel.embodied.checks import check_part
 from zchannel.embodied.joiner import ChunkJoiner
 from zchannel.embodied.modes import (
     EXTERNAL_ACTIONS_MESSAGE,
@@ -119,6 +120,7 @@ class TrajectoryCollector(Collector):
                 )
         if isinstance(item, PolicyPart) and not item.inferred and plan.mode != "lerobot":
             raise ValueError(EXTERNAL_ACTIONS_MESSAGE)
+        check_part(item, plan, strict=False)  # shapes, naming the key and the field
 
     def _commit(self, chunks: list[Any], prepared: PreparedPut) -> None:
         """Install a prepared put: mode state, acknowledgements, flushed-scope clean-up."""

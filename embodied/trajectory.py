@@ -186,6 +186,21 @@ class TrajectoryStep:
         if self.intervene_flags is None and isinstance(self.actions, torch.Tensor):
             self.intervene_flags = torch.zeros(self.actions.shape, dtype=torch.bool)
 
+    def apply_interventions(
+        self, intervene_actions: torch.Tensor, intervene_flags: torch.Tensor | None
+    ) -> TrajectoryStep:
+        """Replace this step's model actions by the expert's where the flags are set:
+        ``actions``, ``intervene_flags`` and ``forward_inputs["action"]`` are updated in place
+        (``forward_inputs["model_action"]`` is dropped); returns ``self``.  No-op without
+        actions; ``ValueError`` without flags or for shapes that do not fit."""
+        actions, flags = apply_interventions(self.actions, intervene_actions, intervene_flags)
+        if actions is not None:
+            self.actions, self.intervene_flags = actions, flags
+            if "action" in self.forward_inputs:
+                self.forward_inputs["action"] = actions
+            self.forward_inputs.pop("model_action", None)
+        return self
+
     def add_reward(self, env_id: int, reward: torch.Tensor | float) -> None:
         """Add ``reward`` (a ``[C]`` row or a scalar) to env ``env_id``'s rewards.
 

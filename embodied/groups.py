@@ -1,0 +1,306 @@
+"""Worker groups with RLinf's call forms: ``Worker.create_group(...).launch(...)``.
+
+A ``Worker`` subclass is instantiated once per rank, either as a local process (``multiprocessing``
+spawn; no Ray needed) or as a Ray actor (``launch(ray=True)``, optionally pinned per rank to node
+indexes with ``node_ranks=``).  Calling a method on the group calls it on every rank and returns
+a ``GroupCall`` whose ``.wait()`` gives one result per rank.  Each worker is named
+``<group>:<rank>`` and runs with ``ZCHANNEL_IDENTITY`` set to that name, so a channel handle
+passed to a group method binds to the worker it lands in (it is a consumer under that id), and
+``self.create_channel(name)`` / ``self.connect_channel(name)`` do the same from inside.
+
+The group is a *worker group* for ``Channel.create(producers=[...], consumers=[...])``: it
+implements ``zchannel_group() -> (name, worker_ids, placement_targets)``, the duck-typed protocol
+the broker package recognises (``zchannel.broker.groups``): as a consumer it expands to its
+worker ids, as a producer to its name, and on Ray its actors are the placement targets (the
+channel goes to the first producer's node, else the first consumer's, else the creator's).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker import Channel
+
+IDENTITY_ENV = "ZCHANNEL_IDENTITY"
+
+
+class WorkerError(RuntimeError):
+    """A group method failed (or its worker died) on some rank."""
+
+
+class Worker:
+    """Base class of group workers: ``rank``, ``world_size``, ``worker_name`` are set per rank."""
+
+    _group_name: str = "worker"
+    _rank: int = 0
+    _world_size: int = 1
+
+    @classmethod
+    def create_group(cls, *args: Any, **kwargs: Any) -> WorkerGroup:
+        """A group of this class built with ``cls(*args, **kwargs)`` on each rank; start it
+        with ``.launch(...)``."""
+        return WorkerGroup(cls, args, kwargs)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def worker_name(self) -> str:
+        return f"{self._group_name}:{self._rank}"
+
+    def create_channel(self, name: str, **kwargs: Any) -> Any:
+        """``Channel.create`` bound to this worker (placed on this worker's node under Ray)."""
+        kwargs.setdefault("identity", self.worker_name)
+        return Channel.create(name, **kwargs)
+
+    def connect_channel(self, name: str, **kwargs: Any) -> Any:
+        """``Channel.connect(name)`` bound to this worker."""
+        kwargs.setdefault("identity", self.worker_name)
+        return Channel.connect(name, **kwargs)
+
+    def _zchannel_setup(self, group: str, rank: int, world: int) -> None:
+        self._group_name, self._rank, self._world_size = group, rank, world
+        os.environ[IDENTITY_ENV] = f"{group}:{rank}"
+
+    def _zchannel_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self, method)(*args, **kwargs)
+
+    def _zchannel_node(self) -> str | None:
+        ray = __import__("sys").modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return None
+        return ray.get_runtime_context().get_node_id()
+
+
+def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: int,
+           conn: Any) -> None:
+    """A local worker process: build the worker, then run the calls that arrive on ``conn``."""
+    os.environ[IDENTITY_ENV] = f"{group}:{rank}"
+    worker = cls(*args, **kwargs)
+    worker._zchannel_setup(group, rank, world)
+    conn.send(("ok", None))
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            return
+        if call is None:
+            return
+        method, a, kw = call
+        try:
+            conn.send(("ok", worker._zchannel_call(method, a, kw)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+class GroupCall:
+    """One method call on every rank; ``wait()`` returns the per-rank results in rank order."""
+
+    def __init__(self, group: WorkerGroup, method: str, waiters: list[Callable[[float | None], Any]],
+                 ready: list[Callable[[], bool]]) -> None:
+        self.group, self.method = group, method
+        self._waiters, self._ready = waiters, ready
+        self._results: dict[int, tuple[bool, Any]] = {}  # rank -> (ok, value or error)
+
+    def _wait_rank(self, rank: int, timeout: float | None) -> Any:
+        if rank not in self._results:
+            try:
+                self._results[rank] = (True, self._waiters[rank](timeout))
+            except WorkerError as exc:
+                self._results[rank] = (False, exc)
+        ok, value = self._results[rank]
+        if not ok:
+            raise value
+        return value
+
+    def done(self) -> bool:
+        return all(rank in self._results or ready() for rank, ready in enumerate(self._ready))
+
+    def failures(self) -> dict[int, str]:
+        """The ranks whose call already ended in an error (or whose worker died): rank -> why."""
+        out = {}
+        for rank, ready in enumerate(self._ready):
+            if rank in self._results or ready():
+                try:
+                    self._wait_rank(rank, 0)
+                except (WorkerError, TimeoutError) as exc:
+                    out[rank] = str(exc).splitlines()[0]
+        return out
+
+    def wait(self, timeout: float | None = None) -> list:
+        """Every rank's result in rank order; the first rank's error is raised after all ranks
+        answered (so no answer is left behind for the next call)."""
+        first: BaseException | None = None
+        out = []
+        for rank in range(len(self._waiters)):
+            try:
+                out.append(self._wait_rank(rank, timeout))
+            except WorkerError as exc:
+                first = first or exc
+                out.append(None)
+        if first is not None:
+            raise first
+        return out
+
+
+class WorkerGroup:
+    """Ranks of one ``Worker`` class; method calls go to every rank (see the module doc)."""
+
+    def __init__(self, cls: type, args: tuple, kwargs: dict) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"{cls!r} is not a Worker subclass")
+        self._cls, self._args, self._kwargs = cls, args, kwargs
+        self._name = cls.__name__.lower()
+        self._ray = False
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._actors: list[Any] = []
+
+    def launch(self, num_workers: int = 1, *, name: str | None = None, ray: bool = False,
+               node_ranks: list[int] | None = None) -> WorkerGroup:
+        """Start ``num_workers`` ranks named ``<name>:<rank>`` as local processes, or as Ray
+        actors (``ray=True``; ``node_ranks[i]`` pins rank i to the i-th alive node in node-id
+        order).  Returns the group once every rank is constructed."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if name is not None:
+            self._name = name
+        self._ray = bool(ray)
+        if self._ray:
+            self._launch_ray(num_workers, node_ranks)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(num_workers):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, name=f"{self._name}:{rank}", daemon=True,
+                                   args=(self._cls, self._args, self._kwargs, self._name, rank,
+                                         num_workers, child))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            for rank in range(num_workers):
+                self._local_result(rank, None)
+        return self
+
+    def _launch_ray(self, num_workers: int, node_ranks: list[int] | None) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        remote = ray.remote(num_cpus=0)(self._cls)
+        for rank in range(num_workers):
+            options: dict[str, Any] = {"runtime_env": {"env_vars": {
+                IDENTITY_ENV: f"{self._name}:{rank}",
+                **{k: v for k, v in os.environ.items() if k.startswith("ZCHANNEL_")
+                   and k != IDENTITY_ENV}}}}
+            if node_ranks is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    nodes[node_ranks[rank % len(node_ranks)]], soft=False)
+            actor = remote.options(**options).remote(*self._args, **self._kwargs)
+            self._actors.append(actor)
+        ray.get([a._zchannel_setup.remote(self._name, r, num_workers)
+                 for r, a in enumerate(self._actors)])
+
+    # -- the zchannel group protocol ---------------------------------------------------------
+
+    def zchannel_group(self) -> tuple[str, list[str], list]:
+        """``(name, worker ids, placement targets)`` for ``Channel.create``."""
+        return self._name, self.worker_ids, list(self._actors)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [f"{self._name}:{r}" for r in range(self.size)]
+
+    @property
+    def size(self) -> int:
+        return len(self._actors) if self._ray else len(self._procs)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _local_result(self, rank: int, timeout: float | None) -> Any:
+        conn, proc = self._conns[rank], self._procs[rank]
+        while not conn.poll(0.2 if timeout is None else min(0.2, timeout)):
+            if not proc.is_alive():
+                raise WorkerError(f"worker {self._name}:{rank} died (exit code {proc.exitcode})")
+            if timeout is not None:
+                timeout -= 0.2
+                if timeout <= 0:
+                    raise TimeoutError(f"{self._name}:{rank} did not answer in time")
+        status, value = conn.recv()
+        if status == "err":
+            raise WorkerError(f"worker {self._name}:{rank} failed:\n{value}")
+        return value
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> GroupCall:
+        """Call ``method(*args, **kwargs)`` on every rank; ``.wait()`` for the results."""
+        if self._ray:
+            import ray
+
+            refs = [a._zchannel_call.remote(method, args, kwargs) for a in self._actors]
+
+            def waiter(ref: Any, rank: int) -> Callable[[float | None], Any]:
+                def wait(timeout: float | None) -> Any:
+                    try:
+                        return ray.get(ref, timeout=timeout)
+                    except ray.exceptions.GetTimeoutError:
+                        raise TimeoutError(f"{self._name}:{rank} did not answer in time") from None
+                    except ray.exceptions.RayError as exc:
+                        raise WorkerError(f"worker {self._name}:{rank} failed: {exc}") from None
+                return wait
+
+            return GroupCall(self, method, [waiter(r, i) for i, r in enumerate(refs)],
+                             [lambda r=r: bool(ray.wait([r], timeout=0)[0]) for r in refs])
+        for conn in self._conns:
+            conn.send((method, args, kwargs))
+        return GroupCall(self, method,
+                         [lambda t, r=r: self._local_result(r, t) for r in range(self.size)],
+                         [lambda r=r: self._conns[r].poll(0) or not self._procs[r].is_alive()
+                          for r in range(self.size)])
+
+    def __getattr__(self, method: str) -> Callable[..., GroupCall]:
+        if method.startswith("_") or not callable(getattr(self._cls, method, None)):
+            raise AttributeError(f"{self._cls.__name__} has no public method {method!r}")
+        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every rank (local processes: asked, then terminated; Ray actors: killed)."""
+        if self._ray:
+            import ray
+
+            for actor in self._actors:
+                ray.kill(actor, no_restart=True)
+            self._actors = []
+            return
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+__all__ = ["GroupCall", "Worker", "WorkerError", "WorkerGroup"]

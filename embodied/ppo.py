@@ -1,0 +1,104 @@
+"""PPO on the actor side: training rows from either output mode, and the clipped update.
+
+``training_rows`` turns what an actor received into flat rows with the same packed names in both
+modes: rollout-mode ``Trajectory`` shards go through ``to_training_batch`` and
+``compute_advantages`` (the functions pipeline mode runs inside the broker), pipeline-mode
+``ActorBatch`` micro-batches already hold them.  ``ppo_update`` runs clipped PPO with a value
+loss on those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from zchannel.embodied.advantages import compute_advantages, to_training_batch
+from zchannel.embodied.plan import TrajectoryPlan
+from zchannel.embodied.trajectory import ActorBatch, Trajectory
+
+ROW_FIELDS = ("actions", "prev_logprobs", "advantages", "returns")
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    lr: float = 3e-3
+    clip: float = 0.2
+    epochs: int = 4
+    minibatches: int = 4
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+def pack(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Nested dicts flattened to ``"parent::child"`` keys (the ActorBatch naming)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in batch.items():
+        if isinstance(value, dict):
+            out.update(pack(value, f"{prefix}{name}::"))
+        elif isinstance(value, torch.Tensor):
+            out[prefix + name] = value
+    return out
+
+
+def training_rows(items: Sequence[Any], plan: TrajectoryPlan) -> dict[str, torch.Tensor]:
+    """Flat ``[rows, ...]`` tensors (``actions``, ``prev_logprobs``, ``advantages``, ``returns``,
+    ``forward_inputs::*``) of one actor's items: Trajectory shards or ActorBatch micro-batches."""
+    if not items:
+        raise ValueError("training_rows needs at least one item")
+    if all(isinstance(item, ActorBatch) for item in items):
+        packed = [item.data for item in items]
+        return {k: torch.cat([p[k] for p in packed]) for k in packed[0]}
+    if not all(isinstance(item, Trajectory) for item in items):
+        raise TypeError("an actor's items are all Trajectory or all ActorBatch")
+    batch = compute_advantages(to_training_batch(list(items), plan), plan)
+    flat = pack(batch)
+    rows = flat["actions"].shape[0] * flat["actions"].shape[1]
+    out = {}
+    for name, value in flat.items():
+        if value.shape[0] == flat["actions"].shape[0]:  # per-chunk fields (not boundary rows)
+            out[name] = value.reshape(rows, *value.shape[2:])
+    return out
+
+
+def ppo_update(policy: Any, optimizer: torch.optim.Optimizer, rows: dict[str, torch.Tensor],
+               cfg: PPOConfig, generator: torch.Generator) -> dict[str, float]:
+    """Clipped PPO over ``rows``; returns mean policy loss, value loss, entropy, clip fraction."""
+    n = rows["actions"].shape[0]
+    inputs = {k.split("::", 1)[1]: v for k, v in rows.items() if k.startswith("forward_inputs::")}
+    adv = rows["advantages"].reshape(n, -1).sum(-1)
+    old = rows["prev_logprobs"].reshape(n, -1).sum(-1)
+    returns = rows.get("returns")
+    size = max(1, n // cfg.minibatches)
+    totals = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0}
+    count = 0
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            idx = perm[start:start + size]
+            logp, values, entropy = policy.evaluate({k: v[idx] for k, v in inputs.items()},
+                                                    rows["actions"][idx])
+            ratio = (logp.reshape(len(idx), -1).sum(-1) - old[idx]).exp()
+            a = adv[idx]
+            policy_loss = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a).mean()
+            loss = policy_loss - cfg.entropy_coef * entropy.mean()
+            value_loss = torch.zeros(())
+            if values is not None and returns is not None:
+                value_loss = (values.reshape(len(idx), -1)[:, 0]
+                              - returns[idx].reshape(len(idx), -1)[:, 0]).pow(2).mean()
+                loss = loss + cfg.value_coef * value_loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            totals["policy_loss"] += float(policy_loss.detach())
+            totals["value_loss"] += float(value_loss.detach())
+            totals["entropy"] += float(entropy.mean().detach())
+            totals["clip_frac"] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mean())
+            count += 1
+    return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+__all__ = ["ROW_FIELDS", "PPOConfig", "pack", "ppo_update", "training_rows"]

@@ -1,0 +1,445 @@
+"""Sync, async and decoupled runners: env, rollout and actor workers over zchannel channels.
+
+``run(config)`` creates the four channels of a run (``<run>-requests``: env → rollout,
+``<run>-actions``: rollout → env, ``<run>-trajectory``: rollout → actors, with the
+``embodied_trajectory`` collector and dispatcher, ``<run>-sync``: weights, contributions and
+metrics), starts the workers as processes (``multiprocessing`` spawn; ``transport="inproc"``
+runs them as threads over in-process channels instead: the no-broker baseline) and collects
+one record per training step.  The three runners share every part and the collector; they
+differ in the rollout's ``max_staleness`` (sync 0, async 1, decoupled 2) and in the env loop's
+boundary handling (decoupled: the epoch's last part carries its ``next_obs`` override and rides
+on the next bootstrap request).  A worker that dies ends the run with ``WorkerDied`` naming it;
+an actor's death is survived when other actors remain (rollout mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from zchannel.broker import Channel
+from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
+from zchannel.embodied.envs import ChunkedEnv, make_env
+from zchannel.embodied.pipeline import (
+    REQUESTS_KEY,
+    STOP,
+    EnvLoop,
+    Rollout,
+    WeightPublisher,
+    WeightReceiver,
+)
+from zchannel.embodied.plan import TrajectoryPlan
+from zchannel.embodied.policy import MLPPolicy
+from zchannel.embodied.ppo import PPOConfig
+
+RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max_staleness
+ENV_METRICS = "env_metrics"
+ERRORS = "errors"
+
+
+class WorkerDied(RuntimeError):
+    """A worker the run cannot go on without has died or failed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    runner: str = "sync"
+    mode: str = "rollout"
+    envs: int = 2  # env workers (logical sources)
+    env_batch: int = 32  # envs per worker
+    actors: int = 1
+    steps: int = 20
+    seed: int = 0
+    num_chunks: int = 8
+    num_action_chunks: int = 2
+    rollout_epochs: int = 1
+    env: str = "point_reach"
+    transport: str = "broker"  # or "inproc": threads over in-process channels
+    gamma: float = 0.95
+    gae_lambda: float = 0.95
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    lease_timeout: float = 30.0
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
+        if self.mode not in ("rollout", "pipeline"):
+            raise ValueError(f"mode must be 'rollout' or 'pipeline', got {self.mode!r}")
+        if self.transport not in ("broker", "inproc"):
+            raise ValueError(f"transport must be 'broker' or 'inproc', got {self.transport!r}")
+        for name in ("envs", "env_batch", "actors", "steps", "num_chunks", "num_action_chunks",
+                     "rollout_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def plan(self, action_dim: int) -> TrajectoryPlan:
+        options = dict(
+            mode=self.mode, num_sources=self.envs, source_batch_size=self.env_batch,
+            num_chunks=self.num_chunks, rollout_epochs=self.rollout_epochs,
+            actor_world_size=self.actors, num_action_chunks=self.num_action_chunks,
+            action_dim=action_dim, adv_type="gae", gamma=self.gamma, gae_lambda=self.gae_lambda,
+            auto_reset=True, reward_type="chunk_level", seed=self.seed,
+        )
+        if self.mode == "pipeline":
+            rows = self.num_chunks * self.envs * self.env_batch // self.actors
+            options["micro_batch_size"] = max(1, rows // self.ppo.minibatches)
+        return TrajectoryPlan.from_options(options)
+
+    def names(self) -> dict[str, str]:
+        return {k: f"{self.run_id}-{k}" for k in ("requests", "actions", "trajectory", "sync")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _config(data: dict) -> RunConfig:
+    return RunConfig(**{**data, "ppo": PPOConfig(**data["ppo"])})
+
+
+def _spaces(cfg: RunConfig) -> tuple[int, int]:
+    env = make_env(cfg.env, 1)
+    return env.state_dim, env.action_dim
+
+
+def _policy(cfg: RunConfig) -> MLPPolicy:
+    state_dim, action_dim = _spaces(cfg)
+    torch.manual_seed(cfg.seed)
+    return MLPPolicy(state_dim, action_dim, cfg.num_action_chunks)
+
+
+def _connect(name: str, identity: str | None = None) -> Any:
+    return Channel.connect(name, identity=identity, timeout=60.0)
+
+
+def _report_error(names: dict, who: str) -> None:
+    try:
+        sync = _connect(names["sync"])
+        sync.put({"worker": who, "error": traceback.format_exc()}, key=ERRORS)
+        sync.close()
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker entry points (module level: picklable for multiprocessing spawn)
+
+
+def _handles(names: dict, channels: dict | None, wanted: tuple[str, ...],
+             identity: str | None = None) -> list:
+    """The handles passed by the driver (they bind to this worker), else connected by name."""
+    if channels is not None:
+        return [channels[k] for k in wanted]
+    return [_connect(names[k], identity) for k in wanted]
+
+
+def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
+    cfg = _config(data)
+    names = cfg.names()
+    torch.set_num_threads(1)
+    try:
+        plan = cfg.plan(_spaces(cfg)[1])
+        requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
+        loop = EnvLoop(ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks),
+                       plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
+        loop.start(seed=cfg.seed * 1000 + rank)
+        for step in range(cfg.steps):
+            t0, steps0 = time.monotonic(), loop.env_steps
+            loop.run_step(step)
+            sync.put({"rank": rank, "step": step, "env_steps": loop.env_steps - steps0,
+                      "seconds": time.monotonic() - t0, **loop.env.stats.take()},
+                     key=ENV_METRICS)
+        loop.flush()  # decoupled: the last boundary part
+        for ch in (requests, actions, sync):
+            ch.close()
+    except BaseException:
+        _report_error(names, f"env:{rank}")
+        raise
+
+
+def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> None:
+    cfg = _config(data)
+    names = cfg.names()
+    torch.set_num_threads(1)
+    try:
+        plan = cfg.plan(_spaces(cfg)[1])
+        policy = _policy(cfg)
+        requests, actions, trajectory, sync = _handles(
+            names, channels, ("requests", "actions", "trajectory", "sync"))
+        rollout = Rollout(policy, plan, requests=requests, actions=actions, trajectory=trajectory,
+                          weights=WeightReceiver(sync, policy, rank),
+                          max_staleness=RUNNERS[cfg.runner])
+        rollout.run()
+        sync.put({"chunks": rollout.chunks, "lags": rollout.lags,
+                  "weight_updates": rollout.weights.updates}, key="rollout_metrics")
+        for ch in (requests, actions, trajectory, sync):
+            ch.close()
+    except BaseException:
+        _report_error(names, f"rollout:{rank}")
+        raise
+
+
+def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
+    cfg = _config(data)
+    names = cfg.names()
+    torch.set_num_threads(1)
+    try:
+        plan = cfg.plan(_spaces(cfg)[1])
+        policy = _policy(cfg)
+        if channels is None:
+            trajectory = _connect(names["trajectory"], identity=f"actor:{rank}")
+            sync = _connect(names["sync"])
+        else:  # handed over by the driver: bound to this worker's identity (actor:<rank>)
+            trajectory, sync = channels["trajectory"], channels["sync"]
+        actor = Actor(policy, plan, cfg.ppo, rank=rank, world=cfg.actors, trajectory=trajectory,
+                      sync=sync, weights=WeightPublisher(sync), seed=cfg.seed)
+        for step in range(cfg.steps):
+            actor.train_step(step)
+        if rank == min(actor.live):
+            sync.put({k: v.clone() for k, v in policy.state_dict().items()}, key="final_weights")
+        trajectory.close()
+        sync.close()
+    except BaseException:
+        _report_error(names, f"actor:{rank}")
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+class _Workers:
+    """Worker processes (spawn) or threads (inproc), by name ``group:rank``."""
+
+    def __init__(self, inproc: bool) -> None:
+        self.inproc = inproc
+        self.procs: dict[str, Any] = {}
+        self.failed: dict[str, str] = {}
+
+    def start(self, name: str, target: Callable, *args: Any) -> None:
+        if self.inproc:
+            def body() -> None:
+                try:
+                    target(*args)
+                except BaseException as exc:  # reported through the errors key as well
+                    self.failed[name] = repr(exc)
+
+            proc = threading.Thread(target=body, name=name, daemon=True)
+        else:
+            proc = multiprocessing.get_context("spawn").Process(target=target, args=args,
+                                                                name=name, daemon=True)
+        proc.start()
+        self.procs[name] = proc
+
+    def dead(self) -> dict[str, str]:
+        """Workers that ended abnormally: name -> how."""
+        out = dict(self.failed)
+        if not self.inproc:
+            for name, proc in self.procs.items():
+                if proc.exitcode not in (None, 0):
+                    out[name] = f"exit code {proc.exitcode}"
+        return out
+
+    def stop(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(max(0.1, deadline - time.monotonic()))
+        if not self.inproc:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(5)
+
+
+class _LocalLauncher:
+    """Workers as local processes (spawn) or, for ``transport="inproc"``, threads."""
+
+    def __init__(self, inproc: bool) -> None:
+        self.workers = _Workers(inproc)
+
+    def groups(self) -> tuple[list | None, Any]:
+        return None, None
+
+    def start(self, cfg: RunConfig, data: dict, channels: dict) -> _Workers:
+        for rank in range(cfg.envs):
+            self.workers.start(f"env:{rank}", env_worker, data, rank)
+        self.workers.start("rollout:0", rollout_worker, data, 0)
+        for rank in range(cfg.actors):
+            self.workers.start(f"actor:{rank}", actor_worker, data, rank)
+        return self.workers
+
+
+def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | None = None,
+                     consumers: Any = None) -> dict[str, Any]:
+    names = cfg.names()
+    local = cfg.transport == "inproc"
+    return {
+        "requests": Channel.create(names["requests"], local=local),
+        "actions": Channel.create(names["actions"], local=local),
+        "trajectory": Channel.create(
+            names["trajectory"], collector="embodied_trajectory",
+            dispatcher="embodied_trajectory", producers=producers or ["rollout"],
+            consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
+            lease_timeout=cfg.lease_timeout),
+        "sync": Channel.create(names["sync"], local=local),
+    }
+
+
+def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
+        kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
+    """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
+
+    ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
+    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).
+    """
+    if not cfg.run_id:
+        cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
+    plan = cfg.plan(_spaces(cfg)[1])
+    launcher = launcher or _LocalLauncher(cfg.transport == "inproc")
+    producers, consumers = launcher.groups()
+    channels = _create_channels(cfg, plan, producers, consumers)
+    sync, trajectory = channels["sync"], channels["trajectory"]
+    data = cfg.to_dict()
+    records: list[dict] = []
+    dead_actors: set[int] = set()
+    workers = None
+    try:
+        workers = launcher.start(cfg, data, channels)
+        t_start = t_prev = time.monotonic()
+        env_reports: dict[int, list] = {}
+        for step in range(cfg.steps):
+            actor_report = None
+            while actor_report is None or len(env_reports.get(step, [])) < cfg.envs:
+                _check_workers(workers, sync, dead_actors, cfg)
+                try:
+                    report = sync.get(key=ENV_METRICS, timeout=0.05) \
+                        if len(env_reports.get(step, [])) < cfg.envs else None
+                    if report is not None:
+                        env_reports.setdefault(report["step"], []).append(report)
+                except TimeoutError:
+                    pass
+                try:
+                    actor_report = actor_report or sync.get_nowait(key=ACTOR_METRICS)
+                except asyncio.QueueEmpty:
+                    if len(env_reports.get(step, [])) >= cfg.envs:
+                        try:
+                            actor_report = sync.get(key=ACTOR_METRICS, timeout=0.05)
+                        except TimeoutError:
+                            pass
+            now = time.monotonic()
+            records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
+                                   now - t_prev, now - t_start, cfg))
+            t_prev = now
+            if on_step is not None:
+                on_step(records[-1])
+            if kill is not None:
+                kill(step, workers)
+        final = sync.get(key="final_weights", timeout=120)
+        channels["requests"].put(STOP, key=REQUESTS_KEY)
+        rollout_report = sync.get(key="rollout_metrics", timeout=120)
+        workers.stop()
+        placement = _placement(trajectory)
+        return {"placement": placement,"records": records, "final_weights": final, "rollout": rollout_report,
+                "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
+                "dead_actors": sorted(dead_actors)}
+    finally:
+        if workers is not None:
+            workers.stop(timeout=5)
+        for ch in channels.values():
+            try:
+                ch.shutdown()
+            except Exception:
+                pass
+
+
+def _placement(channel: Any) -> list | None:
+    """The nodes of a Ray-placed channel's brokers (None for other channels)."""
+    try:
+        replicas = channel.stats().get("replicas")
+    except Exception:  # only informative
+        return None
+    return None if not replicas else [r.get("node") for r in replicas]
+
+
+def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfig) -> None:
+    try:
+        error = sync.get_nowait(key=ERRORS)
+    except asyncio.QueueEmpty:
+        error = None
+    if error is not None:
+        raise WorkerDied(f"worker {error['worker']} failed:\n{error['error']}")
+    for name, how in workers.dead().items():
+        group, _, rank = name.partition(":")
+        if group == "actor" and cfg.mode == "rollout" and int(rank) not in dead_actors:
+            dead_actors.add(int(rank))
+            live = set(range(cfg.actors)) - dead_actors
+            if not live:
+                raise WorkerDied(f"every actor died (last: {name}, {how})")
+            for peer in live:
+                sync.put(("dead", int(rank)), key=members_key(peer))
+        elif group != "actor" or cfg.mode != "rollout":
+            raise WorkerDied(f"worker {name} died ({how}); the run cannot go on without it")
+
+
+def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: float,
+            wall_s: float, cfg: RunConfig) -> dict:
+    returns = [r for e in envs for r in e["returns"]]
+    lengths = [n for e in envs for n in e["lengths"]]
+    successes = [s for e in envs for s in e["successes"]]
+    env_steps = sum(e["env_steps"] for e in envs)
+    chunks = cfg.envs * cfg.num_chunks * cfg.rollout_epochs
+    try:
+        stats = trajectory.stats()
+        held = int(stats.get("bytes_held", 0)) + int(
+            (stats.get("collector_stats") or {}).get("held_bytes", 0))
+    except Exception:  # a stats failure must not end a training run
+        held = None
+    return {
+        "step": step,
+        "mean_return": sum(returns) / len(returns) if returns else None,
+        "episode_length": sum(lengths) / len(lengths) if lengths else None,
+        "success_rate": sum(successes) / len(successes) if successes else None,
+        "episodes": len(returns),
+        "policy_lag": actor["lag"],
+        "version": actor["version"],
+        "env_steps_per_s": env_steps / step_s if step_s > 0 else None,
+        "chunks_per_s": chunks / step_s if step_s > 0 else None,
+        "broker_bytes_held": held,
+        "step_s": step_s,
+        "wall_s": wall_s,
+        "policy_loss": actor["policy_loss"],
+        "value_loss": actor["value_loss"],
+    }
+
+
+def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
+             chunks: int = 40) -> dict:
+    """Mean return / success of ``policy`` on fresh envs seeded ``episodes_seed`` (in process,
+    no channel): the demo's trained-versus-random comparison."""
+    env = ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks)
+    env.reset(seed=episodes_seed)
+    for _ in range(chunks):
+        out = policy(env.obs)
+        env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
+                                                              cfg.num_action_chunks, -1))
+    stats = env.stats.take()
+    n = len(stats["returns"])
+    return {"mean_return": sum(stats["returns"]) / max(n, 1),
+            "success_rate": sum(stats["successes"]) / max(n, 1), "episodes": n}
+
+
+def trained_policy(cfg: RunConfig, final_weights: dict) -> MLPPolicy:
+    policy = _policy(cfg)
+    policy.load_state_dict(final_weights)
+    return policy
+
+
+__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "evaluate", "run", "trained_policy"]

@@ -1,0 +1,150 @@
+"""Worker groups: RLinf's call forms on local processes and Ray actors; groups as channel
+producers/consumers; the seed's placement rule on a simulated 3-node Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+from zchannel.broker import Channel
+from zchannel.broker.groups import expand_groups
+from zchannel.embodied.groups import Worker, WorkerError
+
+
+class Echo(Worker):
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    def whoami(self) -> tuple:
+        return self.worker_name, self.rank, self.world_size, self.base
+
+    def take(self, channel, n: int) -> list:
+        out = [channel.get(timeout=30) for _ in range(n)]
+        identity = channel.identity
+        channel.close()
+        return [identity, out]
+
+    def node(self):
+        return self._zchannel_node()
+
+    def boom(self) -> None:
+        raise RuntimeError("boom on purpose")
+
+
+class _FakeGroup:
+    def zchannel_group(self):
+        return "actor", ["actor:0", "actor:1"], []
+
+
+def test_expand_groups_by_duck_typing():
+    producers, consumers = expand_groups([_FakeGroup(), "extra"], [_FakeGroup()])
+    assert producers == ["actor", "extra"] and consumers == ["actor:0", "actor:1"]
+    assert expand_groups(None, {"actor": 2}) == (None, {"actor": 2})
+
+
+@pytest.mark.timeout(120)
+def test_local_group_calls_and_channel_binding(channels):
+    group = Echo.create_group(7).launch(2, name="actor")
+    try:
+        assert group.worker_ids == ["actor:0", "actor:1"]
+        assert group.whoami().wait(60) == [("actor:0", 0, 2, 7), ("actor:1", 1, 2, 7)]
+        ch = Channel.create("grp", dispatcher="round_robin", consumers=[group])
+        channels.append(ch)
+        for i in range(4):
+            ch.put(i)
+        got = group.take(ch, 2).wait(60)  # the handle binds to each worker's identity
+        assert [g[0] for g in got] == ["actor:0", "actor:1"]
+        assert sorted(x for g in got for x in g[1]) == [0, 1, 2, 3]
+        call = group.boom()
+        with pytest.raises(WorkerError, match="(?s)actor:0 failed.*boom on purpose"):
+            call.wait(60)
+        assert call.done() and set(call.failures()) == {0, 1}  # both ranks, results kept
+        assert group.whoami().wait(60)[1][0] == "actor:1"  # the workers go on serving
+        with pytest.raises(AttributeError, match="no public method"):
+            _ = group.nothing
+    finally:
+        group.shutdown()
+
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    run_dir = tempfile.mkdtemp(prefix="zcg-")
+    old = os.environ.get("ZCHANNEL_RUN_DIR")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["ZCHANNEL_RUN_DIR"] = run_dir
+    # Ray workers cannot import this test module: its Worker class travels by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    c = None
+    try:
+        try:
+            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+            for _ in (1, 2):
+                c.add_node(num_cpus=1)
+            ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+            c.wait_for_nodes()
+        except Exception as exc:
+            pytest.skip(f"ray could not start a local 3-node cluster here: {exc}")
+        yield c
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        for name, value in (("ZCHANNEL_RUN_DIR", old), ("PYTHONPATH", old_path)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _nodes():
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+
+@pytest.mark.timeout(300)
+def test_seed_placement_rule_and_a_whole_demo_run_on_three_nodes(cluster):
+    from zchannel.embodied.ray_runner import RayLauncher
+    from zchannel.embodied.runners import RunConfig, run
+
+    nodes = _nodes()
+    driver = ray.get_runtime_context().get_node_id()
+    rollout = Echo.create_group().launch(1, name="rollout", ray=True, node_ranks=[1])
+    actors = Echo.create_group().launch(2, name="actor", ray=True, node_ranks=[2])
+    try:
+        assert rollout.node().wait(60) == [nodes[1]]
+        assert actors.node().wait(60) == [nodes[2], nodes[2]]
+        placed = {}
+        for name, kw in (("by-producer", dict(producers=[rollout], consumers=[actors])),
+                         ("by-consumer", dict(consumers=[actors])),
+                         ("by-creator", {})):
+            ch = Channel.create(name, dispatcher="round_robin" if "consumers" in kw else None,
+                                **kw)
+            try:
+                stats = ch.stats()
+                placed[name] = [r["node"] for r in stats["replicas"]]
+                if name == "by-producer":
+                    assert stats["producers"] == ["rollout"]
+                    for i in range(4):
+                        ch.put(i)
+                    got = actors.take(ch, 2).wait(60)  # handles reach the broker from node 2
+                    assert [g[0] for g in got] == ["actor:0", "actor:1"]
+            finally:
+                ch.shutdown()
+        assert placed == {"by-producer": [nodes[1]], "by-consumer": [nodes[2]],
+                          "by-creator": [driver]}
+    finally:
+        rollout.shutdown()
+        actors.shutdown()
+    cfg = RunConfig(runner="async", steps=3, seed=5)
+    result = run(cfg, launcher=RayLauncher(cfg, nodes=3))
+    assert [r["step"] for r in result["records"]] == [0, 1, 2]
+    assert result["placement"] == [nodes[1]]  # the rollout's node: the first producer's
