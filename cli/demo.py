@@ -58,7 +58,7 @@ def demo() -> None:
 
 @demo.command()
 @click.option("--runner", type=click.Choice(["sync", "async", "decoupled"]), default="sync",
-              show_default=True, help="service loops (docs/pipeline.md)")
+              show_default=True, help="service loops (docs/embodied.md)")
 @click.option("--mode", type=click.Choice(["rollout", "pipeline"]), default="rollout",
               show_default=True, help="trajectory channel output mode")
 @click.option("--envs", type=click.IntRange(1, 64), default=2, show_default=True,

@@ -1,5 +1,5 @@
 """zchannel.embodied: the trajectory contract for embodied RL (guide: docs/embodied.md) and the
-pipeline that runs it (docs/pipeline.md).
+pipeline that runs it (docs/embodied.md).
 
 The contract (types, joiner, collector, output modes, advantages) and the producer side that
 feeds it (``envs``: the ``VectorEnv`` protocol and action chunks; ``policy``: the ``Policy``

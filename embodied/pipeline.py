@@ -11,7 +11,7 @@ the trajectory channel, of which it is the only producer.  Weights arrive from t
 weights channel (``WeightPublisher`` / ``WeightReceiver``; tensors travel as frames) and every
 ``PolicyOutput`` is stamped with the version that produced it.
 
-The three runners differ only in two knobs of these loops (``docs/pipeline.md``):
+The three runners differ only in two knobs of these loops (``docs/embodied.md``):
 ``max_staleness`` (how many versions the rollout may lag behind the step it collects: sync 0,
 async 1, decoupled 2) and ``decoupled`` (an epoch's last ``EnvPart`` carries an explicit
 ``next_obs`` boundary override and rides on the next epoch's bootstrap request instead of an
