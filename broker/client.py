@@ -2,9 +2,10 @@
 
 ``Channel.create`` starts a broker process (``starting.py``), or attaches to the live one
 serving the name; ``Channel.connect`` attaches to an existing broker by name or address.  Every
-operation is a request to the broker over one DEALER socket (see ``connection.py``);
-``async_op=True`` returns a ``Work`` handle instead of waiting.  ``local=True`` gives an
-in-process channel with the same API (``local.py``).
+operation is a request to the broker over this process's connection to it (``connection.py``),
+which all the handles of the process to that broker share (``sharing.py``); ``async_op=True``
+returns a ``Work`` handle instead of waiting.  ``local=True`` gives an in-process channel with
+the same API (``local.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, paths
+from zchannel.broker import codec, paths, sharing
 from zchannel.broker.checks import check_peek_count, check_target_weight
-from zchannel.broker.connection import CLOSED, Connection, probe
+from zchannel.broker.connection import CLOSED, Connection
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import (
     BrokerStartError,
@@ -114,7 +115,7 @@ class Channel:
         self._proc = _proc
         self._token = _token
         self._creator_pid = os.getpid()
-        self._conn: Connection | None = None
+        self._share: sharing.Share | None = None  # of this process's connection to the broker
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
@@ -298,7 +299,7 @@ class Channel:
         keys = client_keys(curve_keys)
         if keys is not None:
             keys.load()  # a key file that does not hold its key: ValueError naming it, first
-        probe(address)
+        paths.probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
         handle._connection(timeout=timeout)
         if "replicas" in handle._conn.broker_info:  # a replica: route per key (distributed.py)
@@ -340,26 +341,49 @@ class Channel:
     # -- connection --------------------------------------------------------------------------
 
     def _connection(self, timeout: float = 10.0) -> Connection:
-        conn = self._conn
-        if conn is not None and conn.pid == _pid[0] and conn.state != CLOSED:
-            return conn
+        return self._acquired(timeout).conn
+
+    @property
+    def _conn(self) -> Connection | None:
+        """The connection this handle uses (None before its first use and after ``close``)."""
+        share = self._share
+        return None if share is None else share.conn
+
+    def _acquired(self, timeout: float = 10.0) -> sharing.Share:
+        """This handle's share of the process's connection to its broker, taken at first use
+        (and again in a forked child, or after the connection ended)."""
+        share = self._share
+        if share is not None and share.conn.pid == _pid[0] and share.conn.state != CLOSED:
+            return share
         if self._closed:
             raise ChannelError("this channel handle is closed")
         with self._conn_lock:
-            conn = self._conn
-            if conn is not None and conn.pid == os.getpid() and conn.state != CLOSED:
-                return conn
-            conn = Connection(self._address, identity=self.identity,
-                              curve=client_keys(self._curve_keys), shm=self._shm)
-            if not conn.wait_up(timeout):
-                conn.close(timeout=0)
-                if conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
-                    raise conn.refused
+            share = self._share
+            if share is not None:
+                if share.conn.pid == os.getpid() and share.conn.state != CLOSED:
+                    return share
+                self._share = None  # a forked child's copy, or a connection that ended
+                share.close(settle_puts=False, withdraw=False, bye=False)
+            if self._closed:
+                raise ChannelError("this channel handle is closed")
+            share = sharing.acquire(self._address, self.identity, client_keys(self._curve_keys),
+                                    self._shm)
+            if not share.conn.wait_up(timeout):
+                share.close(settle_puts=False, withdraw=False)
+                if share.conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
+                    raise share.conn.refused
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
             if self._name is None:
-                self._name = conn.broker_info.get("name")
-            self._conn = conn
-            return conn
+                self._name = share.conn.broker_info.get("name")
+            self._share = share
+            return share
+
+    def _give_back(self, settle_puts: bool = True, withdraw: bool = True, bye: bool = True) -> None:
+        """Give this handle's share of the connection back (``sharing.Share.close``)."""
+        with self._conn_lock:
+            share, self._share = self._share, None
+        if share is not None:
+            share.close(settle_puts=settle_puts, withdraw=withdraw, bye=bye)
 
     @property
     def name(self) -> str | None:
@@ -388,7 +412,8 @@ class Channel:
 
     def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None, wait: bool = False) -> Work:
-        conn = self._connection()
+        share = self._acquired()
+        conn = share.conn
         frames: list = []
         if has_item:
             body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
@@ -421,7 +446,8 @@ class Channel:
             convert = _peek_converter(conn.shm)
         send = conn.call if wait else conn.request
         try:
-            return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH))
+            return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH),
+                        owner=share)
         except BaseException:
             shm_undo(conn, rec.get("sm"))  # not sent: its slots go back to the pool
             raise
@@ -522,12 +548,13 @@ class Channel:
         return self._submit(rec, wait=True).wait()
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
-        """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make this
-        handle's pool hold ``slots`` slots of that size now, so that the first puts do not pay
-        for creating and faulting in segments (docs/shm.md).  Returns the slots held (capped by
-        the pool's limits); 0 when this handle has no shared memory with its broker (another
-        host, ``shm=False``, ``shm_threshold=0``, or ``nbytes`` below the threshold).  Kept for
-        the handle's life: a reconnect to a restarted broker reserves again.  ``ValueError``
+        """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make the
+        pool of this handle's connection (shared by the process's handles to the broker) hold
+        ``slots`` slots of that size now, so that the first puts do not pay for creating and
+        faulting in segments (docs/shm.md).  Returns the slots held (capped by the pool's
+        limits); 0 when this handle has no shared memory with its broker (another host,
+        ``shm=False``, ``shm_threshold=0``, or ``nbytes`` below the threshold).  Kept for the
+        connection's life: a reconnect to a restarted broker reserves again.  ``ValueError``
         for ``nbytes`` or ``slots`` not an int > 0."""
         return self._connection().shm.reserve(nbytes, slots)
 
@@ -540,14 +567,13 @@ class Channel:
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Withdraw this handle's parked requests, wait (at most the heartbeat expiry) for its
-        put acknowledgements, and close its socket.  Idempotent."""
+        """Wait (at most the heartbeat expiry) for this handle's put acknowledgements, withdraw
+        its parked requests, and give back its share of the process's connection to the broker,
+        which closes with the last handle using it (``docs/decisions.md``).  Idempotent."""
         if self._closed:
             return
         self._closed = True
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        self._give_back()
 
     def shutdown(self) -> None:
         """Stop the broker.  Only the handle whose ``create`` started it may
@@ -557,13 +583,13 @@ class Channel:
         proc = self._proc
         try:
             if proc.poll() is None and not self._closed:
-                self._submit({"op": SHUTDOWN, "token": self._token}).wait(timeout=5.0)
+                share = self._acquired()  # past the in-flight limit: parked gets must not hold it
+                share.conn.request({"op": SHUTDOWN, "token": self._token}, [], room=False,
+                                   owner=share).wait(timeout=5.0)
         except (ChannelError, TimeoutError):
             pass
         self._closed = True
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close(timeout=0, bye=False)
+        self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
         try:
             proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
@@ -669,11 +695,12 @@ def _stats_converter(rec: dict, frames: list) -> dict:
 
 @atexit.register
 def _close_all() -> None:
+    """At interpreter exit: stop the brokers this process started, then every connection of
+    the process, in order (``sharing.close_all``); nothing is left running or open."""
     for handle in list(_open_handles):
         try:
             if handle._proc is not None and handle._creator_pid == os.getpid():
                 handle.shutdown()
-            else:
-                handle.close()
         except Exception:
             pass
+    sharing.close_all()

@@ -9,7 +9,8 @@ every reply it reads, and hands the socket back.  Whoever holds
 ``_sock_lock`` is the only thread touching the socket (zmq sockets are not thread-safe): the
 I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
-with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself.
+with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself
+(``liveness.py``).
 
 Over a direct link (a Unix stream socket to a same-host broker, ``broker/direct.py``) instead
 of the DEALER, sending costs one system call, so a caller whose request finds the socket free
@@ -18,6 +19,11 @@ like ``call``).  The I/O thread then keeps out of the way: while a thread reads 
 did less than ``LAZY_S`` ago, it only looks every ``LAZY_S`` (a stream of waits never wakes it
 per reply); a thread that sleeps on a ``Work`` instead, or a done-callback (asyncio), makes it
 watch the link at once.
+
+Shutdown (``stop``; ``sharing.py`` shares a connection among a process's handles): the I/O
+thread says bye, fails what is left and, as its last act, closes the socket or link and its
+wake-up eventfd, holding the locks every other thread takes before it touches them.  No
+finalizer closes a descriptor (one run at exit could close it under a polling thread).
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -40,96 +45,74 @@ from zchannel.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
     ChannelError,
-    ChannelNotFound,
     error_from_wire,
 )
+from zchannel.broker.liveness import CLOSED, CONNECTING, DOWN, GONE_CHECK_S, UP, Liveness
 from zchannel.broker.protocol import (
     BYE,
     EXPIRED,
-    HEARTBEAT,
     HELLO,
     PROTOCOL_VERSION,
+    client_socket,
     pack_header,
     recv_reply,
     send_message,
 )
 from zchannel.broker.security import HandshakeWatch
-from zchannel.broker.shm import ShmClient
-from zchannel.broker.work import _DONE, Work
+from zchannel.broker.shm import ShmClient, client_undo
+from zchannel.broker.tuning import (
+    DRIVE_S,
+    LAZY_MS,
+    LAZY_S,
+    MAX_BYTES_PER_MESSAGE,
+    MAX_INLINE_PER_MESSAGE,
+    MAX_OPS_PER_MESSAGE,
+    SEND_RUN,
+    SPIN_PROBE,
+    SPIN_SCORE_MAX,
+    direct_enabled,
+    spin_seconds,
+)
+from zchannel.broker.tuning import (
+    SPIN_US as SPIN_US,
+)
+from zchannel.broker.work import _DONE, CancelledError, Work
 
 log = logging.getLogger("zchannel.client")
 
-CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
 _POLLIN = int(zmq.POLLIN)
-MAX_OPS_PER_MESSAGE = 512
-MAX_BYTES_PER_MESSAGE = 64 << 20
-# Inline bodies per message (docs/protocol.md): with 512 records this keeps a header under
-# ~100 KiB, far below the broker's max_header_bytes (1 MiB by default)
-MAX_INLINE_PER_MESSAGE = 64 << 10
-# How long a blocking caller drives the socket itself before leaving its reply to the I/O
-# thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
-DRIVE_S = 0.05
+# Closing: how long the I/O thread waits for the broker's answer to bye (an answer means the
+# broker withdrew this connection's parked requests), how often a wait on a silent broker checks
+# whether anything still listens at its ipc path, and how long a close waits for the I/O thread.
+BYE_WAIT_S = 1.0
+JOIN_S = 5.0
 
-
-def _env_int(name: str, default: int, unit: str) -> int:
-    """An int >= 0 from the environment (``ValueError`` naming it otherwise)."""
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0 ({unit}), got {text!r}")
-    return value
-
-
-# A blocking call first polls for its reply without sleeping for up to SPIN_US: a reply that
-# comes back within it skips two thread wake-ups (on a 2-vCPU VM a raw ZeroMQ round trip takes
-# ~100 us with a sleeping recv and ~55 us polling).  A spin that sees its reply scores +1 (up
-# to SPIN_SCORE_MAX), one that does not -2; at 0 a handle spins only every SPIN_PROBE-th call
-# until a spin sees its reply again (docs/decisions.md).  ZCHANNEL_SPIN_US=0: no spinning.
-SPIN_US = _env_int("ZCHANNEL_SPIN_US", 250, "microseconds")
-SPIN_PROBE = 32
-SPIN_SCORE_MAX = 8
-
-
-def spin_seconds() -> float:
-    """How long a blocking call of this process spins: ``SPIN_US``, or 0 when the process may
-    run on one CPU only (its reply can then only come while it does not run)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return SPIN_US / 1e6 if cpus > 1 else 0.0
-
-
-# Queued async requests a caller sends itself when the socket is free (see ``request``).
-SEND_RUN = 16
-# How often a handle whose direct link broke tries to connect it again.
-RELINK_S = 0.1
-
-
-# Over a direct link a thread waiting for a reply reads the link itself (``wait_for``).  When
-# it stops, the I/O thread takes over only after LAZY_S without a reader, looking every LAZY_S:
-# a stream whose waits follow each other then never wakes the I/O thread per reply, and its
-# async requests go out together at the next wait, LAZY_S later at most (``request``).
-# ZCHANNEL_LAZY_MS=0: the I/O thread always watches and nothing is held back.
-LAZY_MS = _env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
-LAZY_S = LAZY_MS / 1000
-
-
-def direct_enabled() -> bool:
-    """Whether handles of this process use direct links (``ZCHANNEL_DIRECT=0``: never)."""
-    return os.environ.get("ZCHANNEL_DIRECT", "1").strip() not in ("0", "false", "no", "off")
 
 Convert = Callable[[dict, list], Any]
 
 
-# a request in flight: (its Work, its reply converter or None, is it a put)
-_Pending = tuple[Work, Convert | None, bool]
+# a request in flight: (its Work, its reply converter or None, is it a put, the handle's
+# share that issued it or None; see sharing.py)
+_Pending = tuple[Work, Convert | None, bool, Any]
+
+class Flow:
+    """Flow control of one issuer of requests (a handle's share, or the connection itself):
+    at most ``max_inflight`` issued and not completed (atomic counters)."""
+
+    __slots__ = ("issued", "n_issued", "completed", "completed_count")
+
+    def __init__(self) -> None:
+        self.issued = itertools.count()
+        self.n_issued = 0
+        self.completed = 0
+        self.completed_count = itertools.count(1)
 
 
-class Connection:
+# connections whose I/O thread may still run (sharing.close_all stops them at interpreter exit)
+running: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+class Connection(Liveness):
     """A connection to one broker address (see the module docstring)."""
 
     def __init__(
@@ -151,22 +134,21 @@ class Connection:
         self._ids = itertools.count(1)
         self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
         self._pending: dict[int, _Pending] = {}
-        # Flow control: requests issued minus requests completed.  ``_issued`` is an atomic
-        # counter; ``_completed`` is written by the I/O thread only.  Callers wait on
-        # ``_room`` only when the limit is reached.
+        # Flow control per handle (``Flow``: its share, or this connection's own for requests
+        # of no handle).  Callers wait on ``_room`` only when the limit is reached.
         self._max_inflight = max_inflight
-        self._issued = itertools.count()
-        self._n_issued = 0
-        self._completed = 0
-        self._completed_count = itertools.count(1)
+        self._flow = Flow()
         self._room = threading.Condition()
         self._room_waiters = 0
         self._state_cv = threading.Condition()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        # closed with this object, not when the I/O thread ends: a thread may still write a
-        # wake-up then, which must not reach a descriptor that reused the number
-        weakref.finalize(self, os.close, self._wake)
+        # closed by the I/O thread as its last act, under this lock: a wake-up written later
+        # must not reach a descriptor that reused the number (``_wake_io``)
+        self._wake_lock = threading.Lock()
+        self._wake_closed = False
         self._sock_lock = threading.Lock()
+        self._holder = 0  # the user thread that holds _sock_lock (close() must not join then)
+        self._fds_closed = False  # the I/O thread closed the socket or link (under _sock_lock)
         self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
         self._read_end = 0.0  # when a waiting thread last stopped reading the link
         self._sleepers = 0  # threads asleep in wait_for (the I/O thread then watches the link)
@@ -179,41 +161,34 @@ class Connection:
         self._spin_score = SPIN_SCORE_MAX  # a hit adds 1, a miss takes 2; spin while > 0
         self._calls = itertools.count()
         self._closing = False
+        self._bye = True  # the I/O thread says bye when it stops (close(bye=False): it does not)
+        self._bye_id: int | None = None  # the bye awaiting its answer
         self._hello_id = 0
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
         self.converters: dict[tuple[str, bool | None], Convert] = {}  # reply decoders (client.py)
-        # A same-host broker's direct link when there is one (broker/direct.py), else ZeroMQ.
-        self._link = self._open_link(address) if curve is None else None
         self._relink_at = 0.0
         self._sock: Any = None
         # a CURVE mismatch fails the connection at once (broker/security.py); set by the I/O
         # thread, which alone reads ``_handshake``
         self.refused: AuthenticationFailed | None = None
         self._handshake: HandshakeWatch | None = None
-        if self._link is None:
-            ctx = zmq.Context.instance()
-            self._sock = ctx.socket(zmq.DEALER)
-            try:
-                self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-                self._sock.setsockopt(zmq.SNDHWM, 0)
-                self._sock.setsockopt(zmq.RCVHWM, 0)
-                self._sock.setsockopt(zmq.LINGER, 0)
-                self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-                self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-                if curve is not None:
-                    curve.apply(self._sock)
+        self._link: direct.Link | None = None
+        try:
+            # A same-host broker's direct link when there is one (broker/direct.py), else ZeroMQ.
+            self._link = self._open_link(address) if curve is None else None
+            if self._link is None:
+                self._sock = client_socket(curve)
                 self._handshake = HandshakeWatch(self._sock, address, curve)
                 self._sock.connect(address)
-            except BaseException:  # bad key files: nothing of this connection stays open
-                if self._handshake is not None:
-                    self._handshake.close()
-                self._sock.close(linger=0)
-                self.shm.close()
-                raise
+        except BaseException:  # bad key files: nothing of this connection stays open
+            self._close_fds()
+            self.shm.close()
+            raise
         # what a poll waits on for replies: the socket, or the link's descriptor
         self._readable: Any = self._sock if self._link is None else self._link.fd
         self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
+        running.add(self)
         self._thread.start()
 
     def _open_link(self, address: str) -> direct.Link | None:
@@ -243,10 +218,11 @@ class Connection:
         return True
 
     def request(self, rec: dict, frames: list, convert: Convert | None = None,
-                cancellable: bool = False, room: bool = True) -> Work:
+                cancellable: bool = False, room: bool = True, owner: Any = None) -> Work:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
-        (or the reply's ``r`` field) or with the reply's error."""
-        work = self._enqueue(rec, frames, convert, cancellable, room)
+        (or the reply's ``r`` field) or with the reply's error.  ``owner``: the share of the
+        handle that issues it (``sharing.Share``; its close withdraws the request)."""
+        work = self._enqueue(rec, frames, convert, cancellable, room, owner)
         if work._state:  # failed already: the handle closed meanwhile
             return work
         if self._link is not None:
@@ -256,13 +232,13 @@ class Connection:
                 # (or the I/O thread's look within LAZY_S) and goes out with those after it
                 self.held_back += 1
                 return work
-            if self._sock_lock.acquire(blocking=False):
+            if self._take():
                 # a direct link costs one system call to send on: the caller sends, and wakes
                 # the I/O thread only when it sleeps without watching the link
                 try:
                     self._send_queued()
                 finally:
-                    self._sock_lock.release()
+                    self._give()
                 if not self._queue:
                     if self._io_idle:
                         self._wake_io()
@@ -270,22 +246,42 @@ class Connection:
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
-        if len(self._queue) >= SEND_RUN and self._sock_lock.acquire(blocking=False):
+        if len(self._queue) >= SEND_RUN and self._take():
             try:
                 self._send_queued()
             finally:
-                self._sock_lock.release()
+                self._give()
         self._wake_io()
         return work
+
+    def _take(self) -> bool:
+        """Take the socket for this (user) thread if it is free and still open."""
+        if not self._sock_lock.acquire(blocking=False):
+            return False
+        if self._fds_closed:
+            self._sock_lock.release()
+            return False
+        self._holder = threading.get_ident()
+        return True
+
+    def _give(self) -> None:
+        self._holder = 0
+        self._sock_lock.release()
 
     def _wake_io(self) -> None:
         """Make sure the I/O thread wakes (once per batch: it re-arms before each round)."""
         if not self._woken:
             self._woken = True
-            os.eventfd_write(self._wake, 1)
+            self._signal()
+
+    def _signal(self) -> None:
+        """Write a wake-up, unless the I/O thread closed the eventfd (it ended)."""
+        with self._wake_lock:
+            if not self._wake_closed:
+                os.eventfd_write(self._wake, 1)
 
     def call(self, rec: dict, frames: list, convert: Convert | None = None,
-             cancellable: bool = False) -> Work:
+             cancellable: bool = False, owner: Any = None) -> Work:
         """``request`` for a caller that waits for the result at once.
 
         When no other thread holds the socket, the caller sends its request and reads replies
@@ -293,13 +289,13 @@ class Connection:
         ``DRIVE_S`` (a sync round trip without waking the I/O thread twice); whatever is still
         pending after that is completed by the I/O thread as usual."""
         if self.state != UP:
-            return self.request(rec, frames, convert, cancellable)
+            return self.request(rec, frames, convert, cancellable, owner=owner)
         # queued first: waiting for room (max_inflight) must not hold the socket, or the
         # replies that make room could never be read
-        work = self._enqueue(rec, frames, convert, cancellable)
+        work = self._enqueue(rec, frames, convert, cancellable, owner=owner)
         if work._state:  # failed already: the handle closed meanwhile
             return work
-        if not self._sock_lock.acquire(blocking=False):
+        if not self._take():
             self._wake_io()
             return work
         spin = bool(self._spin_s) and (
@@ -319,7 +315,7 @@ class Connection:
                 took_wake = self._drive(work, limit)
         finally:  # also when interrupted (KeyboardInterrupt): the request stays pending
             self._read_end = time.monotonic()
-            self._sock_lock.release()
+            self._give()
             if took_wake or self._queue or (self._pending and self._link is None):
                 # the I/O thread takes over the rest (this caller may have consumed the
                 # socket's notification edge, so it must look at the socket itself)
@@ -346,8 +342,7 @@ class Connection:
         thread completes it, for the rest of ``timeout``.  Replies that come while nobody reads
         are the I/O thread's once ``LAZY_S`` passed without a reader."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        if self.state == UP and not self._closing and os.getpid() == self.pid \
-                and self._sock_lock.acquire(blocking=False):
+        if self.state == UP and not self._closing and os.getpid() == self.pid and self._take():
             limit = DRIVE_S if deadline is None else min(DRIVE_S, deadline - time.monotonic())
             self._read_for(work, max(0.0, limit))
             if work._state:
@@ -398,17 +393,18 @@ class Connection:
         return took_wake
 
     def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
-                 cancellable: bool, room: bool = True) -> Work:
-        if self.state == CLOSED or self._closing:
+                 cancellable: bool, room: bool = True, owner: Any = None) -> Work:
+        if self.state == CLOSED or self._closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
         if self.state == DOWN:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-        self._n_issued = next(self._issued) + 1
-        if room and self._n_issued - self._completed > self._max_inflight:
+        flow = self._flow if owner is None else owner
+        flow.n_issued = next(flow.issued) + 1
+        if room and flow.n_issued - flow.completed > self._max_inflight:
             try:
-                self._wait_for_room(rec)
+                self._wait_for_room(rec, flow)
             except BaseException:
-                self._release()  # never issued: give its slot back
+                self._release(owner)  # never issued: give its slot back
                 raise
         rid = next(self._ids)
         rec["id"] = rid
@@ -418,14 +414,15 @@ class Connection:
         work._tag = rid
         if self._link is not None:
             work._reader = self
-        self._queue.append((rec, frames, (work, convert, rec["op"] == "put")))
+        # (a request whose owner closed meanwhile is dropped unsent by _send_queued)
+        self._queue.append((rec, frames, (work, convert, rec["op"] == "put", owner)))
         if self.state == CLOSED:
             # the I/O thread ended after the check above and may have failed the queue before
             # this request joined it: fail it here, or a wait() without a timeout would hang
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
-    def _wait_for_room(self, rec: dict) -> None:
+    def _wait_for_room(self, rec: dict, flow: Flow) -> None:
         """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
         against the request's ``timeout`` (``rec["t"]``): the rest travels with the request, and
         ``TimeoutError`` (nothing sent) when none is left."""
@@ -434,7 +431,7 @@ class Connection:
         with self._room:
             self._room_waiters += 1
             try:
-                while self._n_issued - self._completed > self._max_inflight:
+                while flow.n_issued - flow.completed > self._max_inflight:
                     if self.state in (DOWN, CLOSED):
                         raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
                     wait = self.hb
@@ -451,53 +448,66 @@ class Connection:
         if timeout is not None:
             rec["t"] = max(0.0, timeout - (time.monotonic() - start))
 
-    def _release(self) -> None:
-        # next() on a count is atomic, so a cancel in a user thread cannot lose an increment
-        self._completed = next(self._completed_count)
+    def _release(self, owner: Flow | None) -> None:
+        """A request of ``owner`` (None: of no handle) completed: its slot is free."""
+        flow = self._flow if owner is None else owner
+        flow.completed = next(flow.completed_count)
         if self._room_waiters:
             with self._room:
                 self._room.notify_all()
 
     def _cancel(self, work: Work) -> bool:
-        rid = work._tag
         try:
-            answer = self.request({"op": "cancel", "rid": rid}, []).wait()
+            answer = self.request({"op": "cancel", "rid": work._tag}, []).wait()
         except ChannelError:
             return False
         if answer:
-            entry = self._pending.pop(rid, None)
-            if entry is not None:
-                self._release()
-            from concurrent.futures import CancelledError
-
-            work.set_exception(CancelledError("the broker withdrew the operation"))
+            self.forget(work._tag, CancelledError("the broker withdrew the operation"))
         return bool(answer)
 
-    def close(self, timeout: float | None = None, bye: bool = True) -> None:
-        """Wait (at most the heartbeat expiry) for put acknowledgements, withdraw parked
-        requests (``bye``), and close the socket.  Idempotent."""
-        if self._closing or self.state == CLOSED:
-            return
-        if os.getpid() != self.pid:
+    def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
+        """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
+        out = [(rid, p[0], p[2]) for rid, p in list(self._pending.items())
+               if owner is None or p[3] is owner]
+        out += [(e[0]["id"], e[2][0], e[2][2]) for e in list(self._queue)
+                if e[2] is not None and (owner is None or e[2][3] is owner)]
+        return out
+
+    def flush(self) -> None:
+        """Send what is queued now (requests of closed owners are dropped, see _send_queued)."""
+        with self._sock_lock:
+            if not self._fds_closed:
+                self._send_queued()
+
+    def forget(self, rid: int, exc: BaseException) -> None:
+        """Fail request ``rid`` with ``exc`` unless its reply came (a later reply is dropped)."""
+        pending = self._pending.pop(rid, None)
+        if pending is not None:
+            self._release(pending[3])
+            pending[0].set_exception(exc)
+
+    def stop(self, bye: bool = True) -> None:
+        """Ask the I/O thread to end: it says bye (``bye``), fails what is left and closes the
+        descriptors last.  Waiting for put acknowledgements is the caller's (``sharing``)."""
+        if os.getpid() == self.pid and not self._closing:
+            self._bye = bye
             self._closing = True
-            return  # a forked child never touches its parent's socket
-        limit = self.hb * self.liveness if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        while self.state == UP and time.monotonic() < deadline and (
-            self._queue or any(p[2] for p in list(self._pending.values()))
-        ):
-            time.sleep(0.005)
-        if self.state == UP and bye:
-            try:
-                # past the in-flight limit: a handle full of parked gets must still say bye
-                self.request({"op": BYE}, [], room=False).wait(
-                    max(0.05, deadline - time.monotonic()))
-            except (ChannelError, TimeoutError):
-                pass
-        self._closing = True
-        os.eventfd_write(self._wake, 1)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2.0)
+            self._signal()
+
+    def holds_socket(self) -> bool:
+        """Whether the caller is the I/O thread or drives the socket (a done-callback or a
+        finalizer can run there): it must not wait for replies or for the I/O thread."""
+        return threading.get_ident() in (self._thread.ident, self._holder)
+
+    def join(self, timeout: float = JOIN_S) -> None:
+        """Wait for the I/O thread to end (unless ``holds_socket``: it needs the socket)."""
+        if os.getpid() == self.pid and not self.holds_socket():
+            self._thread.join(timeout)
+
+    def close(self, bye: bool = True) -> None:
+        """``stop`` and ``join``.  Idempotent."""
+        self.stop(bye)
+        self.join()
 
     # -- I/O thread --------------------------------------------------------------------------
 
@@ -568,6 +578,8 @@ class Connection:
                     self._recv_all()
                 finally:
                     self._sock_lock.release()
+            if self._bye and self.state == UP:
+                self._say_bye()
         except Exception:  # pragma: no cover - a bug here must not hang callers
             log.exception("zchannel I/O thread failed")
         finally:
@@ -577,31 +589,47 @@ class Connection:
             while self._queue:
                 _, _, pending = self._queue.popleft()
                 if pending is not None:
-                    self._release()
+                    self._release(pending[3])
                     pending[0].set_exception(ChannelError("this channel handle is closed"))
             with self._sock_lock:  # a blocking caller may still be reading it
-                if self._link is not None:
-                    self._link.close()
-                else:
-                    if self._handshake is not None:
-                        self._handshake.close()
-                    sock.close(linger=0)
+                self._close_fds()
+            running.discard(self)
 
-    def _watch_handshake(self) -> bool:
-        """Read the handshake events (I/O thread, holding the socket); True once watching
-        ended: a handshake succeeded, or one was refused (which fails every request)."""
-        watch = self._handshake
-        refused = watch.check()
-        if refused is None and not watch.done:
-            return False
-        self._handshake = None
-        watch.close()
-        if refused is not None:
-            self.refused = refused
-            self._fail_all(refused)
-            with self._state_cv:
-                self._state_cv.notify_all()
-        return True
+    def _close_fds(self) -> None:
+        """Close the socket or link and the wake-up eventfd (with the socket lock taken, or
+        before any thread could use them)."""
+        self._fds_closed = True
+        if self._link is not None:
+            self._link.close()
+        elif self._sock is not None:
+            if self._handshake is not None:
+                self._handshake.close()
+                self._handshake = None
+            self._sock.close(linger=0)
+        with self._wake_lock:
+            if not self._wake_closed:
+                self._wake_closed = True
+                os.close(self._wake)
+
+    def _say_bye(self) -> None:
+        """Say bye and wait (at most ``BYE_WAIT_S``, less when the broker is gone) for the answer:
+        the broker then withdrew this connection's parked requests (no item goes to them)."""
+        with self._sock_lock:  # whoever drove the socket left it on seeing _closing
+            self._send_queued()
+            self._bye_id = next(self._ids)
+            self._send([{"op": BYE, "id": self._bye_id}], [])
+            deadline = time.monotonic() + BYE_WAIT_S
+            poll_set = [(self._readable, _POLLIN)]
+            while self._bye_id is not None and self.state == UP:
+                if self._link is not None and not self._link.up:
+                    return  # the broker closed the link: it saw this connection end
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                if zmq.zmq_poll(poll_set, int(min(remaining, GONE_CHECK_S) * 1000) + 1):
+                    self._recv_all()
+                elif self.broker_gone():
+                    return
 
     def _set_state(self, state: str) -> None:
         with self._state_cv:
@@ -631,6 +659,9 @@ class Connection:
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
             rec, frames, pending = queue.popleft()
             if pending is not None:
+                if pending[3] is not None and pending[3].closed:
+                    self._drop_unsent(rec, pending)
+                    return
                 self._pending[rec["id"]] = pending
             self._send([rec], frames)
             return
@@ -643,6 +674,9 @@ class Connection:
                    and inline < MAX_INLINE_PER_MESSAGE):
                 rec, op_frames, pending = queue.popleft()
                 if pending is not None:
+                    if pending[3] is not None and pending[3].closed:
+                        self._drop_unsent(rec, pending)
+                        continue
                     self._pending[rec["id"]] = pending
                 records.append(rec)
                 if op_frames:
@@ -650,7 +684,14 @@ class Connection:
                     nbytes += sum(rec.get("fs") or ())
                 elif "b" in rec:
                     inline += len(rec["b"])
-            self._send(records, frames)
+            if records:
+                self._send(records, frames)
+
+    def _drop_unsent(self, rec: dict, pending: _Pending) -> None:
+        """A request whose handle closed before it went out: never sent, it fails here."""
+        client_undo(self, rec.get("sm"))  # its shared-memory slots go back to the pool
+        self._release(pending[3])
+        pending[0].set_exception(ChannelError("this channel handle is closed"))
 
     def _recv_all(self) -> None:
         while self._recv_one():
@@ -662,6 +703,10 @@ class Connection:
         if self._link is not None:
             parts = self._link.recv()
             if parts is None:
+                if not self._link.up and self.state == UP:
+                    now = time.monotonic()
+                    if now >= self._relink_at:
+                        self._relink(now)
                 return False
             self._on_message(parts[0], parts[1:])
             return True
@@ -694,6 +739,9 @@ class Connection:
                                                  "too long); the request was dropped"))
                 self._send_hello()
             return
+        if rid == self._bye_id:
+            self._bye_id = None
+            return
         if rid == self._hello_id:
             self.broker_info = rec.get("r") or {}
             self._adopt_heartbeat(self.broker_info)
@@ -704,8 +752,8 @@ class Connection:
         pending = self._pending.pop(rid, None)
         if pending is None:
             return
-        self._release()
-        work, convert, _ = pending
+        self._release(pending[3])
+        work, convert, _, _ = pending
         if "e" in rec:
             work.set_exception(error_from_wire(rec["e"]))
         elif convert is not None:
@@ -727,54 +775,5 @@ class Connection:
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
-            self._release()
+            self._release(entry[3])
             entry[0].set_exception(exc)
-
-    def _keepalive(self, now: float) -> None:
-        link = self._link
-        if link is not None and not link.up and now >= self._relink_at:
-            # the broker closed the link (it stopped, or died): connect to its successor, if
-            # there is one yet; the heartbeat rules below decide as they do for ZeroMQ
-            self._relink_at = now + RELINK_S
-            if link.reconnect() and self.state != UP:
-                self._send_hello()
-        # life is any bytes from the broker, not only whole messages: a reply of many large
-        # frames takes a while to arrive, and the broker's heartbeats queue behind it
-        silent = now - max(self._last_recv, link.last_read if link is not None else 0.0)
-        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
-            self._recv_all()  # what waits unread (this thread was held up) is life too
-            silent = now - max(self._last_recv, link.last_read if link is not None else 0.0)
-        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
-            if self.state == UP:
-                log.warning("the broker at %s is silent for %.1fs: unavailable", self.address, silent)
-            self._set_state(DOWN)
-            self._fail_all(BrokerUnavailable(
-                f"the broker at {self.address} did not answer for {silent:.1f}s"))
-        if self.state == DOWN:
-            if now - self._last_send >= self.hb:
-                self._send_hello()
-        elif now - self._last_send >= self.hb:
-            self._send([{"op": HEARTBEAT, "id": 0}], [])
-
-
-def probe(address: str) -> None:
-    """Raise ``ChannelNotFound`` at once when nothing can be listening at ``address``."""
-    from zchannel.broker import paths
-
-    ipc = paths.ipc_path(address)
-    if ipc is not None:
-        if not os.path.exists(ipc):
-            raise ChannelNotFound(f"no broker at {address} (no socket file)")
-        return
-    hp = paths.tcp_host_port(address)
-    if hp is None:
-        raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
-    import socket
-
-    try:
-        with socket.create_connection(hp, timeout=2.0):
-            pass
-    except ConnectionRefusedError:
-        raise ChannelNotFound(f"no broker at {address} (connection refused)") from None
-    except OSError:
-        pass  # unreachable or slow: let the hello decide

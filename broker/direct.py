@@ -19,7 +19,6 @@ import select
 import socket
 import struct
 import time
-import weakref
 from collections import deque
 from typing import Any
 
@@ -189,7 +188,8 @@ class Link:
     """A client's direct link to its broker: a stream socket behind a file descriptor whose
     number never changes (a poll set can hold it).  While the link is down that descriptor is
     an eventfd that never becomes readable; ``reconnect`` puts a new socket behind it.  Not
-    thread-safe: the caller serialises (``Connection._sock_lock``)."""
+    thread-safe: the caller serialises (``Connection._sock_lock``), and only ``close`` gives the
+    descriptors back (no finalizer does: it could run while a thread still polls them)."""
 
     def __init__(self, path: str, stall_s: float) -> None:
         self.path = path
@@ -197,26 +197,29 @@ class Link:
         self._idle = os.eventfd(0, os.EFD_CLOEXEC)
         self.fd = os.dup(self._idle)
         os.set_inheritable(self.fd, False)
-        weakref.finalize(self, _close_fds, self.fd, self._idle)
         self.up = False
         self.closed = False
         self.last_read = 0.0  # when bytes last came from the broker (monotonic)
+        self.gone = False  # the last reconnect found nothing listening (the broker is gone)
         self.reader = Reader(1 << 20, 1 << 40)
         if not self.reconnect():
             self.close()
             raise ConnectionError(f"no direct link at {path}")
 
     def reconnect(self) -> bool:
-        """Connect a new socket (at once, or False)."""
+        """Connect a new socket (at once, or False; then ``gone`` tells whether nothing listens
+        at the path: a broker that stopped or was killed)."""
         if self.closed:
             return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         _tune(sock)
         try:
             sock.connect(self.path)
-        except OSError:
+        except OSError as exc:
             sock.close()
+            self.gone = isinstance(exc, (ConnectionRefusedError, FileNotFoundError))
             return False
+        self.gone = False
         sock.setblocking(False)
         os.dup2(sock.fileno(), self.fd, inheritable=False)
         sock.close()
@@ -288,10 +291,14 @@ class Link:
         return messages.popleft()
 
     def close(self) -> None:
-        """Close the socket (the broker sees the end of the stream); the descriptors go with
-        this object, so that no late poll or wake-up can reach a reused number."""
+        """Close the socket (the broker sees the end of the stream) and both descriptors.  The
+        caller makes sure that no other thread uses them any more (the connection's I/O thread
+        calls this last, holding the socket lock).  Idempotent."""
+        if self.closed:
+            return
         self.closed = True
-        self.drop()
+        self.up = False
+        _close_fds(self.fd, self._idle)
 
 
 def _close_fds(*fds: int) -> None:

@@ -3,9 +3,10 @@
 ``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
 The first operation of any kind on a key asks replica 0 to bind the key (first toucher wins,
 permanent: to the replica of the caller's node); the handle caches the binding, so every later
-operation on that key goes straight to its replica over that replica's own connection.  All
-per-key semantics (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of
-the replica that holds the key.  ``stats()`` aggregates over the replicas.
+operation on that key goes straight to its replica over this process's connection to that
+replica (shared with the process's other handles, ``sharing.py``).  All per-key semantics
+(ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
+holds the key.  ``stats()`` aggregates over the replicas.
 
 Where the replica table comes from: a cluster file (``broker/cluster.py``), Ray
 (``broker/ray_placement.py``, imported only when the process is connected to Ray), or the hello
@@ -259,6 +260,7 @@ class DistributedChannel(Channel):
                 sub.close()
             except Exception:
                 log.exception("closing a replica handle failed")
+        self._give_back()  # the home replica's share, if this handle took one itself
 
     def shutdown(self) -> None:
         """Stop the replicas this handle's ``create`` started (and their Ray actors)."""
@@ -273,6 +275,7 @@ class DistributedChannel(Channel):
             except Exception:
                 log.exception("stopping a replica failed")
         self._closed = True
+        self._give_back(settle_puts=False, withdraw=False)
         if self._ray_owner is not None:
             owner, self._ray_owner = self._ray_owner, None
             owner.teardown()

@@ -10,6 +10,8 @@ import re
 import socket
 from pathlib import Path
 
+from zchannel.broker.errors import ChannelNotFound
+
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 IPC_PATH_LIMIT = 107
 
@@ -137,6 +139,45 @@ def tcp_host_port(address: str) -> tuple[str, int] | None:
         return host, int(port)
     except ValueError:
         return None
+
+
+def probe(address: str) -> None:
+    """Raise ``ChannelNotFound`` at once when nothing can be listening at ``address``."""
+    ipc = ipc_path(address)
+    if ipc is not None:
+        if not os.path.exists(ipc):
+            raise ChannelNotFound(f"no broker at {address} (no socket file)")
+        return
+    hp = tcp_host_port(address)
+    if hp is None:
+        raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
+    try:
+        with socket.create_connection(hp, timeout=2.0):
+            pass
+    except ConnectionRefusedError:
+        raise ChannelNotFound(f"no broker at {address} (connection refused)") from None
+    except OSError:
+        pass  # unreachable or slow: let the hello decide
+
+
+def nothing_listens(address: str) -> bool:
+    """True when ``address`` is an ipc path at which no process listens any more (no socket
+    file, or the connection is refused): the broker that served it stopped or was killed.
+    False for tcp and whenever it cannot tell."""
+    path = ipc_path(address)
+    if not path or path.startswith("@"):
+        return False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return False
 
 
 def is_loopback_host(host: str) -> bool:

@@ -7,6 +7,7 @@ owns the next ``record["nf"]`` frames.  See ``docs/protocol.md`` for the full de
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgpack
@@ -43,6 +44,24 @@ class ProtocolError(ValueError):
 # Plain ints: pyzmq's enum flags cost an enum operation per frame on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
+
+
+def client_socket(curve: Any = None) -> zmq.Socket:
+    """A client's DEALER socket, not connected yet: unbounded queues (the client keeps its own
+    in-flight limit), no linger, reconnecting every 0.1-1 s; ``curve``: the client's
+    ``security.CurveKeys`` (``ValueError`` for key files without their key)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
+                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
+            sock.setsockopt(option, value)
+        if curve is not None:
+            curve.apply(sock)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
 
 
 def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:

@@ -122,7 +122,7 @@ class ReplicaState:
 
     def close(self) -> None:
         if self._conn is not None:
-            self._conn.close(timeout=0)
+            self._conn.close()
             self._conn = None
 
 

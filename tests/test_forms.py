@@ -255,8 +255,10 @@ def test_stat_peek_of_a_consumers_private_queue(make_remote):
 
 
 def test_stat_does_not_count_itself(make_remote):
-    ch = make_remote("statself")
-    other = Channel.connect("statself")
+    # a process's handles with one identity share one connection (one client): the two
+    # handles and the in-process `stat` below get one each
+    ch = make_remote("statself", identity="creator:0")
+    other = Channel.connect("statself", identity="other:0")
     try:
         assert other.stats()["clients"] == 2
         assert other.stats(exclude_self=True)["clients"] == 1

@@ -103,7 +103,9 @@ def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, br
     assert result.output.splitlines() == [f"no brokers in {run_dir}", "no stale entries"]
     live, live_address = brokers("alive")
     dead, _ = brokers("dead")
-    handle = Channel.connect("alive")
+    # an identity of its own: the in-process `stat` below must not share its connection (a
+    # process's handles of one identity share one, and stat leaves its own out)
+    handle = Channel.connect("alive", identity="user:0")
     handle.put(1)
     handle.put(2)
     dead_handle = Channel.connect("dead", shm=True)
