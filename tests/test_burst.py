@@ -221,7 +221,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
         assert conn.state == UP and set(states) == {UP}
     finally:
         done.set()
-        conn.close(timeout=0, bye=False)
+        conn.close(bye=False)
         server.join(10)
         listener.close()
 
