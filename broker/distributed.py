@@ -1,7 +1,8 @@
 """The client side of a distributed channel: one handle, one broker replica per node.
 
 ``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
-The first operation of any kind on a key asks replica 0 to bind the key (first toucher wins,
+The first operation of any kind on a key asks the binder (the lowest-index live replica; every
+replica holds the replicated table: ``broker/binding.py``) to bind the key (first toucher wins,
 permanent: to the replica of the caller's node); the handle caches the binding, so every later
 operation on that key goes straight to its replica over this process's connection to that
 replica (shared with the process's other handles, ``sharing.py``).  All per-key semantics
@@ -19,14 +20,15 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from zchannel.broker import cluster, paths
+from zchannel.broker.binding import BIND
 from zchannel.broker.checks import check_target_weight
 from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.replica import BIND
 from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import consumer_sort_key
@@ -35,6 +37,14 @@ log = logging.getLogger("zchannel.client")
 
 _SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
 STATS_CONNECT_S = 3.0
+# binding a key: how long one replica may take to accept a connection, the pause before asking
+# again (a replica joins, the binder changes), when to try a replica that was unavailable, and
+# the limit for the whole (generous: a failover
+# takes one heartbeat expiry, a join as long)
+BIND_CONNECT_S = 3.0
+BIND_RETRY_S = 0.02
+BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
+BIND_DEADLINE_S = 30.0
 
 
 def ray_connected() -> bool:
@@ -64,6 +74,7 @@ class DistributedChannel(Channel):
         self._subs: dict[int, Channel] = dict(subs or {})
         self._subs_lock = threading.Lock()
         self._bindings: dict[Any, int] = {}
+        self._binder = 0  # the replica that answered the last binding request
         self._owner = owner
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
@@ -120,16 +131,51 @@ class DistributedChannel(Channel):
         index = self._bindings.get(key)
         if index is not None:
             return index
-        if len(self._replicas) == 1:
-            index = 0
-        else:
-            work = self._sub(0)._submit({"op": BIND, "k": key, "node": self._node})
-            index = work.wait()
-            if isinstance(index, bool) or not isinstance(index, int) \
-                    or not 0 <= index < len(self._replicas):
-                raise ChannelError(f"replica 0 bound {key!r} to an unknown replica {index!r}")
+        index = 0 if len(self._replicas) == 1 else self._bind(key)
         self._bindings[key] = index
         return index
+
+    def _bind(self, key: Any) -> int:
+        """Ask the binder (``broker/binding.py``) for ``key``'s replica: start with the last
+        binder, follow redirects, go on to the next replica when one is unavailable; wait
+        while a replica joins.  ``BrokerUnavailable`` when every replica failed in a row or no
+        answer came within ``BIND_DEADLINE_S``."""
+        n = len(self._replicas)
+        deadline = time.monotonic() + BIND_DEADLINE_S
+        target, unavailable, last_error = self._binder, 0, None
+        failed: dict[int, float] = {}  # replica -> when it was last found unavailable
+        while True:
+            answer = None
+            try:
+                sub = self._sub(target)
+                sub._connection(timeout=BIND_CONNECT_S)
+                answer = sub._submit({"op": BIND, "k": key, "node": self._node}).wait(
+                    max(0.0, deadline - time.monotonic()))
+                unavailable = 0
+            except BrokerUnavailable as exc:
+                unavailable, last_error = unavailable + 1, exc
+                failed[target] = time.monotonic()
+                target = (target + 1) % n
+                if unavailable >= n:
+                    raise BrokerUnavailable(f"no replica of {self._name!r} answers to bind "
+                                            f"{key!r}: {last_error}") from exc
+            except TimeoutError:
+                pass
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                if not 0 <= answer < n:
+                    raise ChannelError(f"replica {target} bound {key!r} to an unknown replica "
+                                       f"{answer!r}")
+                self._binder = target
+                return answer
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"no replica of {self._name!r} bound {key!r} within "
+                                        f"{BIND_DEADLINE_S}s")
+            redirect = answer.get("binder") if isinstance(answer, dict) else None
+            if isinstance(redirect, int) and 0 <= redirect < n and redirect != target \
+                    and time.monotonic() - failed.get(redirect, -1e9) >= BIND_RECHECK_S:
+                target = redirect
+            elif answer is not None:
+                time.sleep(BIND_RETRY_S)  # a replica joins, or the binder changes: ask again
 
     def node_of(self, key: Any = DEFAULT_KEY) -> str:
         """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
@@ -360,7 +406,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
             raise errors[0]
         handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
                                     subs=subs, owner=bool(subs))
-        handle._sub(0)._connection(timeout=START_TIMEOUT_S)  # replica 0 binds keys: wait for it
+        handle._sub(handle._home)._connection(timeout=START_TIMEOUT_S)  # this node's replica
         if not subs:
             handle._log_attached()
     except BaseException:

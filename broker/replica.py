@@ -1,26 +1,29 @@
 """The broker side of a distributed channel: one replica's view of the cluster.
 
-Replica 0 holds the key-binding table (key -> replica index; first toucher wins, permanent) and
-answers ``bind`` requests.  Every replica checks its collector's outputs: an output whose key is
-unbound binds to this replica, an output for a key bound elsewhere fails the put with
-``HookError``.  Other replicas ask replica 0 over an ordinary client connection and
-cache the answers (bindings never change, so the cache is never stale).
+Every replica holds the replicated key-binding table (``broker/binding.py``: key -> replica
+index; first toucher wins, permanent) and answers ``bind`` requests, deciding them when it is
+the binder, redirecting otherwise.  Every replica checks its collector's outputs: an output whose
+key is unbound binds to this replica, an output for a key bound elsewhere fails the put with
+``HookError``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from typing import Any
 
-from zchannel.broker.cluster import Replica, choose_replica, from_table
-from zchannel.broker.errors import BrokerUnavailable, HookError
+from zchannel.broker.binding import BIND, BindingTable
+from zchannel.broker.checks import check_key
+from zchannel.broker.cluster import Replica, from_table
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
+from zchannel.broker.security import client_keys
 from zchannel.hooks import Collector
 
 log = logging.getLogger("zchannel.broker")
 
-BIND = "bind"
-# the round trip blocks this replica's loop: stay well inside the clients' liveness window (3 s)
+# a collector output's binding round trip blocks this replica's loop: stay well inside the
+# clients' liveness window (3 s)
 BIND_TIMEOUT_S = 2.0
 
 
@@ -28,17 +31,20 @@ class ReplicaState:
     """Replica ``index`` of a channel whose replicas are ``table`` (dicts: node, address)."""
 
     def __init__(self, name: str, index: int, table: list[dict[str, Any]],
-                 curve_keys: Any = None) -> None:
+                 curve_keys: Any = None, heartbeat_interval: float = 1.0,
+                 liveness: int = 3) -> None:
         self.name = name
         self.index = index
         self.replicas: list[Replica] = from_table(table)
         if not 0 <= index < len(self.replicas):
             raise ValueError(f"replica {index} is not in the cluster's {len(self.replicas)} replicas")
         self.node = self.replicas[index].node
-        self.table: dict[Any, int] = {}  # replica 0: the binding table; others: a cache
-        self._curve_keys = curve_keys
-        self._conn = None
-        self._lock = threading.Lock()
+        self.bindings = BindingTable(name, index, self.replicas, client_keys(curve_keys),
+                                     heartbeat_interval, liveness)
+
+    @property
+    def table(self) -> dict[Any, int]:
+        return self.bindings.table
 
     @property
     def address(self) -> str:
@@ -49,56 +55,49 @@ class ReplicaState:
         return {"replica": self.index, "replicas": [r.as_dict() for r in self.replicas],
                 "node": self.node}
 
-    # -- replica 0 -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Called once the broker serves: link to the other replicas and learn the table."""
+        self.bindings.start()
 
-    def bind(self, key: Any, node: Any = None, replica: Any = None) -> int:
-        """Replica 0: the replica ``key`` is bound to, binding it now if it is unbound (to
-        ``replica`` if given, else to the replica of ``node``)."""
-        if self.index != 0:
-            raise ValueError("only replica 0 binds keys")
-        from zchannel.broker.core import check_key
+    def handle(self, op: str, rec: dict) -> Any:
+        return self.bindings.handle(op, rec)
 
-        key = check_key(key)
-        bound = self.table.get(key)
-        if bound is None:
-            if replica is not None:
-                if isinstance(replica, bool) or not isinstance(replica, int) \
-                        or not 0 <= replica < len(self.replicas):
-                    raise ValueError(f"no replica {replica!r}")
-                bound = replica
-            else:
-                if node is not None and not isinstance(node, str):
-                    raise TypeError("node must be a str")
-                bound = choose_replica(self.replicas, node, key)
-            self.table[key] = bound
-        return bound
+    def bind(self, key: Any, node: Any = None, replica: Any = None) -> Any:
+        return self.bindings.bind(key, node, replica)
 
     # -- every replica -------------------------------------------------------------------
 
     def owner(self, key: Any) -> int:
-        """The replica ``key`` is bound to; an unbound key binds to this replica."""
+        """The replica ``key`` is bound to; an unbound key binds to this replica (asking the
+        binder, for at most ``BIND_TIMEOUT_S``; ``BrokerUnavailable`` then)."""
         bound = self.table.get(key)
         if bound is not None:
             return bound
-        if self.index == 0:
-            return self.bind(key, replica=0)
-        bound = self._ask_replica0(key)
-        self.table[key] = bound
-        return bound
+        deadline = time.monotonic() + BIND_TIMEOUT_S
+        target = None
+        while True:
+            answer = self.bindings.bind(key, replica=self.index, sender=self.index) \
+                if target is None else self._ask(target, key, deadline)
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                self.table.setdefault(key, answer)
+                return self.table[key]
+            target = answer.get("binder") if isinstance(answer, dict) else None
+            if target == self.index:
+                target = None
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(
+                    f"no replica of {self.name!r} could bind the collector output key {key!r} "
+                    f"within {BIND_TIMEOUT_S}s")
+            if target is None:
+                time.sleep(0.02)  # joining, or the binder just changed: ask again shortly
 
-    def _ask_replica0(self, key: Any) -> int:
-        from zchannel.broker.connection import Connection
-        from zchannel.broker.security import client_keys
-
-        with self._lock:
-            if self._conn is None:
-                self._conn = Connection(self.replicas[0].address,
-                                        curve=client_keys(self._curve_keys))
-            conn = self._conn
-        if not conn.wait_up(BIND_TIMEOUT_S):
-            raise BrokerUnavailable(f"replica 0 of {self.name!r} ({self.replicas[0].address}) "
-                                    "does not answer: cannot bind a collector output key")
-        return conn.request({"op": BIND, "k": key, "replica": self.index}, []).wait(BIND_TIMEOUT_S)
+    def _ask(self, target: int, key: Any, deadline: float) -> Any:
+        try:
+            work = self.bindings.peer(target).request(
+                {"op": BIND, "k": key, "replica": self.index, "from": self.index}, [])
+            return work.wait(max(0.0, deadline - time.monotonic()))
+        except (ChannelError, TimeoutError):
+            return None
 
     def check_outputs(self, key: Any) -> None:
         owner = self.owner(key)
@@ -116,14 +115,13 @@ class ReplicaState:
             ks["node"] = self.node
         stats["replica"] = self.index
         stats["node"] = self.node
-        if self.index == 0:
-            stats["bound_keys"] = len(self.table)
+        stats["bound_keys"] = len(self.table)
+        stats["binding"] = "binder" if self.bindings.ready and \
+            self.bindings.binder() == self.index else ("ready" if self.bindings.ready else "joining")
         return stats
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self.bindings.close()
 
 
 class _BindingCollector(Collector):
@@ -140,8 +138,6 @@ class _BindingCollector(Collector):
         return self.inner.stats()
 
     def collect(self, item: Any, key: Any):
-        from zchannel.broker.core import check_key
-
         produced = self.inner.collect(item, key)
         for out in produced if produced is not None else ():
             # the put's own key was bound to this replica by the client that routed it here
@@ -175,7 +171,8 @@ def replica_state(config: Any) -> ReplicaState:
         config.replicas = loaded.table()
         if loaded.insecure:
             config.insecure = True
-    state = ReplicaState(config.name, config.replica, config.replicas)
+    state = ReplicaState(config.name, config.replica, config.replicas,
+                         heartbeat_interval=config.heartbeat_interval, liveness=config.liveness)
     if config.address is None:
         config.address = state.address
     elif config.address != state.address:
@@ -184,4 +181,4 @@ def replica_state(config: Any) -> ReplicaState:
     return state
 
 
-__all__ = ["BIND", "ReplicaState", "replica_state", "wrap_collector"]
+__all__ = ["ReplicaState", "replica_state", "wrap_collector"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
+from zchannel.broker.binding import REPLICA_OPS
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
@@ -226,6 +227,8 @@ class Broker:
                 self.close()
                 raise
             log.info("metrics of %r at %s", self.config.name, self.metrics.url)
+        if self.replica is not None:
+            self.replica.start()
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
         self._running = True  # before the handlers: a signal right after "ready" stops us
@@ -485,6 +488,8 @@ class Broker:
             stats = core.stats()
             # "xs": the asker is an observer (zchannel stat) and does not count itself
             clients = len(self.clients) - (1 if rec.get("xs") and client.address in self.clients else 0)
+            if self.replica is not None:  # the other replicas' links are not clients
+                clients -= self.replica.bindings.peer_clients(c.identity for c in self.clients.values())
             stats.update(address=self.address, pid=os.getpid(), clients=clients,
                          shm=self.shm.stats(), **self.counters.as_dict(),
                          metrics=self.metrics.url if self.metrics is not None else None)
@@ -512,9 +517,8 @@ class Broker:
                 raise PermissionError("only the handle that created the channel may shut it down")
             self._reply(client, rid, result=True)
             self._running = False
-        elif op == "bind" and self.replica is not None:  # distributed: replica 0 binds keys
-            self._reply(client, rid, result=self.replica.bind(
-                key_from_wire(rec.get("k")), rec.get("node"), rec.get("replica")))
+        elif op in REPLICA_OPS and self.replica is not None:  # distributed: the binding table
+            self._reply(client, rid, result=self.replica.handle(op, rec))
         else:
             raise ValueError(f"unknown op {op!r}")
 
@@ -703,6 +707,8 @@ class Broker:
 
     def _heartbeats(self, now: float) -> None:
         self._release_memory()
+        if self.replica is not None:
+            self.replica.bindings.tick()
         self.shm.sweep(now)
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness

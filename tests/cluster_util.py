@@ -72,6 +72,8 @@ class Replicas:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
@@ -83,5 +85,5 @@ class Replicas:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-            if proc.stdout:
+            if proc.stdout and not proc.stdout.closed:
                 proc.stdout.close()

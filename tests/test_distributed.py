@@ -137,16 +137,29 @@ def test_cached_binding_survives_replica0(tcp_cluster, monkeypatch):
     b = _handle(monkeypatch, path, "node-b")
     b.put(1, key="kb")
     assert b.replica_of("kb") == 1
-    reps.kill(0)  # replica 0 (the binding table) is gone
+    reps.kill(0)  # replica 0 (the first binder) is gone
     # the binding is cached: operations on kb go straight to replica 1
     b.put(2, key="kb")
     assert [b.get("kb", timeout=5), b.get("kb", timeout=5)] == [1, 2]
-    # a new key needs replica 0: BrokerUnavailable, never a hang
-    with pytest.raises(BrokerUnavailable):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            b.put(3, key="new-key", timeout=2)
+    # a new key binds through the next binder (replica 1) once replica 0 is known to be down
+    b.put(3, key="new-key", timeout=30)
+    assert b.replica_of("new-key") == 1
+    # a handle made now binds through replica 1 too, and sees the same bindings
+    c = _handle_via(monkeypatch, path, "node-c", 2)
+    assert c.replica_of("kb") == 1 and c.replica_of("new-key") == 1
+    assert c.get("new-key", timeout=5) == 3
+    stats = c.stats()
+    assert "error" in stats["replicas"][0]
+    assert stats["replicas"][1]["bound_keys"] == stats["replicas"][2]["bound_keys"] == 2
     b.close()
+    c.close()
+
+
+def _handle_via(monkeypatch, path, node, index) -> DistributedChannel:
+    monkeypatch.setenv("ZCHANNEL_NODE", node)
+    ch = Channel.connect(_address(path, index))
+    assert isinstance(ch, DistributedChannel)
+    return ch
 
 
 def test_collector_output_binding(routing_cluster, monkeypatch):
