@@ -28,7 +28,8 @@ EXPIRY_S = 3.0  # heartbeat interval 1 s x liveness 3 (the defaults)
 # A producer: puts "node/seq" (weight 1) to its node's three old keys, to a new key of its node every
 # ten rounds, and to a key every producer touches in the same round ("shared").  Commands on
 # stdin: "next" -> prints "bound <time.monotonic()>" after the next successful put to a key it
-# had never used (the clock is the same in every process of the host); "stop" -> prints the JSON record and exits.
+# had never used (the clock is the same in every process of the host); "all" -> prints
+# "all <time>" after the next round in which every put succeeded; "stop" -> prints the JSON record and exits.
 PRODUCER = """
 import json, select, sys, time
 from zchannel.broker import BrokerUnavailable, Channel
@@ -36,7 +37,7 @@ node, address = sys.argv[1], sys.argv[2]
 ch = Channel.connect(address)
 old = [(node, "old", i) for i in range(3)]
 acked, failed, views, used = [], 0, {}, set()
-asked = None
+asked, whole = None, False
 seq = rnd = 0
 for key in old:
     ch.replica_of(key)
@@ -46,7 +47,11 @@ while True:
         line = sys.stdin.readline().strip()
         if line == "stop" or not line:
             break
-        asked = time.monotonic()
+        if line == "all":
+            whole = True
+        else:
+            asked = time.monotonic()
+    ok = True
     for key in old + [(node, "new", rnd // 10), ("shared", rnd // 10)]:
         seq += 1
         item = f"{node}/{seq}"  # unique over all producers
@@ -54,6 +59,7 @@ while True:
             ch.put(item, 1, key=key, timeout=10)
         except (BrokerUnavailable, TimeoutError):
             failed += 1
+            ok = False
             continue
         acked.append([list(key), item, time.monotonic()])
         views[json.dumps(key)] = ch.replica_of(key)
@@ -62,6 +68,9 @@ while True:
             if asked is not None and key[1] != "old":
                 print(f"bound {time.monotonic()}", flush=True)
                 asked = None
+    if whole and ok:
+        print(f"all {time.monotonic()}", flush=True)
+        whole = False
     rnd += 1
 print(json.dumps({"acked": acked, "failed": failed, "views": views}), flush=True)
 ch.close()
@@ -105,9 +114,16 @@ class Chaos:
         self.bind_times.append(longest)
         return longest
 
+    def all_served(self) -> None:
+        """Handshake: every producer completed a round in which every put succeeded."""
+        for proc in self.producers:
+            self.workers.send(proc, "all")
+        for proc in self.producers:
+            assert self.workers.wait_line(proc, timeout=60).startswith("all ")
+
     def kill(self, index: int) -> float:
+        self.reps.kill(index)  # returns once the process is gone: nothing acknowledged later
         self.kills[index].append(time.monotonic())
-        self.reps.kill(index)
         return self.kills[index][-1]
 
     def restart(self, index: int) -> None:
@@ -179,6 +195,9 @@ def test_bindings_survive_replica0_loss_and_restart(chaos, monkeypatch):
     assert took < 4 * EXPIRY_S, f"new keys bound again only {took:.1f}s after the kill"
     chaos.restart(0)  # learns the table from replicas 1 and 2 before it binds anything
     chaos.new_keys_bind(time.monotonic())
+    # the producers' handles reconnected to the restarted replica by themselves: node-a's old
+    # keys (bound to replica 0) take puts again
+    chaos.all_served()
     figures = chaos.finish(monkeypatch)
     print("failover figures:", figures)
     assert figures["ops"] > 0 and figures["delivered"] > 0
