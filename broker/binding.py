@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.checks import check_key
@@ -47,8 +48,8 @@ REPLICATE_WAIT_S = 1.0
 class BindingTable:
     """Replica ``index``'s copy of the binding table and its links to the other replicas."""
 
-    def __init__(self, name: str, index: int, replicas: list[Replica], curve: Any = None,
-                 heartbeat_interval: float = 1.0, liveness: int = 3) -> None:
+    def __init__(self, name: str, index: int, replicas: list[Replica],
+                 curve_for: Callable[[int], Any] = lambda peer: None, heartbeat_interval: float = 1.0, liveness: int = 3) -> None:
         self.name = name
         self.index = index
         self.replicas = replicas
@@ -56,7 +57,7 @@ class BindingTable:
         self.ready = len(replicas) == 1
         self.expiry = heartbeat_interval * liveness
         self._hb, self._liveness = heartbeat_interval, liveness
-        self._curve = curve
+        self._curve_for = curve_for  # peer index -> CURVE settings of the link to it
         self._peers: dict[int, Connection] = {}
         self._syncs: dict[int, Any] = {}  # peer -> pending sync Work (while joining)
         self._synced: set[int] = set()
@@ -72,7 +73,7 @@ class BindingTable:
             if i != self.index and i not in self._peers:
                 self._peers[i] = Connection(r.address, identity=f"{PEER_IDENTITY}{self.index}",
                                             heartbeat_interval=self._hb, liveness=self._liveness,
-                                            curve=self._curve, shm=False)
+                                            curve=self._curve_for(i), shm=False)
         self.progress()
 
     def peer(self, index: int) -> Connection:

@@ -6,6 +6,8 @@ key-binding table::
     [cluster]
     name = "samples"          # optional: the only channel this file serves
     insecure = false          # optional: let replicas bind non-loopback tcp without CURVE
+    server_keys = ["keys/replica0.key", "keys/replica1.key"]   # optional: CURVE (below)
+    client_keys = "keys/clients"
 
     [[replica]]
     node = "node-a"           # node name (a process's node: $ZCHANNEL_NODE, else its hostname)
@@ -15,6 +17,12 @@ key-binding table::
     [[replica]]
     node = "node-b"
     address = "tcp://10.0.0.2:5555"
+
+``server_keys`` (one public key file per replica, in order) and ``client_keys`` (the directory
+of the public keys let in: clients' and replicas') turn CURVE on: each replica is started with
+its own key pair (``--curve-secret-key``), admits only those keys, and talks to the other
+replicas with its own key pair; clients learn each replica's public key from the table.  Paths
+are relative to the file.  ``zchannel keygen DIR --replicas N`` writes such a set.
 
 An ``address`` may contain ``{name}``, replaced by the channel name, so that one file serves
 several channels (``ipc:///run/zc/{name}-0.sock``).  Several replicas may share a node: keys of
@@ -35,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import zmq.auth
 from zchannel.broker.toml import tomllib
 
 ENV_CLUSTER = "ZCHANNEL_CLUSTER"
@@ -46,9 +55,13 @@ class Replica:
     node: str
     address: str
     hostnames: tuple[str, ...] = ()
+    server_key: str | None = None  # the replica's CURVE public key (z85), when CURVE is on
 
     def as_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "address": self.address, "hostnames": list(self.hostnames)}
+        row = {"node": self.node, "address": self.address, "hostnames": list(self.hostnames)}
+        if self.server_key:
+            row["server_key"] = self.server_key
+        return row
 
 
 @dataclass
@@ -57,6 +70,7 @@ class Cluster:
     name: str | None = None
     insecure: bool = False
     source: str | None = None
+    client_keys: str | None = None  # directory of the public keys let in (CURVE)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> list[dict[str, Any]]:
@@ -71,7 +85,7 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
     head = data.get("cluster", {})
-    bad = set(head) - {"name", "insecure"}
+    bad = set(head) - {"name", "insecure", "server_keys", "client_keys"}
     if bad:
         raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [cluster]")
     file_name = head.get("name")
@@ -91,12 +105,36 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
                 raise ValueError(f"{path}: address {address!r} needs a channel name")
             address = address.replace("{name}", name or file_name)
         replicas.append(Replica(str(row["node"]), address, tuple(row.get("hostnames") or ())))
+    here = Path(path).resolve().parent
+    server_keys = head.get("server_keys")
+    client_dir = head.get("client_keys")
+    if (server_keys is None) != (client_dir is None):
+        raise ValueError(f"{path}: server_keys and client_keys go together in [cluster]")
+    if server_keys is not None:
+        if not isinstance(server_keys, list) or len(server_keys) != len(replicas):
+            raise ValueError(f"{path}: server_keys lists one public key file per replica "
+                             f"({len(replicas)})")
+        replicas = [Replica(r.node, r.address, r.hostnames, public_key_z85(here / key_file))
+                    for r, key_file in zip(replicas, server_keys, strict=True)]
+        client_dir = str(here / client_dir)
+        if not Path(client_dir).is_dir():
+            raise ValueError(f"{path}: client_keys {client_dir} is not a directory")
     return Cluster(replicas, name=file_name or name, insecure=bool(head.get("insecure", False)),
-                   source=str(path))
+                   source=str(path), client_keys=client_dir)
+
+
+def public_key_z85(path: str | os.PathLike) -> str:
+    """The public key of a ZeroMQ certificate file, as z85 text."""
+    try:
+        public, _ = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the CURVE public key {path}: {exc}") from exc
+    return public.decode()
 
 
 def from_table(table: list[dict[str, Any]]) -> list[Replica]:
-    return [Replica(str(r["node"]), str(r["address"]), tuple(r.get("hostnames") or ()))
+    return [Replica(str(r["node"]), str(r["address"]), tuple(r.get("hostnames") or ()),
+                    r.get("server_key") or None)
             for r in table]
 
 

@@ -29,6 +29,7 @@ from zchannel.broker.checks import check_target_weight
 from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.security import replica_client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import consumer_sort_key
@@ -120,7 +121,9 @@ class DistributedChannel(Channel):
             sub = self._subs.get(index)
             if sub is None:
                 sub = Channel(self._name, self._replicas[index].address,
-                              identity=self._explicit_identity, curve_keys=self._curve_keys)
+                              identity=self._explicit_identity,
+                              curve_keys=replica_client_keys(self._curve_keys,
+                                                             self._replicas[index].server_key))
                 self._subs[index] = sub
             return sub
 

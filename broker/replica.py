@@ -17,7 +17,7 @@ from zchannel.broker.binding import BIND, BindingTable
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, from_table
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
-from zchannel.broker.security import client_keys
+from zchannel.broker.security import ReplicaCurveKeys, client_keys
 from zchannel.hooks import Collector
 
 log = logging.getLogger("zchannel.broker")
@@ -32,14 +32,23 @@ class ReplicaState:
 
     def __init__(self, name: str, index: int, table: list[dict[str, Any]],
                  curve_keys: Any = None, heartbeat_interval: float = 1.0,
-                 liveness: int = 3) -> None:
+                 liveness: int = 3, secret_key: str | None = None) -> None:
         self.name = name
         self.index = index
         self.replicas: list[Replica] = from_table(table)
         if not 0 <= index < len(self.replicas):
             raise ValueError(f"replica {index} is not in the cluster's {len(self.replicas)} replicas")
         self.node = self.replicas[index].node
-        self.bindings = BindingTable(name, index, self.replicas, client_keys(curve_keys),
+        shared = client_keys(curve_keys)
+
+        def curve_for(peer: int) -> Any:
+            # cluster-file CURVE: this replica's own key pair, the peer's public key
+            server_key = self.replicas[peer].server_key
+            if server_key and secret_key:
+                return ReplicaCurveKeys(secret_key, server_key)
+            return shared
+
+        self.bindings = BindingTable(name, index, self.replicas, curve_for,
                                      heartbeat_interval, liveness)
 
     @property
@@ -171,8 +180,19 @@ def replica_state(config: Any) -> ReplicaState:
         config.replicas = loaded.table()
         if loaded.insecure:
             config.insecure = True
+        if loaded.client_keys and config.curve_public_keys is None:
+            config.curve_public_keys = loaded.client_keys
     state = ReplicaState(config.name, config.replica, config.replicas,
-                         heartbeat_interval=config.heartbeat_interval, liveness=config.liveness)
+                         heartbeat_interval=config.heartbeat_interval, liveness=config.liveness,
+                         secret_key=config.curve_secret_key)
+    own_key = state.replicas[config.replica].server_key
+    if own_key:
+        if not config.curve_secret_key:
+            raise ValueError(f"the cluster file turns CURVE on: replica {config.replica} needs "
+                             "its key pair file (--curve-secret-key)")
+        if cluster.public_key_z85(config.curve_secret_key) != own_key:
+            raise ValueError(f"{config.curve_secret_key} is not the key pair of replica "
+                             f"{config.replica} (its public key differs from the cluster file's)")
     if config.address is None:
         config.address = state.address
     elif config.address != state.address:

@@ -74,6 +74,33 @@ def load_key_file(path: str, what: str) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
+@dataclass(frozen=True)
+class ReplicaCurveKeys(CurveKeys):
+    """A client's key pair file and one replica's public key as z85 text (a distributed channel
+    from a cluster file with CURVE: every replica has its own key pair)."""
+
+    def apply(self, sock: zmq.Socket) -> None:
+        public, secret = zmq.auth.load_certificate(self.secret_key)
+        if secret is None:
+            raise ValueError(f"{self.secret_key} holds no secret key")
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_serverkey = self.server_public_key.encode()
+
+
+def replica_client_keys(curve_keys: Any, server_key: str | None) -> Any:
+    """The CURVE settings for connecting to a replica whose public key is ``server_key`` (z85):
+    the client's own key pair file (from ``curve_keys`` or ``ZCHANNEL_CURVE_SECRET_KEY``) with
+    that key; ``curve_keys`` unchanged when the replica has none; None without a client key."""
+    if not server_key:
+        return curve_keys
+    base = client_keys(curve_keys) if curve_keys is not None else None
+    secret = base.secret_key if base is not None else os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")
+    if not secret:
+        return None
+    return ReplicaCurveKeys(secret, server_key)
+
+
 def client_keys(curve_keys: Any) -> CurveKeys | None:
     """Normalise ``curve_keys=`` (a ``CurveKeys``, a mapping or a 2-tuple of file paths), else
     read ``ZCHANNEL_CURVE_SECRET_KEY`` / ``ZCHANNEL_CURVE_SERVER_KEY``; None when neither."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -127,20 +128,40 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--name", default="broker", show_default=True, help="file name stem")
-def keygen(directory: str, name: str) -> None:
+@click.option("--replicas", type=click.IntRange(min=1),
+              help="keys for a cluster file instead: replicaI pairs, NAME as the client pair, "
+                   "their public keys in DIRECTORY/clients; prints the [cluster] lines")
+def keygen(directory: str, name: str, replicas: int | None) -> None:
     """Write a CURVE key pair: DIRECTORY/NAME.key (public) and NAME.key_secret (mode 0600).
 
     Give the broker its NAME.key_secret (--curve-secret-key) and a directory holding the clients'
     public .key files (--curve-public-keys); give each client its own .key_secret and the
     broker's .key (curve_keys=(secret, server_public) or ZCHANNEL_CURVE_SECRET_KEY /
-    ZCHANNEL_CURVE_SERVER_KEY).
+    ZCHANNEL_CURVE_SERVER_KEY).  With --replicas N: a pair per replica of a cluster file
+    (docs/distributed.md), one client pair NAME, and DIRECTORY/clients holding every public key
+    let in (the replicas authenticate each other with their own pairs).
     """
+    import shutil
+
     from zchannel.broker.security import keygen as make_keys
 
     paths.check_name(name)  # a file name stem: no separators
-    public, secret = make_keys(directory, name)
-    click.echo(f"public {public}")
-    click.echo(f"secret {secret}")
+    if replicas is None:
+        public, secret = make_keys(directory, name)
+        click.echo(f"public {public}")
+        click.echo(f"secret {secret}")
+        return
+    clients = os.path.join(directory, "clients")
+    os.makedirs(clients, exist_ok=True)
+    stems = [f"replica{i}" for i in range(replicas)] + [name]
+    for stem in stems:
+        public, secret = make_keys(directory, stem)
+        shutil.copy(public, os.path.join(clients, f"{stem}.key"))
+        click.echo(f"secret {secret}")
+    keys = ", ".join(f'"{os.path.join(directory, s)}.key"' for s in stems[:-1])
+    click.echo("[cluster]")
+    click.echo(f"server_keys = [{keys}]")
+    click.echo(f'client_keys = "{clients}"')
 
 
 def _fmt_key(key: Any) -> str:

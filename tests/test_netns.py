@@ -71,3 +71,87 @@ def test_without_locality_payloads_cross(nets, workdir):
     assert held[nets.names[0]] >= 48 * MIB and held[nets.names[1]] == held[nets.names[2]] == 0
     # namespaces 1 and 2 send their puts to namespace 0 and their gets come back: 4 x 16 MiB
     assert r["crossing_bytes"] >= 64 * MIB, r
+
+
+CURVE_CLIENT = """
+import sys
+from zchannel.broker import Channel, ChannelNotFound
+mode, name = sys.argv[1], sys.argv[2]
+try:
+    ch = Channel.connect(name, timeout=5)  # the replica table comes from $ZCHANNEL_CLUSTER
+    ch.stats()  # every replica must answer
+except ChannelNotFound as exc:
+    print("refused", flush=True)
+    sys.exit(0)
+if mode == "put":
+    ch.put("secret-payload", key="k1")
+    print("put", ch.node_of("k1"), flush=True)
+else:
+    item = ch.get("k1", timeout=30)
+    print("got", item, ch.node_of("k1"),
+          ",".join(str(r["bound_keys"]) for r in ch.stats()["replicas"]), flush=True)
+ch.close()
+"""
+
+
+def test_cluster_file_curve(nets, workdir):
+    """CURVE from a cluster file on non-loopback addresses: ``zchannel keygen --replicas 3``
+    writes the keys; replicas start with their own key pairs and admit only the listed keys; a
+    client without keys, and one with a key pair that is not listed, are refused; one with the
+    client key pair works, and the replicas replicate the binding table to each other (every
+    replica holds the binding), which they can only do authenticated."""
+    import sys
+
+    from netns_bench import Procs, python_env, read_line
+
+    keys = os.path.join(workdir, "keys")
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", keys,
+                          "--replicas", "3", "--name", "client"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    head = out[out.index("[cluster]"):]
+    path = os.path.join(workdir, "curve.toml")
+    with open(path, "w") as f:
+        f.write(head + "\n")
+        for i, ns in enumerate(nets.names):
+            f.write(f'[[replica]]\nnode = "{ns}"\naddress = "tcp://{nets.ips[i]}:5710"\n\n')
+    rogue = os.path.join(workdir, "rogue")
+    subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", rogue, "--name", "x"],
+                   capture_output=True, timeout=60, check=True)
+    procs = Procs()
+    try:
+        base = [sys.executable, "-m", "zchannel.cli.main", "broker", "sec", "--cluster", path]
+        # a replica without its key pair refuses to start (CURVE is on for the whole cluster)
+        env = dict(python_env(workdir), ZCHANNEL_RUN_DIR=os.path.join(workdir, "run-x"))
+        bad = subprocess.run(["ip", "netns", "exec", nets.names[0], *base, "--replica", "0"],
+                             capture_output=True, text=True, env={**os.environ, **env},
+                             timeout=60, cwd=workdir)
+        assert bad.returncode != 0 and "--curve-secret-key" in bad.stderr, bad.stderr
+        started = []
+        for i in range(3):
+            env = dict(python_env(workdir), ZCHANNEL_RUN_DIR=os.path.join(workdir, f"run-{i}"))
+            started.append(procs.add(nets.popen(
+                i, [*base, "--replica", str(i), "--curve-secret-key",
+                    os.path.join(keys, f"replica{i}.key_secret")],
+                env=env, stdout=subprocess.PIPE, cwd=workdir)))
+        for p in started:
+            line = read_line(p, 60)
+            assert line.startswith("ready"), line
+
+        def client(i: int, mode: str, secret: str | None) -> str:
+            env = dict(python_env(workdir), ZCHANNEL_CLUSTER=path, ZCHANNEL_NODE=nets.names[i],
+                       ZCHANNEL_RUN_DIR=os.path.join(workdir, f"client-{i}-{mode}"))
+            if secret:
+                env["ZCHANNEL_CURVE_SECRET_KEY"] = secret
+            p = procs.add(nets.popen(i, [sys.executable, "-c", CURVE_CLIENT, mode, "sec"],
+                                     env=env, stdout=subprocess.PIPE, cwd=workdir))
+            return read_line(p, 120)
+
+        assert client(1, "put", None) == "refused"  # no keys at all
+        assert client(1, "put", os.path.join(rogue, "x.key_secret")) == "refused"  # not listed
+        client_secret = os.path.join(keys, "client.key_secret")
+        assert client(1, "put", client_secret) == f"put {nets.names[1]}"
+        got = client(2, "get", client_secret).split()
+        assert got[:3] == ["got", "secret-payload", nets.names[1]], got
+        assert got[3] == "1,1,1", got  # the binding reached every replica (authenticated links)
+    finally:
+        procs.stop_all()
