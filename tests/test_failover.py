@@ -26,17 +26,18 @@ NODES = ("node-a", "node-b", "node-c")
 EXPIRY_S = 3.0  # heartbeat interval 1 s x liveness 3 (the defaults)
 
 # A producer: puts "node/seq" (weight 1) to its node's three old keys, to a new key of its node every
-# ten rounds, and to a key every producer touches in the same round ("shared").  Commands on
+# ten rounds, and to a key every producer touches in the same round ("shared"); each round it
+# also takes what is there from one old key and its previous new key.  Commands on
 # stdin: "next" -> prints "bound <time.monotonic()>" after the next successful put to a key it
 # had never used (the clock is the same in every process of the host); "all" -> prints
 # "all <time>" after the next round in which every put succeeded; "stop" -> prints the JSON record and exits.
 PRODUCER = """
 import json, select, sys, time
-from zchannel.broker import BrokerUnavailable, Channel
+from zchannel.broker import BrokerUnavailable, Channel, QueueEmpty
 node, address = sys.argv[1], sys.argv[2]
 ch = Channel.connect(address)
 old = [(node, "old", i) for i in range(3)]
-acked, failed, views, used = [], 0, {}, set()
+acked, got, failed, views, used = [], [], 0, {}, set()
 asked, whole = None, False
 seq = rnd = 0
 for key in old:
@@ -68,11 +69,16 @@ while True:
             if asked is not None and key[1] != "old":
                 print(f"bound {time.monotonic()}", flush=True)
                 asked = None
+    for key in (old[rnd % 3], (node, "new", max(0, rnd // 10 - 1))):  # consume meanwhile
+        try:
+            got += [[list(key), item] for item in ch.get_batch(8, key, timeout=0)]
+        except (BrokerUnavailable, QueueEmpty, TimeoutError):
+            pass
     if whole and ok:
         print(f"all {time.monotonic()}", flush=True)
         whole = False
     rnd += 1
-print(json.dumps({"acked": acked, "failed": failed, "views": views}), flush=True)
+print(json.dumps({"acked": acked, "got": got, "failed": failed, "views": views}), flush=True)
 ch.close()
 """
 
@@ -148,7 +154,7 @@ class Chaos:
             for i in range(3):  # no replica served a key bound to another one
                 for key in reader._sub(i).stats()["keys"]:
                     assert key in bound and bound[key] == i, (key, i)
-            delivered: Counter = Counter()
+            delivered: Counter = Counter((_key(k), item) for r in records for k, item in r["got"])
             for key in sorted(keys, key=repr):
                 n = reader.qsize(key)
                 while n:
