@@ -29,9 +29,11 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import ray
 import zmq
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -43,6 +45,10 @@ log = logging.getLogger("zchannel.client")
 
 ACTOR_PREFIX = "zchannel:"
 START_TIMEOUT_S = 120.0
+# a failed broker actor is restarted by Ray (on its node), as often as it fails
+MAX_RESTARTS = -1
+RESTART_BIND_S = 30.0
+STATE_FILE = "actor-state.msgpack"
 
 
 @dataclass(frozen=True)
@@ -68,15 +74,48 @@ def _write_cert(path: str, public: bytes, secret: bytes | None) -> None:
 
 @ray.remote(num_cpus=0)
 class BrokerActor:
-    """Runs one broker process on its node (the broker stops when this actor's process dies)."""
+    """Runs one broker process on its node (the broker stops when this actor's process dies).
 
-    def __init__(self) -> None:
+    Ray restarts a failed actor (``max_restarts``) on the same node (hard node affinity); the
+    restarted actor finds what ``start`` and ``set_info`` were given in its work directory
+    (``<tmp>/zchannel-ray-<job>-<name>-r<replica>``, mode 0700) and starts the broker again on
+    the same address, which joins the other replicas like any restarted replica; handles
+    reconnect by themselves, and ``Channel.connect`` finds the republished table."""
+
+    def __init__(self, name: str = "", replica: int = 0) -> None:
         self.proc: subprocess.Popen | None = None
         self.token: str | None = None
         self.info: dict | None = None
-        self.workdir = tempfile.mkdtemp(prefix="zchannel-ray-")
+        job = ray.get_runtime_context().get_job_id()
+        self.workdir = os.path.join(tempfile.gettempdir(),
+                                    f"zchannel-ray-{job}-{name}-r{replica}-{os.getuid()}")
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
         os.chmod(self.workdir, 0o700)
         os.environ["ZCHANNEL_RUN_DIR"] = os.path.join(self.workdir, "run")
+        saved = os.path.join(self.workdir, STATE_FILE)
+        if restarted and os.path.exists(saved):
+            with open(saved, "rb") as f:
+                state = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+            self.info = state.get("info")
+            if state.get("config") is not None:
+                log.warning("broker actor of %r replica %d restarted: starting its broker again",
+                            name, replica)
+                self._start(state["config"], state.get("curve"), RESTART_BIND_S)
+
+    def _save(self, **fields: Any) -> None:
+        path = os.path.join(self.workdir, STATE_FILE)
+        state = {}
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                state = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+        state.update(fields)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb(state, use_bin_type=True))
+        os.replace(path + ".tmp", path)
 
     def node(self) -> tuple[str, str, int]:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
@@ -93,14 +132,24 @@ class BrokerActor:
             s.bind((ip, 0))
             return s.getsockname()[1]
 
+    def pid(self) -> int:
+        """The broker process's pid (a call that also waits until a restarted actor is up)."""
+        return self.proc.pid if self.proc is not None else -1
+
     def start(self, config: dict, curve: dict | None) -> tuple[str, int]:
+        self._save(config=config, curve=curve)
+        return self._start(config, curve, 0.0)
+
+    def _start(self, config: dict, curve: dict | None, retry_s: float) -> tuple[str, int]:
+        """Spawn the broker; for up to ``retry_s`` while the previous one (of a failed actor)
+        still holds the lock or the address."""
         from zchannel.broker.starting import spawn_broker
 
         config = dict(config)
         if curve is not None:
             keys = os.path.join(self.workdir, "keys")
             clients = os.path.join(keys, "clients")
-            os.makedirs(clients, mode=0o700)
+            os.makedirs(clients, mode=0o700, exist_ok=True)
             server_secret = os.path.join(keys, "server.key_secret")
             _write_cert(server_secret, curve["server_public"].encode(), curve["server_secret"].encode())
             _write_cert(os.path.join(clients, "client.key"), curve["client_public"].encode(), None)
@@ -113,17 +162,25 @@ class BrokerActor:
             os.environ["ZCHANNEL_CURVE_SERVER_KEY"] = server_public
             config.update(curve_secret_key=server_secret, curve_public_keys=clients)
         lock_name = f"{config['name']}.replica{config.get('replica', 0)}"
-        lock_fd = paths.try_lock(lock_name)
-        if lock_fd is None:
-            raise ChannelError(f"a broker for {lock_name!r} already runs in this actor")
-        try:
-            self.proc, address, self.token = spawn_broker(config, lock_fd)
-        finally:
-            os.close(lock_fd)
-        return address, self.proc.pid
+        deadline = time.monotonic() + retry_s
+        while True:
+            lock_fd = paths.try_lock(lock_name)
+            try:
+                if lock_fd is None:
+                    raise ChannelError(f"a broker for {lock_name!r} already runs in this actor")
+                self.proc, address, self.token = spawn_broker(config, lock_fd)
+                return address, self.proc.pid
+            except ChannelError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)  # the failed actor's broker stops within a second
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)
 
     def set_info(self, info: dict) -> None:
         self.info = info
+        self._save(info=info)
 
     def get_info(self) -> dict | None:
         return self.info
@@ -248,8 +305,9 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
         BrokerActor.options(
             name=ACTOR_PREFIX + name if i == 0 else None,
             num_cpus=0,
+            max_restarts=MAX_RESTARTS,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote()
+        ).remote(name, i)
         for i, node_id in enumerate(placement)
     ]
     owner = RayPlacement(actors)

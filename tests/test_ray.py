@@ -191,3 +191,70 @@ def test_creator_death_leaves_no_brokers(cluster, workers):
     for name in set(os.listdir(shm.SHM_DIR)) - before:
         if "+orphan+" in name:
             os.unlink(os.path.join(shm.SHM_DIR, name))
+
+
+def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
+    """A broker actor killed by Ray (``ray.kill(no_restart=False)``) is restarted on its node,
+    starts its broker again on the same address (it learns the bindings from the other
+    replicas), and the creator's handle keeps serving without a restart: the dead replica's
+    items are lost, the others' are not, and its keys take puts again."""
+    from zchannel.broker import BrokerUnavailable
+
+    ch = Channel.create("rayha", distributed=True)
+    try:
+        producers = [_pinned(i) for i in range(3)]
+        nodes = ray.get([p.node.remote() for p in producers])
+        index = {r["node"]: i for i, r in enumerate(ch.replicas)}
+        ray.get([p.produce.remote(ch, f"h{i}", 3) for i, p in enumerate(producers)])
+        victim = index[nodes[1]]
+        actor = ch._ray_owner.actors[victim]
+        old_pid = ray.get(actor.pid.remote())
+        old_address = ch.replicas[victim]["address"]
+        ray.kill(actor, no_restart=False)
+        new_pid = _restarted_pid(actor, old_pid)
+        assert new_pid != -1
+        # the survivors' items are all there
+        for i in (0, 2):
+            assert [int(ch.get((f"h{i}", k), timeout=30)[0]) for k in range(3)] == [0, 1, 2]
+
+        def put_again() -> bool:
+            try:
+                ch.put(torch.zeros(4), key=("h1", 0), timeout=5)
+                return True
+            except BrokerUnavailable:
+                return False  # the handle has not seen the restarted replica yet
+
+        assert wait_until(put_again, 60), "the restarted replica never took a put"
+        stats = ch.stats()
+        rep = stats["replicas"][victim]
+        assert rep["pid"] == new_pid and rep["node"] == nodes[1]
+        assert rep["address"] == old_address
+        assert stats["keys"][("h1", 0)]["node"] == nodes[1]
+        assert ch.qsize(("h1", 1)) == 0  # what the dead replica held is lost
+        assert rep["bound_keys"] == stats["replicas"][(victim + 1) % 3]["bound_keys"]
+        # a new key from the restarted node binds to its replica; connect by name still works
+        assert ray.get(producers[1].produce.remote(ch, "after", 1)) == nodes[1]
+        assert ray.get(read_by_name.remote("rayha", ("after", 0))) == 0
+        pids = [r["pid"] for r in ch.stats()["replicas"]]
+        for p in producers:
+            ray.kill(p)
+    finally:
+        ch.shutdown()
+    _assert_gone(pids, "zchannel:rayha")
+
+
+def _restarted_pid(actor, old_pid: int, timeout: float = 120) -> int:
+    """The broker pid of ``actor`` once Ray restarted it (calls fail with ActorUnavailableError
+    while it restarts, and may still reach the old instance right after the kill)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid = ray.get(actor.pid.remote(), timeout=timeout)
+            if pid != old_pid:
+                return pid
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            pass
+        assert time.monotonic() < deadline, "the broker actor was not restarted"
+        time.sleep(0.1)  # pacing the calls while Ray restarts the actor
