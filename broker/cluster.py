@@ -1,7 +1,7 @@
 """Cluster files and node detection for distributed channels (no Ray).
 
-A cluster file (TOML) lists the replicas of a distributed channel, in order; replica 0 holds the
-key-binding table::
+A cluster file (TOML) lists the replicas of a distributed channel, in order (every replica holds
+the key-binding table; the lowest-index live one decides new bindings: ``broker/binding.py``)::
 
     [cluster]
     name = "samples"          # optional: the only channel this file serves

@@ -270,13 +270,14 @@ class DistributedChannel(Channel):
             summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
                            keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
                            uptime_s=s.get("uptime_s"))
-            if "bound_keys" in s:
-                summary["bound_keys"] = s["bound_keys"]
+            for name in ("bound_keys", "binding"):
+                if name in s:
+                    summary[name] = s[name]
             summaries.append(summary)
         if not parts:
             raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
         first = parts[0]
-        out = {k: v for k, v in first.items() if k not in ("replica", "node", "bound_keys")}
+        out = {k: v for k, v in first.items() if k not in ("replica", "node", "bound_keys", "binding")}
         keys: dict = {}
         consumers: set = set()
         for s in parts:

@@ -153,7 +153,7 @@ class BrokerActor:
             server_secret = os.path.join(keys, "server.key_secret")
             _write_cert(server_secret, curve["server_public"].encode(), curve["server_secret"].encode())
             _write_cert(os.path.join(clients, "client.key"), curve["client_public"].encode(), None)
-            # the replica's own connection to replica 0 (collector output bindings)
+            # the replica's links to the other replicas (the replicated binding table)
             client_secret = os.path.join(keys, "client.key_secret")
             _write_cert(client_secret, curve["client_public"].encode(), curve["client_secret"].encode())
             server_public = os.path.join(keys, "server.key")
