@@ -49,7 +49,8 @@ class BindingTable:
     """Replica ``index``'s copy of the binding table and its links to the other replicas."""
 
     def __init__(self, name: str, index: int, replicas: list[Replica],
-                 curve_for: Callable[[int], Any] = lambda peer: None, heartbeat_interval: float = 1.0, liveness: int = 3) -> None:
+                 curve_for: Callable[[int], Any] = lambda peer: None,
+                 heartbeat_interval: float = 1.0, liveness: int = 3) -> None:
         self.name = name
         self.index = index
         self.replicas = replicas
@@ -103,6 +104,10 @@ class BindingTable:
                     continue
                 except ChannelError:
                     pass  # expired or went down: asked again below, or counted as down
+                except Exception as exc:  # not a replica of this channel: nothing to learn
+                    log.warning("replica %d did not answer the table request: %s", i, exc)
+                    self._synced.add(i)
+                    continue
             if conn.state == DOWN:
                 continue
             if i not in self._syncs:
@@ -117,10 +122,21 @@ class BindingTable:
             log.info("replica %d of %r ready: %d binding(s) learned from %s", self.index,
                      self.name, len(self.table), sorted(self._synced) or "no live replica")
 
+    def _entries(self, entries: Any) -> list[tuple[Any, int]]:
+        """Validated ``[[key, replica], ...]`` from the wire (``ValueError`` names the cause)."""
+        out = []
+        for entry in entries:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise ValueError(f"a binding is [key, replica], not {entry!r}")
+            key, r = check_key(key_from_wire(entry[0])), entry[1]
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(self.replicas):
+                raise ValueError(f"binding of {key!r} to an unknown replica {r!r}")
+            out.append((key, r))
+        return out
+
     def _merge(self, entries: Any) -> list:
         conflicts = []
-        for k, r in entries:
-            key = key_from_wire(k)
+        for key, r in self._entries(entries):
             held = self.table.get(key)
             if held is None:
                 self.table[key] = r
@@ -137,8 +153,7 @@ class BindingTable:
         if op == LEARN:
             entries = rec.get("b") or ()
             if rec.get("force"):
-                for k, r in entries:
-                    self.table[key_from_wire(k)] = r
+                self.table.update(self._entries(entries))
                 return []
             return self._merge(entries)
         sender = rec.get("from")

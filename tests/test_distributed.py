@@ -320,3 +320,26 @@ def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
     proc.wait()
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10), \
         "replicas outlived their creator"
+
+
+def test_binding_table_rejects_bad_input(tcp_cluster, monkeypatch):
+    """A malformed binding-table request gets a clear error, changes nothing, and the replica
+    goes on serving."""
+    path, _ = tcp_cluster
+    ch = _handle(monkeypatch, path, "node-a")
+    ch.put(1, key="kept")
+    sub = ch._sub(1)
+    # replicas other than the binder finish joining at their next heartbeat tick
+    assert wait_until(lambda: [r["binding"] for r in ch.stats()["replicas"]]
+                      == ["binder", "ready", "ready"], 30)
+    for rec, cause in (({"op": "learn", "b": [["kept", 99]]}, "unknown replica"),
+                       ({"op": "learn", "b": [["x"]]}, "[key, replica]"),
+                       ({"op": "learn", "b": [["y", True]], "force": True}, "unknown replica"),
+                       ({"op": "bind", "k": "z", "node": 5}, "node must be a str")):
+        with pytest.raises((ValueError, TypeError), match=cause.replace("[", r"\[")):
+            ch._sub(0 if rec["op"] == "bind" else 1)._submit(dict(rec)).wait(timeout=10)
+    stats = ch.stats()
+    assert [r["bound_keys"] for r in stats["replicas"]] == [1, 1, 1]
+    assert [r["binding"] for r in stats["replicas"]] == ["binder", "ready", "ready"]  # unchanged
+    assert sub.qsize("kept") == 0 and ch.get("kept", timeout=5) == 1
+    ch.close()

@@ -225,13 +225,16 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
                 return False  # the handle has not seen the restarted replica yet
 
         assert wait_until(put_again, 60), "the restarted replica never took a put"
+        # it serves its keys at once; it binds only once it learned the table (joining)
+        assert wait_until(lambda: ch.stats()["replicas"][victim].get("binding") != "joining", 60)
         stats = ch.stats()
         rep = stats["replicas"][victim]
         assert rep["pid"] == new_pid and rep["node"] == nodes[1]
         assert rep["address"] == old_address
         assert stats["keys"][("h1", 0)]["node"] == nodes[1]
         assert ch.qsize(("h1", 1)) == 0  # what the dead replica held is lost
-        assert rep["bound_keys"] == stats["replicas"][(victim + 1) % 3]["bound_keys"]
+        assert rep["bound_keys"] == stats["replicas"][(victim + 1) % 3]["bound_keys"], \
+            stats["replicas"]
         # a new key from the restarted node binds to its replica; connect by name still works
         assert ray.get(producers[1].produce.remote(ch, "after", 1)) == nodes[1]
         assert ray.get(read_by_name.remote("rayha", ("after", 0))) == 0
