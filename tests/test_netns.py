@@ -75,13 +75,13 @@ def test_without_locality_payloads_cross(nets, workdir):
 
 CURVE_CLIENT = """
 import sys
-from zchannel.broker import Channel, ChannelNotFound
+from zchannel.broker import AuthenticationFailed, Channel, ChannelNotFound
 mode, name = sys.argv[1], sys.argv[2]
 try:
     ch = Channel.connect(name, timeout=5)  # the replica table comes from $ZCHANNEL_CLUSTER
     ch.stats()  # every replica must answer
-except ChannelNotFound as exc:
-    print("refused", flush=True)
+except (AuthenticationFailed, ChannelNotFound) as exc:
+    print("refused", type(exc).__name__, flush=True)
     sys.exit(0)
 if mode == "put":
     ch.put("secret-payload", key="k1")
@@ -146,8 +146,9 @@ def test_cluster_file_curve(nets, workdir):
                                      env=env, stdout=subprocess.PIPE, cwd=workdir))
             return read_line(p, 120)
 
-        assert client(1, "put", None) == "refused"  # no keys at all
-        assert client(1, "put", os.path.join(rogue, "x.key_secret")) == "refused"  # not listed
+        # no keys at all; a key pair that is not listed
+        assert client(1, "put", None) == "refused AuthenticationFailed"
+        assert client(1, "put", os.path.join(rogue, "x.key_secret")) == "refused AuthenticationFailed"
         client_secret = os.path.join(keys, "client.key_secret")
         assert client(1, "put", client_secret) == f"put {nets.names[1]}"
         got = client(2, "get", client_secret).split()
