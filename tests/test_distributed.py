@@ -10,7 +10,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
