@@ -9,10 +9,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
+from conftest import wait_until
 from zchannel.broker import Channel
 
 pytestmark = pytest.mark.timeout(90)
@@ -105,12 +105,9 @@ def test_scraped_metrics_match_stat(run_dir):
         consumer.ack(delivery)
         producer.put(bytes(10), key="obs")
         # a snapshot is reused for up to 0.5 s; a later scrape reflects the changes
-        deadline = time.monotonic() + 20
-        later = _scrape(url)
-        while later["zchannel_puts_total"] != 11 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            later = _scrape(url)
-        assert later["zchannel_puts_total"] == 11
+        later = wait_until(lambda: (m := _scrape(url))["zchannel_puts_total"] == 11 and m,
+                           timeout=20, interval=0.1)
+        assert later and later["zchannel_puts_total"] == 11
         assert later["zchannel_leases_outstanding"] == 0
         assert later['zchannel_key_items_held{key="obs"}'] == 6
         producer.close()
