@@ -1,14 +1,22 @@
-"""Helpers for distributed-channel tests: cluster files and free loopback ports."""
+"""Helpers for distributed-channel tests: cluster files, free loopback ports and a simulated
+three-node Ray cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 
 def write_cluster(directory: str, nodes: tuple[str, ...] = ("n0", "n0", "n0"),
@@ -87,3 +95,41 @@ class Replicas:
                 proc.wait()
             if proc.stdout and not proc.stdout.closed:
                 proc.stdout.close()
+
+
+@contextlib.contextmanager
+def ray_three_nodes(prefix: str, node_resources: bool = False) -> Iterator[Any]:
+    """A simulated three-node Ray cluster (``ray.cluster_utils.Cluster``, one CPU a node) with
+    ``ZCHANNEL_RUN_DIR`` set to a fresh directory that the cluster's worker processes inherit;
+    the test is skipped, with Ray's reason, when Ray cannot start one here.  ``node_resources``:
+    node ``i`` also offers the custom resource ``node<i>`` (to pin actors to it)."""
+    import ray  # optional: the callers skip when it is not installed
+    from ray.cluster_utils import Cluster
+
+    def resources(i: int) -> dict:
+        return {"resources": {f"node{i}": 1}} if node_resources else {}
+
+    run_dir = tempfile.mkdtemp(prefix=prefix)
+    saved = {name: os.environ.get(name) for name in ("ZCHANNEL_RUN_DIR", "PYTHONPATH")}
+    os.environ["ZCHANNEL_RUN_DIR"] = run_dir
+    c = None
+    try:
+        try:  # Ray itself, not zchannel: a machine that cannot run it skips with the reason
+            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **resources(0)})
+            for i in (1, 2):
+                c.add_node(num_cpus=1, **resources(i))
+            ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+            c.wait_for_nodes()
+        except Exception as exc:
+            pytest.skip(f"ray could not start a local 3-node cluster here: {type(exc).__name__}: {exc}")
+        yield c
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -4,14 +4,13 @@ machine; producers pinned to nodes by custom resources.  Skipped when ray is not
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
 
 import torch  # noqa: E402
+from cluster_util import ray_three_nodes  # noqa: E402
 from conftest import pid_alive, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.distributed import DistributedChannel  # noqa: E402
@@ -21,32 +20,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    run_dir = tempfile.mkdtemp(prefix="zcr-")
-    old = os.environ.get("ZCHANNEL_RUN_DIR")
-    os.environ["ZCHANNEL_RUN_DIR"] = run_dir  # what the cluster's worker processes inherit
-    c = None
-    try:
-        try:  # Ray itself, not zchannel: a machine that cannot run it skips with the reason
-            c = Cluster(initialize_head=True,
-                        head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
-            for i in (1, 2):
-                c.add_node(num_cpus=1, resources={f"node{i}": 1})
-            ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
-            c.wait_for_nodes()
-        except Exception as exc:
-            pytest.skip(f"ray could not start a local 3-node cluster here: {type(exc).__name__}: {exc}")
+    with ray_three_nodes("zcr-", node_resources=True) as c:
         yield c
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old is None:
-            os.environ.pop("ZCHANNEL_RUN_DIR", None)
-        else:
-            os.environ["ZCHANNEL_RUN_DIR"] = old
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @ray.remote(num_cpus=0)

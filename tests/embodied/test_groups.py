@@ -3,12 +3,10 @@ producers/consumers; the seed's placement rule on a simulated 3-node Ray cluster
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 
 import pytest
+from cluster_util import ray_three_nodes
 from zchannel.broker import Channel
 from zchannel.broker.groups import expand_groups
 from zchannel.embodied.groups import Worker, WorkerError
@@ -74,36 +72,13 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    run_dir = tempfile.mkdtemp(prefix="zcg-")
-    old = os.environ.get("ZCHANNEL_RUN_DIR")
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["ZCHANNEL_RUN_DIR"] = run_dir
     # Ray workers cannot import this test module: its Worker class travels by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    c = None
     try:
-        try:
-            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-            for _ in (1, 2):
-                c.add_node(num_cpus=1)
-            ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
-            c.wait_for_nodes()
-        except Exception as exc:
-            pytest.skip(f"ray could not start a local 3-node cluster here: {exc}")
-        yield c
+        with ray_three_nodes("zcg-") as c:
+            yield c
     finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        for name, value in (("ZCHANNEL_RUN_DIR", old), ("PYTHONPATH", old_path)):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _nodes():
