@@ -1,9 +1,10 @@
 """The replicated key-binding table of a distributed channel (broker side).
 
 Every replica holds the whole table (key -> replica index).  New bindings are decided by one
-replica, the **binder**: in a replica's view, the lowest-index replica that may be alive (its
-connection is not down, or it asked this replica for the table less than one heartbeat expiry
-ago) -- if that is itself, and only once it is **ready**.  The binder records a binding, sends it
+replica, the **binder**: in a replica's view, the lowest-index replica that may be alive (it was
+heard from within one heartbeat expiry, judged at the moment of the request, or it asked this
+replica for the table less than one expiry ago) -- if that is itself, and only once it is
+**ready**.  So the next replica takes over the moment the binder's expiry ends.  The binder records a binding, sends it
 to every other live replica (``learn``) and waits for their acknowledgements (at most
 ``REPLICATE_WAIT_S``) before it answers; so when it dies, the next binder already holds every
 binding that was answered.  A replica that starts (or restarts) is not ready: it asks every
@@ -31,7 +32,7 @@ from typing import Any
 
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, choose_replica
-from zchannel.broker.connection import DOWN, UP, Connection
+from zchannel.broker.connection import CLOSED, DOWN, UP, Connection
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.protocol import key_from_wire
 
@@ -92,6 +93,7 @@ class BindingTable:
         down.  Cheap when ready (called on every binding request and heartbeat tick)."""
         if self.ready:
             return
+        now = time.monotonic()
         for i, conn in self._peers.items():
             if i in self._synced:
                 continue
@@ -115,7 +117,7 @@ class BindingTable:
                     self._syncs[i] = conn.request({"op": SYNC, "from": self.index}, [])
                 except ChannelError:
                     pass
-        pending = [i for i, c in self._peers.items() if i not in self._synced and c.state != DOWN]
+        pending = [i for i in self._peers if i not in self._synced and self.alive(i, now)]
         if not pending:
             self.ready = True
             self._syncs.clear()
@@ -161,14 +163,22 @@ class BindingTable:
             self._lower_seen[sender] = time.monotonic()  # it takes over once ready: stop deciding
         return {"ready": self.ready, "b": [[k, r] for k, r in self.table.items()]}
 
+    def alive(self, index: int, now: float) -> bool:
+        """Replica ``index`` may be alive in this replica's view: it is this one, or its link
+        is not down and it was heard from within one heartbeat expiry, judged now (not at the
+        link's next keepalive tick): a replica is dead for binding the moment its expiry ends."""
+        if index == self.index:
+            return True
+        conn = self._peers.get(index)
+        if conn is None or conn.state in (DOWN, CLOSED):
+            return False
+        return conn.silent_for(now) <= conn.hb * conn.liveness
+
     def binder(self) -> int:
         """The replica that decides new bindings, in this replica's view."""
         now = time.monotonic()
         for i in range(self.index):
-            conn = self._peers.get(i)
-            if conn is not None and conn.state != DOWN:
-                return i
-            if now - self._lower_seen.get(i, -1e9) < self.expiry:
+            if self.alive(i, now) or now - self._lower_seen.get(i, -1e9) < self.expiry:
                 return i
         return self.index
 
@@ -205,8 +215,9 @@ class BindingTable:
     def _choose(self, node: str | None, key: Any) -> int:
         """``choose_replica`` over the replicas that are up: a key first touched from a node
         whose replicas are all down binds to a live replica (it is served now, not lost)."""
-        live = [i for i in range(len(self.replicas))
-                if i == self.index or (i in self._peers and self._peers[i].state == UP)]
+        now = time.monotonic()
+        live = [i for i in range(len(self.replicas)) if i == self.index or (
+            i in self._peers and self._peers[i].state == UP and self.alive(i, now))]
         index = choose_replica([self.replicas[i] for i in live], node, key)
         return live[index]
 
@@ -216,8 +227,8 @@ class BindingTable:
         now = time.monotonic()
         works = []
         for i, conn in self._peers.items():
-            if i == skip or conn.state == DOWN:
-                continue
+            if i == skip or not self.alive(i, now):
+                continue  # a dead one learns everything by joining when it is back
             try:
                 work = conn.request({"op": LEARN, "b": entries}, [])
             except ChannelError:

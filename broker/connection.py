@@ -130,6 +130,7 @@ class Connection(Liveness):
         self.hb = heartbeat_interval
         self.liveness = liveness
         self.state = CONNECTING
+        self._last_recv = time.monotonic()  # life from the broker (``Liveness.silent_for``)
         self.broker_info: dict[str, Any] = {}
         self._ids = itertools.count(1)
         self._queue: deque[tuple[dict, list, _Pending | None]] = deque()

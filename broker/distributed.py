@@ -46,6 +46,7 @@ BIND_CONNECT_S = 3.0
 BIND_RETRY_S = 0.02
 BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
 BIND_DEADLINE_S = 30.0
+BIND_HEDGE_S = 0.25  # a replica silent this long on a bind request: ask the next one too
 
 
 def ray_connected() -> bool:
@@ -141,40 +142,59 @@ class DistributedChannel(Channel):
     def _bind(self, key: Any) -> int:
         """Ask the binder (``broker/binding.py``) for ``key``'s replica: start with the last
         binder, follow redirects, go on to the next replica when one is unavailable; wait
-        while a replica joins.  ``BrokerUnavailable`` when every replica failed in a row or no
-        answer came within ``BIND_DEADLINE_S``."""
+        while a replica joins.  A replica that has not answered within ``BIND_HEDGE_S`` stays
+        asked, and the next one is asked meanwhile (it takes over the moment the silent
+        binder's heartbeat expiry ends, before this handle's own connection notices).
+        ``BrokerUnavailable`` when every replica failed in a row or no answer came within
+        ``BIND_DEADLINE_S``."""
         n = len(self._replicas)
         deadline = time.monotonic() + BIND_DEADLINE_S
         target, unavailable, last_error = self._binder, 0, None
         failed: dict[int, float] = {}  # replica -> when it was last found unavailable
+        asked: dict[int, Work] = {}  # replicas asked that have not answered yet
+        request = {"op": BIND, "k": key, "node": self._node}
         while True:
-            answer = None
+            answers = []  # (replica, answer) of this turn
+            work = asked.pop(target, None)
             try:
-                sub = self._sub(target)
-                sub._connection(timeout=BIND_CONNECT_S)
-                answer = sub._submit({"op": BIND, "k": key, "node": self._node}).wait(
-                    max(0.0, deadline - time.monotonic()))
+                if work is None:
+                    sub = self._sub(target)
+                    sub._connection(timeout=BIND_CONNECT_S)
+                    work = sub._submit(dict(request))
+                answers.append((target, work.wait(
+                    max(0.0, min(BIND_HEDGE_S, deadline - time.monotonic())))))
                 unavailable = 0
             except BrokerUnavailable as exc:
                 unavailable, last_error = unavailable + 1, exc
                 failed[target] = time.monotonic()
-                target = (target + 1) % n
                 if unavailable >= n:
                     raise BrokerUnavailable(f"no replica of {self._name!r} answers to bind "
                                             f"{key!r}: {last_error}") from exc
+                target = (target + 1) % n
             except TimeoutError:
-                pass
-            if isinstance(answer, int) and not isinstance(answer, bool):
-                if not 0 <= answer < n:
-                    raise ChannelError(f"replica {target} bound {key!r} to an unknown replica "
-                                       f"{answer!r}")
-                self._binder = target
-                return answer
+                asked[target] = work  # slow, or dead before its expiry: ask the next meanwhile
+                target = (target + 1) % n
+            for i, late in list(asked.items()):  # replicas asked earlier that answered since
+                if late.done():
+                    del asked[i]
+                    try:
+                        answers.append((i, late.result()))
+                    except BrokerUnavailable:
+                        failed[i] = time.monotonic()
+            for i, answer in answers:
+                if isinstance(answer, int) and not isinstance(answer, bool):
+                    if not 0 <= answer < n:
+                        raise ChannelError(f"replica {i} bound {key!r} to an unknown replica "
+                                           f"{answer!r}")
+                    self._binder = i
+                    return answer
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"no replica of {self._name!r} bound {key!r} within "
                                         f"{BIND_DEADLINE_S}s")
+            answer = answers[0][1] if answers and answers[0][0] == target else None
             redirect = answer.get("binder") if isinstance(answer, dict) else None
             if isinstance(redirect, int) and 0 <= redirect < n and redirect != target \
+                    and redirect not in asked \
                     and time.monotonic() - failed.get(redirect, -1e9) >= BIND_RECHECK_S:
                 target = redirect
             elif answer is not None:

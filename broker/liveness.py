@@ -59,6 +59,20 @@ class Liveness:
                 f"the broker at {self.address} is gone (it closed the direct link and nothing "
                 f"listens at {link.path})"))
 
+    def silent_for(self, now: float) -> float:
+        """Seconds since anything came from the broker, read now: what waits unread is read
+        first when no other thread holds the socket (an idle connection's I/O thread reads
+        heartbeats only at its next tick).  The broker is dead once this exceeds the expiry
+        (``hb * liveness``), whether or not the I/O thread has noticed yet."""
+        if self._sock_lock.acquire(blocking=False):
+            try:
+                if not self._fds_closed and self.state != CLOSED:
+                    self._recv_all()
+            finally:
+                self._sock_lock.release()
+        link = self._link
+        return now - max(self._last_recv, link.last_read if link is not None else 0.0)
+
     def _keepalive(self, now: float) -> None:
         link = self._link
         if link is not None and not link.up and now >= self._relink_at:

@@ -27,58 +27,77 @@ EXPIRY_S = 3.0  # heartbeat interval 1 s x liveness 3 (the defaults)
 
 # A producer: puts "node/seq" (weight 1) to its node's three old keys, to a new key of its node every
 # ten rounds, and to a key every producer touches in the same round ("shared"); each round it
-# also takes what is there from one old key and its previous new key.  Commands on
-# stdin: "next" -> prints "bound <time.monotonic()>" after the next successful put to a key it
-# had never used (the clock is the same in every process of the host); "all" -> prints
-# "all <time>" after the next round in which every put succeeded; "stop" -> prints the JSON record and exits.
+# also takes what is there from one old key and its previous new key.  Commands on stdin, read
+# by a thread of their own (a round may wait on a dead replica's key meanwhile):
+# "next" -> binds a key it never used, from that thread through a second handle, puts one item
+# to it and prints "bound <time.monotonic()> <replica>" (the clock is the same in every process
+# of the host); "all" -> prints "all <time>" after the next round in which every put succeeded;
+# "stop" -> prints the JSON record and exits.
 PRODUCER = """
-import json, select, sys, time
+import itertools, json, sys, threading, time
 from zchannel.broker import BrokerUnavailable, Channel, QueueEmpty
 node, address = sys.argv[1], sys.argv[2]
 ch = Channel.connect(address)
+probe = Channel.connect(address)
 old = [(node, "old", i) for i in range(3)]
-acked, got, failed, views, used = [], [], 0, {}, set()
-asked, whole = None, False
-seq = rnd = 0
+acked, got, failed, views, used = [], [], [0], {}, set()
+whole, stop, out = threading.Event(), threading.Event(), threading.Lock()
+counter = itertools.count(1)  # next() is atomic: items stay unique over both threads
+
+def say(line):
+    with out:
+        print(line, flush=True)
+
+def put(handle, key):
+    item = f"{node}/{next(counter)}"  # unique over all producers
+    handle.put(item, 1, key=key, timeout=10)
+    acked.append([list(key), item, time.monotonic()])
+    views[json.dumps(key)] = handle.replica_of(key)
+
+def commands():
+    probes = 0
+    for line in sys.stdin:
+        line = line.strip()
+        if line == "next":
+            while True:  # a put to the new key that failed: another new key
+                probes += 1
+                key = (node, "probe", probes)
+                try:
+                    put(probe, key)
+                    break
+                except (BrokerUnavailable, TimeoutError):
+                    failed[0] += 1
+            say(f"bound {time.monotonic()} {probe.replica_of(key)}")
+        elif line == "all":
+            whole.set()
+        else:
+            break
+    stop.set()
+
 for key in old:
     ch.replica_of(key)
-print("ready", flush=True)
-while True:
-    if select.select([sys.stdin], [], [], 0)[0]:
-        line = sys.stdin.readline().strip()
-        if line == "stop" or not line:
-            break
-        if line == "all":
-            whole = True
-        else:
-            asked = time.monotonic()
+threading.Thread(target=commands, daemon=True).start()
+say("ready")
+rnd = 0
+while not stop.is_set():
     ok = True
     for key in old + [(node, "new", rnd // 10), ("shared", rnd // 10)]:
-        seq += 1
-        item = f"{node}/{seq}"  # unique over all producers
         try:
-            ch.put(item, 1, key=key, timeout=10)
+            put(ch, key)
         except (BrokerUnavailable, TimeoutError):
-            failed += 1
+            failed[0] += 1
             ok = False
-            continue
-        acked.append([list(key), item, time.monotonic()])
-        views[json.dumps(key)] = ch.replica_of(key)
-        if key not in used:
-            used.add(key)
-            if asked is not None and key[1] != "old":
-                print(f"bound {time.monotonic()}", flush=True)
-                asked = None
     for key in (old[rnd % 3], (node, "new", max(0, rnd // 10 - 1))):  # consume meanwhile
         try:
-            got += [[list(key), item] for item in ch.get_batch(8, key, timeout=0)]
+            got.extend([[list(key), item] for item in ch.get_batch(8, key, timeout=0)])
         except (BrokerUnavailable, QueueEmpty, TimeoutError):
             pass
-    if whole and ok:
-        print(f"all {time.monotonic()}", flush=True)
-        whole = False
+    if whole.is_set() and ok:
+        whole.clear()
+        say(f"all {time.monotonic()}")
     rnd += 1
-print(json.dumps({"acked": acked, "got": got, "failed": failed, "views": views}), flush=True)
+say(json.dumps({"acked": acked, "got": got, "failed": failed[0], "views": views}))
+probe.close()
 ch.close()
 """
 
@@ -107,18 +126,30 @@ class Chaos:
         for proc in self.producers:
             workers.wait_line(proc, "ready", timeout=60)
 
-    def new_keys_bind(self, since: float) -> float:
-        """Handshake with every producer: each put to a key it never used after this call;
-        the longest time from ``since`` (a kill) until that put was acknowledged."""
+    def new_keys_bind(self, since: float, dead: int | None = None) -> float:
+        """Handshake with every producer: each binds a key it never used after this call and
+        puts to it; the longest time from ``since`` (a kill) until that put was acknowledged.
+        No key binds to the ``dead`` replica."""
         for proc in self.producers:
             self.workers.send(proc, "next")
         longest = 0.0
         for proc in self.producers:
             line = self.workers.wait_line(proc, timeout=60)
             assert line.startswith("bound "), line
-            longest = max(longest, float(line.split()[1]) - since)
+            _, at, replica = line.split()
+            assert int(replica) != dead, f"a new key bound to the dead replica {dead}"
+            longest = max(longest, float(at) - since)
         self.bind_times.append(longest)
         return longest
+
+    def binding_roles(self) -> dict[int, str]:
+        """The ``binding`` role of every live replica (its stats)."""
+        roles = {}
+        for i, proc in self.reps.procs.items():
+            if proc.poll() is None:
+                with Channel(None, self.addresses[i]) as plain:
+                    roles[i] = plain.stats()["binding"]
+        return roles
 
     def all_served(self) -> None:
         """Handshake: every producer completed a round in which every put succeeded."""
@@ -200,8 +231,13 @@ def test_bindings_survive_replica0_loss_and_restart(chaos, monkeypatch):
     chaos.new_keys_bind(time.monotonic())  # every producer bound a new key before the kill
     killed = chaos.kill(0)
     # new keys (also node-a's, whose replica is down) bind through replica 1
-    took = chaos.new_keys_bind(killed)
-    assert took < 4 * EXPIRY_S, f"new keys bound again only {took:.1f}s after the kill"
+    took = chaos.new_keys_bind(killed, dead=0)
+    # replica 1 took over when replica 0's heartbeat expiry ended (it judges the silence at the
+    # request, and the handles ask it while replica 0 does not answer): about 2.7 s after the
+    # kill on the test machine (docs/distributed.md); the bound here only catches a second
+    # wait (a loaded machine must not break the test)
+    assert took < 2 * EXPIRY_S, f"new keys bound again only {took:.1f}s after the kill"
+    assert chaos.binding_roles() == {1: "binder", 2: "ready"}
     chaos.restart(0)  # learns the table from replicas 1 and 2 before it binds anything
     chaos.new_keys_bind(time.monotonic())
     # the producers' handles reconnected to the restarted replica by themselves: node-a's old
@@ -221,7 +257,7 @@ def test_chaos_replica_kills(chaos, monkeypatch):
     victim = 0
     while time.monotonic() < end:
         killed = chaos.kill(victim)
-        chaos.new_keys_bind(killed)
+        chaos.new_keys_bind(killed, dead=victim)
         chaos.restart(victim)
         chaos.new_keys_bind(time.monotonic())
         victim = (victim + 1) % 3
