@@ -72,9 +72,19 @@ class Cluster:
     source: str | None = None
     client_keys: str | None = None  # directory of the public keys let in (CURVE)
     extra: dict[str, Any] = field(default_factory=dict)
+    server_key_files: list[str] = field(default_factory=list)  # CURVE: public key file per replica
 
     def table(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.replicas]
+
+    def secret_key_file(self, index: int) -> str | None:
+        """The key pair file of replica ``index``: ``NAME.key_secret`` next to its public
+        ``server_keys`` file ``NAME.key`` (as ``zchannel keygen --replicas`` writes them);
+        None when the file does not turn CURVE on."""
+        if not self.server_key_files:
+            return None
+        public = self.server_key_files[index]
+        return public.removesuffix(".key") + ".key_secret"
 
 
 def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
@@ -114,13 +124,15 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
         if not isinstance(server_keys, list) or len(server_keys) != len(replicas):
             raise ValueError(f"{path}: server_keys lists one public key file per replica "
                              f"({len(replicas)})")
-        replicas = [Replica(r.node, r.address, r.hostnames, public_key_z85(here / key_file))
-                    for r, key_file in zip(replicas, server_keys, strict=True)]
+        key_files = [str(here / key_file) for key_file in server_keys]
+        replicas = [Replica(r.node, r.address, r.hostnames, public_key_z85(key_file))
+                    for r, key_file in zip(replicas, key_files, strict=True)]
         client_dir = str(here / client_dir)
         if not Path(client_dir).is_dir():
             raise ValueError(f"{path}: client_keys {client_dir} is not a directory")
     return Cluster(replicas, name=file_name or name, insecure=bool(head.get("insecure", False)),
-                   source=str(path), client_keys=client_dir)
+                   source=str(path), client_keys=client_dir,
+                   server_key_files=key_files if server_keys is not None else [])
 
 
 def public_key_z85(path: str | os.PathLike) -> str:

@@ -401,13 +401,15 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     table = cl.table()
     subs: dict[int, Channel] = {}
     errors: list[BaseException] = []
+    curve = replica_curve_settings(cl, [i for i, r in enumerate(cl.replicas) if r.node == node],
+                                   curve_keys)
 
     def start(i: int, r: cluster.Replica) -> None:
         lock_fd = paths.try_lock(f"{name}.replica{i}")
         if lock_fd is None:
             return  # a live replica (or one being started) holds it: connect to it
         rconfig = dict(config, address=r.address, replica=i, replicas=table,
-                       insecure=bool(config.get("insecure")) or cl.insecure)
+                       insecure=bool(config.get("insecure")) or cl.insecure, **curve.get(i, {}))
         try:
             proc, real_address, token = spawn_broker(rconfig, lock_fd)
         except BaseException as exc:
@@ -415,7 +417,8 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
             errors.append(exc)
             return
         os.close(lock_fd)  # the replica holds it now
-        subs[i] = Channel(name, real_address, identity=identity, curve_keys=curve_keys,
+        subs[i] = Channel(name, real_address, identity=identity,
+                          curve_keys=replica_client_keys(curve_keys, r.server_key),
                           _proc=proc, _token=token)
 
     try:
@@ -440,6 +443,32 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     return handle
 
 
+def replica_curve_settings(cl: cluster.Cluster, local: list[int],
+                           curve_keys: Any) -> dict[int, dict[str, str]]:
+    """The CURVE settings of the replicas ``local`` that this process starts, for a cluster
+    file that turns CURVE on (none otherwise): each replica's key pair file (``NAME.key_secret``
+    next to its ``server_keys`` file) and the directory of the keys let in -- what
+    ``zchannel broker --cluster FILE --replica I --curve-secret-key ...`` is given.  The
+    creating handle is a client like any other: it needs its own key pair (``curve_keys=`` or
+    ``$ZCHANNEL_CURVE_SECRET_KEY``).  ``ValueError`` naming the missing file."""
+    if not cl.server_key_files:
+        return {}
+    if replica_client_keys(curve_keys, cl.replicas[0].server_key) is None:
+        raise ValueError(f"{cl.source} turns CURVE on: the creating process needs a client key "
+                         "pair too (curve_keys=(client .key_secret, replica .key) or "
+                         "ZCHANNEL_CURVE_SECRET_KEY, e.g. the client.key_secret of "
+                         "zchannel keygen --replicas)")
+    settings = {}
+    for i in local:
+        secret = cl.secret_key_file(i)
+        if not os.path.isfile(secret):
+            raise ValueError(f"{cl.source} turns CURVE on: replica {i} needs its key pair file "
+                             f"{secret} on this host (zchannel keygen DIR --replicas N writes "
+                             "it next to the public key)")
+        settings[i] = {"curve_secret_key": secret, "curve_public_keys": cl.client_keys}
+    return settings
+
+
 def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Channel | None:
     """A handle of channel ``name`` when this host has no ``.addr`` file for it: from
     ``$ZCHANNEL_CLUSTER``, else from Ray (when this process is connected); None if neither
@@ -459,4 +488,5 @@ def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Chann
     return None
 
 
-__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected"]
+__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected",
+           "replica_curve_settings"]

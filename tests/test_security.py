@@ -212,3 +212,58 @@ def test_env_vars_and_create_with_keys(tmp_path, monkeypatch, channels):
     other = Channel.connect(ch.address)
     assert other.get(timeout=5) == 1
     other.close()
+
+
+def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
+    """``Channel.create`` with a cluster file whose ``[cluster]`` section turns CURVE on starts
+    its node's replicas with their own key pairs (``NAME.key_secret`` next to each
+    ``server_keys`` file) admitting only the listed keys, as ``zchannel broker --cluster FILE
+    --replica I --curve-secret-key ...`` does: a client without keys, and one with a key pair
+    that is not listed, are refused; the client key pair works; the replicas replicate the
+    binding table to each other, which they can only do authenticated."""
+    from cluster_util import free_tcp_ports
+    from zchannel.broker.distributed import DistributedChannel
+
+    keys = tmp_path / "keys"
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", str(keys),
+                          "--replicas", "3", "--name", "client"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    rogue_pub, rogue_sec = _keygen(tmp_path / "rogue", "x")
+    path = tmp_path / "cluster.toml"
+    rows = "".join(f'[[replica]]\nnode = "n0"\naddress = "tcp://127.0.0.1:{port}"\n\n'
+                   for port in free_tcp_ports(3))
+    path.write_text(out[out.index("[cluster]"):] + "\n" + rows)
+    monkeypatch.setenv("ZCHANNEL_NODE", "n0")
+    monkeypatch.delenv("ZCHANNEL_CURVE_SECRET_KEY", raising=False)
+    # the creator is a client too: without a key pair nothing starts, and the error says why
+    with pytest.raises(ValueError, match="client key pair"):
+        Channel.create("sec", distributed=True, options={"cluster": str(path)})
+    monkeypatch.setenv("ZCHANNEL_CURVE_SECRET_KEY", str(keys / "client.key_secret"))
+    ch = Channel.create("sec", distributed=True, options={"cluster": str(path)})
+    channels.append(ch)
+    assert isinstance(ch, DistributedChannel) and ch.created
+    spread = [("k", i) for i in range(24)]  # spread over the three replicas by key hash
+    for key in spread:
+        ch.put(key, key=key)
+    assert {ch.replica_of(key) for key in spread} == {0, 1, 2}
+    for key in spread:
+        assert ch.get(key, timeout=10) == key
+    stats = ch.stats()
+    # every replica holds every binding: replicas 0 decided them and sent them to 1 and 2
+    assert [r.get("bound_keys") for r in stats["replicas"]] == [len(spread)] * 3, stats["replicas"]
+    addresses = [r["address"] for r in ch.replicas]
+    # the replicas admit only the listed keys
+    _refused(addresses[1], None, "requires CURVE keys and this client has none")
+    server1 = str(keys / "replica1.key")
+    _refused(addresses[1], (rogue_sec, server1), "curve-public-keys")
+    other = Channel.connect(addresses[2], curve_keys=(str(keys / "client.key_secret"), str(keys / "replica2.key")))
+    try:
+        assert isinstance(other, DistributedChannel)
+        other.put("over CURVE", key=spread[0])
+        assert ch.get(spread[0], timeout=10) == "over CURVE"
+    finally:
+        other.close()
+    # a replica whose key pair file is missing on this host is named
+    os.rename(keys / "replica2.key_secret", tmp_path / "moved")
+    with pytest.raises(ValueError, match="replica2.key_secret"):
+        Channel.create("sec2", distributed=True, options={"cluster": str(path)})
