@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +96,45 @@ class Replicas:
                 proc.wait()
             if proc.stdout and not proc.stdout.closed:
                 proc.stdout.close()
+
+
+def audit(reader: Any, acked: list, views: list[dict], kills: dict[int, list[float]],
+          got: list = ()) -> dict:
+    """Check a distributed channel after a failure run and count.  ``acked``: (key, item,
+    monotonic time of the acknowledgement) of every acknowledged put; ``views``: each handle's
+    key -> replica; ``kills``: replica -> when it was killed (gone); ``got``: (key, item) taken
+    during the run.  Asserted: every handle saw the replica a fresh lookup by ``reader`` gives;
+    no replica holds a key bound to another; ``reader`` drains every key; nothing delivered
+    twice or without an acknowledged put; every acknowledged item delivered unless its replica
+    was killed after the acknowledgement.  Returns ops, lost, duplicates, delivered, keys."""
+    keys = {key for view in views for key in view}
+    bound = {key: reader.replica_of(key) for key in keys}
+    for view in views:  # every handle saw the same replica for every key
+        for key, index in view.items():
+            assert bound[key] == index, (key, index, bound[key])
+    for i in range(len(reader.replicas)):  # no replica served a key bound to another one
+        for key in reader._sub(i).stats()["keys"]:
+            if key not in bound:  # touched by a get only (every put to it failed)
+                bound[key] = reader.replica_of(key)
+            assert bound[key] == i, ("served by", i, key, bound[key])
+    delivered: Counter = Counter(got)
+    for key in sorted(keys, key=repr):
+        n = reader.qsize(key)
+        while n:
+            delivered.update((key, item) for item in reader.get_batch(n, key, timeout=30))
+            n = reader.qsize(key)
+    lost = []
+    for key, item, t in acked:
+        if (key, item) not in delivered:
+            # allowed only when the key's replica was killed after the acknowledgement
+            assert any(k > t for k in kills.get(bound[key], ())), \
+                ("lost", key, item, t, bound[key], kills)
+            lost.append((key, item))
+    assert set(delivered) <= {(key, item) for key, item, _ in acked}  # nothing unacknowledged
+    duplicates = sum(c - 1 for c in delivered.values())
+    assert duplicates == 0, [k for k, c in delivered.items() if c > 1][:10]
+    return {"ops": len(acked), "lost": len(lost), "duplicates": duplicates,
+            "delivered": len(delivered), "keys": len(keys)}
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
 
 import torch  # noqa: E402
-from cluster_util import ray_three_nodes  # noqa: E402
+from cluster_util import audit, ray_three_nodes  # noqa: E402
 from conftest import pid_alive, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.distributed import DistributedChannel  # noqa: E402
@@ -219,6 +219,111 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
     finally:
         ch.shutdown()
     _assert_gone(pids, "zchannel:rayha")
+
+
+@ray.remote(num_cpus=0)
+class Loader:
+    """Puts (weight 1) to its node's three old keys, a new key every five rounds and a key every
+    loader touches in the same round, from a thread of its own until ``finish``; records every
+    acknowledged put and the replica its handle routed each key to."""
+
+    def start(self, channel, tag: str) -> str:
+        import threading
+
+        self.ch, self.tag = channel, tag
+        self.acked, self.views, self.failed = [], {}, 0
+        self.clean_round = -1.0  # when the last round in which every put succeeded began
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return ray.get_runtime_context().get_node_id()
+
+    def _run(self) -> None:
+        import time
+
+        from zchannel.broker import BrokerUnavailable
+
+        old = [(self.tag, "old", j) for j in range(3)]
+        seq = rnd = 0
+        while not self.done.is_set():
+            began, ok = time.monotonic(), True
+            for key in old + [(self.tag, "new", rnd // 5), ("shared", rnd // 5)]:
+                seq += 1
+                item = f"{self.tag}/{seq}"
+                try:
+                    self.ch.put(item, 1, key=key, timeout=10)
+                except (BrokerUnavailable, TimeoutError):
+                    self.failed += 1
+                    ok = False
+                    continue
+                self.acked.append((key, item, time.monotonic()))
+                self.views[key] = self.ch.replica_of(key)
+            if ok:
+                self.clean_round = began
+            rnd += 1
+            self.done.wait(0.01)  # pacing: three loaders share two cores with Ray and brokers
+
+    def served_since(self, t: float) -> bool:
+        """A round that began after ``t`` had every put acknowledged."""
+        return self.clean_round > t
+
+    def finish(self) -> tuple[list, dict, int]:
+        self.done.set()
+        self.thread.join(60)
+        self.ch.close()
+        return self.acked, self.views, self.failed
+
+
+def test_broker_actor_killed_under_load(cluster):
+    """Loaders on all three nodes keep putting to old, new and shared keys while Ray kills a
+    broker actor: the actor restarts on its node, the loaders' handles (never restarted) take
+    puts on its keys again and bind new keys meanwhile; no key is served by two replicas,
+    every acknowledged item on the surviving replicas is delivered exactly once (the killed
+    replica's are lost until it died, none after)."""
+    import time
+
+    ch = Channel.create("rayload", distributed=True)
+    loaders = []
+    try:
+        loaders = [Loader.options(resources={f"node{i}": 0.01}).remote() for i in range(3)]
+        nodes = ray.get([lo.start.remote(ch, f"l{i}") for i, lo in enumerate(loaders)])
+        victim = {r["node"]: i for i, r in enumerate(ch.replicas)}[nodes[1]]
+        actor = ch._ray_owner.actors[victim]
+        node_before = ray.get(actor.node.remote())[0]
+        t0 = time.monotonic()
+
+        def served_since(t: float) -> bool:
+            return all(ray.get([lo.served_since.remote(t) for lo in loaders]))
+
+        assert wait_until(lambda: served_since(t0), 60), "the loaders never ran a clean round"
+        old_pid = ray.get(actor.pid.remote())
+        ray.kill(actor, no_restart=False)
+        assert wait_until(lambda: not pid_alive(old_pid), 30), "the killed actor's broker lives on"
+        dead_at = time.monotonic()  # nothing the old broker acknowledged is later than this
+        new_pid = _restarted_pid(actor, old_pid)
+        assert new_pid not in (-1, old_pid)
+        assert ray.get(actor.node.remote())[0] == node_before  # restarted on its node
+        restarted = time.monotonic()
+        # the loaders' handles (not restarted) are served again, the restarted replica's keys too
+        assert wait_until(lambda: served_since(restarted), 60), "the channel stopped serving"
+        records = ray.get([lo.finish.remote() for lo in loaders], timeout=120)
+        acked = [a for r in records for a in r[0]]
+        on_victim_after = [a for a in acked if records[1][1].get(a[0]) == victim
+                           and a[2] > restarted]
+        assert on_victim_after, "the restarted replica took no put of its old keys"
+        figures = audit(ch, acked, [r[1] for r in records], {victim: [dead_at]})
+        figures["failed"] = sum(r[2] for r in records)
+        print("ray kill under load:", figures)
+        assert figures["ops"] > 0
+        stats = ch.stats()
+        assert stats["replicas"][victim]["pid"] == new_pid
+        assert [r["address"] for r in stats["replicas"]] == [r["address"] for r in ch.replicas]
+        pids = [r["pid"] for r in stats["replicas"]]
+    finally:
+        for lo in loaders:
+            ray.kill(lo)
+        ch.shutdown()
+    _assert_gone(pids, "zchannel:rayload")
 
 
 def _restarted_pid(actor, old_pid: int, timeout: float = 120) -> int:
