@@ -12,6 +12,7 @@ from zchannel.broker.errors import (
     ChannelError,
     ChannelNotFound,
     HookError,
+    KeyMoved,
     QueueEmpty,
     QueueFull,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ChannelNotFound",
     "Delivery",
     "HookError",
+    "KeyMoved",
     "QueueEmpty",
     "QueueFull",
     "Work",

@@ -39,7 +39,8 @@ from zchannel.broker.protocol import key_from_wire
 log = logging.getLogger("zchannel.broker")
 
 BIND, LEARN, SYNC = "bind", "learn", "sync"
-REPLICA_OPS = frozenset((BIND, LEARN, SYNC))
+LOAD, RELEASE = "load", "release"  # moving empty keys (opt-in, broker/moving.py)
+REPLICA_OPS = frozenset((BIND, LEARN, SYNC, LOAD, RELEASE))
 PEER_IDENTITY = "zchannel-replica:"
 # how long the binder waits for a replica's acknowledgement of a new binding before it answers
 # anyway (a replica that does not answer in time is not waited for again for one expiry)
@@ -209,7 +210,7 @@ class BindingTable:
         if held is not None and held != bound:
             log.warning("key %r was bound to replica %d already (learned late): kept", key, held)
             self.table[key] = bound = held
-            self._send_all({"op": LEARN, "b": [[key, held]], "force": True})
+            self.send_all({"op": LEARN, "b": [[key, held]], "force": True})
         return bound
 
     def _choose(self, node: str | None, key: Any) -> int:
@@ -257,7 +258,13 @@ class BindingTable:
                 self._owed.setdefault(peer, []).extend(entries)
         return done
 
-    def _send_all(self, rec: dict) -> None:
+    def live_peers(self) -> list[int]:
+        """The other replicas that may be alive now (``alive``)."""
+        now = time.monotonic()
+        return [i for i in self._peers if self.alive(i, now)]
+
+    def send_all(self, rec: dict) -> None:
+        """Send ``rec`` to every other replica whose link is not down (answers not awaited)."""
         for conn in self._peers.values():
             if conn.state != DOWN:
                 try:
@@ -287,4 +294,5 @@ class BindingTable:
         return sum(1 for ident in identities if ident and ident.startswith(PEER_IDENTITY))
 
 
-__all__ = ["BIND", "LEARN", "PEER_IDENTITY", "REPLICA_OPS", "SYNC", "BindingTable"]
+__all__ = ["BIND", "LEARN", "LOAD", "PEER_IDENTITY", "RELEASE", "REPLICA_OPS", "SYNC",
+           "BindingTable"]

@@ -6,6 +6,7 @@ the key-binding table; the lowest-index live one decides new bindings: ``broker/
     [cluster]
     name = "samples"          # optional: the only channel this file serves
     insecure = false          # optional: let replicas bind non-loopback tcp without CURVE
+    steal = false             # optional: empty keys move to idle replicas (broker/moving.py)
     server_keys = ["keys/replica0.key", "keys/replica1.key"]   # optional: CURVE (below)
     client_keys = "keys/clients"
 
@@ -73,6 +74,7 @@ class Cluster:
     client_keys: str | None = None  # directory of the public keys let in (CURVE)
     extra: dict[str, Any] = field(default_factory=dict)
     server_key_files: list[str] = field(default_factory=list)  # CURVE: public key file per replica
+    steal: bool = False  # empty keys move to idle replicas (broker/moving.py)
 
     def table(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.replicas]
@@ -95,7 +97,7 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
     head = data.get("cluster", {})
-    bad = set(head) - {"name", "insecure", "server_keys", "client_keys"}
+    bad = set(head) - {"name", "insecure", "server_keys", "client_keys", "steal"}
     if bad:
         raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [cluster]")
     file_name = head.get("name")
@@ -132,7 +134,15 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
             raise ValueError(f"{path}: client_keys {client_dir} is not a directory")
     return Cluster(replicas, name=file_name or name, insecure=bool(head.get("insecure", False)),
                    source=str(path), client_keys=client_dir,
-                   server_key_files=key_files if server_keys is not None else [])
+                   server_key_files=key_files if server_keys is not None else [],
+                   steal=_flag(head, "steal", path))
+
+
+def _flag(head: dict, name: str, path: Any) -> bool:
+    value = head.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: [cluster] {name} is true or false, not {value!r}")
+    return value
 
 
 def public_key_z85(path: str | os.PathLike) -> str:

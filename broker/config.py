@@ -67,6 +67,7 @@ class BrokerConfig:
     cluster: str | None = None
     replica: int | None = None
     replicas: list[dict[str, Any]] | None = None
+    steal: bool = False  # move empty keys to idle replicas (cluster file ``steal = true``)
     # Prometheus metrics over HTTP (broker/metrics.py); None = off, 0 = any free port
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"

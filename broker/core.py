@@ -644,6 +644,17 @@ class QueueCore:
             if ks is not None:
                 self._serve(ks)
 
+    def drop_idle_key(self, key: Any) -> bool:
+        """Forget ``key`` if it holds nothing and nobody waits on it (it moved to another
+        replica); False, and nothing changes, otherwise."""
+        ks = self.keys.get(key)
+        if ks is not None:
+            if not ks.idle():
+                return False
+            del self.keys[key]
+            self._call_hook(self.dispatcher.key_dropped, key)
+        return True
+
     def client_gone(self, client: Client) -> None:
         """Withdraw a departed handle's parked requests, return its leases, and let it leave."""
         if client.gone:

@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker import cluster, paths
@@ -28,7 +29,7 @@ from zchannel.broker.binding import BIND
 from zchannel.broker.checks import check_target_weight
 from zchannel.broker.client import DEFAULT_KEY, Channel
 from zchannel.broker.core import check_key, check_timeout, check_weight
-from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
 from zchannel.broker.security import replica_client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
@@ -204,8 +205,40 @@ class DistributedChannel(Channel):
         """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
         return self._replicas[self.replica_of(key)].node
 
-    def _for(self, key: Any) -> Channel:
-        return self._sub(self.replica_of(key))
+    def _on(self, key: Any, call: Callable[[Channel, int], Any]) -> Any:
+        """``call(handle, index)`` on the replica holding ``key``.  A channel that moves keys
+        (``steal``) answers an operation on a key that moved with ``KeyMoved`` (nothing
+        happened): the cached binding is corrected and the operation sent again, there.  An
+        asynchronous operation's ``Work`` fails with it instead (its binding corrected: send it
+        again)."""
+        deadline = None
+        while True:
+            index = self.replica_of(key)
+            try:
+                result = call(self._sub(index), index)
+            except KeyMoved as moved:
+                deadline = deadline or time.monotonic() + BIND_DEADLINE_S
+                self._moved(key, index, moved, deadline)
+                continue
+            if isinstance(result, Work):
+                result.add_done_callback(lambda work, at=index: self._moved_async(key, at, work))
+            return result
+
+    def _moved(self, key: Any, index: int, moved: KeyMoved, deadline: float) -> None:
+        if not 0 <= moved.replica < len(self._replicas) or moved.replica == index:
+            raise ChannelError(f"replica {index} says {key!r} moved to replica {moved.replica}")
+        if time.monotonic() > deadline:
+            raise BrokerUnavailable(f"key {key!r} did not settle on a replica of {self._name!r} "
+                                    f"within {BIND_DEADLINE_S}s") from moved
+        if self._bindings.get(key) == index:
+            self._bindings[key] = moved.replica
+        time.sleep(BIND_RETRY_S)  # the new replica may not have learned the move yet
+
+    def _moved_async(self, key: Any, index: int, work: Work) -> None:
+        moved = work.exception()
+        if isinstance(moved, KeyMoved) and 0 <= moved.replica < len(self._replicas) \
+                and self._bindings.get(key) == index:
+            self._bindings[key] = moved.replica
 
     # -- operations ---------------------------------------------------------------------
 
@@ -213,46 +246,52 @@ class DistributedChannel(Channel):
             async_op: bool = False, timeout: float | None = None) -> Work | None:
         check_weight(weight)
         check_timeout(timeout)
-        return self._for(key).put(item, weight, key, async_op, timeout)
+        return self._on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout))
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         check_weight(weight)
-        self._for(key).put_nowait(item, weight, key)
+        self._on(key, lambda sub, _: sub.put_nowait(item, weight, key))
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
         check_timeout(timeout)
-        index = self.replica_of(key)
-        result = self._sub(index).get(key, async_op, timeout, ack=ack, copy=copy)
-        if not ack:
-            return result
-        if async_op:
-            return result.then(lambda d: self._tag(d, index))
-        return self._tag(result, index)
+
+        def call(sub: Channel, index: int) -> Any:
+            result = sub.get(key, async_op, timeout, ack=ack, copy=copy)
+            if not ack:
+                return result
+            if async_op:
+                return result.then(lambda d: self._tag(d, index))
+            return self._tag(result, index)
+
+        return self._on(key, call)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
-        index = self.replica_of(key)
-        result = self._sub(index).get_nowait(key, ack=ack, copy=copy)
-        return self._tag(result, index) if ack else result
+        def call(sub: Channel, index: int) -> Any:
+            result = sub.get_nowait(key, ack=ack, copy=copy)
+            return self._tag(result, index) if ack else result
+
+        return self._on(key, call)
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,
                   copy: bool | None = None) -> list | Work:
         check_target_weight(target_weight)
         check_timeout(timeout)
-        return self._for(key).get_batch(target_weight, key, async_op, timeout, copy=copy)
+        return self._on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
+                                                          copy=copy))
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
-        return self._for(key).qsize(key, consumer)
+        return self._on(key, lambda sub, _: sub.qsize(key, consumer))
 
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
-        return self._for(key).full(key, consumer)
+        return self._on(key, lambda sub, _: sub.full(key, consumer))
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
              weights: bool = False) -> list:
         """``Channel.peek`` on the replica holding ``key`` (an unbound key is bound to this
         node's replica first, as by any operation)."""
-        return self._for(key).peek(key, n, consumer=consumer, weights=weights)
+        return self._on(key, lambda sub, _: sub.peek(key, n, consumer=consumer, weights=weights))
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
@@ -409,7 +448,8 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
         if lock_fd is None:
             return  # a live replica (or one being started) holds it: connect to it
         rconfig = dict(config, address=r.address, replica=i, replicas=table,
-                       insecure=bool(config.get("insecure")) or cl.insecure, **curve.get(i, {}))
+                       insecure=bool(config.get("insecure")) or cl.insecure, steal=cl.steal,
+                       **curve.get(i, {}))
         try:
             proc, real_address, token = spawn_broker(rconfig, lock_fd)
         except BaseException as exc:

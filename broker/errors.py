@@ -72,6 +72,19 @@ class HookError(ChannelError):
         return (type(self), (str(self), self.exc_type, self.remote_traceback))
 
 
+class KeyMoved(ChannelError):
+    """The replica asked no longer holds the key: it moved (while empty) to replica ``replica``
+    of a distributed channel that moves keys (``steal = true``, ``docs/distributed.md``).
+    Nothing happened; a distributed handle follows it by itself."""
+
+    def __init__(self, message: str, replica: int = -1):
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.replica))
+
+
 _BY_NAME: dict[str, type[BaseException]] = {
     "ChannelError": ChannelError,
     "BrokerUnavailable": BrokerUnavailable,
@@ -94,6 +107,8 @@ def error_to_wire(exc: BaseException) -> list:
     name = type(exc).__name__
     if isinstance(exc, HookError):
         return ["HookError", str(exc), [exc.exc_type, exc.remote_traceback]]
+    if isinstance(exc, KeyMoved):
+        return ["KeyMoved", str(exc), exc.replica]
     if name not in _BY_NAME:
         return ["ChannelError", f"{name}: {exc}", None]
     return [name, str(exc) if not isinstance(exc, KeyError) else exc.args[0] if exc.args else "", None]
@@ -108,5 +123,8 @@ def error_from_wire(value: object) -> BaseException:
     if name == "HookError":
         exc_type, tb = extra if isinstance(extra, list) and len(extra) == 2 else ("Exception", "")
         return HookError(message, str(exc_type), str(tb))
+    if name == "KeyMoved":
+        replica = extra if isinstance(extra, int) and not isinstance(extra, bool) else -1
+        return KeyMoved(message, replica)
     cls = _BY_NAME.get(name, ChannelError)
     return cls(message)

@@ -13,10 +13,11 @@ import logging
 import time
 from typing import Any
 
-from zchannel.broker.binding import BIND, BindingTable
+from zchannel.broker.binding import BIND, LOAD, RELEASE, BindingTable
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, from_table
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
+from zchannel.broker.moving import KeyMover
 from zchannel.broker.security import ReplicaCurveKeys, client_keys
 from zchannel.hooks import Collector
 
@@ -32,7 +33,7 @@ class ReplicaState:
 
     def __init__(self, name: str, index: int, table: list[dict[str, Any]],
                  curve_keys: Any = None, heartbeat_interval: float = 1.0,
-                 liveness: int = 3, secret_key: str | None = None) -> None:
+                 liveness: int = 3, secret_key: str | None = None, steal: bool = False) -> None:
         self.name = name
         self.index = index
         self.replicas: list[Replica] = from_table(table)
@@ -50,6 +51,9 @@ class ReplicaState:
 
         self.bindings = BindingTable(name, index, self.replicas, curve_for,
                                      heartbeat_interval, liveness)
+        self._core: Any = None
+        # cross-replica stealing (opt-in): empty keys move to idle replicas (broker/moving.py)
+        self.mover = KeyMover(self.bindings, lambda: self._core) if steal else None
 
     @property
     def table(self) -> dict[Any, int]:
@@ -64,12 +68,29 @@ class ReplicaState:
         return {"replica": self.index, "replicas": [r.as_dict() for r in self.replicas],
                 "node": self.node}
 
-    def start(self) -> None:
-        """Called once the broker serves: link to the other replicas and learn the table."""
+    def start(self, core: Any) -> None:
+        """Called once the broker serves (``core``: its queues): link to the other replicas and
+        learn the table."""
+        self._core = core
         self.bindings.start()
 
+    def tick(self) -> None:
+        """Every heartbeat: the binding table's upkeep; key moves (``steal``)."""
+        self.bindings.tick()
+        if self.mover is not None:
+            self.mover.tick()
+
     def handle(self, op: str, rec: dict) -> Any:
+        if op in (LOAD, RELEASE):
+            if self.mover is None:
+                raise ValueError(f"channel {self.name!r} does not move keys (steal is off)")
+            return self.mover.handle(op, rec)
         return self.bindings.handle(op, rec)
+
+    def check_key(self, op: Any, rec: dict) -> None:
+        """``KeyMoved`` for an operation on a key this replica gave away (``steal`` only)."""
+        if self.mover is not None:
+            self.mover.check(op, rec)
 
     def bind(self, key: Any, node: Any = None, replica: Any = None) -> Any:
         return self.bindings.bind(key, node, replica)
@@ -127,6 +148,8 @@ class ReplicaState:
         stats["bound_keys"] = len(self.table)
         stats["binding"] = "binder" if self.bindings.ready and \
             self.bindings.binder() == self.index else ("ready" if self.bindings.ready else "joining")
+        if self.mover is not None:
+            stats.update(self.mover.stats())
         return stats
 
     def close(self) -> None:
@@ -182,9 +205,11 @@ def replica_state(config: Any) -> ReplicaState:
             config.insecure = True
         if loaded.client_keys and config.curve_public_keys is None:
             config.curve_public_keys = loaded.client_keys
+        if loaded.steal:
+            config.steal = True
     state = ReplicaState(config.name, config.replica, config.replicas,
                          heartbeat_interval=config.heartbeat_interval, liveness=config.liveness,
-                         secret_key=config.curve_secret_key)
+                         secret_key=config.curve_secret_key, steal=config.steal)
     own_key = state.replicas[config.replica].server_key
     if own_key:
         if not config.curve_secret_key:

@@ -23,7 +23,7 @@ from zchannel.broker.binding import REPLICA_OPS
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
-from zchannel.broker.errors import BrokerUnavailable, error_to_wire
+from zchannel.broker.errors import BrokerUnavailable, KeyMoved, error_to_wire
 from zchannel.broker.outbox import Outbox
 from zchannel.broker.protocol import (
     ACK,
@@ -228,7 +228,7 @@ class Broker:
                 raise
             log.info("metrics of %r at %s", self.config.name, self.metrics.url)
         if self.replica is not None:
-            self.replica.start()
+            self.replica.start(self.core)
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
         self._running = True  # before the handlers: a signal right after "ready" stops us
@@ -404,7 +404,7 @@ class Broker:
             try:
                 self._dispatch(client, op, rid, rec, op_frames)
             except Exception as exc:
-                if not isinstance(exc, (ValueError, TypeError)):
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
                     log.exception("error handling op %r", op)
                 self._reply(client, rid, error=exc)
             if op == BYE:
@@ -449,6 +449,8 @@ class Broker:
 
     def _dispatch(self, client: Client, op: Any, rid: int, rec: dict, frames: list) -> None:
         core = self.core
+        if self.replica is not None:
+            self.replica.check_key(op, rec)  # a key this replica gave away: KeyMoved
         if op == PUT:
             if "b" in rec:  # a small item inside its record
                 body = rec["b"]
@@ -708,7 +710,7 @@ class Broker:
     def _heartbeats(self, now: float) -> None:
         self._release_memory()
         if self.replica is not None:
-            self.replica.bindings.tick()
+            self.replica.tick()
         self.shm.sweep(now)
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness

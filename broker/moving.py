@@ -1,0 +1,166 @@
+"""Cross-replica stealing of a distributed channel, opt-in (``steal = true`` in the cluster
+file): keys move between replicas, only while empty.
+
+Every key lives on one replica, and all its consumers (their private queues included) are
+served there, so stealing *within* a key is the dispatcher's business on that replica.  Across
+replicas, ``steal`` moves whole keys: once per heartbeat the binder (``broker/binding.py``)
+looks at every live replica's load -- ``backlog`` (items queued) and ``starved`` (gets parked on
+empty keys) -- and when one replica is **idle** (its consumers wait and it holds nothing) while
+another is **backed up** (at least ``MOVE_BACKLOG`` items queued), it asks the backed-up one to
+give one key to the idle one.  The giver picks a key that is empty at that moment (no items, no
+leases out, no parked gets or puts: ``KeyState.idle``) and was active most recently, rebinds it
+in its own table at once -- from then on it answers every operation on that key with
+``KeyMoved`` -- and sends the new binding to every other live replica (a ``learn`` that
+overwrites).  The receiver serves the key once it learned the binding; until then it too
+answers ``KeyMoved`` (naming the old replica), and handles retry after a short pause.
+
+So a key is never served by two replicas, and its FIFO order is kept: everything put before the
+move was taken before it, everything after it goes to the new replica.  Items are never stolen;
+a key that never empties never moves.  ``docs/decisions.md`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker.binding import LEARN, LOAD, RELEASE, BindingTable
+from zchannel.broker.errors import KeyMoved
+from zchannel.broker.protocol import FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, key_from_wire
+
+log = logging.getLogger("zchannel.broker")
+
+KEYED_OPS = frozenset((PUT, GET, GET_BATCH, QSIZE, FULL, PEEK))
+# items a replica holds queued before it counts as backed up (an idle replica may then take a key)
+MOVE_BACKLOG = 8
+
+
+def choose_move(loads: dict[int, dict]) -> tuple[int, int] | None:
+    """(giver, taker) for one move, or None: the replica with the deepest backlog (at least
+    ``MOVE_BACKLOG``) gives to the idle replica (nothing queued, gets parked) with the most
+    parked gets."""
+    idle = [i for i, load in loads.items() if load["backlog"] == 0 and load["starved"] > 0]
+    busy = [i for i, load in loads.items() if load["backlog"] >= MOVE_BACKLOG]
+    if not idle or not busy:
+        return None
+    giver = max(busy, key=lambda i: (loads[i]["backlog"], -i))
+    taker = max(idle, key=lambda i: (loads[i]["starved"], -i))
+    return giver, taker
+
+
+def _load_from_wire(value: Any) -> dict | None:
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for name in ("backlog", "starved"):
+        n = value.get(name)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return None
+        out[name] = n
+    return out
+
+
+class KeyMover:
+    """Replica ``bindings.index``'s part in moving keys (see the module docstring)."""
+
+    def __init__(self, bindings: BindingTable, core: Callable[[], Any]) -> None:
+        self.bindings = bindings
+        self._core = core  # the replica's QueueCore, once it serves
+        self._loads: dict[int, Any] = {}  # peer -> pending load request (binder only)
+        self._release: Any = None  # the pending release request (binder only)
+        self.given = 0  # keys this replica gave away
+        self.asked = 0  # moves this replica asked for (as the binder)
+
+    # -- every replica ---------------------------------------------------------------------
+
+    def check(self, op: Any, rec: dict) -> None:
+        """``KeyMoved`` for an operation on a key this replica does not hold (any more)."""
+        if op not in KEYED_OPS:
+            return
+        key = key_from_wire(rec.get("k"))
+        try:
+            bound = self.bindings.table.get(key)
+        except TypeError:
+            return  # not a key: the operation itself says why
+        if bound is not None and bound != self.bindings.index:
+            raise KeyMoved(f"key {key!r} is on replica {bound}, not on replica "
+                           f"{self.bindings.index}", bound)
+
+    def load(self) -> dict:
+        """This replica's ``backlog`` (items queued) and ``starved`` (gets parked on empty keys)."""
+        backlog = starved = 0
+        for ks in self._core().keys.values():
+            depth = ks.depth()
+            backlog += depth
+            if not depth:
+                starved += len(ks.getters)
+        return {"backlog": backlog, "starved": starved}
+
+    def release(self, to: Any) -> bool:
+        """Give one empty key of this replica to replica ``to`` (see the module docstring);
+        False when none is empty now."""
+        b = self.bindings
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(b.replicas) \
+                or to == b.index:
+            raise ValueError(f"cannot give a key to replica {to!r}")
+        core = self._core()
+        mine = [ks for ks in core.keys.values() if ks.idle() and b.table.get(ks.key) == b.index]
+        for ks in sorted(mine, key=lambda ks: ks.idle_since or 0.0, reverse=True):
+            if core.drop_idle_key(ks.key):
+                b.table[ks.key] = to
+                b.send_all({"op": LEARN, "b": [[ks.key, to]], "force": True})
+                self.given += 1
+                log.info("replica %d gave the empty key %r to the idle replica %d", b.index,
+                         ks.key, to)
+                return True
+        return False
+
+    def handle(self, op: str, rec: dict) -> Any:
+        if op == LOAD:
+            return self.load()
+        return self.release(rec.get("to"))
+
+    # -- the binder ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Every heartbeat, on the binder: gather the loads (asked last tick), start one move."""
+        b = self.bindings
+        if not b.ready or b.binder() != b.index:
+            self._loads.clear()
+            return
+        loads = {b.index: self.load()}
+        for i, work in list(self._loads.items()):
+            if work.done():
+                del self._loads[i]
+                if work.exception() is None:
+                    load = _load_from_wire(work.result())
+                    if load is not None:
+                        loads[i] = load
+        for i in b.live_peers():
+            if i not in self._loads:
+                try:
+                    self._loads[i] = b.peer(i).request({"op": LOAD}, [])
+                except Exception:  # a link that went down meanwhile: asked again next tick
+                    pass
+        if self._release is not None and not self._release.done():
+            return  # one move at a time
+        self._release = None
+        plan = choose_move(loads)
+        if plan is None:
+            return
+        giver, taker = plan
+        self.asked += 1
+        if giver == b.index:
+            self.release(taker)
+        else:
+            try:
+                self._release = b.peer(giver).request({"op": RELEASE, "to": taker}, [])
+            except Exception:
+                pass
+
+    def stats(self) -> dict:
+        return {"keys_given": self.given, "moves_asked": self.asked}
+
+
+__all__ = ["KEYED_OPS", "MOVE_BACKLOG", "KeyMover", "choose_move"]
