@@ -538,6 +538,8 @@ class Connection(Liveness):
                 self._io_lazy = False
                 busy = self._pending or self._queue or self.state != UP
                 timeout = int(self.hb * 500)  # the broker's interval once it said hello
+                if self._pending and self.state == UP:  # fail them when the expiry ends, not later
+                    timeout = min(timeout, max(1, int(1000 * self._expiry_due()) + 1))
                 if LAZY_MS and self._link is not None and not self._sleepers and (
                     self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
                 ):

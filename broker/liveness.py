@@ -6,6 +6,7 @@ link the broker closed, a refused CURVE handshake.  ``Liveness`` is that part of
 from __future__ import annotations
 
 import logging
+import time
 
 from zchannel.broker import paths
 from zchannel.broker.errors import BrokerUnavailable
@@ -72,6 +73,12 @@ class Liveness:
                 self._sock_lock.release()
         link = self._link
         return now - max(self._last_recv, link.last_read if link is not None else 0.0)
+
+    def _expiry_due(self) -> float:
+        """Seconds until the broker's silence exceeds the expiry (``hb * liveness``)."""
+        link = self._link
+        last = max(self._last_recv, link.last_read if link is not None else 0.0)
+        return last + self.hb * self.liveness - time.monotonic()
 
     def _keepalive(self, now: float) -> None:
         link = self._link

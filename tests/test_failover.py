@@ -206,9 +206,9 @@ def test_bindings_survive_replica0_loss_and_restart(chaos, monkeypatch):
     # new keys (also node-a's, whose replica is down) bind through replica 1
     took = chaos.new_keys_bind(killed, dead=0)
     # replica 1 took over when replica 0's heartbeat expiry ended (it judges the silence at the
-    # request, and the handles ask it while replica 0 does not answer): about 2.7 s after the
-    # kill on the test machine (docs/distributed.md); the bound here only catches a second
-    # wait (a loaded machine must not break the test)
+    # request, and the handles ask it while replica 0 does not answer): 2-3.2 s after the kill
+    # on the test machine (docs/distributed.md); the bound here only catches a second wait (a
+    # loaded machine must not break the test)
     assert took < 2 * EXPIRY_S, f"new keys bound again only {took:.1f}s after the kill"
     assert chaos.binding_roles() == {1: "binder", 2: "ready"}
     chaos.restart(0)  # learns the table from replicas 1 and 2 before it binds anything
