@@ -3,8 +3,9 @@
 ``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
 The first operation of any kind on a key asks the binder (the lowest-index live replica; every
 replica holds the replicated table: ``broker/binding.py``) to bind the key (first toucher wins,
-permanent: to the replica of the caller's node); the handle caches the binding, so every later
-operation on that key goes straight to its replica over this process's connection to that
+permanent, unless opt-in stealing moves the key while it is empty, ``broker/moving.py``: to the
+replica of the caller's node); the handle caches the binding (corrected when a replica answers
+``KeyMoved``), so every later operation on that key goes straight to its replica over this process's connection to that
 replica (shared with the process's other handles, ``sharing.py``).  All per-key semantics
 (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
 holds the key.  ``stats()`` aggregates over the replicas.

@@ -11,6 +11,7 @@ from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import wait_until
 from zchannel.broker import Channel, KeyMoved
 from zchannel.broker.distributed import DistributedChannel
+from zchannel.broker.moving import MOVE_BACKLOG, choose_move
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,3 +133,14 @@ def test_empty_keys_move_to_an_idle_replica(run_dir, workers, monkeypatch):
         print("moved keys:", bound, "items:", len(produced["acked"]))
     finally:
         reps.stop_all()
+
+
+def test_choose_move_needs_an_idle_and_a_backed_up_replica():
+    idle, busy, quiet = {"backlog": 0, "starved": 2}, {"backlog": 40, "starved": 0}, \
+        {"backlog": 0, "starved": 0}
+    assert choose_move({0: idle, 1: busy, 2: quiet}) == (1, 0)
+    assert choose_move({0: quiet, 1: busy}) is None  # nobody waits: nothing to gain
+    assert choose_move({0: idle, 1: {"backlog": MOVE_BACKLOG - 1, "starved": 0}}) is None
+    # the deepest backlog gives, to the replica with the most waiting gets
+    assert choose_move({0: {"backlog": 0, "starved": 1}, 1: busy, 2: {"backlog": 0, "starved": 3},
+                        3: {"backlog": 90, "starved": 1}}) == (3, 2)
