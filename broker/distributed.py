@@ -39,6 +39,8 @@ from zchannel.hooks import consumer_sort_key
 log = logging.getLogger("zchannel.client")
 
 _SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
+# per-replica stats that go to stats()["replicas"][i] only
+_REPLICA_FIELDS = ("bound_keys", "binding", "keys_given", "moves_asked")
 STATS_CONNECT_S = 3.0
 # binding a key: how long one replica may take to accept a connection, the pause before asking
 # again (a replica joins, the binder changes), when to try a replica that was unavailable, and
@@ -330,14 +332,14 @@ class DistributedChannel(Channel):
             summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
                            keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
                            uptime_s=s.get("uptime_s"))
-            for name in ("bound_keys", "binding"):
+            for name in _REPLICA_FIELDS:
                 if name in s:
                     summary[name] = s[name]
             summaries.append(summary)
         if not parts:
             raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
         first = parts[0]
-        out = {k: v for k, v in first.items() if k not in ("replica", "node", "bound_keys", "binding")}
+        out = {k: v for k, v in first.items() if k not in ("replica", "node", *_REPLICA_FIELDS)}
         keys: dict = {}
         consumers: set = set()
         for s in parts:

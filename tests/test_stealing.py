@@ -108,6 +108,9 @@ def test_empty_keys_move_to_an_idle_replica(run_dir, workers, monkeypatch):
             assert bound == produced["views"]  # the producer's handle followed every move
             assert 0 in bound, bound  # the idle replica holds moved keys ...
             assert _replica_stats(addresses[0])["puts"] > 0  # ... and served their puts
+            summaries = reader.stats()["replicas"]
+            assert summaries[1]["keys_given"] >= 2 and summaries[0]["moves_asked"] >= 2, summaries
+            assert "keys_given" not in reader.stats()  # per replica only
             # no replica holds a key bound to another one
             for i, address in enumerate(addresses):
                 for key in _replica_stats(address)["keys"]:
