@@ -94,12 +94,26 @@ ch.close()
 """
 
 
-def test_cluster_file_curve(nets, workdir):
+# starts the replica of its namespace with Channel.create from the cluster file; shuts it down
+# when a line arrives on stdin
+CREATOR = """
+import sys
+from zchannel.broker import Channel
+ch = Channel.create(sys.argv[1], distributed=True, options={"cluster": sys.argv[2]})
+print("ready", ch.created, flush=True)
+sys.stdin.readline()
+ch.shutdown()
+"""
+
+
+@pytest.mark.parametrize("start", ["cli", "create"])
+def test_cluster_file_curve(nets, workdir, start):
     """CURVE from a cluster file on non-loopback addresses: ``zchannel keygen --replicas 3``
-    writes the keys; replicas start with their own key pairs and admit only the listed keys; a
-    client without keys, and one with a key pair that is not listed, are refused; one with the
-    client key pair works, and the replicas replicate the binding table to each other (every
-    replica holds the binding), which they can only do authenticated."""
+    writes the keys; replicas start with their own key pairs (``zchannel broker --cluster``, or
+    ``Channel.create`` in each namespace) and admit only the listed keys; a client without keys,
+    and one with a key pair that is not listed, are refused; one with the client key pair works,
+    and the replicas replicate the binding table to each other (every replica holds the
+    binding), which they can only do authenticated."""
     import sys
 
     from netns_bench import Procs, python_env, read_line
@@ -118,24 +132,30 @@ def test_cluster_file_curve(nets, workdir):
     subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", rogue, "--name", "x"],
                    capture_output=True, timeout=60, check=True)
     procs = Procs()
+    client_secret = os.path.join(keys, "client.key_secret")
+    started = []
     try:
         base = [sys.executable, "-m", "zchannel.cli.main", "broker", "sec", "--cluster", path]
-        # a replica without its key pair refuses to start (CURVE is on for the whole cluster)
-        env = dict(python_env(workdir), ZCHANNEL_RUN_DIR=os.path.join(workdir, "run-x"))
-        bad = subprocess.run(["ip", "netns", "exec", nets.names[0], *base, "--replica", "0"],
-                             capture_output=True, text=True, env={**os.environ, **env},
-                             timeout=60, cwd=workdir)
-        assert bad.returncode != 0 and "--curve-secret-key" in bad.stderr, bad.stderr
-        started = []
+        if start == "cli":
+            # a replica without its key pair refuses to start (CURVE is on for the whole cluster)
+            env = dict(python_env(workdir), ZCHANNEL_RUN_DIR=os.path.join(workdir, "run-x"))
+            bad = subprocess.run(["ip", "netns", "exec", nets.names[0], *base, "--replica", "0"],
+                                 capture_output=True, text=True, env={**os.environ, **env},
+                                 timeout=60, cwd=workdir)
+            assert bad.returncode != 0 and "--curve-secret-key" in bad.stderr, bad.stderr
         for i in range(3):
             env = dict(python_env(workdir), ZCHANNEL_RUN_DIR=os.path.join(workdir, f"run-{i}"))
-            started.append(procs.add(nets.popen(
-                i, [*base, "--replica", str(i), "--curve-secret-key",
-                    os.path.join(keys, f"replica{i}.key_secret")],
-                env=env, stdout=subprocess.PIPE, cwd=workdir)))
+            if start == "cli":
+                argv = [*base, "--replica", str(i), "--curve-secret-key",
+                        os.path.join(keys, f"replica{i}.key_secret")]
+            else:  # the creator is a client too: it needs the client key pair
+                env.update(ZCHANNEL_NODE=nets.names[i], ZCHANNEL_CURVE_SECRET_KEY=client_secret)
+                argv = [sys.executable, "-c", CREATOR, "sec", path]
+            started.append(procs.add(nets.popen(i, argv, env=env, stdout=subprocess.PIPE,
+                                                stdin=subprocess.PIPE, cwd=workdir)))
         for p in started:
             line = read_line(p, 60)
-            assert line.startswith("ready"), line
+            assert line == "ready True" if start == "create" else line.startswith("ready"), line
 
         def client(i: int, mode: str, secret: str | None) -> str:
             env = dict(python_env(workdir), ZCHANNEL_CLUSTER=path, ZCHANNEL_NODE=nets.names[i],
@@ -149,10 +169,14 @@ def test_cluster_file_curve(nets, workdir):
         # no keys at all; a key pair that is not listed
         assert client(1, "put", None) == "refused AuthenticationFailed"
         assert client(1, "put", os.path.join(rogue, "x.key_secret")) == "refused AuthenticationFailed"
-        client_secret = os.path.join(keys, "client.key_secret")
         assert client(1, "put", client_secret) == f"put {nets.names[1]}"
         got = client(2, "get", client_secret).split()
         assert got[:3] == ["got", "secret-payload", nets.names[1]], got
         assert got[3] == "1,1,1", got  # the binding reached every replica (authenticated links)
+        if start == "create":  # the creators stop their replicas
+            for p in started:
+                p.stdin.write(b"\n")
+                p.stdin.flush()
+                assert p.wait(timeout=60) == 0
     finally:
         procs.stop_all()
