@@ -22,11 +22,13 @@ a key that never empties never moves.  ``docs/decisions.md`` says why.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.binding import LEARN, LOAD, RELEASE, BindingTable
-from zchannel.broker.errors import KeyMoved
+from zchannel.broker.connection import UP
+from zchannel.broker.errors import ChannelError, KeyMoved
 from zchannel.broker.protocol import FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, key_from_wire
 
 log = logging.getLogger("zchannel.broker")
@@ -69,6 +71,8 @@ class KeyMover:
         self._core = core  # the replica's QueueCore, once it serves
         self._loads: dict[int, Any] = {}  # peer -> pending load request (binder only)
         self._release: Any = None  # the pending release request (binder only)
+        self._untold: dict[int, list] = {}  # peer -> moves (bindings) it has not acknowledged
+        self._untold_lock = threading.Lock()  # the links' I/O threads add to it
         self.given = 0  # keys this replica gave away
         self.asked = 0  # moves this replica asked for (as the binder)
 
@@ -109,12 +113,34 @@ class KeyMover:
         for ks in sorted(mine, key=lambda ks: ks.idle_since or 0.0, reverse=True):
             if core.drop_idle_key(ks.key):
                 b.table[ks.key] = to
-                b.send_all({"op": LEARN, "b": [[ks.key, to]], "force": True})
+                for i in range(len(b.replicas)):
+                    if i != b.index:
+                        self._tell(i, [[ks.key, to]])
                 self.given += 1
                 log.info("replica %d gave the empty key %r to the idle replica %d", b.index,
                          ks.key, to)
                 return True
         return False
+
+    def _tell(self, peer: int, entries: list) -> None:
+        """Send moves to ``peer`` (a ``learn`` that overwrites); sent again every heartbeat
+        until it acknowledged them: a receiver that missed its move would answer ``KeyMoved``
+        naming this replica for ever."""
+        try:
+            work = self.bindings.peer(peer).request({"op": LEARN, "b": entries, "force": True}, [])
+        except ChannelError:
+            self._untell(peer, entries)
+            return
+
+        def done(work: Any) -> None:  # runs in the link's I/O thread
+            if work.exception() is not None:
+                self._untell(peer, entries)
+
+        work.add_done_callback(done)
+
+    def _untell(self, peer: int, entries: list) -> None:
+        with self._untold_lock:
+            self._untold.setdefault(peer, []).extend(entries)
 
     def handle(self, op: str, rec: dict) -> Any:
         if op == LOAD:
@@ -124,8 +150,14 @@ class KeyMover:
     # -- the binder ------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Every heartbeat, on the binder: gather the loads (asked last tick), start one move."""
+        """Every heartbeat: tell moves again to replicas that missed them; on the binder,
+        gather the loads (asked last tick) and start one move."""
         b = self.bindings
+        with self._untold_lock:
+            due = [(peer, self._untold.pop(peer)) for peer in list(self._untold)
+                   if b.peer(peer).state == UP]
+        for peer, entries in due:
+            self._tell(peer, entries)
         if not b.ready or b.binder() != b.index:
             self._loads.clear()
             return

@@ -36,7 +36,7 @@ while not stop.is_set():
         ch.put([j, seq], 1, key=("w", j), timeout=10)
         acked.append([j, seq])
     stop.wait(0.02)  # pacing: the consumer keeps up, so the keys are empty now and then
-print(json.dumps({"acked": acked, "views": [ch.replica_of(("w", j)) for j in range(keys)]}), flush=True)
+print(json.dumps({"acked": acked}), flush=True)
 ch.close()
 """
 
@@ -93,31 +93,33 @@ def test_empty_keys_move_to_an_idle_replica(run_dir, workers, monkeypatch):
         # replica 1 (node-b's keys, 40 items queued on "deep") gives empty keys to replica 0
         assert wait_until(lambda: _replica_stats(addresses[1]).get("keys_given", 0) >= 2, 60), \
             _replica_stats(addresses[1])
+        parked.cancel()  # replica 0 is not idle any more: moves stop
+        idle.close()
         for proc in (producer, consumer):
             workers.send(proc, "stop")
         produced = json.loads(workers.finish(producer, timeout=60).strip().splitlines()[-1])
         taken = json.loads(workers.finish(consumer, timeout=60).strip().splitlines()[-1])
-        parked.cancel()
-        idle.close()
 
         monkeypatch.setenv("ZCHANNEL_NODE", "node-c")
         reader = Channel.connect(addresses[2])
         assert isinstance(reader, DistributedChannel)
         try:
             bound = [reader.replica_of(("w", j)) for j in range(KEYS)]
-            assert bound == produced["views"]  # the producer's handle followed every move
             assert 0 in bound, bound  # the idle replica holds moved keys ...
-            assert _replica_stats(addresses[0])["puts"] > 0  # ... and served their puts
+            # ... and served their puts (only the producer puts, through its first handle: it
+            # followed the moves; a key it did not touch since its move is still cached as on
+            # replica 1 there, and would be corrected by the next operation)
+            assert _replica_stats(addresses[0])["puts"] > 0
             summaries = reader.stats()["replicas"]
             assert summaries[1]["keys_given"] >= 2 and summaries[0]["moves_asked"] >= 2, summaries
             assert "keys_given" not in reader.stats()  # per replica only
-            # no replica holds a key bound to another one
-            for i, address in enumerate(addresses):
-                for key in _replica_stats(address)["keys"]:
-                    assert reader.replica_of(key) == i, (key, i)
+            # no key is held by two replicas (read 0 first: keys only move from 1 to 0 here, so
+            # a key read on 0 cannot show up on 1 afterwards, even if a last move was under way)
+            held = [set(_replica_stats(address)["keys"]) for address in addresses]
+            assert not (held[0] & held[1]) and not (held[0] & held[2]) and not (held[1] & held[2])
+            assert "deep" in held[1]  # a key that never empties never moves
             # a replica answers an operation on a key it gave away with KeyMoved
-            giver = next(i for i in (1, 2) if i not in bound)
-            with Channel(None, addresses[giver]) as plain, pytest.raises(KeyMoved) as moved:
+            with Channel(None, addresses[1]) as plain, pytest.raises(KeyMoved) as moved:
                 plain.qsize(("w", bound.index(0)))
             assert moved.value.replica == 0
             drained = {j: [] for j in range(KEYS)}
