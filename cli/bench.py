@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -889,7 +890,8 @@ class Runner:
         if kind == "zmq":
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
-            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0
+            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
+            reserve=True,
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
@@ -1020,24 +1022,84 @@ def run_scenario(runner: Runner, scenario: str, base: Case, keys: int | None) ->
 # -- targets T1-T8 ----------------------------------------------------------------------------
 
 
+TARGETS_FILE = Path(__file__).resolve().parents[1] / "configs" / "bench_targets.toml"
+INSTALLED_TARGETS_FILE = Path(sys.prefix) / "share" / "zchannel" / "bench_targets.toml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+    """A target's pass mark: its ratio must be >= ``value`` (``higher``) or <= ``value``."""
+
+    value: float
+    higher: bool
+
+
+def default_targets_file() -> Path:
+    """``configs/bench_targets.toml`` of this checkout, or the copy a wheel installs."""
+    for path in (TARGETS_FILE, INSTALLED_TARGETS_FILE):
+        if path.is_file():
+            return path
+    raise click.ClickException(
+        f"target thresholds not found ({TARGETS_FILE} or {INSTALLED_TARGETS_FILE}); "
+        "pass --config FILE with a [targets] table"
+    )
+
+
+def parse_thresholds(table: Any, source: str) -> dict[str, Threshold]:
+    """``{"T1": {"min": 0.9}, "T4": {"max": 1.3}, ...}`` -> thresholds by target name."""
+    if not isinstance(table, dict) or not table:
+        raise click.ClickException(f"{source}: [targets] must be a table of target thresholds")
+    out = {}
+    for name, entry in table.items():
+        bounds = set(entry) if isinstance(entry, dict) else set()
+        value = entry.get("min", entry.get("max")) if len(bounds) == 1 else None
+        if bounds not in ({"min"}, {"max"}) or isinstance(value, bool) or not isinstance(
+            value, (int, float)
+        ):
+            raise click.ClickException(
+                f"{source}: targets.{name} must be {{ min = NUMBER }} or {{ max = NUMBER }}, "
+                f"got {entry!r}"
+            )
+        out[name] = Threshold(float(value), "min" in bounds)
+    return out
+
+
+def load_thresholds(path: str | Path | None = None) -> dict[str, Threshold]:
+    """The ``[targets]`` table of ``path`` (default: ``default_targets_file()``)."""
+    path = Path(path) if path else default_targets_file()
+    with open(path, "rb") as f:
+        table = tomllib.load(f).get("targets")
+    return parse_thresholds(table, str(path))
+
+
 def _target(
     name: str,
     desc: str,
     measured: float,
     reference: float,
     unit: str,
-    threshold: float,
-    higher: bool = True,
+    thresholds: dict[str, Threshold],
     note: str = "",
+    key: str | None = None,
 ) -> TargetResult:
+    """Target ``name``'s result; its threshold is ``thresholds[key or name]``."""
+    try:
+        mark = thresholds[key or name]
+    except KeyError:
+        raise click.ClickException(
+            f"no threshold for target {key or name!r} in [targets] "
+            f"(have: {', '.join(sorted(thresholds))})"
+        ) from None
     ratio = measured / reference if reference else float("nan")
-    passed = ratio >= threshold if higher else ratio <= threshold
+    passed = ratio >= mark.value if mark.higher else ratio <= mark.value
     return TargetResult(
-        name, desc, measured, reference, unit, ratio, threshold, higher, passed, note
+        name, desc, measured, reference, unit, ratio, mark.value, mark.higher, passed, note
     )
 
 
-def measure_rss_target(runner: Runner, tmpdir: str) -> TargetResult:
+def measure_rss_target(
+    runner: Runner, tmpdir: str, thresholds: dict[str, Threshold]
+) -> TargetResult:
     """T8: broker RSS holding 1 GiB of 16 MiB tensors, above its idle RSS; then drained and
     every tensor checked."""
     case = Case("put_only", ptype="tensor", size=16 * MIB, messages=64, window=4, shm=False)
@@ -1079,16 +1141,48 @@ def measure_rss_target(runner: Runner, tmpdir: str) -> TargetResult:
         "T8",
         "broker RSS holding 1 GiB of 16 MiB tensors, above idle (GiB)",
         delta / (1 << 30),
-        1.0,
+        case.messages * case.size / (1 << 30),
         "GiB",
-        1.1,
-        higher=False,
+        thresholds,
         note=f"idle {idle / MIB:.0f} MiB, held {held / MIB:.0f} MiB, VmHWM {peak / MIB:.0f} MiB",
     )
 
 
-def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
-    """T1-T4 and T6-T8 of the issue (T5, the Ray queue, is ``--baseline ray``)."""
+def measure_stream_target(
+    runner: Runner, small: Case, thresholds: dict[str, Threshold]
+) -> TargetResult:
+    """T2s: a producer process streams 64 B items with ``window`` async puts in flight while a
+    consumer process keeps ``window`` async gets outstanding (default ``Channel.create``,
+    nothing reserved), in rounds with a fresh zmq.proxy relay moving the same items with the
+    same depth in flight (its HWMs)."""
+    stream = dataclasses.replace(
+        small,
+        scenario="channel",
+        producers=1,
+        consumers=1,
+        reserve=False,
+        label=f"T2s stream 64B 1P/1C puts w{small.window} gets w{small.window} defaults",
+    )
+    (t2s,) = runner.measure_together([stream], fresh=True)
+    relay = runner.baseline_for(bounded(stream))
+    return _target(
+        "T2s",
+        f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
+        "items/s vs zmq.proxy (same rounds)",
+        t2s.items_s,
+        relay.items_s,
+        "items/s",
+        thresholds,
+        note=f"relay {relay.items_s:.0f} items/s",
+    )
+
+
+def run_targets(
+    runner: Runner, base: Case, tmpdir: str, thresholds: dict[str, Threshold] | None = None
+) -> list[TargetResult]:
+    """T1-T4 (with T2s, the 64 B stream) and T6-T10; T5, the Ray queue, is ``--baseline ray``.
+    ``thresholds``: by target name (default: ``load_thresholds()``)."""
+    thresholds = thresholds if thresholds is not None else load_thresholds()
     small = dataclasses.replace(
         base, ptype="bytes", size=64, transport="ipc", producers=1, consumers=1, window=64
     )
@@ -1111,7 +1205,12 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
         b1 = runner.baseline_for(bounded(c1))
         out.append(
             _target(
-                "T1", "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy", t1.mb_s, b1.mb_s, "MB/s", 0.90
+                "T1",
+                "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy",
+                t1.mb_s,
+                b1.mb_s,
+                "MB/s",
+                thresholds,
             )
         )
         # each target's case runs in rounds with what it is compared to (Runner.measure_together)
@@ -1132,10 +1231,11 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 composite,
                 b2.items_s,
                 "items/s",
-                0.30,
+                thresholds,
                 note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
             )
         )
+        out.append(measure_stream_target(runner, small, thresholds))
         t3 = runner.measure(
             dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
         )
@@ -1146,7 +1246,7 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 t3.items_s,
                 b2.items_s,
                 "items/s",
-                0.30,
+                thresholds,
             )
         )
         t4 = runner.measure(
@@ -1172,8 +1272,7 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 t4.p50_us,
                 b4.p50_us,
                 "us",
-                1.3,
-                higher=False,
+                thresholds,
             )
         )
         one, four = runner.measure_together(
@@ -1195,7 +1294,7 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 four.items_s,
                 one.items_s,
                 "items/s",
-                0.8,
+                thresholds,
             )
         )
         k1, k10k = runner.measure_together(
@@ -1215,13 +1314,13 @@ def run_targets(runner: Runner, base: Case, tmpdir: str) -> list[TargetResult]:
                 k10k.items_s,
                 k1.items_s,
                 "items/s",
-                0.8,
+                thresholds,
             )
         )
-        out.append(measure_rss_target(runner, tmpdir))
+        out.append(measure_rss_target(runner, tmpdir, thresholds))
     finally:
         runner.baseline = saved
-    out.extend(run_shm_targets(runner))
+    out.extend(run_shm_targets(runner, thresholds))
     return out
 
 
@@ -1250,10 +1349,13 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
 SHM_STEPS = 7  # progress-bar length of the shm targets (cases + baselines)
 
 
-def run_shm_targets(runner: Runner) -> list[TargetResult]:
+def run_shm_targets(
+    runner: Runner, thresholds: dict[str, Threshold] | None = None
+) -> list[TargetResult]:
     """T9 and T10 of the shared-memory issue: large tensors 1P -> 1C on this host, through
     shared memory (default copy-out consumer), against zmq.proxy and pipelined Ray actor calls
-    measured in the same run."""
+    measured in the same run.  ``thresholds``: by target name (default: ``load_thresholds()``)."""
+    thresholds = thresholds if thresholds is not None else load_thresholds()
     saved = runner.baseline
     runner.baseline = "zmq"
     out: list[TargetResult] = []
@@ -1289,7 +1391,8 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                     t9.mb_s,
                     r9.mb_s,
                     "MB/s",
-                    2.0,
+                    thresholds,
+                    key="T9-ray",
                 )
             )
         out.append(
@@ -1299,7 +1402,7 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 t9.mb_s,
                 b9.mb_s,
                 "MB/s",
-                3.0,
+                thresholds,
             )
         )
         out.append(
@@ -1310,7 +1413,7 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 t9d.mb_s,
                 t9.mb_s,
                 "MB/s",
-                0.8,
+                thresholds,
             )
         )
         c10 = bounded(
@@ -1327,7 +1430,7 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
                 t10.mb_s,
                 b10.mb_s,
                 "MB/s",
-                2.0,
+                thresholds,
             )
         )
     finally:
@@ -1335,7 +1438,7 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
     return out
 
 
-TARGET_STEPS = 14 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
+TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 
 
 # -- trajectory collector ---------------------------------------------------------------------
@@ -1460,6 +1563,16 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     return out
 
 
+def _thresholds(config_path: str | None) -> dict[str, Threshold]:
+    """The ``[targets]`` table of ``--config`` if it has one, else of the default file."""
+    if config_path:
+        with open(config_path, "rb") as f:
+            table = tomllib.load(f).get("targets")
+        if table is not None:
+            return parse_thresholds(table, config_path)
+    return load_thresholds()
+
+
 @click.command()
 @click.option(
     "--scenario",
@@ -1533,6 +1646,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     show_default=True,
     help="same-host shared memory for arrays/tensors >= 1 MiB (off: frames only)",
 )
+@click.option(
+    "--targets",
+    "targets_flag",
+    is_flag=True,
+    help="the target suite T1-T4, T2s, T6-T10 with PASS/FAIL (the same as --scenario targets; "
+    "thresholds: [targets] of configs/bench_targets.toml or of --config)",
+)
 @click.option("--address", default=None, help="measure the running broker at this address")
 @click.option(
     "--json",
@@ -1548,7 +1668,9 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     help="a TOML file with a [bench] table of these options",
 )
 @click.pass_context
-def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
+def bench(
+    ctx: click.Context, config_path: str | None, targets_flag: bool, **values: Any
+) -> None:
     """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
 
     Starts what it needs (or measures --address), runs bounded load, checks every item and
@@ -1566,6 +1688,16 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
             if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
                 values[new] = count
     opts = _apply_config(ctx, config_path, values)
+    if targets_flag:
+        if opts["scenario"] not in ("targets", "quick") or (
+            opts["scenario"] == "quick"
+            and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+        ):
+            raise click.BadParameter(
+                f"--targets runs the target suite; it cannot be combined with --scenario "
+                f"{opts['scenario']}"
+            )
+        opts["scenario"] = "targets"
     size = parse_size(opts["payload_size"])
     base = Case(
         "channel",
@@ -1585,6 +1717,7 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
         ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
     scenario = opts["scenario"]
     keys = opts.get("keys")
+    thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
     error: str | None = None
@@ -1604,9 +1737,9 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
             with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
                 runner.progress = bar
                 if scenario == "targets":
-                    targets = run_targets(runner, base, tmpdir)
+                    targets = run_targets(runner, base, tmpdir, thresholds)
                 elif scenario == "shm":
-                    targets = run_shm_targets(runner)
+                    targets = run_shm_targets(runner, thresholds)
                 elif scenario == "trajectory":
                     given = ctx.get_parameter_source("messages") not in (
                         click.core.ParameterSource.DEFAULT,

@@ -266,3 +266,47 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     (t9d,) = [t for t in targets if t.target == "T9d"]
     assert t9d.ratio == 0.5 and t9d.threshold == 0.8 and not t9d.passed
     assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
+
+
+@pytest.mark.timeout(60)
+def test_stream_target_runs_with_its_relay(tmp_path):
+    """T2s on a tiny stream: a producer process with 16 async puts in flight, a consumer
+    process with 16 async gets outstanding (default ``Channel.create``, nothing reserved), in
+    rounds with a fresh zmq.proxy relay of the same items; both rates are reported."""
+    from zchannel.cli import bench as bench_mod
+
+    runner = bench_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
+    small = bench_mod.Case("channel", messages=300, window=16)
+    thresholds = bench_mod.load_thresholds()
+    result = bench_mod.measure_stream_target(runner, small, thresholds)
+    assert result.target == "T2s" and result.unit == "items/s"
+    assert result.measured > 0 and result.reference > 0
+    assert result.ratio == pytest.approx(result.measured / result.reference)
+    assert result.threshold == thresholds["T2s"].value and result.higher_is_better
+    (row,) = [r for r in runner.rows if r.case.startswith("T2s")]
+    assert (row.producers, row.consumers, row.window, row.messages) == (1, 1, 16, 300)
+    assert row.repeats == 2 and row.items_s == result.measured
+    assert row.baseline == "zmq.proxy bytes 64B 1P/1C w16" and len(row.ratio_runs) == 2
+    (relay,) = [r for r in runner.rows if r.kind == "zmq.proxy"]
+    assert relay.items_s == result.reference and relay.repeats == 2
+
+
+def test_target_thresholds_are_data(tmp_path):
+    """Every target's pass mark comes from [targets] of configs/bench_targets.toml; a broken
+    entry is an error naming the file and the target; --targets is --scenario targets."""
+    from zchannel.cli import bench as bench_mod
+
+    thresholds = bench_mod.load_thresholds()
+    for name in ("T1", "T2", "T2s", "T3", "T4", "T6", "T7", "T8", "T9", "T9-ray", "T9d", "T10"):
+        assert name in thresholds
+    assert thresholds["T2s"] == bench_mod.Threshold(0.5, True)
+    assert thresholds["T4"].higher is False
+    bad = tmp_path / "t.toml"
+    bad.write_text('[targets]\nT1 = { min = 0.9, max = 2 }\n')
+    with pytest.raises(click.ClickException, match=r"t\.toml: targets\.T1 must be"):
+        bench_mod.load_thresholds(bad)
+    with pytest.raises(click.ClickException, match="no threshold for target 'T2s'"):
+        bench_mod._target("T2s", "", 1.0, 2.0, "items/s", {"T1": thresholds["T1"]})
+    result = _run("--targets", "--scenario", "batch")
+    assert result.exit_code == 2 and "--targets runs the target suite" in result.output
+    assert "--targets" in _run("--help").output
