@@ -298,8 +298,10 @@ def test_stream_target_runs_with_its_relay(tmp_path):
 
 
 def test_target_thresholds_are_data(tmp_path):
-    """Every target's pass mark comes from [targets] of configs/bench_targets.toml; a broken
-    entry is an error naming the file and the target; --targets is --scenario targets."""
+    """Every target's pass mark comes from [targets] of configs/bench_targets.toml (or of the
+    --config file, when it has one); a broken entry is an error naming the file and the target;
+    --targets is --scenario targets."""
+    from zchannel.cli.bench import command as command_mod
     from zchannel.cli.bench import targets as targets_mod
 
     thresholds = targets_mod.load_thresholds()
@@ -313,6 +315,10 @@ def test_target_thresholds_are_data(tmp_path):
         targets_mod.load_thresholds(bad)
     with pytest.raises(click.ClickException, match="no threshold for target 'T2s'"):
         targets_mod._target("T2s", "", 1.0, 2.0, "items/s", {"T1": thresholds["T1"]})
+    own = tmp_path / "own.toml"
+    own.write_text('[bench]\nscenario = "targets"\n\n[targets]\nT2s = { min = 0.9 }\n')
+    assert command_mod._thresholds(str(own)) == {"T2s": targets_mod.Threshold(0.9, True)}
+    assert command_mod._thresholds(None) == thresholds
     result = _run("--targets", "--scenario", "batch")
     assert result.exit_code == 2 and "--targets runs the target suite" in result.output
     assert "--targets" in _run("--help").output
