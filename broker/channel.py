@@ -30,13 +30,18 @@ from zchannel.broker.distributed import (
     connect_from_cluster,
     create_from_cluster,
 )
-from zchannel.broker.errors import BrokerStartError, BrokerUnavailable, ChannelNotFound
+from zchannel.broker.errors import (
+    BrokerStartError,
+    BrokerUnavailable,
+    ChannelError,
+    ChannelNotFound,
+)
 from zchannel.broker.groups import expand_groups
 from zchannel.broker.local import LocalChannel
 from zchannel.broker.metrics import check_port
 from zchannel.broker.ray_placement import split_targets
 from zchannel.broker.security import client_keys
-from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, spawn_broker
+from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
 
 log = logging.getLogger("zchannel.client")
@@ -56,6 +61,25 @@ def _worker_identity(current_worker: Any) -> str | None:
         "current_worker is a consumer id 'group:rank', or an object with an identity str or "
         f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
         "zchannel has no Worker class, a handle acts for the consumer id it is given")
+
+
+def _warn_differences(handle: BrokerChannel, config: dict) -> None:
+    """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
+    info = handle._connection().broker_info
+    if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
+        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
+                    config["name"], info.get("maxsize"), config["maxsize"])
+    if config["collector"] is None and config["dispatcher"] is None:
+        return
+    try:
+        running = handle.stats()
+    except ChannelError:
+        return
+    for kind in ("collector", "dispatcher"):
+        given = hook_label(config[kind])
+        if given is not None and given != running.get(kind):
+            log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                        kind, running.get(kind), kind, given)
 
 
 class Channel(BrokerChannel, metaclass=ABCMeta):
@@ -182,7 +206,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 if handle is not None:
                     handle._name = name
                     handle._log_attached()
-                    handle._warn_differences(config)
+                    _warn_differences(handle, config)
                     return handle
             if time.monotonic() > deadline:
                 raise BrokerStartError(f"channel {name!r} is locked but no broker answers")

@@ -45,7 +45,7 @@ from zchannel.broker.protocol import (
 from zchannel.broker.security import client_keys
 from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
-from zchannel.broker.starting import hook_label
+from zchannel.broker.starting import stop_broker
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import check_consumer_id
 
@@ -108,23 +108,6 @@ class BrokerChannel:
                     "%d items held) instead of starting one; its settings win, and shutdown() "
                     "is left to its creator", self._name, stats.get("pid", os.getpid()),
                     stats.get("address") or self._address, held)
-
-    def _warn_differences(self, config: dict) -> None:
-        info = self._connection().broker_info
-        if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
-            log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
-                        config["name"], info.get("maxsize"), config["maxsize"])
-        if config["collector"] is None and config["dispatcher"] is None:
-            return
-        try:
-            running = self.stats()
-        except ChannelError:
-            return
-        for kind in ("collector", "dispatcher"):
-            given = hook_label(config[kind])
-            if given is not None and given != running.get(kind):
-                log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
-                            kind, running.get(kind), kind, given)
 
     # -- connection --------------------------------------------------------------------------
 
@@ -385,16 +368,9 @@ class BrokerChannel:
         self._proc = None
 
     def _kill_broker(self) -> None:
-        """Stop the broker this handle started: SIGTERM (it removes its files), then SIGKILL
-        if it has not exited within 5 s (by PID)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10.0)
+        """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""
+        if self._proc is not None:
+            stop_broker(self._proc)
 
     def __enter__(self) -> BrokerChannel:
         return self

@@ -27,7 +27,6 @@ import functools
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from zchannel.broker import paths
 from zchannel.broker.distributed import DistributedChannel
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.security import CurveKeys
-from zchannel.broker.starting import spawn_broker
+from zchannel.broker.starting import spawn_broker, stop_broker
 
 log = logging.getLogger("zchannel.client")
 
@@ -189,13 +188,8 @@ class BrokerActor:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if proc is not None:
+            stop_broker(proc, grace_s=10.0)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -306,7 +300,7 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     name = config["name"]
     info = _lookup(name)
     if info is not None:  # placed by Ray already: attach (logged like any attaching create)
-        handle = _connect(name, info, identity)
+        handle = _handle(name, info, identity)
         handle._log_attached()
         return handle
     nodes = _alive_nodes()
@@ -361,16 +355,12 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     return handle
 
 
-def _connect(name: str, info: dict, identity: str | None) -> DistributedChannel:
-    return _handle(name, info, identity)
-
-
 def connect(name: str, *, identity: str | None, timeout: float) -> DistributedChannel | None:
     """A handle of the Ray-placed channel ``name``, or None if Ray knows no such channel."""
     info = _lookup(name)
     if info is None:
         return None
-    return _connect(name, info, identity)._connect_home(timeout)
+    return _handle(name, info, identity)._connect_home(timeout)
 
 
 __all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]
