@@ -24,7 +24,6 @@ from typing import Any
 
 from zchannel.broker import cluster, codec, paths, ray_placement
 from zchannel.broker.client import BrokerChannel
-from zchannel.broker.cluster import ray_connected
 from zchannel.broker.distributed import (
     DistributedChannel,
     connect_from_cluster,
@@ -39,7 +38,6 @@ from zchannel.broker.errors import (
 from zchannel.broker.groups import expand_groups
 from zchannel.broker.local import LocalChannel
 from zchannel.broker.metrics import check_port
-from zchannel.broker.ray_placement import split_targets
 from zchannel.broker.security import client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
@@ -148,8 +146,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             check_consumer_id(identity)
         producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
         targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
-        if not local and (producers or consumers) and ray_connected():
-            producers, consumers, targets = split_targets(producers, consumers)
+        if not local and (producers or consumers) and cluster.ray_connected():
+            producers, consumers, targets = ray_placement.split_targets(producers, consumers)
         declared = list(expand_consumers(consumers))
         if producers is not None and isinstance(producers, str):
             raise TypeError("producers= takes a list of group names")
@@ -181,7 +179,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         if metrics_port is not None:
             config["metrics_port"] = check_port(metrics_port)
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
-        if ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
+        if cluster.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
             return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
                                         targets=targets, identity=identity, curve_keys=curve_keys)
         if distributed:  # replicas from a cluster file (distributed.py)
@@ -258,7 +256,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             address = paths.read_address(name)
             if address is None:  # a distributed channel: cluster file, else Ray
                 found = connect_from_cluster(name, identity=identity, timeout=timeout)
-                if found is None and ray_connected():
+                if found is None and cluster.ray_connected():
                     found = ray_placement.connect(name, identity=identity, timeout=timeout)
                 if found is not None:
                     return found
