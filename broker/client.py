@@ -1,11 +1,14 @@
-"""``Channel``: the handle through which workers put and get items.
+"""``BrokerChannel``: the handle of a channel served by one broker process.
 
-``Channel.create`` starts a broker process (``starting.py``), or attaches to the live one
-serving the name; ``Channel.connect`` attaches to an existing broker by name or address.  Every
-operation is a request to the broker over this process's connection to it (``connection.py``),
-which all the handles of the process to that broker share (``sharing.py``); ``async_op=True``
-returns a ``Work`` handle instead of waiting.  ``local=True`` gives an in-process channel with
-the same API (``local.py``).
+Every operation is a request to the broker over this process's connection to it
+(``connection.py``), which all the handles of the process to that broker share (``sharing.py``);
+``async_op=True`` returns a ``Work`` handle instead of waiting.  Replies become items in the
+waiting thread (the converters at the end of this module), not in the connection's I/O thread.
+
+The public ``Channel`` (``channel.py``) is this class plus ``Channel.create``/``Channel.connect``,
+which start the broker (``starting.py``) or find it.  ``LocalChannel`` (``local.py``: an
+in-process channel) and ``DistributedChannel`` (``distributed.py``: one ``BrokerChannel`` per
+replica) subclass it to reuse its operations.
 """
 
 from __future__ import annotations
@@ -14,26 +17,19 @@ import atexit
 import logging
 import os
 import subprocess
-import sys
 import threading
-import time
 import weakref
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, paths, sharing
+from zchannel.broker import codec, sharing
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.connection import CLOSED, Connection
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import (
-    BrokerStartError,
-    BrokerUnavailable,
     ChannelError,
     ChannelNotFound,
 )
-from zchannel.broker.groups import expand_groups
-from zchannel.broker.metrics import check_port
 from zchannel.broker.protocol import (
     ACK,
     FULL,
@@ -49,40 +45,19 @@ from zchannel.broker.protocol import (
 from zchannel.broker.security import client_keys
 from zchannel.broker.shm import client_submit as shm_submit
 from zchannel.broker.shm import client_undo as shm_undo
-from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
+from zchannel.broker.starting import stop_broker
 from zchannel.broker.work import Delivery, Work
-from zchannel.hooks import Collector, Dispatcher, check_consumer_id
+from zchannel.hooks import check_consumer_id
 
 log = logging.getLogger("zchannel.client")
 
 DEFAULT_KEY = "default_queue"
 """The key of operations that name none."""
 
-_open_handles: weakref.WeakSet[Channel] = weakref.WeakSet()
+_open_handles: weakref.WeakSet[BrokerChannel] = weakref.WeakSet()
 # os.getpid() on every request is a system call; a forked child updates the cached value.
 _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
-
-
-def _worker_identity(current_worker: Any) -> str | None:
-    """The consumer id ``connect``'s ``current_worker`` stands for (see ``Channel.connect``)."""
-    if current_worker is None or isinstance(current_worker, str):
-        return current_worker
-    identity = getattr(current_worker, "identity", None)
-    if isinstance(identity, str):
-        return identity
-    group, rank = getattr(current_worker, "group_name", None), getattr(current_worker, "rank", None)
-    if isinstance(group, str) and isinstance(rank, int) and not isinstance(rank, bool):
-        return f"{group}:{rank}"
-    raise TypeError(
-        "current_worker is a consumer id 'group:rank', or an object with an identity str or "
-        f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
-        "zchannel has no Worker class, a handle acts for the consumer id it is given")
-
-
-def _ray_connected() -> bool:
-    ray = sys.modules.get("ray")  # zchannel never imports ray unless the process did
-    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
 
 
 def _identity(identity: str | None) -> str | None:
@@ -91,12 +66,11 @@ def _identity(identity: str | None) -> str | None:
     return None if identity is None else check_consumer_id(identity)
 
 
-class Channel:
-    """A handle on a named channel: per-key FIFO queues served by one broker process.
-
-    Make one with ``Channel.create`` (starts the broker, or attaches to the live broker of that
-    name) or ``Channel.connect``; a handle may be pickled to other processes.  The behaviour of
-    every operation is described in ``docs/channel.md``.
+class BrokerChannel:
+    """A handle on a named channel: per-key FIFO queues served by one broker process (see the
+    module docstring; users get one from ``Channel.create``/``Channel.connect``).  A handle may
+    be pickled to other processes.  The behaviour of every operation is described in
+    ``docs/channel.md``.
 
     ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
     one that attached to a running broker, on ``connect`` handles and on unpickled copies.
@@ -122,192 +96,6 @@ class Channel:
         self.created = _proc is not None
         _open_handles.add(self)
 
-    # -- construction ------------------------------------------------------------------------
-
-    @classmethod
-    def create(
-        cls,
-        name: str,
-        maxsize: int = 0,
-        distributed: bool = False,
-        node_rank: int | None = None,
-        local: bool = False,
-        *,
-        address: str | None = None,
-        collector: Any = None,
-        dispatcher: Any = None,
-        producers: Iterable[str] | None = None,
-        consumers: Iterable[str] | Mapping[str, int] | None = None,
-        options: Mapping[str, Any] | None = None,
-        identity: str | None = None,
-        curve_keys: Any = None,
-        insecure: bool = False,
-        lease_timeout: float = 30.0,
-        shm_threshold: int | None = None,
-        metrics_port: int | None = None,
-    ) -> Channel:
-        """Start a broker for ``name`` and return a connected handle (``created`` True); if a
-        live broker already serves the name, attach to it (``created`` False, a warning on the
-        ``zchannel.client`` logger names its pid, address and items held; its settings win and
-        differing arguments are logged).
-
-        The first five parameters keep RLinf's positional order (``name, maxsize,
-        distributed, node_rank, local``); the rest are keyword-only.  Wrong arguments are
-        ``ValueError``/``TypeError``, also those the starting broker finds (an unknown hook
-        name); a broker that cannot start with valid arguments (busy address) is
-        ``BrokerStartError`` (``docs/errors.md``).
-
-        ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
-        (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
-        """
-        paths.check_name(name)
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
-            raise ValueError(f"maxsize must be an int >= 0, got {maxsize!r}")
-        for flag, value in (("distributed", distributed), ("local", local)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
-                                "order is name, maxsize, distributed, node_rank, local)")
-        if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
-                                      or node_rank < 0):
-            raise ValueError(f"node_rank must be None or an int >= 0, got {node_rank!r}")
-        if identity is not None:
-            check_consumer_id(identity)
-        from zchannel.hooks import expand_consumers
-
-        producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
-        targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
-        if not local and (producers or consumers) and _ray_connected():
-            from zchannel.broker.ray_placement import split_targets
-
-            producers, consumers, targets = split_targets(producers, consumers)
-        declared = list(expand_consumers(consumers))
-        if producers is not None and isinstance(producers, str):
-            raise TypeError("producers= takes a list of group names")
-        if local and metrics_port is not None:
-            raise ValueError("metrics_port needs a broker process (local=False)")
-        if local:
-            from zchannel.broker.local import LocalChannel
-
-            return LocalChannel.create_local(
-                name, maxsize, collector=collector, dispatcher=dispatcher,
-                producers=list(producers or ()), consumers=declared, options=dict(options or {}),
-                identity=identity, lease_timeout=lease_timeout,
-            )
-        address = address or paths.default_address(name)
-        server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
-        paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
-                                 insecure=insecure)
-        imports: list[str] = []
-        config = {
-            "name": name, "address": address, "maxsize": maxsize,
-            "collector": hook_for_child(collector, imports, Collector),
-            "dispatcher": hook_for_child(dispatcher, imports, Dispatcher),
-            "producers": list(producers or ()), "consumers": declared,
-            "options": dict(options or {}), "lease_timeout": float(lease_timeout),
-            "insecure": bool(insecure), "imports": sorted(set(imports)),
-            "curve_secret_key": server_keys.get("server_secret_key"),
-            "curve_public_keys": server_keys.get("public_keys"),
-        }
-        if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
-            config["shm_threshold"] = shm_threshold
-        if metrics_port is not None:
-            config["metrics_port"] = check_port(metrics_port)
-        codec.encode(config)  # options must be msgpack-able: fail here, not in the child
-        # cluster file / Ray (distributed.py); on Ray every channel is Ray-placed, by default on
-        # the first producer's node, else the first consumer's, else the creator's
-        if distributed or node_rank is not None or targets or _ray_connected():
-            from zchannel.broker import distributed as _dist
-
-            placed = _dist.create(config, distributed=distributed, node_rank=node_rank,
-                                  targets=targets, identity=identity, curve_keys=curve_keys)
-            if placed is not None:
-                return placed
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            lock_fd = paths.try_lock(name)
-            if lock_fd is not None:
-                break
-            existing = paths.read_address(name)
-            if existing:
-                try:
-                    handle = cls.connect(existing, identity=identity, timeout=2.0,
-                                         curve_keys=curve_keys)
-                except BrokerUnavailable:
-                    handle = None
-                if handle is not None:
-                    handle._name = name
-                    handle._log_attached()
-                    handle._warn_differences(config)
-                    return handle
-            if time.monotonic() > deadline:
-                raise BrokerStartError(f"channel {name!r} is locked but no broker answers")
-            time.sleep(0.05)  # another process is starting the broker
-        try:
-            proc, real_address, token = spawn_broker(config, lock_fd)
-        except BaseException:
-            paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
-            raise
-        os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
-        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
-                     _proc=proc, _token=token)
-        try:
-            handle._connection(timeout=START_TIMEOUT_S)
-        except BaseException:
-            handle._kill_broker()
-            raise
-        return handle
-
-    @classmethod
-    def connect(cls, name_or_address: str, current_worker: Any = None, *,
-                identity: str | None = None, timeout: float = 10.0, curve_keys: Any = None,
-                shm: bool | None = None) -> Channel:
-        """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
-
-        ``current_worker`` (RLinf's second positional argument) names the consumer this handle
-        acts for and becomes its ``identity``: a ``"group:rank"`` str, or an object with an
-        ``identity`` str or with ``group_name`` and ``rank`` attributes (zchannel has no Worker
-        class).  None keeps ``identity=``, else ``ZCHANNEL_IDENTITY``.
-        ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
-        the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
-        Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
-        """
-        worker_identity = _worker_identity(current_worker)
-        if worker_identity is not None:
-            if identity is not None and identity != worker_identity:
-                raise ValueError(f"current_worker stands for {worker_identity!r} but "
-                                 f"identity={identity!r}: give one of them")
-            identity = worker_identity
-        if identity is not None:
-            check_consumer_id(identity)
-        if paths.is_address(name_or_address):
-            name, address = None, name_or_address
-        else:
-            name = paths.check_name(name_or_address)
-            from zchannel.broker.local import LocalChannel
-
-            local = LocalChannel.lookup(name)
-            if local is not None:
-                return local.new_handle(identity)
-            address = paths.read_address(name)
-            if address is None:  # a distributed channel: cluster file or Ray (distributed.py)
-                from zchannel.broker.distributed import connect_by_name
-
-                found = connect_by_name(name, identity=identity, timeout=timeout)
-                if found is not None:
-                    return found
-                raise ChannelNotFound(f"no channel named {name!r} on this host")
-        keys = client_keys(curve_keys)
-        if keys is not None:
-            keys.load()  # a key file that does not hold its key: ValueError naming it, first
-        paths.probe(address)
-        handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
-        handle._connection(timeout=timeout)
-        if "replicas" in handle._conn.broker_info:  # a replica: route per key (distributed.py)
-            from zchannel.broker.distributed import DistributedChannel
-
-            return DistributedChannel.from_handle(handle)
-        return handle
-
     def _log_attached(self) -> None:
         """The warning of a ``create`` that attached to a running broker instead of starting
         one (``created`` is False)."""
@@ -320,23 +108,6 @@ class Channel:
                     "%d items held) instead of starting one; its settings win, and shutdown() "
                     "is left to its creator", self._name, stats.get("pid", os.getpid()),
                     stats.get("address") or self._address, held)
-
-    def _warn_differences(self, config: dict) -> None:
-        info = self._connection().broker_info
-        if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
-            log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
-                        config["name"], info.get("maxsize"), config["maxsize"])
-        if config["collector"] is None and config["dispatcher"] is None:
-            return
-        try:
-            running = self.stats()
-        except ChannelError:
-            return
-        for kind in ("collector", "dispatcher"):
-            given = hook_label(config[kind])
-            if given is not None and given != running.get(kind):
-                log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
-                            kind, running.get(kind), kind, given)
 
     # -- connection --------------------------------------------------------------------------
 
@@ -597,18 +368,11 @@ class Channel:
         self._proc = None
 
     def _kill_broker(self) -> None:
-        """Stop the broker this handle started: SIGTERM (it removes its files), then SIGKILL
-        if it has not exited within 5 s (by PID)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10.0)
+        """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""
+        if self._proc is not None:
+            stop_broker(self._proc)
 
-    def __enter__(self) -> Channel:
+    def __enter__(self) -> BrokerChannel:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -618,7 +382,8 @@ class Channel:
             self.close()
 
     def __reduce__(self) -> Any:
-        return (_unpickle, (self._name, self._address, self._explicit_identity, self._curve_keys))
+        return (_unpickle, (type(self), self._name, self._address, self._explicit_identity,
+                            self._curve_keys))
 
     def __repr__(self) -> str:
         # cheap and local on purpose: no request (RLinf's str() fetched items; see peek())
@@ -627,8 +392,9 @@ class Channel:
                 f"identity={self._explicit_identity!r}, created={self.created}{state})")
 
 
-def _unpickle(name: str | None, address: str, identity: str | None, curve_keys: Any) -> Channel:
-    return Channel(name, address, identity=identity, curve_keys=curve_keys)
+def _unpickle(cls: type[BrokerChannel], name: str | None, address: str, identity: str | None,
+              curve_keys: Any) -> BrokerChannel:
+    return cls(name, address, identity=identity, curve_keys=curve_keys)
 
 
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------

@@ -1,6 +1,8 @@
 """The client side of a distributed channel: one handle, one broker replica per node.
 
-``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
+``DistributedChannel`` is a channel handle (a ``Channel`` to ``isinstance``: ``broker/channel.py``)
+whose operations go to the replica its key is bound to, each through a ``BrokerChannel``
+(``client.py``) of that replica.
 The first operation of any kind on a key asks the binder (the lowest-index live replica; every
 replica holds the replicated table: ``broker/binding.py``) to bind the key (first toucher wins,
 permanent: to the replica of the caller's node); the handle caches the binding, so every later
@@ -9,16 +11,16 @@ replica (shared with the process's other handles, ``sharing.py``).  All per-key 
 (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
 holds the key.  ``stats()`` aggregates over the replicas.
 
-Where the replica table comes from: a cluster file (``broker/cluster.py``), Ray
-(``broker/ray_placement.py``, imported only when the process is connected to Ray), or the hello
-reply of any replica (so ``Channel.connect`` of any replica's address or name yields this handle).
+Where the replica table comes from: a cluster file (``broker/cluster.py``; ``create_from_cluster``
+and ``connect_from_cluster`` here), Ray (``broker/ray_placement.py``, which builds this handle from
+the table its actors publish), or the hello reply of any replica (``from_handle``: so
+``Channel.connect`` of any replica's address or name yields this handle).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 from zchannel.broker import cluster, paths
 from zchannel.broker.binding import BIND
 from zchannel.broker.checks import check_target_weight
-from zchannel.broker.client import DEFAULT_KEY, Channel
+from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.security import replica_client_keys
@@ -48,23 +50,12 @@ BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (i
 BIND_DEADLINE_S = 30.0
 
 
-def ray_connected() -> bool:
-    """True when this process is connected to Ray (zchannel never calls ``ray.init()``)."""
-    ray = sys.modules.get("ray")
-    if ray is None:
-        return False
-    try:
-        return bool(ray.is_initialized())
-    except Exception:
-        return False
-
-
-class DistributedChannel(Channel):
+class DistributedChannel(BrokerChannel):
     """A handle of a channel served by several broker replicas (see the module docstring)."""
 
     def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
                  identity: str | None = None, curve_keys: Any = None,
-                 subs: dict[int, Channel] | None = None, owner: bool = False,
+                 subs: dict[int, BrokerChannel] | None = None, owner: bool = False,
                  ray_owner: Any = None) -> None:
         self._replicas = cluster.from_table(replicas)
         self._node = cluster.local_node(self._replicas)
@@ -72,7 +63,7 @@ class DistributedChannel(Channel):
         self._home = local[0] if local else 0
         super().__init__(name, self._replicas[self._home].address, identity=identity,
                          curve_keys=curve_keys)
-        self._subs: dict[int, Channel] = dict(subs or {})
+        self._subs: dict[int, BrokerChannel] = dict(subs or {})
         self._subs_lock = threading.Lock()
         self._bindings: dict[Any, int] = {}
         self._binder = 0  # the replica that answered the last binding request
@@ -81,7 +72,7 @@ class DistributedChannel(Channel):
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
 
     @classmethod
-    def from_handle(cls, handle: Channel) -> DistributedChannel:
+    def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
         """Turn a plain handle connected to one replica into the distributed handle."""
         info = handle._conn.broker_info
         dist = cls(handle._name or info.get("name"), info["replicas"],
@@ -111,7 +102,7 @@ class DistributedChannel(Channel):
             raise
         return self
 
-    def _sub(self, index: int) -> Channel:
+    def _sub(self, index: int) -> BrokerChannel:
         sub = self._subs.get(index)
         if sub is not None:
             return sub
@@ -120,7 +111,7 @@ class DistributedChannel(Channel):
         with self._subs_lock:
             sub = self._subs.get(index)
             if sub is None:
-                sub = Channel(self._name, self._replicas[index].address,
+                sub = BrokerChannel(self._name, self._replicas[index].address,
                               identity=self._explicit_identity,
                               curve_keys=replica_client_keys(self._curve_keys,
                                                              self._replicas[index].server_key))
@@ -184,7 +175,7 @@ class DistributedChannel(Channel):
         """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
         return self._replicas[self.replica_of(key)].node
 
-    def _for(self, key: Any) -> Channel:
+    def _for(self, key: Any) -> BrokerChannel:
         return self._sub(self.replica_of(key))
 
     # -- operations ---------------------------------------------------------------------
@@ -297,7 +288,7 @@ class DistributedChannel(Channel):
 
     # -- lifetime -----------------------------------------------------------------------
 
-    def _each_sub(self) -> list[Channel]:
+    def _each_sub(self) -> list[BrokerChannel]:
         with self._subs_lock:
             return list(self._subs.values())
 
@@ -345,30 +336,12 @@ class DistributedChannel(Channel):
                 f"node={self._node!r}, created={self.created})")
 
 
-def _unpickle(name: str | None, replicas: list, identity: str | None, curve_keys: Any) -> Channel:
+def _unpickle(name: str | None, replicas: list, identity: str | None,
+              curve_keys: Any) -> DistributedChannel:
     return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
 
 
 # -- creating and finding distributed channels ---------------------------------------------
-
-
-def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
-           identity: str | None, curve_keys: Any) -> Channel | None:
-    """What ``Channel.create`` calls for ``distributed=True``, ``node_rank=`` or Ray placement
-    targets; None means "start one ordinary local broker"."""
-    if ray_connected():
-        from zchannel.broker import ray_placement
-
-        return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
-                                    targets=targets, identity=identity, curve_keys=curve_keys)
-    if distributed:
-        path = cluster.find_file(config.get("options"))
-        if path:
-            return create_from_cluster(config, path, identity=identity, curve_keys=curve_keys)
-        log.info("distributed=True without Ray or a cluster file: one local replica")
-    if node_rank is not None:
-        log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
-    return None
 
 
 def create_from_cluster(config: dict, path: str, *, identity: str | None,
@@ -379,7 +352,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     cl = cluster.load(path, name)
     node = cluster.local_node(cl.replicas)
     table = cl.table()
-    subs: dict[int, Channel] = {}
+    subs: dict[int, BrokerChannel] = {}
     errors: list[BaseException] = []
 
     def start(i: int, r: cluster.Replica) -> None:
@@ -395,7 +368,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
             errors.append(exc)
             return
         os.close(lock_fd)  # the replica holds it now
-        subs[i] = Channel(name, real_address, identity=identity, curve_keys=curve_keys,
+        subs[i] = BrokerChannel(name, real_address, identity=identity, curve_keys=curve_keys,
                           _proc=proc, _token=token)
 
     try:
@@ -420,23 +393,19 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     return handle
 
 
-def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Channel | None:
-    """A handle of channel ``name`` when this host has no ``.addr`` file for it: from
-    ``$ZCHANNEL_CLUSTER``, else from Ray (when this process is connected); None if neither
-    knows the name.  ``ChannelNotFound`` if the replica it should talk to does not answer."""
+def connect_from_cluster(name: str, *, identity: str | None,
+                         timeout: float) -> DistributedChannel | None:
+    """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER``; None if
+    there is none or it does not serve the name.  ``ChannelNotFound`` if this node's replica
+    does not answer within ``timeout``."""
     path = cluster.find_file()
-    if path:
-        try:
-            cl = cluster.load(path, name)
-        except ValueError:
-            cl = None
-        if cl is not None:
-            return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
-    if ray_connected():
-        from zchannel.broker import ray_placement
-
-        return ray_placement.connect(name, identity=identity, timeout=timeout)
-    return None
+    if not path:
+        return None
+    try:
+        cl = cluster.load(path, name)
+    except ValueError:
+        return None
+    return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
 
 
-__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected"]
+__all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster"]

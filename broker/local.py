@@ -17,7 +17,7 @@ from typing import Any
 
 from zchannel.broker import codec, shm
 from zchannel.broker.checks import check_peek_count
-from zchannel.broker.client import Channel
+from zchannel.broker.client import BrokerChannel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, STATS
@@ -169,8 +169,9 @@ def _copy(value: Any) -> Any:
     return codec.decode(body, buffers, copy=True)
 
 
-class LocalChannel(Channel):
-    """A handle of an in-process channel (same API as ``Channel``)."""
+class LocalChannel(BrokerChannel):
+    """A handle of an in-process channel: the API of ``Channel``, with its requests handled by an
+    in-process ``QueueCore`` instead of a broker process."""
 
     def __init__(self, broker: _LocalBroker, identity: str | None, owner: bool) -> None:
         super().__init__(broker.name, f"local://{broker.name}", identity=identity)
@@ -180,7 +181,7 @@ class LocalChannel(Channel):
         self._client = Client(address=self)
 
     @classmethod
-    def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> Channel:
+    def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
         with _registry_lock:
             existing = _registry.get(name)
             if existing is None:

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from zchannel.broker import cluster
 from zchannel.broker.binding import BIND, BindingTable
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, from_table
@@ -171,8 +172,6 @@ def wrap_collector(collector: Collector, state: ReplicaState) -> Collector:
 def replica_state(config: Any) -> ReplicaState:
     """Fill a ``BrokerConfig`` of a replica from its cluster file (address, insecure) and return
     the replica's state."""
-    from zchannel.broker import cluster
-
     if config.replica is None:
         raise ValueError("a replica needs its index (--replica I)")
     if config.replicas is None:

@@ -49,6 +49,7 @@ from zchannel.broker.protocol import (
     send_message,
     unpack_header,
 )
+from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
@@ -96,8 +97,6 @@ class Broker:
         self.replica = None
         lock_name = config.name
         if config.cluster is not None or config.replicas is not None:
-            from zchannel.broker.replica import replica_state
-
             self.replica = replica_state(config)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
@@ -164,8 +163,6 @@ class Broker:
     def _collector(self, collector: Any) -> Any:
         if self.replica is None:
             return collector
-        from zchannel.broker.replica import wrap_collector
-
         return wrap_collector(collector, self.replica)
 
     # -- lifecycle ---------------------------------------------------------------------------

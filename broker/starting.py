@@ -1,6 +1,6 @@
 """Starting a broker process for ``Channel.create``: the hooks as the child receives them
 (checked here first, so that a wrong name fails before anything starts), the child process
-itself, and the errors of a start that failed (``docs/errors.md``)."""
+itself, the errors of a start that failed (``docs/errors.md``), and stopping it again."""
 
 from __future__ import annotations
 
@@ -96,6 +96,19 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
         proc.wait()
         raise start_error(config["name"], line.strip())
     return proc, line.split(None, 1)[1].strip(), token
+
+
+def stop_broker(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a broker process this process started: SIGTERM (the broker removes its files), then
+    SIGKILL if it has not exited within ``grace_s`` (by PID)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10.0)
 
 
 def start_error(name: str, line: str) -> BaseException:
