@@ -298,12 +298,11 @@ class CoreModel(RuleBasedStateMachine):
     def _new_client(self, slot: int) -> Client:
         return Client(address=slot, identity=IDENTITIES[slot] if slot < len(IDENTITIES) else None)
 
-    def _reply(self, client: Client, rid: int, **outcome: Any) -> bool:
+    def _reply(self, client: Client, rid: int, **outcome: Any) -> None:
         assert rid not in self.sent, f"request {rid} answered twice"
         self.sent[rid] = _outcome(**outcome)
         if outcome.get("lease") is not None:
             self.lease_ids[outcome["items"][0].payload[0]] = outcome["lease"]
-        return True
 
     def _check_step(self, before: set[int]) -> None:
         got = {rid: out for rid, out in self.sent.items() if rid not in before}
