@@ -178,6 +178,9 @@ class QueueCore:
         self.queues.bytes_held -= lease.item.nbytes
         self.reply(client, rid)
         self.waiters.admit_putters()
+        ks = self.queues.keys.get(lease.key)
+        if ks is not None:  # its last lease may have kept the key in use
+            self.queues.mark_idle(ks)
 
     def cancel(self, client: Client, rid: int, target_rid: Any) -> None:
         """Withdraw ``client``'s waiting request ``target_rid``: the result says whether it
