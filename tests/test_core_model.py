@@ -47,6 +47,7 @@ KEYS = ("a", "b")
 DECLARED = ("c:0", "c:1")
 IDENTITIES = ("c:0", "c:1", "c:2")  # c:2 is not declared: it joins on its first get
 LEASE_S = 30.0
+TIMEOUT_S = LEASE_S  # one length for every deadline: they pass in the order they were set
 
 
 class ToDispatcher(Dispatcher):
@@ -78,6 +79,10 @@ class Ref:
         self.maxsize = maxsize
         self.max_bytes = max_bytes  # every item counts 1 byte
         self.items: dict[int, tuple] = {}  # seq -> item, for deliveries that come back
+        # what has a deadline, in the order the deadlines were set (all of them equally far):
+        # ("get" | "put", rid, 0) for a waiting request with a timeout, ("lease", seq, n)
+        self.timed: list[tuple[str, int, int]] = []
+        self.lease_count = 0
         self.deals = deals
         self.steal = steal
         self.shared: dict[str, list] = {k: [] for k in KEYS}
@@ -110,7 +115,7 @@ class Ref:
 
     # -- puts
 
-    def put(self, rid: int, key: str, item: tuple, nowait: bool) -> None:
+    def put(self, rid: int, key: str, item: tuple, nowait: bool, timed: bool) -> None:
         self.items[item[0]] = item
         put = {"rid": rid, "key": key, "to": self.target(item), "item": item}
         if self.admissible(put, {(p["key"], p["to"]) for p in self.putters}):
@@ -121,6 +126,8 @@ class Ref:
             self.replies[rid] = ("error", "QueueFull")
         else:
             self.putters.append(put)
+            if timed:
+                self.timed.append(("put", rid, 0))
 
     def admissible(self, put: dict, blocked: set) -> bool:
         if (put["key"], put["to"]) in blocked:
@@ -145,7 +152,7 @@ class Ref:
     # -- gets
 
     def get(self, rid: int, handle: int, consumer: str | None, key: str, nowait: bool,
-            ack: bool, target: int) -> None:
+            ack: bool, target: int, timed: bool) -> None:
         if self.deals and consumer is None:
             self.replies[rid] = ("error", "ValueError")
             return
@@ -162,6 +169,8 @@ class Ref:
             else:
                 self.replies[rid] = ("error", "QueueEmpty")
             self.serve(key)
+        elif getter in self.getters[key] and timed:
+            self.timed.append(("get", rid, 0))
 
     def source(self, getter: dict) -> tuple[str | None, list]:
         key, consumer = getter["key"], getter["consumer"]
@@ -205,8 +214,10 @@ class Ref:
             self.getters[getter["key"]].remove(getter)
         leased = getter["ack"] and not getter["target"]
         if leased:
-            self.leases[items[0][0]] = {"key": getter["key"], "origin": origin,
-                                        "item": items[0], "handle": getter["handle"]}
+            self.lease_count += 1
+            self.leases[items[0][0]] = {"key": getter["key"], "origin": origin, "item": items[0],
+                                        "handle": getter["handle"], "n": self.lease_count}
+            self.timed.append(("lease", items[0][0], self.lease_count))
         self.replies[getter["rid"]] = ("items", [i[0] for i in items], bool(getter["target"]),
                                        leased, (getter["key"], origin))
 
@@ -218,6 +229,41 @@ class Ref:
             origin = self.target(lease["item"])
         self.queue(lease["key"], origin).insert(0, lease["item"])
         self.serve(lease["key"])
+
+    def time_passes(self) -> None:
+        """Every deadline passes, in the order they were set: waiting requests with a timeout
+        time out (a get_batch takes what there is), leases lapse (the deliveries they make
+        meanwhile are leased again and lapse too)."""
+        for kind, ident, n in self.timed:  # grows while it runs
+            if kind == "lease":
+                lease = self.leases.get(ident)
+                if lease is not None and lease["n"] == n:
+                    self.unlease(ident)
+            elif kind == "put":
+                put = next((p for p in self.putters if p["rid"] == ident), None)
+                if put is not None:
+                    self.putters.remove(put)
+                    self.replies[ident] = ("error", "TimeoutError")
+                    self.admit()
+            else:
+                self.expire_get(ident)
+        self.timed = []
+
+    def expire_get(self, rid: int) -> None:
+        getter = next((g for k in KEYS for g in self.getters[k] if g["rid"] == rid), None)
+        if getter is None:
+            return
+        key = getter["key"]
+        if getter["target"]:
+            origin, queue = self.source(getter)
+            n = take(queue, getter["target"], final=True)
+            if n:
+                self.deliver(getter, origin, queue, n)
+                self.serve(key)
+                return
+        self.getters[key].remove(getter)
+        self.replies[rid] = ("error", "TimeoutError")
+        self.serve(key)
 
     def requeue(self, key: str, origin: str | None, seqs: list[int], leased: bool) -> None:
         """A delivery that could not be sent goes back to the head of the queue it came from,
@@ -355,27 +401,31 @@ class CoreModel(RuleBasedStateMachine):
     # -- rules
 
     @rule(key=st.sampled_from(KEYS), to=st.sampled_from((None, *IDENTITIES)),
-          weight=st.integers(0, 3), nowait=st.booleans())
-    def put(self, key: str, to: str | None, weight: int, nowait: bool) -> None:
+          weight=st.integers(0, 3), nowait=st.booleans(), timed=st.booleans())
+    def put(self, key: str, to: str | None, weight: int, nowait: bool, timed: bool) -> None:
+        """A put; ``timed``: with a timeout (it passes in ``time_passes``)."""
         before = self._step()
         rid, seq = self._rid(), next(self.seqs)
         producer = self.handles[-1]
-        self.ref.put(rid, key, (seq, to, weight), nowait)
-        self.core.put(producer, rid, key, Item((seq, to), weight, 1), None, nowait)
+        self.ref.put(rid, key, (seq, to, weight), nowait, timed)
+        self.core.put(producer, rid, key, Item((seq, to), weight, 1), TIMEOUT_S if timed else None,
+                      nowait)
         self._check_step(before)
 
     @rule(slot=st.integers(0, len(IDENTITIES)), key=st.sampled_from(KEYS), nowait=st.booleans(),
-          ack=st.booleans(), batch=st.sampled_from((0, 0, 1, 3, 5)))
-    def get(self, slot: int, key: str, nowait: bool, ack: bool, batch: int) -> None:
-        """A get (``batch`` 0) or a get_batch of target weight ``batch``."""
+          ack=st.booleans(), batch=st.sampled_from((0, 0, 1, 3, 5)), timed=st.booleans())
+    def get(self, slot: int, key: str, nowait: bool, ack: bool, batch: int, timed: bool) -> None:
+        """A get (``batch`` 0) or a get_batch of target weight ``batch``; ``timed``: with a
+        timeout (it passes in ``time_passes``)."""
         before = self._step()
         rid = self._rid()
         client = self.handles[slot]
         ack = ack and not batch
         if not (self.ref.deals and client.identity is None) and client.consumer is None:
             self.ref.join(client.identity)
-        self.ref.get(rid, slot, client.identity, key, nowait, ack, batch)
-        self.core.get(client, rid, key, None, nowait, ack=ack, batch_target=batch)
+        self.ref.get(rid, slot, client.identity, key, nowait, ack, batch, timed)
+        self.core.get(client, rid, key, TIMEOUT_S if timed else None, nowait, ack=ack,
+                      batch_target=batch)
         self._check_step(before)
 
     @precondition(lambda self: self.ref.leases)
@@ -412,6 +462,7 @@ class CoreModel(RuleBasedStateMachine):
         self.handles[slot] = self._new_client(slot)
         self._check_step(before)
 
+    @precondition(lambda self: self.deliveries)
     @rule(slot=st.integers(0, len(IDENTITIES)))
     def connection_breaks(self, slot: int) -> None:
         """The replies of the last step to this handle cannot be sent: the broker hands their
@@ -427,14 +478,13 @@ class CoreModel(RuleBasedStateMachine):
         self.handles[slot] = self._new_client(slot)
         self._check_step(before)
 
+    @precondition(lambda self: self.ref.timed)
     @rule()
     def time_passes(self) -> None:
-        """Every lease lapses, and every key that stays idle for its grace period goes."""
+        """Every timeout passes and every lease lapses, and every key that stays idle for its
+        grace period goes."""
         before = self._step()
-        # in the order they were issued; a lapsed delivery handed to a waiting getter is leased
-        # again and (at this clock reading) lapses in the same tick
-        while self.ref.leases:
-            self.ref.unlease(next(iter(self.ref.leases)))
+        self.ref.time_passes()
         self.core.tick(time.monotonic() + 2 * LEASE_S)
         self._check_step(before)
         for key, ks in self.core.keys.items():
@@ -481,7 +531,7 @@ def _run(max_examples: int) -> None:
 
 
 def test_queue_core_matches_reference():
-    _run(200)
+    _run(500)
 
 
 @pytest.mark.fuzz
@@ -546,3 +596,19 @@ def test_key_used_only_by_acknowledged_gets_goes_once_idle():
     assert "a" in core.keys
     core.tick(time.monotonic() + 31.0)  # past the default key grace period (30 s)
     assert "a" not in core.keys
+
+
+def test_undeliverable_reply_goes_back_to_the_head_of_its_queue():
+    """A delivery the broker could not send (``requeue``) is back in front of the items that
+    were behind it, and its consumer's other gets take it first."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    core.put(producer, 1, "a", Item((0, None), 1, 1), None, False)
+    core.put(producer, 2, "a", Item((1, None), 1, 1), None, False)
+    core.get(consumer, 3, "a", None, False)
+    assert replies[3] == ("items", [0], False, False, ("a", None))
+    item = core.peek("a", 1)[0]
+    assert item.payload == (1, None)
+    core.requeue(consumer, ("a", None), [Item((0, None), 1, 1)], None)
+    assert [i.payload[0] for i in core.peek("a", 2)] == [0, 1]
+    assert core.bytes_held == 2
