@@ -79,8 +79,8 @@ class QueueCore:
                                   encode_item=encode_item)
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
-        self.waiters = Waiters(queues=self.queues, hooks=self.hooks, registry=self.registry,
-                               leases=self.lease_book, deadlines=self.deadlines, reply=reply)
+        self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
+                               deadlines=self.deadlines, reply=reply)
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
 

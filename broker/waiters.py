@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.checks import exceeds, reaches
-from zchannel.broker.consumers import ConsumerRegistry
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.leases import LeaseBook
 from zchannel.broker.pipeline import HookPipeline
@@ -36,11 +35,10 @@ Reply = Callable[..., None]
 class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
-    def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, registry: ConsumerRegistry,
-                 leases: LeaseBook, deadlines: Deadlines, reply: Reply) -> None:
+    def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
+                 deadlines: Deadlines, reply: Reply) -> None:
         self.queues = queues
         self.hooks = hooks
-        self.registry = registry
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
