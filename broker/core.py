@@ -156,7 +156,8 @@ class QueueCore:
             key = check_key(key)
             if batch_target:
                 check_target_weight(batch_target)
-            self.queues.check_new_keys((key,))
+            if key not in self.queues.keys:
+                self.queues.check_new_keys((key,))
             if self.hooks.deals and client.identity is None:
                 raise ValueError(
                     f"channel {self.name!r} deals items to consumers: a consumer needs an "

@@ -55,7 +55,8 @@ class Waiters:
             self.reply(client, rid)
             return
         if queues.admits(outputs, self._waiting_targets() if self.putters else set()):
-            self._store(req)
+            for ks in queues.store(outputs):
+                self.serve(ks)
             self.reply(client, rid)
             return
         if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
@@ -80,10 +81,6 @@ class Waiters:
             waiting |= self.queues.targets(p.outputs)
         return waiting
 
-    def _store(self, req: Request) -> None:
-        for ks in self.queues.store(req.outputs):
-            self.serve(ks)
-
     def admit_putters(self) -> None:
         """Admit the waiting puts that fit now, in arrival order (a put waits while an earlier
         waiting put targets one of its queues)."""
@@ -96,7 +93,8 @@ class Waiters:
                 continue
             if self.queues.admits(req.outputs, blocked):
                 self._unpark_putter(req)
-                self._store(req)
+                for ks in self.queues.store(req.outputs):
+                    self.serve(ks)
                 self.reply(req.client, req.rid)
                 admitted = True
             else:
