@@ -65,10 +65,10 @@ class _LocalBroker:
 
     def _reply(self, client: Client, rid: int, result: Any = None,
                error: BaseException | None = None, items: list[Item] | None = None,
-               batch: bool = False, lease: int | None = None, origin: Any = None) -> bool:
+               batch: bool = False, lease: int | None = None, origin: Any = None) -> None:
         entry = self.pending.pop((id(client), rid), None)
         if entry is None:
-            return True
+            return
         work, copy = entry
         if error is not None:
             work.set_exception(error)
@@ -82,7 +82,6 @@ class _LocalBroker:
                 work.set_result(values[0])
         else:
             work.set_result(result)
-        return True
 
     def submit(self, client: Client, rec: dict, item: Any, copy: bool | None) -> Work:
         with self.cv:

@@ -51,6 +51,7 @@ from zchannel.broker.protocol import (
 )
 from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
+from zchannel.broker.shm_broker import SlotFrames
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
@@ -144,7 +145,6 @@ class Broker:
             # A hook decodes items: import torch before serving, not on the first tensor (that
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()
-        self.core.client_gone = self.shm.wrap_client_gone(self.core.client_gone)  # frees slots
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, Outbox] = {}
@@ -422,7 +422,7 @@ class Broker:
             self.direct.by_address[address].greeted = True
         old = self.clients.pop(address, None)
         if old is not None:
-            self.core.client_gone(old)
+            self._client_gone(old)
         identity = rec.get("ident")
         if identity is not None and not isinstance(identity, str):
             identity = None
@@ -464,9 +464,11 @@ class Broker:
             nbytes = sum(lengths)
             if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
                 raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
-            item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
-            if "sm" in rec:  # shared-memory slots: held, and counted in item.nbytes
-                self.shm.attach_put(client, rec["sm"], item)
+            weight = check_weight(rec.get("w", 0))
+            if "sm" in rec:  # shared-memory slots: held by the payload, counted in item.nbytes
+                frames = self.shm.attach_put(client, rec["sm"], frames)
+                nbytes += frames.slot_bytes
+            item = Item(frames, weight, nbytes)
             self.counters.puts += 1
             core.put(client, rid, key_from_wire(rec.get("k")), item,
                      check_timeout(rec.get("t")), bool(rec.get("nw")))
@@ -505,7 +507,7 @@ class Broker:
             core.cancel(client, rid, rec.get("rid"))
         elif op == BYE:
             self.clients.pop(client.address, None)
-            core.client_gone(client)
+            self._client_gone(client)
             self._reply(client, rid, result=True)
         elif op in shm.SHM_OPS:
             self.shm.handle(client, op, rec)
@@ -523,7 +525,7 @@ class Broker:
 
     def _reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
                items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
-               origin: Any = None, raw: bool = False, fields: dict | None = None) -> bool:
+               origin: Any = None, raw: bool = False, fields: dict | None = None) -> None:
         rec: dict[str, Any] = {"id": rid, **fields} if fields else {"id": rid}
         out = self._out.get(client.address)
         if out is None:
@@ -531,7 +533,7 @@ class Broker:
         if error is not None:
             rec["e"] = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \
-                and not items[0].shm and len(items[0].payload) == 1 \
+                and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
                 and len(items[0].payload[0]) <= INLINE_BODY:
             body = items[0].payload[0]  # a small item rides in the reply record (no frame)
             rec["b"] = body if type(body) is bytes else bytes(body)
@@ -544,10 +546,11 @@ class Broker:
             counts = []
             r0, f0 = len(out.records), len(out.frames)
             for i, item in enumerate(items):
-                out.frames.extend(item.payload)
-                n = len(item.payload)
-                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
-                    n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
+                payload = item.payload
+                out.frames.extend(payload)
+                n = len(payload)
+                if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
+                    n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
                 nf += n
                 counts.append(n)
             rec["nf"] = nf
@@ -562,7 +565,6 @@ class Broker:
         elif result is not None:
             rec["r"] = result
         out.records.append(rec)
-        return True
 
     def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
         if self.direct is not None:
@@ -605,8 +607,14 @@ class Broker:
             for c, origin, items, lease in out.deliveries:
                 self.core.requeue(c, origin, items, lease)
         if client is not None:
-            self.core.client_gone(client)
+            self._client_gone(client)
         return client
+
+    def _client_gone(self, client: Client) -> None:
+        """``client`` left or was ended: the core withdraws its requests and returns its leases,
+        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``)."""
+        self.core.client_gone(client)
+        self.shm.client_gone(client)
 
     # -- direct links (broker/direct.py) -------------------------------------------------------
 
@@ -714,7 +722,7 @@ class Broker:
                 log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
                 del self.clients[address]
                 self.last_sent.pop(address, None)
-                self.core.client_gone(client)
+                self._client_gone(client)
                 self._send(address, [{"op": EXPIRED}], [])
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
                 out = self._out[address] = Outbox()

@@ -71,6 +71,18 @@ def _keep(obj: Any) -> None:
     """A finalizer whose only job is to hold ``obj`` until it runs."""
 
 
+class SlotFrames(list):
+    """The frames of a put that also refers to shared-memory slots: the item's payload in the
+    queue core (which never looks into it), keeping the slots' ``Hold``s as long as it exists."""
+
+    __slots__ = ("holds", "slot_bytes")
+
+    def __init__(self, frames: list, holds: list[Hold]) -> None:
+        super().__init__(frames)
+        self.holds = holds
+        self.slot_bytes = sum(h.nbytes for h in holds)  # counted in the item's nbytes
+
+
 class _BrokerSegment:
     __slots__ = ("seg", "owner", "addr", "refs", "orphan", "orphan_at")
 
@@ -165,9 +177,10 @@ class ShmBroker:
                 mine.discard(hid)
                 self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
 
-    def attach_put(self, client: Any, refs: Any, item: Any) -> None:
-        """Turn the slot references of a put into ``Hold``s on ``item`` (``item.shm``) and count
-        their bytes in ``item.nbytes``.  ``ValueError`` for anything that does not check out."""
+    def attach_put(self, client: Any, refs: Any, frames: list) -> SlotFrames:
+        """The payload of a put of ``frames`` with the slot references ``refs``: the frames and
+        a ``Hold`` per slot (their bytes in ``SlotFrames.slot_bytes``).  ``ValueError`` for
+        anything that does not check out."""
         if client not in self.verified and client.address in self.proven:
             self.verified.add(client)  # the same connection: the same host
         if client not in self.verified:
@@ -195,13 +208,12 @@ class ShmBroker:
             if seg.states[slot] != USED or bseg.refs[slot]:
                 raise ValueError(f"shared-memory slot {slot} of {name!r} is not a fresh slot")
             holds.append(Hold(self, bseg, slot, nbytes, True))
-        item.shm = holds
         self.slots_in += len(holds)
-        item.nbytes += sum(h.nbytes for h in holds)
+        return SlotFrames(frames, holds)
 
-    def attach_reply(self, client: Any, item: Any, rec: dict, index: int, count: int,
+    def attach_reply(self, client: Any, payload: SlotFrames, rec: dict, index: int, count: int,
                      frames: list) -> int:
-        """Add the slots of ``item`` (the ``index``-th of ``count`` in reply ``rec``) to the
+        """Add the slots of ``payload`` (the ``index``-th item of ``count`` in reply ``rec``) to the
         reply: references for a same-host client (a consumer hold each), else the slots' bytes
         as zero-copy frames appended to ``frames``.  Returns the number of frames added."""
         sm = rec.get("sm")
@@ -210,18 +222,18 @@ class ShmBroker:
         entries: list[Any] = []
         if client in self.verified:
             mine = self.client_holds.setdefault(client, set())
-            for h in item.shm:
+            for h in payload.holds:
                 hid = next(self._ids)
                 self.holds[hid] = (client, Hold(self, h.seg, h.slot, h.nbytes, False))
                 mine.add(hid)
                 entries.append([h.seg.seg.name, h.slot, h.nbytes, hid])
             sm[index] = entries
             return 0
-        base = len(item.payload)
-        for j, h in enumerate(item.shm):
+        base = len(payload)
+        for j, h in enumerate(payload.holds):
             frames.append(zmq.Frame(h.view(), copy=False))
             entries.append(base + j)
-        self.converted += len(item.shm)
+        self.converted += len(payload.holds)
         sm[index] = entries
         return len(entries)
 
@@ -230,12 +242,12 @@ class ShmBroker:
         its slot alive while a hook, or a frame made from it, still uses it)."""
 
         def decode(item: Any) -> Any:
-            if not item.shm:
-                return fallback(item)
             frames = item.payload
+            if not isinstance(frames, SlotFrames):
+                return fallback(item)
             body = frames[0]
             body = body.buffer if hasattr(body, "buffer") else body
-            return codec.decode(body, frames[1:], shm=[h.view() for h in item.shm], shm_copy=False)
+            return codec.decode(body, frames[1:], shm=[h.view() for h in frames.holds], shm_copy=False)
 
         return decode
 
@@ -281,13 +293,6 @@ class ShmBroker:
                 if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
                         and not any(bseg.refs)):
                     self._remove(bseg)
-
-    def wrap_client_gone(self, core_client_gone: Any) -> Any:
-        def client_gone(client: Any) -> None:
-            core_client_gone(client)
-            self.client_gone(client)
-
-        return client_gone
 
     def stats(self) -> dict:
         with self.lock:
