@@ -325,6 +325,8 @@ class BadRecord(NamedTuple):
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(list[_AnyRequest])
 _replies = msgspec.msgpack.Decoder(list[Reply])
+_one_request = msgspec.msgpack.Decoder(_AnyRequest)
+_packer = msgpack.Packer(use_bin_type=True)
 
 
 def pack_header(records: list) -> bytes:
@@ -371,8 +373,8 @@ def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
         nf = record.get("nf", 0)
         if type(nf) is not int or nf < 0:  # bool is not int here
             raise ProtocolError("record field nf must be an int >= 0")
-        try:
-            out.append(msgspec.convert(record, _AnyRequest))
+        try:  # decoded from msgpack again: msgspec.convert would take base64 text as bytes
+            out.append(_one_request.decode(_packer.pack(record)))
         except msgspec.ValidationError as exc:
             rid = record.get("id")
             op = record.get("op")
@@ -384,6 +386,15 @@ def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
 def wire_map(rec: Any) -> dict:
     """A record as the plain map it is on the wire (transitional, for broker/shm.py)."""
     return msgpack.unpackb(_encoder.encode(rec), raw=False, strict_map_key=False)
+
+
+def slots_via_map(rec: Reply, attach: Any) -> int:
+    """Transitional, for broker/shm_broker.py: ``attach`` a reply's slots to a map standing for
+    ``rec`` and keep them."""
+    held = {"sm": rec.slots} if rec.slots is not None else {}
+    added = attach(held)
+    rec.slots = held.get("sm")
+    return added
 
 
 def unpack_replies(data: bytes) -> list[Reply]:
