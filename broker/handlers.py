@@ -1,5 +1,6 @@
 """What the broker does for each request: one handler per operation, found through ``HANDLERS``
-(the record's class -> its handler) by ``Broker._handle_message``.
+(the record's class -> its handler) by ``Broker._handle_message``; ``hello``, which registers a
+client (and so runs before there is one), is called by name.
 
 A handler gets the broker, the client, the decoded record (``broker/protocol.py``) and the
 frames that came with it; it answers through ``broker.reply`` now or, for a request that waits
@@ -18,6 +19,7 @@ from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.core import Client, Item, check_timeout, check_weight
 from zchannel.broker.protocol import (
     INLINE_BODY,
+    PROTOCOL_VERSION,
     UNSET,
     Ack,
     Bind,
@@ -27,6 +29,8 @@ from zchannel.broker.protocol import (
     Get,
     GetBatch,
     Heartbeat,
+    Hello,
+    HelloInfo,
     Learn,
     Peek,
     Put,
@@ -43,6 +47,35 @@ from zchannel.broker.protocol import (
 )
 
 Handler = Callable[[Any, Client, Any, list], None]
+
+
+def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
+    """Register ``address`` (anew) and answer with the broker's parameters; a hello of
+    another protocol version gets an error reply and changes nothing."""
+    rid = rec.id if type(rec.id) is int else 0
+    version = rec.version
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        broker.reply(Client(address=address), rid, error=ValueError(
+            f"protocol version {version!r} is not supported: this broker speaks "
+            f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
+        return broker.clients.get(address)
+    if broker.direct is not None and address in broker.direct.by_address:
+        broker.direct.by_address[address].greeted = True
+    old = broker.clients.pop(address, None)
+    if old is not None:
+        broker.core.client_gone(old)
+    identity = rec.identity if isinstance(rec.identity, str) else None
+    client = Client(address=address, identity=identity)
+    broker.clients[address] = client
+    broker.forget_expired(address)
+    info = HelloInfo(
+        name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
+        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
+        max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
+    if broker.replica is not None:
+        broker.replica.describe(info)
+    broker.reply(client, rid, result=info)
+    return client
 
 
 def put(broker: Any, client: Client, rec: Put, frames: list) -> None:

@@ -23,19 +23,16 @@ from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
-from zchannel.broker.handlers import HANDLERS
+from zchannel.broker.handlers import HANDLERS, hello
 from zchannel.broker.outbox import Outbox
 from zchannel.broker.protocol import (
     BROKER_EXPIRED,
     BROKER_HEARTBEAT,
     BYE,
-    HELLO,
     INLINE_BODY,
-    PROTOCOL_VERSION,
     BadRecord,
     Bye,
     Hello,
-    HelloInfo,
     ProtocolError,
     Reply,
     op_of,
@@ -388,9 +385,7 @@ class Broker:
             kind = type(rec)
             if client is None or kind is Hello:
                 if kind is Hello:
-                    client = self._hello(address, rec)
-                elif kind is BadRecord and rec.op == HELLO:  # answered, registers nothing
-                    self.reply(Client(address=address), rec.id or 0, error=ValueError(str(rec.error)))
+                    client = hello(self, address, rec)
                 elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self._tell_expired(address, now)
                 continue
@@ -410,39 +405,15 @@ class Broker:
             if kind is Bye:
                 client = None
 
-    def _hello(self, address: bytes, rec: Hello) -> Client | None:
-        """Register ``address`` (anew) and answer with the broker's parameters; a hello of
-        another protocol version gets an error reply and changes nothing."""
-        rid = rec.id if type(rec.id) is int else 0
-        version = rec.version
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            self.reply(Client(address=address), rid, error=ValueError(
-                f"protocol version {version!r} is not supported: this broker speaks "
-                f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
-            return self.clients.get(address)
-        if self.direct is not None and address in self.direct.by_address:
-            self.direct.by_address[address].greeted = True
-        old = self.clients.pop(address, None)
-        if old is not None:
-            self.core.client_gone(old)
-        identity = rec.identity if isinstance(rec.identity, str) else None
-        client = Client(address=address, identity=identity)
-        self.clients[address] = client
-        self._expired_told.pop(address, None)
-        info = HelloInfo(
-            name=self.config.name, pid=os.getpid(), hb=self.config.heartbeat_interval,
-            liveness=self.config.liveness, deals=self.core.deals, maxsize=self.core.maxsize,
-            max_message_bytes=self.config.max_message_bytes, shm=self.shm.hello_info())
-        if self.replica is not None:
-            self.replica.describe(info)
-        self.reply(client, rid, result=info)
-        return client
-
     def _tell_expired(self, address: bytes, now: float) -> None:
         if now - self._expired_told.get(address, 0.0) < 0.2:
             return
         self._expired_told[address] = now
         self._send(address, [BROKER_EXPIRED], [])
+
+    def forget_expired(self, address: bytes) -> None:
+        """``address`` said hello: an ``expired`` is due again at once when it is unknown next."""
+        self._expired_told.pop(address, None)
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""
