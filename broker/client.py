@@ -48,7 +48,6 @@ from zchannel.broker.protocol import (
     Request,
     Shutdown,
     Stats,
-    wire_map,
 )
 from zchannel.broker.security import client_keys
 from zchannel.broker.shm import client_submit as shm_submit
@@ -420,7 +419,7 @@ class Channel:
         conn = share.conn
         frames: list = []
         if has_item:
-            body, buffers, refs = shm_submit(conn, item, wire_map(rec))  # refs: shm slots or None
+            body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
             if not buffers and not refs and len(body) <= INLINE_BODY:
                 rec.body = body  # a small item rides in its record (no frame)
                 sizes = [len(body)]

@@ -66,7 +66,6 @@ from zchannel.broker.protocol import (
     recv_reply,
     send_message,
     unpack_replies,
-    wire_map,
 )
 from zchannel.broker.security import HandshakeWatch
 from zchannel.broker.shm import ShmClient, client_undo
@@ -753,7 +752,7 @@ class Connection(Liveness):
         if rid == self._hello_id:
             self.broker_info = hello_info(rec.result)
             self._adopt_heartbeat(self.broker_info)
-            self.shm.on_hello(wire_map(self.broker_info))
+            self.shm.on_hello(self.broker_info)
             if self.state != UP:
                 self._set_state(UP)
             return

@@ -43,7 +43,6 @@ from zchannel.broker.protocol import (
     Sync,
     key_from_wire,
     op_of,
-    wire_map,
 )
 
 Handler = Callable[[Any, Client, Any, list], None]
@@ -169,7 +168,7 @@ def bye(broker: Any, client: Client, rec: Bye, frames: list) -> None:
 
 
 def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
-    broker.shm.handle(client, op_of(rec), wire_map(rec))
+    broker.shm.handle(client, rec)
 
 
 def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:

@@ -288,6 +288,24 @@ class HelloInfo(Struct, kw_only=True):
     replicas: Any = UNSET  # [{node, address, hostnames}, ...] in replica order
 
 
+class ShmOffer(Struct, kw_only=True):
+    """The ``shm`` field of the hello reply: the probe segment a client proves its host with,
+    the segment name prefix, the size threshold and the pool budget (docs/shm.md)."""
+
+    probe: Any = None
+    prefix: Any = None
+    threshold: Any = None
+    pool: Any = None
+
+
+def shm_offer(value: Any) -> ShmOffer | None:
+    """The ``ShmOffer`` of a hello reply's ``shm`` field (None: off, or not a map)."""
+    try:
+        return msgspec.convert(value, ShmOffer)
+    except msgspec.ValidationError:
+        return None
+
+
 def hello_info(result: Any) -> HelloInfo:
     """The ``HelloInfo`` of a hello reply's result (the defaults for one that is not a map)."""
     try:
@@ -381,20 +399,6 @@ def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
             out.append(BadRecord(op, rid if type(rid) is int else None, nf,
                                  ProtocolError(f"invalid {op!r} record: {exc}")))
     return out
-
-
-def wire_map(rec: Any) -> dict:
-    """A record as the plain map it is on the wire (transitional, for broker/shm.py)."""
-    return msgpack.unpackb(_encoder.encode(rec), raw=False, strict_map_key=False)
-
-
-def slots_via_map(rec: Reply, attach: Any) -> int:
-    """Transitional, for broker/shm_broker.py: ``attach`` a reply's slots to a map standing for
-    ``rec`` and keep them."""
-    held = {"sm": rec.slots} if rec.slots is not None else {}
-    added = attach(held)
-    rec.slots = held.get("sm")
-    return added
 
 
 def unpack_replies(data: bytes) -> list[Reply]:

@@ -39,7 +39,6 @@ from zchannel.broker.protocol import (
     pack_header,
     recv_message,
     send_message,
-    slots_via_map,
     unpack_requests,
 )
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
@@ -447,8 +446,7 @@ class Broker:
                 out.frames.extend(item.payload)
                 n = len(item.payload)
                 if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
-                    n += slots_via_map(rec, lambda held, i=i, item=item: self.shm.attach_reply(
-                        client, item, held, i, len(items), out.frames))
+                    n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
                 nf += n
                 counts.append(n)
             rec.nf = nf

@@ -353,7 +353,7 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
         return enqueue(self, rec, *args, **kwargs)
 
     def logged_send(self, records, frames):
-        events.extend(f"sent {r['op'] if isinstance(r, dict) else op_of(r)}" for r in records)
+        events.extend(f"sent {op_of(r)}" for r in records)
         send(self, records, frames)
 
     def logged_on_message(self, header, frames):

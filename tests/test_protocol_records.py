@@ -246,9 +246,10 @@ def test_a_header_over_the_limit_is_refused():
 
 # -- the guard: protocol.py is the only module that spells a wire key -----------------------------
 
-# Every key of a request or reply record.  Left out: words that also name fields of the stats
-# and cluster-table maps (``node``, ``replica``, ``token``, ``ready``); those maps are payloads,
-# not records, and their keys are not the protocol's.
+# Every key of a request or reply record.  Left out: words that also name fields of the stats,
+# config and cluster-table maps (``node``, ``replica``, ``token``, ``ready``), and the fields of
+# the results ``HelloInfo`` and ``ShmOffer`` (``name``, ``maxsize``, ``pid``, ``prefix``...):
+# those maps are not records, and their keys are not the protocol's.
 WIRE_KEYS = ({"op"} | {f.encode_name for cls in (*REQUEST_TYPES, Reply, SyncAnswer)
                        for f in msgspec.structs.fields(cls)}) - {"node", "replica", "token", "ready"}
 
@@ -276,13 +277,10 @@ def wire_key_literals(source: str) -> list[tuple[int, str]]:
     return sorted(hits)
 
 
-TRANSITIONAL = {"shm.py", "shm_broker.py"}  # converted next
-
-
 def test_no_module_but_protocol_spells_a_wire_key():
     found = {}
     for path in sorted(BROKER.rglob("*.py")):
-        if path.name == "protocol.py" and path.parent == BROKER or path.name in TRANSITIONAL:
+        if path.name == "protocol.py" and path.parent == BROKER:
             continue
         hits = wire_key_literals(path.read_text())
         if hits:
