@@ -33,12 +33,17 @@ from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, choose_replica
 from zchannel.broker.connection import DOWN, UP, Connection
 from zchannel.broker.errors import ChannelError
-from zchannel.broker.protocol import key_from_wire
+from zchannel.broker.protocol import (
+    Bind,
+    Learn,
+    Sync,
+    SyncAnswer,
+    key_from_wire,
+    sync_answer,
+)
 
 log = logging.getLogger("zchannel.broker")
 
-BIND, LEARN, SYNC = "bind", "learn", "sync"
-REPLICA_OPS = frozenset((BIND, LEARN, SYNC))
 PEER_IDENTITY = "zchannel-replica:"
 # how long the binder waits for a replica's acknowledgement of a new binding before it answers
 # anyway (a replica that does not answer in time is not waited for again for one expiry)
@@ -99,7 +104,7 @@ class BindingTable:
             if work is not None and work.done():
                 del self._syncs[i]
                 try:
-                    self._merge(work.result().get("b") or ())
+                    self._merge(sync_answer(work.result()).entries)
                     self._synced.add(i)
                     continue
                 except ChannelError:
@@ -112,7 +117,7 @@ class BindingTable:
                 continue
             if i not in self._syncs:
                 try:
-                    self._syncs[i] = conn.request({"op": SYNC, "from": self.index}, [])
+                    self._syncs[i] = conn.request(Sync(id=0, sender=self.index), [])
                 except ChannelError:
                     pass
         pending = [i for i, c in self._peers.items() if i not in self._synced and c.state != DOWN]
@@ -146,20 +151,19 @@ class BindingTable:
 
     # -- requests from clients and replicas ----------------------------------------------------
 
-    def handle(self, op: str, rec: dict) -> Any:
-        if op == BIND:
-            return self.bind(key_from_wire(rec.get("k")), rec.get("node"), rec.get("replica"),
-                             rec.get("from"))
-        if op == LEARN:
-            entries = rec.get("b") or ()
-            if rec.get("force"):
+    def handle(self, rec: Bind | Learn | Sync) -> Any:
+        if type(rec) is Bind:
+            return self.bind(key_from_wire(rec.key), rec.node, rec.replica, rec.sender)
+        if type(rec) is Learn:
+            entries = rec.entries or ()
+            if rec.force:
                 self.table.update(self._entries(entries))
                 return []
             return self._merge(entries)
-        sender = rec.get("from")
+        sender = rec.sender
         if isinstance(sender, int) and not isinstance(sender, bool) and sender < self.index:
             self._lower_seen[sender] = time.monotonic()  # it takes over once ready: stop deciding
-        return {"ready": self.ready, "b": [[k, r] for k, r in self.table.items()]}
+        return SyncAnswer(ready=self.ready, entries=[[k, r] for k, r in self.table.items()])
 
     def binder(self) -> int:
         """The replica that decides new bindings, in this replica's view."""
@@ -199,7 +203,7 @@ class BindingTable:
         if held is not None and held != bound:
             log.warning("key %r was bound to replica %d already (learned late): kept", key, held)
             self.table[key] = bound = held
-            self._send_all({"op": LEARN, "b": [[key, held]], "force": True})
+            self._send_all([[key, held]], force=True)
         return bound
 
     def _choose(self, node: str | None, key: Any) -> int:
@@ -219,7 +223,7 @@ class BindingTable:
             if i == skip or conn.state == DOWN:
                 continue
             try:
-                work = conn.request({"op": LEARN, "b": entries}, [])
+                work = conn.request(Learn(id=0, entries=entries), [])
             except ChannelError:
                 self._owed.setdefault(i, []).extend(entries)
                 continue
@@ -246,11 +250,11 @@ class BindingTable:
                 self._owed.setdefault(peer, []).extend(entries)
         return done
 
-    def _send_all(self, rec: dict) -> None:
+    def _send_all(self, entries: list, force: bool = False) -> None:
         for conn in self._peers.values():
             if conn.state != DOWN:
                 try:
-                    conn.request(dict(rec), [])
+                    conn.request(Learn(id=0, entries=entries, force=force), [])
                 except ChannelError:
                     pass
 
@@ -266,7 +270,7 @@ class BindingTable:
                 continue
             entries = self._owed.pop(i)
             try:
-                conn.request({"op": LEARN, "b": entries}, []).add_done_callback(
+                conn.request(Learn(id=0, entries=entries), []).add_done_callback(
                     self._owe_on_failure(i, entries))
             except ChannelError:
                 self._owed.setdefault(i, []).extend(entries)
@@ -276,4 +280,4 @@ class BindingTable:
         return sum(1 for ident in identities if ident and ident.startswith(PEER_IDENTITY))
 
 
-__all__ = ["BIND", "LEARN", "PEER_IDENTITY", "REPLICA_OPS", "SYNC", "BindingTable"]
+__all__ = ["PEER_IDENTITY", "BindingTable"]

@@ -38,6 +38,7 @@ from zchannel.broker.errors import (
 from zchannel.broker.groups import expand_groups
 from zchannel.broker.local import LocalChannel
 from zchannel.broker.metrics import check_port
+from zchannel.broker.protocol import UNSET
 from zchannel.broker.security import client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, hook_for_child, hook_label, spawn_broker
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
@@ -64,9 +65,9 @@ def _worker_identity(current_worker: Any) -> str | None:
 def _warn_differences(handle: BrokerChannel, config: dict) -> None:
     """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
     info = handle._connection().broker_info
-    if info.get("maxsize") is not None and info.get("maxsize") != config["maxsize"]:
+    if info.maxsize is not None and info.maxsize != config["maxsize"]:
         log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
-                    config["name"], info.get("maxsize"), config["maxsize"])
+                    config["name"], info.maxsize, config["maxsize"])
     if config["collector"] is None and config["dispatcher"] is None:
         return
     try:
@@ -267,7 +268,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         paths.probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
         handle._connection(timeout=timeout)
-        if "replicas" in handle._conn.broker_info:  # a replica: route per key (distributed.py)
+        if handle._conn.broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
             return DistributedChannel.from_handle(handle)
         return handle
 

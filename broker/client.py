@@ -31,16 +31,19 @@ from zchannel.broker.errors import (
     ChannelNotFound,
 )
 from zchannel.broker.protocol import (
-    ACK,
-    FULL,
-    GET,
-    GET_BATCH,
     INLINE_BODY,
-    PEEK,
-    PUT,
-    QSIZE,
-    SHUTDOWN,
-    STATS,
+    UNSET,
+    Ack,
+    Full,
+    Get,
+    GetBatch,
+    Peek,
+    Put,
+    QSize,
+    Reply,
+    Request,
+    Shutdown,
+    Stats,
 )
 from zchannel.broker.security import client_keys
 from zchannel.broker.shm import client_submit as shm_submit
@@ -145,7 +148,7 @@ class BrokerChannel:
                     raise share.conn.refused
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
             if self._name is None:
-                self._name = share.conn.broker_info.get("name")
+                self._name = share.conn.broker_info.name
             self._share = share
             return share
 
@@ -181,7 +184,7 @@ class BrokerChannel:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
+    def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None, wait: bool = False) -> Work:
         share = self._acquired()
         conn = share.conn
@@ -189,38 +192,38 @@ class BrokerChannel:
         if has_item:
             body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
             if not buffers and not refs and len(body) <= INLINE_BODY:
-                rec["b"] = body  # a small item rides in its record (no frame)
+                rec.body = body  # a small item rides in its record (no frame)
                 sizes = [len(body)]
             elif buffers:
                 frames = [body, *buffers]
-                rec["fs"] = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
+                rec.sizes = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
             else:
                 frames = [body]
-                rec["fs"] = sizes = [len(body)]
+                rec.sizes = sizes = [len(body)]
             if refs:
-                rec["sm"] = refs
-            limit = conn.broker_info.get("max_message_bytes")
+                rec.slots = refs
+            limit = conn.broker_info.max_message_bytes
             if limit and sum(sizes) > limit:
                 shm_undo(conn, refs)
                 raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
                                  f"max_message_bytes limit ({limit})")
-        op = rec["op"]
+        kind = type(rec)
         convert = None
-        if op == GET or op == GET_BATCH:
-            convert = conn.converters.get((op, copy))
+        if kind is Get or kind is GetBatch:
+            convert = conn.converters.get((kind, copy))
             if convert is None:  # one per connection, op and copy (not a closure per call)
-                make = _get_converter if op == GET else _batch_converter
-                convert = conn.converters[(op, copy)] = make(copy, conn.shm)
-        elif op == STATS:
+                make = _get_converter if kind is Get else _batch_converter
+                convert = conn.converters[(kind, copy)] = make(copy, conn.shm)
+        elif kind is Stats:
             convert = _stats_converter
-        elif op == PEEK:
+        elif kind is Peek:
             convert = _peek_converter(conn.shm)
         send = conn.call if wait else conn.request
         try:
-            return send(rec, frames, convert, cancellable=op in (PUT, GET, GET_BATCH),
-                        owner=share)
+            return send(rec, frames, convert, cancellable=kind is Put or kind is Get
+                        or kind is GetBatch, owner=share)
         except BaseException:
-            shm_undo(conn, rec.get("sm"))  # not sent: its slots go back to the pool
+            shm_undo(conn, getattr(rec, "slots", None))  # not sent: its slots go back to the pool
             raise
 
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
@@ -233,34 +236,30 @@ class BrokerChannel:
         Raises ``TimeoutError`` if not admitted by ``timeout``, ``TypeError`` for an item that
         cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
         """
-        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight)}
-        if timeout is not None:  # the broker's default: no timeout
-            rec["t"] = check_timeout(timeout)
+        rec = Put(id=0, key=check_key(key), weight=check_weight(weight),
+                  timeout=None if timeout is None else check_timeout(timeout))
         work = self._submit(rec, item, has_item=True, wait=not async_op)
         return work if async_op else work.wait()
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         """Enqueue without waiting; ``QueueFull`` (nothing enqueued) if a target is full: it
         subclasses both ``asyncio.QueueFull`` and ``queue.Full``."""
-        rec = {"op": PUT, "k": check_key(key), "w": check_weight(weight), "nw": True}
+        rec = Put(id=0, key=check_key(key), weight=check_weight(weight), nowait=True)
         self._submit(rec, item, has_item=True, wait=True).wait()
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
         """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
         then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
-        rec = {"op": GET, "k": check_key(key)}
-        if timeout is not None:  # the broker's defaults: no timeout, no ack
-            rec["t"] = check_timeout(timeout)
-        if ack:
-            rec["ack"] = True
+        rec = Get(id=0, key=check_key(key),
+                  timeout=None if timeout is None else check_timeout(timeout), ack=bool(ack))
         work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
         both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
-        rec = {"op": GET, "k": check_key(key), "nw": True, "ack": bool(ack)}
+        rec = Get(id=0, key=check_key(key), nowait=True, ack=bool(ack))
         return self._submit(rec, copy=copy, wait=True).wait()
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
@@ -270,15 +269,15 @@ class BrokerChannel:
         float > 0, required), plus weight-0 items right behind; never returns ``[]``: a head
         heavier than the target comes alone (``docs/guarantees.md``).  Float sums within a
         relative 1e-9 of the target count as reaching it (0.1 + 0.2 meets 0.3)."""
-        rec = {"op": GET_BATCH, "k": check_key(key), "tw": check_target_weight(target_weight),
-               "t": check_timeout(timeout)}
+        rec = GetBatch(id=0, key=check_key(key), target=check_target_weight(target_weight),
+                       timeout=check_timeout(timeout))
         work = self._submit(rec, copy=copy, wait=not async_op)
         return work if async_op else work.wait()
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
         """Items queued under ``key``: the shared queue plus every private queue, or plus only
         ``consumer``'s private queue; 0 for an unknown key."""
-        rec = {"op": QSIZE, "k": check_key(key), "c": consumer}
+        rec = QSize(id=0, key=check_key(key), consumer=consumer)
         return self._submit(rec, wait=True).wait()
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
@@ -288,7 +287,7 @@ class BrokerChannel:
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
         """Whether the shared queue of ``key`` (or ``consumer``'s private queue) holds ``maxsize``
         items; never with ``maxsize=0``."""
-        rec = {"op": FULL, "k": check_key(key), "c": consumer}
+        rec = Full(id=0, key=check_key(key), consumer=consumer)
         return self._submit(rec, wait=True).wait()
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
@@ -303,9 +302,8 @@ class BrokerChannel:
         ``str(channel)`` listed the default queue, zchannel's ``str()`` never touches the
         network.
         """
-        rec = {"op": PEEK, "k": check_key(key), "n": check_peek_count(n)}
-        if consumer is not None:
-            rec["c"] = check_consumer_id(consumer)
+        rec = Peek(id=0, key=check_key(key), count=check_peek_count(n),
+                   consumer=None if consumer is None else check_consumer_id(consumer))
         pairs = self._submit(rec, copy=True, wait=True).wait()
         return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
 
@@ -313,9 +311,7 @@ class BrokerChannel:
         """The broker's state (keys, consumers, counters; ``docs/guarantees.md``).
         ``exclude_self=True`` leaves this handle out of ``clients`` (what ``zchannel stat``
         does, so that an observer does not count itself)."""
-        rec: dict[str, Any] = {"op": STATS}
-        if exclude_self:
-            rec["xs"] = True
+        rec = Stats(id=0, exclude_self=bool(exclude_self))
         return self._submit(rec, wait=True).wait()
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
@@ -333,7 +329,7 @@ class BrokerChannel:
         """Confirm a delivery received with ``get(..., ack=True)``."""
         if not isinstance(delivery, Delivery):
             raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
-        self._submit({"op": ACK, "lease": delivery.lease_id}, wait=True).wait()
+        self._submit(Ack(id=0, lease=delivery.lease_id), wait=True).wait()
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -355,7 +351,7 @@ class BrokerChannel:
         try:
             if proc.poll() is None and not self._closed:
                 share = self._acquired()  # past the in-flight limit: parked gets must not hold it
-                share.conn.request({"op": SHUTDOWN, "token": self._token}, [], room=False,
+                share.conn.request(Shutdown(id=0, token=self._token), [], room=False,
                                    owner=share).wait(timeout=5.0)
         except (ChannelError, TimeoutError):
             pass
@@ -410,28 +406,28 @@ def _decode_frames(frames: list, copy: bool | None, shm: list = (), shm_copy: bo
 
 
 def _get_converter(copy: bool | None, shm: Any = None):
-    def convert(rec: dict, frames: list) -> Any:
-        sm = rec.get("sm")  # shared-memory slots of the item (broker/shm.py)
+    def convert(rec: Reply, frames: list) -> Any:
+        sm = rec.slots  # shared-memory slots of the item (broker/shm.py)
         if sm and sm[0]:
             item = shm.decode(sm[0], frames, copy)
-        elif "b" in rec:  # a small item inside its record
-            body = rec["b"]
+        elif rec.body is not UNSET:  # a small item inside its record
+            body = rec.body
             if type(body) is not bytes or frames:
                 raise ValueError("malformed reply: an inline item is bytes, with no frames")
             item = codec.decode(body)
         else:
             item = _decode_frames(frames, copy)
-        lease = rec.get("lease")
+        lease = rec.lease
         return Delivery(item, lease) if lease is not None else item
 
     return convert
 
 
 def _batch_converter(copy: bool | None, shm: Any = None):
-    def convert(rec: dict, frames: list) -> list:
+    def convert(rec: Reply, frames: list) -> list:
         out, pos = [], 0
-        sm = rec.get("sm") or ()  # shared-memory slots per item (broker/shm.py)
-        for i, n in enumerate(rec.get("n") or ()):
+        sm = rec.slots or ()  # shared-memory slots per item (broker/shm.py)
+        for i, n in enumerate(rec.counts or ()):
             if i < len(sm) and sm[i]:
                 out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
             else:
@@ -445,9 +441,9 @@ def _batch_converter(copy: bool | None, shm: Any = None):
 def _peek_converter(shm: Any = None):
     batch = _batch_converter(True, shm)  # copies: nothing the caller holds points into a slot
 
-    def convert(rec: dict, frames: list) -> list:
+    def convert(rec: Reply, frames: list) -> list:
         items = batch(rec, frames)
-        weights = rec.get("ws") or ()
+        weights = rec.weights or ()
         if len(weights) != len(items):
             raise ValueError("malformed peek reply: one weight per item")
         return list(zip(items, weights, strict=True))
@@ -455,7 +451,7 @@ def _peek_converter(shm: Any = None):
     return convert
 
 
-def _stats_converter(rec: dict, frames: list) -> dict:
+def _stats_converter(rec: Reply, frames: list) -> dict:
     return _decode_frames(frames, True)
 
 

@@ -38,7 +38,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import zmq
 from zchannel.broker import direct, paths
 from zchannel.broker.errors import (
@@ -49,14 +48,24 @@ from zchannel.broker.errors import (
 )
 from zchannel.broker.liveness import CLOSED, CONNECTING, DOWN, GONE_CHECK_S, UP, Liveness
 from zchannel.broker.protocol import (
-    BYE,
     EXPIRED,
-    HELLO,
     PROTOCOL_VERSION,
+    UNSET,
+    Bye,
+    Cancel,
+    Hello,
+    HelloInfo,
+    ProtocolError,
+    Put,
+    Reply,
+    Request,
     client_socket,
+    hello_info,
+    op_of,
     pack_header,
     recv_reply,
     send_message,
+    unpack_replies,
 )
 from zchannel.broker.security import HandshakeWatch
 from zchannel.broker.shm import ShmClient, client_undo
@@ -130,7 +139,7 @@ class Connection(Liveness):
         self.hb = heartbeat_interval
         self.liveness = liveness
         self.state = CONNECTING
-        self.broker_info: dict[str, Any] = {}
+        self.broker_info = HelloInfo()
         self._ids = itertools.count(1)
         self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
         self._pending: dict[int, _Pending] = {}
@@ -166,7 +175,7 @@ class Connection(Liveness):
         self._hello_id = 0
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
-        self.converters: dict[tuple[str, bool | None], Convert] = {}  # reply decoders (client.py)
+        self.converters: dict[tuple[type, bool | None], Convert] = {}  # reply decoders (client.py)
         self._relink_at = 0.0
         self._sock: Any = None
         # a CURVE mismatch fails the connection at once (broker/security.py); set by the I/O
@@ -217,7 +226,7 @@ class Connection(Liveness):
                 self._state_cv.wait(remaining)
         return True
 
-    def request(self, rec: dict, frames: list, convert: Convert | None = None,
+    def request(self, rec: Request, frames: list, convert: Convert | None = None,
                 cancellable: bool = False, room: bool = True, owner: Any = None) -> Work:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error.  ``owner``: the share of the
@@ -280,7 +289,7 @@ class Connection(Liveness):
             if not self._wake_closed:
                 os.eventfd_write(self._wake, 1)
 
-    def call(self, rec: dict, frames: list, convert: Convert | None = None,
+    def call(self, rec: Request, frames: list, convert: Convert | None = None,
              cancellable: bool = False, owner: Any = None) -> Work:
         """``request`` for a caller that waits for the result at once.
 
@@ -392,7 +401,7 @@ class Connection(Liveness):
                 self._send_queued()
         return took_wake
 
-    def _enqueue(self, rec: dict, frames: list, convert: Convert | None,
+    def _enqueue(self, rec: Request, frames: list, convert: Convert | None,
                  cancellable: bool, room: bool = True, owner: Any = None) -> Work:
         if self.state == CLOSED or self._closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
@@ -407,26 +416,26 @@ class Connection(Liveness):
                 self._release(owner)  # never issued: give its slot back
                 raise
         rid = next(self._ids)
-        rec["id"] = rid
+        rec.id = rid
         if frames:
-            rec["nf"] = len(frames)  # 0 by default (docs/protocol.md)
+            rec.nf = len(frames)  # 0 by default (docs/protocol.md)
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
         if self._link is not None:
             work._reader = self
         # (a request whose owner closed meanwhile is dropped unsent by _send_queued)
-        self._queue.append((rec, frames, (work, convert, rec["op"] == "put", owner)))
+        self._queue.append((rec, frames, (work, convert, type(rec) is Put, owner)))
         if self.state == CLOSED:
             # the I/O thread ended after the check above and may have failed the queue before
             # this request joined it: fail it here, or a wait() without a timeout would hang
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
-    def _wait_for_room(self, rec: dict, flow: Flow) -> None:
+    def _wait_for_room(self, rec: Request, flow: Flow) -> None:
         """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
-        against the request's ``timeout`` (``rec["t"]``): the rest travels with the request, and
+        against the request's ``timeout``: the rest travels with the request, and
         ``TimeoutError`` (nothing sent) when none is left."""
-        timeout = rec.get("t")
+        timeout = getattr(rec, "timeout", None)
         start = time.monotonic()
         with self._room:
             self._room_waiters += 1
@@ -439,14 +448,14 @@ class Connection(Liveness):
                         remaining = timeout - (time.monotonic() - start)
                         if remaining <= 0:
                             raise TimeoutError(
-                                f"{rec.get('op')} timed out waiting for room among this "
+                                f"{op_of(rec)} timed out waiting for room among this "
                                 f"handle's {self._max_inflight} outstanding requests")
                         wait = min(wait, remaining)
                     self._room.wait(wait)
             finally:
                 self._room_waiters -= 1
         if timeout is not None:
-            rec["t"] = max(0.0, timeout - (time.monotonic() - start))
+            rec.timeout = max(0.0, timeout - (time.monotonic() - start))
 
     def _release(self, owner: Flow | None) -> None:
         """A request of ``owner`` (None: of no handle) completed: its slot is free."""
@@ -458,7 +467,7 @@ class Connection(Liveness):
 
     def _cancel(self, work: Work) -> bool:
         try:
-            answer = self.request({"op": "cancel", "rid": work._tag}, []).wait()
+            answer = self.request(Cancel(id=0, request_id=work._tag), []).wait()
         except ChannelError:
             return False
         if answer:
@@ -469,7 +478,7 @@ class Connection(Liveness):
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
         out = [(rid, p[0], p[2]) for rid, p in list(self._pending.items())
                if owner is None or p[3] is owner]
-        out += [(e[0]["id"], e[2][0], e[2][2]) for e in list(self._queue)
+        out += [(e[0].id, e[2][0], e[2][2]) for e in list(self._queue)
                 if e[2] is not None and (owner is None or e[2][3] is owner)]
         return out
 
@@ -617,7 +626,7 @@ class Connection(Liveness):
         with self._sock_lock:  # whoever drove the socket left it on seeing _closing
             self._send_queued()
             self._bye_id = next(self._ids)
-            self._send([{"op": BYE, "id": self._bye_id}], [])
+            self._send([Bye(id=self._bye_id)], [])
             deadline = time.monotonic() + BYE_WAIT_S
             poll_set = [(self._readable, _POLLIN)]
             while self._bye_id is not None and self.state == UP:
@@ -636,7 +645,7 @@ class Connection(Liveness):
             self.state = state
             self._state_cv.notify_all()
 
-    def _send(self, records: list[dict], frames: list) -> None:
+    def _send(self, records: list, frames: list) -> None:
         if self._link is not None:
             self._link.send([pack_header(records), *frames])  # lost if the link broke
         else:
@@ -651,8 +660,7 @@ class Connection(Liveness):
 
     def _send_hello(self) -> None:
         self._hello_id = next(self._ids)
-        self._send([{"op": HELLO, "id": self._hello_id, "ident": self.identity,
-                     "v": PROTOCOL_VERSION}], [])
+        self._send([Hello(id=self._hello_id, identity=self.identity, version=PROTOCOL_VERSION)], [])
 
     def _send_queued(self) -> None:
         queue = self._queue
@@ -662,7 +670,7 @@ class Connection(Liveness):
                 if pending[3] is not None and pending[3].closed:
                     self._drop_unsent(rec, pending)
                     return
-                self._pending[rec["id"]] = pending
+                self._pending[rec.id] = pending
             self._send([rec], frames)
             return
         while queue:
@@ -677,19 +685,19 @@ class Connection(Liveness):
                     if pending[3] is not None and pending[3].closed:
                         self._drop_unsent(rec, pending)
                         continue
-                    self._pending[rec["id"]] = pending
+                    self._pending[rec.id] = pending
                 records.append(rec)
                 if op_frames:
                     frames.extend(op_frames)
-                    nbytes += sum(rec.get("fs") or ())
-                elif "b" in rec:
-                    inline += len(rec["b"])
+                    nbytes += sum(rec.sizes or ())
+                elif type(rec) is Put and rec.body is not UNSET:
+                    inline += len(rec.body)
             if records:
                 self._send(records, frames)
 
-    def _drop_unsent(self, rec: dict, pending: _Pending) -> None:
+    def _drop_unsent(self, rec: Request, pending: _Pending) -> None:
         """A request whose handle closed before it went out: never sent, it fails here."""
-        client_undo(self, rec.get("sm"))  # its shared-memory slots go back to the pool
+        client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
         self._release(pending[3])
         pending[0].set_exception(ChannelError("this channel handle is closed"))
 
@@ -719,21 +727,20 @@ class Connection(Liveness):
     def _on_message(self, header: bytes, frames: list) -> None:
         self._last_recv = time.monotonic()
         try:
-            records = msgpack.unpackb(header, raw=False, strict_map_key=False)
-        except Exception:
-            log.warning("dropped a malformed reply from the broker")
+            records = unpack_replies(header)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed reply from the broker: %s", exc)
             return
         pos = 0
         for rec in records:
-            nf = rec.get("nf", 0)
+            nf = rec.nf
             self._on_reply(rec, frames[pos : pos + nf])
             pos += nf
 
-    def _on_reply(self, rec: dict, frames: list) -> None:
-        rid = rec.get("id")
+    def _on_reply(self, rec: Reply, frames: list) -> None:
+        rid = rec.id
         if rid is None:
-            op = rec.get("op")
-            if op == EXPIRED:
+            if rec.op == EXPIRED:
                 log.warning("the broker at %s expired this client: registering again", self.address)
                 self._fail_all(BrokerUnavailable("the broker expired this client (it was silent "
                                                  "too long); the request was dropped"))
@@ -743,7 +750,7 @@ class Connection(Liveness):
             self._bye_id = None
             return
         if rid == self._hello_id:
-            self.broker_info = rec.get("r") or {}
+            self.broker_info = hello_info(rec.result)
             self._adopt_heartbeat(self.broker_info)
             self.shm.on_hello(self.broker_info)
             if self.state != UP:
@@ -754,17 +761,17 @@ class Connection(Liveness):
             return
         self._release(pending[3])
         work, convert, _, _ = pending
-        if "e" in rec:
-            work.set_exception(error_from_wire(rec["e"]))
+        if rec.error is not None:
+            work.set_exception(error_from_wire(rec.error))
         elif convert is not None:
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
-            work._finish(_DONE, rec.get("r"))
+            work._finish(_DONE, rec.result)
 
-    def _adopt_heartbeat(self, info: dict) -> None:
+    def _adopt_heartbeat(self, info: HelloInfo) -> None:
         """Both sides keep the broker's heartbeat interval and liveness (its hello reply
         says them): a broker set to expire clients sooner (or later) is judged the same way."""
-        hb, liveness = info.get("hb"), info.get("liveness")
+        hb, liveness = info.hb, info.liveness
         if (isinstance(hb, (int, float)) and not isinstance(hb, bool) and 0 < hb <= 3600
                 and isinstance(liveness, int) and not isinstance(liveness, bool)
                 and 1 <= liveness <= 1000):

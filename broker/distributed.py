@@ -26,11 +26,11 @@ import time
 from typing import Any
 
 from zchannel.broker import cluster, paths
-from zchannel.broker.binding import BIND
 from zchannel.broker.checks import check_target_weight
 from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.core import check_key, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.protocol import Bind
 from zchannel.broker.security import replica_client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
@@ -75,9 +75,9 @@ class DistributedChannel(BrokerChannel):
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
         """Turn a plain handle connected to one replica into the distributed handle."""
         info = handle._conn.broker_info
-        dist = cls(handle._name or info.get("name"), info["replicas"],
+        dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
-                   subs={int(info.get("replica", 0)): handle})
+                   subs={int(info.replica or 0): handle})
         return dist
 
     # -- routing ------------------------------------------------------------------------
@@ -143,7 +143,7 @@ class DistributedChannel(BrokerChannel):
             try:
                 sub = self._sub(target)
                 sub._connection(timeout=BIND_CONNECT_S)
-                answer = sub._submit({"op": BIND, "k": key, "node": self._node}).wait(
+                answer = sub._submit(Bind(id=0, key=key, node=self._node)).wait(
                     max(0.0, deadline - time.monotonic()))
                 unavailable = 0
             except BrokerUnavailable as exc:

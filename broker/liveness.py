@@ -9,7 +9,7 @@ import logging
 
 from zchannel.broker import paths
 from zchannel.broker.errors import BrokerUnavailable
-from zchannel.broker.protocol import HEARTBEAT
+from zchannel.broker.protocol import CLIENT_HEARTBEAT
 
 log = logging.getLogger("zchannel.client")
 
@@ -79,4 +79,4 @@ class Liveness:
             if now - self._last_send >= self.hb:
                 self._send_hello()
         elif now - self._last_send >= self.hb:
-            self._send([{"op": HEARTBEAT, "id": 0}], [])
+            self._send([CLIENT_HEARTBEAT], [])

@@ -20,7 +20,18 @@ from zchannel.broker.checks import check_peek_count
 from zchannel.broker.client import BrokerChannel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, STATS
+from zchannel.broker.protocol import (
+    Ack,
+    Full,
+    Get,
+    GetBatch,
+    Peek,
+    Put,
+    QSize,
+    Request,
+    Stats,
+    op_of,
+)
 from zchannel.broker.wireform import wire_form
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
@@ -83,7 +94,7 @@ class _LocalBroker:
         else:
             work.set_result(result)
 
-    def submit(self, client: Client, rec: dict, item: Any, copy: bool | None) -> Work:
+    def submit(self, client: Client, rec: Request, item: Any, copy: bool | None) -> Work:
         with self.cv:
             if self.closed:
                 raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
@@ -91,27 +102,30 @@ class _LocalBroker:
             work = Work(lambda w, rid=rid: self.cancel(client, rid))
             self.pending[(id(client), rid)] = (work, bool(copy))
             core = self.core
-            op = rec["op"]
+            kind = type(rec)
             try:
-                if op == PUT:
-                    core.put(client, rid, rec["k"], Item(item, check_weight(rec["w"]), 0, item, True),
-                             check_timeout(rec.get("t")), bool(rec.get("nw")))
-                elif op in (GET, GET_BATCH):
-                    core.get(client, rid, rec["k"], check_timeout(rec.get("t")), bool(rec.get("nw")),
-                             ack=bool(rec.get("ack")), batch_target=rec.get("tw", 0))
-                elif op == QSIZE:
-                    self._reply(client, rid, result=core.qsize(rec["k"], rec.get("c")))
-                elif op == FULL:
-                    self._reply(client, rid, result=core.full(rec["k"], rec.get("c")))
-                elif op == STATS:
+                if kind is Put:
+                    core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
+                             check_timeout(rec.timeout), rec.nowait)
+                elif kind is Get:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             ack=rec.ack)
+                elif kind is GetBatch:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             batch_target=rec.target)
+                elif kind is QSize:
+                    self._reply(client, rid, result=core.qsize(rec.key, rec.consumer))
+                elif kind is Full:
+                    self._reply(client, rid, result=core.full(rec.key, rec.consumer))
+                elif kind is Stats:
                     self._reply(client, rid, result=dict(core.stats(), address=None))
-                elif op == ACK:
-                    core.ack(client, rid, rec.get("lease"))
-                elif op == PEEK:  # (copy, weight) pairs: the items stay where they are
-                    items = core.peek(rec["k"], check_peek_count(rec.get("n", 1)), rec.get("c"))
+                elif kind is Ack:
+                    core.ack(client, rid, rec.lease)
+                elif kind is Peek:  # (copy, weight) pairs: the items stay where they are
+                    items = core.peek(rec.key, check_peek_count(rec.count), rec.consumer)
                     self._reply(client, rid, result=[(_copy(i.payload), i.weight) for i in items])
                 else:
-                    raise ValueError(f"unknown op {op!r}")
+                    raise ValueError(f"unknown op {op_of(rec)!r}")
             except Exception as exc:
                 self._reply(client, rid, error=exc)
             self.cv.notify()
@@ -195,7 +209,7 @@ class LocalChannel(BrokerChannel):
         with _registry_lock:
             return _registry.get(name)
 
-    def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
+    def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")

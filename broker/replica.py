@@ -14,10 +14,11 @@ import time
 from typing import Any
 
 from zchannel.broker import cluster
-from zchannel.broker.binding import BIND, BindingTable
+from zchannel.broker.binding import BindingTable
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, from_table
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
+from zchannel.broker.protocol import Bind, HelloInfo, Learn, Sync
 from zchannel.broker.security import ReplicaCurveKeys, client_keys
 from zchannel.hooks import Collector
 
@@ -60,17 +61,18 @@ class ReplicaState:
     def address(self) -> str:
         return self.replicas[self.index].address
 
-    def info(self) -> dict[str, Any]:
-        """What the hello reply carries: enough for a client to route every key."""
-        return {"replica": self.index, "replicas": [r.as_dict() for r in self.replicas],
-                "node": self.node}
+    def describe(self, info: HelloInfo) -> HelloInfo:
+        """Add to the hello reply what a client needs to route every key."""
+        info.replica, info.node = self.index, self.node
+        info.replicas = [r.as_dict() for r in self.replicas]
+        return info
 
     def start(self) -> None:
         """Called once the broker serves: link to the other replicas and learn the table."""
         self.bindings.start()
 
-    def handle(self, op: str, rec: dict) -> Any:
-        return self.bindings.handle(op, rec)
+    def handle(self, rec: Bind | Learn | Sync) -> Any:
+        return self.bindings.handle(rec)
 
     def bind(self, key: Any, node: Any = None, replica: Any = None) -> Any:
         return self.bindings.bind(key, node, replica)
@@ -104,7 +106,7 @@ class ReplicaState:
     def _ask(self, target: int, key: Any, deadline: float) -> Any:
         try:
             work = self.bindings.peer(target).request(
-                {"op": BIND, "k": key, "replica": self.index, "from": self.index}, [])
+                Bind(id=0, key=key, replica=self.index, sender=self.index), [])
             return work.wait(max(0.0, deadline - time.monotonic()))
         except (ChannelError, TimeoutError):
             return None

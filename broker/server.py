@@ -1,6 +1,7 @@
 """The broker process: one ROUTER socket, one single-threaded event loop over a ``QueueCore``.
 
-The loop reads messages, dispatches each record on its ``op``, lets the core expire deadlines,
+The loop reads messages, hands each record to the handler of its operation
+(``handlers.HANDLERS``), lets the core expire deadlines,
 keeps heartbeats in both directions, and flushes the replies it coalesced per client.  With no
 collector and a built-in dispatcher it never decodes a payload: the ``zmq.Frame`` objects it
 received are stored and sent on with ``copy=False``.  With ``metrics_port`` a thread serves
@@ -19,35 +20,26 @@ from typing import Any
 
 import zmq
 from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
-from zchannel.broker.binding import REPLICA_OPS
-from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
-from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
+from zchannel.broker.core import Client, Item, QueueCore
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
+from zchannel.broker.handlers import HANDLERS, hello
 from zchannel.broker.outbox import Outbox
 from zchannel.broker.protocol import (
-    ACK,
+    BROKER_EXPIRED,
+    BROKER_HEARTBEAT,
     BYE,
-    CANCEL,
-    EXPIRED,
-    FULL,
-    GET,
-    GET_BATCH,
-    HEARTBEAT,
-    HELLO,
     INLINE_BODY,
-    PEEK,
-    PROTOCOL_VERSION,
-    PUT,
-    QSIZE,
-    SHUTDOWN,
-    STATS,
+    BadRecord,
+    Bye,
+    Hello,
     ProtocolError,
-    key_from_wire,
+    Reply,
+    op_of,
     pack_header,
     recv_message,
     send_message,
-    unpack_header,
+    unpack_requests,
 )
 from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
@@ -133,7 +125,7 @@ class Broker:
             producers=tuple(config.producers or ()),
             consumers=expand_consumers(config.consumers),
             options=config.options,
-            reply=self._reply,
+            reply=self.reply,
             decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,
@@ -376,169 +368,71 @@ class Broker:
                         self.config.max_frames)
             return
         try:
-            records = unpack_header(header, len(frames) - pos, self.config.max_header_bytes)
+            records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
         client = self.clients.get(address)
         now = time.monotonic()
         for rec in records:
-            nf = rec.get("nf", 0)
+            nf = rec.nf
             op_frames = frames[pos : pos + nf]
             pos += nf
-            op = rec.get("op")
-            if client is None or op == HELLO:
-                if op == HELLO:
-                    client = self._hello(address, rec)
-                elif op != BYE:
+            kind = type(rec)
+            if client is None or kind is Hello:
+                if kind is Hello:
+                    client = hello(self, address, rec)
+                elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self._tell_expired(address, now)
                 continue
             client.last_seen = now
-            rid = rec.get("id")
-            if isinstance(rid, bool) or not isinstance(rid, int):
-                log.warning("dropped a record without a request id (op %r)", op)
+            if kind is BadRecord:
+                if rec.id is None:
+                    log.warning("dropped a record without a request id (op %r)", rec.op)
+                else:
+                    self.reply(client, rec.id, error=ValueError(str(rec.error)))
                 continue
             try:
-                self._dispatch(client, op, rid, rec, op_frames)
+                HANDLERS[kind](self, client, rec, op_frames)
             except Exception as exc:
                 if not isinstance(exc, (ValueError, TypeError)):
-                    log.exception("error handling op %r", op)
-                self._reply(client, rid, error=exc)
-            if op == BYE:
+                    log.exception("error handling op %r", op_of(rec))
+                self.reply(client, rec.id, error=exc)
+            if kind is Bye:
                 client = None
-
-    def _hello(self, address: bytes, rec: dict) -> Client | None:
-        """Register ``address`` (anew) and answer with the broker's parameters; a hello of
-        another protocol version gets an error reply and changes nothing."""
-        rid = rec.get("id")
-        version = rec.get("v")
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            self._reply(Client(address=address), rid if isinstance(rid, int) else 0,
-                        error=ValueError(
-                            f"protocol version {version!r} is not supported: this broker speaks "
-                            f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
-            return self.clients.get(address)
-        if self.direct is not None and address in self.direct.by_address:
-            self.direct.by_address[address].greeted = True
-        old = self.clients.pop(address, None)
-        if old is not None:
-            self._client_gone(old)
-        identity = rec.get("ident")
-        if identity is not None and not isinstance(identity, str):
-            identity = None
-        client = Client(address=address, identity=identity)
-        self.clients[address] = client
-        self._expired_told.pop(address, None)
-        self._reply(client, rid if isinstance(rid, int) else 0, result={
-            "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
-            "liveness": self.config.liveness, "deals": self.core.deals,
-            "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
-            **(self.replica.info() if self.replica is not None else {}),
-            "shm": self.shm.hello_info(),
-        })
-        return client
 
     def _tell_expired(self, address: bytes, now: float) -> None:
         if now - self._expired_told.get(address, 0.0) < 0.2:
             return
         self._expired_told[address] = now
-        self._send(address, [{"op": EXPIRED}], [])
+        self._send(address, [BROKER_EXPIRED], [])
 
-    def _dispatch(self, client: Client, op: Any, rid: int, rec: dict, frames: list) -> None:
-        core = self.core
-        if op == PUT:
-            if "b" in rec:  # a small item inside its record
-                body = rec["b"]
-                if type(body) is not bytes or len(body) > INLINE_BODY or frames:
-                    raise ValueError(f"an inline put body is at most {INLINE_BODY} bytes, with "
-                                     "no frames")
-                frames = [body]
-                lengths = [len(body)]
-            else:
-                if not frames:
-                    raise ValueError("a put carries at least one frame (the body)")
-                lengths = [len(f) for f in frames]
-                sizes = rec.get("fs")
-                if sizes is not None and sizes != lengths:
-                    raise ValueError("put frame sizes do not match the header")
-            nbytes = sum(lengths)
-            if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
-                raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
-            weight = check_weight(rec.get("w", 0))
-            if "sm" in rec:  # shared-memory slots: held by the payload, counted in item.nbytes
-                frames = self.shm.attach_put(client, rec["sm"], frames)
-                nbytes += frames.slot_bytes
-            item = Item(frames, weight, nbytes)
-            self.counters.puts += 1
-            core.put(client, rid, key_from_wire(rec.get("k")), item,
-                     check_timeout(rec.get("t")), bool(rec.get("nw")))
-        elif op == GET or op == GET_BATCH:
-            target = check_target_weight(rec.get("tw", 0)) if op == GET_BATCH else 0
-            self.counters.gets += 1
-            core.get(client, rid, key_from_wire(rec.get("k")), check_timeout(rec.get("t")),
-                     bool(rec.get("nw")), ack=bool(rec.get("ack")), batch_target=target)
-        elif op == HEARTBEAT:
-            pass
-        elif op == QSIZE:
-            self._reply(client, rid, result=core.qsize(key_from_wire(rec.get("k")), _consumer(rec)))
-        elif op == FULL:
-            self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
-        elif op == STATS:
-            stats = core.stats()
-            # "xs": the asker is an observer (zchannel stat) and does not count itself
-            clients = len(self.clients) - (1 if rec.get("xs") and client.address in self.clients else 0)
-            if self.replica is not None:  # the other replicas' links are not clients
-                clients -= self.replica.bindings.peer_clients(c.identity for c in self.clients.values())
-            stats.update(address=self.address, pid=os.getpid(), clients=clients,
-                         shm=self.shm.stats(), **self.counters.as_dict(),
-                         metrics=self.metrics.url if self.metrics is not None else None)
-            if self.replica is not None:
-                self.replica.annotate(stats)
-            body, _ = codec.encode(stats)
-            self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
-        elif op == ACK:
-            core.ack(client, rid, rec.get("lease"))
-        elif op == PEEK:  # copies of head items: sent like a batch, never tracked as delivered
-            items = core.peek(key_from_wire(rec.get("k")), check_peek_count(rec.get("n", 1)),
-                              _consumer(rec))
-            self._reply(client, rid, items=items, batch=True, raw=True,
-                        fields={"ws": [item.weight for item in items]})
-        elif op == CANCEL:
-            core.cancel(client, rid, rec.get("rid"))
-        elif op == BYE:
-            self.clients.pop(client.address, None)
-            self._client_gone(client)
-            self._reply(client, rid, result=True)
-        elif op in shm.SHM_OPS:
-            self.shm.handle(client, op, rec)
-        elif op == SHUTDOWN:
-            if self.config.token and rec.get("token") != self.config.token:
-                raise PermissionError("only the handle that created the channel may shut it down")
-            self._reply(client, rid, result=True)
-            self._running = False
-        elif op in REPLICA_OPS and self.replica is not None:  # distributed: the binding table
-            self._reply(client, rid, result=self.replica.handle(op, rec))
-        else:
-            raise ValueError(f"unknown op {op!r}")
+    def forget_expired(self, address: bytes) -> None:
+        """``address`` said hello: an ``expired`` is due again at once when it is unknown next."""
+        self._expired_told.pop(address, None)
+
+    def stop(self) -> None:
+        """End the loop after this turn (a shutdown request)."""
+        self._running = False
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
-               items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
-               origin: Any = None, raw: bool = False, fields: dict | None = None) -> None:
-        rec: dict[str, Any] = {"id": rid, **fields} if fields else {"id": rid}
+    def reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
+              items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
+              origin: Any = None, raw: bool = False, weights: list | None = None) -> None:
+        """Queue the reply to request ``rid`` of ``client`` (sent at the end of the turn)."""
+        rec = Reply(id=rid, weights=weights)
         out = self._out.get(client.address)
         if out is None:
             out = self._out[client.address] = Outbox()
         if error is not None:
-            rec["e"] = error_to_wire(error)
+            rec.error = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \
                 and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
                 and len(items[0].payload[0]) <= INLINE_BODY:
             body = items[0].payload[0]  # a small item rides in the reply record (no frame)
-            rec["b"] = body if type(body) is bytes else bytes(body)
-            if lease is not None:
-                rec["lease"] = lease
+            rec.body = body if type(body) is bytes else bytes(body)
+            rec.lease = lease
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += 1
         elif items is not None:
@@ -553,20 +447,19 @@ class Broker:
                     n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
                 nf += n
                 counts.append(n)
-            rec["nf"] = nf
+            rec.nf = nf
             out.record_added(r0, f0)
             if batch:
-                rec["n"] = counts
-            if lease is not None:
-                rec["lease"] = lease
+                rec.counts = counts
+            rec.lease = lease
             if not raw:
                 out.deliveries.append((client, origin, items, lease))
                 self.counters.delivered += len(items)
-        elif result is not None:
-            rec["r"] = result
+        else:
+            rec.result = result
         out.records.append(rec)
 
-    def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
+    def _send(self, address: bytes, records: list, frames: list) -> bool:
         if self.direct is not None:
             peer = self.direct.by_address.get(address)
             if peer is not None:
@@ -607,10 +500,10 @@ class Broker:
             for c, origin, items, lease in out.deliveries:
                 self.core.requeue(c, origin, items, lease)
         if client is not None:
-            self._client_gone(client)
+            self.client_gone(client)
         return client
 
-    def _client_gone(self, client: Client) -> None:
+    def client_gone(self, client: Client) -> None:
         """``client`` left or was ended: the core withdraws its requests and returns its leases,
         then the slots it held as a consumer are dropped (``ShmBroker.client_gone``)."""
         self.core.client_gone(client)
@@ -722,11 +615,11 @@ class Broker:
                 log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
                 del self.clients[address]
                 self.last_sent.pop(address, None)
-                self._client_gone(client)
-                self._send(address, [{"op": EXPIRED}], [])
+                self.client_gone(client)
+                self._send(address, [BROKER_EXPIRED], [])
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
                 out = self._out[address] = Outbox()
-                out.records.append({"op": HEARTBEAT})
+                out.records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
         if self.direct is not None:  # links that never said hello hold a descriptor each
@@ -736,13 +629,6 @@ class Broker:
                 self._direct_gone(peer)
         for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
             del self._expired_told[address]
-
-
-def _consumer(rec: dict) -> str | None:
-    consumer = rec.get("c")
-    if consumer is not None and not isinstance(consumer, str):
-        raise TypeError("consumer must be a str")
-    return consumer
 
 
 def _decode_item(item: Item) -> Any:

@@ -28,7 +28,7 @@ from zchannel.broker import connection
 from zchannel.broker.connection import JOIN_S, Connection, Flow
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.liveness import CLOSED, GONE_CHECK_S, UP
-from zchannel.broker.protocol import CANCEL
+from zchannel.broker.protocol import Cancel
 from zchannel.broker.shm import env_enabled as shm_env_enabled
 from zchannel.broker.tuning import direct_enabled
 
@@ -204,7 +204,7 @@ def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
     asks = []
     for rid in mine:
         try:
-            ask = conn.request({"op": CANCEL, "rid": rid}, [], room=False)
+            ask = conn.request(Cancel(id=0, request_id=rid), [], room=False)
         except ChannelError:  # the connection closes: its I/O thread fails what is left
             return
         # withdrawn, or its reply came before the answer: either way nothing more comes

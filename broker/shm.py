@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import codec, streamcopy
+from zchannel.broker.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
 log = logging.getLogger("zchannel.shm")
 
@@ -77,8 +78,6 @@ SLOT_POLL_MAX_S = 0.001
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
 
 # protocol ops (client -> broker), no reply: see docs/protocol.md
-SHM_HELLO, SHM_RELEASE = "shm_hi", "shm_rel"
-SHM_OPS = frozenset({SHM_HELLO, SHM_RELEASE})
 
 _NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+[A-Za-z0-9._-]{1,64}$")
 _PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+$")
@@ -435,17 +434,17 @@ class ShmClient:
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
-    def on_hello(self, info: dict) -> None:
+    def on_hello(self, info: HelloInfo) -> None:
         """A broker answered ``hello``: drop the pool of the previous session, and if the broker
         offers shared memory, prove same-host by echoing its probe's token."""
         old, self.pool = self.pool, None
         if old is not None:
             old.close()
-        offer = info.get("shm")
-        if not self.enabled or not isinstance(offer, dict):
+        offer = shm_offer(info.shm)
+        if not self.enabled or offer is None:
             return
-        probe, prefix = offer.get("probe"), offer.get("prefix")
-        threshold, budget = offer.get("threshold"), offer.get("pool") or DEFAULT_POOL_BYTES
+        probe, prefix = offer.probe, offer.prefix
+        threshold, budget = offer.threshold, offer.pool or DEFAULT_POOL_BYTES
         if not (isinstance(prefix, str) and _PREFIX_RE.match(prefix) and isinstance(threshold, int)
                 and threshold > 0 and isinstance(budget, int) and isinstance(probe, str)
                 and _NAME_RE.match(probe) and probe.startswith(prefix)):
@@ -457,7 +456,7 @@ class ShmClient:
             return  # another host (or another /dev/shm): frames
         if len(data) < 24 or data[:8] != MAGIC:
             return
-        self.conn._send([{"op": SHM_HELLO, "id": 0, "tok": data[8:24]}], [])
+        self.conn._send([ShmHello(id=0, token=data[8:24])], [])
         pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
         if self.reserved:  # a new session (broker restarted): reserve again, off this thread
             wanted = dict(self.reserved)
@@ -526,7 +525,7 @@ class ShmClient:
         # reply of a request still outstanding, or at the I/O thread's next tick, so the
         # release then rides along with the next message.
         woken = bool(queue) or bool(conn._pending)
-        queue.append(({"op": SHM_RELEASE, "id": 0, "nf": 0, "h": hold_ids}, [], None))
+        queue.append((ShmRelease(id=0, holds=hold_ids), [], None))
         if not woken:
             try:
                 conn._wake_io()
@@ -591,16 +590,16 @@ class _Alloc:
         self.pool.undo(refs)
 
 
-def client_submit(conn: Any, item: Any, rec: dict | None = None) -> tuple[bytes, list, list | None]:
+def client_submit(conn: Any, item: Any, rec: Put | None = None) -> tuple[bytes, list, list | None]:
     """Encode ``item`` for a put: ``(body, buffers, slot refs or None)``.  A put (``rec``) with
-    ``nw`` never waits for a free slot, one with a timeout ``t`` at most that long."""
+    ``nowait`` never waits for a free slot, one with a ``timeout`` at most that long."""
     pool = conn.shm.pool if conn.shm is not None else None
     if pool is None:
         body, buffers = codec.encode(item)
         return body, buffers, None
     alloc: Any = pool
-    if rec is not None and (rec.get("nw") or rec.get("t") is not None):
-        alloc = _Alloc(pool, 0.0 if rec.get("nw") else min(pool.slot_wait, rec["t"]))
+    if rec is not None and (rec.nowait or rec.timeout is not None):
+        alloc = _Alloc(pool, 0.0 if rec.nowait else min(pool.slot_wait, rec.timeout))
     body, buffers, refs = codec.encode_shm(item, alloc)
     if refs:
         pool.sent(refs)

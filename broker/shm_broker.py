@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import zmq
 from zchannel.broker import codec
+from zchannel.broker.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 from zchannel.broker.shm import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
     FREE,
     MAGIC,
     SHM_DIR,
-    SHM_HELLO,
     USED,
     Segment,
     _unlink,
@@ -147,26 +147,26 @@ class ShmBroker:
     def enabled(self) -> bool:
         return bool(self.threshold) and self.probe is not None
 
-    def hello_info(self) -> dict | None:
+    def hello_info(self) -> ShmOffer | None:
         """The ``shm`` field of the hello reply (None: shared memory is off)."""
         if not self.enabled:
             return None
-        return {"probe": self.probe, "prefix": self.prefix, "threshold": self.threshold,
-                "pool": self.pool_bytes}
+        return ShmOffer(probe=self.probe, prefix=self.prefix, threshold=self.threshold,
+                        pool=self.pool_bytes)
 
     # -- records -------------------------------------------------------------------------------
 
-    def handle(self, client: Any, op: str, rec: dict) -> None:
+    def handle(self, client: Any, rec: ShmHello | ShmRelease) -> None:
         """``shm_hi`` (same-host proof) and ``shm_rel`` (slots released) records; no reply."""
-        if op == SHM_HELLO:
-            token = rec.get("tok")
+        if type(rec) is ShmHello:
+            token = rec.token
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
                 self.verified.add(client)
                 self.proven[client.address] = None
                 while len(self.proven) > PROVEN_ADDRESSES:
                     self.proven.popitem(last=False)
             return
-        ids = rec.get("h")
+        ids = rec.holds
         if not isinstance(ids, list):
             raise ValueError("shm_rel carries a list of hold ids")
         mine = self.client_holds.get(client)
@@ -211,14 +211,14 @@ class ShmBroker:
         self.slots_in += len(holds)
         return SlotFrames(frames, holds)
 
-    def attach_reply(self, client: Any, payload: SlotFrames, rec: dict, index: int, count: int,
+    def attach_reply(self, client: Any, payload: SlotFrames, rec: Reply, index: int, count: int,
                      frames: list) -> int:
         """Add the slots of ``payload`` (the ``index``-th item of ``count`` in reply ``rec``) to the
         reply: references for a same-host client (a consumer hold each), else the slots' bytes
         as zero-copy frames appended to ``frames``.  Returns the number of frames added."""
-        sm = rec.get("sm")
+        sm = rec.slots
         if sm is None:
-            sm = rec["sm"] = [None] * count
+            sm = rec.slots = [None] * count
         entries: list[Any] = []
         if client in self.verified:
             mine = self.client_holds.setdefault(client, set())

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, Work
+from zchannel.broker.protocol import op_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -348,11 +349,11 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     enqueue, send, on_message = Conn._enqueue, Conn._send, Conn._on_message
 
     def logged_enqueue(self, rec, *args, **kwargs):
-        events.append(f"queued {rec.get('op')}")
+        events.append(f"queued {op_of(rec)}")
         return enqueue(self, rec, *args, **kwargs)
 
     def logged_send(self, records, frames):
-        events.extend(f"sent {r.get('op')}" for r in records)
+        events.extend(f"sent {op_of(r)}" for r in records)
         send(self, records, frames)
 
     def logged_on_message(self, header, frames):

@@ -354,7 +354,7 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     assert float(ch2.get(timeout=10)[0]) == 1.0
     # the first handle reconnects by itself and puts through a fresh pool
     new_pid = ch2.stats()["pid"]
-    assert wait_until(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
+    assert wait_until(lambda: ch._conn.state == "up" and ch._conn.broker_info.pid == new_pid,
                  timeout=20)
     ch.put(torch.full((16384,), 9.0), timeout=10)
     assert float(ch2.get(timeout=10)[0]) == 9.0
@@ -378,7 +378,7 @@ def test_other_run_dirs_segments_are_untouched(make_remote, tmp_path, monkeypatc
 
 def test_threshold_zero_is_off(make_remote):
     ch = make_remote("off", shm_threshold=0)
-    assert ch._connection().broker_info.get("shm") is None
+    assert ch._connection().broker_info.shm is None
     ch.put(torch.zeros(MIB))
     assert torch.equal(ch.get(timeout=10), torch.zeros(MIB))
     assert _shm_stats(ch)["slots_in"] == 0 and _segments(_shm_stats(ch)["prefix"]) == []
