@@ -48,7 +48,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-from zchannel.broker import codec, streamcopy
+from zchannel.broker import codec
 
 log = logging.getLogger("zchannel.shm")
 
@@ -373,7 +373,7 @@ class Pool:
         seg, slot = got
         dst = seg.view(slot, nbytes)
         src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-        streamcopy.copy(dst, src.reshape(-1).view(np.uint8))
+        np.copyto(dst, src.reshape(-1).view(np.uint8))
         return [seg.name, slot, nbytes]
 
     def _wait_free(self, size: int, wait: float) -> tuple[Segment, int] | None:
@@ -502,7 +502,7 @@ class ShmClient:
         n = view.nbytes
         free = self.out_cache.get(n)
         owner = free.pop() if free else np.empty(n, dtype=np.uint8)
-        streamcopy.copy(owner, view.reshape(-1).view(np.uint8))
+        np.copyto(owner, view.reshape(-1).view(np.uint8))
         out = np.frombuffer(memoryview(owner), dtype=np.uint8)  # views of it all share `out`
         weakref.finalize(out, self._recycle, owner)
         return out

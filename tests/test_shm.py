@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import Channel, codec, shm, streamcopy
+from zchannel.broker import Channel, codec, shm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -414,23 +414,9 @@ def test_a_put_takes_the_slot_freed_last(make_remote):
     assert torch.equal(ch.get(timeout=10), ts[1])
 
 
-@pytest.mark.parametrize("size", [0, 1, 63, 64, 4 << 20, (4 << 20) + 1, (16 << 20) + 37])
-def test_streamed_copies_equal_plain_ones(size):
-    """Large slot copies use non-temporal stores (broker/streamcopy.py); every byte lands, at
-    any alignment, and nothing around the destination is touched."""
-    rng = np.random.default_rng(size)
-    for src_off, dst_off in [(0, 0), (1, 17), (63, 5)]:
-        src = np.frombuffer(rng.bytes(size + 64), np.uint8)[src_off:src_off + size]
-        space = np.zeros(size + 128, np.uint8)
-        dst = space[dst_off:dst_off + size]
-        streamcopy.copy(dst, src)
-        assert np.array_equal(dst, src)
-        assert not space[:dst_off].any() and not space[dst_off + size:].any()
-
-
-def test_large_tensors_round_trip_through_streamed_slot_copies(make_remote):
-    """Both copies of a large item (into the producer's slot, out of it at the consumer) are
-    streamed ones; odd sizes and dtypes arrive intact, owned by the consumer."""
+def test_large_tensors_round_trip_through_slot_copies(make_remote):
+    """Large items of odd sizes and dtypes are copied into the producer's slots and out of them
+    at the consumer; they arrive intact, owned by the consumer."""
     ch = make_remote("big", shm_threshold=T)
     values = [torch.randn((4 << 20) // 4 + 3), torch.arange(6 * MIB + 1, dtype=torch.uint8),
               np.frombuffer(np.random.default_rng(7).bytes(5 * MIB + 7), np.uint8).copy()]
