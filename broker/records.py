@@ -18,7 +18,7 @@ class Item:
     nbytes: int
     value: Any = None  # the decoded item, when a hook needed it
     decoded: bool = False
-    shm: Any = None  # shared-memory slot holds (broker/shm.py), or None
+    shm: Any = None  # shared-memory slot holds (broker/shm/broker.py), or None
 
 
 @dataclass(eq=False)

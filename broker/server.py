@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
+from zchannel.broker import codec, direct, metrics, paths
 from zchannel.broker.binding import REPLICA_OPS
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.config import BrokerConfig
@@ -50,6 +50,8 @@ from zchannel.broker.protocol import (
     unpack_header,
 )
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
+from zchannel.broker.shm.broker import ShmBroker
+from zchannel.broker.shm.segment import SHM_OPS
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
@@ -107,7 +109,7 @@ class Broker:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
-        self.shm: shm.ShmBroker | None = None
+        self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
         try:
             self._setup(config)
@@ -122,7 +124,7 @@ class Broker:
         self._auth = None
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/security.py)
         self._handshakes: BrokerHandshakes | None = None
-        self.shm = shm_broker.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+        self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
                                  config.shm_pool_bytes,
                                  2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(
@@ -510,7 +512,7 @@ class Broker:
             self.clients.pop(client.address, None)
             core.client_gone(client)
             self._reply(client, rid, result=True)
-        elif op in shm.SHM_OPS:
+        elif op in SHM_OPS:
             self.shm.handle(client, op, rec)
         elif op == SHUTDOWN:
             if self.config.token and rec.get("token") != self.config.token:
@@ -549,7 +551,7 @@ class Broker:
             for i, item in enumerate(items):
                 out.frames.extend(item.payload)
                 n = len(item.payload)
-                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
+                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm/broker.py)
                     n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
                 nf += n
                 counts.append(n)

@@ -120,6 +120,7 @@ class Case:
     max_bytes: int = MAX_BYTES_PER_CASE  # payload bytes per case (``bounded``)
     max_inflight: int = MAX_INFLIGHT_BYTES  # payload bytes in flight per worker (``bounded``)
     reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
+    in_slot: bool = False  # producers write each tensor in a slot (``empty_shm``), no put copy
     compare: bool = True  # measured against the --baseline transport (else against another case)
 
     @property
@@ -307,7 +308,9 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
             work, t0 = inflight.popleft()
             work.wait(WORKER_DEADLINE_S)
             lat.append(time.monotonic_ns() - t0)
-        if group == 1:
+        if spec.get("in_slot"):
+            item = fac.make_in(ch.empty_shm, base | i, i)
+        elif group == 1:
             item = fac.make(base | i, i)[0]
         else:
             item = [fac.make(base | j, j)[0] for j in range(i, min(n, i + group))]
@@ -456,6 +459,7 @@ def _producer_specs(
             "window": case.window,
             "group": group,
             "schedule": None if schedules is None else schedules[p],
+            "in_slot": case.in_slot,
             # shared-memory slots a producer preallocates before the clock starts (a real
             # producer does it once at start-up): its puts in flight, the queue, and the gets
             # in flight may all hold one (docs/shm.md, pool sizing)
@@ -1247,7 +1251,7 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
     return result
 
 
-SHM_STEPS = 7  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
 
 
 def run_shm_targets(runner: Runner) -> list[TargetResult]:
@@ -1273,12 +1277,12 @@ def run_shm_targets(runner: Runner) -> list[TargetResult]:
             c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
             label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
         )
+        # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
+        # sends the slot, so the row shows the stream without the producer's copy
+        t9 = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9w = dataclasses.replace(t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots")
         # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        t9, t9d = runner.measure_together(
-            [dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8"),
-             c9d],
-            fresh=True,
-        )
+        t9, t9w, t9d = runner.measure_together([t9, c9w, c9d], fresh=True)
         b9 = runner.baseline_for(c9)
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:

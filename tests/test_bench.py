@@ -3,6 +3,7 @@ item failing the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -256,9 +257,14 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     runner = bench_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
     targets = bench_mod.run_shm_targets(runner)
     labels = [c.label.split()[0] for c in runs]
-    assert labels[:6] == ["T9", "T9d"] * 3  # interleaved, one of each per round
-    tuned, default = runs[0], runs[1]
-    assert (tuned.window, tuned.maxsize, tuned.reserve) == (8, 8, True)
+    assert labels[:9] == ["T9", "T9w", "T9d"] * 3  # interleaved, one of each per round
+    tuned, in_slot, default = runs[0], runs[1], runs[2]
+    assert (tuned.window, tuned.maxsize, tuned.reserve, tuned.in_slot) == (8, 8, True, False)
+    # T9w: T9's stream with the producer writing each tensor in its slot (empty_shm)
+    assert in_slot == dataclasses.replace(tuned, in_slot=True, label=in_slot.label)
+    assert bench_mod._producer_specs(in_slot, "ipc://x", "k")[0]["in_slot"] is True
+    compared = {r.case.split()[0]: r.baseline for r in runner.rows}
+    assert compared["T9w"] == compared["T9"] is not None  # both against the same relay
     assert (default.window, default.maxsize, default.reserve) == (64, 0, False)
     assert default.size == tuned.size == 16 << 20 and default.messages == tuned.messages
     spec = bench_mod._producer_specs(default, "ipc://x", "k")[0]
@@ -266,3 +272,22 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     (t9d,) = [t for t in targets if t.target == "T9d"]
     assert t9d.ratio == 0.5 and t9d.threshold == 0.8 and not t9d.passed
     assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
+
+
+def test_payloads_built_in_slots_pass_the_check(make_remote):
+    """T9w's producer (``PayloadFactory.make_in``) writes the payload into memory lent by
+    ``empty_shm`` once, then only stamps it; every item the consumer gets checks out in full."""
+    from zchannel.broker import shm
+
+    ch = make_remote("bench-in-slot", shm_threshold=1 << 16)
+    fac = PayloadFactory("tensor", 1 << 18)
+    pool = ch._connection().shm.pool
+    for i in range(6):
+        item = fac.make_in(ch.empty_shm, i, i)
+        assert pool.lent  # the item lives in a slot
+        ch.put(item)
+        del item
+        assert fac.check(ch.get(timeout=10))[0] == i
+    segs = list(pool.by_name.values())
+    assert len(segs) == 1 and int((segs[0].states == shm.USED).sum()) <= 1
+
