@@ -34,6 +34,7 @@ import click
 import click.core
 import numpy as np
 from zchannel.broker import Channel, ChannelError, Work
+from zchannel.broker.starting import child_environ
 from zchannel.broker.toml import tomllib
 from zchannel.cli.bench_baselines import (
     PAYLOAD_TYPES,
@@ -1464,6 +1465,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     return out
 
 
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @click.command()
 @click.option(
     "--scenario",
@@ -1587,6 +1595,13 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
         # inherit the environment) keep off shared memory themselves
         os.environ["ZCHANNEL_SHM"] = "0"
         ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
+    tunables = child_environ().get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
+        # the workers (spawned: they inherit the environment) and the baselines' processes
+        # copy as the brokers do (docs/shm.md, "Large copies")
+        previous = os.environ.get("GLIBC_TUNABLES")
+        os.environ["GLIBC_TUNABLES"] = tunables
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", previous))
     scenario = opts["scenario"]
     keys = opts.get("keys")
     machine = machine_description()

@@ -515,3 +515,30 @@ def test_large_tensors_round_trip_through_slot_copies(make_remote):
             assert got.flags.writeable and np.array_equal(got, v)
         else:
             assert torch.equal(got, v)
+
+
+def _broker_tunables(ch) -> bytes:
+    """The broker process's GLIBC_TUNABLES as it was started (glibc, parsing it, writes a NUL
+    over each ``:`` in /proc's copy, so the entries come as NUL-separated bytes)."""
+    with open(f"/proc/{ch.stats()['pid']}/environ", "rb") as f:
+        raw = f.read()
+    start = raw.find(b"\0GLIBC_TUNABLES=")
+    if start < 0:
+        return b""
+    entries = raw[start + 16:].split(b"\0")
+    return b":".join(e for e in entries[:4] if e.startswith(b"glibc."))
+
+
+def test_brokers_start_with_glibc_streaming_large_copies(make_remote, monkeypatch):
+    """A broker zchannel starts gets glibc's non-temporal copy threshold at 4 MiB in
+    GLIBC_TUNABLES (docs/shm.md, "Large copies"), next to the user's own tunables; a threshold
+    the user set wins, and ZCHANNEL_GLIBC_TUNABLES=0 leaves the environment alone."""
+    monkeypatch.delenv("ZCHANNEL_GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    assert _broker_tunables(make_remote("tun1")) == (
+        b"glibc.malloc.arena_max=4:glibc.cpu.x86_non_temporal_threshold=0x400000")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x800000")
+    assert _broker_tunables(make_remote("tun2")) == b"glibc.cpu.x86_non_temporal_threshold=0x800000"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("ZCHANNEL_GLIBC_TUNABLES", "0")
+    assert _broker_tunables(make_remote("tun3")) == b""
