@@ -894,7 +894,8 @@ class Runner:
         if kind == "zmq":
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
-            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0
+            case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
+            in_slot=False,
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
@@ -1599,9 +1600,9 @@ def bench(ctx: click.Context, config_path: str | None, **values: Any) -> None:
     if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
         # the workers (spawned: they inherit the environment) and the baselines' processes
         # copy as the brokers do (docs/shm.md, "Large copies")
-        previous = os.environ.get("GLIBC_TUNABLES")
+        users_tunables = os.environ.get("GLIBC_TUNABLES")
         os.environ["GLIBC_TUNABLES"] = tunables
-        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", previous))
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
     scenario = opts["scenario"]
     keys = opts.get("keys")
     machine = machine_description()

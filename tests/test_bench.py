@@ -265,6 +265,8 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     assert bench_mod._producer_specs(in_slot, "ipc://x", "k")[0]["in_slot"] is True
     compared = {r.case.split()[0]: r.baseline for r in runner.rows}
     assert compared["T9w"] == compared["T9"] is not None  # both against the same relay
+    relays = [r.case for r in runner.rows if r.case.startswith("zmq.proxy")]
+    assert len(relays) == len(set(relays)) == 2  # one 16 MiB relay (T9, T9w), one 1 MiB (T10)
     assert (default.window, default.maxsize, default.reserve) == (64, 0, False)
     assert default.size == tuned.size == 16 << 20 and default.messages == tuned.messages
     spec = bench_mod._producer_specs(default, "ipc://x", "k")[0]

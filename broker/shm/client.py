@@ -39,7 +39,6 @@ def env_enabled() -> bool:
     return os.environ.get("ZCHANNEL_SHM", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-
 class ShmClient:
     """The shared-memory side of one ``Connection`` (see the module docstring)."""
 
