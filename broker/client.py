@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any
 
-import zmq
+import numpy as np
 from zchannel.broker import codec, sharing
 from zchannel.broker.checks import check_peek_count, check_target_weight
 from zchannel.broker.connection import CLOSED, Connection
@@ -46,8 +46,8 @@ from zchannel.broker.protocol import (
     Stats,
 )
 from zchannel.broker.security import client_keys
-from zchannel.broker.shm import client_submit as shm_submit
-from zchannel.broker.shm import client_undo as shm_undo
+from zchannel.broker.shm.client import client_submit as shm_submit
+from zchannel.broker.shm.client import client_undo as shm_undo
 from zchannel.broker.starting import stop_broker
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import check_consumer_id
@@ -325,6 +325,22 @@ class BrokerChannel:
         for ``nbytes`` or ``slots`` not an int > 0."""
         return self._connection().shm.reserve(nbytes, slots)
 
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """An uninitialised array of ``shape`` and ``dtype`` (a numpy dtype; a torch dtype
+        gives a CPU tensor) for a producer to build an item in, placed in a free shared-memory
+        slot of this handle's connection: put it (alone or inside an item) and the slot itself
+        is sent, with no copy into shared memory (docs/shm.md, "Writing in place").
+
+        Without a slot (another host, ``shm=False``, ``shm_threshold=0``, below the threshold,
+        a local channel, or no slot free within the heartbeat expiry) it is a plain
+        ``numpy.empty`` / ``torch.empty``, which a put sends the usual way: safe to call
+        anywhere.  The slot stays with the array while it, or anything made from it, exists.
+        Do not write to it after the put (its consumer reads that memory): make a new one for
+        the next item.  Only the first put of it sends the slot; a later put copies, as for any
+        array.  ``TypeError`` for a dtype that is neither numpy's nor torch's or a shape that
+        is not ints, ``ValueError`` for a negative dimension."""
+        return self._connection().shm.empty(shape, dtype)
+
     def ack(self, delivery: Delivery) -> None:
         """Confirm a delivery received with ``get(..., ack=True)``."""
         if not isinstance(delivery, Delivery):
@@ -396,15 +412,6 @@ def _unpickle(cls: type[BrokerChannel], name: str | None, address: str, identity
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
 
 
-def _decode_frames(frames: list, copy: bool | None, shm: list = (), shm_copy: bool = True) -> Any:
-    body = frames[0]
-    if type(body) is zmq.Frame:
-        body = body.buffer
-    if len(frames) == 1 and not shm:  # the common small item: nothing but its body
-        return codec.decode(body)
-    return codec.decode(body, frames[1:], copy=bool(copy), shm=shm, shm_copy=shm_copy)
-
-
 def _get_converter(copy: bool | None, shm: Any = None):
     def convert(rec: Reply, frames: list) -> Any:
         sm = rec.slots  # shared-memory slots of the item (broker/shm.py)
@@ -416,7 +423,7 @@ def _get_converter(copy: bool | None, shm: Any = None):
                 raise ValueError("malformed reply: an inline item is bytes, with no frames")
             item = codec.decode(body)
         else:
-            item = _decode_frames(frames, copy)
+            item = codec.decode_frames(frames, copy)
         lease = rec.lease
         return Delivery(item, lease) if lease is not None else item
 
@@ -431,7 +438,7 @@ def _batch_converter(copy: bool | None, shm: Any = None):
             if i < len(sm) and sm[i]:
                 out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
             else:
-                out.append(_decode_frames(frames[pos : pos + n], copy))
+                out.append(codec.decode_frames(frames[pos : pos + n], copy))
             pos += n
         return out
 
@@ -452,7 +459,7 @@ def _peek_converter(shm: Any = None):
 
 
 def _stats_converter(rec: Reply, frames: list) -> dict:
-    return _decode_frames(frames, True)
+    return codec.decode_frames(frames, True)
 
 
 @atexit.register

@@ -68,7 +68,7 @@ from zchannel.broker.protocol import (
     unpack_replies,
 )
 from zchannel.broker.security import HandshakeWatch
-from zchannel.broker.shm import ShmClient, client_undo
+from zchannel.broker.shm.client import ShmClient, client_undo
 from zchannel.broker.tuning import (
     DRIVE_S,
     LAZY_MS,
@@ -174,7 +174,7 @@ class Connection(Liveness):
         self._bye_id: int | None = None  # the bye awaiting its answer
         self._hello_id = 0
         self.pid = os.getpid()
-        self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm.py)
+        self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm/client.py)
         self.converters: dict[tuple[type, bool | None], Convert] = {}  # reply decoders (client.py)
         self._relink_at = 0.0
         self._sock: Any = None

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 from zchannel.broker import cluster, paths
 from zchannel.broker.checks import check_target_weight
 from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
@@ -228,6 +229,11 @@ class DistributedChannel(BrokerChannel):
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
         return self._sub(self._home).reserve_shm(nbytes, slots)
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """``Channel.empty_shm`` on this node's replica (where this process's keys live; a put
+        of it to a key of another replica copies it, as any array)."""
+        return self._sub(self._home).empty_shm(shape, dtype)
 
     def _tag(self, delivery: Delivery, index: int) -> Delivery:
         # lease ids are per replica: fold the replica index into the id the caller sees

@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Any
 
-from zchannel.broker import codec, shm
+import numpy as np
+from zchannel.broker import codec
 from zchannel.broker.checks import check_peek_count
 from zchannel.broker.client import BrokerChannel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
@@ -32,6 +33,8 @@ from zchannel.broker.protocol import (
     Stats,
     op_of,
 )
+from zchannel.broker.shm.client import empty_array
+from zchannel.broker.shm.pool import check_reserve
 from zchannel.broker.wireform import wire_form
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
@@ -225,8 +228,13 @@ class LocalChannel(BrokerChannel):
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """Items of a local channel are passed by reference: no shared memory, always 0."""
-        shm.check_reserve(nbytes, slots)
+        check_reserve(nbytes, slots)
         return 0
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """Items of a local channel are passed by reference: a plain ``numpy.empty`` /
+        ``torch.empty`` (the same checks as ``Channel.empty_shm``)."""
+        return empty_array(None, shape, dtype)
 
     def close(self) -> None:
         if self._closed:

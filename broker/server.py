@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
+from zchannel.broker import codec, direct, metrics, paths
 from zchannel.broker.config import BrokerConfig
 from zchannel.broker.core import Client, Item, QueueCore
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
@@ -43,7 +43,7 @@ from zchannel.broker.protocol import (
 )
 from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
-from zchannel.broker.shm_broker import SlotFrames
+from zchannel.broker.shm.broker import ShmBroker, SlotFrames
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
@@ -99,7 +99,7 @@ class Broker:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
-        self.shm: shm.ShmBroker | None = None
+        self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
         try:
             self._setup(config)
@@ -114,7 +114,7 @@ class Broker:
         self._auth = None
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/security.py)
         self._handshakes: BrokerHandshakes | None = None
-        self.shm = shm_broker.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+        self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
                                  config.shm_pool_bytes,
                                  2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(

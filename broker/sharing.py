@@ -29,7 +29,7 @@ from zchannel.broker.connection import JOIN_S, Connection, Flow
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.liveness import CLOSED, GONE_CHECK_S, UP
 from zchannel.broker.protocol import Cancel
-from zchannel.broker.shm import env_enabled as shm_env_enabled
+from zchannel.broker.shm.client import env_enabled as shm_env_enabled
 from zchannel.broker.tuning import direct_enabled
 
 # Guards _by_key, _count and _keys.  A garbage collection can run a share's finalizer while

@@ -260,9 +260,16 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     runner = runner_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
     targets = targets_mod.run_shm_targets(runner)
     labels = [c.label.split()[0] for c in runs]
-    assert labels[:6] == ["T9", "T9d"] * 3  # interleaved, one of each per round
-    tuned, default = runs[0], runs[1]
-    assert (tuned.window, tuned.maxsize, tuned.reserve) == (8, 8, True)
+    assert labels[:9] == ["T9", "T9w", "T9d"] * 3  # interleaved, one of each per round
+    tuned, in_slot, default = runs[0], runs[1], runs[2]
+    assert (tuned.window, tuned.maxsize, tuned.reserve, tuned.in_slot) == (8, 8, True, False)
+    # T9w: T9's stream with the producer writing each tensor in its slot (empty_shm)
+    assert in_slot == dataclasses.replace(tuned, in_slot=True, label=in_slot.label)
+    assert producer_specs(in_slot, "ipc://x", "k")[0]["in_slot"] is True
+    compared = {r.case.split()[0]: r.baseline for r in runner.rows}
+    assert compared["T9w"] == compared["T9"] is not None  # both against the same relay
+    relays = [r.case for r in runner.rows if r.case.startswith("zmq.proxy")]
+    assert len(relays) == len(set(relays)) == 2  # one 16 MiB relay (T9, T9w), one 1 MiB (T10)
     assert (default.window, default.maxsize, default.reserve) == (64, 0, False)
     assert default.size == tuned.size == 16 << 20 and default.messages == tuned.messages
     spec = producer_specs(default, "ipc://x", "k")[0]

@@ -30,10 +30,7 @@ MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300
 
 # (importing file, imported module): function-level imports other helpers are removing
-_PENDING_FUNCTION_IMPORTS = {
-    # shm.py decodes items with client._decode_frames: moved to codec.py by the shm split (item 4)
-    ("broker/shm.py", "zchannel.broker.client"),
-}
+_PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 # files over MAX_FILE_LINES being split (issue 20, item 4)
 _PENDING_LONG_FILES: set[str] = set()
 # classes over MAX_CLASS_LINES being split (issue 20, items 2 and 5)

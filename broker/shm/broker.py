@@ -1,8 +1,8 @@
-"""The broker's side of the same-host shared-memory path (see ``broker/shm.py`` and
-``docs/shm.md``): the probe segment that proves same-host, the producers' segments the broker
-mapped, ``Hold`` references (one per item holding a slot, one per consumer delivery), byte
-accounting, the conversion of slots to frames for consumers that are not on the same host, and
-the cleanup of departed clients' slots and of stale segments."""
+"""The broker's side of the same-host shared-memory path (``docs/shm.md``): the probe segment
+that proves same-host, the producers' segments the broker mapped, ``Hold`` references (one per
+item holding a slot, one per consumer delivery), byte accounting, the conversion of slots to
+frames for consumers that are not on the same host, and the cleanup of departed clients' slots
+and of stale segments."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 from zchannel.broker import codec
 from zchannel.broker.protocol import Reply, ShmHello, ShmOffer, ShmRelease
-from zchannel.broker.shm import (
+from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
     FREE,
@@ -28,9 +28,9 @@ from zchannel.broker.shm import (
     SHM_DIR,
     USED,
     Segment,
-    _unlink,
     list_segments,
     prefix_for,
+    unlink,
 )
 
 log = logging.getLogger("zchannel.shm")
@@ -123,7 +123,7 @@ class ShmBroker:
         self._token = b""
         stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
         for seg_name in stale:
-            _unlink(seg_name)
+            unlink(seg_name)
         if stale:
             log.info("removed %d stale shared-memory segment(s) of channel %r", len(stale), name)
         if threshold:
@@ -271,7 +271,7 @@ class ShmBroker:
     def _remove(self, bseg: _BrokerSegment) -> None:
         if self.segments.get(bseg.seg.name) is bseg:
             del self.segments[bseg.seg.name]
-        _unlink(bseg.seg.name)
+        unlink(bseg.seg.name)
 
     def client_gone(self, client: Any) -> None:
         """A client left or died: drop the slots it held as a consumer; its own segments go
@@ -318,4 +318,4 @@ class ShmBroker:
         self.client_holds.clear()
         self.segments.clear()
         for seg_name in list_segments(self.prefix):
-            _unlink(seg_name)
+            unlink(seg_name)
