@@ -38,7 +38,6 @@ _PENDING_LONG_CLASSES = {
     ("broker/connection.py", "Connection"),
     ("broker/server.py", "Broker"),
     ("broker/client.py", "BrokerChannel"),
-    ("embodied/lerobot.py", "LeRobotEpisodeAccumulator"),
 }
 
 
