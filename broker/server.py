@@ -197,7 +197,7 @@ class Broker:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
             os.chmod(ipc, 0o600)
-        # beside shared memory only (see Connection._open_link); never around CURVE
+        # beside shared memory only (see transport.open_transport); never around CURVE
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:

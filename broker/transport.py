@@ -1,0 +1,184 @@
+"""The client's transport seam: how one connection sends messages to its broker and reads the
+broker's messages, over a ZeroMQ DEALER socket or over a same-host direct link.
+
+A message is a list of parts, ``[header, *frames]`` (``protocol.py``).  ``Connection``
+(``connection.py``) sees only the ``Transport`` interface:
+
+- ``send(parts)``: one message, never blocking on a missing peer (lost if the transport is
+  broken, as a message to a broker that went away is);
+- ``recv(ready)``: the next message as ``(header, frames)``, or None when none is waiting;
+- ``readable``: what a poll waits on for the next message; ``notify_fd()``: the descriptor the
+  I/O thread polls without touching the transport (``connection.py``);
+- ``callers_read``: sending and reading cost one system call each, so a calling thread sends
+  its request and reads its reply itself (the direct link) instead of handing both to the I/O
+  thread (ZeroMQ, whose own I/O threads do that work);
+- ``up``, ``reconnect()``, ``gone``, ``last_read``, ``stall_s``: the link's state, which the
+  connection's liveness (``liveness.py``) watches; a ZeroMQ socket reconnects by itself and is
+  always ``up``;
+- ``close()``: give the descriptors back (by the connection's I/O thread, last).
+
+Neither implementation is thread-safe: the connection serialises every use under its socket
+lock.  Shared-memory slots (``shm.py``) are references inside the records; both transports
+carry them alike.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+from zchannel.broker import direct, paths
+from zchannel.broker.protocol import client_socket, recv_reply, send_message
+from zchannel.broker.security import HandshakeWatch
+
+
+class Transport:
+    """One connection's way to its broker (see the module docstring)."""
+
+    callers_read = False
+    readable: Any = None
+    handshake: HandshakeWatch | None = None  # a CURVE handshake still watched (ZeroMQ)
+    up = True
+    gone = False
+    last_read = 0.0
+    stall_s = 0.0
+    where = ""  # what the broker listens at (for messages)
+
+    def send(self, parts: list) -> None:
+        raise NotImplementedError
+
+    def recv(self, ready: bool = False) -> tuple[Any, list] | None:
+        raise NotImplementedError
+
+    def notify_fd(self) -> int:
+        """The descriptor that becomes readable when a message may be waiting."""
+        raise NotImplementedError
+
+    def end_handshake(self) -> None:
+        """Stop watching the handshake (it succeeded, or was refused)."""
+
+    def reconnect(self) -> bool:
+        """Connect again after the broker closed the transport (True: connected now)."""
+        return True
+
+    def broker_gone(self) -> bool:
+        """Whether nothing listens at the broker's address any more (False: cannot tell)."""
+        return False
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def close_after_fork(self) -> None:
+        """In a forked child: give back this process's copies of descriptors the parent's
+        broker would otherwise see open (nothing for a ZeroMQ socket, which belongs to the
+        parent's context and must not be touched)."""
+
+
+class ZmqTransport(Transport):
+    """A DEALER socket connected to the broker's ROUTER, and until the first CURVE handshake
+    ends, the watch of its handshake events (``handshake``; its ``socket`` is polled too)."""
+
+    def __init__(self, address: str, curve: Any = None) -> None:
+        self.where = address
+        self.sock = client_socket(curve)
+        self.handshake: HandshakeWatch | None = None
+        try:
+            self.handshake = HandshakeWatch(self.sock, address, curve)
+            self.sock.connect(address)
+        except BaseException:  # bad key files: nothing stays open
+            self.close()
+            raise
+        self.readable = self.sock
+
+    def send(self, parts: list) -> None:
+        try:
+            # never blocks with a peer (no high-water mark); without one (libzmq drops the
+            # peer for good after a failed handshake) the message is lost, as over a broken
+            # link, instead of blocking this thread for ever
+            send_message(self.sock, parts, nonblock=True)
+        except zmq.Again:
+            pass
+
+    def recv(self, ready: bool = False) -> tuple[bytes, list] | None:
+        return recv_reply(self.sock, ready)
+
+    def notify_fd(self) -> int:
+        # ZMQ_FD: readable when the socket's state may have changed; it signals again only
+        # once the socket was read until empty
+        return self.sock.getsockopt(zmq.FD)
+
+    def broker_gone(self) -> bool:
+        return paths.nothing_listens(self.where)
+
+    def end_handshake(self) -> None:
+        watch, self.handshake = self.handshake, None
+        if watch is not None:
+            watch.close()
+
+    def close(self) -> None:
+        self.end_handshake()
+        self.sock.close(linger=0)
+
+
+class LinkTransport(Transport):
+    """A direct link (``direct.Link``): a Unix stream socket to a same-host broker."""
+
+    callers_read = True
+
+    def __init__(self, link: direct.Link) -> None:
+        self.link = link
+        self.where = link.path
+        self.readable = link.fd  # its number never changes, even while the link is down
+
+    @property
+    def up(self) -> bool:  # type: ignore[override]
+        return self.link.up
+
+    @property
+    def gone(self) -> bool:  # type: ignore[override]
+        return self.link.gone
+
+    @property
+    def last_read(self) -> float:  # type: ignore[override]
+        return self.link.last_read
+
+    @property
+    def stall_s(self) -> float:  # type: ignore[override]
+        return self.link.stall_s
+
+    @stall_s.setter
+    def stall_s(self, seconds: float) -> None:
+        self.link.stall_s = seconds
+
+    def send(self, parts: list) -> None:
+        self.link.send(parts)  # lost if the link broke
+
+    def recv(self, ready: bool = False) -> tuple[Any, list] | None:
+        parts = self.link.recv()
+        return None if parts is None else (parts[0], parts[1:])
+
+    def notify_fd(self) -> int:
+        return self.link.fd
+
+    def reconnect(self) -> bool:
+        return self.link.reconnect()
+
+    def close(self) -> None:
+        self.link.close()
+
+    def close_after_fork(self) -> None:
+        self.link.close()  # a parent's link must end when the parent closes it
+
+
+def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) -> Transport:
+    """A same-host broker's direct link when there is one and ``direct_ok`` (never with CURVE),
+    else a DEALER socket connected to ``address`` (``ValueError`` for bad key files)."""
+    if curve is None and direct_ok:
+        path = direct.link_path(paths.ipc_path(address) or "")
+        if path is not None and os.path.exists(path):
+            try:
+                return LinkTransport(direct.Link(path, stall_s=stall_s))
+            except OSError:  # no broker listening there (yet): ZeroMQ connects when one is
+                pass
+    return ZmqTransport(address, curve)
