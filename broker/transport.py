@@ -25,6 +25,7 @@ carry them alike.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from typing import Any
 
 import zmq
@@ -33,7 +34,7 @@ from zchannel.broker.protocol import client_socket, recv_reply, send_message
 from zchannel.broker.security import HandshakeWatch
 
 
-class Transport:
+class Transport(ABC):
     """One connection's way to its broker (see the module docstring)."""
 
     callers_read = False
@@ -45,18 +46,19 @@ class Transport:
     stall_s = 0.0
     where = ""  # what the broker listens at (for messages)
 
+    @abstractmethod
     def send(self, parts: list) -> None:
-        raise NotImplementedError
+        """Send one message, ``[header, *frames]``, without waiting for a peer that is not
+        there (the message is lost then); frames are not copied."""
 
+    @abstractmethod
     def recv(self, ready: bool = False) -> tuple[Any, list] | None:
-        raise NotImplementedError
+        """The next message as ``(header, frames)`` without blocking, or None when none is
+        waiting; ``ready``: a poll of ``readable`` just said one is there."""
 
+    @abstractmethod
     def notify_fd(self) -> int:
         """The descriptor that becomes readable when a message may be waiting."""
-        raise NotImplementedError
-
-    def end_handshake(self) -> None:
-        """Stop watching the handshake (it succeeded, or was refused)."""
 
     def reconnect(self) -> bool:
         """Connect again after the broker closed the transport (True: connected now)."""
@@ -66,13 +68,15 @@ class Transport:
         """Whether nothing listens at the broker's address any more (False: cannot tell)."""
         return False
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Give the descriptors back (the broker sees the connection end).  Idempotent; the
+        caller makes sure no other thread uses the transport any more."""
 
+    @abstractmethod
     def close_after_fork(self) -> None:
         """In a forked child: give back this process's copies of descriptors the parent's
-        broker would otherwise see open (nothing for a ZeroMQ socket, which belongs to the
-        parent's context and must not be touched)."""
+        broker would otherwise see open."""
 
 
 class ZmqTransport(Transport):
@@ -112,6 +116,7 @@ class ZmqTransport(Transport):
         return paths.nothing_listens(self.where)
 
     def end_handshake(self) -> None:
+        """Stop watching the handshake (it succeeded, or was refused)."""
         watch, self.handshake = self.handshake, None
         if watch is not None:
             watch.close()
@@ -119,6 +124,9 @@ class ZmqTransport(Transport):
     def close(self) -> None:
         self.end_handshake()
         self.sock.close(linger=0)
+
+    def close_after_fork(self) -> None:
+        pass  # the socket belongs to the parent's context, which a child must not touch
 
 
 class LinkTransport(Transport):
