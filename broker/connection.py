@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 import msgpack
+from zchannel.broker import direct, paths
 from zchannel.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
@@ -55,7 +56,7 @@ from zchannel.broker.liveness import CLOSED, CONNECTING, DOWN, UP, Liveness
 from zchannel.broker.protocol import EXPIRED, pack_header
 from zchannel.broker.requestqueue import Convert, Flow, RequestQueue
 from zchannel.broker.shm import ShmClient
-from zchannel.broker.transport import Transport, open_transport
+from zchannel.broker.transport import Transport, ZmqTransport
 from zchannel.broker.tuning import SEND_RUN, direct_enabled
 from zchannel.broker.tuning import (
     SPIN_US as SPIN_US,
@@ -68,7 +69,21 @@ log = logging.getLogger("zchannel.client")
 # How long a close waits for the I/O thread.
 JOIN_S = 5.0
 
-__all__ = ["CLOSED", "DOWN", "UP", "Connection", "Convert", "Flow", "JOIN_S", "running"]
+__all__ = ["CLOSED", "DOWN", "UP", "Connection", "Convert", "Flow", "JOIN_S", "open_transport",
+           "running"]
+
+
+def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) -> Transport:
+    """A same-host broker's direct link when there is one and ``direct_ok`` (never with CURVE),
+    else a DEALER socket connected to ``address`` (``ValueError`` for bad key files)."""
+    if curve is None and direct_ok:
+        path = direct.link_path(paths.ipc_path(address) or "")
+        if path is not None and os.path.exists(path):
+            try:
+                return direct.Link(path, stall_s=stall_s)
+            except OSError:  # no broker listening there (yet): ZeroMQ connects when one is
+                pass
+    return ZmqTransport(address, curve)
 
 
 class Connection(IOThread, Liveness, Waiting, RequestQueue):

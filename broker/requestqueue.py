@@ -5,8 +5,8 @@ messages, the requests in flight (``_pending``, by id) and the flow control of e
 connection's; see that module's docstring for the threads and locks).  A request is queued by
 the thread that issues it; whoever holds the socket lock (``_sock_lock``: the I/O thread, or a
 caller sending and reading itself, ``waiting.py``) sends what is queued, coalesced into as few
-messages as the limits of ``tuning.py`` allow, and completes the requests whose replies come
-(``liveness.py``).
+messages as the limits of ``tuning.py`` allow; the reply path (``Connection._on_reply``) takes a
+request out of ``_pending`` and gives its issuer's slot back (``_release``).
 """
 
 from __future__ import annotations

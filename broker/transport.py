@@ -1,5 +1,6 @@
 """The client's transport seam: how one connection sends messages to its broker and reads the
-broker's messages, over a ZeroMQ DEALER socket or over a same-host direct link.
+broker's messages, over a ZeroMQ DEALER socket (``ZmqTransport``, here) or over a same-host
+direct link (``direct.Link``).
 
 A message is a list of parts, ``[header, *frames]`` (``protocol.py``).  ``Connection``
 (``connection.py``) sees only the ``Transport`` interface:
@@ -15,21 +16,24 @@ A message is a list of parts, ``[header, *frames]`` (``protocol.py``).  ``Connec
 - ``up``, ``reconnect()``, ``gone``, ``last_read``, ``stall_s``: the link's state, which the
   connection's liveness (``liveness.py``) watches; a ZeroMQ socket reconnects by itself and is
   always ``up``;
-- ``close()``: give the descriptors back (by the connection's I/O thread, last).
+- ``handshake``: the CURVE handshake still watched (ZeroMQ only; its events socket is polled
+  too until it ends);
+- ``close()``: give the descriptors back (by the connection's I/O thread, last);
+  ``close_after_fork()``: a forked child's copies of them.
 
-Neither implementation is thread-safe: the connection serialises every use under its socket
+``connection.open_transport`` chooses the implementation at connect time.  Neither
+implementation is thread-safe: the connection serialises every use under its socket
 lock.  Shared-memory slots (``shm.py``) are references inside the records; both transports
 carry them alike.
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import zmq
-from zchannel.broker import direct, paths
+from zchannel.broker import paths
 from zchannel.broker.protocol import client_socket, recv_reply, send_message
 from zchannel.broker.security import HandshakeWatch
 
@@ -47,9 +51,9 @@ class Transport(ABC):
     where = ""  # what the broker listens at (for messages)
 
     @abstractmethod
-    def send(self, parts: list) -> None:
+    def send(self, parts: list) -> bool:
         """Send one message, ``[header, *frames]``, without waiting for a peer that is not
-        there (the message is lost then); frames are not copied."""
+        there; False when it is lost so (frames are not copied)."""
 
     @abstractmethod
     def recv(self, ready: bool = False) -> tuple[Any, list] | None:
@@ -95,14 +99,15 @@ class ZmqTransport(Transport):
             raise
         self.readable = self.sock
 
-    def send(self, parts: list) -> None:
+    def send(self, parts: list) -> bool:
         try:
             # never blocks with a peer (no high-water mark); without one (libzmq drops the
             # peer for good after a failed handshake) the message is lost, as over a broken
             # link, instead of blocking this thread for ever
             send_message(self.sock, parts, nonblock=True)
         except zmq.Again:
-            pass
+            return False
+        return True
 
     def recv(self, ready: bool = False) -> tuple[bytes, list] | None:
         return recv_reply(self.sock, ready)
@@ -127,66 +132,3 @@ class ZmqTransport(Transport):
 
     def close_after_fork(self) -> None:
         pass  # the socket belongs to the parent's context, which a child must not touch
-
-
-class LinkTransport(Transport):
-    """A direct link (``direct.Link``): a Unix stream socket to a same-host broker."""
-
-    callers_read = True
-
-    def __init__(self, link: direct.Link) -> None:
-        self.link = link
-        self.where = link.path
-        self.readable = link.fd  # its number never changes, even while the link is down
-
-    @property
-    def up(self) -> bool:  # type: ignore[override]
-        return self.link.up
-
-    @property
-    def gone(self) -> bool:  # type: ignore[override]
-        return self.link.gone
-
-    @property
-    def last_read(self) -> float:  # type: ignore[override]
-        return self.link.last_read
-
-    @property
-    def stall_s(self) -> float:  # type: ignore[override]
-        return self.link.stall_s
-
-    @stall_s.setter
-    def stall_s(self, seconds: float) -> None:
-        self.link.stall_s = seconds
-
-    def send(self, parts: list) -> None:
-        self.link.send(parts)  # lost if the link broke
-
-    def recv(self, ready: bool = False) -> tuple[Any, list] | None:
-        parts = self.link.recv()
-        return None if parts is None else (parts[0], parts[1:])
-
-    def notify_fd(self) -> int:
-        return self.link.fd
-
-    def reconnect(self) -> bool:
-        return self.link.reconnect()
-
-    def close(self) -> None:
-        self.link.close()
-
-    def close_after_fork(self) -> None:
-        self.link.close()  # a parent's link must end when the parent closes it
-
-
-def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) -> Transport:
-    """A same-host broker's direct link when there is one and ``direct_ok`` (never with CURVE),
-    else a DEALER socket connected to ``address`` (``ValueError`` for bad key files)."""
-    if curve is None and direct_ok:
-        path = direct.link_path(paths.ipc_path(address) or "")
-        if path is not None and os.path.exists(path):
-            try:
-                return LinkTransport(direct.Link(path, stall_s=stall_s))
-            except OSError:  # no broker listening there (yet): ZeroMQ connects when one is
-                pass
-    return ZmqTransport(address, curve)

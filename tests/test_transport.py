@@ -1,5 +1,5 @@
 """The transport seam (broker/transport.py): a ZeroMQ DEALER socket and a same-host direct link
-behind one interface, each speaking to a real broker over real sockets."""
+(broker/direct.py) behind one interface, each speaking to a real broker over real sockets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import time
 import msgpack
 import pytest
 import zmq
+from zchannel.broker.connection import open_transport
+from zchannel.broker.direct import Link
 from zchannel.broker.protocol import GET, HELLO, PROTOCOL_VERSION, PUT, pack_header
-from zchannel.broker.transport import LinkTransport, ZmqTransport, open_transport
+from zchannel.broker.transport import Transport, ZmqTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +42,8 @@ def test_both_transports_carry_the_same_records_and_frames(make_remote, kind):
     address = ch.stats()["address"]
     transport = open_transport(address, None, stall_s=3.0, direct_ok=kind == "direct")
     try:
-        assert isinstance(transport, LinkTransport if kind == "direct" else ZmqTransport)
+        assert isinstance(transport, Transport)
+        assert isinstance(transport, Link if kind == "direct" else ZmqTransport)
         assert transport.callers_read is (kind == "direct")  # callers read a link themselves
         assert transport.up and not transport.broker_gone()
         transport.send([pack_header([{"op": HELLO, "id": 1, "v": PROTOCOL_VERSION}])])
