@@ -32,8 +32,8 @@ behind one interface, chosen at connect time; the connection holds it as ``trans
 ``waiting.py`` (``call``, ``wait_for``: callers that read the socket themselves, and wake-ups of
 the I/O thread), ``liveness.py`` (hello, bye, heartbeats, expiry, relinking, the CURVE
 handshake) and ``iothread.py`` (the I/O thread's loop and its last acts).  This module keeps the
-public surface and the path of an incoming message (``_recv_one``, ``_on_message``,
-``_on_reply``).
+choice of transport (``open_transport``), the public surface and the path of an incoming
+message (``_recv_one``, ``_on_message``, ``_on_reply``).
 """
 
 from __future__ import annotations
