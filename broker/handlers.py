@@ -58,8 +58,7 @@ def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
             f"protocol version {version!r} is not supported: this broker speaks "
             f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
         return broker.clients.get(address)
-    if broker.direct is not None and address in broker.direct.by_address:
-        broker.direct.by_address[address].greeted = True
+    broker.peers.greeted(address)
     old = broker.clients.pop(address, None)
     if old is not None:
         broker.client_gone(old)

@@ -25,6 +25,7 @@ from zchannel.broker.core import Client, Item, QueueCore
 from zchannel.broker.errors import BrokerUnavailable, error_to_wire
 from zchannel.broker.handlers import HANDLERS, hello
 from zchannel.broker.outbox import Outbox
+from zchannel.broker.peers import Peers
 from zchannel.broker.protocol import (
     BROKER_EXPIRED,
     BROKER_HEARTBEAT,
@@ -38,7 +39,6 @@ from zchannel.broker.protocol import (
     op_of,
     pack_header,
     recv_message,
-    send_message,
     unpack_requests,
 )
 from zchannel.broker.replica import replica_state, wrap_collector
@@ -143,8 +143,7 @@ class Broker:
         self._running = False
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
-        self.direct: direct.Listener | None = None
-        self._poll_dirty = False
+        self.peers: Peers | None = None  # the clients' transports (set by bind)
         self.counters = metrics.Counters()
         self.hook_time = metrics.HookTime()
         self.metrics: metrics.MetricsServer | None = None
@@ -164,6 +163,7 @@ class Broker:
         ``close()`` then removes what was made)."""
         ctx = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
+        self.peers = Peers(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -186,12 +186,12 @@ class Broker:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
             os.chmod(ipc, 0o600)
-        # beside shared memory only (see Connection._open_link); never around CURVE
+        # beside shared memory only (see transport.open_transport); never around CURVE
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:
             try:
-                self.direct = direct.Listener(link, self.config.max_frames + 1,
+                self.peers.listener = direct.Listener(link, self.config.max_frames + 1,
                                               self.config.max_header_bytes,
                                               self.config.max_message_bytes)
             except OSError as exc:  # clients then use ZeroMQ only
@@ -229,8 +229,8 @@ class Broker:
                     (self._handshakes.socket, zmq.POLLIN)]
         if parent_fd is not None:
             poll_set.append((parent_fd, zmq.POLLIN))
-        if self.direct is not None:
-            poll_set.append((self.direct.fd, zmq.POLLIN))
+        if self.peers.listener is not None:
+            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -249,8 +249,8 @@ class Broker:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                if self._poll_dirty:
-                    self._update_poll_set()
+                if self.peers.poll_dirty:  # links came or went, or a full socket held bytes back
+                    self._poll_set = self.peers.poll_set(self._poll_base)
                 polled = time.monotonic()
                 events = zmq.zmq_poll(self._poll_set, timeout_ms)
                 woke = time.monotonic()
@@ -258,7 +258,7 @@ class Broker:
                 if self.sock in ready:
                     self._drain()
                     self._flush()  # replies first: the rest of the turn is not on their path
-                if self.direct is not None and len(events) > (self.sock in ready):
+                if self.peers.listener is not None and len(events) > (self.sock in ready):
                     self._direct_events(events)
                 if rfd in ready:
                     os.read(rfd, 512)
@@ -316,9 +316,7 @@ class Broker:
                 self._handshakes.close()
             self.sock.close(linger=0)
             self.sock = None
-            if self.direct is not None:
-                self.direct.close()
-                self.direct = None
+            self.peers.close()
             if self._auth is not None:
                 self._auth.stop()
             paths.remove_address(self.config.name, self.address)
@@ -460,25 +458,10 @@ class Broker:
         out.records.append(rec)
 
     def _send(self, address: bytes, records: list, frames: list) -> bool:
-        if self.direct is not None:
-            peer = self.direct.by_address.get(address)
-            if peer is not None:
-                if not peer.send([pack_header(records), *frames]):
-                    self.direct.drop(peer)  # _flush requeues and ends the client
-                    self._poll_dirty = True
-                    return False
-                if peer.out:
-                    self._poll_dirty = True
-                self.last_sent[address] = time.monotonic()
-                return True
-            if address.startswith(direct.ADDRESS_PREFIX):
-                return False  # a direct link that is gone
-        try:
-            send_message(self.sock, [address, pack_header(records), *frames], nonblock=True)
-        except zmq.ZMQError as exc:
-            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                return False
-            raise
+        """Send to the client at ``address`` over its transport (``peers.py``); False when it
+        cannot be reached (``_flush`` then requeues and ends the client)."""
+        if not self.peers.send(address, [pack_header(records), *frames]):
+            return False
         self.last_sent[address] = time.monotonic()
         return True
 
@@ -514,7 +497,7 @@ class Broker:
     def _direct_events(self, events: list) -> None:
         """Accept new links, read the ready ones (and handle their messages), write out what
         full sockets held back."""
-        listener = self.direct
+        listener = self.peers.listener
         assert listener is not None
         changed = False
         for obj, ev in events:
@@ -531,37 +514,14 @@ class Broker:
             if ev & (zmq.POLLIN | zmq.POLLERR) and not self._direct_read(peer):
                 changed = True
         self._flush()
-        self._poll_dirty = self._poll_dirty or changed
-
-    def _update_poll_set(self) -> None:
-        """The poll set after links came or went, or a full socket held bytes back."""
-        self._poll_dirty = False
-        assert self.direct is not None
-        self._poll_set = self._poll_base + [
-            (fd, zmq.POLLIN | (zmq.POLLOUT if p.out else 0))
-            for fd, p in self.direct.by_fd.items()
-        ]
+        self.peers.poll_dirty = self.peers.poll_dirty or changed
 
     def _direct_read(self, peer: direct.Peer) -> bool:
         """Read a ready link and handle the messages it completed; False if it is gone."""
+        alive, got_bytes = self.peers.read(peer)
         reader = peer.reader
-        alive = True
-        # until the socket is empty, or for at most READ_BUDGET bytes (the other clients
-        # wait meanwhile): a loop turn per read would cost more than the read
-        budget = direct.READ_BUDGET
-        try:
-            while alive and budget > 0:
-                n = reader.read(peer.fd)
-                alive = n > 0
-                budget -= n
-        except BlockingIOError:
-            pass
-        except (OSError, direct.FramingError) as exc:
-            if isinstance(exc, direct.FramingError):
-                log.warning("closed a direct link that broke the framing: %s", exc)
-            alive = False
         client = self.clients.get(peer.address)
-        if client is not None and budget < direct.READ_BUDGET:
+        if client is not None and got_bytes:
             client.last_seen = time.monotonic()  # bytes are life, even within a long message
         while reader.messages:
             parts = reader.messages.popleft()
@@ -575,9 +535,7 @@ class Broker:
 
     def _direct_gone(self, peer: direct.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
-        assert self.direct is not None
-        self.direct.drop(peer)
-        self._poll_dirty = True
+        self.peers.drop(peer)
         self._end_client(peer.address, self._out.pop(peer.address, None))
 
     def _release_memory(self) -> None:
@@ -622,8 +580,8 @@ class Broker:
                 out.records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
-        if self.direct is not None:  # links that never said hello hold a descriptor each
-            for peer in [p for p in self.direct.by_fd.values()
+        if self.peers.listener is not None:  # links that never said hello hold a descriptor each
+            for peer in [p for p in self.peers.listener.by_fd.values()
                          if not p.greeted and now - p.since > expiry]:
                 log.info("closed a direct link that said nothing for %.1fs", now - peer.since)
                 self._direct_gone(peer)

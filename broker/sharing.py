@@ -257,8 +257,7 @@ def _after_fork() -> None:
         conn._wake_lock = threading.Lock()  # as _lock
         conn._sock_lock = threading.Lock()
         conn._fds_closed = True
-        if conn._link is not None:
-            conn._link.close()
+        conn.transport.close_after_fork()
         if not conn._wake_closed:
             conn._wake_closed = True
             os.close(conn._wake)

@@ -214,7 +214,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
     server.start()
     conn = Connection(address)
     try:
-        assert conn.wait_up(10) and conn._link is not None
+        assert conn.wait_up(10) and conn.direct
         assert (conn.hb, conn.liveness) == (0.5, 3)
         work = conn.request(QSize(id=0, key=None), [])
         assert work.wait(30) == 7

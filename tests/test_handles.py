@@ -225,7 +225,7 @@ EXITS = """
         if variant == 4:
             os.environ["ZCHANNEL_DIRECT"] = "0"  # ZeroMQ instead of the direct link
         ch = Channel.connect(address)
-        assert (ch._connection()._link is None) == (variant == 4)
+        assert (not ch._connection().direct) == (variant == 4)
         ch.get(key="never", async_op=True)  # parked at exit
         work = ch.put(i, key="k", async_op=True)  # acknowledged before the exit ends
         if variant == 1:  # a thread blocked in a get while the interpreter exits
@@ -316,7 +316,7 @@ KILLED = """
     if sys.argv[2] == "pending":
         ch.get(key="never", async_op=True)  # parked
         ch.put("y", async_op=True)  # parked: never acknowledged
-    print("linked" if ch._connection()._link is not None else "zmq", flush=True)
+    print("linked" if ch._connection().direct else "zmq", flush=True)
     sys.stdin.readline()  # the broker is SIGKILLed meanwhile
     started.append(time.monotonic())
 """
