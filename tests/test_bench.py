@@ -279,6 +279,24 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
 
 
+def test_payloads_built_in_slots_pass_the_check(make_remote):
+    """T9w's producer (``PayloadFactory.make_in``) writes the payload into memory lent by
+    ``empty_shm`` once, then only stamps it; every item the consumer gets checks out in full."""
+    from zchannel.broker import shm
+
+    ch = make_remote("bench-in-slot", shm_threshold=1 << 16)
+    fac = PayloadFactory("tensor", 1 << 18)
+    pool = ch._connection().shm.pool
+    for i in range(6):
+        item = fac.make_in(ch.empty_shm, i, i)
+        assert pool.lent  # the item lives in a slot
+        ch.put(item)
+        del item
+        assert fac.check(ch.get(timeout=10))[0] == i
+    segs = list(pool.by_name.values())
+    assert len(segs) == 1 and int((segs[0].states == shm.USED).sum()) <= 1
+
+
 @pytest.mark.timeout(60)
 def test_stream_target_runs_with_its_relay(tmp_path):
     """T2s on a tiny stream: a producer process with 16 async puts in flight, a consumer

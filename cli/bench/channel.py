@@ -112,7 +112,9 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
             work, t0 = inflight.popleft()
             work.wait(WORKER_DEADLINE_S)
             lat.append(time.monotonic_ns() - t0)
-        if group == 1:
+        if spec.get("in_slot"):
+            item = fac.make_in(ch.empty_shm, base | i, i)
+        elif group == 1:
             item = fac.make(base | i, i)[0]
         else:
             item = [fac.make(base | j, j)[0] for j in range(i, min(n, i + group))]
@@ -236,6 +238,7 @@ def producer_specs(
             "window": case.window,
             "group": group,
             "schedule": None if schedules is None else schedules[p],
+            "in_slot": case.in_slot,
             # shared-memory slots a producer preallocates before the clock starts (a real
             # producer does it once at start-up): its puts in flight, the queue, and the gets
             # in flight may all hold one (docs/shm.md, pool sizing)

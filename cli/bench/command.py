@@ -14,6 +14,7 @@ from typing import Any
 import click
 import click.core
 from zchannel.broker import ChannelError
+from zchannel.broker.starting import child_environ
 from zchannel.broker.toml import tomllib
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
@@ -82,6 +83,14 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     return out
 
 
+def _restore_env(name: str, value: str | None) -> None:
+    """Set ``os.environ[name]`` back to ``value`` (None: the variable was not set)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     """The ``[targets]`` table of ``--config`` if it has one, else of the default file."""
     if config_path:
@@ -99,7 +108,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9d (defaults vs tuned T9), T10)",
+    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -235,6 +244,13 @@ def bench(
         # inherit the environment) keep off shared memory themselves
         os.environ["ZCHANNEL_SHM"] = "0"
         ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
+    tunables = child_environ().get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
+        # the workers (spawned: they inherit the environment) and the baselines' processes
+        # copy as the brokers do (docs/shm.md, "Large copies")
+        users_tunables = os.environ.get("GLIBC_TUNABLES")
+        os.environ["GLIBC_TUNABLES"] = tunables
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
     scenario = opts["scenario"]
     keys = opts.get("keys")
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}

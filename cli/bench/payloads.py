@@ -99,12 +99,34 @@ class PayloadFactory:
     def make(self, seq: int, index: int, fresh: bool = False) -> tuple[Any, list[np.ndarray]]:
         """The item for ``seq`` (the ``index``-th of its producer): header stamped now."""
         item, views = self._build() if fresh else self.ring[index % len(self.ring)]
+        return self._stamp(item, views, seq, index), views
+
+    def make_in(self, empty: Callable[..., Any], seq: int, index: int) -> Any:
+        """The item for ``seq`` (``tensor`` or ``numpy``) built in the memory of
+        ``empty(shape, dtype)`` (``Channel.empty_shm``), as a producer writing its tensor in a
+        shared-memory slot does.  The bench's payload is the same for every item, so memory
+        that held one already (the slot freed last comes back first) only gets its header
+        stamped, as ``make`` stamps a ring item; other memory gets the payload written (its
+        last 4 KiB tell which: random bytes, never there by chance; the consumer checks every
+        byte anyway)."""
+        if self.ptype not in ("tensor", "numpy"):
+            raise ValueError(f"make_in builds tensor and numpy items, not {self.ptype!r}")
+        n = self.parts[0] // 4
+        item = empty((n,), _torch().float32 if self.ptype == "tensor" else np.float32)
+        view = (item.numpy() if self.ptype == "tensor" else item).view(np.uint8)
+        want = self.expected[0]
+        if not np.array_equal(view[-4096:-1], want[-4096:-1]):  # (the last byte is stamped)
+            view[:] = want
+        return self._stamp(item, [view], seq, index)
+
+    def _stamp(self, item: Any, views: list[np.ndarray], seq: int, index: int) -> Any:
+        """``item`` with its header (``seq``, send time now) and last byte stamped."""
         HEADER.pack_into(views[0], 0, seq, time.monotonic_ns())
         last = views[-1]
         last[-1] = self.expected[-1][-1] ^ (0xFF if index == self.corrupt else 0)
         if isinstance(item, BenchSample):
             item.seq = seq
-        return item, views
+        return item
 
     def views_of(self, item: Any) -> list[np.ndarray]:
         """uint8 views of the buffers of a received item (``Mismatch`` on a wrong shape)."""

@@ -1,5 +1,6 @@
 """The target suite of ``zchannel bench --targets``: T1-T4 with T2s, T6-T8 (``run_targets``)
-and the shared-memory targets T9, T9d and T10 (``run_shm_targets``, also ``--scenario shm``).
+and the shared-memory targets T9, T9d and T10 (``run_shm_targets``, also ``--scenario shm``,
+which also reports the row T9w: T9 with the producer writing its tensors in slots).
 
 Each target is a ratio of a measured figure to a reference measured in the same run; its pass
 mark is data, the ``[targets]`` table of ``configs/bench_targets.toml`` (``load_thresholds``).
@@ -26,7 +27,7 @@ from zchannel.cli.bench.report import TargetResult
 from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
 
-SHM_STEPS = 7  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 TARGETS_FILE = Path(__file__).resolve().parents[2] / "configs" / "bench_targets.toml"
 INSTALLED_TARGETS_FILE = Path(sys.prefix) / "share" / "zchannel" / "bench_targets.toml"
@@ -335,7 +336,9 @@ def run_shm_targets(
 ) -> list[TargetResult]:
     """T9 and T10 of the shared-memory issue: large tensors 1P -> 1C on this host, through
     shared memory (default copy-out consumer), against zmq.proxy and pipelined Ray actor calls
-    measured in the same run.  ``thresholds``: by target name (default: ``load_thresholds()``)."""
+    measured in the same run; T9d (default settings) and the report-only row T9w (the producer
+    writes each tensor in its slot, ``Channel.empty_shm``) run in T9's rounds.  ``thresholds``:
+    by target name (default: ``load_thresholds()``)."""
     thresholds = thresholds if thresholds is not None else load_thresholds()
     saved = runner.baseline
     runner.baseline = "zmq"
@@ -356,12 +359,15 @@ def run_shm_targets(
             c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
             label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
         )
-        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        t9, t9d = runner.measure_together(
-            [dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8"),
-             c9d],
-            fresh=True,
+        # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
+        # sends the slot, so the row shows the stream without the producer's copy (a row of
+        # the report, no target; it shares T9's relay)
+        t9 = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9w = dataclasses.replace(
+            t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
         )
+        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
+        t9, _t9w, t9d = runner.measure_together([t9, c9w, c9d], fresh=True)
         b9 = runner.baseline_for(c9)
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
