@@ -4,7 +4,8 @@
 ``Delivery`` an item received with ``ack=True``.  See ``docs/`` for the protocol and guarantees.
 """
 
-from zchannel.broker.client import DEFAULT_KEY, Channel
+from zchannel.broker.channel import Channel
+from zchannel.broker.client import DEFAULT_KEY
 from zchannel.broker.errors import (
     AuthenticationFailed,
     BrokerStartError,

@@ -19,7 +19,7 @@ the replicas that are up: while a node's replicas are all down, its new keys bin
 A ``learn`` never overwrites a binding the receiver holds; it reports the conflict, and the
 binder adopts the existing binding (it may have been answered by a binder that died meanwhile)
 and corrects the others.  Requests a replica does not decide are answered with a redirect
-(``{"binder": i}``) or ``{"retry": reason}``; clients and replicas follow them
+(``BindAnswer``: ``{binder: i}``) or ``{retry: reason}``; clients and replicas follow them
 (``broker/distributed.py``).  Choice and limits: ``docs/decisions.md``, ``docs/distributed.md``.
 """
 
@@ -34,13 +34,18 @@ from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, choose_replica
 from zchannel.broker.connection import CLOSED, DOWN, UP, Connection
 from zchannel.broker.errors import ChannelError
-from zchannel.broker.protocol import key_from_wire
+from zchannel.broker.protocol import (
+    Bind,
+    BindAnswer,
+    Learn,
+    Sync,
+    SyncAnswer,
+    key_from_wire,
+    sync_answer,
+)
 
 log = logging.getLogger("zchannel.broker")
 
-BIND, LEARN, SYNC = "bind", "learn", "sync"
-LOAD, RELEASE = "load", "release"  # moving empty keys (opt-in, broker/moving.py)
-REPLICA_OPS = frozenset((BIND, LEARN, SYNC, LOAD, RELEASE))
 PEER_IDENTITY = "zchannel-replica:"
 # how long the binder waits for a replica's acknowledgement of a new binding before it answers
 # anyway (a replica that does not answer in time is not waited for again for one expiry)
@@ -102,7 +107,7 @@ class BindingTable:
             if work is not None and work.done():
                 del self._syncs[i]
                 try:
-                    self._merge(work.result().get("b") or ())
+                    self._merge(sync_answer(work.result()).entries)
                     self._synced.add(i)
                     continue
                 except ChannelError:
@@ -115,7 +120,7 @@ class BindingTable:
                 continue
             if i not in self._syncs:
                 try:
-                    self._syncs[i] = conn.request({"op": SYNC, "from": self.index}, [])
+                    self._syncs[i] = conn.request(Sync(id=0, sender=self.index), [])
                 except ChannelError:
                     pass
         pending = [i for i in self._peers if i not in self._synced and self.alive(i, now)]
@@ -149,20 +154,19 @@ class BindingTable:
 
     # -- requests from clients and replicas ----------------------------------------------------
 
-    def handle(self, op: str, rec: dict) -> Any:
-        if op == BIND:
-            return self.bind(key_from_wire(rec.get("k")), rec.get("node"), rec.get("replica"),
-                             rec.get("from"))
-        if op == LEARN:
-            entries = rec.get("b") or ()
-            if rec.get("force"):
+    def handle(self, rec: Bind | Learn | Sync) -> Any:
+        if type(rec) is Bind:
+            return self.bind(key_from_wire(rec.key), rec.node, rec.replica, rec.sender)
+        if type(rec) is Learn:
+            entries = rec.entries or ()
+            if rec.force:
                 self.table.update(self._entries(entries))
                 return []
             return self._merge(entries)
-        sender = rec.get("from")
+        sender = rec.sender
         if isinstance(sender, int) and not isinstance(sender, bool) and sender < self.index:
             self._lower_seen[sender] = time.monotonic()  # it takes over once ready: stop deciding
-        return {"ready": self.ready, "b": [[k, r] for k, r in self.table.items()]}
+        return SyncAnswer(ready=self.ready, entries=[[k, r] for k, r in self.table.items()])
 
     def alive(self, index: int, now: float) -> bool:
         """Replica ``index`` may be alive in this replica's view: it is this one, or its link
@@ -185,17 +189,17 @@ class BindingTable:
 
     def bind(self, key: Any, node: Any = None, replica: Any = None, sender: Any = None) -> Any:
         """The replica ``key`` is bound to, deciding it now if this replica is the binder;
-        else ``{"binder": i}`` (ask replica i) or ``{"retry": reason}``."""
+        else a ``BindAnswer``: ``binder`` (ask replica i) or ``retry`` (why to ask again)."""
         key = check_key(key)
         bound = self.table.get(key)
         if bound is not None:
             return bound
         self.progress()
         if not self.ready:
-            return {"retry": f"replica {self.index} is joining (learning the bindings)"}
+            return BindAnswer(retry=f"replica {self.index} is joining (learning the bindings)")
         binder = self.binder()
         if binder != self.index:
-            return {"binder": binder}
+            return BindAnswer(binder=binder)
         if replica is not None:
             if isinstance(replica, bool) or not isinstance(replica, int) \
                     or not 0 <= replica < len(self.replicas):
@@ -210,7 +214,7 @@ class BindingTable:
         if held is not None and held != bound:
             log.warning("key %r was bound to replica %d already (learned late): kept", key, held)
             self.table[key] = bound = held
-            self.send_all({"op": LEARN, "b": [[key, held]], "force": True})
+            self._send_all([[key, held]], force=True)
         return bound
 
     def _choose(self, node: str | None, key: Any) -> int:
@@ -231,7 +235,7 @@ class BindingTable:
             if i == skip or not self.alive(i, now):
                 continue  # a dead one learns everything by joining when it is back
             try:
-                work = conn.request({"op": LEARN, "b": entries}, [])
+                work = conn.request(Learn(id=0, entries=entries), [])
             except ChannelError:
                 self._owed.setdefault(i, []).extend(entries)
                 continue
@@ -263,12 +267,11 @@ class BindingTable:
         now = time.monotonic()
         return [i for i in self._peers if self.alive(i, now)]
 
-    def send_all(self, rec: dict) -> None:
-        """Send ``rec`` to every other replica whose link is not down (answers not awaited)."""
+    def _send_all(self, entries: list, force: bool = False) -> None:
         for conn in self._peers.values():
             if conn.state != DOWN:
                 try:
-                    conn.request(dict(rec), [])
+                    conn.request(Learn(id=0, entries=entries, force=force), [])
                 except ChannelError:
                     pass
 
@@ -284,7 +287,7 @@ class BindingTable:
                 continue
             entries = self._owed.pop(i)
             try:
-                conn.request({"op": LEARN, "b": entries}, []).add_done_callback(
+                conn.request(Learn(id=0, entries=entries), []).add_done_callback(
                     self._owe_on_failure(i, entries))
             except ChannelError:
                 self._owed.setdefault(i, []).extend(entries)
@@ -294,5 +297,4 @@ class BindingTable:
         return sum(1 for ident in identities if ident and ident.startswith(PEER_IDENTITY))
 
 
-__all__ = ["BIND", "LEARN", "LOAD", "PEER_IDENTITY", "RELEASE", "REPLICA_OPS", "SYNC",
-           "BindingTable"]
+__all__ = ["PEER_IDENTITY", "BindingTable"]

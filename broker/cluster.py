@@ -1,4 +1,5 @@
-"""Cluster files and node detection for distributed channels (no Ray).
+"""Cluster files and node detection for distributed channels (no Ray import: ``ray_connected``
+and the node id only look at a ``ray`` the process imported itself).
 
 A cluster file (TOML) lists the replicas of a distributed channel, in order (every replica holds
 the key-binding table; the lowest-index live one decides new bindings: ``broker/binding.py``)::
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,16 +196,23 @@ def local_node(replicas: list[Replica]) -> str:
     return socket.gethostname()
 
 
-def _ray_node_id() -> str | None:
-    import sys
-
+def ray_connected() -> bool:
+    """True when this process is connected to Ray (zchannel never imports ray unless the process
+    did, and never calls ``ray.init()``)."""
     ray = sys.modules.get("ray")
     if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
+
+
+def _ray_node_id() -> str | None:
+    if not ray_connected():
         return None
     try:
-        if not ray.is_initialized():
-            return None
-        return ray.get_runtime_context().get_node_id()
+        return sys.modules["ray"].get_runtime_context().get_node_id()
     except Exception:
         return None
 

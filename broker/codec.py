@@ -26,7 +26,7 @@ What becomes of every Python type (base values of subclasses, refusals) is ``doc
 :func:`wire_form` (``broker/wireform.py``) gives the same answer without encoding.
 
 ``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
-``i``-th shared-memory slot of the item (same-host path, ``broker/shm.py``).  Every buffer is
+``i``-th shared-memory slot of the item (same-host path, ``broker/shm/``).  Every buffer is
 ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
 (dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
 """
@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
+import zmq
 from zchannel.broker.registry import CLS_TO_TAG, lookup_tag, member_from_ref, member_ref
 
 INLINE_LIMIT = 64 * 1024
@@ -197,7 +198,7 @@ class _Encoder:
 
     def __init__(self, shm: Any = None) -> None:
         self.buffers: list[Any] = []
-        self.shm = shm  # shared-memory slot allocator (broker/shm.py) or None
+        self.shm = shm  # shared-memory slot allocator (broker/shm/pool.py) or None
         self.refs: list[Any] = []
 
     def pack(self, obj: Any) -> bytes:
@@ -316,7 +317,7 @@ def _refusal(exc: ValueError | RecursionError) -> TypeError:
 
 def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
     """:func:`encode` with a shared-memory slot allocator ``alloc(data, nbytes) -> ref | None``
-    (``broker/shm.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
+    (``broker/shm/pool.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
     ``(body, buffers, refs)``."""
     if type(obj) in _PLAIN_TYPES:
         body, buffers = encode(obj)
@@ -543,7 +544,7 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
 
     ``frames`` are the buffers (``zmq.Frame``, bytes, memoryview...).  Arrays and tensors read
     from frames are writable views of them unless ``copy`` is true; inline ones are owned
-    copies.  ``shm`` are the uint8 arrays of the item's shared-memory slots (``broker/shm.py``),
+    copies.  ``shm`` are the uint8 arrays of the item's shared-memory slots (``broker/shm/``),
     copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
     allowed.
     """
@@ -555,3 +556,15 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
             raise
         raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
 
+
+def decode_frames(frames: Sequence[Any], copy: bool | None, shm: Sequence[Any] = (),
+                  shm_copy: bool = True) -> Any:
+    """Decode an item received as ``frames`` (its body, then its buffers; ``zmq.Frame`` or
+    bytes-like): :func:`decode`, with ``copy=None`` meaning views (as ``False``) and ``shm`` /
+    ``shm_copy`` the item's shared-memory slots."""
+    body = frames[0]
+    if type(body) is zmq.Frame:
+        body = body.buffer
+    if len(frames) == 1 and not shm:  # the common small item: nothing but its body
+        return decode(body)
+    return decode(body, frames[1:], copy=bool(copy), shm=shm, shm_copy=shm_copy)

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zchannel.broker import shm
 from zchannel.broker.limits import check_settings
 from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES
+from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.toml import tomllib
 
 
@@ -53,8 +53,8 @@ class BrokerConfig:
     max_message_bytes: int = 0
     max_frames: int = MAX_FRAMES
     max_header_bytes: int = MAX_HEADER_BYTES
-    shm_threshold: int = shm.DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
-    shm_pool_bytes: int = shm.DEFAULT_POOL_BYTES
+    shm_threshold: int = DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
+    shm_pool_bytes: int = DEFAULT_POOL_BYTES
     direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/direct.py)
     key_grace: float = 30.0
     insecure: bool = False

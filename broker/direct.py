@@ -23,6 +23,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from zchannel.broker.transport import Transport
 
 _COUNT = struct.Struct("<I")
 IOV_MAX = 1024
@@ -184,18 +185,22 @@ def _advance(bufs: deque, n: int) -> None:
             n = 0
 
 
-class Link:
-    """A client's direct link to its broker: a stream socket behind a file descriptor whose
-    number never changes (a poll set can hold it).  While the link is down that descriptor is
-    an eventfd that never becomes readable; ``reconnect`` puts a new socket behind it.  Not
-    thread-safe: the caller serialises (``Connection._sock_lock``), and only ``close`` gives the
-    descriptors back (no finalizer does: it could run while a thread still polls them)."""
+class Link(Transport):
+    """A client's direct link to its broker, one of the two ``transport.Transport``s: a stream
+    socket behind a file descriptor whose number never changes (a poll set can hold it).  While
+    the link is down that descriptor is an eventfd that never becomes readable; ``reconnect``
+    puts a new socket behind it.  Not thread-safe: the caller serialises
+    (``Connection._sock_lock``), and only ``close`` gives the descriptors back (no finalizer
+    does: it could run while a thread still polls them).  Sending and reading cost one system
+    call each: callers read it themselves (``callers_read``)."""
+
+    callers_read = True
 
     def __init__(self, path: str, stall_s: float) -> None:
-        self.path = path
+        self.path = self.where = path
         self.stall_s = stall_s  # a send that cannot progress this long: the broker is gone
         self._idle = os.eventfd(0, os.EFD_CLOEXEC)
-        self.fd = os.dup(self._idle)
+        self.fd = self.readable = os.dup(self._idle)
         os.set_inheritable(self.fd, False)
         self.up = False
         self.closed = False
@@ -272,8 +277,8 @@ class Link:
             deadline = time.monotonic() + self.stall_s
         return True
 
-    def recv(self) -> list | None:
-        """One message if there is one (non-blocking), else None."""
+    def recv(self, ready: bool = False) -> tuple[bytes, list] | None:
+        """One message as ``(header, frames)`` if there is one (non-blocking), else None."""
         messages = self.reader.messages
         while not messages:
             if not self.up:
@@ -288,7 +293,11 @@ class Link:
             except (OSError, FramingError):
                 self.drop()
                 return None
-        return messages.popleft()
+        parts = messages.popleft()
+        return parts[0], parts[1:]
+
+    def notify_fd(self) -> int:
+        return self.fd
 
     def close(self) -> None:
         """Close the socket (the broker sees the end of the stream) and both descriptors.  The
@@ -299,6 +308,9 @@ class Link:
         self.closed = True
         self.up = False
         _close_fds(self.fd, self._idle)
+
+    def close_after_fork(self) -> None:
+        self.close()  # a parent's link must end when the parent closes it, not with its children
 
 
 def _close_fds(*fds: int) -> None:

@@ -1,36 +1,37 @@
 """The client side of a distributed channel: one handle, one broker replica per node.
 
-``DistributedChannel`` is a ``Channel`` whose operations go to the replica its key is bound to.
+``DistributedChannel`` is a channel handle (a ``Channel`` to ``isinstance``: ``broker/channel.py``)
+whose operations go to the replica its key is bound to, each through a ``BrokerChannel``
+(``client.py``) of that replica.
 The first operation of any kind on a key asks the binder (the lowest-index live replica; every
 replica holds the replicated table: ``broker/binding.py``) to bind the key (first toucher wins,
 permanent, unless opt-in stealing moves the key while it is empty, ``broker/moving.py``: to the
-replica of the caller's node); the handle caches the binding (corrected when a replica answers
-``KeyMoved``), so every later operation on that key goes straight to its replica over this process's connection to that
-replica (shared with the process's other handles, ``sharing.py``).  All per-key semantics
+replica of the caller's node); the handle caches the binding (``routing.py``; corrected when a
+replica answers ``KeyMoved``), so every later operation on that key goes straight to its replica
+over this process's connection to that replica (shared with the process's other handles, ``sharing.py``).  All per-key semantics
 (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
 holds the key.  ``stats()`` aggregates over the replicas.
 
-Where the replica table comes from: a cluster file (``broker/cluster.py``), Ray
-(``broker/ray_placement.py``, imported only when the process is connected to Ray), or the hello
-reply of any replica (so ``Channel.connect`` of any replica's address or name yields this handle).
+Where the replica table comes from: a cluster file (``broker/cluster.py``; ``create_from_cluster``
+and ``connect_from_cluster`` here), Ray (``broker/ray_placement.py``, which builds this handle from
+the table its actors publish), or the hello reply of any replica (``from_handle``: so
+``Channel.connect`` of any replica's address or name yields this handle).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from zchannel.broker import cluster, paths
-from zchannel.broker.binding import BIND
 from zchannel.broker.checks import check_target_weight
-from zchannel.broker.client import DEFAULT_KEY, Channel
-from zchannel.broker.core import check_key, check_timeout, check_weight
-from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
+from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
+from zchannel.broker.core import check_timeout, check_weight
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.routing import KeyRouting
 from zchannel.broker.security import replica_client_keys
 from zchannel.broker.starting import START_TIMEOUT_S, spawn_broker
 from zchannel.broker.work import Delivery, Work
@@ -42,34 +43,14 @@ _SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
 # per-replica stats that go to stats()["replicas"][i] only
 _REPLICA_FIELDS = ("bound_keys", "binding", "keys_given", "moves_asked")
 STATS_CONNECT_S = 3.0
-# binding a key: how long one replica may take to accept a connection, the pause before asking
-# again (a replica joins, the binder changes), when to try a replica that was unavailable, and
-# the limit for the whole (generous: a failover
-# takes one heartbeat expiry, a join as long)
-BIND_CONNECT_S = 3.0
-BIND_RETRY_S = 0.02
-BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
-BIND_DEADLINE_S = 30.0
-BIND_HEDGE_S = 0.25  # a replica silent this long on a bind request: ask the next one too
 
 
-def ray_connected() -> bool:
-    """True when this process is connected to Ray (zchannel never calls ``ray.init()``)."""
-    ray = sys.modules.get("ray")
-    if ray is None:
-        return False
-    try:
-        return bool(ray.is_initialized())
-    except Exception:
-        return False
-
-
-class DistributedChannel(Channel):
+class DistributedChannel(KeyRouting, BrokerChannel):
     """A handle of a channel served by several broker replicas (see the module docstring)."""
 
     def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
                  identity: str | None = None, curve_keys: Any = None,
-                 subs: dict[int, Channel] | None = None, owner: bool = False,
+                 subs: dict[int, BrokerChannel] | None = None, owner: bool = False,
                  ray_owner: Any = None) -> None:
         self._replicas = cluster.from_table(replicas)
         self._node = cluster.local_node(self._replicas)
@@ -77,7 +58,7 @@ class DistributedChannel(Channel):
         self._home = local[0] if local else 0
         super().__init__(name, self._replicas[self._home].address, identity=identity,
                          curve_keys=curve_keys)
-        self._subs: dict[int, Channel] = dict(subs or {})
+        self._subs: dict[int, BrokerChannel] = dict(subs or {})
         self._subs_lock = threading.Lock()
         self._bindings: dict[Any, int] = {}
         self._binder = 0  # the replica that answered the last binding request
@@ -86,12 +67,12 @@ class DistributedChannel(Channel):
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
 
     @classmethod
-    def from_handle(cls, handle: Channel) -> DistributedChannel:
+    def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
         """Turn a plain handle connected to one replica into the distributed handle."""
         info = handle._conn.broker_info
-        dist = cls(handle._name or info.get("name"), info["replicas"],
+        dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
-                   subs={int(info.get("replica", 0)): handle})
+                   subs={int(info.replica or 0): handle})
         return dist
 
     # -- routing ------------------------------------------------------------------------
@@ -116,7 +97,7 @@ class DistributedChannel(Channel):
             raise
         return self
 
-    def _sub(self, index: int) -> Channel:
+    def _sub(self, index: int) -> BrokerChannel:
         sub = self._subs.get(index)
         if sub is not None:
             return sub
@@ -125,123 +106,12 @@ class DistributedChannel(Channel):
         with self._subs_lock:
             sub = self._subs.get(index)
             if sub is None:
-                sub = Channel(self._name, self._replicas[index].address,
+                sub = BrokerChannel(self._name, self._replicas[index].address,
                               identity=self._explicit_identity,
                               curve_keys=replica_client_keys(self._curve_keys,
                                                              self._replicas[index].server_key))
                 self._subs[index] = sub
             return sub
-
-    def replica_of(self, key: Any = DEFAULT_KEY) -> int:
-        """The index of the replica ``key`` is bound to, binding it now (first touch) if this
-        handle has not seen it yet."""
-        key = check_key(key)
-        index = self._bindings.get(key)
-        if index is not None:
-            return index
-        index = 0 if len(self._replicas) == 1 else self._bind(key)
-        self._bindings[key] = index
-        return index
-
-    def _bind(self, key: Any) -> int:
-        """Ask the binder (``broker/binding.py``) for ``key``'s replica: start with the last
-        binder, follow redirects, go on to the next replica when one is unavailable; wait
-        while a replica joins.  A replica that has not answered within ``BIND_HEDGE_S`` stays
-        asked, and the next one is asked meanwhile (it takes over the moment the silent
-        binder's heartbeat expiry ends, before this handle's own connection notices).
-        ``BrokerUnavailable`` when every replica failed in a row or no answer came within
-        ``BIND_DEADLINE_S``."""
-        n = len(self._replicas)
-        deadline = time.monotonic() + BIND_DEADLINE_S
-        target, unavailable, last_error = self._binder, 0, None
-        failed: dict[int, float] = {}  # replica -> when it was last found unavailable
-        asked: dict[int, Work] = {}  # replicas asked that have not answered yet
-        request = {"op": BIND, "k": key, "node": self._node}
-        while True:
-            answers = []  # (replica, answer) of this turn
-            work = asked.pop(target, None)
-            try:
-                if work is None:
-                    sub = self._sub(target)
-                    sub._connection(timeout=BIND_CONNECT_S)
-                    work = sub._submit(dict(request))
-                answers.append((target, work.wait(
-                    max(0.0, min(BIND_HEDGE_S, deadline - time.monotonic())))))
-                unavailable = 0
-            except BrokerUnavailable as exc:
-                unavailable, last_error = unavailable + 1, exc
-                failed[target] = time.monotonic()
-                if unavailable >= n:
-                    raise BrokerUnavailable(f"no replica of {self._name!r} answers to bind "
-                                            f"{key!r}: {last_error}") from exc
-                target = (target + 1) % n
-            except TimeoutError:
-                asked[target] = work  # slow, or dead before its expiry: ask the next meanwhile
-                target = (target + 1) % n
-            for i, late in list(asked.items()):  # replicas asked earlier that answered since
-                if late.done():
-                    del asked[i]
-                    try:
-                        answers.append((i, late.result()))
-                    except BrokerUnavailable:
-                        failed[i] = time.monotonic()
-            for i, answer in answers:
-                if isinstance(answer, int) and not isinstance(answer, bool):
-                    if not 0 <= answer < n:
-                        raise ChannelError(f"replica {i} bound {key!r} to an unknown replica "
-                                           f"{answer!r}")
-                    self._binder = i
-                    return answer
-            if time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"no replica of {self._name!r} bound {key!r} within "
-                                        f"{BIND_DEADLINE_S}s")
-            answer = answers[0][1] if answers and answers[0][0] == target else None
-            redirect = answer.get("binder") if isinstance(answer, dict) else None
-            if isinstance(redirect, int) and 0 <= redirect < n and redirect != target \
-                    and redirect not in asked \
-                    and time.monotonic() - failed.get(redirect, -1e9) >= BIND_RECHECK_S:
-                target = redirect
-            elif answer is not None:
-                time.sleep(BIND_RETRY_S)  # a replica joins, or the binder changes: ask again
-
-    def node_of(self, key: Any = DEFAULT_KEY) -> str:
-        """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
-        return self._replicas[self.replica_of(key)].node
-
-    def _on(self, key: Any, call: Callable[[Channel, int], Any]) -> Any:
-        """``call(handle, index)`` on the replica holding ``key``.  A channel that moves keys
-        (``steal``) answers an operation on a key that moved with ``KeyMoved`` (nothing
-        happened): the cached binding is corrected and the operation sent again, there.  An
-        asynchronous operation's ``Work`` fails with it instead (its binding corrected: send it
-        again)."""
-        deadline = None
-        while True:
-            index = self.replica_of(key)
-            try:
-                result = call(self._sub(index), index)
-            except KeyMoved as moved:
-                deadline = deadline or time.monotonic() + BIND_DEADLINE_S
-                self._moved(key, index, moved, deadline)
-                continue
-            if isinstance(result, Work):
-                result.add_done_callback(lambda work, at=index: self._moved_async(key, at, work))
-            return result
-
-    def _moved(self, key: Any, index: int, moved: KeyMoved, deadline: float) -> None:
-        if not 0 <= moved.replica < len(self._replicas) or moved.replica == index:
-            raise ChannelError(f"replica {index} says {key!r} moved to replica {moved.replica}")
-        if time.monotonic() > deadline:
-            raise BrokerUnavailable(f"key {key!r} did not settle on a replica of {self._name!r} "
-                                    f"within {BIND_DEADLINE_S}s") from moved
-        if self._bindings.get(key) == index:
-            self._bindings[key] = moved.replica
-        time.sleep(BIND_RETRY_S)  # the new replica may not have learned the move yet
-
-    def _moved_async(self, key: Any, index: int, work: Work) -> None:
-        moved = work.exception()
-        if isinstance(moved, KeyMoved) and 0 <= moved.replica < len(self._replicas) \
-                and self._bindings.get(key) == index:
-            self._bindings[key] = moved.replica
 
     # -- operations ---------------------------------------------------------------------
 
@@ -259,7 +129,7 @@ class DistributedChannel(Channel):
             *, ack: bool = False, copy: bool | None = None) -> Any:
         check_timeout(timeout)
 
-        def call(sub: Channel, index: int) -> Any:
+        def call(sub: BrokerChannel, index: int) -> Any:
             result = sub.get(key, async_op, timeout, ack=ack, copy=copy)
             if not ack:
                 return result
@@ -270,7 +140,7 @@ class DistributedChannel(Channel):
         return self._on(key, call)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
-        def call(sub: Channel, index: int) -> Any:
+        def call(sub: BrokerChannel, index: int) -> Any:
             result = sub.get_nowait(key, ack=ack, copy=copy)
             return self._tag(result, index) if ack else result
 
@@ -299,6 +169,11 @@ class DistributedChannel(Channel):
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
         return self._sub(self._home).reserve_shm(nbytes, slots)
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """``Channel.empty_shm`` on this node's replica (where this process's keys live; a put
+        of it to a key of another replica copies it, as any array)."""
+        return self._sub(self._home).empty_shm(shape, dtype)
 
     def _tag(self, delivery: Delivery, index: int) -> Delivery:
         # lease ids are per replica: fold the replica index into the id the caller sees
@@ -359,7 +234,7 @@ class DistributedChannel(Channel):
 
     # -- lifetime -----------------------------------------------------------------------
 
-    def _each_sub(self) -> list[Channel]:
+    def _each_sub(self) -> list[BrokerChannel]:
         with self._subs_lock:
             return list(self._subs.values())
 
@@ -407,30 +282,12 @@ class DistributedChannel(Channel):
                 f"node={self._node!r}, created={self.created})")
 
 
-def _unpickle(name: str | None, replicas: list, identity: str | None, curve_keys: Any) -> Channel:
+def _unpickle(name: str | None, replicas: list, identity: str | None,
+              curve_keys: Any) -> DistributedChannel:
     return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
 
 
 # -- creating and finding distributed channels ---------------------------------------------
-
-
-def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
-           identity: str | None, curve_keys: Any) -> Channel | None:
-    """What ``Channel.create`` calls for ``distributed=True``, ``node_rank=`` or Ray placement
-    targets; None means "start one ordinary local broker"."""
-    if ray_connected():
-        from zchannel.broker import ray_placement
-
-        return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
-                                    targets=targets, identity=identity, curve_keys=curve_keys)
-    if distributed:
-        path = cluster.find_file(config.get("options"))
-        if path:
-            return create_from_cluster(config, path, identity=identity, curve_keys=curve_keys)
-        log.info("distributed=True without Ray or a cluster file: one local replica")
-    if node_rank is not None:
-        log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
-    return None
 
 
 def create_from_cluster(config: dict, path: str, *, identity: str | None,
@@ -441,7 +298,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
     cl = cluster.load(path, name)
     node = cluster.local_node(cl.replicas)
     table = cl.table()
-    subs: dict[int, Channel] = {}
+    subs: dict[int, BrokerChannel] = {}
     errors: list[BaseException] = []
     curve = replica_curve_settings(cl, [i for i, r in enumerate(cl.replicas) if r.node == node],
                                    curve_keys)
@@ -460,9 +317,9 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
             errors.append(exc)
             return
         os.close(lock_fd)  # the replica holds it now
-        subs[i] = Channel(name, real_address, identity=identity,
-                          curve_keys=replica_client_keys(curve_keys, r.server_key),
-                          _proc=proc, _token=token)
+        subs[i] = BrokerChannel(name, real_address, identity=identity,
+                                curve_keys=replica_client_keys(curve_keys, r.server_key),
+                                _proc=proc, _token=token)
 
     try:
         # the node's replicas start in parallel (each is a child process, as in create())
@@ -512,24 +369,20 @@ def replica_curve_settings(cl: cluster.Cluster, local: list[int],
     return settings
 
 
-def connect_by_name(name: str, *, identity: str | None, timeout: float) -> Channel | None:
-    """A handle of channel ``name`` when this host has no ``.addr`` file for it: from
-    ``$ZCHANNEL_CLUSTER``, else from Ray (when this process is connected); None if neither
-    knows the name.  ``ChannelNotFound`` if the replica it should talk to does not answer."""
+def connect_from_cluster(name: str, *, identity: str | None,
+                         timeout: float) -> DistributedChannel | None:
+    """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER``; None if
+    there is none or it does not serve the name.  ``ChannelNotFound`` if this node's replica
+    does not answer within ``timeout``."""
     path = cluster.find_file()
-    if path:
-        try:
-            cl = cluster.load(path, name)
-        except ValueError:
-            cl = None
-        if cl is not None:
-            return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
-    if ray_connected():
-        from zchannel.broker import ray_placement
-
-        return ray_placement.connect(name, identity=identity, timeout=timeout)
-    return None
+    if not path:
+        return None
+    try:
+        cl = cluster.load(path, name)
+    except ValueError:
+        return None
+    return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
 
 
-__all__ = ["DistributedChannel", "connect_by_name", "create", "ray_connected",
+__all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",
            "replica_curve_settings"]

@@ -15,12 +15,26 @@ import threading
 import time
 from typing import Any
 
-from zchannel.broker import codec, shm
+import numpy as np
+from zchannel.broker import codec
 from zchannel.broker.checks import check_peek_count
-from zchannel.broker.client import Channel
+from zchannel.broker.client import BrokerChannel
 from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.protocol import ACK, FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, STATS
+from zchannel.broker.protocol import (
+    Ack,
+    Full,
+    Get,
+    GetBatch,
+    Peek,
+    Put,
+    QSize,
+    Request,
+    Stats,
+    op_of,
+)
+from zchannel.broker.shm.client import empty_array
+from zchannel.broker.shm.pool import check_reserve
 from zchannel.broker.wireform import wire_form
 from zchannel.broker.work import Delivery, Work
 from zchannel.hooks import resolve_collector, resolve_dispatcher
@@ -65,10 +79,10 @@ class _LocalBroker:
 
     def _reply(self, client: Client, rid: int, result: Any = None,
                error: BaseException | None = None, items: list[Item] | None = None,
-               batch: bool = False, lease: int | None = None, origin: Any = None) -> bool:
+               batch: bool = False, lease: int | None = None, origin: Any = None) -> None:
         entry = self.pending.pop((id(client), rid), None)
         if entry is None:
-            return True
+            return
         work, copy = entry
         if error is not None:
             work.set_exception(error)
@@ -82,9 +96,8 @@ class _LocalBroker:
                 work.set_result(values[0])
         else:
             work.set_result(result)
-        return True
 
-    def submit(self, client: Client, rec: dict, item: Any, copy: bool | None) -> Work:
+    def submit(self, client: Client, rec: Request, item: Any, copy: bool | None) -> Work:
         with self.cv:
             if self.closed:
                 raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
@@ -92,27 +105,30 @@ class _LocalBroker:
             work = Work(lambda w, rid=rid: self.cancel(client, rid))
             self.pending[(id(client), rid)] = (work, bool(copy))
             core = self.core
-            op = rec["op"]
+            kind = type(rec)
             try:
-                if op == PUT:
-                    core.put(client, rid, rec["k"], Item(item, check_weight(rec["w"]), 0, item, True),
-                             check_timeout(rec.get("t")), bool(rec.get("nw")))
-                elif op in (GET, GET_BATCH):
-                    core.get(client, rid, rec["k"], check_timeout(rec.get("t")), bool(rec.get("nw")),
-                             ack=bool(rec.get("ack")), batch_target=rec.get("tw", 0))
-                elif op == QSIZE:
-                    self._reply(client, rid, result=core.qsize(rec["k"], rec.get("c")))
-                elif op == FULL:
-                    self._reply(client, rid, result=core.full(rec["k"], rec.get("c")))
-                elif op == STATS:
+                if kind is Put:
+                    core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
+                             check_timeout(rec.timeout), rec.nowait)
+                elif kind is Get:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             ack=rec.ack)
+                elif kind is GetBatch:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             batch_target=rec.target)
+                elif kind is QSize:
+                    self._reply(client, rid, result=core.qsize(rec.key, rec.consumer))
+                elif kind is Full:
+                    self._reply(client, rid, result=core.full(rec.key, rec.consumer))
+                elif kind is Stats:
                     self._reply(client, rid, result=dict(core.stats(), address=None))
-                elif op == ACK:
-                    core.ack(client, rid, rec.get("lease"))
-                elif op == PEEK:  # (copy, weight) pairs: the items stay where they are
-                    items = core.peek(rec["k"], check_peek_count(rec.get("n", 1)), rec.get("c"))
+                elif kind is Ack:
+                    core.ack(client, rid, rec.lease)
+                elif kind is Peek:  # (copy, weight) pairs: the items stay where they are
+                    items = core.peek(rec.key, check_peek_count(rec.count), rec.consumer)
                     self._reply(client, rid, result=[(_copy(i.payload), i.weight) for i in items])
                 else:
-                    raise ValueError(f"unknown op {op!r}")
+                    raise ValueError(f"unknown op {op_of(rec)!r}")
             except Exception as exc:
                 self._reply(client, rid, error=exc)
             self.cv.notify()
@@ -169,8 +185,9 @@ def _copy(value: Any) -> Any:
     return codec.decode(body, buffers, copy=True)
 
 
-class LocalChannel(Channel):
-    """A handle of an in-process channel (same API as ``Channel``)."""
+class LocalChannel(BrokerChannel):
+    """A handle of an in-process channel: the API of ``Channel``, with its requests handled by an
+    in-process ``QueueCore`` instead of a broker process."""
 
     def __init__(self, broker: _LocalBroker, identity: str | None, owner: bool) -> None:
         super().__init__(broker.name, f"local://{broker.name}", identity=identity)
@@ -180,7 +197,7 @@ class LocalChannel(Channel):
         self._client = Client(address=self)
 
     @classmethod
-    def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> Channel:
+    def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
         with _registry_lock:
             existing = _registry.get(name)
             if existing is None:
@@ -195,7 +212,7 @@ class LocalChannel(Channel):
         with _registry_lock:
             return _registry.get(name)
 
-    def _submit(self, rec: dict, item: Any = None, *, has_item: bool = False,
+    def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
@@ -211,8 +228,13 @@ class LocalChannel(Channel):
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """Items of a local channel are passed by reference: no shared memory, always 0."""
-        shm.check_reserve(nbytes, slots)
+        check_reserve(nbytes, slots)
         return 0
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """Items of a local channel are passed by reference: a plain ``numpy.empty`` /
+        ``torch.empty`` (the same checks as ``Channel.empty_shm``)."""
+        return empty_array(None, shape, dtype)
 
     def close(self) -> None:
         if self._closed:

@@ -26,41 +26,37 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.binding import LEARN, LOAD, RELEASE, BindingTable
+from zchannel.broker.binding import BindingTable
 from zchannel.broker.connection import UP
 from zchannel.broker.errors import ChannelError, KeyMoved
-from zchannel.broker.protocol import FULL, GET, GET_BATCH, PEEK, PUT, QSIZE, key_from_wire
+from zchannel.broker.protocol import (
+    KEYED_TYPES,
+    Learn,
+    Load,
+    LoadAnswer,
+    Release,
+    Request,
+    key_from_wire,
+    load_answer,
+)
 
 log = logging.getLogger("zchannel.broker")
 
-KEYED_OPS = frozenset((PUT, GET, GET_BATCH, QSIZE, FULL, PEEK))
 # items a replica holds queued before it counts as backed up (an idle replica may then take a key)
 MOVE_BACKLOG = 8
 
 
-def choose_move(loads: dict[int, dict]) -> tuple[int, int] | None:
+def choose_move(loads: dict[int, LoadAnswer]) -> tuple[int, int] | None:
     """(giver, taker) for one move, or None: the replica with the deepest backlog (at least
     ``MOVE_BACKLOG``) gives to the idle replica (nothing queued, gets parked) with the most
     parked gets."""
-    idle = [i for i, load in loads.items() if load["backlog"] == 0 and load["starved"] > 0]
-    busy = [i for i, load in loads.items() if load["backlog"] >= MOVE_BACKLOG]
+    idle = [i for i, load in loads.items() if load.backlog == 0 and load.starved > 0]
+    busy = [i for i, load in loads.items() if load.backlog >= MOVE_BACKLOG]
     if not idle or not busy:
         return None
-    giver = max(busy, key=lambda i: (loads[i]["backlog"], -i))
-    taker = max(idle, key=lambda i: (loads[i]["starved"], -i))
+    giver = max(busy, key=lambda i: (loads[i].backlog, -i))
+    taker = max(idle, key=lambda i: (loads[i].starved, -i))
     return giver, taker
-
-
-def _load_from_wire(value: Any) -> dict | None:
-    if not isinstance(value, dict):
-        return None
-    out = {}
-    for name in ("backlog", "starved"):
-        n = value.get(name)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            return None
-        out[name] = n
-    return out
 
 
 class KeyMover:
@@ -78,11 +74,11 @@ class KeyMover:
 
     # -- every replica ---------------------------------------------------------------------
 
-    def check(self, op: Any, rec: dict) -> None:
+    def check(self, rec: Request) -> None:
         """``KeyMoved`` for an operation on a key this replica does not hold (any more)."""
-        if op not in KEYED_OPS:
+        if not isinstance(rec, KEYED_TYPES):
             return
-        key = key_from_wire(rec.get("k"))
+        key = key_from_wire(rec.key)
         try:
             bound = self.bindings.table.get(key)
         except TypeError:
@@ -91,7 +87,7 @@ class KeyMover:
             raise KeyMoved(f"key {key!r} is on replica {bound}, not on replica "
                            f"{self.bindings.index}", bound)
 
-    def load(self) -> dict:
+    def load(self) -> LoadAnswer:
         """This replica's ``backlog`` (items queued) and ``starved`` (gets parked on empty keys)."""
         backlog = starved = 0
         for ks in self._core().keys.values():
@@ -99,7 +95,7 @@ class KeyMover:
             backlog += depth
             if not depth:
                 starved += len(ks.getters)
-        return {"backlog": backlog, "starved": starved}
+        return LoadAnswer(backlog=backlog, starved=starved)
 
     def release(self, to: Any) -> bool:
         """Give one empty key of this replica to replica ``to`` (see the module docstring);
@@ -127,7 +123,7 @@ class KeyMover:
         until it acknowledged them: a receiver that missed its move would answer ``KeyMoved``
         naming this replica for ever."""
         try:
-            work = self.bindings.peer(peer).request({"op": LEARN, "b": entries, "force": True}, [])
+            work = self.bindings.peer(peer).request(Learn(id=0, entries=entries, force=True), [])
         except ChannelError:
             self._untell(peer, entries)
             return
@@ -142,10 +138,10 @@ class KeyMover:
         with self._untold_lock:
             self._untold.setdefault(peer, []).extend(entries)
 
-    def handle(self, op: str, rec: dict) -> Any:
-        if op == LOAD:
+    def handle(self, rec: Load | Release) -> Any:
+        if type(rec) is Load:
             return self.load()
-        return self.release(rec.get("to"))
+        return self.release(rec.to)
 
     # -- the binder ------------------------------------------------------------------------
 
@@ -166,13 +162,13 @@ class KeyMover:
             if work.done():
                 del self._loads[i]
                 if work.exception() is None:
-                    load = _load_from_wire(work.result())
+                    load = load_answer(work.result())
                     if load is not None:
                         loads[i] = load
         for i in b.live_peers():
             if i not in self._loads:
                 try:
-                    self._loads[i] = b.peer(i).request({"op": LOAD}, [])
+                    self._loads[i] = b.peer(i).request(Load(id=0), [])
                 except Exception:  # a link that went down meanwhile: asked again next tick
                     pass
         if self._release is not None and not self._release.done():
@@ -187,7 +183,7 @@ class KeyMover:
             self.release(taker)
         else:
             try:
-                self._release = b.peer(giver).request({"op": RELEASE, "to": taker}, [])
+                self._release = b.peer(giver).request(Release(id=0, to=taker), [])
             except Exception:
                 pass
 
@@ -195,4 +191,4 @@ class KeyMover:
         return {"keys_given": self.given, "moves_asked": self.asked}
 
 
-__all__ = ["KEYED_OPS", "MOVE_BACKLOG", "KeyMover", "choose_move"]
+__all__ = ["MOVE_BACKLOG", "KeyMover", "choose_move"]

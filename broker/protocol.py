@@ -2,16 +2,28 @@
 
 A message is ``[header, *frames]``.  The header is msgpack: a list of *records*, one per
 operation (clients and the broker coalesce several operations into one message).  Record ``i``
-owns the next ``record["nf"]`` frames.  See ``docs/protocol.md`` for the full description.
+owns the next ``nf`` frames.  See ``docs/protocol.md`` for the full description.
+
+Every record is a ``msgspec.Struct`` defined here, and only here: a request class per operation
+(tagged by ``op``), ``Reply`` for what the broker sends back, ``HelloInfo`` for the hello reply's
+result, ``SyncAnswer`` for the binding table a replica hands another, ``BindAnswer`` for a
+``bind`` redirect and ``LoadAnswer`` for a replica's load (``steal``).  Their attributes have
+readable names; on the wire they are the documented short keys (``msgspec.field(name=...)``), as
+maps, with fields at their defaults left out.  No other module spells a wire key.
+``unpack_requests`` decodes and checks a client's header in one pass (types included); a record
+that is not a valid request becomes a ``BadRecord`` carrying its ``ProtocolError``, so that the
+broker can answer it while handling the other records of its message.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any, NamedTuple
 
 import msgpack
+import msgspec
 import zmq
+from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 PROTOCOL_VERSION = 1
 
@@ -20,9 +32,9 @@ HELLO, BYE, HEARTBEAT = "hello", "bye", "hb"
 PUT, GET, GET_BATCH = "put", "get", "get_batch"
 QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN = "qsize", "full", "stats", "ack", "cancel", "shutdown"
 PEEK = "peek"  # copies of head items, left in place (docs/protocol.md)
-REQUEST_OPS = frozenset(
-    {HELLO, BYE, HEARTBEAT, PUT, GET, GET_BATCH, QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN, PEEK}
-)
+SHM_HELLO, SHM_RELEASE = "shm_hi", "shm_rel"  # same-host shared memory (docs/shm.md)
+BIND, LEARN, SYNC = "bind", "learn", "sync"  # between replicas of a distributed channel
+LOAD, RELEASE = "load", "release"  # moving empty keys between replicas (steal = true)
 # Broker -> client records without a request id.
 EXPIRED = "expired"
 
@@ -116,34 +128,338 @@ def recv_reply(sock: zmq.Socket, ready: bool = False) -> tuple[bytes, list[zmq.F
     return header, _recv_frames(sock, 0) if sock.getsockopt(_RCVMORE) else []
 
 
+# -- records -------------------------------------------------------------------------------
+
+FrameCount = Annotated[int, Meta(ge=0)]
+
+
+class Request(Struct, tag_field="op", omit_defaults=True, kw_only=True):
+    """A client's request: ``op`` (the tag, one subclass per operation), ``id`` (int, chosen by
+    the client) and ``nf``, the frames after the header that belong to it.  Fields the
+    operation does not define are ignored."""
+
+    id: int
+    nf: FrameCount = 0
+
+
+class Hello(Request, tag=HELLO):
+    id: Any = 0  # a hello without an int id is answered under id 0
+    identity: Any = field(default=None, name="ident")  # consumer id "group:rank"; non-str: nil
+    version: Any = field(default=None, name="v")  # checked by the broker (error names both)
+
+
+class Bye(Request, tag=BYE):
+    pass
+
+
+class Heartbeat(Request, tag=HEARTBEAT):
+    pass
+
+
+class Put(Request, tag=PUT):
+    key: Any = field(default=None, name="k")
+    weight: Any = field(default=0, name="w")
+    timeout: Any = field(default=None, name="t")
+    nowait: bool = field(default=False, name="nw")
+    sizes: list[int] | None = field(default=None, name="fs")  # of all frames, body included
+    slots: list | None = field(default=None, name="sm")  # shared-memory slot references
+    body: bytes | UnsetType = field(default=UNSET, name="b")  # a small item's body inline
+
+
+class Get(Request, tag=GET):
+    key: Any = field(default=None, name="k")
+    timeout: Any = field(default=None, name="t")
+    nowait: bool = field(default=False, name="nw")
+    ack: bool = False
+
+
+class GetBatch(Request, tag=GET_BATCH):
+    key: Any = field(default=None, name="k")
+    target: Any = field(default=0, name="tw")
+    timeout: Any = field(default=None, name="t")
+    nowait: bool = field(default=False, name="nw")
+
+
+class QSize(Request, tag=QSIZE):
+    key: Any = field(default=None, name="k")
+    consumer: Any = field(default=None, name="c")
+
+
+class Full(Request, tag=FULL):
+    key: Any = field(default=None, name="k")
+    consumer: Any = field(default=None, name="c")
+
+
+class Stats(Request, tag=STATS):
+    exclude_self: bool = field(default=False, name="xs")  # an observer: not counted
+
+
+class Peek(Request, tag=PEEK):
+    key: Any = field(default=None, name="k")
+    count: Any = field(default=1, name="n")
+    consumer: Any = field(default=None, name="c")
+
+
+class Ack(Request, tag=ACK):
+    lease: Any = None
+
+
+class Cancel(Request, tag=CANCEL):
+    request_id: Any = field(default=None, name="rid")
+
+
+class Shutdown(Request, tag=SHUTDOWN):
+    token: Any = None
+
+
+class ShmHello(Request, tag=SHM_HELLO):
+    token: Any = field(default=None, name="tok")  # the probe segment's token
+
+
+class ShmRelease(Request, tag=SHM_RELEASE):
+    holds: Any = field(default=None, name="h")  # hold ids the client no longer uses
+
+
+class Bind(Request, tag=BIND):
+    key: Any = field(default=None, name="k")
+    node: Any = None
+    replica: Any = None
+    sender: Any = field(default=None, name="from")  # the asking replica's index
+
+
+class Learn(Request, tag=LEARN):
+    entries: Any = field(default=None, name="b")  # [[key, replica], ...]
+    force: bool = False
+    sender: Any = field(default=None, name="from")
+
+
+class Sync(Request, tag=SYNC):
+    sender: Any = field(default=None, name="from")
+
+
+class Load(Request, tag=LOAD):
+    """The binder asks a replica for its ``LoadAnswer`` (``steal = true`` only)."""
+
+
+class Release(Request, tag=RELEASE):
+    """The binder asks a replica to give one empty key to replica ``to`` (``steal = true``)."""
+
+    to: Any = None
+
+
+REQUEST_TYPES: tuple[type[Request], ...] = (
+    Hello, Bye, Heartbeat, Put, Get, GetBatch, QSize, Full, Stats, Peek, Ack, Cancel, Shutdown,
+    ShmHello, ShmRelease, Bind, Learn, Sync, Load, Release,
+)
+_AnyRequest = Hello | Bye | Heartbeat | Put | Get | GetBatch | QSize | Full | Stats | Peek | \
+    Ack | Cancel | Shutdown | ShmHello | ShmRelease | Bind | Learn | Sync | Load | Release
+# the requests on one key, which a replica that gave the key away answers with ``KeyMoved``
+KEYED_TYPES: tuple[type[Request], ...] = (Put, Get, GetBatch, QSize, Full, Peek)
+
+
+def op_of(rec: Request) -> str:
+    """The operation name of a request (its ``op`` on the wire)."""
+    return rec.__struct_config__.tag
+
+
+class Reply(Struct, omit_defaults=True, kw_only=True):
+    """A record from the broker: the reply to request ``id`` (an error ``e``, or a result
+    ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``.
+    Decoded leniently (unknown fields ignored; the client checks what it uses)."""
+
+    op: Any = None  # only on records without id
+    id: Any = None
+    error: Any = field(default=None, name="e")  # [type, message, extra]
+    result: Any = field(default=None, name="r")
+    nf: FrameCount = 0
+    counts: Any = field(default=None, name="n")  # frames per item (get_batch, peek)
+    body: Any = field(default=UNSET, name="b")  # a get's small item inline
+    lease: Any = None
+    slots: Any = field(default=None, name="sm")  # per item: nil or shared-memory entries
+    weights: Any = field(default=None, name="ws")  # peek: the items' weights
+
+
+BROKER_HEARTBEAT = Reply(op=HEARTBEAT)
+CLIENT_HEARTBEAT = Heartbeat(id=0)
+BROKER_EXPIRED = Reply(op=EXPIRED)
+
+
+class HelloInfo(Struct, kw_only=True):
+    """The result of a ``hello`` reply: the broker's parameters (``hb`` in seconds, ``liveness``
+    in intervals); ``replica``, ``node`` and ``replicas`` only from a replica of a distributed
+    channel (left out otherwise)."""
+
+    name: Any = None
+    pid: Any = None
+    hb: Any = 1.0
+    liveness: Any = 3
+    deals: Any = False
+    maxsize: Any = 0
+    max_message_bytes: Any = None
+    shm: Any = None  # {probe, prefix, threshold, pool} or nil (docs/shm.md)
+    replica: Any = UNSET
+    node: Any = UNSET
+    replicas: Any = UNSET  # [{node, address, hostnames}, ...] in replica order
+
+
+class ShmOffer(Struct, kw_only=True):
+    """The ``shm`` field of the hello reply: the probe segment a client proves its host with,
+    the segment name prefix, the size threshold and the pool budget (docs/shm.md)."""
+
+    probe: Any = None
+    prefix: Any = None
+    threshold: Any = None
+    pool: Any = None
+
+
+def shm_offer(value: Any) -> ShmOffer | None:
+    """The ``ShmOffer`` of a hello reply's ``shm`` field (None: off, or not a map)."""
+    try:
+        return msgspec.convert(value, ShmOffer)
+    except msgspec.ValidationError:
+        return None
+
+
+def hello_info(result: Any) -> HelloInfo:
+    """The ``HelloInfo`` of a hello reply's result (the defaults for one that is not a map)."""
+    try:
+        return msgspec.convert(result, HelloInfo)
+    except msgspec.ValidationError:
+        return HelloInfo()
+
+
+class SyncAnswer(Struct, kw_only=True):
+    """A replica's answer to ``sync``: whether it is ready, and its binding table."""
+
+    ready: bool = False
+    entries: list = field(default_factory=list, name="b")  # [[key, replica], ...]
+
+
+def sync_answer(result: Any) -> SyncAnswer:
+    try:
+        return msgspec.convert(result, SyncAnswer)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"malformed sync answer: {exc}") from None
+
+
+class BindAnswer(Struct, omit_defaults=True, kw_only=True):
+    """A ``bind`` answer from a replica that does not decide bindings now (a replica that does
+    answers with the replica index alone): ``binder``, the replica to ask instead, or
+    ``retry``, why to ask again shortly (it is joining)."""
+
+    binder: Any = UNSET
+    retry: Any = UNSET
+
+
+def bind_answer(result: Any) -> BindAnswer | None:
+    """The ``BindAnswer`` of a ``bind`` result that is one, or a map (None for anything else)."""
+    if isinstance(result, BindAnswer):
+        return result
+    if not isinstance(result, dict):
+        return None
+    try:
+        return msgspec.convert(result, BindAnswer)
+    except msgspec.ValidationError:
+        return None
+
+
+class LoadAnswer(Struct, kw_only=True):
+    """A replica's answer to ``load``: ``backlog``, the items it holds queued, and ``starved``,
+    the gets parked on its empty keys."""
+
+    backlog: Annotated[int, Meta(ge=0)] = 0
+    starved: Annotated[int, Meta(ge=0)] = 0
+
+
+def load_answer(result: Any) -> LoadAnswer | None:
+    """The ``LoadAnswer`` of a ``load`` result (None for one that is not a valid answer)."""
+    if type(result) is not dict:
+        return None
+    try:
+        return msgspec.convert(result, LoadAnswer)  # strict: a bool is not a count
+    except msgspec.ValidationError:
+        return None
+
+
+class BadRecord(NamedTuple):
+    """A record of a well-formed message that is not a valid request: ``id`` is its int id (None
+    without one: then it is dropped), ``error`` says why (answered as a ``ValueError``)."""
+
+    op: Any
+    id: int | None
+    nf: int
+    error: ProtocolError
+
+
+# -- encoding and decoding ----------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(list[_AnyRequest])
+_replies = msgspec.msgpack.Decoder(list[Reply])
+_one_request = msgspec.msgpack.Decoder(_AnyRequest)
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-def pack_header(records: list[dict[str, Any]]) -> bytes:
-    return _packer.pack(records)
+def pack_header(records: list) -> bytes:
+    """A header of request or reply records (plain maps are packed as they are)."""
+    return _encoder.encode(records)
 
 
-def unpack_header(data: bytes | memoryview, nframes: int, max_bytes: int = MAX_HEADER_BYTES) -> list[dict]:
-    """Decode and check a header against the ``nframes`` frames that follow it."""
+def unpack_requests(data: bytes | memoryview, nframes: int,
+                    max_bytes: int = MAX_HEADER_BYTES) -> list[Request | BadRecord]:
+    """Decode and check a client's header against the ``nframes`` frames that follow it:
+    ``ProtocolError`` for a message to drop whole, else its records, each a ``Request`` or a
+    ``BadRecord``."""
     if len(data) > max_bytes:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the header limit ({max_bytes})")
     try:
-        records = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:
-        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
-    if not isinstance(records, list) or not records or len(records) > MAX_RECORDS:
+        records = _requests.decode(data)
+    except msgspec.ValidationError:  # some record is not a valid request: find which
+        records = _checked_records(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed header: {exc}") from None
+    if not records or len(records) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
     total = 0
     for record in records:
-        if type(record) is not dict:  # msgpack gives exact types; this loop is per operation
+        total += record.nf
+    if total != nframes:
+        raise ProtocolError(f"header declares {total} frames but the message has {nframes}")
+    return records
+
+
+def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
+    """The slow path of ``unpack_requests``: the message's structure checked as plain msgpack,
+    then each record on its own."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_RECORDS:
+        raise ProtocolError("a header is a non-empty list of records")
+    out: list[Request | BadRecord] = []
+    for record in raw:
+        if type(record) is not dict:
             raise ProtocolError("a header record is a map")
         nf = record.get("nf", 0)
         if type(nf) is not int or nf < 0:  # bool is not int here
             raise ProtocolError("record field nf must be an int >= 0")
-        total += nf
-    if total != nframes:
-        raise ProtocolError(f"header declares {total} frames but the message has {nframes}")
-    return records
+        try:  # decoded from msgpack again: msgspec.convert would take base64 text as bytes
+            out.append(_one_request.decode(_packer.pack(record)))
+        except msgspec.ValidationError as exc:
+            rid = record.get("id")
+            op = record.get("op")
+            out.append(BadRecord(op, rid if type(rid) is int else None, nf,
+                                 ProtocolError(f"invalid {op!r} record: {exc}")))
+    return out
+
+
+def unpack_replies(data: bytes) -> list[Reply]:
+    """Decode a header from the broker (``ProtocolError`` if it is not a list of maps)."""
+    try:
+        return _replies.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise ProtocolError(f"malformed reply header: {exc}") from None
 
 
 def key_from_wire(value: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Placing brokers with Ray (optional extra ``ray``; imported only when the process uses Ray).
+"""Placing brokers with Ray (optional extra ``ray``, imported inside the functions here, which
+``Channel.create``/``Channel.connect`` call only when the process uses Ray).
 
 When the creating process is connected to Ray (``ray.is_initialized()``; zchannel never calls
 ``ray.init()``), ``Channel.create(name, distributed=True)`` starts one broker replica per alive
@@ -22,24 +23,25 @@ process, stops within a second.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import ray
 import zmq
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from zchannel.broker import paths
+from zchannel.broker.distributed import DistributedChannel
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.security import CurveKeys
+from zchannel.broker.starting import spawn_broker, stop_broker
 
 log = logging.getLogger("zchannel.client")
 
@@ -72,9 +74,9 @@ def _write_cert(path: str, public: bytes, secret: bytes | None) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-@ray.remote(num_cpus=0)
 class BrokerActor:
-    """Runs one broker process on its node (the broker stops when this actor's process dies).
+    """Runs one broker process on its node (the broker stops when this actor's process dies);
+    ``_actor_class()`` makes it a Ray actor class.
 
     Ray restarts a failed actor (``max_restarts``) on the same node (hard node affinity); the
     restarted actor finds what ``start`` and ``set_info`` were given in its work directory
@@ -83,6 +85,8 @@ class BrokerActor:
     reconnect by themselves, and ``Channel.connect`` finds the republished table."""
 
     def __init__(self, name: str = "", replica: int = 0) -> None:
+        import ray
+
         self.proc: subprocess.Popen | None = None
         self.token: str | None = None
         self.info: dict | None = None
@@ -118,14 +122,13 @@ class BrokerActor:
         os.replace(path + ".tmp", path)
 
     def node(self) -> tuple[str, str, int]:
+        import ray
+
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
     def where(self) -> tuple[str, str]:
-        import sys
-
-        import zchannel.broker
-
-        return sys.executable, zchannel.broker.__file__
+        """This actor's Python and the ``zchannel/broker/__init__.py`` it runs."""
+        return sys.executable, os.path.join(os.path.dirname(__file__), "__init__.py")
 
     def free_port(self, ip: str) -> int:
         with socket.socket() as s:
@@ -143,8 +146,6 @@ class BrokerActor:
     def _start(self, config: dict, curve: dict | None, retry_s: float) -> tuple[str, int]:
         """Spawn the broker; for up to ``retry_s`` while the previous one (of a failed actor)
         still holds the lock or the address."""
-        from zchannel.broker.starting import spawn_broker
-
         config = dict(config)
         if curve is not None:
             keys = os.path.join(self.workdir, "keys")
@@ -187,13 +188,8 @@ class BrokerActor:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if proc is not None:
+            stop_broker(proc, grace_s=10.0)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -204,6 +200,8 @@ class RayPlacement:
         self.actors = actors
 
     def teardown(self) -> None:
+        import ray
+
         try:
             ray.get([a.stop.remote() for a in self.actors], timeout=30)
         except Exception:
@@ -216,7 +214,17 @@ class RayPlacement:
         self.actors = []
 
 
+@functools.cache
+def _actor_class() -> Any:
+    """``BrokerActor`` as a Ray actor class (made once, when a channel is first placed)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(BrokerActor)
+
+
 def _alive_nodes() -> list[str]:
+    import ray
+
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
@@ -224,8 +232,7 @@ def _node_of(target: Any) -> str:
     """The node id of a placement target: a node id, or an actor handle (once it is placed)."""
     if isinstance(target, str):
         return target
-    import time
-
+    import ray
     import ray._private.state as state
 
     actor_id = target._actor_id.hex()
@@ -243,6 +250,8 @@ def _node_of(target: Any) -> str:
 def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
     """Take Ray actor handles and node ids out of ``producers`` / ``consumers`` (they are
     placement targets, not group names or consumer ids); producers' targets come first."""
+    import ray
+
     nodes = set(_alive_nodes())
     targets: list = []
 
@@ -262,9 +271,8 @@ def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
     return split(producers), split(consumers), targets
 
 
-def _handle(name: str, info: dict, identity: str | None, owner: RayPlacement | None = None):
-    from zchannel.broker.distributed import DistributedChannel
-
+def _handle(name: str, info: dict, identity: str | None,
+            owner: RayPlacement | None = None) -> DistributedChannel:
     curve = info.get("curve")
     keys = None if curve is None else InlineCurveKeys(
         f"{curve['client_public']}:{curve['client_secret']}", curve["server_public"])
@@ -273,6 +281,8 @@ def _handle(name: str, info: dict, identity: str | None, owner: RayPlacement | N
 
 
 def _lookup(name: str) -> dict | None:
+    import ray
+
     try:
         actor = ray.get_actor(ACTOR_PREFIX + name)
     except ValueError:
@@ -281,11 +291,16 @@ def _lookup(name: str) -> dict | None:
 
 
 def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
-           identity: str | None, curve_keys: Any) -> Any:
+           identity: str | None, curve_keys: Any) -> DistributedChannel:
+    """What ``Channel.create`` does on Ray: attach to the channel Ray placed already, else place
+    its broker(s) (see the module docstring) and connect to replica 0."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     name = config["name"]
     info = _lookup(name)
     if info is not None:  # placed by Ray already: attach (logged like any attaching create)
-        handle = _connect(name, info, identity)
+        handle = _handle(name, info, identity)
         handle._log_attached()
         return handle
     nodes = _alive_nodes()
@@ -302,7 +317,7 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     else:
         placement = [ray.get_runtime_context().get_node_id()]
     actors = [
-        BrokerActor.options(
+        _actor_class().options(
             name=ACTOR_PREFIX + name if i == 0 else None,
             num_cpus=0,
             max_restarts=MAX_RESTARTS,
@@ -340,16 +355,12 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     return handle
 
 
-def _connect(name: str, info: dict, identity: str | None) -> Any:
-    return _handle(name, info, identity)
-
-
-def connect(name: str, *, identity: str | None, timeout: float) -> Any:
+def connect(name: str, *, identity: str | None, timeout: float) -> DistributedChannel | None:
     """A handle of the Ray-placed channel ``name``, or None if Ray knows no such channel."""
     info = _lookup(name)
     if info is None:
         return None
-    return _connect(name, info, identity)._connect_home(timeout)
+    return _handle(name, info, identity)._connect_home(timeout)
 
 
 __all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]

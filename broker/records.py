@@ -1,5 +1,5 @@
 """The records of a channel's queue state: items, clients, parked requests, per-key queues,
-leases and consumers (driven by ``QueueCore`` in ``core.py``)."""
+leases and consumers (kept by the parts of ``QueueCore``, ``core.py``)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from typing import Any
 
 @dataclass(slots=True, eq=False)
 class Item:
-    """One queued item: an opaque payload (frames, or the object itself in a local channel)."""
+    """One queued item.  ``payload`` belongs to the transport and the queue core never looks
+    into it: a broker's frames (with any shared-memory slots they refer to), or the object
+    itself in a local channel.  ``nbytes`` is what the item counts against ``max_bytes``."""
 
     payload: Any
     weight: int | float
     nbytes: int
     value: Any = None  # the decoded item, when a hook needed it
     decoded: bool = False
-    shm: Any = None  # shared-memory slot holds (broker/shm.py), or None
 
 
 @dataclass(eq=False)

@@ -13,11 +13,22 @@ import logging
 import time
 from typing import Any
 
-from zchannel.broker.binding import BIND, LOAD, RELEASE, BindingTable
+from zchannel.broker import cluster
+from zchannel.broker.binding import BindingTable
 from zchannel.broker.checks import check_key
 from zchannel.broker.cluster import Replica, from_table
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
 from zchannel.broker.moving import KeyMover
+from zchannel.broker.protocol import (
+    Bind,
+    HelloInfo,
+    Learn,
+    Load,
+    Release,
+    Request,
+    Sync,
+    bind_answer,
+)
 from zchannel.broker.security import ReplicaCurveKeys, client_keys
 from zchannel.hooks import Collector
 
@@ -63,10 +74,11 @@ class ReplicaState:
     def address(self) -> str:
         return self.replicas[self.index].address
 
-    def info(self) -> dict[str, Any]:
-        """What the hello reply carries: enough for a client to route every key."""
-        return {"replica": self.index, "replicas": [r.as_dict() for r in self.replicas],
-                "node": self.node}
+    def describe(self, info: HelloInfo) -> HelloInfo:
+        """Add to the hello reply what a client needs to route every key."""
+        info.replica, info.node = self.index, self.node
+        info.replicas = [r.as_dict() for r in self.replicas]
+        return info
 
     def start(self, core: Any) -> None:
         """Called once the broker serves (``core``: its queues): link to the other replicas and
@@ -80,17 +92,17 @@ class ReplicaState:
         if self.mover is not None:
             self.mover.tick()
 
-    def handle(self, op: str, rec: dict) -> Any:
-        if op in (LOAD, RELEASE):
+    def handle(self, rec: Bind | Learn | Sync | Load | Release) -> Any:
+        if type(rec) is Load or type(rec) is Release:
             if self.mover is None:
                 raise ValueError(f"channel {self.name!r} does not move keys (steal is off)")
-            return self.mover.handle(op, rec)
-        return self.bindings.handle(op, rec)
+            return self.mover.handle(rec)
+        return self.bindings.handle(rec)
 
-    def check_key(self, op: Any, rec: dict) -> None:
+    def check_key(self, rec: Request) -> None:
         """``KeyMoved`` for an operation on a key this replica gave away (``steal`` only)."""
         if self.mover is not None:
-            self.mover.check(op, rec)
+            self.mover.check(rec)
 
     def bind(self, key: Any, node: Any = None, replica: Any = None) -> Any:
         return self.bindings.bind(key, node, replica)
@@ -111,7 +123,8 @@ class ReplicaState:
             if isinstance(answer, int) and not isinstance(answer, bool):
                 self.table.setdefault(key, answer)
                 return self.table[key]
-            target = answer.get("binder") if isinstance(answer, dict) else None
+            redirect = bind_answer(answer)
+            target = redirect.binder if redirect is not None else None
             if target == self.index:
                 target = None
             if time.monotonic() >= deadline:
@@ -124,7 +137,7 @@ class ReplicaState:
     def _ask(self, target: int, key: Any, deadline: float) -> Any:
         try:
             work = self.bindings.peer(target).request(
-                {"op": BIND, "k": key, "replica": self.index, "from": self.index}, [])
+                Bind(id=0, key=key, replica=self.index, sender=self.index), [])
             return work.wait(max(0.0, deadline - time.monotonic()))
         except (ChannelError, TimeoutError):
             return None
@@ -189,13 +202,9 @@ def wrap_collector(collector: Collector, state: ReplicaState) -> Collector:
     return cls(collector, state)
 
 
-
-
 def replica_state(config: Any) -> ReplicaState:
     """Fill a ``BrokerConfig`` of a replica from its cluster file (address, insecure) and return
     the replica's state."""
-    from zchannel.broker import cluster
-
     if config.replica is None:
         raise ValueError("a replica needs its index (--replica I)")
     if config.replicas is None:

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zchannel.broker import direct, paths, shm
+from zchannel.broker import direct, paths
+from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
 
 _REPLICA = ".replica"
 
@@ -121,11 +122,11 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
             tmp_files.append((fname.split(".addr.")[0], entry))
         elif fname.endswith((".sock", ".sock.d")):
             sockets.append(entry)
-    prefix = shm.run_prefix(str(rd))
+    prefix = run_prefix(str(rd))
     segments: dict[str, list[str]] = {}
-    for seg in shm.list_segments(prefix):
+    for seg in list_segments(prefix):
         names_part = seg[len(prefix):].split("+", 1)[0]
-        segments.setdefault(names_part, []).append(os.path.join(shm.SHM_DIR, seg))
+        segments.setdefault(names_part, []).append(os.path.join(SHM_DIR, seg))
         names.setdefault(names_part, [])
     live: list[HostBroker] = []
     stale: list[StaleEntry] = []

@@ -1,6 +1,7 @@
 """The broker process: one ROUTER socket, one single-threaded event loop over a ``QueueCore``.
 
-The loop reads messages, dispatches each record on its ``op``, lets the core expire deadlines,
+The loop reads messages, hands each record to the handler of its operation
+(``handlers.HANDLERS``), lets the core expire deadlines,
 keeps heartbeats in both directions, and flushes the replies it coalesced per client.  With no
 collector and a built-in dispatcher it never decodes a payload: the ``zmq.Frame`` objects it
 received are stored and sent on with ``copy=False``.  With ``metrics_port`` a thread serves
@@ -18,38 +19,31 @@ import time
 from typing import Any
 
 import zmq
-from zchannel.broker import codec, direct, metrics, paths, shm, shm_broker
-from zchannel.broker.binding import REPLICA_OPS
-from zchannel.broker.checks import check_peek_count, check_target_weight
+from zchannel.broker import codec, direct, metrics, paths
 from zchannel.broker.config import BrokerConfig
-from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
+from zchannel.broker.core import Client, Item, QueueCore
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved, error_to_wire
+from zchannel.broker.handlers import HANDLERS, handlers_for, hello
 from zchannel.broker.outbox import Outbox
+from zchannel.broker.peers import Peers
 from zchannel.broker.protocol import (
-    ACK,
+    BROKER_EXPIRED,
+    BROKER_HEARTBEAT,
     BYE,
-    CANCEL,
-    EXPIRED,
-    FULL,
-    GET,
-    GET_BATCH,
-    HEARTBEAT,
-    HELLO,
     INLINE_BODY,
-    PEEK,
-    PROTOCOL_VERSION,
-    PUT,
-    QSIZE,
-    SHUTDOWN,
-    STATS,
+    BadRecord,
+    Bye,
+    Hello,
     ProtocolError,
-    key_from_wire,
+    Reply,
+    op_of,
     pack_header,
     recv_message,
-    send_message,
-    unpack_header,
+    unpack_requests,
 )
+from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.security import BrokerHandshakes, RefusalLog, secure_server
+from zchannel.broker.shm.broker import ShmBroker, SlotFrames
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
 
 log = logging.getLogger("zchannel.broker")
@@ -94,11 +88,11 @@ class Broker:
             codec.restrict(config.allowed_dtypes, config.max_rank)
         # -- distributed: this broker is one replica (see broker/replica.py) --
         self.replica = None
+        self.handlers = HANDLERS
         lock_name = config.name
         if config.cluster is not None or config.replicas is not None:
-            from zchannel.broker.replica import replica_state
-
             self.replica = replica_state(config)
+            self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
         self._lock_name = lock_name
@@ -107,7 +101,7 @@ class Broker:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
-        self.shm: shm.ShmBroker | None = None
+        self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
         try:
             self._setup(config)
@@ -122,7 +116,7 @@ class Broker:
         self._auth = None
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/security.py)
         self._handshakes: BrokerHandshakes | None = None
-        self.shm = shm_broker.ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+        self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
                                  config.shm_pool_bytes,
                                  2 * config.heartbeat_interval * config.liveness)
         self.core = QueueCore(
@@ -133,7 +127,7 @@ class Broker:
             producers=tuple(config.producers or ()),
             consumers=expand_consumers(config.consumers),
             options=config.options,
-            reply=self._reply,
+            reply=self.reply,
             decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,
@@ -145,15 +139,13 @@ class Broker:
             # A hook decodes items: import torch before serving, not on the first tensor (that
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()
-        self.core.client_gone = self.shm.wrap_client_gone(self.core.client_gone)  # frees slots
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, Outbox] = {}
         self._running = False
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
-        self.direct: direct.Listener | None = None
-        self._poll_dirty = False
+        self.peers: Peers | None = None  # the clients' transports (set by bind)
         self.counters = metrics.Counters()
         self.hook_time = metrics.HookTime()
         self.metrics: metrics.MetricsServer | None = None
@@ -164,8 +156,6 @@ class Broker:
     def _collector(self, collector: Any) -> Any:
         if self.replica is None:
             return collector
-        from zchannel.broker.replica import wrap_collector
-
         return wrap_collector(collector, self.replica)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -175,6 +165,7 @@ class Broker:
         ``close()`` then removes what was made)."""
         ctx = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
+        self.peers = Peers(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -197,12 +188,12 @@ class Broker:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
             os.chmod(ipc, 0o600)
-        # beside shared memory only (see Connection._open_link); never around CURVE
+        # beside shared memory only (see transport.open_transport); never around CURVE
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:
             try:
-                self.direct = direct.Listener(link, self.config.max_frames + 1,
+                self.peers.listener = direct.Listener(link, self.config.max_frames + 1,
                                               self.config.max_header_bytes,
                                               self.config.max_message_bytes)
             except OSError as exc:  # clients then use ZeroMQ only
@@ -240,8 +231,8 @@ class Broker:
                     (self._handshakes.socket, zmq.POLLIN)]
         if parent_fd is not None:
             poll_set.append((parent_fd, zmq.POLLIN))
-        if self.direct is not None:
-            poll_set.append((self.direct.fd, zmq.POLLIN))
+        if self.peers.listener is not None:
+            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -260,8 +251,8 @@ class Broker:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                if self._poll_dirty:
-                    self._update_poll_set()
+                if self.peers.poll_dirty:  # links came or went, or a full socket held bytes back
+                    self._poll_set = self.peers.poll_set(self._poll_base)
                 polled = time.monotonic()
                 events = zmq.zmq_poll(self._poll_set, timeout_ms)
                 woke = time.monotonic()
@@ -269,7 +260,7 @@ class Broker:
                 if self.sock in ready:
                     self._drain()
                     self._flush()  # replies first: the rest of the turn is not on their path
-                if self.direct is not None and len(events) > (self.sock in ready):
+                if self.peers.listener is not None and len(events) > (self.sock in ready):
                     self._direct_events(events)
                 if rfd in ready:
                     os.read(rfd, 512)
@@ -327,9 +318,7 @@ class Broker:
                 self._handshakes.close()
             self.sock.close(linger=0)
             self.sock = None
-            if self.direct is not None:
-                self.direct.close()
-                self.direct = None
+            self.peers.close()
             if self._auth is not None:
                 self._auth.stop()
             paths.remove_address(self.config.name, self.address)
@@ -379,169 +368,71 @@ class Broker:
                         self.config.max_frames)
             return
         try:
-            records = unpack_header(header, len(frames) - pos, self.config.max_header_bytes)
+            records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
         client = self.clients.get(address)
         now = time.monotonic()
         for rec in records:
-            nf = rec.get("nf", 0)
+            nf = rec.nf
             op_frames = frames[pos : pos + nf]
             pos += nf
-            op = rec.get("op")
-            if client is None or op == HELLO:
-                if op == HELLO:
-                    client = self._hello(address, rec)
-                elif op != BYE:
+            kind = type(rec)
+            if client is None or kind is Hello:
+                if kind is Hello:
+                    client = hello(self, address, rec)
+                elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self._tell_expired(address, now)
                 continue
             client.last_seen = now
-            rid = rec.get("id")
-            if isinstance(rid, bool) or not isinstance(rid, int):
-                log.warning("dropped a record without a request id (op %r)", op)
+            if kind is BadRecord:
+                if rec.id is None:
+                    log.warning("dropped a record without a request id (op %r)", rec.op)
+                else:
+                    self.reply(client, rec.id, error=ValueError(str(rec.error)))
                 continue
             try:
-                self._dispatch(client, op, rid, rec, op_frames)
+                self.handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
                 if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
-                    log.exception("error handling op %r", op)
-                self._reply(client, rid, error=exc)
-            if op == BYE:
+                    log.exception("error handling op %r", op_of(rec))
+                self.reply(client, rec.id, error=exc)
+            if kind is Bye:
                 client = None
-
-    def _hello(self, address: bytes, rec: dict) -> Client | None:
-        """Register ``address`` (anew) and answer with the broker's parameters; a hello of
-        another protocol version gets an error reply and changes nothing."""
-        rid = rec.get("id")
-        version = rec.get("v")
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            self._reply(Client(address=address), rid if isinstance(rid, int) else 0,
-                        error=ValueError(
-                            f"protocol version {version!r} is not supported: this broker speaks "
-                            f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
-            return self.clients.get(address)
-        if self.direct is not None and address in self.direct.by_address:
-            self.direct.by_address[address].greeted = True
-        old = self.clients.pop(address, None)
-        if old is not None:
-            self.core.client_gone(old)
-        identity = rec.get("ident")
-        if identity is not None and not isinstance(identity, str):
-            identity = None
-        client = Client(address=address, identity=identity)
-        self.clients[address] = client
-        self._expired_told.pop(address, None)
-        self._reply(client, rid if isinstance(rid, int) else 0, result={
-            "name": self.config.name, "pid": os.getpid(), "hb": self.config.heartbeat_interval,
-            "liveness": self.config.liveness, "deals": self.core.deals,
-            "maxsize": self.core.maxsize, "max_message_bytes": self.config.max_message_bytes,
-            **(self.replica.info() if self.replica is not None else {}),
-            "shm": self.shm.hello_info(),
-        })
-        return client
 
     def _tell_expired(self, address: bytes, now: float) -> None:
         if now - self._expired_told.get(address, 0.0) < 0.2:
             return
         self._expired_told[address] = now
-        self._send(address, [{"op": EXPIRED}], [])
+        self._send(address, [BROKER_EXPIRED], [])
 
-    def _dispatch(self, client: Client, op: Any, rid: int, rec: dict, frames: list) -> None:
-        core = self.core
-        if self.replica is not None:
-            self.replica.check_key(op, rec)  # a key this replica gave away: KeyMoved
-        if op == PUT:
-            if "b" in rec:  # a small item inside its record
-                body = rec["b"]
-                if type(body) is not bytes or len(body) > INLINE_BODY or frames:
-                    raise ValueError(f"an inline put body is at most {INLINE_BODY} bytes, with "
-                                     "no frames")
-                frames = [body]
-                lengths = [len(body)]
-            else:
-                if not frames:
-                    raise ValueError("a put carries at least one frame (the body)")
-                lengths = [len(f) for f in frames]
-                sizes = rec.get("fs")
-                if sizes is not None and sizes != lengths:
-                    raise ValueError("put frame sizes do not match the header")
-            nbytes = sum(lengths)
-            if self.config.max_message_bytes and nbytes > self.config.max_message_bytes:
-                raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
-            item = Item(frames, check_weight(rec.get("w", 0)), nbytes)
-            if "sm" in rec:  # shared-memory slots: held, and counted in item.nbytes
-                self.shm.attach_put(client, rec["sm"], item)
-            self.counters.puts += 1
-            core.put(client, rid, key_from_wire(rec.get("k")), item,
-                     check_timeout(rec.get("t")), bool(rec.get("nw")))
-        elif op == GET or op == GET_BATCH:
-            target = check_target_weight(rec.get("tw", 0)) if op == GET_BATCH else 0
-            self.counters.gets += 1
-            core.get(client, rid, key_from_wire(rec.get("k")), check_timeout(rec.get("t")),
-                     bool(rec.get("nw")), ack=bool(rec.get("ack")), batch_target=target)
-        elif op == HEARTBEAT:
-            pass
-        elif op == QSIZE:
-            self._reply(client, rid, result=core.qsize(key_from_wire(rec.get("k")), _consumer(rec)))
-        elif op == FULL:
-            self._reply(client, rid, result=core.full(key_from_wire(rec.get("k")), _consumer(rec)))
-        elif op == STATS:
-            stats = core.stats()
-            # "xs": the asker is an observer (zchannel stat) and does not count itself
-            clients = len(self.clients) - (1 if rec.get("xs") and client.address in self.clients else 0)
-            if self.replica is not None:  # the other replicas' links are not clients
-                clients -= self.replica.bindings.peer_clients(c.identity for c in self.clients.values())
-            stats.update(address=self.address, pid=os.getpid(), clients=clients,
-                         shm=self.shm.stats(), **self.counters.as_dict(),
-                         metrics=self.metrics.url if self.metrics is not None else None)
-            if self.replica is not None:
-                self.replica.annotate(stats)
-            body, _ = codec.encode(stats)
-            self._reply(client, rid, items=[Item([body], 0, len(body))], raw=True)
-        elif op == ACK:
-            core.ack(client, rid, rec.get("lease"))
-        elif op == PEEK:  # copies of head items: sent like a batch, never tracked as delivered
-            items = core.peek(key_from_wire(rec.get("k")), check_peek_count(rec.get("n", 1)),
-                              _consumer(rec))
-            self._reply(client, rid, items=items, batch=True, raw=True,
-                        fields={"ws": [item.weight for item in items]})
-        elif op == CANCEL:
-            core.cancel(client, rid, rec.get("rid"))
-        elif op == BYE:
-            self.clients.pop(client.address, None)
-            core.client_gone(client)
-            self._reply(client, rid, result=True)
-        elif op in shm.SHM_OPS:
-            self.shm.handle(client, op, rec)
-        elif op == SHUTDOWN:
-            if self.config.token and rec.get("token") != self.config.token:
-                raise PermissionError("only the handle that created the channel may shut it down")
-            self._reply(client, rid, result=True)
-            self._running = False
-        elif op in REPLICA_OPS and self.replica is not None:  # distributed: the binding table
-            self._reply(client, rid, result=self.replica.handle(op, rec))
-        else:
-            raise ValueError(f"unknown op {op!r}")
+    def forget_expired(self, address: bytes) -> None:
+        """``address`` said hello: an ``expired`` is due again at once when it is unknown next."""
+        self._expired_told.pop(address, None)
+
+    def stop(self) -> None:
+        """End the loop after this turn (a shutdown request)."""
+        self._running = False
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
-               items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
-               origin: Any = None, raw: bool = False, fields: dict | None = None) -> bool:
-        rec: dict[str, Any] = {"id": rid, **fields} if fields else {"id": rid}
+    def reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
+              items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
+              origin: Any = None, raw: bool = False, weights: list | None = None) -> None:
+        """Queue the reply to request ``rid`` of ``client`` (sent at the end of the turn)."""
+        rec = Reply(id=rid, weights=weights)
         out = self._out.get(client.address)
         if out is None:
             out = self._out[client.address] = Outbox()
         if error is not None:
-            rec["e"] = error_to_wire(error)
+            rec.error = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \
-                and not items[0].shm and len(items[0].payload) == 1 \
+                and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
                 and len(items[0].payload[0]) <= INLINE_BODY:
             body = items[0].payload[0]  # a small item rides in the reply record (no frame)
-            rec["b"] = body if type(body) is bytes else bytes(body)
-            if lease is not None:
-                rec["lease"] = lease
+            rec.body = body if type(body) is bytes else bytes(body)
+            rec.lease = lease
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += 1
         elif items is not None:
@@ -549,46 +440,30 @@ class Broker:
             counts = []
             r0, f0 = len(out.records), len(out.frames)
             for i, item in enumerate(items):
-                out.frames.extend(item.payload)
-                n = len(item.payload)
-                if item.shm:  # slot references, or the slots' bytes as frames (broker/shm.py)
-                    n += self.shm.attach_reply(client, item, rec, i, len(items), out.frames)
+                payload = item.payload
+                out.frames.extend(payload)
+                n = len(payload)
+                if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
+                    n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
                 nf += n
                 counts.append(n)
-            rec["nf"] = nf
+            rec.nf = nf
             out.record_added(r0, f0)
             if batch:
-                rec["n"] = counts
-            if lease is not None:
-                rec["lease"] = lease
+                rec.counts = counts
+            rec.lease = lease
             if not raw:
                 out.deliveries.append((client, origin, items, lease))
                 self.counters.delivered += len(items)
-        elif result is not None:
-            rec["r"] = result
+        else:
+            rec.result = result
         out.records.append(rec)
-        return True
 
-    def _send(self, address: bytes, records: list[dict], frames: list) -> bool:
-        if self.direct is not None:
-            peer = self.direct.by_address.get(address)
-            if peer is not None:
-                if not peer.send([pack_header(records), *frames]):
-                    self.direct.drop(peer)  # _flush requeues and ends the client
-                    self._poll_dirty = True
-                    return False
-                if peer.out:
-                    self._poll_dirty = True
-                self.last_sent[address] = time.monotonic()
-                return True
-            if address.startswith(direct.ADDRESS_PREFIX):
-                return False  # a direct link that is gone
-        try:
-            send_message(self.sock, [address, pack_header(records), *frames], nonblock=True)
-        except zmq.ZMQError as exc:
-            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                return False
-            raise
+    def _send(self, address: bytes, records: list, frames: list) -> bool:
+        """Send to the client at ``address`` over its transport (``peers.py``); False when it
+        cannot be reached (``_flush`` then requeues and ends the client)."""
+        if not self.peers.send(address, [pack_header(records), *frames]):
+            return False
         self.last_sent[address] = time.monotonic()
         return True
 
@@ -610,15 +485,21 @@ class Broker:
             for c, origin, items, lease in out.deliveries:
                 self.core.requeue(c, origin, items, lease)
         if client is not None:
-            self.core.client_gone(client)
+            self.client_gone(client)
         return client
+
+    def client_gone(self, client: Client) -> None:
+        """``client`` left or was ended: the core withdraws its requests and returns its leases,
+        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``)."""
+        self.core.client_gone(client)
+        self.shm.client_gone(client)
 
     # -- direct links (broker/direct.py) -------------------------------------------------------
 
     def _direct_events(self, events: list) -> None:
         """Accept new links, read the ready ones (and handle their messages), write out what
         full sockets held back."""
-        listener = self.direct
+        listener = self.peers.listener
         assert listener is not None
         changed = False
         for obj, ev in events:
@@ -635,37 +516,14 @@ class Broker:
             if ev & (zmq.POLLIN | zmq.POLLERR) and not self._direct_read(peer):
                 changed = True
         self._flush()
-        self._poll_dirty = self._poll_dirty or changed
-
-    def _update_poll_set(self) -> None:
-        """The poll set after links came or went, or a full socket held bytes back."""
-        self._poll_dirty = False
-        assert self.direct is not None
-        self._poll_set = self._poll_base + [
-            (fd, zmq.POLLIN | (zmq.POLLOUT if p.out else 0))
-            for fd, p in self.direct.by_fd.items()
-        ]
+        self.peers.poll_dirty = self.peers.poll_dirty or changed
 
     def _direct_read(self, peer: direct.Peer) -> bool:
         """Read a ready link and handle the messages it completed; False if it is gone."""
+        alive, got_bytes = self.peers.read(peer)
         reader = peer.reader
-        alive = True
-        # until the socket is empty, or for at most READ_BUDGET bytes (the other clients
-        # wait meanwhile): a loop turn per read would cost more than the read
-        budget = direct.READ_BUDGET
-        try:
-            while alive and budget > 0:
-                n = reader.read(peer.fd)
-                alive = n > 0
-                budget -= n
-        except BlockingIOError:
-            pass
-        except (OSError, direct.FramingError) as exc:
-            if isinstance(exc, direct.FramingError):
-                log.warning("closed a direct link that broke the framing: %s", exc)
-            alive = False
         client = self.clients.get(peer.address)
-        if client is not None and budget < direct.READ_BUDGET:
+        if client is not None and got_bytes:
             client.last_seen = time.monotonic()  # bytes are life, even within a long message
         while reader.messages:
             parts = reader.messages.popleft()
@@ -679,9 +537,7 @@ class Broker:
 
     def _direct_gone(self, peer: direct.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
-        assert self.direct is not None
-        self.direct.drop(peer)
-        self._poll_dirty = True
+        self.peers.drop(peer)
         self._end_client(peer.address, self._out.pop(peer.address, None))
 
     def _release_memory(self) -> None:
@@ -719,27 +575,20 @@ class Broker:
                 log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
                 del self.clients[address]
                 self.last_sent.pop(address, None)
-                self.core.client_gone(client)
-                self._send(address, [{"op": EXPIRED}], [])
+                self.client_gone(client)
+                self._send(address, [BROKER_EXPIRED], [])
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
                 out = self._out[address] = Outbox()
-                out.records.append({"op": HEARTBEAT})
+                out.records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
-        if self.direct is not None:  # links that never said hello hold a descriptor each
-            for peer in [p for p in self.direct.by_fd.values()
+        if self.peers.listener is not None:  # links that never said hello hold a descriptor each
+            for peer in [p for p in self.peers.listener.by_fd.values()
                          if not p.greeted and now - p.since > expiry]:
                 log.info("closed a direct link that said nothing for %.1fs", now - peer.since)
                 self._direct_gone(peer)
         for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
             del self._expired_told[address]
-
-
-def _consumer(rec: dict) -> str | None:
-    consumer = rec.get("c")
-    if consumer is not None and not isinstance(consumer, str):
-        raise TypeError("consumer must be a str")
-    return consumer
 
 
 def _decode_item(item: Item) -> Any:

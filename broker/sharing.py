@@ -28,8 +28,8 @@ from zchannel.broker import connection
 from zchannel.broker.connection import JOIN_S, Connection, Flow
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.liveness import CLOSED, GONE_CHECK_S, UP
-from zchannel.broker.protocol import CANCEL
-from zchannel.broker.shm import env_enabled as shm_env_enabled
+from zchannel.broker.protocol import Cancel
+from zchannel.broker.shm.client import env_enabled as shm_env_enabled
 from zchannel.broker.tuning import direct_enabled
 
 # Guards _by_key, _count and _keys.  A garbage collection can run a share's finalizer while
@@ -204,7 +204,7 @@ def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
     asks = []
     for rid in mine:
         try:
-            ask = conn.request({"op": CANCEL, "rid": rid}, [], room=False)
+            ask = conn.request(Cancel(id=0, request_id=rid), [], room=False)
         except ChannelError:  # the connection closes: its I/O thread fails what is left
             return
         # withdrawn, or its reply came before the answer: either way nothing more comes
@@ -257,8 +257,7 @@ def _after_fork() -> None:
         conn._wake_lock = threading.Lock()  # as _lock
         conn._sock_lock = threading.Lock()
         conn._fds_closed = True
-        if conn._link is not None:
-            conn._link.close()
+        conn.transport.close_after_fork()
         if not conn._wake_closed:
             conn._wake_closed = True
             os.close(conn._wake)

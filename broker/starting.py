@@ -1,6 +1,7 @@
 """Starting a broker process for ``Channel.create``: the hooks as the child receives them
 (checked here first, so that a wrong name fails before anything starts), the child process
-itself, and the errors of a start that failed (``docs/errors.md``)."""
+itself with the environment zchannel gives the processes it starts (``child_environ``), the
+errors of a start that failed (``docs/errors.md``), and stopping it again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from zchannel.broker import codec
@@ -17,6 +19,30 @@ from zchannel.broker.errors import BrokerStartError
 from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, registered
 
 START_TIMEOUT_S = 60.0
+# glibc's memcpy switches to non-temporal (streaming) stores only from this tunable up, and
+# derives its default from the L3 size it detects (190 MiB on the VM of docs/benchmarks.md):
+# a 16 MiB shared-memory slot copy then reads every destination line before writing it and
+# pushes the rest of the cache out (docs/shm.md, "Large copies").  glibc reads it only when a
+# process starts, and ignores it off x86-64.
+NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NON_TEMPORAL_BYTES = 4 << 20  # 1 MiB slots stay cached: their consumer reads them soon after
+_OFF = ("0", "off", "false", "no")
+
+
+def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process zchannel starts: ``environ`` (by default ``os.environ``)
+    with glibc's non-temporal copy threshold at 4 MiB added to ``GLIBC_TUNABLES``, unless that
+    variable sets the threshold already (the user's value wins) or ``ZCHANNEL_GLIBC_TUNABLES``
+    is ``0``/``off``/``false``/``no``."""
+    env = dict(os.environ if environ is None else environ)
+    if env.get("ZCHANNEL_GLIBC_TUNABLES", "1").strip().lower() in _OFF:
+        return env
+    current = env.get("GLIBC_TUNABLES", "")
+    if f"{NON_TEMPORAL_TUNABLE}=" in current:
+        return env
+    entry = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES:#x}"
+    env["GLIBC_TUNABLES"] = f"{current}:{entry}" if current else entry
+    return env
 
 
 def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
@@ -69,8 +95,9 @@ def hook_label(spec: Any) -> str | None:
 
 
 def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m zchannel.broker`` as a child in its own session; it inherits the lock
-    fd and stderr, reads its config from stdin and prints ``ready <address>``."""
+    """Start ``python -m zchannel.broker`` as a child in its own session (environment:
+    ``child_environ``); it inherits the lock fd and stderr, reads its config from stdin and
+    prints ``ready <address>``."""
     token = secrets.token_hex(16)
     config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
     body, buffers = codec.encode(config)
@@ -82,6 +109,7 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
         pass_fds=(lock_fd,),
         start_new_session=True,
         close_fds=True,
+        env=child_environ(),
     )
     try:
         proc.stdin.write(body)
@@ -96,6 +124,19 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
         proc.wait()
         raise start_error(config["name"], line.strip())
     return proc, line.split(None, 1)[1].strip(), token
+
+
+def stop_broker(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a broker process this process started: SIGTERM (the broker removes its files), then
+    SIGKILL if it has not exited within ``grace_s`` (by PID)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10.0)
 
 
 def start_error(name: str, line: str) -> BaseException:

@@ -1,7 +1,7 @@
 """Client tuning: how a connection batches, spins, drives its socket and uses direct links.
 
 Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS`` and ``ZCHANNEL_DIRECT`` change
-them (README, ``docs/decisions.md``).  ``connection.py`` is their only user.
+them (README, ``docs/decisions.md``).  ``connection.py`` and its parts are their only users.
 """
 
 from __future__ import annotations

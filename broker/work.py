@@ -96,7 +96,7 @@ class Work:
         operation's own ``timeout=`` withdraws it).
         """
         if self._state == _PENDING and self._reader is not None:
-            self._reader.wait_for(self, timeout)  # reads its reply itself (connection.py)
+            self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
             if self._state == _PENDING:
                 raise TimeoutError("Work.wait timed out; the operation is still pending")
         elif self._state == _PENDING:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from zchannel.embodied.trajectory import Trajectory
 
 __all__ = [
     "ADV_EPS_GRPO",
@@ -60,8 +61,6 @@ def to_training_batch(trajectories: Sequence[Any], plan: Any) -> dict[str, Any]:
     malformed ``dones``/``rewards`` and when the reward-filter width is not divisible by
     ``plan.group_size``.
     """
-    from zchannel.embodied.trajectory import Trajectory
-
     if isinstance(trajectories, Trajectory):
         trajectories = [trajectories]
     trajectories = list(trajectories)

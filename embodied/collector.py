@@ -9,8 +9,9 @@ them succeeded (docs/embodied.md: "Pairing the halves").
 The dispatcher deals ``ActorBatch`` items to the consumer of their rank (rank-bound, even when that
 consumer left) and every other item least-loaded.
 
-Importing this module imports the whole ``zchannel.embodied`` package, so every transport type is
-registered with the serializer (it is the target of the ``zchannel.hooks`` entry point).
+Importing this module imports the whole ``zchannel.embodied`` package first (Python runs a
+package's ``__init__`` before its modules), so every transport type is registered with the
+serializer (it is the target of the ``zchannel.hooks`` entry point).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import zchannel.embodied  # noqa: F401 - registers every transport type
 from zchannel.broker import DEFAULT_KEY
 from zchannel.embodied.checks import check_part
 from zchannel.embodied.joiner import ChunkJoiner

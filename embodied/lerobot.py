@@ -7,13 +7,17 @@ collects finished episodes as lists of LeRobot frame dicts.  The accumulator per
 training steps, so unfinished episodes carry over; ``drain_episodes`` hands out only the
 finished ones.
 
+It is a facade over two parts: ``_ChunkDecoder`` checks a chunk's inputs and turns it into
+``(env, step record)`` pairs; ``_EpisodeRecorder`` runs the state machine on them, buffers each
+env's open episode and writes the finished ones as LeRobot frames (built by ``_build_frame``).
+
 ``policy_output`` is read through attribute access only (``forward_inputs`` and
 ``intervene_flags``), so any object with those attributes works.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,9 +162,27 @@ def _executed_action(
     return action, intervened
 
 
+def _bool_array(value: Any) -> np.ndarray:
+    """``value`` as a numpy bool array (non-zero is True)."""
+    arr = _to_numpy(value)
+    if arr.dtype != np.bool_:
+        arr = arr != 0
+    return arr
+
+
+def _flag_at(flags: np.ndarray, b: int, s: int) -> bool:
+    """Flag of env ``b`` at step ``s`` in a ``()``, ``[B]`` or ``[B, C']`` flag array; a step
+    past the last column is False."""
+    if flags.ndim == 0:
+        return bool(flags)
+    if flags.ndim == 1:
+        return bool(flags[b])
+    return bool(flags[b, s]) if s < flags.shape[1] else False
+
+
 @dataclass
 class _EnvState:
-    """Recording state of one environment."""
+    """Recording state of one environment: the frames of its open episode."""
 
     frames: list[dict[str, Any]] = field(default_factory=list)
     success: bool = False
@@ -188,56 +210,58 @@ class _Step:
     extra_success: bool = False
 
 
-class LeRobotEpisodeAccumulator:
-    """Turns action chunks of ``num_envs`` environments into LeRobot episodes (docs/embodied.md).
+def _build_frame(
+    obs: Any, info: Any, step: _Step, segment_id: int, action_dim: int
+) -> dict[str, Any] | None:
+    """The LeRobot frame of one recorded step, or None without a state or an action.
 
-    Frames carry exactly the keys ``observation.state``, ``observation.images.<camera>``,
-    ``action``, ``next.reward``, ``next.done``, ``next.success``, ``task``, ``intervention``,
-    ``segment_id``, ``frame_index``, ``episode_index`` and ``timestamp``.  ``episode_index``
-    counts the episodes this accumulator emitted before (dropped episodes take none).
-
-    Raises ``ValueError`` for non-positive sizes or fps.
+    The per-episode keys (``next.done``, ``next.success``, ``frame_index``, ``episode_index``,
+    ``timestamp``) hold placeholders until ``_EpisodeRecorder`` finishes the episode.
     """
+    if not isinstance(obs, Mapping):
+        return None
+    state_value = obs.get("states")
+    if state_value is None:
+        state_value = obs.get("state")
+    action, intervened = _executed_action(info, step.action, action_dim)
+    if state_value is None or action is None:
+        return None
+    frame: dict[str, Any] = {
+        "observation.state": np.ascontiguousarray(
+            _to_numpy(state_value).astype(np.float32).reshape(-1)
+        ),
+    }
+    for camera, keys in _CAMERAS:
+        for key in keys:
+            if obs.get(key) is not None:
+                frame.update(_camera_images(camera, obs[key]))
+                break
+    frame.update(
+        {
+            "action": np.ascontiguousarray(np.asarray(action, dtype=np.float32).reshape(-1)),
+            "next.reward": float(step.reward),
+            "next.done": False,
+            "next.success": False,
+            "task": _task(obs),
+            "intervention": bool(intervened),
+            "segment_id": int(segment_id),
+            "frame_index": 0,
+            "episode_index": -1,
+            "timestamp": 0.0,
+        }
+    )
+    return frame
 
-    def __init__(
-        self,
-        num_envs: int,
-        only_success: bool,
-        num_action_chunks: int,
-        action_dim: int,
-        fps: float,
-    ) -> None:
-        for name, value in (
-            ("num_envs", num_envs),
-            ("num_action_chunks", num_action_chunks),
-            ("action_dim", action_dim),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LeRobotEpisodeAccumulator.{name} must be an int > 0: {value!r}")
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-            raise ValueError(f"LeRobotEpisodeAccumulator.fps must be > 0: {fps!r}")
+
+class _ChunkDecoder:
+    """Decodes one action chunk of ``num_envs`` environments into per-(step, env) records."""
+
+    def __init__(self, num_envs: int, num_action_chunks: int, action_dim: int) -> None:
         self.num_envs = num_envs
-        self.only_success = bool(only_success)
         self.num_action_chunks = num_action_chunks
         self.action_dim = action_dim
-        self.fps = float(fps)
-        self._states = [_EnvState() for _ in range(num_envs)]
-        self._episodes: list[list[dict[str, Any]]] = []
-        self._num_emitted = 0
 
-    # -- public API ---------------------------------------------------------------------------
-
-    @property
-    def num_emitted(self) -> int:
-        """Episodes emitted so far (the next ``episode_index``)."""
-        return self._num_emitted
-
-    def drain_episodes(self) -> list[list[dict[str, Any]]]:
-        """Return the finished episodes and clear only that list (unfinished ones stay)."""
-        episodes, self._episodes = self._episodes, []
-        return episodes
-
-    def append_chunk(
+    def decode(
         self,
         *,
         policy_output: Any,
@@ -247,18 +271,12 @@ class LeRobotEpisodeAccumulator:
         terminations: Any,
         truncations: Any,
         infos_list: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
-        valid_action_mask: Any = None,
-    ) -> None:
-        """Record one action chunk of all environments.
+        valid_action_mask: Any,
+    ) -> Iterator[tuple[int, _Step, Any]]:
+        """Yield ``(env index, step record, the env's own info)`` step by step, env by env.
 
-        ``chunk_actions`` is ``[B,C,A]``, ``[B,D]`` or ``[B,A]``; ``obs_list`` one observation
-        dict per low-level step; ``infos_list`` one info per step or one info for all steps;
-        ``terminations``/``truncations`` ``[B,C]``, ``[B]`` or scalar; ``valid_action_mask``
-        bool ``[B,C]`` (then the flags must be ``[B,C]``).  ``policy_output`` (or None) supplies
-        intervention metadata from ``forward_inputs["action"]`` and ``intervene_flags``.
-
-        Raises ``ValueError`` for malformed actions, a wrong number of infos, mask/flag shapes
-        that do not match, and batched values whose batch size is not ``num_envs``.
+        The arguments are those of ``LeRobotEpisodeAccumulator.append_chunk``; the inputs are
+        checked (and ``ValueError`` raised) before the first record is yielded.
         """
         B = self.num_envs
         actions = self._normalize_actions(chunk_actions, "chunk_actions")
@@ -270,7 +288,7 @@ class LeRobotEpisodeAccumulator:
         reward_arr = self._normalize_rewards(rewards)
         mask = None
         if valid_action_mask is not None:
-            mask = self._bool_array(valid_action_mask, "valid_action_mask")
+            mask = _bool_array(valid_action_mask)
             if mask.shape != (B, self.num_action_chunks):
                 raise ValueError(
                     f"valid_action_mask must be [B, C] = [{B}, {self.num_action_chunks}], "
@@ -316,8 +334,8 @@ class LeRobotEpisodeAccumulator:
                     if done:
                         step.extra_success = _step_success(_slice_env(completion, b, B))
                 else:
-                    t_flag = self._flag_at(term, b, s)
-                    done = t_flag or self._flag_at(trunc, b, s)
+                    t_flag = _flag_at(term, b, s)
+                    done = t_flag or _flag_at(trunc, b, s)
                     step = _Step(
                         own_obs=obs_b,
                         obs=obs_b,
@@ -336,9 +354,7 @@ class LeRobotEpisodeAccumulator:
                         final_info = info_b.get("final_info")
                         step.info = final_info if final_info is not None else _strip_final(info_b)
                         step.reset_seed = (obs_b, _strip_final(info_b))
-                self._advance(self._states[b], step, info_b)
-
-    # -- decoding -----------------------------------------------------------------------------
+                yield b, step, info_b
 
     def _normalize_actions(self, value: Any, name: str) -> np.ndarray | None:
         """``[B,C,A]`` float32 from ``[B,C,A]``, ``[B,D]`` or ``[B,A]``; None stays None."""
@@ -387,16 +403,10 @@ class LeRobotEpisodeAccumulator:
             raise ValueError(f"rewards must have batch size {self.num_envs}, got {arr.shape}.")
         return arr
 
-    def _bool_array(self, value: Any, name: str) -> np.ndarray:
-        arr = _to_numpy(value)
-        if arr.dtype != np.bool_:
-            arr = arr != 0
-        return arr
-
     def _flags(self, value: Any, name: str, *, require_2d: bool) -> np.ndarray:
         """Flags as a bool array of shape ``[B, C']``, ``[B]`` or ``()``."""
         B, C = self.num_envs, self.num_action_chunks
-        arr = np.zeros((), dtype=bool) if value is None else self._bool_array(value, name)
+        arr = np.zeros((), dtype=bool) if value is None else _bool_array(value)
         if require_2d:
             if arr.shape != (B, C):
                 raise ValueError(
@@ -410,18 +420,9 @@ class LeRobotEpisodeAccumulator:
             return arr
         raise ValueError(f"{name} must be [B, C], [B] or a scalar with B={B}, got {arr.shape}.")
 
-    @staticmethod
-    def _flag_at(flags: np.ndarray, b: int, s: int) -> bool:
-        if flags.ndim == 0:
-            return bool(flags)
-        if flags.ndim == 1:
-            return bool(flags[b])
-        return bool(flags[b, s]) if s < flags.shape[1] else False
-
     def _flags_at_step(self, flags: np.ndarray, s: int) -> np.ndarray:
         """``[B]`` flags of step ``s`` for any flag layout."""
-        B = self.num_envs
-        return np.array([self._flag_at(flags, b, s) for b in range(B)], dtype=bool)
+        return np.array([_flag_at(flags, b, s) for b in range(self.num_envs)], dtype=bool)
 
     def _add_policy_intervention(
         self, policy_output: Any, infos: list[Any], term: np.ndarray, trunc: np.ndarray
@@ -437,7 +438,7 @@ class LeRobotEpisodeAccumulator:
         if flags is None or policy_actions is None:
             return infos
         actions = self._normalize_actions(policy_actions, "policy action")
-        flag_arr = self._bool_array(flags, "intervene_flags")
+        flag_arr = _bool_array(flags)
         if flag_arr.ndim == 1:
             flag_arr = flag_arr.reshape(-1, 1)
         if flag_arr.ndim != 2 or flag_arr.shape[0] != self.num_envs:
@@ -459,10 +460,31 @@ class LeRobotEpisodeAccumulator:
             out.append(info)
         return out
 
-    # -- state machine ------------------------------------------------------------------------
 
-    def _advance(self, state: _EnvState, step: _Step, own_info: Any) -> None:
-        """Run the per-env state machine (docs/embodied.md: "LeRobot mode") for one decoded step."""
+class _EpisodeRecorder:
+    """The per-env recording state machine and the writer of finished LeRobot episodes.
+
+    Each env's open episode is buffered in an ``_EnvState``; an episode that ends is kept (all
+    of them, or only successful terminated ones with ``only_success``), gets its per-episode
+    frame keys and waits in a list until ``drain``.
+    """
+
+    def __init__(self, num_envs: int, only_success: bool, action_dim: int, fps: float) -> None:
+        self.only_success = only_success
+        self.action_dim = action_dim
+        self.fps = fps
+        self._states = [_EnvState() for _ in range(num_envs)]
+        self._episodes: list[list[dict[str, Any]]] = []
+        self.num_emitted = 0
+
+    def drain(self) -> list[list[dict[str, Any]]]:
+        """Return the finished episodes and clear only that list (unfinished ones stay)."""
+        episodes, self._episodes = self._episodes, []
+        return episodes
+
+    def advance(self, env: int, step: _Step, own_info: Any) -> None:
+        """Run the state machine of env ``env`` (docs/embodied.md: "LeRobot mode") for one step."""
+        state = self._states[env]
         flags = own_info if isinstance(own_info, Mapping) else {}
         if _truthy(flags.get("record_reset")):
             state.clear()
@@ -481,7 +503,7 @@ class LeRobotEpisodeAccumulator:
             obs, info = step.obs, step.info
         if step.reset_seed is not None:
             state.seed = step.reset_seed
-        frame = self._build_frame(obs, info, step, state.segment_id)
+        frame = _build_frame(obs, info, step, state.segment_id, self.action_dim)
         if frame is None:
             return
         state.frames.append(frame)
@@ -491,46 +513,10 @@ class LeRobotEpisodeAccumulator:
                 self._emit(state)
             state.clear()
 
-    def _build_frame(
-        self, obs: Any, info: Any, step: _Step, segment_id: int
-    ) -> dict[str, Any] | None:
-        if not isinstance(obs, Mapping):
-            return None
-        state_value = obs.get("states")
-        if state_value is None:
-            state_value = obs.get("state")
-        action, intervened = _executed_action(info, step.action, self.action_dim)
-        if state_value is None or action is None:
-            return None
-        frame: dict[str, Any] = {
-            "observation.state": np.ascontiguousarray(
-                _to_numpy(state_value).astype(np.float32).reshape(-1)
-            ),
-        }
-        for camera, keys in _CAMERAS:
-            for key in keys:
-                if obs.get(key) is not None:
-                    frame.update(_camera_images(camera, obs[key]))
-                    break
-        frame.update(
-            {
-                "action": np.ascontiguousarray(np.asarray(action, dtype=np.float32).reshape(-1)),
-                "next.reward": float(step.reward),
-                "next.done": False,
-                "next.success": False,
-                "task": _task(obs),
-                "intervention": bool(intervened),
-                "segment_id": int(segment_id),
-                "frame_index": 0,
-                "episode_index": -1,
-                "timestamp": 0.0,
-            }
-        )
-        return frame
-
     def _emit(self, state: _EnvState) -> None:
-        episode_index = self._num_emitted
-        self._num_emitted += 1
+        """Fill the per-episode frame keys of ``state``'s frames and keep them as an episode."""
+        episode_index = self.num_emitted
+        self.num_emitted += 1
         frames = state.frames
         last = len(frames) - 1
         for i, frame in enumerate(frames):
@@ -540,3 +526,107 @@ class LeRobotEpisodeAccumulator:
             frame["episode_index"] = episode_index
             frame["timestamp"] = i / self.fps
         self._episodes.append(frames)
+
+
+class LeRobotEpisodeAccumulator:
+    """Turns action chunks of ``num_envs`` environments into LeRobot episodes (docs/embodied.md).
+
+    Frames carry exactly the keys ``observation.state``, ``observation.images.<camera>``,
+    ``action``, ``next.reward``, ``next.done``, ``next.success``, ``task``, ``intervention``,
+    ``segment_id``, ``frame_index``, ``episode_index`` and ``timestamp``.  ``episode_index``
+    counts the episodes this accumulator emitted before (dropped episodes take none).  The
+    sizes, ``only_success`` and ``fps`` are fixed at construction (read-only attributes).
+
+    Raises ``ValueError`` for non-positive sizes or fps.
+    """
+
+    def __init__(
+        self,
+        num_envs: int,
+        only_success: bool,
+        num_action_chunks: int,
+        action_dim: int,
+        fps: float,
+    ) -> None:
+        for name, value in (
+            ("num_envs", num_envs),
+            ("num_action_chunks", num_action_chunks),
+            ("action_dim", action_dim),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LeRobotEpisodeAccumulator.{name} must be an int > 0: {value!r}")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+            raise ValueError(f"LeRobotEpisodeAccumulator.fps must be > 0: {fps!r}")
+        self._decoder = _ChunkDecoder(num_envs, num_action_chunks, action_dim)
+        self._recorder = _EpisodeRecorder(num_envs, bool(only_success), action_dim, float(fps))
+
+    @property
+    def num_envs(self) -> int:
+        """Number of environments ``B`` of every chunk."""
+        return self._decoder.num_envs
+
+    @property
+    def num_action_chunks(self) -> int:
+        """Actions per chunk ``C``."""
+        return self._decoder.num_action_chunks
+
+    @property
+    def action_dim(self) -> int:
+        """Values per action ``A``."""
+        return self._decoder.action_dim
+
+    @property
+    def only_success(self) -> bool:
+        """Keep only episodes that succeeded and ended by termination."""
+        return self._recorder.only_success
+
+    @property
+    def fps(self) -> float:
+        """Frames per second: ``timestamp = frame_index / fps``."""
+        return self._recorder.fps
+
+    @property
+    def num_emitted(self) -> int:
+        """Episodes emitted so far (the next ``episode_index``)."""
+        return self._recorder.num_emitted
+
+    def drain_episodes(self) -> list[list[dict[str, Any]]]:
+        """Return the finished episodes and clear only that list (unfinished ones stay)."""
+        return self._recorder.drain()
+
+    def append_chunk(
+        self,
+        *,
+        policy_output: Any,
+        rewards: Any,
+        chunk_actions: Any,
+        obs_list: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+        terminations: Any,
+        truncations: Any,
+        infos_list: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
+        valid_action_mask: Any = None,
+    ) -> None:
+        """Record one action chunk of all environments.
+
+        ``chunk_actions`` is ``[B,C,A]``, ``[B,D]`` or ``[B,A]``; ``obs_list`` one observation
+        dict per low-level step; ``infos_list`` one info per step or one info for all steps;
+        ``terminations``/``truncations`` ``[B,C]``, ``[B]`` or scalar; ``valid_action_mask``
+        bool ``[B,C]`` (then the flags must be ``[B,C]``).  ``policy_output`` (or None) supplies
+        intervention metadata from ``forward_inputs["action"]`` and ``intervene_flags``.
+
+        Raises ``ValueError`` for malformed actions, a wrong number of infos, mask/flag shapes
+        that do not match, and batched values whose batch size is not ``num_envs``; then
+        nothing is recorded.
+        """
+        records = self._decoder.decode(
+            policy_output=policy_output,
+            rewards=rewards,
+            chunk_actions=chunk_actions,
+            obs_list=obs_list,
+            terminations=terminations,
+            truncations=truncations,
+            infos_list=infos_list,
+            valid_action_mask=valid_action_mask,
+        )
+        for env, step, own_info in records:
+            self._recorder.advance(env, step, own_info)

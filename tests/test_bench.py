@@ -3,6 +3,7 @@ item failing the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from zchannel.cli.bench import bench, parse_size
-from zchannel.cli.bench_baselines import CORRUPT_ENV, Mismatch, PayloadFactory, verify_seqs
+from zchannel.cli.bench.payloads import CORRUPT_ENV, Mismatch, PayloadFactory, verify_seqs
 from zchannel.cli.main import main
 
 pytestmark = pytest.mark.timeout(60)
@@ -121,9 +122,9 @@ def test_corrupted_item_fails_the_run(tmp_path):
     assert doc["ok"] is False and "mismatch" in doc["error"]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(90)  # two brokers and six workers importing torch: ~27 s at load 11
 def test_trajectory_collector_counts(tmp_path):
-    from zchannel.cli.bench_trajectory import TrajectoryCase, check_counts, run_trajectory_case
+    from zchannel.cli.bench.trajectory import TrajectoryCase, check_counts, run_trajectory_case
 
     case = TrajectoryCase(mode="pipeline", batch=4, image=8, steps=1)
     res = run_trajectory_case(case, True, str(tmp_path), lambda n: f"ipc://{tmp_path}/{n}.sock")
@@ -138,7 +139,8 @@ def test_trajectory_collector_counts(tmp_path):
 def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
     """measure_together: one run of each case, then of each baseline not measured yet, per
     round; a baseline measured already is reused unless asked for fresh."""
-    from zchannel.cli import bench as bench_mod
+    from zchannel.cli.bench import runner as runner_mod
+    from zchannel.cli.bench.cases import Case
 
     order: list[str] = []
 
@@ -150,12 +152,12 @@ def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
         return run
 
     monkeypatch.setattr(
-        bench_mod, "run_channel_stream", logged("case", bench_mod.run_channel_stream)
+        runner_mod, "run_channel_stream", logged("case", runner_mod.run_channel_stream)
     )
-    monkeypatch.setattr(bench_mod, "run_zmq_proxy", logged("proxy", bench_mod.run_zmq_proxy))
-    runner = bench_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
-    one = bench_mod.Case("channel", messages=300, window=16)
-    two = bench_mod.dataclasses.replace(one, producers=2, consumers=2)
+    monkeypatch.setattr(runner_mod, "run_zmq_proxy", logged("proxy", runner_mod.run_zmq_proxy))
+    runner = runner_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
+    one = Case("channel", messages=300, window=16)
+    two = dataclasses.replace(one, producers=2, consumers=2)
     a, b = runner.measure_together([one, two])
     assert order == ["case:1", "case:2", "proxy:1", "proxy:2"] * 2
     assert a.messages == b.messages == 300 and a.ratio > 0 and b.ratio > 0
@@ -209,7 +211,7 @@ def test_report_is_readable(tmp_path):
 
 def test_report_explains_queueing_and_warns_on_spread():
     """A 40 ms p50 of 64 B items in a w64 window is explained; a 50 % spread warns."""
-    from zchannel.cli.bench_report import Result, print_report, set_ratio
+    from zchannel.cli.bench.report import Result, print_report, set_ratio
 
     def row(case, kind, runs, p50, window=64, latency="e2e"):
         return Result(case=case, kind=kind, scenario="channel", ptype="bytes", size=64,
@@ -237,32 +239,111 @@ def test_report_explains_queueing_and_warns_on_spread():
 def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch):
     """``--scenario shm``: T9d (the burst as users write it: windows 64, unbounded queue, no
     ``reserve_shm``) runs in the same rounds as T9 and is reported as a ratio to it."""
-    import numpy as np
-    from zchannel.cli import bench as bench_mod
+    from zchannel.cli.bench import runner as runner_mod
+    from zchannel.cli.bench import targets as targets_mod
+    from zchannel.cli.bench.cases import Measured
+    from zchannel.cli.bench.channel import producer_specs
 
     runs: list = []
 
     def fake_stream(case, *args, **kwargs):
         runs.append(case)
         seconds = 2.0 if case.label.startswith("T9d") else 1.0
-        return bench_mod.Measured(case.messages, seconds, np.array([1000], dtype=np.int64))
+        return Measured(case.messages, seconds, np.array([1000], dtype=np.int64))
 
     def fake_proxy(case, *args, **kwargs):
-        return bench_mod.Measured(case.messages, 4.0, np.array([1000], dtype=np.int64))
+        return Measured(case.messages, 4.0, np.array([1000], dtype=np.int64))
 
-    monkeypatch.setattr(bench_mod, "run_channel_stream", fake_stream)
-    monkeypatch.setattr(bench_mod, "run_zmq_proxy", fake_proxy)
-    monkeypatch.setattr(bench_mod, "measure_ray_actor", lambda runner, case: None)
-    runner = bench_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
-    targets = bench_mod.run_shm_targets(runner)
+    monkeypatch.setattr(runner_mod, "run_channel_stream", fake_stream)
+    monkeypatch.setattr(runner_mod, "run_zmq_proxy", fake_proxy)
+    monkeypatch.setattr(targets_mod, "measure_ray_actor", lambda runner, case: None)
+    runner = runner_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
+    targets = targets_mod.run_shm_targets(runner)
     labels = [c.label.split()[0] for c in runs]
-    assert labels[:6] == ["T9", "T9d"] * 3  # interleaved, one of each per round
-    tuned, default = runs[0], runs[1]
-    assert (tuned.window, tuned.maxsize, tuned.reserve) == (8, 8, True)
+    assert labels[:9] == ["T9", "T9w", "T9d"] * 3  # interleaved, one of each per round
+    tuned, in_slot, default = runs[0], runs[1], runs[2]
+    assert (tuned.window, tuned.maxsize, tuned.reserve, tuned.in_slot) == (8, 8, True, False)
+    # T9w: T9's stream with the producer writing each tensor in its slot (empty_shm)
+    assert in_slot == dataclasses.replace(tuned, in_slot=True, label=in_slot.label)
+    assert producer_specs(in_slot, "ipc://x", "k")[0]["in_slot"] is True
+    compared = {r.case.split()[0]: r.baseline for r in runner.rows}
+    assert compared["T9w"] == compared["T9"] is not None  # both against the same relay
+    relays = [r.case for r in runner.rows if r.case.startswith("zmq.proxy")]
+    assert len(relays) == len(set(relays)) == 2  # one 16 MiB relay (T9, T9w), one 1 MiB (T10)
     assert (default.window, default.maxsize, default.reserve) == (64, 0, False)
     assert default.size == tuned.size == 16 << 20 and default.messages == tuned.messages
-    spec = bench_mod._producer_specs(default, "ipc://x", "k")[0]
+    spec = producer_specs(default, "ipc://x", "k")[0]
     assert spec["shm_slots"] == 0 and spec["window"] == 64
     (t9d,) = [t for t in targets if t.target == "T9d"]
     assert t9d.ratio == 0.5 and t9d.threshold == 0.8 and not t9d.passed
     assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
+
+
+def test_payloads_built_in_slots_pass_the_check(make_remote):
+    """T9w's producer (``PayloadFactory.make_in``) writes the payload into memory lent by
+    ``empty_shm`` once, then only stamps it; every item the consumer gets checks out in full."""
+    from zchannel.broker import shm
+
+    ch = make_remote("bench-in-slot", shm_threshold=1 << 16)
+    fac = PayloadFactory("tensor", 1 << 18)
+    pool = ch._connection().shm.pool
+    for i in range(6):
+        item = fac.make_in(ch.empty_shm, i, i)
+        assert pool.lent  # the item lives in a slot
+        ch.put(item)
+        del item
+        assert fac.check(ch.get(timeout=10))[0] == i
+    segs = list(pool.by_name.values())
+    assert len(segs) == 1 and int((segs[0].states == shm.USED).sum()) <= 1
+
+
+@pytest.mark.timeout(60)
+def test_stream_target_runs_with_its_relay(tmp_path):
+    """T2s on a tiny stream: a producer process with 16 async puts in flight, a consumer
+    process with 16 async gets outstanding (default ``Channel.create``, nothing reserved), in
+    rounds with a fresh zmq.proxy relay of the same items; both rates are reported."""
+    from zchannel.cli.bench.cases import Case
+    from zchannel.cli.bench.runner import Runner
+    from zchannel.cli.bench.targets import load_thresholds, measure_stream_target
+
+    runner = Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
+    small = Case("channel", messages=300, window=16)
+    thresholds = load_thresholds()
+    result = measure_stream_target(runner, small, thresholds)
+    assert result.target == "T2s" and result.unit == "items/s"
+    assert result.measured > 0 and result.reference > 0
+    assert result.ratio == pytest.approx(result.measured / result.reference)
+    assert result.threshold == thresholds["T2s"].value and result.higher_is_better
+    (row,) = [r for r in runner.rows if r.case.startswith("T2s")]
+    assert (row.producers, row.consumers, row.window, row.messages) == (1, 1, 16, 300)
+    assert row.repeats == 2 and row.items_s == result.measured
+    assert row.baseline == "zmq.proxy bytes 64B 1P/1C w16" and len(row.ratio_runs) == 2
+    (relay,) = [r for r in runner.rows if r.kind == "zmq.proxy"]
+    assert relay.items_s == result.reference and relay.repeats == 2
+
+
+def test_target_thresholds_are_data(tmp_path):
+    """Every target's pass mark comes from [targets] of configs/bench_targets.toml (or of the
+    --config file, when it has one); a broken entry is an error naming the file and the target;
+    --targets is --scenario targets."""
+    from zchannel.cli.bench import command as command_mod
+    from zchannel.cli.bench import targets as targets_mod
+
+    thresholds = targets_mod.load_thresholds()
+    for name in ("T1", "T2", "T2s", "T3", "T4", "T6", "T7", "T8", "T9", "T9-ray", "T9d", "T10"):
+        assert name in thresholds
+    assert thresholds["T2s"] == targets_mod.Threshold(0.5, True)
+    assert thresholds["T4"].higher is False
+    bad = tmp_path / "t.toml"
+    bad.write_text('[targets]\nT1 = { min = 0.9, max = 2 }\n')
+    with pytest.raises(click.ClickException, match=r"t\.toml: targets\.T1 must be"):
+        targets_mod.load_thresholds(bad)
+    with pytest.raises(click.ClickException, match="no threshold for target 'T2s'"):
+        targets_mod._target("T2s", "", 1.0, 2.0, "items/s", {"T1": thresholds["T1"]})
+    own = tmp_path / "own.toml"
+    own.write_text('[bench]\nscenario = "targets"\n\n[targets]\nT2s = { min = 0.9 }\n')
+    assert command_mod._thresholds(str(own)) == {"T2s": targets_mod.Threshold(0.9, True)}
+    assert command_mod._thresholds(None) == thresholds
+    result = _run("--targets", "--scenario", "batch")
+    assert result.exit_code == 2 and "--targets runs the target suite" in result.output
+    assert "--targets" in _run("--help").output

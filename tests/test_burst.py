@@ -39,7 +39,7 @@ from conftest import wait_until
 from zchannel.broker import Channel, direct, shm
 from zchannel.broker.connection import UP, Connection
 from zchannel.broker.outbox import MAX_REPLY_BYTES
-from zchannel.broker.protocol import pack_header
+from zchannel.broker.protocol import QSize, pack_header
 
 SIZE = 16 << 20
 N = 256
@@ -214,9 +214,9 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
     server.start()
     conn = Connection(address)
     try:
-        assert conn.wait_up(10) and conn._link is not None
+        assert conn.wait_up(10) and conn.direct
         assert (conn.hb, conn.liveness) == (0.5, 3)
-        work = conn.request({"op": "qsize", "k": None}, [])
+        work = conn.request(QSize(id=0, key=None), [])
         assert work.wait(30) == 7
         assert conn.state == UP and set(states) == {UP}
     finally:

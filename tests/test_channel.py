@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, Work
+from zchannel.broker.protocol import op_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -339,20 +340,20 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     a put from another thread on the same handle must go out at once, not when some message
     (a broker heartbeat, after up to a second) or the end of the get's drive window
     (``DRIVE_S``, made 60 s here) lets the getter look at its queue again."""
-    from zchannel.broker import connection
+    from zchannel.broker import connection, waiting
 
-    monkeypatch.setattr(connection, "DRIVE_S", 60.0)
+    monkeypatch.setattr(waiting, "DRIVE_S", 60.0)
     monkeypatch.setattr(connection, "SPIN_US", 0)  # the getter waits in _drive, not _spin
     events: list[str] = []
     Conn = connection.Connection
     enqueue, send, on_message = Conn._enqueue, Conn._send, Conn._on_message
 
     def logged_enqueue(self, rec, *args, **kwargs):
-        events.append(f"queued {rec.get('op')}")
+        events.append(f"queued {op_of(rec)}")
         return enqueue(self, rec, *args, **kwargs)
 
     def logged_send(self, records, frames):
-        events.extend(f"sent {r.get('op')}" for r in records)
+        events.extend(f"sent {op_of(r)}" for r in records)
         send(self, records, frames)
 
     def logged_on_message(self, header, frames):
@@ -384,14 +385,14 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     """A blocking call spins up to SPIN_US for its reply; calls whose replies keep coming later
     (gets that time out on an empty queue) stop spinning after 4 misses and then spin only
     every SPIN_PROBE-th call, so a handle waiting for data does not burn a core."""
-    from zchannel.broker import connection
+    from zchannel.broker import connection, tuning
 
     ch = make_remote("spin")
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
     conn._spin_s = 200e-6  # also on a machine with one CPU (where it would be 0)
-    conn._spin_score = connection.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
+    conn._spin_score = tuning.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
     spins = []
     spin = connection.Connection._spin
     monkeypatch.setattr(connection.Connection, "_spin",
@@ -421,13 +422,13 @@ def test_spin_setting_is_checked():
 def test_a_process_on_one_cpu_does_not_spin():
     """Pinned to one CPU, a spinning caller would only hold the CPU its reply needs."""
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from zchannel.broker import connection; print(connection.spin_seconds())")
+            "from zchannel.broker import tuning; print(tuning.spin_seconds())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "ZCHANNEL_SPIN_US": "250"})
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout) == 0.0
     if len(os.sched_getaffinity(0)) > 1:
-        code = "from zchannel.broker import connection; print(connection.spin_seconds())"
+        code = "from zchannel.broker import tuning; print(tuning.spin_seconds())"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=60, env={**os.environ, "ZCHANNEL_SPIN_US": "250"})
         assert float(proc.stdout) == 250e-6

@@ -10,15 +10,20 @@ and, step by step, a reference written from the channel contract with plain list
   the next one would exceed the target (at least one) or the total reaches it (plus the weight-0
   items right behind), keeps its place until then and blocks later getters of the same queue;
   at ``nowait`` it takes the longest run within the target;
-- ``maxsize`` counts items per queue; a put waits while its target queue is full or an earlier
-  waiting put targets the same queue, and waiting puts are admitted in arrival order;
+- ``maxsize`` counts items per queue and ``max_bytes`` the bytes of queued and leased items; a
+  put waits while its target queue is full, the channel's bytes would pass ``max_bytes``, or an
+  earlier waiting put targets the same queue, and waiting puts are admitted in arrival order;
 - a getter with nothing in its private or the shared queue steals one item from the private
   queue the dispatcher's ``rebalance`` names;
 - a consumer's last handle leaving re-deals its private items; its unacknowledged deliveries
-  go back to the head of their queue, as do those whose lease lapsed.
+  go back to the head of their queue, as do those whose lease lapsed;
+- deliveries that could not be sent (the handle's connection broke) go back to the head of the
+  queue they came from, or are dealt again if that consumer is gone;
+- a key nothing uses any more is dropped after its grace period.
 
-Every step compares the replies the core sent (which request, which items, which error) with the
-reference's, and the queue depths.  The default run is bounded; ``pytest -m fuzz`` runs
+Every step compares the replies the core sent (which request, which items from which queue,
+which error) with the reference's; after every step the queue depths, the head items of every
+queue as ``peek`` shows them, ``full`` and the bytes held agree.  The default run is bounded; ``pytest -m fuzz`` runs
 ``ZCHANNEL_FUZZ_EXAMPLES`` examples.
 """
 
@@ -42,6 +47,7 @@ KEYS = ("a", "b")
 DECLARED = ("c:0", "c:1")
 IDENTITIES = ("c:0", "c:1", "c:2")  # c:2 is not declared: it joins on its first get
 LEASE_S = 30.0
+TIMEOUT_S = LEASE_S  # one length for every deadline: they pass in the order they were set
 
 
 class ToDispatcher(Dispatcher):
@@ -69,8 +75,14 @@ class Ref:
     """What the channel contract says a channel holds and answers (no transport, no hooks but
     the dispatcher above)."""
 
-    def __init__(self, maxsize: int, deals: bool, steal: bool) -> None:
+    def __init__(self, maxsize: int, deals: bool, steal: bool, max_bytes: int) -> None:
         self.maxsize = maxsize
+        self.max_bytes = max_bytes  # every item counts 1 byte
+        self.items: dict[int, tuple] = {}  # seq -> item, for deliveries that come back
+        # what has a deadline, in the order the deadlines were set (all of them equally far):
+        # ("get" | "put", rid, 0) for a waiting request with a timeout, ("lease", seq, n)
+        self.timed: list[tuple[str, int, int]] = []
+        self.lease_count = 0
         self.deals = deals
         self.steal = steal
         self.shared: dict[str, list] = {k: [] for k in KEYS}
@@ -97,9 +109,14 @@ class Ref:
     def depth(self, key: str) -> int:
         return len(self.shared[key]) + sum(len(q) for q in self.private[key].values())
 
+    def held(self) -> int:
+        """Bytes held: queued items and leased deliveries."""
+        return sum(self.depth(k) for k in KEYS) + len(self.leases)
+
     # -- puts
 
-    def put(self, rid: int, key: str, item: tuple, nowait: bool) -> None:
+    def put(self, rid: int, key: str, item: tuple, nowait: bool, timed: bool) -> None:
+        self.items[item[0]] = item
         put = {"rid": rid, "key": key, "to": self.target(item), "item": item}
         if self.admissible(put, {(p["key"], p["to"]) for p in self.putters}):
             self.queue(key, put["to"]).append(item)
@@ -109,9 +126,13 @@ class Ref:
             self.replies[rid] = ("error", "QueueFull")
         else:
             self.putters.append(put)
+            if timed:
+                self.timed.append(("put", rid, 0))
 
     def admissible(self, put: dict, blocked: set) -> bool:
         if (put["key"], put["to"]) in blocked:
+            return False
+        if self.max_bytes and self.held() and self.held() + 1 > self.max_bytes:
             return False
         return self.maxsize <= 0 or len(self.queue(put["key"], put["to"])) < self.maxsize
 
@@ -131,7 +152,7 @@ class Ref:
     # -- gets
 
     def get(self, rid: int, handle: int, consumer: str | None, key: str, nowait: bool,
-            ack: bool, target: int) -> None:
+            ack: bool, target: int, timed: bool) -> None:
         if self.deals and consumer is None:
             self.replies[rid] = ("error", "ValueError")
             return
@@ -148,6 +169,8 @@ class Ref:
             else:
                 self.replies[rid] = ("error", "QueueEmpty")
             self.serve(key)
+        elif getter in self.getters[key] and timed:
+            self.timed.append(("get", rid, 0))
 
     def source(self, getter: dict) -> tuple[str | None, list]:
         key, consumer = getter["key"], getter["consumer"]
@@ -191,10 +214,12 @@ class Ref:
             self.getters[getter["key"]].remove(getter)
         leased = getter["ack"] and not getter["target"]
         if leased:
-            self.leases[items[0][0]] = {"key": getter["key"], "origin": origin,
-                                        "item": items[0], "handle": getter["handle"]}
+            self.lease_count += 1
+            self.leases[items[0][0]] = {"key": getter["key"], "origin": origin, "item": items[0],
+                                        "handle": getter["handle"], "n": self.lease_count}
+            self.timed.append(("lease", items[0][0], self.lease_count))
         self.replies[getter["rid"]] = ("items", [i[0] for i in items], bool(getter["target"]),
-                                       leased)
+                                       leased, (getter["key"], origin))
 
     def unlease(self, seq: int) -> None:
         """A delivery that was not acknowledged goes back to the head of its queue."""
@@ -204,6 +229,54 @@ class Ref:
             origin = self.target(lease["item"])
         self.queue(lease["key"], origin).insert(0, lease["item"])
         self.serve(lease["key"])
+
+    def time_passes(self) -> None:
+        """Every deadline passes, in the order they were set: waiting requests with a timeout
+        time out (a get_batch takes what there is), leases lapse (the deliveries they make
+        meanwhile are leased again and lapse too)."""
+        for kind, ident, n in self.timed:  # grows while it runs
+            if kind == "lease":
+                lease = self.leases.get(ident)
+                if lease is not None and lease["n"] == n:
+                    self.unlease(ident)
+            elif kind == "put":
+                put = next((p for p in self.putters if p["rid"] == ident), None)
+                if put is not None:
+                    self.putters.remove(put)
+                    self.replies[ident] = ("error", "TimeoutError")
+                    self.admit()
+            else:
+                self.expire_get(ident)
+        self.timed = []
+
+    def expire_get(self, rid: int) -> None:
+        getter = next((g for k in KEYS for g in self.getters[k] if g["rid"] == rid), None)
+        if getter is None:
+            return
+        key = getter["key"]
+        if getter["target"]:
+            origin, queue = self.source(getter)
+            n = take(queue, getter["target"], final=True)
+            if n:
+                self.deliver(getter, origin, queue, n)
+                self.serve(key)
+                return
+        self.getters[key].remove(getter)
+        self.replies[rid] = ("error", "TimeoutError")
+        self.serve(key)
+
+    def requeue(self, key: str, origin: str | None, seqs: list[int], leased: bool) -> None:
+        """A delivery that could not be sent goes back to the head of the queue it came from,
+        or is dealt again if that consumer is gone."""
+        if leased:
+            del self.leases[seqs[0]]
+        items = [self.items[s] for s in seqs]
+        if origin is not None and origin not in self.consumers and origin not in DECLARED:
+            for item in items:
+                self.queue(key, self.target(item)).append(item)
+        else:
+            self.queue(key, origin)[:0] = items
+        self.serve(key)
 
     # -- handles
 
@@ -274,23 +347,28 @@ def _outcome(result: Any = None, error: BaseException | None = None, items: list
     if error is not None:
         return ("error", type(error).__name__)
     if items is not None:
-        return ("items", [i.payload[0] for i in items], batch, lease is not None)
+        return ("items", [i.payload[0] for i in items], batch, lease is not None, origin)
     return ("ok", result)
 
 
 class CoreModel(RuleBasedStateMachine):
     """One channel: ``QueueCore`` and ``Ref`` side by side."""
 
-    @initialize(maxsize=st.integers(0, 3), deals=st.booleans(), steal=st.booleans())
-    def start(self, maxsize: int, deals: bool, steal: bool) -> None:
+    @initialize(maxsize=st.integers(0, 3), deals=st.booleans(), steal=st.booleans(),
+                max_bytes=st.sampled_from((0, 0, 3, 6)))
+    def start(self, maxsize: int, deals: bool, steal: bool, max_bytes: int) -> None:
         self.sent: dict[int, tuple] = {}
+        # (client, origin, items, lease) of the replies of the current step: what the
+        # broker's outbox would hand back to the core if the client could not be reached
+        self.deliveries: list[tuple] = []
         self.lease_ids: dict[int, int] = {}  # item seq -> the core's lease id
         self.core = QueueCore(
             name="model", maxsize=maxsize, collector=Collector(),
             dispatcher=ToDispatcher(steal) if deals else Dispatcher(),
             consumers=DECLARED, reply=self._reply, decode_item=lambda item: item.payload,
-            encode_item=lambda value, weight: Item(value, weight, 1), lease_timeout=LEASE_S)
-        self.ref = Ref(maxsize, deals, steal)
+            encode_item=lambda value, weight: Item(value, weight, 1), lease_timeout=LEASE_S,
+            max_bytes=max_bytes, key_grace=LEASE_S)
+        self.ref = Ref(maxsize, deals, steal, max_bytes)
         self.handles = [self._new_client(i) for i in range(len(IDENTITIES) + 1)]
         self.issued: list[int] = []
         self.seqs = iter(range(10**9))
@@ -298,12 +376,13 @@ class CoreModel(RuleBasedStateMachine):
     def _new_client(self, slot: int) -> Client:
         return Client(address=slot, identity=IDENTITIES[slot] if slot < len(IDENTITIES) else None)
 
-    def _reply(self, client: Client, rid: int, **outcome: Any) -> bool:
+    def _reply(self, client: Client, rid: int, **outcome: Any) -> None:
         assert rid not in self.sent, f"request {rid} answered twice"
         self.sent[rid] = _outcome(**outcome)
+        if outcome.get("items") is not None:
+            self.deliveries.append((client, outcome["origin"], outcome["items"], outcome.get("lease")))
         if outcome.get("lease") is not None:
             self.lease_ids[outcome["items"][0].payload[0]] = outcome["lease"]
-        return True
 
     def _check_step(self, before: set[int]) -> None:
         got = {rid: out for rid, out in self.sent.items() if rid not in before}
@@ -312,6 +391,7 @@ class CoreModel(RuleBasedStateMachine):
         assert self.sent.keys() == self.ref.replies.keys()
 
     def _step(self) -> set[int]:
+        self.deliveries = []
         return set(self.sent)
 
     def _rid(self) -> int:
@@ -321,27 +401,31 @@ class CoreModel(RuleBasedStateMachine):
     # -- rules
 
     @rule(key=st.sampled_from(KEYS), to=st.sampled_from((None, *IDENTITIES)),
-          weight=st.integers(0, 3), nowait=st.booleans())
-    def put(self, key: str, to: str | None, weight: int, nowait: bool) -> None:
+          weight=st.integers(0, 3), nowait=st.booleans(), timed=st.booleans())
+    def put(self, key: str, to: str | None, weight: int, nowait: bool, timed: bool) -> None:
+        """A put; ``timed``: with a timeout (it passes in ``time_passes``)."""
         before = self._step()
         rid, seq = self._rid(), next(self.seqs)
         producer = self.handles[-1]
-        self.ref.put(rid, key, (seq, to, weight), nowait)
-        self.core.put(producer, rid, key, Item((seq, to), weight, 1), None, nowait)
+        self.ref.put(rid, key, (seq, to, weight), nowait, timed)
+        self.core.put(producer, rid, key, Item((seq, to), weight, 1), TIMEOUT_S if timed else None,
+                      nowait)
         self._check_step(before)
 
     @rule(slot=st.integers(0, len(IDENTITIES)), key=st.sampled_from(KEYS), nowait=st.booleans(),
-          ack=st.booleans(), batch=st.sampled_from((0, 0, 1, 3, 5)))
-    def get(self, slot: int, key: str, nowait: bool, ack: bool, batch: int) -> None:
-        """A get (``batch`` 0) or a get_batch of target weight ``batch``."""
+          ack=st.booleans(), batch=st.sampled_from((0, 0, 1, 3, 5)), timed=st.booleans())
+    def get(self, slot: int, key: str, nowait: bool, ack: bool, batch: int, timed: bool) -> None:
+        """A get (``batch`` 0) or a get_batch of target weight ``batch``; ``timed``: with a
+        timeout (it passes in ``time_passes``)."""
         before = self._step()
         rid = self._rid()
         client = self.handles[slot]
         ack = ack and not batch
         if not (self.ref.deals and client.identity is None) and client.consumer is None:
             self.ref.join(client.identity)
-        self.ref.get(rid, slot, client.identity, key, nowait, ack, batch)
-        self.core.get(client, rid, key, None, nowait, ack=ack, batch_target=batch)
+        self.ref.get(rid, slot, client.identity, key, nowait, ack, batch, timed)
+        self.core.get(client, rid, key, TIMEOUT_S if timed else None, nowait, ack=ack,
+                      batch_target=batch)
         self._check_step(before)
 
     @precondition(lambda self: self.ref.leases)
@@ -378,16 +462,34 @@ class CoreModel(RuleBasedStateMachine):
         self.handles[slot] = self._new_client(slot)
         self._check_step(before)
 
-    @precondition(lambda self: self.ref.leases)
-    @rule()
-    def leases_lapse(self) -> None:
+    @precondition(lambda self: self.deliveries)
+    @rule(slot=st.integers(0, len(IDENTITIES)))
+    def connection_breaks(self, slot: int) -> None:
+        """The replies of the last step to this handle cannot be sent: the broker hands their
+        deliveries back (``requeue``), then ends the handle."""
+        client = self.handles[slot]
+        lost = [d for d in self.deliveries if d[0] is client]
         before = self._step()
-        # in the order they were issued; a lapsed delivery handed to a waiting getter is leased
-        # again and (at this clock reading) lapses in the same tick
-        while self.ref.leases:
-            self.ref.unlease(next(iter(self.ref.leases)))
+        for _, (key, origin), items, lease in lost:
+            self.ref.requeue(key, origin, [i.payload[0] for i in items], lease is not None)
+            self.core.requeue(client, (key, origin), items, lease)
+        self.ref.close(slot, client.consumer, list(client.parked))
+        self.core.client_gone(client)
+        self.handles[slot] = self._new_client(slot)
+        self._check_step(before)
+
+    @precondition(lambda self: self.ref.timed)
+    @rule()
+    def time_passes(self) -> None:
+        """Every timeout passes and every lease lapses, and every key that stays idle for its
+        grace period goes."""
+        before = self._step()
+        self.ref.time_passes()
         self.core.tick(time.monotonic() + 2 * LEASE_S)
         self._check_step(before)
+        for key, ks in self.core.keys.items():
+            assert not ks.idle(), f"key {key!r} stayed idle past its grace period"
+        self.deliveries = []  # a lease that lapsed in this tick is no delivery to hand back
 
     # -- invariants
 
@@ -400,9 +502,22 @@ class CoreModel(RuleBasedStateMachine):
                 assert self.core.qsize(key, consumer) == want, (key, consumer)
 
     @invariant()
+    def same_heads_and_full(self) -> None:
+        maxsize = self.ref.maxsize
+        for key in KEYS:
+            shared = [i[0] for i in self.ref.shared[key]]
+            assert [i.payload[0] for i in self.core.peek(key, 3)] == shared[:3], key
+            assert self.core.full(key) == (maxsize > 0 and len(shared) >= maxsize), key
+            for consumer in IDENTITIES:
+                private = [i[0] for i in self.ref.private[key].get(consumer) or ()]
+                want = (private + shared)[:3]
+                assert [i.payload[0] for i in self.core.peek(key, 3, consumer)] == want
+                full = maxsize > 0 and len(private) >= maxsize
+                assert self.core.full(key, consumer) == full, (key, consumer)
+
+    @invariant()
     def bytes_held_counts_queued_and_leased_items(self) -> None:
-        queued = sum(self.ref.depth(k) for k in KEYS)
-        assert self.core.bytes_held == queued + len(self.ref.leases)
+        assert self.core.bytes_held == self.ref.held()
         assert len(self.core.leases) == len(self.ref.leases)
 
 
@@ -416,7 +531,7 @@ def _run(max_examples: int) -> None:
 
 
 def test_queue_core_matches_reference():
-    _run(200)
+    _run(500)
 
 
 @pytest.mark.fuzz
@@ -444,7 +559,7 @@ def test_batch_delivered_at_its_deadline_admits_waiting_puts():
     core.put(producer, 2, "a", Item((1, None), 1, 1), None, False)
     assert 2 not in replies  # the queue is full: the second put waits
     core.get(consumer, 3, "a", None, True, batch_target=5)  # nowait: the longest run within 5
-    assert replies[3] == ("items", [0], True, False)
+    assert replies[3] == ("items", [0], True, False, ("a", None))
     assert replies[2] == ("ok", None)
     assert core.qsize("a") == 1
 
@@ -461,6 +576,39 @@ def test_getter_held_back_by_a_batch_steals_once_the_batch_took_the_shared_items
     core.get(consumer, 4, "b", None, False)  # held back behind the batch
     assert 3 not in replies and 4 not in replies
     core.get(consumer, 5, "b", None, True, batch_target=1)  # nowait: takes the shared item
-    assert replies[5] == ("items", [1], True, False)
-    assert replies[4] == ("items", [0], False, False)  # stolen from c:1
+    assert replies[5] == ("items", [1], True, False, ("b", None))
+    assert replies[4] == ("items", [0], False, False, ("b", "c:1"))  # stolen from c:1
     assert 3 not in replies  # a batch does not steal
+
+
+def test_key_used_only_by_acknowledged_gets_goes_once_idle():
+    """Found by the model: the ack of a key's last lease left the key idle but never started its
+    grace period, so keys used only with ``get(ack=True)`` stayed until ``max_keys`` refused new
+    ones."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    core.put(producer, 1, "a", Item((0, None), 1, 1), None, False)
+    core.get(consumer, 2, "a", None, False, ack=True)
+    assert replies[2] == ("items", [0], False, True, ("a", None))
+    lease_id = next(iter(core.leases))
+    core.ack(consumer, 3, lease_id)
+    assert replies[3] == ("ok", None)
+    assert "a" in core.keys
+    core.tick(time.monotonic() + 31.0)  # past the default key grace period (30 s)
+    assert "a" not in core.keys
+
+
+def test_undeliverable_reply_goes_back_to_the_head_of_its_queue():
+    """A delivery the broker could not send (``requeue``) is back in front of the items that
+    were behind it, and its consumer's other gets take it first."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    core.put(producer, 1, "a", Item((0, None), 1, 1), None, False)
+    core.put(producer, 2, "a", Item((1, None), 1, 1), None, False)
+    core.get(consumer, 3, "a", None, False)
+    assert replies[3] == ("items", [0], False, False, ("a", None))
+    item = core.peek("a", 1)[0]
+    assert item.payload == (1, None)
+    core.requeue(consumer, ("a", None), [Item((0, None), 1, 1)], None)
+    assert [i.payload[0] for i in core.peek("a", 2)] == [0, 1]
+    assert core.bytes_held == 2

@@ -73,7 +73,7 @@ def test_same_host_handles_use_the_direct_link(make_remote):
     ch = make_remote("dl")
     path = _link_file(ch)
     assert os.path.exists(path)
-    assert ch._connection()._link is not None
+    assert ch._connection().direct
     rng = np.random.default_rng(0)
     # small, inline, one scratch buffer, larger than the scratch buffer, several frames
     values = [
@@ -107,8 +107,8 @@ def test_zchannel_direct_0_keeps_a_handle_on_zeromq(make_remote, monkeypatch):
     monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
     other = Channel.connect("dz")
     try:
-        assert other._connection()._link is None
-        assert ch._connection()._link is not None
+        assert not other._connection().direct
+        assert ch._connection().direct
         other.put(b"over zmq")
         assert ch.get(timeout=10) == b"over zmq"
         ch.put(np.arange(5))
@@ -192,7 +192,7 @@ def test_a_killed_direct_client_gives_its_lease_back_at_once(run_dir, workers, t
             import sys
             from zchannel.broker import Channel
             ch = Channel.connect(sys.argv[1])
-            assert ch._connection()._link is not None
+            assert ch._connection().direct
             d = ch.get(ack=True, timeout=10)
             print("got", d.item, flush=True)
             sys.stdin.readline()
@@ -221,11 +221,11 @@ def test_without_shared_memory_handles_stay_on_zeromq(make_remote):
     off = make_remote("doff", shm_threshold=0)
     path = direct.link_path(off.stats()["address"][len("ipc://") :])
     assert path is not None and not os.path.exists(path)
-    assert off._connection()._link is None
+    assert not off._connection().direct
     on = make_remote("don")
     plain = Channel.connect("don", shm=False)
     try:
-        assert plain._connection()._link is None
+        assert not plain._connection().direct
         blob = os.urandom(2 << 20)
         plain.put(blob)
         assert on.get(timeout=10) == blob
@@ -243,7 +243,7 @@ def test_a_stream_over_a_link_reads_its_replies_in_the_waiting_thread(make_remot
     consumer = Channel.connect("dw")
     try:
         pconn, cconn = producer._connection(), consumer._connection()
-        assert pconn._link is not None and cconn._link is not None
+        assert pconn.direct and cconn.direct
         before = pconn.io_turns + cconn.io_turns
         n, window = 4000, 16
         puts: list = []
@@ -402,7 +402,7 @@ def test_a_link_that_never_says_hello_is_closed_after_the_expiry(make_remote):
         assert raw.recv(timeout=20) is None, "the broker closes a silent link"
         assert ch.get(timeout=10) == 1
         conn = ch._connection()
-        assert conn._link.up and conn._relink_at == 0.0, "the handle's own link stayed open"
+        assert conn.transport.up and conn._relink_at == 0.0, "the handle's own link stayed open"
         assert ch.stats()["clients"] == 1
     finally:
         raw.close()

@@ -17,6 +17,7 @@ from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel, HookError
 from zchannel.broker.distributed import DistributedChannel
+from zchannel.broker.protocol import Bind, Learn
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -331,12 +332,12 @@ def test_binding_table_rejects_bad_input(tcp_cluster, monkeypatch):
     # replicas other than the binder finish joining at their next heartbeat tick
     assert wait_until(lambda: [r["binding"] for r in ch.stats()["replicas"]]
                       == ["binder", "ready", "ready"], 30)
-    for rec, cause in (({"op": "learn", "b": [["kept", 99]]}, "unknown replica"),
-                       ({"op": "learn", "b": [["x"]]}, "[key, replica]"),
-                       ({"op": "learn", "b": [["y", True]], "force": True}, "unknown replica"),
-                       ({"op": "bind", "k": "z", "node": 5}, "node must be a str")):
+    for rec, cause in ((Learn(id=0, entries=[["kept", 99]]), "unknown replica"),
+                       (Learn(id=0, entries=[["x"]]), "[key, replica]"),
+                       (Learn(id=0, entries=[["y", True]], force=True), "unknown replica"),
+                       (Bind(id=0, key="z", node=5), "node must be a str")):
         with pytest.raises((ValueError, TypeError), match=cause.replace("[", r"\[")):
-            ch._sub(0 if rec["op"] == "bind" else 1)._submit(dict(rec)).wait(timeout=10)
+            ch._sub(0 if type(rec) is Bind else 1)._submit(rec).wait(timeout=10)
     stats = ch.stats()
     assert [r["bound_keys"] for r in stats["replicas"]] == [1, 1, 1]
     assert [r["binding"] for r in stats["replicas"]] == ["binder", "ready", "ready"]  # unchanged

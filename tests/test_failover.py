@@ -144,7 +144,7 @@ class Chaos:
         """The heartbeat expiry the replicas run with (interval x liveness, from the hello)."""
         with Channel(None, self.addresses[2]) as plain:
             info = plain._connection().broker_info
-        return info["hb"] * info["liveness"]
+        return info.hb * info.liveness
 
     def binding_roles(self) -> dict[int, str]:
         """The ``binding`` role of every live replica (its stats)."""

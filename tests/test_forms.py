@@ -191,7 +191,7 @@ def test_peek_of_shared_memory_items(make_remote, monkeypatch, path):
     looker = Channel.connect("pkshm", shm=path != "frames")
     try:
         conn = looker._connection()
-        assert (conn._link is not None) is (path == "direct")
+        assert conn.direct is (path == "direct")
         seen = looker.peek(n=5)
         assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, tensors, strict=True))
         seen[0].fill_(-1)  # a copy, not a view of the slot

@@ -225,7 +225,7 @@ EXITS = """
         if variant == 4:
             os.environ["ZCHANNEL_DIRECT"] = "0"  # ZeroMQ instead of the direct link
         ch = Channel.connect(address)
-        assert (ch._connection()._link is None) == (variant == 4)
+        assert (not ch._connection().direct) == (variant == 4)
         ch.get(key="never", async_op=True)  # parked at exit
         work = ch.put(i, key="k", async_op=True)  # acknowledged before the exit ends
         if variant == 1:  # a thread blocked in a get while the interpreter exits
@@ -316,7 +316,7 @@ KILLED = """
     if sys.argv[2] == "pending":
         ch.get(key="never", async_op=True)  # parked
         ch.put("y", async_op=True)  # parked: never acknowledged
-    print("linked" if ch._connection()._link is not None else "zmq", flush=True)
+    print("linked" if ch._connection().direct else "zmq", flush=True)
     sys.stdin.readline()  # the broker is SIGKILLed meanwhile
     started.append(time.monotonic())
 """
@@ -346,3 +346,24 @@ def test_exit_with_a_killed_broker_is_prompt_and_quiet(direct, pending, channels
     label, seconds = out.split()
     assert label == "exit-s"
     assert float(seconds) < 1.5, f"the exit took {seconds} s"
+
+
+def test_every_handle_is_a_channel(make):
+    """Whatever serves the channel (a broker process, this process, replicas), ``create``,
+    ``connect`` and unpickling give a ``Channel``; a one-broker handle is a ``Channel`` itself
+    (``broker/channel.py``), and every handle of a channel reaches the same items."""
+    ch = make("kinds")
+    handles = [ch, Channel.connect("kinds")]
+    if not make.local:  # a local channel is not picklable
+        handles.append(pickle.loads(pickle.dumps(ch)))
+    try:
+        for i, h in enumerate(handles):
+            assert isinstance(h, Channel), type(h)
+            assert h.is_local == make.local
+            h.put(i, key="k")
+        assert sorted(ch.get(key="k", timeout=10) for _ in handles) == list(range(len(handles)))
+        if not make.local and not make.distributed:
+            assert {type(h) for h in handles} == {Channel}
+    finally:
+        for h in handles[1:]:
+            h.close()

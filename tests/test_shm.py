@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import Channel, codec, shm, streamcopy
+from zchannel.broker import Channel, codec, shm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,6 +202,91 @@ def test_reserve_shm_preallocates_the_pool(make_remote):
         local.shutdown()
 
 
+def _lent(pool) -> list[tuple]:
+    """(segment, slot, sent) of the slots lent by ``pool`` whose arrays still exist."""
+    return [tuple(entry) for entry in pool.lent.values()]
+
+
+def _used(pool) -> int:
+    return sum(int((s.states == shm.USED).sum()) for s in pool.by_name.values())
+
+
+def test_empty_shm_is_a_slot_that_a_put_sends_without_a_copy(make_remote):
+    """A producer writes its item in a slot lent by ``empty_shm``; the put sends that slot
+    itself (no second slot, no copy), and the consumer reads what was written there."""
+    ch = make_remote("inplace", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    assert ch.reserve_shm(2 * T, 4) == 4
+    a = ch.empty_shm((2, T // 4), np.float32)
+    assert isinstance(a, np.ndarray) and a.shape == (2, T // 4) and a.dtype == np.float32
+    ((seg, slot, sent),) = _lent(pool)
+    assert not sent and a.ctypes.data == seg.view(slot, 1).ctypes.data  # the slot's memory
+    a[:] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
+    ch.put({"obs": a, "step": 3})
+    assert _lent(pool) == [(seg, slot, True)] and _used(pool) == 1  # no other slot taken
+    assert _shm_stats(ch)["slots_in"] == 1
+    got = ch.get(timeout=10)
+    assert got["step"] == 3 and np.array_equal(got["obs"], a)
+    # the broker freed the slot, but `a` still exists: no other put may take it
+    wait_until(lambda: _shm_stats(ch)["slots_used"] == 0, timeout=10)
+    b = np.full(T // 2, 7, np.float32)
+    ch.put(b)
+    assert _used(pool) == 1 and seg.states[slot] == shm.FREE
+    assert np.array_equal(ch.get(timeout=10), b)
+    wait_until(lambda: _shm_stats(ch)["slots_used"] == 0, timeout=10)
+    # a second put of the same array copies it, into another slot, as for any array
+    ch.put(a)
+    assert _used(pool) == 1 and seg.states[slot] == shm.FREE
+    assert np.array_equal(ch.get(timeout=10), a)
+    del a, got
+    gc.collect()
+    assert _lent(pool) == [] and not pool.pins[seg.name].any()
+
+
+def test_empty_shm_tensors_unsent_and_dropped_slots(make_remote):
+    ch = make_remote("inplace2", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    t = ch.empty_shm((4, T // 8), torch.bfloat16)
+    assert isinstance(t, torch.Tensor) and t.shape == (4, T // 8) and t.dtype == torch.bfloat16
+    t.copy_(torch.randn(4, T // 8).to(torch.bfloat16))
+    # a put that fails to encode keeps the slot lent to `t`, unsent: the next put sends it
+    with pytest.raises(TypeError):
+        ch.put([t, object()])
+    ((seg, slot, sent),) = _lent(pool)
+    assert not sent and seg.states[slot] == shm.USED
+    ch.put([t])
+    assert _lent(pool) == [(seg, slot, True)] and _used(pool) == 1
+    assert torch.equal(ch.get(timeout=10)[0], t)
+    # dropped without a put: the slot goes back to the pool
+    u = ch.empty_shm(T, np.uint8)
+    ((useg, uslot, _),) = [e for e in _lent(pool) if e[:2] != (seg, slot)]
+    assert useg.states[uslot] == shm.USED
+    del u
+    gc.collect()
+    assert useg.states[uslot] == shm.FREE and len(_lent(pool)) == 1
+
+
+def test_empty_shm_without_shared_memory_is_a_plain_array(make_remote):
+    ch = make_remote("inplace-off", shm_threshold=0)
+    a = ch.empty_shm(5)  # float32 by default
+    assert isinstance(a, np.ndarray) and a.shape == (5,) and a.dtype == np.float32
+    small = make_remote("inplace-small", shm_threshold=T)
+    b = small.empty_shm((3, 4), torch.int64)  # below the threshold
+    assert b.shape == (3, 4) and b.dtype == torch.int64 and small._connection().shm.pool.lent == {}
+    b.fill_(9)
+    small.put(b)
+    assert torch.equal(small.get(timeout=10), b)
+    local = Channel.create("inplace-local", local=True)
+    try:
+        assert local.empty_shm((2, 2), np.int16).dtype == np.int16
+    finally:
+        local.shutdown()
+    for bad, exc in (((2,), TypeError), ((-1, 3), ValueError), ("ab", TypeError),
+                     ((2.0,), TypeError)):
+        with pytest.raises(exc):
+            ch.empty_shm(bad, object if bad == (2,) else np.float32)
+
+
 def test_reserve_shm_is_kept_across_a_broker_restart(run_dir):
     address = f"ipc://{run_dir}/reserve.sock"
 
@@ -354,7 +439,7 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     assert float(ch2.get(timeout=10)[0]) == 1.0
     # the first handle reconnects by itself and puts through a fresh pool
     new_pid = ch2.stats()["pid"]
-    assert wait_until(lambda: ch._conn.state == "up" and ch._conn.broker_info.get("pid") == new_pid,
+    assert wait_until(lambda: ch._conn.state == "up" and ch._conn.broker_info.pid == new_pid,
                  timeout=20)
     ch.put(torch.full((16384,), 9.0), timeout=10)
     assert float(ch2.get(timeout=10)[0]) == 9.0
@@ -378,7 +463,7 @@ def test_other_run_dirs_segments_are_untouched(make_remote, tmp_path, monkeypatc
 
 def test_threshold_zero_is_off(make_remote):
     ch = make_remote("off", shm_threshold=0)
-    assert ch._connection().broker_info.get("shm") is None
+    assert ch._connection().broker_info.shm is None
     ch.put(torch.zeros(MIB))
     assert torch.equal(ch.get(timeout=10), torch.zeros(MIB))
     assert _shm_stats(ch)["slots_in"] == 0 and _segments(_shm_stats(ch)["prefix"]) == []
@@ -414,23 +499,9 @@ def test_a_put_takes_the_slot_freed_last(make_remote):
     assert torch.equal(ch.get(timeout=10), ts[1])
 
 
-@pytest.mark.parametrize("size", [0, 1, 63, 64, 4 << 20, (4 << 20) + 1, (16 << 20) + 37])
-def test_streamed_copies_equal_plain_ones(size):
-    """Large slot copies use non-temporal stores (broker/streamcopy.py); every byte lands, at
-    any alignment, and nothing around the destination is touched."""
-    rng = np.random.default_rng(size)
-    for src_off, dst_off in [(0, 0), (1, 17), (63, 5)]:
-        src = np.frombuffer(rng.bytes(size + 64), np.uint8)[src_off:src_off + size]
-        space = np.zeros(size + 128, np.uint8)
-        dst = space[dst_off:dst_off + size]
-        streamcopy.copy(dst, src)
-        assert np.array_equal(dst, src)
-        assert not space[:dst_off].any() and not space[dst_off + size:].any()
-
-
-def test_large_tensors_round_trip_through_streamed_slot_copies(make_remote):
-    """Both copies of a large item (into the producer's slot, out of it at the consumer) are
-    streamed ones; odd sizes and dtypes arrive intact, owned by the consumer."""
+def test_large_tensors_round_trip_through_slot_copies(make_remote):
+    """Large items of odd sizes and dtypes are copied into the producer's slots and out of them
+    at the consumer; they arrive intact, owned by the consumer."""
     ch = make_remote("big", shm_threshold=T)
     values = [torch.randn((4 << 20) // 4 + 3), torch.arange(6 * MIB + 1, dtype=torch.uint8),
               np.frombuffer(np.random.default_rng(7).bytes(5 * MIB + 7), np.uint8).copy()]
@@ -444,3 +515,30 @@ def test_large_tensors_round_trip_through_streamed_slot_copies(make_remote):
             assert got.flags.writeable and np.array_equal(got, v)
         else:
             assert torch.equal(got, v)
+
+
+def _broker_tunables(ch) -> bytes:
+    """The broker process's GLIBC_TUNABLES as it was started (glibc, parsing it, writes a NUL
+    over each ``:`` in /proc's copy, so the entries come as NUL-separated bytes)."""
+    with open(f"/proc/{ch.stats()['pid']}/environ", "rb") as f:
+        raw = f.read()
+    start = raw.find(b"\0GLIBC_TUNABLES=")
+    if start < 0:
+        return b""
+    entries = raw[start + 16:].split(b"\0")
+    return b":".join(e for e in entries[:4] if e.startswith(b"glibc."))
+
+
+def test_brokers_start_with_glibc_streaming_large_copies(make_remote, monkeypatch):
+    """A broker zchannel starts gets glibc's non-temporal copy threshold at 4 MiB in
+    GLIBC_TUNABLES (docs/shm.md, "Large copies"), next to the user's own tunables; a threshold
+    the user set wins, and ZCHANNEL_GLIBC_TUNABLES=0 leaves the environment alone."""
+    monkeypatch.delenv("ZCHANNEL_GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    assert _broker_tunables(make_remote("tun1")) == (
+        b"glibc.malloc.arena_max=4:glibc.cpu.x86_non_temporal_threshold=0x400000")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x800000")
+    assert _broker_tunables(make_remote("tun2")) == b"glibc.cpu.x86_non_temporal_threshold=0x800000"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("ZCHANNEL_GLIBC_TUNABLES", "0")
+    assert _broker_tunables(make_remote("tun3")) == b""

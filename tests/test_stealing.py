@@ -12,6 +12,7 @@ from conftest import wait_until
 from zchannel.broker import Channel, KeyMoved
 from zchannel.broker.distributed import DistributedChannel
 from zchannel.broker.moving import MOVE_BACKLOG, choose_move
+from zchannel.broker.protocol import LoadAnswer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,11 +142,11 @@ def test_empty_keys_move_to_an_idle_replica(run_dir, workers, monkeypatch):
 
 
 def test_choose_move_needs_an_idle_and_a_backed_up_replica():
-    idle, busy, quiet = {"backlog": 0, "starved": 2}, {"backlog": 40, "starved": 0}, \
-        {"backlog": 0, "starved": 0}
+    idle, busy, quiet = LoadAnswer(backlog=0, starved=2), LoadAnswer(backlog=40, starved=0), \
+        LoadAnswer(backlog=0, starved=0)
     assert choose_move({0: idle, 1: busy, 2: quiet}) == (1, 0)
     assert choose_move({0: quiet, 1: busy}) is None  # nobody waits: nothing to gain
-    assert choose_move({0: idle, 1: {"backlog": MOVE_BACKLOG - 1, "starved": 0}}) is None
+    assert choose_move({0: idle, 1: LoadAnswer(backlog=MOVE_BACKLOG - 1, starved=0)}) is None
     # the deepest backlog gives, to the replica with the most waiting gets
-    assert choose_move({0: {"backlog": 0, "starved": 1}, 1: busy, 2: {"backlog": 0, "starved": 3},
-                        3: {"backlog": 90, "starved": 1}}) == (3, 2)
+    assert choose_move({0: LoadAnswer(backlog=0, starved=1), 1: busy, 2: LoadAnswer(backlog=0, starved=3),
+                        3: LoadAnswer(backlog=90, starved=1)}) == (3, 2)

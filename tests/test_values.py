@@ -240,9 +240,9 @@ def _open(path: str, channels: list, monkeypatch) -> Channel:
     ch = Channel.create("values", local=path == "local", **kwargs)
     channels.append(ch)
     if path == "zmq":
-        assert ch._connection()._link is None
+        assert not ch._connection().direct
     elif path in ("direct", "shm"):
-        assert ch._connection()._link is not None, "same host: the direct link is the default"
+        assert ch._connection().direct, "same host: the direct link is the default"
     return ch
 
 

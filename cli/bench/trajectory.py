@@ -4,20 +4,43 @@ Producers (one per source rank) put ``PolicyPart`` + ``EnvPart`` halves of every
 ``steps`` global steps; consumers with identities ``actor:i`` get the outputs (``Trajectory`` in
 rollout mode, ``ActorBatch`` in pipeline mode) and count them.  The plain path puts the same
 halves (the same bytes) through a channel without hooks, and its consumers count the halves.
+The collector row's ratio is collector / plain chunks/s.  The command loads this module only
+for this scenario (it imports ``zchannel.embodied``, which registers the transport types).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import click
+import torch
 from zchannel.broker import Channel
-from zchannel.cli.bench_baselines import WORKER_DEADLINE_S, Mismatch
-
-GET_TIMEOUT_S = 0.1
+from zchannel.cli.bench.cases import MIB, Case
+from zchannel.cli.bench.payloads import Mismatch
+from zchannel.cli.bench.report import Result, set_ratio
+from zchannel.cli.bench.runner import Runner
+from zchannel.cli.bench.workers import (
+    GET_TIMEOUT_S,
+    WORKER_DEADLINE_S,
+    Workers,
+    read_proc_status,
+)
+from zchannel.embodied import (
+    ActorBatch,
+    EnvPart,
+    EnvTransition,
+    PolicyOutput,
+    PolicyPart,
+    Trajectory,
+    TrajectoryKey,
+    TrajectoryPlan,
+    TrajectorySource,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +89,6 @@ class TrajectoryCase:
         return self.num_sources * self.steps * self.chunks
 
     def plan(self) -> Any:
-        from zchannel.embodied import TrajectoryPlan
-
         return TrajectoryPlan.from_options(self.options())
 
     def expected_outputs(self) -> int:
@@ -90,16 +111,6 @@ class TrajectoryCase:
 def make_parts(case: TrajectoryCase, step: int, rank: int, chunk: int) -> tuple[Any, Any]:
     """The ``PolicyPart`` and ``EnvPart`` of one chunk of source ``rank`` (valid halves: GAE
     inputs with ``prev_values``, final and bootstrap values on the epoch's last chunk)."""
-    import torch
-    from zchannel.embodied import (
-        EnvPart,
-        EnvTransition,
-        PolicyOutput,
-        PolicyPart,
-        TrajectoryKey,
-        TrajectorySource,
-    )
-
     B, C, A = case.batch, case.action_chunks, case.action_dim
     D = C * A
     key = TrajectoryKey(step, 0, rank, 0, chunk)
@@ -141,8 +152,6 @@ def make_parts(case: TrajectoryCase, step: int, rank: int, chunk: int) -> tuple[
 
 def part_bytes(part: Any) -> int:
     """Bytes of the tensors of a part (what travels as frames)."""
-    import torch
-
     total = 0
     stack = [part]
     while stack:
@@ -168,8 +177,6 @@ def chunk_bytes(case: TrajectoryCase) -> int:
 
 def trajectory_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Puts both halves of every chunk of its source rank, ``window`` puts in flight."""
-    import zchannel.embodied  # noqa: F401 - registers the transport types
-
     case: TrajectoryCase = spec["case"]
     rank = spec["rank"]
     ch = Channel.connect(spec["address"])
@@ -198,8 +205,6 @@ def trajectory_producer(spec: dict, ready: Callable[[], None], go_wait: Callable
 def trajectory_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Gets (identity ``actor:i``) until all consumers together got ``total`` items; checks
     each item's type (and a Trajectory's / ActorBatch's shape)."""
-    from zchannel.embodied import ActorBatch, EnvPart, PolicyPart, Trajectory
-
     case: TrajectoryCase = spec["case"]
     expect = {"Trajectory": Trajectory, "ActorBatch": ActorBatch, "parts": (PolicyPart, EnvPart)}[
         spec["expect"]
@@ -264,8 +269,6 @@ def run_trajectory_case(
 ) -> dict:
     """One run: ``num_sources`` producers, ``actors`` consumers, through the collector (or a
     plain channel).  Returns chunks, seconds, outputs and the broker's peak RSS."""
-    from zchannel.cli.bench_baselines import Workers, read_proc_status
-
     name = f"bench-traj-{'c' if collector else 'p'}-{time.monotonic_ns() % 10**9}"
     kwargs: dict[str, Any] = {}
     if collector:
@@ -315,3 +318,81 @@ def run_trajectory_case(
         }
     finally:
         ch.shutdown()
+
+
+TRAJECTORY_STEPS = 8  # global steps streamed per trajectory case (unless --messages is given)
+
+
+def trajectory_cases(steps: int, batch: int) -> list[TrajectoryCase]:
+    """Rollout and pipeline mode: S=2 sources of B envs, N=8 chunks, C=8, A=7, AW=2."""
+    return [
+        TrajectoryCase(mode="rollout", batch=batch, steps=steps),
+        TrajectoryCase(mode="pipeline", batch=batch, steps=steps),
+    ]
+
+
+def _trajectory_row(case: TrajectoryCase, kind: str, runs: list[dict], transport: str) -> Result:
+    secs = statistics.median(r["seconds"] for r in runs)
+    chunks_s = statistics.median(r["chunks"] / r["seconds"] for r in runs)
+    nbytes = chunk_bytes(case)
+    rss = [r["rss_peak"] for r in runs if r["rss_peak"]]
+    return Result(
+        case=f"{case.label} {kind}",
+        kind=kind,
+        scenario="trajectory",
+        ptype="parts",
+        size=nbytes,
+        producers=case.num_sources,
+        consumers=case.actors,
+        transport=transport,
+        window=case.window,
+        messages=case.total_chunks,
+        items_s=chunks_s,
+        mb_s=chunks_s * nbytes / MIB,
+        p50_us=float("nan"),
+        p99_us=float("nan"),
+        latency="-",
+        seconds=secs,
+        rss_peak_mb=max(rss) / MIB if rss else None,
+        repeats=len(runs),
+        runs={"items_s": [round(r["chunks"] / r["seconds"], 1) for r in runs]},
+        extra={
+            "runs_chunks_s": [round(r["chunks"] / r["seconds"], 1) for r in runs],
+            "outputs": runs[0]["outputs"],
+            "per_consumer": runs[0]["per_consumer"],
+            "options": case.options(),
+            "image": [3, case.image, case.image],
+        },
+    )
+
+
+def run_trajectory(runner: Runner, base: Case, steps: int, batch: int) -> None:
+    """Each mode through the ``embodied_trajectory`` collector, then the same halves through a
+    channel without hooks; the collector row's ratio is collector / plain chunks/s."""
+    if runner.address:
+        raise click.BadParameter("--scenario trajectory starts its own brokers (no --address)")
+
+    def address_for(name: str) -> str:
+        if base.transport == "ipc":
+            return f"ipc://{runner.tmpdir}/{name}.sock"
+        return "tcp://127.0.0.1:0"
+
+    for case in trajectory_cases(steps, batch):
+        runs = {}
+        for collector in (True, False):
+            runs[collector] = [
+                runner.logged(
+                    f"{case.label} {'collector' if collector else 'plain'}", i,
+                    lambda c=collector, t=case: run_trajectory_case(t, c, runner.tmpdir, address_for),
+                )
+                for i in range(runner.repeats)
+            ]
+            runner.tick()
+        hooked = _trajectory_row(case, "collector", runs[True], base.transport)
+        plain = _trajectory_row(case, "plain", runs[False], base.transport)
+        set_ratio(hooked, plain, "chunks/s")
+        runner.rows += [hooked, plain]
+    runner.note(
+        "trajectory rows: items/s = chunks/s (one PolicyPart + one EnvPart per chunk of B envs),"
+        " MB/s = bytes of both halves put; outputs counted by consumers actor:i"
+    )

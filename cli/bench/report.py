@@ -1,4 +1,5 @@
-"""The report of ``zchannel bench``: its rows, progress while it runs, the table, and the JSON file.
+"""The report of ``zchannel bench``: its rows, progress while it runs, the table, the JSON file
+and the machine description.
 
 A row (``Result``) holds the medians over the repeats of one case and every run's figures
 (``runs``); its ratio names the baseline row it is measured against (``baseline``), the figure
@@ -13,7 +14,10 @@ otherwise, so a long run is never silent.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -22,8 +26,10 @@ from typing import IO, Any
 
 import click
 import numpy as np
+import zmq
 
 WIDE_SPREAD = 0.25  # warn when (max - min) / median of a row's repeats is above this
+
 
 # what each kind of row is, for the ratios in words and the legend
 KIND_DESCRIPTIONS = {
@@ -37,6 +43,8 @@ KIND_DESCRIPTIONS = {
     "collector": "trajectory chunks through the embodied_trajectory collector",
     "plain": "the same trajectory chunks through a channel without hooks",
 }
+
+
 METRIC_WORDS = {"items/s": "items/s", "p50": "p50 latency", "chunks/s": "chunks/s"}
 HIGHER_IS_BETTER = {"items/s": True, "chunks/s": True, "p50": False, "MB/s": True}
 
@@ -112,9 +120,6 @@ def set_ratio(row: Result, base: Result, metric: str) -> None:
         row.ratio_runs = [round(x / y, 4) for x, y in zip(a, b, strict=True)]
 
 
-# -- progress ---------------------------------------------------------------------------------
-
-
 class Progress:
     """Progress on stderr: a bar naming the current run on a terminal; one line per finished
     run otherwise (a log file, CI), with its figure and the time so far."""
@@ -168,9 +173,6 @@ def _run_figure(result: Any) -> str:
     if isinstance(result, dict):
         items, seconds = result.get("chunks"), result.get("seconds")
     return f", {items / seconds:,.0f} items/s" if items and seconds else ""
-
-
-# -- the report -------------------------------------------------------------------------------
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -384,3 +386,39 @@ def write_json(path: str, machine: dict, options: dict, rows: list[Result],
         return
     with open(path, "w") as f:
         f.write(text)
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU count and model, kernel, and the versions that matter."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        torch_version = None
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "mem_total_gb": round(mem / (1 << 30), 1) if mem else None,
+        "loadavg": os.getloadavg(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "numpy": np.__version__,
+    }

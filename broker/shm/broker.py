@@ -1,8 +1,8 @@
-"""The broker's side of the same-host shared-memory path (see ``broker/shm.py`` and
-``docs/shm.md``): the probe segment that proves same-host, the producers' segments the broker
-mapped, ``Hold`` references (one per item holding a slot, one per consumer delivery), byte
-accounting, the conversion of slots to frames for consumers that are not on the same host, and
-the cleanup of departed clients' slots and of stale segments."""
+"""The broker's side of the same-host shared-memory path (``docs/shm.md``): the probe segment
+that proves same-host, the producers' segments the broker mapped, ``Hold`` references (one per
+item holding a slot, one per consumer delivery), byte accounting, the conversion of slots to
+frames for consumers that are not on the same host, and the cleanup of departed clients' slots
+and of stale segments."""
 
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ from typing import Any
 import numpy as np
 import zmq
 from zchannel.broker import codec
-from zchannel.broker.shm import (
+from zchannel.broker.protocol import Reply, ShmHello, ShmOffer, ShmRelease
+from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
     FREE,
     MAGIC,
     SHM_DIR,
-    SHM_HELLO,
     USED,
     Segment,
-    _unlink,
     list_segments,
     prefix_for,
+    unlink,
 )
 
 log = logging.getLogger("zchannel.shm")
@@ -69,6 +69,18 @@ class Hold:
 
 def _keep(obj: Any) -> None:
     """A finalizer whose only job is to hold ``obj`` until it runs."""
+
+
+class SlotFrames(list):
+    """The frames of a put that also refers to shared-memory slots: the item's payload in the
+    queue core (which never looks into it), keeping the slots' ``Hold``s as long as it exists."""
+
+    __slots__ = ("holds", "slot_bytes")
+
+    def __init__(self, frames: list, holds: list[Hold]) -> None:
+        super().__init__(frames)
+        self.holds = holds
+        self.slot_bytes = sum(h.nbytes for h in holds)  # counted in the item's nbytes
 
 
 class _BrokerSegment:
@@ -111,7 +123,7 @@ class ShmBroker:
         self._token = b""
         stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
         for seg_name in stale:
-            _unlink(seg_name)
+            unlink(seg_name)
         if stale:
             log.info("removed %d stale shared-memory segment(s) of channel %r", len(stale), name)
         if threshold:
@@ -135,26 +147,26 @@ class ShmBroker:
     def enabled(self) -> bool:
         return bool(self.threshold) and self.probe is not None
 
-    def hello_info(self) -> dict | None:
+    def hello_info(self) -> ShmOffer | None:
         """The ``shm`` field of the hello reply (None: shared memory is off)."""
         if not self.enabled:
             return None
-        return {"probe": self.probe, "prefix": self.prefix, "threshold": self.threshold,
-                "pool": self.pool_bytes}
+        return ShmOffer(probe=self.probe, prefix=self.prefix, threshold=self.threshold,
+                        pool=self.pool_bytes)
 
     # -- records -------------------------------------------------------------------------------
 
-    def handle(self, client: Any, op: str, rec: dict) -> None:
+    def handle(self, client: Any, rec: ShmHello | ShmRelease) -> None:
         """``shm_hi`` (same-host proof) and ``shm_rel`` (slots released) records; no reply."""
-        if op == SHM_HELLO:
-            token = rec.get("tok")
+        if type(rec) is ShmHello:
+            token = rec.token
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
                 self.verified.add(client)
                 self.proven[client.address] = None
                 while len(self.proven) > PROVEN_ADDRESSES:
                     self.proven.popitem(last=False)
             return
-        ids = rec.get("h")
+        ids = rec.holds
         if not isinstance(ids, list):
             raise ValueError("shm_rel carries a list of hold ids")
         mine = self.client_holds.get(client)
@@ -165,9 +177,10 @@ class ShmBroker:
                 mine.discard(hid)
                 self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
 
-    def attach_put(self, client: Any, refs: Any, item: Any) -> None:
-        """Turn the slot references of a put into ``Hold``s on ``item`` (``item.shm``) and count
-        their bytes in ``item.nbytes``.  ``ValueError`` for anything that does not check out."""
+    def attach_put(self, client: Any, refs: Any, frames: list) -> SlotFrames:
+        """The payload of a put of ``frames`` with the slot references ``refs``: the frames and
+        a ``Hold`` per slot (their bytes in ``SlotFrames.slot_bytes``).  ``ValueError`` for
+        anything that does not check out."""
         if client not in self.verified and client.address in self.proven:
             self.verified.add(client)  # the same connection: the same host
         if client not in self.verified:
@@ -195,33 +208,32 @@ class ShmBroker:
             if seg.states[slot] != USED or bseg.refs[slot]:
                 raise ValueError(f"shared-memory slot {slot} of {name!r} is not a fresh slot")
             holds.append(Hold(self, bseg, slot, nbytes, True))
-        item.shm = holds
         self.slots_in += len(holds)
-        item.nbytes += sum(h.nbytes for h in holds)
+        return SlotFrames(frames, holds)
 
-    def attach_reply(self, client: Any, item: Any, rec: dict, index: int, count: int,
+    def attach_reply(self, client: Any, payload: SlotFrames, rec: Reply, index: int, count: int,
                      frames: list) -> int:
-        """Add the slots of ``item`` (the ``index``-th of ``count`` in reply ``rec``) to the
+        """Add the slots of ``payload`` (the ``index``-th item of ``count`` in reply ``rec``) to the
         reply: references for a same-host client (a consumer hold each), else the slots' bytes
         as zero-copy frames appended to ``frames``.  Returns the number of frames added."""
-        sm = rec.get("sm")
+        sm = rec.slots
         if sm is None:
-            sm = rec["sm"] = [None] * count
+            sm = rec.slots = [None] * count
         entries: list[Any] = []
         if client in self.verified:
             mine = self.client_holds.setdefault(client, set())
-            for h in item.shm:
+            for h in payload.holds:
                 hid = next(self._ids)
                 self.holds[hid] = (client, Hold(self, h.seg, h.slot, h.nbytes, False))
                 mine.add(hid)
                 entries.append([h.seg.seg.name, h.slot, h.nbytes, hid])
             sm[index] = entries
             return 0
-        base = len(item.payload)
-        for j, h in enumerate(item.shm):
+        base = len(payload)
+        for j, h in enumerate(payload.holds):
             frames.append(zmq.Frame(h.view(), copy=False))
             entries.append(base + j)
-        self.converted += len(item.shm)
+        self.converted += len(payload.holds)
         sm[index] = entries
         return len(entries)
 
@@ -230,12 +242,12 @@ class ShmBroker:
         its slot alive while a hook, or a frame made from it, still uses it)."""
 
         def decode(item: Any) -> Any:
-            if not item.shm:
-                return fallback(item)
             frames = item.payload
+            if not isinstance(frames, SlotFrames):
+                return fallback(item)
             body = frames[0]
             body = body.buffer if hasattr(body, "buffer") else body
-            return codec.decode(body, frames[1:], shm=[h.view() for h in item.shm], shm_copy=False)
+            return codec.decode(body, frames[1:], shm=[h.view() for h in frames.holds], shm_copy=False)
 
         return decode
 
@@ -259,7 +271,7 @@ class ShmBroker:
     def _remove(self, bseg: _BrokerSegment) -> None:
         if self.segments.get(bseg.seg.name) is bseg:
             del self.segments[bseg.seg.name]
-        _unlink(bseg.seg.name)
+        unlink(bseg.seg.name)
 
     def client_gone(self, client: Any) -> None:
         """A client left or died: drop the slots it held as a consumer; its own segments go
@@ -281,13 +293,6 @@ class ShmBroker:
                 if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
                         and not any(bseg.refs)):
                     self._remove(bseg)
-
-    def wrap_client_gone(self, core_client_gone: Any) -> Any:
-        def client_gone(client: Any) -> None:
-            core_client_gone(client)
-            self.client_gone(client)
-
-        return client_gone
 
     def stats(self) -> dict:
         with self.lock:
@@ -313,4 +318,4 @@ class ShmBroker:
         self.client_holds.clear()
         self.segments.clear()
         for seg_name in list_segments(self.prefix):
-            _unlink(seg_name)
+            unlink(seg_name)

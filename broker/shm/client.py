@@ -1,0 +1,274 @@
+"""The client's side of the same-host shared-memory path (``docs/shm.md``), one ``ShmClient``
+per ``Connection``: it proves same-host at hello (reads the token of the broker's probe segment
+and sends it back), owns the producer's ``Pool``, lends slots to producers that write their
+tensors in place (``Channel.empty_shm``), maps the segments named in replies, decodes items
+whose slots it receives and sends ``shm_rel`` records for them.  ``client_submit`` encodes a
+put through the pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from zchannel.broker import codec
+from zchannel.broker.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
+from zchannel.broker.shm.pool import Pool, check_reserve
+from zchannel.broker.shm.segment import (
+    DEFAULT_POOL_BYTES,
+    MAGIC,
+    NAME_RE,
+    PREFIX_RE,
+    SHM_DIR,
+    Segment,
+)
+
+OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
+MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
+
+
+def env_enabled() -> bool:
+    """``ZCHANNEL_SHM=0|off|false|no`` turns the shared-memory path off in this process."""
+    return os.environ.get("ZCHANNEL_SHM", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class ShmClient:
+    """The shared-memory side of one ``Connection`` (see the module docstring)."""
+
+    def __init__(self, conn: Any, enabled: bool | None = None) -> None:
+        self.conn = conn
+        self.enabled = env_enabled() if enabled is None else bool(enabled)
+        self.pool: Pool | None = None  # set while same-host is proven for the current hello
+        self.mapped: OrderedDict[str, Segment] = OrderedDict()
+        self.lock = threading.Lock()
+        self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
+        self.reserved: dict[int, int] = {}  # nbytes -> slots asked for with reserve()
+
+    # -- hello (I/O thread) --------------------------------------------------------------------
+
+    def on_hello(self, info: HelloInfo) -> None:
+        """A broker answered ``hello``: drop the pool of the previous session, and if the broker
+        offers shared memory, prove same-host by echoing its probe's token."""
+        old, self.pool = self.pool, None
+        if old is not None:
+            old.close()
+        offer = shm_offer(info.shm)
+        if not self.enabled or offer is None:
+            return
+        probe, prefix = offer.probe, offer.prefix
+        threshold, budget = offer.threshold, offer.pool or DEFAULT_POOL_BYTES
+        if not (isinstance(prefix, str) and PREFIX_RE.match(prefix) and isinstance(threshold, int)
+                and threshold > 0 and isinstance(budget, int) and isinstance(probe, str)
+                and NAME_RE.match(probe) and probe.startswith(prefix)):
+            return
+        try:
+            with open(os.path.join(SHM_DIR, probe), "rb") as f:
+                data = f.read(64)
+        except OSError:
+            return  # another host (or another /dev/shm): frames
+        if len(data) < 24 or data[:8] != MAGIC:
+            return
+        self.conn._send([ShmHello(id=0, token=data[8:24])], [])
+        pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
+        if self.reserved:  # a new session (broker restarted): reserve again, off this thread
+            wanted = dict(self.reserved)
+            threading.Thread(target=lambda: [pool.reserve(n, k) for n, k in wanted.items()],
+                             daemon=True, name="zchannel-shm-reserve").start()
+
+    def reserve(self, nbytes: int, slots: int) -> int:
+        """``Channel.reserve_shm``: the slots of ``nbytes`` the pool now holds (0: no shared
+        memory with this broker)."""
+        check_reserve(nbytes, slots)
+        self.reserved[nbytes] = max(slots, self.reserved.get(nbytes, 0))
+        pool = self.pool
+        return 0 if pool is None else pool.reserve(nbytes, slots)
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        """``Channel.empty_shm``: ``empty_array`` in this connection's pool."""
+        return empty_array(self.pool, shape, dtype)
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+        self.mapped.clear()
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    def _map(self, name: str) -> Segment:
+        with self.lock:
+            seg = self.mapped.get(name)
+            if seg is not None:
+                self.mapped.move_to_end(name)
+                return seg
+        # Not populated: mapping all of a 400 MiB segment at once costs ~40 ms before the
+        # first item is read (the pipeline stands still meanwhile); first reads of each slot
+        # fault its pages in a few at a time (fault-around), while the producer works on.
+        seg = Segment.open(name)
+        with self.lock:
+            self.mapped[name] = seg
+            while len(self.mapped) > MAPPED_SEGMENTS:
+                self.mapped.popitem(last=False)  # views of it keep its mapping alive
+        return seg
+
+    def copy_out(self, view: np.ndarray) -> np.ndarray:
+        """An owned copy of a slot, in a buffer recycled from copies already garbage collected
+        (a fresh allocation would fault in every page of it again)."""
+        n = view.nbytes
+        free = self.out_cache.get(n)
+        owner = free.pop() if free else np.empty(n, dtype=np.uint8)
+        np.copyto(owner, view.reshape(-1).view(np.uint8))
+        out = np.frombuffer(memoryview(owner), dtype=np.uint8)  # views of it all share `out`
+        weakref.finalize(out, self._recycle, owner)
+        return out
+
+    def _recycle(self, owner: np.ndarray) -> None:
+        free = self.out_cache.setdefault(owner.nbytes, [])
+        if len(free) < OUT_CACHE:
+            free.append(owner)
+        if len(self.out_cache) > 16:  # many sizes: keep only the newest
+            for n in list(self.out_cache)[:-16]:
+                self.out_cache.pop(n, None)
+
+    def release(self, hold_ids: list[int]) -> None:
+        """Tell the broker these slots are no longer used here (no reply; any thread)."""
+        conn = self.conn
+        if not hold_ids or conn._closing or conn.state == "closed":
+            return
+        queue = conn._queue
+        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
+        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
+        # reply of a request still outstanding, or at the I/O thread's next tick, so the
+        # release then rides along with the next message.
+        woken = bool(queue) or bool(conn._pending)
+        queue.append((ShmRelease(id=0, holds=hold_ids), [], None))
+        if not woken:
+            try:
+                conn._wake_io()
+            except OSError:
+                pass
+
+    def _slot(self, entry: Any) -> np.ndarray:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
+            raise ValueError("malformed shared-memory reference")
+        name, slot, nbytes, _ = entry
+        seg = self._map(name)
+        if not (isinstance(slot, int) and 0 <= slot < seg.nslots and isinstance(nbytes, int)
+                and 0 <= nbytes <= seg.slot_size):
+            raise ValueError("shared-memory reference out of range")
+        return seg.view(slot, nbytes)
+
+    def decode(self, entries: Any, frames: list, copy: bool | None) -> Any:
+        """Decode an item of a reply whose ``sm`` entries name its slots: ``[segment, slot,
+        nbytes, hold]`` (mapped here) or an int (the index of a frame holding the slot's bytes,
+        for a consumer that is not on the broker's host)."""
+        if not isinstance(entries, list):
+            raise ValueError("malformed shared-memory references")
+        holds: list[int] = []
+        views: list[np.ndarray] = []
+        shm_copy = copy is not False
+        try:
+            for entry in entries:
+                if isinstance(entry, int) and not isinstance(entry, bool):
+                    if not 0 < entry < len(frames):
+                        raise ValueError(f"shared-memory frame index {entry} out of range")
+                    views.append(np.frombuffer(memoryview(frames[entry]), dtype=np.uint8))
+                    shm_copy = bool(copy)  # frames: the usual copy semantics
+                    continue
+                if isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int):
+                    holds.append(entry[3])
+                view = self._slot(entry)
+                if copy is False:  # the view keeps the slot until it is garbage collected
+                    weakref.finalize(view, self.release, [holds.pop()])
+                    views.append(view)
+                else:
+                    views.append(self.copy_out(view))
+                    shm_copy = False  # copied already
+            return codec.decode_frames(frames, copy, views, shm_copy)
+        finally:
+            self.release(holds)  # copied out (or failed): the slots go back at once
+
+
+def _dims(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+        if d < 0:
+            raise ValueError(f"shape must not have negative dimensions, got {shape!r}")
+    return tuple(int(d) for d in dims)
+
+
+def empty_array(pool: Pool | None, shape: Any, dtype: Any) -> Any:
+    """An uninitialised array of ``shape`` and ``dtype`` (a numpy dtype; a torch dtype gives a
+    CPU tensor) in a slot lent by ``pool`` (``Pool.lend``: a put sends the slot itself), or a
+    plain ``numpy.empty`` / ``torch.empty`` without a pool, below its threshold, or with no
+    slot free in time.  ``TypeError`` for another dtype or a shape that is not ints,
+    ``ValueError`` for a negative dimension."""
+    dims = _dims(shape)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        view = pool.lend(math.prod(dims) * itemsize) if pool is not None else None
+        if view is None:
+            return torch.empty(dims, dtype=dtype)
+        return torch.from_numpy(view).view(dtype).reshape(dims)
+    try:
+        kind = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a numpy or torch dtype, got {dtype!r}") from None
+    if kind.hasobject:
+        raise TypeError(f"dtype {kind} holds Python objects: it cannot travel as an array")
+    view = pool.lend(math.prod(dims) * kind.itemsize) if pool is not None else None
+    if view is None:
+        return np.empty(dims, dtype=kind)
+    return view.view(kind).reshape(dims)
+
+
+class _Alloc:
+    """A pool whose puts wait at most ``wait`` seconds for a free slot (``Pool.__call__``)."""
+
+    __slots__ = ("pool", "wait")
+
+    def __init__(self, pool: Pool, wait: float | None) -> None:
+        self.pool, self.wait = pool, wait
+
+    def __call__(self, data: Any, nbytes: int) -> list | None:
+        return self.pool(data, nbytes, self.wait)
+
+    def undo(self, refs: list) -> None:
+        self.pool.undo(refs)
+
+
+def client_submit(conn: Any, item: Any, rec: Put | None = None) -> tuple[bytes, list, list | None]:
+    """Encode ``item`` for a put: ``(body, buffers, slot refs or None)``.  A put (``rec``) with
+    ``nowait`` never waits for a free slot, one with a ``timeout`` at most that long."""
+    pool = conn.shm.pool if conn.shm is not None else None
+    if pool is None:
+        body, buffers = codec.encode(item)
+        return body, buffers, None
+    alloc: Any = pool
+    if rec is not None and (rec.nowait or rec.timeout is not None):
+        alloc = _Alloc(pool, 0.0 if rec.nowait else min(pool.slot_wait, rec.timeout))
+    body, buffers, refs = codec.encode_shm(item, alloc)
+    if refs:
+        pool.sent(refs)
+    return body, buffers, refs or None
+
+
+def client_undo(conn: Any, refs: list | None) -> None:
+    """A put whose slots were taken is not sent after all: free them."""
+    pool = conn.shm.pool if refs and conn.shm is not None else None
+    if pool is not None:
+        pool.undo(refs)

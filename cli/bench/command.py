@@ -1,0 +1,310 @@
+"""The ``zchannel bench`` command: its options (also from a ``[bench]`` table of a TOML file),
+and one run of a scenario, reported as a table (and ``--json``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import click
+import click.core
+from zchannel.broker import ChannelError
+from zchannel.broker.starting import child_environ
+from zchannel.broker.toml import tomllib
+from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
+from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
+from zchannel.cli.bench.report import (
+    Progress,
+    TargetResult,
+    machine_description,
+    print_report,
+    write_json,
+)
+from zchannel.cli.bench.runner import Runner, run_scenario
+from zchannel.cli.bench.targets import (
+    SHM_STEPS,
+    TARGET_STEPS,
+    Threshold,
+    load_thresholds,
+    parse_thresholds,
+    run_shm_targets,
+    run_targets,
+)
+
+
+class BenchFailure(click.ClickException):
+    """A run that must exit non-zero (a mismatch, a worker failure)."""
+
+    exit_code = 1
+
+
+_OPTION_NAMES = (
+    "scenario",
+    "payload_type",
+    "payload_size",
+    "messages",
+    "producers",
+    "consumers",
+    "transport",
+    "window",
+    "baseline",
+    "repeats",
+    "keys",
+    "address",
+    "json_path",
+    "trajectory_batch",
+    "shm",
+)
+
+
+_CONFIG_ALIASES = {"json": "json_path", "num_producers": "producers",
+                   "num_consumers": "consumers", "repeat": "repeats"}
+
+
+def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) -> dict[str, Any]:
+    """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
+    if not path:
+        return values
+    with open(path, "rb") as f:
+        table = tomllib.load(f).get("bench", {})
+    out = dict(values)
+    for raw_key, value in table.items():
+        key = raw_key.replace("-", "_")
+        key = _CONFIG_ALIASES.get(key, key)
+        if key not in _OPTION_NAMES:
+            raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
+        if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
+            out[key] = value
+    return out
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Set ``os.environ[name]`` back to ``value`` (None: the variable was not set)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _thresholds(config_path: str | None) -> dict[str, Threshold]:
+    """The ``[targets]`` table of ``--config`` if it has one, else of the default file."""
+    if config_path:
+        with open(config_path, "rb") as f:
+            table = tomllib.load(f).get("targets")
+        if table is not None:
+            return parse_thresholds(table, config_path)
+    return load_thresholds()
+
+
+@click.command()
+@click.option(
+    "--scenario",
+    type=click.Choice(SCENARIOS),
+    default="quick",
+    show_default=True,
+    help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
+    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10)",
+)
+@click.option(
+    "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
+)
+@click.option(
+    "--payload-size",
+    default="64B",
+    show_default=True,
+    help="bytes per item: 64, 64B, 4KB, 16MB, 1GB",
+)
+@click.option(
+    "--messages",
+    type=click.IntRange(1),
+    default=20000,
+    show_default=True,
+    help="items per case (large payloads are capped at 1 GiB per case)",
+)
+@click.option("--num-producers", "producers", type=click.IntRange(1, 64), default=1,
+              show_default=True, help="producer processes per case")
+@click.option("--num-consumers", "consumers", type=click.IntRange(1, 64), default=1,
+              show_default=True, help="consumer processes per case")
+@click.option("--producers", "old_producers", type=click.IntRange(1, 64),
+              help="deprecated spelling of --num-producers (on `zchannel broker`, --producers "
+                   "names producer groups)")
+@click.option("--consumers", "old_consumers", type=click.IntRange(1, 64),
+              help="deprecated spelling of --num-consumers")
+@click.option("--transport", type=click.Choice(("ipc", "tcp")), default="ipc", show_default=True)
+@click.option(
+    "--window",
+    type=click.IntRange(1, 1024),
+    default=64,
+    show_default=True,
+    help="asynchronous operations in flight per worker",
+)
+@click.option(
+    "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
+)
+@click.option(
+    "--repeat",
+    "--repeats",
+    "repeats",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="runs per case (and baseline); the table shows medians and the spread",
+)
+@click.option(
+    "--keys",
+    type=click.IntRange(1),
+    default=None,
+    help="keys of the random_key scenario (default: up to 128)",
+)
+@click.option(
+    "--trajectory-batch",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="trajectory scenario: envs per source B (--messages sets the global steps, default 8)",
+)
+@click.option(
+    "--shm",
+    type=click.Choice(("on", "off")),
+    default="on",
+    show_default=True,
+    help="same-host shared memory for arrays/tensors >= 1 MiB (off: frames only)",
+)
+@click.option(
+    "--targets",
+    "targets_flag",
+    is_flag=True,
+    help="the target suite T1-T4, T2s, T6-T10 with PASS/FAIL (the same as --scenario targets; "
+    "thresholds: [targets] of configs/bench_targets.toml or of --config)",
+)
+@click.option("--address", default=None, help="measure the running broker at this address")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+    help="also write every row (with each repeat) and the machine description to this file; "
+    "'-' prints the JSON on stdout and the report on stderr",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a TOML file with a [bench] table of these options",
+)
+@click.pass_context
+def bench(
+    ctx: click.Context, config_path: str | None, targets_flag: bool, **values: Any
+) -> None:
+    """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
+
+    Starts what it needs (or measures --address), runs bounded load, checks every item and
+    prints one table with a legend and the ratios in words (docs/benchmarks.md: how to read
+    it); exits 1 on a lost, duplicated or corrupted item.  Progress goes to stderr.
+    """
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
+        count = values.pop(old)
+        if count is not None:
+            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
+            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
+                values[new] = count
+    opts = _apply_config(ctx, config_path, values)
+    if targets_flag:
+        if opts["scenario"] not in ("targets", "quick") or (
+            opts["scenario"] == "quick"
+            and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+        ):
+            raise click.BadParameter(
+                f"--targets runs the target suite; it cannot be combined with --scenario "
+                f"{opts['scenario']}"
+            )
+        opts["scenario"] = "targets"
+    size = parse_size(opts["payload_size"])
+    base = Case(
+        "channel",
+        ptype=opts["payload_type"],
+        size=size,
+        messages=int(opts["messages"]),
+        producers=int(opts["producers"]),
+        consumers=int(opts["consumers"]),
+        transport=opts["transport"],
+        window=int(opts["window"]),
+        shm=opts.get("shm", "on") == "on",
+    )
+    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
+        # brokers started here get shm_threshold=0; with --address the workers (spawned: they
+        # inherit the environment) keep off shared memory themselves
+        os.environ["ZCHANNEL_SHM"] = "0"
+        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
+    tunables = child_environ().get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
+        # the workers (spawned: they inherit the environment) and the baselines' processes
+        # copy as the brokers do (docs/shm.md, "Large copies")
+        users_tunables = os.environ.get("GLIBC_TUNABLES")
+        os.environ["GLIBC_TUNABLES"] = tunables
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
+    scenario = opts["scenario"]
+    keys = opts.get("keys")
+    thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
+    machine = machine_description()
+    targets: list[TargetResult] = []
+    error: str | None = None
+    with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
+        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4}.get(scenario)
+        runner = Runner(
+            address=opts.get("address"),
+            baseline=opts["baseline"],
+            repeats=int(opts["repeats"]),
+            tmpdir=tmpdir,
+        )
+        if n_steps is None:  # the cases and their distinct baselines
+            cases = [bounded(c) for c in scenario_cases(scenario, base, keys)]
+            n_steps = len(cases) + len({runner.baseline_key(c) for c in cases} - {None})
+        started = time.monotonic()
+        try:
+            with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
+                runner.progress = bar
+                if scenario == "targets":
+                    targets = run_targets(runner, base, tmpdir, thresholds)
+                elif scenario == "shm":
+                    targets = run_shm_targets(runner, thresholds)
+                elif scenario == "trajectory":
+                    # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
+                    from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
+
+                    given = ctx.get_parameter_source("messages") not in (
+                        click.core.ParameterSource.DEFAULT,
+                        None,
+                    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
+                    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
+                    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
+                else:
+                    run_scenario(runner, scenario, base, keys)
+        except Mismatch as exc:
+            error = f"content check failed: {exc}"
+        except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
+            error = f"benchmark failed: {exc}"
+        elapsed = time.monotonic() - started
+    # with --json - the JSON owns stdout and the report goes to stderr
+    out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
+    out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
+        f"{elapsed:.1f}s")
+    out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
+        f"{machine['loadavg'][0]:.1f}, python {machine['python']}, torch {machine['torch']}, "
+        f"pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+    warnings = print_report(runner.rows, targets, runner.notes, out)
+    if opts.get("json_path"):
+        options = {k: opts.get(k) for k in _OPTION_NAMES}
+        options["payload_bytes"] = size
+        write_json(opts["json_path"], machine, options, runner.rows, targets, runner.notes,
+                   error is None, error, warnings)
+    if error is not None:
+        raise BenchFailure(error)

@@ -1,0 +1,268 @@
+"""Guards of the package's shape (issue 20), read from the sources with ``ast``: no process, no
+import of zchannel, well under a second.
+
+- the modules of ``zchannel.broker`` (and of ``hooks``, ``embodied``) import each other without a
+  circle (imports at the top and inside functions alike);
+- no function imports a zchannel module in ``broker/``, ``hooks/`` or ``embodied/`` (function-level
+  imports are for optional dependencies such as ray, and for the CLI's lazy subcommands);
+- dependencies point one way: ``hooks`` imports nothing of zchannel, ``broker`` only ``hooks``,
+  ``embodied`` no ``cli``, and nothing but ``cli`` imports ``cli``;
+- no file over 800 lines, no class over 300 lines;
+- no unconditional ``import tomllib`` (3.10 is supported: ``broker/toml.py``).
+
+A shape that is still being fixed is listed in a ``_PENDING_*`` set naming who fixes it; an
+entry that no longer matches fails its test, so the list cannot outlive the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"broker": "zchannel.broker", "hooks": "zchannel.hooks",
+            "embodied": "zchannel.embodied", "cli": "zchannel.cli"}  # setup.cfg package_dir
+MAX_FILE_LINES = 800
+MAX_CLASS_LINES = 300
+
+# (importing file, imported module): function-level imports other helpers are removing
+_PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
+# files over MAX_FILE_LINES being split (issue 20, item 4)
+_PENDING_LONG_FILES: set[str] = set()
+# classes over MAX_CLASS_LINES being split (issue 20, items 2 and 5)
+_PENDING_LONG_CLASSES = {
+    ("broker/server.py", "Broker"),
+    ("broker/client.py", "BrokerChannel"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    file: str  # path relative to the repository, e.g. "broker/client.py"
+    module: str  # the zchannel module imported, e.g. "zchannel.broker.codec"
+    line: int
+    in_function: bool
+
+
+def _module_name(path: str) -> str:
+    folder, _, rest = path.partition("/")
+    name = PACKAGES[folder] + "." + rest[: -len(".py")].replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+@cache
+def _files() -> dict[str, str]:
+    """Every Python file of the package: relative path -> source."""
+    out = {}
+    for folder in PACKAGES:
+        for root, _dirs, names in os.walk(os.path.join(REPO, folder)):
+            for name in names:
+                if name.endswith(".py"):
+                    full = os.path.join(root, name)
+                    with open(full, encoding="utf-8") as f:
+                        out[os.path.relpath(full, REPO)] = f.read()
+    return dict(sorted(out.items()))
+
+
+@cache
+def _trees() -> dict[str, ast.Module]:
+    return {path: ast.parse(src, path) for path, src in _files().items()}
+
+
+def _modules() -> set[str]:
+    return {_module_name(path) for path in _files()}
+
+
+def _walk(node: ast.AST, in_function: bool = False):
+    """(node, inside a function?) for every node under ``node``."""
+    for child in ast.iter_child_nodes(node):
+        yield child, in_function
+        yield from _walk(child, in_function or isinstance(
+            child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+@cache
+def _imports() -> tuple[Import, ...]:
+    """Every import of a zchannel module, resolved to the module (``from P import name`` is an
+    import of ``P.name`` when that is a module, else of ``P``)."""
+    modules = _modules()
+    out = []
+    for path, tree in _trees().items():
+        me = _module_name(path)
+        package = me if path.endswith("__init__.py") else me.rpartition(".")[0]
+        for node, in_function in _walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            for target in targets:
+                if target.split(".")[0] == "zchannel":
+                    out.append(Import(path, target, node.lineno, in_function))
+    return tuple(out)
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def _describe(cycle: list[str]) -> str:
+    lines = []
+    for a, b in zip(cycle, cycle[1:], strict=False):
+        where = sorted({f"{i.file}:{i.line}{' (in a function)' if i.in_function else ''}"
+                        for i in _imports() if _module_name(i.file) == a and i.module == b})
+        lines.append(f"  {a} -> {b}   ({', '.join(where)})")
+    return "\n".join(lines)
+
+
+# -- the helpers themselves -----------------------------------------------------------------------
+
+
+def test_the_guards_see_the_package():
+    """The file walk and the import resolution find what they must (else every guard passes)."""
+    assert {"broker/__init__.py", "broker/client.py", "hooks/__init__.py",
+            "embodied/__init__.py", "cli/main.py"} <= set(_files())
+    assert _module_name("broker/__init__.py") == "zchannel.broker"
+    assert _module_name("broker/client.py") == "zchannel.broker.client"
+    imported = {(i.file, i.module) for i in _imports()}
+    assert ("broker/__init__.py", "zchannel.broker.channel") in imported  # from P import name
+    assert ("broker/client.py", "zchannel.broker.codec") in imported  # from P import module
+    assert ("broker/client.py", "zchannel.hooks") in imported
+    assert any(i.in_function for i in _imports() if i.file == "cli/main.py")  # lazy subcommands
+
+
+def test_find_cycle_reports_a_circle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+# -- imports ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["zchannel.broker", "zchannel.hooks", "zchannel.embodied"])
+def test_no_import_circle(package):
+    """No circle among the modules of ``package`` (the package's ``__init__`` is one of them),
+    through top-level and function-level imports alike: a function-level import hides a circle,
+    it does not remove it."""
+    graph: dict[str, set[str]] = {}
+    for i in _imports():
+        me = _module_name(i.file)
+        inside = me.startswith(package) and i.module.startswith(package) and me != i.module
+        if inside and (i.file, i.module) not in _PENDING_FUNCTION_IMPORTS:
+            graph.setdefault(me, set()).add(i.module)
+    assert graph or package == "zchannel.hooks", f"no imports found inside {package}"
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"import circle in {package}:\n" + _describe(cycle)
+
+
+def test_no_function_level_import_of_zchannel_outside_cli():
+    """Inside ``broker/``, ``hooks/`` and ``embodied/`` every zchannel import is at the top of its
+    module (function-level imports are only for optional dependencies, and in ``cli/``)."""
+    found = [i for i in _imports() if i.in_function and not i.file.startswith("cli/")]
+    unexpected = {f"{i.file}:{i.line} imports {i.module}" for i in found
+                  if (i.file, i.module) not in _PENDING_FUNCTION_IMPORTS}
+    assert not unexpected, "function-level imports of zchannel modules:\n" + "\n".join(
+        sorted(unexpected))
+    fixed = _PENDING_FUNCTION_IMPORTS - {(i.file, i.module) for i in found}
+    assert not fixed, f"fixed: remove {sorted(fixed)} from _PENDING_FUNCTION_IMPORTS"
+
+
+def test_dependencies_point_one_way():
+    """hooks <- broker <- embodied <- cli: ``hooks`` imports nothing of zchannel, ``broker`` only
+    ``hooks``, ``embodied`` anything but ``cli``, and nothing outside ``cli`` imports ``cli``."""
+    allowed = {"hooks": {"hooks"}, "broker": {"hooks", "broker"},
+               "embodied": {"hooks", "broker", "embodied"},
+               "cli": {"hooks", "broker", "embodied", "cli"}}
+    wrong = [f"{i.file}:{i.line} imports {i.module}" for i in _imports()
+             if i.module.split(".")[1] not in allowed[i.file.split("/")[0]]]
+    assert not wrong, "imports against the direction hooks <- broker <- embodied <- cli:\n" + \
+        "\n".join(wrong)
+
+
+def test_no_unconditional_tomllib_import():
+    """``tomllib`` is 3.11+; 3.10 is supported, so it is imported only inside a ``try`` that
+    falls back (``broker/toml.py``: ``tomli``) or under a ``sys.version_info`` test."""
+
+    def guarded(parents: list[ast.AST]) -> bool:
+        for node in parents:
+            if isinstance(node, ast.Try) and node.handlers:
+                return True
+            if isinstance(node, ast.If) and "version_info" in ast.unparse(node.test):
+                return True
+        return False
+
+    def visit(node: ast.AST, parents: list[ast.AST], path: str, out: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                names = [child.module or ""]
+            if "tomllib" in names and not guarded(parents + [node]):
+                out.append(f"{path}:{child.lineno}")
+            visit(child, parents + [node], path, out)
+
+    unguarded: list[str] = []
+    for path, tree in _trees().items():
+        visit(tree, [], path, unguarded)
+    assert not unguarded, ("unconditional `import tomllib` (use `from zchannel.broker.toml "
+                           "import tomllib`): " + ", ".join(unguarded))
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+
+def test_no_file_over_800_lines():
+    lengths = {path: len(src.splitlines()) for path, src in _files().items()}
+    long = {path: n for path, n in lengths.items() if n > MAX_FILE_LINES}
+    unexpected = {p: n for p, n in long.items() if p not in _PENDING_LONG_FILES}
+    assert not unexpected, f"files over {MAX_FILE_LINES} lines (split by responsibility): " \
+        f"{unexpected}"
+    fixed = _PENDING_LONG_FILES - set(long)
+    assert not fixed, f"split: remove {sorted(fixed)} from _PENDING_LONG_FILES"
+
+
+def test_no_class_over_300_lines():
+    long = {}
+    for path, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    long[(path, node.name)] = n
+    unexpected = {k: n for k, n in long.items() if k not in _PENDING_LONG_CLASSES}
+    assert not unexpected, f"classes over {MAX_CLASS_LINES} lines: {unexpected}"
+    fixed = _PENDING_LONG_CLASSES - set(long)
+    assert not fixed, f"split: remove {sorted(fixed)} from _PENDING_LONG_CLASSES"
