@@ -1,7 +1,7 @@
 """The broker process: one ROUTER socket, one single-threaded event loop over a ``QueueCore``.
 
 The loop reads messages, hands each record to the handler of its operation
-(``handlers.HANDLERS``), lets the core expire deadlines,
+(``handlers.HANDLERS``; ``handlers_for`` on a replica), lets the core expire deadlines,
 keeps heartbeats in both directions, and flushes the replies it coalesced per client.  With no
 collector and a built-in dispatcher it never decodes a payload: the ``zmq.Frame`` objects it
 received are stored and sent on with ``copy=False``.  With ``metrics_port`` a thread serves

@@ -31,7 +31,9 @@ from zchannel.broker.protocol import (
     ProtocolError,
     Reply,
     SyncAnswer,
+    bind_answer,
     hello_info,
+    load_answer,
     op_of,
     pack_header,
     sync_answer,
@@ -237,6 +239,20 @@ def test_one_bad_record_leaves_the_others_of_its_message():
     assert [type(r) for r in records] == [BadRecord, protocol.QSize, BadRecord, BadRecord]
     assert [r.id for r in records] == [3, 4, None, 5]  # no int id: dropped by the broker
     assert all(isinstance(r.error, ProtocolError) for r in records if type(r) is BadRecord)
+
+
+def test_bind_and_load_answers():
+    """A ``bind`` redirect and a ``load`` answer travel as the documented maps; what a replica
+    cannot use is None, never a half-valid answer."""
+    wire = msgpack.unpackb(msgspec.msgpack.encode(BindAnswer(binder=2)))
+    assert wire == {"binder": 2} and bind_answer(wire) == BindAnswer(binder=2)
+    assert msgpack.unpackb(msgspec.msgpack.encode(BindAnswer(retry="joining"))) == {"retry": "joining"}
+    assert bind_answer(3) is None and bind_answer([1]) is None
+    load = LoadAnswer(backlog=40, starved=2)
+    assert load_answer(msgpack.unpackb(msgspec.msgpack.encode(load))) == load
+    for bad in ({"backlog": True, "starved": 0}, {"backlog": -1, "starved": 0},
+                {"backlog": 1.5, "starved": 0}, [40, 2], None):
+        assert load_answer(bad) is None, bad
 
 
 def test_a_header_over_the_limit_is_refused():
