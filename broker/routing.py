@@ -59,6 +59,7 @@ class KeyRouting:
     def node_of(self, key: Any = DEFAULT_KEY) -> str:
         """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
         return self._replicas[self.replica_of(key)].node
+
     def _bind(self, key: Any) -> int:
         """Ask the binder (``broker/binding.py``) for ``key``'s replica: start with the last
         binder, follow redirects, go on to the next replica when one is unavailable; wait
