@@ -4,7 +4,7 @@
 client (and so runs before there is one), is called by name.
 
 A handler gets the broker, the client, the decoded record (``broker/protocol.py``) and the
-frames that came with it; it answers through ``broker.reply`` now or, for a request that waits
+frames that came with it; it answers through ``broker.sessions.reply`` now or, for a request that waits
 (a put into a full queue, a get from an empty one), leaves that to the queue core.  Whatever it
 raises is the error reply of that one record.
 """
@@ -58,25 +58,25 @@ def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
     rid = rec.id if type(rec.id) is int else 0
     version = rec.version
     if type(version) is not int or version != PROTOCOL_VERSION:
-        broker.reply(Client(address=address), rid, error=ValueError(
+        broker.sessions.reply(Client(address=address), rid, error=ValueError(
             f"protocol version {version!r} is not supported: this broker speaks "
             f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
-        return broker.clients.get(address)
+        return broker.sessions.clients.get(address)
     broker.peers.greeted(address)
-    old = broker.clients.pop(address, None)
+    old = broker.sessions.clients.pop(address, None)
     if old is not None:
-        broker.client_gone(old)
+        broker.sessions.client_gone(old)
     identity = rec.identity if isinstance(rec.identity, str) else None
     client = Client(address=address, identity=identity)
-    broker.clients[address] = client
-    broker.forget_expired(address)
+    broker.sessions.clients[address] = client
+    broker.sessions.forget_expired(address)
     info = HelloInfo(
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
         liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
         max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
     if broker.replica is not None:
         broker.replica.describe(info)
-    broker.reply(client, rid, result=info)
+    broker.sessions.reply(client, rid, result=info)
     return client
 
 
@@ -126,28 +126,28 @@ def heartbeat(broker: Any, client: Client, rec: Heartbeat, frames: list) -> None
 
 def qsize(broker: Any, client: Client, rec: QSize, frames: list) -> None:
     result = broker.core.qsize(key_from_wire(rec.key), check_consumer(rec.consumer))
-    broker.reply(client, rec.id, result=result)
+    broker.sessions.reply(client, rec.id, result=result)
 
 
 def full(broker: Any, client: Client, rec: Full, frames: list) -> None:
     result = broker.core.full(key_from_wire(rec.key), check_consumer(rec.consumer))
-    broker.reply(client, rec.id, result=result)
+    broker.sessions.reply(client, rec.id, result=result)
 
 
 def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
     stats = broker.core.stats()
     # an observer (zchannel stat) does not count itself
-    clients = len(broker.clients) - (1 if rec.exclude_self and client.address in broker.clients
-                                     else 0)
+    table = broker.sessions.clients
+    clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
-        clients -= broker.replica.bindings.peer_clients(c.identity for c in broker.clients.values())
+        clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None)
     if broker.replica is not None:
         broker.replica.annotate(stats)
     body, _ = codec.encode(stats)
-    broker.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
+    broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 
 def ack(broker: Any, client: Client, rec: Ack, frames: list) -> None:
@@ -158,7 +158,7 @@ def peek(broker: Any, client: Client, rec: Peek, frames: list) -> None:
     """Copies of head items: sent like a batch, never tracked as delivered."""
     items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
                              check_consumer(rec.consumer))
-    broker.reply(client, rec.id, items=items, batch=True, raw=True,
+    broker.sessions.reply(client, rec.id, items=items, batch=True, raw=True,
                  weights=[item.weight for item in items])
 
 
@@ -167,9 +167,9 @@ def cancel(broker: Any, client: Client, rec: Cancel, frames: list) -> None:
 
 
 def bye(broker: Any, client: Client, rec: Bye, frames: list) -> None:
-    broker.clients.pop(client.address, None)
-    broker.client_gone(client)
-    broker.reply(client, rec.id, result=True)
+    broker.sessions.clients.pop(client.address, None)
+    broker.sessions.client_gone(client)
+    broker.sessions.reply(client, rec.id, result=True)
 
 
 def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
@@ -179,7 +179,7 @@ def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: 
 def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
     if broker.config.token and rec.token != broker.config.token:
         raise PermissionError("only the handle that created the channel may shut it down")
-    broker.reply(client, rec.id, result=True)
+    broker.sessions.reply(client, rec.id, result=True)
     broker.stop()
 
 
@@ -189,7 +189,7 @@ def replica_record(broker: Any, client: Client, rec: Bind | Learn | Sync | Load 
     (``broker/moving.py``)."""
     if broker.replica is None:
         raise ValueError(f"unknown op {op_of(rec)!r}")
-    broker.reply(client, rec.id, result=broker.replica.handle(rec))
+    broker.sessions.reply(client, rec.id, result=broker.replica.handle(rec))
 
 
 def check_consumer(consumer: Any) -> str | None:

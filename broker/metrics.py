@@ -113,7 +113,7 @@ def snapshot(broker: Any) -> dict[str, Any]:
     if len(keys) > MAX_KEY_SERIES:
         keys = sorted(keys, key=lambda k: -k[1])[:MAX_KEY_SERIES]
     clients = [(address.hex(), c.identity or "", len(c.parked), len(c.leases), now - c.last_seen)
-               for address, c in broker.clients.items()]
+               for address, c in broker.sessions.clients.items()]
     if len(clients) > MAX_CLIENT_SERIES:
         clients = sorted(clients, key=lambda c: -c[4])[:MAX_CLIENT_SERIES]
     hook_time = broker.hook_time
@@ -131,7 +131,7 @@ def snapshot(broker: Any) -> dict[str, Any]:
         "consumers": [(cid, state.handles) for cid, state in core.consumers.items()],
         "present_consumers": len(core.ctx.consumers),
         "clients": clients,
-        "client_count": len(broker.clients),
+        "client_count": len(broker.sessions.clients),
         "counters": broker.counters.as_dict(),
         "hook_time": {"collector": (hook_time.collector_s, hook_time.collector_calls),
                       "dispatcher": (hook_time.dispatcher_s, hook_time.dispatcher_calls)},

@@ -28,7 +28,7 @@ from zchannel.broker.records import Client, Item, KeyState, Request
 log = logging.getLogger("zchannel.broker")
 
 # reply(client, rid, *, result=, error=, items=, batch=, lease=, origin=): the transport sends
-# the outcome of request ``rid`` to ``client`` (``server.Broker._reply``, ``local._LocalBroker._reply``)
+# the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
 Reply = Callable[..., None]
 
 

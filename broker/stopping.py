@@ -1,0 +1,80 @@
+"""What ends a broker's loop from outside: SIGINT or SIGTERM, and the exit of the process that
+created it (``config.parent_pid``).
+
+A signal handler only sets a flag; the signal also writes a byte into a wake-up pipe the loop
+polls, so the loop sees it at once.  The creator is watched through a pidfd the loop polls
+where the system has them, and by comparing ``os.getppid()`` on each heartbeat tick anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+log = logging.getLogger("zchannel.broker")
+
+
+class StopSources:
+    """The wake-up pipe, the signal handlers and the watch on the creator process of a loop."""
+
+    def __init__(self, parent_pid: int | None, on_signal: Callable[[], None]) -> None:
+        self.parent_pid = parent_pid
+        self._on_stop = on_signal
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._wfd, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wfd)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self._parent_fd = self._watch_parent()
+
+    def _watch_parent(self) -> int | None:
+        pid = self.parent_pid
+        if not pid:
+            return None
+        if os.getppid() != pid:
+            raise SystemExit(f"creator process {pid} is already gone")
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None  # fall back to the getppid() check on every heartbeat tick
+        return fd
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._on_stop()
+
+    def poll_items(self) -> list[tuple[int, int]]:
+        """The descriptors the loop polls for them."""
+        items = [(self._rfd, zmq.POLLIN)]
+        if self._parent_fd is not None:
+            items.append((self._parent_fd, zmq.POLLIN))
+        return items
+
+    def parent_exited(self, ready: list) -> bool:
+        """Empty the wake-up pipe if ``ready`` holds it; True when the creator process exited."""
+        if self._rfd in ready:
+            os.read(self._rfd, 512)
+        if self._parent_fd is not None and self._parent_fd in ready:
+            log.warning("creator process %s exited: stopping", self.parent_pid)
+            return True
+        return False
+
+    def parent_gone(self) -> bool:
+        """The heartbeat tick's check: True when this process has another parent by now."""
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            log.warning("creator process %s is gone: stopping", self.parent_pid)
+            return True
+        return False
+
+    def close(self) -> None:
+        """Give the wake-up descriptor back to what it was and close the descriptors."""
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._rfd)
+        os.close(self._wfd)
+        if self._parent_fd is not None:
+            os.close(self._parent_fd)
+            self._parent_fd = None
