@@ -214,6 +214,29 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         self._wake_io()
         return work
 
+    def send_unanswered(self, rec: Request, now: bool = False) -> None:
+        """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
+        ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
+        the hello reply).  Otherwise from any thread, with the next message; nothing once the
+        connection is closing."""
+        if now:
+            self._send([rec], [])
+            return
+        if self._closing or self.state == CLOSED:
+            return
+        queue = self._queue
+        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
+        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
+        # reply of a request still outstanding, or at the I/O thread's next tick, so the
+        # record then rides along with the next message.
+        woken = bool(queue) or bool(self._pending)
+        queue.append((rec, [], None))
+        if not woken:
+            try:
+                self._wake_io()
+            except OSError:
+                pass
+
     def stop(self, bye: bool = True) -> None:
         """Ask the I/O thread to end: it says bye (``bye``), fails what is left and closes the
         descriptors last.  Waiting for put acknowledgements is the caller's (``sharing``)."""

@@ -74,7 +74,7 @@ class ShmClient:
             return  # another host (or another /dev/shm): frames
         if len(data) < 24 or data[:8] != MAGIC:
             return
-        self.conn._send([ShmHello(id=0, token=data[8:24])], [])
+        self.conn.send_unanswered(ShmHello(id=0, token=data[8:24]), now=True)
         pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
         if self.reserved:  # a new session (broker restarted): reserve again, off this thread
             wanted = dict(self.reserved)
@@ -138,21 +138,8 @@ class ShmClient:
 
     def release(self, hold_ids: list[int]) -> None:
         """Tell the broker these slots are no longer used here (no reply; any thread)."""
-        conn = self.conn
-        if not hold_ids or conn._closing or conn.state == "closed":
-            return
-        queue = conn._queue
-        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
-        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
-        # reply of a request still outstanding, or at the I/O thread's next tick, so the
-        # release then rides along with the next message.
-        woken = bool(queue) or bool(conn._pending)
-        queue.append((ShmRelease(id=0, holds=hold_ids), [], None))
-        if not woken:
-            try:
-                conn._wake_io()
-            except OSError:
-                pass
+        if hold_ids:
+            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids))
 
     def _slot(self, entry: Any) -> np.ndarray:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
