@@ -19,8 +19,13 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import codec
-from zchannel.broker.checks import check_peek_count, check_target_weight
-from zchannel.broker.core import check_key, check_timeout, check_weight
+from zchannel.broker.checks import (
+    check_key,
+    check_peek_count,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+)
 from zchannel.broker.handle import ChannelHandle
 from zchannel.broker.protocol import (
     INLINE_BODY,

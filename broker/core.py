@@ -27,12 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.checks import (  # noqa: F401 - check_timeout is re-exported
-    check_key,
-    check_target_weight,
-    check_timeout,
-    check_weight,
-)
+from zchannel.broker.checks import check_key, check_target_weight, check_weight
 from zchannel.broker.consumers import ConsumerRegistry
 from zchannel.broker.errors import HookError
 from zchannel.broker.leases import LeaseBook

@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import cluster, paths
-from zchannel.broker.checks import check_target_weight
+from zchannel.broker.checks import check_target_weight, check_timeout, check_weight
 from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
-from zchannel.broker.core import check_timeout, check_weight
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.routing import KeyRouting
 from zchannel.broker.security import replica_client_keys

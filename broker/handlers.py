@@ -16,8 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker import codec
-from zchannel.broker.checks import check_peek_count, check_target_weight
-from zchannel.broker.core import Client, Item, check_timeout, check_weight
+from zchannel.broker.checks import (
+    check_peek_count,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+)
 from zchannel.broker.protocol import (
     INLINE_BODY,
     KEYED_TYPES,
@@ -48,6 +52,7 @@ from zchannel.broker.protocol import (
     key_from_wire,
     op_of,
 )
+from zchannel.broker.records import Client, Item
 
 Handler = Callable[[Any, Client, Any, list], None]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import codec
-from zchannel.broker.checks import check_peek_count
+from zchannel.broker.checks import check_peek_count, check_timeout, check_weight
 from zchannel.broker.client import BrokerChannel
-from zchannel.broker.core import Client, Item, QueueCore, check_timeout, check_weight
+from zchannel.broker.core import QueueCore
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.protocol import (
     Ack,
@@ -33,6 +33,7 @@ from zchannel.broker.protocol import (
     Stats,
     op_of,
 )
+from zchannel.broker.records import Client, Item
 from zchannel.broker.shm.client import empty_array
 from zchannel.broker.shm.pool import check_reserve
 from zchannel.broker.wireform import wire_form

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from zchannel.broker.checks import check_key
 from zchannel.broker.client import DEFAULT_KEY, BrokerChannel
-from zchannel.broker.core import check_key
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
 from zchannel.broker.protocol import Bind, bind_answer
 from zchannel.broker.work import Work

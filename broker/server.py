@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 from zchannel.broker import codec, direct, metrics, paths
 from zchannel.broker.config import BrokerConfig
-from zchannel.broker.core import Item, QueueCore
+from zchannel.broker.core import QueueCore
 from zchannel.broker.endpoint import Endpoint
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.handlers import HANDLERS, handlers_for, hello
@@ -39,6 +39,7 @@ from zchannel.broker.protocol import (
     recv_message,
     unpack_requests,
 )
+from zchannel.broker.records import Item
 from zchannel.broker.replica import replica_state, wrap_collector
 from zchannel.broker.sessions import Sessions
 from zchannel.broker.shm.broker import ShmBroker

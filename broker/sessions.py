@@ -19,7 +19,7 @@ from typing import Any
 
 from zchannel.broker import direct, metrics
 from zchannel.broker.config import BrokerConfig
-from zchannel.broker.core import Client, Item, QueueCore
+from zchannel.broker.core import QueueCore
 from zchannel.broker.errors import error_to_wire
 from zchannel.broker.outbox import Outbox
 from zchannel.broker.peers import Peers
@@ -30,6 +30,7 @@ from zchannel.broker.protocol import (
     Reply,
     pack_header,
 )
+from zchannel.broker.records import Client, Item
 from zchannel.broker.shm.broker import ShmBroker, SlotFrames
 
 log = logging.getLogger("zchannel.broker")

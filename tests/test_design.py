@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -263,3 +264,37 @@ def test_no_class_over_300_lines():
     assert not unexpected, f"classes over {MAX_CLASS_LINES} lines: {unexpected}"
     fixed = _PENDING_LONG_CLASSES - set(long)
     assert not fixed, f"split: remove {sorted(fixed)} from _PENDING_LONG_CLASSES"
+
+
+def test_the_architecture_walk_names_real_code():
+    """docs/architecture.md walks a put through the code: every module it names exists under
+    ``broker/``, every ``Class.method`` it names is defined there, and every ``file: function``
+    is defined in that file (so the page cannot drift from the code unnoticed)."""
+    with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
+        page = f.read()
+    trees = {path: tree for path, tree in _trees().items() if path.startswith("broker/")}
+    defined: dict[str, set[str]] = {}  # class name -> its methods
+    functions: dict[str, set[str]] = {}  # file -> names defined at any depth
+    for path, tree in trees.items():
+        names = functions.setdefault(path, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, set()).update(
+                    n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    missing = []
+    for module in set(re.findall(r"`((?:\w+/)*\w+\.py)", page)):
+        if module.startswith("tests/"):
+            continue
+        path = module if module.startswith("broker/") else f"broker/{module}"
+        if path not in trees:
+            missing.append(module)
+    for cls, method in re.findall(r"`([A-Z]\w+)\.(\w+)`", page):
+        if method not in defined.get(cls, ()):
+            missing.append(f"{cls}.{method}")
+    for module, name in re.findall(r"`((?:\w+/)*\w+\.py): (?:\w+\.)?(\w+)`", page):
+        path = module if module.startswith("broker/") else f"broker/{module}"
+        if name not in functions.get(path, ()):
+            missing.append(f"{module}: {name}")
+    assert not missing, f"docs/architecture.md names code that does not exist: {sorted(missing)}"
