@@ -142,6 +142,12 @@ class KeyedQueues:
 
     def store(self, outputs: Outputs) -> list[KeyState]:
         """Append a put's items to their queues; the states of the keys it touched."""
+        if len(outputs) == 1:  # the common case: one item, one queue
+            k, c, item = outputs[0]
+            ks = self.state(k)
+            (ks.shared if c is None else self.queue(ks, c)).append(item)
+            self.bytes_held += item.nbytes
+            return [ks]
         touched: dict[Any, KeyState] = {}
         for k, c, item in outputs:
             ks = touched.get(k)
