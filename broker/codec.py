@@ -283,6 +283,7 @@ class _Encoder:
 
 
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
+_FLAT_TYPES = _PLAIN_TYPES | {bytearray}  # no array inside: never a shared-memory slot
 # one packer for scalars: packing one never calls back into Python, so threads cannot interleave
 _plain_packer = msgpack.Packer(use_bin_type=True)
 
@@ -299,6 +300,8 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
             return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
         if kind is not int or INT_MIN <= obj < INT_END:
             return _plain_packer.pack(obj), []  # fast path: no ext types needed
+    elif kind is bytearray:  # msgpack bin, as the strict packer makes it (never an ext type)
+        return _plain_packer.pack(obj), []
     enc = _Encoder()
     try:
         body = enc.pack(obj)
@@ -319,7 +322,7 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
     """:func:`encode` with a shared-memory slot allocator ``alloc(data, nbytes) -> ref | None``
     (``broker/shm/pool.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
     ``(body, buffers, refs)``."""
-    if type(obj) in _PLAIN_TYPES:
+    if type(obj) in _FLAT_TYPES:
         body, buffers = encode(obj)
         return body, buffers, []
     enc = _Encoder(alloc)
@@ -548,6 +551,9 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
     allowed.
     """
+    if not (frames or shm) and type(body) is bytes and body[:1] == b"\xc4" \
+            and len(body) == 2 + body[1]:
+        return body[2:]  # a small bytes item (msgpack bin 8): nothing else to look at
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
         return dec.unpack(body)

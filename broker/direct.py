@@ -296,6 +296,9 @@ class Link(Transport):
         parts = messages.popleft()
         return parts[0], parts[1:]
 
+    def buffered(self) -> bool:
+        return bool(self.reader.messages)  # one read cuts several messages: the rest wait here
+
     def notify_fd(self) -> int:
         return self.fd
 

@@ -91,14 +91,14 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
         if len(body) > INLINE_BODY or frames:
             raise ValueError(f"an inline put body is at most {INLINE_BODY} bytes, with no frames")
         frames = [body]
-        lengths = [len(body)]
+        nbytes = len(body)
     else:
         if not frames:
             raise ValueError("a put carries at least one frame (the body)")
         lengths = [len(f) for f in frames]
         if rec.sizes is not None and rec.sizes != lengths:
             raise ValueError("put frame sizes do not match the header")
-    nbytes = sum(lengths)
+        nbytes = sum(lengths)
     limit = broker.config.max_message_bytes
     if limit and nbytes > limit:
         raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")

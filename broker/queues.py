@@ -88,14 +88,22 @@ class KeyedQueues:
         """Start the grace period of a key nothing uses (no items, waiters or leases)."""
         if ks.idle_since is None and ks.idle():
             ks.idle_since = time.monotonic()
-            self.deadlines.add(ks.idle_since + self.key_grace, ks)
+            # one deadline per key at a time: a stream whose queue empties after every get
+            # would push one per item otherwise, each kept for the grace period
+            if not ks.idle_timer:
+                ks.idle_timer = True
+                self.deadlines.add(ks.idle_since + self.key_grace, ks)
 
     def drop_if_idle(self, ks: KeyState, now: float) -> bool:
         """Forget ``ks`` if it is still the state of its key and stayed idle for the grace
-        period; True if it went."""
+        period; True if it went.  (Its deadline came: a key idle again since then gets the
+        deadline of that idle period.)"""
+        ks.idle_timer = False
         if self.keys.get(ks.key) is not ks or not ks.idle() or ks.idle_since is None:
             return False
         if now - ks.idle_since < self.key_grace - 1e-6:
+            ks.idle_timer = True
+            self.deadlines.add(ks.idle_since + self.key_grace, ks)
             return False
         del self.keys[ks.key]
         return True
@@ -134,6 +142,12 @@ class KeyedQueues:
 
     def store(self, outputs: Outputs) -> list[KeyState]:
         """Append a put's items to their queues; the states of the keys it touched."""
+        if len(outputs) == 1:  # the common case: one item, one queue
+            k, c, item = outputs[0]
+            ks = self.state(k)
+            (ks.shared if c is None else self.queue(ks, c)).append(item)
+            self.bytes_held += item.nbytes
+            return [ks]
         touched: dict[Any, KeyState] = {}
         for k, c, item in outputs:
             ks = touched.get(k)

@@ -59,6 +59,7 @@ class KeyState:
     putters: int = 0
     leases: int = 0
     idle_since: float | None = None
+    idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
 
     def depth(self) -> int:
         if not self.private:

@@ -48,6 +48,9 @@ from zchannel.hooks import expand_consumers, import_path, resolve_collector, res
 
 log = logging.getLogger("zchannel.broker")
 
+# plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
+_POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
+
 
 class _RateLimitFilter(logging.Filter):
     """At most ``burst`` records of the same message template per ``period`` seconds."""
@@ -334,11 +337,11 @@ class Broker:
             peer = listener.by_fd.get(obj) if type(obj) is int else None
             if peer is None:
                 continue
-            if ev & zmq.POLLOUT and not peer.write_out():
+            if ev & _POLLOUT and not peer.write_out():
                 self.sessions.direct_gone(peer)
                 changed = True
                 continue
-            if ev & (zmq.POLLIN | zmq.POLLERR) and not self._direct_read(peer):
+            if ev & _POLLIN_ERR and not self._direct_read(peer):
                 changed = True
         self.sessions.flush()
         self.peers.poll_dirty = self.peers.poll_dirty or changed

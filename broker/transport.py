@@ -8,7 +8,8 @@ A message is a list of parts, ``[header, *frames]`` (``protocol.py``).  ``Connec
 - ``send(parts)``: one message, never blocking on a missing peer (lost if the transport is
   broken, as a message to a broker that went away is);
 - ``recv(ready)``: the next message as ``(header, frames)``, or None when none is waiting;
-- ``readable``: what a poll waits on for the next message; ``notify_fd()``: the descriptor the
+- ``readable``: what a poll waits on for the next message, ``buffered()``: whether one was
+  read already (a poll does not see it); ``notify_fd()``: the descriptor the
   I/O thread polls without touching the transport (``connection.py``);
 - ``callers_read``: sending and reading cost one system call each, so a calling thread sends
   its request and reads its reply itself (the direct link) instead of handing both to the I/O
@@ -63,6 +64,11 @@ class Transport(ABC):
     @abstractmethod
     def notify_fd(self) -> int:
         """The descriptor that becomes readable when a message may be waiting."""
+
+    def buffered(self) -> bool:
+        """Whether a message was read already and waits in this process (a poll of
+        ``readable`` does not see it: ``recv`` returns it without a system call)."""
+        return False
 
     def reconnect(self) -> bool:
         """Connect again after the broker closed the transport (True: connected now)."""

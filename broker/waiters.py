@@ -31,6 +31,8 @@ log = logging.getLogger("zchannel.broker")
 # the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
 Reply = Callable[..., None]
 
+_NONE_WAITING: frozenset = frozenset()  # no waiting put blocks a target queue
+
 
 class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
@@ -50,15 +52,15 @@ class Waiters:
             nowait: bool) -> None:
         """Store the checked and routed ``outputs`` of a put, or let the put wait for room."""
         queues = self.queues
-        req = Request(client, rid, "put", key, None, outputs=outputs)
         if not outputs:
             self.reply(client, rid)
             return
-        if queues.admits(outputs, self._waiting_targets() if self.putters else set()):
+        if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
             for ks in queues.store(outputs):
                 self.serve(ks)
             self.reply(client, rid)
             return
+        req = Request(client, rid, "put", key, None, outputs=outputs)
         if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
             self.reply(client, rid, error=ValueError(
                 f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
@@ -181,10 +183,22 @@ class Waiters:
 
     def serve(self, ks: KeyState) -> None:
         """Hand items to waiting getters of ``ks`` in arrival order, then try steals."""
-        if not ks.getters:
+        getters = ks.getters
+        if not getters:
             self.queues.mark_idle(ks)
             return
         deals = self.hooks.deals
+        if not deals and not ks.private:
+            # the common case: plain gets of the shared queue, served in arrival order; the
+            # loop below does the same, for a snapshot of all getters
+            shared = ks.shared
+            while shared and getters and getters[0].kind == "get":
+                self._deliver(getters[0], ks, None, shared, 1)
+            if not (shared and getters):
+                if self.putters:
+                    self.admit_putters()
+                self.queues.mark_idle(ks)
+                return
         blocked: set[str | None] = set()
         starving: list[Request] = []
         for req in list(ks.getters):

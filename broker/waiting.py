@@ -110,9 +110,12 @@ class Waiting:
         """Poll for ``work``'s reply without sleeping, for up to ``SPIN_US``."""
         poll_set = [(self._readable, _POLLIN)]
         poll = zmq.zmq_poll
+        buffered = self.transport.buffered
         end = time.perf_counter() + self._spin_s
         while work._state == 0 and not self._closing:
-            if poll(poll_set, 0):
+            if buffered():  # read already (no poll sees it)
+                self._recv_one()
+            elif poll(poll_set, 0):
                 self._recv_one(ready=True)
             elif time.perf_counter() >= end:
                 self._spin_score = max(0, self._spin_score - 2)
@@ -158,8 +161,12 @@ class Waiting:
         sock, wake = self._readable, self._wake
         poll_set = [(sock, _POLLIN), (wake, _POLLIN)]
         took_wake = False
+        buffered = self.transport.buffered
         deadline = time.monotonic() + limit
         while work._state == 0 and not self._closing:
+            if buffered():  # messages one read cut already: no poll would see them
+                self._recv_one()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

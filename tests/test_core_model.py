@@ -612,3 +612,23 @@ def test_undeliverable_reply_goes_back_to_the_head_of_its_queue():
     core.requeue(consumer, ("a", None), [Item((0, None), 1, 1)], None)
     assert [i.payload[0] for i in core.peek("a", 2)] == [0, 1]
     assert core.bytes_held == 2
+
+
+def test_a_stream_keeps_one_grace_deadline_per_key():
+    """A queue that empties after every get (a stream) keeps one grace-period deadline of its
+    key in the timer heap, not one per item; the key, busy again after that deadline was set,
+    stays until a whole grace period after it last went idle, and goes then."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    for i in range(100):
+        core.put(producer, 2 * i + 1, "a", Item((i, None), 1, 1), None, False)
+        core.get(consumer, 2 * i + 2, "a", None, False)
+        assert replies[2 * i + 2] == ("items", [i], False, False, ("a", None))
+    assert len(core.deadlines._heap) == 1
+    last_idle = core.keys["a"].idle_since
+    first_deadline = core.deadlines.next()
+    assert first_deadline < last_idle + 30.0
+    core.tick(first_deadline)  # the first deadline: idle, but not for a whole grace period
+    assert "a" in core.keys and core.deadlines.next() == last_idle + 30.0
+    core.tick(last_idle + 30.0)
+    assert "a" not in core.keys and core.deadlines.next() is None

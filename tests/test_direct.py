@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import zmq
 from zchannel.broker import Channel, direct
 from zchannel.broker.protocol import pack_header
 
@@ -261,6 +262,47 @@ def test_a_stream_over_a_link_reads_its_replies_in_the_waiting_thread(make_remot
         assert got == list(range(n))
         turns = pconn.io_turns + cconn.io_turns - before
         assert turns < n // 4, f"the I/O threads woke {turns} times for {n} items"
+    finally:
+        consumer.close()
+
+
+def test_a_waiting_thread_takes_replies_read_already_before_it_polls(make_remote, monkeypatch):
+    """One read of the link can cut several messages; the replies in those after the first wait
+    in the process, where no poll sees them: a waiting thread completes them before it polls
+    again (else its reply waits for the broker's next bytes)."""
+    from zchannel.broker import waiting
+
+    producer = make_remote("dbuf")
+    consumer = Channel.connect("dbuf")
+    try:
+        cconn = consumer._connection()
+        assert cconn.direct
+        polled_past: list[int] = []  # messages waiting in the process at a waiting thread's poll
+
+        class Zmq:  # zmq for waiting.py only: its polls are watched (the I/O thread's are not)
+            def __getattr__(self, name):
+                return getattr(zmq, name)
+
+            @staticmethod
+            def zmq_poll(sockets, timeout=-1):
+                waiting_now = len(cconn.transport.reader.messages)
+                if waiting_now:
+                    polled_past.append(waiting_now)
+                return zmq.zmq_poll(sockets, timeout)
+
+        monkeypatch.setattr(waiting, "zmq", Zmq())
+        n, window = 3000, 64
+        for work in [producer.put(i, async_op=True) for i in range(n)]:
+            work.wait(10)
+        gets: list = []
+        got = []
+        for _ in range(n):
+            gets.append(consumer.get(async_op=True, timeout=10))
+            if len(gets) >= window:
+                got.append(gets.pop(0).wait(10))
+        got.extend(w.wait(10) for w in gets)
+        assert got == list(range(n))
+        assert polled_past == [], f"polled with {polled_past[:5]} messages read already"
     finally:
         consumer.close()
 
