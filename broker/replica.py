@@ -125,6 +125,8 @@ class ReplicaState:
                 return self.table[key]
             redirect = bind_answer(answer)
             target = redirect.binder if redirect is not None else None
+            if not isinstance(target, int) or isinstance(target, bool):
+                target = None  # a retry answer (joining), or no redirect
             if target == self.index:
                 target = None
             if time.monotonic() >= deadline:
