@@ -233,7 +233,7 @@ class BrokerChannel(ChannelHandle):
 
 def _get_converter(copy: bool | None, shm: Any = None):
     def convert(rec: Reply, frames: list) -> Any:
-        sm = rec.slots  # shared-memory slots of the item (broker/shm.py)
+        sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
         if sm and sm[0]:
             item = shm.decode(sm[0], frames, copy)
         elif rec.body is not UNSET:  # a small item inside its record
@@ -252,7 +252,7 @@ def _get_converter(copy: bool | None, shm: Any = None):
 def _batch_converter(copy: bool | None, shm: Any = None):
     def convert(rec: Reply, frames: list) -> list:
         out, pos = [], 0
-        sm = rec.slots or ()  # shared-memory slots per item (broker/shm.py)
+        sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
         for i, n in enumerate(rec.counts or ()):
             if i < len(sm) and sm[i]:
                 out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
