@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zchannel.cli.bench.cases import Case, Measured, split, stream_figures
+from zchannel.cli.bench.cases import Case, Measured, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
     PayloadFactory,
     Tally,
-    verify_consumers,
+    checked_stream,
     verify_seqs,
 )
 from zchannel.cli.bench.workers import POLL_S, WORKER_DEADLINE_S, Workers, read_proc_status
@@ -347,10 +347,7 @@ def run_zmq_proxy(case: Case, tmpdir: str) -> Measured:
         done.set()
         results += w.collect(case.producers)
         rss = read_proc_status(proxy_pid, "VmHWM")
-    prod = [r for r in results if r["name"].startswith("producer")]
-    cons = [r for r in results if r["name"].startswith("consumer")]
-    verify_consumers(cons, per_prod)
-    seconds, lat = stream_figures(prod, cons, t_go)
+    seconds, lat = checked_stream(results, per_prod, t_go)
     return Measured(case.messages, seconds, lat, rss)
 
 
@@ -419,8 +416,5 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
         w.wait_ready()
         t_go = w.go()
         results = w.collect(case.producers + case.consumers)
-    prod = [r for r in results if r["name"].startswith("producer")]
-    cons = [r for r in results if r["name"].startswith("consumer")]
-    verify_consumers(cons, per_prod)
-    seconds, lat = stream_figures(prod, cons, t_go)
+    seconds, lat = checked_stream(results, per_prod, t_go)
     return Measured(case.messages, seconds, lat)

@@ -18,8 +18,14 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import Channel, Work
-from zchannel.cli.bench.cases import MIB, Case, Measured, split, stream_figures
-from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, Tally, verify_consumers
+from zchannel.cli.bench.cases import MIB, Case, Measured, split
+from zchannel.cli.bench.payloads import (
+    SEQ_SHIFT,
+    PayloadFactory,
+    Tally,
+    checked_stream,
+    verify_consumers,
+)
 from zchannel.cli.bench.workers import (
     GET_TIMEOUT_S,
     WORKER_DEADLINE_S,
@@ -309,13 +315,10 @@ def run_channel_stream(case: Case, address: str | None, tmpdir: str) -> Measured
             w.wait_ready()
             t_go = w.go()
             results = w.collect(case.producers + case.consumers)
-        prod = [r for r in results if r["name"].startswith("producer")]
-        cons = [r for r in results if r["name"].startswith("consumer")]
-        verify_consumers(cons, per_prod)
-        seconds, lat = stream_figures(prod, cons, t_go)
+        seconds, lat = checked_stream(results, per_prod, t_go)
         extra = {}
         if case.scenario == "batch":
-            extra["batches"] = int(sum(r["lat_ns"].size for r in cons))
+            extra["batches"] = int(lat.size)  # one latency per batch a consumer got
         return Measured(case.messages, seconds, lat, target.peak_rss(), extra)
     finally:
         target.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import serializable
+from zchannel.cli.bench.cases import stream_figures
 
 HEADER = struct.Struct("<QQ")  # sequence number, send time (time.monotonic_ns)
 PAYLOAD_TYPES = ("bytes", "numpy", "tensor", "tensor_list", "tensor_dict", "dataclass")
@@ -233,6 +234,16 @@ def verify_seqs(received: list[np.ndarray], counts: list[int]) -> None:
 def verify_consumers(results: list[dict], counts: list[int]) -> None:
     """``verify_seqs`` over the ``seqs`` the consumer workers reported."""
     verify_seqs([r["seqs"] for r in results], counts)
+
+
+def checked_stream(results: list[dict], counts: list[int], t_go: int) -> tuple[float, np.ndarray]:
+    """The figures of a stream from its workers' ``results``: the consumers' seqs checked
+    against ``counts`` (``verify_consumers``), then ``stream_figures`` of producers and
+    consumers."""
+    prod = [r for r in results if r["name"].startswith("producer")]
+    cons = [r for r in results if r["name"].startswith("consumer")]
+    verify_consumers(cons, counts)
+    return stream_figures(prod, cons, t_go)
 
 
 class Tally:
