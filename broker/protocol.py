@@ -350,6 +350,11 @@ class BindAnswer(Struct, omit_defaults=True, kw_only=True):
     binder: Any = UNSET
     retry: Any = UNSET
 
+    def redirect(self) -> int | None:
+        """The replica index to ask instead, or None (a ``retry`` answer, or no index)."""
+        binder = self.binder
+        return binder if isinstance(binder, int) and not isinstance(binder, bool) else None
+
 
 def bind_answer(result: Any) -> BindAnswer | None:
     """The ``BindAnswer`` of a ``bind`` result that is one, or a map (None for anything else)."""

@@ -123,10 +123,8 @@ class ReplicaState:
             if isinstance(answer, int) and not isinstance(answer, bool):
                 self.table.setdefault(key, answer)
                 return self.table[key]
-            redirect = bind_answer(answer)
-            target = redirect.binder if redirect is not None else None
-            if not isinstance(target, int) or isinstance(target, bool):
-                target = None  # a retry answer (joining), or no redirect
+            told = bind_answer(answer)
+            target = told.redirect() if told is not None else None  # None: retry (joining)
             if target == self.index:
                 target = None
             if time.monotonic() >= deadline:

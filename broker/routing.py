@@ -113,8 +113,8 @@ class KeyRouting:
                                         f"{BIND_DEADLINE_S}s")
             answer = answers[0][1] if answers and answers[0][0] == target else None
             told = bind_answer(answer)
-            redirect = told.binder if told is not None else None
-            if isinstance(redirect, int) and 0 <= redirect < n and redirect != target \
+            redirect = told.redirect() if told is not None else None
+            if redirect is not None and 0 <= redirect < n and redirect != target \
                     and redirect not in asked \
                     and time.monotonic() - failed.get(redirect, -1e9) >= BIND_RECHECK_S:
                 target = redirect

@@ -246,6 +246,7 @@ def test_bind_and_load_answers():
     cannot use is None, never a half-valid answer."""
     wire = msgpack.unpackb(msgspec.msgpack.encode(BindAnswer(binder=2)))
     assert wire == {"binder": 2} and bind_answer(wire) == BindAnswer(binder=2)
+    assert bind_answer(wire).redirect() == 2 and BindAnswer(retry="joining").redirect() is None
     assert msgpack.unpackb(msgspec.msgpack.encode(BindAnswer(retry="joining"))) == {"retry": "joining"}
     assert bind_answer(3) is None and bind_answer([1]) is None
     load = LoadAnswer(backlog=40, starved=2)
