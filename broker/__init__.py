@@ -4,8 +4,7 @@
 ``Delivery`` an item received with ``ack=True``.  See ``docs/`` for the protocol and guarantees.
 """
 
-from zchannel.broker.channel import Channel
-from zchannel.broker.client import DEFAULT_KEY
+from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import (
     AuthenticationFailed,
     BrokerStartError,
@@ -17,8 +16,9 @@ from zchannel.broker.errors import (
     QueueEmpty,
     QueueFull,
 )
-from zchannel.broker.registry import register_type, serializable
-from zchannel.broker.work import Delivery, Work
+from zchannel.broker.handle.broker_channel import DEFAULT_KEY
+from zchannel.broker.handle.channel import Channel
+from zchannel.broker.wire.classtags import register_type, serializable
 
 __all__ = [
     "DEFAULT_KEY",

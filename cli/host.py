@@ -7,7 +7,9 @@ import json
 from typing import Any
 
 import click
-from zchannel.broker import Channel, ChannelError, paths, rundir
+from zchannel.broker import Channel, ChannelError
+from zchannel.broker.host import paths
+from zchannel.broker.server import rundir
 
 
 def _broker_row(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 import click
-from zchannel.broker import paths
 from zchannel.broker.errors import ChannelError
+from zchannel.broker.host import paths
 from zchannel.cli.failures import Cli
 from zchannel.cli.summary import parse_key, summarize
 
@@ -100,8 +100,8 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
 
     Prints ``ready <address>`` on stdout once bound; logs go to stderr; SIGINT/SIGTERM stop it.
     """
-    from zchannel.broker.config import build_config
-    from zchannel.broker.server import run_broker
+    from zchannel.broker.server.config import build_config
+    from zchannel.broker.server.loop import run_broker
 
     # expected failures (bad values, unreadable files, a busy address, a name already served)
     # become one line on stderr and exit status 2 (cli/failures.py)
@@ -114,7 +114,7 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     if config.cluster is not None or config.replica is not None:  # one replica of a cluster
         if config.cluster is None or config.replica is None:
             raise ValueError("--cluster FILE and --replica I go together")
-        from zchannel.broker.replica import replica_state
+        from zchannel.broker.cluster.replica import replica_state
 
         replica_state(config)  # its address (and insecure) come from the cluster file
     paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
@@ -143,7 +143,7 @@ def keygen(directory: str, name: str, replicas: int | None) -> None:
     """
     import shutil
 
-    from zchannel.broker.security import keygen as make_keys
+    from zchannel.broker.transport.curve import keygen as make_keys
 
     paths.check_name(name)  # a file name stem: no separators
     if replicas is None:
@@ -296,7 +296,7 @@ def _stat_keys(secret: str | None, server: str | None) -> Any:
         raise click.UsageError("--curve-secret-key and --curve-server-key go together")
     if not secret:
         return None
-    from zchannel.broker.security import CurveKeys
+    from zchannel.broker.transport.curve import CurveKeys
 
     keys = CurveKeys(secret, server)
     keys.load()  # a file that does not hold a key: say which, now

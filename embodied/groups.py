@@ -10,7 +10,7 @@ passed to a group method binds to the worker it lands in (it is a consumer under
 
 The group is a *worker group* for ``Channel.create(producers=[...], consumers=[...])``: it
 implements ``zchannel_group() -> (name, worker_ids, placement_targets)``, the duck-typed protocol
-the broker package recognises (``zchannel.broker.groups``): as a consumer it expands to its
+the broker package recognises (``zchannel.broker.handle.workergroups``): as a consumer it expands to its
 worker ids, as a producer to its name, and on Ray its actors are the placement targets (the
 channel goes to the first producer's node, else the first consumer's, else the creator's).
 """

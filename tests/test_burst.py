@@ -36,10 +36,11 @@ import msgpack
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import Channel, direct, shm
-from zchannel.broker.connection import UP, Connection
-from zchannel.broker.outbox import MAX_REPLY_BYTES
-from zchannel.broker.protocol import QSize, pack_header
+from zchannel.broker import Channel, shm
+from zchannel.broker.connection.connection import UP, Connection
+from zchannel.broker.server.outbox import MAX_REPLY_BYTES
+from zchannel.broker.transport import direct
+from zchannel.broker.wire.protocol import QSize, pack_header
 
 SIZE = 16 << 20
 N = 256

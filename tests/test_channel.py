@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, Work
-from zchannel.broker.protocol import op_of
+from zchannel.broker.wire.protocol import op_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -340,7 +340,7 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     a put from another thread on the same handle must go out at once, not when some message
     (a broker heartbeat, after up to a second) or the end of the get's drive window
     (``DRIVE_S``, made 60 s here) lets the getter look at its queue again."""
-    from zchannel.broker import connection, waiting
+    from zchannel.broker.connection import connection, waiting
 
     monkeypatch.setattr(waiting, "DRIVE_S", 60.0)
     monkeypatch.setattr(connection, "SPIN_US", 0)  # the getter waits in _drive, not _spin
@@ -385,7 +385,7 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     """A blocking call spins up to SPIN_US for its reply; calls whose replies keep coming later
     (gets that time out on an empty queue) stop spinning after 4 misses and then spin only
     every SPIN_PROBE-th call, so a handle waiting for data does not burn a core."""
-    from zchannel.broker import connection, tuning
+    from zchannel.broker.connection import connection, tuning
 
     ch = make_remote("spin")
     ch.put("warm")
@@ -407,13 +407,13 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
 
 
 def test_spin_setting_is_checked():
-    code = "import zchannel.broker.connection"
+    code = "import zchannel.broker.connection.connection"
     for bad in ("-1", "fast"):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "ZCHANNEL_SPIN_US": bad}, timeout=60)
         assert proc.returncode != 0
         assert "ZCHANNEL_SPIN_US must be an int >= 0" in proc.stderr
-    proc = subprocess.run([sys.executable, "-c", code + "; print(zchannel.broker.connection.SPIN_US)"],
+    proc = subprocess.run([sys.executable, "-c", code + "; print(zchannel.broker.connection.connection.SPIN_US)"],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "ZCHANNEL_SPIN_US": "0"})
     assert proc.stdout.strip() == "0"

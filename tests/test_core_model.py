@@ -38,9 +38,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from zchannel.broker.checks import exceeds, reaches
-from zchannel.broker.core import QueueCore
-from zchannel.broker.records import Client, Item
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import Client, Item
+from zchannel.broker.wire.argchecks import exceeds, reaches
 from zchannel.hooks import Collector, Dispatcher
 
 KEYS = ("a", "b")

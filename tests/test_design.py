@@ -7,8 +7,9 @@ import of zchannel, well under a second.
   imports are for optional dependencies such as ray, and for the CLI's lazy subcommands);
 - dependencies point one way: ``hooks`` imports nothing of zchannel, ``broker`` only ``hooks``,
   ``embodied`` no ``cli``, and nothing but ``cli`` imports ``cli``;
+- the modules of ``zchannel.broker`` live in layer folders and import downward only;
 - no file over 800 lines, no class over 300 lines;
-- no unconditional ``import tomllib`` (3.10 is supported: ``broker/toml.py``).
+- no unconditional ``import tomllib`` (3.10 is supported: ``broker/host/toml.py``).
 
 A shape that is still being fixed is listed in a ``_PENDING_*`` set naming who fixes it; an
 entry that no longer matches fails its test, so the list cannot outlive the fix.
@@ -40,8 +41,8 @@ _PENDING_LONG_CLASSES: set[tuple[str, str]] = set()
 
 @dataclass(frozen=True)
 class Import:
-    file: str  # path relative to the repository, e.g. "broker/client.py"
-    module: str  # the zchannel module imported, e.g. "zchannel.broker.codec"
+    file: str  # path relative to the repository, e.g. "broker/handle/broker_channel.py"
+    module: str  # the zchannel module imported, e.g. "zchannel.broker.wire.codec"
     line: int
     in_function: bool
 
@@ -150,14 +151,14 @@ def _describe(cycle: list[str]) -> str:
 
 def test_the_guards_see_the_package():
     """The file walk and the import resolution find what they must (else every guard passes)."""
-    assert {"broker/__init__.py", "broker/client.py", "hooks/__init__.py",
+    assert {"broker/__init__.py", "broker/handle/broker_channel.py", "hooks/__init__.py",
             "embodied/__init__.py", "cli/main.py"} <= set(_files())
     assert _module_name("broker/__init__.py") == "zchannel.broker"
-    assert _module_name("broker/client.py") == "zchannel.broker.client"
+    assert _module_name("broker/handle/broker_channel.py") == "zchannel.broker.handle.broker_channel"
     imported = {(i.file, i.module) for i in _imports()}
-    assert ("broker/__init__.py", "zchannel.broker.channel") in imported  # from P import name
-    assert ("broker/client.py", "zchannel.broker.codec") in imported  # from P import module
-    assert ("broker/client.py", "zchannel.hooks") in imported
+    assert ("broker/__init__.py", "zchannel.broker.handle.channel") in imported  # from P import name
+    assert ("broker/handle/broker_channel.py", "zchannel.broker.wire.codec") in imported  # from P import module
+    assert ("broker/handle/broker_channel.py", "zchannel.hooks") in imported
     assert any(i.in_function for i in _imports() if i.file == "cli/main.py")  # lazy subcommands
 
 
@@ -209,9 +210,62 @@ def test_dependencies_point_one_way():
         "\n".join(wrong)
 
 
+# The layers of ``zchannel.broker``, highest first: a module imports modules of its own layer or
+# of a lower one, never of a higher one (docs/architecture.md draws them). ``shm`` and ``core`` share
+# a floor and import nothing of each other; ``errors`` (the package root) is the bottom.
+BROKER_LAYERS = {
+    "handle": 9, "server": 8, "cluster": 7, "connection": 6, "shm": 5, "core": 5,
+    "transport": 4, "wire": 3, "host": 2, "": 1,
+}
+
+
+def _broker_layer(module: str) -> str:
+    """The layer folder of a ``zchannel.broker`` module ("" for the package root)."""
+    rest = module.removeprefix("zchannel.broker").lstrip(".")
+    head = rest.split(".")[0]
+    return head if head in BROKER_LAYERS and head else ""
+
+
+def test_every_broker_module_is_in_a_layer():
+    """Every module of ``zchannel.broker`` lives in a layer folder, but the package's face
+    (``__init__``, ``__main__``) and its vocabulary of errors."""
+    loose = sorted(p for p in _files() if p.startswith("broker/") and p.count("/") == 1
+                   and p not in ("broker/__init__.py", "broker/__main__.py", "broker/errors.py"))
+    assert not loose, f"modules outside a layer folder of broker/: {loose}"
+    folders = {p.split("/")[1] for p in _files() if p.startswith("broker/") and p.count("/") == 2}
+    assert folders == set(BROKER_LAYERS) - {""}, folders
+
+
+def test_broker_layers_import_downward_only():
+    """A broker module imports its own layer or a lower one (``BROKER_LAYERS``); layers on one
+    floor do not import each other. ``broker/__init__`` and ``__main__`` are the top."""
+    wrong = []
+    for i in _imports():
+        me = _module_name(i.file)
+        if not (me.startswith("zchannel.broker") and i.module.startswith("zchannel.broker")):
+            continue
+        if i.file in ("broker/__init__.py", "broker/__main__.py"):
+            continue
+        mine, theirs = _broker_layer(me), _broker_layer(i.module)
+        if mine == theirs:
+            continue
+        if BROKER_LAYERS[theirs] >= BROKER_LAYERS[mine]:
+            wrong.append(f"{i.file}:{i.line} ({mine or 'root'}) imports {i.module} "
+                         f"({theirs or 'root'})")
+    assert not wrong, "imports against the layers of zchannel.broker:\n" + "\n".join(wrong)
+
+
+def test_the_layer_guard_sees_a_wrong_import():
+    assert _broker_layer("zchannel.broker.wire.codec") == "wire"
+    assert _broker_layer("zchannel.broker.errors") == ""
+    assert _broker_layer("zchannel.broker") == ""
+    assert BROKER_LAYERS[_broker_layer("zchannel.broker.handle.channel")] > \
+        BROKER_LAYERS[_broker_layer("zchannel.broker.server.loop")]
+
+
 def test_no_unconditional_tomllib_import():
     """``tomllib`` is 3.11+; 3.10 is supported, so it is imported only inside a ``try`` that
-    falls back (``broker/toml.py``: ``tomli``) or under a ``sys.version_info`` test."""
+    falls back (``broker/host/toml.py``: ``tomli``) or under a ``sys.version_info`` test."""
 
     def guarded(parents: list[ast.AST]) -> bool:
         for node in parents:
@@ -235,7 +289,7 @@ def test_no_unconditional_tomllib_import():
     unguarded: list[str] = []
     for path, tree in _trees().items():
         visit(tree, [], path, unguarded)
-    assert not unguarded, ("unconditional `import tomllib` (use `from zchannel.broker.toml "
+    assert not unguarded, ("unconditional `import tomllib` (use `from zchannel.broker.host.toml "
                            "import tomllib`): " + ", ".join(unguarded))
 
 

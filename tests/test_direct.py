@@ -1,4 +1,4 @@
-"""The same-host direct link (broker/direct.py): real brokers, real Unix sockets, real clients."""
+"""The same-host direct link (broker/transport/direct.py): real brokers, real Unix sockets, real clients."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from zchannel.broker import Channel, direct
-from zchannel.broker.protocol import pack_header
+from zchannel.broker import Channel
+from zchannel.broker.transport import direct
+from zchannel.broker.wire.protocol import pack_header
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,7 +157,7 @@ def test_a_client_that_does_not_read_does_not_stall_the_broker(make_remote):
             assert ch.get(key="small", timeout=10) == i
         got = raw.replies(12)
         assert [rec["id"] for rec, _ in got] == [10 + i for i in range(12)]
-        from zchannel.broker import codec
+        from zchannel.broker.wire import codec
 
         assert [codec.decode(frames[0], frames[1:]) for _, frames in got] == blobs
     finally:
@@ -270,7 +271,7 @@ def test_a_waiting_thread_takes_replies_read_already_before_it_polls(make_remote
     """One read of the link can cut several messages; the replies in those after the first wait
     in the process, where no poll sees them: a waiting thread completes them before it polls
     again (else its reply waits for the broker's next bytes)."""
-    from zchannel.broker import waiting
+    from zchannel.broker.connection import waiting
 
     producer = make_remote("dbuf")
     consumer = Channel.connect("dbuf")
@@ -412,7 +413,7 @@ def test_a_request_held_back_goes_out_soon_without_a_wait(make_remote):
 def test_lazy_setting_is_checked_and_zero_holds_nothing_back(make_remote):
     make_remote("dlz")
     for bad in ("-1", "soon"):
-        proc = subprocess.run([sys.executable, "-c", "import zchannel.broker.connection"],
+        proc = subprocess.run([sys.executable, "-c", "import zchannel.broker.connection.connection"],
                               capture_output=True, text=True, timeout=60,
                               env={**os.environ, "ZCHANNEL_LAZY_MS": bad})
         assert proc.returncode != 0

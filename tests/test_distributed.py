@@ -16,8 +16,8 @@ import torch
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel, HookError
-from zchannel.broker.distributed import DistributedChannel
-from zchannel.broker.protocol import Bind, Learn
+from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.wire.protocol import Bind, Learn
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -57,9 +57,9 @@ def _handle(monkeypatch, path, node, **kw) -> DistributedChannel:
 
 
 def _address(path: str, index: int) -> str:
-    from zchannel.broker import cluster
+    from zchannel.broker.cluster import clusterfile
 
-    return cluster.load(path).replicas[index].address
+    return clusterfile.load(path).replicas[index].address
 
 
 def test_locality_first_toucher_and_stat(tcp_cluster, monkeypatch, workers):
@@ -278,28 +278,28 @@ def test_cli_cluster_flags(run_dir):
 def test_cluster_file_and_node_detection(run_dir, monkeypatch):
     import socket
 
-    from zchannel.broker import cluster
+    from zchannel.broker.cluster import clusterfile
 
-    example = cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+    example = clusterfile.load(os.path.join(os.path.dirname(__file__), "..", "configs",
                                         "cluster_example.toml"))
     assert [r.node for r in example.replicas] == ["host-a", "host-b", "host-c"]
     assert example.name == "samples" and example.insecure
     with pytest.raises(ValueError):
-        cluster.load(os.path.join(os.path.dirname(__file__), "..", "configs",
+        clusterfile.load(os.path.join(os.path.dirname(__file__), "..", "configs",
                                   "cluster_example.toml"), "other-channel")
     here = socket.gethostname()
     path = write_cluster(run_dir, ("elsewhere", here, here))
-    table = cluster.load(path, "c").replicas
+    table = clusterfile.load(path, "c").replicas
     assert table[1].address.endswith("/c-r1.sock")  # {name} filled in
     monkeypatch.delenv("ZCHANNEL_NODE", raising=False)
-    assert cluster.local_node(table) == here  # matched by hostname
+    assert clusterfile.local_node(table) == here  # matched by hostname
     monkeypatch.setenv("ZCHANNEL_NODE", "elsewhere")
-    assert cluster.local_node(table) == "elsewhere"
+    assert clusterfile.local_node(table) == "elsewhere"
     # two replicas on one node share its keys by a stable hash; a node without a replica
     # spreads its keys over all of them
-    assert {cluster.choose_replica(table, here, ("k", i)) for i in range(50)} == {1, 2}
-    assert {cluster.choose_replica(table, "nowhere", ("k", i)) for i in range(50)} == {0, 1, 2}
-    assert cluster.choose_replica(table, here, "x") == cluster.choose_replica(table, here, "x")
+    assert {clusterfile.choose_replica(table, here, ("k", i)) for i in range(50)} == {1, 2}
+    assert {clusterfile.choose_replica(table, "nowhere", ("k", i)) for i in range(50)} == {0, 1, 2}
+    assert clusterfile.choose_replica(table, here, "x") == clusterfile.choose_replica(table, here, "x")
 
 
 def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):

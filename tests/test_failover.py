@@ -18,8 +18,9 @@ import time
 
 import pytest
 from cluster_util import Replicas, audit, free_tcp_ports, write_cluster
-from zchannel.broker import Channel, cluster
-from zchannel.broker.distributed import DistributedChannel
+from zchannel.broker import Channel
+from zchannel.broker.cluster import clusterfile
+from zchannel.broker.handle.distributed import DistributedChannel
 
 NODES = ("node-a", "node-b", "node-c")
 
@@ -110,7 +111,7 @@ class Chaos:
     def __init__(self, run_dir: str, workers) -> None:
         ports = free_tcp_ports(3)
         self.path = write_cluster(run_dir, NODES, [f"tcp://127.0.0.1:{p}" for p in ports])
-        self.addresses = [r.address for r in cluster.load(self.path, "fo").replicas]
+        self.addresses = [r.address for r in clusterfile.load(self.path, "fo").replicas]
         self.reps = Replicas()
         self.workers = workers
         self.kills: dict[int, list[float]] = {0: [], 1: [], 2: []}

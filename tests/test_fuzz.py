@@ -21,8 +21,13 @@ from conftest import pid_alive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zchannel.broker import Channel
-from zchannel.broker.codec import encode
-from zchannel.broker.protocol import MAX_FRAMES, MAX_HEADER_BYTES, PROTOCOL_VERSION, pack_header
+from zchannel.broker.wire.codec import encode
+from zchannel.broker.wire.protocol import (
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    pack_header,
+)
 
 GOOD_KEY = "well-behaved"  # only the well-behaved client uses this key
 OPS = [

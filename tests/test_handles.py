@@ -16,7 +16,8 @@ import threading
 
 import pytest
 from conftest import REPO
-from zchannel.broker import Channel, ChannelError, sharing
+from zchannel.broker import Channel, ChannelError
+from zchannel.broker.connection import sharing
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -351,7 +352,7 @@ def test_exit_with_a_killed_broker_is_prompt_and_quiet(direct, pending, channels
 def test_every_handle_is_a_channel(make):
     """Whatever serves the channel (a broker process, this process, replicas), ``create``,
     ``connect`` and unpickling give a ``Channel``; a one-broker handle is a ``Channel`` itself
-    (``broker/channel.py``), and every handle of a channel reaches the same items."""
+    (``broker/handle/channel.py``), and every handle of a channel reaches the same items."""
     ch = make("kinds")
     handles = [ch, Channel.connect("kinds")]
     if not make.local:  # a local channel is not picklable

@@ -15,8 +15,9 @@ import msgpack
 import pytest
 import zmq
 from conftest import pid_alive, wait_until
-from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound, codec
-from zchannel.broker.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
+from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(90)
 

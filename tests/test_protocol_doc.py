@@ -14,8 +14,8 @@ import msgpack
 import numpy as np
 import zmq
 from zchannel.broker import Channel
-from zchannel.broker.codec import decode, encode
-from zchannel.broker.protocol import PROTOCOL_VERSION, pack_header
+from zchannel.broker.wire.codec import decode, encode
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
 DEADLINE_S = 20.0  # generous: a loaded 2-core machine
 

@@ -1,4 +1,4 @@
-"""The wire records of ``broker/protocol.py``: every record round-trips through its encoding, the
+"""The wire records of ``broker/wire/protocol.py``: every record round-trips through its encoding, the
 decoder refuses every mutation of a valid message with ``ProtocolError``, and no other module of
 ``zchannel.broker`` spells a wire key (the guard at the end).
 
@@ -20,8 +20,8 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from zchannel.broker import protocol
-from zchannel.broker.protocol import (
+from zchannel.broker.wire import protocol
+from zchannel.broker.wire.protocol import (
     REQUEST_TYPES,
     UNSET,
     BadRecord,
@@ -41,7 +41,7 @@ from zchannel.broker.protocol import (
     unpack_requests,
 )
 
-BROKER = pathlib.Path(protocol.__file__).resolve().parent
+BROKER = pathlib.Path(protocol.__file__).resolve().parents[1]
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -300,16 +300,16 @@ def wire_key_literals(source: str) -> list[tuple[int, str]]:
 def test_no_module_but_protocol_spells_a_wire_key():
     found = {}
     for path in sorted(BROKER.rglob("*.py")):
-        if path.name == "protocol.py" and path.parent == BROKER:
+        if path == BROKER / "wire" / "protocol.py":
             continue
         hits = wire_key_literals(path.read_text())
         if hits:
             found[str(path.relative_to(BROKER))] = hits
-    assert found == {}, f"wire keys spelled outside broker/protocol.py: {found}"
+    assert found == {}, f"wire keys spelled outside broker/wire/protocol.py: {found}"
 
 
 def test_the_guard_finds_a_wire_key_literal():
-    server = (BROKER / "server.py").read_text()
+    server = (BROKER / "server" / "loop.py").read_text()
     assert wire_key_literals(server + '\nkey = rec["k"]\n') == [(server.count("\n") + 2, "k")]
     for snippet in ('rec.get("nf", 0)', '{"op": "put", "id": 1}', '"b" in rec', 'dict(op="hb")',
                     'rec.pop("sm")'):

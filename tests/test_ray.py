@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from cluster_util import audit, ray_three_nodes  # noqa: E402
 from conftest import pid_alive, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
-from zchannel.broker.distributed import DistributedChannel  # noqa: E402
+from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

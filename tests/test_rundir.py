@@ -13,7 +13,8 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from zchannel.broker import Channel, paths, shm
+from zchannel.broker import Channel, shm
+from zchannel.broker.host import paths
 from zchannel.cli.main import main as cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,7 +149,7 @@ def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, br
 
 def test_create_whose_client_is_refused_leaves_nothing(run_dir, tmp_path):
     from zchannel.broker import AuthenticationFailed
-    from zchannel.broker.security import keygen
+    from zchannel.broker.transport.curve import keygen
 
     server_pub, server_sec = keygen(str(tmp_path), "broker")
     _, other_sec = keygen(str(tmp_path), "other")

@@ -99,7 +99,7 @@ def _retry_for_a_while(address, keys=None, attempts=6):
     not reconnect after a protocol error, and the broker misses a refusal now and then: the
     client may reset the connection before the broker read its greeting)."""
     import zmq
-    from zchannel.broker.security import CurveKeys
+    from zchannel.broker.transport.curve import CurveKeys
 
     ctx = zmq.Context.instance()
     for _ in range(attempts):
@@ -222,7 +222,7 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
     that is not listed, are refused; the client key pair works; the replicas replicate the
     binding table to each other, which they can only do authenticated."""
     from cluster_util import free_tcp_ports
-    from zchannel.broker.distributed import DistributedChannel
+    from zchannel.broker.handle.distributed import DistributedChannel
 
     keys = tmp_path / "keys"
     out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", str(keys),

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import Channel, codec, shm
+from zchannel.broker import Channel, shm
+from zchannel.broker.wire import codec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
 """Cross-replica stealing (opt-in, ``steal = true`` in the cluster file): empty keys move from a
-backed-up replica to an idle one (``broker/moving.py``).  Three replicas on loopback tcp started
+backed-up replica to an idle one (``broker/cluster/moving.py``).  Three replicas on loopback tcp started
 with the CLI, a producer and a consumer process on node-b, an idle consumer on node-a."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import wait_until
 from zchannel.broker import Channel, KeyMoved
-from zchannel.broker.distributed import DistributedChannel
-from zchannel.broker.moving import MOVE_BACKLOG, choose_move
-from zchannel.broker.protocol import LoadAnswer
+from zchannel.broker.cluster.moving import MOVE_BACKLOG, choose_move
+from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.wire.protocol import LoadAnswer
 
 pytestmark = pytest.mark.timeout(120)
 

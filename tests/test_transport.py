@@ -1,5 +1,5 @@
-"""The transport seam (broker/transport.py): a ZeroMQ DEALER socket and a same-host direct link
-(broker/direct.py) behind one interface, each speaking to a real broker over real sockets."""
+"""The transport seam (broker/transport/seam.py): a ZeroMQ DEALER socket and a same-host direct link
+(broker/transport/direct.py) behind one interface, each speaking to a real broker over real sockets."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 import msgpack
 import pytest
 import zmq
-from zchannel.broker.connection import open_transport
-from zchannel.broker.direct import Link
-from zchannel.broker.protocol import GET, HELLO, PROTOCOL_VERSION, PUT, pack_header
-from zchannel.broker.transport import Transport, ZmqTransport
+from zchannel.broker.connection.connection import open_transport
+from zchannel.broker.transport.direct import Link
+from zchannel.broker.transport.seam import Transport, ZmqTransport
+from zchannel.broker.wire.protocol import GET, HELLO, PROTOCOL_VERSION, PUT, pack_header
 
 pytestmark = pytest.mark.timeout(60)
 

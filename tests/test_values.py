@@ -38,9 +38,10 @@ from payloads import (
     Tag,
     Unregistered,
 )
-from zchannel.broker import Channel, codec, register_type
-from zchannel.broker.protocol import PROTOCOL_VERSION, pack_header
-from zchannel.broker.wireform import wire_form
+from zchannel.broker import Channel, register_type
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
+from zchannel.broker.wire.wireform import wire_form
 
 pytestmark = pytest.mark.timeout(120)
 

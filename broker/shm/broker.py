@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zchannel.broker import codec
-from zchannel.broker.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
@@ -32,6 +30,8 @@ from zchannel.broker.shm.segment import (
     prefix_for,
     unlink,
 )
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 
 log = logging.getLogger("zchannel.shm")
 

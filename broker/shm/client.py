@@ -17,8 +17,6 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-from zchannel.broker import codec
-from zchannel.broker.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 from zchannel.broker.shm.pool import Pool, check_reserve
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
@@ -28,6 +26,8 @@ from zchannel.broker.shm.segment import (
     SHM_DIR,
     Segment,
 )
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
 OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)

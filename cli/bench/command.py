@@ -14,8 +14,8 @@ from typing import Any
 import click
 import click.core
 from zchannel.broker import ChannelError
-from zchannel.broker.starting import child_environ
-from zchannel.broker.toml import tomllib
+from zchannel.broker.host.toml import tomllib
+from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
 from zchannel.cli.bench.report import (

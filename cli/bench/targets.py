@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from zchannel.broker.toml import tomllib
+from zchannel.broker.host.toml import tomllib
 from zchannel.cli.bench.cases import MIB, Case, bounded
 from zchannel.cli.bench.channel import (
     Target,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from zchannel.broker.codec import decode, encode
+from zchannel.broker.wire.codec import decode, encode
 from zchannel.embodied.plan import TrajectoryPlan
 
 ROLLOUT = dict(

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 from zchannel.broker import DEFAULT_KEY
-from zchannel.broker.toml import tomllib
+from zchannel.broker.host.toml import tomllib
 from zchannel.embodied.advantages import compute_advantages, to_training_batch
 from zchannel.embodied.collector import TrajectoryCollector, TrajectoryDispatcher
 from zchannel.embodied.modes import route_source_rows

@@ -8,7 +8,7 @@ import sys
 import pytest
 from cluster_util import ray_three_nodes
 from zchannel.broker import Channel
-from zchannel.broker.groups import expand_groups
+from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.embodied.groups import Worker, WorkerError
 
 

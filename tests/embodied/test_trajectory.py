@@ -557,7 +557,7 @@ def test_collector_module_import_registers_every_type():
     """The entry-point target alone registers every transport type and both hooks."""
     code = (
         "import zchannel.embodied.collector\n"
-        "from zchannel.broker.registry import TAG_TO_CLS\n"
+        "from zchannel.broker.wire.classtags import TAG_TO_CLS\n"
         "from zchannel.hooks import Collector, Dispatcher, registered\n"
         "print(sorted(t for t in TAG_TO_CLS if t.startswith('zchannel.embodied.')))\n"
         "assert 'embodied_trajectory' in registered(Collector)\n"

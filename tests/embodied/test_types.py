@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from zchannel.broker.codec import encode
+from zchannel.broker.wire.codec import encode
 from zchannel.embodied.batch import (
     merge_batch_values,
     merge_episode_data,

@@ -1,0 +1,1 @@
+"""What the replicas of a distributed channel share: the cluster file, the binding table, key moves."""

@@ -1,0 +1,233 @@
+"""Cluster files and node detection for distributed channels (no Ray import: ``ray_connected``
+and the node id only look at a ``ray`` the process imported itself).
+
+A cluster file (TOML) lists the replicas of a distributed channel, in order (every replica holds
+the key-binding table; the lowest-index live one decides new bindings: ``broker/cluster/binding.py``)::
+
+    [cluster]
+    name = "samples"          # optional: the only channel this file serves
+    insecure = false          # optional: let replicas bind non-loopback tcp without CURVE
+    steal = false             # optional: empty keys move to idle replicas (broker/cluster/moving.py)
+    server_keys = ["keys/replica0.key", "keys/replica1.key"]   # optional: CURVE (below)
+    client_keys = "keys/clients"
+
+    [[replica]]
+    node = "node-a"           # node name (a process's node: $ZCHANNEL_NODE, else its hostname)
+    address = "tcp://10.0.0.1:5555"
+    hostnames = ["node-a.example.com"]   # optional aliases matched against the hostname
+
+    [[replica]]
+    node = "node-b"
+    address = "tcp://10.0.0.2:5555"
+
+``server_keys`` (one public key file per replica, in order) and ``client_keys`` (the directory
+of the public keys let in: clients' and replicas') turn CURVE on: each replica is started with
+its own key pair (``--curve-secret-key``), admits only those keys, and talks to the other
+replicas with its own key pair; clients learn each replica's public key from the table.  Paths
+are relative to the file.  ``zchannel keygen DIR --replicas N`` writes such a set.
+
+An ``address`` may contain ``{name}``, replaced by the channel name, so that one file serves
+several channels (``ipc:///run/zc/{name}-0.sock``).  Several replicas may share a node: keys of
+that node are then spread over them by a stable hash of the key.
+
+The file is found through ``options={"cluster": FILE}`` given to ``Channel.create``, the
+``ZCHANNEL_CLUSTER`` environment variable, or ``zchannel broker --cluster FILE``.  Clients that
+connect to any replica also receive the table in the broker's hello reply, so they need no file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq.auth
+from zchannel.broker.host.toml import tomllib
+
+ENV_CLUSTER = "ZCHANNEL_CLUSTER"
+ENV_NODE = "ZCHANNEL_NODE"
+
+
+@dataclass(frozen=True)
+class Replica:
+    node: str
+    address: str
+    hostnames: tuple[str, ...] = ()
+    server_key: str | None = None  # the replica's CURVE public key (z85), when CURVE is on
+
+    def as_dict(self) -> dict[str, Any]:
+        row = {"node": self.node, "address": self.address, "hostnames": list(self.hostnames)}
+        if self.server_key:
+            row["server_key"] = self.server_key
+        return row
+
+
+@dataclass
+class Cluster:
+    replicas: list[Replica]
+    name: str | None = None
+    insecure: bool = False
+    source: str | None = None
+    client_keys: str | None = None  # directory of the public keys let in (CURVE)
+    extra: dict[str, Any] = field(default_factory=dict)
+    server_key_files: list[str] = field(default_factory=list)  # CURVE: public key file per replica
+    steal: bool = False  # empty keys move to idle replicas (broker/cluster/moving.py)
+
+    def table(self) -> list[dict[str, Any]]:
+        return [r.as_dict() for r in self.replicas]
+
+    def secret_key_file(self, index: int) -> str | None:
+        """The key pair file of replica ``index``: ``NAME.key_secret`` next to its public
+        ``server_keys`` file ``NAME.key`` (as ``zchannel keygen --replicas`` writes them);
+        None when the file does not turn CURVE on."""
+        if not self.server_key_files:
+            return None
+        public = self.server_key_files[index]
+        return public.removesuffix(".key") + ".key_secret"
+
+
+def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
+    """Read a cluster file; ``{name}`` in addresses is replaced by the channel ``name``."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = set(data) - {"cluster", "replica"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
+    head = data.get("cluster", {})
+    bad = set(head) - {"name", "insecure", "server_keys", "client_keys", "steal"}
+    if bad:
+        raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [cluster]")
+    file_name = head.get("name")
+    if file_name is not None and name is not None and file_name != name:
+        raise ValueError(f"{path} describes channel {file_name!r}, not {name!r}")
+    rows = data.get("replica") or []
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: a cluster file lists at least one [[replica]]")
+    replicas = []
+    for i, row in enumerate(rows):
+        bad = set(row) - {"node", "address", "hostnames"}
+        if bad or "node" not in row or "address" not in row:
+            raise ValueError(f"{path}: replica {i} needs node and address (and only hostnames besides)")
+        address = str(row["address"])
+        if "{name}" in address:
+            if name is None and file_name is None:
+                raise ValueError(f"{path}: address {address!r} needs a channel name")
+            address = address.replace("{name}", name or file_name)
+        replicas.append(Replica(str(row["node"]), address, tuple(row.get("hostnames") or ())))
+    here = Path(path).resolve().parent
+    server_keys = head.get("server_keys")
+    client_dir = head.get("client_keys")
+    if (server_keys is None) != (client_dir is None):
+        raise ValueError(f"{path}: server_keys and client_keys go together in [cluster]")
+    if server_keys is not None:
+        if not isinstance(server_keys, list) or len(server_keys) != len(replicas):
+            raise ValueError(f"{path}: server_keys lists one public key file per replica "
+                             f"({len(replicas)})")
+        key_files = [str(here / key_file) for key_file in server_keys]
+        replicas = [Replica(r.node, r.address, r.hostnames, public_key_z85(key_file))
+                    for r, key_file in zip(replicas, key_files, strict=True)]
+        client_dir = str(here / client_dir)
+        if not Path(client_dir).is_dir():
+            raise ValueError(f"{path}: client_keys {client_dir} is not a directory")
+    return Cluster(replicas, name=file_name or name, insecure=bool(head.get("insecure", False)),
+                   source=str(path), client_keys=client_dir,
+                   server_key_files=key_files if server_keys is not None else [],
+                   steal=_flag(head, "steal", path))
+
+
+def _flag(head: dict, name: str, path: Any) -> bool:
+    value = head.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}: [cluster] {name} is true or false, not {value!r}")
+    return value
+
+
+def public_key_z85(path: str | os.PathLike) -> str:
+    """The public key of a ZeroMQ certificate file, as z85 text."""
+    try:
+        public, _ = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the CURVE public key {path}: {exc}") from exc
+    return public.decode()
+
+
+def from_table(table: list[dict[str, Any]]) -> list[Replica]:
+    return [Replica(str(r["node"]), str(r["address"]), tuple(r.get("hostnames") or ()),
+                    r.get("server_key") or None)
+            for r in table]
+
+
+def find_file(options: dict | None = None) -> str | None:
+    """The cluster file given in ``options["cluster"]``, else ``$ZCHANNEL_CLUSTER``."""
+    path = (options or {}).get("cluster") or os.environ.get(ENV_CLUSTER)
+    return str(Path(path)) if path else None
+
+
+def _hostnames() -> set[str]:
+    names = {socket.gethostname()}
+    names.add(socket.gethostname().split(".")[0])
+    try:
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return names
+
+
+def local_node(replicas: list[Replica]) -> str:
+    """This process's node: ``$ZCHANNEL_NODE``; else the Ray node id when this process is
+    connected to Ray and the replicas are named by node id; else the replica node whose name or
+    alias matches the hostname; else the hostname."""
+    node = os.environ.get(ENV_NODE)
+    if node:
+        return node
+    nodes = {r.node for r in replicas}
+    ray_node = _ray_node_id()
+    if ray_node is not None and ray_node in nodes:
+        return ray_node
+    names = _hostnames()
+    for r in replicas:
+        if r.node in names or names & set(r.hostnames):
+            return r.node
+    return socket.gethostname()
+
+
+def ray_connected() -> bool:
+    """True when this process is connected to Ray (zchannel never imports ray unless the process
+    did, and never calls ``ray.init()``)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
+
+
+def _ray_node_id() -> str | None:
+    if not ray_connected():
+        return None
+    try:
+        return sys.modules["ray"].get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
+def key_hash(key: Any) -> int:
+    """A hash of a key that every process computes alike (keys are msgpack-able)."""
+    return zlib.crc32(msgpack.packb(key, use_bin_type=True))
+
+
+def choose_replica(replicas: list[Replica], node: str | None, key: Any) -> int:
+    """The replica a key touched first from ``node`` binds to: the node's replica (by key hash
+    among several on one node); a node without a replica spreads its keys over all replicas."""
+    local = [i for i, r in enumerate(replicas) if r.node == node]
+    candidates = local or list(range(len(replicas)))
+    return candidates[key_hash(key) % len(candidates)]
+
+
+__all__ = ["Cluster", "Replica", "choose_replica", "find_file", "load", "local_node"]

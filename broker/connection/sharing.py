@@ -1,0 +1,267 @@
+"""One connection per process per broker, shared by every handle to it.
+
+RLinf-style jobs pass a channel handle into a worker method on every step, so a process may
+unpickle thousands of handles of one channel.  A ``Channel`` therefore owns no socket: it holds
+a ``Share`` of this process's ``Connection`` (one I/O thread, one socket or direct link, one
+shared-memory client) to the broker's address, for the same consumer identity, CURVE keys and
+shared-memory/direct-link settings.  Handles that differ in any of these get their own
+connection: the broker sees one client per connection, and a consumer id is a client.
+
+A share goes when its handle is closed or garbage collected; the connection goes with its last
+share (its I/O thread stops and is joined; the thread closes the descriptors as its last act,
+see ``connection/connection.py``).  A request in flight holds its handle's share: a ``Work`` outlives the
+handle that issued it.  A forked child never uses its parent's connections: its handles connect
+anew (``_after_fork``).  At interpreter exit ``close_all`` stops every connection in
+order.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from zchannel.broker.connection import connection
+from zchannel.broker.connection.connection import JOIN_S, Connection, Flow
+from zchannel.broker.connection.liveness import CLOSED, GONE_CHECK_S, UP
+from zchannel.broker.connection.tuning import direct_enabled
+from zchannel.broker.errors import ChannelError
+from zchannel.broker.shm.client import env_enabled as shm_env_enabled
+from zchannel.broker.wire.protocol import Cancel
+
+# Guards _by_key, _count and _keys.  A garbage collection can run a share's finalizer while
+# a thread (maybe the collecting one) holds it: that release is then deferred (_deferred) and
+# applied by whoever gives the lock back (_unlock).
+_lock = threading.Lock()
+_deferred: deque[Connection] = deque()
+_by_key: dict[tuple, Connection] = {}  # the connection new handles of a key share
+_count: dict[Connection, int] = {}  # shares per connection
+_keys: dict[Connection, tuple] = {}
+_exiting = False  # close_all ran: no new connections
+
+
+class Share(Flow):
+    """One handle's use of a shared connection (``conn``), with its own flow control (each
+    handle may have ``max_inflight`` requests outstanding); ``close`` or garbage collection
+    gives it back."""
+
+    __slots__ = ("conn", "closed", "_finalizer", "__weakref__")
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self.conn = conn
+        self.closed = False  # set first by close(): the connection drops its unsent requests
+        self._finalizer = weakref.finalize(self, _collected, conn)
+        self._finalizer.atexit = False  # at exit close_all stops every connection in order
+
+    def close(self, settle_puts: bool = True, withdraw: bool = True, bye: bool = True) -> None:
+        """Wait (at most the heartbeat expiry) for this handle's put acknowledgements, then give
+        the share back.  The last share closes the connection (``bye``: the broker withdraws
+        its parked requests); otherwise this handle's own parked requests are cancelled at the
+        broker (``withdraw``).  Requests it leaves fail with ``ChannelError``.  Idempotent."""
+        if self.closed:
+            return
+        conn = self.conn
+        if settle_puts and conn.pid == os.getpid() and not conn.holds_socket():
+            settle(conn, self, conn.hb * conn.liveness)
+        self.closed = True
+        self._finalizer.detach()
+        if not _release(conn, bye) and withdraw:
+            withdraw_requests(conn, self, conn.hb * conn.liveness)
+
+
+def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) -> tuple:
+    """What makes two handles' connections different (``curve``: ``security.CurveKeys``)."""
+    return (address, identity, curve, shm_env_enabled() if shm is None else bool(shm),
+            direct_enabled())
+
+
+def acquire(address: str, identity: str | None, curve: Any, shm: bool | None) -> Share:
+    """A share of this process's connection for these settings, made now if there is none
+    (``wait_up`` on it before use)."""
+    if _exiting:
+        raise ChannelError("the interpreter is exiting: no new connections")
+    key = share_key(address, identity, curve, shm)
+    _lock.acquire()
+    try:
+        conn = _take(key)
+    finally:
+        _unlock()
+    if conn is None:
+        fresh = Connection(address, identity=identity, curve=curve, shm=shm)
+        _lock.acquire()
+        try:
+            conn = _take(key)
+            if conn is None:
+                conn, fresh = fresh, None
+                _by_key[key], _keys[conn], _count[conn] = conn, key, 1
+        finally:
+            _unlock()
+        if fresh is not None:  # another thread made one first
+            fresh.close(bye=False)
+    return Share(conn)
+
+
+def _take(key: tuple) -> Connection | None:
+    conn = _by_key.get(key)
+    if conn is None or conn._closing or conn.state == CLOSED or conn.pid != os.getpid():
+        return None
+    _count[conn] += 1
+    return conn
+
+
+def _release(conn: Connection, bye: bool = True) -> bool:
+    """One share of ``conn`` less; True when it was the last (the connection is closed)."""
+    if conn.pid != os.getpid():
+        return True  # a forked child's copy: its parent closes it
+    _lock.acquire()
+    try:
+        last = _drop(conn)
+    finally:
+        _unlock()
+    if last:
+        conn.close(bye=bye)
+    return last
+
+
+def _collected(conn: Connection) -> None:
+    """A share was garbage collected (its finalizer: any thread, any moment)."""
+    if conn.pid == os.getpid():
+        _deferred.append(conn)
+        _apply_deferred()
+
+
+def _drop(conn: Connection) -> bool:
+    """With ``_lock`` taken: one share of ``conn`` less; True when it was the last (then no
+    new handle can get it)."""
+    left = _count.get(conn, 1) - 1
+    if left > 0:
+        _count[conn] = left
+        return False
+    _count.pop(conn, None)
+    key = _keys.pop(conn, None)
+    if _by_key.get(key) is conn:
+        del _by_key[key]
+    return True
+
+
+def _unlock() -> None:
+    _lock.release()
+    _apply_deferred()
+
+
+def _apply_deferred() -> None:
+    """Apply the releases of collected shares, unless a thread holds ``_lock`` (its
+    ``_unlock`` applies them then)."""
+    while _deferred and _lock.acquire(blocking=False):
+        try:
+            conn = _deferred.popleft() if _deferred else None
+            last = conn is not None and _drop(conn)
+        finally:
+            _lock.release()
+        if last:
+            conn.close()
+
+
+def shares(conn: Connection) -> int:
+    """How many handles of this process share ``conn`` now."""
+    _lock.acquire()
+    try:
+        return _count.get(conn, 0)
+    finally:
+        _unlock()
+
+
+def settle(conn: Connection, owner: Share | None, limit: float) -> None:
+    """Wait up to ``limit`` seconds for the acknowledgements of ``owner``'s puts (None: of
+    every handle's), while the broker can still answer them (``Connection.broker_gone``)."""
+    deadline = time.monotonic() + limit
+    while conn.state == UP and not conn._closing and conn.pid == os.getpid():
+        puts = [work for _, work, is_put in conn.requests_of(owner) if is_put]
+        remaining = deadline - time.monotonic()
+        if not puts or remaining <= 0 or conn.broker_gone():
+            return
+        try:
+            puts[0].wait(min(remaining, GONE_CHECK_S))
+        except Exception:  # failed, or not yet: look again
+            pass
+
+
+def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
+    """Withdraw the requests of ``owner``, a closed share whose connection other handles keep:
+    unsent ones are dropped, sent ones cancelled at the broker; each fails with
+    ``ChannelError`` unless its reply came first.  Waits up to ``limit`` for the broker's
+    answers, unless the caller holds the socket (a done-callback): they are applied as they
+    come then."""
+    inside = conn.holds_socket()
+    if not inside:
+        conn.flush()  # after this, no request of the closed owner can go out
+    mine = [rid for rid, _, _ in conn.requests_of(owner)]
+    closed = ChannelError("this channel handle is closed")
+    asks = []
+    for rid in mine:
+        try:
+            ask = conn.request(Cancel(id=0, request_id=rid), [], room=False)
+        except ChannelError:  # the connection closes: its I/O thread fails what is left
+            return
+        # withdrawn, or its reply came before the answer: either way nothing more comes
+        ask.add_done_callback(lambda _, rid=rid: conn.forget(rid, closed))
+        asks.append(ask)
+    if inside:
+        return
+    deadline = time.monotonic() + limit
+    for ask in asks:
+        try:
+            ask.wait(max(0.0, deadline - time.monotonic()))
+        except (ChannelError, TimeoutError):
+            pass
+    for rid in mine:  # no answer in time (a silent broker): not delivered here
+        conn.forget(rid, closed)
+
+
+def close_all() -> None:
+    """At interpreter exit: every connection of this process waits (at most the heartbeat
+    expiry, less when its broker is gone) for its put acknowledgements, then stops its I/O
+    thread, which closes its descriptors last; all are joined before the interpreter goes on,
+    so that no daemon thread polls a descriptor while the interpreter shuts down.  Handles
+    used after this raise ``ChannelError``."""
+    global _exiting
+    _exiting = True
+    conns = [c for c in list(connection.running) if c.pid == os.getpid()]
+    for conn in conns:
+        settle(conn, None, conn.hb * conn.liveness)
+    for conn in conns:
+        conn.stop()
+    deadline = time.monotonic() + JOIN_S
+    for conn in conns:
+        conn.join(max(0.0, deadline - time.monotonic()))
+
+
+def _after_fork() -> None:
+    """In a forked child: the parent's connections are dead here (their threads did not fork).
+    Close this process's copies of their link and wake-up descriptors (a parent's link must end
+    when the parent closes it, not when its children exit) and mark them closing: nothing in
+    the child sends on them, and its handles connect anew.  Their ZeroMQ sockets belong to the
+    parent's context, which a child must not touch."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _deferred.clear()
+    _by_key.clear()
+    _count.clear()
+    _keys.clear()
+    for conn in list(connection.running):
+        conn._closing = True
+        conn._wake_lock = threading.Lock()  # as _lock
+        conn._sock_lock = threading.Lock()
+        conn._fds_closed = True
+        conn.transport.close_after_fork()
+        if not conn._wake_closed:
+            conn._wake_closed = True
+            os.close(conn._wake)
+    connection.running.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,68 @@
+"""Client tuning: how a connection batches, spins, drives its socket and uses direct links.
+
+Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS`` and ``ZCHANNEL_DIRECT`` change
+them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts are their only users.
+"""
+
+from __future__ import annotations
+
+import os
+
+MAX_OPS_PER_MESSAGE = 512
+MAX_BYTES_PER_MESSAGE = 64 << 20
+# Inline bodies per message (docs/protocol.md): with 512 records this keeps a header under
+# ~100 KiB, far below the broker's max_header_bytes (1 MiB by default)
+MAX_INLINE_PER_MESSAGE = 64 << 10
+# How long a blocking caller drives the socket itself before leaving its reply to the I/O
+# thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
+DRIVE_S = 0.05
+
+
+def _env_int(name: str, default: int, unit: str) -> int:
+    """An int >= 0 from the environment (``ValueError`` naming it otherwise)."""
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0 ({unit}), got {text!r}")
+    return value
+
+
+# A blocking call first polls for its reply without sleeping for up to SPIN_US: a reply that
+# comes back within it skips two thread wake-ups (on a 2-vCPU VM a raw ZeroMQ round trip takes
+# ~100 us with a sleeping recv and ~55 us polling).  A spin that sees its reply scores +1 (up
+# to SPIN_SCORE_MAX), one that does not -2; at 0 a handle spins only every SPIN_PROBE-th call
+# until a spin sees its reply again (docs/decisions.md).  ZCHANNEL_SPIN_US=0: no spinning.
+SPIN_US = _env_int("ZCHANNEL_SPIN_US", 250, "microseconds")
+SPIN_PROBE = 32
+SPIN_SCORE_MAX = 8
+
+
+def spin_seconds() -> float:
+    """How long a blocking call of this process spins: ``SPIN_US``, or 0 when the process may
+    run on one CPU only (its reply can then only come while it does not run)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return SPIN_US / 1e6 if cpus > 1 else 0.0
+
+
+# Queued async requests a caller sends itself when the socket is free (see ``request``).
+SEND_RUN = 16
+
+
+# Over a direct link a thread waiting for a reply reads the link itself (``wait_for``).  When
+# it stops, the I/O thread takes over only after LAZY_S without a reader, looking every LAZY_S:
+# a stream whose waits follow each other then never wakes the I/O thread per reply, and its
+# async requests go out together at the next wait, LAZY_S later at most (``request``).
+# ZCHANNEL_LAZY_MS=0: the I/O thread always watches and nothing is held back.
+LAZY_MS = _env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
+LAZY_S = LAZY_MS / 1000
+
+
+def direct_enabled() -> bool:
+    """Whether handles of this process use direct links (``ZCHANNEL_DIRECT=0``: never)."""
+    return os.environ.get("ZCHANNEL_DIRECT", "1").strip() not in ("0", "false", "no", "off")

@@ -1,0 +1,1 @@
+"""The queue semantics of one channel, free of any transport."""

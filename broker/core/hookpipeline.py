@@ -1,0 +1,144 @@
+"""The hook pipeline of one channel: the ``Collector`` that turns a put into (key, item)
+outputs and the ``Dispatcher`` that deals items to consumers and names steal donors.
+
+Items stay in the form their transport gave them; ``decode_item`` and ``encode_item`` (given by
+the broker or the local channel) turn them into values only when a hook needs to see one.  A
+hook that raises is the putter's ``HookError``; a dispatcher notification that raises is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker.core.consumers import ConsumerRegistry
+from zchannel.broker.core.state import Item
+from zchannel.broker.errors import HookError
+from zchannel.broker.wire.argchecks import check_key, check_weight
+from zchannel.hooks import ChannelContext, Collector, Dispatcher
+
+log = logging.getLogger("zchannel.broker")
+
+
+class HookPipeline:
+    """A channel's collector and dispatcher, their ``ChannelContext``, and the item codec."""
+
+    def __init__(self, *, name: str, maxsize: int, collector: Collector, dispatcher: Dispatcher,
+                 producers: tuple[str, ...], options: dict | None, registry: ConsumerRegistry,
+                 decode_item: Callable[[Item], Any],
+                 encode_item: Callable[[Any, int], Item]) -> None:
+        self.collector = collector
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.decode_item = decode_item
+        self.encode_item = encode_item
+        # the default collector passes each put through unchanged: no call, no decoding
+        self.passthrough = type(collector).collect is Collector.collect
+        self.deals = dispatcher.deals
+        self.ctx = ChannelContext(
+            name=name,
+            maxsize=maxsize,
+            producers=tuple(producers),
+            consumers=registry.present(),
+            options=dict(options or {}),
+        )
+        collector.setup(self.ctx)
+        dispatcher.setup(self.ctx)
+
+    def value(self, item: Item) -> Any:
+        """The decoded value of ``item`` (decoded once, kept on the item)."""
+        if not item.decoded:
+            item.value = self.decode_item(item)
+            item.decoded = True
+        return item.value
+
+    def collect(self, item: Item, key: Any, weight: int | float) -> list[tuple[Any, Item]]:
+        """The (key, item) pairs a put of ``item`` under ``key`` stores."""
+        if self.passthrough:
+            return [(key, item)]
+        value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
+        outputs: list[tuple[Any, Item]] = []
+        try:
+            produced = self.collector.collect(value, key)
+            for out in produced if produced is not None else ():
+                if not isinstance(out, tuple) or len(out) not in (2, 3):
+                    raise TypeError(
+                        "Collector.collect must yield (key, item) or (key, item, weight) tuples, "
+                        f"got {type(out).__name__}"
+                    )
+                out_key = check_key(out[0])
+                out_weight = check_weight(out[2]) if len(out) == 3 else weight
+                if out[1] is value and out_weight == weight:
+                    outputs.append((out_key, item))
+                else:
+                    outputs.append((out_key, self.encode_item(out[1], out_weight)))
+        except Exception as exc:
+            raise hook_error(exc) from None
+        return outputs
+
+    def route(self, item: Item, key: Any) -> str | None:
+        """The consumer whose private queue ``item`` goes to (None: the shared queue)."""
+        if not self.deals:
+            return None
+        value = self.value(item) if self.dispatcher.needs_item else None
+        try:
+            target = self.dispatcher.route(value, key)
+        except Exception as exc:
+            raise hook_error(exc) from None
+        if target is None:
+            return None
+        if not isinstance(target, str):
+            raise HookError(
+                f"Dispatcher.route returned {type(target).__name__}, expected a consumer id or None",
+                "TypeError",
+            )
+        if not self.registry.known(target):
+            log.warning("route returned unknown consumer %r: the item goes to the shared queue", target)
+            return None
+        return target
+
+    def notify(self, fn: Callable, *args: Any) -> None:
+        """Call a dispatcher notification (``observe``, ``forget``, ``key_dropped``); a failure
+        is logged, never raised."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("dispatcher hook %s failed", getattr(fn, "__name__", fn))
+
+    def consumer_joined(self, consumer: str) -> None:
+        self.ctx.consumers = self.registry.present()
+        self.notify(self.dispatcher.observe, consumer)
+
+    def consumer_left(self, consumer: str) -> None:
+        self.ctx.consumers = self.registry.present()
+        self.notify(self.dispatcher.forget, consumer)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "collector": _hook_name(self.collector),
+            "dispatcher": _hook_name(self.dispatcher),
+            "collector_stats": _safe_stats(self.collector),
+            "dispatcher_stats": _safe_stats(self.dispatcher),
+        }
+
+
+def hook_error(exc: BaseException) -> HookError:
+    """``exc`` raised by a hook, as the ``HookError`` its putter gets (with the traceback)."""
+    if isinstance(exc, HookError):
+        return exc
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return HookError(f"{type(exc).__name__}: {exc}", type(exc).__name__, tb)
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(type(hook), "hook_name", None) or f"{type(hook).__module__}:{type(hook).__qualname__}"
+
+
+def _safe_stats(hook: Any) -> dict:
+    try:
+        return dict(hook.stats())
+    except Exception:
+        log.exception("hook stats() failed")
+        return {}

@@ -1,0 +1,51 @@
+"""Leases: deliveries of ``get(ack=True)`` that wait for their consumer's acknowledgement.
+
+A leased item is out of its queue but still counted in the channel's bytes; an ``ack`` ends the
+lease, and a lease that lapses or whose handle goes away puts the item back at the head of its
+queue (``QueueCore`` does that part).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from zchannel.broker.core.queues import Deadlines, KeyedQueues
+from zchannel.broker.core.state import Client, Item, KeyState, Lease
+
+
+class LeaseBook:
+    """The open leases of one channel, by lease id."""
+
+    def __init__(self, *, lease_timeout: float, queues: KeyedQueues, deadlines: Deadlines) -> None:
+        self.lease_timeout = lease_timeout
+        self.queues = queues
+        self.deadlines = deadlines
+        self.leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+
+    def issue(self, client: Client, ks: KeyState, origin: str | None, item: Item) -> int:
+        """Lease ``item`` (taken from ``origin``'s queue of ``ks``) to ``client``: its id."""
+        lease_id = next(self._ids)
+        lease = Lease(lease_id, ks.key, origin, item, client, time.monotonic() + self.lease_timeout)
+        self.leases[lease_id] = lease
+        client.leases.add(lease_id)
+        ks.leases += 1
+        self.deadlines.add(lease.deadline, lease)
+        return lease_id
+
+    def find(self, lease_id: Any) -> Lease | None:
+        """The open lease ``lease_id`` (any value a client sent), or None."""
+        return self.leases.get(lease_id) if isinstance(lease_id, int) else None
+
+    def is_open(self, lease: Lease) -> bool:
+        return self.leases.get(lease.lease_id) is lease
+
+    def end(self, lease: Lease) -> None:
+        """Close ``lease`` (acknowledged, lapsed, returned); its bytes stay the caller's to count."""
+        del self.leases[lease.lease_id]
+        lease.client.leases.discard(lease.lease_id)
+        ks = self.queues.keys.get(lease.key)
+        if ks is not None:
+            ks.leases -= 1

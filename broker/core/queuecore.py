@@ -1,0 +1,332 @@
+"""The queue core of one channel: keyed queues, weights, backpressure, private queues and
+stealing, independent of any transport.
+
+``QueueCore`` is what the broker's event loop (``server/loop.py``) and the in-process local channel
+(``handle/local.py``) drive.  It is single-threaded and built from parts with one job each:
+
+- ``KeyedQueues`` (``core/queues.py``): the shared and private queues of every key, the bytes they
+  hold, ``maxsize``/``max_bytes``/``max_keys``, and idle keys; ``Deadlines``, the timer heap;
+- ``HookPipeline`` (``core/hookpipeline.py``): the collector and dispatcher and their context;
+- ``ConsumerRegistry`` (``core/consumers.py``): the declared and joined consumers;
+- ``LeaseBook`` (``core/leases.py``): deliveries waiting for an ``ack``;
+- ``Waiters`` (``core/waiters.py``): parked gets, get_batches and puts, and the rules that serve them.
+
+This class checks each request, hands it to those parts, and carries out what concerns several
+of them: consumers joining and leaving (a departed consumer's private items are dealt again),
+leases ending, deliveries that could not be sent, and deadlines.  Its callers give it
+``reply(client, rid, ...)``, which sends the outcome of a request, and ``decode_item`` /
+``encode_item``, which turn the transport's item payloads into values for hooks and back; the
+core never looks into a payload itself.  Every request ends in exactly one call of ``reply`` —
+a result or an error — unless the client withdrew it or went away.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker.core.consumers import ConsumerRegistry
+from zchannel.broker.core.hookpipeline import HookPipeline
+from zchannel.broker.core.leases import LeaseBook
+from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues
+from zchannel.broker.core.state import Client, Item, KeyState, Lease, Request
+from zchannel.broker.core.waiters import Reply, Waiters
+from zchannel.broker.errors import HookError
+from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
+from zchannel.hooks import Collector, Dispatcher
+
+log = logging.getLogger("zchannel.broker")
+
+
+class QueueCore:
+    """Queues, waiters and hooks of one channel (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        maxsize: int = 0,
+        collector: Collector,
+        dispatcher: Dispatcher,
+        producers: tuple[str, ...] = (),
+        consumers: tuple[str, ...] = (),
+        options: dict | None = None,
+        reply: Reply,
+        decode_item: Callable[[Item], Any],
+        encode_item: Callable[[Any, int], Item],
+        lease_timeout: float = 30.0,
+        max_bytes: int = 0,
+        max_keys: int = 100_000,
+        key_grace: float = KEY_GRACE_S,
+    ) -> None:
+        self.name = name
+        self.reply = reply
+        self.started = time.time()
+        self.deadlines = Deadlines()
+        self.queues = KeyedQueues(maxsize=maxsize, max_bytes=max_bytes, max_keys=max_keys,
+                                  key_grace=key_grace, deadlines=self.deadlines)
+        self.registry = ConsumerRegistry(consumers)
+        self.hooks = HookPipeline(name=name, maxsize=maxsize, collector=collector,
+                                  dispatcher=dispatcher, producers=producers, options=options,
+                                  registry=self.registry, decode_item=decode_item,
+                                  encode_item=encode_item)
+        self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
+                                    deadlines=self.deadlines)
+        self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
+                               deadlines=self.deadlines, reply=reply)
+
+    # -- what the broker, its metrics and its stats read -----------------------------------------
+
+    @property
+    def maxsize(self) -> int:
+        return self.queues.maxsize
+
+    @property
+    def keys(self) -> dict[Any, KeyState]:
+        return self.queues.keys
+
+    @property
+    def bytes_held(self) -> int:
+        return self.queues.bytes_held
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        return self.lease_book.leases
+
+    @property
+    def consumers(self) -> dict:
+        return self.registry.consumers
+
+    @property
+    def collector(self) -> Collector:
+        return self.hooks.collector
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.hooks.dispatcher
+
+    @property
+    def passthrough(self) -> bool:
+        return self.hooks.passthrough
+
+    @property
+    def deals(self) -> bool:
+        return self.hooks.deals
+
+    @property
+    def ctx(self) -> Any:
+        return self.hooks.ctx
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
+            nowait: bool) -> None:
+        hooks, queues = self.hooks, self.queues
+        try:
+            if rid in client.parked:
+                raise _duplicate_id(rid)
+            key = check_key(key)
+            check_weight(item.weight)
+            if hooks.passthrough and not hooks.deals:  # no hooks at work: the common case
+                routed = [(key, None, item)]
+                if key not in queues.keys:
+                    queues.check_new_keys((key,))
+            else:
+                outputs = hooks.collect(item, key, item.weight)
+                routed = [(k, hooks.route(it, k), it) for k, it in outputs]
+                queues.check_new_keys({k for k, _, _ in routed})
+        except Exception as exc:
+            self.reply(client, rid, error=exc)
+            return
+        self.waiters.put(client, rid, key, routed, timeout, nowait)
+
+    def get(self, client: Client, rid: int, key: Any, timeout: float | None, nowait: bool,
+            ack: bool = False, batch_target: int | float = 0) -> None:
+        """A get (``batch_target`` 0) or a get_batch of that target weight."""
+        try:
+            if rid in client.parked:
+                raise _duplicate_id(rid)
+            key = check_key(key)
+            if batch_target:
+                check_target_weight(batch_target)
+            if key not in self.queues.keys:
+                self.queues.check_new_keys((key,))
+            if self.hooks.deals and client.identity is None:
+                raise ValueError(
+                    f"channel {self.name!r} deals items to consumers: a consumer needs an "
+                    "identity (identity='group:rank' or ZCHANNEL_IDENTITY)"
+                )
+        except Exception as exc:
+            self.reply(client, rid, error=exc)
+            return
+        self._join(client)
+        self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target)
+
+    def ack(self, client: Client, rid: int, lease_id: Any) -> None:
+        lease = self.lease_book.find(lease_id)
+        if lease is None:
+            self.reply(client, rid, error=ValueError(
+                f"unknown lease {lease_id!r}: already acknowledged, expired or never issued"))
+            return
+        self.lease_book.end(lease)
+        self.queues.bytes_held -= lease.item.nbytes
+        self.reply(client, rid)
+        self.waiters.admit_putters()
+        ks = self.queues.keys.get(lease.key)
+        if ks is not None:  # its last lease may have kept the key in use
+            self.queues.mark_idle(ks)
+
+    def cancel(self, client: Client, rid: int, target_rid: Any) -> None:
+        """Withdraw ``client``'s waiting request ``target_rid``: the result says whether it
+        was still waiting."""
+        req = client.parked.get(target_rid) if isinstance(target_rid, int) else None
+        if req is None or not req.alive:
+            self.reply(client, rid, result=False)
+            return
+        self.waiters.withdraw(req)
+        self.reply(client, rid, result=True)
+
+    def client_gone(self, client: Client) -> None:
+        """Withdraw a departed handle's parked requests, return its leases, and let it leave."""
+        if client.gone:
+            return
+        client.gone = True
+        for req in list(client.parked.values()):
+            self.waiters.withdraw(req)
+        for lease_id in list(client.leases):
+            lease = self.lease_book.find(lease_id)
+            if lease is not None:
+                self._return_lease(lease)
+        self._leave(client)
+
+    def requeue(self, client: Client, origin: tuple[Any, str | None], items: list[Item],
+                lease_id: int | None) -> None:
+        """A delivery could not reach ``client``: its items go back to the head of their queue."""
+        key, consumer = origin
+        lease = self.lease_book.find(lease_id)
+        if lease is not None:
+            self.lease_book.end(lease)
+        else:
+            for item in items:
+                self.queues.bytes_held += item.nbytes
+        ks = self.queues.state(key)
+        if consumer is not None and not self.registry.known(consumer):
+            for item in items:
+                self._redeal(ks, item)
+        else:
+            self.queues.queue(ks, consumer).extendleft(reversed(items))
+        self.waiters.serve(ks)
+
+    # -- consumers and leases --------------------------------------------------------------------
+
+    def _join(self, client: Client) -> None:
+        joined = self.registry.join(client)
+        if joined is None:
+            return
+        self.hooks.consumer_joined(joined)
+        for ks in list(self.queues.keys.values()):
+            if ks.private.get(joined):
+                self.waiters.serve(ks)
+
+    def _leave(self, client: Client) -> None:
+        departed = self.registry.leave(client)
+        if departed is None:
+            return
+        self.hooks.consumer_left(departed)
+        for ks in list(self.queues.keys.values()):
+            queue = ks.private.get(departed)
+            if queue:
+                items = list(queue)
+                queue.clear()
+                for item in items:
+                    self._redeal(ks, item)
+                self.waiters.serve(ks)
+        self.waiters.admit_putters()
+
+    def _redeal(self, ks: KeyState, item: Item) -> None:
+        """Deal ``item`` of ``ks`` again (its consumer left): appended to the queue it goes to."""
+        try:
+            target = self.hooks.route(item, ks.key)
+        except HookError as exc:
+            log.warning("re-dealing an item of %r failed (%s): it goes to the shared queue", ks.key, exc)
+            target = None
+        self.queues.queue(ks, target).append(item)
+
+    def _return_lease(self, lease: Lease) -> None:
+        """An unacknowledged delivery goes back to the head of its queue."""
+        self.lease_book.end(lease)
+        ks = self.queues.state(lease.key)
+        origin = lease.origin
+        if origin is not None and not self.registry.listed(origin):
+            self._redeal(ks, lease.item)
+            # _redeal appends; move it to the head of wherever it went
+            for queue in (ks.shared, *ks.private.values()):
+                if queue and queue[-1] is lease.item:
+                    queue.pop()
+                    queue.appendleft(lease.item)
+                    break
+        else:
+            self.queues.queue(ks, origin).appendleft(lease.item)
+        self.waiters.serve(ks)
+
+    # -- deadlines -------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        return self.deadlines.next()
+
+    def tick(self, now: float | None = None) -> None:
+        """Expire due deadlines: parked requests time out, leases lapse, idle keys go."""
+        now = time.monotonic() if now is None else now
+        for obj in self.deadlines.due(now):
+            if isinstance(obj, Request):
+                if obj.alive:
+                    self.waiters.expire(obj)
+            elif isinstance(obj, Lease):
+                if self.lease_book.is_open(obj):
+                    self._return_lease(obj)
+            elif isinstance(obj, KeyState):
+                if self.queues.drop_if_idle(obj, now):
+                    self.hooks.notify(self.hooks.dispatcher.key_dropped, obj.key)
+
+    def drop_idle_key(self, key: Any) -> bool:
+        """Forget ``key`` if it holds nothing and nobody waits on it (it moved to another
+        replica); False, and nothing changes, otherwise."""
+        ks = self.keys.get(key)
+        if ks is not None:
+            if not ks.idle():
+                return False
+            del self.keys[key]
+            self.hooks.notify(self.hooks.dispatcher.key_dropped, key)
+        return True
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def qsize(self, key: Any, consumer: str | None = None) -> int:
+        return self.queues.qsize(key, consumer)
+
+    def peek(self, key: Any, n: int, consumer: str | None = None) -> list[Item]:
+        """Up to ``n`` items at the head of ``key``'s queue, left in place (``KeyedQueues.peek``)."""
+        return self.queues.peek(key, n, consumer)
+
+    def full(self, key: Any, consumer: str | None = None) -> bool:
+        return self.queues.full(key, consumer)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "maxsize": self.maxsize,
+            "keys": self.queues.key_stats(),
+            "consumers": list(self.hooks.ctx.consumers),
+            "producers": list(self.hooks.ctx.producers),
+            "bytes_held": self.queues.bytes_held,
+            "leases": len(self.lease_book.leases),
+            "uptime_s": round(time.time() - self.started, 3),
+            **self.hooks.stats(),
+        }
+
+
+def _duplicate_id(rid: int) -> ValueError:
+    # a second waiting request under one id could be neither told apart nor withdrawn
+    return ValueError(f"request id {rid} is already used by a waiting request of this client")

@@ -1,0 +1,204 @@
+"""The per-key queues of one channel and their limits, and the deadlines of the queue core.
+
+``KeyedQueues`` holds every key's shared queue and the private queues of its consumers
+(``KeyState`` in ``core/state.py``), the byte count of what the channel holds, and the limits that
+make a put wait: ``maxsize`` items per queue, ``max_bytes`` in the channel, ``max_keys`` keys.
+A key nothing uses any more is dropped ``key_grace`` seconds after it went idle.  ``Deadlines``
+is the one timer heap of the core: parked requests, leases and idle keys.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from zchannel.broker.core.state import Item, KeyState
+from zchannel.broker.wire.argchecks import check_key
+
+KEY_GRACE_S = 30.0
+
+# where a put's items go: (key, private consumer or None for the shared queue, item)
+Outputs = list[tuple[Any, str | None, Item]]
+
+
+class Deadlines:
+    """A heap of (deadline, object): what ``QueueCore.tick`` expires, in deadline order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+
+    def add(self, deadline: float, obj: Any) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._seq), obj))
+
+    def next(self) -> float | None:
+        """The earliest deadline, or None when nothing waits for one."""
+        return self._heap[0][0] if self._heap else None
+
+    def due(self, now: float) -> Iterator[Any]:
+        """Pop the objects whose deadline is ``now`` or earlier, also those added meanwhile."""
+        while self._heap and self._heap[0][0] <= now:
+            yield heapq.heappop(self._heap)[2]
+
+
+class KeyedQueues:
+    """Every key's queues, the bytes they hold, and the limits a put must fit in."""
+
+    def __init__(self, *, maxsize: int, max_bytes: int, max_keys: int, key_grace: float,
+                 deadlines: Deadlines) -> None:
+        self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self.max_keys = max_keys
+        self.key_grace = key_grace
+        self.deadlines = deadlines
+        self.keys: dict[Any, KeyState] = {}
+        self.bytes_held = 0  # items queued or delivered under a lease not yet acknowledged
+
+    def state(self, key: Any) -> KeyState:
+        """The queues of ``key`` (created on first use); the key is in use again."""
+        ks = self.keys.get(key)
+        if ks is None:
+            ks = self.keys[key] = KeyState(key)
+        ks.idle_since = None
+        return ks
+
+    def check_new_keys(self, keys: Any) -> None:
+        """Raise ``ValueError`` naming the limit if ``keys`` would pass ``max_keys``."""
+        if self.max_keys and len(self.keys) + len(keys) > self.max_keys:
+            new = [k for k in keys if k not in self.keys]
+            if len(self.keys) + len(new) > self.max_keys:
+                raise ValueError(f"the broker holds {len(self.keys)} keys: the max_keys limit "
+                                 f"({self.max_keys}) is reached")
+
+    @staticmethod
+    def queue(ks: KeyState, consumer: str | None) -> deque[Item]:
+        """The shared queue of ``ks`` (``consumer`` None) or ``consumer``'s private one."""
+        if consumer is None:
+            return ks.shared
+        queue = ks.private.get(consumer)
+        if queue is None:
+            queue = ks.private[consumer] = deque()
+        return queue
+
+    def mark_idle(self, ks: KeyState) -> None:
+        """Start the grace period of a key nothing uses (no items, waiters or leases)."""
+        if ks.idle_since is None and ks.idle():
+            ks.idle_since = time.monotonic()
+            # one deadline per key at a time: a stream whose queue empties after every get
+            # would push one per item otherwise, each kept for the grace period
+            if not ks.idle_timer:
+                ks.idle_timer = True
+                self.deadlines.add(ks.idle_since + self.key_grace, ks)
+
+    def drop_if_idle(self, ks: KeyState, now: float) -> bool:
+        """Forget ``ks`` if it is still the state of its key and stayed idle for the grace
+        period; True if it went.  (Its deadline came: a key idle again since then gets the
+        deadline of that idle period.)"""
+        ks.idle_timer = False
+        if self.keys.get(ks.key) is not ks or not ks.idle() or ks.idle_since is None:
+            return False
+        if now - ks.idle_since < self.key_grace - 1e-6:
+            ks.idle_timer = True
+            self.deadlines.add(ks.idle_since + self.key_grace, ks)
+            return False
+        del self.keys[ks.key]
+        return True
+
+    # -- backpressure ----------------------------------------------------------------------------
+
+    @staticmethod
+    def targets(outputs: Outputs) -> set[tuple[Any, str | None]]:
+        return {(k, c) for k, c, _ in outputs}
+
+    @staticmethod
+    def outputs_bytes(outputs: Outputs) -> int:
+        return sum(it.nbytes for _, _, it in outputs)
+
+    def admits(self, outputs: Outputs, blocked: set[tuple[Any, str | None]]) -> bool:
+        """Whether a put of ``outputs`` fits now: none of its target queues is in ``blocked``
+        (an earlier put waits for it) or full, and ``max_bytes`` leaves room for it."""
+        if not (blocked or self.max_bytes or self.maxsize > 0):
+            return True  # unbounded channel, nobody waiting: the common case
+        targets = self.targets(outputs)
+        if blocked and targets & blocked:
+            return False
+        if self.max_bytes and self.bytes_held \
+                and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
+            return False
+        if self.maxsize <= 0:
+            return True
+        for k, c in targets:
+            ks = self.keys.get(k)
+            if ks is None:
+                continue
+            queue = ks.shared if c is None else ks.private.get(c)
+            if queue is not None and len(queue) >= self.maxsize:
+                return False
+        return True
+
+    def store(self, outputs: Outputs) -> list[KeyState]:
+        """Append a put's items to their queues; the states of the keys it touched."""
+        if len(outputs) == 1:  # the common case: one item, one queue
+            k, c, item = outputs[0]
+            ks = self.state(k)
+            (ks.shared if c is None else self.queue(ks, c)).append(item)
+            self.bytes_held += item.nbytes
+            return [ks]
+        touched: dict[Any, KeyState] = {}
+        for k, c, item in outputs:
+            ks = touched.get(k)
+            if ks is None:
+                ks = touched[k] = self.state(k)
+            self.queue(ks, c).append(item)
+            self.bytes_held += item.nbytes
+        return list(touched.values())
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def qsize(self, key: Any, consumer: str | None = None) -> int:
+        ks = self.keys.get(check_key(key))
+        if ks is None:
+            return 0
+        if consumer is None:
+            return ks.depth()
+        return len(ks.shared) + len(ks.private.get(consumer) or ())
+
+    def peek(self, key: Any, n: int, consumer: str | None = None) -> list[Item]:
+        """Up to ``n`` items at the head of ``key``'s queue, left in place: the shared queue,
+        or what ``consumer``'s gets would take next (its private queue, then the shared one)."""
+        ks = self.keys.get(check_key(key))
+        if ks is None:
+            return []
+        private = ks.private.get(consumer) if consumer is not None else None
+        items = list(itertools.islice(private, n)) if private else []
+        items.extend(itertools.islice(ks.shared, n - len(items)))
+        return items
+
+    def full(self, key: Any, consumer: str | None = None) -> bool:
+        key = check_key(key)  # a bad key is an error also where nothing can be full
+        if self.maxsize <= 0:
+            return False
+        ks = self.keys.get(key)
+        if ks is None:
+            return False
+        queue = ks.shared if consumer is None else ks.private.get(consumer)
+        return bool(queue) and len(queue) >= self.maxsize
+
+    def key_stats(self) -> dict[Any, dict[str, Any]]:
+        keys = {}
+        for key, ks in self.keys.items():
+            keys[key] = {
+                "depth": ks.depth(),
+                "weight": min(2**63 - 1, sum(i.weight for i in ks.shared)
+                              + sum(i.weight for q in ks.private.values() for i in q)),
+                "private": {c: len(q) for c, q in ks.private.items() if q},
+                "getters": len(ks.getters),
+                "putters": ks.putters,
+                "leases": ks.leases,
+                "node": None,
+            }
+        return keys

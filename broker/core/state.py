@@ -1,0 +1,88 @@
+"""The records of a channel's queue state: items, clients, parked requests, per-key queues,
+leases and consumers (kept by the parts of ``QueueCore``, ``core/queuecore.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """One queued item.  ``payload`` belongs to the transport and the queue core never looks
+    into it: a broker's frames (with any shared-memory slots they refer to), or the object
+    itself in a local channel.  ``nbytes`` is what the item counts against ``max_bytes``."""
+
+    payload: Any
+    weight: int | float
+    nbytes: int
+    value: Any = None  # the decoded item, when a hook needed it
+    decoded: bool = False
+
+
+@dataclass(eq=False)
+class Client:
+    """One connected handle (a DEALER socket, or a local handle)."""
+
+    address: Any
+    identity: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    parked: dict[int, Request] = field(default_factory=dict)
+    leases: set[int] = field(default_factory=set)
+    consumer: str | None = None  # set once the handle joined as a consumer
+    gone: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    """A parked get, get_batch or put."""
+
+    client: Client
+    rid: int
+    kind: str  # "get" | "batch" | "put"
+    key: Any
+    deadline: float | None
+    target: int | float = 0  # get_batch target weight
+    ack: bool = False
+    outputs: list[tuple[Any, str | None, Item]] = field(default_factory=list)
+    alive: bool = True
+
+
+@dataclass(eq=False)
+class KeyState:
+    key: Any
+    shared: deque[Item] = field(default_factory=deque)
+    private: dict[str, deque[Item]] = field(default_factory=dict)
+    getters: deque[Request] = field(default_factory=deque)
+    putters: int = 0
+    leases: int = 0
+    idle_since: float | None = None
+    idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
+
+    def depth(self) -> int:
+        if not self.private:
+            return len(self.shared)
+        return len(self.shared) + sum(len(q) for q in self.private.values())
+
+    def idle(self) -> bool:
+        if self.shared or self.getters or self.putters or self.leases:
+            return False
+        return not any(self.private.values())
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    key: Any
+    origin: str | None
+    item: Item
+    client: Client
+    deadline: float
+
+
+@dataclass
+class Consumer:
+    declared: bool
+    handles: int = 0

@@ -1,0 +1,302 @@
+"""Gets and puts that wait: who is served, in which order, and when a wait ends.
+
+``Waiters`` matches the requests of one channel with its queues.  Getters of a key are served in
+arrival order, each from its consumer's private queue, else from the shared queue; a ``get_batch``
+takes head items until the next one would exceed its target weight (at least one) or the total
+reaches it (plus the weight-0 items right behind), keeps its place until then and holds back
+later getters of the same queue.  A getter with nothing to take may steal one item from the
+private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``maxsize``,
+``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts are admitted in
+arrival order as room appears.  Every request ends in exactly one call of ``reply``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker.core.hookpipeline import HookPipeline
+from zchannel.broker.core.leases import LeaseBook
+from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
+from zchannel.broker.core.state import Client, Item, KeyState, Request
+from zchannel.broker.errors import QueueEmpty, QueueFull
+from zchannel.broker.wire.argchecks import exceeds, reaches
+
+log = logging.getLogger("zchannel.broker")
+
+# reply(client, rid, *, result=, error=, items=, batch=, lease=, origin=): the transport sends
+# the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
+Reply = Callable[..., None]
+
+_NONE_WAITING: frozenset = frozenset()  # no waiting put blocks a target queue
+
+
+class Waiters:
+    """The parked getters and putters of one channel and the rules that serve them."""
+
+    def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
+                 deadlines: Deadlines, reply: Reply) -> None:
+        self.queues = queues
+        self.hooks = hooks
+        self.leases = leases
+        self.deadlines = deadlines
+        self.reply = reply
+        self.putters: deque[Request] = deque()
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    def put(self, client: Client, rid: int, key: Any, outputs: Outputs, timeout: float | None,
+            nowait: bool) -> None:
+        """Store the checked and routed ``outputs`` of a put, or let the put wait for room."""
+        queues = self.queues
+        if not outputs:
+            self.reply(client, rid)
+            return
+        if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
+            for ks in queues.store(outputs):
+                self.serve(ks)
+            self.reply(client, rid)
+            return
+        req = Request(client, rid, "put", key, None, outputs=outputs)
+        if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
+            self.reply(client, rid, error=ValueError(
+                f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
+                f"limit ({queues.max_bytes})"))
+            return
+        if nowait:
+            self.reply(client, rid, error=self._queue_full(req))
+            return
+        if timeout is not None and timeout <= 0:
+            self.reply(client, rid, error=TimeoutError("put timed out: the queue is full"))
+            return
+        self._park(req, timeout)
+        self.putters.append(req)
+        for k in {k for k, _, _ in outputs}:
+            queues.state(k).putters += 1
+
+    def _waiting_targets(self) -> set[tuple[Any, str | None]]:
+        waiting: set[tuple[Any, str | None]] = set()
+        for p in self.putters:
+            waiting |= self.queues.targets(p.outputs)
+        return waiting
+
+    def admit_putters(self) -> None:
+        """Admit the waiting puts that fit now, in arrival order (a put waits while an earlier
+        waiting put targets one of its queues)."""
+        if not self.putters:
+            return
+        blocked: set = set()
+        admitted = False
+        for req in list(self.putters):
+            if not req.alive:
+                continue
+            if self.queues.admits(req.outputs, blocked):
+                self._unpark_putter(req)
+                for ks in self.queues.store(req.outputs):
+                    self.serve(ks)
+                self.reply(req.client, req.rid)
+                admitted = True
+            else:
+                blocked |= self.queues.targets(req.outputs)
+        if admitted:
+            self.admit_putters()
+
+    def _unpark_putter(self, req: Request) -> None:
+        self._unpark(req)
+        try:
+            self.putters.remove(req)
+        except ValueError:
+            pass
+        for k in {k for k, _, _ in req.outputs}:
+            ks = self.queues.keys.get(k)
+            if ks is not None:
+                ks.putters -= 1
+                self.queues.mark_idle(ks)
+
+    def _queue_full(self, req: Request) -> QueueFull:
+        return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {self.queues.maxsize})")
+
+    # -- gets ------------------------------------------------------------------------------------
+
+    def get(self, client: Client, rid: int, ks: KeyState, timeout: float | None, nowait: bool,
+            ack: bool, batch_target: int | float) -> None:
+        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait."""
+        if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
+            # the common case (a plain get of a shared queue nobody else waits on): the head
+            # item at once, without a Request record
+            item = ks.shared.popleft()
+            self.queues.bytes_held -= item.nbytes
+            self.reply(client, rid, items=[item], origin=(ks.key, None))
+            if self.putters:
+                self.admit_putters()
+            self.queues.mark_idle(ks)
+            return
+        req = Request(client, rid, "batch" if batch_target else "get", ks.key, None,
+                      target=batch_target, ack=ack)
+        ks.getters.append(req)
+        self.serve(ks)
+        if not req.alive:
+            return
+        if nowait or (timeout is not None and timeout <= 0):
+            self.expire(req, nowait=nowait)
+            return
+        self._park(req, timeout)
+
+    def _park(self, req: Request, timeout: float | None) -> None:
+        req.client.parked[req.rid] = req
+        if timeout is not None:
+            req.deadline = time.monotonic() + timeout
+            self.deadlines.add(req.deadline, req)
+
+    @staticmethod
+    def _unpark(req: Request) -> None:
+        req.alive = False
+        req.client.parked.pop(req.rid, None)
+
+    def _remove_getter(self, req: Request) -> KeyState | None:
+        self._unpark(req)
+        ks = self.queues.keys.get(req.key)
+        if ks is not None:
+            try:
+                ks.getters.remove(req)
+            except ValueError:
+                pass
+        return ks
+
+    @staticmethod
+    def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
+        """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
+        total = 0
+        for n, item in enumerate(queue):
+            if exceeds(total + item.weight, target):
+                return n or 1
+            total += item.weight
+            if reaches(total, target):
+                n += 1
+                while n < len(queue) and queue[n].weight == 0:
+                    n += 1
+                return n
+        return len(queue) if final else 0
+
+    def serve(self, ks: KeyState) -> None:
+        """Hand items to waiting getters of ``ks`` in arrival order, then try steals."""
+        getters = ks.getters
+        if not getters:
+            self.queues.mark_idle(ks)
+            return
+        deals = self.hooks.deals
+        if not deals and not ks.private:
+            # the common case: plain gets of the shared queue, served in arrival order; the
+            # loop below does the same, for a snapshot of all getters
+            shared = ks.shared
+            while shared and getters and getters[0].kind == "get":
+                self._deliver(getters[0], ks, None, shared, 1)
+            if not (shared and getters):
+                if self.putters:
+                    self.admit_putters()
+                self.queues.mark_idle(ks)
+                return
+        blocked: set[str | None] = set()
+        starving: list[Request] = []
+        for req in list(ks.getters):
+            if not (ks.shared or ks.private or deals):
+                break  # nothing left to hand out, nothing to steal: the rest keep waiting
+            consumer = req.client.consumer
+            private = ks.private.get(consumer) if consumer is not None else None
+            if private:
+                origin, queue = consumer, private
+            elif ks.shared:
+                origin, queue = None, ks.shared
+            else:
+                starving.append(req)
+                continue
+            if origin in blocked:
+                continue
+            n = self.batch_take(queue, req.target, False) if req.kind == "batch" else 1
+            if n == 0:
+                blocked.add(origin)
+                continue
+            self._deliver(req, ks, origin, queue, n)
+        if starving and deals:
+            self._steal(ks, starving, blocked)
+        if self.putters:
+            self.admit_putters()
+        self.queues.mark_idle(ks)
+
+    def _steal(self, ks: KeyState, starving: list[Request], blocked: set) -> None:
+        for req in starving:
+            if not req.alive or req.kind != "get":
+                continue
+            starved = req.client.consumer
+            if starved is None:
+                continue
+            depths = {c: len(ks.private.get(c) or ()) for c in self.hooks.ctx.consumers}
+            depths.update({c: len(q) for c, q in ks.private.items() if c not in depths})
+            if not any(d for c, d in depths.items() if c != starved):
+                return
+            try:
+                donor = self.hooks.dispatcher.rebalance(ks.key, starved, depths)
+            except Exception:
+                log.exception("Dispatcher.rebalance failed")
+                return
+            if donor is None or donor == starved or donor in blocked:
+                continue
+            queue = ks.private.get(donor)
+            if queue:
+                self._deliver(req, ks, donor, queue, 1)
+
+    def _deliver(self, req: Request, ks: KeyState, origin: str | None, queue: deque[Item],
+                 n: int) -> None:
+        items = [queue.popleft() for _ in range(n)]
+        self._remove_getter(req)
+        lease_id = None
+        if req.ack and req.kind == "get":
+            lease_id = self.leases.issue(req.client, ks, origin, items[0])
+        else:
+            for item in items:
+                self.queues.bytes_held -= item.nbytes
+        self.reply(req.client, req.rid, items=items, batch=req.kind == "batch", lease=lease_id,
+                   origin=(ks.key, origin))
+
+    # -- the end of a wait -----------------------------------------------------------------------
+
+    def expire(self, req: Request, nowait: bool = False) -> None:
+        """``req`` reached its deadline (or asked ``nowait``): a get_batch takes what it can,
+        any other request gets its timeout (or ``QueueFull``/``QueueEmpty``) error."""
+        if req.kind == "put":
+            self._unpark_putter(req)
+            self.reply(req.client, req.rid, error=self._queue_full(req) if nowait
+                       else TimeoutError("put timed out: a target queue stayed full"))
+            self.admit_putters()
+            return
+        ks = self.queues.keys.get(req.key)
+        if req.kind == "batch" and ks is not None:
+            consumer = req.client.consumer
+            private = ks.private.get(consumer) if consumer is not None else None
+            origin, queue = (consumer, private) if private else (None, ks.shared)
+            n = self.batch_take(queue, req.target, True)
+            if n:
+                self._deliver(req, ks, origin, queue, n)
+                self.serve(ks)  # getters it held back may take the rest now, or steal
+                self.admit_putters()  # it freed room for waiting puts
+                return
+        self._remove_getter(req)
+        if nowait:
+            self.reply(req.client, req.rid, error=QueueEmpty(f"no item for key {req.key!r}"))
+        else:
+            self.reply(req.client, req.rid, error=TimeoutError(f"get timed out on key {req.key!r}"))
+        if ks is not None:
+            self.serve(ks)
+
+    def withdraw(self, req: Request) -> None:
+        """The client cancelled ``req`` or went away: it ends without a reply."""
+        if req.kind == "put":
+            self._unpark_putter(req)
+            self.admit_putters()
+        else:
+            ks = self._remove_getter(req)
+            if ks is not None:
+                self.serve(ks)

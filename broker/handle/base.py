@@ -1,0 +1,222 @@
+"""``ChannelHandle``: what a channel handle is apart from its operations.
+
+A handle takes its share of this process's connection to its broker (``connection/sharing.py``) at first
+use, and again in a forked child or after the connection ended; gives it back on ``close``;
+stops the broker on ``shutdown`` if its ``create`` started it; pickles to its name, address,
+identity and keys (an unpickled copy connects anew).  At interpreter exit the brokers this
+process started are stopped and every connection closed.  The operations (``put``, ``get``,
+...) are ``BrokerChannel``'s (``handle/broker_channel.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+import threading
+import weakref
+from typing import Any, Self
+
+from zchannel.broker.connection import sharing
+from zchannel.broker.connection.connection import CLOSED, Connection
+from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.server.starting import stop_broker
+from zchannel.broker.transport.curve import client_keys
+from zchannel.broker.wire.protocol import Shutdown
+from zchannel.hooks import check_consumer_id
+
+log = logging.getLogger("zchannel.client")
+
+_open_handles: weakref.WeakSet[ChannelHandle] = weakref.WeakSet()
+# os.getpid() on every request is a system call; a forked child updates the cached value.
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
+def _identity(identity: str | None) -> str | None:
+    if identity is None:
+        identity = os.environ.get("ZCHANNEL_IDENTITY") or None
+    return None if identity is None else check_consumer_id(identity)
+
+
+class ChannelHandle:
+    """A handle's name, address, identity and its share of the process's connection to its
+    broker, and its lifetime (``close``, ``shutdown``, pickling); ``BrokerChannel`` adds the
+    operations."""
+
+    def __init__(self, name: str | None, address: str, *, identity: str | None = None,
+                 curve_keys: Any = None, _proc: subprocess.Popen | None = None,
+                 _token: str | None = None, shm: bool | None = None) -> None:
+        self._name = name
+        self._address = address
+        self._explicit_identity = identity
+        self._identity: str | None = None
+        self._identity_read = False
+        self._curve_keys = curve_keys
+        self._proc = _proc
+        self._token = _token
+        self._creator_pid = os.getpid()
+        self._share: sharing.Share | None = None  # of this process's connection to the broker
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
+        self.created = _proc is not None
+        _open_handles.add(self)
+
+    def _log_attached(self) -> None:
+        """The warning of a ``create`` that attached to a running broker instead of starting
+        one (``created`` is False); ``stats`` is the subclass's operation."""
+        try:
+            stats = self.stats()
+        except ChannelError:
+            stats = {}
+        held = sum(k.get("depth", 0) for k in (stats.get("keys") or {}).values())
+        log.warning("channel %r: attached to the broker already serving it (pid %s at %s, "
+                    "%d items held) instead of starting one; its settings win, and shutdown() "
+                    "is left to its creator", self._name, stats.get("pid", os.getpid()),
+                    stats.get("address") or self._address, held)
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _connection(self, timeout: float = 10.0) -> Connection:
+        return self._acquired(timeout).conn
+
+    @property
+    def _conn(self) -> Connection | None:
+        """The connection this handle uses (None before its first use and after ``close``)."""
+        share = self._share
+        return None if share is None else share.conn
+
+    def _acquired(self, timeout: float = 10.0) -> sharing.Share:
+        """This handle's share of the process's connection to its broker, taken at first use
+        (and again in a forked child, or after the connection ended)."""
+        share = self._share
+        if share is not None and share.conn.pid == _pid[0] and share.conn.state != CLOSED:
+            return share
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
+        with self._conn_lock:
+            share = self._share
+            if share is not None:
+                if share.conn.pid == os.getpid() and share.conn.state != CLOSED:
+                    return share
+                self._share = None  # a forked child's copy, or a connection that ended
+                share.close(settle_puts=False, withdraw=False, bye=False)
+            if self._closed:
+                raise ChannelError("this channel handle is closed")
+            share = sharing.acquire(self._address, self.identity, client_keys(self._curve_keys),
+                                    self._shm)
+            if not share.conn.wait_up(timeout):
+                share.close(settle_puts=False, withdraw=False)
+                if share.conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
+                    raise share.conn.refused
+                raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
+            if self._name is None:
+                self._name = share.conn.broker_info.name
+            self._share = share
+            return share
+
+    def _give_back(self, settle_puts: bool = True, withdraw: bool = True, bye: bool = True) -> None:
+        """Give this handle's share of the connection back (``sharing.Share.close``)."""
+        with self._conn_lock:
+            share, self._share = self._share, None
+        if share is not None:
+            share.close(settle_puts=settle_puts, withdraw=withdraw, bye=bye)
+
+    @property
+    def name(self) -> str | None:
+        """The channel's name (for a handle connected by address: the name its broker reports)."""
+        return self._name
+
+    @property
+    def address(self) -> str:
+        """The broker's real address (``ipc://…`` or ``tcp://HOST:PORT``)."""
+        return self._address
+
+    @property
+    def is_local(self) -> bool:
+        """True for an in-process channel (``local=True``), False for one served by brokers."""
+        return False
+
+    @property
+    def identity(self) -> str | None:
+        """This handle's consumer id: ``identity=``, else ``ZCHANNEL_IDENTITY`` at first use."""
+        if not self._identity_read:
+            self._identity = _identity(self._explicit_identity)
+            self._identity_read = True
+        return self._identity
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait (at most the heartbeat expiry) for this handle's put acknowledgements, withdraw
+        its parked requests, and give back its share of the process's connection to the broker,
+        which closes with the last handle using it (``docs/decisions.md``).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._give_back()
+
+    def shutdown(self) -> None:
+        """Stop the broker.  Only the handle whose ``create`` started it may
+        (``PermissionError`` otherwise)."""
+        if self._proc is None or self._creator_pid != os.getpid():
+            raise PermissionError("only the handle that created the channel's broker may shut it down")
+        proc = self._proc
+        try:
+            if proc.poll() is None and not self._closed:
+                share = self._acquired()  # past the in-flight limit: parked gets must not hold it
+                share.conn.request(Shutdown(id=0, token=self._token), [], room=False,
+                                   owner=share).wait(timeout=5.0)
+        except (ChannelError, TimeoutError):
+            pass
+        self._closed = True
+        self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
+        try:
+            proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._kill_broker()
+        self._proc = None
+
+    def _kill_broker(self) -> None:
+        """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""
+        if self._proc is not None:
+            stop_broker(self._proc)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._proc is not None and self._creator_pid == os.getpid():
+            self.shutdown()
+        else:
+            self.close()
+
+    def __reduce__(self) -> Any:
+        return (_unpickle, (type(self), self._name, self._address, self._explicit_identity,
+                            self._curve_keys))
+
+    def __repr__(self) -> str:
+        # cheap and local on purpose: no request (RLinf's str() fetched items; see peek())
+        state = ", closed" if self._closed else ""
+        return (f"{type(self).__name__}(name={self._name!r}, address={self._address!r}, "
+                f"identity={self._explicit_identity!r}, created={self.created}{state})")
+
+
+def _unpickle(cls: type[ChannelHandle], name: str | None, address: str, identity: str | None,
+              curve_keys: Any) -> ChannelHandle:
+    return cls(name, address, identity=identity, curve_keys=curve_keys)
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit: stop the brokers this process started, then every connection of
+    the process, in order (``sharing.close_all``); nothing is left running or open."""
+    for handle in list(_open_handles):
+        try:
+            if handle._proc is not None and handle._creator_pid == os.getpid():
+                handle.shutdown()
+        except Exception:
+            pass
+    sharing.close_all()

@@ -1,0 +1,281 @@
+"""``BrokerChannel``: the handle of a channel served by one broker process.
+
+Every operation is a request to the broker over this process's connection to it
+(``connection/connection.py``), which all the handles of the process to that broker share (``connection/sharing.py``);
+``async_op=True`` returns a ``Work`` handle instead of waiting.  Replies become items in the
+waiting thread (the converters at the end of this module), not in the connection's I/O thread.
+
+What a handle is apart from its operations (its share of the connection, ``close``,
+``shutdown``, pickling) is ``ChannelHandle``'s (``handle/base.py``).  The public ``Channel``
+(``handle/channel.py``) is this class plus ``Channel.create``/``Channel.connect``,
+which start the broker (``server/starting.py``) or find it.  ``LocalChannel`` (``handle/local.py``: an
+in-process channel) and ``DistributedChannel`` (``handle/distributed.py``: one ``BrokerChannel`` per
+replica) subclass it to reuse its operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from zchannel.broker.connection.work import Delivery, Work
+from zchannel.broker.handle.base import ChannelHandle
+from zchannel.broker.shm.client import client_submit as shm_submit
+from zchannel.broker.shm.client import client_undo as shm_undo
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.argchecks import (
+    check_key,
+    check_peek_count,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+)
+from zchannel.broker.wire.protocol import (
+    INLINE_BODY,
+    UNSET,
+    Ack,
+    Full,
+    Get,
+    GetBatch,
+    Peek,
+    Put,
+    QSize,
+    Reply,
+    Request,
+    Stats,
+)
+from zchannel.hooks import check_consumer_id
+
+DEFAULT_KEY = "default_queue"
+"""The key of operations that name none."""
+
+
+class BrokerChannel(ChannelHandle):
+    """A handle on a named channel: per-key FIFO queues served by one broker process (see the
+    module docstring; users get one from ``Channel.create``/``Channel.connect``).  A handle may
+    be pickled to other processes.  The behaviour of every operation is described in
+    ``docs/channel.md``.
+
+    ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
+    one that attached to a running broker, on ``connect`` handles and on unpickled copies.
+    ``repr()``/``str()`` are cheap and never touch the network; ``peek`` shows items.
+    """
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
+                copy: bool | None = None, wait: bool = False) -> Work:
+        share = self._acquired()
+        conn = share.conn
+        frames: list = []
+        if has_item:
+            body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
+            if not buffers and not refs and len(body) <= INLINE_BODY:
+                rec.body = body  # a small item rides in its record (no frame)
+                sizes = [len(body)]
+            elif buffers:
+                frames = [body, *buffers]
+                rec.sizes = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
+            else:
+                frames = [body]
+                rec.sizes = sizes = [len(body)]
+            if refs:
+                rec.slots = refs
+            limit = conn.broker_info.max_message_bytes
+            if limit and sum(sizes) > limit:
+                shm_undo(conn, refs)
+                raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
+                                 f"max_message_bytes limit ({limit})")
+        kind = type(rec)
+        convert = None
+        if kind is Get or kind is GetBatch:
+            convert = conn.converters.get((kind, copy))
+            if convert is None:  # one per connection, op and copy (not a closure per call)
+                make = _get_converter if kind is Get else _batch_converter
+                convert = conn.converters[(kind, copy)] = make(copy, conn.shm)
+        elif kind is Stats:
+            convert = _stats_converter
+        elif kind is Peek:
+            convert = _peek_converter(conn.shm)
+        send = conn.call if wait else conn.request
+        try:
+            return send(rec, frames, convert, cancellable=kind is Put or kind is Get
+                        or kind is GetBatch, owner=share)
+        except BaseException:
+            shm_undo(conn, getattr(rec, "slots", None))  # not sent: its slots go back to the pool
+            raise
+
+    def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
+            async_op: bool = False, timeout: float | None = None) -> Work | None:
+        """Enqueue ``item`` under ``key``; blocks while a target queue is full.
+
+        ``weight``: an int or finite float >= 0 (``ValueError`` otherwise); it never changes
+        order.  ``key``: a str, int, bytes or tuple of those (``TypeError`` otherwise).
+
+        Raises ``TimeoutError`` if not admitted by ``timeout``, ``TypeError`` for an item that
+        cannot travel, ``HookError`` if a hook fails, ``BrokerUnavailable`` if the broker is gone.
+        """
+        rec = Put(id=0, key=check_key(key), weight=check_weight(weight),
+                  timeout=None if timeout is None else check_timeout(timeout))
+        work = self._submit(rec, item, has_item=True, wait=not async_op)
+        return work if async_op else work.wait()
+
+    def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
+        """Enqueue without waiting; ``QueueFull`` (nothing enqueued) if a target is full: it
+        subclasses both ``asyncio.QueueFull`` and ``queue.Full``."""
+        rec = Put(id=0, key=check_key(key), weight=check_weight(weight), nowait=True)
+        self._submit(rec, item, has_item=True, wait=True).wait()
+
+    def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
+            *, ack: bool = False, copy: bool | None = None) -> Any:
+        """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
+        then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
+        rec = Get(id=0, key=check_key(key),
+                  timeout=None if timeout is None else check_timeout(timeout), ack=bool(ack))
+        work = self._submit(rec, copy=copy, wait=not async_op)
+        return work if async_op else work.wait()
+
+    def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
+        """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
+        both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
+        rec = Get(id=0, key=check_key(key), nowait=True, ack=bool(ack))
+        return self._submit(rec, copy=copy, wait=True).wait()
+
+    def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
+                  async_op: bool = False, timeout: float | None = None, *,
+                  copy: bool | None = None) -> list | Work:
+        """Take head items whose weights add up to at most ``target_weight`` (an int or finite
+        float > 0, required), plus weight-0 items right behind; never returns ``[]``: a head
+        heavier than the target comes alone (``docs/guarantees.md``).  Float sums within a
+        relative 1e-9 of the target count as reaching it (0.1 + 0.2 meets 0.3)."""
+        rec = GetBatch(id=0, key=check_key(key), target=check_target_weight(target_weight),
+                       timeout=check_timeout(timeout))
+        work = self._submit(rec, copy=copy, wait=not async_op)
+        return work if async_op else work.wait()
+
+    def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
+        """Items queued under ``key``: the shared queue plus every private queue, or plus only
+        ``consumer``'s private queue; 0 for an unknown key."""
+        rec = QSize(id=0, key=check_key(key), consumer=consumer)
+        return self._submit(rec, wait=True).wait()
+
+    def empty(self, key: Any = DEFAULT_KEY) -> bool:
+        """``qsize(key) == 0``."""
+        return self.qsize(key) == 0
+
+    def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
+        """Whether the shared queue of ``key`` (or ``consumer``'s private queue) holds ``maxsize``
+        items; never with ``maxsize=0``."""
+        rec = Full(id=0, key=check_key(key), consumer=consumer)
+        return self._submit(rec, wait=True).wait()
+
+    def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
+             weights: bool = False) -> list:
+        """Copies of up to ``n`` (1..1024) items at the head of ``key``'s queue, head first,
+        which stay queued: nothing is removed, reordered or leased, and changing a copy
+        changes nothing in the channel.  ``[]`` for an empty or unknown key.
+
+        Without ``consumer`` it shows the shared queue; with a consumer id, what that
+        consumer's gets would take next (its private queue, then the shared one).
+        ``weights=True`` gives ``(item, weight)`` pairs.  For debugging: RLinf's
+        ``str(channel)`` listed the default queue, zchannel's ``str()`` never touches the
+        network.
+        """
+        rec = Peek(id=0, key=check_key(key), count=check_peek_count(n),
+                   consumer=None if consumer is None else check_consumer_id(consumer))
+        pairs = self._submit(rec, copy=True, wait=True).wait()
+        return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
+
+    def stats(self, *, exclude_self: bool = False) -> dict:
+        """The broker's state (keys, consumers, counters; ``docs/guarantees.md``).
+        ``exclude_self=True`` leaves this handle out of ``clients`` (what ``zchannel stat``
+        does, so that an observer does not count itself)."""
+        rec = Stats(id=0, exclude_self=bool(exclude_self))
+        return self._submit(rec, wait=True).wait()
+
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make the
+        pool of this handle's connection (shared by the process's handles to the broker) hold
+        ``slots`` slots of that size now, so that the first puts do not pay for creating and
+        faulting in segments (docs/shm.md).  Returns the slots held (capped by the pool's
+        limits); 0 when this handle has no shared memory with its broker (another host,
+        ``shm=False``, ``shm_threshold=0``, or ``nbytes`` below the threshold).  Kept for the
+        connection's life: a reconnect to a restarted broker reserves again.  ``ValueError``
+        for ``nbytes`` or ``slots`` not an int > 0."""
+        return self._connection().shm.reserve(nbytes, slots)
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """An uninitialised array of ``shape`` and ``dtype`` (a numpy dtype; a torch dtype
+        gives a CPU tensor) for a producer to build an item in, placed in a free shared-memory
+        slot of this handle's connection: put it (alone or inside an item) and the slot itself
+        is sent, with no copy into shared memory (docs/shm.md, "Writing in place").
+
+        Without a slot (another host, ``shm=False``, ``shm_threshold=0``, below the threshold,
+        a local channel, or no slot free within the heartbeat expiry) it is a plain
+        ``numpy.empty`` / ``torch.empty``, which a put sends the usual way: safe to call
+        anywhere.  The slot stays with the array while it, or anything made from it, exists.
+        Do not write to it after the put (its consumer reads that memory): make a new one for
+        the next item.  Only the first put of it sends the slot; a later put copies, as for any
+        array.  ``TypeError`` for a dtype that is neither numpy's nor torch's or a shape that
+        is not ints, ``ValueError`` for a negative dimension."""
+        return self._connection().shm.empty(shape, dtype)
+
+    def ack(self, delivery: Delivery) -> None:
+        """Confirm a delivery received with ``get(..., ack=True)``."""
+        if not isinstance(delivery, Delivery):
+            raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
+        self._submit(Ack(id=0, lease=delivery.lease_id), wait=True).wait()
+
+
+
+# -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
+
+
+def _get_converter(copy: bool | None, shm: Any = None):
+    def convert(rec: Reply, frames: list) -> Any:
+        sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
+        if sm and sm[0]:
+            item = shm.decode(sm[0], frames, copy)
+        elif rec.body is not UNSET:  # a small item inside its record
+            body = rec.body
+            if type(body) is not bytes or frames:
+                raise ValueError("malformed reply: an inline item is bytes, with no frames")
+            item = codec.decode(body)
+        else:
+            item = codec.decode_frames(frames, copy)
+        lease = rec.lease
+        return Delivery(item, lease) if lease is not None else item
+
+    return convert
+
+
+def _batch_converter(copy: bool | None, shm: Any = None):
+    def convert(rec: Reply, frames: list) -> list:
+        out, pos = [], 0
+        sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
+        for i, n in enumerate(rec.counts or ()):
+            if i < len(sm) and sm[i]:
+                out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
+            else:
+                out.append(codec.decode_frames(frames[pos : pos + n], copy))
+            pos += n
+        return out
+
+    return convert
+
+
+def _peek_converter(shm: Any = None):
+    batch = _batch_converter(True, shm)  # copies: nothing the caller holds points into a slot
+
+    def convert(rec: Reply, frames: list) -> list:
+        items = batch(rec, frames)
+        weights = rec.weights or ()
+        if len(weights) != len(items):
+            raise ValueError("malformed peek reply: one weight per item")
+        return list(zip(items, weights, strict=True))
+
+    return convert
+
+
+def _stats_converter(rec: Reply, frames: list) -> dict:
+    return codec.decode_frames(frames, True)

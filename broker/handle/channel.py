@@ -1,0 +1,285 @@
+"""``Channel``, the public handle type, and the factory that chooses what serves a channel.
+
+``Channel.create`` and ``Channel.connect`` pick one of:
+
+- an in-process channel (``local=True``): ``LocalChannel`` (``handle/local.py``);
+- one broker process: ``Channel`` itself (its operations are ``BrokerChannel``'s, ``handle/broker_channel.py``;
+  ``create`` starts the broker with ``server/starting.py`` or attaches to the live one of that name);
+- broker replicas: ``DistributedChannel`` (``handle/distributed.py``), from a cluster file, or placed by
+  Ray (``handle/ray_placement.py``) when the process is connected to Ray.
+
+This module sits above all of them, so they never import it: ``LocalChannel`` and
+``DistributedChannel`` subclass ``BrokerChannel`` and are registered here as virtual subclasses
+of ``Channel``, so that every handle the factory returns is a ``Channel`` to ``isinstance``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABCMeta
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from zchannel.broker.cluster import clusterfile
+from zchannel.broker.errors import (
+    BrokerStartError,
+    BrokerUnavailable,
+    ChannelError,
+    ChannelNotFound,
+)
+from zchannel.broker.handle import ray_placement
+from zchannel.broker.handle.broker_channel import BrokerChannel
+from zchannel.broker.handle.distributed import (
+    DistributedChannel,
+    connect_from_cluster,
+    create_from_cluster,
+)
+from zchannel.broker.handle.local import LocalChannel
+from zchannel.broker.handle.workergroups import expand_groups
+from zchannel.broker.host import paths
+from zchannel.broker.server.metrics import check_port
+from zchannel.broker.server.starting import (
+    START_TIMEOUT_S,
+    hook_for_child,
+    hook_label,
+    spawn_broker,
+)
+from zchannel.broker.transport.curve import client_keys
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import UNSET
+from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
+
+log = logging.getLogger("zchannel.client")
+
+
+def _worker_identity(current_worker: Any) -> str | None:
+    """The consumer id ``connect``'s ``current_worker`` stands for (see ``Channel.connect``)."""
+    if current_worker is None or isinstance(current_worker, str):
+        return current_worker
+    identity = getattr(current_worker, "identity", None)
+    if isinstance(identity, str):
+        return identity
+    group, rank = getattr(current_worker, "group_name", None), getattr(current_worker, "rank", None)
+    if isinstance(group, str) and isinstance(rank, int) and not isinstance(rank, bool):
+        return f"{group}:{rank}"
+    raise TypeError(
+        "current_worker is a consumer id 'group:rank', or an object with an identity str or "
+        f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
+        "zchannel has no Worker class, a handle acts for the consumer id it is given")
+
+
+def _warn_differences(handle: BrokerChannel, config: dict) -> None:
+    """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
+    info = handle._connection().broker_info
+    if info.maxsize is not None and info.maxsize != config["maxsize"]:
+        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
+                    config["name"], info.maxsize, config["maxsize"])
+    if config["collector"] is None and config["dispatcher"] is None:
+        return
+    try:
+        running = handle.stats()
+    except ChannelError:
+        return
+    for kind in ("collector", "dispatcher"):
+        given = hook_label(config[kind])
+        if given is not None and given != running.get(kind):
+            log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                        kind, running.get(kind), kind, given)
+
+
+class Channel(BrokerChannel, metaclass=ABCMeta):
+    """A handle on a named channel: per-key FIFO queues served by a broker process (or by
+    broker replicas, or in this process with ``local=True``).
+
+    Make one with ``Channel.create`` (starts the broker, or attaches to the live broker of that
+    name) or ``Channel.connect``; a handle may be pickled to other processes.  The behaviour of
+    every operation is described in ``docs/channel.md``.
+
+    ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
+    one that attached to a running broker, on ``connect`` handles and on unpickled copies.
+    ``repr()``/``str()`` are cheap and never touch the network; ``peek`` shows items.
+    """
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        maxsize: int = 0,
+        distributed: bool = False,
+        node_rank: int | None = None,
+        local: bool = False,
+        *,
+        address: str | None = None,
+        collector: Any = None,
+        dispatcher: Any = None,
+        producers: Iterable[str] | None = None,
+        consumers: Iterable[str] | Mapping[str, int] | None = None,
+        options: Mapping[str, Any] | None = None,
+        identity: str | None = None,
+        curve_keys: Any = None,
+        insecure: bool = False,
+        lease_timeout: float = 30.0,
+        shm_threshold: int | None = None,
+        metrics_port: int | None = None,
+    ) -> Channel:
+        """Start a broker for ``name`` and return a connected handle (``created`` True); if a
+        live broker already serves the name, attach to it (``created`` False, a warning on the
+        ``zchannel.client`` logger names its pid, address and items held; its settings win and
+        differing arguments are logged).  ``local=True`` makes an in-process channel instead;
+        ``distributed=True`` a broker replica per node (of the cluster file, or of the Ray
+        cluster when the process is connected to Ray, where every channel is placed by Ray:
+        ``docs/distributed.md``).
+
+        The first five parameters keep RLinf's positional order (``name, maxsize,
+        distributed, node_rank, local``); the rest are keyword-only.  Wrong arguments are
+        ``ValueError``/``TypeError``, also those the starting broker finds (an unknown hook
+        name); a broker that cannot start with valid arguments (busy address) is
+        ``BrokerStartError`` (``docs/errors.md``).
+
+        ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
+        (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
+        """
+        paths.check_name(name)
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"maxsize must be an int >= 0, got {maxsize!r}")
+        for flag, value in (("distributed", distributed), ("local", local)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
+                                "order is name, maxsize, distributed, node_rank, local)")
+        if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                      or node_rank < 0):
+            raise ValueError(f"node_rank must be None or an int >= 0, got {node_rank!r}")
+        if identity is not None:
+            check_consumer_id(identity)
+        producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
+        targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
+        if not local and (producers or consumers) and clusterfile.ray_connected():
+            producers, consumers, targets = ray_placement.split_targets(producers, consumers)
+        declared = list(expand_consumers(consumers))
+        if producers is not None and isinstance(producers, str):
+            raise TypeError("producers= takes a list of group names")
+        if local and metrics_port is not None:
+            raise ValueError("metrics_port needs a broker process (local=False)")
+        if local:
+            return LocalChannel.create_local(
+                name, maxsize, collector=collector, dispatcher=dispatcher,
+                producers=list(producers or ()), consumers=declared, options=dict(options or {}),
+                identity=identity, lease_timeout=lease_timeout,
+            )
+        address = address or paths.default_address(name)
+        server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
+        paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
+                                 insecure=insecure)
+        imports: list[str] = []
+        config = {
+            "name": name, "address": address, "maxsize": maxsize,
+            "collector": hook_for_child(collector, imports, Collector),
+            "dispatcher": hook_for_child(dispatcher, imports, Dispatcher),
+            "producers": list(producers or ()), "consumers": declared,
+            "options": dict(options or {}), "lease_timeout": float(lease_timeout),
+            "insecure": bool(insecure), "imports": sorted(set(imports)),
+            "curve_secret_key": server_keys.get("server_secret_key"),
+            "curve_public_keys": server_keys.get("public_keys"),
+        }
+        if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
+            config["shm_threshold"] = shm_threshold
+        if metrics_port is not None:
+            config["metrics_port"] = check_port(metrics_port)
+        codec.encode(config)  # options must be msgpack-able: fail here, not in the child
+        if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
+            return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
+                                        targets=targets, identity=identity, curve_keys=curve_keys)
+        if distributed:  # replicas from a cluster file (distributed.py)
+            path = clusterfile.find_file(config.get("options"))
+            if path:
+                return create_from_cluster(config, path, identity=identity, curve_keys=curve_keys)
+            log.info("distributed=True without Ray or a cluster file: one local replica")
+        if node_rank is not None:
+            log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            lock_fd = paths.try_lock(name)
+            if lock_fd is not None:
+                break
+            existing = paths.read_address(name)
+            if existing:
+                try:
+                    handle = cls.connect(existing, identity=identity, timeout=2.0,
+                                         curve_keys=curve_keys)
+                except BrokerUnavailable:
+                    handle = None
+                if handle is not None:
+                    handle._name = name
+                    handle._log_attached()
+                    _warn_differences(handle, config)
+                    return handle
+            if time.monotonic() > deadline:
+                raise BrokerStartError(f"channel {name!r} is locked but no broker answers")
+            time.sleep(0.05)  # another process is starting the broker
+        try:
+            proc, real_address, token = spawn_broker(config, lock_fd)
+        except BaseException:
+            paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
+            raise
+        os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
+        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
+                     _proc=proc, _token=token)
+        try:
+            handle._connection(timeout=START_TIMEOUT_S)
+        except BaseException:
+            handle._kill_broker()
+            raise
+        return handle
+
+    @classmethod
+    def connect(cls, name_or_address: str, current_worker: Any = None, *,
+                identity: str | None = None, timeout: float = 10.0, curve_keys: Any = None,
+                shm: bool | None = None) -> Channel:
+        """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
+
+        ``current_worker`` (RLinf's second positional argument) names the consumer this handle
+        acts for and becomes its ``identity``: a ``"group:rank"`` str, or an object with an
+        ``identity`` str or with ``group_name`` and ``rank`` attributes (zchannel has no Worker
+        class).  None keeps ``identity=``, else ``ZCHANNEL_IDENTITY``.
+        ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
+        the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
+        Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
+        """
+        worker_identity = _worker_identity(current_worker)
+        if worker_identity is not None:
+            if identity is not None and identity != worker_identity:
+                raise ValueError(f"current_worker stands for {worker_identity!r} but "
+                                 f"identity={identity!r}: give one of them")
+            identity = worker_identity
+        if identity is not None:
+            check_consumer_id(identity)
+        if paths.is_address(name_or_address):
+            name, address = None, name_or_address
+        else:
+            name = paths.check_name(name_or_address)
+            local = LocalChannel.lookup(name)
+            if local is not None:
+                return local.new_handle(identity)
+            address = paths.read_address(name)
+            if address is None:  # a distributed channel: cluster file, else Ray
+                found = connect_from_cluster(name, identity=identity, timeout=timeout)
+                if found is None and clusterfile.ray_connected():
+                    found = ray_placement.connect(name, identity=identity, timeout=timeout)
+                if found is not None:
+                    return found
+                raise ChannelNotFound(f"no channel named {name!r} on this host")
+        keys = client_keys(curve_keys)
+        if keys is not None:
+            keys.load()  # a key file that does not hold its key: ValueError naming it, first
+        paths.probe(address)
+        handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
+        handle._connection(timeout=timeout)
+        if handle._conn.broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
+            return DistributedChannel.from_handle(handle)
+        return handle
+
+
+Channel.register(LocalChannel)
+Channel.register(DistributedChannel)

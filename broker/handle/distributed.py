@@ -1,0 +1,388 @@
+"""The client side of a distributed channel: one handle, one broker replica per node.
+
+``DistributedChannel`` is a channel handle (a ``Channel`` to ``isinstance``: ``broker/handle/channel.py``)
+whose operations go to the replica its key is bound to, each through a ``BrokerChannel``
+(``handle/broker_channel.py``) of that replica.
+The first operation of any kind on a key asks the binder (the lowest-index live replica; every
+replica holds the replicated table: ``broker/cluster/binding.py``) to bind the key (first toucher wins,
+permanent, unless opt-in stealing moves the key while it is empty, ``broker/cluster/moving.py``: to the
+replica of the caller's node); the handle caches the binding (``handle/routing.py``; corrected when a
+replica answers ``KeyMoved``), so every later operation on that key goes straight to its replica
+over this process's connection to that replica (shared with the process's other handles, ``connection/sharing.py``).  All per-key semantics
+(ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
+holds the key.  ``stats()`` aggregates over the replicas.
+
+Where the replica table comes from: a cluster file (``broker/clusterfile.py``; ``create_from_cluster``
+and ``connect_from_cluster`` here), Ray (``broker/handle/ray_placement.py``, which builds this handle from
+the table its actors publish), or the hello reply of any replica (``from_handle``: so
+``Channel.connect`` of any replica's address or name yields this handle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+from zchannel.broker.cluster import clusterfile
+from zchannel.broker.connection.work import Delivery, Work
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
+from zchannel.broker.handle.routing import KeyRouting
+from zchannel.broker.host import paths
+from zchannel.broker.server.starting import START_TIMEOUT_S, spawn_broker
+from zchannel.broker.transport.curve import replica_client_keys
+from zchannel.broker.wire.argchecks import check_target_weight, check_timeout, check_weight
+from zchannel.hooks import consumer_sort_key
+
+log = logging.getLogger("zchannel.client")
+
+_SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
+# per-replica stats that go to stats()["replicas"][i] only
+_REPLICA_FIELDS = ("bound_keys", "binding", "keys_given", "moves_asked")
+STATS_CONNECT_S = 3.0
+
+
+class DistributedChannel(KeyRouting, BrokerChannel):
+    """A handle of a channel served by several broker replicas (see the module docstring)."""
+
+    def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
+                 identity: str | None = None, curve_keys: Any = None,
+                 subs: dict[int, BrokerChannel] | None = None, owner: bool = False,
+                 ray_owner: Any = None) -> None:
+        self._replicas = clusterfile.from_table(replicas)
+        self._node = clusterfile.local_node(self._replicas)
+        local = [i for i, r in enumerate(self._replicas) if r.node == self._node]
+        self._home = local[0] if local else 0
+        super().__init__(name, self._replicas[self._home].address, identity=identity,
+                         curve_keys=curve_keys)
+        self._subs: dict[int, BrokerChannel] = dict(subs or {})
+        self._subs_lock = threading.Lock()
+        self._bindings: dict[Any, int] = {}
+        self._binder = 0  # the replica that answered the last binding request
+        self._owner = owner
+        self.created = owner
+        self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
+
+    @classmethod
+    def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
+        """Turn a plain handle connected to one replica into the distributed handle."""
+        info = handle._conn.broker_info
+        dist = cls(handle._name or info.name, info.replicas,
+                   identity=handle._explicit_identity, curve_keys=handle._curve_keys,
+                   subs={int(info.replica or 0): handle})
+        return dist
+
+    # -- routing ------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[dict[str, Any]]:
+        """The replica table: ``[{"node", "address", "hostnames"}, ...]`` (index = replica)."""
+        return [r.as_dict() for r in self._replicas]
+
+    @property
+    def node(self) -> str:
+        """This process's node (``ZCHANNEL_NODE``, the Ray node id, or the hostname)."""
+        return self._node
+
+    def _connect_home(self, timeout: float) -> DistributedChannel:
+        """Connect to this node's replica now (``ChannelNotFound`` if it does not answer in
+        ``timeout``; the handle is closed then)."""
+        try:
+            self._sub(self._home)._connection(timeout=timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _sub(self, index: int) -> BrokerChannel:
+        sub = self._subs.get(index)
+        if sub is not None:
+            return sub
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
+        with self._subs_lock:
+            sub = self._subs.get(index)
+            if sub is None:
+                sub = BrokerChannel(self._name, self._replicas[index].address,
+                              identity=self._explicit_identity,
+                              curve_keys=replica_client_keys(self._curve_keys,
+                                                             self._replicas[index].server_key))
+                self._subs[index] = sub
+            return sub
+
+    # -- operations ---------------------------------------------------------------------
+
+    def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
+            async_op: bool = False, timeout: float | None = None) -> Work | None:
+        check_weight(weight)
+        check_timeout(timeout)
+        return self._on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout))
+
+    def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
+        check_weight(weight)
+        self._on(key, lambda sub, _: sub.put_nowait(item, weight, key))
+
+    def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
+            *, ack: bool = False, copy: bool | None = None) -> Any:
+        check_timeout(timeout)
+
+        def call(sub: BrokerChannel, index: int) -> Any:
+            result = sub.get(key, async_op, timeout, ack=ack, copy=copy)
+            if not ack:
+                return result
+            if async_op:
+                return result.then(lambda d: self._tag(d, index))
+            return self._tag(result, index)
+
+        return self._on(key, call)
+
+    def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
+        def call(sub: BrokerChannel, index: int) -> Any:
+            result = sub.get_nowait(key, ack=ack, copy=copy)
+            return self._tag(result, index) if ack else result
+
+        return self._on(key, call)
+
+    def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
+                  async_op: bool = False, timeout: float | None = None, *,
+                  copy: bool | None = None) -> list | Work:
+        check_target_weight(target_weight)
+        check_timeout(timeout)
+        return self._on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
+                                                          copy=copy))
+
+    def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
+        return self._on(key, lambda sub, _: sub.qsize(key, consumer))
+
+    def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
+        return self._on(key, lambda sub, _: sub.full(key, consumer))
+
+    def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
+             weights: bool = False) -> list:
+        """``Channel.peek`` on the replica holding ``key`` (an unbound key is bound to this
+        node's replica first, as by any operation)."""
+        return self._on(key, lambda sub, _: sub.peek(key, n, consumer=consumer, weights=weights))
+
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""
+        return self._sub(self._home).reserve_shm(nbytes, slots)
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """``Channel.empty_shm`` on this node's replica (where this process's keys live; a put
+        of it to a key of another replica copies it, as any array)."""
+        return self._sub(self._home).empty_shm(shape, dtype)
+
+    def _tag(self, delivery: Delivery, index: int) -> Delivery:
+        # lease ids are per replica: fold the replica index into the id the caller sees
+        return Delivery(delivery.item, delivery.lease_id * len(self._replicas) + index)
+
+    def ack(self, delivery: Delivery) -> None:
+        if not isinstance(delivery, Delivery):
+            raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
+        n = len(self._replicas)
+        lease = delivery.lease_id
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease < 0:
+            raise ValueError(f"unknown lease {lease!r}")
+        self._sub(lease % n).ack(Delivery(delivery.item, lease // n))
+
+    def stats(self, *, exclude_self: bool = False) -> dict:
+        """The replicas' stats merged: keys (each with its ``node``), consumers, summed counters,
+        and ``replicas``: one summary per replica (``error`` for one that does not answer)."""
+        parts: list[dict] = []
+        summaries: list[dict] = []
+        for i, r in enumerate(self._replicas):
+            summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
+            try:
+                sub = self._sub(i)
+                sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
+                s = sub.stats(exclude_self=exclude_self)
+            except (BrokerUnavailable, ChannelError) as exc:
+                summary["error"] = f"{type(exc).__name__}: {exc}"
+                summaries.append(summary)
+                continue
+            parts.append(s)
+            summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
+                           keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
+                           uptime_s=s.get("uptime_s"))
+            for name in _REPLICA_FIELDS:
+                if name in s:
+                    summary[name] = s[name]
+            summaries.append(summary)
+        if not parts:
+            raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
+        first = parts[0]
+        out = {k: v for k, v in first.items() if k not in ("replica", "node", *_REPLICA_FIELDS)}
+        keys: dict = {}
+        consumers: set = set()
+        for s in parts:
+            keys.update(s.get("keys") or {})
+            consumers.update(s.get("consumers") or ())
+        out["keys"] = keys
+        out["consumers"] = sorted(consumers, key=consumer_sort_key)
+        for name in _SUM_FIELDS:
+            out[name] = sum(s.get(name, 0) or 0 for s in parts)
+        out["uptime_s"] = max(s.get("uptime_s", 0) for s in parts)
+        home = next((s for s in parts if s.get("replica") == self._home), first)
+        out["address"], out["pid"] = home.get("address"), home.get("pid")
+        out["metrics"] = home.get("metrics")  # each replica serves its own (metrics_port)
+        out["node"] = self._node
+        out["replicas"] = summaries
+        return out
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _each_sub(self) -> list[BrokerChannel]:
+        with self._subs_lock:
+            return list(self._subs.values())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self._each_sub():
+            try:
+                sub.close()
+            except Exception:
+                log.exception("closing a replica handle failed")
+        self._give_back()  # the home replica's share, if this handle took one itself
+
+    def shutdown(self) -> None:
+        """Stop the replicas this handle's ``create`` started (and their Ray actors)."""
+        if not self._owner or self._creator_pid != os.getpid():
+            raise PermissionError("only the handle that created the channel's brokers may shut them down")
+        for sub in self._each_sub():
+            try:
+                if sub._proc is not None:
+                    sub.shutdown()
+                else:
+                    sub.close()
+            except Exception:
+                log.exception("stopping a replica failed")
+        self._closed = True
+        self._give_back(settle_puts=False, withdraw=False)
+        if self._ray_owner is not None:
+            owner, self._ray_owner = self._ray_owner, None
+            owner.teardown()
+        self._owner = False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._owner and self._creator_pid == os.getpid():
+            self.shutdown()
+        else:
+            self.close()
+
+    def __reduce__(self) -> Any:
+        return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys))
+
+    def __repr__(self) -> str:
+        return (f"DistributedChannel(name={self._name!r}, replicas={len(self._replicas)}, "
+                f"node={self._node!r}, created={self.created})")
+
+
+def _unpickle(name: str | None, replicas: list, identity: str | None,
+              curve_keys: Any) -> DistributedChannel:
+    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
+
+
+# -- creating and finding distributed channels ---------------------------------------------
+
+
+def create_from_cluster(config: dict, path: str, *, identity: str | None,
+                        curve_keys: Any) -> DistributedChannel:
+    """Start the replicas of the cluster file that live on this process's node (other nodes
+    start theirs with ``zchannel broker NAME --cluster FILE --replica I``) and connect."""
+    name = config["name"]
+    cl = clusterfile.load(path, name)
+    node = clusterfile.local_node(cl.replicas)
+    table = cl.table()
+    subs: dict[int, BrokerChannel] = {}
+    errors: list[BaseException] = []
+    curve = replica_curve_settings(cl, [i for i, r in enumerate(cl.replicas) if r.node == node],
+                                   curve_keys)
+
+    def start(i: int, r: clusterfile.Replica) -> None:
+        lock_fd = paths.try_lock(f"{name}.replica{i}")
+        if lock_fd is None:
+            return  # a live replica (or one being started) holds it: connect to it
+        rconfig = dict(config, address=r.address, replica=i, replicas=table,
+                       insecure=bool(config.get("insecure")) or cl.insecure, steal=cl.steal,
+                       **curve.get(i, {}))
+        try:
+            proc, real_address, token = spawn_broker(rconfig, lock_fd)
+        except BaseException as exc:
+            paths.release_lock(f"{name}.replica{i}", lock_fd)
+            errors.append(exc)
+            return
+        os.close(lock_fd)  # the replica holds it now
+        subs[i] = BrokerChannel(name, real_address, identity=identity,
+                                curve_keys=replica_client_keys(curve_keys, r.server_key),
+                                _proc=proc, _token=token)
+
+    try:
+        # the node's replicas start in parallel (each is a child process, as in create())
+        threads = [threading.Thread(target=start, args=(i, r)) for i, r in enumerate(cl.replicas)
+                   if r.node == node]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
+                                    subs=subs, owner=bool(subs))
+        handle._sub(handle._home)._connection(timeout=START_TIMEOUT_S)  # this node's replica
+        if not subs:
+            handle._log_attached()
+    except BaseException:
+        for sub in subs.values():
+            sub._kill_broker()
+        raise
+    return handle
+
+
+def replica_curve_settings(cl: clusterfile.Cluster, local: list[int],
+                           curve_keys: Any) -> dict[int, dict[str, str]]:
+    """The CURVE settings of the replicas ``local`` that this process starts, for a cluster
+    file that turns CURVE on (none otherwise): each replica's key pair file (``NAME.key_secret``
+    next to its ``server_keys`` file) and the directory of the keys let in -- what
+    ``zchannel broker --cluster FILE --replica I --curve-secret-key ...`` is given.  The
+    creating handle is a client like any other: it needs its own key pair (``curve_keys=`` or
+    ``$ZCHANNEL_CURVE_SECRET_KEY``).  ``ValueError`` naming the missing file."""
+    if not cl.server_key_files:
+        return {}
+    if replica_client_keys(curve_keys, cl.replicas[0].server_key) is None:
+        raise ValueError(f"{cl.source} turns CURVE on: the creating process needs a client key "
+                         "pair too (curve_keys=(client .key_secret, replica .key) or "
+                         "ZCHANNEL_CURVE_SECRET_KEY, e.g. the client.key_secret of "
+                         "zchannel keygen --replicas)")
+    settings = {}
+    for i in local:
+        secret = cl.secret_key_file(i)
+        if not os.path.isfile(secret):
+            raise ValueError(f"{cl.source} turns CURVE on: replica {i} needs its key pair file "
+                             f"{secret} on this host (zchannel keygen DIR --replicas N writes "
+                             "it next to the public key)")
+        settings[i] = {"curve_secret_key": secret, "curve_public_keys": cl.client_keys}
+    return settings
+
+
+def connect_from_cluster(name: str, *, identity: str | None,
+                         timeout: float) -> DistributedChannel | None:
+    """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER``; None if
+    there is none or it does not serve the name.  ``ChannelNotFound`` if this node's replica
+    does not answer within ``timeout``."""
+    path = clusterfile.find_file()
+    if not path:
+        return None
+    try:
+        cl = clusterfile.load(path, name)
+    except ValueError:
+        return None
+    return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
+
+
+__all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",
+           "replica_curve_settings"]

@@ -1,0 +1,262 @@
+"""In-process channels (``Channel.create(name, local=True)``).
+
+The same ``QueueCore`` and hook pipeline as a broker, driven under a lock in the caller's process;
+items are passed by reference (no serialization), in the form a broker would deliver them
+(``wireform.wire_form``: the item itself unless something in it travels in a base form, e.g. an
+unregistered ``str`` Enum member as its value).  A small timer thread expires deadlines.
+A local channel is not picklable; ``Channel.connect(name)`` in the same process returns another
+handle to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from zchannel.broker.connection.work import Delivery, Work
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import Client, Item
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.handle.broker_channel import BrokerChannel
+from zchannel.broker.shm.client import empty_array
+from zchannel.broker.shm.pool import check_reserve
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.argchecks import check_peek_count, check_timeout, check_weight
+from zchannel.broker.wire.protocol import (
+    Ack,
+    Full,
+    Get,
+    GetBatch,
+    Peek,
+    Put,
+    QSize,
+    Request,
+    Stats,
+    op_of,
+)
+from zchannel.broker.wire.wireform import wire_form
+from zchannel.hooks import resolve_collector, resolve_dispatcher
+
+_registry: dict[str, _LocalBroker] = {}
+_registry_lock = threading.Lock()
+
+
+class _LocalBroker:
+    """The state behind every handle of one local channel."""
+
+    def __init__(self, name: str, maxsize: int, *, collector: Any, dispatcher: Any,
+                 producers: list[str], consumers: list[str], options: dict,
+                 lease_timeout: float) -> None:
+        self.name = name
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)
+        self.pending: dict[tuple[int, int], tuple[Work, Any]] = {}
+        self.ids = itertools.count(1)
+        self.closed = False
+        self.core = QueueCore(
+            name=name, maxsize=maxsize,
+            collector=resolve_collector(collector), dispatcher=resolve_dispatcher(dispatcher),
+            producers=tuple(producers), consumers=tuple(consumers), options=options,
+            reply=self._reply, decode_item=lambda item: item.payload,
+            encode_item=_local_item,
+            lease_timeout=lease_timeout,
+        )
+        self.timer = threading.Thread(target=self._run_timers, name=f"zchannel-local {name}",
+                                      daemon=True)
+        self.timer.start()
+
+    def _run_timers(self) -> None:
+        with self.cv:
+            while not self.closed:
+                deadline = self.core.next_deadline()
+                now = time.monotonic()
+                if deadline is not None and deadline <= now:
+                    self.core.tick(now)
+                    continue
+                self.cv.wait(None if deadline is None else deadline - now)
+
+    def _reply(self, client: Client, rid: int, result: Any = None,
+               error: BaseException | None = None, items: list[Item] | None = None,
+               batch: bool = False, lease: int | None = None, origin: Any = None) -> None:
+        entry = self.pending.pop((id(client), rid), None)
+        if entry is None:
+            return
+        work, copy = entry
+        if error is not None:
+            work.set_exception(error)
+        elif items is not None:
+            values = [_copy(item.payload) if copy else item.payload for item in items]
+            if batch:
+                work.set_result(values)
+            elif lease is not None:
+                work.set_result(Delivery(values[0], lease))
+            else:
+                work.set_result(values[0])
+        else:
+            work.set_result(result)
+
+    def submit(self, client: Client, rec: Request, item: Any, copy: bool | None) -> Work:
+        with self.cv:
+            if self.closed:
+                raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
+            rid = next(self.ids)
+            work = Work(lambda w, rid=rid: self.cancel(client, rid))
+            self.pending[(id(client), rid)] = (work, bool(copy))
+            core = self.core
+            kind = type(rec)
+            try:
+                if kind is Put:
+                    core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
+                             check_timeout(rec.timeout), rec.nowait)
+                elif kind is Get:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             ack=rec.ack)
+                elif kind is GetBatch:
+                    core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
+                             batch_target=rec.target)
+                elif kind is QSize:
+                    self._reply(client, rid, result=core.qsize(rec.key, rec.consumer))
+                elif kind is Full:
+                    self._reply(client, rid, result=core.full(rec.key, rec.consumer))
+                elif kind is Stats:
+                    self._reply(client, rid, result=dict(core.stats(), address=None))
+                elif kind is Ack:
+                    core.ack(client, rid, rec.lease)
+                elif kind is Peek:  # (copy, weight) pairs: the items stay where they are
+                    items = core.peek(rec.key, check_peek_count(rec.count), rec.consumer)
+                    self._reply(client, rid, result=[(_copy(i.payload), i.weight) for i in items])
+                else:
+                    raise ValueError(f"unknown op {op_of(rec)!r}")
+            except Exception as exc:
+                self._reply(client, rid, error=exc)
+            self.cv.notify()
+            return work
+
+    def cancel(self, client: Client, rid: int) -> bool:
+        with self.cv:
+            entry = self.pending.get((id(client), rid))
+            if entry is None:
+                return False
+            answer = Work()
+            cancel_rid = next(self.ids)
+            self.pending[(id(client), cancel_rid)] = (answer, False)
+            self.core.cancel(client, cancel_rid, rid)
+            if answer.result():
+                from concurrent.futures import CancelledError
+
+                self.pending.pop((id(client), rid), None)
+                entry[0].set_exception(CancelledError("the operation was withdrawn"))
+                return True
+            return False
+
+    def leave(self, client: Client) -> None:
+        with self.cv:
+            self.core.client_gone(client)
+            for key in [k for k in self.pending if k[0] == id(client)]:
+                work, _ = self.pending.pop(key)
+                work.set_exception(ChannelError("this channel handle is closed"))
+
+    def new_handle(self, identity: str | None) -> LocalChannel:
+        """Another handle to this channel (what ``Channel.connect(name)`` returns)."""
+        return LocalChannel(self, identity, owner=False)
+
+    def shutdown(self) -> None:
+        with self.cv:
+            self.closed = True
+            pending, self.pending = self.pending, {}
+            for work, _ in pending.values():
+                work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
+            self.cv.notify_all()
+        with _registry_lock:
+            if _registry.get(self.name) is self:
+                del _registry[self.name]
+
+
+def _local_item(value: Any, weight: int | float) -> Item:
+    """A collector output, in wire form like a put (a broker would have to encode it)."""
+    value = wire_form(value)
+    return Item(value, weight, 0, value, True)
+
+
+def _copy(value: Any) -> Any:
+    body, buffers = codec.encode(value)
+    return codec.decode(body, buffers, copy=True)
+
+
+class LocalChannel(BrokerChannel):
+    """A handle of an in-process channel: the API of ``Channel``, with its requests handled by an
+    in-process ``QueueCore`` instead of a broker process."""
+
+    def __init__(self, broker: _LocalBroker, identity: str | None, owner: bool) -> None:
+        super().__init__(broker.name, f"local://{broker.name}", identity=identity)
+        self._broker = broker
+        self._owner = owner
+        self.created = owner
+        self._client = Client(address=self)
+
+    @classmethod
+    def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
+        with _registry_lock:
+            existing = _registry.get(name)
+            if existing is None:
+                broker = _registry[name] = _LocalBroker(name, maxsize, **kwargs)
+                return cls(broker, identity, owner=True)
+        handle = cls(existing, identity, owner=False)
+        handle._log_attached()
+        return handle
+
+    @classmethod
+    def lookup(cls, name: str) -> _LocalBroker | None:
+        with _registry_lock:
+            return _registry.get(name)
+
+    def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
+                copy: bool | None = None, wait: bool = False) -> Work:
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
+        if self._client.identity is None and self.identity is not None:
+            self._client.identity = self.identity
+        if has_item:  # no serialization, but what a broker would deliver, or its TypeError
+            item = wire_form(item)
+        return self._broker.submit(self._client, rec, item, copy)
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def reserve_shm(self, nbytes: int, slots: int) -> int:
+        """Items of a local channel are passed by reference: no shared memory, always 0."""
+        check_reserve(nbytes, slots)
+        return 0
+
+    def empty_shm(self, shape: Any, dtype: Any = np.float32) -> Any:
+        """Items of a local channel are passed by reference: a plain ``numpy.empty`` /
+        ``torch.empty`` (the same checks as ``Channel.empty_shm``)."""
+        return empty_array(None, shape, dtype)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._broker.leave(self._client)
+
+    def shutdown(self) -> None:
+        if not self._owner:
+            raise PermissionError("only the handle that created the channel may shut it down")
+        self.close()
+        self._broker.shutdown()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._owner:
+            self.shutdown()
+        else:
+            self.close()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a local channel cannot be pickled: it lives in one process")
+
+
+__all__ = ["LocalChannel"]

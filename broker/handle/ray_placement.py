@@ -1,0 +1,366 @@
+"""Placing brokers with Ray (optional extra ``ray``, imported inside the functions here, which
+``Channel.create``/``Channel.connect`` call only when the process uses Ray).
+
+When the creating process is connected to Ray (``ray.is_initialized()``; zchannel never calls
+``ray.init()``), ``Channel.create(name, distributed=True)`` starts one broker replica per alive
+Ray node, each run by a small actor (``num_cpus=0``, ``NodeAffinitySchedulingStrategy``, owned by
+the creator: not detached) that spawns the broker process bound to the node's IP on a free tcp
+port.  ``node_rank=i`` (or producers/consumers given as actor handles or node ids) places a single
+broker: on the i-th node (sorted node ids), else the first producer's node, else the first
+consumer's, else the creator's.  A single broker is a one-replica distributed channel (it behaves
+exactly like a plain one, and its stats say on which node it runs).
+
+The replica table is published by replica 0's actor, named ``zchannel:<name>`` in the job's Ray
+namespace: any process of the job finds it with ``Channel.connect(name)``.  When a node IP is not
+loopback (and ``insecure=True`` was not given), the channel gets CURVE keys generated for it: the
+brokers admit only the channel's client key; the client key pair and the brokers' public key
+travel inside the published table (and inside pickled handles) as z85 text.
+
+Tearing down (``shutdown()`` of the creating handle) stops the broker processes and kills the
+actors; if the creator dies, Ray removes its actors and each broker, which watches its actor
+process, stops within a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+from zchannel.broker.errors import ChannelError
+from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.host import paths
+from zchannel.broker.server.starting import spawn_broker, stop_broker
+from zchannel.broker.transport.curve import CurveKeys
+
+log = logging.getLogger("zchannel.client")
+
+ACTOR_PREFIX = "zchannel:"
+START_TIMEOUT_S = 120.0
+# a failed broker actor is restarted by Ray (on its node), as often as it fails
+MAX_RESTARTS = -1
+RESTART_BIND_S = 30.0
+STATE_FILE = "actor-state.msgpack"
+
+
+@dataclass(frozen=True)
+class InlineCurveKeys(CurveKeys):
+    """Client CURVE keys carried as z85 text (``secret_key`` holds ``public:secret``), so that a
+    handle works on every node without key files."""
+
+    def apply(self, sock: zmq.Socket) -> None:
+        public, secret = self.secret_key[:40], self.secret_key[41:]  # z85 keys are 40 chars
+        sock.curve_publickey = public.encode()
+        sock.curve_secretkey = secret.encode()
+        sock.curve_serverkey = self.server_public_key.encode()
+
+
+def _write_cert(path: str, public: bytes, secret: bytes | None) -> None:
+    lines = ["metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+class BrokerActor:
+    """Runs one broker process on its node (the broker stops when this actor's process dies);
+    ``_actor_class()`` makes it a Ray actor class.
+
+    Ray restarts a failed actor (``max_restarts``) on the same node (hard node affinity); the
+    restarted actor finds what ``start`` and ``set_info`` were given in its work directory
+    (``<tmp>/zchannel-ray-<job>-<name>-r<replica>``, mode 0700) and starts the broker again on
+    the same address, which joins the other replicas like any restarted replica; handles
+    reconnect by themselves, and ``Channel.connect`` finds the republished table."""
+
+    def __init__(self, name: str = "", replica: int = 0) -> None:
+        import ray
+
+        self.proc: subprocess.Popen | None = None
+        self.token: str | None = None
+        self.info: dict | None = None
+        job = ray.get_runtime_context().get_job_id()
+        self.workdir = os.path.join(tempfile.gettempdir(),
+                                    f"zchannel-ray-{job}-{name}-r{replica}-{os.getuid()}")
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+        os.chmod(self.workdir, 0o700)
+        os.environ["ZCHANNEL_RUN_DIR"] = os.path.join(self.workdir, "run")
+        saved = os.path.join(self.workdir, STATE_FILE)
+        if restarted and os.path.exists(saved):
+            with open(saved, "rb") as f:
+                state = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+            self.info = state.get("info")
+            if state.get("config") is not None:
+                log.warning("broker actor of %r replica %d restarted: starting its broker again",
+                            name, replica)
+                self._start(state["config"], state.get("curve"), RESTART_BIND_S)
+
+    def _save(self, **fields: Any) -> None:
+        path = os.path.join(self.workdir, STATE_FILE)
+        state = {}
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                state = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+        state.update(fields)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb(state, use_bin_type=True))
+        os.replace(path + ".tmp", path)
+
+    def node(self) -> tuple[str, str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def where(self) -> tuple[str, str]:
+        """This actor's Python and the ``zchannel/broker/__init__.py`` it runs."""
+        return sys.executable, os.path.join(os.path.dirname(__file__), "__init__.py")
+
+    def free_port(self, ip: str) -> int:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return s.getsockname()[1]
+
+    def pid(self) -> int:
+        """The broker process's pid (a call that also waits until a restarted actor is up)."""
+        return self.proc.pid if self.proc is not None else -1
+
+    def start(self, config: dict, curve: dict | None) -> tuple[str, int]:
+        self._save(config=config, curve=curve)
+        return self._start(config, curve, 0.0)
+
+    def _start(self, config: dict, curve: dict | None, retry_s: float) -> tuple[str, int]:
+        """Spawn the broker; for up to ``retry_s`` while the previous one (of a failed actor)
+        still holds the lock or the address."""
+        config = dict(config)
+        if curve is not None:
+            keys = os.path.join(self.workdir, "keys")
+            clients = os.path.join(keys, "clients")
+            os.makedirs(clients, mode=0o700, exist_ok=True)
+            server_secret = os.path.join(keys, "server.key_secret")
+            _write_cert(server_secret, curve["server_public"].encode(), curve["server_secret"].encode())
+            _write_cert(os.path.join(clients, "client.key"), curve["client_public"].encode(), None)
+            # the replica's links to the other replicas (the replicated binding table)
+            client_secret = os.path.join(keys, "client.key_secret")
+            _write_cert(client_secret, curve["client_public"].encode(), curve["client_secret"].encode())
+            server_public = os.path.join(keys, "server.key")
+            _write_cert(server_public, curve["server_public"].encode(), None)
+            os.environ["ZCHANNEL_CURVE_SECRET_KEY"] = client_secret
+            os.environ["ZCHANNEL_CURVE_SERVER_KEY"] = server_public
+            config.update(curve_secret_key=server_secret, curve_public_keys=clients)
+        lock_name = f"{config['name']}.replica{config.get('replica', 0)}"
+        deadline = time.monotonic() + retry_s
+        while True:
+            lock_fd = paths.try_lock(lock_name)
+            try:
+                if lock_fd is None:
+                    raise ChannelError(f"a broker for {lock_name!r} already runs in this actor")
+                self.proc, address, self.token = spawn_broker(config, lock_fd)
+                return address, self.proc.pid
+            except ChannelError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)  # the failed actor's broker stops within a second
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+
+    def set_info(self, info: dict) -> None:
+        self.info = info
+        self._save(info=info)
+
+    def get_info(self) -> dict | None:
+        return self.info
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_broker(proc, grace_s=10.0)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class RayPlacement:
+    """The actors of one channel, owned by the creating handle."""
+
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
+
+    def teardown(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=30)
+        except Exception:
+            log.warning("stopping the broker actors failed; killing them")
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+
+
+@functools.cache
+def _actor_class() -> Any:
+    """``BrokerActor`` as a Ray actor class (made once, when a channel is first placed)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(BrokerActor)
+
+
+def _alive_nodes() -> list[str]:
+    import ray
+
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def _node_of(target: Any) -> str:
+    """The node id of a placement target: a node id, or an actor handle (once it is placed)."""
+    if isinstance(target, str):
+        return target
+    import ray
+    import ray._private.state as state
+
+    actor_id = target._actor_id.hex()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        entry = state.actors(actor_id=actor_id) or {}
+        node = (entry.get("Address") or {}).get("NodeID")
+        if node and entry.get("State") in ("ALIVE", 2):
+            return node
+        if time.monotonic() > deadline:
+            raise ChannelError(f"actor {actor_id} was not placed on a node in time")
+        ray.get(target.__ray_ready__.remote(), timeout=START_TIMEOUT_S)  # waits for placement
+
+
+def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
+    """Take Ray actor handles and node ids out of ``producers`` / ``consumers`` (they are
+    placement targets, not group names or consumer ids); producers' targets come first."""
+    import ray
+
+    nodes = set(_alive_nodes())
+    targets: list = []
+
+    def split(values: Any) -> Any:
+        if values is None or isinstance(values, (str, dict)) or not hasattr(values, "__iter__"):
+            return values
+        if hasattr(values, "items"):
+            return values
+        kept = []
+        for v in values:
+            if isinstance(v, ray.actor.ActorHandle) or (isinstance(v, str) and v in nodes):
+                targets.append(v)
+            else:
+                kept.append(v)
+        return kept
+
+    return split(producers), split(consumers), targets
+
+
+def _handle(name: str, info: dict, identity: str | None,
+            owner: RayPlacement | None = None) -> DistributedChannel:
+    curve = info.get("curve")
+    keys = None if curve is None else InlineCurveKeys(
+        f"{curve['client_public']}:{curve['client_secret']}", curve["server_public"])
+    return DistributedChannel(name, info["replicas"], identity=identity, curve_keys=keys,
+                              owner=owner is not None, ray_owner=owner)
+
+
+def _lookup(name: str) -> dict | None:
+    import ray
+
+    try:
+        actor = ray.get_actor(ACTOR_PREFIX + name)
+    except ValueError:
+        return None
+    return ray.get(actor.get_info.remote(), timeout=START_TIMEOUT_S)
+
+
+def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
+           identity: str | None, curve_keys: Any) -> DistributedChannel:
+    """What ``Channel.create`` does on Ray: attach to the channel Ray placed already, else place
+    its broker(s) (see the module docstring) and connect to replica 0."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    name = config["name"]
+    info = _lookup(name)
+    if info is not None:  # placed by Ray already: attach (logged like any attaching create)
+        handle = _handle(name, info, identity)
+        handle._log_attached()
+        return handle
+    nodes = _alive_nodes()
+    if distributed:
+        if node_rank is not None:
+            log.info("node_rank=%s ignored: a distributed channel has a replica on every node", node_rank)
+        placement = nodes
+    elif node_rank is not None:
+        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < len(nodes):
+            raise ValueError(f"node_rank={node_rank!r}: the Ray cluster has {len(nodes)} nodes")
+        placement = [nodes[node_rank]]
+    elif targets:
+        placement = [_node_of(targets[0])]
+    else:
+        placement = [ray.get_runtime_context().get_node_id()]
+    actors = [
+        _actor_class().options(
+            name=ACTOR_PREFIX + name if i == 0 else None,
+            num_cpus=0,
+            max_restarts=MAX_RESTARTS,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(name, i)
+        for i, node_id in enumerate(placement)
+    ]
+    owner = RayPlacement(actors)
+    try:
+        located = ray.get([a.node.remote() for a in actors], timeout=START_TIMEOUT_S)
+        ports = ray.get([a.free_port.remote(ip) for a, (_, ip, _) in zip(actors, located, strict=True)],
+                        timeout=START_TIMEOUT_S)
+        table = [{"node": node, "address": f"tcp://{ip}:{port}", "hostnames": []}
+                 for (node, ip, _), port in zip(located, ports, strict=True)]
+        secure = not config.get("insecure") and not all(
+            paths.is_loopback_host(ip) for _, ip, _ in located)
+        curve = None
+        if secure:
+            server_public, server_secret = zmq.curve_keypair()
+            client_public, client_secret = zmq.curve_keypair()
+            curve = {"server_public": server_public.decode(), "server_secret": server_secret.decode(),
+                     "client_public": client_public.decode(), "client_secret": client_secret.decode()}
+        replicas_cfg = [dict(config, address=row["address"], replica=i, replicas=table)
+                        for i, row in enumerate(table)]
+        ray.get([a.start.remote(cfg, curve) for a, cfg in zip(actors, replicas_cfg, strict=True)],
+                timeout=START_TIMEOUT_S)
+        public = None if curve is None else {k: v for k, v in curve.items() if k != "server_secret"}
+        info = {"replicas": table, "curve": public}
+        ray.get(actors[0].set_info.remote(info), timeout=START_TIMEOUT_S)
+        handle = _handle(name, info, identity, owner)
+        handle._sub(0)._connection(timeout=START_TIMEOUT_S)
+    except BaseException:
+        owner.teardown()
+        raise
+    return handle
+
+
+def connect(name: str, *, identity: str | None, timeout: float) -> DistributedChannel | None:
+    """A handle of the Ray-placed channel ``name``, or None if Ray knows no such channel."""
+    info = _lookup(name)
+    if info is None:
+        return None
+    return _handle(name, info, identity)._connect_home(timeout)
+
+
+__all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]

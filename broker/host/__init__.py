@@ -1,0 +1,1 @@
+"""This host's files: the run directory, channel paths and the TOML reader."""

@@ -1,0 +1,1 @@
+"""The broker process: its loop, handlers, sessions, peers, configuration, start and stop."""

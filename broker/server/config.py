@@ -1,0 +1,119 @@
+"""A broker's configuration (``BrokerConfig``), its files (TOML) and their merge with
+command-line flags.
+
+A file has up to three tables::
+
+    [channel]                 # name, address, maxsize, lease_timeout, heartbeat_interval,
+    name = "samples"          # liveness, max_bytes, max_keys, max_message_bytes, max_frames,
+                              # max_header_bytes, insecure, key_grace, curve_secret_key,
+                              # metrics_port, metrics_address, ...
+    maxsize = 64
+
+    [hooks]                   # collector, dispatcher, consumers, producers, imports
+    collector = "flatten_batch"
+    dispatcher = "round_robin"
+    consumers = { actor = 3 } # or a list of ids
+    producers = ["rollout"]
+
+    [options]                 # free-form, handed to the hooks as ctx.options
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zchannel.broker.host.toml import tomllib
+from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
+from zchannel.broker.wire.limits import check_settings
+from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
+
+
+@dataclass
+class BrokerConfig:
+    """Everything a broker is started with (CLI flags, a TOML file, or ``Channel.create``)."""
+
+    name: str
+    address: str | None = None
+    maxsize: int = 0
+    collector: Any = None
+    dispatcher: Any = None
+    producers: list[str] = field(default_factory=list)
+    consumers: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+    imports: list[str] = field(default_factory=list)
+    lease_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    max_bytes: int = 0
+    max_keys: int = 100_000
+    allowed_dtypes: list[str] | None = None
+    max_rank: int | None = None
+    max_message_bytes: int = 0
+    max_frames: int = MAX_FRAMES
+    max_header_bytes: int = MAX_HEADER_BYTES
+    shm_threshold: int = DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
+    shm_pool_bytes: int = DEFAULT_POOL_BYTES
+    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/transport/direct.py)
+    key_grace: float = 30.0
+    insecure: bool = False
+    curve_secret_key: str | None = None
+    curve_public_keys: str | None = None
+    parent_pid: int | None = None
+    lock_fd: int | None = None
+    token: str | None = None
+    # distributed channels (broker/cluster/replica.py): a cluster file or the replica table, and our index
+    cluster: str | None = None
+    replica: int | None = None
+    replicas: list[dict[str, Any]] | None = None
+    steal: bool = False  # move empty keys to idle replicas (cluster file ``steal = true``)
+    # Prometheus metrics over HTTP (broker/server/metrics.py); None = off, 0 = any free port
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_settings(vars(self))
+
+
+_CHANNEL_KEYS = {
+    "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",
+    "max_bytes", "max_keys", "max_message_bytes", "max_frames", "max_header_bytes", "insecure",
+    "key_grace", "curve_secret_key", "curve_public_keys", "allowed_dtypes", "max_rank",
+    "shm_threshold", "shm_pool_bytes", "direct", "metrics_port", "metrics_address",
+}
+_HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a broker TOML file into ``BrokerConfig`` fields; unknown keys are a ``ValueError``."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    fields: dict[str, Any] = {}
+    unknown = set(data) - {"channel", "hooks", "options", "bench"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
+    for table, allowed in (("channel", _CHANNEL_KEYS), ("hooks", _HOOK_KEYS)):
+        section = data.get(table, {})
+        bad = set(section) - allowed
+        if bad:
+            raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [{table}]")
+        fields.update(section)
+    if "options" in data:
+        fields["options"] = dict(data["options"])
+    return fields
+
+
+def build_config(file: str | Path | None = None, **overrides: Any) -> BrokerConfig:
+    """A ``BrokerConfig`` from an optional file, with non-None ``overrides`` taking precedence."""
+    fields = read_config_file(file) if file else {}
+    for key, value in overrides.items():
+        if value is None or value == () or value == []:
+            continue
+        if key == "options":
+            fields["options"] = {**fields.get("options", {}), **value}
+        else:
+            fields[key] = value
+    if not fields.get("name"):
+        raise ValueError("a broker needs a channel name (argument NAME or [channel] name)")
+    return BrokerConfig(**fields)

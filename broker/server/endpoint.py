@@ -1,0 +1,113 @@
+"""Where a broker is found on its host: the channel lock, the ROUTER socket (with CURVE and
+the handshake monitor when configured), the direct-link listener beside it, and the files that
+name them (address file, ipc socket file).
+
+``Endpoint`` takes the lock when made (or adopts ``config.lock_fd``), binds in ``bind``, and
+undoes both: ``close`` closes the sockets and removes the address and socket files,
+``release_lock`` last of all lets a successor start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+from zchannel.broker.host import paths
+from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.peers import Peers
+from zchannel.broker.transport import direct
+from zchannel.broker.transport.curve import BrokerHandshakes, RefusalLog, secure_server
+
+log = logging.getLogger("zchannel.broker")
+
+
+class Endpoint:
+    """The lock, socket and files of one broker serving channel ``config.name``."""
+
+    def __init__(self, config: BrokerConfig, lock_name: str) -> None:
+        self.config = config
+        self._lock_name = lock_name
+        self._lock_fd = config.lock_fd
+        if self._lock_fd is None:
+            self._lock_fd = paths.try_lock(lock_name)
+            if self._lock_fd is None:
+                raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
+        self.sock: zmq.Socket | None = None
+        self.peers: Peers | None = None  # the clients' transports (set by bind)
+        self._auth = None
+        self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
+        self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve.py)
+        try:
+            self.address = config.address or paths.default_address(config.name)
+            paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
+                                     insecure=config.insecure)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def bind(self) -> str:
+        """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
+        ``close()`` then removes what was made)."""
+        ctx = zmq.Context.instance()
+        sock = self.sock = ctx.socket(zmq.ROUTER)
+        self.peers = Peers(sock)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.config.max_message_bytes:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.config.curve_secret_key:
+            self._auth = secure_server(sock, self.config.curve_secret_key,
+                                       self.config.curve_public_keys, self.refusals)
+        self.handshakes = BrokerHandshakes(sock, bool(self._auth), self.refusals)
+        ipc = paths.ipc_path(self.address)
+        if ipc and os.path.exists(ipc):
+            os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
+        try:
+            sock.bind(self.address)
+        except zmq.ZMQError as exc:  # a busy address: say which
+            reason = zmq.strerror(exc.errno)
+            raise zmq.ZMQError(exc.errno, f"cannot bind {self.address}: {reason}") from None
+        if self.address.startswith("tcp://"):
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ipc:
+            os.chmod(ipc, 0o600)
+        # beside shared memory only (see transport.open_transport); never around CURVE
+        link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
+            and self.config.shm_threshold > 0 else None
+        if link is not None:
+            try:
+                self.peers.listener = direct.Listener(link, self.config.max_frames + 1,
+                                              self.config.max_header_bytes,
+                                              self.config.max_message_bytes)
+            except OSError as exc:  # clients then use ZeroMQ only
+                log.warning("no direct link at %s: %s", link, exc)
+        paths.write_address(self.config.name, self.address)
+        return self.address
+
+    def close(self) -> None:
+        """Close the sockets and remove the address and socket files (the lock stays held)."""
+        if self.sock is None:
+            return
+        if self.handshakes is not None:
+            self.handshakes.close()
+        self.sock.close(linger=0)
+        self.sock = None
+        self.peers.close()
+        if self._auth is not None:
+            self._auth.stop()
+        paths.remove_address(self.config.name, self.address)
+        ipc = paths.ipc_path(self.address)
+        if ipc:
+            try:
+                os.unlink(ipc)
+            except FileNotFoundError:
+                pass
+
+    def release_lock(self) -> None:
+        """Release the channel lock: a successor may start."""
+        if self._lock_fd is not None:
+            paths.release_lock(self._lock_name, self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,228 @@
+"""What the broker does for each request: one handler per operation, found through ``HANDLERS``
+(the record's class -> its handler; a replica that moves keys uses ``handlers_for``'s table) by
+``Broker._handle_message``; ``hello``, which registers a
+client (and so runs before there is one), is called by name.
+
+A handler gets the broker, the client, the decoded record (``broker/wire/protocol.py``) and the
+frames that came with it; it answers through ``broker.sessions.reply`` now or, for a request that waits
+(a put into a full queue, a get from an empty one), leaves that to the queue core.  Whatever it
+raises is the error reply of that one record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from zchannel.broker.core.state import Client, Item
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.argchecks import (
+    check_peek_count,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+)
+from zchannel.broker.wire.protocol import (
+    INLINE_BODY,
+    KEYED_TYPES,
+    PROTOCOL_VERSION,
+    UNSET,
+    Ack,
+    Bind,
+    Bye,
+    Cancel,
+    Full,
+    Get,
+    GetBatch,
+    Heartbeat,
+    Hello,
+    HelloInfo,
+    Learn,
+    Load,
+    Peek,
+    Put,
+    QSize,
+    Release,
+    Request,
+    ShmHello,
+    ShmRelease,
+    Shutdown,
+    Stats,
+    Sync,
+    key_from_wire,
+    op_of,
+)
+
+Handler = Callable[[Any, Client, Any, list], None]
+
+
+def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
+    """Register ``address`` (anew) and answer with the broker's parameters; a hello of
+    another protocol version gets an error reply and changes nothing."""
+    rid = rec.id if type(rec.id) is int else 0
+    version = rec.version
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        broker.sessions.reply(Client(address=address), rid, error=ValueError(
+            f"protocol version {version!r} is not supported: this broker speaks "
+            f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
+        return broker.sessions.clients.get(address)
+    broker.peers.greeted(address)
+    old = broker.sessions.clients.pop(address, None)
+    if old is not None:
+        broker.sessions.client_gone(old)
+    identity = rec.identity if isinstance(rec.identity, str) else None
+    client = Client(address=address, identity=identity)
+    broker.sessions.clients[address] = client
+    broker.sessions.forget_expired(address)
+    info = HelloInfo(
+        name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
+        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
+        max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
+    if broker.replica is not None:
+        broker.replica.describe(info)
+    broker.sessions.reply(client, rid, result=info)
+    return client
+
+
+def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
+    body = rec.body
+    if body is not UNSET:  # a small item inside its record
+        if len(body) > INLINE_BODY or frames:
+            raise ValueError(f"an inline put body is at most {INLINE_BODY} bytes, with no frames")
+        frames = [body]
+        nbytes = len(body)
+    else:
+        if not frames:
+            raise ValueError("a put carries at least one frame (the body)")
+        lengths = [len(f) for f in frames]
+        if rec.sizes is not None and rec.sizes != lengths:
+            raise ValueError("put frame sizes do not match the header")
+        nbytes = sum(lengths)
+    limit = broker.config.max_message_bytes
+    if limit and nbytes > limit:
+        raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
+    weight = check_weight(rec.weight)
+    if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
+        frames = broker.shm.attach_put(client, rec.slots, frames)
+        nbytes += frames.slot_bytes
+    item = Item(frames, weight, nbytes)
+    broker.counters.puts += 1
+    broker.core.put(client, rec.id, key_from_wire(rec.key), item, check_timeout(rec.timeout),
+                    rec.nowait)
+
+
+def get(broker: Any, client: Client, rec: Get, frames: list) -> None:
+    broker.counters.gets += 1
+    broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
+                    rec.nowait, ack=rec.ack, batch_target=0)
+
+
+def get_batch(broker: Any, client: Client, rec: GetBatch, frames: list) -> None:
+    target = check_target_weight(rec.target)
+    broker.counters.gets += 1
+    broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
+                    rec.nowait, batch_target=target)
+
+
+def heartbeat(broker: Any, client: Client, rec: Heartbeat, frames: list) -> None:
+    pass  # a sign of life: the caller noted it
+
+
+def qsize(broker: Any, client: Client, rec: QSize, frames: list) -> None:
+    result = broker.core.qsize(key_from_wire(rec.key), check_consumer(rec.consumer))
+    broker.sessions.reply(client, rec.id, result=result)
+
+
+def full(broker: Any, client: Client, rec: Full, frames: list) -> None:
+    result = broker.core.full(key_from_wire(rec.key), check_consumer(rec.consumer))
+    broker.sessions.reply(client, rec.id, result=result)
+
+
+def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
+    stats = broker.core.stats()
+    # an observer (zchannel stat) does not count itself
+    table = broker.sessions.clients
+    clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
+    if broker.replica is not None:  # the other replicas' links are not clients
+        clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
+    stats.update(address=broker.address, pid=os.getpid(), clients=clients,
+                 shm=broker.shm.stats(), **broker.counters.as_dict(),
+                 metrics=broker.metrics.url if broker.metrics is not None else None)
+    if broker.replica is not None:
+        broker.replica.annotate(stats)
+    body, _ = codec.encode(stats)
+    broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
+
+
+def ack(broker: Any, client: Client, rec: Ack, frames: list) -> None:
+    broker.core.ack(client, rec.id, rec.lease)
+
+
+def peek(broker: Any, client: Client, rec: Peek, frames: list) -> None:
+    """Copies of head items: sent like a batch, never tracked as delivered."""
+    items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
+                             check_consumer(rec.consumer))
+    broker.sessions.reply(client, rec.id, items=items, batch=True, raw=True,
+                 weights=[item.weight for item in items])
+
+
+def cancel(broker: Any, client: Client, rec: Cancel, frames: list) -> None:
+    broker.core.cancel(client, rec.id, rec.request_id)
+
+
+def bye(broker: Any, client: Client, rec: Bye, frames: list) -> None:
+    broker.sessions.clients.pop(client.address, None)
+    broker.sessions.client_gone(client)
+    broker.sessions.reply(client, rec.id, result=True)
+
+
+def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
+    broker.shm.handle(client, rec)
+
+
+def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
+    if broker.config.token and rec.token != broker.config.token:
+        raise PermissionError("only the handle that created the channel may shut it down")
+    broker.sessions.reply(client, rec.id, result=True)
+    broker.stop()
+
+
+def replica_record(broker: Any, client: Client, rec: Bind | Learn | Sync | Load | Release,
+                   frames: list) -> None:
+    """The binding table of a distributed channel (``broker/cluster/binding.py``) and its key moves
+    (``broker/cluster/moving.py``)."""
+    if broker.replica is None:
+        raise ValueError(f"unknown op {op_of(rec)!r}")
+    broker.sessions.reply(client, rec.id, result=broker.replica.handle(rec))
+
+
+def check_consumer(consumer: Any) -> str | None:
+    if consumer is not None and not isinstance(consumer, str):
+        raise TypeError("consumer must be a str")
+    return consumer
+
+
+HANDLERS: dict[type[Request], Handler] = {
+    Put: put, Get: get, GetBatch: get_batch, Heartbeat: heartbeat, QSize: qsize, Full: full,
+    Stats: stats, Ack: ack, Peek: peek, Cancel: cancel, Bye: bye, ShmHello: shm_record,
+    ShmRelease: shm_record, Shutdown: shutdown, Bind: replica_record, Learn: replica_record,
+    Sync: replica_record, Load: replica_record, Release: replica_record,
+}
+
+
+def on_moved_keys(handler: Handler) -> Handler:
+    """``handler`` of an operation on one key, on a replica that moves keys (``steal``): a key
+    this replica gave away is answered with ``KeyMoved`` (nothing happens)."""
+    def handle(broker: Any, client: Client, rec: Any, frames: list) -> None:
+        broker.replica.check_key(rec)
+        handler(broker, client, rec, frames)
+    return handle
+
+
+def handlers_for(replica: Any) -> dict[type[Request], Handler]:
+    """The handler table of a replica (``ReplicaState``): ``HANDLERS``, with the operations on
+    one key checked first for keys that moved when the replica moves keys."""
+    if replica.mover is None:
+        return HANDLERS
+    return {**HANDLERS, **{kind: on_moved_keys(HANDLERS[kind]) for kind in KEYED_TYPES}}

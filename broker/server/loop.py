@@ -1,0 +1,423 @@
+"""The broker process: one single-threaded event loop over a ``QueueCore``.
+
+``Broker`` owns the loop and its parts: the ``Endpoint`` (channel lock, ROUTER socket, the
+direct-link listener beside it, address files), the ``Sessions`` (clients, the replies coalesced
+per client in a turn, heartbeats and expiry), the ``QueueCore`` and the shared-memory side
+(``ShmBroker``).  Each turn polls the socket, the direct links and the stop sources
+(``server/stopping.py``), hands each record to the handler of its operation (``handlers.HANDLERS``;
+``handlers_for`` on a replica), lets the core expire deadlines, runs the sessions' heartbeats
+every half interval, and flushes the replies.  With no collector and a built-in dispatcher it never decodes a payload: the
+``zmq.Frame`` objects it received are stored and sent on with ``copy=False``.  With
+``metrics_port`` a thread serves Prometheus metrics from snapshots the loop builds when a
+scrape asks (``server/metrics.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import zmq
+from zchannel.broker.cluster.replica import replica_state, wrap_collector
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import Item
+from zchannel.broker.errors import BrokerUnavailable, KeyMoved
+from zchannel.broker.host import paths
+from zchannel.broker.server import metrics
+from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.endpoint import Endpoint
+from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
+from zchannel.broker.server.peers import Peers
+from zchannel.broker.server.sessions import Sessions
+from zchannel.broker.server.stopping import StopSources
+from zchannel.broker.shm.broker import ShmBroker
+from zchannel.broker.transport import direct
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import (
+    BYE,
+    BadRecord,
+    Bye,
+    Hello,
+    ProtocolError,
+    op_of,
+    recv_message,
+    unpack_requests,
+)
+from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
+
+log = logging.getLogger("zchannel.broker")
+
+# plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
+_POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
+
+
+class _RateLimitFilter(logging.Filter):
+    """At most ``burst`` records of the same message template per ``period`` seconds."""
+
+    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.period = burst, period
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        start, count = self._seen.get(record.msg, (now, 0))
+        if now - start > self.period:
+            start, count = now, 0
+        self._seen[record.msg] = (start, count + 1)
+        return count < self.burst
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s zchannel[%(process)d] %(levelname)s %(message)s"))
+    handler.addFilter(_RateLimitFilter())
+    root = logging.getLogger("zchannel")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class Broker:
+    """Serves one channel until stopped: the loop, and the dispatch of each record to its
+    handler."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        paths.check_name(config.name)
+        for module in config.imports:
+            __import__(module)
+        if config.allowed_dtypes is not None or config.max_rank is not None:
+            codec.restrict(config.allowed_dtypes, config.max_rank)
+        # -- distributed: this broker is one replica (see broker/cluster/replica.py) --
+        self.replica = None
+        self.handlers = HANDLERS
+        lock_name = config.name
+        if config.cluster is not None or config.replicas is not None:
+            self.replica = replica_state(config)
+            self.handlers = handlers_for(self.replica)
+            lock_name = f"{config.name}.replica{config.replica}"
+        # -- end distributed --
+        self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
+        self.address = self.endpoint.address
+        self.shm: ShmBroker | None = None
+        self.sock: zmq.Socket | None = None
+        self.peers: Peers | None = None  # the clients' transports (set by bind)
+        try:
+            self._setup(config)
+        except BaseException:  # a failed start leaves no files behind
+            self._release_files()
+            raise
+
+    def _setup(self, config: BrokerConfig) -> None:
+        self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+                                 config.shm_pool_bytes,
+                                 2 * config.heartbeat_interval * config.liveness)
+        self.counters = metrics.Counters()
+        self.sessions = Sessions(config, self.shm, self.counters, self.replica)
+        self.core = QueueCore(
+            name=config.name,
+            maxsize=config.maxsize,
+            collector=self._collector(resolve_collector(config.collector)),
+            dispatcher=resolve_dispatcher(config.dispatcher),
+            producers=tuple(config.producers or ()),
+            consumers=expand_consumers(config.consumers),
+            options=config.options,
+            reply=self.sessions.reply,
+            decode_item=self.shm.decode_item(_decode_item),
+            encode_item=_encode_item,
+            lease_timeout=config.lease_timeout,
+            max_bytes=config.max_bytes,
+            max_keys=config.max_keys,
+            key_grace=config.key_grace,
+        )
+        if not self.core.passthrough or (self.core.deals and self.core.dispatcher.needs_item):
+            # A hook decodes items: import torch before serving, not on the first tensor (that
+            # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
+            codec.preload()
+        self.sessions.core = self.core
+        self._running = False
+        self.hook_time = metrics.HookTime()
+        self.metrics: metrics.MetricsServer | None = None
+        if config.metrics_port is not None:
+            metrics.check_port(config.metrics_port)
+            metrics.time_hooks(self.core, self.hook_time)
+
+    def _collector(self, collector: Any) -> Any:
+        if self.replica is None:
+            return collector
+        return wrap_collector(collector, self.replica)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
+        ``close()`` then removes what was made)."""
+        self.address = self.endpoint.bind()
+        self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
+        self.sessions.peers = self.peers
+        return self.address
+
+    def serve_forever(self) -> None:
+        """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
+        or the death of the parent process."""
+        try:
+            self.bind()
+        except BaseException:
+            self.close()
+            raise
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
+                                                     self.config.metrics_address,
+                                                     self.config.metrics_port)
+            except BaseException:
+                self.close()
+                raise
+            log.info("metrics of %r at %s", self.config.name, self.metrics.url)
+        if self.replica is not None:
+            self.replica.start(self.core)
+        self._running = True  # before the handlers: a signal right after "ready" stops us
+        stops = StopSources(self.config.parent_pid, self.stop)
+        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(),
+                    (self.endpoint.handshakes.socket, zmq.POLLIN)]
+        if self.peers.listener is not None:
+            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
+        if self.metrics is not None:
+            poll_set.append((self.metrics.fd, zmq.POLLIN))
+        self._poll_base = poll_set
+        self._poll_set = list(poll_set)
+        sys.stdout.write(f"ready {self.address}\n")
+        sys.stdout.flush()
+        log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
+        # The broker allocates a few container objects per item and rarely makes cycles: a
+        # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
+        hb = self.config.heartbeat_interval
+        next_hb = time.monotonic() + hb / 2
+        try:
+            while self._running:
+                now = time.monotonic()
+                wake = min(next_hb, self.core.next_deadline() or next_hb)
+                timeout_ms = max(0, int((wake - now) * 1000) + 1)
+                if self.peers.poll_dirty:  # links came or went, or a full socket held bytes back
+                    self._poll_set = self.peers.poll_set(self._poll_base)
+                polled = time.monotonic()
+                events = zmq.zmq_poll(self._poll_set, timeout_ms)
+                woke = time.monotonic()
+                ready = [obj for obj, _ in events]
+                if self.sock in ready:
+                    self._drain()
+                    self.sessions.flush()  # replies first: the rest of the turn is not on their path
+                if self.peers.listener is not None and len(events) > (self.sock in ready):
+                    self._direct_events(events)
+                if self.metrics is not None and self.metrics.fd in ready:
+                    self.metrics.publish()  # a scrape asked for a snapshot
+                if self.endpoint.handshakes.socket in ready:
+                    self.endpoint.handshakes.check()
+                if stops.parent_exited(ready):
+                    self._running = False
+                now = time.monotonic()
+                # how long this loop did not look at its sockets beyond what it planned (its
+                # process did not run, or this turn was long): not the clients' silence
+                away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
+                if away > hb:
+                    self.sessions.was_stalled(away)
+                self.core.tick(now)
+                if now >= next_hb:
+                    self.sessions.heartbeats(now)
+                    next_hb = now + hb / 2
+                    if stops.parent_gone():
+                        self._running = False
+                self.sessions.flush()
+        finally:
+            self.close()
+            stops.close()
+
+    def close(self) -> None:
+        """Stop serving and remove this broker's files: address file, socket file, shared
+        memory, and last the lock file (a successor may start once it is released)."""
+        if self.metrics is not None:  # its thread stops before the pipe closes
+            self.metrics.close()
+            self.metrics = None
+        if self.endpoint.sock is not None:
+            self.sessions.flush()
+            self.sessions.peers = None  # nothing is sent from here on
+            self.sock = None
+            self.endpoint.close()
+            if self.replica is not None:
+                self.replica.close()
+            log.debug("broker %r stopped", self.config.name)
+        self._release_files()
+
+    def _release_files(self) -> None:
+        """Remove the shared-memory segments and the lock file (while holding the lock)."""
+        if self.shm is not None:
+            self.shm.close()
+        self.endpoint.release_lock()
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Handle the messages waiting (at most 4096); called when a poll said one is there."""
+        sock = self.sock
+        for i in range(4096):
+            frames = recv_message(sock, ready=i == 0)
+            if frames is None:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # a broker never crashes because of one client
+                log.exception("unexpected error handling a message")
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            log.warning("dropped a message without a header")
+            return
+        self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
+
+    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> None:
+        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames."""
+        if len(frames) - pos > self.config.max_frames:
+            log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
+                        self.config.max_frames)
+            return
+        try:
+            records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        client = self.sessions.clients.get(address)
+        now = time.monotonic()
+        for rec in records:
+            nf = rec.nf
+            op_frames = frames[pos : pos + nf]
+            pos += nf
+            kind = type(rec)
+            if client is None or kind is Hello:
+                if kind is Hello:
+                    client = hello(self, address, rec)
+                elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
+                    self.sessions.tell_expired(address, now)
+                continue
+            client.last_seen = now
+            if kind is BadRecord:
+                if rec.id is None:
+                    log.warning("dropped a record without a request id (op %r)", rec.op)
+                else:
+                    self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
+                continue
+            try:
+                self.handlers[kind](self, client, rec, op_frames)
+            except Exception as exc:
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
+                    log.exception("error handling op %r", op_of(rec))
+                self.sessions.reply(client, rec.id, error=exc)
+            if kind is Bye:
+                client = None
+
+    def stop(self) -> None:
+        """End the loop after this turn (a shutdown request)."""
+        self._running = False
+
+    # -- direct links (broker/transport/direct.py) -------------------------------------------------------
+
+    def _direct_events(self, events: list) -> None:
+        """Accept new links, read the ready ones (and handle their messages), write out what
+        full sockets held back."""
+        listener = self.peers.listener
+        assert listener is not None
+        changed = False
+        for obj, ev in events:
+            if obj == listener.fd:
+                changed = bool(listener.accept()) or changed
+                continue
+            peer = listener.by_fd.get(obj) if type(obj) is int else None
+            if peer is None:
+                continue
+            if ev & _POLLOUT and not peer.write_out():
+                self.sessions.direct_gone(peer)
+                changed = True
+                continue
+            if ev & _POLLIN_ERR and not self._direct_read(peer):
+                changed = True
+        self.sessions.flush()
+        self.peers.poll_dirty = self.peers.poll_dirty or changed
+
+    def _direct_read(self, peer: direct.Peer) -> bool:
+        """Read a ready link and handle the messages it completed; False if it is gone."""
+        alive, got_bytes = self.peers.read(peer)
+        reader = peer.reader
+        client = self.sessions.clients.get(peer.address)
+        if client is not None and got_bytes:
+            client.last_seen = time.monotonic()  # bytes are life, even within a long message
+        while reader.messages:
+            parts = reader.messages.popleft()
+            try:
+                self._handle_message(peer.address, parts[0], parts, 1)
+            except Exception:  # a broker never crashes because of one client
+                log.exception("unexpected error handling a message")
+        if not alive:
+            self.sessions.direct_gone(peer)
+        return alive
+
+
+def _decode_item(item: Item) -> Any:
+    frames = item.payload
+    return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
+
+
+def _encode_item(value: Any, weight: int) -> Item:
+    body, buffers = codec.encode(value)
+    frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
+    return Item(frames, weight, sum(len(f) for f in frames), value, True)
+
+
+def hook_from_wire(spec: Any) -> Any:
+    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``."""
+    if isinstance(spec, dict) and "class" in spec:
+        cls = import_path(spec["class"])
+        obj = cls.__new__(cls)
+        obj.__dict__.update(spec.get("state") or {})
+        return obj
+    return spec
+
+
+def run_broker(config: BrokerConfig) -> int:
+    """Run a broker in this process until it stops; the exit status."""
+    setup_logging()
+    broker = Broker(config)
+    broker.serve_forever()
+    return 0
+
+
+def main_from_stdin() -> int:
+    """Entry of ``python -m zchannel.broker``: the config arrives as msgpack on stdin (the trusted
+    start-up pipe of ``Channel.create``)."""
+    data = sys.stdin.buffer.read()
+    fields = codec.decode(data)
+    for name in ("collector", "dispatcher"):
+        fields[name] = hook_from_wire(fields.get(name))
+    config = BrokerConfig(**fields)
+    setup_logging()
+    try:
+        broker = Broker(config)
+    except Exception as exc:
+        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
+        sys.stdout.flush()
+        return 1
+    try:
+        broker.serve_forever()
+    except (zmq.ZMQError, ValueError, OSError) as exc:  # a busy address, a bad key file
+        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
+        sys.stdout.flush()
+        return 1
+    return 0
+
+
+__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "run_broker"]

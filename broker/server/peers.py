@@ -1,0 +1,103 @@
+"""The broker's side of the transport seam: its clients' addresses and how a message reaches
+each, over the ROUTER socket or over a same-host direct link.
+
+A client's address (bytes) is its ZeroMQ routing id, or for a direct link one made up by the
+listener (``direct.ADDRESS_PREFIX`` and a serial number; never a routing id).  The broker's
+loop (``server/loop.py``) knows clients only by address: it sends a message with ``send(address,
+parts)``, whichever transport the client came by, and hands the direct links' bytes to
+``read``, which cuts them into messages (``direct.Reader``) for it to handle.  ``Peers`` knows
+nothing of records, queues or shared memory: those ride inside the messages.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+from zchannel.broker.transport import direct
+from zchannel.broker.wire.protocol import send_message
+
+log = logging.getLogger("zchannel.broker")
+
+
+class Peers:
+    """The ROUTER socket and, beside it, the listener of direct links (None: none)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.listener: direct.Listener | None = None
+        # the poll set changed: links came or went, or a full socket holds bytes back
+        self.poll_dirty = False
+
+    def send(self, address: bytes, parts: list) -> bool:
+        """Send one message (``[header, *frames]``) to the client at ``address``; False when it
+        cannot be reached (a direct link that broke is dropped: the broker then requeues what it
+        held and ends the client)."""
+        listener = self.listener
+        if listener is not None:
+            peer = listener.by_address.get(address)
+            if peer is not None:
+                if not peer.send(parts):
+                    listener.drop(peer)
+                    self.poll_dirty = True
+                    return False
+                if peer.out:
+                    self.poll_dirty = True
+                return True
+            if address.startswith(direct.ADDRESS_PREFIX):
+                return False  # a direct link that is gone
+        try:
+            send_message(self.sock, [address, *parts], nonblock=True)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+        return True
+
+    def greeted(self, address: bytes) -> None:
+        """The client at ``address`` said hello (a direct link that never does is closed)."""
+        listener = self.listener
+        if listener is not None and address in listener.by_address:
+            listener.by_address[address].greeted = True
+
+    def poll_set(self, base: list) -> list:
+        """``base`` and the direct links (with ``POLLOUT`` where a full socket held bytes back)."""
+        self.poll_dirty = False
+        assert self.listener is not None
+        return base + [
+            (fd, zmq.POLLIN | (zmq.POLLOUT if p.out else 0))
+            for fd, p in self.listener.by_fd.items()
+        ]
+
+    def read(self, peer: direct.Peer) -> tuple[bool, bool]:
+        """Read a ready link until its socket is empty, or for at most ``direct.READ_BUDGET``
+        bytes (the other clients wait meanwhile; a loop turn per read would cost more than the
+        read); the messages it completed wait in ``peer.reader.messages``.  ``(alive, got
+        bytes)``: False when the link is gone (end of stream, an error, broken framing)."""
+        reader = peer.reader
+        alive = True
+        budget = direct.READ_BUDGET
+        try:
+            while alive and budget > 0:
+                n = reader.read(peer.fd)
+                alive = n > 0
+                budget -= n
+        except BlockingIOError:
+            pass
+        except (OSError, direct.FramingError) as exc:
+            if isinstance(exc, direct.FramingError):
+                log.warning("closed a direct link that broke the framing: %s", exc)
+            alive = False
+        return alive, budget < direct.READ_BUDGET
+
+    def drop(self, peer: direct.Peer) -> None:
+        """Close a direct link (gone, or silent since it was accepted)."""
+        assert self.listener is not None
+        self.listener.drop(peer)
+        self.poll_dirty = True
+
+    def close(self) -> None:
+        """Close the direct links and their listener (the broker closes the ROUTER socket)."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None

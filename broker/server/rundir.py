@@ -1,0 +1,212 @@
+"""What this host's run directory holds: the brokers serving from it and stale entries.
+
+A broker holds its channel's lock file (``paths.try_lock``) for as long as it runs, and
+removes its files when it exits.  A broker that was killed leaves them: its lock file (held by
+nobody), address file, ipc socket file, direct-link socket and shared-memory segments.  Those
+are *stale*; ``zchannel stat`` lists them and ``zchannel clean`` removes them (``clean``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zchannel.broker.host import paths
+from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
+from zchannel.broker.transport import direct
+
+_REPLICA = ".replica"
+
+
+@dataclass
+class HostBroker:
+    """A channel with a live broker (or live replicas) in the run directory."""
+
+    name: str
+    address: str | None
+    locks: list[str]  # the lock names held: NAME and/or NAME.replicaI
+
+
+@dataclass
+class StaleEntry:
+    """The leftovers of a channel without a live broker (absolute paths)."""
+
+    name: str
+    files: list[str] = field(default_factory=list)
+    locks: list[str] = field(default_factory=list)  # lock names among ``files``
+    live: bool = False  # the channel runs (replicas): only its free lock files are stale
+
+
+def _flocked() -> set[int] | None:
+    """The inodes of the files with a flock lock, from ``/proc/locks`` (None when it cannot be
+    read); looking there takes no lock, so it never makes a starter back off.  Inodes only: on
+    an overlay file system the device there differs from ``stat``'s, and a match by chance
+    only makes a stale entry look live (kept), never the reverse."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->":
+            try:
+                found.add(int(parts[5].rsplit(":", 1)[1]))
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+def _held(lock_name: str, flocked: set[int] | None) -> bool:
+    """Whether a process holds the lock file of ``lock_name`` (never creates it)."""
+    path = paths.lock_path(lock_name)
+    if flocked is not None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return st.st_ino in flocked
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops a lock we took
+    return False
+
+
+def _channel_of(lock_name: str) -> str:
+    base, sep, index = lock_name.rpartition(_REPLICA)
+    return base if sep and index.isdigit() else lock_name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _address_files(address: str | None) -> list[str]:
+    """The socket files of an ipc address (the socket and its direct-link socket)."""
+    ipc = paths.ipc_path(address or "")
+    if not ipc or ipc.startswith("@"):
+        return []
+    link = direct.link_path(ipc)
+    return [p for p in (ipc, link) if p and os.path.lexists(p)]
+
+
+def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
+    """The live brokers and the stale entries of the run directory (and of ``/dev/shm``)."""
+    rd = paths.run_dir()
+    names: dict[str, list[str]] = {}  # channel name -> its lock names
+    tmp_files: list[tuple[str, Path]] = []
+    sockets: list[Path] = []
+    for entry in sorted(rd.iterdir()):
+        fname = entry.name
+        if fname.endswith(".lock"):
+            lock_name = fname[: -len(".lock")]
+            names.setdefault(_channel_of(lock_name), []).append(lock_name)
+        elif fname.endswith(".addr"):
+            names.setdefault(fname[: -len(".addr")], [])
+        elif fname.endswith(".tmp") and ".addr." in fname:
+            tmp_files.append((fname.split(".addr.")[0], entry))
+        elif fname.endswith((".sock", ".sock.d")):
+            sockets.append(entry)
+    prefix = run_prefix(str(rd))
+    segments: dict[str, list[str]] = {}
+    for seg in list_segments(prefix):
+        names_part = seg[len(prefix):].split("+", 1)[0]
+        segments.setdefault(names_part, []).append(os.path.join(SHM_DIR, seg))
+        names.setdefault(names_part, [])
+    live: list[HostBroker] = []
+    stale: list[StaleEntry] = []
+    claimed: set[str] = set()  # socket files that belong to a known channel
+    flocked = _flocked()
+    for name in sorted(names):
+        locks = sorted(names[name])
+        held = [lock for lock in locks if _held(lock, flocked)]
+        address = paths.read_address(name) if paths.NAME_RE.match(name) else None
+        own = set(_address_files(address))
+        if paths.NAME_RE.match(name):
+            own.update(_address_files(paths.default_address(name)))
+        claimed.update(own)
+        entry = StaleEntry(name, live=bool(held))
+        entry.locks = [lock for lock in locks if lock not in held]
+        entry.files = [str(paths.lock_path(lock)) for lock in entry.locks]
+        if held:
+            live.append(HostBroker(name, address, held))
+        else:
+            if paths.addr_path(name).exists():
+                entry.files.append(str(paths.addr_path(name)))
+            entry.files += sorted(own) + segments.get(name, [])
+        if entry.files:
+            stale.append(entry)
+    for name, path in tmp_files:
+        pid = path.name.rsplit(".", 2)[-2]
+        if not (pid.isdigit() and _pid_alive(int(pid))):
+            _add(stale, name, str(path))
+    for path in sockets:
+        if str(path) not in claimed:  # a socket no channel's address names: nobody serves it
+            _add(stale, path.name.split(".sock")[0], str(path))
+    return live, stale
+
+
+def _add(stale: list[StaleEntry], name: str, path: str) -> None:
+    for entry in stale:
+        if entry.name == name:
+            entry.files.append(path)
+            return
+    stale.append(StaleEntry(name, [path]))
+
+
+def clean() -> list[str]:
+    """Remove every stale entry; the paths removed.  A channel's files are removed while
+    holding its lock (taken, or created and taken), so a broker that starts meanwhile either
+    waits for it or keeps its files; lock files go last (``paths.release_lock``)."""
+    removed: list[str] = []
+    for entry in scan()[1]:
+        removed += _clean(entry)
+    return removed
+
+
+def _clean(entry: StaleEntry) -> list[str]:
+    locks = list(entry.locks)
+    if not entry.live and paths.NAME_RE.match(entry.name) and entry.name not in locks:
+        locks.append(entry.name)  # no lock file: hold one while removing the rest
+    held: list[tuple[str, int]] = []
+    removed: list[str] = []
+    try:
+        for lock in locks:
+            fd = paths.try_lock(lock)
+            if fd is None:
+                return []  # a broker took it since the scan: leave the channel alone
+            held.append((lock, fd))
+        lock_files = {str(paths.lock_path(lock)) for lock in locks}
+        for path in entry.files:
+            if path not in lock_files and not entry.live:
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except FileNotFoundError:
+                    pass
+        while held:
+            lock, fd = held.pop()
+            existed = lock in entry.locks
+            paths.release_lock(lock, fd)
+            if existed:
+                removed.append(str(paths.lock_path(lock)))
+    finally:
+        for _, fd in held:
+            os.close(fd)
+    return removed

@@ -1,0 +1,208 @@
+"""The broker's clients: who is there, what each is owed this turn, and when each expires.
+
+``Sessions`` holds the table of clients by address, the replies coalesced for each in the
+current turn of the loop (an ``Outbox`` each, sent by ``flush``), and the heartbeat and expiry
+rules in one place: a client silent for ``heartbeat_interval * liveness`` seconds is ended
+(its requests withdrawn, its leases returned, its slots dropped) and told ``expired``; one the
+broker has not written to for ``heartbeat_interval`` gets a heartbeat; a message from an
+unknown address is answered ``expired`` (at most every 0.2 s per address).  The loop
+(``server/loop.py``) calls ``heartbeats`` every half interval and ``was_stalled`` when it did not run
+for a while; the handlers (``server/handlers.py``) answer through ``reply``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any
+
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import Client, Item
+from zchannel.broker.errors import error_to_wire
+from zchannel.broker.server import metrics
+from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.outbox import Outbox
+from zchannel.broker.server.peers import Peers
+from zchannel.broker.shm.broker import ShmBroker, SlotFrames
+from zchannel.broker.transport import direct
+from zchannel.broker.wire.protocol import (
+    BROKER_EXPIRED,
+    BROKER_HEARTBEAT,
+    INLINE_BODY,
+    Reply,
+    pack_header,
+)
+
+log = logging.getLogger("zchannel.broker")
+
+
+class Sessions:
+    """The clients of one broker, their replies of this turn, their heartbeats and expiry.
+
+    ``core`` is set once the queue core exists (it answers through ``reply``); ``peers`` once
+    the broker bound its socket, and back to None when it closed (nothing is sent then)."""
+
+    def __init__(self, config: BrokerConfig, shm: ShmBroker, counters: metrics.Counters,
+                 replica: Any = None) -> None:
+        self.config = config
+        self.shm = shm
+        self.counters = counters
+        self.replica = replica
+        self.core: QueueCore | None = None
+        self.peers: Peers | None = None
+        self.clients: dict[bytes, Client] = {}
+        self.last_sent: dict[bytes, float] = {}
+        self._out: dict[bytes, Outbox] = {}
+        self._expired_told: dict[bytes, float] = {}
+        self._peak_held = 0
+
+    def tell_expired(self, address: bytes, now: float) -> None:
+        """A message came from ``address``, which is no client (any more): say ``expired``."""
+        if now - self._expired_told.get(address, 0.0) < 0.2:
+            return
+        self._expired_told[address] = now
+        self._send(address, [BROKER_EXPIRED], [])
+
+    def forget_expired(self, address: bytes) -> None:
+        """``address`` said hello: an ``expired`` is due again at once when it is unknown next."""
+        self._expired_told.pop(address, None)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def reply(self, client: Client, rid: int, result: Any = None, error: BaseException | None = None,
+              items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
+              origin: Any = None, raw: bool = False, weights: list | None = None) -> None:
+        """Queue the reply to request ``rid`` of ``client`` (sent at the end of the turn)."""
+        rec = Reply(id=rid, weights=weights)
+        out = self._out.get(client.address)
+        if out is None:
+            out = self._out[client.address] = Outbox()
+        if error is not None:
+            rec.error = error_to_wire(error)
+        elif items is not None and not batch and not raw and len(items) == 1 \
+                and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
+                and len(items[0].payload[0]) <= INLINE_BODY:
+            body = items[0].payload[0]  # a small item rides in the reply record (no frame)
+            rec.body = body if type(body) is bytes else bytes(body)
+            rec.lease = lease
+            out.deliveries.append((client, origin, items, lease))
+            self.counters.delivered += 1
+        elif items is not None:
+            nf = 0
+            counts = []
+            r0, f0 = len(out.records), len(out.frames)
+            for i, item in enumerate(items):
+                payload = item.payload
+                out.frames.extend(payload)
+                n = len(payload)
+                if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
+                    n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
+                nf += n
+                counts.append(n)
+            rec.nf = nf
+            out.record_added(r0, f0)
+            if batch:
+                rec.counts = counts
+            rec.lease = lease
+            if not raw:
+                out.deliveries.append((client, origin, items, lease))
+                self.counters.delivered += len(items)
+        else:
+            rec.result = result
+        out.records.append(rec)
+
+    def _send(self, address: bytes, records: list, frames: list) -> bool:
+        """Send to the client at ``address`` over its transport (``server/peers.py``); False when it
+        cannot be reached (``flush`` then requeues and ends the client)."""
+        if not self.peers.send(address, [pack_header(records), *frames]):
+            return False
+        self.last_sent[address] = time.monotonic()
+        return True
+
+    def flush(self) -> None:
+        """Send the replies coalesced this turn (none once the broker closed its socket)."""
+        while self._out and self.peers is not None:
+            out_all, self._out = self._out, {}
+            for address, out in out_all.items():
+                if all(self._send(address, records, frames) for records, frames in out.messages()):
+                    continue
+                if self._end_client(address, out) is not None:
+                    log.info("client went away before its reply was sent; its items were requeued")
+
+    # -- ending clients ----------------------------------------------------------------------
+
+    def _end_client(self, address: bytes, out: Outbox | None) -> Client | None:
+        """``address`` cannot be reached: the deliveries of ``out`` that were not sent go back
+        to their queues first, then the client ends (its leases, parked requests, holds)."""
+        client = self.clients.pop(address, None)
+        self.last_sent.pop(address, None)
+        if out is not None:
+            for c, origin, items, lease in out.deliveries:
+                self.core.requeue(c, origin, items, lease)
+        if client is not None:
+            self.client_gone(client)
+        return client
+
+    def client_gone(self, client: Client) -> None:
+        """``client`` left or was ended: the core withdraws its requests and returns its leases,
+        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``)."""
+        self.core.client_gone(client)
+        self.shm.client_gone(client)
+
+    def direct_gone(self, peer: direct.Peer) -> None:
+        """A link closed (its process exited or was killed): the client is gone at once."""
+        self.peers.drop(peer)
+        self._end_client(peer.address, self._out.pop(peer.address, None))
+
+    # -- heartbeats and expiry -----------------------------------------------------------------
+
+    def was_stalled(self, seconds: float) -> None:
+        """The loop did not look at its sockets for ``seconds`` more than it planned (a loaded
+        machine did not run it, or a turn was long): the clients' silence meanwhile is not
+        theirs (their heartbeats may still be on the way in), so it does not count towards
+        their expiry."""
+        log.info("the broker did not read for %.1fs: clients' expiry moved on as much", seconds)
+        for client in self.clients.values():
+            client.last_seen += seconds
+
+    def heartbeats(self, now: float) -> None:
+        """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
+        links that never said hello, and let the other periodic chores run."""
+        self._release_memory()
+        if self.replica is not None:
+            self.replica.tick()
+        self.shm.sweep(now)
+        hb = self.config.heartbeat_interval
+        expiry = hb * self.config.liveness
+        for address, client in list(self.clients.items()):
+            if now - client.last_seen > expiry:
+                log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
+                del self.clients[address]
+                self.last_sent.pop(address, None)
+                self.client_gone(client)
+                self._send(address, [BROKER_EXPIRED], [])
+            elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
+                out = self._out[address] = Outbox()
+                out.records.append(BROKER_HEARTBEAT)
+        for address in [a for a in self.last_sent if a not in self.clients]:
+            del self.last_sent[address]
+        if self.peers.listener is not None:  # links that never said hello hold a descriptor each
+            for peer in [p for p in self.peers.listener.by_fd.values()
+                         if not p.greeted and now - p.since > expiry]:
+                log.info("closed a direct link that said nothing for %.1fs", now - peer.since)
+                self.direct_gone(peer)
+        for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
+            del self._expired_told[address]
+
+    def _release_memory(self) -> None:
+        """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
+        otherwise, and the broker's RSS would stay at its peak)."""
+        held = self.core.bytes_held
+        self._peak_held = max(self._peak_held, held)
+        if held == 0 and self._peak_held >= 16 << 20:
+            self._peak_held = 0
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass

@@ -1,0 +1,175 @@
+"""Starting a broker process for ``Channel.create``: the hooks as the child receives them
+(checked here first, so that a wrong name fails before anything starts), the child process
+itself with the environment zchannel gives the processes it starts (``child_environ``), the
+errors of a start that failed (``docs/errors.md``), and stopping it again."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from zchannel.broker.errors import BrokerStartError
+from zchannel.broker.wire import codec
+from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, registered
+
+START_TIMEOUT_S = 60.0
+# glibc's memcpy switches to non-temporal (streaming) stores only from this tunable up, and
+# derives its default from the L3 size it detects (190 MiB on the VM of docs/benchmarks.md):
+# a 16 MiB shared-memory slot copy then reads every destination line before writing it and
+# pushes the rest of the cache out (docs/shm.md, "Large copies").  glibc reads it only when a
+# process starts, and ignores it off x86-64.
+NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NON_TEMPORAL_BYTES = 4 << 20  # 1 MiB slots stay cached: their consumer reads them soon after
+_OFF = ("0", "off", "false", "no")
+
+
+def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process zchannel starts: ``environ`` (by default ``os.environ``)
+    with glibc's non-temporal copy threshold at 4 MiB added to ``GLIBC_TUNABLES``, unless that
+    variable sets the threshold already (the user's value wins) or ``ZCHANNEL_GLIBC_TUNABLES``
+    is ``0``/``off``/``false``/``no``."""
+    env = dict(os.environ if environ is None else environ)
+    if env.get("ZCHANNEL_GLIBC_TUNABLES", "1").strip().lower() in _OFF:
+        return env
+    current = env.get("GLIBC_TUNABLES", "")
+    if f"{NON_TEMPORAL_TUNABLE}=" in current:
+        return env
+    entry = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES:#x}"
+    env["GLIBC_TUNABLES"] = f"{current}:{entry}" if current else entry
+    return env
+
+
+def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
+    """A hook (a ``base`` subclass) as the broker child receives it: a name/path, or an
+    instance's class and state.
+
+    Modules of hook classes registered in this process are added to ``imports`` so that the
+    child knows their registered names too.  Names and paths are resolved by the broker
+    process (its environment decides which exist): an unknown one is its ``ValueError``.
+    """
+    if isinstance(hook, (Collector, Dispatcher)):
+        state = dict(vars(hook))
+        try:
+            codec.encode(state)
+        except TypeError as exc:
+            raise TypeError(
+                f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
+                "or name and configure it through options="
+            ) from None
+        cls = type(hook)
+        hook_spec(cls)  # raises for classes the broker process cannot import
+        return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+    if isinstance(hook, str) and ":" not in hook:
+        cls = registered(base).get(hook.lower())
+        if cls is not None and not cls.__module__.startswith("zchannel."):
+            imports.append(cls.__module__)
+        return hook
+    if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
+        imports.append(hook.__module__)
+    return hook_spec(hook)
+
+
+def hook_label(spec: Any) -> str | None:
+    """A hook as given to ``create`` (after ``hook_for_child``), named the way the broker's
+    ``stats()`` names it: its registered name, else ``module:qualname``."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        spec = spec.get("class")
+    if not isinstance(spec, str):
+        return None
+    if ":" in spec:
+        try:
+            cls = import_path(spec)
+        except Exception:
+            return spec
+        name = getattr(cls, "hook_name", None)
+        return name if isinstance(name, str) else spec
+    return spec.lower()
+
+
+def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
+    """Start ``python -m zchannel.broker`` as a child in its own session (environment:
+    ``child_environ``); it inherits the lock fd and stderr, reads its config from stdin and
+    prints ``ready <address>``."""
+    token = secrets.token_hex(16)
+    config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
+    body, buffers = codec.encode(config)
+    assert not buffers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.broker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        pass_fds=(lock_fd,),
+        start_new_session=True,
+        close_fds=True,
+        env=child_environ(),
+    )
+    try:
+        proc.stdin.write(body)
+        proc.stdin.close()
+        line = read_line(proc, START_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if not line.startswith("ready "):
+        proc.kill()
+        proc.wait()
+        raise start_error(config["name"], line.strip())
+    return proc, line.split(None, 1)[1].strip(), token
+
+
+def stop_broker(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a broker process this process started: SIGTERM (the broker removes its files), then
+    SIGKILL if it has not exited within ``grace_s`` (by PID)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10.0)
+
+
+def start_error(name: str, line: str) -> BaseException:
+    """The error of a broker that reported ``error <Type>: <message>`` instead of ``ready``.
+
+    Wrong arguments keep the standard types, wherever they are found: the broker's
+    ``ValueError``/``TypeError`` (an unknown hook name, options a hook's ``setup`` refused)
+    stay so, and a hook module that does not import (``ImportError``) is a ``ValueError``.
+    Anything else (an address in use, a hook failing otherwise, no output) is
+    ``BrokerStartError`` with the broker's exception type as ``reason``.
+    """
+    message = f"broker for {name!r} failed to start: {line or 'no output'}"
+    exc_name, sep, _ = line.removeprefix("error ").partition(":")
+    reason = exc_name if line.startswith("error ") and sep else ""
+    if reason == "TypeError":
+        return TypeError(message)
+    if reason in ("ValueError", "ImportError", "ModuleNotFoundError"):
+        return ValueError(message)
+    return BrokerStartError(message, reason)
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BrokerStartError("the broker did not report ready in time", "timeout")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace")

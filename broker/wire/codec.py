@@ -1,0 +1,576 @@
+"""Item serialization: a msgpack body plus zero-copy buffers for large arrays and tensors.
+
+``encode(item)`` returns ``(body, buffers)``.  The body is msgpack; non-native values are ext
+types whose payload is itself msgpack:
+
+=====  ==============  ==========================================================
+code   value           payload
+=====  ==============  ==========================================================
+1      tuple           ``[elements...]`` (so tuples stay tuples, also nested)
+2      numpy array     ``[dtype.str, shape, loc]``
+3      torch tensor    ``[dtype name, shape, loc, device]``
+4      dataclass       ``[tag, {field: value}]`` (registered classes only)
+5      numpy scalar    ``[dtype.str, raw bytes]``
+6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
+7      set             ``[elements...]``
+8      frozenset       ``[elements...]``
+9      complex         16 raw bytes: real and imaginary part, little-endian float64 (not msgpack)
+10     big int         raw bytes: the int in big-endian two's complement (not msgpack); ints
+                       outside ``[-2**63, 2**64)``, which msgpack cannot hold
+11     torch.Size      ``[ints...]``
+12     Enum member     ``[tag, member name]`` (registered Enums; a ``Flag`` combination:
+                       ``[tag, int value]``)
+=====  ==============  ==========================================================
+
+What becomes of every Python type (base values of subclasses, refusals) is ``docs/values.md``;
+:func:`wire_form` (``broker/wire/wireform.py``) gives the same answer without encoding.
+
+``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
+``i``-th shared-memory slot of the item (same-host path, ``broker/shm/``).  Every buffer is
+``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
+(dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import struct
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import msgpack
+import numpy as np
+import zmq
+from zchannel.broker.wire.classtags import CLS_TO_TAG, lookup_tag, member_from_ref, member_ref
+
+INLINE_LIMIT = 64 * 1024
+MAX_RANK = 32
+
+EXT_TUPLE, EXT_NDARRAY, EXT_TENSOR, EXT_DATACLASS, EXT_NPSCALAR, EXT_BYTES = 1, 2, 3, 4, 5, 6
+EXT_SET, EXT_FROZENSET, EXT_COMPLEX, EXT_BIGINT, EXT_SIZE, EXT_ENUM = 7, 8, 9, 10, 11, 12
+INT_MIN, INT_END = -(2**63), 2**64  # msgpack ints: [INT_MIN, INT_END); others are EXT_BIGINT
+_COMPLEX = struct.Struct("<dd")
+NESTED_TOO_DEEPLY = "cannot encode item: nested too deeply"
+
+# numpy dtypes allowed on the wire: numeric and bool, either byte order.
+_NP_DTYPES: dict[str, np.dtype] = {}
+for _code in ("b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16"):
+    for _order in ("<", ">", "|"):
+        _dt = np.dtype(_order + _code) if _code[1:] != "1" or _order == "|" else None
+        if _dt is not None:
+            _NP_DTYPES[_dt.str] = _dt
+
+_TORCH_DTYPE_NAMES = (
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 "
+    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+).split()
+_TORCH_DTYPES: dict[str, Any] = {}
+_TORCH_DTYPE_NAME: dict[Any, str] = {}
+_TORCH_ITEMSIZE: dict[Any, int] = {}  # torch dtype -> bytes per element
+_TORCH_NUMPY: dict[Any, np.dtype] = {}  # torch dtype -> numpy dtype, where numpy has one
+_torch_tables = False  # the tables above are built (restrict() may empty _TORCH_DTYPES later)
+
+
+def preload() -> None:
+    """Import torch now (decoding imports it lazily on the first tensor)."""
+    try:
+        _torch()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
+def _torch() -> Any:
+    """torch, imported on first use (a broker that never decodes a tensor never imports it)."""
+    import torch
+
+    global _torch_tables
+    if not _torch_tables:
+        with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+            warnings.simplefilter("ignore")
+            for name in _TORCH_DTYPE_NAMES:
+                if hasattr(torch, name):
+                    dtype = getattr(torch, name)
+                    _TORCH_DTYPES[name] = dtype
+                    _TORCH_DTYPE_NAME[dtype] = name
+                    probe = torch.empty(0, dtype=dtype)
+                    _TORCH_ITEMSIZE[dtype] = probe.element_size()
+                    try:
+                        _TORCH_NUMPY[dtype] = probe.numpy().dtype
+                    except (TypeError, RuntimeError):
+                        pass  # bfloat16, float8, complex32: no numpy dtype
+        _torch_tables = True
+    return torch
+
+
+def is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def is_size(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.Size`` (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Size)
+
+
+def bigint_bytes(value: int) -> bytes:
+    """The payload of an ``EXT_BIGINT``: ``value`` in big-endian two's complement."""
+    return value.to_bytes(value.bit_length() // 8 + 1, "big", signed=True)
+
+
+def refuse(obj: Any) -> NoReturn:
+    """Raise the ``TypeError`` for a value that cannot travel, naming its type and the fix."""
+    cls = type(obj)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(obj, enum.Enum):
+        raise TypeError(
+            f"Enum {name} is not registered for the wire: decorate it with "
+            "@zchannel.broker.serializable or call zchannel.broker.register_type(cls) (its "
+            "members then arrive as themselves; str and int Enums unregistered arrive as their "
+            "value)"
+        )
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        raise TypeError(
+            f"dataclass {name} is not registered for the wire: "
+            "decorate it with @zchannel.broker.serializable or call "
+            "zchannel.broker.register_type(cls)"
+        )
+    if isinstance(obj, np.ma.MaskedArray):
+        raise TypeError(
+            f"cannot send a {name}: its mask would be lost; send arr.filled(value), or arr.data "
+            "and arr.mask as two arrays"
+        )
+    raise TypeError(
+        f"cannot send an object of type {name}: items are None, bool, int, float, complex, str, "
+        "bytes, list, tuple, dict, set, frozenset, numpy arrays and scalars, torch tensors, "
+        "torch.Size and registered dataclasses and Enums (docs/values.md)"
+    )
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def tensor_dtype_name(t: Any) -> str:
+    """The wire name of tensor ``t``'s dtype; ``TypeError`` for a tensor that cannot travel."""
+    torch = _torch()
+    name = _TORCH_DTYPE_NAME.get(t.dtype)
+    if name is None:
+        raise TypeError(f"torch dtype {t.dtype} cannot be sent")
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
+    return name
+
+
+def check_array(obj: Any) -> None:
+    """``TypeError`` for a numpy array or scalar that cannot travel."""
+    if type(obj) is not np.ndarray and isinstance(obj, np.ma.MaskedArray):
+        refuse(obj)
+    if obj.dtype.str not in _NP_DTYPES:
+        what = "numpy dtype" if isinstance(obj, np.ndarray) else "numpy scalar of dtype"
+        raise TypeError(f"{what} {obj.dtype} cannot be sent (numeric and bool dtypes only)")
+
+
+def _tensor_bytes(t: Any, device: str) -> np.ndarray:
+    """A flat uint8 numpy view of a tensor's data (on ``device``, ``str(t.device)``): copied to
+    the CPU and made contiguous once if needed."""
+    torch = _torch()
+    if t.requires_grad:
+        t = t.detach()
+    if device != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    if t.dtype in _TORCH_NUMPY:  # numpy's reshape and view cost a third of torch's
+        return t.numpy().reshape(-1).view(np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Encoder:
+    __slots__ = ("buffers", "shm", "refs")
+
+    def __init__(self, shm: Any = None) -> None:
+        self.buffers: list[Any] = []
+        self.shm = shm  # shared-memory slot allocator (broker/shm/pool.py) or None
+        self.refs: list[Any] = []
+
+    def pack(self, obj: Any) -> bytes:
+        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+
+    def loc(self, data: Any, nbytes: int) -> Any:
+        if nbytes < INLINE_LIMIT:
+            return bytes(memoryview(data).cast("B")) if nbytes else b""
+        self.buffers.append(data)
+        return len(self.buffers) - 1
+
+    def array_loc(self, data: Any, nbytes: int) -> Any:
+        """``loc`` of an array's or tensor's bytes: a shared-memory slot ``[i]`` when the
+        allocator takes it (same host, above its threshold, a free slot), else ``loc``."""
+        if self.shm is not None and nbytes >= INLINE_LIMIT:
+            ref = self.shm(data, nbytes)
+            if ref is not None:
+                self.refs.append(ref)
+                return [len(self.refs) - 1]
+        return self.loc(data, nbytes)
+
+    def default(self, obj: Any) -> Any:
+        if type(obj) is tuple:  # the commonest ext: no subclass question to ask
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        if is_tensor(obj):
+            name = tensor_dtype_name(obj)
+            shape = list(obj.shape)
+            device = str(obj.device)
+            raw = _tensor_bytes(obj, device)
+            return msgpack.ExtType(
+                EXT_TENSOR, self.pack([name, shape, self.array_loc(raw, raw.nbytes), device])
+            )
+        if isinstance(obj, np.ndarray):
+            check_array(obj)
+            # (np.ascontiguousarray would make a 0-d array 1-d)
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+            return msgpack.ExtType(
+                EXT_NDARRAY,
+                self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
+            )
+        tag = CLS_TO_TAG.get(type(obj))
+        if tag is not None:
+            if isinstance(obj, enum.Enum):
+                return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
+        if isinstance(obj, tuple):
+            if is_size(obj):
+                return msgpack.ExtType(EXT_SIZE, self.pack([int(d) for d in obj]))
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
+            check_array(obj)
+            return msgpack.ExtType(EXT_NPSCALAR, self.pack([obj.dtype.str, obj.tobytes()]))
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            view = memoryview(obj)
+            if view.nbytes >= INLINE_LIMIT:
+                if not view.c_contiguous:
+                    view = memoryview(view.tobytes())
+                return msgpack.ExtType(EXT_BYTES, self.pack(self.loc(view, view.nbytes)))
+            return view.tobytes()
+        # subclasses of the base types below (str and int Enums among them) travel as their
+        # base value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        if isinstance(obj, str):
+            return str.__str__(obj)
+        if isinstance(obj, int):  # bool is packed natively (it cannot be subclassed)
+            value = int.__int__(obj)
+            if INT_MIN <= value < INT_END:
+                return value
+            return msgpack.ExtType(EXT_BIGINT, bigint_bytes(value))
+        if isinstance(obj, float):
+            return float.__float__(obj)
+        if isinstance(obj, complex):
+            return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
+        if isinstance(obj, (set, frozenset)):
+            code = EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET
+            return msgpack.ExtType(code, self.pack(list(obj)))
+        refuse(obj)
+
+
+_PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
+_FLAT_TYPES = _PLAIN_TYPES | {bytearray}  # no array inside: never a shared-memory slot
+# one packer for scalars: packing one never calls back into Python, so threads cannot interleave
+_plain_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode(obj: Any) -> tuple[bytes, list[Any]]:
+    """Encode ``obj`` into a msgpack body and a list of buffers (each 64 KiB or more).
+
+    The buffers reference the caller's memory (no copy): do not modify the arrays or tensors
+    until the message is sent.  Raises ``TypeError`` for values that cannot travel.
+    """
+    kind = type(obj)
+    if kind in _PLAIN_TYPES:
+        if kind is bytes and len(obj) >= INLINE_LIMIT:  # a large bytes item: its own frame
+            return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
+        if kind is not int or INT_MIN <= obj < INT_END:
+            return _plain_packer.pack(obj), []  # fast path: no ext types needed
+    elif kind is bytearray:  # msgpack bin, as the strict packer makes it (never an ext type)
+        return _plain_packer.pack(obj), []
+    enc = _Encoder()
+    try:
+        body = enc.pack(obj)
+    except (ValueError, RecursionError) as exc:
+        raise _refusal(exc) from None
+    return body, enc.buffers
+
+
+def _refusal(exc: ValueError | RecursionError) -> TypeError:
+    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large) or a
+    ``RecursionError`` (tuples, sets... nested too deeply)."""
+    if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
+        return TypeError(NESTED_TOO_DEEPLY)
+    return TypeError(f"cannot encode item: {exc}")
+
+
+def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
+    """:func:`encode` with a shared-memory slot allocator ``alloc(data, nbytes) -> ref | None``
+    (``broker/shm/pool.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
+    ``(body, buffers, refs)``."""
+    if type(obj) in _FLAT_TYPES:
+        body, buffers = encode(obj)
+        return body, buffers, []
+    enc = _Encoder(alloc)
+    try:
+        body = enc.pack(obj)
+    except BaseException as exc:
+        alloc.undo(enc.refs)  # slots taken for an item that will not travel
+        if isinstance(exc, (ValueError, RecursionError)):
+            raise _refusal(exc) from None
+        raise
+    return body, enc.buffers, enc.refs
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def restrict(dtypes: list[str] | None = None, max_rank: int | None = None) -> None:
+    """Narrow what this process decodes (a broker's ``allowed_dtypes`` / ``max_rank`` limits).
+
+    ``dtypes`` names numpy ``dtype.str`` values (``"<f4"``) and/or torch dtype names
+    (``"bfloat16"``); anything outside the built-in allow-lists is a ``ValueError``.
+    """
+    global MAX_RANK
+    if max_rank is not None:
+        if not 0 <= max_rank <= 32:
+            raise ValueError("max_rank must be in [0, 32]")
+        MAX_RANK = max_rank
+    if dtypes is not None:
+        _torch()
+        unknown = [d for d in dtypes if d not in _NP_DTYPES and d not in _TORCH_DTYPES]
+        if unknown:
+            raise ValueError(f"allowed_dtypes: unknown or not allowed dtypes {unknown}")
+        for table in (_NP_DTYPES, _TORCH_DTYPES):
+            for name in [d for d in table if d not in dtypes]:
+                del table[name]
+        for dtype in [d for d, n in _TORCH_DTYPE_NAME.items() if n not in dtypes]:
+            del _TORCH_DTYPE_NAME[dtype]
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise ValueError(f"array shape must be a list of at most {MAX_RANK} ints")
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"invalid array dimension {dim!r}")
+    return tuple(shape)
+
+
+class _Decoder:
+    __slots__ = ("frames", "copy", "shm", "shm_copy")
+
+    def __init__(self, frames: Sequence[Any], copy: bool, shm: Sequence[Any] = (),
+                 shm_copy: bool = True) -> None:
+        self.frames = frames
+        self.copy = copy
+        self.shm = shm  # uint8 arrays of the item's shared-memory slots
+        self.shm_copy = shm_copy
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(
+            data, ext_hook=self.ext_hook, strict_map_key=False, raw=False, use_list=True
+        )
+
+    def raw(self, loc: Any, nbytes: int) -> np.ndarray:
+        """A writable flat uint8 array holding ``nbytes`` bytes at ``loc``."""
+        if isinstance(loc, bytes):
+            if len(loc) != nbytes:
+                raise ValueError(f"inline array holds {len(loc)} bytes, expected {nbytes}")
+            return np.frombuffer(loc, dtype=np.uint8).copy()
+        if isinstance(loc, list):  # a shared-memory slot of the item
+            index = loc[0] if len(loc) == 1 else None
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.shm):
+                raise ValueError(f"shared-memory slot {loc!r} out of range ({len(self.shm)} slots)")
+            slot = self.shm[index]
+            if slot.nbytes != nbytes:
+                raise ValueError(f"slot {index} holds {slot.nbytes} bytes, expected {nbytes}")
+            return slot.copy() if self.shm_copy else slot
+        if isinstance(loc, bool) or not isinstance(loc, int) or not 0 <= loc < len(self.frames):
+            raise ValueError(f"buffer index {loc!r} out of range ({len(self.frames)} buffers)")
+        view = memoryview(self.frames[loc])
+        if view.nbytes != nbytes:
+            raise ValueError(f"buffer {loc} holds {view.nbytes} bytes, expected {nbytes}")
+        arr = np.frombuffer(view, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+        if self.copy or not arr.flags.writeable:
+            arr = arr.copy()
+        return arr
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            value = self.unpack(data)
+            if not isinstance(value, list):
+                raise ValueError("malformed tuple")
+            return tuple(value)
+        if code == EXT_NDARRAY:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 3):
+                raise ValueError("malformed array descriptor")
+            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None:
+                raise ValueError(f"array dtype {value[0]!r} is not allowed")
+            shape = _check_shape(value[1])
+            nbytes = math.prod(shape) * dtype.itemsize
+            return self.raw(value[2], nbytes).view(dtype).reshape(shape)
+        if code == EXT_TENSOR:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 4):
+                raise ValueError("malformed tensor descriptor")
+            torch = _torch()
+            dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None:
+                raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
+            shape = _check_shape(value[1])
+            raw = self.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
+            np_dtype = _TORCH_NUMPY.get(dtype)
+            if np_dtype is not None:  # one torch call: view and reshape in numpy
+                tensor = torch.from_numpy(raw.view(np_dtype).reshape(shape))
+            else:
+                tensor = torch.from_numpy(raw)
+                tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+                tensor = tensor.reshape(shape)
+            return _restore_device(tensor, value[3])
+        if code == EXT_DATACLASS:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
+                raise ValueError("malformed dataclass")
+            if not isinstance(value[0], str):
+                raise ValueError("malformed dataclass tag")
+            cls = lookup_tag(value[0])
+            if not dataclasses.is_dataclass(cls):
+                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not a dataclass")
+            return build_dataclass(cls, value[1])
+        if code == EXT_NPSCALAR:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
+                raise ValueError("malformed numpy scalar")
+            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+            if dtype is None or len(value[1]) != dtype.itemsize:
+                raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
+            return np.frombuffer(value[1], dtype=dtype)[0]
+        if code == EXT_BYTES:
+            index = self.unpack(data)
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError("malformed bytes reference")
+            if not 0 <= index < len(self.frames):
+                raise ValueError(f"buffer index {index} out of range")
+            return bytes(memoryview(self.frames[index]))
+        if code in (EXT_SET, EXT_FROZENSET):
+            value = self.unpack(data)
+            if not isinstance(value, list):
+                raise ValueError("malformed set: its payload is not an array")
+            try:
+                return set(value) if code == EXT_SET else frozenset(value)
+            except TypeError:  # a list or dict element
+                raise ValueError("malformed set: an element is not hashable") from None
+        if code == EXT_COMPLEX:
+            if len(data) != _COMPLEX.size:
+                raise ValueError(f"malformed complex: {len(data)} bytes, expected 16")
+            return complex(*_COMPLEX.unpack(data))
+        if code == EXT_BIGINT:
+            if not data:
+                raise ValueError("malformed big int: no bytes")
+            return int.from_bytes(data, "big", signed=True)
+        if code == EXT_SIZE:
+            value = self.unpack(data)
+            if not isinstance(value, list) or not all(
+                type(d) is int and INT_MIN <= d < 2**63 for d in value
+            ):
+                raise ValueError("malformed torch.Size: not an array of 64-bit ints")
+            return _torch().Size(value)
+        if code == EXT_ENUM:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+                raise ValueError("malformed Enum member: not [tag, name]")
+            cls = lookup_tag(value[0])
+            if not issubclass(cls, enum.Enum):
+                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not an Enum")
+            return member_from_ref(cls, value[1])
+        raise ValueError(f"unknown ext type {code}")
+
+
+def _restore_device(tensor: Any, device: Any) -> Any:
+    torch = _torch()
+    if not isinstance(device, str) or len(device) > 32:
+        raise ValueError("malformed tensor device")
+    kind = device.partition(":")[0]
+    if kind == "cpu":
+        return tensor
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        return tensor  # no such device here: the tensor stays on the CPU
+    try:
+        return tensor.to(device)
+    except (RuntimeError, ValueError):
+        return tensor.to(kind)
+
+
+def build_dataclass(cls: type, fields: dict) -> Any:
+    init, rest = {}, {}
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        f = known.get(name)
+        if f is None:
+            raise ValueError(f"{cls.__qualname__} has no field {name!r}")
+        (init if f.init else rest)[name] = value
+    try:
+        obj = cls(**init)
+    except TypeError as exc:
+        raise ValueError(f"cannot rebuild {cls.__qualname__}: {exc}") from None
+    for name, value in rest.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+_INLINE = _Decoder((), False)  # items without frames or slots (stateless: shared by threads)
+
+
+def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Sequence[Any] = (),
+           shm_copy: bool = True) -> Any:
+    """Decode an item encoded by :func:`encode`.
+
+    ``frames`` are the buffers (``zmq.Frame``, bytes, memoryview...).  Arrays and tensors read
+    from frames are writable views of them unless ``copy`` is true; inline ones are owned
+    copies.  ``shm`` are the uint8 arrays of the item's shared-memory slots (``broker/shm/``),
+    copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
+    allowed.
+    """
+    if not (frames or shm) and type(body) is bytes and body[:1] == b"\xc4" \
+            and len(body) == 2 + body[1]:
+        return body[2:]  # a small bytes item (msgpack bin 8): nothing else to look at
+    dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
+    try:
+        return dec.unpack(body)
+    except Exception as exc:  # msgpack's own errors (ValueError subclasses), RecursionError, ...
+        if type(exc) is ValueError:  # the decoder's own words
+            raise
+        raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
+
+
+def decode_frames(frames: Sequence[Any], copy: bool | None, shm: Sequence[Any] = (),
+                  shm_copy: bool = True) -> Any:
+    """Decode an item received as ``frames`` (its body, then its buffers; ``zmq.Frame`` or
+    bytes-like): :func:`decode`, with ``copy=None`` meaning views (as ``False``) and ``shm`` /
+    ``shm_copy`` the item's shared-memory slots."""
+    body = frames[0]
+    if type(body) is zmq.Frame:
+        body = body.buffer
+    if len(frames) == 1 and not shm:  # the common small item: nothing but its body
+        return decode(body)
+    return decode(body, frames[1:], copy=bool(copy), shm=shm, shm_copy=shm_copy)

@@ -1,0 +1,130 @@
+"""What a receiver gets for a value, worked out without encoding it (for local channels).
+
+A local channel (``broker/handle/local.py``) passes items by reference, yet must deliver what a broker
+delivers: ``wire_form(obj)`` is ``obj`` itself whenever ``decode(encode(obj))`` would hold the
+same types and values (the common case: nothing is copied, tensors and arrays are not touched),
+else a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
+``str`` Enum member, ``tuple`` for a named tuple, ``bytes`` for a ``bytearray``, a detached plain
+tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import sys
+from typing import Any
+
+import numpy as np
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.classtags import CLS_TO_TAG
+
+MAX_DEPTH = 512  # msgpack's own nesting limit
+_AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def wire_form(obj: Any) -> Any:
+    """``obj`` as a receiver gets it from a broker (``obj`` itself if that is the same); raises
+    the ``TypeError`` that ``codec.encode`` raises for a value that cannot travel."""
+    try:
+        return _form(obj, 0)
+    except RecursionError:  # as codec.encode: refused, not a crash
+        raise TypeError(codec.NESTED_TOO_DEEPLY) from None
+
+
+def _form(obj: Any, depth: int) -> Any:
+    """:func:`wire_form` at nesting level ``depth``.  The checks come in the encoder's order,
+    so that a value of several kinds (a ``str`` Enum, a named tuple) takes the same form."""
+    kind = type(obj)
+    if kind in _AS_IS:
+        return obj
+    if depth >= MAX_DEPTH:
+        raise TypeError(codec.NESTED_TOO_DEEPLY)
+    if kind is dict:  # the exact containers first: no subclass question to ask
+        return _dict(obj, depth)
+    if kind is list or kind is tuple:
+        return _sequence(obj, kind, depth)
+    if kind is np.ndarray:
+        codec.check_array(obj)
+        return obj
+    torch = sys.modules.get("torch")  # (not imported: no tensor can exist)
+    if torch is not None and isinstance(obj, torch.Tensor):
+        codec.tensor_dtype_name(obj)
+        if kind is torch.Tensor and not obj.requires_grad:
+            return obj
+        return obj.detach().as_subclass(torch.Tensor)
+    if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
+        codec.check_array(obj)
+        return obj.view(np.ndarray)
+    if kind in CLS_TO_TAG:
+        return obj if isinstance(obj, enum.Enum) else _dataclass(obj, depth)
+    if isinstance(obj, tuple):
+        if codec.is_size(obj):
+            size = sys.modules["torch"].Size
+            return obj if kind is size else size(obj)
+        return _sequence(obj, tuple, depth)
+    if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
+        codec.check_array(obj)
+        return obj
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return memoryview(obj).tobytes()
+    if isinstance(obj, dict):
+        return _dict(obj, depth)
+    if isinstance(obj, list):
+        return _sequence(obj, list, depth)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, int):
+        return int.__int__(obj)
+    if isinstance(obj, float):
+        return float.__float__(obj)
+    if isinstance(obj, complex):
+        return complex(obj.real, obj.imag)
+    if isinstance(obj, (set, frozenset)):
+        return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, depth)
+    codec.refuse(obj)
+
+
+def _sequence(obj: Any, base: type, depth: int) -> Any:
+    """A list, tuple, set or frozenset (or subclass) with its elements in wire form: ``obj``
+    itself if nothing changes, else a new ``base``."""
+    out: list | None = None
+    for i, value in enumerate(obj):
+        if out is None and type(value) in _AS_IS:  # the common element: nothing to call
+            continue
+        form = _form(value, depth + 1)
+        if out is None:
+            if form is value:
+                continue
+            out = list(itertools.islice(obj, i))
+        out.append(form)
+    if out is None:
+        return obj if type(obj) is base else base(obj)
+    return base(out)
+
+
+def _dict(obj: dict, depth: int) -> dict:
+    out: dict | None = None
+    for i, (key, value) in enumerate(obj.items()):
+        if out is None and type(key) in _AS_IS and type(value) in _AS_IS:
+            continue
+        key_form, value_form = _form(key, depth + 1), _form(value, depth + 1)
+        if out is None:
+            if key_form is key and value_form is value:
+                continue
+            out = dict(itertools.islice(obj.items(), i))
+        out[key_form] = value_form
+    if out is None:
+        return obj if type(obj) is dict else dict(obj)
+    return out
+
+
+def _dataclass(obj: Any, depth: int) -> Any:
+    """A registered dataclass instance: ``obj`` if no field changes, else rebuilt as the
+    receiver rebuilds it (constructor for init fields, then the others)."""
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    forms = {name: _form(value, depth + 1) for name, value in fields.items()}
+    if all(forms[name] is value for name, value in fields.items()):
+        return obj
+    return codec.build_dataclass(type(obj), forms)
