@@ -12,7 +12,7 @@ over this process's connection to that replica (shared with the process's other 
 (ordering, backpressure, hooks, errors, ``BrokerUnavailable``) are those of the replica that
 holds the key.  ``stats()`` aggregates over the replicas.
 
-Where the replica table comes from: a cluster file (``broker/clusterfile.py``; ``create_from_cluster``
+Where the replica table comes from: a cluster file (``broker/cluster/clusterfile.py``; ``create_from_cluster``
 and ``connect_from_cluster`` here), Ray (``broker/handle/ray_placement.py``, which builds this handle from
 the table its actors publish), or the hello reply of any replica (``from_handle``: so
 ``Channel.connect`` of any replica's address or name yields this handle).

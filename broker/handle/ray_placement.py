@@ -128,7 +128,7 @@ class BrokerActor:
 
     def where(self) -> tuple[str, str]:
         """This actor's Python and the ``zchannel/broker/__init__.py`` it runs."""
-        return sys.executable, os.path.join(os.path.dirname(__file__), "__init__.py")
+        return sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "__init__.py")
 
     def free_port(self, ip: str) -> int:
         with socket.socket() as s:
