@@ -18,7 +18,7 @@ from zchannel.broker.errors import (
 )
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY
 from zchannel.broker.handle.channel import Channel
-from zchannel.broker.wire.classtags import register_type, serializable
+from zchannel.broker.wire.classtags import register_module, register_type, serializable
 
 __all__ = [
     "DEFAULT_KEY",
@@ -34,6 +34,7 @@ __all__ = [
     "QueueEmpty",
     "QueueFull",
     "Work",
+    "register_module",
     "register_type",
     "serializable",
 ]

@@ -19,6 +19,7 @@ from zchannel.hooks.builtin import (
     SharedDispatcher,
 )
 from zchannel.hooks.registry import (
+    entry_point_objects,
     hook_spec,
     import_path,
     load_entry_points,
@@ -40,6 +41,7 @@ __all__ = [
     "SharedDispatcher",
     "check_consumer_id",
     "consumer_sort_key",
+    "entry_point_objects",
     "expand_consumers",
     "hook_spec",
     "import_path",

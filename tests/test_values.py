@@ -23,6 +23,7 @@ from conftest import pid_alive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from payloads import (
+    RLDATA,
     Access,
     Color,
     Count,
@@ -38,6 +39,22 @@ from payloads import (
     Tag,
     Unregistered,
 )
+from rldata.embodied_io_struct import (
+    Budget,
+    ChunkKey,
+    ChunkStepResult,
+    EmbodiedTrajectory,
+    EnvOutput,
+    EnvStatus,
+    EvalTrajectory,
+    LazyStats,
+    Phase,
+    Sensors,
+    Stamp,
+    Trajectory,
+)
+from rldata.io_struct import FinishReason as RLFinish
+from rldata.io_struct import RolloutRequest, RolloutResult, SeqGroupInfo, Timing
 from zchannel.broker import Channel, register_type
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
@@ -54,7 +71,8 @@ class Refused:
         self.pattern = pattern
 
 
-NOT_REGISTERED_ENUM = Refused(r"Enum payloads\.Shape is not registered.*register_type")
+NOT_REGISTERED_ENUM = Refused(r"Enum payloads\.Shape is not registered for the wire: call "
+                              r"zchannel\.broker\.register_module\(\"payloads\"\).*register_type")
 NOT_AN_ITEM = Refused(r"cannot send an object of type builtins\.object: items are")
 MIB = 1 << 20
 Pair = collections.namedtuple("Pair", "left right")
@@ -186,7 +204,8 @@ def _table() -> list[tuple[str, object, object]]:
          Step(FinishReason.STOP, torch.Size([2]), {"c": 1j, "e": Color.RED, "n": Sample(Count(1))}),
          Step("stop", torch.Size([2]), {"c": 1j, "e": Color.RED, "n": Sample(1)})),
         ("unregistered dataclass", Unregistered(),
-         Refused(r"dataclass payloads\.Unregistered is not registered.*@zchannel\.broker\.serializable")),
+         Refused(r"dataclass payloads\.Unregistered is not registered for the wire: call "
+                 r"zchannel\.broker\.register_module\(\"payloads\"\).*@zchannel\.broker\.serializable")),
         ("object", object(), NOT_AN_ITEM),
         ("object deep inside", [1, {"k": (2, {object()})}], NOT_AN_ITEM),
         ("unregistered Enum inside", {"shape": Shape.CIRCLE}, NOT_REGISTERED_ENUM),
@@ -194,7 +213,67 @@ def _table() -> list[tuple[str, object, object]]:
         ("tuples nested 3000 deep", _nested(3000, tuple),
          Refused("cannot encode item: nested too deeply")),
     ]
-    return rows
+    return rows + _rldata_rows(g)
+
+
+def _rldata_rows(g: torch.Generator) -> list[tuple[str, object, object]]:
+    """Items of an RL framework's data modules (tests/rldata: RLinf's shapes, no decorator),
+    registered by ``register_module("rldata", recursive=True)``: each arrives as itself."""
+    assert "rldata.io_struct:RolloutRequest" in RLDATA
+    request = RolloutRequest(
+        n=2, input_ids=[[1, 2, 3], [4]], image_data=[[b"\x89PNG"], []],
+        answers=[["42"], {"vqa": "cat"}],
+        multi_modal_inputs=[None, {"pixel_values": torch.rand(2, 3, generator=g)}])
+    group = SeqGroupInfo(id=7, input_ids=[1, 2, 3], answer=["42"], group_size=3)
+    group.record(0, RLFinish.STOP, [5, 6])  # init=False state, changed after construction
+    group.record(2, RLFinish.ABORT, [])
+    result = RolloutResult(
+        num_sequence=4, group_size=2, prompt_lengths=[3, 1, 3, 1], prompt_ids=[[1, 2, 3], [4]] * 2,
+        response_lengths=[2, 0, 2, 1], response_ids=[[5, 6], [], [5, 6], [9]],
+        is_end=[True, False, True, True], rewards=torch.tensor([1.0, 0.0, 1.0, 0.5]),
+        finish_reasons=[RLFinish.STOP, RLFinish.ABORT, RLFinish.STOP, RLFinish.LENGTH],
+        prev_logprobs=torch.randn(4, 2, generator=g),
+        ref_logprobs=[torch.randn(2, generator=g), torch.zeros(0)])
+    key = ChunkKey(step_id=3, env_rank=1, chunk_id=2)
+    stamp = Stamp(key, 5)
+    object.__setattr__(stamp, "digest", "as sent")  # arrives as sent, not recomputed
+    env = EnvOutput(
+        obs={"states": torch.randn(4, 8, generator=g), "task_descriptions": ["pick", "place"] * 2,
+             "main_images": torch.randint(0, 255, (4, 64, 64, 3), dtype=torch.uint8, generator=g)},
+        dones=torch.tensor([False, True, False, False]), rewards=torch.ones(4),
+        status=EnvStatus.DONE)
+    chunk = ChunkStepResult(
+        actions=torch.randn(4, 7, generator=g), versions=torch.full((4, 1), 3),
+        forward_inputs={"tokens": torch.arange(8), "mask": torch.ones(8, dtype=torch.bool)},
+        finish_reasons=[RLFinish.LENGTH])
+    trajectory = Trajectory(
+        max_episode_length=2, model_weights_id="w1", key=key, phase=Phase.TRAIN,
+        actions=torch.randn(256, 256, generator=g),  # 256 KiB: a frame of its own
+        steps=[chunk, ChunkStepResult()], curr_obs={"states": torch.randn(2, 8, generator=g)})
+    budget = Budget(100)
+    budget.used = 7
+    rows = [
+        ("rldata RolloutRequest: lists, bytes, None, a tensor in a dict", request, request),
+        ("rldata SeqGroupInfo: init=False fields set by __post_init__", group, group),
+        ("rldata RolloutResult: kw_only, tensors, a list of tensors, str Enum members", result, result),
+        ("rldata frozen slots dataclass", key, key),
+        ("rldata frozen slots, init=False field", stamp, stamp),
+        ("rldata slots, init=False field with a default", budget, budget),
+        ("rldata init=False field never set", LazyStats(3), LazyStats(3)),
+        ("rldata EnvOutput: dict of tensors, IntEnum", env, env),
+        ("rldata ChunkStepResult: default_factory dict of tensors", chunk, chunk),
+        ("rldata defaults only", Trajectory(), Trajectory()),
+        ("rldata dataclasses nested in a dataclass", trajectory, trajectory),
+        ("rldata inheritance, a Flag combination",
+         EmbodiedTrajectory(key=key, sensors=Sensors.RGB | Sensors.DEPTH,
+                            intervene_flags=torch.tensor([True, False])), None),
+        ("rldata subclass without the decorator", EvalTrajectory(phase=Phase.EVAL, steps=[chunk]),
+         None),
+        ("rldata nested Enum and class", [Phase.EVAL, Timing.Span("gen", 0.5)], None),
+        ("rldata dataclasses in lists and dicts, a dataclass as a dict key",
+         {key: [chunk, stamp], "results": {"r": result}, EnvStatus.TRUNCATED: (key, group)}, None),
+    ]
+    return [(name, value, value if expected is None else expected) for name, value, expected in rows]
 
 
 def same(a, b) -> bool:
@@ -215,8 +294,9 @@ def same(a, b) -> bool:
             same(ka, kb) and same(va, vb)
             for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
         )
-    if hasattr(a, "__dataclass_fields__"):
-        return all(same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if hasattr(a, "__dataclass_fields__"):  # (a field never set must be unset in both)
+        return all(same(getattr(a, f, Refused), getattr(b, f, Refused))
+                   for f in a.__dataclass_fields__)
     if isinstance(a, (float, complex)):  # exact: nan, -0.0
         return repr(a) == repr(b)
     return a == b

@@ -45,7 +45,14 @@ from typing import Any, NoReturn
 import msgpack
 import numpy as np
 import zmq
-from zchannel.broker.wire.classtags import CLS_TO_TAG, lookup_tag, member_from_ref, member_ref
+from zchannel.broker.wire.classtags import (
+    CLS_TO_TAG,
+    lookup_tag,
+    member_from_ref,
+    member_ref,
+    published_tag,
+    registration_hint,
+)
 
 INLINE_LIMIT = 64 * 1024
 MAX_RANK = 32
@@ -129,17 +136,11 @@ def refuse(obj: Any) -> NoReturn:
     name = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(obj, enum.Enum):
         raise TypeError(
-            f"Enum {name} is not registered for the wire: decorate it with "
-            "@zchannel.broker.serializable or call zchannel.broker.register_type(cls) (its "
-            "members then arrive as themselves; str and int Enums unregistered arrive as their "
-            "value)"
+            f"Enum {name} is not registered for the wire: {registration_hint(cls)} (its members "
+            "then arrive as themselves; str and int Enums unregistered arrive as their value)"
         )
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        raise TypeError(
-            f"dataclass {name} is not registered for the wire: "
-            "decorate it with @zchannel.broker.serializable or call "
-            "zchannel.broker.register_type(cls)"
-        )
+        raise TypeError(f"dataclass {name} is not registered for the wire: {registration_hint(cls)}")
     if isinstance(obj, np.ma.MaskedArray):
         raise TypeError(
             f"cannot send a {name}: its mask would be lost; send arr.filled(value), or arr.data "
@@ -239,12 +240,11 @@ class _Encoder:
                 EXT_NDARRAY,
                 self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
             )
-        tag = CLS_TO_TAG.get(type(obj))
+        tag = CLS_TO_TAG.get(type(obj)) or published_tag(type(obj))
         if tag is not None:
             if isinstance(obj, enum.Enum):
                 return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
-            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
+            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, dataclass_values(obj)]))
         if isinstance(obj, tuple):
             if is_size(obj):
                 return msgpack.ExtType(EXT_SIZE, self.pack([int(d) for d in obj]))
@@ -521,7 +521,25 @@ def _restore_device(tensor: Any, device: Any) -> Any:
         return tensor.to(kind)
 
 
+_UNSET = object()  # a dataclass field never set
+
+
+def dataclass_values(obj: Any) -> dict[str, Any]:
+    """The fields of a dataclass instance by name; a field never set (``init=False`` without a
+    default) is left out, and stays unset in the rebuilt instance."""
+    values = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name, _UNSET)
+        if value is not _UNSET:
+            values[f.name] = value
+    return values
+
+
 def build_dataclass(cls: type, fields: dict) -> Any:
+    """An instance of dataclass ``cls`` from its received ``fields``: the constructor with the
+    ``init`` fields (so ``__post_init__`` runs), then the others set as they were sent (also on a
+    frozen or slots class); ``ValueError`` for a field ``cls`` does not have or a constructor
+    that refuses the values."""
     init, rest = {}, {}
     known = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in fields.items():

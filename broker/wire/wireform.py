@@ -10,7 +10,6 @@ tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.classtags import CLS_TO_TAG
+from zchannel.broker.wire.classtags import CLS_TO_TAG, published_tag
 
 MAX_DEPTH = 512  # msgpack's own nesting limit
 _AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -57,7 +56,7 @@ def _form(obj: Any, depth: int) -> Any:
     if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
         codec.check_array(obj)
         return obj.view(np.ndarray)
-    if kind in CLS_TO_TAG:
+    if kind in CLS_TO_TAG or published_tag(kind):
         return obj if isinstance(obj, enum.Enum) else _dataclass(obj, depth)
     if isinstance(obj, tuple):
         if codec.is_size(obj):
@@ -123,7 +122,7 @@ def _dict(obj: dict, depth: int) -> dict:
 def _dataclass(obj: Any, depth: int) -> Any:
     """A registered dataclass instance: ``obj`` if no field changes, else rebuilt as the
     receiver rebuilds it (constructor for init fields, then the others)."""
-    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    fields = codec.dataclass_values(obj)
     forms = {name: _form(value, depth + 1) for name, value in fields.items()}
     if all(forms[name] is value for name, value in fields.items()):
         return obj
