@@ -9,6 +9,7 @@ tensors and arrays), a broker that decodes and re-encodes every item (a collecto
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import enum
 import math
@@ -376,6 +377,41 @@ def test_refused_values_are_type_errors_at_put_naming_type_and_fix(path, channel
     assert ch.qsize() == 0
     ch.put(_wrap(path, FinishReason.STOP))  # the handle still works
     assert _unwrap(path, ch.get(timeout=10)) == "stop"
+
+
+RLDATA_ROWS = [(name, value) for name, value, _expected in GOOD if name.startswith("rldata ")]
+
+
+def test_rl_data_items_arrive_alike_sync_async_asyncio_and_in_batches(make):
+    """The items of an RL framework's data modules, registered with ``register_module``, through
+    a broker, a local and a distributed channel: blocking, ``async_op`` and asyncio calls, one by
+    one and in a ``get_batch``; each arrives as itself."""
+    ch = make("rl")
+    assert len(RLDATA_ROWS) >= 15
+    wrong = []
+    for i, (_name, value) in enumerate(RLDATA_ROWS):
+        ch.put(value, key=("sync", i))
+        ch.put(value, key=("async", i), async_op=True).wait(timeout=30)
+        ch.put(value, key="batch", weight=1)
+    for i, (name, value) in enumerate(RLDATA_ROWS):
+        got = [ch.get(key=("sync", i), timeout=30),
+               ch.get(key=("async", i), async_op=True).wait(timeout=30)]
+        wrong += [(name, "sync/async") for item in got if not same(value, item)]
+
+    async def consume() -> list:
+        works = [ch.get_batch(len(RLDATA_ROWS), key="batch", async_op=True)]
+        for i, (_name, value) in enumerate(RLDATA_ROWS):
+            works.append(ch.put(value, key=("asyncio", i), async_op=True))
+        batch = await works[0]
+        for work in works[1:]:
+            await work
+        singles = [await ch.get(key=("asyncio", i), async_op=True) for i in range(len(RLDATA_ROWS))]
+        return [batch, singles]
+
+    batch, singles = asyncio.run(consume())
+    for (name, value), in_batch, single in zip(RLDATA_ROWS, batch, singles, strict=True):
+        wrong += [(name, "asyncio") for item in (in_batch, single) if not same(value, item)]
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("name,value,expected", GOOD, ids=[r[0] for r in GOOD])
