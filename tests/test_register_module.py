@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import REPO, pid_alive
+from conftest import pid_alive
 from payloads import RLDATA
 from rldata.embodied_io_struct import ChunkStepResult, EnvOutput, EnvStatus
 from rldata.io_struct import RolloutRequest
@@ -268,6 +268,22 @@ CONSUMER = """
 """
 
 
+LOCAL = """
+    from rldata.embodied_io_struct import ChunkKey, EnvStatus
+    from zchannel.broker import Channel
+    from zchannel.broker.wire import codec
+
+    # no register_module: the first put of a published class registers its module, on both paths
+    ch = Channel.create("local", local=True)
+    ch.put([EnvStatus.DONE, {ChunkKey(1, 2): "k"}])
+    got = ch.get(timeout=10)
+    assert got == [EnvStatus.DONE, {ChunkKey(1, 2): "k"}] and type(got[0]) is EnvStatus, got
+    assert codec.decode(*codec.encode(EnvStatus.RUNNING)) is EnvStatus.RUNNING  # not 0
+    print("ok", flush=True)
+    ch.shutdown()
+"""
+
+
 def _publish(tmp_path, monkeypatch) -> None:
     """A distribution publishing ``rldata.embodied_io_struct`` under the ``zchannel.hooks`` entry
     point, on the ``PYTHONPATH`` of the processes started from now on (not this one)."""
@@ -298,9 +314,7 @@ def test_a_broker_hook_uses_the_classes_of_a_published_module(tmp_path, monkeypa
     _publish(tmp_path, monkeypatch)
     ch = Channel.create("published", collector="hookmods:ChunkFromEnv")
     channels.append(ch)
-    proc = workers.start(CONSUMER, "published",
-                         env={"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"),
-                                                             os.environ["PYTHONPATH"]])})
+    proc = workers.start(CONSUMER, "published")  # its PYTHONPATH holds the distribution
     ch.put({"rewards": rewards, "dones": dones})  # built in the broker: encoded there
     ch.put(env)  # read in the broker: decoded there
     assert workers.wait_line(proc, timeout=120) == "rldata.embodied_io_struct ChunkStepResult"
@@ -310,3 +324,6 @@ def test_a_broker_hook_uses_the_classes_of_a_published_module(tmp_path, monkeypa
     assert torch.equal(from_dict.rewards, rewards) and torch.equal(from_dict.dones, dones)
     assert from_dict.forward_inputs == {}
     assert torch.equal(from_env.forward_inputs["states"], env.obs["states"])
+    local = workers.start(LOCAL)
+    assert workers.wait_line(local, timeout=120) == "ok"
+    workers.finish(local)

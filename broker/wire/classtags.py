@@ -148,20 +148,23 @@ def _defined_classes(module: types.ModuleType) -> list[type]:
 
 
 _published_lock = threading.RLock()
-_published = ""  # "running", then "done": register_published has run
+_published_running = False
+# emptied once register_published has run: until then the codec asks published_tag about a
+# dataclass or Enum it would refuse or send as its base value
+PUBLISHED_PENDING: list[bool] = [True]
 
 
 def register_published() -> None:
     """Register the dataclasses and Enums of every module published under the ``zchannel.hooks``
     entry-point group (once per process; a module that cannot be registered is logged and
     skipped).  Another thread calling meanwhile waits for the first to finish."""
-    global _published
-    if _published == "done":
+    global _published_running
+    if not PUBLISHED_PENDING:
         return
     with _published_lock:
-        if _published:  # done by another thread, or an import of this thread's run came back
+        if not PUBLISHED_PENDING or _published_running:  # done, or this thread's import came back
             return
-        _published = "running"
+        _published_running = True
         try:
             for name, obj in entry_point_objects().items():
                 if isinstance(obj, types.ModuleType):
@@ -171,14 +174,15 @@ def register_published() -> None:
                         _log.warning("could not register the classes of entry point %s (%s)",
                                      name, obj.__name__, exc_info=True)
         finally:
-            _published = "done"
+            PUBLISHED_PENDING.clear()
+            _published_running = False
 
 
 def published_tag(cls: type) -> str | None:
     """The tag of ``cls``, or None if it is not registered.  For an unregistered dataclass or
     Enum class the published modules are registered first (once: :func:`register_published`)."""
     tag = CLS_TO_TAG.get(cls)
-    if tag is None and _published != "done" and (
+    if tag is None and PUBLISHED_PENDING and (
         dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
     ):
         register_published()

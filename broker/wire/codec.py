@@ -47,6 +47,7 @@ import numpy as np
 import zmq
 from zchannel.broker.wire.classtags import (
     CLS_TO_TAG,
+    PUBLISHED_PENDING,
     lookup_tag,
     member_from_ref,
     member_ref,
@@ -240,7 +241,7 @@ class _Encoder:
                 EXT_NDARRAY,
                 self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
             )
-        tag = CLS_TO_TAG.get(type(obj)) or published_tag(type(obj))
+        tag = CLS_TO_TAG.get(type(obj))
         if tag is not None:
             if isinstance(obj, enum.Enum):
                 return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
@@ -259,6 +260,8 @@ class _Encoder:
                     view = memoryview(view.tobytes())
                 return msgpack.ExtType(EXT_BYTES, self.pack(self.loc(view, view.nbytes)))
             return view.tobytes()
+        if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(type(obj)):
+            return self.default(obj)  # its module is published: registered just now
         # subclasses of the base types below (str and int Enums among them) travel as their
         # base value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")
         if isinstance(obj, dict):
@@ -279,6 +282,8 @@ class _Encoder:
         if isinstance(obj, (set, frozenset)):
             code = EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET
             return msgpack.ExtType(code, self.pack(list(obj)))
+        if PUBLISHED_PENDING and published_tag(type(obj)):
+            return self.default(obj)  # its module is published: registered just now
         refuse(obj)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.classtags import CLS_TO_TAG, published_tag
+from zchannel.broker.wire.classtags import CLS_TO_TAG, PUBLISHED_PENDING, published_tag
 
 MAX_DEPTH = 512  # msgpack's own nesting limit
 _AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -56,7 +56,7 @@ def _form(obj: Any, depth: int) -> Any:
     if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
         codec.check_array(obj)
         return obj.view(np.ndarray)
-    if kind in CLS_TO_TAG or published_tag(kind):
+    if kind in CLS_TO_TAG:
         return obj if isinstance(obj, enum.Enum) else _dataclass(obj, depth)
     if isinstance(obj, tuple):
         if codec.is_size(obj):
@@ -68,6 +68,8 @@ def _form(obj: Any, depth: int) -> Any:
         return obj
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return memoryview(obj).tobytes()
+    if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(kind):
+        return obj  # its module is published: registered just now
     if isinstance(obj, dict):
         return _dict(obj, depth)
     if isinstance(obj, list):
@@ -82,6 +84,8 @@ def _form(obj: Any, depth: int) -> Any:
         return complex(obj.real, obj.imag)
     if isinstance(obj, (set, frozenset)):
         return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, depth)
+    if PUBLISHED_PENDING and published_tag(kind):
+        return _form(obj, depth)  # its module is published: registered just now
     codec.refuse(obj)
 
 
