@@ -109,47 +109,40 @@ def test_register_module_registers_the_classes_the_module_defines(tmp_path, monk
     assert classtags.TAG_TO_CLS == before
 
 
+PAIR = """
+    from dataclasses import dataclass
+
+    @dataclass
+    class First:
+        v: int
+
+    @dataclass
+    class Second:
+        v: int
+    """
+
+
 def test_a_class_registered_under_its_own_tag_keeps_it(tmp_path, monkeypatch):
-    name = _module(tmp_path, monkeypatch, """
-        from dataclasses import dataclass
-
-        @dataclass
-        class Tagged:
-            v: int
-
-        @dataclass
-        class Plain:
-            v: int
-        """)
+    name = _module(tmp_path, monkeypatch, PAIR)
     mod = __import__(name)
-    register_type(mod.Tagged, name=f"custom.{name}.Tagged")
-    assert register_module(name) == {f"custom.{name}.Tagged": mod.Tagged,
-                                      f"{name}:Plain": mod.Plain}
-    assert f"custom.{name}.Tagged".encode() in codec.encode(mod.Tagged(1))[0]
+    register_type(mod.First, name=f"custom.{name}.First")
+    assert register_module(name) == {f"custom.{name}.First": mod.First,
+                                      f"{name}:Second": mod.Second}
+    assert f"custom.{name}.First".encode() in codec.encode(mod.First(1))[0]
 
 
 def test_a_taken_tag_registers_nothing_of_the_module(tmp_path, monkeypatch):
-    name = _module(tmp_path, monkeypatch, """
-        from dataclasses import dataclass
-
-        @dataclass
-        class Free:
-            v: int
-
-        @dataclass
-        class Taken:
-            v: int
-        """)
+    name = _module(tmp_path, monkeypatch, PAIR)
     mod = __import__(name)
 
     @dataclass
     class Other:
         pass
 
-    register_type(Other, name=f"{name}:Taken")
-    with pytest.raises(ValueError, match=rf"{name}:Taken.*already registered.*nothing of "):
+    register_type(Other, name=f"{name}:Second")  # the default tag of the module's Second
+    with pytest.raises(ValueError, match=rf"{name}:Second.*already registered.*nothing of "):
         register_module(name)
-    assert mod.Free not in classtags.CLS_TO_TAG and mod.Taken not in classtags.CLS_TO_TAG
+    assert mod.First not in classtags.CLS_TO_TAG and mod.Second not in classtags.CLS_TO_TAG
 
 
 def test_register_module_arguments():

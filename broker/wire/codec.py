@@ -9,7 +9,8 @@ code   value           payload
 1      tuple           ``[elements...]`` (so tuples stay tuples, also nested)
 2      numpy array     ``[dtype.str, shape, loc]``
 3      torch tensor    ``[dtype name, shape, loc, device]``
-4      dataclass       ``[tag, {field: value}]`` (registered classes only)
+4      dataclass       ``[tag, {field: value}]`` (registered classes only; a field never set
+                       is left out)
 5      numpy scalar    ``[dtype.str, raw bytes]``
 6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
 7      set             ``[elements...]``
