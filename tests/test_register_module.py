@@ -17,7 +17,7 @@ import torch
 from conftest import pid_alive
 from payloads import RLDATA
 from rldata.embodied_io_struct import ChunkStepResult, EnvOutput, EnvStatus
-from rldata.io_struct import RolloutRequest
+from rldata.io_struct import RolloutRequest, Timing
 from zchannel.broker import Channel, HookError, register_module, register_type
 from zchannel.broker.wire import classtags, codec
 
@@ -93,8 +93,9 @@ def test_register_module_registers_the_classes_the_module_defines(tmp_path, monk
     assert _round_trip(mod.Mode.EVAL) == "eval"  # an unregistered str Enum: its value
 
     registered = register_module(name)
-    assert registered == {f"{name}:Mode": mod.Mode, f"{name}:Point": mod.Point,
-                          f"{name}:Box.Inner": mod.Box.Inner}
+    assert registered == [mod.Mode, mod.Point, mod.Box.Inner]
+    assert [classtags.CLS_TO_TAG[cls] for cls in registered] == [
+        f"{name}:Mode", f"{name}:Point", f"{name}:Box.Inner"]
     assert classtags.CLS_TO_TAG[RolloutRequest] == "rldata.io_struct:RolloutRequest"  # untouched
     point = _round_trip([mod.Point(1, [mod.Mode.EVAL]), mod.Box.Inner(2)])
     assert point == [mod.Point(1, [mod.Mode.EVAL]), mod.Box.Inner(2)]
@@ -126,8 +127,9 @@ def test_a_class_registered_under_its_own_tag_keeps_it(tmp_path, monkeypatch):
     name = _module(tmp_path, monkeypatch, PAIR)
     mod = __import__(name)
     register_type(mod.First, name=f"custom.{name}.First")
-    assert register_module(name) == {f"custom.{name}.First": mod.First,
-                                      f"{name}:Second": mod.Second}
+    assert register_module(name) == [mod.First, mod.Second]
+    assert classtags.CLS_TO_TAG[mod.First] == f"custom.{name}.First"
+    assert classtags.CLS_TO_TAG[mod.Second] == f"{name}:Second"
     assert f"custom.{name}.First".encode() in codec.encode(mod.First(1))[0]
 
 
@@ -150,10 +152,10 @@ def test_register_module_arguments():
         register_module(42)
     with pytest.raises(ModuleNotFoundError, match="no_such_module_"):
         register_module(f"no_such_module_{uuid.uuid4().hex[:6]}")
-    assert register_module("rldata") == {}  # the package's __init__ defines no class
+    assert register_module("rldata") == []  # the package's __init__ defines no class
     assert register_module("rldata", recursive=True) == RLDATA
-    assert "rldata.io_struct:Timing.Span" in RLDATA
-    assert not any(tag.startswith("rldata.embodied_io_struct:FinishReason") for tag in RLDATA)
+    assert Timing.Span in RLDATA and RolloutRequest in RLDATA and EnvOutput in RLDATA
+    assert len(RLDATA) == len(set(RLDATA)) == 17  # FinishReason once: where it is defined
 
 
 LEAF = """
@@ -176,10 +178,11 @@ def test_recursive_registers_submodules_and_skips_main(tmp_path, monkeypatch):
         "sub/__init__.py": "", "sub/leaf.py": LEAF,
         "__main__.py": "raise SystemExit('a __main__ module was imported')",
     })
-    assert list(register_module(name)) == [f"{name}:Top"]
-    assert list(register_module(name, recursive=True)) == [
-        f"{name}:Top", f"{name}.sub.leaf:Leaf"]
+    top = __import__(name)
+    assert register_module(name) == [top.Top]
     leaf = __import__(f"{name}.sub.leaf", fromlist=["Leaf"])
+    assert register_module(name, recursive=True) == [top.Top, leaf.Leaf]
+    assert classtags.CLS_TO_TAG[leaf.Leaf] == f"{name}.sub.leaf:Leaf"
     assert _round_trip(leaf.Leaf(3)) == leaf.Leaf(3)
 
 
@@ -208,7 +211,7 @@ RECEIVER = """
             out[key] = "decoded"
         except ValueError as exc:
             out[key] = str(exc)
-    out["registered"] = sorted(register_module("rldata.io_struct"))
+    out["registered"] = [cls.__qualname__ for cls in register_module("rldata.io_struct")]
     again = ch.get(key="acked", ack=True, timeout=120)  # the same item, once its lease ran out
     ch.ack(again)
     ch.put(again.item, key="back")
@@ -238,7 +241,7 @@ def test_a_receiver_that_has_not_registered_the_module_gets_a_value_error_and_go
             r"decoding the item .* has not registered it; call "
             r'zchannel\.broker\.register_module\("rldata\.io_struct"\) in that process.*',
             out[key]), out[key]
-    assert "rldata.io_struct:RolloutRequest" in out["registered"]
+    assert "RolloutRequest" in out["registered"]
     # the handle went on: the acknowledged item came back, the next one decoded
     assert ch.get(key="back", timeout=60) == acked
     assert ch.get(key="back", timeout=60) == second

@@ -220,7 +220,7 @@ def _table() -> list[tuple[str, object, object]]:
 def _rldata_rows(g: torch.Generator) -> list[tuple[str, object, object]]:
     """Items of an RL framework's data modules (tests/rldata: RLinf's shapes, no decorator),
     registered by ``register_module("rldata", recursive=True)``: each arrives as itself."""
-    assert "rldata.io_struct:RolloutRequest" in RLDATA
+    assert RolloutRequest in RLDATA and Stamp in RLDATA
     request = RolloutRequest(
         n=2, input_ids=[[1, 2, 3], [4]], image_data=[[b"\x89PNG"], []],
         answers=[["42"], {"vqa": "cat"}],

@@ -65,7 +65,7 @@ def serializable(cls: C | None = None, *, name: str | None = None) -> Any:
 
 
 def register_module(module_or_name: types.ModuleType | str, *,
-                    recursive: bool = False) -> dict[str, type]:
+                    recursive: bool = False) -> list[type]:
     """Allow on the wire every dataclass and every ``Enum`` class *defined* in a module.
 
     ``module_or_name`` is a module or its dotted name (imported if need be), e.g.
@@ -78,7 +78,8 @@ def register_module(module_or_name: types.ModuleType | str, *,
     Idempotent: calling it again, or on a class registered before, changes nothing (a class
     registered under another tag keeps it).  Nothing is registered if one class cannot be (its
     default tag belongs to another class: ``ValueError``; a submodule that fails to import:
-    ``ImportError``).  Returns every dataclass and Enum class of the module(s), by tag.
+    ``ImportError``).  Returns the dataclasses and Enum classes of the module(s), in definition
+    order: each is registered when it returns (the same list on every call).
 
     Every process that sends or receives these classes calls it (a receiver only rebuilds classes
     it registered itself; ``docs/values.md``), or the module is published under the
@@ -98,7 +99,7 @@ def register_module(module_or_name: types.ModuleType | str, *,
             )
     for cls in new:
         register_type(cls)
-    return {CLS_TO_TAG[cls]: cls for cls in classes}
+    return classes
 
 
 def _modules(module_or_name: Any, recursive: bool) -> list[types.ModuleType]:
