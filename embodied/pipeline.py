@@ -29,11 +29,11 @@ import asyncio
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from zchannel.broker import DEFAULT_KEY, HookError, serializable
+from zchannel.broker import DEFAULT_KEY, HookError
 from zchannel.embodied.checks import check_env_part
 from zchannel.embodied.envs import ChunkedEnv
 from zchannel.embodied.plan import TrajectoryPlan
@@ -52,6 +52,7 @@ REQUESTS_KEY = "requests"
 MAX_INFLIGHT = 64  # a rollout's unacknowledged puts
 WEIGHTS_KEY = "weights"
 STOP = "stop"
+ROLLOUT_FAILURE = "rollout_failure"
 RLT_FEATURES = {"rlt_transition_z_rl": "z_rl", "rlt_transition_proprio": "proprio",
                 "rlt_transition_ref_chunk": "ref_chunk"}
 
@@ -69,10 +70,10 @@ class RolloutFailed(RuntimeError):
     """The rollout an env worker depends on failed with an error other than a ``HookError``."""
 
 
-@serializable(name="zchannel.embodied.RolloutFailure")
 @dataclass
 class RolloutFailure:
-    """What a failing rollout puts on each env's actions key instead of an action chunk.
+    """What a failing rollout puts on each env's actions key instead of an action chunk (as the
+    plain dict ``to_message()``: ``{"rollout_failure": {fields}}``).
 
     ``error_type`` is the exception's class name; ``exc_type`` and ``remote_traceback`` are a
     ``HookError``'s own (the collector's exception type and traceback), empty otherwise.
@@ -89,6 +90,16 @@ class RolloutFailure:
             return cls("HookError", str(exc), exc.exc_type, exc.remote_traceback)
         return cls(type(exc).__name__, str(exc), "",
                    "".join(traceback.format_exception(exc)))
+
+    def to_message(self) -> dict[str, dict[str, str]]:
+        return {ROLLOUT_FAILURE: asdict(self)}
+
+    @classmethod
+    def from_message(cls, message: Any) -> RolloutFailure | None:
+        """The failure a reply carries, or None for an action chunk."""
+        if isinstance(message, dict) and isinstance(message.get(ROLLOUT_FAILURE), dict):
+            return cls(**message[ROLLOUT_FAILURE])
+        return None
 
     def error(self) -> Exception:
         """The exception the env loop raises: a ``HookError`` as it was, else ``RolloutFailed``."""
@@ -253,8 +264,9 @@ class EnvLoop:
                 self._pending = None
                 actions = self.actions.get(key=actions_key(self.env_rank),
                                            timeout=self.reply_timeout)
-                if isinstance(actions, RolloutFailure):
-                    raise actions.error()
+                failure = RolloutFailure.from_message(actions)
+                if failure is not None:
+                    raise failure.error()
                 out = self.env.step_chunk(actions)
                 self.env_steps += plan.source_batch_size * plan.num_action_chunks
                 last = chunk == plan.num_chunks - 1
@@ -468,10 +480,10 @@ class Rollout:
     def fail_envs(self, exc: BaseException) -> None:
         """Tell every env worker this rollout serves (ranks ``0..num_sources-1`` and any other
         rank seen) that it failed with ``exc``, so that none waits for an action chunk."""
-        failure = RolloutFailure.of(exc)
+        message = RolloutFailure.of(exc).to_message()
         for rank in sorted(self._ranks | set(range(self.plan.num_sources))):
             try:
-                self.actions.put(failure, key=actions_key(rank))
+                self.actions.put(message, key=actions_key(rank))
             except Exception:  # the actions channel itself may be what failed
                 pass
 
