@@ -144,6 +144,17 @@ class LeRobotDatasetWriter:
         self.stats: list[dict[str, dict[str, np.ndarray]]] = []
         self.frames = 0
         self.closed = False
+        self.summary: DatasetSummary | None = None  # set by close
+
+    def __enter__(self) -> LeRobotDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Close on success (``summary`` holds the result); abort when the block raised."""
+        if exc_type is not None:
+            self.abort()
+        elif not self.closed:
+            self.close()
 
     # -- adding episodes ---------------------------------------------------------------------
 
@@ -232,8 +243,9 @@ class LeRobotDatasetWriter:
             raise
         self.closed = True
         assert self.features is not None
-        return DatasetSummary(str(self.root), len(self.episodes), self.frames, list(self.tasks),
-                              self.features)
+        self.summary = DatasetSummary(str(self.root), len(self.episodes), self.frames,
+                                      list(self.tasks), self.features)
+        return self.summary
 
     def abort(self) -> None:
         """Drop everything written (``root`` is left as it was)."""
