@@ -12,9 +12,11 @@ sync, async and decoupled runners pace the rollout exactly as they do when train
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
+from zchannel.broker import BrokerUnavailable
 from zchannel.embodied.pipeline import WeightPublisher
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.trajectory import EpisodeShard
@@ -28,7 +30,14 @@ class EpisodeRecorder:
     ``channel`` is the trajectory channel connected as ``RECORDER``; ``state`` the weights the
     rollout started from (published unchanged as each step's new version); ``writer`` a
     ``LeRobotDatasetWriter`` or None (then ``episodes`` keeps every episode in memory).
+
+    A broker that expired the recorder's handle (a driver starved of CPU for longer than the
+    broker's heartbeat expiry) drops the request in flight, which took nothing, and the handle
+    registers again by itself: the recorder retries for up to ``unavailable_s`` seconds before
+    it raises the ``BrokerUnavailable``.
     """
+
+    unavailable_s = 30.0
 
     def __init__(self, channel: Any, plan: TrajectoryPlan, publisher: WeightPublisher,
                  state: dict[str, torch.Tensor], writer: Any = None) -> None:
@@ -40,6 +49,7 @@ class EpisodeRecorder:
         self.episodes: list[list[dict[str, Any]]] = []
         self.frames = 0
         self._shards: dict[int, list[EpisodeShard]] = {}
+        self._unavailable_since: float | None = None
 
     def _take(self, timeout: float) -> bool:
         """Store the next shard (waiting up to ``timeout`` s; 0: only if one is waiting)."""
@@ -50,6 +60,13 @@ class EpisodeRecorder:
                 item = self.channel.get(timeout=timeout)
         except (asyncio.QueueEmpty, TimeoutError):
             return False
+        except BrokerUnavailable:
+            now = time.monotonic()
+            self._unavailable_since = self._unavailable_since or now
+            if now - self._unavailable_since > self.unavailable_s:
+                raise
+            return False
+        self._unavailable_since = None
         if not isinstance(item, EpisodeShard):
             raise TypeError(f"a lerobot-mode trajectory channel delivered a "
                             f"{type(item).__name__}, not an EpisodeShard")
