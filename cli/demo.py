@@ -9,6 +9,7 @@ beside a random policy's on the same environment seeds.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -59,8 +60,17 @@ def demo() -> None:
 @demo.command()
 @click.option("--runner", type=click.Choice(["sync", "async", "decoupled"]), default="sync",
               show_default=True, help="service loops (docs/embodied.md)")
-@click.option("--mode", type=click.Choice(["rollout", "pipeline"]), default="rollout",
-              show_default=True, help="trajectory channel output mode")
+@click.option("--mode", type=click.Choice(["rollout", "pipeline", "lerobot"]), default="rollout",
+              show_default=True,
+              help="trajectory channel output mode (lerobot: record episodes, no training)")
+@click.option("--dataset", "dataset", type=click.Path(file_okay=False),
+              help="with --mode lerobot: write the episodes as a LeRobot v3 dataset here "
+                   "(needs the 'dataset' extra)")
+@click.option("--overwrite", is_flag=True, help="replace an existing --dataset directory")
+@click.option("--fps", "lerobot_fps", type=click.IntRange(1, 1000), default=10,
+              show_default=True, help="with --mode lerobot: frame rate of the recorded episodes")
+@click.option("--only-success", is_flag=True,
+              help="with --mode lerobot: keep only episodes that end in success")
 @click.option("--envs", type=click.IntRange(1, 64), default=2, show_default=True,
               help="env workers (logical sources)")
 @click.option("--env-batch", type=click.IntRange(1, 4096), default=32, show_default=True,
@@ -79,10 +89,12 @@ def demo() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="save the learning curve as PNG (needs the 'plot' extra: matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar or table")
-def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, steps: int,
+def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerobot_fps: int,
+             only_success: bool, envs: int, env_batch: int, actors: int, steps: int,
              seed: int, use_ray: bool, ray_nodes: int, json_path: str | None,
              plot_path: str | None, quiet: bool) -> None:
-    """Train PPO on the PointReach toy task through zchannel (env → rollout → actors)."""
+    """Train PPO on the PointReach toy task through zchannel (env → rollout → actors), or with
+    --mode lerobot record its episodes (as a LeRobot v3 dataset with --dataset DIR)."""
     from zchannel.embodied.policy import RandomPolicy
     from zchannel.embodied.runners import RunConfig, WorkerDied, evaluate, run, trained_policy
 
@@ -94,8 +106,14 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
                 "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
             ) from None
     try:
+        if mode != "lerobot" and (dataset or only_success):
+            raise ValueError("--dataset and --only-success need --mode lerobot")
+        if dataset and os.path.exists(dataset) and not overwrite:
+            raise ValueError(f"--dataset {dataset} exists: pass --overwrite to replace it")
         cfg = RunConfig(runner=runner, mode=mode, envs=envs, env_batch=env_batch,
-                        actors=actors, steps=steps, seed=seed)
+                        actors=actors, steps=steps, seed=seed, dataset=dataset or "",
+                        overwrite=overwrite, lerobot_fps=lerobot_fps,
+                        lerobot_only_success=only_success)
         cfg.plan(2)  # geometry errors (e.g. pipeline widths) before anything starts
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -105,7 +123,8 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
         click.echo(f"runner={runner} mode={mode} envs={envs}x{env_batch} actors={actors} "
                    f"steps={steps} seed={seed}{' ray' if use_ray else ''}")
         click.echo(HEADER)
-        bar = click.progressbar(length=steps, label="training", file=sys.stderr)
+        bar = click.progressbar(length=steps, file=sys.stderr,
+                                label="recording" if mode == "lerobot" else "training")
         bar.__enter__()
 
     def on_step(record: dict) -> None:
@@ -121,11 +140,18 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
             result = run_on_ray(cfg, on_step=on_step, nodes=ray_nodes)
         else:
             result = run(cfg, on_step=on_step)
-    except WorkerDied as exc:
+    except (WorkerDied, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None
+    except (RuntimeError, ValueError) as exc:
+        if mode != "lerobot":
+            raise
+        raise click.ClickException(str(exc)) from None  # dataset extra missing, no episodes
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if mode == "lerobot":
+        _report_recording(result, records, json_path)
+        return
     policy = trained_policy(cfg, result["final_weights"])
     seeds = [10_000 + seed * 10 + i for i in range(3)]
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
@@ -155,6 +181,26 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
                        "wall_s": result["wall_s"]}, f, indent=1)
     if plot_path:
         _plot(records, plot_path, f"PointReach, {runner} runner, {mode} mode")
+
+
+def _report_recording(result: dict, records: list[dict], json_path: str | None) -> None:
+    """The end of a ``--mode lerobot`` run: what was recorded, and where."""
+    episodes = sum(r.get("episodes_recorded", 0) for r in records)
+    frames = sum(r.get("frames_recorded", 0) for r in records)
+    click.echo(f"recorded {episodes} episodes ({frames} frames) in {len(records)} steps, "
+               f"wall {result['wall_s']:.1f}s")
+    summary = result.get("dataset")
+    if summary is not None:
+        click.echo(f"LeRobot v3.0 dataset written to {summary.root}: {summary.episodes} "
+                   f"episodes, {summary.frames} frames, tasks {summary.tasks}; load it with "
+                   f"LeRobotDataset('<any>/<name>', root={summary.root!r})")
+    else:
+        click.echo("no --dataset given: the episodes were not written")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"config": result["config"], "steps": records,
+                       "dataset": None if summary is None else summary.root,
+                       "wall_s": result["wall_s"]}, f, indent=1)
 
 
 __all__ = ["demo"]

@@ -67,7 +67,8 @@ class Actor:
 
     def __init__(self, policy: torch.nn.Module, plan: TrajectoryPlan, cfg: PPOConfig, *,
                  rank: int, world: int, trajectory: Any, sync: Any, weights: WeightPublisher,
-                 seed: int = 0, poll_s: float = 0.2) -> None:
+                 seed: int = 0, poll_s: float = 0.2,
+                 normalization: str = "rlinf_actor") -> None:
         self.policy, self.plan, self.cfg = policy, plan, cfg
         self.rank, self.live = rank, set(range(world))
         self.trajectory, self.sync, self.weights = trajectory, sync, weights
@@ -75,6 +76,7 @@ class Actor:
         self.generator = torch.Generator().manual_seed(seed * 1000 + rank)
         self.version = 0
         self.poll_s = poll_s
+        self.normalization = normalization  # of rollout-mode advantages (training_rows)
         self._stash: list[Any] = []  # deliveries of later steps
         self._seq = 0
 
@@ -120,7 +122,7 @@ class Actor:
     def _contribute(self, step: int, base: dict, deliveries: list) -> dict:
         self.policy.load_state_dict(base)
         items = [d.item for d in deliveries]
-        rows = training_rows(items, self.plan)
+        rows = training_rows(items, self.plan, normalization=self.normalization)
         stats = ppo_update(self.policy, self.optimizer, rows, self.cfg, self.generator)
         versions = [float(item_versions(item).min()) for item in items]
         contribution = {

@@ -9,7 +9,11 @@ Observations are dicts of batch-first tensors (``{"states": [B, S]}``).
 ``ChunkedEnv`` executes one action chunk ``[B, C, A]`` as C low-level steps and returns an
 ``EnvOutput`` whose transition has ``[B, C]`` rewards and flags and whose ``final_obs`` is the
 post-chunk observation with the rows of envs that finished on the chunk's last slot replaced by
-the observation they finished in (the boundary the rollout bootstraps from).
+the observation they finished in (the boundary the rollout bootstraps from).  With
+``record_episodes=True`` (lerobot mode) the transition also carries ``episode_data``: the
+executed chunk, the observation each low-level action was chosen on (so LeRobot frames pair an
+observation with the action taken in it) and each step's recording info
+(``RECORDED_INFO_KEYS``: success and intervention flags).
 
 ``PointReach`` is a simulator-free task: a point in the plane moves by a clipped velocity towards
 a random goal; reward is the distance gained (x10) plus 1 on success.  ``GymVectorEnv`` adapts a
@@ -27,6 +31,9 @@ from zchannel.embodied.types import EnvOutput, EnvTransition
 
 FINAL_OBS = "final_observation"
 FINAL_MASK = "_final_observation"
+# the info keys a recorded step keeps (lerobot mode): success, expert intervention, recording
+RECORDED_INFO_KEYS = ("success", "success_once", "success_at_end", "intervene_action",
+                      "intervene_flag", "record_reset", "pre_record", "segment_advance")
 
 
 @runtime_checkable
@@ -129,10 +136,12 @@ def _where_rows(mask: torch.Tensor, new: dict[str, Any], old: dict[str, Any]) ->
 class ChunkedEnv:
     """Executes action chunks ``[B, C, A]`` on a ``VectorEnv`` and keeps episode statistics."""
 
-    def __init__(self, env: VectorEnv, num_action_chunks: int) -> None:
+    def __init__(self, env: VectorEnv, num_action_chunks: int, *,
+                 record_episodes: bool = False) -> None:
         if num_action_chunks < 1:
             raise ValueError("num_action_chunks must be >= 1")
         self.env, self.chunks = env, num_action_chunks
+        self.record_episodes = record_episodes
         self.num_envs = env.num_envs
         self.stats = EpisodeStats()
         self._ret = torch.zeros(env.num_envs)
@@ -153,8 +162,15 @@ class ChunkedEnv:
         terms = torch.zeros(B, C, dtype=torch.bool)
         truncs = torch.zeros(B, C, dtype=torch.bool)
         final_obs = None
+        obs_list: list[dict[str, Any]] = []
+        infos_list: list[dict[str, Any]] = []
         for c in range(C):
+            if self.record_episodes:
+                obs_list.append({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                 for k, v in (self.obs or {}).items()})
             obs, reward, term, trunc, info = self.env.step(actions[:, c])
+            if self.record_episodes:
+                infos_list.append({k: info[k] for k in RECORDED_INFO_KEYS if k in info})
             reward = torch.as_tensor(reward, dtype=torch.float32).reshape(B)
             term = torch.as_tensor(term, dtype=torch.bool).reshape(B)
             trunc = torch.as_tensor(trunc, dtype=torch.bool).reshape(B)
@@ -174,8 +190,13 @@ class ChunkedEnv:
                     mask = torch.as_tensor(info.get(FINAL_MASK, done), dtype=torch.bool)
                     final_obs = _where_rows(mask.reshape(B), info[FINAL_OBS], obs)
             self.obs = obs
+        episode_data = None
+        if self.record_episodes:
+            episode_data = {"chunk_actions": actions.clone(), "obs_list": obs_list,
+                            "terminations": terms, "truncations": truncs,
+                            "infos_list": infos_list}
         transition = EnvTransition(rewards=rewards, dones=terms | truncs, terminations=terms,
-                                   truncations=truncs)
+                                   truncations=truncs, episode_data=episode_data)
         return EnvOutput(obs=self.obs, transition=transition, final_obs=final_obs)
 
 
@@ -239,4 +260,4 @@ def make_env(name: str, num_envs: int) -> VectorEnv:
     raise ValueError(f"unknown env {name!r}: expected 'point_reach' or 'gym:<id>'")
 
 
-__all__ = ["ChunkedEnv", "EpisodeStats", "GymVectorEnv", "PointReach", "VectorEnv", "make_env"]
+__all__ = ["RECORDED_INFO_KEYS", "ChunkedEnv", "EpisodeStats", "GymVectorEnv", "PointReach", "VectorEnv", "make_env"]

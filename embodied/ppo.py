@@ -43,9 +43,14 @@ def pack(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def training_rows(items: Sequence[Any], plan: TrajectoryPlan) -> dict[str, torch.Tensor]:
+def training_rows(items: Sequence[Any], plan: TrajectoryPlan, *,
+                  normalization: str = "rlinf_actor") -> dict[str, torch.Tensor]:
     """Flat ``[rows, ...]`` tensors (``actions``, ``prev_logprobs``, ``advantages``, ``returns``,
-    ``forward_inputs::*``) of one actor's items: Trajectory shards or ActorBatch micro-batches."""
+    ``forward_inputs::*``) of one actor's items: Trajectory shards or ActorBatch micro-batches.
+
+    Trajectory shards get their advantages here, normalised as ``normalization`` says
+    (``advantages.NORMALIZATIONS``; by default as RLinf's embodied actor does); ActorBatch items
+    were normalised in the broker (pooled, as RLinf's pipeline path does)."""
     if not items:
         raise ValueError("training_rows needs at least one item")
     if all(isinstance(item, ActorBatch) for item in items):
@@ -53,7 +58,8 @@ def training_rows(items: Sequence[Any], plan: TrajectoryPlan) -> dict[str, torch
         return {k: torch.cat([p[k] for p in packed]) for k in packed[0]}
     if not all(isinstance(item, Trajectory) for item in items):
         raise TypeError("an actor's items are all Trajectory or all ActorBatch")
-    batch = compute_advantages(to_training_batch(list(items), plan), plan)
+    batch = compute_advantages(to_training_batch(list(items), plan), plan,
+                               normalization=normalization)
     flat = pack(batch)
     rows = flat["actions"].shape[0] * flat["actions"].shape[1]
     out = {}

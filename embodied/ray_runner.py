@@ -63,17 +63,22 @@ class RayLauncher:
                                                    node_ranks=[1 % alive])
         self.rollout = RolloutWorker.create_group().launch(1, name="rollout", ray=True,
                                                            node_ranks=[1 % alive])
-        self.actor = ActorWorker.create_group().launch(cfg.actors, name="actor", ray=True,
-                                                       node_ranks=[2 % alive])
+        self.actor = None  # lerobot mode records on the driver: no actors
+        if cfg.mode != "lerobot":
+            self.actor = ActorWorker.create_group().launch(cfg.actors, name="actor", ray=True,
+                                                           node_ranks=[2 % alive])
 
-    def groups(self) -> tuple[list, list]:
-        return [self.rollout], [self.actor]
+    def groups(self) -> tuple[list, list | None]:
+        return [self.rollout], None if self.actor is None else [self.actor]
 
     def start(self, cfg: RunConfig, data: dict, channels: dict) -> _GroupWorkers:
         calls = {"env": self.env.run_env(data, channels),
-                 "rollout": self.rollout.run_rollout(data, channels),
-                 "actor": self.actor.run_actor(data, channels)}
-        return _GroupWorkers(calls, [self.env, self.rollout, self.actor])
+                 "rollout": self.rollout.run_rollout(data, channels)}
+        groups = [self.env, self.rollout]
+        if self.actor is not None:
+            calls["actor"] = self.actor.run_actor(data, channels)
+            groups.append(self.actor)
+        return _GroupWorkers(calls, groups)
 
 
 def run_on_ray(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,

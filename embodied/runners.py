@@ -10,6 +10,11 @@ differ in the rollout's ``max_staleness`` (sync 0, async 1, decoupled 2) and in 
 boundary handling (decoupled: the epoch's last part carries its ``next_obs`` override and rides
 on the next bootstrap request).  A worker that dies ends the run with ``WorkerDied`` naming it;
 an actor's death is survived when other actors remain (rollout mode).
+
+``mode="lerobot"`` records instead of training: the env workers attach ``episode_data`` to every
+chunk, there are no actor workers, and the driver is the trajectory channel's consumer
+(``recording.EpisodeRecorder``): it writes each step's episodes to ``dataset`` (a LeRobot v3
+dataset, ``lerobot_writer``) or keeps them, and releases each step's version as an actor would.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from zchannel.broker import Channel
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
+from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
 from zchannel.embodied.pipeline import (
     REQUESTS_KEY,
     STOP,
@@ -39,6 +45,7 @@ from zchannel.embodied.pipeline import (
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import MLPPolicy
 from zchannel.embodied.ppo import PPOConfig
+from zchannel.embodied.recording import RECORDER, EpisodeRecorder
 
 RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max_staleness
 ENV_METRICS = "env_metrics"
@@ -52,7 +59,14 @@ class WorkerDied(RuntimeError):
 @dataclass(frozen=True)
 class RunConfig:
     runner: str = "sync"
-    mode: str = "rollout"
+    mode: str = "rollout"  # or "pipeline", or "lerobot": record episodes instead of training
+    dataset: str = ""  # lerobot mode: write a LeRobot v3 dataset here ("": keep the episodes)
+    overwrite: bool = False  # replace an existing ``dataset`` directory
+    lerobot_fps: int = 10
+    lerobot_only_success: bool = False
+    # "rlinf": advantages normalised as RLinf does in the mode (rollout: its actor's formulas,
+    # gae only; pipeline: pooled in the broker); "pooled": every estimator, pooled, in both modes
+    advantage_normalization: str = "rlinf"
     envs: int = 2  # env workers (logical sources)
     env_batch: int = 32  # envs per worker
     actors: int = 1
@@ -72,8 +86,16 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        if self.mode not in ("rollout", "pipeline"):
-            raise ValueError(f"mode must be 'rollout' or 'pipeline', got {self.mode!r}")
+        if self.mode not in ("rollout", "pipeline", "lerobot"):
+            raise ValueError(f"mode must be 'rollout', 'pipeline' or 'lerobot', got {self.mode!r}")
+        if self.mode == "lerobot" and self.actors != 1:
+            raise ValueError(f"lerobot mode records on the driver (no actors): actors must be 1, "
+                             f"got {self.actors}")
+        if self.advantage_normalization not in ("rlinf", "pooled"):
+            raise ValueError(f"advantage_normalization must be 'rlinf' or 'pooled', got "
+                             f"{self.advantage_normalization!r}")
+        if self.dataset and self.mode != "lerobot":
+            raise ValueError("dataset is written in lerobot mode only (mode='lerobot')")
         if self.transport not in ("broker", "inproc"):
             raise ValueError(f"transport must be 'broker' or 'inproc', got {self.transport!r}")
         for name in ("envs", "env_batch", "actors", "steps", "num_chunks", "num_action_chunks",
@@ -92,6 +114,9 @@ class RunConfig:
         if self.mode == "pipeline":
             rows = self.num_chunks * self.envs * self.env_batch // self.actors
             options["micro_batch_size"] = max(1, rows // self.ppo.minibatches)
+        if self.mode == "lerobot":
+            options.update(lerobot_fps=self.lerobot_fps,
+                           lerobot_only_success=self.lerobot_only_success)
         return TrajectoryPlan.from_options(options)
 
     def names(self) -> dict[str, str]:
@@ -148,8 +173,9 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     try:
         plan = cfg.plan(_spaces(cfg)[1])
         requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
-        loop = EnvLoop(ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks),
-                       plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
+        env = ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks,
+                         record_episodes=cfg.mode == "lerobot")
+        loop = EnvLoop(env, plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
         loop.start(seed=cfg.seed * 1000 + rank)
         for step in range(cfg.steps):
             t0, steps0 = time.monotonic(), loop.env_steps
@@ -200,7 +226,9 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
         else:  # handed over by the driver: bound to this worker's identity (actor:<rank>)
             trajectory, sync = channels["trajectory"], channels["sync"]
         actor = Actor(policy, plan, cfg.ppo, rank=rank, world=cfg.actors, trajectory=trajectory,
-                      sync=sync, weights=WeightPublisher(sync), seed=cfg.seed)
+                      sync=sync, weights=WeightPublisher(sync), seed=cfg.seed,
+                      normalization="rlinf_actor" if cfg.advantage_normalization == "rlinf"
+                      else "pooled")
         for step in range(cfg.steps):
             actor.train_step(step)
         if rank == min(actor.live):
@@ -272,7 +300,7 @@ class _LocalLauncher:
         for rank in range(cfg.envs):
             self.workers.start(f"env:{rank}", env_worker, data, rank)
         self.workers.start("rollout:0", rollout_worker, data, 0)
-        for rank in range(cfg.actors):
+        for rank in range(cfg.actors if cfg.mode != "lerobot" else 0):
             self.workers.start(f"actor:{rank}", actor_worker, data, rank)
         return self.workers
 
@@ -281,6 +309,8 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
                      consumers: Any = None) -> dict[str, Any]:
     names = cfg.names()
     local = cfg.transport == "inproc"
+    if cfg.mode == "lerobot":  # the driver records (recording.RECORDER)
+        consumers = {RECORDER.partition(":")[0]: 1}
     return {
         "requests": Channel.create(names["requests"], local=local),
         "actions": Channel.create(names["actions"], local=local),
@@ -293,47 +323,83 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
     }
 
 
+class _ActorReports:
+    """Training runs: each step's report is the leading actor's metrics on the sync channel."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+
+    def poll(self, step: int, timeout: float) -> dict | None:
+        try:
+            return self.sync.get_nowait(key=ACTOR_METRICS)
+        except asyncio.QueueEmpty:
+            if timeout <= 0:
+                return None
+        try:
+            return self.sync.get(key=ACTOR_METRICS, timeout=timeout)
+        except TimeoutError:
+            return None
+
+    def final_weights(self) -> dict:
+        return self.sync.get(key="final_weights", timeout=120)
+
+
+class _Recording(EpisodeRecorder):
+    """Lerobot runs: the driver records (``EpisodeRecorder``); the weights never change."""
+
+    def final_weights(self) -> dict:
+        return self.state
+
+
+def _reports(cfg: RunConfig, plan: TrajectoryPlan, channels: dict,
+             writer: LeRobotDatasetWriter | None) -> _ActorReports | _Recording:
+    if cfg.mode != "lerobot":
+        return _ActorReports(channels["sync"])
+    recorder = _connect(cfg.names()["trajectory"], identity=RECORDER)
+    return _Recording(recorder, plan, WeightPublisher(channels["sync"]),
+                      _policy(cfg).state_dict(), writer)
+
+
 def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
     """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
 
     ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
-    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).
+    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).  In lerobot
+    mode the summary has ``"dataset"`` (a ``DatasetSummary``) when ``cfg.dataset`` is set, else
+    ``"episodes"`` (every recorded episode, in global order); an existing ``cfg.dataset`` is
+    refused with ``FileExistsError`` before anything starts unless ``cfg.overwrite``.
     """
     if not cfg.run_id:
         cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
     plan = cfg.plan(_spaces(cfg)[1])
+    writer = LeRobotDatasetWriter(cfg.dataset, fps=cfg.lerobot_fps, overwrite=cfg.overwrite) \
+        if cfg.dataset else None
     launcher = launcher or _LocalLauncher(cfg.transport == "inproc")
     producers, consumers = launcher.groups()
-    channels = _create_channels(cfg, plan, producers, consumers)
-    sync, trajectory = channels["sync"], channels["trajectory"]
-    data = cfg.to_dict()
+    channels: dict[str, Any] = {}
     records: list[dict] = []
     dead_actors: set[int] = set()
-    workers = None
+    workers = reports = None
     try:
-        workers = launcher.start(cfg, data, channels)
+        channels = _create_channels(cfg, plan, producers, consumers)
+        sync, trajectory = channels["sync"], channels["trajectory"]
+        reports = _reports(cfg, plan, channels, writer)
+        workers = launcher.start(cfg, cfg.to_dict(), channels)
         t_start = t_prev = time.monotonic()
         env_reports: dict[int, list] = {}
         for step in range(cfg.steps):
             actor_report = None
             while actor_report is None or len(env_reports.get(step, [])) < cfg.envs:
                 _check_workers(workers, sync, dead_actors, cfg)
+                envs_done = len(env_reports.get(step, [])) >= cfg.envs
                 try:
-                    report = sync.get(key=ENV_METRICS, timeout=0.05) \
-                        if len(env_reports.get(step, [])) < cfg.envs else None
+                    report = sync.get(key=ENV_METRICS, timeout=0.05) if not envs_done else None
                     if report is not None:
                         env_reports.setdefault(report["step"], []).append(report)
                 except TimeoutError:
                     pass
-                try:
-                    actor_report = actor_report or sync.get_nowait(key=ACTOR_METRICS)
-                except asyncio.QueueEmpty:
-                    if len(env_reports.get(step, [])) >= cfg.envs:
-                        try:
-                            actor_report = sync.get(key=ACTOR_METRICS, timeout=0.05)
-                        except TimeoutError:
-                            pass
+                actor_report = actor_report or reports.poll(step, 0.05 if envs_done else 0)
             now = time.monotonic()
             records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
                                    now - t_prev, now - t_start, cfg))
@@ -342,17 +408,25 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
                 on_step(records[-1])
             if kill is not None:
                 kill(step, workers)
-        final = sync.get(key="final_weights", timeout=120)
+        final = reports.final_weights()
         channels["requests"].put(STOP, key=REQUESTS_KEY)
         rollout_report = sync.get(key="rollout_metrics", timeout=120)
         workers.stop()
-        placement = _placement(trajectory)
-        return {"placement": placement,"records": records, "final_weights": final, "rollout": rollout_report,
-                "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
-                "dead_actors": sorted(dead_actors)}
+        result = {"placement": _placement(trajectory), "records": records,
+                  "final_weights": final, "rollout": rollout_report, "config": cfg.to_dict(),
+                  "wall_s": time.monotonic() - t_start, "dead_actors": sorted(dead_actors)}
+        if writer is not None:
+            result["dataset"] = writer.close()
+        elif isinstance(reports, _Recording):
+            result["episodes"] = reports.episodes
+        return result
     finally:
+        if writer is not None and not writer.closed:
+            writer.abort()
         if workers is not None:
             workers.stop(timeout=5)
+        if isinstance(reports, _Recording):
+            reports.channel.close()
         for ch in channels.values():
             try:
                 ch.shutdown()
@@ -417,6 +491,7 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
         "wall_s": wall_s,
         "policy_loss": actor["policy_loss"],
         "value_loss": actor["value_loss"],
+        **{k: actor[k] for k in ("episodes_recorded", "frames_recorded") if k in actor},
     }
 
 

@@ -227,8 +227,11 @@ class TrajectoryStep:
     ) -> TrajectoryStep:
         """Build the step of one joined chunk (docs/embodied.md); the parts are never modified.
 
-        Env interventions are applied first, then model flags overwrite ``intervene_flags``.
-        Raises ``ValueError`` for an external (non-inferred) policy part, intervention actions
+        Model flags (``output.intervene_flags``) are expanded first; then, where the env reports
+        an intervention (``transition.intervene_actions``), the expert's actions replace the
+        model's where flagged and the env's flags replace the model's for the whole chunk: what
+        was executed wins, as in RLinf (``EmbodiedTrajectoryBuilder.update_last_actions`` runs
+        after ``mark_last_step_with_intervene_flags``).  Raises ``ValueError`` for an external (non-inferred) policy part, intervention actions
         without flags, missing RLT features or next observations.
         """
         output = policy.output
@@ -241,6 +244,8 @@ class TrajectoryStep:
         forward_inputs = dict(output.forward_inputs)
         actions = forward_inputs.get("action")
         intervene_flags = None
+        if output.intervene_flags is not None and actions is not None:
+            intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
         if transition.intervene_actions is not None:
             new_actions, new_flags = apply_interventions(
                 actions, transition.intervene_actions, transition.intervene_flags
@@ -249,8 +254,6 @@ class TrajectoryStep:
                 actions, intervene_flags = new_actions, new_flags
                 forward_inputs["action"] = actions
                 forward_inputs.pop("model_action", None)
-        if output.intervene_flags is not None and actions is not None:
-            intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
 
         curr_obs = next_obs = None
         if enable_rlt:
