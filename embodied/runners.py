@@ -110,6 +110,7 @@ class RunConfig:
             actor_world_size=self.actors, num_action_chunks=self.num_action_chunks,
             action_dim=action_dim, adv_type="gae", gamma=self.gamma, gae_lambda=self.gae_lambda,
             auto_reset=True, reward_type="chunk_level", seed=self.seed,
+            intervention_precedence="env",
         )
         if self.mode == "pipeline":
             rows = self.num_chunks * self.envs * self.env_batch // self.actors

@@ -257,7 +257,8 @@ class RLinfBuilder:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_interventions_match_rlinfs_builder(seed):
-    """The env's executed intervention wins where it and the model's flags both mark a chunk."""
+    """With ``intervention_precedence="env"`` (the runners' setting) the env's executed
+    intervention wins where it and the model's flags both mark a chunk."""
     g = torch.Generator().manual_seed(seed)
     B, C, A = 4, 3, 2
     actions = torch.randn(B, C * A, generator=g)
@@ -286,7 +287,7 @@ def test_interventions_match_rlinfs_builder(seed):
         intervene_flags=env_flags if with_env else None))
     step = TrajectoryStep.from_parts(policy, env, rewards=None, collect_prev_infos=True,
                                      collect_transitions=False, enable_rlt=False,
-                                     include_final_value=False)
+                                     include_final_value=False, intervention_precedence="env")
     torch.testing.assert_close(step.actions, ref.actions[-1])
     assert torch.equal(step.intervene_flags, ref.intervene_flags[-1])
     torch.testing.assert_close(step.forward_inputs["action"], ref.forward_inputs[-1]["action"])
@@ -294,6 +295,10 @@ def test_interventions_match_rlinfs_builder(seed):
 
 
 # -- the runners' default ---------------------------------------------------------------------
+
+
+def test_the_runners_let_the_env_intervention_win():
+    assert RunConfig().plan(action_dim=2).intervention_precedence == "env"
 
 
 def test_rollout_mode_actors_default_to_rlinfs_actor_normalisation():
