@@ -309,6 +309,15 @@ class _Workers:
                     out[name] = f"exit code {proc.exitcode}"
         return out
 
+    def abort(self) -> None:
+        """End the worker processes now (threads end when their channels are shut down)."""
+        if not self.inproc:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self.procs.values():
+                proc.join(10)
+
     def stop(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
@@ -359,6 +368,8 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
     """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
 
+    When ``on_step`` returns True the run stops after that step: the workers are ended
+    (processes terminated) and the summary has ``stopped_early`` True and no final weights.
     ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
     the workers (default: local processes; ``ray_runner`` passes Ray worker groups).
     """
@@ -373,6 +384,7 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
     records: list[dict] = []
     dead_actors: set[int] = set()
     workers = None
+    stopped = False
     try:
         workers = launcher.start(cfg, data, channels)
         t_start = t_prev = time.monotonic()
@@ -400,10 +412,16 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
             records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
                                    now - t_prev, now - t_start, cfg))
             t_prev = now
-            if on_step is not None:
-                on_step(records[-1])
+            if on_step is not None and on_step(records[-1]):
+                stopped = True
+                break
             if kill is not None:
                 kill(step, workers)
+        if stopped:
+            return {"records": records, "final_weights": None, "rollout": None,
+                    "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
+                    "dead_actors": sorted(dead_actors), "episodes": episodes(records),
+                    "placement": None, "stopped_early": True}
         final = sync.get(key="final_weights", timeout=120)
         channels["requests"].put(STOP, key=REQUESTS_KEY)
         rollout_report = sync.get(key="rollout_metrics", timeout=120)
@@ -412,10 +430,13 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         return {"placement": placement, "records": records, "final_weights": final,
                 "rollout": rollout_report, "config": cfg.to_dict(),
                 "wall_s": time.monotonic() - t_start, "dead_actors": sorted(dead_actors),
-                "episodes": episodes(records)}
+                "episodes": episodes(records), "stopped_early": False}
     finally:
         if workers is not None:
-            workers.stop(timeout=5)
+            if stopped:
+                workers.abort()
+            else:
+                workers.stop(timeout=5)
         for ch in channels.values():
             try:
                 ch.shutdown()
