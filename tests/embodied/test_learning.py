@@ -1,0 +1,66 @@
+"""Learning that matches a reference, over brokers (slow: ``pytest -m slow``).
+
+CartPole-v1 with CleanRL ``ppo.py``'s hyperparameters (``presets.CARTPOLE``) must reach a mean
+return of 475 over the last 20 finished episodes within 500k env steps on each of 3 seeds;
+Pendulum-v1 (``presets.PENDULUM``) must reach -400 within 200k env steps.  A run stops as soon as
+its criterion holds (``on_step`` returns True), so the time is what reaching it takes.  The three
+seeds of a task run at once (each with its own brokers and workers).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("gymnasium")
+
+from zchannel.embodied.presets import CARTPOLE, PENDULUM  # noqa: E402
+from zchannel.embodied.runners import run  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+SEEDS = (1, 2, 3)
+
+
+def _until(cfg, threshold: float, window: int = 20) -> dict:
+    """Run ``cfg`` until the mean of the last ``window`` finished episodes reaches
+    ``threshold``; what it took."""
+    returns: list[float] = []
+    start = time.monotonic()
+
+    def on_step(record: dict) -> bool:
+        returns.extend(record["returns"])
+        return len(returns) >= window and sum(returns[-window:]) / window >= threshold
+
+    result = run(cfg, on_step=on_step)
+    episodes = result["episodes"]
+    assert len(episodes) == len(returns)  # every finished episode is recorded
+    last = [e["return"] for e in episodes[-window:]]
+    return {"seed": cfg.seed, "reached": result["stopped_early"],
+            "mean_last": sum(last) / len(last), "env_steps": episodes[-1]["env_steps"],
+            "steps": len(result["records"]), "wall_s": round(time.monotonic() - start, 1)}
+
+
+def _three_seeds(cfg, threshold: float) -> list[dict]:
+    with ThreadPoolExecutor(len(SEEDS)) as pool:
+        return list(pool.map(lambda s: _until(replace(cfg, seed=s), threshold), SEEDS))
+
+
+@pytest.mark.parametrize("runner", ["sync", "async"])
+def test_cartpole_reaches_475_within_500k_steps_on_three_seeds(runner):
+    outcome = _three_seeds(replace(CARTPOLE, runner=runner), 475.0)
+    print(f"CartPole-v1 {runner}: {outcome}")
+    for o in outcome:
+        assert o["reached"] and o["mean_last"] >= 475.0, outcome
+        assert o["env_steps"] <= 500_000, outcome
+
+
+@pytest.mark.parametrize("runner", ["sync", "async"])
+def test_pendulum_reaches_minus_400_within_200k_steps(runner):
+    outcome = _three_seeds(replace(PENDULUM, runner=runner), -400.0)
+    print(f"Pendulum-v1 {runner}: {outcome}")
+    for o in outcome:
+        assert o["reached"] and o["mean_last"] >= -400.0, outcome
+        assert o["env_steps"] <= 200_000, outcome
