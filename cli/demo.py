@@ -1,14 +1,17 @@
 """``zchannel demo embodied``: train a policy end to end through zchannel channels.
 
 Env, rollout and actor workers run as processes (or Ray actor groups with ``--ray``) and talk
-over real brokers; the toy task (``PointReach``, 2-D point reaching with action chunks) needs no
-simulator.  One table row per training step; at the end the trained policy's return is shown
-beside a random policy's on the same environment seeds.
+over real brokers; the default task (``PointReach``, 2-D point reaching with action chunks) needs
+no simulator, ``--env gym:<id>`` trains on any Gymnasium env (``--env-kwargs`` JSON; the
+reference hyperparameters of ``zchannel.embodied.presets`` where it has them).  One table row per
+training step; at the end the trained policy's return is shown beside a random policy's on the
+same environment seeds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,7 +32,19 @@ def _row(record: dict) -> str:
     return " ".join(cells)
 
 
-def _plot(records: list[dict], path: str, title: str) -> None:
+def _json_option(text: str | None, name: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=name) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=name)
+    return value
+
+
+def _plot(records: list[dict], path: str, title: str, random_return: float | None = None) -> None:
     try:
         import matplotlib
 
@@ -38,12 +53,19 @@ def _plot(records: list[dict], path: str, title: str) -> None:
     except ImportError:
         raise click.UsageError(
             "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'") from None
+    from matplotlib.ticker import MaxNLocator
+
     steps = [r["step"] for r in records if r["mean_return"] is not None]
     returns = [r["mean_return"] for r in records if r["mean_return"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, returns, marker="o")
+    ax.plot(steps, returns, marker="o" if len(steps) <= 50 else None,
+            label="trained (episodes finished in the step)")
+    if random_return is not None:
+        ax.axhline(random_return, color="gray", linestyle="--", label="random policy")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step")
     ax.set_ylabel("mean episode return")
+    ax.legend(loc="best")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -61,14 +83,21 @@ def demo() -> None:
               show_default=True, help="service loops (docs/embodied.md)")
 @click.option("--mode", type=click.Choice(["rollout", "pipeline"]), default="rollout",
               show_default=True, help="trajectory channel output mode")
-@click.option("--envs", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="env workers (logical sources)")
-@click.option("--env-batch", type=click.IntRange(1, 4096), default=32, show_default=True,
-              help="environments per env worker")
+@click.option("--env", "env_name", default="point_reach", show_default=True,
+              help="'point_reach' or 'gym:<id>' (any Gymnasium id: 'gym:CartPole-v1', "
+                   "'gym:<module>:<EnvId>'; needs the 'gym' extra)")
+@click.option("--env-kwargs", default=None, metavar="JSON",
+              help='keyword arguments of the env, e.g. \'{"max_episode_steps": 200}\'')
+@click.option("--obs-map", default=None, metavar="JSON",
+              help='gym: observation leaf -> image key, e.g. \'{"pixels": "main_images"}\'')
+@click.option("--envs", type=click.IntRange(1, 64), default=None,
+              help="env workers (logical sources)  [default: the env's preset; 2]")
+@click.option("--env-batch", type=click.IntRange(1, 4096), default=None,
+              help="environments per env worker  [default: the env's preset; 32]")
 @click.option("--actors", type=click.IntRange(1, 64), default=1, show_default=True,
               help="actor workers")
-@click.option("--steps", type=click.IntRange(1, 100000), default=20, show_default=True,
-              help="training steps")
+@click.option("--steps", type=click.IntRange(1, 100000), default=None,
+              help="training steps  [default: the env's preset; 20]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--ray", "use_ray", is_flag=True,
               help="run the workers as Ray actor groups (needs the 'ray' extra)")
@@ -79,12 +108,14 @@ def demo() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="save the learning curve as PNG (needs the 'plot' extra: matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar or table")
-def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, steps: int,
-             seed: int, use_ray: bool, ray_nodes: int, json_path: str | None,
-             plot_path: str | None, quiet: bool) -> None:
-    """Train PPO on the PointReach toy task through zchannel (env → rollout → actors)."""
+def embodied(runner: str, mode: str, env_name: str, env_kwargs: str | None,
+             obs_map: str | None, envs: int | None, env_batch: int | None, actors: int,
+             steps: int | None, seed: int, use_ray: bool, ray_nodes: int,
+             json_path: str | None, plot_path: str | None, quiet: bool) -> None:
+    """Train PPO through zchannel (env → rollout → actors) on PointReach or a Gymnasium env."""
     from zchannel.embodied.policy import RandomPolicy
-    from zchannel.embodied.runners import RunConfig, WorkerDied, evaluate, run, trained_policy
+    from zchannel.embodied.presets import preset
+    from zchannel.embodied.runners import WorkerDied, env_spec, evaluate, run, trained_policy
 
     if plot_path is not None:
         try:
@@ -93,16 +124,22 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
             raise click.UsageError(
                 "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
             ) from None
+    given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
+             if v is not None}
     try:
-        cfg = RunConfig(runner=runner, mode=mode, envs=envs, env_batch=env_batch,
-                        actors=actors, steps=steps, seed=seed)
-        cfg.plan(2)  # geometry errors (e.g. pipeline widths) before anything starts
-    except ValueError as exc:
+        cfg = preset(env_name, runner=runner, mode=mode, actors=actors, seed=seed,
+                     env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
+                     obs_map=_json_option(obs_map, "--obs-map"), **given)
+        spec = env_spec(cfg)  # an env that cannot be made or carried is refused here
+        cfg.plan(spec.action_dim)  # geometry errors (e.g. pipeline widths) before anything starts
+    except (ValueError, TypeError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
+    envs, env_batch, steps = cfg.envs, cfg.env_batch, cfg.steps
     records: list[dict] = []
     bar: Any = None
     if not quiet:
-        click.echo(f"runner={runner} mode={mode} envs={envs}x{env_batch} actors={actors} "
+        click.echo(f"env={env_name} runner={runner} mode={mode} envs={envs}x{env_batch} "
+                   f"actors={actors} "
                    f"steps={steps} seed={seed}{' ray' if use_ray else ''}")
         click.echo(HEADER)
         bar = click.progressbar(length=steps, label="training", file=sys.stderr)
@@ -129,7 +166,8 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
     policy = trained_policy(cfg, result["final_weights"])
     seeds = [10_000 + seed * 10 + i for i in range(3)]
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
-    random = [evaluate(cfg, RandomPolicy(2, cfg.num_action_chunks, seed=s), episodes_seed=s)
+    random = [evaluate(cfg, RandomPolicy(spec.action_dim, cfg.num_action_chunks, seed=s,
+                                         action=spec.action), episodes_seed=s)
               for s in seeds]
 
     def mean(rows: list[dict], name: str) -> float:
@@ -150,11 +188,15 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"config": result["config"], "steps": records, "evaluation": evaluation,
+                       "episodes": result["episodes"],
                        "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
                        "trajectory_channel_nodes": result.get("placement"),
                        "wall_s": result["wall_s"]}, f, indent=1)
+        click.echo(f"wrote the run as JSON to {os.path.abspath(json_path)}")
     if plot_path:
-        _plot(records, plot_path, f"PointReach, {runner} runner, {mode} mode")
+        _plot(records, plot_path, f"{env_name}, {runner} runner, {mode} mode",
+              evaluation["random_return"])
+        click.echo(f"wrote the learning curve to {os.path.abspath(plot_path)}")
 
 
 __all__ = ["demo"]

@@ -283,7 +283,7 @@ class GymVectorEnv:
         obs, reward, term, trunc, info = self.env.step(self.to_space(actions))
         term = torch.as_tensor(np.asarray(term), dtype=torch.bool)
         trunc = torch.as_tensor(np.asarray(trunc), dtype=torch.bool)
-        success = term.clone()
+        success = torch.zeros_like(term)  # an env without a "success" info has none
         if "success" in info:  # e.g. Meta-World: per-env flags with a "_success" mask
             mask = np.asarray(info.get("_success", True))
             success = torch.as_tensor(np.asarray(info["success"]).astype(bool) & mask)

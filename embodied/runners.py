@@ -525,16 +525,24 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
 
 
 def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
-             chunks: int = 40) -> dict:
+             chunks: int | None = None, max_chunks: int = 2000) -> dict:
     """Mean return / success of ``policy`` on fresh envs seeded ``episodes_seed`` (in process,
-    no channel): the demo's trained-versus-random comparison."""
+    no channel): the demo's trained-versus-random comparison.  ``chunks`` action chunks
+    (default for ``point_reach``: 40), or else until every env has finished an episode (at most
+    ``max_chunks``)."""
     env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
                      cfg.num_action_chunks)
     env.reset(seed=episodes_seed)
-    for _ in range(chunks):
+    if chunks is None and cfg.env == "point_reach":
+        chunks = 40
+    done = torch.zeros(cfg.env_batch, dtype=torch.bool)
+    for _ in range(chunks if chunks is not None else max_chunks):
         out = policy(env.obs)
-        env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
-                                                              cfg.num_action_chunks, -1))
+        step = env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
+                                                                   cfg.num_action_chunks, -1))
+        done |= step.transition.dones.any(-1)
+        if chunks is None and bool(done.all()):
+            break
     stats = env.stats.take()
     n = len(stats["returns"])
     return {"mean_return": sum(stats["returns"]) / max(n, 1),
