@@ -207,38 +207,76 @@ __all__ = ["demo"]
               help="training steps per run (the first is start-up and is not counted)")
 @click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
 @click.option("--runners", default="sync,async", show_default=True)
+@click.option("--env", "env_name", default="point_reach", show_default=True,
+              help="'point_reach' or 'gym:<id>' (the image task: "
+                   "gym:zchannel.embodied.toyenvs:TwoCameraReach-v0)")
+@click.option("--env-kwargs", default=None, metavar="JSON",
+              help='keyword arguments of the env, e.g. \'{"size": 128}\'')
+@click.option("--env-batch", "env_batches", default=None, metavar="N[,N...]",
+              help="envs per env worker, one run per value  [default: the env's preset]")
+@click.option("--num-chunks", type=click.IntRange(1, 4096), default=None,
+              help="action chunks per training step  [default: the env's preset]")
+@click.option("--ppo-epochs", type=click.IntRange(1, 100), default=None,
+              help="PPO epochs per training step  [default: the env's preset]")
+@click.option("--shm-threshold", type=click.IntRange(0, None), default=None,
+              help="bytes from which the requests and trajectory brokers use shared memory "
+                   "(tensors under 64 KiB travel inline anyway)  [default: the channel's, 1 MiB]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True))
-def embodied_bench(steps: int, repeats: int, runners: str, json_path: str | None) -> None:
+def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
+                   env_kwargs: str | None, env_batches: str | None, num_chunks: int | None,
+                   ppo_epochs: int | None, shm_threshold: int | None,
+                   json_path: str | None) -> None:
     """Throughput of the demo: each runner over brokers and over in-process channels, in one
-    run; medians over the steady-state steps (step 0 includes worker start-up)."""
+    run; medians over the steady-state steps (step 0 includes worker start-up).  The channel's
+    share of the step wall time is 1 - in-process / brokers."""
     import statistics
+    from dataclasses import replace
 
-    from zchannel.embodied.runners import RunConfig, run
+    from zchannel.embodied.presets import preset
+    from zchannel.embodied.runners import run
 
+    base = preset(env_name, env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
+                  steps=steps, shm_threshold=shm_threshold)
+    if num_chunks is not None:
+        base = replace(base, num_chunks=num_chunks)
+    if ppo_epochs is not None:
+        base = replace(base, ppo=replace(base.ppo, epochs=ppo_epochs))
+    try:
+        batches = [int(b) for b in env_batches.split(",")] if env_batches else [base.env_batch]
+    except ValueError:
+        raise click.BadParameter("a comma-separated list of ints",
+                                 param_hint="--env-batch") from None
+    click.echo(f"env={env_name} steps={steps} repeats={repeats} num_chunks={base.num_chunks} "
+               f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rows = []
-    for runner in [r.strip() for r in runners.split(",") if r.strip()]:
-        for transport in ("broker", "inproc"):
-            step_s, env_rate, chunk_rate = [], [], []
-            for rep in range(repeats):
-                result = run(RunConfig(runner=runner, transport=transport, steps=steps,
-                                       seed=rep))
-                steady = result["records"][1:]
-                step_s += [r["step_s"] for r in steady]
-                env_rate += [r["env_steps_per_s"] for r in steady]
-                chunk_rate += [r["chunks_per_s"] for r in steady]
-            rows.append({"runner": runner, "transport": transport,
-                         "step_s": statistics.median(step_s),
-                         "env_steps_per_s": statistics.median(env_rate),
-                         "chunks_per_s": statistics.median(chunk_rate)})
-            click.echo(f"{runner:>9} {transport:>7}: step {rows[-1]['step_s'] * 1000:7.1f} ms  "
-                       f"env steps/s {rows[-1]['env_steps_per_s']:8.0f}  chunks/s "
-                       f"{rows[-1]['chunks_per_s']:6.1f}")
-    by = {(r["runner"], r["transport"]): r for r in rows}
-    for runner in sorted({r["runner"] for r in rows}):
-        broker, inproc = by[(runner, "broker")], by[(runner, "inproc")]
+    for batch in batches:
+        for runner in [r.strip() for r in runners.split(",") if r.strip()]:
+            for transport in ("broker", "inproc"):
+                step_s, env_rate, chunk_rate = [], [], []
+                for rep in range(repeats):
+                    result = run(replace(base, runner=runner, transport=transport,
+                                         env_batch=batch, seed=rep))
+                    steady = result["records"][1:]
+                    step_s += [r["step_s"] for r in steady]
+                    env_rate += [r["env_steps_per_s"] for r in steady]
+                    chunk_rate += [r["chunks_per_s"] for r in steady]
+                rows.append({"env_batch": batch, "runner": runner, "transport": transport,
+                             "step_s": statistics.median(step_s),
+                             "env_steps_per_s": statistics.median(env_rate),
+                             "chunks_per_s": statistics.median(chunk_rate)})
+                click.echo(f"{batch:>4} envs {runner:>9} {transport:>7}: step "
+                           f"{rows[-1]['step_s'] * 1000:7.1f} ms  env steps/s "
+                           f"{rows[-1]['env_steps_per_s']:8.0f}  chunks/s "
+                           f"{rows[-1]['chunks_per_s']:6.1f}")
+    by = {(r["env_batch"], r["runner"], r["transport"]): r for r in rows}
+    for batch, runner in sorted({(r["env_batch"], r["runner"]) for r in rows}):
+        broker, inproc = by[(batch, runner, "broker")], by[(batch, runner, "inproc")]
         share = 1 - inproc["step_s"] / broker["step_s"]
-        click.echo(f"{runner}: channel share of the step wall time "
+        rows.append({"env_batch": batch, "runner": runner, "channel_share": share})
+        click.echo(f"{batch} envs, {runner}: channel share of the step wall time "
                    f"(1 - inproc/broker) = {share * 100:.1f} %")
+    click.echo(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
+        click.echo(f"wrote the figures as JSON to {os.path.abspath(json_path)}")
