@@ -21,6 +21,7 @@ from zchannel.embodied.runners import RunConfig, run
 from zchannel.embodied.spaces import EnvSpec
 
 
+# --8<-- [start:class]
 class TinyVLA(nn.Module):
     def __init__(self, spec: EnvSpec, chunks: int) -> None:
         super().__init__()
@@ -61,6 +62,7 @@ class TinyVLA(nn.Module):
 def make_policy(spec: EnvSpec, cfg: RunConfig) -> TinyVLA:
     """The factory a RunConfig names: called in every worker with the env's spec."""
     return TinyVLA(spec, cfg.num_action_chunks)
+# --8<-- [end:class]
 
 
 if __name__ == "__main__":
