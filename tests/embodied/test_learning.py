@@ -21,7 +21,7 @@ pytest.importorskip("gymnasium")
 from zchannel.embodied.presets import CARTPOLE, PENDULUM  # noqa: E402
 from zchannel.embodied.runners import run  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 SEEDS = (1, 2, 3)
 
 
