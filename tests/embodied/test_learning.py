@@ -21,7 +21,8 @@ pytest.importorskip("gymnasium")
 from zchannel.embodied.presets import CARTPOLE, PENDULUM  # noqa: E402
 from zchannel.embodied.runners import run  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+# method="thread": a run that hangs would keep the seeds' thread pool (and pytest) waiting
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700, method="thread")]
 SEEDS = (1, 2, 3)
 
 
