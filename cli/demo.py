@@ -220,7 +220,8 @@ __all__ = ["demo"]
               help="PPO epochs per training step  [default: the env's preset]")
 @click.option("--shm-threshold", type=click.IntRange(0, None), default=None,
               help="bytes from which the requests and trajectory brokers use shared memory "
-                   "(tensors under 64 KiB travel inline anyway)  [default: the channel's, 1 MiB]")
+                   "(tensors under 64 KiB travel inline anyway)  [default: 64 KiB for envs with "
+                   "images, else the channel's 1 MiB]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True))
 def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
                    env_kwargs: str | None, env_batches: str | None, num_chunks: int | None,

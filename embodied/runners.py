@@ -46,6 +46,7 @@ from zchannel.embodied.ppo import PPOConfig
 from zchannel.embodied.spaces import EnvSpec
 
 RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max_staleness
+IMAGE_SHM_THRESHOLD = 64 << 10  # tensors under 64 KiB travel inline in the body anyway
 ENV_METRICS = "env_metrics"
 ERRORS = "errors"
 
@@ -75,7 +76,9 @@ class RunConfig:
     policy_kwargs: dict = field(default_factory=dict)  # ActorCritic(spec, C, **policy_kwargs)
     normalize_reward: bool = False  # env workers scale rewards (RewardScaler, gamma)
     reproducible: bool = False  # rollout: no request merging, sampling seeded per chunk key
-    shm_threshold: int | None = None  # requests/trajectory brokers (None: the channel default)
+    # requests/trajectory brokers' shared-memory threshold; None: IMAGE_SHM_THRESHOLD when the
+    # env has images (camera tensors of a batch take slots), else the channel's default
+    shm_threshold: int | None = None
     transport: str = "broker"  # or "inproc": threads over in-process channels
     gamma: float = 0.95
     gae_lambda: float = 0.95
@@ -351,7 +354,10 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
                      consumers: Any = None) -> dict[str, Any]:
     names = cfg.names()
     local = cfg.transport == "inproc"
-    shm = {} if local or cfg.shm_threshold is None else {"shm_threshold": cfg.shm_threshold}
+    threshold = cfg.shm_threshold
+    if threshold is None and env_spec(cfg).images:
+        threshold = IMAGE_SHM_THRESHOLD
+    shm = {} if local or threshold is None else {"shm_threshold": threshold}
     return {
         "requests": Channel.create(names["requests"], local=local, **shm),
         "actions": Channel.create(names["actions"], local=local),
