@@ -28,7 +28,7 @@ def _same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_inproc_broker_and_ray_give_identical_trajectories_and_losses():
     inproc = run(replace(CFG, transport="inproc"))
     broker = run(CFG)
