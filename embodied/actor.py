@@ -143,7 +143,13 @@ class Actor:
         for peer in sorted(self.live):
             self.sync.put(contribution, key=("contrib", step, peer))
         for d in deliveries:
-            self.trajectory.ack(d)
+            try:
+                self.trajectory.ack(d)
+            except ValueError as exc:
+                if "lease" not in str(exc):
+                    raise
+                # the lease expired while this (starved) actor trained: the broker deals the
+                # item again, and _take acknowledges that re-delivery as already trained
         return contribution
 
     def train_step(self, step: int) -> dict:
