@@ -38,6 +38,7 @@ from zchannel.embodied.checks import check_env_part
 from zchannel.embodied.envs import ChunkedEnv
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import chunk_actions, stamp_version
+from zchannel.embodied.spaces import ObservationError
 from zchannel.embodied.types import (
     EnvPart,
     EnvTransition,
@@ -51,6 +52,7 @@ from zchannel.embodied.types import (
 REQUESTS_KEY = "requests"
 MAX_INFLIGHT = 64  # a rollout's unacknowledged puts
 WEIGHTS_KEY = "weights"
+WEIGHTS_POLL_S = 0.02  # a rollout that has the weights it needs looks for newer ones this often
 STOP = "stop"
 ROLLOUT_FAILURE = "rollout_failure"
 RLT_FEATURES = {"rlt_transition_z_rl": "z_rl", "rlt_transition_proprio": "proprio",
@@ -183,6 +185,7 @@ class WeightReceiver:
         self.channel, self.model, self.key = channel, model, weights_key(rank)
         self.version = 0
         self.updates = 0
+        self.polled = 0.0  # time.monotonic() of the last poll
 
     def _load(self, message: dict) -> None:
         if message["version"] > self.version:
@@ -192,6 +195,7 @@ class WeightReceiver:
 
     def poll(self) -> int:
         """Take every waiting update (keep the newest); return the current version."""
+        self.polled = time.monotonic()
         while True:
             try:
                 message = self.channel.get_nowait(key=self.key)
@@ -239,7 +243,10 @@ class EnvLoop:
     _sent: Any = None  # the Work of the last request put
 
     def start(self, seed: int) -> None:
-        self.env.reset(seed=seed)
+        try:
+            self.env.reset(seed=seed)
+        except ObservationError as exc:
+            raise ObservationError(f"env rank {self.env_rank}, reset: {exc}") from None
         B, C = self.plan.source_batch_size, self.plan.num_action_chunks
         false = torch.zeros(B, C, dtype=torch.bool)
         self._boundary = EnvTransition(dones=false, terminations=false, truncations=false)
@@ -267,7 +274,14 @@ class EnvLoop:
                 failure = RolloutFailure.from_message(actions)
                 if failure is not None:
                     raise failure.error()
-                out = self.env.step_chunk(actions)
+                try:
+                    out = self.env.step_chunk(actions)
+                except ObservationError as exc:
+                    # nothing of the chunk was sent; the requests already put are delivered
+                    if self._sent is not None:
+                        self._sent.wait()
+                    raise ObservationError(f"env rank {self.env_rank}, chunk {key}: {exc}") \
+                        from None
                 self.env_steps += plan.source_batch_size * plan.num_action_chunks
                 last = chunk == plan.num_chunks - 1
                 dones = out.dones
@@ -311,11 +325,12 @@ class Rollout:
     def __init__(self, policy: torch.nn.Module, plan: TrajectoryPlan, *, requests: Any,
                  actions: Any, trajectory: Any, weights: WeightReceiver,
                  max_staleness: int = 0, merge: bool = True,
-                 tag_columns: bool = True) -> None:
+                 tag_columns: bool = True, sample_seed: int | None = None) -> None:
         self.policy, self.plan = policy, plan
         self.requests, self.actions, self.trajectory = requests, actions, trajectory
         self.weights, self.max_staleness, self.merge = weights, max_staleness, merge
         self.tag_columns = tag_columns
+        self.sample_seed = sample_seed
         self.chunks = 0
         self.lags: list[int] = []
         self._held: list[Any] = []  # requests taken off the channel, to serve in order
@@ -378,7 +393,9 @@ class Rollout:
         """Load weights of at least ``version``; meanwhile serve the waiting requests the loaded
         weights may serve (other sources' earlier chunks and last parts), holding the others in
         arrival order."""
-        self.weights.poll()
+        if self.weights.version < version or \
+                time.monotonic() - self.weights.polled >= WEIGHTS_POLL_S:
+            self.weights.poll()
         if self.weights.version < version:
             self.drain()  # the step's last parts go out before the rollout sits waiting
         while self.weights.version < version:
@@ -407,6 +424,11 @@ class Rollout:
             raise ValueError("external (smooth-intervention) actions are only valid in lerobot "
                              "mode")
         merged = head if len(requests) == 1 else PolicyInput.merge(requests)
+        generator = getattr(self.policy, "generator", None)
+        if self.sample_seed is not None and isinstance(generator, torch.Generator):
+            k = head.sources[0].key  # reproducible sampling: one stream per chunk key
+            generator.manual_seed(hash((self.sample_seed, k.step_id, k.epoch_id, k.env_rank,
+                                        k.stage_id, k.chunk_id)) & ((1 << 63) - 1))
         output = self.infer(merged.obs)
         if self.tag_columns:
             _tag(output, merged)

@@ -45,6 +45,11 @@ class _GroupWorkers:
         return {f"{group}:{rank}": why for group, call in self.calls.items()
                 for rank, why in call.failures().items()}
 
+    def abort(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+        self.groups = []
+
     def stop(self, timeout: float = 30.0) -> None:
         for call in self.calls.values():
             try:

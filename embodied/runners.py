@@ -20,6 +20,8 @@ dataset, ``lerobot_writer``) or keeps them, and releases each step's version as 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import json
 import multiprocessing
 import threading
 import time
@@ -34,6 +36,8 @@ from zchannel.broker import Channel
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
 from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
+from zchannel.embodied.models import ActorCritic
+from zchannel.embodied.normalize import RewardScaler
 from zchannel.embodied.pipeline import (
     REQUESTS_KEY,
     STOP,
@@ -46,8 +50,10 @@ from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import MLPPolicy
 from zchannel.embodied.ppo import PPOConfig
 from zchannel.embodied.recording import RECORDER, EpisodeRecorder
+from zchannel.embodied.spaces import EnvSpec
 
 RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max_staleness
+IMAGE_SHM_THRESHOLD = 64 << 10  # tensors under 64 KiB travel inline in the body anyway
 ENV_METRICS = "env_metrics"
 ERRORS = "errors"
 
@@ -76,6 +82,17 @@ class RunConfig:
     num_action_chunks: int = 2
     rollout_epochs: int = 1
     env: str = "point_reach"
+    env_kwargs: dict = field(default_factory=dict)  # make_env(..., env_kwargs)
+    obs_map: dict | None = None  # gym: observation leaf -> image key (docs/embodied.md)
+    # "auto" (point_reach: "mlp", else "actor_critic"), "mlp", "actor_critic", or
+    # "module:factory" called as factory(spec: EnvSpec, cfg: RunConfig) -> Policy
+    policy: str = "auto"
+    policy_kwargs: dict = field(default_factory=dict)  # ActorCritic(spec, C, **policy_kwargs)
+    normalize_reward: bool = False  # env workers scale rewards (RewardScaler, gamma)
+    reproducible: bool = False  # rollout: no request merging, sampling seeded per chunk key
+    # requests/trajectory brokers' shared-memory threshold; None: IMAGE_SHM_THRESHOLD when the
+    # env has images (camera tensors of a batch take slots), else the channel's default
+    shm_threshold: int | None = None
     transport: str = "broker"  # or "inproc": threads over in-process channels
     gamma: float = 0.95
     gae_lambda: float = 0.95
@@ -111,6 +128,7 @@ class RunConfig:
             action_dim=action_dim, adv_type="gae", gamma=self.gamma, gae_lambda=self.gae_lambda,
             auto_reset=True, reward_type="chunk_level", seed=self.seed,
             intervention_precedence="env",
+            normalize_advantages=not self.ppo.minibatch_adv_norm,
         )
         if self.mode == "pipeline":
             rows = self.num_chunks * self.envs * self.env_batch // self.actors
@@ -131,15 +149,57 @@ def _config(data: dict) -> RunConfig:
     return RunConfig(**{**data, "ppo": PPOConfig(**data["ppo"])})
 
 
+_SPECS: dict[str, EnvSpec] = {}
+_POLICY_LOCK = threading.Lock()
+
+
+def env_spec(cfg: RunConfig) -> EnvSpec:
+    """The run's ``EnvSpec`` (from a one-env instance, made once per process)."""
+    key = json.dumps([cfg.env, cfg.env_kwargs, cfg.obs_map], sort_keys=True, default=str)
+    if key not in _SPECS:
+        env = make_env(cfg.env, 1, cfg.env_kwargs, cfg.obs_map)
+        _SPECS[key] = env.spec
+        close = getattr(getattr(env, "env", None), "close", None)
+        if close is not None:
+            close()
+    return _SPECS[key]
+
+
 def _spaces(cfg: RunConfig) -> tuple[int, int]:
-    env = make_env(cfg.env, 1)
-    return env.state_dim, env.action_dim
+    spec = env_spec(cfg)
+    return spec.state_dim, spec.action_dim
 
 
-def _policy(cfg: RunConfig) -> MLPPolicy:
-    state_dim, action_dim = _spaces(cfg)
-    torch.manual_seed(cfg.seed)
-    return MLPPolicy(state_dim, action_dim, cfg.num_action_chunks)
+def build_policy(cfg: RunConfig) -> torch.nn.Module:
+    """The run's policy, initialised from ``cfg.seed`` (the same weights in every worker; the
+    global RNG is left as it was, so threads of an in-process run do not disturb each other)."""
+    spec = env_spec(cfg)
+    kind = cfg.policy
+    if kind == "auto":
+        kind = "mlp" if cfg.env == "point_reach" else "actor_critic"
+    with _POLICY_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if kind == "mlp":
+            if spec.action.kind != "box" or spec.images:
+                raise ValueError("policy 'mlp' takes states and Box actions only; use "
+                                 "'actor_critic'")
+            policy = MLPPolicy(spec.state_dim, spec.action_dim, cfg.num_action_chunks,
+                               **cfg.policy_kwargs)
+        elif kind == "actor_critic":
+            policy = ActorCritic(spec, cfg.num_action_chunks, **cfg.policy_kwargs)
+        elif ":" in kind:
+            module, _, name = kind.partition(":")
+            policy = getattr(importlib.import_module(module), name)(spec, cfg)
+        else:
+            raise ValueError(f"policy must be 'auto', 'mlp', 'actor_critic' or "
+                             f"'module:factory', got {cfg.policy!r}")
+    generator = getattr(policy, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(cfg.seed)
+    return policy
+
+
+_policy = build_policy
 
 
 def _connect(name: str, identity: str | None = None) -> Any:
@@ -174,7 +234,9 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     try:
         plan = cfg.plan(_spaces(cfg)[1])
         requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
-        env = ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks,
+        scaler = RewardScaler(cfg.env_batch, cfg.gamma) if cfg.normalize_reward else None
+        env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
+                         cfg.num_action_chunks, reward_scaler=scaler,
                          record_episodes=cfg.mode == "lerobot")
         loop = EnvLoop(env, plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
         loop.start(seed=cfg.seed * 1000 + rank)
@@ -203,7 +265,8 @@ def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> N
             names, channels, ("requests", "actions", "trajectory", "sync"))
         rollout = Rollout(policy, plan, requests=requests, actions=actions, trajectory=trajectory,
                           weights=WeightReceiver(sync, policy, rank),
-                          max_staleness=RUNNERS[cfg.runner])
+                          max_staleness=RUNNERS[cfg.runner], merge=not cfg.reproducible,
+                          sample_seed=cfg.seed if cfg.reproducible else None)
         rollout.run()
         sync.put({"chunks": rollout.chunks, "lags": rollout.lags,
                   "weight_updates": rollout.weights.updates}, key="rollout_metrics")
@@ -229,7 +292,7 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
         actor = Actor(policy, plan, cfg.ppo, rank=rank, world=cfg.actors, trajectory=trajectory,
                       sync=sync, weights=WeightPublisher(sync), seed=cfg.seed,
                       normalization="rlinf_actor" if cfg.advantage_normalization == "rlinf"
-                      else "pooled")
+                      else "pooled", total_steps=cfg.steps)
         for step in range(cfg.steps):
             actor.train_step(step)
         if rank == min(actor.live):
@@ -277,6 +340,15 @@ class _Workers:
                     out[name] = f"exit code {proc.exitcode}"
         return out
 
+    def abort(self) -> None:
+        """End the worker processes now (threads end when their channels are shut down)."""
+        if not self.inproc:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self.procs.values():
+                proc.join(10)
+
     def stop(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
@@ -312,14 +384,18 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
     local = cfg.transport == "inproc"
     if cfg.mode == "lerobot":  # the driver records (recording.RECORDER)
         consumers = {RECORDER.partition(":")[0]: 1}
+    threshold = cfg.shm_threshold
+    if threshold is None and env_spec(cfg).images:
+        threshold = IMAGE_SHM_THRESHOLD
+    shm = {} if local or threshold is None else {"shm_threshold": threshold}
     return {
-        "requests": Channel.create(names["requests"], local=local),
+        "requests": Channel.create(names["requests"], local=local, **shm),
         "actions": Channel.create(names["actions"], local=local),
         "trajectory": Channel.create(
             names["trajectory"], collector="embodied_trajectory",
             dispatcher="embodied_trajectory", producers=producers or ["rollout"],
             consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
-            lease_timeout=cfg.lease_timeout),
+            lease_timeout=cfg.lease_timeout, **shm),
         "sync": Channel.create(names["sync"], local=local),
     }
 
@@ -365,10 +441,12 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
     """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
 
+    When ``on_step`` returns True the run stops after that step: the workers are ended
+    (processes terminated) and the summary has ``stopped_early`` True and no final weights.
     ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
     the workers (default: local processes; ``ray_runner`` passes Ray worker groups).  In lerobot
     mode the summary has ``"dataset"`` (a ``DatasetSummary``) when ``cfg.dataset`` is set, else
-    ``"episodes"`` (every recorded episode, in global order); an existing ``cfg.dataset`` is
+    ``"recorded_episodes"`` (every recorded episode, in global order); an existing ``cfg.dataset`` is
     refused with ``FileExistsError`` before anything starts unless ``cfg.overwrite``.
     """
     if not cfg.run_id:
@@ -382,6 +460,7 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
     records: list[dict] = []
     dead_actors: set[int] = set()
     workers = reports = None
+    stopped = False
     try:
         channels = _create_channels(cfg, plan, producers, consumers)
         sync, trajectory = channels["sync"], channels["trajectory"]
@@ -405,27 +484,37 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
             records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
                                    now - t_prev, now - t_start, cfg))
             t_prev = now
-            if on_step is not None:
-                on_step(records[-1])
+            if on_step is not None and on_step(records[-1]):
+                stopped = True
+                break
             if kill is not None:
                 kill(step, workers)
+        if stopped:
+            return {"records": records, "final_weights": None, "rollout": None,
+                    "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
+                    "dead_actors": sorted(dead_actors), "episodes": episodes(records),
+                    "placement": None, "stopped_early": True}
         final = reports.final_weights()
         channels["requests"].put(STOP, key=REQUESTS_KEY)
         rollout_report = sync.get(key="rollout_metrics", timeout=120)
         workers.stop()
         result = {"placement": _placement(trajectory), "records": records,
                   "final_weights": final, "rollout": rollout_report, "config": cfg.to_dict(),
-                  "wall_s": time.monotonic() - t_start, "dead_actors": sorted(dead_actors)}
+                  "wall_s": time.monotonic() - t_start, "dead_actors": sorted(dead_actors),
+                  "episodes": episodes(records), "stopped_early": False}
         if writer is not None:
             result["dataset"] = writer.close()
         elif isinstance(reports, _Recording):
-            result["episodes"] = reports.episodes
+            result["recorded_episodes"] = reports.episodes
         return result
     finally:
         if writer is not None and not writer.closed:
             writer.abort()
         if workers is not None:
-            workers.stop(timeout=5)
+            if stopped:
+                workers.abort()
+            else:
+                workers.stop(timeout=5)
         if isinstance(reports, _Recording):
             reports.channel.close()
         for ch in channels.values():
@@ -464,11 +553,23 @@ def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfi
             raise WorkerDied(f"worker {name} died ({how}); the run cannot go on without it")
 
 
+def episodes(records: list[dict]) -> list[dict]:
+    """Every finished episode of a run, in the order they finished: ``return``, ``length``,
+    ``success`` and ``env_steps`` (the run's env steps when it finished: its env worker's count
+    times the number of env workers, exact with one)."""
+    out = [{"return": r, "length": n, "success": s, "env_steps": at}
+           for rec in records for r, n, s, at in zip(rec["returns"], rec["lengths"],
+                                                     rec["successes"], rec["finished_at"],
+                                                     strict=True)]
+    return sorted(out, key=lambda e: e["env_steps"])
+
+
 def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: float,
             wall_s: float, cfg: RunConfig) -> dict:
     returns = [r for e in envs for r in e["returns"]]
     lengths = [n for e in envs for n in e["lengths"]]
     successes = [s for e in envs for s in e["successes"]]
+    finished_at = [at * cfg.envs for e in envs for at in e["at"]]
     env_steps = sum(e["env_steps"] for e in envs)
     chunks = cfg.envs * cfg.num_chunks * cfg.rollout_epochs
     try:
@@ -483,6 +584,11 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
         "episode_length": sum(lengths) / len(lengths) if lengths else None,
         "success_rate": sum(successes) / len(successes) if successes else None,
         "episodes": len(returns),
+        "returns": returns,  # every episode that finished in this step
+        "lengths": lengths,
+        "successes": successes,
+        "finished_at": finished_at,
+        "env_steps": env_steps,
         "policy_lag": actor["lag"],
         "version": actor["version"],
         "env_steps_per_s": env_steps / step_s if step_s > 0 else None,
@@ -493,29 +599,42 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
         "policy_loss": actor["policy_loss"],
         "value_loss": actor["value_loss"],
         **{k: actor[k] for k in ("episodes_recorded", "frames_recorded") if k in actor},
+        "entropy": actor.get("entropy"),
+        "approx_kl": actor.get("approx_kl"),
+        "rows_digest": actor.get("rows_digest"),
     }
 
 
 def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
-             chunks: int = 40) -> dict:
+             chunks: int | None = None, max_chunks: int = 2000) -> dict:
     """Mean return / success of ``policy`` on fresh envs seeded ``episodes_seed`` (in process,
-    no channel): the demo's trained-versus-random comparison."""
-    env = ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks)
+    no channel): the demo's trained-versus-random comparison.  ``chunks`` action chunks
+    (default for ``point_reach``: 40), or else until every env has finished an episode (at most
+    ``max_chunks``)."""
+    env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
+                     cfg.num_action_chunks)
     env.reset(seed=episodes_seed)
-    for _ in range(chunks):
+    if chunks is None and cfg.env == "point_reach":
+        chunks = 40
+    done = torch.zeros(cfg.env_batch, dtype=torch.bool)
+    for _ in range(chunks if chunks is not None else max_chunks):
         out = policy(env.obs)
-        env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
-                                                              cfg.num_action_chunks, -1))
+        step = env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
+                                                                   cfg.num_action_chunks, -1))
+        done |= step.transition.dones.any(-1)
+        if chunks is None and bool(done.all()):
+            break
     stats = env.stats.take()
     n = len(stats["returns"])
     return {"mean_return": sum(stats["returns"]) / max(n, 1),
             "success_rate": sum(stats["successes"]) / max(n, 1), "episodes": n}
 
 
-def trained_policy(cfg: RunConfig, final_weights: dict) -> MLPPolicy:
+def trained_policy(cfg: RunConfig, final_weights: dict) -> torch.nn.Module:
     policy = _policy(cfg)
     policy.load_state_dict(final_weights)
     return policy
 
 
-__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "evaluate", "run", "trained_policy"]
+__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "build_policy", "env_spec", "episodes", "evaluate",
+           "run", "trained_policy"]

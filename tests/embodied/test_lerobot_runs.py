@@ -77,7 +77,7 @@ def test_without_a_dataset_the_episodes_are_returned():
     cfg = RunConfig(mode="lerobot", transport="inproc", envs=2, env_batch=2, steps=2, seed=2,
                     lerobot_only_success=True)
     result = run(cfg)
-    episodes = result["episodes"]
+    episodes = result["recorded_episodes"]
     assert "dataset" not in result
     assert len(episodes) == sum(r["episodes_recorded"] for r in result["records"])
     assert all(f["next.success"] for e in episodes for f in e)  # only successes kept
