@@ -525,6 +525,14 @@ def test_a_mutated_encoding_is_a_value_error_or_a_value(value, data):
         assert type(exc) is ValueError and str(exc)
 
 
+@pytest.mark.parametrize("body", [b"\xc4", b"\xc4\x05ab", b"\xc4\x00\x00"])
+def test_a_cut_or_padded_bin8_body_is_a_value_error(body):
+    """The small-bytes shortcut reads the length byte only when there is one."""
+    with pytest.raises(ValueError):
+        codec.decode(body)
+    assert codec.decode(b"\xc4\x02ab") == b"ab"
+
+
 # -- malformed new forms against live brokers ----------------------------------------------------
 
 _p = msgpack.packb

@@ -576,7 +576,7 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     allowed.
     """
     if not (frames or shm) and type(body) is bytes and body[:1] == b"\xc4" \
-            and len(body) == 2 + body[1]:
+            and len(body) >= 2 and len(body) == 2 + body[1]:
         return body[2:]  # a small bytes item (msgpack bin 8): nothing else to look at
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
