@@ -33,6 +33,7 @@ class Client:
     leases: set[int] = field(default_factory=set)
     consumer: str | None = None  # set once the handle joined as a consumer
     gone: bool = False
+    user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys
 
 
 @dataclass(eq=False)

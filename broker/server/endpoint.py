@@ -1,6 +1,6 @@
 """Where a broker is found on its host: the channel lock, the ROUTER socket (with CURVE and
 the handshake monitor when configured), the direct-link listener beside it, and the files that
-name them (address file, ipc socket file).
+name them (address file, ipc socket file) or hold its shutdown token (``NAME.token``).
 
 ``Endpoint`` takes the lock when made (or adopts ``config.lock_fd``), binds in ``bind``, and
 undoes both: ``close`` closes the sockets and removes the address and socket files,
@@ -37,6 +37,7 @@ class Endpoint:
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
+        self.token_file = None  # where the shutdown token is kept (set by bind)
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve.py)
         try:
             self.address = config.address or paths.default_address(config.name)
@@ -46,9 +47,11 @@ class Endpoint:
             self.release_lock()
             raise
 
-    def bind(self) -> str:
-        """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
-        ``close()`` then removes what was made)."""
+    def bind(self, token: str) -> str:
+        """Bind the socket, write the address file and the shutdown ``token``'s file (readable
+        by its owner only), and log what the address exposes (``paths.bind_warnings``).
+        ``ZMQError`` for a busy address, ``ValueError`` for bad key files: ``close()`` then
+        removes what was made."""
         ctx = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
         self.peers = Peers(sock)
@@ -85,6 +88,9 @@ class Endpoint:
             except OSError as exc:  # clients then use ZeroMQ only
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
+        self.token_file = paths.write_token_file(self._lock_name, self.address, token)
+        for warning in paths.bind_warnings(self.address, bool(self._auth)):
+            log.warning("%s", warning)
         return self.address
 
     def close(self) -> None:
@@ -99,6 +105,7 @@ class Endpoint:
         if self._auth is not None:
             self._auth.stop()
         paths.remove_address(self.config.name, self.address)
+        paths.remove_token_file(self._lock_name)
         ipc = paths.ipc_path(self.address)
         if ipc:
             try:

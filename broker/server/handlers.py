@@ -11,10 +11,13 @@ raises is the error reply of that one record.
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
+import zmq
 from zchannel.broker.core.state import Client, Item
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
@@ -56,10 +59,13 @@ from zchannel.broker.wire.protocol import (
 
 Handler = Callable[[Any, Client, Any, list], None]
 
+log = logging.getLogger("zchannel.broker")
 
-def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
+
+def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client | None:
     """Register ``address`` (anew) and answer with the broker's parameters; a hello of
-    another protocol version gets an error reply and changes nothing."""
+    another protocol version gets an error reply and changes nothing.  ``head``: the frame
+    the hello came in, whose ``User-Id`` is the client's CURVE public key (with CURVE)."""
     rid = rec.id if type(rec.id) is int else 0
     version = rec.version
     if type(version) is not int or version != PROTOCOL_VERSION:
@@ -73,6 +79,8 @@ def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
         broker.sessions.client_gone(old)
     identity = rec.identity if isinstance(rec.identity, str) else None
     client = Client(address=address, identity=identity)
+    if broker.admin_keys and isinstance(head, zmq.Frame):
+        client.user = head.get("User-Id")
     broker.sessions.clients[address] = client
     broker.sessions.forget_expired(address)
     info = HelloInfo(
@@ -182,8 +190,20 @@ def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: 
 
 
 def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
-    if broker.config.token and rec.token != broker.config.token:
-        raise PermissionError("only the handle that created the channel may shut it down")
+    """Stop the broker for a request with its shutdown token, or from a CURVE client whose
+    public key is one of ``curve_admin_keys`` (``docs/security.md``); ``PermissionError``
+    (nothing changes) for anyone else."""
+    token = rec.token
+    valid = isinstance(token, str) and hmac.compare_digest(token.encode(), broker.token.encode())
+    if not valid and not (client.user is not None and client.user in broker.admin_keys):
+        log.warning("refused a shutdown request without this broker's token (client %s)",
+                    client.address.hex())
+        raise PermissionError(
+            "shutdown refused: the request does not carry this broker's shutdown token (the "
+            "handle that created the channel holds it; `zchannel broker stop NAME` reads it "
+            "from the run directory)")
+    if not valid:
+        log.info("stopping: shutdown requested by admin key %s", client.user)
     broker.sessions.reply(client, rec.id, result=True)
     broker.stop()
 

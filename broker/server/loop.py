@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct
+from zchannel.broker.transport.curve import admin_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -102,6 +104,13 @@ class Broker:
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
+        self.token = shutdown_token(config)
+        self.admin_keys = admin_keys(config.curve_admin_keys) if config.curve_admin_keys \
+            else frozenset()  # CURVE clients that may stop it without the token
+        if self.admin_keys and not config.curve_secret_key:
+            raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
+                             "broker cannot tell who a client is")
+        self.announce_token = False  # log where the token is kept (``zchannel broker``)
         self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
         self.address = self.endpoint.address
         self.shm: ShmBroker | None = None
@@ -157,8 +166,12 @@ class Broker:
     def bind(self) -> str:
         """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
         ``close()`` then removes what was made)."""
-        self.address = self.endpoint.bind()
+        self.address = self.endpoint.bind(self.token)
         self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
+        if self.announce_token:
+            log.info("shutdown token of %r kept in %s (readable by its owner only): "
+                     "`zchannel broker stop %s` stops this broker", self.config.name,
+                     self.endpoint.token_file, self.endpoint.token_file.stem)
         self.sessions.peers = self.peers
         return self.address
 
@@ -294,6 +307,7 @@ class Broker:
             return
         client = self.sessions.clients.get(address)
         now = time.monotonic()
+        head = frames[pos - 1]  # the header: a zmq.Frame (its CURVE User-Id), or link bytes
         for rec in records:
             nf = rec.nf
             op_frames = frames[pos : pos + nf]
@@ -301,7 +315,7 @@ class Broker:
             kind = type(rec)
             if client is None or kind is Hello:
                 if kind is Hello:
-                    client = hello(self, address, rec)
+                    client = hello(self, address, rec, head)
                 elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self.sessions.tell_expired(address, now)
                 continue
@@ -315,7 +329,7 @@ class Broker:
             try:
                 self.handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
-                if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
                     log.exception("error handling op %r", op_of(rec))
                 self.sessions.reply(client, rec.id, error=exc)
             if kind is Bye:
@@ -388,10 +402,31 @@ def hook_from_wire(spec: Any) -> Any:
     return spec
 
 
+def shutdown_token(config: BrokerConfig) -> str:
+    """The broker's shutdown token: ``config.token`` (``Channel.create`` makes one), else the
+    first line of ``config.token_file``, else a random one (``docs/security.md``)."""
+    if config.token:
+        return config.token
+    if config.token_file:
+        try:
+            with open(config.token_file) as f:
+                token = f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the shutdown token from {config.token_file}: "
+                             f"{exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"{config.token_file}: a shutdown token is at least 16 "
+                             "characters (its first line)")
+        return token
+    return secrets.token_hex(16)
+
+
 def run_broker(config: BrokerConfig) -> int:
-    """Run a broker in this process until it stops; the exit status."""
+    """Run a broker in this process until it stops (``zchannel broker``: it logs where its
+    shutdown token is kept); the exit status."""
     setup_logging()
     broker = Broker(config)
+    broker.announce_token = True
     broker.serve_forever()
     return 0
 

@@ -202,6 +202,17 @@ def secure_server(sock: zmq.Socket, secret_key_file: str, public_keys_dir: str |
     return auth
 
 
+def admin_keys(path: str) -> frozenset[str]:
+    """The public keys (z85 text, as ZeroMQ reports a peer's ``User-Id``) of the clients that
+    may stop the broker without its shutdown token: a public key file, or a directory of
+    them (``*.key``); ``ValueError`` naming the path when it holds none."""
+    files = sorted(Path(path).glob("*.key")) if Path(path).is_dir() else [Path(path)]
+    keys = {load_key_file(str(f), "an admin's CURVE public key")[0].decode() for f in files}
+    if not keys:
+        raise ValueError(f"--curve-admin-keys {path} holds no public key file (NAME.key)")
+    return frozenset(keys)
+
+
 _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENT = struct.Struct("=HI")
