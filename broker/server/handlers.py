@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 from zchannel.broker.core.state import Client, Item
+from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_peek_count,
@@ -83,6 +84,7 @@ def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client |
         client.user = head.get("User-Id")
     broker.sessions.clients[address] = client
     broker.sessions.forget_expired(address)
+    broker.sessions.producers.attach(client, rec.producer)
     info = HelloInfo(
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
         liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
@@ -111,13 +113,42 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if limit and nbytes > limit:
         raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
     weight = check_weight(rec.weight)
+    key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
         frames = broker.shm.attach_put(client, rec.slots, frames)
         nbytes += frames.slot_bytes
     item = Item(frames, weight, nbytes)
     broker.counters.puts += 1
-    broker.core.put(client, rec.id, key_from_wire(rec.key), item, check_timeout(rec.timeout),
-                    rec.nowait)
+    window = client.producer
+    if window is None:  # a client without retry-safe puts
+        broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+        return
+    seq = rec.sequence()
+    verdict = window.begin(seq)  # NEW: marked stored already
+    if verdict != NEW:
+        repeated(broker, client, rec, seq, verdict)
+        return
+    outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+    if outcome is not True:
+        if outcome is False:
+            window.unmark(seq)
+        else:
+            window.wait(seq, outcome)
+
+
+def repeated(broker: Any, client: Client, rec: Put, seq: int, verdict: int) -> None:
+    """A put whose sequence is not new to its producer (``server/producers.py``): a stored
+    one is acknowledged as stored, nothing is stored again; one that waits for room, or that
+    fell out of the window, is refused."""
+    if verdict == DUPLICATE:
+        broker.counters.duplicate_puts += 1
+        broker.sessions.reply(client, rec.id)
+    elif verdict == WAITING:
+        raise ValueError(f"put sequence {seq} of this producer still waits for room at the "
+                         "broker: a retry must wait for its outcome")
+    else:
+        raise ValueError(f"put sequence {seq} is older than this producer's last {WINDOW} "
+                         "sequences: the broker cannot tell whether it was stored")
 
 
 def get(broker: Any, client: Client, rec: Get, frames: list) -> None:
