@@ -182,6 +182,15 @@ def remove_address(name: str, address: str) -> None:
             pass
 
 
+def gate_paths(ipc: str) -> tuple[str, str, str] | None:
+    """The files of an ipc address's gate (``server/admission.py``): a second name of the
+    broker's socket, the socket that stands in for it while the broker refuses connections,
+    and a temporary name; None when the stand-in's path would pass the ipc path limit."""
+    if not ipc or ipc.startswith("@") or len((ipc + ".g").encode()) > IPC_PATH_LIMIT:
+        return None
+    return ipc + ".z", ipc + ".g", ipc + ".t"
+
+
 def token_path(lock_name: str) -> Path:
     """The file holding the shutdown token of the broker holding lock ``lock_name`` (the
     channel name, or ``NAME.replicaI`` for one replica of a distributed channel)."""

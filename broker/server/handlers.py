@@ -185,7 +185,10 @@ def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
+    guard = broker.endpoint.guard  # the connection budget (server/admission.py)
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
+                 connections=guard.connections, max_clients=guard.max_clients,
+                 refused_connections=guard.refused,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None)
     if broker.replica is not None:

@@ -29,6 +29,7 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.server import metrics
+from zchannel.broker.server.admission import client_budget, raise_fd_limit
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
@@ -111,7 +112,9 @@ class Broker:
             raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
                              "broker cannot tell who a client is")
         self.announce_token = False  # log where the token is kept (``zchannel broker``)
-        self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
+        fd_limit = raise_fd_limit()  # the descriptor budget (server/admission.py)
+        self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
+                                 client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
         self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
@@ -196,10 +199,8 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(),
-                    (self.endpoint.handshakes.socket, zmq.POLLIN)]
-        if self.peers.listener is not None:
-            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
+        guard = self.endpoint.guard
+        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(), (guard.wake_fd, zmq.POLLIN)]
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -211,6 +212,9 @@ class Broker:
         # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
+        # the peer guard's thread (server/admission.py) must get the interpreter soon after
+        # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
+        sys.setswitchinterval(0.001)
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
         try:
@@ -231,8 +235,8 @@ class Broker:
                     self._direct_events(events)
                 if self.metrics is not None and self.metrics.fd in ready:
                     self.metrics.publish()  # a scrape asked for a snapshot
-                if self.endpoint.handshakes.socket in ready:
-                    self.endpoint.handshakes.check()
+                if guard.wake_fd in ready:
+                    self.endpoint.handshakes.check(guard.take_failures())
                 if stops.parent_exited(ready):
                     self._running = False
                 now = time.monotonic()
@@ -244,6 +248,7 @@ class Broker:
                 self.core.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
+                    self.peers.resume(now)
                     next_hb = now + hb / 2
                     if stops.parent_gone():
                         self._running = False
@@ -349,7 +354,7 @@ class Broker:
         changed = False
         for obj, ev in events:
             if obj == listener.fd:
-                changed = bool(listener.accept()) or changed
+                changed = bool(self.peers.accept()) or changed
                 continue
             peer = listener.by_fd.get(obj) if type(obj) is int else None
             if peer is None:

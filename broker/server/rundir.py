@@ -99,12 +99,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _address_files(address: str | None) -> list[str]:
-    """The socket files of an ipc address (the socket and its direct-link socket)."""
+    """The socket files of an ipc address (the socket, its direct-link socket and its gate's
+    files)."""
     ipc = paths.ipc_path(address or "")
     if not ipc or ipc.startswith("@"):
         return []
     link = direct.link_path(ipc)
-    return [p for p in (ipc, link) if p and os.path.lexists(p)]
+    return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ())) if p and os.path.lexists(p)]
 
 
 def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
@@ -123,7 +124,7 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
             names.setdefault(fname[: -len(".addr")], [])
         elif fname.endswith(".tmp") and ".addr." in fname:
             tmp_files.append((fname.split(".addr.")[0], entry))
-        elif fname.endswith((".sock", ".sock.d")):
+        elif fname.endswith((".sock", ".sock.d", ".sock.z", ".sock.g", ".sock.t")):
             sockets.append(entry)
         elif fname.endswith(".token"):  # a shutdown token: NAME or NAME.replicaI
             tokens.append((fname[: -len(".token")], entry))
