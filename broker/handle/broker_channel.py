@@ -15,6 +15,7 @@ replica) subclass it to reuse its operations.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ from zchannel.broker.wire.protocol import (
     Stats,
 )
 from zchannel.hooks import check_consumer_id
+
+log = logging.getLogger("zchannel.client")
 
 DEFAULT_KEY = "default_queue"
 """The key of operations that name none."""
@@ -151,7 +154,10 @@ class BrokerChannel(ChannelHandle):
                 with self._conn_lock:
                     if self._in_doubt is None:
                         self._in_doubt = InDoubtPuts()
-            self._in_doubt.add(rec.key, rec.weight, item, rec.sequence(), conn)
+            try:
+                self._in_doubt.add(rec.key, rec.weight, item, rec.sequence(), conn)
+            except Exception:  # the put's own error is what the caller sees
+                log.exception("could not note a put in doubt; its retry is a new put")
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:

@@ -128,7 +128,11 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if verdict != NEW:
         repeated(broker, client, rec, seq, verdict)
         return
-    outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+    try:
+        outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+    except BaseException:  # answered with this error: not stored, as far as the client knows
+        window.unmark(seq)
+        raise
     if outcome is not True:
         if outcome is False:
             window.unmark(seq)
