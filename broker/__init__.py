@@ -15,6 +15,7 @@ from zchannel.broker.errors import (
     KeyMoved,
     QueueEmpty,
     QueueFull,
+    UnsafeRunDir,
 )
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY
 from zchannel.broker.handle.channel import Channel
@@ -33,6 +34,7 @@ __all__ = [
     "KeyMoved",
     "QueueEmpty",
     "QueueFull",
+    "UnsafeRunDir",
     "Work",
     "register_module",
     "register_type",

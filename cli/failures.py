@@ -29,7 +29,17 @@ def fail(message: str) -> None:
 
 
 class Cli(click.Group):
-    """The ``zchannel`` group: every command's expected failures become ``fail()``."""
+    """The ``zchannel`` group: every command's expected failures become ``fail()``;
+    ``zchannel broker stop NAME`` runs the command registered as ``"broker stop"`` (``broker
+    stop`` alone, or followed by options, still runs the broker of a channel named stop)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        if len(args) > 2 and args[:2] == ["broker", "stop"] and (
+                not args[2].startswith("-") or args[2] == "--help"):
+            command = self.get_command(ctx, "broker stop")
+            if command is not None:
+                return "broker stop", command, args[2:]
+        return super().resolve_command(ctx, args)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:

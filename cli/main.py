@@ -93,12 +93,26 @@ def main() -> None:
               help="serve Prometheus metrics over HTTP on this port (0 = any free port; needs "
                    "pip install 'zchannel[metrics]'; docs/metrics.md)")
 @click.option("--metrics-address", help="address the metrics endpoint binds (default 127.0.0.1)")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="read the shutdown token from this file's first line (default: a random "
+                   "one; either way it is kept in NAME.token in the run directory)")
+@click.option("--curve-admin-keys", type=click.Path(exists=True),
+              help="public key file, or directory of them, of CURVE clients that may stop this "
+                   "broker without its shutdown token")
+@click.option("--max-clients", type=int,
+              help="connections served at once; more are refused, with a log line (default: "
+                   "from the descriptor limit, docs/security.md)")
+@click.option("--producer-grace", type=float,
+              help="seconds a producer's put sequences are kept after its connection ended "
+                   "(retry-safe puts, default 60)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:
     """Run the broker of channel NAME in the foreground.
 
-    Prints ``ready <address>`` on stdout once bound; logs go to stderr; SIGINT/SIGTERM stop it.
+    Prints ``ready <address>`` on stdout once bound; logs go to stderr, among them where its
+    shutdown token is kept; SIGINT/SIGTERM stop it, and so does ``zchannel broker stop NAME``
+    (with that token), from any process of the same user.
     """
     from zchannel.broker.server.config import build_config
     from zchannel.broker.server.loop import run_broker
@@ -123,6 +137,70 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         sys.exit(run_broker(config))
     except RuntimeError as exc:  # a broker already serves the name
         raise ChannelError(str(exc)) from None
+
+
+@main.command("broker stop", hidden=True)  # called as `zchannel broker stop NAME` (cli/failures.py)
+@click.argument("target")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="the shutdown token's file (a first line), for a TARGET address")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="seconds to wait for the broker to answer and exit")
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SECRET_KEY", show_envvar=True,
+              help="this client's CURVE key pair file, for a broker with CURVE keys")
+@click.option("--curve-server-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SERVER_KEY", show_envvar=True,
+              help="the broker's CURVE public key file (NAME.key)")
+def broker_stop(target: str, token_file: str | None, timeout: float,
+                curve_secret_key: str | None, curve_server_key: str | None) -> None:
+    """Stop the broker of TARGET with its shutdown token.
+
+    TARGET is a channel name served on this host (NAME.replicaI: one replica of a distributed
+    channel): the token and address are read from NAME.token in the run directory (readable
+    by its owner only), and the command waits until the broker process exited.  Or TARGET is
+    an address: the token comes from --token-file, or a CURVE admin key (the broker's
+    --curve-admin-keys) stops it without one.
+    """
+    import time
+
+    from zchannel.broker import Channel
+
+    if paths.is_address(target):
+        info: dict = {"address": target, "token": ""}
+        if token_file:
+            info["token"] = open(token_file).readline().strip()
+    else:
+        paths.check_name(target)
+        info = paths.read_token_file(target)
+        if info is None:
+            raise ChannelError(f"no shutdown token for {target!r} in {paths.run_dir()}: no "
+                               "broker of this user serves it on this host (`zchannel stat` "
+                               "lists them)")
+    keys = _stat_keys(curve_secret_key, curve_server_key)
+    handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
+    pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
+    handle.shutdown(token=info["token"])
+    deadline = time.monotonic() + timeout
+    while not paths.is_address(target) and isinstance(pid, int) and _alive(pid):
+        if time.monotonic() > deadline:
+            raise ChannelError(f"broker {target!r} (pid {pid}) accepted the shutdown but did "
+                               f"not exit within {timeout}s")
+        time.sleep(0.05)
+    click.echo(f"stopped {target} (pid {pid}, {info['address']})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @main.command()

@@ -70,6 +70,10 @@ def _field_strategy(tp: object) -> st.SearchStrategy:
         return st.none() | st.lists(st.integers(0, 2**40), max_size=4)
     if tp == (list | None):
         return st.none() | st.lists(values, max_size=3)
+    if tp == (protocol.Sequence | msgspec.UnsetType):  # a retried put's sequence
+        return st.just(UNSET) | st.integers(0, 2**63 - 1)
+    if tp == (protocol.ProducerId | None):  # a hello's producer id
+        return st.none() | st.binary(min_size=8, max_size=64)
     return values
 
 
@@ -157,6 +161,11 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return st.text(max_size=3) | ints | st.lists(st.text(max_size=2), min_size=1, max_size=2)
     if tp == (list | None):
         return st.text(max_size=3) | ints | st.binary(max_size=3)
+    if tp == (protocol.Sequence | msgspec.UnsetType):
+        return st.integers(-(2**63), -1) | st.booleans() | st.text(max_size=3) | st.floats()
+    if tp == (protocol.ProducerId | None):
+        return (st.binary(max_size=7) | st.binary(min_size=65, max_size=80) | st.text(max_size=3)
+                | ints)
     raise AssertionError(tp)
 
 

@@ -32,7 +32,7 @@ class Work:
     """
 
     __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
-                 "_tag", "_reader", "__weakref__")
+                 "_tag", "_reader", "_on_error", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
@@ -45,6 +45,9 @@ class Work:
         self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
         # a transport whose waiting threads read their replies themselves (a direct link)
         self._reader: Any = None
+        # a put's: ``(fn, *args)``, ``fn(*args, error)`` called once by the first thread that
+        # sees it fail (the handle notes a put in doubt, handle/retries.py)
+        self._on_error: tuple | None = None
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
@@ -55,6 +58,8 @@ class Work:
                 return
             self._value, self._convert, self._state = value, convert, state
             callbacks, self._callbacks = self._callbacks, None
+            if state == _DONE:
+                self._on_error = None
         self._gate.release()
         if callbacks:
             for callback in callbacks:
@@ -112,6 +117,8 @@ class Work:
         if self._state == _PENDING:
             raise asyncio.InvalidStateError("the operation is still pending")
         if self._state == _FAILED:
+            if self._on_error is not None:
+                self._failed()
             raise self._value
         if self._convert is not None:
             with self._lock:
@@ -126,9 +133,17 @@ class Work:
             raise self._value
         return self._value
 
+    def _failed(self) -> None:
+        with self._lock:
+            on_error, self._on_error = self._on_error, None
+        if on_error is not None:
+            on_error[0](*on_error[1:], self._value)
+
     def exception(self) -> BaseException | None:
         """The error of a failed operation; None while pending or after success."""
         if self._state == _FAILED:
+            if self._on_error is not None:
+                self._failed()
             return self._value
         return None
 

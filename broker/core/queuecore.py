@@ -122,7 +122,10 @@ class QueueCore:
     # -- requests --------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
-            nowait: bool) -> None:
+            nowait: bool) -> bool | Request:
+        """Check, collect and route a put, then store it or let it wait (``Waiters.put``):
+        True if it was stored now, False if it failed now (replied), or the ``Request`` that
+        waits for room (its ``on_end`` is called when it ends)."""
         hooks, queues = self.hooks, self.queues
         try:
             if rid in client.parked:
@@ -139,8 +142,8 @@ class QueueCore:
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)
-            return
-        self.waiters.put(client, rid, key, routed, timeout, nowait)
+            return False
+        return self.waiters.put(client, rid, key, routed, timeout, nowait)
 
     def get(self, client: Client, rid: int, key: Any, timeout: float | None, nowait: bool,
             ack: bool = False, batch_target: int | float = 0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class Client:
     leases: set[int] = field(default_factory=set)
     consumer: str | None = None  # set once the handle joined as a consumer
     gone: bool = False
+    user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys
+    producer: Any = None  # its put sequences' window (broker/server/producers.py)
 
 
 @dataclass(eq=False)
@@ -48,6 +51,7 @@ class Request:
     ack: bool = False
     outputs: list[tuple[Any, str | None, Item]] = field(default_factory=list)
     alive: bool = True
+    on_end: Callable[[bool], None] | None = None  # a put's: called with True once stored
 
 
 @dataclass(eq=False)

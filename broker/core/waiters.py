@@ -49,33 +49,35 @@ class Waiters:
     # -- puts ------------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, outputs: Outputs, timeout: float | None,
-            nowait: bool) -> None:
-        """Store the checked and routed ``outputs`` of a put, or let the put wait for room."""
+            nowait: bool) -> bool | Request:
+        """Store the checked and routed ``outputs`` of a put (True), refuse it (False, with its
+        error replied), or let it wait for room (the parked ``Request``)."""
         queues = self.queues
         if not outputs:
             self.reply(client, rid)
-            return
+            return True
         if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
             for ks in queues.store(outputs):
                 self.serve(ks)
             self.reply(client, rid)
-            return
+            return True
         req = Request(client, rid, "put", key, None, outputs=outputs)
         if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
             self.reply(client, rid, error=ValueError(
                 f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
                 f"limit ({queues.max_bytes})"))
-            return
+            return False
         if nowait:
             self.reply(client, rid, error=self._queue_full(req))
-            return
+            return False
         if timeout is not None and timeout <= 0:
             self.reply(client, rid, error=TimeoutError("put timed out: the queue is full"))
-            return
+            return False
         self._park(req, timeout)
         self.putters.append(req)
         for k in {k for k, _, _ in outputs}:
             queues.state(k).putters += 1
+        return req
 
     def _waiting_targets(self) -> set[tuple[Any, str | None]]:
         waiting: set[tuple[Any, str | None]] = set()
@@ -94,7 +96,7 @@ class Waiters:
             if not req.alive:
                 continue
             if self.queues.admits(req.outputs, blocked):
-                self._unpark_putter(req)
+                self._unpark_putter(req, stored=True)
                 for ks in self.queues.store(req.outputs):
                     self.serve(ks)
                 self.reply(req.client, req.rid)
@@ -104,8 +106,11 @@ class Waiters:
         if admitted:
             self.admit_putters()
 
-    def _unpark_putter(self, req: Request) -> None:
+    def _unpark_putter(self, req: Request, stored: bool = False) -> None:
+        """A waiting put ends: admitted (``stored``), timed out or withdrawn."""
         self._unpark(req)
+        if req.on_end is not None:
+            req.on_end(stored)
         try:
             self.putters.remove(req)
         except ValueError:

@@ -158,17 +158,25 @@ class ChannelHandle:
         self._closed = True
         self._give_back()
 
-    def shutdown(self) -> None:
-        """Stop the broker.  Only the handle whose ``create`` started it may
-        (``PermissionError`` otherwise)."""
+    def shutdown(self, token: str | None = None) -> None:
+        """Stop the broker.  The handle whose ``create`` started it may; any other handle
+        needs the broker's shutdown ``token`` (``zchannel broker stop NAME`` reads it from the
+        run directory, ``docs/security.md``), else ``PermissionError`` (client-side, or from
+        the broker for a wrong token; nothing changes).  This handle is closed afterwards."""
+        if token is not None:
+            if not isinstance(token, str):
+                raise TypeError("token must be a str")
+            self._request_shutdown(token, timeout=10.0)
+            self._closed = True
+            self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
+            return
         if self._proc is None or self._creator_pid != os.getpid():
-            raise PermissionError("only the handle that created the channel's broker may shut it down")
+            raise PermissionError("only the handle that created the channel's broker may shut "
+                                  "it down (or pass its shutdown token: docs/security.md)")
         proc = self._proc
         try:
             if proc.poll() is None and not self._closed:
-                share = self._acquired()  # past the in-flight limit: parked gets must not hold it
-                share.conn.request(Shutdown(id=0, token=self._token), [], room=False,
-                                   owner=share).wait(timeout=5.0)
+                self._request_shutdown(self._token, timeout=5.0)
         except (ChannelError, TimeoutError):
             pass
         self._closed = True
@@ -178,6 +186,13 @@ class ChannelHandle:
         except subprocess.TimeoutExpired:
             self._kill_broker()
         self._proc = None
+
+    def _request_shutdown(self, token: str | None, timeout: float) -> None:
+        """Ask the broker to stop, with ``token``; its answer (``PermissionError`` for a wrong
+        token) within ``timeout`` seconds."""
+        share = self._acquired()  # past the in-flight limit: parked gets must not hold it
+        share.conn.request(Shutdown(id=0, token=token), [], room=False,
+                           owner=share).wait(timeout=timeout)
 
     def _kill_broker(self) -> None:
         """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.server import metrics
+from zchannel.broker.server.admission import client_budget, raise_fd_limit
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
@@ -36,6 +38,7 @@ from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct
+from zchannel.broker.transport.curve import admin_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -102,7 +105,16 @@ class Broker:
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
-        self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
+        self.token = shutdown_token(config)
+        self.admin_keys = admin_keys(config.curve_admin_keys) if config.curve_admin_keys \
+            else frozenset()  # CURVE clients that may stop it without the token
+        if self.admin_keys and not config.curve_secret_key:
+            raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
+                             "broker cannot tell who a client is")
+        self.announce_token = False  # log where the token is kept (``zchannel broker``)
+        fd_limit = raise_fd_limit()  # the descriptor budget (server/admission.py)
+        self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
+                                 client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
         self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
@@ -157,8 +169,12 @@ class Broker:
     def bind(self) -> str:
         """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
         ``close()`` then removes what was made)."""
-        self.address = self.endpoint.bind()
+        self.address = self.endpoint.bind(self.token)
         self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
+        if self.announce_token:
+            log.info("shutdown token of %r kept in %s (readable by its owner only): "
+                     "`zchannel broker stop %s` stops this broker", self.config.name,
+                     self.endpoint.token_file, self.endpoint.token_file.stem)
         self.sessions.peers = self.peers
         return self.address
 
@@ -183,10 +199,8 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(),
-                    (self.endpoint.handshakes.socket, zmq.POLLIN)]
-        if self.peers.listener is not None:
-            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
+        guard = self.endpoint.guard
+        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(), (guard.wake_fd, zmq.POLLIN)]
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -198,6 +212,9 @@ class Broker:
         # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
+        # the peer guard's thread (server/admission.py) must get the interpreter soon after
+        # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
+        sys.setswitchinterval(0.001)
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
         try:
@@ -218,8 +235,8 @@ class Broker:
                     self._direct_events(events)
                 if self.metrics is not None and self.metrics.fd in ready:
                     self.metrics.publish()  # a scrape asked for a snapshot
-                if self.endpoint.handshakes.socket in ready:
-                    self.endpoint.handshakes.check()
+                if guard.wake_fd in ready:
+                    self.endpoint.handshakes.check(guard.take_failures())
                 if stops.parent_exited(ready):
                     self._running = False
                 now = time.monotonic()
@@ -231,6 +248,7 @@ class Broker:
                 self.core.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
+                    self.peers.resume(now)
                     next_hb = now + hb / 2
                     if stops.parent_gone():
                         self._running = False
@@ -294,6 +312,7 @@ class Broker:
             return
         client = self.sessions.clients.get(address)
         now = time.monotonic()
+        head = frames[pos - 1]  # the header: a zmq.Frame (its CURVE User-Id), or link bytes
         for rec in records:
             nf = rec.nf
             op_frames = frames[pos : pos + nf]
@@ -301,7 +320,7 @@ class Broker:
             kind = type(rec)
             if client is None or kind is Hello:
                 if kind is Hello:
-                    client = hello(self, address, rec)
+                    client = hello(self, address, rec, head)
                 elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self.sessions.tell_expired(address, now)
                 continue
@@ -315,7 +334,7 @@ class Broker:
             try:
                 self.handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
-                if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
                     log.exception("error handling op %r", op_of(rec))
                 self.sessions.reply(client, rec.id, error=exc)
             if kind is Bye:
@@ -335,7 +354,7 @@ class Broker:
         changed = False
         for obj, ev in events:
             if obj == listener.fd:
-                changed = bool(listener.accept()) or changed
+                changed = bool(self.peers.accept()) or changed
                 continue
             peer = listener.by_fd.get(obj) if type(obj) is int else None
             if peer is None:
@@ -388,10 +407,31 @@ def hook_from_wire(spec: Any) -> Any:
     return spec
 
 
+def shutdown_token(config: BrokerConfig) -> str:
+    """The broker's shutdown token: ``config.token`` (``Channel.create`` makes one), else the
+    first line of ``config.token_file``, else a random one (``docs/security.md``)."""
+    if config.token:
+        return config.token
+    if config.token_file:
+        try:
+            with open(config.token_file) as f:
+                token = f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the shutdown token from {config.token_file}: "
+                             f"{exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"{config.token_file}: a shutdown token is at least 16 "
+                             "characters (its first line)")
+        return token
+    return secrets.token_hex(16)
+
+
 def run_broker(config: BrokerConfig) -> int:
-    """Run a broker in this process until it stops; the exit status."""
+    """Run a broker in this process until it stops (``zchannel broker``: it logs where its
+    shutdown token is kept); the exit status."""
     setup_logging()
     broker = Broker(config)
+    broker.announce_token = True
     broker.serve_forever()
     return 0
 

@@ -14,6 +14,7 @@ allocates; a stream that breaks them is closed (as libzmq drops a peer that brea
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -389,15 +390,21 @@ class Listener:
         self.by_fd: dict[int, Peer] = {}
         self.by_address: dict[bytes, Peer] = {}
         self._serial = 0
+        self.starved = False  # the last accept ran out of descriptors
 
-    def accept(self) -> list[Peer]:
-        peers = []
-        while True:
+    def accept(self, limit: int = 1 << 30) -> list[Peer]:
+        """Accept the waiting links, at most ``limit``; ``starved`` says whether the process
+        ran out of descriptors (or memory) meanwhile (the link then waits in the backlog)."""
+        peers: list[Peer] = []
+        self.starved = False
+        while len(peers) < limit:
             try:
                 sock, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return peers
-            except OSError:  # e.g. out of descriptors: the client falls back or retries
+            except OSError as exc:  # out of descriptors: the client waits, falls back or retries
+                self.starved = exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                             errno.ENOMEM)
                 return peers
             sock.setblocking(False)
             _tune(sock)
@@ -407,6 +414,7 @@ class Listener:
             self.by_fd[peer.fd] = peer
             self.by_address[address] = peer
             peers.append(peer)
+        return peers
 
     def drop(self, peer: Peer) -> None:
         self.by_fd.pop(peer.fd, None)

@@ -142,10 +142,17 @@ class Request(Struct, tag_field="op", omit_defaults=True, kw_only=True):
     nf: FrameCount = 0
 
 
+ProducerId = Annotated[bytes, Meta(min_length=8, max_length=64)]
+Sequence = Annotated[int, Meta(ge=0)]
+
+
 class Hello(Request, tag=HELLO):
     id: Any = 0  # a hello without an int id is answered under id 0
     identity: Any = field(default=None, name="ident")  # consumer id "group:rank"; non-str: nil
     version: Any = field(default=None, name="v")  # checked by the broker (error names both)
+    # retry-safe puts: the connection's producer id, the same across its reconnects; its puts'
+    # ids are then sequence numbers the broker stores each at most once (docs/protocol.md)
+    producer: ProducerId | None = field(default=None, name="pr")
 
 
 class Bye(Request, tag=BYE):
@@ -164,6 +171,12 @@ class Put(Request, tag=PUT):
     sizes: list[int] | None = field(default=None, name="fs")  # of all frames, body included
     slots: list | None = field(default=None, name="sm")  # shared-memory slot references
     body: bytes | UnsetType = field(default=UNSET, name="b")  # a small item's body inline
+    seq: Sequence | UnsetType = field(default=UNSET, name="sq")  # a retry: the put it repeats
+
+    def sequence(self) -> int:
+        """The put's producer sequence: ``seq`` for a retry, else its request id."""
+        seq = self.seq
+        return self.id if seq is UNSET else seq
 
 
 class Get(Request, tag=GET):
