@@ -12,6 +12,16 @@ from typing import Any
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
 
+def _wait_timeout(timeout: Any) -> float | None:
+    """``Work.wait``'s timeout: None, or a number (negative: do not wait; beyond what a lock
+    can wait, infinity included: no limit); ``ValueError`` for NaN or a non-number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+        raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else max(0.0, float(timeout))
+
+
 @dataclass(frozen=True)
 class Delivery:
     """An item received with ``get(..., ack=True)``: acknowledge it with ``channel.ack``."""
@@ -95,6 +105,7 @@ class Work:
         A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
         operation's own ``timeout=`` withdraws it).
         """
+        timeout = _wait_timeout(timeout)
         if self._state == _PENDING and self._reader is not None:
             self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
             if self._state == _PENDING:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -33,6 +34,10 @@ class Deadlines:
         self._seq = itertools.count()
 
     def add(self, deadline: float, obj: Any) -> None:
+        """Expire ``obj`` at ``deadline``: a finite float (``ValueError`` otherwise; a NaN at
+        the root would compare false with every deadline and stall them all)."""
+        if not -math.inf < deadline < math.inf:
+            raise ValueError(f"a deadline must be a finite number, got {deadline!r}")
         heapq.heappush(self._heap, (deadline, next(self._seq), obj))
 
     def next(self) -> float | None:

@@ -8,6 +8,11 @@ later getters of the same queue.  A getter with nothing to take may steal one it
 private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``maxsize``,
 ``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts are admitted in
 arrival order as room appears.  Every request ends in exactly one call of ``reply``.
+
+Waiting costs memory too: with ``max_bytes`` set, the requests waiting at one time count up to
+``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items); one that would pass it is
+refused with a ``ValueError`` instead of waiting.  So a broker holds at most twice ``max_bytes``
+in items and waiting requests.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
-from zchannel.broker.core.state import Client, Item, KeyState, Request
+from zchannel.broker.core.state import REQUEST_OVERHEAD, Client, Item, KeyState, Request
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
@@ -38,13 +43,16 @@ class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
-                 deadlines: Deadlines, reply: Reply) -> None:
+                 deadlines: Deadlines, reply: Reply,
+                 request_overhead: int = REQUEST_OVERHEAD) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
         self.putters: deque[Request] = deque()
+        self.waiting_bytes = 0  # what the waiting requests count against max_bytes
+        self.request_overhead = request_overhead  # what each of them counts, items aside
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -70,7 +78,9 @@ class Waiters:
             self.reply(client, rid, error=self._queue_full(req))
             return
         if timeout is not None and timeout <= 0:
-            self.reply(client, rid, error=TimeoutError("put timed out: the queue is full"))
+            self.reply(client, rid, error=TimeoutError(f"put timed out: {self._why_full(req)}"))
+            return
+        if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)):
             return
         self._park(req, timeout)
         self.putters.append(req)
@@ -117,7 +127,33 @@ class Waiters:
                 self.queues.mark_idle(ks)
 
     def _queue_full(self, req: Request) -> QueueFull:
-        return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {self.queues.maxsize})")
+        return QueueFull(self._why_full(req))
+
+    def _why_full(self, req: Request) -> str:
+        """Why put ``req`` does not fit now: a full target queue or the broker's ``max_bytes``."""
+        queues = self.queues
+        if queues.max_bytes and queues.bytes_held \
+                and queues.bytes_held + queues.outputs_bytes(req.outputs) > queues.max_bytes:
+            return (f"the broker holds {queues.bytes_held} bytes of items, and this put would "
+                    f"pass its max_bytes limit ({queues.max_bytes}; an item counts its payload "
+                    "plus 256 bytes)")
+        return f"a target queue of key {req.key!r} is full (maxsize {queues.maxsize})"
+
+    def _may_wait(self, req: Request, cost: int) -> bool:
+        """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of
+        waiting requests; if not, it gets its ``ValueError`` reply here."""
+        limit = self.queues.max_bytes
+        if limit and self.waiting_bytes + cost > limit:
+            what = "put" if req.kind == "put" else "get"
+            self.reply(req.client, req.rid, error=ValueError(
+                f"this {what} cannot wait: the requests waiting already take "
+                f"{self.waiting_bytes} bytes of the broker's max_bytes limit ({limit}; a "
+                f"waiting request counts {self.request_overhead} bytes, a put its item's too); "
+                "retry later, or raise max_bytes"))
+            return False
+        req.cost = cost
+        self.waiting_bytes += cost
+        return True
 
     # -- gets ------------------------------------------------------------------------------------
 
@@ -143,6 +179,10 @@ class Waiters:
         if nowait or (timeout is not None and timeout <= 0):
             self.expire(req, nowait=nowait)
             return
+        if not self._may_wait(req, self.request_overhead):
+            self._remove_getter(req)
+            self.queues.mark_idle(ks)
+            return
         self._park(req, timeout)
 
     def _park(self, req: Request, timeout: float | None) -> None:
@@ -151,10 +191,11 @@ class Waiters:
             req.deadline = time.monotonic() + timeout
             self.deadlines.add(req.deadline, req)
 
-    @staticmethod
-    def _unpark(req: Request) -> None:
+    def _unpark(self, req: Request) -> None:
         req.alive = False
         req.client.parked.pop(req.rid, None)
+        self.waiting_bytes -= req.cost
+        req.cost = 0
 
     def _remove_getter(self, req: Request) -> KeyState | None:
         self._unpark(req)

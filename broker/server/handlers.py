@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.core.state import Client, Item
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_peek_count,
@@ -106,7 +106,7 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
         frames = broker.shm.attach_put(client, rec.slots, frames)
         nbytes += frames.slot_bytes
-    item = Item(frames, weight, nbytes)
+    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
     broker.counters.puts += 1
     broker.core.put(client, rec.id, key_from_wire(rec.key), item, check_timeout(rec.timeout),
                     rec.nowait)
