@@ -380,7 +380,8 @@ class CoreModel(RuleBasedStateMachine):
             dispatcher=ToDispatcher(steal) if deals else Dispatcher(),
             consumers=DECLARED, reply=self._reply, decode_item=lambda item: item.payload,
             encode_item=lambda value, weight: Item(value, weight, 1), lease_timeout=LEASE_S,
-            max_bytes=max_bytes, key_grace=LEASE_S, request_overhead=REQUEST_COST)
+            max_bytes=max_bytes, key_grace=LEASE_S, request_overhead=REQUEST_COST,
+            key_overhead=0)
         self.ref = Ref(maxsize, deals, steal, max_bytes)
         self.handles = [self._new_client(i) for i in range(len(IDENTITIES) + 1)]
         self.issued: list[int] = []

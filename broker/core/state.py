@@ -8,11 +8,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-# What the records of an item and of a waiting request cost in a broker's memory beyond an
-# item's payload, as counted against ``max_bytes`` (measured: ~170 B per queued item, ~370 B
-# per waiting get with its key; docs/guarantees.md).
-ITEM_OVERHEAD = 256
-REQUEST_OVERHEAD = 512
+# What the records of an item, of a waiting request and of a key cost in a broker's memory
+# beyond an item's payload, as counted against ``max_bytes`` (measured: 170-240 B per queued
+# item, ~370 B per waiting get, ~1 KiB per key; docs/guarantees.md).
+ITEM_OVERHEAD = 320
+REQUEST_OVERHEAD = 640
+KEY_OVERHEAD = 1536
 
 
 @dataclass(slots=True, eq=False)

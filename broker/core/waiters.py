@@ -10,8 +10,9 @@ private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``
 arrival order as room appears.  Every request ends in exactly one call of ``reply``.
 
 Waiting costs memory too: with ``max_bytes`` set, the requests waiting at one time count up to
-``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items); one that would pass it is
-refused with a ``ValueError`` instead of waiting.  So a broker holds at most twice ``max_bytes``
+``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items, plus ``KEY_OVERHEAD`` for
+each key the request made: one that held nothing before); one that would pass it is refused
+with a ``ValueError`` instead of waiting.  So a broker holds at most about twice ``max_bytes``
 in items and waiting requests.
 """
 
@@ -26,7 +27,15 @@ from typing import Any
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
-from zchannel.broker.core.state import REQUEST_OVERHEAD, Client, Item, KeyState, Request
+from zchannel.broker.core.state import (
+    ITEM_OVERHEAD,
+    KEY_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Client,
+    Item,
+    KeyState,
+    Request,
+)
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
@@ -43,8 +52,8 @@ class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
-                 deadlines: Deadlines, reply: Reply,
-                 request_overhead: int = REQUEST_OVERHEAD) -> None:
+                 deadlines: Deadlines, reply: Reply, request_overhead: int = REQUEST_OVERHEAD,
+                 key_overhead: int = KEY_OVERHEAD) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
@@ -53,6 +62,7 @@ class Waiters:
         self.putters: deque[Request] = deque()
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
         self.request_overhead = request_overhead  # what each of them counts, items aside
+        self.key_overhead = key_overhead  # and each key it made
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -80,7 +90,9 @@ class Waiters:
         if timeout is not None and timeout <= 0:
             self.reply(client, rid, error=TimeoutError(f"put timed out: {self._why_full(req)}"))
             return
-        if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)):
+        new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
+        if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
+                              + new_keys * self.key_overhead):
             return
         self._park(req, timeout)
         self.putters.append(req)
@@ -136,7 +148,7 @@ class Waiters:
                 and queues.bytes_held + queues.outputs_bytes(req.outputs) > queues.max_bytes:
             return (f"the broker holds {queues.bytes_held} bytes of items, and this put would "
                     f"pass its max_bytes limit ({queues.max_bytes}; an item counts its payload "
-                    "plus 256 bytes)")
+                    f"plus {ITEM_OVERHEAD} bytes)")
         return f"a target queue of key {req.key!r} is full (maxsize {queues.maxsize})"
 
     def _may_wait(self, req: Request, cost: int) -> bool:
@@ -158,8 +170,9 @@ class Waiters:
     # -- gets ------------------------------------------------------------------------------------
 
     def get(self, client: Client, rid: int, ks: KeyState, timeout: float | None, nowait: bool,
-            ack: bool, batch_target: int | float) -> None:
-        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait."""
+            ack: bool, batch_target: int | float, new_key: bool = False) -> None:
+        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait
+        (``new_key``: ``ks`` was made for it)."""
         if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
             # the common case (a plain get of a shared queue nobody else waits on): the head
             # item at once, without a Request record
@@ -179,7 +192,7 @@ class Waiters:
         if nowait or (timeout is not None and timeout <= 0):
             self.expire(req, nowait=nowait)
             return
-        if not self._may_wait(req, self.request_overhead):
+        if not self._may_wait(req, self.request_overhead + new_key * self.key_overhead):
             self._remove_getter(req)
             self.queues.mark_idle(ks)
             return
