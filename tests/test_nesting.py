@@ -404,3 +404,33 @@ def test_fuzz_consumer_and_decoding_broker_survive_nesting(channels, workers, ru
 def test_fuzz_nesting_long(channels, workers, run_dir):
     _fuzz_processes(channels, workers, run_dir,
                     int(os.environ.get("ZCHANNEL_FUZZ_EXAMPLES", "400")))
+
+
+def test_headers_nested_deeply_are_dropped_or_refused(channels):
+    """A header field nested about 1,000 deep or more (msgspec counts its recursion) drops its
+    message; a key nested deeper than a key may be is a ``TypeError`` reply."""
+    ch = Channel.create("nest-header")
+    channels.append(ch)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+    try:
+        prefix = msgpack.packb([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])[1:]
+        for depth, rid in ((900, 2), (200_000, 3)):
+            get = b"\x83\xa2op\xa3get\xa2id" + bytes([rid]) + b"\xa1k" + b"\x91" * depth + b"\x01"
+            sock.send_multipart([b"\x92" + prefix + get])
+        replies = {}
+        while 2 not in replies or 1 not in replies:
+            assert sock.poll(30_000), replies
+            for rec in msgpack.unpackb(sock.recv_multipart()[0], raw=False):
+                replies[rec.get("id")] = rec
+        assert replies[2]["e"][0] == "TypeError", replies[2]
+        sock.send_multipart([pack_header([{"op": "qsize", "id": 4, "k": "x"}])])
+        assert sock.poll(30_000)
+        recs = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+        assert [r for r in recs if r.get("id") == 3] == []  # the deep one was dropped whole
+        assert any(r.get("id") == 4 and r.get("r") == 0 for r in recs), recs
+    finally:
+        sock.close()
+    ch.put("after")
+    assert ch.get(timeout=10) == "after"

@@ -30,16 +30,26 @@ NUMERIC = [(cls, f) for cls in REQUEST_TYPES for f in msgspec.inspect.type_info(
            if recordgen.numeric(f.type)]
 # the fields without which a record cannot be answered: a bad one drops it (or its message)
 UNANSWERABLE = {"id", "nf"}
+# the numeric fields of docs/protocol.md ("Numeric fields"), by operation and wire key
+DOCUMENTED = {
+    ("put", "w"), ("put", "t"), ("put", "fs"), ("get", "t"), ("get_batch", "tw"),
+    ("get_batch", "t"), ("peek", "n"), ("ack", "lease"), ("cancel", "rid"),
+    ("shm_rel", "h"), ("bind", "replica"), ("bind", "from"), ("learn", "from"),
+    ("sync", "from"), ("release", "to"),
+}
+BY_OP = {op_of(cls(id=0)): cls for cls in REQUEST_TYPES}
+# bad for any numeric field, typed or not
+ALWAYS_BAD = [math.nan, math.inf, -math.inf, -1, True, "1"]
 
 
 def test_the_numeric_fields_are_the_documented_ones():
     found = {(op_of(cls(id=0)), f.encode_name) for cls, f in NUMERIC if f.name not in UNANSWERABLE}
-    assert found == {
-        ("put", "w"), ("put", "t"), ("put", "fs"), ("get", "t"), ("get_batch", "tw"),
-        ("get_batch", "t"), ("peek", "n"), ("ack", "lease"), ("cancel", "rid"),
-        ("shm_rel", "h"), ("bind", "replica"), ("bind", "from"), ("learn", "from"),
-        ("sync", "from"), ("release", "to"),
-    }
+    assert found == DOCUMENTED
+
+
+def _field(op: str, key: str) -> msgspec.inspect.Field:
+    (f,) = [f for f in msgspec.inspect.type_info(BY_OP[op]).fields if f.encode_name == key]
+    return f
 
 
 class Raw:
@@ -70,14 +80,17 @@ class Raw:
 
 
 def _check_refused(raw: Raw, cls: type, f: msgspec.inspect.Field, value) -> None:
-    record = {"op": op_of(cls(id=0)), f.encode_name: value}
+    op = op_of(cls(id=0))
+    record = {"op": op, "k": "key", f.encode_name: value}  # (a valid key: only the field is bad)
+    if op == "put":
+        record["b"] = b"\xc0"
     if f.name == "id":  # no id to answer under: dropped
         raw.send(record)
         return
     if f.name == "nf":  # the message's frames cannot be told apart: dropped whole
         raw.send({**record, "id": 1})
         return
-    reply = raw.ask(record)
+    reply = raw.ask(record, timeout_ms=10_000)
     assert reply.get("e") and reply["e"][0] == "ValueError", (record, reply)
     assert f"$.{f.encode_name}" in reply["e"][1], (record, reply)
 
@@ -88,9 +101,15 @@ def test_every_numeric_field_refuses_nan_inf_and_out_of_range(channels):
     pid = ch.stats()["pid"]
     raw = Raw(ch.address)
     try:
-        for cls, f in NUMERIC:
-            for value in recordgen.refused(f.type):
-                _check_refused(raw, cls, f, value)
+        for op, key in sorted(DOCUMENTED):
+            f = _field(op, key)
+            typed = recordgen.refused(f.type) if recordgen.numeric(f.type) else []
+            for value in typed or ALWAYS_BAD:
+                _check_refused(raw, BY_OP[op], f, value)
+        for cls, f in NUMERIC:  # and a bad id or nf: dropped
+            if f.name in UNANSWERABLE:
+                for value in recordgen.refused(f.type):
+                    _check_refused(raw, cls, f, value)
         assert raw.ask({"op": "qsize", "k": "x"})["r"] == 0  # still serving this client
     finally:
         raw.close()
