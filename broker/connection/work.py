@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError
@@ -17,7 +18,7 @@ def _wait_timeout(timeout: Any) -> float | None:
     can wait, infinity included: no limit); ``ValueError`` for NaN or a non-number."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
         raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
     return None if timeout > threading.TIMEOUT_MAX else max(0.0, float(timeout))
 

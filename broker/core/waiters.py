@@ -28,7 +28,6 @@ from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
 from zchannel.broker.core.state import (
-    ITEM_OVERHEAD,
     KEY_OVERHEAD,
     REQUEST_OVERHEAD,
     Client,
@@ -88,7 +87,8 @@ class Waiters:
             self.reply(client, rid, error=self._queue_full(req))
             return
         if timeout is not None and timeout <= 0:
-            self.reply(client, rid, error=TimeoutError(f"put timed out: {self._why_full(req)}"))
+            why = queues.why_full(key, outputs)
+            self.reply(client, rid, error=TimeoutError(f"put timed out: {why}"))
             return
         new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
         if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
@@ -139,17 +139,7 @@ class Waiters:
                 self.queues.mark_idle(ks)
 
     def _queue_full(self, req: Request) -> QueueFull:
-        return QueueFull(self._why_full(req))
-
-    def _why_full(self, req: Request) -> str:
-        """Why put ``req`` does not fit now: a full target queue or the broker's ``max_bytes``."""
-        queues = self.queues
-        if queues.max_bytes and queues.bytes_held \
-                and queues.bytes_held + queues.outputs_bytes(req.outputs) > queues.max_bytes:
-            return (f"the broker holds {queues.bytes_held} bytes of items, and this put would "
-                    f"pass its max_bytes limit ({queues.max_bytes}; an item counts its payload "
-                    f"plus {ITEM_OVERHEAD} bytes)")
-        return f"a target queue of key {req.key!r} is full (maxsize {queues.maxsize})"
+        return QueueFull(self.queues.why_full(req.key, req.outputs))
 
     def _may_wait(self, req: Request, cost: int) -> bool:
         """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of

@@ -227,7 +227,6 @@ def _small_buffer() -> dict[str, int]:
 
 
 _PACKER_ARGS = {"strict_types": True, "use_bin_type": True, **_small_buffer()}
-Packer = msgpack.Packer
 
 
 class _Encoder:
@@ -241,13 +240,13 @@ class _Encoder:
 
     def pack(self, obj: Any) -> bytes:
         """A descriptor's msgpack (the payload of an array, tensor, scalar... ext type)."""
-        return Packer(default=self.default, **_PACKER_ARGS).pack(obj)
+        return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack(obj)
 
     def pack_value(self, obj: Any) -> bytes:
         """The msgpack of a value that may hold lists and dicts: packed as ``[obj]``, minus the
         array's one-byte header, so that the packer's nesting limit (one level more than the
         unpacker's) refuses everything the unpacker would."""
-        return Packer(default=self.default, **_PACKER_ARGS).pack([obj])[1:]
+        return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([obj])[1:]
 
     def nest(self, code: int, payload: Any) -> msgpack.ExtType:
         """A nesting ext type (tuple, set, frozenset, dataclass), one level deeper; its
@@ -256,7 +255,7 @@ class _Encoder:
         if depth >= MAX_DEPTH:
             raise TypeError(too_deep("encode"))
         self.depth = depth + 1
-        data = Packer(default=self.default, **_PACKER_ARGS).pack([payload])
+        data = msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([payload])
         self.depth = depth  # (an exception ends the whole encoding: no need to restore it then)
         return msgpack.ExtType(code, data[1:])
 
