@@ -112,7 +112,9 @@ def nested_values(draw, target=None) -> tuple[object, int]:
         hashable = hashable and kind in _HASHABLE_KEEPING
     if draw(st.booleans()):  # the worst case for the stack: nothing but tuples
         kinds = ["tuple"] * target
-    return build(kinds, leaf), nesting(kinds)
+    if isinstance(leaf, (tuple, frozenset)):  # an empty one is a level too
+        kinds = kinds[1:]
+    return build(kinds, leaf), nesting(kinds) + isinstance(leaf, (tuple, frozenset))
 
 
 def _refused_too_deep(exc: BaseException) -> bool:
