@@ -72,7 +72,8 @@ def main() -> None:
 @click.option("--option", "options", multiple=True, help="hook option key=value (JSON values)")
 @click.option("--import", "imports", multiple=True, help="module to import before resolving hooks")
 @click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
-@click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
+@click.option("--max-bytes", type=int, help="bytes of items held before puts wait (payload + 320 "
+              "per item), and again of waiting requests before they are refused (0 = no limit)")
 @click.option("--max-keys", type=int, help="number of keys the broker holds at most (default 100000)")
 @click.option("--max-message-bytes", type=int, help="largest message accepted (0 = no limit)")
 @click.option("--shm-threshold", type=int,

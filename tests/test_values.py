@@ -212,7 +212,8 @@ def _table() -> list[tuple[str, object, object]]:
         ("unregistered Enum inside", {"shape": Shape.CIRCLE}, NOT_REGISTERED_ENUM),
         ("nested 3000 deep", _nested(3000), Refused("cannot encode item: nested too deeply")),
         ("tuples nested 3000 deep", _nested(3000, tuple),
-         Refused("cannot encode item: nested too deeply")),
+         Refused("cannot encode item: tuples, sets, frozensets and dataclasses nested deeper "
+                 "than the depth limit of 100")),
     ]
     return rows + _rldata_rows(g)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError
@@ -10,6 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+def _wait_timeout(timeout: Any) -> float | None:
+    """``Work.wait``'s timeout: None, or a number (negative: do not wait; beyond what a lock
+    can wait, infinity included: no limit); ``ValueError`` for NaN or a non-number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+        raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else max(0.0, float(timeout))
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,7 @@ class Work:
         A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
         operation's own ``timeout=`` withdraws it).
         """
+        timeout = _wait_timeout(timeout)
         if self._state == _PENDING and self._reader is not None:
             self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
             if self._state == _PENDING:

@@ -31,7 +31,15 @@ from zchannel.broker.core.consumers import ConsumerRegistry
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues
-from zchannel.broker.core.state import Client, Item, KeyState, Lease, Request
+from zchannel.broker.core.state import (
+    KEY_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Client,
+    Item,
+    KeyState,
+    Lease,
+    Request,
+)
 from zchannel.broker.core.waiters import Reply, Waiters
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
@@ -60,6 +68,8 @@ class QueueCore:
         max_bytes: int = 0,
         max_keys: int = 100_000,
         key_grace: float = KEY_GRACE_S,
+        request_overhead: int = REQUEST_OVERHEAD,
+        key_overhead: int = KEY_OVERHEAD,
     ) -> None:
         self.name = name
         self.reply = reply
@@ -75,7 +85,8 @@ class QueueCore:
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
-                               deadlines=self.deadlines, reply=reply)
+                               deadlines=self.deadlines, reply=reply,
+                               request_overhead=request_overhead, key_overhead=key_overhead)
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
 
@@ -165,7 +176,9 @@ class QueueCore:
             self.reply(client, rid, error=exc)
             return
         self._join(client)
-        self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target)
+        new_key = key not in self.queues.keys
+        self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
+                         new_key)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
         lease = self.lease_book.find(lease_id)

@@ -8,6 +8,12 @@ later getters of the same queue.  A getter with nothing to take may steal one it
 private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``maxsize``,
 ``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts are admitted in
 arrival order as room appears.  Every request ends in exactly one call of ``reply``.
+
+Waiting costs memory too: with ``max_bytes`` set, the requests waiting at one time count up to
+``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items, plus ``KEY_OVERHEAD`` for
+each key the request made: one that held nothing before); one that would pass it is refused
+with a ``ValueError`` instead of waiting.  So a broker holds at most about twice ``max_bytes``
+in items and waiting requests.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ from typing import Any
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
-from zchannel.broker.core.state import Client, Item, KeyState, Request
+from zchannel.broker.core.state import (
+    KEY_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Client,
+    Item,
+    KeyState,
+    Request,
+)
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
@@ -38,13 +51,17 @@ class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
-                 deadlines: Deadlines, reply: Reply) -> None:
+                 deadlines: Deadlines, reply: Reply, request_overhead: int = REQUEST_OVERHEAD,
+                 key_overhead: int = KEY_OVERHEAD) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
         self.putters: deque[Request] = deque()
+        self.waiting_bytes = 0  # what the waiting requests count against max_bytes
+        self.request_overhead = request_overhead  # what each of them counts, items aside
+        self.key_overhead = key_overhead  # and each key it made
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -71,7 +88,12 @@ class Waiters:
             self.reply(client, rid, error=self._queue_full(req))
             return False
         if timeout is not None and timeout <= 0:
-            self.reply(client, rid, error=TimeoutError("put timed out: the queue is full"))
+            why = queues.why_full(key, outputs)
+            self.reply(client, rid, error=TimeoutError(f"put timed out: {why}"))
+            return False
+        new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
+        if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
+                              + new_keys * self.key_overhead):
             return False
         self._park(req, timeout)
         self.putters.append(req)
@@ -122,13 +144,30 @@ class Waiters:
                 self.queues.mark_idle(ks)
 
     def _queue_full(self, req: Request) -> QueueFull:
-        return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {self.queues.maxsize})")
+        return QueueFull(self.queues.why_full(req.key, req.outputs))
+
+    def _may_wait(self, req: Request, cost: int) -> bool:
+        """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of
+        waiting requests; if not, it gets its ``ValueError`` reply here."""
+        limit = self.queues.max_bytes
+        if limit and self.waiting_bytes + cost > limit:
+            what = "put" if req.kind == "put" else "get"
+            self.reply(req.client, req.rid, error=ValueError(
+                f"this {what} cannot wait: the requests waiting already take "
+                f"{self.waiting_bytes} bytes of the broker's max_bytes limit ({limit}; a "
+                f"waiting request counts {self.request_overhead} bytes, a put its item's too); "
+                "retry later, or raise max_bytes"))
+            return False
+        req.cost = cost
+        self.waiting_bytes += cost
+        return True
 
     # -- gets ------------------------------------------------------------------------------------
 
     def get(self, client: Client, rid: int, ks: KeyState, timeout: float | None, nowait: bool,
-            ack: bool, batch_target: int | float) -> None:
-        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait."""
+            ack: bool, batch_target: int | float, new_key: bool = False) -> None:
+        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait
+        (``new_key``: ``ks`` was made for it)."""
         if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
             # the common case (a plain get of a shared queue nobody else waits on): the head
             # item at once, without a Request record
@@ -148,6 +187,10 @@ class Waiters:
         if nowait or (timeout is not None and timeout <= 0):
             self.expire(req, nowait=nowait)
             return
+        if not self._may_wait(req, self.request_overhead + new_key * self.key_overhead):
+            self._remove_getter(req)
+            self.queues.mark_idle(ks)
+            return
         self._park(req, timeout)
 
     def _park(self, req: Request, timeout: float | None) -> None:
@@ -156,10 +199,11 @@ class Waiters:
             req.deadline = time.monotonic() + timeout
             self.deadlines.add(req.deadline, req)
 
-    @staticmethod
-    def _unpark(req: Request) -> None:
+    def _unpark(self, req: Request) -> None:
         req.alive = False
         req.client.parked.pop(req.rid, None)
+        self.waiting_bytes -= req.cost
+        req.cost = 0
 
     def _remove_getter(self, req: Request) -> KeyState | None:
         self._unpark(req)

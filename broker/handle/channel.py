@@ -48,6 +48,7 @@ from zchannel.broker.server.starting import (
 )
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
+from zchannel.broker.wire.argchecks import check_timeout
 from zchannel.broker.wire.protocol import UNSET
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
 
@@ -247,6 +248,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
+        if timeout is None or check_timeout(timeout) is None:
+            raise ValueError("connect needs a timeout: a finite number of seconds >= 0")
         worker_identity = _worker_identity(current_worker)
         if worker_identity is not None:
             if identity is not None and identity != worker_identity:

@@ -13,6 +13,7 @@ import logging
 import os
 
 import zmq
+from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
 from zchannel.broker.host import paths
 from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.server.config import BrokerConfig
@@ -89,10 +90,12 @@ class Endpoint:
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:
+            limit = self.config.max_message_bytes
             try:
-                self.peers.listener = direct.Listener(link, self.config.max_frames + 1,
-                                              self.config.max_header_bytes,
-                                              self.config.max_message_bytes)
+                self.peers.listener = direct.Listener(
+                    link, self.config.max_frames + 1, self.config.max_header_bytes, limit,
+                    # a client coalesces requests up to MAX_BYTES_PER_MESSAGE, then one more
+                    limit + MAX_BYTES_PER_MESSAGE + self.config.max_header_bytes if limit else 0)
             except OSError as exc:  # clients then use ZeroMQ only
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)

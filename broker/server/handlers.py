@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from zchannel.broker.core.state import Client, Item
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
@@ -117,7 +117,7 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
         frames = broker.shm.attach_put(client, rec.slots, frames)
         nbytes += frames.slot_bytes
-    item = Item(frames, weight, nbytes)
+    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
     broker.counters.puts += 1
     window = client.producer
     if window is None:  # a client without retry-safe puts

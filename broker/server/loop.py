@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
 from zchannel.broker.core.queuecore import QueueCore
-from zchannel.broker.core.state import Item
+from zchannel.broker.core.state import ITEM_OVERHEAD, Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.server import metrics
@@ -54,6 +54,9 @@ from zchannel.hooks import expand_consumers, import_path, resolve_collector, res
 
 log = logging.getLogger("zchannel.broker")
 
+# records handled per turn of the loop at most (then the replies go out): a client's flood of
+# requests in large messages cannot pile up replies without bound
+RECORDS_PER_TURN = 16384
 # plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
 _POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
 
@@ -282,34 +285,40 @@ class Broker:
     # -- receiving ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Handle the messages waiting (at most 4096); called when a poll said one is there."""
+        """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` records
+        (the replies of a turn wait in memory until it ends); called when a poll said one is
+        there."""
         sock = self.sock
+        records = 0
         for i in range(4096):
             frames = recv_message(sock, ready=i == 0)
             if frames is None:
                 return
             try:
-                self._handle(frames)
+                records += self._handle(frames)
             except Exception:  # a broker never crashes because of one client
                 log.exception("unexpected error handling a message")
+            if records >= RECORDS_PER_TURN:
+                return
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> int:
         if len(frames) < 2:
             log.warning("dropped a message without a header")
-            return
-        self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
+            return 0
+        return self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
 
-    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> None:
-        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames."""
+    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> int:
+        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames;
+        the number of records it held."""
         if len(frames) - pos > self.config.max_frames:
             log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
                         self.config.max_frames)
-            return
+            return 0
         try:
             records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message: %s", exc)
-            return
+            return 0
         client = self.sessions.clients.get(address)
         now = time.monotonic()
         head = frames[pos - 1]  # the header: a zmq.Frame (its CURVE User-Id), or link bytes
@@ -339,6 +348,7 @@ class Broker:
                 self.sessions.reply(client, rec.id, error=exc)
             if kind is Bye:
                 client = None
+        return len(records)
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""
@@ -394,7 +404,7 @@ def _decode_item(item: Item) -> Any:
 def _encode_item(value: Any, weight: int) -> Item:
     body, buffers = codec.encode(value)
     frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
-    return Item(frames, weight, sum(len(f) for f in frames), value, True)
+    return Item(frames, weight, sum(len(f) for f in frames) + ITEM_OVERHEAD, value, True)
 
 
 def hook_from_wire(spec: Any) -> Any:

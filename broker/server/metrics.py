@@ -242,7 +242,8 @@ class _Families:
         yield counter("delivered_items", "items sent to consumers", counters["delivered"])
         yield gauge("uptime_seconds", "seconds since the broker started", snap["uptime_s"])
         yield gauge("keys", "keys the broker holds state for", snap["key_count"])
-        yield gauge("bytes_held", "payload bytes held (queued and leased)", snap["bytes_held"])
+        yield gauge("bytes_held", "bytes of queued and leased items: payloads plus 320 per item",
+                    snap["bytes_held"])
         yield gauge("leases_outstanding", "deliveries not acknowledged yet", snap["leases"])
         yield gauge("clients", "connected handles", snap["client_count"])
         yield gauge("consumers", "consumer ids present (declared or connected)",
@@ -250,7 +251,7 @@ class _Families:
 
         per_key = [
             ("key_items_held", "items queued on a key (shared and private queues)", 1),
-            ("key_bytes_held", "payload bytes queued on a key", 2),
+            ("key_bytes_held", "bytes queued on a key: payloads plus 320 per item", 2),
             ("key_leases", "deliveries of a key not acknowledged yet", 3),
             ("key_waiting_getters", "get requests parked on a key", 4),
             ("key_waiting_putters", "put requests parked on a key (its queue is full)", 5),
