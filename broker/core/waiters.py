@@ -18,6 +18,7 @@ in items and waiting requests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -209,10 +210,8 @@ class Waiters:
         self._unpark(req)
         ks = self.queues.keys.get(req.key)
         if ks is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 ks.getters.remove(req)
-            except ValueError:
-                pass
         return ks
 
     @staticmethod

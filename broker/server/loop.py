@@ -88,6 +88,17 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.propagate = False
 
 
+def curve_admins(config: BrokerConfig) -> frozenset:
+    """The CURVE public keys (``curve_admin_keys``) whose clients may stop the broker without
+    its shutdown token; ``ValueError`` for admin keys without CURVE."""
+    if not config.curve_admin_keys:
+        return frozenset()
+    if not config.curve_secret_key:
+        raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
+                         "broker cannot tell who a client is")
+    return admin_keys(config.curve_admin_keys)
+
+
 class Broker:
     """Serves one channel until stopped: the loop, and the dispatch of each record to its
     handler."""
@@ -99,7 +110,7 @@ class Broker:
             __import__(module)
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
-        # -- distributed: this broker is one replica (see broker/cluster/replica.py) --
+        # distributed: this broker is one replica (see broker/cluster/replica.py)
         self.replica = None
         self.handlers = HANDLERS
         lock_name = config.name
@@ -107,13 +118,8 @@ class Broker:
             self.replica = replica_state(config)
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
-        # -- end distributed --
         self.token = shutdown_token(config)
-        self.admin_keys = admin_keys(config.curve_admin_keys) if config.curve_admin_keys \
-            else frozenset()  # CURVE clients that may stop it without the token
-        if self.admin_keys and not config.curve_secret_key:
-            raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
-                             "broker cannot tell who a client is")
+        self.admin_keys = curve_admins(config)  # CURVE clients that may stop it without the token
         self.announce_token = False  # log where the token is kept (``zchannel broker``)
         fd_limit = raise_fd_limit()  # the descriptor budget (server/admission.py)
         self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
@@ -130,8 +136,7 @@ class Broker:
 
     def _setup(self, config: BrokerConfig) -> None:
         self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
-                                 config.shm_pool_bytes,
-                                 2 * config.heartbeat_interval * config.liveness)
+                             config.shm_pool_bytes, 2 * config.heartbeat_interval * config.liveness)
         self.counters = metrics.Counters()
         self.sessions = Sessions(config, self.shm, self.counters, self.replica)
         self.core = QueueCore(
