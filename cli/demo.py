@@ -9,6 +9,7 @@ beside a random policy's on the same environment seeds.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -153,8 +154,10 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
                        "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
                        "trajectory_channel_nodes": result.get("placement"),
                        "wall_s": result["wall_s"]}, f, indent=1)
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
     if plot_path:
         _plot(records, plot_path, f"PointReach, {runner} runner, {mode} mode")
+        click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
 
 
 __all__ = ["demo"]

@@ -11,6 +11,7 @@ import click
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.cli.failures import Cli
+from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import parse_key, summarize
 
 
@@ -63,8 +64,9 @@ def main() -> None:
 @click.argument("name", required=False)
 @click.option("--address", help="ipc://PATH or tcp://HOST:PORT (port 0 = any free port)")
 @click.option("--maxsize", type=int, help="per-queue capacity (0 = unbounded)")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="a TOML file ([channel], [hooks], [options])")
+@click.option("--config", "config_file", type=ConfigFile(),
+              help="a TOML file ([channel], [hooks], [options]); configs/NAME.toml also finds "
+                   "the copy installed with zchannel")
 @click.option("--collector", help="collector: registered name, module:Class")
 @click.option("--dispatcher", help="dispatcher: registered name, module:Class")
 @click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
@@ -86,7 +88,7 @@ def main() -> None:
               help="the broker's CURVE key pair file (zchannel keygen)")
 @click.option("--curve-public-keys", type=click.Path(exists=True, file_okay=False),
               help="directory of the public key files of the clients let in")
-@click.option("--cluster", type=click.Path(exists=True, dir_okay=False),
+@click.option("--cluster", type=ConfigFile(),
               help="cluster file of a distributed channel (docs/distributed.md); needs --replica")
 @click.option("--replica", type=int, help="the index of the replica to run (with --cluster)")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),

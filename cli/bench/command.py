@@ -35,6 +35,7 @@ from zchannel.cli.bench.targets import (
     run_shm_targets,
     run_targets,
 )
+from zchannel.cli.shipped import ConfigFile
 
 
 class BenchFailure(click.ClickException):
@@ -193,8 +194,9 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(exists=True, dir_okay=False),
-    help="a TOML file with a [bench] table of these options",
+    type=ConfigFile(),
+    help="a TOML file with a [bench] table of these options (configs/NAME.toml also finds the "
+    "copy installed with zchannel)",
 )
 @click.pass_context
 def bench(

@@ -417,6 +417,7 @@ def machine_description() -> dict[str, Any]:
         "loadavg": os.getloadavg(),
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "zchannel": importlib.metadata.version("zchannel"),
         "torch": torch_version,
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
