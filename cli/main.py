@@ -119,8 +119,13 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         from zchannel.broker.cluster.replica import replica_state
 
         replica_state(config)  # its address (and insecure) come from the cluster file
+    remedy = ("pass --curve-secret-key FILE and --curve-public-keys DIR (zchannel keygen), or "
+              "--insecure on a trusted network")
+    if config.cluster is not None:
+        remedy = (f"give the replicas CURVE keys (zchannel keygen --replicas N), or set "
+                  f"insecure = true in [cluster] of {config.cluster}")
     paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
-                             bool(config.insecure))
+                             bool(config.insecure), remedy=remedy)
     try:
         sys.exit(run_broker(config))
     except RuntimeError as exc:  # a broker already serves the name

@@ -195,8 +195,15 @@ def is_loopback_host(host: str) -> bool:
             return False
 
 
-def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
-    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``."""
+INSECURE_REMEDY = ("give curve_keys with a server_secret_key (zchannel keygen), or "
+                   "insecure=True on a trusted network")
+
+
+def check_bind_address(address: str, secure: bool, insecure: bool, *,
+                       remedy: str = INSECURE_REMEDY) -> None:
+    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``; the error ends
+    with ``remedy``, in the terms of the caller's user (the Python arguments by default, the
+    command's flags for the CLI)."""
     hp = tcp_host_port(address)
     if hp is None:
         if not address.startswith("ipc://"):
@@ -206,6 +213,4 @@ def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
     if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
         if not (secure or insecure):
             raise ValueError(
-                f"refusing to bind {address} (not loopback) without CURVE keys: pass curve keys "
-                "or insecure=True / --insecure"
-            )
+                f"refusing to bind {address} (not loopback) without CURVE keys: {remedy}")

@@ -84,6 +84,12 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     return out
 
 
+def _checked_size(value: str) -> str:
+    """``--payload-size`` as given, once ``parse_size`` accepts it (a bad one names the option)."""
+    parse_size(value)
+    return value
+
+
 def _restore_env(name: str, value: str | None) -> None:
     """Set ``os.environ[name]`` back to ``value`` (None: the variable was not set)."""
     if value is None:
@@ -118,6 +124,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "--payload-size",
     default="64B",
     show_default=True,
+    callback=lambda _ctx, _param, value: _checked_size(value),
     help="bytes per item: 64, 64B, 4KB, 16MB, 1GB",
 )
 @click.option(
@@ -229,7 +236,11 @@ def bench(
                 f"{opts['scenario']}"
             )
         opts["scenario"] = "targets"
-    size = parse_size(opts["payload_size"])
+    try:
+        size = parse_size(opts["payload_size"])
+    except click.BadParameter as exc:  # the command line's value was checked: the file's is bad
+        exc.param_hint = f"payload_size in [bench] of {config_path}"
+        raise
     base = Case(
         "channel",
         ptype=opts["payload_type"],
