@@ -311,8 +311,10 @@ def bench(
     out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
         f"{elapsed:.1f}s")
     out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
-        f"{machine['loadavg'][0]:.1f}, python {machine['python']}, torch {machine['torch']}, "
-        f"pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+        f"{machine['loadavg'][0]:.1f}")
+    out(f"versions: zchannel {machine['zchannel']}, python {machine['python']}, torch "
+        f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+    out("")
     warnings = print_report(runner.rows, targets, runner.notes, out)
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
