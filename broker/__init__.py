@@ -21,9 +21,11 @@ from zchannel.broker.errors import (
 )
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY
 from zchannel.broker.handle.channel import Channel
+from zchannel.broker.host import logs
 from zchannel.broker.wire.classtags import register_type, serializable
 
 __version__ = importlib.metadata.version("zchannel")
+logs.install()  # zchannel's warnings name their process where the application logs nothing
 
 __all__ = [
     "DEFAULT_KEY",
