@@ -27,16 +27,9 @@ class LabelledLastResort(logging.StreamHandler):
         self.setLevel(logging.WARNING)
         self.setFormatter(logging.Formatter(FORMAT))
 
-    @property  # type: ignore[override]
-    def stream(self):  # the current sys.stderr, as lastResort writes to
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
-
     def emit(self, record: logging.LogRecord) -> None:
         if not self._other_handlers(record.name):  # the application configured no logging
+            self.stream = sys.stderr  # the current one, as Python's last resort writes to
             super().emit(record)
 
     def _other_handlers(self, name: str) -> bool:
