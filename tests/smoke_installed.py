@@ -13,7 +13,8 @@ can import only the installed package.  Each check prints one line; the first fa
   puts 100 ``{"step", "obs"}`` items and ``None``, a consumer process takes all 101; then the
   README's ``Channel.create("scratch")`` block prints what the README says;
 - a 16 MiB tensor from a producer process arrives intact through same-host shared memory;
-- ``zchannel --help`` and ``zchannel demo embodied --steps 2 --json FILE``.
+- ``zchannel --help``; ``zchannel broker --config configs/NAME.toml`` from the installed
+  configs; ``zchannel demo embodied --steps 2 --json FILE``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,23 @@ def check_cli(workdir: str) -> None:
     for command in ("broker", "stat", "bench", "demo", "clean", "keygen"):
         assert re.search(rf"^\s+{command}\b", helped, re.M), f"{command} not in --help:\n{helped}"
     check("zchannel --help lists broker, stat, bench, demo, clean, keygen")
+    script = os.path.join(os.path.dirname(sys.executable), "zchannel")
+    broker = subprocess.Popen([script, "broker", "--config", "configs/flatten_round_robin.toml"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = broker.stdout.readline()
+        assert ready.startswith("ready ipc://"), (ready, broker.stderr.read())
+        stat = cli("stat", "samples").stdout
+        assert "flatten_batch" in stat and "round_robin" in stat, stat
+    finally:
+        broker.terminate()
+        broker.communicate(timeout=DEADLINE_S)
+    assert broker.returncode == 0, broker.returncode
+    from zchannel.cli.bench.targets import load_thresholds
+
+    assert {"T1", "T2s", "T9"} <= set(load_thresholds())
+    check("zchannel broker --config configs/flatten_round_robin.toml runs the installed config "
+          "outside a checkout; the bench thresholds load")
     out = os.path.join(workdir, "demo.json")
     started = time.monotonic()
     demo = cli("demo", "embodied", "--steps", "2", "--json", out)
