@@ -191,15 +191,24 @@ def _top_level_imports(path: str, package: str) -> set[str]:
     return found
 
 
+# import names that differ from the distribution's name (for extras not installed here)
+_IMPORT_NAMES = {"prometheus-client": ["prometheus_client"], "mkdocs-material": ["material"],
+                 "mkdocstrings-python": ["mkdocstrings_handlers", "mkdocstrings"],
+                 "pytest-timeout": ["pytest_timeout"]}
+
+
 def _extra_only_imports() -> dict[str, str]:
-    """Top-level import name -> extra, for the installed distributions that only an extra
-    brings (``packages_distributions``: ray, prometheus_client, matplotlib, gymnasium, ...)."""
+    """Top-level import name -> extra, for the distributions that only an extra brings (from
+    the installed metadata where a distribution is installed, else from its name)."""
     required = _requirements(_setup_cfg().get("options", "install_requires"))
     by_dist = {}
     for extra, names in _extras().items():
         for name in names - required:
             by_dist.setdefault(name, extra)
     out = {}
+    for dist, extra in by_dist.items():
+        for module in _IMPORT_NAMES.get(dist, [dist.replace("-", "_")]):
+            out[module] = extra
     for module, dists in importlib.metadata.packages_distributions().items():
         for dist in dists:
             name = dist.lower().replace("_", "-")
