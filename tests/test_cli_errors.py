@@ -3,6 +3,7 @@ status 2, and the CLI refuses what the Python API refuses (issue 19, "Why" 3).""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -114,6 +115,17 @@ def test_second_broker_of_a_name_is_one_line(run_dir):
     finally:
         proc.terminate()
         proc.communicate(timeout=20)
+
+
+def test_second_broker_names_the_broker_create_started(run_dir):
+    """The pid named is the broker's own, not that of the process whose create() started it
+    (and took the lock for it)."""
+    with Channel.create("spawned") as ch:
+        pid = ch.stats()["pid"]
+        assert pid != os.getpid()
+        out = _zchannel("broker", "spawned")
+        assert out.returncode == 2
+        assert f"(pid {pid}, at {ch.address})" in _one_line(out.stderr)
 
 
 def test_help_and_debug_tracebacks(monkeypatch):

@@ -79,6 +79,23 @@ def try_lock(name: str) -> int | None:
         os.close(fd)  # its holder removed it between our open and our flock
 
 
+def write_lock_holder(fd: int) -> None:
+    """Write this process's pid into the lock file it holds through ``fd`` (a broker names
+    itself there; the lock alone would name the process that took it, which may be the
+    broker's creator)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def read_lock_holder(name: str) -> int | None:
+    """The pid written in the lock file of ``name`` (``write_lock_holder``), or None."""
+    try:
+        text = lock_path(name).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def release_lock(name: str, fd: int) -> None:
     """Remove the lock file of ``name`` while still holding it through ``fd``, then close
     ``fd`` (a starter that opened the old file sees it is gone: ``try_lock``)."""

@@ -44,6 +44,7 @@ class Endpoint:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
                 raise RuntimeError(already_served(config.name, lock_name))
+        paths.write_lock_holder(self._lock_fd)  # for the error of a second broker of the name
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None

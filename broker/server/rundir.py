@@ -39,42 +39,34 @@ class StaleEntry:
     live: bool = False  # the channel runs (replicas): only its free lock files are stale
 
 
-def _flock_holders() -> dict[int, int] | None:
-    """The files with a flock lock, from ``/proc/locks``: inode -> pid of the holder (None when
-    it cannot be read); looking there takes no lock, so it never makes a starter back off.
-    Inodes only: on an overlay file system the device there differs from ``stat``'s, and a
-    match by chance only makes a stale entry look live (kept), never the reverse."""
+def _flocked() -> set[int] | None:
+    """The inodes of the files with a flock lock, from ``/proc/locks`` (None when it cannot be
+    read); looking there takes no lock, so it never makes a starter back off.  Inodes only: on
+    an overlay file system the device there differs from ``stat``'s, and a match by chance
+    only makes a stale entry look live (kept), never the reverse."""
     try:
         with open("/proc/locks") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    found = {}
+    found = set()
     for line in lines:
         parts = line.split()
         if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->":
             try:
-                found[int(parts[5].rsplit(":", 1)[1])] = int(parts[4])
+                found.add(int(parts[5].rsplit(":", 1)[1]))
             except (IndexError, ValueError):
                 continue
     return found
 
 
-def _flocked() -> set[int] | None:
-    """The inodes of the files with a flock lock (``_flock_holders``)."""
-    holders = _flock_holders()
-    return None if holders is None else set(holders)
-
-
 def lock_holder(lock_name: str) -> int | None:
-    """The pid of the process that holds the lock file of ``lock_name`` (a running broker), or
-    None when that cannot be told."""
-    holders = _flock_holders()
-    try:
-        inode = os.stat(paths.lock_path(lock_name)).st_ino
-    except OSError:
+    """The pid of the broker that holds the lock of ``lock_name``: the one it wrote in the
+    lock file, while the lock is held (None when that cannot be told)."""
+    if not _held(lock_name, _flocked()):
         return None
-    return None if holders is None else holders.get(inode)
+    pid = paths.read_lock_holder(lock_name)
+    return pid if pid is not None and _pid_alive(pid) else None
 
 
 def _held(lock_name: str, flocked: set[int] | None) -> bool:
