@@ -217,11 +217,11 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                        "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
                        "trajectory_channel_nodes": result.get("placement"),
                        "wall_s": result["wall_s"]}, f, indent=1)
-        click.echo(f"wrote the run as JSON to {os.path.abspath(json_path)}")
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
     if plot_path:
         _plot(records, plot_path, f"{env_name}, {runner} runner, {mode} mode",
               evaluation["random_return"])
-        click.echo(f"wrote the learning curve to {os.path.abspath(plot_path)}")
+        click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
 
 
 def _report_recording(result: dict, records: list[dict], json_path: str | None) -> None:
@@ -242,7 +242,7 @@ def _report_recording(result: dict, records: list[dict], json_path: str | None) 
             json.dump({"config": result["config"], "steps": records,
                        "dataset": None if summary is None else summary.root,
                        "wall_s": result["wall_s"]}, f, indent=1)
-        click.echo(f"wrote the run as JSON to {os.path.abspath(json_path)}")
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, dataset)")
 
 
 __all__ = ["demo"]

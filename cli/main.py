@@ -11,6 +11,7 @@ import click
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.cli.failures import Cli
+from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import parse_key, summarize
 
 
@@ -63,8 +64,9 @@ def main() -> None:
 @click.argument("name", required=False)
 @click.option("--address", help="ipc://PATH or tcp://HOST:PORT (port 0 = any free port)")
 @click.option("--maxsize", type=int, help="per-queue capacity (0 = unbounded)")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="a TOML file ([channel], [hooks], [options])")
+@click.option("--config", "config_file", type=ConfigFile(),
+              help="a TOML file ([channel], [hooks], [options]); configs/NAME.toml also finds "
+                   "the copy installed with zchannel")
 @click.option("--collector", help="collector: registered name, module:Class")
 @click.option("--dispatcher", help="dispatcher: registered name, module:Class")
 @click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
@@ -87,7 +89,7 @@ def main() -> None:
               help="the broker's CURVE key pair file (zchannel keygen)")
 @click.option("--curve-public-keys", type=click.Path(exists=True, file_okay=False),
               help="directory of the public key files of the clients let in")
-@click.option("--cluster", type=click.Path(exists=True, dir_okay=False),
+@click.option("--cluster", type=ConfigFile(),
               help="cluster file of a distributed channel (docs/distributed.md); needs --replica")
 @click.option("--replica", type=int, help="the index of the replica to run (with --cluster)")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
@@ -132,8 +134,13 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         from zchannel.broker.cluster.replica import replica_state
 
         replica_state(config)  # its address (and insecure) come from the cluster file
+    remedy = ("pass --curve-secret-key FILE and --curve-public-keys DIR (zchannel keygen), or "
+              "--insecure on a trusted network")
+    if config.cluster is not None:
+        remedy = (f"give the replicas CURVE keys (zchannel keygen --replicas N), or set "
+                  f"insecure = true in [cluster] of {config.cluster}")
     paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
-                             bool(config.insecure))
+                             bool(config.insecure), remedy=remedy)
     try:
         sys.exit(run_broker(config))
     except RuntimeError as exc:  # a broker already serves the name

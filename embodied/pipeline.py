@@ -29,7 +29,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -238,9 +238,9 @@ class EnvLoop:
     decoupled: bool = False
     reply_timeout: float = 600.0
     env_steps: int = 0
-    _pending: EnvPart | None = None
-    _boundary: EnvTransition | None = None
-    _sent: Any = None  # the Work of the last request put
+    _pending: EnvPart | None = field(default=None, init=False, repr=False)
+    _boundary: EnvTransition | None = field(default=None, init=False, repr=False)
+    _sent: Any = field(default=None, init=False, repr=False)  # the Work of the last request put
 
     def start(self, seed: int) -> None:
         try:

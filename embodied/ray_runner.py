@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ray
+try:
+    import ray
+except ModuleNotFoundError as exc:  # an optional extra: name it
+    raise ModuleNotFoundError(
+        f"zchannel.embodied.ray_runner needs Ray ({exc}): pip install 'zchannel[ray]'",
+        name=exc.name) from exc
 from zchannel.embodied.groups import Worker, WorkerError
 from zchannel.embodied.runners import RunConfig, actor_worker, env_worker, rollout_worker, run
 

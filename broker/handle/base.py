@@ -46,23 +46,28 @@ class ChannelHandle:
     operations."""
 
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
-                 curve_keys: Any = None, _proc: subprocess.Popen | None = None,
-                 _token: str | None = None, shm: bool | None = None) -> None:
+                 curve_keys: Any = None, shm: bool | None = None) -> None:
         self._name = name
         self._address = address
         self._explicit_identity = identity
         self._identity: str | None = None
         self._identity_read = False
         self._curve_keys = curve_keys
-        self._proc = _proc
-        self._token = _token
+        self._proc: subprocess.Popen | None = None  # the broker this handle started (_adopt)
+        self._token: str | None = None  # the shutdown token that broker accepts
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
-        self.created = _proc is not None
+        self.created = False
         _open_handles.add(self)
+
+    def _adopt(self, proc: subprocess.Popen, token: str) -> Self:
+        """Make this handle the owner of the broker ``proc`` its ``create`` started: ``created``
+        is True, and ``shutdown`` stops that broker with ``token``."""
+        self._proc, self._token, self.created = proc, token, True
+        return self
 
     def _log_attached(self) -> None:
         """The warning of a ``create`` that attached to a running broker instead of starting

@@ -225,8 +225,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
             raise
         os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
-        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
-                     _proc=proc, _token=token)
+        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys)._adopt(
+            proc, token)
         try:
             handle._connection(timeout=START_TIMEOUT_S)
         except BaseException:

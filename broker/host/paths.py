@@ -140,6 +140,23 @@ def try_lock(name: str) -> int | None:
         os.close(fd)  # its holder removed it between our open and our flock
 
 
+def write_lock_holder(fd: int) -> None:
+    """Write this process's pid into the lock file it holds through ``fd`` (a broker names
+    itself there; the lock alone would name the process that took it, which may be the
+    broker's creator)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def read_lock_holder(name: str) -> int | None:
+    """The pid written in the lock file of ``name`` (``write_lock_holder``), or None."""
+    try:
+        text = lock_path(name).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def release_lock(name: str, fd: int) -> None:
     """Remove the lock file of ``name`` while still holding it through ``fd``, then close
     ``fd`` (a starter that opened the old file sees it is gone: ``try_lock``)."""
@@ -309,8 +326,15 @@ def is_loopback_host(host: str) -> bool:
             return False
 
 
-def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
-    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``."""
+INSECURE_REMEDY = ("give curve_keys with a server_secret_key (zchannel keygen), or "
+                   "insecure=True on a trusted network")
+
+
+def check_bind_address(address: str, secure: bool, insecure: bool, *,
+                       remedy: str = INSECURE_REMEDY) -> None:
+    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``; the error ends
+    with ``remedy``, in the terms of the caller's user (the Python arguments by default, the
+    command's flags for the CLI)."""
     hp = tcp_host_port(address)
     if hp is None:
         if not address.startswith("ipc://"):
@@ -320,9 +344,7 @@ def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
     if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
         if not (secure or insecure):
             raise ValueError(
-                f"refusing to bind {address} (not loopback) without CURVE keys: pass curve keys "
-                "or insecure=True / --insecure"
-            )
+                f"refusing to bind {address} (not loopback) without CURVE keys: {remedy}")
 
 
 def bind_warnings(address: str, secure: bool) -> list[str]:

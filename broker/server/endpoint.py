@@ -16,12 +16,23 @@ import zmq
 from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
 from zchannel.broker.host import paths
 from zchannel.broker.server.admission import PeerGuard
+from zchannel.broker.server import rundir
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.transport import direct
 from zchannel.broker.transport.curve import BrokerHandshakes, RefusalLog, secure_server
 
 log = logging.getLogger("zchannel.broker")
+
+
+def already_served(name: str, lock_name: str) -> str:
+    """The error of a second broker for ``name``: where the running one is (pid, address)."""
+    pid, address = rundir.lock_holder(lock_name), paths.read_address(name)
+    where = ", ".join(part for part in (f"pid {pid}" if pid else "",
+                                        f"at {address}" if address else "") if part)
+    return (f"a broker already serves channel {name!r} on this host"
+            + (f" ({where})" if where else "")
+            + "; stop it, or choose another name (zchannel stat lists this host's brokers)")
 
 
 class Endpoint:
@@ -36,7 +47,8 @@ class Endpoint:
         if self._lock_fd is None:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
-                raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
+                raise RuntimeError(already_served(config.name, lock_name))
+        paths.write_lock_holder(self._lock_fd)  # for the error of a second broker of the name
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None

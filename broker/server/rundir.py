@@ -61,6 +61,15 @@ def _flocked() -> set[int] | None:
     return found
 
 
+def lock_holder(lock_name: str) -> int | None:
+    """The pid of the broker that holds the lock of ``lock_name``: the one it wrote in the
+    lock file, while the lock is held (None when that cannot be told)."""
+    if not _held(lock_name, _flocked()):
+        return None
+    pid = paths.read_lock_holder(lock_name)
+    return pid if pid is not None and _pid_alive(pid) else None
+
+
 def _held(lock_name: str, flocked: set[int] | None) -> bool:
     """Whether a process holds the lock file of ``lock_name`` (never creates it)."""
     path = paths.lock_path(lock_name)

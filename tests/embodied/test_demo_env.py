@@ -28,8 +28,8 @@ def test_demo_trains_on_a_gymnasium_id_with_env_kwargs(tmp_path):
                  "--env-batch", "4", "--steps", "2", "--json", "run.json", "--plot", "run.png",
                  tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert f"wrote the run as JSON to {tmp_path / 'run.json'}" in proc.stdout
-    assert f"wrote the learning curve to {tmp_path / 'run.png'}" in proc.stdout
+    assert f"wrote {tmp_path / 'run.json'} (config, one record per step, evaluation)" in proc.stdout
+    assert f"wrote {tmp_path / 'run.png'} (learning curve: mean return per step)" in proc.stdout
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["config"]["env_kwargs"] == {"action": "multi_binary", "obs": "dict"}
     assert [r["step"] for r in data["steps"]] == [0, 1]
