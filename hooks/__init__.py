@@ -20,9 +20,6 @@ from zchannel.hooks.builtin import (
     RoundRobinDispatcher,
     SharedDispatcher,
 )
-from zchannel.hooks.registry import hook_spec as hook_spec
-from zchannel.hooks.registry import import_path as import_path
-from zchannel.hooks.registry import load_entry_points as load_entry_points
 from zchannel.hooks.registry import (
     entry_point_objects,
     register_collector,
@@ -31,6 +28,9 @@ from zchannel.hooks.registry import (
     resolve_collector,
     resolve_dispatcher,
 )
+from zchannel.hooks.registry import hook_spec as hook_spec
+from zchannel.hooks.registry import import_path as import_path
+from zchannel.hooks.registry import load_entry_points as load_entry_points
 
 __all__ = [
     "ChannelContext",

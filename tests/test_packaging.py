@@ -176,6 +176,14 @@ def _top_level_imports(path: str, package: str) -> set[str]:
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 visit(ast.Module(body=child.orelse, type_ignores=[]))
                 continue
+            if isinstance(child, ast.Try) and any(
+                    h.type is not None and "ImportError" in ast.unparse(h.type)
+                    for h in child.handlers):
+                # ``try: import extra / except ImportError:`` imports without the extra too
+                visit(ast.Module(body=child.orelse + child.finalbody, type_ignores=[]))
+                for handler in child.handlers:
+                    visit(handler)
+                continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -220,7 +228,8 @@ def _extra_only_imports() -> dict[str, str]:
 def test_the_default_import_path_imports_no_extra():
     """``import zchannel.broker`` / ``.hooks`` / ``.embodied`` and the ``zchannel`` command
     import, module by module, nothing that an extra brings: a minimal install runs them.
-    Optional dependencies are imported inside the functions that use them."""
+    Optional dependencies are imported inside the functions that use them, or at module level
+    under ``try: ... except ImportError:``."""
     extra_imports = _extra_only_imports()
     assert {"ray", "prometheus_client", "gymnasium"} <= set(extra_imports), extra_imports
     files = _module_files()

@@ -15,8 +15,8 @@ import os
 import zmq
 from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
 from zchannel.broker.host import paths
-from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.server import rundir
+from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.transport import direct
