@@ -144,7 +144,6 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         # a CURVE mismatch fails the connection at once (broker/transport/curve.py); set by the I/O
         # thread, which alone reads the transport's ``handshake``
         self.refused: AuthenticationFailed | None = None
-        self.transport: Transport | None = None
         try:
             # A same-host broker's direct link when there is one (broker/transport/direct.py), else
             # ZeroMQ; the link only beside shared memory: large arrays then bypass the link, and
@@ -153,13 +152,13 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
             self.transport = open_transport(address, curve, self.hb * self.liveness,
                                             self.shm.enabled and direct_enabled())
         except BaseException:  # bad key files: nothing of this connection stays open
-            self._close_fds()
+            self._close_wake()
             self.shm.close()
             raise
         # callers send and read it themselves (the direct link; see waiting.py)
         self._callers_read = self.transport.callers_read
         # what a poll waits on for replies: the socket, or the link's descriptor
-        self._readable: Any = self.transport.readable
+        self._readable = self.transport.readable
         self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
         running.add(self)
         self._thread.start()

@@ -12,9 +12,11 @@ import logging
 import os
 import time
 import weakref
+from typing import Any
 
 import zmq
 from zchannel.broker.connection.liveness import CLOSED, UP
+from zchannel.broker.connection.parts import ConnectionParts
 from zchannel.broker.connection.tuning import LAZY_MS, LAZY_S
 from zchannel.broker.errors import ChannelError
 
@@ -26,7 +28,7 @@ _POLLIN = int(zmq.POLLIN)
 running: weakref.WeakSet[IOThread] = weakref.WeakSet()
 
 
-class IOThread:
+class IOThread(ConnectionParts):
     """The I/O thread's loop and its last acts (see the module docstring)."""
 
     def _run(self) -> None:
@@ -42,7 +44,7 @@ class IOThread:
             self._send_hello()
             self._recv_all()  # re-arms ZMQ_FD after the send
         idle_poll = [(self._wake, _POLLIN)]
-        busy_poll = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
+        busy_poll: list[tuple[Any, int]] = [(notify_fd, _POLLIN), (self._wake, _POLLIN)]
         if transport.handshake is not None:  # until the first handshake ends (not connecting: idle)
             busy_poll.append((transport.handshake.socket, _POLLIN))
         now = time.monotonic()
@@ -119,8 +121,11 @@ class IOThread:
         """Close the transport and the wake-up eventfd (with the socket lock taken, or before
         any thread could use them)."""
         self._fds_closed = True
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        """Close the wake-up eventfd (a wake-up written later finds it closed)."""
         with self._wake_lock:
             if not self._wake_closed:
                 self._wake_closed = True

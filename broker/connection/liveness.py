@@ -10,6 +10,7 @@ import logging
 import time
 
 import zmq
+from zchannel.broker.connection.parts import ConnectionParts
 from zchannel.broker.errors import BrokerUnavailable
 from zchannel.broker.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, Bye, Hello, HelloInfo
 
@@ -27,7 +28,7 @@ BYE_WAIT_S = 1.0
 _POLLIN = int(zmq.POLLIN)
 
 
-class Liveness:
+class Liveness(ConnectionParts):
     """The liveness part of ``Connection`` (its attributes are the connection's)."""
 
     def broker_gone(self) -> bool:
@@ -38,6 +39,8 @@ class Liveness:
         """Read the handshake events (I/O thread, holding the socket); True once watching
         ended: a handshake succeeded, or one was refused (which fails every request)."""
         watch = self.transport.handshake
+        if watch is None:  # not watched (any more)
+            return True
         refused = watch.check()
         if refused is None and not watch.done:
             return False

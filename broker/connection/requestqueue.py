@@ -15,10 +15,10 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.connection.liveness import CLOSED, DOWN
+from zchannel.broker.connection.parts import ConnectionParts, Convert, Pending
 from zchannel.broker.connection.tuning import (
     MAX_BYTES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
@@ -27,14 +27,8 @@ from zchannel.broker.connection.tuning import (
 from zchannel.broker.connection.work import CancelledError, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.shm.client import client_undo
-from zchannel.broker.wire.protocol import UNSET, Cancel, Put, Request, op_of
+from zchannel.broker.wire.protocol import UNSET, Cancel, Get, GetBatch, Put, Request, op_of
 
-Convert = Callable[[dict, list], Any]
-
-
-# a request in flight: (its Work, its reply converter or None, is it a put, the handle's
-# share that issued it or None; see sharing.py)
-_Pending = tuple[Work, Convert | None, bool, Any]
 
 class Flow:
     """Flow control of one issuer of requests (a handle's share, or the connection itself):
@@ -49,14 +43,14 @@ class Flow:
         self.completed_count = itertools.count(1)
 
 
-class RequestQueue:
+class RequestQueue(ConnectionParts):
     """The request queue, in-flight table and flow control of ``Connection`` (see the module
     docstring)."""
 
     def _init_requests(self, max_inflight: int) -> None:
         self._ids = itertools.count(1)
-        self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
-        self._pending: dict[int, _Pending] = {}
+        self._queue = deque()
+        self._pending: dict[int, Pending] = {}
         # Flow control per handle (``Flow``: its share, or this connection's own for requests
         # of no handle).  Callers wait on ``_room`` only when the limit is reached.
         self._max_inflight = max_inflight
@@ -99,7 +93,7 @@ class RequestQueue:
         """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
         against the request's ``timeout``: the rest travels with the request, and
         ``TimeoutError`` (nothing sent) when none is left."""
-        timeout = getattr(rec, "timeout", None)
+        timeout = rec.timeout if isinstance(rec, (Put, Get, GetBatch)) else None
         start = time.monotonic()
         with self._room:
             self._room_waiters += 1
@@ -118,7 +112,7 @@ class RequestQueue:
                     self._room.wait(wait)
             finally:
                 self._room_waiters -= 1
-        if timeout is not None:
+        if timeout is not None and isinstance(rec, (Put, Get, GetBatch)):
             rec.timeout = max(0.0, timeout - (time.monotonic() - start))
 
     def _release(self, owner: Flow | None) -> None:
@@ -162,16 +156,16 @@ class RequestQueue:
     def _send_queued(self) -> None:
         queue = self._queue
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
-            rec, frames, pending = queue.popleft()
+            rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed:
                     self._drop_unsent(rec, pending)
                     return
                 self._pending[rec.id] = pending
-            self._send([rec], frames)
+            self._send([rec], op_frames)
             return
         while queue:
-            records: list[dict] = []
+            records: list[Request] = []
             frames: list = []
             nbytes = 0
             inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
@@ -186,13 +180,15 @@ class RequestQueue:
                 records.append(rec)
                 if op_frames:
                     frames.extend(op_frames)
-                    nbytes += sum(rec.sizes or ())
-                elif type(rec) is Put and rec.body is not UNSET:
-                    inline += len(rec.body)
+                if type(rec) is Put:  # only a put carries frames (``sizes``) or a body
+                    if op_frames:
+                        nbytes += sum(rec.sizes or ())
+                    elif rec.body is not UNSET:
+                        inline += len(rec.body)
             if records:
                 self._send(records, frames)
 
-    def _drop_unsent(self, rec: Request, pending: _Pending) -> None:
+    def _drop_unsent(self, rec: Request, pending: Pending) -> None:
         """A request whose handle closed before it went out: never sent, it fails here."""
         client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
         self._release(pending[3])

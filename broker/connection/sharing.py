@@ -17,6 +17,7 @@ order.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -28,6 +29,7 @@ from zchannel.broker.connection import connection
 from zchannel.broker.connection.connection import JOIN_S, Connection, Flow
 from zchannel.broker.connection.liveness import CLOSED, GONE_CHECK_S, UP
 from zchannel.broker.connection.tuning import direct_enabled
+from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.shm.client import env_enabled as shm_env_enabled
 from zchannel.broker.wire.protocol import Cancel
@@ -96,11 +98,11 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None) ->
         try:
             conn = _take(key)
             if conn is None:
-                conn, fresh = fresh, None
+                conn = fresh
                 _by_key[key], _keys[conn], _count[conn] = conn, key, 1
         finally:
             _unlock()
-        if fresh is not None:  # another thread made one first
+        if conn is not fresh:  # another thread made one first
             fresh.close(bye=False)
     return Share(conn)
 
@@ -143,7 +145,7 @@ def _drop(conn: Connection) -> bool:
         return False
     _count.pop(conn, None)
     key = _keys.pop(conn, None)
-    if _by_key.get(key) is conn:
+    if key is not None and _by_key.get(key) is conn:
         del _by_key[key]
     return True
 
@@ -162,7 +164,7 @@ def _apply_deferred() -> None:
             last = conn is not None and _drop(conn)
         finally:
             _lock.release()
-        if last:
+        if last and conn is not None:
             conn.close()
 
 
@@ -208,7 +210,7 @@ def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
         except ChannelError:  # the connection closes: its I/O thread fails what is left
             return
         # withdrawn, or its reply came before the answer: either way nothing more comes
-        ask.add_done_callback(lambda _, rid=rid: conn.forget(rid, closed))
+        ask.add_done_callback(functools.partial(_forget, conn, rid, closed))
         asks.append(ask)
     if inside:
         return
@@ -222,6 +224,10 @@ def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
         conn.forget(rid, closed)
 
 
+def _forget(conn: Connection, rid: int, exc: BaseException, _work: Work) -> None:
+    conn.forget(rid, exc)
+
+
 def close_all() -> None:
     """At interpreter exit: every connection of this process waits (at most the heartbeat
     expiry, less when its broker is gone) for its put acknowledgements, then stops its I/O
@@ -230,7 +236,8 @@ def close_all() -> None:
     used after this raise ``ChannelError``."""
     global _exiting
     _exiting = True
-    conns = [c for c in list(connection.running) if c.pid == os.getpid()]
+    conns = [c for c in list(connection.running)
+             if isinstance(c, connection.Connection) and c.pid == os.getpid()]
     for conn in conns:
         settle(conn, None, conn.hb * conn.liveness)
     for conn in conns:

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 from zchannel.broker.connection.liveness import UP
-from zchannel.broker.connection.requestqueue import Convert
+from zchannel.broker.connection.parts import ConnectionParts, Convert
 from zchannel.broker.connection.tuning import DRIVE_S, SPIN_PROBE, SPIN_SCORE_MAX, spin_seconds
 from zchannel.broker.connection.work import Work
 from zchannel.broker.wire.protocol import Request
@@ -27,7 +27,7 @@ from zchannel.broker.wire.protocol import Request
 _POLLIN = int(zmq.POLLIN)
 
 
-class Waiting:
+class Waiting(ConnectionParts):
     """Callers that send and read the socket themselves, and the wake-ups of the I/O thread
     (see the module docstring)."""
 

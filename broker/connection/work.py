@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
@@ -20,7 +20,9 @@ def _wait_timeout(timeout: Any) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
         raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
-    return None if timeout > threading.TIMEOUT_MAX else max(0.0, float(timeout))
+    # a Real compares with a float (typeshed's numbers.Real does not say so)
+    seconds = cast(float, timeout)
+    return None if seconds > threading.TIMEOUT_MAX else max(0.0, float(seconds))
 
 
 @dataclass(frozen=True)

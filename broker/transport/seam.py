@@ -65,6 +65,10 @@ class Transport(ABC):
     def notify_fd(self) -> int:
         """The descriptor that becomes readable when a message may be waiting."""
 
+    def end_handshake(self) -> None:
+        """Stop watching the handshake (it succeeded, or was refused)."""
+        self.handshake = None
+
     def buffered(self) -> bool:
         """Whether a message was read already and waits in this process (a poll of
         ``readable`` does not see it: ``recv`` returns it without a system call)."""
