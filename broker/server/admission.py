@@ -122,7 +122,7 @@ class PeerGuard:
         self._local = _local_address(address)
         ipc = paths.ipc_path(address)
         files = paths.gate_paths(ipc) if ipc else None
-        if files is not None:
+        if ipc and files is not None:
             try:
                 self.gate = IpcGate(ipc, *files)
             except OSError as exc:  # no hard link to a socket here: refusing still works

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import zmq
 from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
@@ -54,7 +55,7 @@ class Endpoint:
         self._auth = None
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
         self.guard: PeerGuard | None = None  # its connection budget (set by bind)
-        self.token_file = None  # where the shutdown token is kept (set by bind)
+        self.token_file: Path | None = None  # where the shutdown token is kept (set by bind)
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve.py)
         try:
             self.address = config.address or paths.default_address(config.name)
@@ -69,9 +70,9 @@ class Endpoint:
         by its owner only), and log what the address exposes (``paths.bind_warnings``).
         ``ZMQError`` for a busy address, ``ValueError`` for bad key files: ``close()`` then
         removes what was made."""
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
-        self.peers = Peers(sock)
+        peers = self.peers = Peers(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -83,7 +84,7 @@ class Endpoint:
                                        self.config.curve_public_keys, self.refusals)
         self.handshakes = BrokerHandshakes(bool(self._auth), self.refusals)
         # counts the connections from the first one on (before bind), refuses beyond the budget
-        self.guard = self.peers.guard = PeerGuard(sock, self.address, self.max_clients,
+        self.guard = peers.guard = PeerGuard(sock, self.address, self.max_clients,
                                                   self.fd_limit)
         ipc = paths.ipc_path(self.address)
         if ipc and os.path.exists(ipc):
@@ -91,7 +92,7 @@ class Endpoint:
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:  # a busy address: say which
-            reason = zmq.strerror(exc.errno)
+            reason = zmq.strerror(exc.errno or 0)
             raise zmq.ZMQError(exc.errno, f"cannot bind {self.address}: {reason}") from None
         if self.address.startswith("tcp://"):
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -104,7 +105,7 @@ class Endpoint:
         if link is not None:
             limit = self.config.max_message_bytes
             try:
-                self.peers.listener = direct.Listener(
+                peers.listener = direct.Listener(
                     link, self.config.max_frames + 1, self.config.max_header_bytes, limit,
                     # a client coalesces requests up to MAX_BYTES_PER_MESSAGE, then one more
                     limit + MAX_BYTES_PER_MESSAGE + self.config.max_header_bytes if limit else 0)
@@ -125,7 +126,8 @@ class Endpoint:
             self.guard = None
         self.sock.close(linger=0)
         self.sock = None
-        self.peers.close()
+        if self.peers is not None:
+            self.peers.close()
         if self._auth is not None:
             self._auth.stop()
         paths.remove_address(self.config.name, self.address)

@@ -81,7 +81,8 @@ def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client |
     identity = rec.identity if isinstance(rec.identity, str) else None
     client = Client(address=address, identity=identity)
     if broker.admin_keys and isinstance(head, zmq.Frame):
-        client.user = head.get("User-Id")
+        user = head.get("User-Id")  # the CURVE key the ZAP handler let in (a str)
+        client.user = user if isinstance(user, str) else None
     broker.sessions.clients[address] = client
     broker.sessions.forget_expired(address)
     broker.sessions.producers.attach(client, rec.producer)
@@ -115,8 +116,9 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     weight = check_weight(rec.weight)
     key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
-        frames = broker.shm.attach_put(client, rec.slots, frames)
-        nbytes += frames.slot_bytes
+        payload = broker.shm.attach_put(client, rec.slots, frames)
+        nbytes += payload.slot_bytes
+        frames = payload
     item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
     broker.counters.puts += 1
     window = client.producer

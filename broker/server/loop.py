@@ -179,12 +179,20 @@ class Broker:
         ``close()`` then removes what was made)."""
         self.address = self.endpoint.bind(self.token)
         self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
-        if self.announce_token:
+        token_file = self.endpoint.token_file
+        if self.announce_token and token_file is not None:
             log.info("shutdown token of %r kept in %s (readable by its owner only): "
                      "`zchannel broker stop %s` stops this broker", self.config.name,
-                     self.endpoint.token_file, self.endpoint.token_file.stem)
+                     token_file, token_file.stem)
         self.sessions.peers = self.peers
         return self.address
+
+    def _bound(self) -> tuple[zmq.Socket, Peers]:
+        """The socket and the clients' transports (``bind`` made them)."""
+        sock, peers = self.sock, self.peers
+        if sock is None or peers is None:
+            raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
+        return sock, peers
 
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
@@ -207,8 +215,12 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        guard = self.endpoint.guard
-        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(), (guard.wake_fd, zmq.POLLIN)]
+        sock, peers = self._bound()
+        guard, handshakes = self.endpoint.guard, self.endpoint.handshakes
+        if guard is None or handshakes is None:
+            raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
+        poll_set: list[tuple[Any, int]] = [(sock, zmq.POLLIN), *stops.poll_items(),
+                                           (guard.wake_fd, zmq.POLLIN)]
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -230,21 +242,21 @@ class Broker:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                if self.peers.poll_dirty:  # links came or went, or a full socket held bytes back
-                    self._poll_set = self.peers.poll_set(self._poll_base)
+                if peers.poll_dirty:  # links came or went, or a full socket held bytes back
+                    self._poll_set = peers.poll_set(self._poll_base)
                 polled = time.monotonic()
                 events = zmq.zmq_poll(self._poll_set, timeout_ms)
                 woke = time.monotonic()
                 ready = [obj for obj, _ in events]
-                if self.sock in ready:
+                if sock in ready:
                     self._drain()
                     self.sessions.flush()  # replies first: the rest of the turn is not on their path
-                if self.peers.listener is not None and len(events) > (self.sock in ready):
+                if peers.listener is not None and len(events) > (sock in ready):
                     self._direct_events(events)
                 if self.metrics is not None and self.metrics.fd in ready:
                     self.metrics.publish()  # a scrape asked for a snapshot
                 if guard.wake_fd in ready:
-                    self.endpoint.handshakes.check(guard.take_failures())
+                    handshakes.check(guard.take_failures())
                 if stops.parent_exited(ready):
                     self._running = False
                 now = time.monotonic()
@@ -256,7 +268,7 @@ class Broker:
                 self.core.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
-                    self.peers.resume(now)
+                    peers.resume(now)
                     next_hb = now + hb / 2
                     if stops.parent_gone():
                         self._running = False
@@ -293,7 +305,7 @@ class Broker:
         """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` records
         (the replies of a turn wait in memory until it ends); called when a poll said one is
         there."""
-        sock = self.sock
+        sock, _ = self._bound()
         records = 0
         for i in range(4096):
             frames = recv_message(sock, ready=i == 0)
@@ -331,20 +343,25 @@ class Broker:
             nf = rec.nf
             op_frames = frames[pos : pos + nf]
             pos += nf
+            if isinstance(rec, BadRecord):
+                if client is None:
+                    if rec.op != BYE:
+                        self.sessions.tell_expired(address, now)
+                elif rec.id is None:
+                    client.last_seen = now
+                    log.warning("dropped a record without a request id (op %r)", rec.op)
+                else:
+                    client.last_seen = now
+                    self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
+                continue
             kind = type(rec)
             if client is None or kind is Hello:
-                if kind is Hello:
+                if isinstance(rec, Hello):
                     client = hello(self, address, rec, head)
-                elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
+                elif kind is not Bye:
                     self.sessions.tell_expired(address, now)
                 continue
             client.last_seen = now
-            if kind is BadRecord:
-                if rec.id is None:
-                    log.warning("dropped a record without a request id (op %r)", rec.op)
-                else:
-                    self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
-                continue
             try:
                 self.handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
@@ -364,12 +381,13 @@ class Broker:
     def _direct_events(self, events: list) -> None:
         """Accept new links, read the ready ones (and handle their messages), write out what
         full sockets held back."""
-        listener = self.peers.listener
+        _, peers = self._bound()
+        listener = peers.listener
         assert listener is not None
         changed = False
         for obj, ev in events:
             if obj == listener.fd:
-                changed = bool(self.peers.accept()) or changed
+                changed = bool(peers.accept()) or changed
                 continue
             peer = listener.by_fd.get(obj) if type(obj) is int else None
             if peer is None:
@@ -381,11 +399,11 @@ class Broker:
             if ev & _POLLIN_ERR and not self._direct_read(peer):
                 changed = True
         self.sessions.flush()
-        self.peers.poll_dirty = self.peers.poll_dirty or changed
+        peers.poll_dirty = peers.poll_dirty or changed
 
     def _direct_read(self, peer: direct.Peer) -> bool:
         """Read a ready link and handle the messages it completed; False if it is gone."""
-        alive, got_bytes = self.peers.read(peer)
+        alive, got_bytes = self._bound()[1].read(peer)
         reader = peer.reader
         client = self.sessions.clients.get(peer.address)
         if client is not None and got_bytes:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zchannel.broker.wire.protocol import Reply
+
 # Frame bytes per reply message at most (a single record may exceed it): replies coalesced in
 # one turn for a client with many gets out would otherwise make one message of hundreds of MiB,
 # which arrives whole only after seconds, with the heartbeats queued behind it.
@@ -17,7 +19,7 @@ class Outbox:
     __slots__ = ("records", "frames", "deliveries", "cuts", "nbytes")
 
     def __init__(self) -> None:
-        self.records: list[dict] = []
+        self.records: list[Reply] = []
         self.frames: list[Any] = []
         self.deliveries: list[tuple] = []
         self.cuts: list[tuple[int, int]] = []
@@ -32,11 +34,12 @@ class Outbox:
             self.nbytes = 0
         self.nbytes += nbytes
 
-    def messages(self) -> list[tuple[list[dict], list]]:
+    def messages(self) -> list[tuple[list[Reply], list]]:
         """``(records, frames)`` of each message to send."""
         if not self.cuts:
             return [(self.records, self.frames)]
-        out, r0, f0 = [], 0, 0
+        out: list[tuple[list[Reply], list]] = []
+        r0, f0 = 0, 0
         for r1, f1 in self.cuts:
             out.append((self.records[r0:r1], self.frames[f0:f1]))
             r0, f0 = r1, f1

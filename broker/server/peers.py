@@ -84,7 +84,8 @@ class Peers:
         wait in its backlog, or their clients fall back to ZeroMQ."""
         listener = self.listener
         assert listener is not None
-        room = self.guard.room() if self.guard is not None else 1 << 30
+        guard = self.guard
+        room = guard.room() if guard is not None else 1 << 30
         peers = listener.accept(room) if room > 0 else []
         if self.guard is not None:
             self.guard.direct = len(listener.by_fd)
@@ -94,7 +95,7 @@ class Peers:
             self.poll_dirty = True
             self._paused_until = time.monotonic() + (0.1 if listener.starved else 0.0)
             log.warning("direct links wait: %s", "no descriptor left" if listener.starved else
-                        f"max_clients ({self.guard.max_clients}) connections held")
+                        f"max_clients ({guard.max_clients if guard else room}) connections held")
         return peers
 
     def resume(self, now: float) -> None:

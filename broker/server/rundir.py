@@ -155,17 +155,17 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
         if paths.NAME_RE.match(name):
             own.update(_address_files(paths.default_address(name)))
         claimed.update(own)
-        entry = StaleEntry(name, live=bool(held))
-        entry.locks = [lock for lock in locks if lock not in held]
-        entry.files = [str(paths.lock_path(lock)) for lock in entry.locks]
+        leftover = StaleEntry(name, live=bool(held))
+        leftover.locks = [lock for lock in locks if lock not in held]
+        leftover.files = [str(paths.lock_path(lock)) for lock in leftover.locks]
         if held:
             live.append(HostBroker(name, address, held))
         else:
             if paths.addr_path(name).exists():
-                entry.files.append(str(paths.addr_path(name)))
-            entry.files += sorted(own) + segments.get(name, [])
-        if entry.files:
-            stale.append(entry)
+                leftover.files.append(str(paths.addr_path(name)))
+            leftover.files += sorted(own) + segments.get(name, [])
+        if leftover.files:
+            stale.append(leftover)
     for name, path in tmp_files:
         pid = path.name.rsplit(".", 2)[-2]
         if not (pid.isdigit() and _pid_alive(int(pid))):

@@ -117,7 +117,8 @@ class Sessions:
     def _send(self, address: bytes, records: list, frames: list) -> bool:
         """Send to the client at ``address`` over its transport (``server/peers.py``); False when it
         cannot be reached (``flush`` then requeues and ends the client)."""
-        if not self.peers.send(address, [pack_header(records), *frames]):
+        peers = self.peers
+        if peers is None or not peers.send(address, [pack_header(records), *frames]):
             return False
         self.last_sent[address] = time.monotonic()
         return True
@@ -141,22 +142,28 @@ class Sessions:
         self.last_sent.pop(address, None)
         if out is not None:
             for c, origin, items, lease in out.deliveries:
-                self.core.requeue(c, origin, items, lease)
+                self._core().requeue(c, origin, items, lease)
         if client is not None:
             self.client_gone(client)
         return client
+
+    def _core(self) -> QueueCore:
+        if self.core is None:
+            raise RuntimeError("the broker's queue core is not made yet")
+        return self.core
 
     def client_gone(self, client: Client) -> None:
         """``client`` left or was ended: the core withdraws its requests and returns its leases,
         then the slots it held as a consumer are dropped (``ShmBroker.client_gone``), and its
         producer window starts its grace period (``Producers.detach``)."""
-        self.core.client_gone(client)
+        self._core().client_gone(client)
         self.shm.client_gone(client)
         self.producers.detach(client)
 
     def direct_gone(self, peer: direct.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
-        self.peers.drop(peer)
+        if self.peers is not None:
+            self.peers.drop(peer)
         self._end_client(peer.address, self._out.pop(peer.address, None))
 
     # -- heartbeats and expiry -----------------------------------------------------------------
@@ -192,8 +199,9 @@ class Sessions:
                 out.records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
-        if self.peers.listener is not None:  # links that never said hello hold a descriptor each
-            for peer in [p for p in self.peers.listener.by_fd.values()
+        listener = self.peers.listener if self.peers is not None else None
+        if listener is not None:  # links that never said hello hold a descriptor each
+            for peer in [p for p in listener.by_fd.values()
                          if not p.greeted and now - p.since > expiry]:
                 log.info("closed a direct link that said nothing for %.1fs", now - peer.since)
                 self.direct_gone(peer)
@@ -203,7 +211,7 @@ class Sessions:
     def _release_memory(self) -> None:
         """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
         otherwise, and the broker's RSS would stay at its peak)."""
-        held = self.core.bytes_held
+        held = self._core().bytes_held
         self._peak_held = max(self._peak_held, held)
         if held == 0 and self._peak_held >= 16 << 20:
             self._peak_held = 0

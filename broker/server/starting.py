@@ -66,9 +66,9 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
         hook_spec(cls)  # raises for classes the broker process cannot import
         return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
     if isinstance(hook, str) and ":" not in hook:
-        cls = registered(base).get(hook.lower())
-        if cls is not None and not cls.__module__.startswith("zchannel."):
-            imports.append(cls.__module__)
+        named = registered(base).get(hook.lower())
+        if named is not None and not named.__module__.startswith("zchannel."):
+            imports.append(named.__module__)
         return hook
     if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
         imports.append(hook.__module__)
@@ -111,9 +111,11 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
         close_fds=True,
         env=child_environ(),
     )
+    stdin = proc.stdin
+    assert stdin is not None  # stdin=PIPE
     try:
-        proc.stdin.write(body)
-        proc.stdin.close()
+        stdin.write(body)
+        stdin.close()
         line = read_line(proc, START_TIMEOUT_S)
     except BaseException:
         proc.kill()
@@ -159,6 +161,7 @@ def start_error(name: str, line: str) -> BaseException:
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    assert proc.stdout is not None, "the broker child's stdout is a pipe"
     fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
     data = b""

@@ -49,7 +49,7 @@ class StopSources:
 
     def poll_items(self) -> list[tuple[int, int]]:
         """The descriptors the loop polls for them."""
-        items = [(self._rfd, zmq.POLLIN)]
+        items: list[tuple[int, int]] = [(self._rfd, zmq.POLLIN)]
         if self._parent_fd is not None:
             items.append((self._parent_fd, zmq.POLLIN))
         return items
