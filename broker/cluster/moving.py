@@ -139,7 +139,7 @@ class KeyMover:
             self._untold.setdefault(peer, []).extend(entries)
 
     def handle(self, rec: Load | Release) -> Any:
-        if type(rec) is Load:
+        if isinstance(rec, Load):
             return self.load()
         return self.release(rec.to)
 

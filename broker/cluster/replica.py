@@ -93,7 +93,7 @@ class ReplicaState:
             self.mover.tick()
 
     def handle(self, rec: Bind | Learn | Sync | Load | Release) -> Any:
-        if type(rec) is Load or type(rec) is Release:
+        if isinstance(rec, (Load, Release)):
             if self.mover is None:
                 raise ValueError(f"channel {self.name!r} does not move keys (steal is off)")
             return self.mover.handle(rec)

@@ -28,7 +28,7 @@ class HookPipeline:
     def __init__(self, *, name: str, maxsize: int, collector: Collector, dispatcher: Dispatcher,
                  producers: tuple[str, ...], options: dict | None, registry: ConsumerRegistry,
                  decode_item: Callable[[Item], Any],
-                 encode_item: Callable[[Any, int], Item]) -> None:
+                 encode_item: Callable[[Any, int | float], Item]) -> None:
         self.collector = collector
         self.dispatcher = dispatcher
         self.registry = registry

@@ -30,7 +30,7 @@ from typing import Any
 from zchannel.broker.core.consumers import ConsumerRegistry
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
-from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues
+from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues, Outputs
 from zchannel.broker.core.state import (
     KEY_OVERHEAD,
     REQUEST_OVERHEAD,
@@ -63,7 +63,7 @@ class QueueCore:
         options: dict | None = None,
         reply: Reply,
         decode_item: Callable[[Item], Any],
-        encode_item: Callable[[Any, int], Item],
+        encode_item: Callable[[Any, int | float], Item],
         lease_timeout: float = 30.0,
         max_bytes: int = 0,
         max_keys: int = 100_000,
@@ -144,7 +144,7 @@ class QueueCore:
             key = check_key(key)
             check_weight(item.weight)
             if hooks.passthrough and not hooks.deals:  # no hooks at work: the common case
-                routed = [(key, None, item)]
+                routed: Outputs = [(key, None, item)]
                 if key not in queues.keys:
                     queues.check_new_keys((key,))
             else:

@@ -164,10 +164,10 @@ class KeyedQueues:
             return [ks]
         touched: dict[Any, KeyState] = {}
         for k, c, item in outputs:
-            ks = touched.get(k)
-            if ks is None:
-                ks = touched[k] = self.state(k)
-            self.queue(ks, c).append(item)
+            found = touched.get(k)
+            if found is None:
+                found = touched[k] = self.state(k)
+            self.queue(found, c).append(item)
             self.bytes_held += item.nbytes
         return list(touched.values())
 
@@ -200,7 +200,9 @@ class KeyedQueues:
         if ks is None:
             return False
         queue = ks.shared if consumer is None else ks.private.get(consumer)
-        return bool(queue) and len(queue) >= self.maxsize
+        if not queue:
+            return False
+        return len(queue) >= self.maxsize
 
     def key_stats(self) -> dict[Any, dict[str, Any]]:
         keys = {}

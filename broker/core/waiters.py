@@ -45,7 +45,7 @@ log = logging.getLogger("zchannel.broker")
 # the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
 Reply = Callable[..., None]
 
-_NONE_WAITING: frozenset = frozenset()  # no waiting put blocks a target queue
+_NONE_WAITING: set[tuple[Any, str | None]] = set()  # never added to  # no waiting put blocks a target queue
 
 
 class Waiters:
@@ -217,7 +217,7 @@ class Waiters:
     @staticmethod
     def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
         """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
-        total = 0
+        total: int | float = 0
         for n, item in enumerate(queue):
             if exceeds(total + item.weight, target):
                 return n or 1

@@ -16,7 +16,10 @@ import os
 import subprocess
 import threading
 import weakref
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
@@ -81,6 +84,9 @@ class ChannelHandle:
                     "%d items held) instead of starting one; its settings win, and shutdown() "
                     "is left to its creator", self._name, stats.get("pid", os.getpid()),
                     stats.get("address") or self._address, held)
+
+    if TYPE_CHECKING:  # the operations are the subclass's (``BrokerChannel``)
+        def stats(self, *, exclude_self: bool = False) -> dict: ...
 
     # -- connection --------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from zchannel.broker.wire.protocol import (
     Reply,
     Request,
     Stats,
+    op_of,
 )
 from zchannel.hooks import check_consumer_id
 
@@ -77,6 +78,8 @@ class BrokerChannel(ChannelHandle):
         frames: list = []
         retried = None
         if has_item:
+            if not isinstance(rec, Put):
+                raise TypeError(f"only a put carries an item, not {op_of(rec)!r}")
             if self._in_doubt:  # an earlier put raised without an answer: is this its retry?
                 retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
                 if retried is not None:
@@ -117,7 +120,7 @@ class BrokerChannel(ChannelHandle):
             shm_undo(conn, getattr(rec, "slots", None))  # not sent: its slots go back to the pool
             raise
         if kind is Put:
-            if retried is not None:
+            if retried is not None and self._in_doubt is not None:
                 self._in_doubt.discard(retried)  # sent: its retry's outcome decides
             if work._state != _DONE:  # in doubt if it fails without an answer
                 work._on_error = (self._put_failed, rec, item, conn)

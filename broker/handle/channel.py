@@ -20,7 +20,7 @@ import os
 import time
 from abc import ABCMeta
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.errors import (
@@ -69,6 +69,12 @@ def _worker_identity(current_worker: Any) -> str | None:
         "current_worker is a consumer id 'group:rank', or an object with an identity str or "
         f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
         "zchannel has no Worker class, a handle acts for the consumer id it is given")
+
+
+def _as_channel(handle: BrokerChannel) -> Channel:
+    """``handle`` as the ``Channel`` it is: ``LocalChannel`` and ``DistributedChannel`` are
+    registered as virtual subclasses of ``Channel`` (below), which a type checker cannot see."""
+    return cast(Channel, handle)
 
 
 def _warn_differences(handle: BrokerChannel, config: dict) -> None:
@@ -164,11 +170,11 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         if local and metrics_port is not None:
             raise ValueError("metrics_port needs a broker process (local=False)")
         if local:
-            return LocalChannel.create_local(
+            return _as_channel(LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
                 identity=identity, lease_timeout=lease_timeout,
-            )
+            ))
         address = address or paths.default_address(name)
         server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
         paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
@@ -190,12 +196,14 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             config["metrics_port"] = check_port(metrics_port)
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
-            return ray_placement.create(config, distributed=distributed, node_rank=node_rank,
-                                        targets=targets, identity=identity, curve_keys=curve_keys)
+            return _as_channel(ray_placement.create(
+                config, distributed=distributed, node_rank=node_rank, targets=targets,
+                identity=identity, curve_keys=curve_keys))
         if distributed:  # replicas from a cluster file (distributed.py)
             path = clusterfile.find_file(config.get("options"))
             if path:
-                return create_from_cluster(config, path, identity=identity, curve_keys=curve_keys)
+                return _as_channel(create_from_cluster(config, path, identity=identity,
+                                                       curve_keys=curve_keys))
             log.info("distributed=True without Ray or a cluster file: one local replica")
         if node_rank is not None:
             log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
@@ -258,20 +266,22 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             identity = worker_identity
         if identity is not None:
             check_consumer_id(identity)
+        name: str | None
+        address: str | None
         if paths.is_address(name_or_address):
             name, address = None, name_or_address
         else:
             name = paths.check_name(name_or_address)
             local = LocalChannel.lookup(name)
             if local is not None:
-                return local.new_handle(identity)
+                return _as_channel(local.new_handle(identity))
             address = paths.read_address(name)
             if address is None:  # a distributed channel: cluster file, else Ray
                 found = connect_from_cluster(name, identity=identity, timeout=timeout)
                 if found is None and clusterfile.ray_connected():
                     found = ray_placement.connect(name, identity=identity, timeout=timeout)
                 if found is not None:
-                    return found
+                    return _as_channel(found)
                 raise ChannelNotFound(f"no channel named {name!r} on this host")
         keys = client_keys(curve_keys)
         if keys is not None:
@@ -279,8 +289,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         paths.probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
         handle._connection(timeout=timeout)
-        if handle._conn.broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
-            return DistributedChannel.from_handle(handle)
+        if handle._connection().broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
+            return _as_channel(DistributedChannel.from_handle(handle))
         return handle
 
 

@@ -69,7 +69,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
     @classmethod
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
         """Turn a plain handle connected to one replica into the distributed handle."""
-        info = handle._conn.broker_info
+        info = handle._connection().broker_info
         dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
                    subs={int(info.replica or 0): handle})
@@ -249,8 +249,9 @@ class DistributedChannel(KeyRouting, BrokerChannel):
                 log.exception("closing a replica handle failed")
         self._give_back()  # the home replica's share, if this handle took one itself
 
-    def shutdown(self) -> None:
-        """Stop the replicas this handle's ``create`` started (and their Ray actors)."""
+    def shutdown(self, token: str | None = None) -> None:
+        """Stop the replicas this handle's ``create`` started (and their Ray actors); only
+        that handle may (``token`` is not used: each replica has its own)."""
         if not self._owner or self._creator_pid != os.getpid():
             raise PermissionError("only the handle that created the channel's brokers may shut them down")
         for sub in self._each_sub():
@@ -344,7 +345,7 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
 
 
 def replica_curve_settings(cl: clusterfile.Cluster, local: list[int],
-                           curve_keys: Any) -> dict[int, dict[str, str]]:
+                           curve_keys: Any) -> dict[int, dict[str, str | None]]:
     """The CURVE settings of the replicas ``local`` that this process starts, for a cluster
     file that turns CURVE on (none otherwise): each replica's key pair file (``NAME.key_secret``
     next to its ``server_keys`` file) and the directory of the keys let in -- what
@@ -361,7 +362,7 @@ def replica_curve_settings(cl: clusterfile.Cluster, local: list[int],
     settings = {}
     for i in local:
         secret = cl.secret_key_file(i)
-        if not os.path.isfile(secret):
+        if secret is None or not os.path.isfile(secret):
             raise ValueError(f"{cl.source} turns CURVE on: replica {i} needs its key pair file "
                              f"{secret} on this host (zchannel keygen DIR --replicas N writes "
                              "it next to the public key)")

@@ -10,6 +10,7 @@ handle to it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -24,7 +25,12 @@ from zchannel.broker.handle.broker_channel import BrokerChannel
 from zchannel.broker.shm.client import empty_array
 from zchannel.broker.shm.pool import check_reserve
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.argchecks import check_peek_count, check_timeout, check_weight
+from zchannel.broker.wire.argchecks import (
+    check_peek_count,
+    check_target_weight,
+    check_timeout,
+    check_weight,
+)
 from zchannel.broker.wire.protocol import (
     Ack,
     Full,
@@ -103,29 +109,28 @@ class _LocalBroker:
             if self.closed:
                 raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
             rid = next(self.ids)
-            work = Work(lambda w, rid=rid: self.cancel(client, rid))
+            work = Work(functools.partial(_cancel_of, self, client, rid))
             self.pending[(id(client), rid)] = (work, bool(copy))
             core = self.core
-            kind = type(rec)
             try:
-                if kind is Put:
+                if isinstance(rec, Put):
                     core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
                              check_timeout(rec.timeout), rec.nowait)
-                elif kind is Get:
+                elif isinstance(rec, Get):
                     core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
                              ack=rec.ack)
-                elif kind is GetBatch:
+                elif isinstance(rec, GetBatch):
                     core.get(client, rid, rec.key, check_timeout(rec.timeout), rec.nowait,
-                             batch_target=rec.target)
-                elif kind is QSize:
+                             batch_target=check_target_weight(rec.target))
+                elif isinstance(rec, QSize):
                     self._reply(client, rid, result=core.qsize(rec.key, rec.consumer))
-                elif kind is Full:
+                elif isinstance(rec, Full):
                     self._reply(client, rid, result=core.full(rec.key, rec.consumer))
-                elif kind is Stats:
+                elif isinstance(rec, Stats):
                     self._reply(client, rid, result=dict(core.stats(), address=None))
-                elif kind is Ack:
+                elif isinstance(rec, Ack):
                     core.ack(client, rid, rec.lease)
-                elif kind is Peek:  # (copy, weight) pairs: the items stay where they are
+                elif isinstance(rec, Peek):  # (copy, weight) pairs: the items stay where they are
                     items = core.peek(rec.key, check_peek_count(rec.count), rec.consumer)
                     self._reply(client, rid, result=[(_copy(i.payload), i.weight) for i in items])
                 else:
@@ -173,6 +178,11 @@ class _LocalBroker:
         with _registry_lock:
             if _registry.get(self.name) is self:
                 del _registry[self.name]
+
+
+def _cancel_of(broker: _LocalBroker, client: Client, rid: int, _work: Work) -> bool:
+    """The cancel function of request ``rid`` of ``client`` (its ``Work``'s)."""
+    return broker.cancel(client, rid)
 
 
 def _local_item(value: Any, weight: int | float) -> Item:
@@ -243,7 +253,9 @@ class LocalChannel(BrokerChannel):
         self._closed = True
         self._broker.leave(self._client)
 
-    def shutdown(self) -> None:
+    def shutdown(self, token: str | None = None) -> None:
+        """Stop the local broker (the creating handle only; a local channel has no shutdown
+        ``token``: it is not used)."""
         if not self._owner:
             raise PermissionError("only the handle that created the channel may shut it down")
         self.close()

@@ -12,6 +12,7 @@ answers an operation on a key that moved with ``KeyMoved``, and the cached bindi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +93,8 @@ class KeyRouting:
                                             f"{key!r}: {last_error}") from exc
                 target = (target + 1) % n
             except TimeoutError:
-                asked[target] = work  # slow, or dead before its expiry: ask the next meanwhile
+                if work is not None:
+                    asked[target] = work  # slow, or dead before its expiry: ask the next meanwhile
                 target = (target + 1) % n
             for i, late in list(asked.items()):  # replicas asked earlier that answered since
                 if late.done():
@@ -137,7 +139,7 @@ class KeyRouting:
                 self._moved(key, index, moved, deadline)
                 continue
             if isinstance(result, Work):
-                result.add_done_callback(lambda work, at=index: self._moved_async(key, at, work))
+                result.add_done_callback(functools.partial(self._moved_async, key, index))
             return result
 
     def _moved(self, key: Any, index: int, moved: KeyMoved, deadline: float) -> None:

@@ -166,7 +166,7 @@ class ShmBroker:
                 while len(self.proven) > PROVEN_ADDRESSES:
                     self.proven.popitem(last=False)
             return
-        ids = rec.holds
+        ids = rec.holds if isinstance(rec, ShmRelease) else None
         if not isinstance(ids, list):
             raise ValueError("shm_rel carries a list of hold ids")
         mine = self.client_holds.get(client)

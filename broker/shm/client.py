@@ -124,7 +124,7 @@ class ShmClient:
         free = self.out_cache.get(n)
         owner = free.pop() if free else np.empty(n, dtype=np.uint8)
         np.copyto(owner, view.reshape(-1).view(np.uint8))
-        out = np.frombuffer(memoryview(owner), dtype=np.uint8)  # views of it all share `out`
+        out = np.frombuffer(owner.data, dtype=np.uint8)  # views of it all share `out`
         weakref.finalize(out, self._recycle, owner)
         return out
 

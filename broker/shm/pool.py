@@ -261,10 +261,11 @@ class Pool:
             if entry is None or entry[2]:
                 return None
             seg, slot, _ = entry
-            if nbytes > seg.slot_size or self.by_name.get(seg.name) is not seg:
+            name = seg.name
+            if nbytes > seg.slot_size or self.by_name.get(name) is not seg:
                 return None  # a slot of a previous session's pool: copy
             entry[2] = True
-        return [seg.name, slot, nbytes]
+        return [name, slot, nbytes]
 
     def _unlend(self, address: int, seg: Segment, slot: int) -> None:
         """A lent array is gone: its slot may be taken again; one never sent is free."""

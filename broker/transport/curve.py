@@ -262,7 +262,7 @@ def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
 
 def read_events(mon: zmq.Socket) -> list[tuple[int, int]]:
     """The (event, value) pairs waiting on a monitor socket."""
-    events = []
+    events: list[tuple[int, int]] = []
     while True:
         try:
             frames = mon.recv_multipart(zmq.NOBLOCK)

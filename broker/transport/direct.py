@@ -94,7 +94,7 @@ class Reader:
         there; ``FramingError`` on a broken stream."""
         if self.big is not None:
             buf, filled, lens = self.big
-            n = os.readv(fd, [memoryview(buf)[filled:]])
+            n = os.readv(fd, [buf.data[filled:]])
             if n == 0:
                 return 0
             filled += n
@@ -102,7 +102,7 @@ class Reader:
                 self.big = (buf, filled, lens)
                 return n
             self.big = None
-            self.messages.append(_slices(memoryview(buf), lens))
+            self.messages.append(_slices(buf.data, lens))
             return n
         if self.end == len(self.buf):
             self._compact()
@@ -163,7 +163,7 @@ class Reader:
             big[:have] = np.frombuffer(buf, np.uint8, have, start + prefix)
             self.start += prefix + have
             if have == total:
-                self.messages.append(_slices(memoryview(big), lens))
+                self.messages.append(_slices(big.data, lens))
                 continue
             self.big = (big, have, lens)
             break

@@ -125,7 +125,7 @@ class ZmqTransport(Transport):
     def notify_fd(self) -> int:
         # ZMQ_FD: readable when the socket's state may have changed; it signals again only
         # once the socket was read until empty
-        return self.sock.getsockopt(zmq.FD)
+        return int(self.sock.getsockopt(zmq.FD))
 
     def broker_gone(self) -> bool:
         return paths.nothing_listens(self.where)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import Any
+from typing import Any, cast
 
 MAX_KEY_BYTES = 1024
 MAX_KEY_DEPTH = 4  # tuples in tuples
@@ -56,9 +56,9 @@ def check_weight(weight: Any, what: str = "weight") -> int | float:
         if 0 <= weight <= MAX_WEIGHT:  # NaN fails every comparison, inf the upper bound
             return weight
     elif not isinstance(weight, bool) and isinstance(weight, numbers.Integral):
-        value = int(weight)
-        if 0 <= value <= MAX_WEIGHT:
-            return value
+        whole = int(weight)
+        if 0 <= whole <= MAX_WEIGHT:
+            return whole
     elif not isinstance(weight, bool) and isinstance(weight, numbers.Real):
         value = float(weight)
         if 0 <= value <= MAX_WEIGHT:
@@ -87,8 +87,9 @@ def check_timeout(timeout: Any) -> float | None:
     refused: a deadline that compares false with every other would stall the broker's timers."""
     if timeout is None:
         return None
+    # a Real compares with numbers (typeshed's numbers.Real does not say so)
     if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real) \
-            and 0 <= timeout <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
+            and 0 <= cast(float, timeout) <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
         return float(timeout)
     raise ValueError(f"timeout must be None or a finite number of seconds >= 0 (not a bool, "
                      f"NaN or infinite), got {timeout!r}")

@@ -20,6 +20,7 @@ import logging
 import pkgutil
 import threading
 import types
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from zchannel.hooks import entry_point_objects
@@ -135,7 +136,7 @@ def _defined_classes(module: types.ModuleType) -> list[type]:
     class defined there), in definition order; imported names and aliases are skipped."""
     out: list[type] = []
 
-    def visit(namespace: dict, prefix: str) -> None:
+    def visit(namespace: Mapping[str, Any], prefix: str) -> None:
         for name, obj in list(namespace.items()):
             if not (isinstance(obj, type) and getattr(obj, "__module__", None) == module.__name__
                     and getattr(obj, "__qualname__", None) == prefix + name and obj not in out):
@@ -241,7 +242,7 @@ def member_ref(member: enum.Enum) -> str | int:
     return member._value_
 
 
-def member_from_ref(cls: type, ref: Any) -> enum.Enum:
+def member_from_ref(cls: type[enum.Enum], ref: Any) -> enum.Enum:
     """The member of registered Enum ``cls`` that :func:`member_ref` named ``ref``;
     ``ValueError`` for anything else."""
     if isinstance(ref, str):

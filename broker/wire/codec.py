@@ -645,7 +645,8 @@ def build_dataclass(cls: type, fields: dict) -> Any:
     ``init`` fields (so ``__post_init__`` runs), then the others set as they were sent (also on a
     frozen or slots class); ``ValueError`` for a field ``cls`` does not have or a constructor
     that refuses the values."""
-    init, rest = {}, {}
+    init: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
     known = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         f = known.get(name)

@@ -17,9 +17,10 @@ broker can answer it while handling the other records of its message.
 
 from __future__ import annotations
 
+import collections.abc
 import sys
 import uuid
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, cast
 
 import msgpack
 import msgspec
@@ -64,7 +65,7 @@ def client_socket(curve: Any = None) -> zmq.Socket:
     """A client's DEALER socket, not connected yet: unbounded queues (the client keeps its own
     in-flight limit), no linger, reconnecting every 0.1-1 s; ``curve``: the client's
     ``security.CurveKeys`` (``ValueError`` for key files without their key)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
@@ -278,12 +279,12 @@ REQUEST_TYPES: tuple[type[Request], ...] = (
 _AnyRequest = Hello | Bye | Heartbeat | Put | Get | GetBatch | QSize | Full | Stats | Peek | \
     Ack | Cancel | Shutdown | ShmHello | ShmRelease | Bind | Learn | Sync | Load | Release
 # the requests on one key, which a replica that gave the key away answers with ``KeyMoved``
-KEYED_TYPES: tuple[type[Request], ...] = (Put, Get, GetBatch, QSize, Full, Peek)
+KEYED_TYPES = (Put, Get, GetBatch, QSize, Full, Peek)
 
 
 def op_of(rec: Request) -> str:
     """The operation name of a request (its ``op`` on the wire)."""
-    return rec.__struct_config__.tag
+    return cast(str, rec.__struct_config__.tag)  # every request's tag is its op name
 
 
 class Reply(Struct, omit_defaults=True, kw_only=True):
@@ -435,12 +436,13 @@ def pack_header(records: list) -> bytes:
 
 
 def unpack_requests(data: bytes | memoryview, nframes: int,
-                    max_bytes: int = MAX_HEADER_BYTES) -> list[Request | BadRecord]:
+                    max_bytes: int = MAX_HEADER_BYTES) -> collections.abc.Sequence[Request | BadRecord]:
     """Decode and check a client's header against the ``nframes`` frames that follow it:
     ``ProtocolError`` for a message to drop whole, else its records, each a ``Request`` or a
     ``BadRecord``."""
     if len(data) > max_bytes:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the header limit ({max_bytes})")
+    records: collections.abc.Sequence[Request | BadRecord]
     try:
         records = _requests.decode(data)
     except msgspec.ValidationError:  # some record is not a valid request: find which
