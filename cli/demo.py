@@ -198,7 +198,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     def mean(rows: list[dict], name: str) -> float:
         return sum(r[name] for r in rows) / len(rows)
 
-    evaluation = {"seeds": seeds, "trained_return": mean(trained, "mean_return"),
+    evaluation: dict[str, Any] = {"seeds": seeds, "trained_return": mean(trained, "mean_return"),
                   "random_return": mean(random, "mean_return"),
                   "trained_success": mean(trained, "success_rate"),
                   "random_success": mean(random, "success_rate")}

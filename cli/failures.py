@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -43,12 +44,14 @@ class Cli(click.Group):
                 return "broker stop", command, args[2:]
         return super().resolve_command(ctx, args)
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **kwargs: Any) -> Any:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **kwargs)
         debug = os.environ.get("ZCHANNEL_DEBUG", "").strip() not in ("", "0")
         try:
-            result = super().main(*args, standalone_mode=False, **kwargs)
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **kwargs)
         except click.exceptions.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)

@@ -179,11 +179,12 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
             info["token"] = open(token_file).readline().strip()
     else:
         paths.check_name(target)
-        info = paths.read_token_file(target)
-        if info is None:
+        found = paths.read_token_file(target)
+        if found is None:
             raise ChannelError(f"no shutdown token for {target!r} in {paths.run_dir()}: no "
                                "broker of this user serves it on this host (`zchannel stat` "
                                "lists them)")
+        info = found
     keys = _stat_keys(curve_secret_key, curve_server_key)
     handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
     pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
@@ -380,7 +381,7 @@ def _echo_peek(key: Any, items: list, stats: dict) -> None:
 def _stat_keys(secret: str | None, server: str | None) -> Any:
     if bool(secret) != bool(server):
         raise click.UsageError("--curve-secret-key and --curve-server-key go together")
-    if not secret:
+    if not secret or not server:
         return None
     from zchannel.broker.transport.curve import CurveKeys
 

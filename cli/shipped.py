@@ -21,7 +21,10 @@ PACKAGE = "zchannel.configs"
 
 def shipped_dir() -> Path:
     """The folder of the installed configs (the checkout's ``configs/`` in an editable install)."""
-    return Path(os.fspath(importlib.resources.files(PACKAGE)))
+    folder = importlib.resources.files(PACKAGE)
+    if not isinstance(folder, os.PathLike):  # e.g. inside a zip: no folder to hand out
+        raise RuntimeError(f"the configs of {PACKAGE} are not on the file system ({folder!r})")
+    return Path(os.fspath(folder))
 
 
 def shipped_names() -> list[str]:

@@ -54,6 +54,8 @@ def item_ids(item: Any) -> frozenset:
 
 def ids_per_step(plan: TrajectoryPlan) -> int:
     if plan.mode == "pipeline":
+        if plan.micro_batch_size is None:
+            raise ValueError("a pipeline plan needs micro_batch_size")
         per_actor = plan.num_chunks * plan.actor_width // plan.micro_batch_size
         return plan.rollout_epochs * plan.actor_world_size * per_actor
     return plan.num_sources * plan.source_batch_size
@@ -131,7 +133,8 @@ class Actor:
         if self.cfg.anneal_lr and self.total_steps:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.lr * (1.0 - step / self.total_steps)
-        stats = ppo_update(self.policy, self.optimizer, rows, self.cfg, self.generator)
+        stats: dict[str, Any] = dict(ppo_update(self.policy, self.optimizer, rows, self.cfg,
+                                                self.generator))
         stats["rows_digest"] = rows_digest(rows)
         versions = [float(item_versions(item).min()) for item in items]
         contribution = {
@@ -159,7 +162,7 @@ class Actor:
         t0 = time.monotonic()
         base = copy.deepcopy(self.policy.state_dict())
         done: set = set()
-        mine = []
+        mine: list = []
         while len(mine) < items_per_actor_step(self.plan):
             got = self._take(step, done, None)
             mine.append(got)
@@ -219,7 +222,8 @@ def item_versions(item: Any) -> torch.Tensor:
 
 def _cover(received: dict) -> tuple[list[dict], set]:
     """Contributions in (rank, seq) order, skipping any that overlaps one already taken."""
-    chosen, covered = [], set()
+    chosen: list[dict] = []
+    covered: set = set()
     for key in sorted(received):
         ids = set(received[key]["ids"])
         if ids & covered:

@@ -74,7 +74,7 @@ class EpisodeStats:
     at: list[int] = field(default_factory=list)
 
     def take(self) -> dict[str, list]:
-        out = {"returns": self.returns, "lengths": self.lengths, "successes": self.successes,
+        out: dict[str, list] = {"returns": self.returns, "lengths": self.lengths, "successes": self.successes,
                "at": self.at}
         self.returns, self.lengths, self.successes, self.at = [], [], [], []
         return out

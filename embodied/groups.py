@@ -17,6 +17,7 @@ channel goes to the first producer's node, else the first consumer's, else the c
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import traceback
@@ -100,6 +101,11 @@ def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: i
             conn.send(("ok", worker._zchannel_call(method, a, kw)))
         except BaseException:
             conn.send(("err", traceback.format_exc()))
+
+
+def _ray_done(ray: Any, ref: Any) -> bool:
+    """Whether the Ray call ``ref`` finished."""
+    return bool(ray.wait([ref], timeout=0)[0])
 
 
 class GroupCall:
@@ -231,6 +237,10 @@ class WorkerGroup:
 
     # -- calls -------------------------------------------------------------------------------
 
+    def _local_done(self, rank: int) -> bool:
+        """Whether rank ``rank``'s answer is there (or its process ended)."""
+        return self._conns[rank].poll(0) or not self._procs[rank].is_alive()
+
     def _local_result(self, rank: int, timeout: float | None) -> Any:
         conn, proc = self._conns[rank], self._procs[rank]
         while not conn.poll(0.2 if timeout is None else min(0.2, timeout)):
@@ -263,13 +273,12 @@ class WorkerGroup:
                 return wait
 
             return GroupCall(self, method, [waiter(r, i) for i, r in enumerate(refs)],
-                             [lambda r=r: bool(ray.wait([r], timeout=0)[0]) for r in refs])
+                             [functools.partial(_ray_done, ray, r) for r in refs])
         for conn in self._conns:
             conn.send((method, args, kwargs))
         return GroupCall(self, method,
-                         [lambda t, r=r: self._local_result(r, t) for r in range(self.size)],
-                         [lambda r=r: self._conns[r].poll(0) or not self._procs[r].is_alive()
-                          for r in range(self.size)])
+                         [functools.partial(self._local_result, r) for r in range(self.size)],
+                         [functools.partial(self._local_done, r) for r in range(self.size)])
 
     def __getattr__(self, method: str) -> Callable[..., GroupCall]:
         if method.startswith("_") or not callable(getattr(self._cls, method, None)):

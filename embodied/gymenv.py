@@ -37,8 +37,8 @@ try:  # the optional extra: this module only works with it, the package imports 
     import gymnasium
     from gymnasium import spaces as gs
 except ImportError:  # pragma: no cover - exercised only without the extra
-    gymnasium = None
-    gs = None
+    gymnasium = None  # type: ignore[assignment]  # without the extra: checked before use
+    gs = None  # type: ignore[assignment]  # without the extra: checked before use
 
 MAX_DEPTH = 8  # nesting of Dict / Tuple observation spaces
 _WRAPPER_BASE: Any = gymnasium.Wrapper if gymnasium is not None else object

@@ -21,6 +21,13 @@ from zchannel.embodied.types import (
 FragmentKey = tuple[type, TrajectoryKey]
 
 
+def _merge(kind: type, buffer: list[TrajectoryPart]) -> TrajectoryPart:
+    """The contiguous fragments ``buffer`` of one source, all of ``kind``, merged."""
+    if kind is PolicyPart:
+        return PolicyPart.merge([p for p in buffer if isinstance(p, PolicyPart)])
+    return EnvPart.merge([p for p in buffer if isinstance(p, EnvPart)])
+
+
 @dataclass(frozen=True, eq=False)
 class JoinedChunk:
     """Both halves of one action chunk of one logical source."""
@@ -70,8 +77,12 @@ class ChunkJoiner:
                 self.fragments[fkey] = buffer
             else:
                 self.fragments.pop(fkey, None)
-        store = self.policy_parts if isinstance(part, PolicyPart) else self.env_parts
-        store.update(completed)
+        # the completed parts are of ``part``'s kind (the buffers are per kind)
+        if isinstance(part, PolicyPart):
+            self.policy_parts.update(
+                {k: p for k, p in completed.items() if isinstance(p, PolicyPart)})
+        else:
+            self.env_parts.update({k: p for k, p in completed.items() if isinstance(p, EnvPart)})
         joined, error = [], None
         for key in completed:
             try:
@@ -126,7 +137,7 @@ class ChunkJoiner:
                         f"{_describe(buffer)}."
                     )
                 expected += f.sources[0].size
-            completed[source.key] = kind.merge(buffer)
+            completed[source.key] = _merge(kind, buffer)
             buffers[fkey] = []
         return completed, buffers
 

@@ -77,7 +77,7 @@ def _slice_env(value: Any, index: int, num_envs: int) -> Any:
     return value
 
 
-def _strip_final(info: dict[str, Any]) -> dict[str, Any]:
+def _strip_final(info: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k not in _FINAL_KEYS}
 
 
@@ -299,8 +299,8 @@ class _ChunkDecoder:
         infos = self._add_policy_intervention(policy_output, infos, term, trunc)
 
         if mask is not None:
-            row_done = term.reshape(B, -1).any(axis=1) | trunc.reshape(B, -1).any(axis=1)
-            row_term = term.reshape(B, -1).any(axis=1)
+            row_term = np.asarray(term.reshape(B, -1).any(axis=1))
+            row_done = row_term | np.asarray(trunc.reshape(B, -1).any(axis=1))
             last_valid = [
                 int(np.flatnonzero(mask[b]).max()) if mask[b].any() else -1 for b in range(B)
             ]
@@ -438,6 +438,8 @@ class _ChunkDecoder:
         if flags is None or policy_actions is None:
             return infos
         actions = self._normalize_actions(policy_actions, "policy action")
+        if actions is None:  # only None for None
+            return infos
         flag_arr = _bool_array(flags)
         if flag_arr.ndim == 1:
             flag_arr = flag_arr.reshape(-1, 1)

@@ -94,9 +94,9 @@ class ActorCritic(nn.Module):
         self.generator = torch.Generator()
         self.normalizer = ObsNormalizer(spec.state_dim) if normalize_obs and spec.state_dim \
             else None
-        self.images = nn.ModuleDict({k: ImageEncoder(shape, image_features)
-                                     for k, shape in spec.images.items()})
-        features = spec.state_dim + sum(e.out_dim for e in self.images.values())
+        encoders = {k: ImageEncoder(shape, image_features) for k, shape in spec.images.items()}
+        self.images = nn.ModuleDict(encoders)
+        features = spec.state_dim + sum(e.out_dim for e in encoders.values())
         if features == 0:
             raise ValueError("the env spec has neither states nor images")
         action = spec.action
@@ -151,7 +151,7 @@ class ActorCritic(nn.Module):
         return logp
 
     @torch.no_grad()
-    def forward(self, obs: dict[str, Any]) -> PolicyOutput:  # type: ignore[override]
+    def forward(self, obs: dict[str, Any]) -> PolicyOutput:
         inputs = self.inputs(obs)
         feats = self.features(inputs)
         batch = feats.shape[0]

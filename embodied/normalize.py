@@ -34,6 +34,11 @@ def _merge(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, batch: to
 class ObsNormalizer(nn.Module):
     """Normalises ``states`` ``[..., dim]`` with running statistics (see the module doc)."""
 
+    # buffers (``register_buffer``): saved with the module's state
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: torch.Tensor
+
     def __init__(self, dim: int, *, clip: float = 10.0, eps: float = 1e-8) -> None:
         super().__init__()
         self.clip, self.eps = clip, eps

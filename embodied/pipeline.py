@@ -292,7 +292,8 @@ class EnvLoop:
                     boundary = out.obs  # the explicit boundary marker of a decoupled epoch
                 self._pending = EnvPart(
                     sources, out.transition, next_obs=boundary,
-                    requires_inference=plan.mode != "lerobot" and (last or bool(dones.any())),
+                    requires_inference=plan.mode != "lerobot" and (
+                        last or (dones is not None and bool(dones.any()))),
                     initial_transition=self._boundary if chunk == 0 else None,
                 )
                 if chunk == 0:
@@ -385,7 +386,7 @@ class Rollout:
             self.lags.append(step - self.weights.version)
         outputs: list[PolicyOutput | None] = [None] * len(requests)
         if not head.is_last and head.sources:
-            outputs = self._act(requests)
+            outputs = list(self._act(requests))
         if not early:
             self._complete(requests, outputs)
 
@@ -429,6 +430,8 @@ class Rollout:
             k = head.sources[0].key  # reproducible sampling: one stream per chunk key
             generator.manual_seed(hash((self.sample_seed, k.step_id, k.epoch_id, k.env_rank,
                                         k.stage_id, k.chunk_id)) & ((1 << 63) - 1))
+        if merged.obs is None:
+            raise ValueError("a policy request that needs inference carries no observations")
         output = self.infer(merged.obs)
         if self.tag_columns:
             _tag(output, merged)
@@ -481,7 +484,7 @@ class Rollout:
                 if request is None:
                     self._check_finished()
                     continue
-                if request == STOP:
+                if isinstance(request, str):  # STOP
                     self.drain()
                     return
                 self.serve(request)

@@ -81,7 +81,7 @@ class MLPPolicy(nn.Module):
         return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
 
     @torch.no_grad()
-    def forward(self, obs: dict[str, Any]) -> PolicyOutput:  # type: ignore[override]
+    def forward(self, obs: dict[str, Any]) -> PolicyOutput:
         states = torch.as_tensor(obs["states"], dtype=torch.float32)
         dist = self._dist(states)
         action = dist.sample()
@@ -112,7 +112,7 @@ class RandomPolicy(nn.Module):
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def forward(self, obs: dict[str, Any]) -> PolicyOutput:  # type: ignore[override]
+    def forward(self, obs: dict[str, Any]) -> PolicyOutput:
         batch = next(v for v in obs.values() if isinstance(v, torch.Tensor)).shape[0]
         d = self.action_dim * self.num_action_chunks
         action = torch.rand(batch, d, generator=self.gen)

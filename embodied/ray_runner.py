@@ -12,6 +12,7 @@ machine (``ray.cluster_utils.Cluster``); the env group is pinned to node 1, the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,8 @@ class _GroupWorkers:
     """The running group calls, seen by the driver like local worker processes."""
 
     def __init__(self, calls: dict[str, Any], groups: list) -> None:
-        self.calls, self.groups, self.procs = calls, groups, {}
+        self.calls, self.groups = calls, groups
+        self.procs: dict[str, Any] = {}
 
     def dead(self) -> dict[str, str]:
         return {f"{group}:{rank}": why for group, call in self.calls.items()
@@ -104,10 +106,10 @@ def run_on_ray(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
             cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
             for _ in range(nodes - 1):
                 cluster.add_node(num_cpus=1)
-            ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
             cluster.wait_for_nodes()
         else:
-            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+            ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR,
                      log_to_driver=False)
         started = True
     try:

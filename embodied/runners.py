@@ -183,7 +183,7 @@ def build_policy(cfg: RunConfig) -> torch.nn.Module:
             if spec.action.kind != "box" or spec.images:
                 raise ValueError("policy 'mlp' takes states and Box actions only; use "
                                  "'actor_critic'")
-            policy = MLPPolicy(spec.state_dim, spec.action_dim, cfg.num_action_chunks,
+            policy: torch.nn.Module = MLPPolicy(spec.state_dim, spec.action_dim, cfg.num_action_chunks,
                                **cfg.policy_kwargs)
         elif kind == "actor_critic":
             policy = ActorCritic(spec, cfg.num_action_chunks, **cfg.policy_kwargs)
@@ -324,7 +324,8 @@ class _Workers:
                 except BaseException as exc:  # reported through the errors key as well
                     self.failed[name] = repr(exc)
 
-            proc = threading.Thread(target=body, name=name, daemon=True)
+            proc: threading.Thread | multiprocessing.process.BaseProcess = threading.Thread(
+                target=body, name=name, daemon=True)
         else:
             proc = multiprocessing.get_context("spawn").Process(target=target, args=args,
                                                                 name=name, daemon=True)
@@ -387,7 +388,7 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
     threshold = cfg.shm_threshold
     if threshold is None and env_spec(cfg).images:
         threshold = IMAGE_SHM_THRESHOLD
-    shm = {} if local or threshold is None else {"shm_threshold": threshold}
+    shm: dict[str, Any] = {} if local or threshold is None else {"shm_threshold": threshold}
     return {
         "requests": Channel.create(names["requests"], local=local, **shm),
         "actions": Channel.create(names["actions"], local=local),
@@ -621,7 +622,10 @@ def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
         out = policy(env.obs)
         step = env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
                                                                    cfg.num_action_chunks, -1))
-        done |= step.transition.dones.any(-1)
+        dones = step.transition.dones
+        if dones is None:
+            raise ValueError(f"env {cfg.env!r} gave a step without dones")
+        done |= dones.any(-1)
         if chunks is None and bool(done.all()):
             break
     stats = env.stats.take()

@@ -25,8 +25,8 @@ try:
     import gymnasium
     from gymnasium import spaces
 except ImportError:  # pragma: no cover - the module needs the extra
-    gymnasium = None
-    spaces = None
+    gymnasium = None  # type: ignore[assignment]  # without the extra: checked before use
+    spaces = None  # type: ignore[assignment]  # without the extra: checked before use
 
 _ENV_BASE: Any = gymnasium.Env if gymnasium is not None else object
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -36,6 +37,12 @@ RLT_KEYS = ("z_rl", "proprio", "ref_chunk")
 _DROPPED_OBS_KEYS = ("task_descriptions",)
 
 
+@overload
+def _bool(value: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _bool(value: None) -> None: ...
+@overload
+def _bool(value: torch.Tensor | None) -> torch.Tensor | None: ...
 def _bool(value: torch.Tensor | None) -> torch.Tensor | None:
     if value is not None and value.dtype != torch.bool:
         return value.bool()
@@ -249,9 +256,9 @@ class TrajectoryStep:
         forward_inputs = dict(output.forward_inputs)
         actions = forward_inputs.get("action")
         intervene_flags = None
-        model_flags = output.intervene_flags is not None and actions is not None
-        if model_flags and intervention_precedence == "env":
-            intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
+        model_flags = output.intervene_flags
+        if model_flags is not None and actions is not None and intervention_precedence == "env":
+            intervene_flags = expand_model_flags(model_flags, actions.shape)
         if transition.intervene_actions is not None:
             new_actions, new_flags = apply_interventions(
                 actions, transition.intervene_actions, transition.intervene_flags
@@ -260,8 +267,9 @@ class TrajectoryStep:
                 actions, intervene_flags = new_actions, new_flags
                 forward_inputs["action"] = actions
                 forward_inputs.pop("model_action", None)
-        if model_flags and intervention_precedence == "model":
-            intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
+        if model_flags is not None and actions is not None \
+                and intervention_precedence == "model":
+            intervene_flags = expand_model_flags(model_flags, actions.shape)
 
         curr_obs = next_obs = None
         if enable_rlt:
@@ -451,11 +459,11 @@ class Trajectory:
         for name in _PER_CHUNK_FIELDS:
             fields[name] = _stack(name, [getattr(s, name) for s in steps])
         for name in _BOUNDARY_FIELDS:
-            rows = []
+            rows: list = []
             for s in steps:
                 rows.extend((getattr(s, f"initial_{name}"), getattr(s, name)))
             fields[name] = _stack(name, rows)
-        values = []
+        values: list = []
         for s in steps:
             values.extend((s.prev_values, s.final_prev_values))
         fields["prev_values"] = _stack("prev_values", values)
@@ -498,6 +506,8 @@ class Trajectory:
             if n < 1 or batch % n:
                 raise ValueError(f"Cannot split a batch of {batch} into {n} equal shards.")
             sizes = [batch // n] * n
+        elif isinstance(n_or_sizes, bool):
+            raise TypeError("split takes a number of shards or a sequence of sizes, not a bool")
         else:
             sizes = [int(s) for s in n_or_sizes]
             if any(s < 0 for s in sizes) or sum(sizes) != batch:
@@ -582,18 +592,18 @@ class Trajectory:
             }
             for name in _PER_CHUNK_FIELDS:
                 fields[name] = _map_leaves(
-                    getattr(self, name), lambda v, r=chunk_rows: take(v, r), name
+                    getattr(self, name), functools.partial(take, rows=chunk_rows), name
                 )
             for name in _BOUNDARY_FIELDS:
                 fields[name] = _map_leaves(
-                    getattr(self, name), lambda v, r=keep_flags: take(v, r), name
+                    getattr(self, name), functools.partial(take, rows=keep_flags), name
                 )
             fields["prev_values"] = _map_leaves(
-                self.prev_values, lambda v, r=keep_values: take(v, r), "prev_values"
+                self.prev_values, functools.partial(take, rows=keep_values), "prev_values"
             )
             for name in _DICT_FIELDS:
                 fields[name] = _map_leaves(
-                    getattr(self, name), lambda v, r=chunk_rows: take(v, r), name
+                    getattr(self, name), functools.partial(take, rows=chunk_rows), name
                 )
             out.append(Trajectory(**fields))
         return out
@@ -690,7 +700,7 @@ class TrajectoryAccumulator:
         rewarded = [i for i, e in enumerate(entries) if e.step.rewards is not None]
         if any(entries[i].reward_assign_lengths is not None for i in rewarded):
             new_rewards = assign_history_rewards(
-                [entries[i].step.rewards for i in rewarded],
+                [r for i in rewarded if (r := entries[i].step.rewards) is not None],
                 [entries[i].reward_model_output for i in rewarded],
                 [entries[i].reward_assign_lengths for i in rewarded],
                 reward_weight,

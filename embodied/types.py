@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from zchannel.broker import register_type
@@ -25,6 +25,17 @@ from zchannel.embodied.batch import (
 
 SourceID = tuple[int, int]
 """``(env_rank, stage_id)``: one logical source."""
+
+
+_T = TypeVar("_T")
+
+
+def _present(values: list[_T | None], what: str) -> list[_T]:
+    """``values`` when none is None, else ``ValueError`` (a fragment lacks ``what``)."""
+    present = [v for v in values if v is not None]
+    if len(present) != len(values):
+        raise ValueError(f"Cannot merge fragments where some lack {what}.")
+    return present
 
 
 def _as_bool(value: Any) -> Any:
@@ -288,7 +299,8 @@ class EnvTransition:
             for f in dataclasses.fields(cls)
             if f.name != "episode_data"
         }
-        episode_data = merge_episode_data(episodes) if all(present) else None
+        episode_data = merge_episode_data(_present(episodes, "episode data")) if all(present) \
+            else None
         return cls(**fields, episode_data=episode_data)
 
     def compute_rewards(
@@ -495,7 +507,8 @@ class EnvPart:
         initials = [f.initial_transition for f in fragments]
         if any(i is None for i in initials) and any(i is not None for i in initials):
             raise ValueError("Incomplete initial-state fragments: some lack initial_transition.")
-        initial = None if initials[0] is None else EnvTransition.merge(initials)
+        initial = None if initials[0] is None else \
+            EnvTransition.merge(_present(initials, "an initial transition"))
         return cls(
             sources,
             EnvTransition.merge([f.transition for f in fragments]),
@@ -615,7 +628,8 @@ class PolicyPart:
         return cls(
             sources,
             merge_batch_values([f.obs for f in fragments]),
-            output=PolicyOutput.merge([f.output for f in fragments]) if inferred else None,
+            output=PolicyOutput.merge(_present([f.output for f in fragments], "an output"))
+            if inferred else None,
             external_actions=None
             if inferred
             else merge_batch_values([f.external_actions for f in fragments]),

@@ -35,7 +35,7 @@ def expand_consumers(consumers: Iterable[str] | Mapping[str, int] | None) -> tup
     if consumers is None:
         return ()
     if isinstance(consumers, Mapping):
-        ids = []
+        ids: list[str] = []
         for group, count in consumers.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"consumer count for group {group!r} must be an int >= 0")

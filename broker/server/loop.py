@@ -424,7 +424,7 @@ def _decode_item(item: Item) -> Any:
     return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
 
 
-def _encode_item(value: Any, weight: int) -> Item:
+def _encode_item(value: Any, weight: int | float) -> Item:
     body, buffers = codec.encode(value)
     frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
     return Item(frames, weight, sum(len(f) for f in frames) + ITEM_OVERHEAD, value, True)

@@ -68,7 +68,8 @@ def zmq_echo_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[],
 def _send_item(sock: zmq.Socket, views: list[np.ndarray], trackers: deque, track_slot: int) -> None:
     large = any(v.nbytes >= ZERO_COPY_MIN for v in views)
     if large:
-        tracker = sock.send_multipart(views, copy=False, track=True)
+        # an ndarray is a Buffer (numpy's stubs say so from Python 3.12 on)
+        tracker = sock.send_multipart(views, copy=False, track=True)  # type: ignore[arg-type]
         trackers.append((track_slot, tracker))
     else:
         sock.send_multipart([v.tobytes() for v in views])
@@ -271,7 +272,7 @@ def run_ray_baselines(
             prod_res, cons_res = ray.get([prod, cons])
             cons_res["t_start"] = prod_res["t_start"]
             out["ray.queue"] = cons_res
-        sink = Sink.remote(ptype, size)
+        sink = Sink.remote(ptype, size)  # type: ignore[attr-defined]  # a Ray actor class
         ray.get(sink.push.remote(PayloadFactory(ptype, size).make(0, 0, fresh=True)[0]))
         fac = PayloadFactory(ptype, size)
         tally = Tally()

@@ -122,7 +122,7 @@ class PayloadFactory:
 
     def _stamp(self, item: Any, views: list[np.ndarray], seq: int, index: int) -> Any:
         """``item`` with its header (``seq``, send time now) and last byte stamped."""
-        HEADER.pack_into(views[0], 0, seq, time.monotonic_ns())
+        HEADER.pack_into(views[0].data, 0, seq, time.monotonic_ns())
         last = views[-1]
         last[-1] = self.expected[-1][-1] ^ (0xFF if index == self.corrupt else 0)
         if isinstance(item, BenchSample):
@@ -167,7 +167,7 @@ class PayloadFactory:
         for i, (got, want) in enumerate(zip(arrays, self.expected, strict=True)):
             if got.nbytes != want.nbytes:
                 raise Mismatch(f"buffer {i} holds {got.nbytes} bytes, expected {want.nbytes}")
-        seq, t_ns = HEADER.unpack_from(arrays[0], 0)
+        seq, t_ns = HEADER.unpack_from(arrays[0].data, 0)
         h = HEADER.size
         ok = _equal(arrays[0][h:], self.expected[0][h:]) and all(
             _equal(g, w) for g, w in zip(arrays[1:], self.expected[1:], strict=True)

@@ -24,8 +24,8 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable
-from typing import IO, Any
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import click
 import numpy as np
@@ -128,7 +128,7 @@ class Progress:
     """Progress on stderr: a bar naming the current run on a terminal; one line per finished
     run otherwise (a log file, CI), with its figure and the time so far."""
 
-    def __init__(self, label: str, steps: int, repeats: int, file: IO[str] | None = None) -> None:
+    def __init__(self, label: str, steps: int, repeats: int, file: TextIO | None = None) -> None:
         self.file = file or sys.stderr
         self.label = label
         self.repeats = repeats
@@ -417,7 +417,7 @@ def print_report(rows: list[Result], targets: list[TargetResult], notes: list[st
 
 def write_json(path: str, machine: dict, options: dict, rows: list[Result],
                targets: list[TargetResult], notes: list[str], ok: bool, error: str | None,
-               warnings: list[str] = ()) -> None:
+               warnings: Sequence[str] = ()) -> None:
     """Every row (with its runs), the targets and the machine, to ``path`` (``-``: stdout)."""
     doc = {
         "machine": machine,

@@ -4,8 +4,9 @@ compared to, summarised into report rows (medians over the repeats)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -112,7 +113,7 @@ class Runner:
         return self.measure_together([case])[0]
 
     def measure_together(
-        self, cases: list[Case], baselines_of: list[Case] = (), fresh: bool = False
+        self, cases: list[Case], baselines_of: Sequence[Case] = (), fresh: bool = False
     ) -> list[Result]:
         """Run ``cases`` in rounds, one run of each per round, ``repeats`` rounds, together with
         the zmq/mp baselines they (and ``baselines_of``) are compared to, where not measured yet
@@ -122,7 +123,7 @@ class Runner:
         machine the rate of every transport drifts by 10-30 % over minutes, and a block of
         repeats of one side then a block of the other puts that drift into the ratio."""
         cases = [bounded(c) for c in cases]
-        keys: list[tuple] = []
+        keys: list[tuple[str, Case]] = []
         for c in [*cases, *(bounded(b) for b in baselines_of)]:
             key = self.baseline_key(c)
             if (
@@ -133,13 +134,13 @@ class Runner:
             ):
                 keys.append(key)
         case_runs: list[list] = [[] for _ in cases]
-        base_runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
+        base_runs: dict[tuple[str, Case], list[Measured]] = {key: [] for key in keys}
         for i in range(self.repeats):
             for runs, case in zip(case_runs, cases, strict=True):
-                runs.append(self.logged(case.name, i, lambda c=case: self._run_case(c)))
+                runs.append(self.logged(case.name, i, functools.partial(self._run_case, case)))
             for key in keys:
                 base_runs[key].append(self.logged(
-                    _baseline_label(*key), i, lambda k=key: self._run_baseline_once(*k)))
+                    _baseline_label(*key), i, functools.partial(self._run_baseline_once, *key)))
         for key in keys:
             self.store_baseline(key, self._summarise_baseline(*key, base_runs[key]))
         return [self._case_result(c, runs) for c, runs in zip(cases, case_runs, strict=True)]
@@ -172,7 +173,7 @@ class Runner:
         self.rows.append(result)
         return result
 
-    def baseline_key(self, case: Case) -> tuple | None:
+    def baseline_key(self, case: Case) -> tuple[str, Case] | None:
         """(kind, the baseline's own case) for ``case``; None without a baseline."""
         if self.baseline == "none" or not case.compare:
             return None
@@ -190,6 +191,13 @@ class Runner:
         if kind == "ray":
             base_case = dataclasses.replace(base_case, producers=1, consumers=1)
         return kind, base_case
+
+    def baseline_of(self, case: Case) -> Result:
+        """``baseline_for`` where a target compares with it (``--targets`` measures them)."""
+        result = self.baseline_for(case)
+        if result is None:
+            raise RuntimeError(f"no baseline for {case.label or case.name}")
+        return result
 
     def baseline_for(self, case: Case) -> Result | None:
         """The baseline row for ``case`` (measured once per distinct set-up)."""

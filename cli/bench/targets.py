@@ -169,7 +169,7 @@ def measure_stream_target(
         label=f"T2s stream 64B 1P/1C puts w{small.window} gets w{small.window} defaults",
     )
     (t2s,) = runner.measure_together([stream], fresh=True)
-    relay = runner.baseline_for(bounded(stream))
+    relay = runner.baseline_of(bounded(stream))
     return _target(
         "T2s",
         f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
@@ -207,7 +207,7 @@ def run_targets(
                 shm=False,  # the socket path; T9 measures the shared-memory path
             )
         )
-        b1 = runner.baseline_for(bounded(c1))
+        b1 = runner.baseline_of(bounded(c1))
         out.append(
             _target(
                 "T1",
@@ -227,7 +227,7 @@ def run_targets(
             ],
             baselines_of=[dataclasses.replace(small, scenario="channel")],
         )
-        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"))
+        b2 = runner.baseline_of(dataclasses.replace(small, scenario="channel"))
         composite = t2.extra["put_then_get_items_s"]
         out.append(
             _target(
@@ -263,7 +263,7 @@ def run_targets(
                 label="T4 get latency 64B prefilled",
             )
         )
-        b4 = runner.baseline_for(
+        b4 = runner.baseline_of(
             bounded(
                 dataclasses.replace(
                     small, scenario="get_only", window=1, messages=min(small.messages, 3000)
@@ -360,13 +360,13 @@ def run_shm_targets(
         # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
         # sends the slot, so the row shows the stream without the producer's copy (a row of
         # the report, no target; it shares T9's relay)
-        t9 = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9m = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
         c9w = dataclasses.replace(
-            t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
+            c9m, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
         )
         # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        t9, _t9w, t9d = runner.measure_together([t9, c9w, c9d], fresh=True)
-        b9 = runner.baseline_for(c9)
+        t9, _t9w, t9d = runner.measure_together([c9m, c9w, c9d], fresh=True)
+        b9 = runner.baseline_of(c9)
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
             out.append(
@@ -407,7 +407,7 @@ def run_shm_targets(
         t10 = runner.measure(
             dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
         )
-        b10 = runner.baseline_for(c10)
+        b10 = runner.baseline_of(c10)
         out.append(
             _target(
                 "T10",

@@ -11,6 +11,7 @@ for this scenario (it imports ``zchannel.embodied``, which registers the transpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections import deque
@@ -206,9 +207,9 @@ def trajectory_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable
     """Gets (identity ``actor:i``) until all consumers together got ``total`` items; checks
     each item's type (and a Trajectory's / ActorBatch's shape)."""
     case: TrajectoryCase = spec["case"]
-    expect = {"Trajectory": Trajectory, "ActorBatch": ActorBatch, "parts": (PolicyPart, EnvPart)}[
-        spec["expect"]
-    ]
+    expected: dict[str, type | tuple[type, ...]] = {
+        "Trajectory": Trajectory, "ActorBatch": ActorBatch, "parts": (PolicyPart, EnvPart)}
+    expect = expected[spec["expect"]]
     ch = Channel.connect(spec["address"], identity=spec["identity"])
     counts, slot, total = spec["counts"], spec["slot"], spec["total"]
     window = 4
@@ -240,6 +241,8 @@ def trajectory_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable
         if not isinstance(item, expect):
             raise Mismatch(f"{spec['identity']} got a {type(item).__name__}, not {spec['expect']}")
         if isinstance(item, Trajectory):
+            if item.actions is None:
+                raise Mismatch("a Trajectory without actions")
             width = tuple(item.actions.shape)
             if width[-1] != case.action_chunks * case.action_dim:
                 raise Mismatch(f"Trajectory actions of shape {width}")
@@ -383,7 +386,8 @@ def run_trajectory(runner: Runner, base: Case, steps: int, batch: int) -> None:
             runs[collector] = [
                 runner.logged(
                     f"{case.label} {'collector' if collector else 'plain'}", i,
-                    lambda c=collector, t=case: run_trajectory_case(t, c, runner.tmpdir, address_for),
+                    functools.partial(run_trajectory_case, case, collector, runner.tmpdir,
+                                      address_for),
                 )
                 for i in range(runner.repeats)
             ]
