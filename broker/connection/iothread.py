@@ -52,27 +52,7 @@ class IOThread(ConnectionParts):
         self._last_send = 0.0
         try:
             while not self._closing:
-                self.io_turns += 1
-                self._io_idle = True  # before the test: a request that misses it wakes us
-                self._io_lazy = False
-                busy = self._pending or self._queue or self.state != UP
-                timeout = int(self.hb * 500)  # the broker's interval once it said hello
-                if self._pending and self.state == UP:  # fail them when the expiry ends, not later
-                    timeout = min(timeout, max(1, int(1000 * self._expiry_due()) + 1))
-                if LAZY_MS and self._callers_read and not self._sleepers and (
-                    self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
-                ):
-                    # waiting threads read the link: look again in LAZY_S (also with nothing
-                    # due now: in a stream the next request comes at once); requests held
-                    # back meanwhile (``request``) go out then at the latest
-                    busy, timeout = False, LAZY_MS
-                    self._io_idle = False
-                    if self._queue and not self._sock_lock.locked():
-                        timeout = 0  # held back before this turn: out now
-                    else:
-                        self._io_lazy = True
-                elif busy:
-                    self._io_idle = False
+                busy, timeout = self._turn_plan()
                 zmq.zmq_poll(busy_poll if busy else idle_poll, timeout)
                 try:
                     os.eventfd_read(self._wake)
@@ -92,12 +72,7 @@ class IOThread(ConnectionParts):
                 try:
                     if transport.handshake is not None and self._watch_handshake():
                         busy_poll = busy_poll[:2]
-                    if self._queue:
-                        self._send_queued()
-                    self._keepalive(time.monotonic())
-                    # last, after every send: ZMQ_FD only signals again once the socket was
-                    # read until empty (a send may consume a pending notification)
-                    self._recv_all()
+                    self._socket_turn()
                 finally:
                     self._sock_lock.release()
             if self._bye and self.state == UP:
@@ -105,17 +80,55 @@ class IOThread(ConnectionParts):
         except Exception:  # pragma: no cover - a bug here must not hang callers
             log.exception("zchannel I/O thread failed")
         finally:
-            self._set_state(CLOSED)
-            self._fail_all(ChannelError("this channel handle is closed"))
-            self.shm.close()
-            while self._queue:
-                _, _, pending = self._queue.popleft()
-                if pending is not None:
-                    self._release(pending[3])
-                    pending[0].set_exception(ChannelError("this channel handle is closed"))
-            with self._sock_lock:  # a blocking caller may still be reading it
-                self._close_fds()
-            running.discard(self)
+            self._last_acts()
+
+    def _turn_plan(self) -> tuple[bool, int]:
+        """Whether this turn watches the socket (busy) and how long it sleeps (ms)."""
+        self.io_turns += 1
+        self._io_idle = True  # before the test: a request that misses it wakes us
+        self._io_lazy = False
+        busy = bool(self._pending or self._queue or self.state != UP)
+        timeout = int(self.hb * 500)  # the broker's interval once it said hello
+        if self._pending and self.state == UP:  # fail them when the expiry ends, not later
+            timeout = min(timeout, max(1, int(1000 * self._expiry_due()) + 1))
+        if LAZY_MS and self._callers_read and not self._sleepers and (
+            self._sock_lock.locked() or time.monotonic() - self._read_end < LAZY_S
+        ):
+            # waiting threads read the link: look again in LAZY_S (also with nothing
+            # due now: in a stream the next request comes at once); requests held
+            # back meanwhile (``request``) go out then at the latest
+            busy, timeout = False, LAZY_MS
+            self._io_idle = False
+            if self._queue and not self._sock_lock.locked():
+                timeout = 0  # held back before this turn: out now
+            else:
+                self._io_lazy = True
+        elif busy:
+            self._io_idle = False
+        return busy, timeout
+
+    def _socket_turn(self) -> None:
+        """With the socket held: send what is queued, keep the heartbeat, read what came."""
+        if self._queue:
+            self._send_queued()
+        self._keepalive(time.monotonic())
+        # last, after every send: ZMQ_FD only signals again once the socket was
+        # read until empty (a send may consume a pending notification)
+        self._recv_all()
+
+    def _last_acts(self) -> None:
+        """The I/O thread's end: closed state, what is left failed, the descriptors closed."""
+        self._set_state(CLOSED)
+        self._fail_all(ChannelError("this channel handle is closed"))
+        self.shm.close()
+        while self._queue:
+            _, _, pending = self._queue.popleft()
+            if pending is not None:
+                self._release(pending[3])
+                pending[0].set_exception(ChannelError("this channel handle is closed"))
+        with self._sock_lock:  # a blocking caller may still be reading it
+            self._close_fds()
+        running.discard(self)
 
     def _close_fds(self) -> None:
         """Close the transport and the wake-up eventfd (with the socket lock taken, or before

@@ -165,28 +165,34 @@ class RequestQueue(ConnectionParts):
             self._send([rec], op_frames)
             return
         while queue:
-            records: list[Request] = []
-            frames: list = []
-            nbytes = 0
-            inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
-            while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
-                   and inline < MAX_INLINE_PER_MESSAGE):
-                rec, op_frames, pending = queue.popleft()
-                if pending is not None:
-                    if pending[3] is not None and pending[3].closed:
-                        self._drop_unsent(rec, pending)
-                        continue
-                    self._pending[rec.id] = pending
-                records.append(rec)
-                if op_frames:
-                    frames.extend(op_frames)
-                if type(rec) is Put:  # only a put carries frames (``sizes``) or a body
-                    if op_frames:
-                        nbytes += sum(rec.sizes or ())
-                    elif rec.body is not UNSET:
-                        inline += len(rec.body)
+            records, frames = self._next_message(queue)
             if records:
                 self._send(records, frames)
+
+    def _next_message(self, queue: deque) -> tuple[list[Request], list]:
+        """Take from ``queue`` the requests of one message (within the limits of
+        ``connection/tuning.py``), moving them to ``_pending``: the records and their frames."""
+        records: list[Request] = []
+        frames: list = []
+        nbytes = 0
+        inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
+        while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
+               and inline < MAX_INLINE_PER_MESSAGE):
+            rec, op_frames, pending = queue.popleft()
+            if pending is not None:
+                if pending[3] is not None and pending[3].closed:
+                    self._drop_unsent(rec, pending)
+                    continue
+                self._pending[rec.id] = pending
+            records.append(rec)
+            if op_frames:
+                frames.extend(op_frames)
+            if type(rec) is Put:  # only a put carries frames (``sizes``) or a body
+                if op_frames:
+                    nbytes += sum(rec.sizes or ())
+                elif rec.body is not UNSET:
+                    inline += len(rec.body)
+        return records, frames
 
     def _drop_unsent(self, rec: Request, pending: Pending) -> None:
         """A request whose handle closed before it went out: never sent, it fails here."""

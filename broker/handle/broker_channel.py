@@ -19,6 +19,8 @@ import logging
 from typing import Any
 
 import numpy as np
+from zchannel.broker.connection.connection import Connection
+from zchannel.broker.connection.parts import Convert
 from zchannel.broker.connection.work import _DONE, Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound
 from zchannel.broker.handle.base import ChannelHandle
@@ -80,38 +82,9 @@ class BrokerChannel(ChannelHandle):
         if has_item:
             if not isinstance(rec, Put):
                 raise TypeError(f"only a put carries an item, not {op_of(rec)!r}")
-            if self._in_doubt:  # an earlier put raised without an answer: is this its retry?
-                retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
-                if retried is not None:
-                    rec.seq = retried.seq  # sent under the sequence of the put it repeats
-            body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
-            if not buffers and not refs and len(body) <= INLINE_BODY:
-                rec.body = body  # a small item rides in its record (no frame)
-                sizes = [len(body)]
-            elif buffers:
-                frames = [body, *buffers]
-                rec.sizes = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
-            else:
-                frames = [body]
-                rec.sizes = sizes = [len(body)]
-            if refs:
-                rec.slots = refs
-            limit = conn.broker_info.max_message_bytes
-            if limit and sum(sizes) > limit:
-                shm_undo(conn, refs)
-                raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
-                                 f"max_message_bytes limit ({limit})")
+            frames, retried = self._put_frames(rec, item, conn)
         kind = type(rec)
-        convert = None
-        if kind is Get or kind is GetBatch:
-            convert = conn.converters.get((kind, copy))
-            if convert is None:  # one per connection, op and copy (not a closure per call)
-                make = _get_converter if kind is Get else _batch_converter
-                convert = conn.converters[(kind, copy)] = make(copy, conn.shm)
-        elif kind is Stats:
-            convert = _stats_converter
-        elif kind is Peek:
-            convert = _peek_converter(conn.shm)
+        convert = _converter(kind, copy, conn) if kind is not Put else None
         send = conn.call if wait else conn.request
         try:
             work = send(rec, frames, convert, cancellable=kind is Put or kind is Get
@@ -125,6 +98,34 @@ class BrokerChannel(ChannelHandle):
             if work._state != _DONE:  # in doubt if it fails without an answer
                 work._on_error = (self._put_failed, rec, item, conn)
         return work
+
+    def _put_frames(self, rec: Put, item: Any, conn: Connection) -> tuple[list, Any]:
+        """Encode ``item`` into ``rec`` (inline body, frames, shared-memory slots); the frames
+        to send and the in-doubt put ``rec`` repeats (None: a new put)."""
+        frames: list = []
+        retried = None
+        if self._in_doubt:  # an earlier put raised without an answer: is this its retry?
+            retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
+            if retried is not None:
+                rec.seq = retried.seq  # sent under the sequence of the put it repeats
+        body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
+        if not buffers and not refs and len(body) <= INLINE_BODY:
+            rec.body = body  # a small item rides in its record (no frame)
+            sizes = [len(body)]
+        elif buffers:
+            frames = [body, *buffers]
+            rec.sizes = sizes = [len(body), *(memoryview(b).nbytes for b in buffers)]
+        else:
+            frames = [body]
+            rec.sizes = sizes = [len(body)]
+        if refs:
+            rec.slots = refs
+        limit = conn.broker_info.max_message_bytes
+        if limit and sum(sizes) > limit:
+            shm_undo(conn, refs)
+            raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
+                             f"max_message_bytes limit ({limit})")
+        return frames, retried
 
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
             async_op: bool = False, timeout: float | None = None) -> Work | None:
@@ -265,6 +266,21 @@ class BrokerChannel(ChannelHandle):
 
 
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
+
+
+def _converter(kind: type, copy: bool | None, conn: Connection) -> Convert | None:
+    """How the reply of a request of ``kind`` becomes its result (None: the reply's ``r``)."""
+    if kind is Get or kind is GetBatch:
+        convert = conn.converters.get((kind, copy))
+        if convert is None:  # one per connection, op and copy (not a closure per call)
+            make = _get_converter if kind is Get else _batch_converter
+            convert = conn.converters[(kind, copy)] = make(copy, conn.shm)
+        return convert
+    if kind is Stats:
+        return _stats_converter
+    if kind is Peek:
+        return _peek_converter(conn.shm)
+    return None
 
 
 def _get_converter(copy: bool | None, shm: Any = None):

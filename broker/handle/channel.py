@@ -49,6 +49,7 @@ from zchannel.broker.server.starting import (
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import check_timeout
+from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import UNSET
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
 
@@ -75,6 +76,67 @@ def _as_channel(handle: BrokerChannel) -> Channel:
     """``handle`` as the ``Channel`` it is: ``LocalChannel`` and ``DistributedChannel`` are
     registered as virtual subclasses of ``Channel`` (below), which a type checker cannot see."""
     return cast(Channel, handle)
+
+
+def _checked_create_args(
+    name: str, maxsize: Any, distributed: Any, node_rank: Any, local: Any,
+    identity: str | None, producers: Iterable[str] | None,
+    consumers: Iterable[str] | Mapping[str, int] | None, metrics_port: int | None,
+) -> tuple[Any, list[str], list]:
+    """``create``'s arguments checked (``ValueError``/``TypeError`` naming the first wrong
+    one): the producers, the declared consumer ids, and on Ray the placement targets among
+    them (actor handles, node ids)."""
+    paths.check_name(name)
+    check_settings({"maxsize": maxsize})
+    for flag, value in (("distributed", distributed), ("local", local)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
+                            "order is name, maxsize, distributed, node_rank, local)")
+    if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                  or node_rank < 0):
+        raise ValueError(f"node_rank must be None or an int >= 0, got {node_rank!r}")
+    if identity is not None:
+        check_consumer_id(identity)
+    producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
+    targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
+    if not local and (producers or consumers) and clusterfile.ray_connected():
+        producers, consumers, targets = ray_placement.split_targets(producers, consumers)
+    declared = list(expand_consumers(consumers))
+    if producers is not None and isinstance(producers, str):
+        raise TypeError("producers= takes a list of group names")
+    if local and metrics_port is not None:
+        raise ValueError("metrics_port needs a broker process (local=False)")
+    return producers, declared, targets
+
+
+def _broker_config(name: str, maxsize: int, address: str | None, *, collector: Any,
+                   dispatcher: Any, producers: Any, consumers: list[str],
+                   options: Mapping[str, Any] | None, curve_keys: Any, insecure: bool,
+                   lease_timeout: float, shm_threshold: int | None,
+                   metrics_port: int | None) -> dict[str, Any]:
+    """The configuration a broker process starts with (checked: the bind address against
+    ``insecure``, the hooks importable by the child, the options msgpack-able)."""
+    address = address or paths.default_address(name)
+    server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
+    paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
+                             insecure=insecure)
+    imports: list[str] = []
+    config = {
+        "name": name, "address": address, "maxsize": maxsize,
+        "collector": hook_for_child(collector, imports, Collector),
+        "dispatcher": hook_for_child(dispatcher, imports, Dispatcher),
+        "producers": list(producers or ()), "consumers": consumers,
+        "options": dict(options or {}), "lease_timeout": float(lease_timeout),
+        "insecure": bool(insecure), "imports": sorted(set(imports)),
+        "curve_secret_key": server_keys.get("server_secret_key"),
+        "curve_public_keys": server_keys.get("public_keys"),
+    }
+    if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
+        config["shm_threshold"] = shm_threshold
+    if metrics_port is not None:
+        config["metrics_port"] = check_port(metrics_port)
+    codec.encode(config)  # options must be msgpack-able: fail here, not in the child
+    return config
 
 
 def _warn_differences(handle: BrokerChannel, config: dict) -> None:
@@ -148,53 +210,20 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
         (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
         """
-        paths.check_name(name)
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
-            raise ValueError(f"maxsize must be an int >= 0, got {maxsize!r}")
-        for flag, value in (("distributed", distributed), ("local", local)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
-                                "order is name, maxsize, distributed, node_rank, local)")
-        if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
-                                      or node_rank < 0):
-            raise ValueError(f"node_rank must be None or an int >= 0, got {node_rank!r}")
-        if identity is not None:
-            check_consumer_id(identity)
-        producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
-        targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
-        if not local and (producers or consumers) and clusterfile.ray_connected():
-            producers, consumers, targets = ray_placement.split_targets(producers, consumers)
-        declared = list(expand_consumers(consumers))
-        if producers is not None and isinstance(producers, str):
-            raise TypeError("producers= takes a list of group names")
-        if local and metrics_port is not None:
-            raise ValueError("metrics_port needs a broker process (local=False)")
+        producers, declared, targets = _checked_create_args(
+            name, maxsize, distributed, node_rank, local, identity, producers, consumers,
+            metrics_port)
         if local:
             return _as_channel(LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
                 identity=identity, lease_timeout=lease_timeout,
             ))
-        address = address or paths.default_address(name)
-        server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
-        paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
-                                 insecure=insecure)
-        imports: list[str] = []
-        config = {
-            "name": name, "address": address, "maxsize": maxsize,
-            "collector": hook_for_child(collector, imports, Collector),
-            "dispatcher": hook_for_child(dispatcher, imports, Dispatcher),
-            "producers": list(producers or ()), "consumers": declared,
-            "options": dict(options or {}), "lease_timeout": float(lease_timeout),
-            "insecure": bool(insecure), "imports": sorted(set(imports)),
-            "curve_secret_key": server_keys.get("server_secret_key"),
-            "curve_public_keys": server_keys.get("public_keys"),
-        }
-        if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
-            config["shm_threshold"] = shm_threshold
-        if metrics_port is not None:
-            config["metrics_port"] = check_port(metrics_port)
-        codec.encode(config)  # options must be msgpack-able: fail here, not in the child
+        config = _broker_config(
+            name, maxsize, address, collector=collector, dispatcher=dispatcher,
+            producers=producers, consumers=declared, options=options, curve_keys=curve_keys,
+            insecure=insecure, lease_timeout=lease_timeout, shm_threshold=shm_threshold,
+            metrics_port=metrics_port)
         if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
             return _as_channel(ray_placement.create(
                 config, distributed=distributed, node_rank=node_rank, targets=targets,
@@ -207,6 +236,14 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             log.info("distributed=True without Ray or a cluster file: one local replica")
         if node_rank is not None:
             log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)
+        return cls._attach_or_spawn(config, identity=identity, curve_keys=curve_keys)
+
+    @classmethod
+    def _attach_or_spawn(cls, config: dict, *, identity: str | None,
+                         curve_keys: Any) -> Channel:
+        """A handle on the live broker of ``config["name"]`` (another process holds its lock:
+        attach, warning), else one on the broker started now with ``config``."""
+        name = config["name"]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             lock_fd = paths.try_lock(name)
@@ -233,14 +270,14 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
             raise
         os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
-        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys)._adopt(
+        spawned = cls(name, real_address, identity=identity, curve_keys=curve_keys)._adopt(
             proc, token)
         try:
-            handle._connection(timeout=START_TIMEOUT_S)
+            spawned._connection(timeout=START_TIMEOUT_S)
         except BaseException:
-            handle._kill_broker()
+            spawned._kill_broker()
             raise
-        return handle
+        return spawned
 
     @classmethod
     def connect(cls, name_or_address: str, current_worker: Any = None, *,

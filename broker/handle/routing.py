@@ -96,20 +96,11 @@ class KeyRouting:
                 if work is not None:
                     asked[target] = work  # slow, or dead before its expiry: ask the next meanwhile
                 target = (target + 1) % n
-            for i, late in list(asked.items()):  # replicas asked earlier that answered since
-                if late.done():
-                    del asked[i]
-                    try:
-                        answers.append((i, late.result()))
-                    except BrokerUnavailable:
-                        failed[i] = time.monotonic()
-            for i, answer in answers:
-                if isinstance(answer, int) and not isinstance(answer, bool):
-                    if not 0 <= answer < n:
-                        raise ChannelError(f"replica {i} bound {key!r} to an unknown replica "
-                                           f"{answer!r}")
-                    self._binder = i
-                    return answer
+            answers += _late_answers(asked, failed)
+            bound = _bound(answers, key, n)
+            if bound is not None:
+                self._binder, replica = bound
+                return replica
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"no replica of {self._name!r} bound {key!r} within "
                                         f"{BIND_DEADLINE_S}s")
@@ -160,3 +151,29 @@ class KeyRouting:
 
 
 __all__ = ["BIND_DEADLINE_S", "BIND_HEDGE_S", "KeyRouting"]
+
+
+def _late_answers(asked: dict[int, Work], failed: dict[int, float]) -> list[tuple[int, Any]]:
+    """The answers of replicas asked earlier that came since (taken out of ``asked``; one
+    that failed is marked in ``failed``)."""
+    answers = []
+    for i, late in list(asked.items()):
+        if late.done():
+            del asked[i]
+            try:
+                answers.append((i, late.result()))
+            except BrokerUnavailable:
+                failed[i] = time.monotonic()
+    return answers
+
+
+def _bound(answers: list[tuple[int, Any]], key: Any, n: int) -> tuple[int, int] | None:
+    """``(binder, replica)`` of the first answer that bound ``key`` (None: none did);
+    ``ChannelError`` for a replica out of range."""
+    for i, answer in answers:
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            if not 0 <= answer < n:
+                raise ChannelError(f"replica {i} bound {key!r} to an unknown replica "
+                                   f"{answer!r}")
+            return i, answer
+    return None

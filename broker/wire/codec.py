@@ -53,7 +53,7 @@ import math
 import struct
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import msgpack
@@ -302,6 +302,10 @@ class _Encoder:
             if isinstance(obj, enum.Enum):
                 return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
             return self.nest(EXT_DATACLASS, [tag, dataclass_values(obj)])
+        return self._default_other(obj)
+
+    def _default_other(self, obj: Any) -> Any:
+        """``default`` for the rarer values: tuple subclasses, numpy scalars, large bytes."""
         if isinstance(obj, tuple):
             if is_size(obj):
                 return msgpack.ExtType(EXT_SIZE, self.pack([int(d) for d in obj]))
@@ -318,8 +322,11 @@ class _Encoder:
             return view.tobytes()
         if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(type(obj)):
             return self.default(obj)  # its module is published: registered just now
-        # subclasses of the base types below (str and int Enums among them) travel as their
-        # base value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")
+        return self._default_base(obj)
+
+    def _default_base(self, obj: Any) -> Any:
+        """Subclasses of the base types (str and int Enums among them) travel as their base
+        value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")."""
         if isinstance(obj, dict):
             return dict(obj)
         if isinstance(obj, list):
@@ -519,94 +526,148 @@ class _Decoder:
         return arr
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:
-            value = (self._inner or self.inner()).unpack(data)
-            if not isinstance(value, list):
-                raise ValueError("malformed tuple")
-            return tuple(value)
-        if code == EXT_NDARRAY:
-            value = _unpack_leaf(data)
-            if not (isinstance(value, list) and len(value) == 3):
-                raise ValueError("malformed array descriptor")
-            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-            if dtype is None:
-                raise ValueError(f"array dtype {value[0]!r} is not allowed")
-            shape = _check_shape(value[1])
-            nbytes = math.prod(shape) * dtype.itemsize
-            return self.raw(value[2], nbytes).view(dtype).reshape(shape)
-        if code == EXT_TENSOR:
-            value = _unpack_leaf(data)
-            if not (isinstance(value, list) and len(value) == 4):
-                raise ValueError("malformed tensor descriptor")
-            torch = _torch()
-            dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-            if dtype is None:
-                raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
-            shape = _check_shape(value[1])
-            raw = self.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
-            np_dtype = _TORCH_NUMPY.get(dtype)
-            if np_dtype is not None:  # one torch call: view and reshape in numpy
-                tensor = torch.from_numpy(raw.view(np_dtype).reshape(shape))
-            else:
-                tensor = torch.from_numpy(raw)
-                tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
-                tensor = tensor.reshape(shape)
-            return _restore_device(tensor, value[3])
-        if code == EXT_DATACLASS:
-            value = (self._inner or self.inner()).unpack(data)
-            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
-                raise ValueError("malformed dataclass")
-            if not isinstance(value[0], str):
-                raise ValueError("malformed dataclass tag")
-            cls = lookup_tag(value[0])
-            if not dataclasses.is_dataclass(cls):
-                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not a dataclass")
-            return build_dataclass(cls, value[1])
-        if code == EXT_NPSCALAR:
-            value = _unpack_leaf(data)
-            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
-                raise ValueError("malformed numpy scalar")
-            dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-            if dtype is None or len(value[1]) != dtype.itemsize:
-                raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
-            return np.frombuffer(value[1], dtype=dtype)[0]
-        if code == EXT_BYTES:
-            index = _unpack_leaf(data)
-            if isinstance(index, bool) or not isinstance(index, int):
-                raise ValueError("malformed bytes reference")
-            if not 0 <= index < len(self.frames):
-                raise ValueError(f"buffer index {index} out of range")
-            return bytes(memoryview(self.frames[index]))
-        if code in (EXT_SET, EXT_FROZENSET):
-            value = (self._inner or self.inner()).unpack(data)
-            if not isinstance(value, list):
-                raise ValueError("malformed set: its payload is not an array")
-            try:
-                return set(value) if code == EXT_SET else frozenset(value)
-            except TypeError:  # a list or dict element
-                raise ValueError("malformed set: an element is not hashable") from None
-        if code == EXT_COMPLEX:
-            if len(data) != _COMPLEX.size:
-                raise ValueError(f"malformed complex: {len(data)} bytes, expected 16")
-            return complex(*_COMPLEX.unpack(data))
-        if code == EXT_BIGINT:
-            return _bigint(data)
-        if code == EXT_SIZE:
-            value = _unpack_leaf(data)
-            if not isinstance(value, list) or not all(
-                type(d) is int and INT_MIN <= d < 2**63 for d in value
-            ):
-                raise ValueError("malformed torch.Size: not an array of 64-bit ints")
-            return _torch().Size(value)
-        if code == EXT_ENUM:
-            value = _unpack_leaf(data)
-            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
-                raise ValueError("malformed Enum member: not [tag, name]")
-            cls = lookup_tag(value[0])
-            if not issubclass(cls, enum.Enum):
-                raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not an Enum")
-            return member_from_ref(cls, value[1])
-        raise ValueError(f"unknown ext type {code}")
+        reader = _EXT_READERS.get(code)
+        if reader is None:
+            raise ValueError(f"unknown ext type {code}")
+        return reader(self, data)
+
+
+# -- the ext types' readers (``_Decoder.ext_hook`` dispatches through ``_EXT_READERS``) ----------
+
+def _read_tuple(dec: _Decoder, data: bytes) -> tuple:
+    value = (dec._inner or dec.inner()).unpack(data)
+    if not isinstance(value, list):
+        raise ValueError("malformed tuple")
+    return tuple(value)
+
+
+def _read_ndarray(dec: _Decoder, data: bytes) -> np.ndarray:
+    value = _unpack_leaf(data)
+    if not (isinstance(value, list) and len(value) == 3):
+        raise ValueError("malformed array descriptor")
+    dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+    if dtype is None:
+        raise ValueError(f"array dtype {value[0]!r} is not allowed")
+    shape = _check_shape(value[1])
+    nbytes = math.prod(shape) * dtype.itemsize
+    return dec.raw(value[2], nbytes).view(dtype).reshape(shape)
+
+
+def _read_tensor(dec: _Decoder, data: bytes) -> Any:
+    value = _unpack_leaf(data)
+    if not (isinstance(value, list) and len(value) == 4):
+        raise ValueError("malformed tensor descriptor")
+    torch = _torch()
+    dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+    if dtype is None:
+        raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
+    shape = _check_shape(value[1])
+    raw = dec.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
+    np_dtype = _TORCH_NUMPY.get(dtype)
+    if np_dtype is not None:  # one torch call: view and reshape in numpy
+        tensor = torch.from_numpy(raw.view(np_dtype).reshape(shape))
+    else:
+        tensor = torch.from_numpy(raw)
+        tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+        tensor = tensor.reshape(shape)
+    return _restore_device(tensor, value[3])
+
+
+def _read_dataclass(dec: _Decoder, data: bytes) -> Any:
+    value = (dec._inner or dec.inner()).unpack(data)
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
+        raise ValueError("malformed dataclass")
+    if not isinstance(value[0], str):
+        raise ValueError("malformed dataclass tag")
+    cls = lookup_tag(value[0])
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not a dataclass")
+    return build_dataclass(cls, value[1])
+
+
+def _read_npscalar(dec: _Decoder, data: bytes) -> Any:
+    value = _unpack_leaf(data)
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
+        raise ValueError("malformed numpy scalar")
+    dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+    if dtype is None or len(value[1]) != dtype.itemsize:
+        raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
+    return np.frombuffer(value[1], dtype=dtype)[0]
+
+
+def _read_bytes(dec: _Decoder, data: bytes) -> bytes:
+    index = _unpack_leaf(data)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError("malformed bytes reference")
+    if not 0 <= index < len(dec.frames):
+        raise ValueError(f"buffer index {index} out of range")
+    return bytes(memoryview(dec.frames[index]))
+
+
+def _set_elements(dec: _Decoder, data: bytes) -> list:
+    value = (dec._inner or dec.inner()).unpack(data)
+    if not isinstance(value, list):
+        raise ValueError("malformed set: its payload is not an array")
+    return value
+
+
+def _read_set(dec: _Decoder, data: bytes) -> set:
+    try:
+        return set(_set_elements(dec, data))
+    except TypeError:  # a list or dict element
+        raise ValueError("malformed set: an element is not hashable") from None
+
+
+def _read_frozenset(dec: _Decoder, data: bytes) -> frozenset:
+    try:
+        return frozenset(_set_elements(dec, data))
+    except TypeError:  # a list or dict element
+        raise ValueError("malformed set: an element is not hashable") from None
+
+
+def _read_complex(dec: _Decoder, data: bytes) -> complex:
+    if len(data) != _COMPLEX.size:
+        raise ValueError(f"malformed complex: {len(data)} bytes, expected 16")
+    return complex(*_COMPLEX.unpack(data))
+
+
+def _read_bigint(dec: _Decoder, data: bytes) -> int:
+    return _bigint(data)
+
+
+def _read_size(dec: _Decoder, data: bytes) -> Any:
+    value = _unpack_leaf(data)
+    if not isinstance(value, list) or not all(
+        type(d) is int and INT_MIN <= d < 2**63 for d in value
+    ):
+        raise ValueError("malformed torch.Size: not an array of 64-bit ints")
+    return _torch().Size(value)
+
+
+def _read_enum(dec: _Decoder, data: bytes) -> enum.Enum:
+    value = _unpack_leaf(data)
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+        raise ValueError("malformed Enum member: not [tag, name]")
+    cls = lookup_tag(value[0])
+    if not issubclass(cls, enum.Enum):
+        raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not an Enum")
+    return member_from_ref(cls, value[1])
+
+
+_EXT_READERS: dict[int, Callable[[_Decoder, bytes], Any]] = {
+    EXT_TUPLE: _read_tuple,
+    EXT_NDARRAY: _read_ndarray,
+    EXT_TENSOR: _read_tensor,
+    EXT_DATACLASS: _read_dataclass,
+    EXT_NPSCALAR: _read_npscalar,
+    EXT_BYTES: _read_bytes,
+    EXT_SET: _read_set,
+    EXT_FROZENSET: _read_frozenset,
+    EXT_COMPLEX: _read_complex,
+    EXT_BIGINT: _read_bigint,
+    EXT_SIZE: _read_size,
+    EXT_ENUM: _read_enum,
+}
 
 
 def _restore_device(tensor: Any, device: Any) -> Any:

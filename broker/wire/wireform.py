@@ -66,6 +66,11 @@ def _form(obj: Any, level: int, nest: int) -> Any:
         if kind is torch.Tensor and not obj.requires_grad:
             return obj
         return obj.detach().as_subclass(torch.Tensor)
+    return _form_other(obj, kind, level, nest)
+
+
+def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
+    """``_form`` for the rarer values: subclasses, registered classes, numpy scalars, bytes."""
     if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
         codec.check_array(obj)
         return obj.view(np.ndarray)
@@ -83,6 +88,11 @@ def _form(obj: Any, level: int, nest: int) -> Any:
         return memoryview(obj).tobytes()
     if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(kind):
         return obj  # its module is published: registered just now
+    return _form_base(obj, kind, level, nest)
+
+
+def _form_base(obj: Any, kind: type, level: int, nest: int) -> Any:
+    """Subclasses of the base types take their base value (as ``codec`` encodes them)."""
     if isinstance(obj, dict):
         return _dict(obj, level, nest)
     if isinstance(obj, list):
