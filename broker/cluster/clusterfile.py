@@ -91,6 +91,19 @@ class Cluster:
         return public.removesuffix(".key") + ".key_secret"
 
 
+def _replica(path: Any, i: int, row: Any, name: str | None) -> Replica:
+    """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced."""
+    bad = set(row) - {"node", "address", "hostnames"}
+    if bad or "node" not in row or "address" not in row:
+        raise ValueError(f"{path}: replica {i} needs node and address (and only hostnames besides)")
+    address = str(row["address"])
+    if "{name}" in address:
+        if name is None:
+            raise ValueError(f"{path}: address {address!r} needs a channel name")
+        address = address.replace("{name}", name)
+    return Replica(str(row["node"]), address, tuple(row.get("hostnames") or ()))
+
+
 def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     """Read a cluster file; ``{name}`` in addresses is replaced by the channel ``name``."""
     with open(path, "rb") as f:
@@ -108,17 +121,7 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     rows = data.get("replica") or []
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: a cluster file lists at least one [[replica]]")
-    replicas = []
-    for i, row in enumerate(rows):
-        bad = set(row) - {"node", "address", "hostnames"}
-        if bad or "node" not in row or "address" not in row:
-            raise ValueError(f"{path}: replica {i} needs node and address (and only hostnames besides)")
-        address = str(row["address"])
-        if "{name}" in address:
-            if name is None and file_name is None:
-                raise ValueError(f"{path}: address {address!r} needs a channel name")
-            address = address.replace("{name}", name or file_name)
-        replicas.append(Replica(str(row["node"]), address, tuple(row.get("hostnames") or ())))
+    replicas = [_replica(path, i, row, name or file_name) for i, row in enumerate(rows)]
     here = Path(path).resolve().parent
     server_keys = head.get("server_keys")
     client_dir = head.get("client_keys")

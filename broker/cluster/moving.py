@@ -145,6 +145,18 @@ class KeyMover:
 
     # -- the binder ------------------------------------------------------------------------
 
+    def _answered_loads(self) -> dict[int, Any]:
+        """The loads the replicas asked last tick answered since (taken out of ``_loads``)."""
+        loads = {}
+        for i, work in list(self._loads.items()):
+            if work.done():
+                del self._loads[i]
+                if work.exception() is None:
+                    load = load_answer(work.result())
+                    if load is not None:
+                        loads[i] = load
+        return loads
+
     def tick(self) -> None:
         """Every heartbeat: tell moves again to replicas that missed them; on the binder,
         gather the loads (asked last tick) and start one move."""
@@ -157,14 +169,7 @@ class KeyMover:
         if not b.ready or b.binder() != b.index:
             self._loads.clear()
             return
-        loads = {b.index: self.load()}
-        for i, work in list(self._loads.items()):
-            if work.done():
-                del self._loads[i]
-                if work.exception() is None:
-                    load = load_answer(work.result())
-                    if load is not None:
-                        loads[i] = load
+        loads = {b.index: self.load(), **self._answered_loads()}
         for i in b.live_peers():
             if i not in self._loads:
                 try:

@@ -229,6 +229,19 @@ class Waiters:
                 return n
         return len(queue) if final else 0
 
+    def _serve_plain_gets(self, ks: KeyState) -> bool:
+        """The common case: plain gets of the shared queue, served in arrival order (``serve``
+        does the same for a snapshot of all getters); True when nothing is left to serve."""
+        shared, getters = ks.shared, ks.getters
+        while shared and getters and getters[0].kind == "get":
+            self._deliver(getters[0], ks, None, shared, 1)
+        if shared and getters:
+            return False
+        if self.putters:
+            self.admit_putters()
+        self.queues.mark_idle(ks)
+        return True
+
     def serve(self, ks: KeyState) -> None:
         """Hand items to waiting getters of ``ks`` in arrival order, then try steals."""
         getters = ks.getters
@@ -236,17 +249,8 @@ class Waiters:
             self.queues.mark_idle(ks)
             return
         deals = self.hooks.deals
-        if not deals and not ks.private:
-            # the common case: plain gets of the shared queue, served in arrival order; the
-            # loop below does the same, for a snapshot of all getters
-            shared = ks.shared
-            while shared and getters and getters[0].kind == "get":
-                self._deliver(getters[0], ks, None, shared, 1)
-            if not (shared and getters):
-                if self.putters:
-                    self.admit_putters()
-                self.queues.mark_idle(ks)
-                return
+        if not deals and not ks.private and self._serve_plain_gets(ks):
+            return
         blocked: set[str | None] = set()
         starving: list[Request] = []
         for req in list(ks.getters):

@@ -25,11 +25,11 @@ from typing import Any
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
 from zchannel.broker.core.queuecore import QueueCore
-from zchannel.broker.core.state import ITEM_OVERHEAD, Item
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.server import metrics
-from zchannel.broker.server.admission import client_budget, raise_fd_limit
+from zchannel.broker.server.admission import PeerGuard, client_budget, raise_fd_limit
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
@@ -38,7 +38,7 @@ from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct
-from zchannel.broker.transport.curve import admin_keys
+from zchannel.broker.transport.curve import BrokerHandshakes, admin_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -194,23 +194,35 @@ class Broker:
             raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
         return sock, peers
 
+    def _side_events(self, ready: list, stops: StopSources, guard: PeerGuard,
+                     handshakes: BrokerHandshakes) -> None:
+        """The turn's events besides the clients' messages: a metrics scrape, refused
+        handshakes, the parent's exit."""
+        if self.metrics is not None and self.metrics.fd in ready:
+            self.metrics.publish()  # a scrape asked for a snapshot
+        if guard.wake_fd in ready:
+            handshakes.check(guard.take_failures())
+        if stops.parent_exited(ready):
+            self._running = False
+
+    def _serve_metrics(self) -> None:
+        """Serve Prometheus metrics on ``metrics_port`` when the configuration asks."""
+        if self.config.metrics_port is None:
+            return
+        self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
+                                             self.config.metrics_address,
+                                             self.config.metrics_port)
+        log.info("metrics of %r at %s", self.config.name, self.metrics.url)
+
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
         try:
             self.bind()
+            self._serve_metrics()
         except BaseException:
             self.close()
             raise
-        if self.config.metrics_port is not None:
-            try:
-                self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
-                                                     self.config.metrics_address,
-                                                     self.config.metrics_port)
-            except BaseException:
-                self.close()
-                raise
-            log.info("metrics of %r at %s", self.config.name, self.metrics.url)
         if self.replica is not None:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
@@ -253,12 +265,7 @@ class Broker:
                     self.sessions.flush()  # replies first: the rest of the turn is not on their path
                 if peers.listener is not None and len(events) > (sock in ready):
                     self._direct_events(events)
-                if self.metrics is not None and self.metrics.fd in ready:
-                    self.metrics.publish()  # a scrape asked for a snapshot
-                if guard.wake_fd in ready:
-                    handshakes.check(guard.take_failures())
-                if stops.parent_exited(ready):
-                    self._running = False
+                self._side_events(ready, stops, guard, handshakes)
                 now = time.monotonic()
                 # how long this loop did not look at its sockets beyond what it planned (its
                 # process did not run, or this turn was long): not the clients' silence
@@ -344,15 +351,7 @@ class Broker:
             op_frames = frames[pos : pos + nf]
             pos += nf
             if isinstance(rec, BadRecord):
-                if client is None:
-                    if rec.op != BYE:
-                        self.sessions.tell_expired(address, now)
-                elif rec.id is None:
-                    client.last_seen = now
-                    log.warning("dropped a record without a request id (op %r)", rec.op)
-                else:
-                    client.last_seen = now
-                    self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
+                self._bad_record(address, client, rec, now)
                 continue
             kind = type(rec)
             if client is None or kind is Hello:
@@ -371,6 +370,20 @@ class Broker:
             if kind is Bye:
                 client = None
         return len(records)
+
+    def _bad_record(self, address: bytes, client: Client | None, rec: BadRecord,
+                    now: float) -> None:
+        """A record that failed its checks: its error replied (a client unknown here is told
+        it expired, unless the record was its bye)."""
+        if client is None:
+            if rec.op != BYE:
+                self.sessions.tell_expired(address, now)
+            return
+        client.last_seen = now
+        if rec.id is None:
+            log.warning("dropped a record without a request id (op %r)", rec.op)
+        else:
+            self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""

@@ -120,23 +120,8 @@ def _address_files(address: str | None) -> list[str]:
 def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
     """The live brokers and the stale entries of the run directory (and of ``/dev/shm``)."""
     rd = paths.run_dir()
-    names: dict[str, list[str]] = {}  # channel name -> its lock names
-    tmp_files: list[tuple[str, Path]] = []
-    sockets: list[Path] = []
-    tokens: list[tuple[str, Path]] = []
-    for entry in sorted(rd.iterdir()):
-        fname = entry.name
-        if fname.endswith(".lock"):
-            lock_name = fname[: -len(".lock")]
-            names.setdefault(_channel_of(lock_name), []).append(lock_name)
-        elif fname.endswith(".addr"):
-            names.setdefault(fname[: -len(".addr")], [])
-        elif fname.endswith(".tmp") and ".addr." in fname:
-            tmp_files.append((fname.split(".addr.")[0], entry))
-        elif fname.endswith((".sock", ".sock.d", ".sock.z", ".sock.g", ".sock.t")):
-            sockets.append(entry)
-        elif fname.endswith(".token"):  # a shutdown token: NAME or NAME.replicaI
-            tokens.append((fname[: -len(".token")], entry))
+    found = _RunDirFiles.read(rd)
+    names = found.names
     prefix = run_prefix(str(rd))
     segments: dict[str, list[str]] = {}
     for seg in list_segments(prefix):
@@ -148,35 +133,72 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
     claimed: set[str] = set()  # socket files that belong to a known channel
     flocked = _flocked()
     for name in sorted(names):
-        locks = sorted(names[name])
-        held = [lock for lock in locks if _held(lock, flocked)]
-        address = paths.read_address(name) if paths.NAME_RE.match(name) else None
-        own = set(_address_files(address))
-        if paths.NAME_RE.match(name):
-            own.update(_address_files(paths.default_address(name)))
-        claimed.update(own)
-        leftover = StaleEntry(name, live=bool(held))
-        leftover.locks = [lock for lock in locks if lock not in held]
-        leftover.files = [str(paths.lock_path(lock)) for lock in leftover.locks]
-        if held:
-            live.append(HostBroker(name, address, held))
-        else:
-            if paths.addr_path(name).exists():
-                leftover.files.append(str(paths.addr_path(name)))
-            leftover.files += sorted(own) + segments.get(name, [])
+        broker, leftover = _channel_files(name, sorted(names[name]), flocked, claimed,
+                                          segments.get(name, []))
+        if broker is not None:
+            live.append(broker)
         if leftover.files:
             stale.append(leftover)
-    for name, path in tmp_files:
+    for name, path in found.tmp_files:
         pid = path.name.rsplit(".", 2)[-2]
         if not (pid.isdigit() and _pid_alive(int(pid))):
             _add(stale, name, str(path))
-    for lock_name, path in tokens:
+    for lock_name, path in found.tokens:
         if not _held(lock_name, flocked):
             _add(stale, _channel_of(lock_name), str(path))
-    for path in sockets:
+    for path in found.sockets:
         if str(path) not in claimed:  # a socket no channel's address names: nobody serves it
             _add(stale, path.name.split(".sock")[0], str(path))
     return live, stale
+
+
+@dataclass
+class _RunDirFiles:
+    """The files of the run directory, by kind."""
+
+    names: dict[str, list[str]] = field(default_factory=dict)  # channel name -> its locks
+    tmp_files: list[tuple[str, Path]] = field(default_factory=list)
+    sockets: list[Path] = field(default_factory=list)
+    tokens: list[tuple[str, Path]] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, rd: Path) -> _RunDirFiles:
+        found = cls()
+        for entry in sorted(rd.iterdir()):
+            fname = entry.name
+            if fname.endswith(".lock"):
+                lock_name = fname[: -len(".lock")]
+                found.names.setdefault(_channel_of(lock_name), []).append(lock_name)
+            elif fname.endswith(".addr"):
+                found.names.setdefault(fname[: -len(".addr")], [])
+            elif fname.endswith(".tmp") and ".addr." in fname:
+                found.tmp_files.append((fname.split(".addr.")[0], entry))
+            elif fname.endswith((".sock", ".sock.d", ".sock.z", ".sock.g", ".sock.t")):
+                found.sockets.append(entry)
+            elif fname.endswith(".token"):  # a shutdown token: NAME or NAME.replicaI
+                found.tokens.append((fname[: -len(".token")], entry))
+        return found
+
+
+def _channel_files(name: str, locks: list[str], flocked: set[int] | None, claimed: set[str],
+                   segments: list[str]) -> tuple[HostBroker | None, StaleEntry]:
+    """Channel ``name``'s live broker (None: no lock of it is held) and its stale files;
+    the socket files its address names are added to ``claimed``."""
+    held = [lock for lock in locks if _held(lock, flocked)]
+    address = paths.read_address(name) if paths.NAME_RE.match(name) else None
+    own = set(_address_files(address))
+    if paths.NAME_RE.match(name):
+        own.update(_address_files(paths.default_address(name)))
+    claimed.update(own)
+    leftover = StaleEntry(name, live=bool(held))
+    leftover.locks = [lock for lock in locks if lock not in held]
+    leftover.files = [str(paths.lock_path(lock)) for lock in leftover.locks]
+    if held:
+        return HostBroker(name, address, held), leftover
+    if paths.addr_path(name).exists():
+        leftover.files.append(str(paths.addr_path(name)))
+    leftover.files += sorted(own) + segments
+    return None, leftover
 
 
 def _add(stale: list[StaleEntry], name: str, path: str) -> None:

@@ -121,6 +121,17 @@ class Reader:
         if avail == len(self.buf):  # a prefix larger than the scratch buffer (many parts)
             self.buf.extend(bytes(len(self.buf)))
 
+    def _checked_total(self, lens: tuple[int, ...]) -> int:
+        """The bytes of a message of parts ``lens``; ``FramingError`` past a limit."""
+        if lens[0] > self.max_header:
+            raise FramingError(f"a header of {lens[0]} bytes (limit {self.max_header})")
+        if self.max_part and max(lens) > self.max_part:
+            raise FramingError(f"a part of {max(lens)} bytes (limit {self.max_part})")
+        total = sum(lens)
+        if total > self.max_total:
+            raise FramingError(f"a message of {total} bytes (limit {self.max_total})")
+        return total
+
     def _cut(self) -> None:
         buf = self.buf
         while True:
@@ -134,13 +145,7 @@ class Reader:
             if avail < prefix:
                 break
             lens = struct.unpack_from(f"<{count}Q", buf, start + 4)
-            if lens[0] > self.max_header:
-                raise FramingError(f"a header of {lens[0]} bytes (limit {self.max_header})")
-            if self.max_part and max(lens) > self.max_part:
-                raise FramingError(f"a part of {max(lens)} bytes (limit {self.max_part})")
-            total = sum(lens)
-            if total > self.max_total:
-                raise FramingError(f"a message of {total} bytes (limit {self.max_total})")
+            total = self._checked_total(lens)
             if prefix + total <= SCRATCH // 2:
                 if avail < prefix + total:
                     break
