@@ -434,6 +434,67 @@ def _as_steps(x: torch.Tensor, name: str, rows: int, width: int, k: int) -> torc
     return x
 
 
+def _checked_inputs(batch: dict[str, Any], plan: Any,
+                    normalization: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute_advantages``' rewards and dones, with its settings checked."""
+    _check_reward_type(plan.reward_type)
+    if plan.adv_type not in ("gae", "grpo", "reinpp", "raw"):
+        raise ValueError(f"Unknown advantage estimator {plan.adv_type!r}.")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}.")
+    rewards = batch.get("rewards")
+    dones = batch.get("dones")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 3:
+        raise ValueError("compute_advantages needs rewards [N, W, C].")
+    if not isinstance(dones, torch.Tensor) or dones.dim() != 3:
+        raise ValueError("compute_advantages needs dones [N+1, W, C].")
+    n_chunks, width, _ = rewards.shape
+    if dones.shape[0] != n_chunks + 1 or dones.shape[1] != width:
+        raise ValueError(
+            f"dones must have {n_chunks + 1} rows and width {width}, got {tuple(dones.shape)}."
+        )
+    return rewards, dones
+
+
+def _per_step(rewards: torch.Tensor, dones: torch.Tensor, loss_mask: Any,
+              reward_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Rewards, dones and loss mask per reward step (one per chunk for chunk-level rewards:
+    summed, max'ed), and ``k``, the steps per chunk."""
+    n_chunks, width, slots = rewards.shape
+    if reward_type == "chunk_level":
+        rewards = rewards.sum(dim=-1, keepdim=True)
+        dones = dones.any(dim=-1, keepdim=True)
+        if loss_mask is not None:
+            loss_mask = _as_steps(loss_mask, "loss_mask", n_chunks, width, loss_mask.shape[-1])
+            loss_mask = loss_mask.to(torch.bool).any(dim=-1, keepdim=True)
+        return rewards, dones, loss_mask, 1
+    if dones.shape[2] != slots:
+        raise ValueError(f"dones must have last dim {slots}, got {tuple(dones.shape)}.")
+    if loss_mask is not None:
+        loss_mask = _as_steps(loss_mask, "loss_mask", n_chunks, width, slots).to(torch.bool)
+    return rewards, dones, loss_mask, slots
+
+
+def _gae_values(prev_values: Any, n_chunks: int, width: int, k: int,
+                reward_type: str) -> torch.Tensor | None:
+    """The batch's ``prev_values`` checked against ``[N+1, W, k]`` (None: critic-free)."""
+    if prev_values is None:
+        return None
+    if (
+        not isinstance(prev_values, torch.Tensor)
+        or prev_values.dim() != 3
+        or prev_values.shape[0] != n_chunks + 1
+        or prev_values.shape[1] != width
+        or prev_values.shape[2] != k
+    ):
+        shape = getattr(prev_values, "shape", None)
+        raise ValueError(
+            f"prev_values must be [{n_chunks + 1}, {width}, {k}] for "
+            f"{reward_type} rewards, got {tuple(shape) if shape is not None else shape}."
+        )
+    return prev_values
+
+
 def compute_advantages(batch: dict[str, Any], plan: Any, *,
                        normalization: str = "pooled") -> dict[str, Any]:
     """Add ``advantages`` (and ``returns`` for gae) ``[N, W, k]`` to ``batch`` and return it.
@@ -449,41 +510,11 @@ def compute_advantages(batch: dict[str, Any], plan: Any, *,
     unknown estimator or reward type, and a width not divisible by ``plan.group_size`` for the
     group estimators.
     """
-    reward_type = plan.reward_type
-    _check_reward_type(reward_type)
-    adv_type = plan.adv_type
-    if adv_type not in ("gae", "grpo", "reinpp", "raw"):
-        raise ValueError(f"Unknown advantage estimator {adv_type!r}.")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}.")
-    rewards = batch.get("rewards")
-    dones = batch.get("dones")
-    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 3:
-        raise ValueError("compute_advantages needs rewards [N, W, C].")
-    if not isinstance(dones, torch.Tensor) or dones.dim() != 3:
-        raise ValueError("compute_advantages needs dones [N+1, W, C].")
-    n_chunks, width, slots = rewards.shape
-    if dones.shape[0] != n_chunks + 1 or dones.shape[1] != width:
-        raise ValueError(
-            f"dones must have {n_chunks + 1} rows and width {width}, got {tuple(dones.shape)}."
-        )
+    rewards, dones = _checked_inputs(batch, plan, normalization)
+    n_chunks, width, _ = rewards.shape
     dtype = torch.promote_types(rewards.dtype, torch.float32)
-    rewards = rewards.to(dtype)
-    dones = dones.to(torch.bool)
-    loss_mask = batch.get("loss_mask")
-    if reward_type == "chunk_level":
-        k = 1
-        rewards = rewards.sum(dim=-1, keepdim=True)
-        dones = dones.any(dim=-1, keepdim=True)
-        if loss_mask is not None:
-            loss_mask = _as_steps(loss_mask, "loss_mask", n_chunks, width, loss_mask.shape[-1])
-            loss_mask = loss_mask.to(torch.bool).any(dim=-1, keepdim=True)
-    else:
-        k = slots
-        if dones.shape[2] != k:
-            raise ValueError(f"dones must have last dim {k}, got {tuple(dones.shape)}.")
-        if loss_mask is not None:
-            loss_mask = _as_steps(loss_mask, "loss_mask", n_chunks, width, k).to(torch.bool)
+    rewards, dones, loss_mask, k = _per_step(rewards.to(dtype), dones.to(torch.bool),
+                                             batch.get("loss_mask"), plan.reward_type)
     n = n_chunks * k
     r = _flatten_time_major(rewards)
     d = _flatten_time_major(dones)[-(n + 1) :]
@@ -492,24 +523,12 @@ def compute_advantages(batch: dict[str, Any], plan: Any, *,
     else:
         m = _flatten_time_major(loss_mask)
 
+    adv_type = plan.adv_type
     returns: torch.Tensor | None = None
     if adv_type == "gae":
-        prev_values = batch.get("prev_values")
-        v = None
-        if prev_values is not None:
-            if (
-                not isinstance(prev_values, torch.Tensor)
-                or prev_values.dim() != 3
-                or prev_values.shape[0] != n_chunks + 1
-                or prev_values.shape[1] != width
-                or prev_values.shape[2] != k
-            ):
-                shape = getattr(prev_values, "shape", None)
-                raise ValueError(
-                    f"prev_values must be [{n_chunks + 1}, {width}, {k}] for "
-                    f"{reward_type} rewards, got {tuple(shape) if shape is not None else shape}."
-                )
-            v = _flatten_time_major(prev_values.to(dtype))[: n + 1]
+        v = _gae_values(batch.get("prev_values"), n_chunks, width, k, plan.reward_type)
+        if v is not None:
+            v = _flatten_time_major(v.to(dtype))[: n + 1]
         adv, ret = compute_gae_advantages(r, d, v, gamma=plan.gamma, gae_lambda=plan.gae_lambda)
         returns = _unflatten_time_major(ret, k)
     elif adv_type == "grpo":

@@ -81,6 +81,20 @@ def _strip_final(info: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k not in _FINAL_KEYS}
 
 
+def _auto_reset_step(obs_b: Any, info_b: Any, action: Any, reward: float, terminated: bool,
+                     done: bool) -> _Step:
+    """The record of one env step without a valid-action mask: an env that auto-resets
+    gives its final observation (and info) in ``info_b``, and its next episode's start."""
+    step = _Step(own_obs=obs_b, obs=obs_b, info=info_b, action=action, reward=reward,
+                 done=done, terminated=terminated)
+    if done and isinstance(info_b, Mapping) and info_b.get("final_observation") is not None:
+        step.obs = info_b["final_observation"]
+        final_info = info_b.get("final_info")
+        step.info = final_info if final_info is not None else _strip_final(info_b)
+        step.reset_seed = (obs_b, _strip_final(info_b))
+    return step
+
+
 def _step_success(info: Any) -> bool:
     """First present key of success_once/success_at_end/success in info["episode"], then info."""
     if not isinstance(info, Mapping):
@@ -286,14 +300,7 @@ class _ChunkDecoder:
         num_steps = len(obs_list)
         infos = self._normalize_infos(infos_list, num_steps)
         reward_arr = self._normalize_rewards(rewards)
-        mask = None
-        if valid_action_mask is not None:
-            mask = _bool_array(valid_action_mask)
-            if mask.shape != (B, self.num_action_chunks):
-                raise ValueError(
-                    f"valid_action_mask must be [B, C] = [{B}, {self.num_action_chunks}], "
-                    f"got {tuple(mask.shape)}."
-                )
+        mask = self._valid_mask(valid_action_mask)
         term = self._flags(terminations, "terminations", require_2d=mask is not None)
         trunc = self._flags(truncations, "truncations", require_2d=mask is not None)
         infos = self._add_policy_intervention(policy_output, infos, term, trunc)
@@ -335,26 +342,21 @@ class _ChunkDecoder:
                         step.extra_success = _step_success(_slice_env(completion, b, B))
                 else:
                     t_flag = _flag_at(term, b, s)
-                    done = t_flag or _flag_at(trunc, b, s)
-                    step = _Step(
-                        own_obs=obs_b,
-                        obs=obs_b,
-                        info=info_b,
-                        action=action,
-                        reward=reward,
-                        done=done,
-                        terminated=t_flag,
-                    )
-                    if (
-                        done
-                        and isinstance(info_b, Mapping)
-                        and info_b.get("final_observation") is not None
-                    ):
-                        step.obs = info_b["final_observation"]
-                        final_info = info_b.get("final_info")
-                        step.info = final_info if final_info is not None else _strip_final(info_b)
-                        step.reset_seed = (obs_b, _strip_final(info_b))
+                    step = _auto_reset_step(obs_b, info_b, action, reward, t_flag,
+                                            t_flag or _flag_at(trunc, b, s))
                 yield b, step, info_b
+
+    def _valid_mask(self, valid_action_mask: Any) -> np.ndarray | None:
+        """``valid_action_mask`` as a bool ``[B, C]`` array (None stays None)."""
+        if valid_action_mask is None:
+            return None
+        mask = _bool_array(valid_action_mask)
+        if mask.shape != (self.num_envs, self.num_action_chunks):
+            raise ValueError(
+                f"valid_action_mask must be [B, C] = [{self.num_envs}, "
+                f"{self.num_action_chunks}], got {tuple(mask.shape)}."
+            )
+        return mask
 
     def _normalize_actions(self, value: Any, name: str) -> np.ndarray | None:
         """``[B,C,A]`` float32 from ``[B,C,A]``, ``[B,D]`` or ``[B,A]``; None stays None."""

@@ -108,6 +108,69 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     return load_thresholds()
 
 
+def _take_deprecated_counts(ctx: click.Context, values: dict[str, Any]) -> None:
+    """``--producers``/``--consumers`` (deprecated) into ``--num-*`` unless those were given."""
+    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
+        count = values.pop(old)
+        if count is not None:
+            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
+            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
+                values[new] = count
+
+
+def _targets_scenario(ctx: click.Context, scenario: str) -> str:
+    """``--targets``: the target suite, unless another ``--scenario`` was asked for."""
+    if scenario not in ("targets", "quick") or (
+        scenario == "quick"
+        and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+    ):
+        raise click.BadParameter(
+            f"--targets runs the target suite; it cannot be combined with --scenario "
+            f"{scenario}"
+        )
+    return "targets"
+
+
+def _set_workers_environ(ctx: click.Context, base: Case) -> None:
+    """The environment the workers (spawned: they inherit it) and baselines run in, given
+    back when the command ends."""
+    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
+        # brokers started here get shm_threshold=0; with --address the workers keep off
+        # shared memory themselves
+        os.environ["ZCHANNEL_SHM"] = "0"
+        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
+    tunables = child_environ().get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
+        # the workers and the baselines' processes copy as the brokers do (docs/shm.md,
+        # "Large copies")
+        users_tunables = os.environ.get("GLIBC_TUNABLES")
+        os.environ["GLIBC_TUNABLES"] = tunables
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
+
+
+def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str, Any],
+                  config_path: str | None, thresholds: dict) -> list[TargetResult]:
+    """Run the scenario of ``opts`` (its rows go to ``runner``); its targets' results."""
+    scenario = opts["scenario"]
+    if scenario == "targets":
+        return run_targets(runner, base, runner.tmpdir, thresholds)
+    if scenario == "shm":
+        return run_shm_targets(runner, thresholds)
+    if scenario == "trajectory":
+        # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
+        from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
+
+        given = ctx.get_parameter_source("messages") not in (
+            click.core.ParameterSource.DEFAULT,
+            None,
+        ) or (config_path and "messages" in opts and opts["messages"] != 20000)
+        steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
+        run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
+    else:
+        run_scenario(runner, scenario, base, opts.get("keys"))
+    return []
+
+
 @click.command()
 @click.option(
     "--scenario",
@@ -219,23 +282,10 @@ def bench(
         # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
-    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
-        count = values.pop(old)
-        if count is not None:
-            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
-            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
-                values[new] = count
+    _take_deprecated_counts(ctx, values)
     opts = _apply_config(ctx, config_path, values)
     if targets_flag:
-        if opts["scenario"] not in ("targets", "quick") or (
-            opts["scenario"] == "quick"
-            and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
-        ):
-            raise click.BadParameter(
-                f"--targets runs the target suite; it cannot be combined with --scenario "
-                f"{opts['scenario']}"
-            )
-        opts["scenario"] = "targets"
+        opts["scenario"] = _targets_scenario(ctx, opts["scenario"])
     try:
         size = parse_size(opts["payload_size"])
     except click.BadParameter as exc:  # the command line's value was checked: the file's is bad
@@ -252,18 +302,7 @@ def bench(
         window=int(opts["window"]),
         shm=opts.get("shm", "on") == "on",
     )
-    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
-        # brokers started here get shm_threshold=0; with --address the workers (spawned: they
-        # inherit the environment) keep off shared memory themselves
-        os.environ["ZCHANNEL_SHM"] = "0"
-        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
-    tunables = child_environ().get("GLIBC_TUNABLES")
-    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
-        # the workers (spawned: they inherit the environment) and the baselines' processes
-        # copy as the brokers do (docs/shm.md, "Large copies")
-        users_tunables = os.environ.get("GLIBC_TUNABLES")
-        os.environ["GLIBC_TUNABLES"] = tunables
-        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
+    _set_workers_environ(ctx, base)
     scenario = opts["scenario"]
     keys = opts.get("keys")
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
@@ -285,22 +324,7 @@ def bench(
         try:
             with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
                 runner.progress = bar
-                if scenario == "targets":
-                    targets = run_targets(runner, base, tmpdir, thresholds)
-                elif scenario == "shm":
-                    targets = run_shm_targets(runner, thresholds)
-                elif scenario == "trajectory":
-                    # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
-                    from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
-
-                    given = ctx.get_parameter_source("messages") not in (
-                        click.core.ParameterSource.DEFAULT,
-                        None,
-                    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
-                    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
-                    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
-                else:
-                    run_scenario(runner, scenario, base, keys)
+                targets = _run_scenario(ctx, runner, base, opts, config_path, thresholds)
         except Mismatch as exc:
             error = f"content check failed: {exc}"
         except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
