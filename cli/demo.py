@@ -124,19 +124,12 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
              json_path: str | None, plot_path: str | None, quiet: bool) -> None:
     """Train PPO through zchannel (env → rollout → actors) on PointReach or a Gymnasium env, or
     with --mode lerobot record its episodes (as a LeRobot v3 dataset with --dataset DIR)."""
-    from zchannel.embodied.policy import RandomPolicy
     from zchannel.embodied.presets import preset
-    from zchannel.embodied.runners import WorkerDied, env_spec, evaluate, run, trained_policy
+    from zchannel.embodied.runners import env_spec
 
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise click.UsageError(
-                "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
-            ) from None
     given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
              if v is not None}
+    _check_plot_extra(plot_path)
     try:
         if mode != "lerobot" and (dataset or only_success):
             raise ValueError("--dataset and --only-success need --mode lerobot")
@@ -170,24 +163,24 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
             click.echo("\r" + _row(record))
 
     try:
-        if use_ray:
-            from zchannel.embodied.ray_runner import run_on_ray
-
-            result = run_on_ray(cfg, on_step=on_step, nodes=ray_nodes)
-        else:
-            result = run(cfg, on_step=on_step)
-    except (WorkerDied, FileExistsError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except (RuntimeError, ValueError) as exc:
-        if mode != "lerobot":
-            raise
-        raise click.ClickException(str(exc)) from None  # dataset extra missing, no episodes
+        result = _run_demo(cfg, on_step, ray_nodes if use_ray else None)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
     if mode == "lerobot":
         _report_recording(result, records, json_path)
         return
+    _report_training(cfg, spec, result, records, seed, json_path, plot_path,
+                     f"{env_name}, {runner} runner, {mode} mode")
+
+
+def _report_training(cfg: Any, spec: Any, result: dict, records: list[dict], seed: int,
+                     json_path: str | None, plot_path: str | None, title: str) -> None:
+    """The end of a training run: the trained and a random policy evaluated on the same env
+    seeds, the run's figures, and the files asked for (``--json``, ``--plot``)."""
+    from zchannel.embodied.policy import RandomPolicy
+    from zchannel.embodied.runners import evaluate, trained_policy
+
     policy = trained_policy(cfg, result["final_weights"])
     seeds = [10_000 + seed * 10 + i for i in range(3)]
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
@@ -219,9 +212,38 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                        "wall_s": result["wall_s"]}, f, indent=1)
         click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
     if plot_path:
-        _plot(records, plot_path, f"{env_name}, {runner} runner, {mode} mode",
-              evaluation["random_return"])
+        _plot(records, plot_path, title, evaluation["random_return"])
         click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
+
+
+def _run_demo(cfg: Any, on_step: Any, ray_nodes: int | None) -> dict:
+    """Run ``cfg`` (on a Ray cluster of ``ray_nodes`` nodes unless None); a worker's failure
+    (and in lerobot mode a recording's) is a ``ClickException``."""
+    from zchannel.embodied.runners import WorkerDied, run
+
+    try:
+        if ray_nodes is not None:
+            from zchannel.embodied.ray_runner import run_on_ray
+
+            return run_on_ray(cfg, on_step=on_step, nodes=ray_nodes)
+        return run(cfg, on_step=on_step)
+    except (WorkerDied, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except (RuntimeError, ValueError) as exc:
+        if cfg.mode != "lerobot":
+            raise
+        raise click.ClickException(str(exc)) from None  # dataset extra missing, no episodes
+
+
+def _check_plot_extra(plot_path: str | None) -> None:
+    """``--plot`` needs matplotlib (the ``plot`` extra): say so before the run."""
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError(
+                "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
+            ) from None
 
 
 def _report_recording(result: dict, records: list[dict], json_path: str | None) -> None:

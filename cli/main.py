@@ -330,6 +330,14 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
                 {"weight": w, "summary": summarize(item)} for item, w in peeked[1]]}
         click.echo(json.dumps(_json_keys(stats), default=_jsonable, indent=2, sort_keys=True))
         return
+    _echo_stats(stats)
+    _echo_key_table(stats)
+    if peeked is not None:
+        _echo_peek(*peeked, stats)
+
+
+def _echo_stats(stats: dict) -> None:
+    """``stat``'s summary lines: the broker, its counters, hooks, shared memory, replicas."""
     click.echo(f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})")
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
                f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
@@ -352,6 +360,10 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
         state = rep.get("error") or (f"pid {rep.get('pid')}  keys {rep.get('keys')}  "
                                      f"bytes held {rep.get('bytes_held')}")
         click.echo(f"replica   {rep['replica']}  node {rep['node']}  at {rep['address']}  {state}")
+
+
+def _echo_key_table(stats: dict) -> None:
+    """``stat``'s table of keys (depth, weight, waiting getters and putters, private queues)."""
     keys = stats.get("keys") or {}
     nodes = "replicas" in stats
     rows = [("key", "depth", "weight", "getters", "putters", "private") + (("node",) if nodes else ())]
@@ -362,8 +374,6 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    if peeked is not None:
-        _echo_peek(*peeked, stats)
 
 
 def _echo_peek(key: Any, items: list, stats: dict) -> None:

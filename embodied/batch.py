@@ -87,6 +87,25 @@ def split_batch_value(value: Any, sizes: Sequence[int]) -> list[Any]:
     raise TypeError(f"Cannot split a batch value of type {type(value).__name__}.")
 
 
+def _batch_kind(values: list[Any]) -> type:
+    """The container type all ``values`` share (tensor, array, list or dict); ``TypeError``
+    for another type or a mix."""
+    first = values[0]
+    kind = next(
+        (t for t in (torch.Tensor, np.ndarray, list, dict) if isinstance(first, t)),
+        None,
+    )
+    if kind is None:
+        raise TypeError(f"Cannot merge batch values of type {type(first).__name__}.")
+    for other in values[1:]:
+        if not isinstance(other, kind):
+            raise TypeError(
+                f"Cannot merge batch values of types {type(first).__name__} "
+                f"and {type(other).__name__}."
+            )
+    return kind
+
+
 def merge_batch_values(values: Sequence[Any]) -> Any:
     """Concatenate batch values along the batch dimension; the inverse of ``split_batch_value``.
 
@@ -107,18 +126,7 @@ def merge_batch_values(values: Sequence[Any]) -> Any:
             if type(other) is not type(first) or other != first:
                 raise ValueError(f"Cannot merge conflicting scalar values {first!r} and {other!r}.")
         return first
-    kind = next(
-        (t for t in (torch.Tensor, np.ndarray, list, dict) if isinstance(first, t)),
-        None,
-    )
-    if kind is None:
-        raise TypeError(f"Cannot merge batch values of type {type(first).__name__}.")
-    for other in values[1:]:
-        if not isinstance(other, kind):
-            raise TypeError(
-                f"Cannot merge batch values of types {type(first).__name__} "
-                f"and {type(other).__name__}."
-            )
+    kind = _batch_kind(values)
     if kind is torch.Tensor:
         return torch.cat(values, dim=0)
     if kind is np.ndarray:

@@ -512,6 +512,17 @@ def make_mode(plan: TrajectoryPlan) -> OutputMode:
     return MODES[plan.mode](plan)
 
 
+def _storage_of(obj: torch.Tensor | np.ndarray) -> tuple[tuple[int, int], int]:
+    """The identity of the memory under a tensor or array, and its size in bytes."""
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        return (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+    base = obj
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return (id(base), -1), base.nbytes
+
+
 def held_bytes(objects: Iterable[Any]) -> int:
     """Bytes of tensor and array data reachable from ``objects`` (each storage counted once)."""
     seen: set[int] = set()
@@ -525,20 +536,11 @@ def held_bytes(objects: Iterable[Any]) -> int:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            ident = (storage.data_ptr(), storage.nbytes())
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            ident, nbytes = _storage_of(obj)
             if ident not in storages:
                 storages.add(ident)
-                total += storage.nbytes()
-        elif isinstance(obj, np.ndarray):
-            base = obj
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            ident = (id(base), -1)
-            if ident not in storages:
-                storages.add(ident)
-                total += base.nbytes
+                total += nbytes
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):

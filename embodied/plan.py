@@ -232,6 +232,16 @@ class TrajectoryPlan:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise _fail(name, f"expected a bool, got {type(value).__name__} {value!r}")
+        self._check_floats()
+        mbs = self.micro_batch_size
+        if mbs is not None and (not _is_int(mbs) or mbs < 1):
+            raise _fail("micro_batch_size", f"expected None or an int >= 1, got {mbs!r}")
+        fps = self.lerobot_fps
+        if not _is_number(fps) or not math.isfinite(fps) or fps <= 0:
+            raise _fail("lerobot_fps", f"expected a finite number > 0, got {fps!r}")
+
+    def _check_floats(self) -> None:
+        """The float fields checked (and made floats): numbers, not NaN, unit ones in [0, 1]."""
         for name in _UNIT_FLOATS + _FLOATS + _OPTIONAL_FLOATS:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_FLOATS:
@@ -241,12 +251,6 @@ class TrajectoryPlan:
             if name in _UNIT_FLOATS and not 0.0 <= value <= 1.0:
                 raise _fail(name, f"must be in [0, 1], got {value}")
             object.__setattr__(self, name, float(value))
-        mbs = self.micro_batch_size
-        if mbs is not None and (not _is_int(mbs) or mbs < 1):
-            raise _fail("micro_batch_size", f"expected None or an int >= 1, got {mbs!r}")
-        fps = self.lerobot_fps
-        if not _is_number(fps) or not math.isfinite(fps) or fps <= 0:
-            raise _fail("lerobot_fps", f"expected a finite number > 0, got {fps!r}")
 
     def _check_geometry(self) -> None:
         if self.mode != "lerobot":

@@ -470,17 +470,8 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         t_start = t_prev = time.monotonic()
         env_reports: dict[int, list] = {}
         for step in range(cfg.steps):
-            actor_report = None
-            while actor_report is None or len(env_reports.get(step, [])) < cfg.envs:
-                _check_workers(workers, sync, dead_actors, cfg)
-                envs_done = len(env_reports.get(step, [])) >= cfg.envs
-                try:
-                    report = sync.get(key=ENV_METRICS, timeout=0.05) if not envs_done else None
-                    if report is not None:
-                        env_reports.setdefault(report["step"], []).append(report)
-                except TimeoutError:
-                    pass
-                actor_report = actor_report or reports.poll(step, 0.05 if envs_done else 0)
+            actor_report = _step_reports(step, cfg, workers, sync, reports, env_reports,
+                                         dead_actors)
             now = time.monotonic()
             records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
                                    now - t_prev, now - t_start, cfg))
@@ -509,20 +500,45 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
             result["recorded_episodes"] = reports.episodes
         return result
     finally:
-        if writer is not None and not writer.closed:
-            writer.abort()
-        if workers is not None:
-            if stopped:
-                workers.abort()
-            else:
-                workers.stop(timeout=5)
-        if isinstance(reports, _Recording):
-            reports.channel.close()
-        for ch in channels.values():
-            try:
-                ch.shutdown()
-            except Exception:
-                pass
+        _end_run(writer, workers, stopped, reports, channels)
+
+
+def _step_reports(step: int, cfg: RunConfig, workers: Any, sync: Any, reports: Any,
+                  env_reports: dict[int, list], dead_actors: set) -> Any:
+    """Wait for training step ``step``'s reports: every env's (into ``env_reports``) and the
+    actors'; checks the workers meanwhile.  The actors' report."""
+    actor_report = None
+    while actor_report is None or len(env_reports.get(step, [])) < cfg.envs:
+        _check_workers(workers, sync, dead_actors, cfg)
+        envs_done = len(env_reports.get(step, [])) >= cfg.envs
+        try:
+            report = sync.get(key=ENV_METRICS, timeout=0.05) if not envs_done else None
+            if report is not None:
+                env_reports.setdefault(report["step"], []).append(report)
+        except TimeoutError:
+            pass
+        actor_report = actor_report or reports.poll(step, 0.05 if envs_done else 0)
+    return actor_report
+
+
+def _end_run(writer: LeRobotDatasetWriter | None, workers: Any, stopped: bool, reports: Any,
+             channels: dict[str, Any]) -> None:
+    """A run's end, however it ends: an unfinished dataset aborted, the workers stopped
+    (ended at once after an early stop), the channels shut down."""
+    if writer is not None and not writer.closed:
+        writer.abort()
+    if workers is not None:
+        if stopped:
+            workers.abort()
+        else:
+            workers.stop(timeout=5)
+    if isinstance(reports, _Recording):
+        reports.channel.close()
+    for ch in channels.values():
+        try:
+            ch.shutdown()
+        except Exception:
+            pass
 
 
 def _placement(channel: Any) -> list | None:

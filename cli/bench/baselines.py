@@ -220,6 +220,36 @@ def ray_available() -> bool:
     return True
 
 
+def _ray_workers(ray: Any) -> tuple[Any, Any, Any]:
+    """The Ray tasks and actor class of the Ray baselines: a producer and a consumer of a
+    ``ray.util.queue.Queue``, and an actor that checks what it is sent."""
+    @ray.remote(num_cpus=0)
+    def produce(q: Any, ptype: str, size: int, n: int) -> dict:
+        fac = PayloadFactory(ptype, size)
+        t0 = time.monotonic_ns()
+        for i in range(n):
+            q.put(fac.make(i, i, fresh=True)[0])
+        return {"t_start": t0, "t_end": time.monotonic_ns(), "count": n}
+
+    @ray.remote(num_cpus=0)
+    def consume(q: Any, ptype: str, size: int, n: int) -> dict:
+        fac = PayloadFactory(ptype, size)
+        tally = Tally()
+        for _ in range(n):
+            tally.add(*fac.check(q.get(timeout=WORKER_DEADLINE_S)))
+        return tally.result()
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def __init__(self, ptype: str, size: int) -> None:
+            self.fac = PayloadFactory(ptype, size)
+
+        def push(self, item: Any) -> tuple[int, int]:
+            return self.fac.check(item)
+
+    return produce, consume, Sink
+
+
 def run_ray_baselines(
     ptype: str, size: int, n: int, window: int, queue: bool = True
 ) -> dict[str, dict]:
@@ -239,31 +269,7 @@ def run_ray_baselines(
             configure_logging=False,
         )
     try:
-
-        @ray.remote(num_cpus=0)
-        def produce(q: Any, ptype: str, size: int, n: int) -> dict:
-            fac = PayloadFactory(ptype, size)
-            t0 = time.monotonic_ns()
-            for i in range(n):
-                q.put(fac.make(i, i, fresh=True)[0])
-            return {"t_start": t0, "t_end": time.monotonic_ns(), "count": n}
-
-        @ray.remote(num_cpus=0)
-        def consume(q: Any, ptype: str, size: int, n: int) -> dict:
-            fac = PayloadFactory(ptype, size)
-            tally = Tally()
-            for _ in range(n):
-                tally.add(*fac.check(q.get(timeout=WORKER_DEADLINE_S)))
-            return tally.result()
-
-        @ray.remote(num_cpus=0)
-        class Sink:
-            def __init__(self, ptype: str, size: int) -> None:
-                self.fac = PayloadFactory(ptype, size)
-
-            def push(self, item: Any) -> tuple[int, int]:
-                return self.fac.check(item)
-
+        produce, consume, Sink = _ray_workers(ray)
         out: dict[str, dict] = {}
         if queue:
             q = Queue()
@@ -272,7 +278,7 @@ def run_ray_baselines(
             prod_res, cons_res = ray.get([prod, cons])
             cons_res["t_start"] = prod_res["t_start"]
             out["ray.queue"] = cons_res
-        sink = Sink.remote(ptype, size)  # type: ignore[attr-defined]  # a Ray actor class
+        sink = Sink.remote(ptype, size)
         ray.get(sink.push.remote(PayloadFactory(ptype, size).make(0, 0, fresh=True)[0]))
         fac = PayloadFactory(ptype, size)
         tally = Tally()

@@ -139,6 +139,42 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     }
 
 
+def _all_received(counts: Any, total: int, keys: list | None, n: int, deadline: float) -> bool:
+    """After a get timed out: whether the consumers got everything (stop asking); the
+    ``TimeoutError`` of a consumer still missing items at ``deadline``."""
+    if sum(counts) >= total or (keys is not None and n >= len(keys)):
+        return True
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"consumer got {n}; all together {sum(counts)}/{total}") from None
+    return False
+
+
+def _scheduled_keys(spec: dict) -> list[Any] | None:
+    """The keys a consumer with a ``schedule`` gets, in its producers' order (else None)."""
+    if not spec.get("schedules"):
+        return None
+    return [
+        _key({"key": spec["key"], "schedule": s, "pidx": p}, i)
+        for p, s in spec["schedules"]
+        for i in range(len(s))
+    ]
+
+
+def _request(ch: Any, key: Any, batch: int, sync: bool) -> Work:
+    """One get (or get_batch) of the consumer, as a ``Work``; ``sync``: the blocking call a
+    user makes (window 1: its latency, not a Work's)."""
+    if sync:
+        work = Work()
+        try:
+            work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
+        except TimeoutError as exc:
+            work.set_exception(exc)
+        return work
+    if batch:
+        return cast(Work, ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S))
+    return ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S)
+
+
 def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Gets (or ``get_batch``es) with ``window`` requests in flight until all consumers
     together received ``total`` items; with a ``schedule`` it gets its producers' keys in
@@ -149,13 +185,7 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     alone = len(counts) == 1
     batch = spec.get("batch", 0)
     key = spec["key"]
-    keys: list[Any] | None = None
-    if spec.get("schedules"):
-        keys = [
-            _key({"key": key, "schedule": s, "pidx": p}, i)
-            for p, s in spec["schedules"]
-            for i in range(len(s))
-        ]
+    keys = _scheduled_keys(spec)
     window = spec["window"]
     request_latency = spec.get("request_latency", False)
     tally = Tally()
@@ -167,42 +197,25 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
 
     sync = window == 1 and request_latency and keys is None and not batch
 
-    def issue() -> None:
-        nonlocal issued
-        t0 = time.monotonic_ns()
-        if sync:  # window 1: the latency of the blocking call a user makes, not of a Work
-            work = Work()
-            try:
-                work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
-            except TimeoutError as exc:
-                work.set_exception(exc)
-        elif keys is not None:
-            work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
-        elif batch:
-            work = cast(Work, ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S))
-        else:
-            work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S)
-        issued += 1
-        inflight.append((work, t0))
-
     ready()
     go_wait()
     tally.t_start = time.monotonic_ns()
     while True:
         while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
-            issue()
+            t0 = time.monotonic_ns()
+            if keys is None:
+                work = _request(ch, key, batch, sync)
+            else:  # its producers' keys in their order
+                work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
+            inflight.append((work, t0))
+            issued += 1
         if not inflight:
             break
         work, t0 = inflight.popleft()
         try:
             got = work.wait(WORKER_DEADLINE_S)
         except TimeoutError:
-            if sum(counts) >= total or (keys is not None and n >= len(keys)):
-                stopping = True
-            elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"consumer got {n}; all together {sum(counts)}/{total}"
-                ) from None
+            stopping = stopping or _all_received(counts, total, keys, n, deadline)
             continue
         now = time.monotonic_ns()
         for item in got if batch else (got,):
@@ -214,12 +227,9 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
         counts[slot] = n
         # summing the shared counters costs ~2 us (ctypes): alone, n says it; with peers, look
         # every 16 items (a late stop only issues gets that time out after the last item)
-        if alone:
-            done = n >= total
-        elif n - summed_at >= 16:
-            summed_at, done = n, sum(counts) >= total
-        else:
-            done = False
+        done = False
+        if alone or n - summed_at >= 16:
+            summed_at, done = n, (n if alone else sum(counts)) >= total
         if done or (keys is not None and n >= len(keys)):
             stopping = True
     ch.close()

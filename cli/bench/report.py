@@ -363,6 +363,20 @@ def _tables(rows: list[Result], tags: dict[str, str], out: Callable[[str], None]
     _print_grid(slow, out)
 
 
+def _print_targets(targets: list[TargetResult], out: Callable[[str], None]) -> None:
+    """The PASS/FAIL table of the targets."""
+    grid: list[tuple] = [
+        ("target", "result", "ratio", "threshold", "measured", "reference", "description")
+    ]
+    for t in targets:
+        op = ">=" if t.higher_is_better else "<="
+        grid.append((t.target, "PASS" if t.passed else "FAIL", f"{t.ratio:.2f}",
+                     f"{op} {t.threshold}", f"{_fmt(t.measured, '.4g')} {t.unit}",
+                     f"{_fmt(t.reference, '.4g')} {t.unit}",
+                     t.description + (f" [{t.note}]" if t.note else "")))
+    _print_grid(grid, out)
+
+
 def print_report(rows: list[Result], targets: list[TargetResult], notes: list[str],
                  out: Callable[[str], None] = click.echo) -> list[str]:
     """The results (a throughput and a latency table), the ratios in words, the PASS/FAIL
@@ -380,16 +394,7 @@ def print_report(rows: list[Result], targets: list[TargetResult], notes: list[st
                 _wrapped(line, out, indent="  ")
     if targets:
         out("")
-        grid: list[tuple] = [
-            ("target", "result", "ratio", "threshold", "measured", "reference", "description")
-        ]
-        for t in targets:
-            op = ">=" if t.higher_is_better else "<="
-            grid.append((t.target, "PASS" if t.passed else "FAIL", f"{t.ratio:.2f}",
-                         f"{op} {t.threshold}", f"{_fmt(t.measured, '.4g')} {t.unit}",
-                         f"{_fmt(t.reference, '.4g')} {t.unit}",
-                         t.description + (f" [{t.note}]" if t.note else "")))
-        _print_grid(grid, out)
+        _print_targets(targets, out)
     if rows:
         out("")
         out("legend:")
@@ -402,6 +407,12 @@ def print_report(rows: list[Result], targets: list[TargetResult], notes: list[st
             _wrapped(line, out, hanging="    " if line.startswith("  ") else "  ")
     for note in notes:
         _wrapped(f"note: {note}", out)
+    return _print_spread(rows, out)
+
+
+def _print_spread(rows: list[Result], out: Callable[[str], None]) -> list[str]:
+    """The note on one run per case, or the warning naming the rows whose repeats spread
+    widely (returned, one entry per row)."""
     warnings = spread_warnings(rows)
     if rows and all(r.repeats < 2 for r in rows):
         out("note: one run per case, so no spread is shown; --repeat 3 or more shows "

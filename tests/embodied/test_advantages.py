@@ -374,18 +374,24 @@ def reference_gae(rewards, dones, values, mask, *, reward_type, gamma, lam, norm
                 adv[t // k, w, t % k] = a_next
                 ret[t // k, w, t % k] = a_next + v[t]
     if normalize:
-        if mask is None:
-            sel = np.ones_like(adv, dtype=bool)
-        elif k == 1:
-            sel = mask.any(axis=-1, keepdims=True)
-        else:
-            sel = mask
-        vals = adv[sel]
-        if vals.size:
-            mean = vals.mean()
-            var = (vals**2).mean() - mean**2
-            adv = (adv - mean) / math.sqrt(max(var, 0.0) + 1e-5)
+        adv = _reference_normalize(adv, mask, k)
     return adv, ret
+
+
+def _reference_normalize(adv, mask, k):
+    """The advantages normalised over the (masked) steps, plain numpy."""
+    if mask is None:
+        sel = np.ones_like(adv, dtype=bool)
+    elif k == 1:
+        sel = mask.any(axis=-1, keepdims=True)
+    else:
+        sel = mask
+    vals = adv[sel]
+    if vals.size:
+        mean = vals.mean()
+        var = (vals**2).mean() - mean**2
+        adv = (adv - mean) / math.sqrt(max(var, 0.0) + 1e-5)
+    return adv
 
 
 @pytest.mark.parametrize("reward_type", ["action_level", "chunk_level"])
