@@ -45,6 +45,10 @@ def valid(info: mi.Type, body_max: int = 512) -> st.SearchStrategy:
         return st.binary(min_size=info.min_length or 0, max_size=high)
     if isinstance(info, mi.ListType):
         return st.lists(valid(info.item_type), max_size=4)
+    if isinstance(info, mi.StrType):
+        return st.text(max_size=16)
+    if isinstance(info, mi.DictType):
+        return st.dictionaries(st.text(max_size=4), values, max_size=3)
     return values
 
 

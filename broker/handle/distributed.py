@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 import numpy as np
+from msgspec import UnsetType
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
@@ -70,6 +71,8 @@ class DistributedChannel(KeyRouting, BrokerChannel):
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
         """Turn a plain handle connected to one replica into the distributed handle."""
         info = handle._connection().broker_info
+        if isinstance(info.replicas, UnsetType):
+            raise ChannelError(f"the broker at {handle._address} is not a replica")
         dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
                    subs={int(info.replica or 0): handle})

@@ -207,12 +207,12 @@ class GetBatch(Request, tag=GET_BATCH):
 
 class QSize(Request, tag=QSIZE):
     key: Any = field(default=None, name="k")
-    consumer: Any = field(default=None, name="c")
+    consumer: Any = field(default=None, name="c")  # checked by the broker: a TypeError names it
 
 
 class Full(Request, tag=FULL):
     key: Any = field(default=None, name="k")
-    consumer: Any = field(default=None, name="c")
+    consumer: Any = field(default=None, name="c")  # checked by the broker: a TypeError names it
 
 
 class Stats(Request, tag=STATS):
@@ -222,7 +222,7 @@ class Stats(Request, tag=STATS):
 class Peek(Request, tag=PEEK):
     key: Any = field(default=None, name="k")
     count: Annotated[int, Meta(ge=1, le=MAX_PEEK)] = field(default=1, name="n")
-    consumer: Any = field(default=None, name="c")
+    consumer: Any = field(default=None, name="c")  # checked by the broker: a TypeError names it
 
 
 class Ack(Request, tag=ACK):
@@ -234,11 +234,11 @@ class Cancel(Request, tag=CANCEL):
 
 
 class Shutdown(Request, tag=SHUTDOWN):
-    token: Any = None
+    token: Any = None  # any other value is refused as a wrong token (PermissionError)
 
 
 class ShmHello(Request, tag=SHM_HELLO):
-    token: Any = field(default=None, name="tok")  # the probe segment's token
+    token: Any = field(default=None, name="tok")  # not bytes: no proof (unanswered)  # the probe segment's token
 
 
 class ShmRelease(Request, tag=SHM_RELEASE):
@@ -247,13 +247,13 @@ class ShmRelease(Request, tag=SHM_RELEASE):
 
 class Bind(Request, tag=BIND):
     key: Any = field(default=None, name="k")
-    node: Any = None
+    node: Any = None  # checked by the binding table: an error names it
     replica: Count | None = None
     sender: Count | None = field(default=None, name="from")  # the asking replica's index
 
 
 class Learn(Request, tag=LEARN):
-    entries: Any = field(default=None, name="b")  # [[key, replica], ...]
+    entries: list | None = field(default=None, name="b")  # [[key, replica], ...]
     force: bool = False
     sender: Count | None = field(default=None, name="from")
 
@@ -292,16 +292,16 @@ class Reply(Struct, omit_defaults=True, kw_only=True):
     ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``.
     Decoded leniently (unknown fields ignored; the client checks what it uses)."""
 
-    op: Any = None  # only on records without id
-    id: Any = None
-    error: Any = field(default=None, name="e")  # [type, message, extra]
+    op: str | None = None  # only on records without id
+    id: int | None = None
+    error: list | None = field(default=None, name="e")  # [type, message, extra]
     result: Any = field(default=None, name="r")
     nf: FrameCount = 0
-    counts: Any = field(default=None, name="n")  # frames per item (get_batch, peek)
-    body: Any = field(default=UNSET, name="b")  # a get's small item inline
-    lease: Any = None
-    slots: Any = field(default=None, name="sm")  # per item: nil or shared-memory entries
-    weights: Any = field(default=None, name="ws")  # peek: the items' weights
+    counts: list[int] | None = field(default=None, name="n")  # frames per item (get_batch, peek)
+    body: bytes | UnsetType = field(default=UNSET, name="b")  # a get's small item inline
+    lease: int | None = None
+    slots: list | None = field(default=None, name="sm")  # per item: nil or shared-memory entries
+    weights: list | None = field(default=None, name="ws")  # peek: the items' weights
 
 
 BROKER_HEARTBEAT = Reply(op=HEARTBEAT)
@@ -314,27 +314,27 @@ class HelloInfo(Struct, kw_only=True):
     in intervals); ``replica``, ``node`` and ``replicas`` only from a replica of a distributed
     channel (left out otherwise)."""
 
-    name: Any = None
-    pid: Any = None
+    name: str | None = None
+    pid: int | None = None
     hb: Annotated[float, Meta(gt=0, le=sys.float_info.max)] = 1.0
     liveness: Annotated[int, Meta(ge=1)] = 3
-    deals: Any = False
+    deals: bool = False
     maxsize: Count = 0
     max_message_bytes: Count | None = None
-    shm: Any = None  # {probe, prefix, threshold, pool} or nil (docs/shm.md)
-    replica: Any = UNSET
-    node: Any = UNSET
-    replicas: Any = UNSET  # [{node, address, hostnames}, ...] in replica order
+    shm: dict | None = None  # {probe, prefix, threshold, pool} or nil (docs/shm.md)
+    replica: int | UnsetType = UNSET
+    node: str | UnsetType = UNSET
+    replicas: list | UnsetType = UNSET  # [{node, address, hostnames}, ...] in replica order
 
 
 class ShmOffer(Struct, kw_only=True):
     """The ``shm`` field of the hello reply: the probe segment a client proves its host with,
     the segment name prefix, the size threshold and the pool budget (docs/shm.md)."""
 
-    probe: Any = None
-    prefix: Any = None
-    threshold: Any = None
-    pool: Any = None
+    probe: str | None = None
+    prefix: str | None = None
+    threshold: int | None = None
+    pool: int | None = None
 
 
 def shm_offer(value: Any) -> ShmOffer | None:
@@ -372,8 +372,8 @@ class BindAnswer(Struct, omit_defaults=True, kw_only=True):
     answers with the replica index alone): ``binder``, the replica to ask instead, or
     ``retry``, why to ask again shortly (it is joining)."""
 
-    binder: Any = UNSET
-    retry: Any = UNSET
+    binder: int | UnsetType = UNSET
+    retry: str | UnsetType = UNSET
 
     def redirect(self) -> int | None:
         """The replica index to ask instead, or None (a ``retry`` answer, or no index)."""
