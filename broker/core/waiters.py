@@ -214,21 +214,6 @@ class Waiters:
                 ks.getters.remove(req)
         return ks
 
-    @staticmethod
-    def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
-        """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
-        total: int | float = 0
-        for n, item in enumerate(queue):
-            if exceeds(total + item.weight, target):
-                return n or 1
-            total += item.weight
-            if reaches(total, target):
-                n += 1
-                while n < len(queue) and queue[n].weight == 0:
-                    n += 1
-                return n
-        return len(queue) if final else 0
-
     def _serve_plain_gets(self, ks: KeyState) -> bool:
         """The common case: plain gets of the shared queue, served in arrival order (``serve``
         does the same for a snapshot of all getters); True when nothing is left to serve."""
@@ -267,7 +252,7 @@ class Waiters:
                 continue
             if origin in blocked:
                 continue
-            n = self.batch_take(queue, req.target, False) if req.kind == "batch" else 1
+            n = batch_take(queue, req.target, False) if req.kind == "batch" else 1
             if n == 0:
                 blocked.add(origin)
                 continue
@@ -329,7 +314,7 @@ class Waiters:
             consumer = req.client.consumer
             private = ks.private.get(consumer) if consumer is not None else None
             origin, queue = (consumer, private) if private else (None, ks.shared)
-            n = self.batch_take(queue, req.target, True)
+            n = batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
                 self.serve(ks)  # getters it held back may take the rest now, or steal
@@ -352,3 +337,18 @@ class Waiters:
             ks = self._remove_getter(req)
             if ks is not None:
                 self.serve(ks)
+
+
+def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
+    """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
+    total: int | float = 0
+    for n, item in enumerate(queue):
+        if exceeds(total + item.weight, target):
+            return n or 1
+        total += item.weight
+        if reaches(total, target):
+            n += 1
+            while n < len(queue) and queue[n].weight == 0:
+                n += 1
+            return n
+    return len(queue) if final else 0

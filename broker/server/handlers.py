@@ -15,7 +15,7 @@ import hmac
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
@@ -58,12 +58,15 @@ from zchannel.broker.wire.protocol import (
     op_of,
 )
 
+if TYPE_CHECKING:  # the loop imports this module; the type alone goes back
+    from zchannel.broker.server.loop import Broker
+
 Handler = Callable[[Any, Client, Any, list], None]
 
 log = logging.getLogger("zchannel.broker")
 
 
-def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client | None:
+def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Client | None:
     """Register ``address`` (anew) and answer with the broker's parameters; a hello of
     another protocol version gets an error reply and changes nothing.  ``head``: the frame
     the hello came in, whose ``User-Id`` is the client's CURVE public key (with CURVE)."""
@@ -74,7 +77,7 @@ def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client |
             f"protocol version {version!r} is not supported: this broker speaks "
             f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
         return broker.sessions.clients.get(address)
-    broker.peers.greeted(address)
+    broker.bound()[1].greeted(address)
     old = broker.sessions.clients.pop(address, None)
     if old is not None:
         broker.sessions.client_gone(old)
@@ -96,7 +99,7 @@ def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client |
     return client
 
 
-def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
+def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
     body = rec.body
     if body is not UNSET:  # a small item inside its record
         if len(body) > INLINE_BODY or frames:
@@ -142,7 +145,7 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
             window.wait(seq, outcome)
 
 
-def repeated(broker: Any, client: Client, rec: Put, seq: int, verdict: int) -> None:
+def repeated(broker: Broker, client: Client, rec: Put, seq: int, verdict: int) -> None:
     """A put whose sequence is not new to its producer (``server/producers.py``): a stored
     one is acknowledged as stored, nothing is stored again; one that waits for room, or that
     fell out of the window, is refused."""
@@ -157,34 +160,34 @@ def repeated(broker: Any, client: Client, rec: Put, seq: int, verdict: int) -> N
                          "sequences: the broker cannot tell whether it was stored")
 
 
-def get(broker: Any, client: Client, rec: Get, frames: list) -> None:
+def get(broker: Broker, client: Client, rec: Get, frames: list) -> None:
     broker.counters.gets += 1
     broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
                     rec.nowait, ack=rec.ack, batch_target=0)
 
 
-def get_batch(broker: Any, client: Client, rec: GetBatch, frames: list) -> None:
+def get_batch(broker: Broker, client: Client, rec: GetBatch, frames: list) -> None:
     target = check_target_weight(rec.target)
     broker.counters.gets += 1
     broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
                     rec.nowait, batch_target=target)
 
 
-def heartbeat(broker: Any, client: Client, rec: Heartbeat, frames: list) -> None:
+def heartbeat(broker: Broker, client: Client, rec: Heartbeat, frames: list) -> None:
     pass  # a sign of life: the caller noted it
 
 
-def qsize(broker: Any, client: Client, rec: QSize, frames: list) -> None:
+def qsize(broker: Broker, client: Client, rec: QSize, frames: list) -> None:
     result = broker.core.qsize(key_from_wire(rec.key), check_consumer(rec.consumer))
     broker.sessions.reply(client, rec.id, result=result)
 
 
-def full(broker: Any, client: Client, rec: Full, frames: list) -> None:
+def full(broker: Broker, client: Client, rec: Full, frames: list) -> None:
     result = broker.core.full(key_from_wire(rec.key), check_consumer(rec.consumer))
     broker.sessions.reply(client, rec.id, result=result)
 
 
-def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
+def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     stats = broker.core.stats()
     # an observer (zchannel stat) does not count itself
     table = broker.sessions.clients
@@ -192,9 +195,10 @@ def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
     guard = broker.endpoint.guard  # the connection budget (server/admission.py)
+    if guard is not None:  # bound
+        stats.update(connections=guard.connections, max_clients=guard.max_clients,
+                     refused_connections=guard.refused)
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
-                 connections=guard.connections, max_clients=guard.max_clients,
-                 refused_connections=guard.refused,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None)
     if broker.replica is not None:
@@ -203,11 +207,11 @@ def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
     broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 
-def ack(broker: Any, client: Client, rec: Ack, frames: list) -> None:
+def ack(broker: Broker, client: Client, rec: Ack, frames: list) -> None:
     broker.core.ack(client, rec.id, rec.lease)
 
 
-def peek(broker: Any, client: Client, rec: Peek, frames: list) -> None:
+def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
     """Copies of head items: sent like a batch, never tracked as delivered."""
     items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
                              check_consumer(rec.consumer))
@@ -215,21 +219,21 @@ def peek(broker: Any, client: Client, rec: Peek, frames: list) -> None:
                  weights=[item.weight for item in items])
 
 
-def cancel(broker: Any, client: Client, rec: Cancel, frames: list) -> None:
+def cancel(broker: Broker, client: Client, rec: Cancel, frames: list) -> None:
     broker.core.cancel(client, rec.id, rec.request_id)
 
 
-def bye(broker: Any, client: Client, rec: Bye, frames: list) -> None:
+def bye(broker: Broker, client: Client, rec: Bye, frames: list) -> None:
     broker.sessions.clients.pop(client.address, None)
     broker.sessions.client_gone(client)
     broker.sessions.reply(client, rec.id, result=True)
 
 
-def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
+def shm_record(broker: Broker, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
     broker.shm.handle(client, rec)
 
 
-def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
+def shutdown(broker: Broker, client: Client, rec: Shutdown, frames: list) -> None:
     """Stop the broker for a request with its shutdown token, or from a CURVE client whose
     public key is one of ``curve_admin_keys`` (``docs/security.md``); ``PermissionError``
     (nothing changes) for anyone else."""
@@ -248,7 +252,7 @@ def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
     broker.stop()
 
 
-def replica_record(broker: Any, client: Client, rec: Bind | Learn | Sync | Load | Release,
+def replica_record(broker: Broker, client: Client, rec: Bind | Learn | Sync | Load | Release,
                    frames: list) -> None:
     """The binding table of a distributed channel (``broker/cluster/binding.py``) and its key moves
     (``broker/cluster/moving.py``)."""
@@ -274,8 +278,9 @@ HANDLERS: dict[type[Request], Handler] = {
 def on_moved_keys(handler: Handler) -> Handler:
     """``handler`` of an operation on one key, on a replica that moves keys (``steal``): a key
     this replica gave away is answered with ``KeyMoved`` (nothing happens)."""
-    def handle(broker: Any, client: Client, rec: Any, frames: list) -> None:
-        broker.replica.check_key(rec)
+    def handle(broker: Broker, client: Client, rec: Any, frames: list) -> None:
+        if broker.replica is not None:
+            broker.replica.check_key(rec)
         handler(broker, client, rec, frames)
     return handle
 

@@ -125,18 +125,21 @@ class Broker:
         self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
                                  client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
-        self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
+        shm = None
         try:
-            self._setup(config)
+            shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+                            config.shm_pool_bytes, 2 * config.heartbeat_interval * config.liveness)
+            self._setup(config, shm)
         except BaseException:  # a failed start leaves no files behind
-            self._release_files()
+            if shm is not None:
+                shm.close()
+            self.endpoint.release_lock()
             raise
 
-    def _setup(self, config: BrokerConfig) -> None:
-        self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
-                             config.shm_pool_bytes, 2 * config.heartbeat_interval * config.liveness)
+    def _setup(self, config: BrokerConfig, shm: ShmBroker) -> None:
+        self.shm = shm
         self.counters = metrics.Counters()
         self.sessions = Sessions(config, self.shm, self.counters, self.replica)
         self.core = QueueCore(
@@ -187,39 +190,19 @@ class Broker:
         self.sessions.peers = self.peers
         return self.address
 
-    def _bound(self) -> tuple[zmq.Socket, Peers]:
+    def bound(self) -> tuple[zmq.Socket, Peers]:
         """The socket and the clients' transports (``bind`` made them)."""
         sock, peers = self.sock, self.peers
         if sock is None or peers is None:
             raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
         return sock, peers
 
-    def _side_events(self, ready: list, stops: StopSources, guard: PeerGuard,
-                     handshakes: BrokerHandshakes) -> None:
-        """The turn's events besides the clients' messages: a metrics scrape, refused
-        handshakes, the parent's exit."""
-        if self.metrics is not None and self.metrics.fd in ready:
-            self.metrics.publish()  # a scrape asked for a snapshot
-        if guard.wake_fd in ready:
-            handshakes.check(guard.take_failures())
-        if stops.parent_exited(ready):
-            self._running = False
-
-    def _serve_metrics(self) -> None:
-        """Serve Prometheus metrics on ``metrics_port`` when the configuration asks."""
-        if self.config.metrics_port is None:
-            return
-        self.metrics = metrics.MetricsServer(lambda: metrics.snapshot(self),
-                                             self.config.metrics_address,
-                                             self.config.metrics_port)
-        log.info("metrics of %r at %s", self.config.name, self.metrics.url)
-
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
         try:
             self.bind()
-            self._serve_metrics()
+            self.metrics = _metrics_server(self)
         except BaseException:
             self.close()
             raise
@@ -227,7 +210,7 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        sock, peers = self._bound()
+        sock, peers = self.bound()
         guard, handshakes = self.endpoint.guard, self.endpoint.handshakes
         if guard is None or handshakes is None:
             raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
@@ -240,13 +223,7 @@ class Broker:
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
-        # The broker allocates a few container objects per item and rarely makes cycles: a
-        # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 20)
-        # the peer guard's thread (server/admission.py) must get the interpreter soon after
-        # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
-        sys.setswitchinterval(0.001)
+        _tune_for_serving()
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
         try:
@@ -265,7 +242,7 @@ class Broker:
                     self.sessions.flush()  # replies first: the rest of the turn is not on their path
                 if peers.listener is not None and len(events) > (sock in ready):
                     self._direct_events(events)
-                self._side_events(ready, stops, guard, handshakes)
+                _side_events(self, ready, stops, guard, handshakes)
                 now = time.monotonic()
                 # how long this loop did not look at its sockets beyond what it planned (its
                 # process did not run, or this turn was long): not the clients' silence
@@ -302,8 +279,7 @@ class Broker:
 
     def _release_files(self) -> None:
         """Remove the shared-memory segments and the lock file (while holding the lock)."""
-        if self.shm is not None:
-            self.shm.close()
+        self.shm.close()
         self.endpoint.release_lock()
 
     # -- receiving ---------------------------------------------------------------------------
@@ -312,7 +288,7 @@ class Broker:
         """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` records
         (the replies of a turn wait in memory until it ends); called when a poll said one is
         there."""
-        sock, _ = self._bound()
+        sock, _ = self.bound()
         records = 0
         for i in range(4096):
             frames = recv_message(sock, ready=i == 0)
@@ -351,7 +327,7 @@ class Broker:
             op_frames = frames[pos : pos + nf]
             pos += nf
             if isinstance(rec, BadRecord):
-                self._bad_record(address, client, rec, now)
+                _answer_bad_record(self.sessions, address, client, rec, now)
                 continue
             kind = type(rec)
             if client is None or kind is Hello:
@@ -371,20 +347,6 @@ class Broker:
                 client = None
         return len(records)
 
-    def _bad_record(self, address: bytes, client: Client | None, rec: BadRecord,
-                    now: float) -> None:
-        """A record that failed its checks: its error replied (a client unknown here is told
-        it expired, unless the record was its bye)."""
-        if client is None:
-            if rec.op != BYE:
-                self.sessions.tell_expired(address, now)
-            return
-        client.last_seen = now
-        if rec.id is None:
-            log.warning("dropped a record without a request id (op %r)", rec.op)
-        else:
-            self.sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
-
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""
         self._running = False
@@ -394,7 +356,7 @@ class Broker:
     def _direct_events(self, events: list) -> None:
         """Accept new links, read the ready ones (and handle their messages), write out what
         full sockets held back."""
-        _, peers = self._bound()
+        _, peers = self.bound()
         listener = peers.listener
         assert listener is not None
         changed = False
@@ -416,7 +378,7 @@ class Broker:
 
     def _direct_read(self, peer: direct.Peer) -> bool:
         """Read a ready link and handle the messages it completed; False if it is gone."""
-        alive, got_bytes = self._bound()[1].read(peer)
+        alive, got_bytes = self.bound()[1].read(peer)
         reader = peer.reader
         client = self.sessions.clients.get(peer.address)
         if client is not None and got_bytes:
@@ -435,6 +397,55 @@ class Broker:
 def _decode_item(item: Item) -> Any:
     frames = item.payload
     return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
+
+
+def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None, rec: BadRecord,
+                now: float) -> None:
+    """A record that failed its checks: its error replied (a client unknown here is told
+    it expired, unless the record was its bye)."""
+    if client is None:
+        if rec.op != BYE:
+            sessions.tell_expired(address, now)
+        return
+    client.last_seen = now
+    if rec.id is None:
+        log.warning("dropped a record without a request id (op %r)", rec.op)
+    else:
+        sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
+
+
+def _side_events(broker: Broker, ready: list, stops: StopSources, guard: PeerGuard,
+                 handshakes: BrokerHandshakes) -> None:
+    """The turn's events besides the clients' messages: a metrics scrape, refused
+    handshakes, the parent's exit."""
+    if broker.metrics is not None and broker.metrics.fd in ready:
+        broker.metrics.publish()  # a scrape asked for a snapshot
+    if guard.wake_fd in ready:
+        handshakes.check(guard.take_failures())
+    if stops.parent_exited(ready):
+        broker._running = False
+
+
+def _metrics_server(broker: Broker) -> metrics.MetricsServer | None:
+    """The Prometheus metrics server of ``broker`` when its configuration asks for one."""
+    config = broker.config
+    if config.metrics_port is None:
+        return None
+    server = metrics.MetricsServer(lambda: metrics.snapshot(broker), config.metrics_address,
+                                   config.metrics_port)
+    log.info("metrics of %r at %s", config.name, server.url)
+    return server
+
+
+def _tune_for_serving() -> None:
+    """The interpreter settings of a serving broker: rare garbage collections, short switches."""
+    # The broker allocates a few container objects per item and rarely makes cycles: a
+    # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    # the peer guard's thread (server/admission.py) must get the interpreter soon after
+    # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
+    sys.setswitchinterval(0.001)
 
 
 def _encode_item(value: Any, weight: int | float) -> Item:

@@ -21,7 +21,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the loop imports this module; the type alone goes back
+    from zchannel.broker.server.loop import Broker
 
 log = logging.getLogger("zchannel.broker")
 
@@ -103,7 +106,7 @@ def _label(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
 
-def snapshot(broker: Any) -> dict[str, Any]:
+def snapshot(broker: Broker) -> dict[str, Any]:
     """The broker's state as plain values (called on the loop thread only)."""
     core = broker.core
     now = time.monotonic()
