@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import queue
+from typing import Any
 
 
 class ChannelError(Exception):
@@ -35,7 +36,7 @@ class BrokerStartError(ChannelError):
         super().__init__(message)
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.reason))
 
 
@@ -75,7 +76,7 @@ class HookError(ChannelError):
         self.remote_traceback = remote_traceback
         """The hook's traceback, as text from the broker process."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.exc_type, self.remote_traceback))
 
 
@@ -88,7 +89,7 @@ class KeyMoved(ChannelError):
         super().__init__(message)
         self.replica = replica
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.replica))
 
 
@@ -110,7 +111,7 @@ for _name in (
     _BY_NAME[_name] = getattr(builtins, _name)
 
 
-def error_to_wire(exc: BaseException) -> list:
+def error_to_wire(exc: BaseException) -> list[Any]:
     """``[type name, message, extra]`` for an error reply."""
     name = type(exc).__name__
     if isinstance(exc, HookError):

@@ -60,7 +60,7 @@ class Work:
         self._reader: Any = None
         # a put's: ``(fn, *args)``, ``fn(*args, error)`` called once by the first thread that
         # sees it fail (the handle notes a put in doubt, handle/retries.py)
-        self._on_error: tuple | None = None
+        self._on_error: tuple[Any, ...] | None = None
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
@@ -158,7 +158,7 @@ class Work:
         if self._state == _FAILED:
             if self._on_error is not None:
                 self._failed()
-            return self._value
+            return cast(BaseException, self._value)
         return None
 
     def cancel(self) -> bool:
@@ -216,7 +216,7 @@ class Work:
         return f"<Work {state}>"
 
 
-def _resolve(future: asyncio.Future) -> None:
+def _resolve(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_result(None)
 

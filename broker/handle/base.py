@@ -56,7 +56,7 @@ class ChannelHandle:
         self._identity: str | None = None
         self._identity_read = False
         self._curve_keys = curve_keys
-        self._proc: subprocess.Popen | None = None  # the broker this handle started (_adopt)
+        self._proc: subprocess.Popen[bytes] | None = None  # the broker this handle started (_adopt)
         self._token: str | None = None  # the shutdown token that broker accepts
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
@@ -66,7 +66,7 @@ class ChannelHandle:
         self.created = False
         _open_handles.add(self)
 
-    def _adopt(self, proc: subprocess.Popen, token: str) -> Self:
+    def _adopt(self, proc: subprocess.Popen[bytes], token: str) -> Self:
         """Make this handle the owner of the broker ``proc`` its ``create`` started: ``created``
         is True, and ``shutdown`` stops that broker with ``token``."""
         self._proc, self._token, self.created = proc, token, True
@@ -86,7 +86,7 @@ class ChannelHandle:
                     stats.get("address") or self._address, held)
 
     if TYPE_CHECKING:  # the operations are the subclass's (``BrokerChannel``)
-        def stats(self, *, exclude_self: bool = False) -> dict: ...
+        def stats(self, *, exclude_self: bool = False) -> dict[str, Any]: ...
 
     # -- connection --------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ replica) subclass it to reuse its operations.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from zchannel.broker.connection.connection import Connection
@@ -77,7 +77,7 @@ class BrokerChannel(ChannelHandle):
                 copy: bool | None = None, wait: bool = False) -> Work:
         share = self._acquired()
         conn = share.conn
-        frames: list = []
+        frames: list[Any] = []
         retried = None
         if has_item:
             if not isinstance(rec, Put):
@@ -99,10 +99,10 @@ class BrokerChannel(ChannelHandle):
                 work._on_error = (self._put_failed, rec, item, conn)
         return work
 
-    def _put_frames(self, rec: Put, item: Any, conn: Connection) -> tuple[list, Any]:
+    def _put_frames(self, rec: Put, item: Any, conn: Connection) -> tuple[list[Any], Any]:
         """Encode ``item`` into ``rec`` (inline body, frames, shared-memory slots); the frames
         to send and the in-doubt put ``rec`` repeats (None: a new put)."""
-        frames: list = []
+        frames: list[Any] = []
         retried = None
         if self._in_doubt:  # an earlier put raised without an answer: is this its retry?
             retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
@@ -180,7 +180,7 @@ class BrokerChannel(ChannelHandle):
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,
-                  copy: bool | None = None) -> list | Work:
+                  copy: bool | None = None) -> list[Any] | Work:
         """Take head items whose weights add up to at most ``target_weight`` (an int or finite
         float > 0, required), plus weight-0 items right behind; never returns ``[]``: a head
         heavier than the target comes alone (``docs/guarantees.md``).  Float sums within a
@@ -194,7 +194,7 @@ class BrokerChannel(ChannelHandle):
         """Items queued under ``key``: the shared queue plus every private queue, or plus only
         ``consumer``'s private queue; 0 for an unknown key."""
         rec = QSize(id=0, key=check_key(key), consumer=consumer)
-        return self._submit(rec, wait=True).wait()
+        return cast(int, self._submit(rec, wait=True).wait())
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
         """``qsize(key) == 0``."""
@@ -204,10 +204,10 @@ class BrokerChannel(ChannelHandle):
         """Whether the shared queue of ``key`` (or ``consumer``'s private queue) holds ``maxsize``
         items; never with ``maxsize=0``."""
         rec = Full(id=0, key=check_key(key), consumer=consumer)
-        return self._submit(rec, wait=True).wait()
+        return cast(bool, self._submit(rec, wait=True).wait())
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
-             weights: bool = False) -> list:
+             weights: bool = False) -> list[Any]:
         """Copies of up to ``n`` (1..1024) items at the head of ``key``'s queue, head first,
         which stay queued: nothing is removed, reordered or leased, and changing a copy
         changes nothing in the channel.  ``[]`` for an empty or unknown key.
@@ -223,12 +223,12 @@ class BrokerChannel(ChannelHandle):
         pairs = self._submit(rec, copy=True, wait=True).wait()
         return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
 
-    def stats(self, *, exclude_self: bool = False) -> dict:
+    def stats(self, *, exclude_self: bool = False) -> dict[str, Any]:
         """The broker's state (keys, consumers, counters; ``docs/guarantees.md``).
         ``exclude_self=True`` leaves this handle out of ``clients`` (what ``zchannel stat``
         does, so that an observer does not count itself)."""
         rec = Stats(id=0, exclude_self=bool(exclude_self))
-        return self._submit(rec, wait=True).wait()
+        return cast(dict[str, Any], self._submit(rec, wait=True).wait())
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """Preallocate shared memory for puts of arrays/tensors of ``nbytes`` bytes: make the
@@ -283,8 +283,8 @@ def _converter(kind: type, copy: bool | None, conn: Connection) -> Convert | Non
     return None
 
 
-def _get_converter(copy: bool | None, shm: Any = None):
-    def convert(rec: Reply, frames: list) -> Any:
+def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
+    def convert(rec: Reply, frames: list[Any]) -> Any:
         sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
         if sm and sm[0]:
             item = shm.decode(sm[0], frames, copy)
@@ -301,8 +301,8 @@ def _get_converter(copy: bool | None, shm: Any = None):
     return convert
 
 
-def _batch_converter(copy: bool | None, shm: Any = None):
-    def convert(rec: Reply, frames: list) -> list:
+def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
+    def convert(rec: Reply, frames: list[Any]) -> list[Any]:
         out, pos = [], 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
         for i, n in enumerate(rec.counts or ()):
@@ -316,10 +316,10 @@ def _batch_converter(copy: bool | None, shm: Any = None):
     return convert
 
 
-def _peek_converter(shm: Any = None):
+def _peek_converter(shm: Any = None) -> Convert:
     batch = _batch_converter(True, shm)  # copies: nothing the caller holds points into a slot
 
-    def convert(rec: Reply, frames: list) -> list:
+    def convert(rec: Reply, frames: list[Any]) -> list[Any]:
         items = batch(rec, frames)
         weights = rec.weights or ()
         if len(weights) != len(items):
@@ -329,5 +329,5 @@ def _peek_converter(shm: Any = None):
     return convert
 
 
-def _stats_converter(rec: Reply, frames: list) -> dict:
-    return codec.decode_frames(frames, True)
+def _stats_converter(rec: Reply, frames: list[Any]) -> dict[str, Any]:
+    return cast(dict[str, Any], codec.decode_frames(frames, True))

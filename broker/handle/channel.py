@@ -82,7 +82,7 @@ def _checked_create_args(
     name: str, maxsize: Any, distributed: Any, node_rank: Any, local: Any,
     identity: str | None, producers: Iterable[str] | None,
     consumers: Iterable[str] | Mapping[str, int] | None, metrics_port: int | None,
-) -> tuple[Any, list[str], list]:
+) -> tuple[Any, list[str], list[Any]]:
     """``create``'s arguments checked (``ValueError``/``TypeError`` naming the first wrong
     one): the producers, the declared consumer ids, and on Ray the placement targets among
     them (actor handles, node ids)."""
@@ -98,7 +98,7 @@ def _checked_create_args(
     if identity is not None:
         check_consumer_id(identity)
     producers, consumers = expand_groups(producers, consumers)  # worker groups (groups.py)
-    targets: list = []  # Ray placement: actor handles / node ids among producers, consumers
+    targets: list[Any] = []  # Ray placement: actor handles / node ids among producers, consumers
     if not local and (producers or consumers) and clusterfile.ray_connected():
         producers, consumers, targets = ray_placement.split_targets(producers, consumers)
     declared = list(expand_consumers(consumers))
@@ -139,7 +139,7 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     return config
 
 
-def _warn_differences(handle: BrokerChannel, config: dict) -> None:
+def _warn_differences(handle: BrokerChannel, config: dict[str, Any]) -> None:
     """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
     info = handle._connection().broker_info
     if info.maxsize is not None and info.maxsize != config["maxsize"]:
@@ -239,7 +239,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         return cls._attach_or_spawn(config, identity=identity, curve_keys=curve_keys)
 
     @classmethod
-    def _attach_or_spawn(cls, config: dict, *, identity: str | None,
+    def _attach_or_spawn(cls, config: dict[str, Any], *, identity: str | None,
                          curve_keys: Any) -> Channel:
         """A handle on the live broker of ``config["name"]`` (another process holds its lock:
         attach, warning), else one on the broker started now with ``config``."""

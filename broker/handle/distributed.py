@@ -151,7 +151,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,
-                  copy: bool | None = None) -> list | Work:
+                  copy: bool | None = None) -> list[Any] | Work:
         check_target_weight(target_weight)
         check_timeout(timeout)
         return self._on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
@@ -164,7 +164,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
         return self._on(key, lambda sub, _: sub.full(key, consumer))
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
-             weights: bool = False) -> list:
+             weights: bool = False) -> list[Any]:
         """``Channel.peek`` on the replica holding ``key`` (an unbound key is bound to this
         node's replica first, as by any operation)."""
         return self._on(key, lambda sub, _: sub.peek(key, n, consumer=consumer, weights=weights))
@@ -191,11 +191,11 @@ class DistributedChannel(KeyRouting, BrokerChannel):
             raise ValueError(f"unknown lease {lease!r}")
         self._sub(lease % n).ack(Delivery(delivery.item, lease // n))
 
-    def stats(self, *, exclude_self: bool = False) -> dict:
+    def stats(self, *, exclude_self: bool = False) -> dict[str, Any]:
         """The replicas' stats merged: keys (each with its ``node``), consumers, summed counters,
         and ``replicas``: one summary per replica (``error`` for one that does not answer)."""
-        parts: list[dict] = []
-        summaries: list[dict] = []
+        parts: list[dict[str, Any]] = []
+        summaries: list[dict[str, Any]] = []
         for i, r in enumerate(self._replicas):
             summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
             try:
@@ -218,8 +218,8 @@ class DistributedChannel(KeyRouting, BrokerChannel):
             raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
         first = parts[0]
         out = {k: v for k, v in first.items() if k not in ("replica", "node", *_REPLICA_FIELDS)}
-        keys: dict = {}
-        consumers: set = set()
+        keys: dict[str, Any] = {}
+        consumers: set[Any] = set()
         for s in parts:
             keys.update(s.get("keys") or {})
             consumers.update(s.get("consumers") or ())
@@ -286,7 +286,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
                 f"node={self._node!r}, created={self.created})")
 
 
-def _unpickle(name: str | None, replicas: list, identity: str | None,
+def _unpickle(name: str | None, replicas: list[Any], identity: str | None,
               curve_keys: Any) -> DistributedChannel:
     return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
 
@@ -294,7 +294,7 @@ def _unpickle(name: str | None, replicas: list, identity: str | None,
 # -- creating and finding distributed channels ---------------------------------------------
 
 
-def create_from_cluster(config: dict, path: str, *, identity: str | None,
+def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | None,
                         curve_keys: Any) -> DistributedChannel:
     """Start the replicas of the cluster file that live on this process's node (other nodes
     start theirs with ``zchannel broker NAME --cluster FILE --replica I``) and connect."""

@@ -54,7 +54,7 @@ class _LocalBroker:
     """The state behind every handle of one local channel."""
 
     def __init__(self, name: str, maxsize: int, *, collector: Any, dispatcher: Any,
-                 producers: list[str], consumers: list[str], options: dict,
+                 producers: list[str], consumers: list[str], options: dict[str, Any],
                  lease_timeout: float) -> None:
         self.name = name
         self.lock = threading.RLock()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
@@ -31,6 +31,9 @@ BIND_RETRY_S = 0.02
 BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
 BIND_DEADLINE_S = 30.0
 BIND_HEDGE_S = 0.25  # a replica silent this long on a bind request: ask the next one too
+
+
+_T = TypeVar("_T")
 
 
 class KeyRouting:
@@ -114,7 +117,7 @@ class KeyRouting:
             elif answer is not None:
                 time.sleep(BIND_RETRY_S)  # a replica joins, or the binder changes: ask again
 
-    def _on(self, key: Any, call: Callable[[BrokerChannel, int], Any]) -> Any:
+    def _on(self, key: Any, call: Callable[[BrokerChannel, int], _T]) -> _T:
         """``call(handle, index)`` on the replica holding ``key``.  A channel that moves keys
         (``steal``) answers an operation on a key that moved with ``KeyMoved`` (nothing
         happened): the cached binding is corrected and the operation sent again, there.  An
