@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.trajectory import Trajectory
 
 __all__ = [
@@ -53,7 +54,7 @@ _REWARD_TYPES = ("action_level", "chunk_level")
 # to_training_batch
 
 
-def to_training_batch(trajectories: Sequence[Any], plan: Any) -> dict[str, Any]:
+def to_training_batch(trajectories: Sequence[Any], plan: TrajectoryPlan) -> dict[str, Any]:
     """Build one actor's training batch from trajectory shards (docs/embodied.md).
 
     Concatenates the shards with ``Trajectory.to_batch``, merges the epochs into the batch
@@ -74,7 +75,7 @@ def to_training_batch(trajectories: Sequence[Any], plan: Any) -> dict[str, Any]:
     return _finish_training_batch(batch, plan)
 
 
-def _finish_training_batch(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
+def _finish_training_batch(batch: dict[str, Any], plan: TrajectoryPlan) -> dict[str, Any]:
     """Steps 2-4 of ``to_training_batch`` on a ``to_batch`` dict: epochs, loss mask, reward filter."""
     batch = _merge_epochs(batch)
     if not plan.auto_reset and not plan.ignore_terminations:
@@ -434,7 +435,7 @@ def _as_steps(x: torch.Tensor, name: str, rows: int, width: int, k: int) -> torc
     return x
 
 
-def _checked_inputs(batch: dict[str, Any], plan: Any,
+def _checked_inputs(batch: dict[str, Any], plan: TrajectoryPlan,
                     normalization: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``compute_advantages``' rewards and dones, with its settings checked."""
     _check_reward_type(plan.reward_type)
@@ -495,7 +496,7 @@ def _gae_values(prev_values: Any, n_chunks: int, width: int, k: int,
     return prev_values
 
 
-def compute_advantages(batch: dict[str, Any], plan: Any, *,
+def compute_advantages(batch: dict[str, Any], plan: TrajectoryPlan, *,
                        normalization: str = "pooled") -> dict[str, Any]:
     """Add ``advantages`` (and ``returns`` for gae) ``[N, W, k]`` to ``batch`` and return it.
 

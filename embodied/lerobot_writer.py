@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -149,7 +150,8 @@ class LeRobotDatasetWriter:
     def __enter__(self) -> LeRobotDatasetWriter:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         """Close on success (``summary`` holds the result); abort when the block raised."""
         if exc_type is not None:
             self.abort()

@@ -213,11 +213,16 @@ class ChannelHandle:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._proc is not None and self._creator_pid == os.getpid():
+    def __exit__(self, *exc: object) -> None:
+        """The owner of the broker shuts it down; any other handle closes."""
+        if self._owns_broker():
             self.shutdown()
         else:
             self.close()
+
+    def _owns_broker(self) -> bool:
+        """Whether this handle started the broker, in this process (``__exit__`` stops it)."""
+        return self._proc is not None and self._creator_pid == os.getpid()
 
     def __reduce__(self) -> Any:
         return (_unpickle, (type(self), self._name, self._address, self._explicit_identity,

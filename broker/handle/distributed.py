@@ -255,7 +255,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
     def shutdown(self, token: str | None = None) -> None:
         """Stop the replicas this handle's ``create`` started (and their Ray actors); only
         that handle may (``token`` is not used: each replica has its own)."""
-        if not self._owner or self._creator_pid != os.getpid():
+        if not self._owns_broker():
             raise PermissionError("only the handle that created the channel's brokers may shut them down")
         for sub in self._each_sub():
             try:
@@ -272,11 +272,8 @@ class DistributedChannel(KeyRouting, BrokerChannel):
             owner.teardown()
         self._owner = False
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._owner and self._creator_pid == os.getpid():
-            self.shutdown()
-        else:
-            self.close()
+    def _owns_broker(self) -> bool:
+        return self._owner and self._creator_pid == os.getpid()
 
     def __reduce__(self) -> Any:
         return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys))

@@ -261,11 +261,8 @@ class LocalChannel(BrokerChannel):
         self.close()
         self._broker.shutdown()
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._owner:
-            self.shutdown()
-        else:
-            self.close()
+    def _owns_broker(self) -> bool:
+        return self._owner
 
     def __reduce__(self) -> Any:
         raise TypeError("a local channel cannot be pickled: it lives in one process")

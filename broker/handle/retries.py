@@ -30,7 +30,7 @@ MAX_IN_DOUBT = 4096  # puts in doubt kept per handle (the oldest go first)
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-def put_digest(key: Any, weight: Any, item: Any) -> bytes:
+def put_digest(key: Any, weight: int | float, item: Any) -> bytes:
     """A digest of what a put sends: its key and weight (as on the wire) and its item's encoded
     body and buffers (``codec.encode``; shared memory aside, the bytes that travel)."""
     body, buffers = codec.encode(item)
@@ -62,7 +62,7 @@ class InDoubtPuts:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, key: Any, weight: Any, item: Any, seq: int, conn: Any) -> None:
+    def add(self, key: Any, weight: int | float, item: Any, seq: int, conn: Any) -> None:
         """The put of ``item`` sent as ``seq`` over ``conn`` is in doubt."""
         entry = InDoubt(put_digest(key, weight, item), seq, conn, time.monotonic())
         with self._lock:
@@ -72,7 +72,7 @@ class InDoubtPuts:
             self._entries.append(entry)
             del self._entries[:-MAX_IN_DOUBT]
 
-    def match(self, key: Any, weight: Any, item: Any, conn: Any) -> InDoubt | None:
+    def match(self, key: Any, weight: int | float, item: Any, conn: Any) -> InDoubt | None:
         """The put in doubt that a put of ``item`` over ``conn`` repeats (``discard`` it once
         the retry is sent: it is no longer in doubt then), or None for a new put."""
         with self._lock:

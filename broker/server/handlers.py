@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zchannel.broker.cluster.replica import ReplicaState
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
 from zchannel.broker.wire import codec
@@ -285,7 +286,7 @@ def on_moved_keys(handler: Handler) -> Handler:
     return handle
 
 
-def handlers_for(replica: Any) -> dict[type[Request], Handler]:
+def handlers_for(replica: ReplicaState) -> dict[type[Request], Handler]:
     """The handler table of a replica (``ReplicaState``): ``HANDLERS``, with the operations on
     one key checked first for keys that moved when the replica moves keys."""
     if replica.mover is None:

@@ -148,7 +148,7 @@ class Progress:
                        f"run(s) each", file=self.file)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 

@@ -136,7 +136,7 @@ class Workers:
     def __enter__(self) -> Workers:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
