@@ -340,10 +340,10 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     a put from another thread on the same handle must go out at once, not when some message
     (a broker heartbeat, after up to a second) or the end of the get's drive window
     (``DRIVE_S``, made 60 s here) lets the getter look at its queue again."""
-    from zchannel.broker.connection import connection, waiting
+    from zchannel.broker.connection import connection, tuning, waiting
 
     monkeypatch.setattr(waiting, "DRIVE_S", 60.0)
-    monkeypatch.setattr(connection, "SPIN_US", 0)  # the getter waits in _drive, not _spin
+    monkeypatch.setattr(tuning, "SPIN_US", 0)  # the getter waits in _drive, not _spin
     events: list[str] = []
     Conn = connection.Connection
     enqueue, send, on_message = Conn._enqueue, Conn._send, Conn._on_message
@@ -367,6 +367,7 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
+    assert conn._spin_s == 0.0  # a connection made now reads tuning.SPIN_US
     got: list = []
     getter = threading.Thread(target=lambda: got.append(ch.get(key="late", timeout=20)))
     events.clear()
@@ -413,7 +414,7 @@ def test_spin_setting_is_checked():
                               env={**os.environ, "ZCHANNEL_SPIN_US": bad}, timeout=60)
         assert proc.returncode != 0
         assert "ZCHANNEL_SPIN_US must be an int >= 0" in proc.stderr
-    proc = subprocess.run([sys.executable, "-c", code + "; print(zchannel.broker.connection.connection.SPIN_US)"],
+    proc = subprocess.run([sys.executable, "-c", code + "; print(zchannel.broker.connection.tuning.SPIN_US)"],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "ZCHANNEL_SPIN_US": "0"})
     assert proc.stdout.strip() == "0"

@@ -1,4 +1,4 @@
-"""Guards of the package's shape (issue 20), read from the sources with ``ast``: no process, no
+"""Guards of the package's shape, read from the sources with ``ast``: no process, no
 import of zchannel, well under a second.
 
 - the modules of ``zchannel.broker`` (and of ``hooks``, ``embodied``) import each other without a
@@ -33,9 +33,9 @@ MAX_CLASS_LINES = 300
 
 # (importing file, imported module): function-level imports other helpers are removing
 _PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
-# files over MAX_FILE_LINES being split (issue 20, item 4)
+# files over MAX_FILE_LINES being split
 _PENDING_LONG_FILES: set[str] = set()
-# classes over MAX_CLASS_LINES being split (issue 20, items 2 and 5)
+# classes over MAX_CLASS_LINES being split
 _PENDING_LONG_CLASSES: set[tuple[str, str]] = set()
 
 
@@ -366,3 +366,19 @@ def test_the_architecture_walk_names_real_code():
         if name not in functions.get(path, ()):
             missing.append(f"{module}: {name}")
     assert not missing, f"docs/architecture.md names code that does not exist: {sorted(missing)}"
+
+
+def test_code_says_what_it_does_not_which_ticket_asked():
+    """No module or test cites a tracker number (the word issue and a number): the code says
+    what it does."""
+    cite = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    sources = dict(_files())
+    for root, _dirs, names in os.walk(os.path.join(REPO, "tests")):
+        for name in names:
+            if name.endswith(".py"):
+                full = os.path.join(root, name)
+                with open(full, encoding="utf-8") as f:
+                    sources[os.path.relpath(full, REPO)] = f.read()
+    found = [f"{path}:{n}" for path, src in sources.items()
+             for n, line in enumerate(src.splitlines(), 1) if cite.search(line)]
+    assert not found, f"tracker numbers cited in code: {found}"

@@ -48,9 +48,6 @@ from zchannel.broker.connection.iothread import IOThread, running
 from zchannel.broker.connection.liveness import CLOSED, CONNECTING, DOWN, UP, Liveness
 from zchannel.broker.connection.requestqueue import Convert, Flow, RequestQueue
 from zchannel.broker.connection.tuning import SEND_RUN, direct_enabled
-from zchannel.broker.connection.tuning import (
-    SPIN_US as SPIN_US,
-)
 from zchannel.broker.connection.waiting import Waiting
 from zchannel.broker.connection.work import _DONE, Work
 from zchannel.broker.errors import (

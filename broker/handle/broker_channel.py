@@ -62,11 +62,7 @@ class BrokerChannel(ChannelHandle):
     """A handle on a named channel: per-key FIFO queues served by one broker process (see the
     module docstring; users get one from ``Channel.create``/``Channel.connect``).  A handle may
     be pickled to other processes.  The behaviour of every operation is described in
-    ``docs/channel.md``.
-
-    ``created`` is True on the handle whose ``Channel.create`` started the broker, False on
-    one that attached to a running broker, on ``connect`` handles and on unpickled copies.
-    ``repr()``/``str()`` are cheap and never touch the network; ``peek`` shows items.
+    ``docs/channel.md``; ``Channel`` says what ``created``, ``repr()`` and ``str()`` are.
     """
 
     _in_doubt: InDoubtPuts | None = None  # puts that raised without an answer (retries.py)
