@@ -17,7 +17,7 @@ import zmq
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel
-from zchannel.broker.core.state import Request
+from zchannel.broker.core.state import Parked
 from zchannel.broker.handle import retries
 from zchannel.broker.server.producers import (
     DUPLICATE,
@@ -415,13 +415,13 @@ def test_producer_window_marks_and_forgets():
 
 def test_producer_window_waiting_puts():
     w = ProducerWindow(b"p" * 16)
-    req = Request(client=None, rid=1, kind="put", key="k", deadline=None)
+    req = Parked(client=None, rid=1, kind="put", key="k", deadline=None)
     assert w.begin(1) == NEW
     w.wait(1, req)
     assert w.begin(1) == WAITING
     req.on_end(False)  # timed out: not stored
     assert w.begin(1) == NEW
-    req2 = Request(client=None, rid=2, kind="put", key="k", deadline=None)
+    req2 = Parked(client=None, rid=2, kind="put", key="k", deadline=None)
     w.begin(2)
     w.wait(2, req2)
     req2.on_end(True)

@@ -12,7 +12,7 @@ from zchannel.broker.core.state import Client, Consumer
 from zchannel.hooks import consumer_sort_key
 
 
-class ConsumerRegistry:
+class Consumers:
     """The consumers of one channel and how many handles each has."""
 
     def __init__(self, declared: tuple[str, ...]) -> None:

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.core.consumers import ConsumerRegistry
+from zchannel.broker.core.consumers import Consumers
 from zchannel.broker.core.state import Item
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_weight
@@ -26,12 +26,12 @@ class HookPipeline:
     """A channel's collector and dispatcher, their ``ChannelContext``, and the item codec."""
 
     def __init__(self, *, name: str, maxsize: int, collector: Collector, dispatcher: Dispatcher,
-                 producers: tuple[str, ...], options: dict | None, registry: ConsumerRegistry,
+                 producers: tuple[str, ...], options: dict | None, roster: Consumers,
                  decode_item: Callable[[Item], Any],
                  encode_item: Callable[[Any, int | float], Item]) -> None:
         self.collector = collector
         self.dispatcher = dispatcher
-        self.registry = registry
+        self.roster = roster
         self.decode_item = decode_item
         self.encode_item = encode_item
         # the default collector passes each put through unchanged: no call, no decoding
@@ -41,7 +41,7 @@ class HookPipeline:
             name=name,
             maxsize=maxsize,
             producers=tuple(producers),
-            consumers=registry.present(),
+            consumers=roster.present(),
             options=dict(options or {}),
         )
         collector.setup(self.ctx)
@@ -94,7 +94,7 @@ class HookPipeline:
                 f"Dispatcher.route returned {type(target).__name__}, expected a consumer id or None",
                 "TypeError",
             )
-        if not self.registry.known(target):
+        if not self.roster.known(target):
             log.warning("route returned unknown consumer %r: the item goes to the shared queue", target)
             return None
         return target
@@ -108,11 +108,11 @@ class HookPipeline:
             log.exception("dispatcher hook %s failed", getattr(fn, "__name__", fn))
 
     def consumer_joined(self, consumer: str) -> None:
-        self.ctx.consumers = self.registry.present()
+        self.ctx.consumers = self.roster.present()
         self.notify(self.dispatcher.observe, consumer)
 
     def consumer_left(self, consumer: str) -> None:
-        self.ctx.consumers = self.registry.present()
+        self.ctx.consumers = self.roster.present()
         self.notify(self.dispatcher.forget, consumer)
 
     def stats(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ stealing, independent of any transport.
 - ``KeyedQueues`` (``core/queues.py``): the shared and private queues of every key, the bytes they
   hold, ``maxsize``/``max_bytes``/``max_keys``, and idle keys; ``Deadlines``, the timer heap;
 - ``HookPipeline`` (``core/hookpipeline.py``): the collector and dispatcher and their context;
-- ``ConsumerRegistry`` (``core/consumers.py``): the declared and joined consumers;
+- ``Consumers`` (``core/consumers.py``): the declared and joined consumers;
 - ``LeaseBook`` (``core/leases.py``): deliveries waiting for an ``ack``;
 - ``Waiters`` (``core/waiters.py``): parked gets, get_batches and puts, and the rules that serve them.
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.core.consumers import ConsumerRegistry
+from zchannel.broker.core.consumers import Consumers
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues, Outputs
@@ -38,9 +38,9 @@ from zchannel.broker.core.state import (
     Item,
     KeyState,
     Lease,
-    Request,
+    Parked,
 )
-from zchannel.broker.core.waiters import Reply, Waiters
+from zchannel.broker.core.waiters import SendReply, Waiters
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
 from zchannel.hooks import Collector, Dispatcher
@@ -61,7 +61,7 @@ class QueueCore:
         producers: tuple[str, ...] = (),
         consumers: tuple[str, ...] = (),
         options: dict | None = None,
-        reply: Reply,
+        reply: SendReply,
         decode_item: Callable[[Item], Any],
         encode_item: Callable[[Any, int | float], Item],
         lease_timeout: float = 30.0,
@@ -77,10 +77,10 @@ class QueueCore:
         self.deadlines = Deadlines()
         self.queues = KeyedQueues(maxsize=maxsize, max_bytes=max_bytes, max_keys=max_keys,
                                   key_grace=key_grace, deadlines=self.deadlines)
-        self.registry = ConsumerRegistry(consumers)
+        self.roster = Consumers(consumers)
         self.hooks = HookPipeline(name=name, maxsize=maxsize, collector=collector,
                                   dispatcher=dispatcher, producers=producers, options=options,
-                                  registry=self.registry, decode_item=decode_item,
+                                  roster=self.roster, decode_item=decode_item,
                                   encode_item=encode_item)
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
@@ -108,7 +108,7 @@ class QueueCore:
 
     @property
     def consumers(self) -> dict:
-        return self.registry.consumers
+        return self.roster.consumers
 
     @property
     def collector(self) -> Collector:
@@ -133,9 +133,9 @@ class QueueCore:
     # -- requests --------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
-            nowait: bool) -> bool | Request:
+            nowait: bool) -> bool | Parked:
         """Check, collect and route a put, then store it or let it wait (``Waiters.put``):
-        True if it was stored now, False if it failed now (replied), or the ``Request`` that
+        True if it was stored now, False if it failed now (replied), or the ``Parked`` that
         waits for room (its ``on_end`` is called when it ends)."""
         hooks, queues = self.hooks, self.queues
         try:
@@ -228,7 +228,7 @@ class QueueCore:
             for item in items:
                 self.queues.bytes_held += item.nbytes
         ks = self.queues.state(key)
-        if consumer is not None and not self.registry.known(consumer):
+        if consumer is not None and not self.roster.known(consumer):
             for item in items:
                 self._redeal(ks, item)
         else:
@@ -238,7 +238,7 @@ class QueueCore:
     # -- consumers and leases --------------------------------------------------------------------
 
     def _join(self, client: Client) -> None:
-        joined = self.registry.join(client)
+        joined = self.roster.join(client)
         if joined is None:
             return
         self.hooks.consumer_joined(joined)
@@ -247,7 +247,7 @@ class QueueCore:
                 self.waiters.serve(ks)
 
     def _leave(self, client: Client) -> None:
-        departed = self.registry.leave(client)
+        departed = self.roster.leave(client)
         if departed is None:
             return
         self.hooks.consumer_left(departed)
@@ -275,7 +275,7 @@ class QueueCore:
         self.lease_book.end(lease)
         ks = self.queues.state(lease.key)
         origin = lease.origin
-        if origin is not None and not self.registry.listed(origin):
+        if origin is not None and not self.roster.listed(origin):
             self._redeal(ks, lease.item)
             # _redeal appends; move it to the head of wherever it went
             for queue in (ks.shared, *ks.private.values()):
@@ -296,7 +296,7 @@ class QueueCore:
         """Expire due deadlines: parked requests time out, leases lapse, idle keys go."""
         now = time.monotonic() if now is None else now
         for obj in self.deadlines.due(now):
-            if isinstance(obj, Request):
+            if isinstance(obj, Parked):
                 if obj.alive:
                     self.waiters.expire(obj)
             elif isinstance(obj, Lease):

@@ -38,7 +38,7 @@ class Client:
     address: Any
     identity: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
-    parked: dict[int, Request] = field(default_factory=dict)
+    parked: dict[int, Parked] = field(default_factory=dict)
     leases: set[int] = field(default_factory=set)
     consumer: str | None = None  # set once the handle joined as a consumer
     gone: bool = False
@@ -47,7 +47,7 @@ class Client:
 
 
 @dataclass(eq=False)
-class Request:
+class Parked:
     """A parked get, get_batch or put."""
 
     client: Client
@@ -68,7 +68,7 @@ class KeyState:
     key: Any
     shared: deque[Item] = field(default_factory=deque)
     private: dict[str, deque[Item]] = field(default_factory=dict)
-    getters: deque[Request] = field(default_factory=deque)
+    getters: deque[Parked] = field(default_factory=deque)
     putters: int = 0
     leases: int = 0
     idle_since: float | None = None

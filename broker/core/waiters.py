@@ -34,7 +34,7 @@ from zchannel.broker.core.state import (
     Client,
     Item,
     KeyState,
-    Request,
+    Parked,
 )
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
@@ -43,23 +43,23 @@ log = logging.getLogger("zchannel.broker")
 
 # reply(client, rid, *, result=, error=, items=, batch=, lease=, origin=): the transport sends
 # the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
-Reply = Callable[..., None]
+SendReply = Callable[..., None]
 
-_NONE_WAITING: set[tuple[Any, str | None]] = set()  # never added to  # no waiting put blocks a target queue
+_NONE_WAITING: set[tuple[Any, str | None]] = set()  # no waiting put blocks a target queue (never added to)
 
 
 class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
-                 deadlines: Deadlines, reply: Reply, request_overhead: int = REQUEST_OVERHEAD,
+                 deadlines: Deadlines, reply: SendReply, request_overhead: int = REQUEST_OVERHEAD,
                  key_overhead: int = KEY_OVERHEAD) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
-        self.putters: deque[Request] = deque()
+        self.putters: deque[Parked] = deque()
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
         self.request_overhead = request_overhead  # what each of them counts, items aside
         self.key_overhead = key_overhead  # and each key it made
@@ -67,9 +67,9 @@ class Waiters:
     # -- puts ------------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, outputs: Outputs, timeout: float | None,
-            nowait: bool) -> bool | Request:
+            nowait: bool) -> bool | Parked:
         """Store the checked and routed ``outputs`` of a put (True), refuse it (False, with its
-        error replied), or let it wait for room (the parked ``Request``)."""
+        error replied), or let it wait for room (the parked ``Parked``)."""
         queues = self.queues
         if not outputs:
             self.reply(client, rid)
@@ -79,7 +79,7 @@ class Waiters:
                 self.serve(ks)
             self.reply(client, rid)
             return True
-        req = Request(client, rid, "put", key, None, outputs=outputs)
+        req = Parked(client, rid, "put", key, None, outputs=outputs)
         if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
             self.reply(client, rid, error=ValueError(
                 f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
@@ -129,7 +129,7 @@ class Waiters:
         if admitted:
             self.admit_putters()
 
-    def _unpark_putter(self, req: Request, stored: bool = False) -> None:
+    def _unpark_putter(self, req: Parked, stored: bool = False) -> None:
         """A waiting put ends: admitted (``stored``), timed out or withdrawn."""
         self._unpark(req)
         if req.on_end is not None:
@@ -144,10 +144,10 @@ class Waiters:
                 ks.putters -= 1
                 self.queues.mark_idle(ks)
 
-    def _queue_full(self, req: Request) -> QueueFull:
+    def _queue_full(self, req: Parked) -> QueueFull:
         return QueueFull(self.queues.why_full(req.key, req.outputs))
 
-    def _may_wait(self, req: Request, cost: int) -> bool:
+    def _may_wait(self, req: Parked, cost: int) -> bool:
         """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of
         waiting requests; if not, it gets its ``ValueError`` reply here."""
         limit = self.queues.max_bytes
@@ -171,7 +171,7 @@ class Waiters:
         (``new_key``: ``ks`` was made for it)."""
         if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
             # the common case (a plain get of a shared queue nobody else waits on): the head
-            # item at once, without a Request record
+            # item at once, without a Parked record
             item = ks.shared.popleft()
             self.queues.bytes_held -= item.nbytes
             self.reply(client, rid, items=[item], origin=(ks.key, None))
@@ -179,7 +179,7 @@ class Waiters:
                 self.admit_putters()
             self.queues.mark_idle(ks)
             return
-        req = Request(client, rid, "batch" if batch_target else "get", ks.key, None,
+        req = Parked(client, rid, "batch" if batch_target else "get", ks.key, None,
                       target=batch_target, ack=ack)
         ks.getters.append(req)
         self.serve(ks)
@@ -194,19 +194,19 @@ class Waiters:
             return
         self._park(req, timeout)
 
-    def _park(self, req: Request, timeout: float | None) -> None:
+    def _park(self, req: Parked, timeout: float | None) -> None:
         req.client.parked[req.rid] = req
         if timeout is not None:
             req.deadline = time.monotonic() + timeout
             self.deadlines.add(req.deadline, req)
 
-    def _unpark(self, req: Request) -> None:
+    def _unpark(self, req: Parked) -> None:
         req.alive = False
         req.client.parked.pop(req.rid, None)
         self.waiting_bytes -= req.cost
         req.cost = 0
 
-    def _remove_getter(self, req: Request) -> KeyState | None:
+    def _remove_getter(self, req: Parked) -> KeyState | None:
         self._unpark(req)
         ks = self.queues.keys.get(req.key)
         if ks is not None:
@@ -237,7 +237,7 @@ class Waiters:
         if not deals and not ks.private and self._serve_plain_gets(ks):
             return
         blocked: set[str | None] = set()
-        starving: list[Request] = []
+        starving: list[Parked] = []
         for req in list(ks.getters):
             if not (ks.shared or ks.private or deals):
                 break  # nothing left to hand out, nothing to steal: the rest keep waiting
@@ -263,7 +263,7 @@ class Waiters:
             self.admit_putters()
         self.queues.mark_idle(ks)
 
-    def _steal(self, ks: KeyState, starving: list[Request], blocked: set) -> None:
+    def _steal(self, ks: KeyState, starving: list[Parked], blocked: set) -> None:
         for req in starving:
             if not req.alive or req.kind != "get":
                 continue
@@ -285,7 +285,7 @@ class Waiters:
             if queue:
                 self._deliver(req, ks, donor, queue, 1)
 
-    def _deliver(self, req: Request, ks: KeyState, origin: str | None, queue: deque[Item],
+    def _deliver(self, req: Parked, ks: KeyState, origin: str | None, queue: deque[Item],
                  n: int) -> None:
         items = [queue.popleft() for _ in range(n)]
         self._remove_getter(req)
@@ -300,7 +300,7 @@ class Waiters:
 
     # -- the end of a wait -----------------------------------------------------------------------
 
-    def expire(self, req: Request, nowait: bool = False) -> None:
+    def expire(self, req: Parked, nowait: bool = False) -> None:
         """``req`` reached its deadline (or asked ``nowait``): a get_batch takes what it can,
         any other request gets its timeout (or ``QueueFull``/``QueueEmpty``) error."""
         if req.kind == "put":
@@ -328,7 +328,7 @@ class Waiters:
         if ks is not None:
             self.serve(ks)
 
-    def withdraw(self, req: Request) -> None:
+    def withdraw(self, req: Parked) -> None:
         """The client cancelled ``req`` or went away: it ends without a reply."""
         if req.kind == "put":
             self._unpark_putter(req)

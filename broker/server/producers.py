@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from zchannel.broker.core.state import Client, Request
+from zchannel.broker.core.state import Client, Parked
 
 WINDOW = 1 << 14  # sequences a window spans (a client's retry must fall within them)
 _MASK = WINDOW - 1
@@ -40,7 +40,7 @@ class ProducerWindow:
         self.producer = producer
         self.high = 0  # the highest sequence seen; bits cover (high - WINDOW, high]
         self.bits = bytearray(WINDOW >> 3)
-        self.pending: dict[int, Request] = {}  # sequence -> its put waiting for room
+        self.pending: dict[int, Parked] = {}  # sequence -> its put waiting for room
         self.sessions = 0  # clients using it now
         self.expires = 0.0  # with no session: when it is forgotten
 
@@ -74,7 +74,7 @@ class ProducerWindow:
             i = seq & _MASK
             self.bits[i >> 3] &= ~(1 << (i & 7)) & 0xFF
 
-    def wait(self, seq: int, req: Request) -> None:
+    def wait(self, seq: int, req: Parked) -> None:
         """The put of ``seq`` waits for room as ``req``; its end marks it or not."""
         self.unmark(seq)
         self.pending[seq] = req
