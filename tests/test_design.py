@@ -382,3 +382,17 @@ def test_code_says_what_it_does_not_which_ticket_asked():
     found = [f"{path}:{n}" for path, src in sources.items()
              for n, line in enumerate(src.splitlines(), 1) if cite.search(line)]
     assert not found, f"tracker numbers cited in code: {found}"
+
+
+def test_the_wire_layer_does_not_import_zmq():
+    """``broker/wire/`` is records and values, no sockets: ZeroMQ is the transports' own
+    (``broker/transport/sockets.py``)."""
+    found = []
+    for path, tree in _trees().items():
+        if not path.startswith("broker/wire/"):
+            continue
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path}:{node.lineno}" for n in names if n.split(".")[0] == "zmq"]
+    assert not found, f"wire modules importing zmq: {found}"

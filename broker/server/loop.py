@@ -39,6 +39,7 @@ from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct
 from zchannel.broker.transport.curve import BrokerHandshakes, admin_keys
+from zchannel.broker.transport.sockets import recv_message
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -47,7 +48,6 @@ from zchannel.broker.wire.protocol import (
     Hello,
     ProtocolError,
     op_of,
-    recv_message,
     unpack_requests,
 )
 from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher

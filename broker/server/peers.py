@@ -17,7 +17,7 @@ import time
 import zmq
 from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.transport import direct
-from zchannel.broker.wire.protocol import send_message
+from zchannel.broker.transport.sockets import send_message
 
 log = logging.getLogger("zchannel.broker")
 

@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 from zchannel.broker.host import paths
 from zchannel.broker.transport.curve import HandshakeWatch
-from zchannel.broker.wire.protocol import client_socket, recv_reply, send_message
+from zchannel.broker.transport.sockets import client_socket, recv_reply, send_message
 
 
 class Transport(ABC):

@@ -58,7 +58,6 @@ from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
-import zmq
 from zchannel.broker.wire.classtags import (
     CLS_TO_TAG,
     PUBLISHED_PENDING,
@@ -754,8 +753,8 @@ def decode_frames(frames: Sequence[Any], copy: bool | None, shm: Sequence[Any] =
     bytes-like): :func:`decode`, with ``copy=None`` meaning views (as ``False``) and ``shm`` /
     ``shm_copy`` the item's shared-memory slots."""
     body = frames[0]
-    if type(body) is zmq.Frame:
-        body = body.buffer
+    if type(body) is not bytes and type(body) is not memoryview:  # a zmq.Frame: its buffer
+        body = memoryview(body)
     if len(frames) == 1 and not shm:  # the common small item: nothing but its body
         return decode(body)
     return decode(body, frames[1:], copy=bool(copy), shm=shm, shm_copy=shm_copy)

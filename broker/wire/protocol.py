@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import collections.abc
 import sys
-import uuid
 from typing import Annotated, Any, NamedTuple, cast
 
 import msgpack
 import msgspec
-import zmq
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 from zchannel.broker.wire.argchecks import MAX_KEY_DEPTH, MAX_PEEK, MAX_TIMEOUT, MAX_WEIGHT
 
@@ -54,81 +52,6 @@ MAX_RECORDS = 4096
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol."""
-
-
-# Plain ints: pyzmq's enum flags cost an enum operation per frame on the hot path.
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_POLLIN = int(zmq.POLLIN)
-
-
-def client_socket(curve: Any = None) -> zmq.Socket:
-    """A client's DEALER socket, not connected yet: unbounded queues (the client keeps its own
-    in-flight limit), no linger, reconnecting every 0.1-1 s; ``curve``: the client's
-    ``security.CurveKeys`` (``ValueError`` for key files without their key)."""
-    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
-                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
-            sock.setsockopt(option, value)
-        if curve is not None:
-            curve.apply(sock)
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    return sock
-
-
-def send_message(sock: zmq.Socket, parts: list, nonblock: bool = False) -> None:
-    """Send a multipart message without copying large frames (small ones are copied by pyzmq
-    anyway, below its copy threshold)."""
-    flags = _NOBLOCK if nonblock else 0
-    last = len(parts) - 1
-    send = sock.send
-    for i, part in enumerate(parts):
-        send(part, flags if i == last else flags | _SNDMORE, copy=False)
-
-
-def _recv_frames(sock: zmq.Socket, flags: int) -> list[zmq.Frame]:
-    """A frame received with ``flags`` and the rest of its message, none of them copied."""
-    recv = sock.recv
-    frame = recv(flags, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = recv(0, copy=False)
-        frames.append(frame)
-    return frames
-
-
-def _waiting(sock: zmq.Socket, ready: bool) -> bool:
-    # A zero-timeout poll is cheaper than the zmq.Again raised by an empty non-blocking recv.
-    return ready or bool(zmq.zmq_poll([(sock, _POLLIN)], 0))
-
-
-def recv_message(sock: zmq.Socket, ready: bool = False) -> list[zmq.Frame] | None:
-    """Receive one multipart message without blocking (None if there is none); ``ready``: a
-    poll just said one is there."""
-    if not _waiting(sock, ready):
-        return None
-    try:
-        return _recv_frames(sock, _NOBLOCK)
-    except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
-        return None
-
-
-_RCVMORE = int(zmq.RCVMORE)
-
-
-def recv_reply(sock: zmq.Socket, ready: bool = False) -> tuple[bytes, list[zmq.Frame]] | None:
-    """Like ``recv_message``, as (header, frames): the header (small) copied, the frames after
-    it not."""
-    if not _waiting(sock, ready):
-        return None
-    try:
-        header = sock.recv(_NOBLOCK)
-    except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
-        return None
-    return header, _recv_frames(sock, 0) if sock.getsockopt(_RCVMORE) else []
 
 
 # -- records -------------------------------------------------------------------------------
