@@ -65,6 +65,26 @@ def get_model_weights_id(versions: torch.Tensor | None) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_DNS, v.numpy().tobytes().hex()))
 
 
+
+def _step_observations(policy: PolicyPart, env: EnvPart, forward_inputs: dict[str, Any],
+                       enable_rlt: bool, collect_transitions: bool
+                       ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A step's current and next observations: the RLT features (``enable_rlt``), the
+    observations (``collect_transitions``), or neither."""
+    transition = env.transition
+    if enable_rlt:
+        curr_obs = _rlt_current(
+            forward_inputs, transition.intervene_actions, transition.intervene_flags
+        )
+        if env.next_rlt_obs is None:
+            raise ValueError("enable_rlt needs EnvPart.next_rlt_obs (the next RLT features).")
+        return _without_dropped_keys(curr_obs), _without_dropped_keys(env.next_rlt_obs)
+    if collect_transitions:
+        if env.next_obs is None:
+            raise ValueError("collect_transitions needs EnvPart.next_obs.")
+        return _without_dropped_keys(policy.obs or {}), _without_dropped_keys(env.next_obs)
+    return None, None
+
 # ---------------------------------------------------------------------------------------------
 # TrajectoryStep
 
@@ -271,20 +291,8 @@ class TrajectoryStep:
                 and intervention_precedence == "model":
             intervene_flags = expand_model_flags(model_flags, actions.shape)
 
-        curr_obs = next_obs = None
-        if enable_rlt:
-            curr_obs = _rlt_current(
-                forward_inputs, transition.intervene_actions, transition.intervene_flags
-            )
-            if env.next_rlt_obs is None:
-                raise ValueError("enable_rlt needs EnvPart.next_rlt_obs (the next RLT features).")
-            curr_obs = _without_dropped_keys(curr_obs)
-            next_obs = _without_dropped_keys(env.next_rlt_obs)
-        elif collect_transitions:
-            if env.next_obs is None:
-                raise ValueError("collect_transitions needs EnvPart.next_obs.")
-            curr_obs = _without_dropped_keys(policy.obs or {})
-            next_obs = _without_dropped_keys(env.next_obs)
+        curr_obs, next_obs = _step_observations(policy, env, forward_inputs, enable_rlt,
+                                                collect_transitions)
 
         initial = env.initial_transition
         return cls(

@@ -220,8 +220,6 @@ class _Families:
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
             InfoMetricFamily,
         )
 
@@ -233,67 +231,80 @@ class _Families:
                              "collector": snap["collector"], "dispatcher": snap["dispatcher"]})
         yield info
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"zchannel_{name}", doc, value=value)
+        yield from _totals(snap)
+        yield from _tables(snap)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"zchannel_{name}", doc, value=value)
 
-        counters = snap["counters"]
-        yield counter("puts", "put requests received", counters["puts"])
-        yield counter("gets", "get and get_batch requests received", counters["gets"])
-        yield counter("delivered_items", "items sent to consumers", counters["delivered"])
-        yield gauge("uptime_seconds", "seconds since the broker started", snap["uptime_s"])
-        yield gauge("keys", "keys the broker holds state for", snap["key_count"])
-        yield gauge("bytes_held", "bytes of queued and leased items: payloads plus 320 per item",
-                    snap["bytes_held"])
-        yield gauge("leases_outstanding", "deliveries not acknowledged yet", snap["leases"])
-        yield gauge("clients", "connected handles", snap["client_count"])
-        yield gauge("consumers", "consumer ids present (declared or connected)",
-                    snap["present_consumers"])
+def _totals(snap: dict[str, Any]) -> Iterator[Any]:
+    """The broker's totals: requests, items, keys, bytes, leases, clients, hook time, shm."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        per_key = [
-            ("key_items_held", "items queued on a key (shared and private queues)", 1),
-            ("key_bytes_held", "bytes queued on a key: payloads plus 320 per item", 2),
-            ("key_leases", "deliveries of a key not acknowledged yet", 3),
-            ("key_waiting_getters", "get requests parked on a key", 4),
-            ("key_waiting_putters", "put requests parked on a key (its queue is full)", 5),
-        ]
-        for name, doc, col in per_key:
-            fam = GaugeMetricFamily(f"zchannel_{name}", doc, labels=["key"])
-            for row in snap["keys"]:
-                fam.add_metric([row[0]], row[col])
-            yield fam
-        handles = GaugeMetricFamily("zchannel_consumer_handles", "handles connected per consumer id",
-                                    labels=["consumer"])
-        for cid, n in snap["consumers"]:
-            handles.add_metric([cid], n)
-        yield handles
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"zchannel_{name}", doc, value=value)
 
-        per_client = [
-            ("client_outstanding_requests", "requests of a client parked in the broker", 2),
-            ("client_leases", "deliveries a client has not acknowledged yet", 3),
-            ("client_seconds_since_seen", "seconds since the broker last heard from a client", 4),
-        ]
-        for name, doc, col in per_client:
-            fam = GaugeMetricFamily(f"zchannel_{name}", doc, labels=["client", "identity"])
-            for row in snap["clients"]:
-                fam.add_metric([row[0], row[1]], row[col])
-            yield fam
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(f"zchannel_{name}", doc, value=value)
 
-        seconds = CounterMetricFamily("zchannel_hook_seconds", "seconds spent in hook calls",
-                                      labels=["hook"])
-        calls = CounterMetricFamily("zchannel_hook_calls", "hook calls", labels=["hook"])
-        for hook, (secs, n) in snap["hook_time"].items():
-            seconds.add_metric([hook], secs)
-            calls.add_metric([hook], n)
-        yield seconds
-        yield calls
+    counters = snap["counters"]
+    yield counter("puts", "put requests received", counters["puts"])
+    yield counter("gets", "get and get_batch requests received", counters["gets"])
+    yield counter("delivered_items", "items sent to consumers", counters["delivered"])
+    yield gauge("uptime_seconds", "seconds since the broker started", snap["uptime_s"])
+    yield gauge("keys", "keys the broker holds state for", snap["key_count"])
+    yield gauge("bytes_held", "bytes of queued and leased items: payloads plus 320 per item",
+                snap["bytes_held"])
+    yield gauge("leases_outstanding", "deliveries not acknowledged yet", snap["leases"])
+    yield gauge("clients", "connected handles", snap["client_count"])
+    yield gauge("consumers", "consumer ids present (declared or connected)",
+                snap["present_consumers"])
 
-        shm = snap["shm"]
-        yield gauge("shm_segments", "shared-memory segments of this channel", shm.get("segments", 0))
-        yield gauge("shm_slots_used", "shared-memory slots holding items", shm.get("slots_used", 0))
-        yield gauge("shm_bytes_held", "bytes in shared-memory slots held by the broker",
-                    shm.get("bytes_held", 0))
-        yield gauge("shm_consumer_bytes", "bytes in shared-memory slots consumers still hold",
-                    shm.get("consumer_bytes", 0))
+    seconds = CounterMetricFamily("zchannel_hook_seconds", "seconds spent in hook calls",
+                                  labels=["hook"])
+    calls = CounterMetricFamily("zchannel_hook_calls", "hook calls", labels=["hook"])
+    for hook, (secs, n) in snap["hook_time"].items():
+        seconds.add_metric([hook], secs)
+        calls.add_metric([hook], n)
+    yield seconds
+    yield calls
+
+    shm = snap["shm"]
+    yield gauge("shm_segments", "shared-memory segments of this channel", shm.get("segments", 0))
+    yield gauge("shm_slots_used", "shared-memory slots holding items", shm.get("slots_used", 0))
+    yield gauge("shm_bytes_held", "bytes in shared-memory slots held by the broker",
+                shm.get("bytes_held", 0))
+    yield gauge("shm_consumer_bytes", "bytes in shared-memory slots consumers still hold",
+                shm.get("consumer_bytes", 0))
+
+
+def _tables(snap: dict[str, Any]) -> Iterator[Any]:
+    """The per-key, per-consumer and per-client metric families."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    per_key = [
+        ("key_items_held", "items queued on a key (shared and private queues)", 1),
+        ("key_bytes_held", "bytes queued on a key: payloads plus 320 per item", 2),
+        ("key_leases", "deliveries of a key not acknowledged yet", 3),
+        ("key_waiting_getters", "get requests parked on a key", 4),
+        ("key_waiting_putters", "put requests parked on a key (its queue is full)", 5),
+    ]
+    for name, doc, col in per_key:
+        fam = GaugeMetricFamily(f"zchannel_{name}", doc, labels=["key"])
+        for row in snap["keys"]:
+            fam.add_metric([row[0]], row[col])
+        yield fam
+    handles = GaugeMetricFamily("zchannel_consumer_handles", "handles connected per consumer id",
+                                labels=["consumer"])
+    for cid, n in snap["consumers"]:
+        handles.add_metric([cid], n)
+    yield handles
+
+    per_client = [
+        ("client_outstanding_requests", "requests of a client parked in the broker", 2),
+        ("client_leases", "deliveries a client has not acknowledged yet", 3),
+        ("client_seconds_since_seen", "seconds since the broker last heard from a client", 4),
+    ]
+    for name, doc, col in per_client:
+        fam = GaugeMetricFamily(f"zchannel_{name}", doc, labels=["client", "identity"])
+        for row in snap["clients"]:
+            fam.add_metric([row[0], row[1]], row[col])
+        yield fam

@@ -330,9 +330,17 @@ def bench(
         except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
             error = f"benchmark failed: {exc}"
         elapsed = time.monotonic() - started
+    _report(runner, opts, machine, targets, size, elapsed, error)
+    if error is not None:
+        raise BenchFailure(error)
+
+
+def _report(runner: Runner, opts: dict[str, Any], machine: dict[str, Any],
+            targets: list[TargetResult], size: int, elapsed: float, error: str | None) -> None:
+    """The report of a bench run (stdout; stderr with ``--json -``) and its JSON file."""
     # with --json - the JSON owns stdout and the report goes to stderr
     out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
-    out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
+    out(f"zchannel bench {opts['scenario']}: {runner.repeats} run(s) per case, medians shown; "
         f"{elapsed:.1f}s")
     out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
         f"{machine['loadavg'][0]:.1f}")
@@ -345,5 +353,3 @@ def bench(
         options["payload_bytes"] = size
         write_json(opts["json_path"], machine, options, runner.rows, targets, runner.notes,
                    error is None, error, warnings)
-    if error is not None:
-        raise BenchFailure(error)
