@@ -46,7 +46,7 @@ _REPLICA_FIELDS = ("bound_keys", "binding", "keys_given", "moves_asked")
 STATS_CONNECT_S = 3.0
 
 
-class DistributedChannel(KeyRouting, BrokerChannel):
+class DistributedChannel(BrokerChannel):
     """A handle of a channel served by several broker replicas (see the module docstring)."""
 
     def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
@@ -61,8 +61,7 @@ class DistributedChannel(KeyRouting, BrokerChannel):
                          curve_keys=curve_keys)
         self._subs: dict[int, BrokerChannel] = dict(subs or {})
         self._subs_lock = threading.Lock()
-        self._bindings: dict[Any, int] = {}
-        self._binder = 0  # the replica that answered the last binding request
+        self._routing = KeyRouting(self._replicas, self._node, name, self._sub)
         self._owner = owner
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
@@ -118,15 +117,24 @@ class DistributedChannel(KeyRouting, BrokerChannel):
 
     # -- operations ---------------------------------------------------------------------
 
+    def replica_of(self, key: Any = DEFAULT_KEY) -> int:
+        """The index of the replica ``key`` is bound to, binding it now (first touch) if this
+        handle has not seen it yet."""
+        return self._routing.replica_of(key)
+
+    def node_of(self, key: Any = DEFAULT_KEY) -> str:
+        """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
+        return self._routing.node_of(key)
+
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
             async_op: bool = False, timeout: float | None = None) -> Work | None:
         check_weight(weight)
         check_timeout(timeout)
-        return self._on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout))
+        return self._routing.on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout))
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         check_weight(weight)
-        self._on(key, lambda sub, _: sub.put_nowait(item, weight, key))
+        self._routing.on(key, lambda sub, _: sub.put_nowait(item, weight, key))
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
@@ -140,34 +148,34 @@ class DistributedChannel(KeyRouting, BrokerChannel):
                 return result.then(lambda d: self._tag(d, index))
             return self._tag(result, index)
 
-        return self._on(key, call)
+        return self._routing.on(key, call)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         def call(sub: BrokerChannel, index: int) -> Any:
             result = sub.get_nowait(key, ack=ack, copy=copy)
             return self._tag(result, index) if ack else result
 
-        return self._on(key, call)
+        return self._routing.on(key, call)
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,
                   copy: bool | None = None) -> list[Any] | Work:
         check_target_weight(target_weight)
         check_timeout(timeout)
-        return self._on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
+        return self._routing.on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
                                                           copy=copy))
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
-        return self._on(key, lambda sub, _: sub.qsize(key, consumer))
+        return self._routing.on(key, lambda sub, _: sub.qsize(key, consumer))
 
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
-        return self._on(key, lambda sub, _: sub.full(key, consumer))
+        return self._routing.on(key, lambda sub, _: sub.full(key, consumer))
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
              weights: bool = False) -> list[Any]:
         """``Channel.peek`` on the replica holding ``key`` (an unbound key is bound to this
         node's replica first, as by any operation)."""
-        return self._on(key, lambda sub, _: sub.peek(key, n, consumer=consumer, weights=weights))
+        return self._routing.on(key, lambda sub, _: sub.peek(key, n, consumer=consumer, weights=weights))
 
     def reserve_shm(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm`` on this node's replica (where this process's keys live)."""

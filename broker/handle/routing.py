@@ -1,7 +1,8 @@
 """Key routing of a distributed channel handle (client side): which replica holds a key.
 
-``KeyRouting`` is the part of ``DistributedChannel`` (``handle/distributed.py``) that binds keys and
-follows them.  The first operation of any kind on a key asks the binder (``broker/cluster/binding.py``):
+``KeyRouting`` is held by a ``DistributedChannel`` (``handle/distributed.py``): it binds keys
+and follows them, knowing of the handle only its replica table, its node and how to reach a
+replica (``sub(index)``).  The first operation of any kind on a key asks the binder (``broker/cluster/binding.py``):
 it starts with the replica that answered last, follows ``BindAnswer`` redirects, goes on to the
 next replica when one is unavailable, and waits while a replica joins.  A replica that has not
 answered within ``BIND_HEDGE_S`` stays asked and the next one is asked meanwhile: a binder that
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from zchannel.broker.cluster.clusterfile import Replica
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
@@ -37,17 +39,18 @@ _T = TypeVar("_T")
 
 
 class KeyRouting:
-    """Binding and following keys (see the module docstring).  The handle provides
-    ``_replicas`` (the replica table), ``_node``, ``_name``, ``_bindings`` (key -> replica),
-    ``_binder`` (the replica that answered last) and ``_sub(index)`` (its handle of a
-    replica)."""
+    """Binding and following the keys of one distributed handle (see the module docstring):
+    ``replicas``, its replica table; ``node``, the node it runs on; ``name``, the channel (for
+    messages); ``sub(index)``, its handle of replica ``index``."""
 
-    _replicas: list
-    _node: str
-    _name: str | None
-    _bindings: dict[Any, int]
-    _binder: int
-    _sub: Callable[[int], BrokerChannel]
+    def __init__(self, replicas: list[Replica], node: str, name: str | None,
+                 sub: Callable[[int], BrokerChannel]) -> None:
+        self._replicas = replicas
+        self._node = node
+        self._name = name
+        self._sub = sub
+        self._bindings: dict[Any, int] = {}  # key -> its replica, as bound or last told
+        self._binder = 0  # the replica that answered the last binding request
 
     def replica_of(self, key: Any = DEFAULT_KEY) -> int:
         """The index of the replica ``key`` is bound to, binding it now (first touch) if this
@@ -117,7 +120,7 @@ class KeyRouting:
             elif answer is not None:
                 time.sleep(BIND_RETRY_S)  # a replica joins, or the binder changes: ask again
 
-    def _on(self, key: Any, call: Callable[[BrokerChannel, int], _T]) -> _T:
+    def on(self, key: Any, call: Callable[[BrokerChannel, int], _T]) -> _T:
         """``call(handle, index)`` on the replica holding ``key``.  A channel that moves keys
         (``steal``) answers an operation on a key that moved with ``KeyMoved`` (nothing
         happened): the cached binding is corrected and the operation sent again, there.  An
