@@ -40,7 +40,7 @@ def _register(base: type, name: str) -> Callable[[T], T]:
                 f"{_qualified(taken)}; register {_qualified(cls)} under another name"
             )
         registry[lname] = cls
-        cls.hook_name = lname  # type: ignore[attr-defined]
+        cls.hook_name = lname  # type: ignore[attr-defined]  # set on any class registered
         return cls
 
     return decorator

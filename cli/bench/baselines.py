@@ -68,8 +68,8 @@ def zmq_echo_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[],
 def _send_item(sock: zmq.Socket, views: list[np.ndarray], trackers: deque, track_slot: int) -> None:
     large = any(v.nbytes >= ZERO_COPY_MIN for v in views)
     if large:
-        # an ndarray is a Buffer (numpy's stubs say so from Python 3.12 on)
-        tracker = sock.send_multipart(views, copy=False, track=True)  # type: ignore[arg-type]
+        tracker = sock.send_multipart(
+            views, copy=False, track=True)  # type: ignore[arg-type]  # ndarrays are buffers
         trackers.append((track_slot, tracker))
     else:
         sock.send_multipart([v.tobytes() for v in views])
