@@ -13,9 +13,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:  # the demo imports zchannel.embodied when it runs
+    from zchannel.embodied.runners import RunConfig
+    from zchannel.embodied.spaces import EnvSpec
 
 COLUMNS = [("step", "{:>4}"), ("mean_return", "{:>8.2f}"), ("episode_length", "{:>6.1f}"),
            ("success_rate", "{:>6.2f}"), ("policy_lag", "{:>4.1f}"), ("env_steps_per_s", "{:>8.0f}"),
@@ -174,7 +179,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                      f"{env_name}, {runner} runner, {mode} mode")
 
 
-def _report_training(cfg: Any, spec: Any, result: dict, records: list[dict], seed: int,
+def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict], seed: int,
                      json_path: str | None, plot_path: str | None, title: str) -> None:
     """The end of a training run: the trained and a random policy evaluated on the same env
     seeds, the run's figures, and the files asked for (``--json``, ``--plot``)."""
@@ -216,7 +221,7 @@ def _report_training(cfg: Any, spec: Any, result: dict, records: list[dict], see
         click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
 
 
-def _run_demo(cfg: Any, on_step: Any, ray_nodes: int | None) -> dict:
+def _run_demo(cfg: RunConfig, on_step: Callable[[dict], Any], ray_nodes: int | None) -> dict:
     """Run ``cfg`` (on a Ray cluster of ``ray_nodes`` nodes unless None); a worker's failure
     (and in lerobot mode a recording's) is a ``ClickException``."""
     from zchannel.embodied.runners import WorkerDied, run

@@ -91,7 +91,7 @@ class Cluster:
         return public.removesuffix(".key") + ".key_secret"
 
 
-def _replica(path: Any, i: int, row: Any, name: str | None) -> Replica:
+def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | None) -> Replica:
     """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced."""
     bad = set(row) - {"node", "address", "hostnames"}
     if bad or "node" not in row or "address" not in row:

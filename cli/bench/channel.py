@@ -13,7 +13,7 @@ import dataclasses
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -139,7 +139,7 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     }
 
 
-def _all_received(counts: Any, total: int, keys: list | None, n: int, deadline: float) -> bool:
+def _all_received(counts: Sequence[int], total: int, keys: list | None, n: int, deadline: float) -> bool:
     """After a get timed out: whether the consumers got everything (stop asking); the
     ``TimeoutError`` of a consumer still missing items at ``deadline``."""
     if sum(counts) >= total or (keys is not None and n >= len(keys)):
@@ -160,7 +160,7 @@ def _scheduled_keys(spec: dict) -> list[Any] | None:
     ]
 
 
-def _request(ch: Any, key: Any, batch: int, sync: bool) -> Work:
+def _request(ch: Channel, key: Any, batch: int, sync: bool) -> Work:
     """One get (or get_batch) of the consumer, as a ``Work``; ``sync``: the blocking call a
     user makes (window 1: its latency, not a Work's)."""
     if sync:
