@@ -93,6 +93,16 @@ def main() -> None:
               help="serve Prometheus metrics over HTTP on this port (0 = any free port; needs "
                    "pip install 'zchannel[metrics]'; docs/metrics.md)")
 @click.option("--metrics-address", help="address the metrics endpoint binds (default 127.0.0.1)")
+@click.option("--journal", type=click.Path(file_okay=False),
+              help="a durable channel: record every item in this directory and serve what it "
+                   "holds when started again (docs/durability.md)")
+@click.option("--fsync", type=click.Choice(("always", "interval", "never")),
+              help="when journal records reach the disk: before the reply, within "
+                   "--fsync-interval (default), or when the OS writes them")
+@click.option("--fsync-interval", type=click.FloatRange(min=0, min_open=True),
+              help="seconds between the journal's syncs with --fsync interval (default 0.01)")
+@click.option("--max-journal-bytes", type=click.IntRange(min=0),
+              help="puts wait while the journal would take more disk than this (0 = no limit)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:

@@ -32,6 +32,7 @@ from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues
 from zchannel.broker.core.state import Client, Item, KeyState, Lease, Request
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.core.waiters import Reply, Waiters
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
@@ -76,6 +77,11 @@ class QueueCore:
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
                                deadlines=self.deadlines, reply=reply)
+        self.log: StateLog | None = None
+
+    def attach_log(self, log: StateLog) -> None:
+        """Tell ``log`` (a journal, ``core/statelog.py``) every change of the items from now on."""
+        self.log = self.queues.log = self.waiters.log = log
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
 
@@ -170,6 +176,12 @@ class QueueCore:
             self.reply(client, rid, error=ValueError(
                 f"unknown lease {lease_id!r}: already acknowledged, expired or never issued"))
             return
+        if self.log is not None:
+            try:
+                self.log.acked(lease.item)
+            except Exception as exc:  # not recorded: the lease stays open
+                self.reply(client, rid, error=exc)
+                return
         self.lease_book.end(lease)
         self.queues.bytes_held -= lease.item.nbytes
         self.reply(client, rid)
@@ -201,9 +213,10 @@ class QueueCore:
                 self._return_lease(lease)
         self._leave(client)
 
-    def requeue(self, client: Client, origin: tuple[Any, str | None], items: list[Item],
+    def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
                 lease_id: int | None) -> None:
-        """A delivery could not reach ``client``: its items go back to the head of their queue."""
+        """A delivery could not reach ``client``: its items go back to the head of their queue
+        (also the items a durable channel's journal held when its broker started)."""
         key, consumer = origin
         lease = self.lease_book.find(lease_id)
         if lease is not None:
@@ -211,6 +224,8 @@ class QueueCore:
         else:
             for item in items:
                 self.queues.bytes_held += item.nbytes
+            if self.log is not None:
+                self.log.returned(items)
         ks = self.queues.state(key)
         if consumer is not None and not self.registry.known(consumer):
             for item in items:

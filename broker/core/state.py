@@ -20,6 +20,7 @@ class Item:
     nbytes: int
     value: Any = None  # the decoded item, when a hook needed it
     decoded: bool = False
+    jid: int = 0  # its number in the channel's journal (``StateLog``), 0 without one
 
 
 @dataclass(eq=False)

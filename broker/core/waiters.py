@@ -22,6 +22,7 @@ from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
 from zchannel.broker.core.state import Client, Item, KeyState, Request
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
@@ -45,6 +46,7 @@ class Waiters:
         self.deadlines = deadlines
         self.reply = reply
         self.putters: deque[Request] = deque()
+        self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -56,6 +58,8 @@ class Waiters:
             self.reply(client, rid)
             return
         if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
+            if self.log is not None and not self._logged(client, rid, outputs):
+                return
             for ks in queues.store(outputs):
                 self.serve(ks)
             self.reply(client, rid)
@@ -65,6 +69,11 @@ class Waiters:
             self.reply(client, rid, error=ValueError(
                 f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
                 f"limit ({queues.max_bytes})"))
+            return
+        if self.log is not None and not self.log.fits(queues.outputs_bytes(outputs)):
+            self.reply(client, rid, error=ValueError(
+                f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's "
+                "max_journal_bytes limit"))
             return
         if nowait:
             self.reply(client, rid, error=self._queue_full(req))
@@ -76,6 +85,17 @@ class Waiters:
         self.putters.append(req)
         for k in {k for k, _, _ in outputs}:
             queues.state(k).putters += 1
+
+    def _logged(self, client: Client, rid: int, outputs: Outputs) -> bool:
+        """Record a put's items in the journal before they are stored; False (and the put's
+        error reply: nothing is stored) when the journal could not record them."""
+        assert self.log is not None
+        try:
+            self.log.stored(outputs)
+        except Exception as exc:
+            self.reply(client, rid, error=exc)
+            return False
+        return True
 
     def _waiting_targets(self) -> set[tuple[Any, str | None]]:
         waiting: set[tuple[Any, str | None]] = set()
@@ -95,10 +115,12 @@ class Waiters:
                 continue
             if self.queues.admits(req.outputs, blocked):
                 self._unpark_putter(req)
+                admitted = True
+                if self.log is not None and not self._logged(req.client, req.rid, req.outputs):
+                    continue
                 for ks in self.queues.store(req.outputs):
                     self.serve(ks)
                 self.reply(req.client, req.rid)
-                admitted = True
             else:
                 blocked |= self.queues.targets(req.outputs)
         if admitted:
@@ -129,6 +151,8 @@ class Waiters:
             # item at once, without a Request record
             item = ks.shared.popleft()
             self.queues.bytes_held -= item.nbytes
+            if self.log is not None:
+                self.log.taken((item,))
             self.reply(client, rid, items=[item], origin=(ks.key, None))
             if self.putters:
                 self.admit_putters()
@@ -255,9 +279,13 @@ class Waiters:
         lease_id = None
         if req.ack and req.kind == "get":
             lease_id = self.leases.issue(req.client, ks, origin, items[0])
+            if self.log is not None:
+                self.log.leased(items[0])
         else:
             for item in items:
                 self.queues.bytes_held -= item.nbytes
+            if self.log is not None:
+                self.log.taken(items)
         self.reply(req.client, req.rid, items=items, batch=req.kind == "batch", lease=lease_id,
                    origin=(ks.key, origin))
 

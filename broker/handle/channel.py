@@ -39,6 +39,7 @@ from zchannel.broker.handle.distributed import (
 from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
+from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.metrics import check_port
 from zchannel.broker.server.starting import (
     START_TIMEOUT_S,
@@ -123,6 +124,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         lease_timeout: float = 30.0,
         shm_threshold: int | None = None,
         metrics_port: int | None = None,
+        journal: str | os.PathLike | None = None,
+        fsync: str = "interval",
+        fsync_interval: float = 0.01,
+        max_journal_bytes: int = 0,
     ) -> Channel:
         """Start a broker for ``name`` and return a connected handle (``created`` True); if a
         live broker already serves the name, attach to it (``created`` False, a warning on the
@@ -140,6 +145,14 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
 
         ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
         (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
+
+        ``journal``: a directory; the channel is durable (``docs/durability.md``): its broker
+        records every put and removal there and, started again on it, serves what was not
+        taken.  ``fsync`` says when a record is on disk: ``"always"`` (before the reply),
+        ``"interval"`` (within ``fsync_interval`` seconds, default 0.01) or ``"never"`` (when
+        the OS writes it).  ``max_journal_bytes`` (0: none) makes puts wait while the journal
+        would take more disk.  A journaled broker that dies is started again by this process,
+        on the same address and journal, while the handle that created it is open.
         """
         paths.check_name(name)
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
@@ -162,6 +175,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             raise TypeError("producers= takes a list of group names")
         if local and metrics_port is not None:
             raise ValueError("metrics_port needs a broker process (local=False)")
+        if local and journal is not None:
+            raise ValueError("a journal needs a broker process (local=False)")
         if local:
             return LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
@@ -187,6 +202,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             config["shm_threshold"] = shm_threshold
         if metrics_port is not None:
             config["metrics_port"] = check_port(metrics_port)
+        if journal is not None:  # a durable channel (docs/durability.md)
+            config.update(journal=os.path.abspath(os.fspath(journal)), fsync=fsync,
+                          fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
+            BrokerConfig(**config)  # wrong values fail here, not in the broker
         codec.encode(config)  # options must be msgpack-able: fail here, not in the child
         if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
             return ray_placement.create(config, distributed=distributed, node_rank=node_rank,

@@ -148,7 +148,8 @@ def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
-                 metrics=broker.metrics.url if broker.metrics is not None else None)
+                 metrics=broker.metrics.url if broker.metrics is not None else None,
+                 journal=broker.journal.stats() if broker.journal is not None else None)
     if broker.replica is not None:
         broker.replica.annotate(stats)
     body, _ = codec.encode(stats)

@@ -27,8 +27,11 @@ from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
+from zchannel.broker.journal.journal import Journal
+from zchannel.broker.journal.store import JournalFailed
 from zchannel.broker.server import metrics
 from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.durable import open_journal
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
 from zchannel.broker.server.peers import Peers
@@ -102,8 +105,11 @@ class Broker:
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
+        self.lock_name = lock_name
         self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
         self.address = self.endpoint.address
+        self.exit_code = 0
+        self.journal: Journal | None = None
         self.shm: ShmBroker | None = None
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
@@ -140,6 +146,8 @@ class Broker:
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()
         self.sessions.core = self.core
+        if config.journal is not None:  # a durable channel (broker/journal/)
+            self.journal = open_journal(config, self.lock_name, self.core, self.sessions)
         self._running = False
         self.hook_time = metrics.HookTime()
         self.metrics: metrics.MetricsServer | None = None
@@ -200,10 +208,13 @@ class Broker:
         gc.set_threshold(50_000, 20, 20)
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
+        journal = self.journal
         try:
             while self._running:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
+                if journal is not None:
+                    wake = min(wake, journal.due() or wake)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
                 if self.peers.poll_dirty:  # links came or went, or a full socket held bytes back
                     self._poll_set = self.peers.poll_set(self._poll_base)
@@ -229,12 +240,17 @@ class Broker:
                 if away > hb:
                     self.sessions.was_stalled(away)
                 self.core.tick(now)
+                if journal is not None:
+                    journal.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
                     next_hb = now + hb / 2
                     if stops.parent_gone():
                         self._running = False
                 self.sessions.flush()
+        except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
+            log.critical("channel %r stops: %s", self.config.name, exc)
+            self.exit_code = 3
         finally:
             self.close()
             stops.close()
@@ -253,6 +269,9 @@ class Broker:
             if self.replica is not None:
                 self.replica.close()
             log.debug("broker %r stopped", self.config.name)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         self._release_files()
 
     def _release_files(self) -> None:
@@ -393,7 +412,7 @@ def run_broker(config: BrokerConfig) -> int:
     setup_logging()
     broker = Broker(config)
     broker.serve_forever()
-    return 0
+    return broker.exit_code
 
 
 def main_from_stdin() -> int:
@@ -417,7 +436,7 @@ def main_from_stdin() -> int:
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()
         return 1
-    return 0
+    return broker.exit_code
 
 
 __all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "run_broker"]

@@ -1,0 +1,375 @@
+"""``Journal``: the record of a durable channel's items, kept by its broker.
+
+The queue core calls it where items enter and leave (``core/statelog.py``); the broker's loop
+calls ``commit`` before it sends replies, ``sent`` after, and ``tick`` at ``due``.  What it
+writes (``journal/format.py``):
+
+- a ``PUT`` record for every stored item (each output of a collector), its frames raw, before
+  the item enters its queue: the put is answered after the record was written (``interval``,
+  ``never``) or synced (``always``);
+- a ``REMOVE`` record for every item that left: for an ``ack``, before the ack is answered; for
+  a plain ``get``, once its reply was handed to the socket (``sent``) — so an item whose reply
+  had not left when the broker died is there again after a restart (at least once);
+- a ``LEASE`` record for every delivery under a lease (counted as a redelivery when it comes
+  back after a restart);
+- ``TABLE`` records for tables registered beside the items (``register_table``), whole at the
+  start of every segment, so that older segments are never needed for them.
+
+Segments are removed oldest first, once every item they hold has left; an old segment that
+keeps a few items while the journal grows past twice what its items take has them copied to
+the end (``compact``), so the disk used stays within about twice the bytes the channel holds
+plus three segments (``docs/durability.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zchannel.broker.core.state import Item
+from zchannel.broker.core.statelog import Output
+from zchannel.broker.errors import JournalError
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.recovery import Recovered, read_journal
+from zchannel.broker.journal.segments import JournalDir, SegmentFile
+from zchannel.broker.journal.store import DIRECT_BYTES, SEGMENT_BYTES, JournalFailed, SegmentStore
+from zchannel.broker.shm.broker import FramedSlots, SlotFrames
+from zchannel.broker.wire.argchecks import check_key, check_weight
+from zchannel.broker.wire.protocol import key_from_wire
+
+log = logging.getLogger("zchannel.journal")
+
+PUT_OVERHEAD = 64  # bytes a put record adds to its item, about (header, meta)
+COMPACT_BYTES_PER_TICK = 16 << 20  # items copied by one ``compact`` at most
+
+
+@dataclass
+class JournalSettings:
+    """Where and how a channel's journal is kept (``BrokerConfig.journal``, ``fsync``...)."""
+
+    directory: str
+    name: str
+    fsync: str = "interval"
+    fsync_interval: float = 0.01
+    max_bytes: int = 0  # max_journal_bytes: puts wait while the journal would pass it (0: none)
+    segment_bytes: int = SEGMENT_BYTES
+
+
+# jid -> (its segment, its record's bytes, its key, the item)
+Live = dict[int, tuple[SegmentFile, int, Any, Item]]
+
+
+class Journal:
+    """The journal of one channel (see the module docstring); a ``StateLog`` for its core."""
+
+    def __init__(self, settings: JournalSettings) -> None:
+        self.settings = settings
+        segment_bytes = settings.segment_bytes
+        if settings.max_bytes:  # a few segments fit in the limit
+            segment_bytes = max(64 << 10, min(segment_bytes, settings.max_bytes // 8))
+        self.dir = JournalDir(settings.directory, settings.name)
+        try:
+            self.store = SegmentStore(self.dir, policy=settings.fsync,
+                                      interval=settings.fsync_interval,
+                                      segment_bytes=segment_bytes, kind=fmt.default_kind())
+        except BaseException:
+            self.dir.close()
+            raise
+        self.live: Live = {}
+        self.live_bytes = 0
+        self._next_jid = 1
+        self._sending: set[int] = set()  # taken by plain gets whose replies were not sent yet
+        self._unwritten: list[int] = []  # removals that found no room (written later)
+        self._leases: list[int] = []
+        self.on_room: Callable[[], None] | None = None  # puts may fit again (segments went)
+        self._tables: dict[str, Callable[[], dict]] = {}
+        self.recovered: Recovered | None = None
+        self.recovered_items = 0
+        self.redelivered = 0
+        self.recovery_s = 0.0
+        self.refused = 0  # puts and acks it could not record
+        self.store.on_roll = self._write_tables
+
+    # -- start -------------------------------------------------------------------------------
+
+    def recover(self) -> list[tuple[Any, str | None, list[Item]]]:
+        """Read the journal (``journal/recovery.py``) and open a new segment to write in; the
+        items still the channel's, grouped by key and private queue, each group in put order."""
+        started = time.monotonic()
+        rec = self.recovered = read_journal(self.dir)
+        for seg in rec.segments:
+            self.store.adopt(seg)
+        self._next_jid = rec.max_jid + 1
+        groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
+        for jid, (seg, nbytes, put) in rec.items.items():
+            try:
+                key = check_key(key_from_wire(put.key))
+                weight = check_weight(put.weight)
+            except (TypeError, ValueError) as exc:
+                log.error("journal item %d has a bad key or weight (%s): skipped", jid, exc)
+                continue
+            item = _item(jid, weight, put)
+            self.live[jid] = (seg, nbytes, key, item)
+            seg.live += 1
+            seg.live_bytes += nbytes
+            self.live_bytes += nbytes
+            consumer = put.consumer if isinstance(put.consumer, str) else None
+            groups[(key, consumer)].append(item)
+        self.recovered_items = len(self.live)
+        self.redelivered = len(rec.leased)
+        self.store.start()
+        self.store.drop_dead_prefix()  # segments whose items all left before the restart
+        self.recovery_s = time.monotonic() - started
+        if self.live or rec.segments:
+            log.info("journal of %r: %d items recovered (%d were out on a lease) from %d "
+                     "segments, %.1f MiB read in %.2fs", self.settings.name, len(self.live),
+                     self.redelivered, len(rec.segments), rec.bytes_read / (1 << 20),
+                     self.recovery_s)
+        for items in groups.values():
+            items.sort(key=lambda it: it.jid)
+        return [(key, consumer, items) for (key, consumer), items in groups.items()]
+
+    def register_table(self, name: str, snapshot: Callable[[], dict]) -> dict:
+        """Keep table ``name`` beside the items: ``snapshot()`` gives all of it (written at the
+        start of every segment), ``table_set`` records changes.  Returns the table as the
+        journal held it at start (empty for a new journal)."""
+        self._tables[name] = snapshot
+        self._write_table(name, snapshot(), whole=True)
+        return dict(self.recovered.tables.get(name, {})) if self.recovered else {}
+
+    def table_set(self, name: str, pairs: dict) -> None:
+        """Record that ``pairs`` of table ``name`` changed (written with the next commit)."""
+        self._write_table(name, pairs, whole=False)
+
+    def _write_table(self, name: str, data: dict, whole: bool) -> None:
+        body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
+        self.store.append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+
+    def _write_tables(self) -> None:
+        for name, snapshot in self._tables.items():
+            self._write_table(name, snapshot(), whole=True)
+
+    # -- StateLog ----------------------------------------------------------------------------
+
+    def stored(self, outputs: Sequence[Output]) -> None:
+        written: list[int] = []
+        try:
+            for key, consumer, item in outputs:
+                jid = self._next_jid
+                parts, nbytes = self._put_parts(jid, key, consumer, item)
+                seg = self.store.append(parts, nbytes, for_put=True)
+                self._next_jid = jid + 1
+                item.jid = jid
+                self._add_live(jid, seg, nbytes, key, item)
+                written.append(jid)
+        except JournalError:
+            self.refused += 1
+            if written:  # a put is all or nothing
+                self._remove(written)
+            raise
+
+    def taken(self, items: Sequence[Item]) -> None:
+        sending = self._sending
+        for item in items:
+            sending.add(item.jid)
+
+    def leased(self, item: Item) -> None:
+        self._leases.append(item.jid)
+
+    def acked(self, item: Item) -> None:
+        try:
+            self._write_removal([item.jid])
+        except JournalError:
+            self.refused += 1
+            raise
+        self._forget([item.jid])
+
+    def returned(self, items: Sequence[Item]) -> None:
+        for item in items:
+            self._sending.discard(item.jid)
+
+    def room(self, nbytes: int) -> bool:
+        limit = self.settings.max_bytes
+        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD, limit)
+
+    def fits(self, nbytes: int) -> bool:
+        limit = self.settings.max_bytes
+        return not limit or nbytes + PUT_OVERHEAD + self.store.margin + 4096 <= limit
+
+    # -- records -----------------------------------------------------------------------------
+
+    def _put_parts(self, jid: int, key: Any, consumer: str | None, item: Item) -> tuple[list, int]:
+        payload = item.payload
+        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
+        slots = 0
+        if isinstance(payload, FramedSlots):
+            slots = len(payload.framed)
+        elif isinstance(payload, SlotFrames):  # the slots' bytes, straight from shared memory
+            frames.extend(h.view() for h in payload.holds)
+            slots = len(payload.holds)
+        sizes = [memoryview(f).nbytes for f in frames]
+        meta = [jid, key, item.weight, consumer, sizes, slots, None]
+        parts, nbytes = fmt.put_parts(self.store.crc, meta, frames)
+        if nbytes < DIRECT_BYTES and len(parts) > 1:
+            parts = [b"".join(bytes(p) if not isinstance(p, bytes) else p for p in parts)]
+        return parts, nbytes
+
+    def _add_live(self, jid: int, seg: SegmentFile, nbytes: int, key: Any, item: Item) -> None:
+        self.live[jid] = (seg, nbytes, key, item)
+        seg.live += 1
+        seg.live_bytes += nbytes
+        self.live_bytes += nbytes
+
+    def _write_removal(self, jids: list[int]) -> None:
+        body = fmt.pack(jids)
+        self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
+
+    def _forget(self, jids: list[int]) -> None:
+        """``jids`` left the channel and their removal is recorded: their segments may go."""
+        live = self.live
+        for jid in jids:
+            entry = live.pop(jid, None)
+            if entry is not None:
+                seg, nbytes = entry[0], entry[1]
+                seg.live -= 1
+                seg.live_bytes -= nbytes
+                self.live_bytes -= nbytes
+        if self.store.segments[0].live == 0 and len(self.store.segments) > 1:
+            if self.store.drop_dead_prefix() and self.on_room is not None:
+                self.on_room()
+
+    def _remove(self, jids: list[int]) -> None:
+        """Record the removal of ``jids`` now, or as soon as there is room for it."""
+        try:
+            self._write_removal(jids)
+        except JournalError as exc:
+            if not self._unwritten:
+                log.warning("journal of %r: no room to record removals (%s); they wait",
+                            self.settings.name, exc)
+            self._unwritten.extend(jids)
+            return
+        self._forget(jids)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Before the broker sends replies: what they confirm is written (``always``: synced)."""
+        if self._leases:
+            leases, self._leases = self._leases, []
+            body = fmt.pack(leases)
+            try:
+                self.store.append([fmt.record(self.store.crc, fmt.LEASE, body)],
+                                  fmt.HEADER.size + len(body))
+            except JournalError as exc:  # only counts redeliveries: not worth failing for
+                log.debug("lease record dropped: %s", exc)
+        self.store.commit()
+
+    def sent(self) -> None:
+        """The broker handed its replies to the sockets: record the removals of the items that
+        plain gets took."""
+        if self._sending:
+            jids = list(self._sending)
+            self._sending.clear()
+            if self._unwritten:
+                jids, self._unwritten = self._unwritten + jids, []
+            self._remove(jids)
+
+    def due(self) -> float | None:
+        """When ``tick`` has work (the interval's deadline), or None."""
+        return self.store.due()
+
+    def tick(self, now: float) -> None:
+        """Write and sync what the interval says, retry removals that found no room, and
+        compact; ``JournalFailed`` once a write or sync failed."""
+        if self.store.failed is not None:
+            raise JournalFailed(f"the journal failed: {self.store.failed}")
+        self.store.tick(now)
+        if self._unwritten:
+            unwritten, self._unwritten = self._unwritten, []
+            self._remove(unwritten)
+        self.compact()
+
+    def compact(self) -> int:
+        """Copy the items of the oldest segment to the end when the journal takes more than
+        twice its items' bytes plus two segments, so that segment can go; the bytes copied."""
+        store = self.store
+        if len(store.segments) < 3:
+            return 0
+        slack = 2 * self.live_bytes + 2 * store.segment_bytes
+        limit = self.settings.max_bytes
+        if store.disk_bytes <= slack and not (limit and store.disk_bytes > limit * 3 // 4):
+            return 0
+        oldest = store.segments[0]
+        copied = 0
+        for jid, (seg, old_bytes, key, item) in list(self.live.items()):
+            if seg is not oldest or copied >= COMPACT_BYTES_PER_TICK:
+                break
+            parts, nbytes = self._put_parts(jid, key, None, item)
+            try:
+                new = store.append(parts, nbytes)
+            except JournalError:
+                break
+            del self.live[jid]
+            seg.live -= 1
+            seg.live_bytes -= old_bytes
+            self.live_bytes -= old_bytes
+            self._add_live(jid, new, nbytes, key, item)
+            copied += nbytes
+        if store.drop_dead_prefix() and self.on_room is not None:
+            self.on_room()
+        return copied
+
+    def stats(self) -> dict[str, Any]:
+        store = self.store
+        now = time.monotonic()
+        return {
+            "directory": self.dir.path,
+            "fsync": store.policy,
+            "fsync_interval_ms": round(store.interval * 1000, 3),
+            "bytes": store.disk_bytes,
+            "segments": len(store.segments),
+            "items": len(self.live),
+            "item_bytes": self.live_bytes,
+            "max_journal_bytes": self.settings.max_bytes,
+            "fsync_lag_ms": round(store.lag(now) * 1000, 3),
+            "last_fsync_ms": round(store.last_sync_s * 1000, 3),
+            "fsyncs": store.syncs,
+            "recovered_items": self.recovered_items,
+            "redelivered": self.redelivered,
+            "recovery_s": round(self.recovery_s, 3),
+            "refused": self.refused,
+            "failed": None if store.failed is None else str(store.failed),
+        }
+
+    @property
+    def failed(self) -> bool:
+        return self.store.failed is not None
+
+    def close(self) -> None:
+        """Write (and sync, unless ``never``) what is pending, close the files, let the lock go."""
+        try:
+            if not self.failed and (self._sending or self._leases):
+                self.sent()
+                self.commit()
+        except JournalError as exc:
+            log.error("journal of %r: %s", self.settings.name, exc)
+        finally:
+            try:
+                self.store.close()
+            finally:
+                self.dir.close()
+
+
+def _item(jid: int, weight: int | float, put: fmt.PutRecord) -> Item:
+    """The queue item of a recovered ``PUT``: small frames copied, large ones views of the file."""
+    frames: list[Any] = [f if f.nbytes >= DIRECT_BYTES else bytes(f) for f in put.frames]
+    payload: list[Any] = frames
+    if put.slots:
+        first = len(frames) - put.slots
+        payload = FramedSlots(frames, list(range(first, len(frames))))
+    return Item(payload, weight, sum(memoryview(f).nbytes for f in frames), jid=jid)
