@@ -268,6 +268,16 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
                    f"slots used {shm.get('slots_used')}   bytes held {shm.get('bytes_held')}   "
                    f"held by consumers {shm.get('consumer_bytes')}   same-host clients "
                    f"{shm.get('clients')}")
+    journal = stats.get("journal")
+    if journal:  # a durable channel (docs/durability.md)
+        limit = journal.get("max_journal_bytes") or "none"
+        click.echo(f"journal   {journal.get('directory')}   fsync {journal.get('fsync')}   "
+                   f"bytes {journal.get('bytes')} (limit {limit})   segments "
+                   f"{journal.get('segments')}   items {journal.get('items')}   fsync lag "
+                   f"{journal.get('fsync_lag_ms')} ms   last fsync "
+                   f"{journal.get('last_fsync_ms')} ms   recovered "
+                   f"{journal.get('recovered_items')}"
+                   + (f"   FAILED: {journal['failed']}" if journal.get("failed") else ""))
     if stats.get("collector_stats"):
         click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")
     click.echo(f"consumers {', '.join(stats.get('consumers') or []) or '-'}")

@@ -36,6 +36,7 @@ from zchannel.broker.handle.distributed import (
     connect_from_cluster,
     create_from_cluster,
 )
+from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
@@ -250,6 +251,9 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         except BaseException:
             handle._kill_broker()
             raise
+        if journal is not None:  # started again when it dies (handle/keeper.py)
+            handle._keeper = BrokerKeeper(name, dict(config, address=real_address), proc,
+                                          handle._broker_restarted)
         return handle
 
     @classmethod
