@@ -320,6 +320,8 @@ class Journal:
             self.live_bytes -= old_bytes
             self._add_live(jid, new, nbytes, key, item)
             copied += nbytes
+        if copied:
+            store.sync_now()  # the copies are on disk before the originals go
         if store.drop_dead_prefix() and self.on_room is not None:
             self.on_room()
         return copied

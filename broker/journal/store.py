@@ -226,7 +226,18 @@ class SegmentStore:
     def commit(self) -> None:
         """Before replies are sent: write the buffer; with ``always``, sync all that was written."""
         self.flush_buffer()
-        if self.policy == "always" and (self._dirty or self._dir_dirty):
+        if self.policy == "always":
+            self._sync_dirty()
+
+    def sync_now(self) -> None:
+        """Write the buffer and (unless ``never``) sync everything written, now: compaction's
+        copies are on disk before the segment they come from is removed."""
+        self.flush_buffer()
+        if self.policy != "never":
+            self._sync_dirty()
+
+    def _sync_dirty(self) -> None:
+        if self._dirty or self._dir_dirty:
             started = time.monotonic()
             try:
                 for seg in self._dirty:
