@@ -139,6 +139,8 @@ class Waiters:
                 self.queues.mark_idle(ks)
 
     def _queue_full(self, req: Request) -> QueueFull:
+        if self.log is not None and not self.log.room(self.queues.outputs_bytes(req.outputs)):
+            return QueueFull("the journal holds max_journal_bytes: no room for this put")
         return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {self.queues.maxsize})")
 
     # -- gets ------------------------------------------------------------------------------------

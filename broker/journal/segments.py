@@ -50,6 +50,11 @@ class SegmentFile:
     def free(self) -> int:
         return self.allocated - self.used
 
+    def fileno(self) -> int:
+        """Its open file (only segments written by this broker are open, until sealed)."""
+        assert self.fd is not None, f"{self.path} is not open"
+        return self.fd
+
 
 def write_all(fd: int, parts: Sequence[Any], offset: int) -> int:
     """Write ``parts`` at ``offset`` of ``fd`` (``os.pwritev``, at most ``IOV_MAX`` parts a
@@ -146,7 +151,8 @@ class JournalDir:
             write_all(fd, [head], 0)
             if sync:
                 os.fdatasync(fd)
-                os.fsync(self.dir_fd)
+                if self.dir_fd is not None:
+                    os.fsync(self.dir_fd)
         except OSError as exc:
             if fd is not None:
                 os.close(fd)

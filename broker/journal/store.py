@@ -101,14 +101,24 @@ class SegmentStore:
         full disk: the current one stays)."""
         if self.segments:
             self.flush_buffer()
-        size = max(self.segment_bytes, need + self.margin + 4096)
+        least = need + self.margin + 4096
+        sizes = [max(self.segment_bytes, least)]
+        try:  # a disk nearly full: a smaller segment, down to this record's own
+            free = os.statvfs(self.dir.path)
+            sizes.append(max(least, min(sizes[0], free.f_bavail * free.f_frsize * 3 // 4)))
+        except OSError:
+            pass
+        sizes += [least, need + 4096]
         sync = self.policy != "never"
-        try:
-            seg = self.dir.make(self.next_seq, size, self.kind, sync)
-        except JournalError:
-            if size <= need + 4096:
-                raise
-            seg = self.dir.make(self.next_seq, need + 4096, self.kind, sync)  # what is left
+        seg: SegmentFile | None = None
+        for size in sorted(set(sizes), reverse=True):
+            try:
+                seg = self.dir.make(self.next_seq, size, self.kind, sync)
+                break
+            except JournalError:
+                if size <= need + 4096:
+                    raise
+        assert seg is not None
         self.next_seq += 1
         if self.segments:
             self._seal(self.current)
@@ -122,7 +132,7 @@ class SegmentStore:
         if seg.fd is None:  # read at start: trimmed then
             return
         try:
-            os.ftruncate(seg.fd, seg.used)
+            os.ftruncate(seg.fileno(), seg.used)
             self.disk_bytes -= seg.allocated - seg.used
             seg.allocated = seg.used
         except OSError as exc:
@@ -180,7 +190,7 @@ class SegmentStore:
         self.flush_buffer()
         seg, offset = self._reserve(nbytes, for_put)
         try:
-            write_all(seg.fd, parts, offset)
+            write_all(seg.fileno(), parts, offset)
         except OSError as exc:
             # what was written of it goes (its segment's data end before it: zeros), and the
             # next record starts a new segment
@@ -194,7 +204,7 @@ class SegmentStore:
 
     def _truncate_at(self, seg: SegmentFile, offset: int) -> None:
         try:
-            os.ftruncate(seg.fd, offset)
+            os.ftruncate(seg.fileno(), offset)
         except OSError:
             pass
 
@@ -212,7 +222,7 @@ class SegmentStore:
             return
         seg = self.current
         try:
-            write_all(seg.fd, [self.buf], self.buf_at)
+            write_all(seg.fileno(), [self.buf], self.buf_at)
         except OSError as exc:
             self.failed = exc
             raise JournalFailed(f"the journal could not write to {seg.path}: "
@@ -241,9 +251,9 @@ class SegmentStore:
             started = time.monotonic()
             try:
                 for seg in self._dirty:
-                    os.fdatasync(seg.fd)
+                    os.fdatasync(seg.fileno())
                     seg.synced = seg.written
-                if self._dir_dirty:
+                if self._dir_dirty and self.dir.dir_fd is not None:
                     os.fsync(self.dir.dir_fd)
             except OSError as exc:
                 self.failed = exc
