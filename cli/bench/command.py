@@ -17,6 +17,7 @@ from zchannel.broker import ChannelError
 from zchannel.broker.host.toml import tomllib
 from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
+from zchannel.cli.bench.durable import DURABLE_STEPS, run_durable_targets
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
 from zchannel.cli.bench.report import (
     Progress,
@@ -108,7 +109,8 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10)",
+    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10; durable: D1-D4, "
+    "the cost of a journal against the disk, no journal and Redis with AOF)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -144,7 +146,11 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     help="asynchronous operations in flight per worker",
 )
 @click.option(
-    "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
+    "--baseline", type=click.Choice(("zmq", "ray", "mp", "redis", "none")), default="zmq",
+    show_default=True,
+    help="what each case is compared with in the same run: a zmq.proxy relay, Ray, "
+    "multiprocessing.Queue, or a Redis list with its append-only file (appendfsync everysec; "
+    "redis-server on PATH)",
 )
 @click.option(
     "--repeat",
@@ -253,12 +259,13 @@ def bench(
         ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
     scenario = opts["scenario"]
     keys = opts.get("keys")
-    thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
+    thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4}.get(scenario)
+        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
+                   "durable": DURABLE_STEPS}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
@@ -276,6 +283,8 @@ def bench(
                     targets = run_targets(runner, base, tmpdir, thresholds)
                 elif scenario == "shm":
                     targets = run_shm_targets(runner, thresholds)
+                elif scenario == "durable":
+                    targets = run_durable_targets(runner, thresholds)
                 elif scenario == "trajectory":
                     # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
                     from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
