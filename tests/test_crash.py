@@ -236,7 +236,8 @@ def _mount_loop(image: str, where: str) -> None:
 
 
 def _umount(where: str) -> None:
-    subprocess.run(["umount", where], check=False, capture_output=True)
+    if subprocess.run(["umount", where], check=False, capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", where], check=False, capture_output=True)
 
 
 @pytest.fixture
