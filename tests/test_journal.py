@@ -276,8 +276,8 @@ def test_unwritable_journal_directory_is_a_clear_error(tmp_path, channels):
 
 
 @pytest.fixture
-def small_disk(brokers, tmp_path):
-    """A 1 MiB tmpfs (needs root); unmounted after the test's brokers ended."""
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root); unmounted lazily when a broker still has files open there."""
     where = tmp_path / "small"
     where.mkdir()
     if os.geteuid() != 0 or subprocess.run(
