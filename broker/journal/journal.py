@@ -37,7 +37,8 @@ from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.recovery import Recovered, read_journal
 from zchannel.broker.journal.segments import JournalDir, SegmentFile
-from zchannel.broker.journal.store import DIRECT_BYTES, SEGMENT_BYTES, JournalFailed, SegmentStore
+from zchannel.broker.journal.store import DIRECT_BYTES, SEGMENT_BYTES, SegmentStore
+from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.shm.broker import FramedSlots, SlotFrames
 from zchannel.broker.wire.argchecks import check_key, check_weight
 from zchannel.broker.wire.protocol import key_from_wire
@@ -136,8 +137,7 @@ class Journal:
 
     def register_table(self, name: str, snapshot: Callable[[], dict]) -> dict:
         """Keep table ``name`` beside the items: ``snapshot()`` gives all of it (written at the
-        start of every segment), ``table_set`` records changes.  Returns the table as the
-        journal held it at start (empty for a new journal)."""
+        start of every segment), ``table_set`` records changes; the table as it was at start."""
         self._tables[name] = snapshot
         self._write_table(name, snapshot(), whole=True)
         return dict(self.recovered.tables.get(name, {})) if self.recovered else {}
@@ -339,8 +339,8 @@ class Journal:
             "item_bytes": self.live_bytes,
             "max_journal_bytes": self.settings.max_bytes,
             "fsync_lag_ms": round(store.lag(now) * 1000, 3),
-            "last_fsync_ms": round(store.last_sync_s * 1000, 3),
-            "fsyncs": store.syncs,
+            "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
+            "fsyncs": store.sync.syncs,
             "recovered_items": self.recovered_items,
             "redelivered": self.redelivered,
             "recovery_s": round(self.recovery_s, 3),

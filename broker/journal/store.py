@@ -22,8 +22,8 @@ still lets consumers take (and acknowledge) what is queued.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +31,8 @@ from typing import Any
 
 from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
-from zchannel.broker.journal.segments import JournalDir, SegmentFile, Syncer, SyncJob, write_all
+from zchannel.broker.journal.segments import JournalDir, SegmentFile, write_all
+from zchannel.broker.journal.syncing import JournalFailed, Syncing
 
 log = logging.getLogger("zchannel.journal")
 
@@ -39,12 +40,6 @@ POLICIES = ("always", "interval", "never")
 SEGMENT_BYTES = 64 << 20
 BUFFER_BYTES = 256 << 10  # the buffer of small records is written once it holds this much
 DIRECT_BYTES = 64 << 10  # records at least this large are written at once, from their frames
-
-
-class JournalFailed(JournalError):
-    """Writing or syncing a segment failed after space for it was reserved (an I/O error):
-    what the journal holds is no longer known, so the broker stops without answering the
-    requests of its last turn (a restarted broker recovers what reached the disk)."""
 
 
 class SegmentStore:
@@ -67,18 +62,13 @@ class SegmentStore:
         self.buf = bytearray()
         self.buf_at = 0  # offset of the buffer in the current segment
         self.buf_since = 0.0  # when the buffer's oldest record came
-        self._dirty: dict[SegmentFile, None] = {}  # written since the last sync
-        self._dirty_since: float | None = None
-        self._dir_dirty = False
-        self._closing: list[SegmentFile] = []  # removed or rolled: close once no sync uses them
-        self.syncer = Syncer(jdir.dir_fd) if policy == "interval" and jdir.dir_fd is not None else None
-        self._job: SyncJob | None = None
-        self._jobs = itertools.count(1)
-        self.syncs = 0
-        self.last_sync_s = 0.0
-        self.synced_at = time.monotonic()
-        self.failed: BaseException | None = None
+        self.sync = Syncing(jdir, policy, interval)
         self.on_roll: Callable[[], None] | None = None  # writes the tables into a new segment
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The write or sync error that made the journal fail (None: none)."""
+        return self.sync.failed
 
     # -- segments ----------------------------------------------------------------------------
 
@@ -137,8 +127,7 @@ class SegmentStore:
             seg.allocated = seg.used
         except OSError as exc:
             log.warning("could not trim journal segment %s: %s", seg.path, exc)
-        self._closing.append(seg)
-        self._close_unused()
+        self.sync.retire(seg)
 
     def room_for(self, nbytes: int, limit: int) -> bool:
         """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now."""
@@ -154,12 +143,8 @@ class SegmentStore:
             seg = self.segments.pop(0)
             self.dir.remove(seg)
             self.disk_bytes -= seg.allocated
-            self._dir_dirty = True
-            if seg not in self._closing:
-                self._closing.append(seg)
+            self.sync.removed(seg)
             dropped += 1
-        if dropped:
-            self._close_unused()
         return dropped
 
     # -- appending ---------------------------------------------------------------------------
@@ -199,7 +184,7 @@ class SegmentStore:
             raise JournalError(f"the journal could not write a record of {nbytes} bytes to "
                                f"{seg.path}: {exc.strerror or exc}") from None
         seg.written = offset + nbytes
-        self._wrote(seg)
+        self.sync.wrote(seg)
         return seg
 
     def _truncate_at(self, seg: SegmentFile, offset: int) -> None:
@@ -207,14 +192,6 @@ class SegmentStore:
             os.ftruncate(seg.fileno(), offset)
         except OSError:
             pass
-
-    def _wrote(self, seg: SegmentFile) -> None:
-        if self.policy == "never":
-            return
-        if seg not in self._dirty:
-            self._dirty[seg] = None
-        if self._dirty_since is None:
-            self._dirty_since = time.monotonic()
 
     def flush_buffer(self) -> None:
         """Write the buffered records (``JournalFailed`` if the disk refuses)."""
@@ -224,113 +201,45 @@ class SegmentStore:
         try:
             write_all(seg.fileno(), [self.buf], self.buf_at)
         except OSError as exc:
-            self.failed = exc
+            self.sync.failed = exc
             raise JournalFailed(f"the journal could not write to {seg.path}: "
                                 f"{exc.strerror or exc}") from None
         seg.written = self.buf_at + len(self.buf)
         self.buf = bytearray()
-        self._wrote(seg)
+        self.sync.wrote(seg)
 
-    # -- syncing -----------------------------------------------------------------------------
+    # -- syncing (journal/syncing.py) --------------------------------------------------------
 
     def commit(self) -> None:
         """Before replies are sent: write the buffer; with ``always``, sync all that was written."""
         self.flush_buffer()
         if self.policy == "always":
-            self._sync_dirty()
+            self.sync.sync_all()
 
     def sync_now(self) -> None:
         """Write the buffer and (unless ``never``) sync everything written, now: compaction's
         copies are on disk before the segment they come from is removed."""
         self.flush_buffer()
         if self.policy != "never":
-            self._sync_dirty()
-
-    def _sync_dirty(self) -> None:
-        if self._dirty or self._dir_dirty:
-            started = time.monotonic()
-            try:
-                for seg in self._dirty:
-                    os.fdatasync(seg.fileno())
-                    seg.synced = seg.written
-                if self._dir_dirty and self.dir.dir_fd is not None:
-                    os.fsync(self.dir.dir_fd)
-            except OSError as exc:
-                self.failed = exc
-                raise JournalFailed(f"the journal could not sync its files: {exc}") from None
-            self._synced(started)
-            self._close_unused()
-
-    def _synced(self, started: float) -> None:
-        now = time.monotonic()
-        self.last_sync_s, self.synced_at = now - started, now
-        self.syncs += 1
-        self._dirty.clear()
-        self._dirty_since = None
-        self._dir_dirty = False
+            self.sync.sync_all()
 
     def due(self) -> float | None:
         """When ``tick`` has something to do (None: nothing waits)."""
-        times = []
+        due = self.sync.due()
         if self.buf:
-            times.append(self.buf_since + self.interval)
-        if self.syncer is not None:
-            if self._job is not None:
-                times.append(time.monotonic() + max(self.interval / 4, 0.001))
-            elif self._dirty_since is not None:
-                times.append(self._dirty_since + self.interval)
-        return min(times) if times else None
+            due = min(due or math.inf, self.buf_since + self.interval)
+        return due
 
     def tick(self, now: float) -> None:
         """Write a buffer older than the interval; with ``interval``, take a finished sync in
         and start the next one when it is due (``JournalFailed`` if one failed)."""
         if self.buf and now - self.buf_since >= self.interval:
             self.flush_buffer()
-        syncer = self.syncer
-        if syncer is None:
-            return
-        done = syncer.finished()
-        if done is not None:
-            if syncer.error is not None:
-                self.failed = syncer.error
-                raise JournalFailed(f"the journal could not sync its files: {syncer.error}")
-            for seg, _, written in done.files:
-                seg.synced = max(seg.synced, written)
-            self.last_sync_s, self.synced_at = syncer.last_seconds, time.monotonic()
-            self.syncs += 1
-            self._job = None
-            self._close_unused()
-        if self._job is None and self._dirty_since is not None \
-                and now - self._dirty_since >= self.interval:
-            self._job = SyncJob(next(self._jobs), [(s, s.fd, s.written) for s in self._dirty
-                                                   if s.fd is not None], self._dir_dirty)
-            self._dirty.clear()
-            self._dirty_since = None
-            self._dir_dirty = False
-            syncer.submit(self._job)
+        self.sync.tick(now)
 
     def lag(self, now: float) -> float:
         """Seconds the oldest write not yet on disk has waited (0 when all is synced)."""
-        if self.policy == "never":
-            return 0.0
-        since = [t for t in (self._dirty_since, self._job.started if self._job else None)
-                 if t is not None]
-        if self.buf:
-            since.append(self.buf_since)
-        return now - min(since) if since else 0.0
-
-    def _close_unused(self) -> None:
-        """Close the files of removed and sealed segments that nothing needs any more."""
-        in_job = {id(s) for s, _, _ in self._job.files} if self._job is not None else set()
-        keep = []
-        for seg in self._closing:
-            if seg in self._dirty or id(seg) in in_job or seg.fd is None:
-                if seg.fd is not None:
-                    keep.append(seg)
-                continue
-            os.close(seg.fd)
-            seg.fd = None
-        self._closing = keep
+        return self.sync.lag(now, self.buf_since if self.buf else None)
 
     def close(self) -> None:
         """Write and (unless ``never``) sync what is buffered, stop the sync thread, close the
@@ -338,25 +247,13 @@ class SegmentStore:
         try:
             if self.failed is None:
                 self.flush_buffer()
-                if self.syncer is not None:
-                    self.syncer.wait_idle()
-                if self.policy != "never":
-                    for seg in self.segments:
-                        if seg.fd is not None and seg.synced < seg.written:
-                            os.fdatasync(seg.fd)
-        except OSError as exc:
-            log.error("the journal could not write or sync its files while closing: %s", exc)
-        finally:
-            if self.syncer is not None:
-                self.syncer.stop()
-            for seg in self.segments + self._closing:
-                if seg.fd is not None:
-                    os.close(seg.fd)
-                    seg.fd = None
-            if self.segments and self.failed is None:
-                cur = self.current
-                try:  # the unused preallocated space of the last segment
-                    with open(cur.path, "r+b") as f:
-                        f.truncate(cur.used)
-                except OSError:
-                    pass
+        except JournalError as exc:
+            log.error("the journal could not write its buffer while closing: %s", exc)
+        self.sync.close(self.segments)
+        if self.segments and self.failed is None:
+            cur = self.current
+            try:  # the unused preallocated space of the last segment
+                with open(cur.path, "r+b") as f:
+                    f.truncate(cur.used)
+            except OSError:
+                pass

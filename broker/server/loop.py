@@ -28,7 +28,7 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.journal.journal import Journal
-from zchannel.broker.journal.store import JournalFailed
+from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.server import metrics
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.durable import open_journal
