@@ -81,7 +81,7 @@ class QueueCore:
 
     def attach_log(self, log: StateLog) -> None:
         """Tell ``log`` (a journal, ``core/statelog.py``) every change of the items from now on."""
-        self.log = self.queues.log = self.waiters.log = log
+        self.log = self.queues.log = self.waiters.log = self.hooks.log = log
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
 

@@ -19,6 +19,10 @@ type          body
 ``LEASE``     msgpack list of the jids of items delivered under a lease (``get(ack=True)``)
 ``TABLE``     msgpack ``[name, whole, data]``: a table kept beside the items (``whole``: all of it,
               replacing what came before; else ``data`` is ``[[key, value], ...]`` to set)
+``INPUT``     as ``PUT``: a put a collector that keeps state took (``Collector.holds_state``),
+              replayed through it when a broker starts on the journal
+``IDLE``      msgpack ``[jid]``: the collector held nothing after the put of ``jid``: the
+              ``INPUT`` records up to it are not needed any more
 ============  ==================================================================================
 
 The checksum is CRC-32C (the ``crc32c`` package: hardware instructions, GB/s) when that is
@@ -51,8 +55,8 @@ SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE = 0, 1, 2, 3, 4, 5
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE}
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE = 0, 1, 2, 3, 4, 5, 6, 7
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE}
 
 Checksum = Callable[[Any, int], int]
 
@@ -102,19 +106,20 @@ def record(kind_crc: Checksum, rtype: int, body: bytes) -> bytes:
     return HEADER.pack(len(body), crc, rtype) + body
 
 
-def put_parts(crc_of: Checksum, meta: list, frames: list[Any]) -> tuple[list[Any], int]:
-    """The parts of a ``PUT`` record (header and meta first, then the frames unchanged, for
-    ``os.writev``) and its total length."""
+def put_parts(crc_of: Checksum, meta: list, frames: list[Any],
+              rtype: int = PUT) -> tuple[list[Any], int]:
+    """The parts of a ``PUT`` (or ``INPUT``) record (header and meta first, then the frames
+    unchanged, for ``os.writev``) and its total length."""
     packed = pack(meta)
     head = U32.pack(len(packed)) + packed
-    crc = crc_of(head, crc_of(bytes((PUT,)), 0))
+    crc = crc_of(head, crc_of(bytes((rtype,)), 0))
     body_len = len(head)
     for frame in frames:
         crc = crc_of(frame, crc)
         body_len += memoryview(frame).nbytes
     if body_len > MAX_BODY:
         raise ValueError(f"an item of {body_len} bytes is too large for the journal (4 GiB)")
-    return [HEADER.pack(body_len, crc, PUT) + head, *frames], HEADER.size + body_len
+    return [HEADER.pack(body_len, crc, rtype) + head, *frames], HEADER.size + body_len
 
 
 @dataclass

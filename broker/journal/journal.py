@@ -30,18 +30,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
 from zchannel.broker.core.state import Item
 from zchannel.broker.core.statelog import Output
 from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
-from zchannel.broker.journal.segments import JournalDir, SegmentFile
-from zchannel.broker.journal.store import DIRECT_BYTES, SEGMENT_BYTES, SegmentStore
+from zchannel.broker.journal.segments import JournalDir
+from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
 from zchannel.broker.journal.syncing import JournalFailed
-from zchannel.broker.shm.broker import FramedSlots, SlotFrames
-from zchannel.broker.wire.argchecks import check_key, check_weight
-from zchannel.broker.wire.protocol import key_from_wire
 
 log = logging.getLogger("zchannel.journal")
 
@@ -61,10 +58,6 @@ class JournalSettings:
     segment_bytes: int = SEGMENT_BYTES
 
 
-# jid -> (its segment, its record's bytes, its key, the item)
-Live = dict[int, tuple[SegmentFile, int, Any, Item]]
-
-
 class Journal:
     """The journal of one channel (see the module docstring); a ``StateLog`` for its core."""
 
@@ -81,8 +74,9 @@ class Journal:
         except BaseException:
             self.dir.close()
             raise
-        self.live: Live = {}
-        self.live_bytes = 0
+        self.live = LiveSet()  # the items still the channel's
+        self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
+        self.replay: list[tuple[Any, Item]] = []  # the inputs read back, to replay
         self._next_jid = 1
         self._sending: set[int] = set()  # taken by plain gets whose replies were not sent yet
         self._unwritten: list[int] = []  # removals that found no room (written later)
@@ -108,19 +102,15 @@ class Journal:
         self._next_jid = rec.max_jid + 1
         groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
         for jid, (seg, nbytes, put) in rec.items.items():
-            try:
-                key = check_key(key_from_wire(put.key))
-                weight = check_weight(put.weight)
-            except (TypeError, ValueError) as exc:
-                log.error("journal item %d has a bad key or weight (%s): skipped", jid, exc)
-                continue
-            item = _item(jid, weight, put)
-            self.live[jid] = (seg, nbytes, key, item)
-            seg.live += 1
-            seg.live_bytes += nbytes
-            self.live_bytes += nbytes
-            consumer = put.consumer if isinstance(put.consumer, str) else None
-            groups[(key, consumer)].append(item)
+            got = recovered_item(jid, put)
+            if got is not None:
+                self.live.add(jid, seg, nbytes, *got)
+                groups[(got[0], put.consumer if isinstance(put.consumer, str) else None)].append(got[1])
+        for jid, (seg, nbytes, put) in sorted(rec.inputs.items()):
+            got = recovered_item(jid, put)
+            if got is not None:
+                self.inputs.add(jid, seg, nbytes, *got)
+                self.replay.append(got)
         self.recovered_items = len(self.live)
         self.redelivered = len(rec.leased)
         self.store.start()
@@ -161,11 +151,11 @@ class Journal:
         try:
             for key, consumer, item in outputs:
                 jid = self._next_jid
-                parts, nbytes = self._put_parts(jid, key, consumer, item)
+                parts, nbytes = item_parts(self.store.crc, jid, key, consumer, item)
                 seg = self.store.append(parts, nbytes, for_put=True)
                 self._next_jid = jid + 1
                 item.jid = jid
-                self._add_live(jid, seg, nbytes, key, item)
+                self.live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
         except JournalError:
             self.refused += 1
@@ -193,6 +183,21 @@ class Journal:
         for item in items:
             self._sending.discard(item.jid)
 
+    def collected(self, item: Item, key: Any, holds_state: bool) -> None:
+        if holds_state:  # the collector may still need this put: kept, to replay
+            jid = self._next_jid
+            parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
+            seg = self.store.append(parts, nbytes, for_put=True)
+            self._next_jid = jid + 1
+            self.inputs.add(jid, seg, nbytes, key, item)
+        elif self.inputs:  # it holds nothing: no put before is needed any more
+            body = fmt.pack([self._next_jid - 1])
+            self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
+                              fmt.HEADER.size + len(body))
+            for jid in list(self.inputs.entries):
+                self.inputs.forget(jid)
+            self._drop_dead()
+
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
         return not limit or self.store.room_for(nbytes + PUT_OVERHEAD, limit)
@@ -203,43 +208,20 @@ class Journal:
 
     # -- records -----------------------------------------------------------------------------
 
-    def _put_parts(self, jid: int, key: Any, consumer: str | None, item: Item) -> tuple[list, int]:
-        payload = item.payload
-        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
-        slots = 0
-        if isinstance(payload, FramedSlots):
-            slots = len(payload.framed)
-        elif isinstance(payload, SlotFrames):  # the slots' bytes, straight from shared memory
-            frames.extend(h.view() for h in payload.holds)
-            slots = len(payload.holds)
-        sizes = [memoryview(f).nbytes for f in frames]
-        meta = [jid, key, item.weight, consumer, sizes, slots, None]
-        parts, nbytes = fmt.put_parts(self.store.crc, meta, frames)
-        if nbytes < DIRECT_BYTES and len(parts) > 1:
-            parts = [b"".join(bytes(p) if not isinstance(p, bytes) else p for p in parts)]
-        return parts, nbytes
-
-    def _add_live(self, jid: int, seg: SegmentFile, nbytes: int, key: Any, item: Item) -> None:
-        self.live[jid] = (seg, nbytes, key, item)
-        seg.live += 1
-        seg.live_bytes += nbytes
-        self.live_bytes += nbytes
-
     def _write_removal(self, jids: list[int]) -> None:
         body = fmt.pack(jids)
         self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
 
     def _forget(self, jids: list[int]) -> None:
         """``jids`` left the channel and their removal is recorded: their segments may go."""
-        live = self.live
         for jid in jids:
-            entry = live.pop(jid, None)
-            if entry is not None:
-                seg, nbytes = entry[0], entry[1]
-                seg.live -= 1
-                seg.live_bytes -= nbytes
-                self.live_bytes -= nbytes
-        if self.store.segments[0].live == 0 and len(self.store.segments) > 1:
+            self.live.forget(jid)
+        self._drop_dead()
+
+    def _drop_dead(self) -> None:
+        """Remove the oldest segments that hold nothing needed (puts may fit again)."""
+        segments = self.store.segments
+        if segments[0].live == 0 and len(segments) > 1:
             if self.store.drop_dead_prefix() and self.on_room is not None:
                 self.on_room()
 
@@ -295,35 +277,34 @@ class Journal:
         self.compact()
 
     def compact(self) -> int:
-        """Copy the items of the oldest segment to the end when the journal takes more than
-        twice its items' bytes plus two segments, so that segment can go; the bytes copied."""
+        """Copy the records of the oldest segment still needed (items, a collector's inputs)
+        to the end when the journal takes more than twice their bytes plus two segments, so
+        that segment can go; the bytes copied."""
         store = self.store
         if len(store.segments) < 3:
             return 0
-        slack = 2 * self.live_bytes + 2 * store.segment_bytes
+        needed = self.live.nbytes + self.inputs.nbytes
         limit = self.settings.max_bytes
-        if store.disk_bytes <= slack and not (limit and store.disk_bytes > limit * 3 // 4):
+        if store.disk_bytes <= 2 * needed + 2 * store.segment_bytes \
+                and not (limit and store.disk_bytes > limit * 3 // 4):
             return 0
         oldest = store.segments[0]
         copied = 0
-        for jid, (seg, old_bytes, key, item) in list(self.live.items()):
-            if seg is not oldest or copied >= COMPACT_BYTES_PER_TICK:
-                break
-            parts, nbytes = self._put_parts(jid, key, None, item)
-            try:
-                new = store.append(parts, nbytes)
-            except JournalError:
-                break
-            del self.live[jid]
-            seg.live -= 1
-            seg.live_bytes -= old_bytes
-            self.live_bytes -= old_bytes
-            self._add_live(jid, new, nbytes, key, item)
-            copied += nbytes
+        for held, rtype in ((self.live, fmt.PUT), (self.inputs, fmt.INPUT)):
+            for jid, (_, _, key, item) in held.in_segment(oldest):
+                if copied >= COMPACT_BYTES_PER_TICK:
+                    break
+                parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
+                try:
+                    new = store.append(parts, nbytes)
+                except JournalError:
+                    break
+                held.forget(jid)
+                held.add(jid, new, nbytes, key, item)
+                copied += nbytes
         if copied:
             store.sync_now()  # the copies are on disk before the originals go
-        if store.drop_dead_prefix() and self.on_room is not None:
-            self.on_room()
+        self._drop_dead()
         return copied
 
     def stats(self) -> dict[str, Any]:
@@ -336,7 +317,8 @@ class Journal:
             "bytes": store.disk_bytes,
             "segments": len(store.segments),
             "items": len(self.live),
-            "item_bytes": self.live_bytes,
+            "item_bytes": self.live.nbytes,
+            "collector_inputs": len(self.inputs),
             "max_journal_bytes": self.settings.max_bytes,
             "fsync_lag_ms": round(store.lag(now) * 1000, 3),
             "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
@@ -366,12 +348,3 @@ class Journal:
             finally:
                 self.dir.close()
 
-
-def _item(jid: int, weight: int | float, put: fmt.PutRecord) -> Item:
-    """The queue item of a recovered ``PUT``: small frames copied, large ones views of the file."""
-    frames: list[Any] = [f if f.nbytes >= DIRECT_BYTES else bytes(f) for f in put.frames]
-    payload: list[Any] = frames
-    if put.slots:
-        first = len(frames) - put.slots
-        payload = FramedSlots(frames, list(range(first, len(frames))))
-    return Item(payload, weight, sum(memoryview(f).nbytes for f in frames), jid=jid)

@@ -36,6 +36,8 @@ class Recovered:
     # newest copies in the files
     items: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
     leased: set[int] = field(default_factory=set)
+    # the inputs a collector that keeps state took since it last held nothing, by jid
+    inputs: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
     tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
     segments: list[SegmentFile] = field(default_factory=list)
     max_jid: int = 0
@@ -113,16 +115,22 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
 
 
 def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
-    if rtype == fmt.PUT:
+    if rtype in (fmt.PUT, fmt.INPUT):
         try:
             put = fmt.read_put(body)
         except (ValueError, TypeError) as exc:
             log.error("journal segment %s: a put record that does not hold together (%s): "
                       "skipped", seg.path, exc)
             return
-        rec.items.pop(put.jid, None)  # a copy made by compaction: the newest counts
-        rec.items[put.jid] = (seg, fmt.HEADER.size + len(body), put)
+        held = rec.items if rtype == fmt.PUT else rec.inputs
+        held.pop(put.jid, None)  # a copy made by compaction: the newest counts
+        held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
         rec.max_jid = max(rec.max_jid, put.jid)
+    elif rtype == fmt.IDLE:
+        upto = fmt.unpack(body)
+        if isinstance(upto, list) and upto and isinstance(upto[0], int):
+            for jid in [j for j in rec.inputs if j <= upto[0]]:
+                del rec.inputs[jid]
     elif rtype in (fmt.REMOVE, fmt.LEASE):
         jids = fmt.unpack(body)
         if not isinstance(jids, list):
