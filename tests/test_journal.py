@@ -396,3 +396,36 @@ def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels
     assert ch.get(key="k2", timeout=5) == ("b1", "b2")
     stats = ch.stats()["journal"]
     assert stats["collector_inputs"] == 0 and stats["items"] == 0  # it holds nothing now
+
+
+@pytest.mark.timeout(300)
+def test_each_replica_of_a_distributed_channel_keeps_its_journal(run_dir, tmp_path):
+    """``zchannel broker NAME --cluster FILE --replica I --journal DIR``: each replica journals
+    under ``NAME.replicaI``; a replica SIGKILLed and started again serves what it held, the
+    others lose nothing."""
+    from cluster_util import Replicas, write_cluster
+    from zchannel.broker.cluster import clusterfile
+
+    path = write_cluster(run_dir)
+    journal = str(tmp_path / "j")
+    reps = Replicas()
+    try:
+        reps.start("dj", path, range(3), "--journal", journal)
+        address = clusterfile.load(path, "dj").replicas[0].address
+        ch = Channel.connect(address)
+        keys = [f"k{i}" for i in range(12)]
+        for key in keys:
+            ch.put(f"{key}-a", key=key)
+            ch.put(f"{key}-b", key=key)
+        where = {key: ch.replica_of(key) for key in keys}
+        assert set(where.values()) == {0, 1, 2}  # the keys spread over the replicas
+        names = {f for f in os.listdir(journal) if f.endswith(".zcj")}
+        assert {n.rsplit(".", 2)[0] for n in names} == {"dj.replica0", "dj.replica1", "dj.replica2"}
+        reps.kill(1)
+        reps.start("dj", path, [1], "--journal", journal)
+        for key in keys:  # replica 1's keys came back from its journal, in order
+            assert _retry(lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
+            assert ch.get(key=key, timeout=10) == f"{key}-b"
+        ch.close()
+    finally:
+        reps.stop_all()
