@@ -82,7 +82,7 @@ class HookPipeline:
         except Exception as exc:
             raise hook_error(exc) from None
         if self.log is not None and self.stateful:
-            self.log.collected(item, key, self.holds_state())
+            self.log.collected(item, key, self.holds_state(), len(outputs))
         return outputs
 
     def holds_state(self) -> bool:

@@ -21,9 +21,10 @@ The order of the calls is the order of the changes, and the log may rely on it:
   their queue;
 - ``room(nbytes)``: whether the log has room for a put of ``nbytes`` now (a put waits while it
   has not, as for ``max_bytes``); ``fits(nbytes)``: whether it could ever have;
-- ``collected(item, key, holds_state)``: a collector that keeps state between puts
-  (``Collector.holds_state``) took a put (before its outputs are stored); the log keeps the
-  puts since ``holds_state`` was last False, to rebuild the collector's state.
+- ``collected(item, key, holds_state, outputs)``: a collector that keeps state between puts
+  (``Collector.holds_state``) took a put that yielded ``outputs`` items (before they are
+  stored); the log keeps the puts since ``holds_state`` was last False (and those outputs
+  stored), to rebuild the collector's state.
 """
 
 from __future__ import annotations
@@ -54,4 +55,4 @@ class StateLog(Protocol):
 
     def fits(self, nbytes: int) -> bool: ...
 
-    def collected(self, item: Item, key: Any, holds_state: bool) -> None: ...
+    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int) -> None: ...

@@ -77,6 +77,7 @@ class Journal:
         self.live = LiveSet()  # the items still the channel's
         self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
         self.replay: list[tuple[Any, Item]] = []  # the inputs read back, to replay
+        self._idle_after: int | None = None  # the put that emptied the collector (its outputs due)
         self._next_jid = 1
         self._sending: set[int] = set()  # taken by plain gets whose replies were not sent yet
         self._unwritten: list[int] = []  # removals that found no room (written later)
@@ -157,6 +158,8 @@ class Journal:
                 item.jid = jid
                 self.live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
+            if self._idle_after is not None:
+                self._idle(self._idle_after)
         except JournalError:
             self.refused += 1
             if written:  # a put is all or nothing
@@ -164,9 +167,7 @@ class Journal:
             raise
 
     def taken(self, items: Sequence[Item]) -> None:
-        sending = self._sending
-        for item in items:
-            sending.add(item.jid)
+        self._sending.update(item.jid for item in items)
 
     def leased(self, item: Item) -> None:
         self._leases.append(item.jid)
@@ -183,20 +184,32 @@ class Journal:
         for item in items:
             self._sending.discard(item.jid)
 
-    def collected(self, item: Item, key: Any, holds_state: bool) -> None:
-        if holds_state:  # the collector may still need this put: kept, to replay
-            jid = self._next_jid
-            parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
-            seg = self.store.append(parts, nbytes, for_put=True)
-            self._next_jid = jid + 1
-            self.inputs.add(jid, seg, nbytes, key, item)
-        elif self.inputs:  # it holds nothing: no put before is needed any more
-            body = fmt.pack([self._next_jid - 1])
-            self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
-                              fmt.HEADER.size + len(body))
-            for jid in list(self.inputs.entries):
-                self.inputs.forget(jid)
-            self._drop_dead()
+    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int) -> None:
+        if not (holds_state or self.inputs):
+            return  # the collector holds nothing, before and after this put
+        # kept, to replay: also the put that empties the collector, until its outputs are
+        # stored (an IDLE written before them would let a crash lose what they consumed)
+        jid = self._next_jid
+        parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
+        seg = self.store.append(parts, nbytes, for_put=True)
+        self._next_jid = jid + 1
+        self.inputs.add(jid, seg, nbytes, key, item)
+        if holds_state:
+            self._idle_after = None  # it holds something again: every input stays
+        elif outputs:
+            self._idle_after = jid  # written by ``stored``, after the outputs
+        else:
+            self._idle(jid)
+
+    def _idle(self, upto: int) -> None:
+        """The collector held nothing after the put ``upto``: the inputs are not needed."""
+        body = fmt.pack([upto])
+        self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
+                          fmt.HEADER.size + len(body))
+        for jid in [j for j in self.inputs.entries if j <= upto]:
+            self.inputs.forget(jid)
+        self._idle_after = None
+        self._drop_dead()
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
@@ -255,15 +268,12 @@ class Journal:
         """The broker handed its replies to the sockets: record the removals of the items that
         plain gets took."""
         if self._sending:
-            jids = list(self._sending)
+            jids, self._unwritten = self._unwritten + list(self._sending), []
             self._sending.clear()
-            if self._unwritten:
-                jids, self._unwritten = self._unwritten + jids, []
             self._remove(jids)
 
     def due(self) -> float | None:
-        """When ``tick`` has work (the interval's deadline), or None."""
-        return self.store.due()
+        return self.store.due()  # when ``tick`` has work (the interval's deadline), or None
 
     def tick(self, now: float) -> None:
         """Write and sync what the interval says, retry removals that found no room, and
