@@ -6,7 +6,9 @@ is killed and started again on its journal (``tests/forkbroker.py``: a fork, bac
 milliseconds).  Afterwards:
 
 - every acknowledged put was delivered (at least once, to one of the consumers);
-- no item whose ``ack`` succeeded was delivered again after the ack.
+- no item whose ``ack`` succeeded was delivered again to a get asked after the ack returned
+  (but for puts the producer retried after an answer that never came: without the producer
+  sequence table in the journal such a put may be stored twice, and its copies are two items).
 
 ``test_power_loss_with_fsync_always`` does the same with ``fsync="always"`` on an ext4 file
 system on a loop device, and at each kill copies the loop device's backing file: the copy holds
@@ -53,7 +55,8 @@ while not os.path.exists(stop):
         try:
             ch.put({"id": ident, "data": data}, key=f"k{p}", timeout=5)
             break
-        except (BrokerUnavailable, TimeoutError):
+        except (BrokerUnavailable, TimeoutError):  # in doubt: it may be stored already
+            print(f"R {ident}", flush=True)
             time.sleep(0.01)
     print(f"P {ident} {time.monotonic_ns()}", flush=True)
     seq += 1
@@ -74,6 +77,7 @@ n = 0
 while True:
     key = f"k{n % 2}"
     n += 1
+    asked = time.monotonic_ns()  # a delivery is known to follow an ack only if asked after it
     try:
         got = ch.get(key=key, timeout=0.05, ack=mode == "ack")
     except TimeoutError:
@@ -90,7 +94,7 @@ while True:
     data = item["data"]
     if isinstance(data, np.ndarray):
         assert data.size == 2 << 20 and (data == item["id"] % 251).all(), "corrupt array"
-    print(f"{'L' if mode == 'ack' else 'G'} {item['id']} {time.monotonic_ns()}", flush=True)
+    print(f"{'L' if mode == 'ack' else 'G'} {item['id']} {asked}", flush=True)
     if mode == "ack":
         try:
             ch.ack(got)
@@ -134,7 +138,7 @@ class Worker:
 
 
 def _records(workers: list[Worker]) -> dict[str, list[tuple[int, int]]]:
-    out: dict[str, list[tuple[int, int]]] = {t: [] for t in "PGLAF"}
+    out: dict[str, list[tuple[int, int]]] = {t: [] for t in "PGLAFR"}
     for w in workers:
         for line in w.lines:
             parts = line.split()
@@ -144,14 +148,20 @@ def _records(workers: list[Worker]) -> dict[str, list[tuple[int, int]]]:
 
 
 def _check(records: dict, extra_delivered: set[int] = frozenset()) -> None:
-    """Every acknowledged put delivered; nothing delivered again after its ack succeeded."""
+    """Every acknowledged put delivered; nothing delivered again after its ack succeeded: no
+    get asked after an ``ack`` returned got that item (a delivery's time is when its get was
+    asked: a reply a dying broker sent may be read by a descheduled consumer long after)."""
     delivered: dict[int, list[int]] = {}
     for tag in "GL":
         for ident, t in records[tag]:
             delivered.setdefault(ident, []).append(t)
     lost = {i for i, _ in records["P"]} - set(delivered) - set(extra_delivered)
     assert not lost, f"{len(lost)} acknowledged puts were never delivered: {sorted(lost)[:10]}"
-    again = [(i, t) for i, t in records["A"] if any(d > t for d in delivered.get(i, ()))]
+    # a put retried after an answer that never came may be stored twice (the producer sequence
+    # table is not journaled yet, docs/guarantees.md): its copies are two items
+    retried = {i for i, _ in records["R"]}
+    again = [(i, t) for i, t in records["A"]
+             if i not in retried and any(d > t for d in delivered.get(i, ()))]
     assert not again, f"acknowledged items delivered again after their ack: {again[:10]}"
 
 
@@ -309,7 +319,7 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
             # and its successor is not started yet: these are the records of its life
             records = _records(workers)
             _check(records, extra_delivered=recovered)
-            acked = {i for i, _ in records["A"]}
+            acked = {i for i, _ in records["A"]} - {i for i, _ in records["R"]}
             assert not acked & recovered, f"acknowledged items came back: {sorted(acked & recovered)[:10]}"
             pid = brokers.start(**config)
         open(stop, "w").close()

@@ -128,12 +128,12 @@ class Sessions:
         durable channel what they confirm is written to the journal first, and the removals of
         the items they deliver are recorded once they left (``Journal.commit``/``sent``)."""
         journal = self.journal
-        if journal is not None and self._out:
-            if journal.failed:
-                self._out.clear()  # never confirm what the journal may not hold
-                return
-            journal.commit()
         while self._out and self.peers is not None:
+            if journal is not None:  # also for replies made while sending (a requeue)
+                if journal.failed:
+                    self._out.clear()  # never confirm what the journal may not hold
+                    return
+                journal.commit()
             out_all, self._out = self._out, {}
             for address, out in out_all.items():
                 if all(self._send(address, records, frames) for records, frames in out.messages()):
