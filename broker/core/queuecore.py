@@ -81,7 +81,8 @@ class QueueCore:
 
     def attach_log(self, log: StateLog) -> None:
         """Tell ``log`` (a journal, ``core/statelog.py``) every change of the items from now on."""
-        self.log = self.queues.log = self.waiters.log = self.hooks.log = log
+        self.log = self.waiters.log = self.hooks.log = log
+        self.queues.log = log if log.limited else None  # its room limits puts
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
 

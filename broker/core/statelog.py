@@ -20,7 +20,8 @@ The order of the calls is the order of the changes, and the log may rely on it:
 - ``returned(items)`` when items taken by a delivery that could not be sent go back to
   their queue;
 - ``room(nbytes)``: whether the log has room for a put of ``nbytes`` now (a put waits while it
-  has not, as for ``max_bytes``); ``fits(nbytes)``: whether it could ever have;
+  has not, as for ``max_bytes``), asked only when ``limited``; ``fits(nbytes)``: whether it
+  could ever have;
 - ``collected(item, key, holds_state, outputs)``: a collector that keeps state between puts
   (``Collector.holds_state``) took a put that yielded ``outputs`` items (before they are
   stored); the log keeps the puts since ``holds_state`` was last False (and those outputs
@@ -40,6 +41,8 @@ Output = tuple[Any, str | None, Item]
 
 class StateLog(Protocol):
     """The calls the queue core makes to a record of its state (see the module docstring)."""
+
+    limited: bool  # whether ``room`` may say no (puts then check it)
 
     def stored(self, outputs: Sequence[Output]) -> None: ...
 

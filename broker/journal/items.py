@@ -30,6 +30,8 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
     """The record of ``item`` (its frames raw; the bytes of its shared-memory slots straight
     from the slots, after them) and its length."""
     payload = item.payload
+    if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
+        return _small_parts(crc, jid, key, consumer, item.weight, payload[0], rtype)
     frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
     slots = 0
     if isinstance(payload, FramedSlots):
@@ -43,6 +45,15 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
     if nbytes < JOIN_BELOW and len(parts) > 1:
         parts = [b"".join(p if isinstance(p, bytes) else bytes(p) for p in parts)]
     return parts, nbytes
+
+
+def _small_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None,
+                 weight: int | float, body: bytes, rtype: int) -> tuple[list[Any], int]:
+    """``item_parts`` of the common small item (its body alone, bytes, as small puts carry
+    it inline): one bytes object, one checksum call."""
+    packed = fmt.pack([jid, key, weight, consumer, [len(body)], 0, None])
+    record = fmt.record(crc, rtype, fmt.U32.pack(len(packed)) + packed + body)
+    return [record], len(record)
 
 
 def recovered_item(jid: int, put: fmt.PutRecord) -> tuple[Any, Item] | None:

@@ -89,6 +89,7 @@ class Journal:
         self.redelivered = 0
         self.recovery_s = 0.0
         self.refused = 0  # puts and acks it could not record
+        self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.on_roll = self._write_tables
 
     # -- start -------------------------------------------------------------------------------
