@@ -2,7 +2,10 @@
 
 ``Channel`` is the handle workers use; ``Work`` the handle of an asynchronous operation;
 ``Delivery`` an item received with ``ack=True``.  See ``docs/`` for the protocol and guarantees.
+``__version__`` is the installed distribution's version (one place: ``setup.cfg``).
 """
+
+import importlib.metadata
 
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import (
@@ -16,10 +19,15 @@ from zchannel.broker.errors import (
     KeyMoved,
     QueueEmpty,
     QueueFull,
+    UnsafeRunDir,
 )
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY
 from zchannel.broker.handle.channel import Channel
-from zchannel.broker.wire.classtags import register_type, serializable
+from zchannel.broker.host import logs
+from zchannel.broker.wire.classtags import register_module, register_type, serializable
+
+__version__ = importlib.metadata.version("zchannel")
+logs.install()  # zchannel's warnings name their process where the application logs nothing
 
 __all__ = [
     "DEFAULT_KEY",
@@ -35,7 +43,9 @@ __all__ = [
     "KeyMoved",
     "QueueEmpty",
     "QueueFull",
+    "UnsafeRunDir",
     "Work",
+    "register_module",
     "register_type",
     "serializable",
 ]

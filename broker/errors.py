@@ -55,6 +55,13 @@ class AuthenticationFailed(ChannelError, PermissionError):
     (wrong server key).  Retrying does not help."""
 
 
+class UnsafeRunDir(ChannelError, PermissionError):
+    """The run directory (where brokers keep their sockets, locks and address files) is not
+    this user's alone: another user owns it, or its mode lets others in, so they could
+    replace a broker's socket and receive the next connection.  The message names the
+    directory, its owner and mode, and the fix (``docs/security.md``)."""
+
+
 class HookError(ChannelError):
     """A collector or dispatcher failed on a put.
 
@@ -97,6 +104,7 @@ _BY_NAME: dict[str, type[BaseException]] = {
     "BrokerUnavailable": BrokerUnavailable,
     "ChannelNotFound": ChannelNotFound,
     "AuthenticationFailed": AuthenticationFailed,
+    "UnsafeRunDir": UnsafeRunDir,
     "HookError": HookError,
     "JournalError": JournalError,
     "BrokerStartError": BrokerStartError,

@@ -1,14 +1,17 @@
 """``zchannel demo embodied``: train a policy end to end through zchannel channels.
 
 Env, rollout and actor workers run as processes (or Ray actor groups with ``--ray``) and talk
-over real brokers; the toy task (``PointReach``, 2-D point reaching with action chunks) needs no
-simulator.  One table row per training step; at the end the trained policy's return is shown
-beside a random policy's on the same environment seeds.
+over real brokers; the default task (``PointReach``, 2-D point reaching with action chunks) needs
+no simulator, ``--env gym:<id>`` trains on any Gymnasium env (``--env-kwargs`` JSON; the
+reference hyperparameters of ``zchannel.embodied.presets`` where it has them).  One table row per
+training step; at the end the trained policy's return is shown beside a random policy's on the
+same environment seeds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,7 +32,19 @@ def _row(record: dict) -> str:
     return " ".join(cells)
 
 
-def _plot(records: list[dict], path: str, title: str) -> None:
+def _json_option(text: str | None, name: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=name) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=name)
+    return value
+
+
+def _plot(records: list[dict], path: str, title: str, random_return: float | None = None) -> None:
     try:
         import matplotlib
 
@@ -38,12 +53,19 @@ def _plot(records: list[dict], path: str, title: str) -> None:
     except ImportError:
         raise click.UsageError(
             "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'") from None
+    from matplotlib.ticker import MaxNLocator
+
     steps = [r["step"] for r in records if r["mean_return"] is not None]
     returns = [r["mean_return"] for r in records if r["mean_return"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, returns, marker="o")
+    ax.plot(steps, returns, marker="o" if len(steps) <= 50 else None,
+            label="trained (episodes finished in the step)")
+    if random_return is not None:
+        ax.axhline(random_return, color="gray", linestyle="--", label="random policy")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step")
     ax.set_ylabel("mean episode return")
+    ax.legend(loc="best")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -59,16 +81,32 @@ def demo() -> None:
 @demo.command()
 @click.option("--runner", type=click.Choice(["sync", "async", "decoupled"]), default="sync",
               show_default=True, help="service loops (docs/embodied.md)")
-@click.option("--mode", type=click.Choice(["rollout", "pipeline"]), default="rollout",
-              show_default=True, help="trajectory channel output mode")
-@click.option("--envs", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="env workers (logical sources)")
-@click.option("--env-batch", type=click.IntRange(1, 4096), default=32, show_default=True,
-              help="environments per env worker")
+@click.option("--mode", type=click.Choice(["rollout", "pipeline", "lerobot"]), default="rollout",
+              show_default=True,
+              help="trajectory channel output mode (lerobot: record episodes, no training)")
+@click.option("--dataset", "dataset", type=click.Path(file_okay=False),
+              help="with --mode lerobot: write the episodes as a LeRobot v3 dataset here "
+                   "(needs the 'dataset' extra)")
+@click.option("--overwrite", is_flag=True, help="replace an existing --dataset directory")
+@click.option("--fps", "lerobot_fps", type=click.IntRange(1, 1000), default=10,
+              show_default=True, help="with --mode lerobot: frame rate of the recorded episodes")
+@click.option("--only-success", is_flag=True,
+              help="with --mode lerobot: keep only episodes that end in success")
+@click.option("--env", "env_name", default="point_reach", show_default=True,
+              help="'point_reach' or 'gym:<id>' (any Gymnasium id: 'gym:CartPole-v1', "
+                   "'gym:<module>:<EnvId>'; needs the 'gym' extra)")
+@click.option("--env-kwargs", default=None, metavar="JSON",
+              help='keyword arguments of the env, e.g. \'{"max_episode_steps": 200}\'')
+@click.option("--obs-map", default=None, metavar="JSON",
+              help='gym: observation leaf -> image key, e.g. \'{"pixels": "main_images"}\'')
+@click.option("--envs", type=click.IntRange(1, 64), default=None,
+              help="env workers (logical sources)  [default: the env's preset; 2]")
+@click.option("--env-batch", type=click.IntRange(1, 4096), default=None,
+              help="environments per env worker  [default: the env's preset; 32]")
 @click.option("--actors", type=click.IntRange(1, 64), default=1, show_default=True,
               help="actor workers")
-@click.option("--steps", type=click.IntRange(1, 100000), default=20, show_default=True,
-              help="training steps")
+@click.option("--steps", type=click.IntRange(1, 100000), default=None,
+              help="training steps  [default: the env's preset; 20]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--ray", "use_ray", is_flag=True,
               help="run the workers as Ray actor groups (needs the 'ray' extra)")
@@ -79,12 +117,16 @@ def demo() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="save the learning curve as PNG (needs the 'plot' extra: matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar or table")
-def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, steps: int,
-             seed: int, use_ray: bool, ray_nodes: int, json_path: str | None,
-             plot_path: str | None, quiet: bool) -> None:
-    """Train PPO on the PointReach toy task through zchannel (env → rollout → actors)."""
+def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerobot_fps: int,
+             only_success: bool, env_name: str, env_kwargs: str | None,
+             obs_map: str | None, envs: int | None, env_batch: int | None, actors: int,
+             steps: int | None, seed: int, use_ray: bool, ray_nodes: int,
+             json_path: str | None, plot_path: str | None, quiet: bool) -> None:
+    """Train PPO through zchannel (env → rollout → actors) on PointReach or a Gymnasium env, or
+    with --mode lerobot record its episodes (as a LeRobot v3 dataset with --dataset DIR)."""
     from zchannel.embodied.policy import RandomPolicy
-    from zchannel.embodied.runners import RunConfig, WorkerDied, evaluate, run, trained_policy
+    from zchannel.embodied.presets import preset
+    from zchannel.embodied.runners import WorkerDied, env_spec, evaluate, run, trained_policy
 
     if plot_path is not None:
         try:
@@ -93,19 +135,32 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
             raise click.UsageError(
                 "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
             ) from None
+    given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
+             if v is not None}
     try:
-        cfg = RunConfig(runner=runner, mode=mode, envs=envs, env_batch=env_batch,
-                        actors=actors, steps=steps, seed=seed)
-        cfg.plan(2)  # geometry errors (e.g. pipeline widths) before anything starts
-    except ValueError as exc:
+        if mode != "lerobot" and (dataset or only_success):
+            raise ValueError("--dataset and --only-success need --mode lerobot")
+        if dataset and os.path.exists(dataset) and not overwrite:
+            raise ValueError(f"--dataset {dataset} exists: pass --overwrite to replace it")
+        cfg = preset(env_name, runner=runner, mode=mode, actors=actors, seed=seed,
+                     env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
+                     obs_map=_json_option(obs_map, "--obs-map"), dataset=dataset or "",
+                     overwrite=overwrite, lerobot_fps=lerobot_fps,
+                     lerobot_only_success=only_success, **given)
+        spec = env_spec(cfg)  # an env that cannot be made or carried is refused here
+        cfg.plan(spec.action_dim)  # geometry errors (e.g. pipeline widths) before anything starts
+    except (ValueError, TypeError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
+    envs, env_batch, steps = cfg.envs, cfg.env_batch, cfg.steps
     records: list[dict] = []
     bar: Any = None
     if not quiet:
-        click.echo(f"runner={runner} mode={mode} envs={envs}x{env_batch} actors={actors} "
+        click.echo(f"env={env_name} runner={runner} mode={mode} envs={envs}x{env_batch} "
+                   f"actors={actors} "
                    f"steps={steps} seed={seed}{' ray' if use_ray else ''}")
         click.echo(HEADER)
-        bar = click.progressbar(length=steps, label="training", file=sys.stderr)
+        bar = click.progressbar(length=steps, file=sys.stderr,
+                                label="recording" if mode == "lerobot" else "training")
         bar.__enter__()
 
     def on_step(record: dict) -> None:
@@ -121,15 +176,23 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
             result = run_on_ray(cfg, on_step=on_step, nodes=ray_nodes)
         else:
             result = run(cfg, on_step=on_step)
-    except WorkerDied as exc:
+    except (WorkerDied, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None
+    except (RuntimeError, ValueError) as exc:
+        if mode != "lerobot":
+            raise
+        raise click.ClickException(str(exc)) from None  # dataset extra missing, no episodes
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if mode == "lerobot":
+        _report_recording(result, records, json_path)
+        return
     policy = trained_policy(cfg, result["final_weights"])
     seeds = [10_000 + seed * 10 + i for i in range(3)]
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
-    random = [evaluate(cfg, RandomPolicy(2, cfg.num_action_chunks, seed=s), episodes_seed=s)
+    random = [evaluate(cfg, RandomPolicy(spec.action_dim, cfg.num_action_chunks, seed=s,
+                                         action=spec.action), episodes_seed=s)
               for s in seeds]
 
     def mean(rows: list[dict], name: str) -> float:
@@ -150,11 +213,36 @@ def embodied(runner: str, mode: str, envs: int, env_batch: int, actors: int, ste
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"config": result["config"], "steps": records, "evaluation": evaluation,
+                       "episodes": result["episodes"],
                        "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
                        "trajectory_channel_nodes": result.get("placement"),
                        "wall_s": result["wall_s"]}, f, indent=1)
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
     if plot_path:
-        _plot(records, plot_path, f"PointReach, {runner} runner, {mode} mode")
+        _plot(records, plot_path, f"{env_name}, {runner} runner, {mode} mode",
+              evaluation["random_return"])
+        click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
+
+
+def _report_recording(result: dict, records: list[dict], json_path: str | None) -> None:
+    """The end of a ``--mode lerobot`` run: what was recorded, and where."""
+    episodes = sum(r.get("episodes_recorded", 0) for r in records)
+    frames = sum(r.get("frames_recorded", 0) for r in records)
+    click.echo(f"recorded {episodes} episodes ({frames} frames) in {len(records)} steps, "
+               f"wall {result['wall_s']:.1f}s")
+    summary = result.get("dataset")
+    if summary is not None:
+        click.echo(f"LeRobot v3.0 dataset written to {summary.root}: {summary.episodes} "
+                   f"episodes, {summary.frames} frames, tasks {summary.tasks}; load it with "
+                   f"LeRobotDataset('<any>/<name>', root={summary.root!r})")
+    else:
+        click.echo("no --dataset given: the episodes were not written")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"config": result["config"], "steps": records,
+                       "dataset": None if summary is None else summary.root,
+                       "wall_s": result["wall_s"]}, f, indent=1)
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, dataset)")
 
 
 __all__ = ["demo"]
@@ -165,38 +253,77 @@ __all__ = ["demo"]
               help="training steps per run (the first is start-up and is not counted)")
 @click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
 @click.option("--runners", default="sync,async", show_default=True)
+@click.option("--env", "env_name", default="point_reach", show_default=True,
+              help="'point_reach' or 'gym:<id>' (the image task: "
+                   "gym:zchannel.embodied.toyenvs:TwoCameraReach-v0)")
+@click.option("--env-kwargs", default=None, metavar="JSON",
+              help='keyword arguments of the env, e.g. \'{"size": 128}\'')
+@click.option("--env-batch", "env_batches", default=None, metavar="N[,N...]",
+              help="envs per env worker, one run per value  [default: the env's preset]")
+@click.option("--num-chunks", type=click.IntRange(1, 4096), default=None,
+              help="action chunks per training step  [default: the env's preset]")
+@click.option("--ppo-epochs", type=click.IntRange(1, 100), default=None,
+              help="PPO epochs per training step  [default: the env's preset]")
+@click.option("--shm-threshold", type=click.IntRange(0, None), default=None,
+              help="bytes from which the requests and trajectory brokers use shared memory "
+                   "(tensors under 64 KiB travel inline anyway)  [default: 64 KiB for envs with "
+                   "images, else the channel's 1 MiB]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True))
-def embodied_bench(steps: int, repeats: int, runners: str, json_path: str | None) -> None:
+def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
+                   env_kwargs: str | None, env_batches: str | None, num_chunks: int | None,
+                   ppo_epochs: int | None, shm_threshold: int | None,
+                   json_path: str | None) -> None:
     """Throughput of the demo: each runner over brokers and over in-process channels, in one
-    run; medians over the steady-state steps (step 0 includes worker start-up)."""
+    run; medians over the steady-state steps (step 0 includes worker start-up).  The channel's
+    share of the step wall time is 1 - in-process / brokers."""
     import statistics
+    from dataclasses import replace
 
-    from zchannel.embodied.runners import RunConfig, run
+    from zchannel.embodied.presets import preset
+    from zchannel.embodied.runners import run
 
+    base = preset(env_name, env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
+                  steps=steps, shm_threshold=shm_threshold)
+    if num_chunks is not None:
+        base = replace(base, num_chunks=num_chunks)
+    if ppo_epochs is not None:
+        base = replace(base, ppo=replace(base.ppo, epochs=ppo_epochs))
+    try:
+        batches = [int(b) for b in env_batches.split(",")] if env_batches else [base.env_batch]
+    except ValueError:
+        raise click.BadParameter("a comma-separated list of ints",
+                                 param_hint="--env-batch") from None
+    click.echo(f"env={env_name} steps={steps} repeats={repeats} num_chunks={base.num_chunks} "
+               f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rows = []
-    for runner in [r.strip() for r in runners.split(",") if r.strip()]:
-        for transport in ("broker", "inproc"):
-            step_s, env_rate, chunk_rate = [], [], []
-            for rep in range(repeats):
-                result = run(RunConfig(runner=runner, transport=transport, steps=steps,
-                                       seed=rep))
-                steady = result["records"][1:]
-                step_s += [r["step_s"] for r in steady]
-                env_rate += [r["env_steps_per_s"] for r in steady]
-                chunk_rate += [r["chunks_per_s"] for r in steady]
-            rows.append({"runner": runner, "transport": transport,
-                         "step_s": statistics.median(step_s),
-                         "env_steps_per_s": statistics.median(env_rate),
-                         "chunks_per_s": statistics.median(chunk_rate)})
-            click.echo(f"{runner:>9} {transport:>7}: step {rows[-1]['step_s'] * 1000:7.1f} ms  "
-                       f"env steps/s {rows[-1]['env_steps_per_s']:8.0f}  chunks/s "
-                       f"{rows[-1]['chunks_per_s']:6.1f}")
-    by = {(r["runner"], r["transport"]): r for r in rows}
-    for runner in sorted({r["runner"] for r in rows}):
-        broker, inproc = by[(runner, "broker")], by[(runner, "inproc")]
+    for batch in batches:
+        for runner in [r.strip() for r in runners.split(",") if r.strip()]:
+            for transport in ("broker", "inproc"):
+                step_s, env_rate, chunk_rate = [], [], []
+                for rep in range(repeats):
+                    result = run(replace(base, runner=runner, transport=transport,
+                                         env_batch=batch, seed=rep))
+                    steady = result["records"][1:]
+                    step_s += [r["step_s"] for r in steady]
+                    env_rate += [r["env_steps_per_s"] for r in steady]
+                    chunk_rate += [r["chunks_per_s"] for r in steady]
+                rows.append({"env_batch": batch, "runner": runner, "transport": transport,
+                             "step_s": statistics.median(step_s),
+                             "env_steps_per_s": statistics.median(env_rate),
+                             "chunks_per_s": statistics.median(chunk_rate)})
+                click.echo(f"{batch:>4} envs {runner:>9} {transport:>7}: step "
+                           f"{rows[-1]['step_s'] * 1000:7.1f} ms  env steps/s "
+                           f"{rows[-1]['env_steps_per_s']:8.0f}  chunks/s "
+                           f"{rows[-1]['chunks_per_s']:6.1f}")
+    by = {(r["env_batch"], r["runner"], r["transport"]): r for r in rows}
+    for batch, runner in sorted({(r["env_batch"], r["runner"]) for r in rows}):
+        broker, inproc = by[(batch, runner, "broker")], by[(batch, runner, "inproc")]
         share = 1 - inproc["step_s"] / broker["step_s"]
-        click.echo(f"{runner}: channel share of the step wall time "
+        rows.append({"env_batch": batch, "runner": runner, "channel_share": share})
+        click.echo(f"{batch} envs, {runner}: channel share of the step wall time "
                    f"(1 - inproc/broker) = {share * 100:.1f} %")
+    click.echo(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
+        click.echo(f"wrote the figures as JSON to {os.path.abspath(json_path)}")

@@ -2,7 +2,8 @@
 
 Expected failures are bad options and arguments (click's usage errors), zchannel's own errors
 (``ChannelError`` and its subclasses), invalid values (``ValueError``, ``TypeError``), files
-that cannot be read (``OSError``) and ZeroMQ errors such as a busy address.  Set
+that cannot be read (``OSError``), ZeroMQ errors such as a busy address, and an ``ImportError``
+that names the optional extra to install (``pip install 'zchannel[ray]'``).  Set
 ``ZCHANNEL_DEBUG=1`` to get the traceback of such a failure instead.
 """
 
@@ -18,6 +19,7 @@ from zchannel.broker.errors import ChannelError
 
 USAGE_STATUS = 2
 EXPECTED = (ChannelError, ValueError, TypeError, OSError, zmq.ZMQError)
+EXTRA_HINT = "pip install 'zchannel["  # an ImportError naming the extra to install is expected
 # click >= 8.2 raises this for a group called without arguments (it shows the help)
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
@@ -29,7 +31,17 @@ def fail(message: str) -> None:
 
 
 class Cli(click.Group):
-    """The ``zchannel`` group: every command's expected failures become ``fail()``."""
+    """The ``zchannel`` group: every command's expected failures become ``fail()``;
+    ``zchannel broker stop NAME`` runs the command registered as ``"broker stop"`` (``broker
+    stop`` alone, or followed by options, still runs the broker of a channel named stop)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        if len(args) > 2 and args[:2] == ["broker", "stop"] and (
+                not args[2].startswith("-") or args[2] == "--help"):
+            command = self.get_command(ctx, "broker stop")
+            if command is not None:
+                return "broker stop", command, args[2:]
+        return super().resolve_command(ctx, args)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -51,6 +63,10 @@ class Cli(click.Group):
             if debug:
                 raise
             fail(str(exc) or type(exc).__name__)
+        except ImportError as exc:  # an optional extra that is not installed, if it says so
+            if debug or EXTRA_HINT not in str(exc):
+                raise
+            fail(str(exc))
         sys.exit(result if isinstance(result, int) else 0)
 
 

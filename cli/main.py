@@ -11,6 +11,7 @@ import click
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.cli.failures import Cli
+from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import parse_key, summarize
 
 
@@ -63,8 +64,9 @@ def main() -> None:
 @click.argument("name", required=False)
 @click.option("--address", help="ipc://PATH or tcp://HOST:PORT (port 0 = any free port)")
 @click.option("--maxsize", type=int, help="per-queue capacity (0 = unbounded)")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="a TOML file ([channel], [hooks], [options])")
+@click.option("--config", "config_file", type=ConfigFile(),
+              help="a TOML file ([channel], [hooks], [options]); configs/NAME.toml also finds "
+                   "the copy installed with zchannel")
 @click.option("--collector", help="collector: registered name, module:Class")
 @click.option("--dispatcher", help="dispatcher: registered name, module:Class")
 @click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
@@ -72,7 +74,8 @@ def main() -> None:
 @click.option("--option", "options", multiple=True, help="hook option key=value (JSON values)")
 @click.option("--import", "imports", multiple=True, help="module to import before resolving hooks")
 @click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
-@click.option("--max-bytes", type=int, help="total bytes held before puts wait (0 = no limit)")
+@click.option("--max-bytes", type=int, help="bytes of items held before puts wait (payload + 320 "
+              "per item), and again of waiting requests before they are refused (0 = no limit)")
 @click.option("--max-keys", type=int, help="number of keys the broker holds at most (default 100000)")
 @click.option("--max-message-bytes", type=int, help="largest message accepted (0 = no limit)")
 @click.option("--shm-threshold", type=int,
@@ -86,13 +89,25 @@ def main() -> None:
               help="the broker's CURVE key pair file (zchannel keygen)")
 @click.option("--curve-public-keys", type=click.Path(exists=True, file_okay=False),
               help="directory of the public key files of the clients let in")
-@click.option("--cluster", type=click.Path(exists=True, dir_okay=False),
+@click.option("--cluster", type=ConfigFile(),
               help="cluster file of a distributed channel (docs/distributed.md); needs --replica")
 @click.option("--replica", type=int, help="the index of the replica to run (with --cluster)")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="serve Prometheus metrics over HTTP on this port (0 = any free port; needs "
                    "pip install 'zchannel[metrics]'; docs/metrics.md)")
 @click.option("--metrics-address", help="address the metrics endpoint binds (default 127.0.0.1)")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="read the shutdown token from this file's first line (default: a random "
+                   "one; either way it is kept in NAME.token in the run directory)")
+@click.option("--curve-admin-keys", type=click.Path(exists=True),
+              help="public key file, or directory of them, of CURVE clients that may stop this "
+                   "broker without its shutdown token")
+@click.option("--max-clients", type=int,
+              help="connections served at once; more are refused, with a log line (default: "
+                   "from the descriptor limit, docs/security.md)")
+@click.option("--producer-grace", type=float,
+              help="seconds a producer's put sequences are kept after its connection ended "
+                   "(retry-safe puts, default 60)")
 @click.option("--journal", type=click.Path(file_okay=False),
               help="a durable channel: record every item in this directory and serve what it "
                    "holds when started again (docs/durability.md)")
@@ -108,7 +123,9 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
            **flags: Any) -> None:
     """Run the broker of channel NAME in the foreground.
 
-    Prints ``ready <address>`` on stdout once bound; logs go to stderr; SIGINT/SIGTERM stop it.
+    Prints ``ready <address>`` on stdout once bound; logs go to stderr, among them where its
+    shutdown token is kept; SIGINT/SIGTERM stop it, and so does ``zchannel broker stop NAME``
+    (with that token), from any process of the same user.
     """
     from zchannel.broker.server.config import build_config
     from zchannel.broker.server.loop import run_broker
@@ -127,12 +144,81 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         from zchannel.broker.cluster.replica import replica_state
 
         replica_state(config)  # its address (and insecure) come from the cluster file
+    remedy = ("pass --curve-secret-key FILE and --curve-public-keys DIR (zchannel keygen), or "
+              "--insecure on a trusted network")
+    if config.cluster is not None:
+        remedy = (f"give the replicas CURVE keys (zchannel keygen --replicas N), or set "
+                  f"insecure = true in [cluster] of {config.cluster}")
     paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
-                             bool(config.insecure))
+                             bool(config.insecure), remedy=remedy)
     try:
         sys.exit(run_broker(config))
     except RuntimeError as exc:  # a broker already serves the name
         raise ChannelError(str(exc)) from None
+
+
+@main.command("broker stop", hidden=True)  # called as `zchannel broker stop NAME` (cli/failures.py)
+@click.argument("target")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="the shutdown token's file (a first line), for a TARGET address")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="seconds to wait for the broker to answer and exit")
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SECRET_KEY", show_envvar=True,
+              help="this client's CURVE key pair file, for a broker with CURVE keys")
+@click.option("--curve-server-key", type=click.Path(dir_okay=False),
+              envvar="ZCHANNEL_CURVE_SERVER_KEY", show_envvar=True,
+              help="the broker's CURVE public key file (NAME.key)")
+def broker_stop(target: str, token_file: str | None, timeout: float,
+                curve_secret_key: str | None, curve_server_key: str | None) -> None:
+    """Stop the broker of TARGET with its shutdown token.
+
+    TARGET is a channel name served on this host (NAME.replicaI: one replica of a distributed
+    channel): the token and address are read from NAME.token in the run directory (readable
+    by its owner only), and the command waits until the broker process exited.  Or TARGET is
+    an address: the token comes from --token-file, or a CURVE admin key (the broker's
+    --curve-admin-keys) stops it without one.
+    """
+    import time
+
+    from zchannel.broker import Channel
+
+    if paths.is_address(target):
+        info: dict = {"address": target, "token": ""}
+        if token_file:
+            info["token"] = open(token_file).readline().strip()
+    else:
+        paths.check_name(target)
+        info = paths.read_token_file(target)
+        if info is None:
+            raise ChannelError(f"no shutdown token for {target!r} in {paths.run_dir()}: no "
+                               "broker of this user serves it on this host (`zchannel stat` "
+                               "lists them)")
+    keys = _stat_keys(curve_secret_key, curve_server_key)
+    handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
+    pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
+    handle.shutdown(token=info["token"])
+    deadline = time.monotonic() + timeout
+    while not paths.is_address(target) and isinstance(pid, int) and _alive(pid):
+        if time.monotonic() > deadline:
+            raise ChannelError(f"broker {target!r} (pid {pid}) accepted the shutdown but did "
+                               f"not exit within {timeout}s")
+        time.sleep(0.05)
+    click.echo(f"stopped {target} (pid {pid}, {info['address']})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @main.command()

@@ -18,6 +18,9 @@ from zchannel.broker import BrokerUnavailable, ChannelError
 
 COUNTERS = ("puts", "gets", "delivered")
 MAX_KEY_ROWS = 20  # keys shown per frame (the deepest)
+MAX_KEY_TEXT = 28  # a longer key is cut, so that a key row fits in WIDTH
+WIDTH = 80  # a frame fits an 80-column terminal
+LABEL = 10  # the column of the values after a line's label
 
 
 def rates(prev: dict | None, cur: dict, seconds: float) -> dict[str, Any]:
@@ -45,33 +48,58 @@ def _rate(per_s: dict, name: str) -> str:
     return f" ({per_s[name]:,.1f}/s)" if name in per_s else ""
 
 
+def _packed(label: str | None, items: list[str], sep: str = "   ") -> list[str]:
+    """``label`` (padded to the label column; None: no label column) and ``items`` joined by
+    ``sep``, in lines of at most ``WIDTH`` columns (continuations at the label column); an
+    item is never split."""
+    head = "" if label is None else label.ljust(LABEL)
+    pad = " " * LABEL
+    lines: list[str] = []
+    current: list[str] = []
+    for item in items:
+        prefix = pad if lines else head
+        if current and len(prefix) + len(sep.join([*current, item]) + sep.rstrip()) > WIDTH:
+            lines.append(prefix + sep.join(current) + sep.rstrip())  # "a, b," for sep ", "
+            current = []
+        current.append(item)
+    lines.append(((pad if lines else head) + sep.join(current)).rstrip())
+    return lines
+
+
+def _key_text(key: Any) -> str:
+    text = key if isinstance(key, str) else repr(key)
+    return text if len(text) <= MAX_KEY_TEXT else text[: MAX_KEY_TEXT - 3] + "..."
+
+
 def render(stats: dict, per_s: dict, interval: float) -> list[str]:
-    """The lines of one frame."""
+    """The lines of one frame, each at most ``WIDTH`` columns (but an address that long)."""
     held = sum(ks["depth"] for ks in (stats.get("keys") or {}).values())
-    lines = [
-        f"zchannel stat {stats.get('name')} --watch   every {interval:g}s, Ctrl-C to stop   "
-        f"{time.strftime('%H:%M:%S')}",
-        f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})   "
-        f"uptime {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}",
-        "   ".join(f"{name} {stats.get(name, 0):,}{_rate(per_s, name)}" for name in COUNTERS
-                   if name in stats) or "(this broker reports no request counters)",
-        f"held      {held:,} items, {_human_bytes(stats.get('bytes_held', 0))}   leases "
-        f"{stats.get('leases', 0)}   consumers {', '.join(stats.get('consumers') or []) or '-'}",
-    ]
+    lines = _packed(None, [f"zchannel stat {stats.get('name')} --watch", f"every {interval:g}s",
+                         "Ctrl-C to stop", time.strftime("%H:%M:%S")])
+    lines += _packed("channel", [f"{stats.get('name')} (pid {stats.get('pid')})",
+                                 f"uptime {stats.get('uptime_s', 0):.1f}s",
+                                 f"clients {stats.get('clients', 0)}"])
+    lines.append(f"{'address'.ljust(LABEL)}{stats.get('address')}")
+    counters = [f"{name} {stats.get(name, 0):,}{_rate(per_s, name)}" for name in COUNTERS
+                if name in stats]
+    lines += _packed("requests", counters or ["(this broker reports no request counters)"])
+    lines += _packed("held", [f"{held:,} items, {_human_bytes(stats.get('bytes_held', 0))}",
+                              f"leases {stats.get('leases', 0)}"])
+    lines += _packed("consumers", list(stats.get("consumers") or ["-"]), sep=", ")
     shm = stats.get("shm") or {}
     if shm.get("enabled"):
-        lines.append(f"shm       slots used {shm.get('slots_used')}   bytes held "
-                     f"{_human_bytes(shm.get('bytes_held', 0))}   held by consumers "
-                     f"{_human_bytes(shm.get('consumer_bytes', 0))}")
+        lines += _packed("shm", [f"slots used {shm.get('slots_used')}",
+                                 f"bytes held {_human_bytes(shm.get('bytes_held', 0))}",
+                                 f"held by consumers {_human_bytes(shm.get('consumer_bytes', 0))}"])
     if stats.get("metrics"):
-        lines.append(f"metrics   {stats['metrics']}")
+        lines.append(f"{'metrics'.ljust(LABEL)}{stats['metrics']}")
     keys = stats.get("keys") or {}
     depth_rate = per_s.get("depth", {})
     shown = sorted(keys.items(), key=lambda kv: -kv[1]["depth"])[:MAX_KEY_ROWS]
     rows = [("key", "depth", "depth/s", "getters", "putters", "leases")]
     for key, ks in shown:
         change = f"{depth_rate[key]:+,.1f}" if key in depth_rate else "-"
-        rows.append((key if isinstance(key, str) else repr(key), f"{ks['depth']:,}", change,
+        rows.append((_key_text(key), f"{ks['depth']:,}", change,
                      str(ks.get("getters", 0)), str(ks.get("putters", 0)),
                      str(ks.get("leases", 0))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -2,8 +2,9 @@
 pipeline that runs it (docs/embodied.md).
 
 The contract (types, joiner, collector, output modes, advantages) and the producer side that
-feeds it (``envs``: the ``VectorEnv`` protocol and action chunks; ``policy``: the ``Policy``
-protocol; ``pipeline``: the env loop, the rollout and weight sync).  The runners
+feeds it (``envs``: the ``VectorEnv`` protocol and action chunks; ``gymenv``: the Gymnasium
+adapter; ``spaces``: ``EnvSpec`` / ``ActionSpec``; ``policy``: the ``Policy`` protocol;
+``models``: ``ActorCritic``; ``pipeline``: the env loop, the rollout and weight sync).  The runners
 (``zchannel.embodied.runners``), actors (``actor``), PPO (``ppo``) and worker groups
 (``groups``) are imported from their modules.
 
@@ -25,6 +26,7 @@ from zchannel.embodied.collector import TrajectoryCollector, TrajectoryDispatche
 from zchannel.embodied.envs import ChunkedEnv, GymVectorEnv, PointReach, VectorEnv, make_env
 from zchannel.embodied.joiner import ChunkJoiner, JoinedChunk
 from zchannel.embodied.lerobot import LeRobotEpisodeAccumulator
+from zchannel.embodied.models import ActorCritic
 from zchannel.embodied.pipeline import (
     EnvLoop,
     Rollout,
@@ -35,6 +37,7 @@ from zchannel.embodied.pipeline import (
 )
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import MLPPolicy, Policy, RandomPolicy, chunk_actions
+from zchannel.embodied.spaces import ActionSpec, EnvSpec, ObservationError
 from zchannel.embodied.trajectory import (
     ActorBatch,
     EpisodeShard,
@@ -57,7 +60,11 @@ from zchannel.embodied.types import (
 )
 
 __all__ = [
+    "ActionSpec",
     "ActorBatch",
+    "ActorCritic",
+    "EnvSpec",
+    "ObservationError",
     "ChunkJoiner",
     "ChunkedEnv",
     "EnvLoop",

@@ -11,12 +11,15 @@ death: a SIGKILLed actor's unacknowledged and undelivered items are re-dealt by 
 the survivors, who train on them as extra contributions until the step is covered.  The lowest
 contributing rank publishes the new weights (version ``k + 1``) to the rollout and the step's
 metrics to the driver.  Deliveries are acknowledged only after their contribution is out.
+An actor trains on its items in column order (not arrival order), so a run's losses do not
+depend on timing; its metrics carry ``rows_digest``, a hash of the rows it trained on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import time
 from typing import Any
 
@@ -67,14 +70,17 @@ class Actor:
 
     def __init__(self, policy: torch.nn.Module, plan: TrajectoryPlan, cfg: PPOConfig, *,
                  rank: int, world: int, trajectory: Any, sync: Any, weights: WeightPublisher,
-                 seed: int = 0, poll_s: float = 0.2) -> None:
+                 seed: int = 0, poll_s: float = 0.2,
+                 normalization: str = "rlinf_actor", total_steps: int | None = None) -> None:
         self.policy, self.plan, self.cfg = policy, plan, cfg
         self.rank, self.live = rank, set(range(world))
         self.trajectory, self.sync, self.weights = trajectory, sync, weights
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        self.total_steps = total_steps  # for cfg.anneal_lr
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
         self.generator = torch.Generator().manual_seed(seed * 1000 + rank)
         self.version = 0
         self.poll_s = poll_s
+        self.normalization = normalization  # of rollout-mode advantages (training_rows)
         self._stash: list[Any] = []  # deliveries of later steps
         self._seq = 0
 
@@ -119,9 +125,14 @@ class Actor:
 
     def _contribute(self, step: int, base: dict, deliveries: list) -> dict:
         self.policy.load_state_dict(base)
+        deliveries = sorted(deliveries, key=lambda d: min(item_ids(d.item)))
         items = [d.item for d in deliveries]
-        rows = training_rows(items, self.plan)
+        rows = training_rows(items, self.plan, normalization=self.normalization)
+        if self.cfg.anneal_lr and self.total_steps:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr * (1.0 - step / self.total_steps)
         stats = ppo_update(self.policy, self.optimizer, rows, self.cfg, self.generator)
+        stats["rows_digest"] = rows_digest(rows)
         versions = [float(item_versions(item).min()) for item in items]
         contribution = {
             "rank": self.rank, "seq": self._seq,
@@ -134,7 +145,13 @@ class Actor:
         for peer in sorted(self.live):
             self.sync.put(contribution, key=("contrib", step, peer))
         for d in deliveries:
-            self.trajectory.ack(d)
+            try:
+                self.trajectory.ack(d)
+            except ValueError as exc:
+                if "lease" not in str(exc):
+                    raise
+                # the lease expired while this (starved) actor trained: the broker deals the
+                # item again, and _take acknowledges that re-delivery as already trained
         return contribution
 
     def train_step(self, step: int) -> dict:
@@ -174,12 +191,24 @@ class Actor:
             "lag": max(c["lag"] for c in chosen),
             "contributions": len(chosen), "train_s": time.monotonic() - t0,
             **{k: sum(c["stats"][k] * c["rows"] for c in chosen) / total
-               for k in chosen[0]["stats"]},
+               for k in chosen[0]["stats"] if k != "rows_digest"},
+            "rows_digest": "+".join(c["stats"]["rows_digest"] for c in chosen),
         }
         if leader == self.rank:
             metrics["weight_bytes"] = self.weights.publish(self.policy.state_dict(), self.version)
             self.sync.put(metrics, key=ACTOR_METRICS)
         return metrics
+
+
+def rows_digest(rows: dict[str, torch.Tensor]) -> str:
+    """A short hash of training rows (names, dtypes, shapes and bytes, in name order)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(rows):
+        value = rows[name].contiguous()
+        h.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        h.update(value.numpy().tobytes() if value.dtype != torch.bfloat16
+                 else value.float().numpy().tobytes())
+    return h.hexdigest()
 
 
 def item_versions(item: Any) -> torch.Tensor:
@@ -200,4 +229,5 @@ def _cover(received: dict) -> tuple[list[dict], set]:
     return chosen, covered
 
 
-__all__ = ["ACTOR_METRICS", "Actor", "ids_per_step", "item_ids", "item_step", "members_key"]
+__all__ = ["ACTOR_METRICS", "Actor", "ids_per_step", "item_ids", "item_step", "members_key",
+           "rows_digest"]

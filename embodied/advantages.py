@@ -4,7 +4,9 @@
 their batches, folds the epochs into the batch dimension (docs/embodied.md), computes the loss mask
 (step 3) and applies the reward filter (step 4).  ``compute_advantages`` adds ``advantages``
 (and ``returns`` for gae) with one of the estimators gae, grpo, reinpp or raw and, when the
-plan asks for it, the per-actor normalisation.  Both the pipeline mode of the collector and every
+plan asks for it, the per-actor normalisation: ``"pooled"`` (the default, as the collector's
+pipeline mode and RLinf's pipeline path: every estimator, population variance) or
+``"rlinf_actor"`` (as RLinf's embodied actor: gae only, unbiased std + 1e-5).  Both the pipeline mode of the collector and every
 non-pipeline consumer use exactly these two functions.
 
 The functions only read attributes of ``plan`` (``TrajectoryPlan`` or any object with the same
@@ -23,6 +25,7 @@ __all__ = [
     "ADV_EPS_GRPO",
     "ADV_EPS_NORM",
     "ADV_EPS_REINPP",
+    "NORMALIZATIONS",
     "apply_reward_filter",
     "compute_advantages",
     "compute_gae_advantages",
@@ -32,6 +35,7 @@ __all__ = [
     "compute_raw_advantages",
     "compute_reinpp_advantages",
     "normalize_advantages",
+    "normalize_advantages_unbiased",
     "to_training_batch",
 ]
 
@@ -40,7 +44,7 @@ ADV_EPS_GRPO = 1e-6
 ADV_EPS_REINPP = 1e-8
 """Lower bound of reinpp's masked variance."""
 ADV_EPS_NORM = 1e-5
-"""Added to the variance by the per-actor normalisation."""
+"""Added to the variance by the pooled normalisation, to the std by the ``rlinf_actor`` one."""
 
 _REWARD_TYPES = ("action_level", "chunk_level")
 
@@ -388,6 +392,33 @@ def normalize_advantages(
     return ((adv64 - mean) * scale).to(torch.float32).contiguous()
 
 
+def normalize_advantages_unbiased(
+    advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whiten advantages as RLinf's embodied actor does for gae (``safe_normalize`` of
+    ``rlinf/algorithms/utils.py``): ``(adv − mean) / (std + 1e-5)`` on every entry, with the mean
+    and the **unbiased** standard deviation of the masked entries (float64, returned as
+    float32).  With no selected entry the advantages are unchanged; with one, its std counts as
+    0 (RLinf's gives NaN there).
+    """
+    adv64 = advantages.to(torch.float64)
+    if loss_mask is None:
+        selected = adv64.reshape(-1)
+    else:
+        selected = adv64[torch.broadcast_to(loss_mask.to(torch.bool), adv64.shape)]
+    if selected.numel() == 0:
+        return advantages
+    std = selected.std() if selected.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    return ((adv64 - selected.mean()) / (std + ADV_EPS_NORM)).to(torch.float32).contiguous()
+
+
+NORMALIZATIONS = ("pooled", "rlinf_actor")
+"""``compute_advantages(normalization=...)``: ``"pooled"`` whitens every estimator with the
+population variance (``normalize_advantages``); ``"rlinf_actor"`` whitens gae only, with the
+unbiased std (``normalize_advantages_unbiased``), and leaves grpo, reinpp and raw as their
+estimator gives them."""
+
+
 # ------------------------------------------------------------------------------------------
 # compute_advantages
 
@@ -403,14 +434,16 @@ def _as_steps(x: torch.Tensor, name: str, rows: int, width: int, k: int) -> torc
     return x
 
 
-def compute_advantages(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
+def compute_advantages(batch: dict[str, Any], plan: Any, *,
+                       normalization: str = "pooled") -> dict[str, Any]:
     """Add ``advantages`` (and ``returns`` for gae) ``[N, W, k]`` to ``batch`` and return it.
 
     Reads ``rewards [N,W,C]``, ``dones [N+1,W,C]``, ``prev_values [N+1,W,k]`` (gae, optional:
     critic-free without) and ``loss_mask`` (optional, all ones when absent) from the batch;
     ``k = 1`` for ``plan.reward_type == "chunk_level"`` (rewards summed, dones/mask max'ed over
     slots), else ``k = C``.  The estimator is ``plan.adv_type`` (gae, grpo, reinpp, raw); the
-    per-actor normalisation is applied last when ``plan.normalize_advantages``.
+    per-actor normalisation is applied last when ``plan.normalize_advantages``, in the style
+    ``normalization`` names (``NORMALIZATIONS``).
 
     Raises ``ValueError`` for missing or mis-shaped rewards/dones/prev_values/loss_mask, an
     unknown estimator or reward type, and a width not divisible by ``plan.group_size`` for the
@@ -421,6 +454,8 @@ def compute_advantages(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
     adv_type = plan.adv_type
     if adv_type not in ("gae", "grpo", "reinpp", "raw"):
         raise ValueError(f"Unknown advantage estimator {adv_type!r}.")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}.")
     rewards = batch.get("rewards")
     dones = batch.get("dones")
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 3:
@@ -485,8 +520,10 @@ def compute_advantages(batch: dict[str, Any], plan: Any) -> dict[str, Any]:
         adv = compute_raw_advantages(r, d, m, group_size=plan.group_size)
 
     advantages = _unflatten_time_major(adv, k)
-    if plan.normalize_advantages:
+    if plan.normalize_advantages and normalization == "pooled":
         advantages = normalize_advantages(advantages, loss_mask)
+    elif plan.normalize_advantages and adv_type == "gae":
+        advantages = normalize_advantages_unbiased(advantages, loss_mask)
     batch["advantages"] = advantages
     if returns is not None:
         batch["returns"] = returns

@@ -167,6 +167,7 @@ class OutputMode:
             collect_transitions=plan.collect_transitions,
             enable_rlt=plan.enable_rlt,
             include_final_value=last,
+            intervention_precedence=plan.intervention_precedence,
         )
 
     def append_step(self, accumulator: TrajectoryAccumulator, chunk: JoinedChunk) -> None:

@@ -16,22 +16,29 @@ The three runners differ only in two knobs of these loops (``docs/embodied.md``)
 async 1, decoupled 2) and ``decoupled`` (an epoch's last ``EnvPart`` carries an explicit
 ``next_obs`` boundary override and rides on the next epoch's bootstrap request instead of an
 ``is_last`` request).
+
+A rollout that fails (a ``HookError`` from the trajectory channel, a policy error) tells every
+env worker at once: it puts a ``RolloutFailure`` on each env's actions key before it raises,
+and the env loop waiting there raises it (``HookError`` stays ``HookError``) instead of waiting
+out its reply timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from zchannel.broker import DEFAULT_KEY
+from zchannel.broker import DEFAULT_KEY, HookError
 from zchannel.embodied.checks import check_env_part
 from zchannel.embodied.envs import ChunkedEnv
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import chunk_actions, stamp_version
+from zchannel.embodied.spaces import ObservationError
 from zchannel.embodied.types import (
     EnvPart,
     EnvTransition,
@@ -45,7 +52,9 @@ from zchannel.embodied.types import (
 REQUESTS_KEY = "requests"
 MAX_INFLIGHT = 64  # a rollout's unacknowledged puts
 WEIGHTS_KEY = "weights"
+WEIGHTS_POLL_S = 0.02  # a rollout that has the weights it needs looks for newer ones this often
 STOP = "stop"
+ROLLOUT_FAILURE = "rollout_failure"
 RLT_FEATURES = {"rlt_transition_z_rl": "z_rl", "rlt_transition_proprio": "proprio",
                 "rlt_transition_ref_chunk": "ref_chunk"}
 
@@ -57,6 +66,48 @@ def actions_key(env_rank: int) -> str:
 
 def weights_key(rollout_rank: int) -> str:
     return f"{WEIGHTS_KEY}:{rollout_rank}"
+
+
+class RolloutFailed(RuntimeError):
+    """The rollout an env worker depends on failed with an error other than a ``HookError``."""
+
+
+@dataclass
+class RolloutFailure:
+    """What a failing rollout puts on each env's actions key instead of an action chunk (as the
+    plain dict ``to_message()``: ``{"rollout_failure": {fields}}``).
+
+    ``error_type`` is the exception's class name; ``exc_type`` and ``remote_traceback`` are a
+    ``HookError``'s own (the collector's exception type and traceback), empty otherwise.
+    """
+
+    error_type: str
+    message: str
+    exc_type: str = ""
+    remote_traceback: str = ""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RolloutFailure:
+        if isinstance(exc, HookError):
+            return cls("HookError", str(exc), exc.exc_type, exc.remote_traceback)
+        return cls(type(exc).__name__, str(exc), "",
+                   "".join(traceback.format_exception(exc)))
+
+    def to_message(self) -> dict[str, dict[str, str]]:
+        return {ROLLOUT_FAILURE: asdict(self)}
+
+    @classmethod
+    def from_message(cls, message: Any) -> RolloutFailure | None:
+        """The failure a reply carries, or None for an action chunk."""
+        if isinstance(message, dict) and isinstance(message.get(ROLLOUT_FAILURE), dict):
+            return cls(**message[ROLLOUT_FAILURE])
+        return None
+
+    def error(self) -> Exception:
+        """The exception the env loop raises: a ``HookError`` as it was, else ``RolloutFailed``."""
+        if self.error_type == "HookError":
+            return HookError(self.message, self.exc_type, self.remote_traceback)
+        return RolloutFailed(f"the rollout failed: {self.error_type}: {self.message}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +185,7 @@ class WeightReceiver:
         self.channel, self.model, self.key = channel, model, weights_key(rank)
         self.version = 0
         self.updates = 0
+        self.polled = 0.0  # time.monotonic() of the last poll
 
     def _load(self, message: dict) -> None:
         if message["version"] > self.version:
@@ -143,6 +195,7 @@ class WeightReceiver:
 
     def poll(self) -> int:
         """Take every waiting update (keep the newest); return the current version."""
+        self.polled = time.monotonic()
         while True:
             try:
                 message = self.channel.get_nowait(key=self.key)
@@ -185,12 +238,15 @@ class EnvLoop:
     decoupled: bool = False
     reply_timeout: float = 600.0
     env_steps: int = 0
-    _pending: EnvPart | None = None
-    _boundary: EnvTransition | None = None
-    _sent: Any = None  # the Work of the last request put
+    _pending: EnvPart | None = field(default=None, init=False, repr=False)
+    _boundary: EnvTransition | None = field(default=None, init=False, repr=False)
+    _sent: Any = field(default=None, init=False, repr=False)  # the Work of the last request put
 
     def start(self, seed: int) -> None:
-        self.env.reset(seed=seed)
+        try:
+            self.env.reset(seed=seed)
+        except ObservationError as exc:
+            raise ObservationError(f"env rank {self.env_rank}, reset: {exc}") from None
         B, C = self.plan.source_batch_size, self.plan.num_action_chunks
         false = torch.zeros(B, C, dtype=torch.bool)
         self._boundary = EnvTransition(dones=false, terminations=false, truncations=false)
@@ -215,7 +271,17 @@ class EnvLoop:
                 self._pending = None
                 actions = self.actions.get(key=actions_key(self.env_rank),
                                            timeout=self.reply_timeout)
-                out = self.env.step_chunk(actions)
+                failure = RolloutFailure.from_message(actions)
+                if failure is not None:
+                    raise failure.error()
+                try:
+                    out = self.env.step_chunk(actions)
+                except ObservationError as exc:
+                    # nothing of the chunk was sent; the requests already put are delivered
+                    if self._sent is not None:
+                        self._sent.wait()
+                    raise ObservationError(f"env rank {self.env_rank}, chunk {key}: {exc}") \
+                        from None
                 self.env_steps += plan.source_batch_size * plan.num_action_chunks
                 last = chunk == plan.num_chunks - 1
                 dones = out.dones
@@ -259,15 +325,17 @@ class Rollout:
     def __init__(self, policy: torch.nn.Module, plan: TrajectoryPlan, *, requests: Any,
                  actions: Any, trajectory: Any, weights: WeightReceiver,
                  max_staleness: int = 0, merge: bool = True,
-                 tag_columns: bool = True) -> None:
+                 tag_columns: bool = True, sample_seed: int | None = None) -> None:
         self.policy, self.plan = policy, plan
         self.requests, self.actions, self.trajectory = requests, actions, trajectory
         self.weights, self.max_staleness, self.merge = weights, max_staleness, merge
         self.tag_columns = tag_columns
+        self.sample_seed = sample_seed
         self.chunks = 0
         self.lags: list[int] = []
         self._held: list[Any] = []  # requests taken off the channel, to serve in order
         self._inflight: list[Any] = []  # Work handles of puts not yet acknowledged
+        self._ranks: set[int] = set()  # env ranks whose requests were seen
 
     def infer(self, obs: dict[str, Any]) -> PolicyOutput:
         return stamp_version(self.policy(obs), self.weights.version)
@@ -325,7 +393,9 @@ class Rollout:
         """Load weights of at least ``version``; meanwhile serve the waiting requests the loaded
         weights may serve (other sources' earlier chunks and last parts), holding the others in
         arrival order."""
-        self.weights.poll()
+        if self.weights.version < version or \
+                time.monotonic() - self.weights.polled >= WEIGHTS_POLL_S:
+            self.weights.poll()
         if self.weights.version < version:
             self.drain()  # the step's last parts go out before the rollout sits waiting
         while self.weights.version < version:
@@ -354,6 +424,11 @@ class Rollout:
             raise ValueError("external (smooth-intervention) actions are only valid in lerobot "
                              "mode")
         merged = head if len(requests) == 1 else PolicyInput.merge(requests)
+        generator = getattr(self.policy, "generator", None)
+        if self.sample_seed is not None and isinstance(generator, torch.Generator):
+            k = head.sources[0].key  # reproducible sampling: one stream per chunk key
+            generator.manual_seed(hash((self.sample_seed, k.step_id, k.epoch_id, k.env_rank,
+                                        k.stage_id, k.chunk_id)) & ((1 << 63) - 1))
         output = self.infer(merged.obs)
         if self.tag_columns:
             _tag(output, merged)
@@ -361,6 +436,7 @@ class Rollout:
             if len(requests) > 1 else [output]
         for request, piece in zip(requests, pieces, strict=True):
             rank = request.sources[0].key.env_rank
+            self._ranks.add(rank)
             # on the env's critical path: sent at once (an async put may wait for the
             # connection's next wait while earlier replies are due)
             self.actions.put(chunk_actions(piece, self.plan.num_action_chunks),
@@ -391,22 +467,47 @@ class Rollout:
         while self._inflight:
             self._inflight.pop(0).wait()
 
-    def run(self, stop_after: int | None = None) -> None:
-        """Serve until a ``STOP`` request, or until ``stop_after`` is_last requests."""
+    def run(self, stop_after: int | None = None, poll_s: float = 0.5) -> None:
+        """Serve until a ``STOP`` request, or until ``stop_after`` is_last requests.
+
+        Puts that finished with an error are checked at least every ``poll_s`` seconds while no
+        request comes.  On any error the rollout first puts a ``RolloutFailure`` on the actions
+        key of every env it serves (``fail_envs``), then raises.
+        """
         finals = 0
-        while True:
-            request = self._next(None)
-            if request is None:
-                continue
-            if request == STOP:
-                self.drain()
-                return
-            self.serve(request)
-            if request.is_last:
-                finals += 1
-                if stop_after is not None and finals >= stop_after:
+        try:
+            while True:
+                request = self._next(poll_s)
+                if request is None:
+                    self._check_finished()
+                    continue
+                if request == STOP:
                     self.drain()
                     return
+                self.serve(request)
+                if request.is_last:
+                    finals += 1
+                    if stop_after is not None and finals >= stop_after:
+                        self.drain()
+                        return
+        except BaseException as exc:
+            self.fail_envs(exc)
+            raise
+
+    def _check_finished(self) -> None:
+        """Raise the error of the oldest finished put, if it failed (finished puts are dropped)."""
+        while self._inflight and self._inflight[0].done():
+            self._inflight.pop(0).wait()
+
+    def fail_envs(self, exc: BaseException) -> None:
+        """Tell every env worker this rollout serves (ranks ``0..num_sources-1`` and any other
+        rank seen) that it failed with ``exc``, so that none waits for an action chunk."""
+        message = RolloutFailure.of(exc).to_message()
+        for rank in sorted(self._ranks | set(range(self.plan.num_sources))):
+            try:
+                self.actions.put(message, key=actions_key(rank))
+            except Exception:  # the actions channel itself may be what failed
+                pass
 
 
 def _tag(output: PolicyOutput, request: PolicyInput) -> None:
@@ -428,6 +529,8 @@ __all__ = [
     "STOP",
     "EnvLoop",
     "Rollout",
+    "RolloutFailed",
+    "RolloutFailure",
     "WeightPublisher",
     "WeightReceiver",
     "actions_key",

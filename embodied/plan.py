@@ -22,6 +22,7 @@ MODES: tuple[str, ...] = ("rollout", "pipeline", "lerobot")
 ADV_TYPES: tuple[str, ...] = ("gae", "grpo", "reinpp", "raw")
 REWARD_TYPES: tuple[str, ...] = ("action_level", "chunk_level")
 BOOTSTRAP_TYPES: tuple[str, ...] = ("standard", "always")
+INTERVENTION_PRECEDENCES: tuple[str, ...] = ("model", "env")
 
 # Estimators whose per-column group scores require groups to stay inside one output shard.
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "reinpp", "raw")
@@ -31,6 +32,7 @@ _ENUMS: dict[str, tuple[str, ...]] = {
     "adv_type": ADV_TYPES,
     "reward_type": REWARD_TYPES,
     "bootstrap_type": BOOTSTRAP_TYPES,
+    "intervention_precedence": INTERVENTION_PRECEDENCES,
 }
 # name -> minimum value (inclusive); ``None`` means any int.
 _INTS: dict[str, int | None] = {
@@ -141,6 +143,10 @@ class TrajectoryPlan:
     """LeRobot mode: keep only successful, terminated episodes."""
     lerobot_fps: float = 10
     """LeRobot mode: ``timestamp = frame_index / lerobot_fps``."""
+    intervention_precedence: str = "model"
+    """Whose intervention flags a chunk keeps when the env intervened and the model flagged
+    too: ``"model"`` (the model's flags overwrite the env's; actions stay the executed ones) or
+    ``"env"`` (the env's executed intervention wins, as in RLinf; the runners use this)."""
 
     def __post_init__(self) -> None:
         self._check_fields()

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from zchannel.embodied.spaces import ActionSpec
 from zchannel.embodied.types import PolicyOutput
 
 
@@ -99,18 +100,27 @@ class MLPPolicy(nn.Module):
 
 
 class RandomPolicy(nn.Module):
-    """Uniform actions in [-1, 1]: the baseline the demo compares against."""
+    """Uniform actions: in [-1, 1] for Box actions, uniform class indices for the discrete kinds
+    of ``action`` (an ``ActionSpec``): the baseline the demo compares against."""
 
-    def __init__(self, action_dim: int, num_action_chunks: int, seed: int = 0) -> None:
+    def __init__(self, action_dim: int, num_action_chunks: int, seed: int = 0,
+                 action: ActionSpec | None = None) -> None:
         super().__init__()
         self.action_dim, self.num_action_chunks = action_dim, num_action_chunks
+        self.nvec = torch.tensor(action.nvec, dtype=torch.float32) \
+            if action is not None and action.discrete else None
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
     def forward(self, obs: dict[str, Any]) -> PolicyOutput:  # type: ignore[override]
-        batch = torch.as_tensor(obs["states"]).shape[0]
+        batch = next(v for v in obs.values() if isinstance(v, torch.Tensor)).shape[0]
         d = self.action_dim * self.num_action_chunks
-        action = torch.rand(batch, d, generator=self.gen) * 2 - 1
+        action = torch.rand(batch, d, generator=self.gen)
+        if self.nvec is None:
+            action = action * 2 - 1
+        else:
+            action = (action.reshape(batch, -1, self.action_dim) * self.nvec).floor()
+            action = action.reshape(batch, d)
         return PolicyOutput(forward_inputs={"action": action},
                             prev_logprobs=torch.zeros(batch, d))
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ray
+try:
+    import ray
+except ModuleNotFoundError as exc:  # an optional extra: name it
+    raise ModuleNotFoundError(
+        f"zchannel.embodied.ray_runner needs Ray ({exc}): pip install 'zchannel[ray]'",
+        name=exc.name) from exc
 from zchannel.embodied.groups import Worker, WorkerError
 from zchannel.embodied.runners import RunConfig, actor_worker, env_worker, rollout_worker, run
 
@@ -45,6 +50,11 @@ class _GroupWorkers:
         return {f"{group}:{rank}": why for group, call in self.calls.items()
                 for rank, why in call.failures().items()}
 
+    def abort(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+        self.groups = []
+
     def stop(self, timeout: float = 30.0) -> None:
         for call in self.calls.values():
             try:
@@ -63,17 +73,22 @@ class RayLauncher:
                                                    node_ranks=[1 % alive])
         self.rollout = RolloutWorker.create_group().launch(1, name="rollout", ray=True,
                                                            node_ranks=[1 % alive])
-        self.actor = ActorWorker.create_group().launch(cfg.actors, name="actor", ray=True,
-                                                       node_ranks=[2 % alive])
+        self.actor = None  # lerobot mode records on the driver: no actors
+        if cfg.mode != "lerobot":
+            self.actor = ActorWorker.create_group().launch(cfg.actors, name="actor", ray=True,
+                                                           node_ranks=[2 % alive])
 
-    def groups(self) -> tuple[list, list]:
-        return [self.rollout], [self.actor]
+    def groups(self) -> tuple[list, list | None]:
+        return [self.rollout], None if self.actor is None else [self.actor]
 
     def start(self, cfg: RunConfig, data: dict, channels: dict) -> _GroupWorkers:
         calls = {"env": self.env.run_env(data, channels),
-                 "rollout": self.rollout.run_rollout(data, channels),
-                 "actor": self.actor.run_actor(data, channels)}
-        return _GroupWorkers(calls, [self.env, self.rollout, self.actor])
+                 "rollout": self.rollout.run_rollout(data, channels)}
+        groups = [self.env, self.rollout]
+        if self.actor is not None:
+            calls["actor"] = self.actor.run_actor(data, channels)
+            groups.append(self.actor)
+        return _GroupWorkers(calls, groups)
 
 
 def run_on_ray(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,

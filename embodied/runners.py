@@ -10,11 +10,18 @@ differ in the rollout's ``max_staleness`` (sync 0, async 1, decoupled 2) and in 
 boundary handling (decoupled: the epoch's last part carries its ``next_obs`` override and rides
 on the next bootstrap request).  A worker that dies ends the run with ``WorkerDied`` naming it;
 an actor's death is survived when other actors remain (rollout mode).
+
+``mode="lerobot"`` records instead of training: the env workers attach ``episode_data`` to every
+chunk, there are no actor workers, and the driver is the trajectory channel's consumer
+(``recording.EpisodeRecorder``): it writes each step's episodes to ``dataset`` (a LeRobot v3
+dataset, ``lerobot_writer``) or keeps them, and releases each step's version as an actor would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import json
 import multiprocessing
 import threading
 import time
@@ -28,6 +35,9 @@ import torch
 from zchannel.broker import Channel
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
+from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
+from zchannel.embodied.models import ActorCritic
+from zchannel.embodied.normalize import RewardScaler
 from zchannel.embodied.pipeline import (
     REQUESTS_KEY,
     STOP,
@@ -39,8 +49,11 @@ from zchannel.embodied.pipeline import (
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import MLPPolicy
 from zchannel.embodied.ppo import PPOConfig
+from zchannel.embodied.recording import RECORDER, EpisodeRecorder
+from zchannel.embodied.spaces import EnvSpec
 
 RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max_staleness
+IMAGE_SHM_THRESHOLD = 64 << 10  # tensors under 64 KiB travel inline in the body anyway
 ENV_METRICS = "env_metrics"
 ERRORS = "errors"
 
@@ -52,7 +65,14 @@ class WorkerDied(RuntimeError):
 @dataclass(frozen=True)
 class RunConfig:
     runner: str = "sync"
-    mode: str = "rollout"
+    mode: str = "rollout"  # or "pipeline", or "lerobot": record episodes instead of training
+    dataset: str = ""  # lerobot mode: write a LeRobot v3 dataset here ("": keep the episodes)
+    overwrite: bool = False  # replace an existing ``dataset`` directory
+    lerobot_fps: int = 10
+    lerobot_only_success: bool = False
+    # "rlinf": advantages normalised as RLinf does in the mode (rollout: its actor's formulas,
+    # gae only; pipeline: pooled in the broker); "pooled": every estimator, pooled, in both modes
+    advantage_normalization: str = "rlinf"
     envs: int = 2  # env workers (logical sources)
     env_batch: int = 32  # envs per worker
     actors: int = 1
@@ -62,6 +82,17 @@ class RunConfig:
     num_action_chunks: int = 2
     rollout_epochs: int = 1
     env: str = "point_reach"
+    env_kwargs: dict = field(default_factory=dict)  # make_env(..., env_kwargs)
+    obs_map: dict | None = None  # gym: observation leaf -> image key (docs/embodied.md)
+    # "auto" (point_reach: "mlp", else "actor_critic"), "mlp", "actor_critic", or
+    # "module:factory" called as factory(spec: EnvSpec, cfg: RunConfig) -> Policy
+    policy: str = "auto"
+    policy_kwargs: dict = field(default_factory=dict)  # ActorCritic(spec, C, **policy_kwargs)
+    normalize_reward: bool = False  # env workers scale rewards (RewardScaler, gamma)
+    reproducible: bool = False  # rollout: no request merging, sampling seeded per chunk key
+    # requests/trajectory brokers' shared-memory threshold; None: IMAGE_SHM_THRESHOLD when the
+    # env has images (camera tensors of a batch take slots), else the channel's default
+    shm_threshold: int | None = None
     transport: str = "broker"  # or "inproc": threads over in-process channels
     gamma: float = 0.95
     gae_lambda: float = 0.95
@@ -72,8 +103,16 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        if self.mode not in ("rollout", "pipeline"):
-            raise ValueError(f"mode must be 'rollout' or 'pipeline', got {self.mode!r}")
+        if self.mode not in ("rollout", "pipeline", "lerobot"):
+            raise ValueError(f"mode must be 'rollout', 'pipeline' or 'lerobot', got {self.mode!r}")
+        if self.mode == "lerobot" and self.actors != 1:
+            raise ValueError(f"lerobot mode records on the driver (no actors): actors must be 1, "
+                             f"got {self.actors}")
+        if self.advantage_normalization not in ("rlinf", "pooled"):
+            raise ValueError(f"advantage_normalization must be 'rlinf' or 'pooled', got "
+                             f"{self.advantage_normalization!r}")
+        if self.dataset and self.mode != "lerobot":
+            raise ValueError("dataset is written in lerobot mode only (mode='lerobot')")
         if self.transport not in ("broker", "inproc"):
             raise ValueError(f"transport must be 'broker' or 'inproc', got {self.transport!r}")
         for name in ("envs", "env_batch", "actors", "steps", "num_chunks", "num_action_chunks",
@@ -88,10 +127,15 @@ class RunConfig:
             actor_world_size=self.actors, num_action_chunks=self.num_action_chunks,
             action_dim=action_dim, adv_type="gae", gamma=self.gamma, gae_lambda=self.gae_lambda,
             auto_reset=True, reward_type="chunk_level", seed=self.seed,
+            intervention_precedence="env",
+            normalize_advantages=not self.ppo.minibatch_adv_norm,
         )
         if self.mode == "pipeline":
             rows = self.num_chunks * self.envs * self.env_batch // self.actors
             options["micro_batch_size"] = max(1, rows // self.ppo.minibatches)
+        if self.mode == "lerobot":
+            options.update(lerobot_fps=self.lerobot_fps,
+                           lerobot_only_success=self.lerobot_only_success)
         return TrajectoryPlan.from_options(options)
 
     def names(self) -> dict[str, str]:
@@ -105,15 +149,57 @@ def _config(data: dict) -> RunConfig:
     return RunConfig(**{**data, "ppo": PPOConfig(**data["ppo"])})
 
 
+_SPECS: dict[str, EnvSpec] = {}
+_POLICY_LOCK = threading.Lock()
+
+
+def env_spec(cfg: RunConfig) -> EnvSpec:
+    """The run's ``EnvSpec`` (from a one-env instance, made once per process)."""
+    key = json.dumps([cfg.env, cfg.env_kwargs, cfg.obs_map], sort_keys=True, default=str)
+    if key not in _SPECS:
+        env = make_env(cfg.env, 1, cfg.env_kwargs, cfg.obs_map)
+        _SPECS[key] = env.spec
+        close = getattr(getattr(env, "env", None), "close", None)
+        if close is not None:
+            close()
+    return _SPECS[key]
+
+
 def _spaces(cfg: RunConfig) -> tuple[int, int]:
-    env = make_env(cfg.env, 1)
-    return env.state_dim, env.action_dim
+    spec = env_spec(cfg)
+    return spec.state_dim, spec.action_dim
 
 
-def _policy(cfg: RunConfig) -> MLPPolicy:
-    state_dim, action_dim = _spaces(cfg)
-    torch.manual_seed(cfg.seed)
-    return MLPPolicy(state_dim, action_dim, cfg.num_action_chunks)
+def build_policy(cfg: RunConfig) -> torch.nn.Module:
+    """The run's policy, initialised from ``cfg.seed`` (the same weights in every worker; the
+    global RNG is left as it was, so threads of an in-process run do not disturb each other)."""
+    spec = env_spec(cfg)
+    kind = cfg.policy
+    if kind == "auto":
+        kind = "mlp" if cfg.env == "point_reach" else "actor_critic"
+    with _POLICY_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if kind == "mlp":
+            if spec.action.kind != "box" or spec.images:
+                raise ValueError("policy 'mlp' takes states and Box actions only; use "
+                                 "'actor_critic'")
+            policy = MLPPolicy(spec.state_dim, spec.action_dim, cfg.num_action_chunks,
+                               **cfg.policy_kwargs)
+        elif kind == "actor_critic":
+            policy = ActorCritic(spec, cfg.num_action_chunks, **cfg.policy_kwargs)
+        elif ":" in kind:
+            module, _, name = kind.partition(":")
+            policy = getattr(importlib.import_module(module), name)(spec, cfg)
+        else:
+            raise ValueError(f"policy must be 'auto', 'mlp', 'actor_critic' or "
+                             f"'module:factory', got {cfg.policy!r}")
+    generator = getattr(policy, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(cfg.seed)
+    return policy
+
+
+_policy = build_policy
 
 
 def _connect(name: str, identity: str | None = None) -> Any:
@@ -148,8 +234,11 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     try:
         plan = cfg.plan(_spaces(cfg)[1])
         requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
-        loop = EnvLoop(ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks),
-                       plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
+        scaler = RewardScaler(cfg.env_batch, cfg.gamma) if cfg.normalize_reward else None
+        env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
+                         cfg.num_action_chunks, reward_scaler=scaler,
+                         record_episodes=cfg.mode == "lerobot")
+        loop = EnvLoop(env, plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
         loop.start(seed=cfg.seed * 1000 + rank)
         for step in range(cfg.steps):
             t0, steps0 = time.monotonic(), loop.env_steps
@@ -176,7 +265,8 @@ def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> N
             names, channels, ("requests", "actions", "trajectory", "sync"))
         rollout = Rollout(policy, plan, requests=requests, actions=actions, trajectory=trajectory,
                           weights=WeightReceiver(sync, policy, rank),
-                          max_staleness=RUNNERS[cfg.runner])
+                          max_staleness=RUNNERS[cfg.runner], merge=not cfg.reproducible,
+                          sample_seed=cfg.seed if cfg.reproducible else None)
         rollout.run()
         sync.put({"chunks": rollout.chunks, "lags": rollout.lags,
                   "weight_updates": rollout.weights.updates}, key="rollout_metrics")
@@ -200,7 +290,9 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
         else:  # handed over by the driver: bound to this worker's identity (actor:<rank>)
             trajectory, sync = channels["trajectory"], channels["sync"]
         actor = Actor(policy, plan, cfg.ppo, rank=rank, world=cfg.actors, trajectory=trajectory,
-                      sync=sync, weights=WeightPublisher(sync), seed=cfg.seed)
+                      sync=sync, weights=WeightPublisher(sync), seed=cfg.seed,
+                      normalization="rlinf_actor" if cfg.advantage_normalization == "rlinf"
+                      else "pooled", total_steps=cfg.steps)
         for step in range(cfg.steps):
             actor.train_step(step)
         if rank == min(actor.live):
@@ -248,6 +340,15 @@ class _Workers:
                     out[name] = f"exit code {proc.exitcode}"
         return out
 
+    def abort(self) -> None:
+        """End the worker processes now (threads end when their channels are shut down)."""
+        if not self.inproc:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self.procs.values():
+                proc.join(10)
+
     def stop(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
@@ -272,7 +373,7 @@ class _LocalLauncher:
         for rank in range(cfg.envs):
             self.workers.start(f"env:{rank}", env_worker, data, rank)
         self.workers.start("rollout:0", rollout_worker, data, 0)
-        for rank in range(cfg.actors):
+        for rank in range(cfg.actors if cfg.mode != "lerobot" else 0):
             self.workers.start(f"actor:{rank}", actor_worker, data, rank)
         return self.workers
 
@@ -281,78 +382,141 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
                      consumers: Any = None) -> dict[str, Any]:
     names = cfg.names()
     local = cfg.transport == "inproc"
+    if cfg.mode == "lerobot":  # the driver records (recording.RECORDER)
+        consumers = {RECORDER.partition(":")[0]: 1}
+    threshold = cfg.shm_threshold
+    if threshold is None and env_spec(cfg).images:
+        threshold = IMAGE_SHM_THRESHOLD
+    shm = {} if local or threshold is None else {"shm_threshold": threshold}
     return {
-        "requests": Channel.create(names["requests"], local=local),
+        "requests": Channel.create(names["requests"], local=local, **shm),
         "actions": Channel.create(names["actions"], local=local),
         "trajectory": Channel.create(
             names["trajectory"], collector="embodied_trajectory",
             dispatcher="embodied_trajectory", producers=producers or ["rollout"],
             consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
-            lease_timeout=cfg.lease_timeout),
+            lease_timeout=cfg.lease_timeout, **shm),
         "sync": Channel.create(names["sync"], local=local),
     }
+
+
+class _ActorReports:
+    """Training runs: each step's report is the leading actor's metrics on the sync channel."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+
+    def poll(self, step: int, timeout: float) -> dict | None:
+        try:
+            return self.sync.get_nowait(key=ACTOR_METRICS)
+        except asyncio.QueueEmpty:
+            if timeout <= 0:
+                return None
+        try:
+            return self.sync.get(key=ACTOR_METRICS, timeout=timeout)
+        except TimeoutError:
+            return None
+
+    def final_weights(self) -> dict:
+        return self.sync.get(key="final_weights", timeout=120)
+
+
+class _Recording(EpisodeRecorder):
+    """Lerobot runs: the driver records (``EpisodeRecorder``); the weights never change."""
+
+    def final_weights(self) -> dict:
+        return self.state
+
+
+def _reports(cfg: RunConfig, plan: TrajectoryPlan, channels: dict,
+             writer: LeRobotDatasetWriter | None) -> _ActorReports | _Recording:
+    if cfg.mode != "lerobot":
+        return _ActorReports(channels["sync"])
+    recorder = _connect(cfg.names()["trajectory"], identity=RECORDER)
+    return _Recording(recorder, plan, WeightPublisher(channels["sync"]),
+                      _policy(cfg).state_dict(), writer)
 
 
 def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
         kill: Callable[[int, Any], None] | None = None, launcher: Any = None) -> dict:
     """Run ``cfg``; call ``on_step(record)`` per training step; return the run's summary.
 
+    When ``on_step`` returns True the run stops after that step: the workers are ended
+    (processes terminated) and the summary has ``stopped_early`` True and no final weights.
     ``kill(step, workers)`` is a test hook called after each step's record; ``launcher`` starts
-    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).
+    the workers (default: local processes; ``ray_runner`` passes Ray worker groups).  In lerobot
+    mode the summary has ``"dataset"`` (a ``DatasetSummary``) when ``cfg.dataset`` is set, else
+    ``"recorded_episodes"`` (every recorded episode, in global order); an existing ``cfg.dataset`` is
+    refused with ``FileExistsError`` before anything starts unless ``cfg.overwrite``.
     """
     if not cfg.run_id:
         cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
     plan = cfg.plan(_spaces(cfg)[1])
+    writer = LeRobotDatasetWriter(cfg.dataset, fps=cfg.lerobot_fps, overwrite=cfg.overwrite) \
+        if cfg.dataset else None
     launcher = launcher or _LocalLauncher(cfg.transport == "inproc")
     producers, consumers = launcher.groups()
-    channels = _create_channels(cfg, plan, producers, consumers)
-    sync, trajectory = channels["sync"], channels["trajectory"]
-    data = cfg.to_dict()
+    channels: dict[str, Any] = {}
     records: list[dict] = []
     dead_actors: set[int] = set()
-    workers = None
+    workers = reports = None
+    stopped = False
     try:
-        workers = launcher.start(cfg, data, channels)
+        channels = _create_channels(cfg, plan, producers, consumers)
+        sync, trajectory = channels["sync"], channels["trajectory"]
+        reports = _reports(cfg, plan, channels, writer)
+        workers = launcher.start(cfg, cfg.to_dict(), channels)
         t_start = t_prev = time.monotonic()
         env_reports: dict[int, list] = {}
         for step in range(cfg.steps):
             actor_report = None
             while actor_report is None or len(env_reports.get(step, [])) < cfg.envs:
                 _check_workers(workers, sync, dead_actors, cfg)
+                envs_done = len(env_reports.get(step, [])) >= cfg.envs
                 try:
-                    report = sync.get(key=ENV_METRICS, timeout=0.05) \
-                        if len(env_reports.get(step, [])) < cfg.envs else None
+                    report = sync.get(key=ENV_METRICS, timeout=0.05) if not envs_done else None
                     if report is not None:
                         env_reports.setdefault(report["step"], []).append(report)
                 except TimeoutError:
                     pass
-                try:
-                    actor_report = actor_report or sync.get_nowait(key=ACTOR_METRICS)
-                except asyncio.QueueEmpty:
-                    if len(env_reports.get(step, [])) >= cfg.envs:
-                        try:
-                            actor_report = sync.get(key=ACTOR_METRICS, timeout=0.05)
-                        except TimeoutError:
-                            pass
+                actor_report = actor_report or reports.poll(step, 0.05 if envs_done else 0)
             now = time.monotonic()
             records.append(_record(step, env_reports.pop(step), actor_report, trajectory,
                                    now - t_prev, now - t_start, cfg))
             t_prev = now
-            if on_step is not None:
-                on_step(records[-1])
+            if on_step is not None and on_step(records[-1]):
+                stopped = True
+                break
             if kill is not None:
                 kill(step, workers)
-        final = sync.get(key="final_weights", timeout=120)
+        if stopped:
+            return {"records": records, "final_weights": None, "rollout": None,
+                    "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
+                    "dead_actors": sorted(dead_actors), "episodes": episodes(records),
+                    "placement": None, "stopped_early": True}
+        final = reports.final_weights()
         channels["requests"].put(STOP, key=REQUESTS_KEY)
         rollout_report = sync.get(key="rollout_metrics", timeout=120)
         workers.stop()
-        placement = _placement(trajectory)
-        return {"placement": placement,"records": records, "final_weights": final, "rollout": rollout_report,
-                "config": cfg.to_dict(), "wall_s": time.monotonic() - t_start,
-                "dead_actors": sorted(dead_actors)}
+        result = {"placement": _placement(trajectory), "records": records,
+                  "final_weights": final, "rollout": rollout_report, "config": cfg.to_dict(),
+                  "wall_s": time.monotonic() - t_start, "dead_actors": sorted(dead_actors),
+                  "episodes": episodes(records), "stopped_early": False}
+        if writer is not None:
+            result["dataset"] = writer.close()
+        elif isinstance(reports, _Recording):
+            result["recorded_episodes"] = reports.episodes
+        return result
     finally:
+        if writer is not None and not writer.closed:
+            writer.abort()
         if workers is not None:
-            workers.stop(timeout=5)
+            if stopped:
+                workers.abort()
+            else:
+                workers.stop(timeout=5)
+        if isinstance(reports, _Recording):
+            reports.channel.close()
         for ch in channels.values():
             try:
                 ch.shutdown()
@@ -389,11 +553,23 @@ def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfi
             raise WorkerDied(f"worker {name} died ({how}); the run cannot go on without it")
 
 
+def episodes(records: list[dict]) -> list[dict]:
+    """Every finished episode of a run, in the order they finished: ``return``, ``length``,
+    ``success`` and ``env_steps`` (the run's env steps when it finished: its env worker's count
+    times the number of env workers, exact with one)."""
+    out = [{"return": r, "length": n, "success": s, "env_steps": at}
+           for rec in records for r, n, s, at in zip(rec["returns"], rec["lengths"],
+                                                     rec["successes"], rec["finished_at"],
+                                                     strict=True)]
+    return sorted(out, key=lambda e: e["env_steps"])
+
+
 def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: float,
             wall_s: float, cfg: RunConfig) -> dict:
     returns = [r for e in envs for r in e["returns"]]
     lengths = [n for e in envs for n in e["lengths"]]
     successes = [s for e in envs for s in e["successes"]]
+    finished_at = [at * cfg.envs for e in envs for at in e["at"]]
     env_steps = sum(e["env_steps"] for e in envs)
     chunks = cfg.envs * cfg.num_chunks * cfg.rollout_epochs
     try:
@@ -408,6 +584,11 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
         "episode_length": sum(lengths) / len(lengths) if lengths else None,
         "success_rate": sum(successes) / len(successes) if successes else None,
         "episodes": len(returns),
+        "returns": returns,  # every episode that finished in this step
+        "lengths": lengths,
+        "successes": successes,
+        "finished_at": finished_at,
+        "env_steps": env_steps,
         "policy_lag": actor["lag"],
         "version": actor["version"],
         "env_steps_per_s": env_steps / step_s if step_s > 0 else None,
@@ -417,29 +598,43 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
         "wall_s": wall_s,
         "policy_loss": actor["policy_loss"],
         "value_loss": actor["value_loss"],
+        **{k: actor[k] for k in ("episodes_recorded", "frames_recorded") if k in actor},
+        "entropy": actor.get("entropy"),
+        "approx_kl": actor.get("approx_kl"),
+        "rows_digest": actor.get("rows_digest"),
     }
 
 
 def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
-             chunks: int = 40) -> dict:
+             chunks: int | None = None, max_chunks: int = 2000) -> dict:
     """Mean return / success of ``policy`` on fresh envs seeded ``episodes_seed`` (in process,
-    no channel): the demo's trained-versus-random comparison."""
-    env = ChunkedEnv(make_env(cfg.env, cfg.env_batch), cfg.num_action_chunks)
+    no channel): the demo's trained-versus-random comparison.  ``chunks`` action chunks
+    (default for ``point_reach``: 40), or else until every env has finished an episode (at most
+    ``max_chunks``)."""
+    env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
+                     cfg.num_action_chunks)
     env.reset(seed=episodes_seed)
-    for _ in range(chunks):
+    if chunks is None and cfg.env == "point_reach":
+        chunks = 40
+    done = torch.zeros(cfg.env_batch, dtype=torch.bool)
+    for _ in range(chunks if chunks is not None else max_chunks):
         out = policy(env.obs)
-        env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
-                                                              cfg.num_action_chunks, -1))
+        step = env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
+                                                                   cfg.num_action_chunks, -1))
+        done |= step.transition.dones.any(-1)
+        if chunks is None and bool(done.all()):
+            break
     stats = env.stats.take()
     n = len(stats["returns"])
     return {"mean_return": sum(stats["returns"]) / max(n, 1),
             "success_rate": sum(stats["successes"]) / max(n, 1), "episodes": n}
 
 
-def trained_policy(cfg: RunConfig, final_weights: dict) -> MLPPolicy:
+def trained_policy(cfg: RunConfig, final_weights: dict) -> torch.nn.Module:
     policy = _policy(cfg)
     policy.load_state_dict(final_weights)
     return policy
 
 
-__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "evaluate", "run", "trained_policy"]
+__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "build_policy", "env_spec", "episodes", "evaluate",
+           "run", "trained_policy"]

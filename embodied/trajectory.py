@@ -224,12 +224,20 @@ class TrajectoryStep:
         collect_transitions: bool,
         enable_rlt: bool,
         include_final_value: bool,
+        intervention_precedence: str = "model",
     ) -> TrajectoryStep:
         """Build the step of one joined chunk (docs/embodied.md); the parts are never modified.
 
-        Env interventions are applied first, then model flags overwrite ``intervene_flags``.
-        Raises ``ValueError`` for an external (non-inferred) policy part, intervention actions
-        without flags, missing RLT features or next observations.
+        Where the env reports an intervention (``transition.intervene_actions``), the expert's
+        actions replace the model's where flagged, and the env's flags become
+        ``intervene_flags``.  The model's flags (``output.intervene_flags``) then take part by
+        ``intervention_precedence``: ``"model"`` (the contract's default) lets them overwrite the
+        flags, actions unchanged; ``"env"`` applies them first, so that where the env reports an
+        intervention what was executed wins, as in RLinf (its
+        ``EmbodiedTrajectoryBuilder.update_last_actions`` runs after
+        ``mark_last_step_with_intervene_flags``).  Raises ``ValueError`` for an external
+        (non-inferred) policy part, intervention actions without flags, missing RLT features or
+        next observations.
         """
         output = policy.output
         if output is None:
@@ -241,6 +249,9 @@ class TrajectoryStep:
         forward_inputs = dict(output.forward_inputs)
         actions = forward_inputs.get("action")
         intervene_flags = None
+        model_flags = output.intervene_flags is not None and actions is not None
+        if model_flags and intervention_precedence == "env":
+            intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
         if transition.intervene_actions is not None:
             new_actions, new_flags = apply_interventions(
                 actions, transition.intervene_actions, transition.intervene_flags
@@ -249,7 +260,7 @@ class TrajectoryStep:
                 actions, intervene_flags = new_actions, new_flags
                 forward_inputs["action"] = actions
                 forward_inputs.pop("model_action", None)
-        if output.intervene_flags is not None and actions is not None:
+        if model_flags and intervention_precedence == "model":
             intervene_flags = expand_model_flags(output.intervene_flags, actions.shape)
 
         curr_obs = next_obs = None

@@ -1,6 +1,8 @@
 """zchannel.hooks: the Collector -> Dispatcher pipeline that runs inside a channel's broker.
 
-This package imports nothing else of zchannel.
+This package imports nothing else of zchannel.  ``__all__`` is the documented API
+(``docs/reference/hooks.md``); ``hook_spec``, ``import_path`` and ``load_entry_points`` are the
+broker's plumbing, importable from here but not part of it.
 """
 
 from zchannel.hooks.base import (
@@ -19,15 +21,16 @@ from zchannel.hooks.builtin import (
     SharedDispatcher,
 )
 from zchannel.hooks.registry import (
-    hook_spec,
-    import_path,
-    load_entry_points,
+    entry_point_objects,
     register_collector,
     register_dispatcher,
     registered,
     resolve_collector,
     resolve_dispatcher,
 )
+from zchannel.hooks.registry import hook_spec as hook_spec
+from zchannel.hooks.registry import import_path as import_path
+from zchannel.hooks.registry import load_entry_points as load_entry_points
 
 __all__ = [
     "ChannelContext",
@@ -40,10 +43,8 @@ __all__ = [
     "SharedDispatcher",
     "check_consumer_id",
     "consumer_sort_key",
+    "entry_point_objects",
     "expand_consumers",
-    "hook_spec",
-    "import_path",
-    "load_entry_points",
     "register_collector",
     "register_dispatcher",
     "registered",

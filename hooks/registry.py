@@ -82,6 +82,13 @@ def load_entry_points() -> None:
             )
 
 
+def entry_point_objects() -> dict[str, Any]:
+    """What each entry point of the ``zchannel.hooks`` group loaded (a module, a hook class...),
+    by its lowercased name; the entry points are loaded first if they were not."""
+    load_entry_points()
+    return dict(_entry_point_objects)
+
+
 def import_path(path: str) -> Any:
     """Import ``"module:qualname"`` and return the object."""
     module_name, _, qualname = path.partition(":")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from rldata.embodied_io_struct import ChunkStepResult
 from zchannel.hooks import Collector
 
 
@@ -99,6 +100,22 @@ class FloatWeights(Collector):
 
     def collect(self, item, key):
         yield key, item, item["w"]
+
+
+class ChunkFromEnv(Collector):
+    """Builds a ``ChunkStepResult`` (tests/rldata) in the broker from a dict or a received
+    ``EnvOutput`` (a ``ChunkStepResult`` passes).  This module imports rldata but registers
+    nothing: the broker knows those classes only if it registered their module (an entry point,
+    ``register_module``)."""
+
+    def collect(self, item, key):
+        if isinstance(item, ChunkStepResult):
+            yield key, item
+        elif isinstance(item, dict):
+            yield key, ChunkStepResult(rewards=item["rewards"], dones=item["dones"])
+        else:
+            yield key, ChunkStepResult(rewards=item.rewards, dones=item.dones,
+                                       forward_inputs={"states": item.obs["states"]})
 
 
 class Pairs(Collector):

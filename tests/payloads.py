@@ -1,5 +1,5 @@
 """Registered dataclasses and Enums used by the tests (importable by worker and broker
-processes)."""
+processes); importing it also registers the RL data modules of ``tests/rldata``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from zchannel.broker import serializable
+from zchannel.broker import register_module, serializable
 from zchannel.hooks import Collector
+
+RLDATA = register_module("rldata", recursive=True)  # an RL framework's data modules, undecorated
 
 
 @serializable

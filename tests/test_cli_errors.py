@@ -3,6 +3,7 @@ status 2, and the CLI refuses what the Python API refuses (issue 19, "Why" 3).""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def test_busy_tcp_address_is_one_line(run_dir):
     (["broker", "neg", "--shm-threshold", "-5"], "shm_threshold must be an int >= 0"),
     (["broker", "neg", "--maxsize", "many"], "Invalid value for '--maxsize'"),
     (["broker", "neg", "--config", "/nonexistent/broker.toml"],
-     "'/nonexistent/broker.toml' does not exist"),
+     "/nonexistent/broker.toml: no such file (configs shipped with zchannel"),
+    (["bench", "--payload-size", "12XB"], "Invalid value for '--payload-size': '12XB'"),
     (["broker", "neg", "--collector", "no_such_collector"], "unknown collector 'no_such_collector'"),
     (["broker", "neg", "--consumers", "actor"], "expected group:count or group:rank"),
     (["broker", "bad/name"], "invalid channel name 'bad/name'"),
@@ -75,6 +77,17 @@ def test_cli_refuses_what_the_api_refuses():
     assert str(api.value).split(",")[0] in line  # "maxsize must be an int >= 0" in both
 
 
+def test_an_open_bind_names_the_remedy_of_the_interface_used():
+    """The Python API names its arguments, the command its flags, never the other's."""
+    with pytest.raises(ValueError, match="without CURVE keys") as api:
+        Channel.create("open", address="tcp://0.0.0.0:0")
+    assert "insecure=True" in str(api.value) and "--" not in str(api.value)
+    result = CliRunner().invoke(cli, ["broker", "open", "--address", "tcp://0.0.0.0:0"])
+    assert result.exit_code == 2, result.output
+    assert "or --insecure on a trusted network" in result.output
+    assert "insecure=True" not in result.output and "curve_keys" not in result.output
+
+
 def test_config_file_values_are_checked_too(tmp_path):
     config = tmp_path / "broker.toml"
     config.write_text('[channel]\nname = "fromfile"\nmaxsize = -3\n')
@@ -91,14 +104,28 @@ def test_second_broker_of_a_name_is_one_line(run_dir):
     proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "twice"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("ready ")
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready ")
         out = _zchannel("broker", "twice")
         assert out.returncode == 2
-        assert _one_line(out.stderr) == (
-            "error: a broker already serves channel 'twice' on this host")
+        assert _one_line(out.stderr) == (  # where the running one is: its pid and address
+            f"error: a broker already serves channel 'twice' on this host (pid {proc.pid}, at "
+            f"{ready.split()[1]}); stop it, or choose another name (zchannel stat lists this "
+            "host's brokers)")
     finally:
         proc.terminate()
         proc.communicate(timeout=20)
+
+
+def test_second_broker_names_the_broker_create_started(run_dir):
+    """The pid named is the broker's own, not that of the process whose create() started it
+    (and took the lock for it)."""
+    with Channel.create("spawned") as ch:
+        pid = ch.stats()["pid"]
+        assert pid != os.getpid()
+        out = _zchannel("broker", "spawned")
+        assert out.returncode == 2
+        assert f"(pid {pid}, at {ch.address})" in _one_line(out.stderr)
 
 
 def test_help_and_debug_tracebacks(monkeypatch):

@@ -13,6 +13,8 @@ and, step by step, a reference written from the channel contract with plain list
 - ``maxsize`` counts items per queue and ``max_bytes`` the bytes of queued and leased items; a
   put waits while its target queue is full, the channel's bytes would pass ``max_bytes``, or an
   earlier waiting put targets the same queue, and waiting puts are admitted in arrival order;
+  the waiting requests count against ``max_bytes`` too (one more budget of that size): one
+  that would pass it is refused with a ``ValueError`` instead of waiting;
 - a getter with nothing in its private or the shared queue steals one item from the private
   queue the dispatcher's ``rebalance`` names;
 - a consumer's last handle leaving re-deals its private items; its unacknowledged deliveries
@@ -48,6 +50,7 @@ DECLARED = ("c:0", "c:1")
 IDENTITIES = ("c:0", "c:1", "c:2")  # c:2 is not declared: it joins on its first get
 LEASE_S = 30.0
 TIMEOUT_S = LEASE_S  # one length for every deadline: they pass in the order they were set
+REQUEST_COST = 1  # what a waiting request counts against max_bytes (an item counts 1 too)
 
 
 class ToDispatcher(Dispatcher):
@@ -113,6 +116,11 @@ class Ref:
         """Bytes held: queued items and leased deliveries."""
         return sum(self.depth(k) for k in KEYS) + len(self.leases)
 
+    def waiting(self) -> int:
+        """Bytes the waiting requests count (a put's item too), also against ``max_bytes``."""
+        return (sum(len(g) for g in self.getters.values()) * REQUEST_COST
+                + len(self.putters) * (REQUEST_COST + 1))
+
     # -- puts
 
     def put(self, rid: int, key: str, item: tuple, nowait: bool, timed: bool) -> None:
@@ -124,6 +132,8 @@ class Ref:
             self.serve(key)
         elif nowait:
             self.replies[rid] = ("error", "QueueFull")
+        elif self.max_bytes and self.waiting() + REQUEST_COST + 1 > self.max_bytes:
+            self.replies[rid] = ("error", "ValueError")  # it may not wait: too much waits
         else:
             self.putters.append(put)
             if timed:
@@ -169,6 +179,9 @@ class Ref:
             else:
                 self.replies[rid] = ("error", "QueueEmpty")
             self.serve(key)
+        elif getter in self.getters[key] and self.max_bytes and self.waiting() > self.max_bytes:
+            self.getters[key].remove(getter)  # it may not wait: too much waits
+            self.replies[rid] = ("error", "ValueError")
         elif getter in self.getters[key] and timed:
             self.timed.append(("get", rid, 0))
 
@@ -367,7 +380,8 @@ class CoreModel(RuleBasedStateMachine):
             dispatcher=ToDispatcher(steal) if deals else Dispatcher(),
             consumers=DECLARED, reply=self._reply, decode_item=lambda item: item.payload,
             encode_item=lambda value, weight: Item(value, weight, 1), lease_timeout=LEASE_S,
-            max_bytes=max_bytes, key_grace=LEASE_S)
+            max_bytes=max_bytes, key_grace=LEASE_S, request_overhead=REQUEST_COST,
+            key_overhead=0)
         self.ref = Ref(maxsize, deals, steal, max_bytes)
         self.handles = [self._new_client(i) for i in range(len(IDENTITIES) + 1)]
         self.issued: list[int] = []

@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import torch
 import zmq
 from zchannel.broker import Channel
 from zchannel.broker.transport import direct
-from zchannel.broker.wire.protocol import pack_header
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,6 +126,10 @@ def test_zchannel_direct_0_keeps_a_handle_on_zeromq(make_remote, monkeypatch):
         b"\x00\x00\x00\x00",  # a message of no parts
         (10**9).to_bytes(4, "little"),  # more parts than the broker's frame limit
         (1).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little"),  # a header beyond its limit
+        # a part of 2**50 bytes: once np.empty's MemoryError, which stopped the broker
+        struct.pack("<I2Q", 2, 16, 1 << 50) + b"\x91\x80" + b"x" * 14,
+        # parts that each could fit but add up to more than the host's memory
+        struct.pack("<I4Q", 4, 16, 1 << 45, 1 << 45, 1 << 45) + b"\x91\x80" + b"x" * 14,
     ],
 )
 def test_a_broken_direct_stream_closes_that_link_only(make_remote, garbage):
@@ -139,6 +144,39 @@ def test_a_broken_direct_stream_closes_that_link_only(make_remote, garbage):
     assert ch.get(timeout=10) == 1  # and keeps serving everyone else
     ch.put(2)
     assert ch.get(timeout=10) == 2
+
+
+def test_message_lengths_are_checked_against_max_message_bytes_before_allocating(run_dir):
+    """With ``max_message_bytes`` set, a part over it, or parts adding up to more than a
+    client ever coalesces into one message (the limit plus 64 MiB), close the link at once:
+    nothing is allocated for them and nothing waits for their bytes."""
+    limit = 1_000_000
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "dlimit",
+                             "--max-message-bytes", str(limit)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        ch = Channel.connect(line.split()[1])
+        try:
+            ch.put(b"x" * 1000)
+            path = _link_file(ch)
+            header = pack_header([{"op": "hb", "id": 0}])
+            for lens in ([len(header), limit + 1], [len(header)] + [limit] * 80):
+                raw = RawLink(path)
+                try:  # a greeted link: the broker would keep it open, waiting for the bytes
+                    raw.send([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])
+                    raw.send_raw(struct.pack(f"<I{len(lens)}Q", len(lens), *lens) + header)
+                    while raw.recv(timeout=5) is not None:  # the hello reply, if it went out
+                        pass
+                finally:
+                    raw.close()
+            assert ch.get(timeout=10) == b"x" * 1000  # the broker serves on
+            assert proc.poll() is None
+        finally:
+            ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_client_that_does_not_read_does_not_stall_the_broker(make_remote):

@@ -87,3 +87,8 @@ def test_readme_and_docs_are_self_contained():
                 resolved = os.path.normpath(os.path.join(os.path.dirname(page), path))
                 assert resolved.startswith(REPO + os.sep), f"{name}: {target} leaves the repo"
                 assert os.path.exists(resolved), f"{name}: {target} does not exist"
+
+
+def test_custom_policy_example():
+    out = run_example("embodied_custom_policy.py")
+    assert "trained 3 steps over brokers; policy versions [1, 2, 3]" in out

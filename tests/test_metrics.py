@@ -225,3 +225,31 @@ def test_metrics_port_from_create_and_config(run_dir, channels, tmp_path):
         assert _scrape(url)["zchannel_keys"] == 0
     finally:
         _stop(proc)
+
+
+def test_stat_watch_frame_fits_80_columns():
+    """A frame of a busy broker (large counters and rates, many consumers, shared memory, a
+    long tuple key) stays within 80 columns; a long list wraps at the label column."""
+    from zchannel.cli.stat_watch import render
+
+    stats = {
+        "name": "trajectory-pipeline", "pid": 123456, "uptime_s": 123456.7, "clients": 12,
+        "address": "ipc:///run/user/1000/zchannel/trajectory-pipeline.sock",
+        "puts": 123456789, "gets": 123456780, "delivered": 123456700, "bytes_held": 3 << 30,
+        "leases": 12, "consumers": [f"actor:{i}" for i in range(16)],
+        "shm": {"enabled": True, "slots_used": 1234, "bytes_held": 2 << 30,
+                "consumer_bytes": 1 << 30},
+        "metrics": "http://127.0.0.1:9100/metrics",
+        "keys": {("train", 3, "a-very-long-key-name-indeed"): {"depth": 123456, "getters": 12},
+                 "a": {"depth": 8}},
+    }
+    per_s = {"puts": 123456.7, "gets": 123456.7, "delivered": 123456.7, "depth": {"a": 2.0}}
+    lines = render(stats, per_s, 1.0)
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "puts 123,456,789 (123,456.7/s)" in text and "delivered 123,456,700" in text
+    consumers = [line for line in lines if "actor:" in line]
+    assert len(consumers) > 1 and consumers[0].startswith("consumers actor:0, ")
+    assert consumers[0].endswith(",") and consumers[1].startswith(" " * 10 + "actor:")
+    assert "actor:15" in consumers[-1] and re.search(r"^a\s+8\s+\+2\.0", text, re.M)
+    assert "('train', 3, 'a-very-long..." in text

@@ -3,11 +3,12 @@ decoder refuses every mutation of a valid message with ``ProtocolError``, and no
 ``zchannel.broker`` spells a wire key (the guard at the end).
 
 What the decoder checks is the shape of a message and the types of the fields it types (``id``,
-``nf``, the flags, ``fs``, ``sm``, ``b``): a wrong one makes the record a ``BadRecord`` carrying a
-``ProtocolError`` (the broker answers it with a ``ValueError``, docs/protocol.md), or, for the
-message's structure (truncated, not a list of maps, ``nf`` not adding up), fails the whole message.
-Fields whose values the handlers check (``k``, ``w``, ``t``, ``tw``, ``n``, ``c``, ``lease``, ...)
-are tested against a live broker in ``test_protocol_doc.py`` and ``test_fuzz.py``.
+``nf``, the flags, ``fs``, ``sm``, ``b``, and the bounds of every numeric field): a wrong one
+makes the record a ``BadRecord`` carrying a ``ProtocolError`` (the broker answers it with a
+``ValueError``, docs/protocol.md), or, for the message's structure (truncated, not a list of
+maps, ``nf`` not adding up), fails the whole message.  The numeric fields' bounds are tested
+against a live broker in ``test_numeric_fields.py``; fields whose values the handlers check
+(``k``, ``c``, ...) in ``test_protocol_doc.py`` and ``test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pathlib
 
 import msgpack
 import msgspec
+import msgspec.inspect
 import pytest
+import recordgen
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zchannel.broker.wire import protocol
@@ -70,6 +73,10 @@ def _field_strategy(tp: object) -> st.SearchStrategy:
         return st.none() | st.lists(st.integers(0, 2**40), max_size=4)
     if tp == (list | None):
         return st.none() | st.lists(values, max_size=3)
+    if tp == (protocol.Sequence | msgspec.UnsetType):  # a retried put's sequence
+        return st.just(UNSET) | st.integers(0, 2**63 - 1)
+    if tp == (protocol.ProducerId | None):  # a hello's producer id
+        return st.none() | st.binary(min_size=8, max_size=64)
     return values
 
 
@@ -79,8 +86,10 @@ def _fields(cls: type) -> list[msgspec.structs.FieldInfo]:
 
 @st.composite
 def requests(draw, cls: type | None = None) -> protocol.Request:
+    """A valid request: every field within its type and bounds (``recordgen.valid``)."""
     cls = cls or draw(st.sampled_from(REQUEST_TYPES))
-    kwargs = {f.name: draw(_field_strategy(_annotation(cls, f))) for f in _fields(cls)}
+    kwargs = {f.name: draw(recordgen.valid(f.type, protocol.INLINE_BODY))
+              for f in msgspec.inspect.type_info(cls).fields if f.name != "nf"}
     kwargs["nf"] = draw(st.integers(0, 5))
     return cls(**kwargs)
 
@@ -157,6 +166,11 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return st.text(max_size=3) | ints | st.lists(st.text(max_size=2), min_size=1, max_size=2)
     if tp == (list | None):
         return st.text(max_size=3) | ints | st.binary(max_size=3)
+    if tp == (protocol.Sequence | msgspec.UnsetType):
+        return st.integers(-(2**63), -1) | st.booleans() | st.text(max_size=3) | st.floats()
+    if tp == (protocol.ProducerId | None):
+        return (st.binary(max_size=7) | st.binary(min_size=65, max_size=80) | st.text(max_size=3)
+                | ints)
     raise AssertionError(tp)
 
 

@@ -8,12 +8,13 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
 from click.testing import CliRunner
-from zchannel.broker import Channel, shm
+from zchannel.broker import Channel, UnsafeRunDir, shm
 from zchannel.broker.host import paths
 from zchannel.cli.main import main as cli
 
@@ -169,3 +170,74 @@ def test_create_with_a_bad_server_key_file_names_it_and_leaves_nothing(run_dir, 
         Channel.create("badkey", address="tcp://127.0.0.1:0",
                        curve_keys={"server_secret_key": str(bad)})
     assert _leftovers(run_dir) == []
+
+
+# -- whose run directory (docs/security.md) ----------------------------------------------------
+
+OTHER_UID = 4242  # a user that is not us: tests run as root here, so chown can make one
+
+
+@pytest.fixture
+def foreign_dir(tmp_path, monkeypatch):
+    """``make(mode, uid)``: a run directory another user made (or one of ours with a wide mode),
+    set as ``ZCHANNEL_RUN_DIR``."""
+    def make(mode: int, uid: int):
+        path = tmp_path / "taken"
+        path.mkdir()
+        os.chmod(path, mode)
+        if uid != os.getuid():
+            if os.getuid() != 0:
+                pytest.skip("making a directory of another user needs root")
+            os.chown(path, uid, uid)
+        monkeypatch.setenv("ZCHANNEL_RUN_DIR", str(path))
+        return str(path)
+    return make
+
+
+@pytest.mark.parametrize("mode, uid", [(0o700, OTHER_UID), (0o777, OTHER_UID), (0o777, None),
+                                       (0o750, None)])
+def test_a_run_directory_that_is_not_ours_alone_is_refused(foreign_dir, mode, uid):
+    uid = os.getuid() if uid is None else uid
+    path = foreign_dir(mode, uid)
+    with pytest.raises(UnsafeRunDir) as err:
+        Channel.create("victim")
+    message = str(err.value)
+    assert f"run directory {path} " in message and f"{mode:04o}" in message
+    assert f"uid {uid}" in message and "ZCHANNEL_RUN_DIR" in message  # owner and the fix
+    assert isinstance(err.value, PermissionError)
+    assert os.listdir(path) == [] and stat.S_IMODE(os.stat(path).st_mode) == mode  # untouched
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "victim"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"error: run directory {path} " in out.stderr
+    with pytest.raises(UnsafeRunDir):
+        Channel.connect("victim", timeout=1)
+
+
+def test_a_symbolic_link_of_another_user_is_refused(tmp_path, monkeypatch):
+    if os.getuid() != 0:
+        pytest.skip("making a link of another user needs root")
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("ZCHANNEL_RUN_DIR", str(link))
+    with pytest.raises(UnsafeRunDir, match=f"symbolic link owned by uid {OTHER_UID}"):
+        paths.run_dir()
+    os.lchown(link, os.getuid(), os.getgid())
+    assert paths.run_dir() == link  # a link of ours to a directory of ours is fine
+
+
+def test_xdg_runtime_dir_is_preferred_when_it_is_ours(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZCHANNEL_RUN_DIR")
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert paths.run_dir() == xdg / "zchannel"
+    assert stat.S_IMODE(os.stat(xdg / "zchannel").st_mode) == 0o700
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "missing"))
+    assert paths.run_dir() == paths.Path(f"/tmp/zchannel-{os.getuid()}")
+    if os.getuid() == 0:  # sudo leaves the invoking user's XDG_RUNTIME_DIR set
+        os.chown(xdg, OTHER_UID, OTHER_UID)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+        assert paths.run_dir() == paths.Path(f"/tmp/zchannel-{os.getuid()}")

@@ -9,6 +9,7 @@ tensors and arrays), a broker that decodes and re-encodes every item (a collecto
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import enum
 import math
@@ -23,6 +24,7 @@ from conftest import pid_alive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from payloads import (
+    RLDATA,
     Access,
     Color,
     Count,
@@ -38,6 +40,22 @@ from payloads import (
     Tag,
     Unregistered,
 )
+from rldata.embodied_io_struct import (
+    Budget,
+    ChunkKey,
+    ChunkStepResult,
+    EmbodiedTrajectory,
+    EnvOutput,
+    EnvStatus,
+    EvalTrajectory,
+    LazyStats,
+    Phase,
+    Sensors,
+    Stamp,
+    Trajectory,
+)
+from rldata.io_struct import FinishReason as RLFinish
+from rldata.io_struct import RolloutRequest, RolloutResult, SeqGroupInfo, Timing
 from zchannel.broker import Channel, register_type
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
@@ -54,7 +72,8 @@ class Refused:
         self.pattern = pattern
 
 
-NOT_REGISTERED_ENUM = Refused(r"Enum payloads\.Shape is not registered.*register_type")
+NOT_REGISTERED_ENUM = Refused(r"Enum payloads\.Shape is not registered for the wire: call "
+                              r"zchannel\.broker\.register_module\(\"payloads\"\).*register_type")
 NOT_AN_ITEM = Refused(r"cannot send an object of type builtins\.object: items are")
 MIB = 1 << 20
 Pair = collections.namedtuple("Pair", "left right")
@@ -186,15 +205,77 @@ def _table() -> list[tuple[str, object, object]]:
          Step(FinishReason.STOP, torch.Size([2]), {"c": 1j, "e": Color.RED, "n": Sample(Count(1))}),
          Step("stop", torch.Size([2]), {"c": 1j, "e": Color.RED, "n": Sample(1)})),
         ("unregistered dataclass", Unregistered(),
-         Refused(r"dataclass payloads\.Unregistered is not registered.*@zchannel\.broker\.serializable")),
+         Refused(r"dataclass payloads\.Unregistered is not registered for the wire: call "
+                 r"zchannel\.broker\.register_module\(\"payloads\"\).*@zchannel\.broker\.serializable")),
         ("object", object(), NOT_AN_ITEM),
         ("object deep inside", [1, {"k": (2, {object()})}], NOT_AN_ITEM),
         ("unregistered Enum inside", {"shape": Shape.CIRCLE}, NOT_REGISTERED_ENUM),
         ("nested 3000 deep", _nested(3000), Refused("cannot encode item: nested too deeply")),
         ("tuples nested 3000 deep", _nested(3000, tuple),
-         Refused("cannot encode item: nested too deeply")),
+         Refused("cannot encode item: tuples, sets, frozensets and dataclasses nested deeper "
+                 "than the depth limit of 100")),
     ]
-    return rows
+    return rows + _rldata_rows(g)
+
+
+def _rldata_rows(g: torch.Generator) -> list[tuple[str, object, object]]:
+    """Items of an RL framework's data modules (tests/rldata: RLinf's shapes, no decorator),
+    registered by ``register_module("rldata", recursive=True)``: each arrives as itself."""
+    assert RolloutRequest in RLDATA and Stamp in RLDATA
+    request = RolloutRequest(
+        n=2, input_ids=[[1, 2, 3], [4]], image_data=[[b"\x89PNG"], []],
+        answers=[["42"], {"vqa": "cat"}],
+        multi_modal_inputs=[None, {"pixel_values": torch.rand(2, 3, generator=g)}])
+    group = SeqGroupInfo(id=7, input_ids=[1, 2, 3], answer=["42"], group_size=3)
+    group.record(0, RLFinish.STOP, [5, 6])  # init=False state, changed after construction
+    group.record(2, RLFinish.ABORT, [])
+    result = RolloutResult(
+        num_sequence=4, group_size=2, prompt_lengths=[3, 1, 3, 1], prompt_ids=[[1, 2, 3], [4]] * 2,
+        response_lengths=[2, 0, 2, 1], response_ids=[[5, 6], [], [5, 6], [9]],
+        is_end=[True, False, True, True], rewards=torch.tensor([1.0, 0.0, 1.0, 0.5]),
+        finish_reasons=[RLFinish.STOP, RLFinish.ABORT, RLFinish.STOP, RLFinish.LENGTH],
+        prev_logprobs=torch.randn(4, 2, generator=g),
+        ref_logprobs=[torch.randn(2, generator=g), torch.zeros(0)])
+    key = ChunkKey(step_id=3, env_rank=1, chunk_id=2)
+    stamp = Stamp(key, 5)
+    object.__setattr__(stamp, "digest", "as sent")  # arrives as sent, not recomputed
+    env = EnvOutput(
+        obs={"states": torch.randn(4, 8, generator=g), "task_descriptions": ["pick", "place"] * 2,
+             "main_images": torch.randint(0, 255, (4, 64, 64, 3), dtype=torch.uint8, generator=g)},
+        dones=torch.tensor([False, True, False, False]), rewards=torch.ones(4),
+        status=EnvStatus.DONE)
+    chunk = ChunkStepResult(
+        actions=torch.randn(4, 7, generator=g), versions=torch.full((4, 1), 3),
+        forward_inputs={"tokens": torch.arange(8), "mask": torch.ones(8, dtype=torch.bool)},
+        finish_reasons=[RLFinish.LENGTH])
+    trajectory = Trajectory(
+        max_episode_length=2, model_weights_id="w1", key=key, phase=Phase.TRAIN,
+        actions=torch.randn(256, 256, generator=g),  # 256 KiB: a frame of its own
+        steps=[chunk, ChunkStepResult()], curr_obs={"states": torch.randn(2, 8, generator=g)})
+    budget = Budget(100)
+    budget.used = 7
+    rows = [
+        ("rldata RolloutRequest: lists, bytes, None, a tensor in a dict", request, request),
+        ("rldata SeqGroupInfo: init=False fields set by __post_init__", group, group),
+        ("rldata RolloutResult: kw_only, tensors, a list of tensors, str Enum members", result, result),
+        ("rldata frozen slots dataclass", key, key),
+        ("rldata frozen slots, init=False field", stamp, stamp),
+        ("rldata slots, init=False field with a default", budget, budget),
+        ("rldata init=False field never set", LazyStats(3), LazyStats(3)),
+        ("rldata EnvOutput: dict of tensors, IntEnum", env, env),
+        ("rldata ChunkStepResult: default_factory dict of tensors", chunk, chunk),
+        ("rldata defaults only", Trajectory(), Trajectory()),
+        ("rldata dataclasses nested in a dataclass", trajectory, trajectory),
+        ("rldata inheritance, a Flag combination",
+         EmbodiedTrajectory(key=key, sensors=Sensors.RGB | Sensors.DEPTH,
+                            intervene_flags=torch.tensor([True, False])), None),
+        ("rldata subclass without the decorator", EvalTrajectory(phase=Phase.EVAL, steps=[chunk]),
+         None),
+        ("rldata nested Enum and class", [Phase.EVAL, Timing.Span("gen", 0.5)], None),
+        ("rldata dataclasses in lists and dicts, a dataclass as a dict key",
+         {key: [chunk, stamp], "results": {"r": result}, EnvStatus.TRUNCATED: (key, group)}, None),
+    ]
+    return [(name, value, value if expected is None else expected) for name, value, expected in rows]
 
 
 def same(a, b) -> bool:
@@ -215,8 +296,9 @@ def same(a, b) -> bool:
             same(ka, kb) and same(va, vb)
             for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
         )
-    if hasattr(a, "__dataclass_fields__"):
-        return all(same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if hasattr(a, "__dataclass_fields__"):  # (a field never set must be unset in both)
+        return all(same(getattr(a, f, Refused), getattr(b, f, Refused))
+                   for f in a.__dataclass_fields__)
     if isinstance(a, (float, complex)):  # exact: nan, -0.0
         return repr(a) == repr(b)
     return a == b
@@ -296,6 +378,41 @@ def test_refused_values_are_type_errors_at_put_naming_type_and_fix(path, channel
     assert ch.qsize() == 0
     ch.put(_wrap(path, FinishReason.STOP))  # the handle still works
     assert _unwrap(path, ch.get(timeout=10)) == "stop"
+
+
+RLDATA_ROWS = [(name, value) for name, value, _expected in GOOD if name.startswith("rldata ")]
+
+
+def test_rl_data_items_arrive_alike_sync_async_asyncio_and_in_batches(make):
+    """The items of an RL framework's data modules, registered with ``register_module``, through
+    a broker, a local and a distributed channel: blocking, ``async_op`` and asyncio calls, one by
+    one and in a ``get_batch``; each arrives as itself."""
+    ch = make("rl")
+    assert len(RLDATA_ROWS) >= 15
+    wrong = []
+    for i, (_name, value) in enumerate(RLDATA_ROWS):
+        ch.put(value, key=("sync", i))
+        ch.put(value, key=("async", i), async_op=True).wait(timeout=30)
+        ch.put(value, key="batch", weight=1)
+    for i, (name, value) in enumerate(RLDATA_ROWS):
+        got = [ch.get(key=("sync", i), timeout=30),
+               ch.get(key=("async", i), async_op=True).wait(timeout=30)]
+        wrong += [(name, "sync/async") for item in got if not same(value, item)]
+
+    async def consume() -> list:
+        works = [ch.get_batch(len(RLDATA_ROWS), key="batch", async_op=True)]
+        for i, (_name, value) in enumerate(RLDATA_ROWS):
+            works.append(ch.put(value, key=("asyncio", i), async_op=True))
+        batch = await works[0]
+        for work in works[1:]:
+            await work
+        singles = [await ch.get(key=("asyncio", i), async_op=True) for i in range(len(RLDATA_ROWS))]
+        return [batch, singles]
+
+    batch, singles = asyncio.run(consume())
+    for (name, value), in_batch, single in zip(RLDATA_ROWS, batch, singles, strict=True):
+        wrong += [(name, "asyncio") for item in (in_batch, single) if not same(value, item)]
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("name,value,expected", GOOD, ids=[r[0] for r in GOOD])
@@ -407,6 +524,14 @@ def test_a_mutated_encoding_is_a_value_error_or_a_value(value, data):
         codec.decode(bytes(body))
     except ValueError as exc:
         assert type(exc) is ValueError and str(exc)
+
+
+@pytest.mark.parametrize("body", [b"\xc4", b"\xc4\x05ab", b"\xc4\x00\x00"])
+def test_a_cut_or_padded_bin8_body_is_a_value_error(body):
+    """The small-bytes shortcut reads the length byte only when there is one."""
+    with pytest.raises(ValueError):
+        codec.decode(body)
+    assert codec.decode(b"\xc4\x02ab") == b"ab"
 
 
 # -- malformed new forms against live brokers ----------------------------------------------------

@@ -134,6 +134,9 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         self._bye = True  # the I/O thread says bye when it stops (close(bye=False): it does not)
         self._bye_id: int | None = None  # the bye awaiting its answer
         self._hello_id = 0
+        # retry-safe puts: this connection's producer id, the same across its reconnects; its
+        # puts' request ids are their sequence numbers (broker/server/producers.py)
+        self.producer = os.urandom(16)
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm/client.py)
         self.converters: dict[tuple[type, bool | None], Convert] = {}  # reply decoders (client.py)

@@ -110,7 +110,8 @@ class Liveness:
 
     def _send_hello(self) -> None:
         self._hello_id = next(self._ids)
-        self._send([Hello(id=self._hello_id, identity=self.identity, version=PROTOCOL_VERSION)], [])
+        self._send([Hello(id=self._hello_id, identity=self.identity, version=PROTOCOL_VERSION,
+                          producer=self.producer)], [])
 
     def _say_bye(self) -> None:
         """Say bye and wait (at most ``BYE_WAIT_S``, less when the broker is gone) for the answer:

@@ -1,7 +1,8 @@
 """Client tuning: how a connection batches, spins, drives its socket and uses direct links.
 
 Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS`` and ``ZCHANNEL_DIRECT`` change
-them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts are their only users.
+them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts use them;
+the broker's direct-link listener sizes its message limit by ``MAX_BYTES_PER_MESSAGE``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError
@@ -10,6 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+def _wait_timeout(timeout: Any) -> float | None:
+    """``Work.wait``'s timeout: None, or a number (negative: do not wait; beyond what a lock
+    can wait, infinity included: no limit); ``ValueError`` for NaN or a non-number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+        raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else max(0.0, float(timeout))
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,7 @@ class Work:
     """
 
     __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
-                 "_tag", "_reader", "__weakref__")
+                 "_tag", "_reader", "_on_error", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
@@ -45,6 +56,9 @@ class Work:
         self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
         # a transport whose waiting threads read their replies themselves (a direct link)
         self._reader: Any = None
+        # a put's: ``(fn, *args)``, ``fn(*args, error)`` called once by the first thread that
+        # sees it fail (the handle notes a put in doubt, handle/retries.py)
+        self._on_error: tuple | None = None
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
@@ -55,6 +69,8 @@ class Work:
                 return
             self._value, self._convert, self._state = value, convert, state
             callbacks, self._callbacks = self._callbacks, None
+            if state == _DONE:
+                self._on_error = None
         self._gate.release()
         if callbacks:
             for callback in callbacks:
@@ -95,6 +111,7 @@ class Work:
         A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
         operation's own ``timeout=`` withdraws it).
         """
+        timeout = _wait_timeout(timeout)
         if self._state == _PENDING and self._reader is not None:
             self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
             if self._state == _PENDING:
@@ -112,6 +129,8 @@ class Work:
         if self._state == _PENDING:
             raise asyncio.InvalidStateError("the operation is still pending")
         if self._state == _FAILED:
+            if self._on_error is not None:
+                self._failed()
             raise self._value
         if self._convert is not None:
             with self._lock:
@@ -126,9 +145,17 @@ class Work:
             raise self._value
         return self._value
 
+    def _failed(self) -> None:
+        with self._lock:
+            on_error, self._on_error = self._on_error, None
+        if on_error is not None:
+            on_error[0](*on_error[1:], self._value)
+
     def exception(self) -> BaseException | None:
         """The error of a failed operation; None while pending or after success."""
         if self._state == _FAILED:
+            if self._on_error is not None:
+                self._failed()
             return self._value
         return None
 

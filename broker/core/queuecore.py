@@ -31,7 +31,15 @@ from zchannel.broker.core.consumers import ConsumerRegistry
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues
-from zchannel.broker.core.state import Client, Item, KeyState, Lease, Request
+from zchannel.broker.core.state import (
+    KEY_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Client,
+    Item,
+    KeyState,
+    Lease,
+    Request,
+)
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.core.waiters import Reply, Waiters
 from zchannel.broker.errors import HookError
@@ -61,6 +69,8 @@ class QueueCore:
         max_bytes: int = 0,
         max_keys: int = 100_000,
         key_grace: float = KEY_GRACE_S,
+        request_overhead: int = REQUEST_OVERHEAD,
+        key_overhead: int = KEY_OVERHEAD,
     ) -> None:
         self.name = name
         self.reply = reply
@@ -76,7 +86,8 @@ class QueueCore:
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
-                               deadlines=self.deadlines, reply=reply)
+                               deadlines=self.deadlines, reply=reply,
+                               request_overhead=request_overhead, key_overhead=key_overhead)
         self.log: StateLog | None = None
 
     def attach_log(self, log: StateLog) -> None:
@@ -85,10 +96,6 @@ class QueueCore:
         self.queues.log = log if log.limited else None  # its room limits puts
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
-
-    @property
-    def maxsize(self) -> int:
-        return self.queues.maxsize
 
     @property
     def keys(self) -> dict[Any, KeyState]:
@@ -122,14 +129,13 @@ class QueueCore:
     def deals(self) -> bool:
         return self.hooks.deals
 
-    @property
-    def ctx(self) -> Any:
-        return self.hooks.ctx
-
     # -- requests --------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
-            nowait: bool) -> None:
+            nowait: bool) -> bool | Request:
+        """Check, collect and route a put, then store it or let it wait (``Waiters.put``):
+        True if it was stored now, False if it failed now (replied), or the ``Request`` that
+        waits for room (its ``on_end`` is called when it ends)."""
         hooks, queues = self.hooks, self.queues
         try:
             if rid in client.parked:
@@ -146,8 +152,8 @@ class QueueCore:
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)
-            return
-        self.waiters.put(client, rid, key, routed, timeout, nowait)
+            return False
+        return self.waiters.put(client, rid, key, routed, timeout, nowait)
 
     def get(self, client: Client, rid: int, key: Any, timeout: float | None, nowait: bool,
             ack: bool = False, batch_target: int | float = 0) -> None:
@@ -169,7 +175,9 @@ class QueueCore:
             self.reply(client, rid, error=exc)
             return
         self._join(client)
-        self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target)
+        new_key = key not in self.queues.keys
+        self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
+                         new_key)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
         lease = self.lease_book.find(lease_id)
@@ -177,12 +185,10 @@ class QueueCore:
             self.reply(client, rid, error=ValueError(
                 f"unknown lease {lease_id!r}: already acknowledged, expired or never issued"))
             return
-        if self.log is not None:
-            try:
-                self.log.acked(lease.item)
-            except Exception as exc:  # not recorded: the lease stays open
-                self.reply(client, rid, error=exc)
-                return
+        error = _unacked(self.log, lease.item)
+        if error is not None:  # not recorded: the lease stays open
+            self.reply(client, rid, error=error)
+            return
         self.lease_book.end(lease)
         self.queues.bytes_held -= lease.item.nbytes
         self.reply(client, rid)
@@ -332,7 +338,7 @@ class QueueCore:
     def stats(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "maxsize": self.maxsize,
+            "maxsize": self.queues.maxsize,
             "keys": self.queues.key_stats(),
             "consumers": list(self.hooks.ctx.consumers),
             "producers": list(self.hooks.ctx.producers),
@@ -346,3 +352,15 @@ class QueueCore:
 def _duplicate_id(rid: int) -> ValueError:
     # a second waiting request under one id could be neither told apart nor withdrawn
     return ValueError(f"request id {rid} is already used by a waiting request of this client")
+
+
+def _unacked(log: StateLog | None, item: Item) -> Exception | None:
+    """Record the ack of a leased ``item`` in the journal ``log`` (if any): None, or the error
+    that kept the journal from recording it (the ack's error: the lease stays open)."""
+    if log is None:
+        return None
+    try:
+        log.acked(item)
+    except Exception as exc:
+        return exc
+    return None

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from zchannel.broker.core.state import Item, KeyState
+from zchannel.broker.core.state import ITEM_OVERHEAD, Item, KeyState
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.wire.argchecks import check_key
 
@@ -34,6 +35,10 @@ class Deadlines:
         self._seq = itertools.count()
 
     def add(self, deadline: float, obj: Any) -> None:
+        """Expire ``obj`` at ``deadline``: a finite float (``ValueError`` otherwise; a NaN at
+        the root would compare false with every deadline and stall them all)."""
+        if not -math.inf < deadline < math.inf:
+            raise ValueError(f"a deadline must be a finite number, got {deadline!r}")
         heapq.heappush(self._heap, (deadline, next(self._seq), obj))
 
     def next(self) -> float | None:
@@ -144,6 +149,28 @@ class KeyedQueues:
             if queue is not None and len(queue) >= self.maxsize:
                 return False
         return True
+
+    def never_fits(self, outputs: Outputs) -> str | None:
+        """Why a put of ``outputs`` could never fit (larger than ``max_bytes``, or than a
+        durable channel's ``max_journal_bytes`` allows), or None."""
+        nbytes = self.outputs_bytes(outputs)
+        if self.max_bytes and nbytes > self.max_bytes:
+            return f"put of {nbytes} bytes exceeds the broker's max_bytes limit ({self.max_bytes})"
+        if self.log is not None and not self.log.fits(nbytes):
+            return f"put of {nbytes} bytes exceeds the broker's max_journal_bytes limit"
+        return None
+
+    def why_full(self, key: Any, outputs: Outputs) -> str:
+        """Why a put of ``outputs`` under ``key`` does not fit now: ``max_bytes``, the journal's
+        ``max_journal_bytes`` or ``maxsize``."""
+        if self.log is not None and not self.log.room(self.outputs_bytes(outputs)):
+            return "the journal holds max_journal_bytes: no room for this put"
+        if self.max_bytes and self.bytes_held \
+                and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
+            return (f"the broker holds {self.bytes_held} bytes of items, and this put would "
+                    f"pass its max_bytes limit ({self.max_bytes}; an item counts its payload "
+                    f"plus {ITEM_OVERHEAD} bytes)")
+        return f"a target queue of key {key!r} is full (maxsize {self.maxsize})"
 
     def store(self, outputs: Outputs) -> list[KeyState]:
         """Append a put's items to their queues; the states of the keys it touched."""

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# What the records of an item, of a waiting request and of a key cost in a broker's memory
+# beyond an item's payload, as counted against ``max_bytes`` (measured: 170-240 B per queued
+# item, ~370 B per waiting get, ~1 KiB per key; docs/guarantees.md).
+ITEM_OVERHEAD = 320
+REQUEST_OVERHEAD = 640
+KEY_OVERHEAD = 1536
 
 
 @dataclass(slots=True, eq=False)
 class Item:
     """One queued item.  ``payload`` belongs to the transport and the queue core never looks
     into it: a broker's frames (with any shared-memory slots they refer to), or the object
-    itself in a local channel.  ``nbytes`` is what the item counts against ``max_bytes``."""
+    itself in a local channel.  ``nbytes`` is what the item counts against ``max_bytes``: in a
+    broker its payload bytes plus ``ITEM_OVERHEAD``."""
 
     payload: Any
     weight: int | float
@@ -34,6 +43,8 @@ class Client:
     leases: set[int] = field(default_factory=set)
     consumer: str | None = None  # set once the handle joined as a consumer
     gone: bool = False
+    user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys
+    producer: Any = None  # its put sequences' window (broker/server/producers.py)
 
 
 @dataclass(eq=False)
@@ -49,6 +60,8 @@ class Request:
     ack: bool = False
     outputs: list[tuple[Any, str | None, Item]] = field(default_factory=list)
     alive: bool = True
+    on_end: Callable[[bool], None] | None = None  # a put's: called with True once stored
+    cost: int = 0  # bytes it counts against max_bytes while it waits (Waiters)
 
 
 @dataclass(eq=False)

@@ -8,10 +8,17 @@ later getters of the same queue.  A getter with nothing to take may steal one it
 private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``maxsize``,
 ``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts are admitted in
 arrival order as room appears.  Every request ends in exactly one call of ``reply``.
+
+Waiting costs memory too: with ``max_bytes`` set, the requests waiting at one time count up to
+``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items, plus ``KEY_OVERHEAD`` for
+each key the request made: one that held nothing before); one that would pass it is refused
+with a ``ValueError`` instead of waiting.  So a broker holds at most about twice ``max_bytes``
+in items and waiting requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -21,7 +28,14 @@ from typing import Any
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
 from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
-from zchannel.broker.core.state import Client, Item, KeyState, Request
+from zchannel.broker.core.state import (
+    KEY_OVERHEAD,
+    REQUEST_OVERHEAD,
+    Client,
+    Item,
+    KeyState,
+    Request,
+)
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
@@ -39,7 +53,8 @@ class Waiters:
     """The parked getters and putters of one channel and the rules that serve them."""
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
-                 deadlines: Deadlines, reply: Reply) -> None:
+                 deadlines: Deadlines, reply: Reply, request_overhead: int = REQUEST_OVERHEAD,
+                 key_overhead: int = KEY_OVERHEAD) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
@@ -47,55 +62,50 @@ class Waiters:
         self.reply = reply
         self.putters: deque[Request] = deque()
         self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
+        self.waiting_bytes = 0  # what the waiting requests count against max_bytes
+        self.request_overhead = request_overhead  # what each of them counts, items aside
+        self.key_overhead = key_overhead  # and each key it made
 
     # -- puts ------------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, outputs: Outputs, timeout: float | None,
-            nowait: bool) -> None:
-        """Store the checked and routed ``outputs`` of a put, or let the put wait for room."""
+            nowait: bool) -> bool | Request:
+        """Store the checked and routed ``outputs`` of a put (True), refuse it (False, with its
+        error replied), or let it wait for room (the parked ``Request``)."""
         queues = self.queues
         if not outputs:
             self.reply(client, rid)
-            return
+            return True
         if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
-            if self.log is not None and not self._logged(client, rid, outputs):
-                return
+            error = _unlogged(self.log, outputs)
+            if error is not None:  # nothing is stored
+                self.reply(client, rid, error=error)
+                return False
             for ks in queues.store(outputs):
                 self.serve(ks)
             self.reply(client, rid)
-            return
+            return True
         req = Request(client, rid, "put", key, None, outputs=outputs)
-        if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
-            self.reply(client, rid, error=ValueError(
-                f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
-                f"limit ({queues.max_bytes})"))
-            return
-        if self.log is not None and not self.log.fits(queues.outputs_bytes(outputs)):
-            self.reply(client, rid, error=ValueError(
-                f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's "
-                "max_journal_bytes limit"))
-            return
+        never = queues.never_fits(outputs)
+        if never:
+            self.reply(client, rid, error=ValueError(never))
+            return False
         if nowait:
             self.reply(client, rid, error=self._queue_full(req))
-            return
+            return False
         if timeout is not None and timeout <= 0:
-            self.reply(client, rid, error=TimeoutError("put timed out: the queue is full"))
-            return
+            why = queues.why_full(key, outputs)
+            self.reply(client, rid, error=TimeoutError(f"put timed out: {why}"))
+            return False
+        new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
+        if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
+                              + new_keys * self.key_overhead):
+            return False
         self._park(req, timeout)
         self.putters.append(req)
         for k in {k for k, _, _ in outputs}:
             queues.state(k).putters += 1
-
-    def _logged(self, client: Client, rid: int, outputs: Outputs) -> bool:
-        """Record a put's items in the journal before they are stored; False (and the put's
-        error reply: nothing is stored) when the journal could not record them."""
-        assert self.log is not None
-        try:
-            self.log.stored(outputs)
-        except Exception as exc:
-            self.reply(client, rid, error=exc)
-            return False
-        return True
+        return req
 
     def _waiting_targets(self) -> set[tuple[Any, str | None]]:
         waiting: set[tuple[Any, str | None]] = set()
@@ -114,9 +124,11 @@ class Waiters:
             if not req.alive:
                 continue
             if self.queues.admits(req.outputs, blocked):
-                self._unpark_putter(req)
+                error = _unlogged(self.log, req.outputs)
+                self._unpark_putter(req, stored=error is None)
                 admitted = True
-                if self.log is not None and not self._logged(req.client, req.rid, req.outputs):
+                if error is not None:
+                    self.reply(req.client, req.rid, error=error)
                     continue
                 for ks in self.queues.store(req.outputs):
                     self.serve(ks)
@@ -126,8 +138,11 @@ class Waiters:
         if admitted:
             self.admit_putters()
 
-    def _unpark_putter(self, req: Request) -> None:
+    def _unpark_putter(self, req: Request, stored: bool = False) -> None:
+        """A waiting put ends: admitted (``stored``), timed out or withdrawn."""
         self._unpark(req)
+        if req.on_end is not None:
+            req.on_end(stored)
         try:
             self.putters.remove(req)
         except ValueError:
@@ -139,15 +154,30 @@ class Waiters:
                 self.queues.mark_idle(ks)
 
     def _queue_full(self, req: Request) -> QueueFull:
-        if self.log is not None and not self.log.room(self.queues.outputs_bytes(req.outputs)):
-            return QueueFull("the journal holds max_journal_bytes: no room for this put")
-        return QueueFull(f"a target queue of key {req.key!r} is full (maxsize {self.queues.maxsize})")
+        return QueueFull(self.queues.why_full(req.key, req.outputs))
+
+    def _may_wait(self, req: Request, cost: int) -> bool:
+        """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of
+        waiting requests; if not, it gets its ``ValueError`` reply here."""
+        limit = self.queues.max_bytes
+        if limit and self.waiting_bytes + cost > limit:
+            what = "put" if req.kind == "put" else "get"
+            self.reply(req.client, req.rid, error=ValueError(
+                f"this {what} cannot wait: the requests waiting already take "
+                f"{self.waiting_bytes} bytes of the broker's max_bytes limit ({limit}; a "
+                f"waiting request counts {self.request_overhead} bytes, a put its item's too); "
+                "retry later, or raise max_bytes"))
+            return False
+        req.cost = cost
+        self.waiting_bytes += cost
+        return True
 
     # -- gets ------------------------------------------------------------------------------------
 
     def get(self, client: Client, rid: int, ks: KeyState, timeout: float | None, nowait: bool,
-            ack: bool, batch_target: int | float) -> None:
-        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait."""
+            ack: bool, batch_target: int | float, new_key: bool = False) -> None:
+        """Serve a checked get (``batch_target`` 0) or get_batch of ``ks``, or let it wait
+        (``new_key``: ``ks`` was made for it)."""
         if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
             # the common case (a plain get of a shared queue nobody else waits on): the head
             # item at once, without a Request record
@@ -169,6 +199,10 @@ class Waiters:
         if nowait or (timeout is not None and timeout <= 0):
             self.expire(req, nowait=nowait)
             return
+        if not self._may_wait(req, self.request_overhead + new_key * self.key_overhead):
+            self._remove_getter(req)
+            self.queues.mark_idle(ks)
+            return
         self._park(req, timeout)
 
     def _park(self, req: Request, timeout: float | None) -> None:
@@ -177,35 +211,19 @@ class Waiters:
             req.deadline = time.monotonic() + timeout
             self.deadlines.add(req.deadline, req)
 
-    @staticmethod
-    def _unpark(req: Request) -> None:
+    def _unpark(self, req: Request) -> None:
         req.alive = False
         req.client.parked.pop(req.rid, None)
+        self.waiting_bytes -= req.cost
+        req.cost = 0
 
     def _remove_getter(self, req: Request) -> KeyState | None:
         self._unpark(req)
         ks = self.queues.keys.get(req.key)
         if ks is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 ks.getters.remove(req)
-            except ValueError:
-                pass
         return ks
-
-    @staticmethod
-    def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
-        """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
-        total = 0
-        for n, item in enumerate(queue):
-            if exceeds(total + item.weight, target):
-                return n or 1
-            total += item.weight
-            if reaches(total, target):
-                n += 1
-                while n < len(queue) and queue[n].weight == 0:
-                    n += 1
-                return n
-        return len(queue) if final else 0
 
     def serve(self, ks: KeyState) -> None:
         """Hand items to waiting getters of ``ks`` in arrival order, then try steals."""
@@ -241,7 +259,7 @@ class Waiters:
                 continue
             if origin in blocked:
                 continue
-            n = self.batch_take(queue, req.target, False) if req.kind == "batch" else 1
+            n = batch_take(queue, req.target, False) if req.kind == "batch" else 1
             if n == 0:
                 blocked.add(origin)
                 continue
@@ -307,7 +325,7 @@ class Waiters:
             consumer = req.client.consumer
             private = ks.private.get(consumer) if consumer is not None else None
             origin, queue = (consumer, private) if private else (None, ks.shared)
-            n = self.batch_take(queue, req.target, True)
+            n = batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
                 self.serve(ks)  # getters it held back may take the rest now, or steal
@@ -330,3 +348,30 @@ class Waiters:
             ks = self._remove_getter(req)
             if ks is not None:
                 self.serve(ks)
+
+
+def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
+    """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
+    total = 0
+    for n, item in enumerate(queue):
+        if exceeds(total + item.weight, target):
+            return n or 1
+        total += item.weight
+        if reaches(total, target):
+            n += 1
+            while n < len(queue) and queue[n].weight == 0:
+                n += 1
+            return n
+    return len(queue) if final else 0
+
+
+def _unlogged(log: StateLog | None, outputs: Outputs) -> Exception | None:
+    """Record a put's items in the journal ``log`` (if any) before they are stored: None, or the
+    error that kept the journal from recording them (the put's error: nothing is stored)."""
+    if log is None:
+        return None
+    try:
+        log.stored(outputs)
+    except Exception as exc:
+        return exc
+    return None

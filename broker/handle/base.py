@@ -46,24 +46,29 @@ class ChannelHandle:
     operations."""
 
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
-                 curve_keys: Any = None, _proc: subprocess.Popen | None = None,
-                 _token: str | None = None, shm: bool | None = None) -> None:
+                 curve_keys: Any = None, shm: bool | None = None) -> None:
         self._name = name
         self._address = address
         self._explicit_identity = identity
         self._identity: str | None = None
         self._identity_read = False
         self._curve_keys = curve_keys
-        self._proc = _proc
-        self._token = _token
+        self._proc: subprocess.Popen | None = None  # the broker this handle started (_adopt)
+        self._token: str | None = None  # the shutdown token that broker accepts
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
         self._keeper: Any = None  # a durable channel's BrokerKeeper (handle/keeper.py)
-        self.created = _proc is not None
+        self.created = False
         _open_handles.add(self)
+
+    def _adopt(self, proc: subprocess.Popen, token: str) -> Self:
+        """Make this handle the owner of the broker ``proc`` its ``create`` started: ``created``
+        is True, and ``shutdown`` stops that broker with ``token``."""
+        self._proc, self._token, self.created = proc, token, True
+        return self
 
     def _log_attached(self) -> None:
         """The warning of a ``create`` that attached to a running broker instead of starting
@@ -159,19 +164,27 @@ class ChannelHandle:
         self._closed = True
         self._give_back()
 
-    def shutdown(self) -> None:
-        """Stop the broker.  Only the handle whose ``create`` started it may
-        (``PermissionError`` otherwise)."""
+    def shutdown(self, token: str | None = None) -> None:
+        """Stop the broker.  The handle whose ``create`` started it may; any other handle
+        needs the broker's shutdown ``token`` (``zchannel broker stop NAME`` reads it from the
+        run directory, ``docs/security.md``), else ``PermissionError`` (client-side, or from
+        the broker for a wrong token; nothing changes).  This handle is closed afterwards."""
+        if token is not None:
+            if not isinstance(token, str):
+                raise TypeError("token must be a str")
+            self._request_shutdown(token, timeout=10.0)
+            self._closed = True
+            self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
+            return
         if self._proc is None or self._creator_pid != os.getpid():
-            raise PermissionError("only the handle that created the channel's broker may shut it down")
+            raise PermissionError("only the handle that created the channel's broker may shut "
+                                  "it down (or pass its shutdown token: docs/security.md)")
         if self._keeper is not None:
             self._keeper.stop()  # a broker stopped on purpose is not started again
         proc = self._proc
         try:
             if proc.poll() is None and not self._closed:
-                share = self._acquired()  # past the in-flight limit: parked gets must not hold it
-                share.conn.request(Shutdown(id=0, token=self._token), [], room=False,
-                                   owner=share).wait(timeout=5.0)
+                self._request_shutdown(self._token, timeout=5.0)
         except (ChannelError, TimeoutError):
             pass
         self._closed = True
@@ -181,6 +194,13 @@ class ChannelHandle:
         except subprocess.TimeoutExpired:
             self._kill_broker()
         self._proc = None
+
+    def _request_shutdown(self, token: str | None, timeout: float) -> None:
+        """Ask the broker to stop, with ``token``; its answer (``PermissionError`` for a wrong
+        token) within ``timeout`` seconds."""
+        share = self._acquired()  # past the in-flight limit: parked gets must not hold it
+        share.conn.request(Shutdown(id=0, token=token), [], room=False,
+                           owner=share).wait(timeout=timeout)
 
     def _kill_broker(self) -> None:
         """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""

@@ -15,11 +15,14 @@ replica) subclass it to reuse its operations.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
-from zchannel.broker.connection.work import Delivery, Work
+from zchannel.broker.connection.work import _DONE, Delivery, Work
+from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound
 from zchannel.broker.handle.base import ChannelHandle
+from zchannel.broker.handle.retries import InDoubtPuts
 from zchannel.broker.shm.client import client_submit as shm_submit
 from zchannel.broker.shm.client import client_undo as shm_undo
 from zchannel.broker.wire import codec
@@ -46,6 +49,8 @@ from zchannel.broker.wire.protocol import (
 )
 from zchannel.hooks import check_consumer_id
 
+log = logging.getLogger("zchannel.client")
+
 DEFAULT_KEY = "default_queue"
 """The key of operations that name none."""
 
@@ -61,6 +66,8 @@ class BrokerChannel(ChannelHandle):
     ``repr()``/``str()`` are cheap and never touch the network; ``peek`` shows items.
     """
 
+    _in_doubt: InDoubtPuts | None = None  # puts that raised without an answer (retries.py)
+
     # -- requests ----------------------------------------------------------------------------
 
     def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
@@ -68,7 +75,12 @@ class BrokerChannel(ChannelHandle):
         share = self._acquired()
         conn = share.conn
         frames: list = []
+        retried = None
         if has_item:
+            if self._in_doubt:  # an earlier put raised without an answer: is this its retry?
+                retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
+                if retried is not None:
+                    rec.seq = retried.seq  # sent under the sequence of the put it repeats
             body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
             if not buffers and not refs and len(body) <= INLINE_BODY:
                 rec.body = body  # a small item rides in its record (no frame)
@@ -99,11 +111,17 @@ class BrokerChannel(ChannelHandle):
             convert = _peek_converter(conn.shm)
         send = conn.call if wait else conn.request
         try:
-            return send(rec, frames, convert, cancellable=kind is Put or kind is Get
+            work = send(rec, frames, convert, cancellable=kind is Put or kind is Get
                         or kind is GetBatch, owner=share)
         except BaseException:
             shm_undo(conn, getattr(rec, "slots", None))  # not sent: its slots go back to the pool
             raise
+        if kind is Put:
+            if retried is not None:
+                self._in_doubt.discard(retried)  # sent: its retry's outcome decides
+            if work._state != _DONE:  # in doubt if it fails without an answer
+                work._on_error = (self._put_failed, rec, item, conn)
+        return work
 
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
             async_op: bool = False, timeout: float | None = None) -> Work | None:
@@ -125,6 +143,21 @@ class BrokerChannel(ChannelHandle):
         subclasses both ``asyncio.QueueFull`` and ``queue.Full``."""
         rec = Put(id=0, key=check_key(key), weight=check_weight(weight), nowait=True)
         self._submit(rec, item, has_item=True, wait=True).wait()
+
+    # -- retry-safe puts (handle/retries.py, docs/guarantees.md) ------------------------------
+
+    def _put_failed(self, rec: Put, item: Any, conn: Any, error: BaseException) -> None:
+        """A put's error was seen: without an answer from the broker (``BrokerUnavailable``)
+        it is in doubt, and an equal put is taken as its retry."""
+        if isinstance(error, BrokerUnavailable) and not isinstance(error, ChannelNotFound):
+            if self._in_doubt is None:
+                with self._conn_lock:
+                    if self._in_doubt is None:
+                        self._in_doubt = InDoubtPuts()
+            try:
+                self._in_doubt.add(rec.key, rec.weight, item, rec.sequence(), conn)
+            except Exception:  # the put's own error is what the caller sees
+                log.exception("could not note a put in doubt; its retry is a new put")
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:

@@ -50,6 +50,7 @@ from zchannel.broker.server.starting import (
 )
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
+from zchannel.broker.wire.argchecks import check_timeout
 from zchannel.broker.wire.protocol import UNSET
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
 
@@ -244,8 +245,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             paths.release_lock(name, lock_fd)  # no broker took it over: no lock file stays
             raise
         os.close(lock_fd)  # the broker holds it now, and removes the file when it exits
-        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys,
-                     _proc=proc, _token=token)
+        handle = cls(name, real_address, identity=identity, curve_keys=curve_keys)._adopt(
+            proc, token)
         try:
             handle._connection(timeout=START_TIMEOUT_S)
         except BaseException:
@@ -270,6 +271,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
+        if timeout is None or check_timeout(timeout) is None:
+            raise ValueError("connect needs a timeout: a finite number of seconds >= 0")
         worker_identity = _worker_identity(current_worker)
         if worker_identity is not None:
             if identity is not None and identity != worker_identity:

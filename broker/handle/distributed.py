@@ -317,9 +317,9 @@ def create_from_cluster(config: dict, path: str, *, identity: str | None,
             errors.append(exc)
             return
         os.close(lock_fd)  # the replica holds it now
+        keys = replica_client_keys(curve_keys, r.server_key)
         subs[i] = BrokerChannel(name, real_address, identity=identity,
-                                curve_keys=replica_client_keys(curve_keys, r.server_key),
-                                _proc=proc, _token=token)
+                                curve_keys=keys)._adopt(proc, token)
 
     try:
         # the node's replicas start in parallel (each is a child process, as in create())

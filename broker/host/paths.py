@@ -5,12 +5,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import ipaddress
+import json
 import os
+import pwd
 import re
 import socket
+import stat
 from pathlib import Path
 
-from zchannel.broker.errors import ChannelNotFound
+from zchannel.broker.errors import ChannelNotFound, UnsafeRunDir
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 IPC_PATH_LIMIT = 107
@@ -25,21 +28,79 @@ def check_name(name: object) -> str:
 
 
 def run_dir() -> Path:
-    """``$ZCHANNEL_RUN_DIR``, else ``$XDG_RUNTIME_DIR/zchannel``, else ``/tmp/zchannel-<uid>``;
-    created with mode 0700."""
+    """The directory of this user's channel files (sockets, locks, address files), created
+    with mode 0700: ``$ZCHANNEL_RUN_DIR``, else ``$XDG_RUNTIME_DIR/zchannel`` when
+    ``$XDG_RUNTIME_DIR`` is a directory of this user, else ``/tmp/zchannel-<uid>``.
+
+    ``UnsafeRunDir`` when it is not this user's alone (``check_run_dir``)."""
     base = os.environ.get("ZCHANNEL_RUN_DIR")
     if base:
         path = Path(base)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
+    elif _own_dir(os.environ.get("XDG_RUNTIME_DIR")):
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel"
     else:
         path = Path(f"/tmp/zchannel-{os.getuid()}")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        os.chmod(path, 0o700)
-    except PermissionError:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:  # a file, or a dangling symbolic link: check_run_dir says which
         pass
+    check_run_dir(path)
     return path
+
+
+def _own_dir(path: str | None) -> bool:
+    """Whether ``path`` is a directory owned by this user (``$XDG_RUNTIME_DIR`` left set by
+    ``sudo`` or ``su`` names another user's)."""
+    if not path:
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def check_run_dir(path: Path) -> None:
+    """Refuse (``UnsafeRunDir``) a run directory that is not this user's alone: it must be a
+    directory owned by this user (as must a symbolic link naming it), and its mode must give
+    others nothing.  Another user could otherwise replace a broker's socket or address file
+    and receive the next connection (``docs/security.md``).  Nothing is changed: files
+    planted while the directory was open stay planted, so a wider mode is refused rather
+    than narrowed."""
+    uid = os.getuid()
+    remove = f"remove it (rm -r {path}) if no broker of yours runs there"
+    elsewhere = "or set ZCHANNEL_RUN_DIR to a directory of yours with mode 0700"
+    try:
+        link = os.lstat(path)
+        st = os.stat(path)
+    except OSError as exc:
+        raise UnsafeRunDir(f"run directory {path} cannot be used ({exc.strerror}): {remove}, "
+                           f"{elsewhere}") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
+        raise UnsafeRunDir(
+            f"run directory {path} is a symbolic link owned by {_owner(link.st_uid)}, not by "
+            f"this user ({_owner(uid)}): its owner can point it elsewhere; {remove}, "
+            f"{elsewhere}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRunDir(f"run directory {path} is not a directory: {remove}, {elsewhere}")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != uid:
+        raise UnsafeRunDir(
+            f"run directory {path} is owned by {_owner(st.st_uid)} with mode {mode:04o}, not "
+            f"by this user ({_owner(uid)}): its owner could replace a broker's socket and "
+            f"receive the next connection; ask them (or root) to remove it, {elsewhere}")
+    if mode & 0o077:
+        raise UnsafeRunDir(
+            f"run directory {path} (owned by {_owner(uid)}) has mode {mode:04o}: other users "
+            f"may have placed files in it (a socket, an address file); {remove}, or check its "
+            f"files and chmod 700 it, {elsewhere}")
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def default_address(name: str) -> str:
@@ -77,6 +138,23 @@ def try_lock(name: str) -> int | None:
         if _same_file(fd, path):
             return fd
         os.close(fd)  # its holder removed it between our open and our flock
+
+
+def write_lock_holder(fd: int) -> None:
+    """Write this process's pid into the lock file it holds through ``fd`` (a broker names
+    itself there; the lock alone would name the process that took it, which may be the
+    broker's creator)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def read_lock_holder(name: str) -> int | None:
+    """The pid written in the lock file of ``name`` (``write_lock_holder``), or None."""
+    try:
+        text = lock_path(name).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def release_lock(name: str, fd: int) -> None:
@@ -119,6 +197,59 @@ def remove_address(name: str, address: str) -> None:
             addr_path(name).unlink()
         except FileNotFoundError:
             pass
+
+
+def gate_paths(ipc: str) -> tuple[str, str, str] | None:
+    """The files of an ipc address's gate (``server/admission.py``): a second name of the
+    broker's socket, the socket that stands in for it while the broker refuses connections,
+    and a temporary name; None when the stand-in's path would pass the ipc path limit."""
+    if not ipc or ipc.startswith("@") or len((ipc + ".g").encode()) > IPC_PATH_LIMIT:
+        return None
+    return ipc + ".z", ipc + ".g", ipc + ".t"
+
+
+def token_path(lock_name: str) -> Path:
+    """The file holding the shutdown token of the broker holding lock ``lock_name`` (the
+    channel name, or ``NAME.replicaI`` for one replica of a distributed channel)."""
+    return run_dir() / f"{lock_name}.token"
+
+
+def write_token_file(lock_name: str, address: str, token: str) -> Path:
+    """Write ``{"address", "pid", "token"}`` to ``token_path(lock_name)``, readable by its
+    owner only (mode 0600, created so: never readable by others, not even for a moment)."""
+    path = token_path(lock_name)
+    tmp = path.with_suffix(f".token.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps({"address": address, "pid": os.getpid(),
+                                 "token": token}).encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_token_file(lock_name: str) -> dict | None:
+    """The ``{"address", "pid", "token"}`` a running broker wrote (None: no such file)."""
+    try:
+        data = json.loads(token_path(lock_name).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the shutdown token file {token_path(lock_name)}: "
+                         f"{exc}") from None
+    if not (isinstance(data, dict) and isinstance(data.get("token"), str)
+            and isinstance(data.get("address"), str)):
+        raise ValueError(f"{token_path(lock_name)} is not a shutdown token file")
+    return data
+
+
+def remove_token_file(lock_name: str) -> None:
+    try:
+        token_path(lock_name).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def is_address(text: str) -> bool:
@@ -195,8 +326,15 @@ def is_loopback_host(host: str) -> bool:
             return False
 
 
-def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
-    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``."""
+INSECURE_REMEDY = ("give curve_keys with a server_secret_key (zchannel keygen), or "
+                   "insecure=True on a trusted network")
+
+
+def check_bind_address(address: str, secure: bool, insecure: bool, *,
+                       remedy: str = INSECURE_REMEDY) -> None:
+    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``; the error ends
+    with ``remedy``, in the terms of the caller's user (the Python arguments by default, the
+    command's flags for the CLI)."""
     hp = tcp_host_port(address)
     if hp is None:
         if not address.startswith("ipc://"):
@@ -206,6 +344,22 @@ def check_bind_address(address: str, secure: bool, insecure: bool) -> None:
     if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
         if not (secure or insecure):
             raise ValueError(
-                f"refusing to bind {address} (not loopback) without CURVE keys: pass curve keys "
-                "or insecure=True / --insecure"
-            )
+                f"refusing to bind {address} (not loopback) without CURVE keys: {remedy}")
+
+
+def bind_warnings(address: str, secure: bool) -> list[str]:
+    """What a broker binding ``address`` warns about: a non-loopback tcp address without
+    CURVE (allowed by ``insecure``) or a loopback tcp address without CURVE (any local user
+    can connect); nothing for ipc or CURVE (``docs/security.md``)."""
+    hp = tcp_host_port(address)
+    if hp is None or secure:
+        return []
+    host, _ = hp
+    if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
+        return [f"{address} is bound without CURVE (insecure): anyone who can reach it can "
+                "put, get and read every item; give the broker CURVE keys (zchannel keygen) "
+                "unless the network is trusted"]
+    return [f"{address} has no authentication (tcp without CURVE): any local user can "
+            "connect and put, get and read items; use an ipc address (its directory is this "
+            "user's alone) or CURVE keys"]
+

@@ -6,8 +6,9 @@ A file has up to three tables::
     [channel]                 # name, address, maxsize, lease_timeout, heartbeat_interval,
     name = "samples"          # liveness, max_bytes, max_keys, max_message_bytes, max_frames,
                               # max_header_bytes, insecure, key_grace, curve_secret_key,
-                              # metrics_port, metrics_address, journal, fsync,
-                              # fsync_interval, max_journal_bytes, ...
+                              # metrics_port, metrics_address, token_file,
+                              # curve_admin_keys, max_clients, producer_grace,
+                              # journal, fsync, fsync_interval, max_journal_bytes, ...
     maxsize = 64
     journal = "/var/lib/zchannel"   # a durable channel (docs/durability.md)
 
@@ -64,7 +65,11 @@ class BrokerConfig:
     curve_public_keys: str | None = None
     parent_pid: int | None = None
     lock_fd: int | None = None
-    token: str | None = None
+    token: str | None = None  # the shutdown token (random when None; docs/security.md)
+    token_file: str | None = None  # ... or read from this file
+    curve_admin_keys: str | None = None  # public key file(s) that may shut the broker down
+    max_clients: int = 0  # connections served at once; 0 = from the descriptor limit
+    producer_grace: float = 60.0  # seconds a producer's put sequences outlive its session
     # distributed channels (broker/cluster/replica.py): a cluster file or the replica table, and our index
     cluster: str | None = None
     replica: int | None = None
@@ -96,6 +101,7 @@ _CHANNEL_KEYS = {
     "max_bytes", "max_keys", "max_message_bytes", "max_frames", "max_header_bytes", "insecure",
     "key_grace", "curve_secret_key", "curve_public_keys", "allowed_dtypes", "max_rank",
     "shm_threshold", "shm_pool_bytes", "direct", "metrics_port", "metrics_address",
+    "token_file", "curve_admin_keys", "max_clients", "producer_grace",
     "journal", "fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}

@@ -1,6 +1,6 @@
-"""Where a broker is found on its host: the channel lock, the ROUTER socket (with CURVE and
-the handshake monitor when configured), the direct-link listener beside it, and the files that
-name them (address file, ipc socket file).
+"""Where a broker is found on its host: the channel lock, the ROUTER socket (with CURVE when
+configured, and the guard of its connection budget reading its monitor), the direct-link listener beside it, and the files that
+name them (address file, ipc socket file) or hold its shutdown token (``NAME.token``).
 
 ``Endpoint`` takes the lock when made (or adopts ``config.lock_fd``), binds in ``bind``, and
 undoes both: ``close`` closes the sockets and removes the address and socket files,
@@ -13,7 +13,10 @@ import logging
 import os
 
 import zmq
+from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
 from zchannel.broker.host import paths
+from zchannel.broker.server import rundir
+from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.transport import direct
@@ -22,21 +25,36 @@ from zchannel.broker.transport.curve import BrokerHandshakes, RefusalLog, secure
 log = logging.getLogger("zchannel.broker")
 
 
+def already_served(name: str, lock_name: str) -> str:
+    """The error of a second broker for ``name``: where the running one is (pid, address)."""
+    pid, address = rundir.lock_holder(lock_name), paths.read_address(name)
+    where = ", ".join(part for part in (f"pid {pid}" if pid else "",
+                                        f"at {address}" if address else "") if part)
+    return (f"a broker already serves channel {name!r} on this host"
+            + (f" ({where})" if where else "")
+            + "; stop it, or choose another name (zchannel stat lists this host's brokers)")
+
+
 class Endpoint:
     """The lock, socket and files of one broker serving channel ``config.name``."""
 
-    def __init__(self, config: BrokerConfig, lock_name: str) -> None:
+    def __init__(self, config: BrokerConfig, lock_name: str, fd_limit: int,
+                 max_clients: int) -> None:
         self.config = config
+        self.fd_limit, self.max_clients = fd_limit, max_clients  # server/admission.py
         self._lock_name = lock_name
         self._lock_fd = config.lock_fd
         if self._lock_fd is None:
             self._lock_fd = paths.try_lock(lock_name)
             if self._lock_fd is None:
-                raise RuntimeError(f"a broker already serves channel {config.name!r} on this host")
+                raise RuntimeError(already_served(config.name, lock_name))
+        paths.write_lock_holder(self._lock_fd)  # for the error of a second broker of the name
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
+        self.guard: PeerGuard | None = None  # its connection budget (set by bind)
+        self.token_file = None  # where the shutdown token is kept (set by bind)
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve.py)
         try:
             self.address = config.address or paths.default_address(config.name)
@@ -46,9 +64,11 @@ class Endpoint:
             self.release_lock()
             raise
 
-    def bind(self) -> str:
-        """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
-        ``close()`` then removes what was made)."""
+    def bind(self, token: str) -> str:
+        """Bind the socket, write the address file and the shutdown ``token``'s file (readable
+        by its owner only), and log what the address exposes (``paths.bind_warnings``).
+        ``ZMQError`` for a busy address, ``ValueError`` for bad key files: ``close()`` then
+        removes what was made."""
         ctx = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
         self.peers = Peers(sock)
@@ -61,7 +81,10 @@ class Endpoint:
         if self.config.curve_secret_key:
             self._auth = secure_server(sock, self.config.curve_secret_key,
                                        self.config.curve_public_keys, self.refusals)
-        self.handshakes = BrokerHandshakes(sock, bool(self._auth), self.refusals)
+        self.handshakes = BrokerHandshakes(bool(self._auth), self.refusals)
+        # counts the connections from the first one on (before bind), refuses beyond the budget
+        self.guard = self.peers.guard = PeerGuard(sock, self.address, self.max_clients,
+                                                  self.fd_limit)
         ipc = paths.ipc_path(self.address)
         if ipc and os.path.exists(ipc):
             os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
@@ -74,31 +97,39 @@ class Endpoint:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
             os.chmod(ipc, 0o600)
+        self.guard.bound(self.address)
         # beside shared memory only (see transport.open_transport); never around CURVE
         link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:
+            limit = self.config.max_message_bytes
             try:
-                self.peers.listener = direct.Listener(link, self.config.max_frames + 1,
-                                              self.config.max_header_bytes,
-                                              self.config.max_message_bytes)
+                self.peers.listener = direct.Listener(
+                    link, self.config.max_frames + 1, self.config.max_header_bytes, limit,
+                    # a client coalesces requests up to MAX_BYTES_PER_MESSAGE, then one more
+                    limit + MAX_BYTES_PER_MESSAGE + self.config.max_header_bytes if limit else 0)
             except OSError as exc:  # clients then use ZeroMQ only
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
+        self.token_file = paths.write_token_file(self._lock_name, self.address, token)
+        for warning in paths.bind_warnings(self.address, bool(self._auth)):
+            log.warning("%s", warning)
         return self.address
 
     def close(self) -> None:
         """Close the sockets and remove the address and socket files (the lock stays held)."""
         if self.sock is None:
             return
-        if self.handshakes is not None:
-            self.handshakes.close()
+        if self.guard is not None:  # its thread stops before the monitor and socket close
+            self.guard.close()
+            self.guard = None
         self.sock.close(linger=0)
         self.sock = None
         self.peers.close()
         if self._auth is not None:
             self._auth.stop()
         paths.remove_address(self.config.name, self.address)
+        paths.remove_token_file(self._lock_name)
         ipc = paths.ipc_path(self.address)
         if ipc:
             try:

@@ -11,11 +11,15 @@ raises is the error reply of that one record.
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.core.state import Client, Item
+import zmq
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_peek_count,
@@ -56,10 +60,13 @@ from zchannel.broker.wire.protocol import (
 
 Handler = Callable[[Any, Client, Any, list], None]
 
+log = logging.getLogger("zchannel.broker")
 
-def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
+
+def hello(broker: Any, address: bytes, rec: Hello, head: Any = None) -> Client | None:
     """Register ``address`` (anew) and answer with the broker's parameters; a hello of
-    another protocol version gets an error reply and changes nothing."""
+    another protocol version gets an error reply and changes nothing.  ``head``: the frame
+    the hello came in, whose ``User-Id`` is the client's CURVE public key (with CURVE)."""
     rid = rec.id if type(rec.id) is int else 0
     version = rec.version
     if type(version) is not int or version != PROTOCOL_VERSION:
@@ -73,11 +80,14 @@ def hello(broker: Any, address: bytes, rec: Hello) -> Client | None:
         broker.sessions.client_gone(old)
     identity = rec.identity if isinstance(rec.identity, str) else None
     client = Client(address=address, identity=identity)
+    if broker.admin_keys and isinstance(head, zmq.Frame):
+        client.user = head.get("User-Id")
     broker.sessions.clients[address] = client
     broker.sessions.forget_expired(address)
+    broker.sessions.producers.attach(client, rec.producer)
     info = HelloInfo(
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
-        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
+        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.queues.maxsize,
         max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
     if broker.replica is not None:
         broker.replica.describe(info)
@@ -103,13 +113,46 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if limit and nbytes > limit:
         raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
     weight = check_weight(rec.weight)
+    key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
         frames = broker.shm.attach_put(client, rec.slots, frames)
         nbytes += frames.slot_bytes
-    item = Item(frames, weight, nbytes)
+    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
     broker.counters.puts += 1
-    broker.core.put(client, rec.id, key_from_wire(rec.key), item, check_timeout(rec.timeout),
-                    rec.nowait)
+    window = client.producer
+    if window is None:  # a client without retry-safe puts
+        broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+        return
+    seq = rec.sequence()
+    verdict = window.begin(seq)  # NEW: marked stored already
+    if verdict != NEW:
+        repeated(broker, client, rec, seq, verdict)
+        return
+    try:
+        outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+    except BaseException:  # answered with this error: not stored, as far as the client knows
+        window.unmark(seq)
+        raise
+    if outcome is not True:
+        if outcome is False:
+            window.unmark(seq)
+        else:
+            window.wait(seq, outcome)
+
+
+def repeated(broker: Any, client: Client, rec: Put, seq: int, verdict: int) -> None:
+    """A put whose sequence is not new to its producer (``server/producers.py``): a stored
+    one is acknowledged as stored, nothing is stored again; one that waits for room, or that
+    fell out of the window, is refused."""
+    if verdict == DUPLICATE:
+        broker.counters.duplicate_puts += 1
+        broker.sessions.reply(client, rec.id)
+    elif verdict == WAITING:
+        raise ValueError(f"put sequence {seq} of this producer still waits for room at the "
+                         "broker: a retry must wait for its outcome")
+    else:
+        raise ValueError(f"put sequence {seq} is older than this producer's last {WINDOW} "
+                         "sequences: the broker cannot tell whether it was stored")
 
 
 def get(broker: Any, client: Client, rec: Get, frames: list) -> None:
@@ -146,7 +189,10 @@ def stats(broker: Any, client: Client, rec: Stats, frames: list) -> None:
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
+    guard = broker.endpoint.guard  # the connection budget (server/admission.py)
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
+                 connections=guard.connections, max_clients=guard.max_clients,
+                 refused_connections=guard.refused,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None,
                  journal=broker.journal.stats() if broker.journal is not None else None)
@@ -183,8 +229,20 @@ def shm_record(broker: Any, client: Client, rec: ShmHello | ShmRelease, frames: 
 
 
 def shutdown(broker: Any, client: Client, rec: Shutdown, frames: list) -> None:
-    if broker.config.token and rec.token != broker.config.token:
-        raise PermissionError("only the handle that created the channel may shut it down")
+    """Stop the broker for a request with its shutdown token, or from a CURVE client whose
+    public key is one of ``curve_admin_keys`` (``docs/security.md``); ``PermissionError``
+    (nothing changes) for anyone else."""
+    token = rec.token
+    valid = isinstance(token, str) and hmac.compare_digest(token.encode(), broker.token.encode())
+    if not valid and not (client.user is not None and client.user in broker.admin_keys):
+        log.warning("refused a shutdown request without this broker's token (client %s)",
+                    client.address.hex())
+        raise PermissionError(
+            "shutdown refused: the request does not carry this broker's shutdown token (the "
+            "handle that created the channel holds it; `zchannel broker stop NAME` reads it "
+            "from the run directory)")
+    if not valid:
+        log.info("stopping: shutdown requested by admin key %s", client.user)
     broker.sessions.reply(client, rec.id, result=True)
     broker.stop()
 

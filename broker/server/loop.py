@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -24,12 +25,13 @@ from typing import Any
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
 from zchannel.broker.core.queuecore import QueueCore
-from zchannel.broker.core.state import Item
+from zchannel.broker.core.state import ITEM_OVERHEAD, Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.journal.journal import Journal
 from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.server import metrics
+from zchannel.broker.server.admission import client_budget, raise_fd_limit
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.durable import open_journal
 from zchannel.broker.server.endpoint import Endpoint
@@ -39,6 +41,7 @@ from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct
+from zchannel.broker.transport.curve import admin_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -54,6 +57,9 @@ from zchannel.hooks import expand_consumers, import_path, resolve_collector, res
 
 log = logging.getLogger("zchannel.broker")
 
+# records handled per turn of the loop at most (then the replies go out): a client's flood of
+# requests in large messages cannot pile up replies without bound
+RECORDS_PER_TURN = 16384
 # plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
 _POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
 
@@ -85,6 +91,17 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.propagate = False
 
 
+def curve_admins(config: BrokerConfig) -> frozenset:
+    """The CURVE public keys (``curve_admin_keys``) whose clients may stop the broker without
+    its shutdown token; ``ValueError`` for admin keys without CURVE."""
+    if not config.curve_admin_keys:
+        return frozenset()
+    if not config.curve_secret_key:
+        raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
+                         "broker cannot tell who a client is")
+    return admin_keys(config.curve_admin_keys)
+
+
 class Broker:
     """Serves one channel until stopped: the loop, and the dispatch of each record to its
     handler."""
@@ -96,7 +113,7 @@ class Broker:
             __import__(module)
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
-        # -- distributed: this broker is one replica (see broker/cluster/replica.py) --
+        # distributed: this broker is one replica (see broker/cluster/replica.py)
         self.replica = None
         self.handlers = HANDLERS
         lock_name = config.name
@@ -106,7 +123,12 @@ class Broker:
             lock_name = f"{config.name}.replica{config.replica}"
         # -- end distributed --
         self.lock_name = lock_name
-        self.endpoint = Endpoint(config, lock_name)  # takes the channel lock
+        self.token = shutdown_token(config)
+        self.admin_keys = curve_admins(config)  # CURVE clients that may stop it without the token
+        self.announce_token = False  # log where the token is kept (``zchannel broker``)
+        fd_limit = raise_fd_limit()  # the descriptor budget (server/admission.py)
+        self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
+                                 client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
         self.exit_code = 0
         self.journal: Journal | None = None
@@ -121,8 +143,7 @@ class Broker:
 
     def _setup(self, config: BrokerConfig) -> None:
         self.shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
-                                 config.shm_pool_bytes,
-                                 2 * config.heartbeat_interval * config.liveness)
+                             config.shm_pool_bytes, 2 * config.heartbeat_interval * config.liveness)
         self.counters = metrics.Counters()
         self.sessions = Sessions(config, self.shm, self.counters, self.replica)
         self.core = QueueCore(
@@ -165,8 +186,12 @@ class Broker:
     def bind(self) -> str:
         """Bind the socket (``ZMQError`` for a busy address, ``ValueError`` for bad key files:
         ``close()`` then removes what was made)."""
-        self.address = self.endpoint.bind()
+        self.address = self.endpoint.bind(self.token)
         self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
+        if self.announce_token:
+            log.info("shutdown token of %r kept in %s (readable by its owner only): "
+                     "`zchannel broker stop %s` stops this broker", self.config.name,
+                     self.endpoint.token_file, self.endpoint.token_file.stem)
         self.sessions.peers = self.peers
         return self.address
 
@@ -191,10 +216,8 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(),
-                    (self.endpoint.handshakes.socket, zmq.POLLIN)]
-        if self.peers.listener is not None:
-            poll_set.append((self.peers.listener.fd, zmq.POLLIN))
+        guard = self.endpoint.guard
+        poll_set = [(self.sock, zmq.POLLIN), *stops.poll_items(), (guard.wake_fd, zmq.POLLIN)]
         if self.metrics is not None:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
@@ -206,6 +229,9 @@ class Broker:
         # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
+        # the peer guard's thread (server/admission.py) must get the interpreter soon after
+        # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
+        sys.setswitchinterval(0.001)
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
         journal = self.journal
@@ -229,8 +255,8 @@ class Broker:
                     self._direct_events(events)
                 if self.metrics is not None and self.metrics.fd in ready:
                     self.metrics.publish()  # a scrape asked for a snapshot
-                if self.endpoint.handshakes.socket in ready:
-                    self.endpoint.handshakes.check()
+                if guard.wake_fd in ready:
+                    self.endpoint.handshakes.check(guard.take_failures())
                 if stops.parent_exited(ready):
                     self._running = False
                 now = time.monotonic()
@@ -244,6 +270,7 @@ class Broker:
                     journal.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
+                    self.peers.resume(now)
                     next_hb = now + hb / 2
                     if stops.parent_gone():
                         self._running = False
@@ -283,36 +310,43 @@ class Broker:
     # -- receiving ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Handle the messages waiting (at most 4096); called when a poll said one is there."""
+        """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` records
+        (the replies of a turn wait in memory until it ends); called when a poll said one is
+        there."""
         sock = self.sock
+        records = 0
         for i in range(4096):
             frames = recv_message(sock, ready=i == 0)
             if frames is None:
                 return
             try:
-                self._handle(frames)
+                records += self._handle(frames)
             except Exception:  # a broker never crashes because of one client
                 log.exception("unexpected error handling a message")
+            if records >= RECORDS_PER_TURN:
+                return
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> int:
         if len(frames) < 2:
             log.warning("dropped a message without a header")
-            return
-        self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
+            return 0
+        return self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
 
-    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> None:
-        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames."""
+    def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> int:
+        """One message of ``address``: its header and, from ``frames[pos]`` on, its frames;
+        the number of records it held."""
         if len(frames) - pos > self.config.max_frames:
             log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
                         self.config.max_frames)
-            return
+            return 0
         try:
             records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message: %s", exc)
-            return
+            return 0
         client = self.sessions.clients.get(address)
         now = time.monotonic()
+        head = frames[pos - 1]  # the header: a zmq.Frame (its CURVE User-Id), or link bytes
         for rec in records:
             nf = rec.nf
             op_frames = frames[pos : pos + nf]
@@ -320,7 +354,7 @@ class Broker:
             kind = type(rec)
             if client is None or kind is Hello:
                 if kind is Hello:
-                    client = hello(self, address, rec)
+                    client = hello(self, address, rec, head)
                 elif kind is not Bye and not (kind is BadRecord and rec.op == BYE):
                     self.sessions.tell_expired(address, now)
                 continue
@@ -334,11 +368,12 @@ class Broker:
             try:
                 self.handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
-                if not isinstance(exc, (ValueError, TypeError, KeyMoved)):
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
                     log.exception("error handling op %r", op_of(rec))
                 self.sessions.reply(client, rec.id, error=exc)
             if kind is Bye:
                 client = None
+        return len(records)
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""
@@ -354,7 +389,7 @@ class Broker:
         changed = False
         for obj, ev in events:
             if obj == listener.fd:
-                changed = bool(listener.accept()) or changed
+                changed = bool(self.peers.accept()) or changed
                 continue
             peer = listener.by_fd.get(obj) if type(obj) is int else None
             if peer is None:
@@ -363,27 +398,29 @@ class Broker:
                 self.sessions.direct_gone(peer)
                 changed = True
                 continue
-            if ev & _POLLIN_ERR and not self._direct_read(peer):
+            if ev & _POLLIN_ERR and not _direct_read(self, peer):
                 changed = True
         self.sessions.flush()
         self.peers.poll_dirty = self.peers.poll_dirty or changed
 
-    def _direct_read(self, peer: direct.Peer) -> bool:
-        """Read a ready link and handle the messages it completed; False if it is gone."""
-        alive, got_bytes = self.peers.read(peer)
-        reader = peer.reader
-        client = self.sessions.clients.get(peer.address)
-        if client is not None and got_bytes:
-            client.last_seen = time.monotonic()  # bytes are life, even within a long message
-        while reader.messages:
-            parts = reader.messages.popleft()
-            try:
-                self._handle_message(peer.address, parts[0], parts, 1)
-            except Exception:  # a broker never crashes because of one client
-                log.exception("unexpected error handling a message")
-        if not alive:
-            self.sessions.direct_gone(peer)
-        return alive
+
+def _direct_read(broker: Broker, peer: direct.Peer) -> bool:
+    """Read a ready link of ``broker`` and handle the messages it completed; False if it is
+    gone."""
+    alive, got_bytes = broker.peers.read(peer)
+    reader = peer.reader
+    client = broker.sessions.clients.get(peer.address)
+    if client is not None and got_bytes:
+        client.last_seen = time.monotonic()  # bytes are life, even within a long message
+    while reader.messages:
+        parts = reader.messages.popleft()
+        try:
+            broker._handle_message(peer.address, parts[0], parts, 1)
+        except Exception:  # a broker never crashes because of one client
+            log.exception("unexpected error handling a message")
+    if not alive:
+        broker.sessions.direct_gone(peer)
+    return alive
 
 
 def _decode_item(item: Item) -> Any:
@@ -394,7 +431,7 @@ def _decode_item(item: Item) -> Any:
 def _encode_item(value: Any, weight: int) -> Item:
     body, buffers = codec.encode(value)
     frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
-    return Item(frames, weight, sum(len(f) for f in frames), value, True)
+    return Item(frames, weight, sum(len(f) for f in frames) + ITEM_OVERHEAD, value, True)
 
 
 def hook_from_wire(spec: Any) -> Any:
@@ -407,10 +444,31 @@ def hook_from_wire(spec: Any) -> Any:
     return spec
 
 
+def shutdown_token(config: BrokerConfig) -> str:
+    """The broker's shutdown token: ``config.token`` (``Channel.create`` makes one), else the
+    first line of ``config.token_file``, else a random one (``docs/security.md``)."""
+    if config.token:
+        return config.token
+    if config.token_file:
+        try:
+            with open(config.token_file) as f:
+                token = f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the shutdown token from {config.token_file}: "
+                             f"{exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"{config.token_file}: a shutdown token is at least 16 "
+                             "characters (its first line)")
+        return token
+    return secrets.token_hex(16)
+
+
 def run_broker(config: BrokerConfig) -> int:
-    """Run a broker in this process until it stops; the exit status."""
+    """Run a broker in this process until it stops (``zchannel broker``: it logs where its
+    shutdown token is kept); the exit status."""
     setup_logging()
     broker = Broker(config)
+    broker.announce_token = True
     broker.serve_forever()
     return broker.exit_code
 

@@ -41,15 +41,17 @@ def check_port(port: Any) -> int:
 class Counters:
     """Requests counted by the broker loop since it started (read by ``stats`` and scrapes)."""
 
-    __slots__ = ("puts", "gets", "delivered")
+    __slots__ = ("puts", "gets", "delivered", "duplicate_puts")
 
     def __init__(self) -> None:
         self.puts = 0  # put requests received (each carries one item)
         self.gets = 0  # get and get_batch requests received
         self.delivered = 0  # items sent to consumers (a get_batch reply counts each item)
+        self.duplicate_puts = 0  # retried puts acknowledged without storing them again
 
     def as_dict(self) -> dict[str, int]:
-        return {"puts": self.puts, "gets": self.gets, "delivered": self.delivered}
+        return {"puts": self.puts, "gets": self.gets, "delivered": self.delivered,
+                "duplicate_puts": self.duplicate_puts}
 
 
 class HookTime:
@@ -129,7 +131,7 @@ def snapshot(broker: Any) -> dict[str, Any]:
         "bytes_held": core.bytes_held,
         "leases": len(core.leases),
         "consumers": [(cid, state.handles) for cid, state in core.consumers.items()],
-        "present_consumers": len(core.ctx.consumers),
+        "present_consumers": len(core.hooks.ctx.consumers),
         "clients": clients,
         "client_count": len(broker.sessions.clients),
         "counters": broker.counters.as_dict(),
@@ -240,7 +242,8 @@ class _Families:
         yield counter("delivered_items", "items sent to consumers", counters["delivered"])
         yield gauge("uptime_seconds", "seconds since the broker started", snap["uptime_s"])
         yield gauge("keys", "keys the broker holds state for", snap["key_count"])
-        yield gauge("bytes_held", "payload bytes held (queued and leased)", snap["bytes_held"])
+        yield gauge("bytes_held", "bytes of queued and leased items: payloads plus 320 per item",
+                    snap["bytes_held"])
         yield gauge("leases_outstanding", "deliveries not acknowledged yet", snap["leases"])
         yield gauge("clients", "connected handles", snap["client_count"])
         yield gauge("consumers", "consumer ids present (declared or connected)",
@@ -248,7 +251,7 @@ class _Families:
 
         per_key = [
             ("key_items_held", "items queued on a key (shared and private queues)", 1),
-            ("key_bytes_held", "payload bytes queued on a key", 2),
+            ("key_bytes_held", "bytes queued on a key: payloads plus 320 per item", 2),
             ("key_leases", "deliveries of a key not acknowledged yet", 3),
             ("key_waiting_getters", "get requests parked on a key", 4),
             ("key_waiting_putters", "put requests parked on a key (its queue is full)", 5),

@@ -12,8 +12,10 @@ nothing of records, queues or shared memory: those ride inside the messages.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
+from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.transport import direct
 from zchannel.broker.wire.protocol import send_message
 
@@ -26,8 +28,11 @@ class Peers:
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.listener: direct.Listener | None = None
+        self.guard: PeerGuard | None = None  # the connection budget (server/admission.py)
         # the poll set changed: links came or went, or a full socket holds bytes back
-        self.poll_dirty = False
+        self.poll_dirty = True
+        self.accepting = True  # the listener is polled (False: the budget is used up)
+        self._paused_until = 0.0  # no accept before then (the process ran out of descriptors)
 
     def send(self, address: bytes, parts: list) -> bool:
         """Send one message (``[header, *frames]``) to the client at ``address``; False when it
@@ -61,13 +66,43 @@ class Peers:
             listener.by_address[address].greeted = True
 
     def poll_set(self, base: list) -> list:
-        """``base`` and the direct links (with ``POLLOUT`` where a full socket held bytes back)."""
+        """``base``, the listener while it accepts, and the direct links (with ``POLLOUT``
+        where a full socket held bytes back)."""
         self.poll_dirty = False
-        assert self.listener is not None
-        return base + [
+        listener = self.listener
+        if listener is None:
+            return list(base)
+        head = [(listener.fd, zmq.POLLIN)] if self.accepting else []
+        return base + head + [
             (fd, zmq.POLLIN | (zmq.POLLOUT if p.out else 0))
-            for fd, p in self.listener.by_fd.items()
+            for fd, p in listener.by_fd.items()
         ]
+
+    def accept(self) -> list[direct.Peer]:
+        """Accept the waiting direct links the connection budget has room for; with none (or
+        no descriptor left) the listener is left alone until ``resume`` finds room: the links
+        wait in its backlog, or their clients fall back to ZeroMQ."""
+        listener = self.listener
+        assert listener is not None
+        room = self.guard.room() if self.guard is not None else 1 << 30
+        peers = listener.accept(room) if room > 0 else []
+        if self.guard is not None:
+            self.guard.direct = len(listener.by_fd)
+            self.guard.links_changed()
+        if room <= len(peers) or listener.starved:
+            self.accepting = False
+            self.poll_dirty = True
+            self._paused_until = time.monotonic() + (0.1 if listener.starved else 0.0)
+            log.warning("direct links wait: %s", "no descriptor left" if listener.starved else
+                        f"max_clients ({self.guard.max_clients}) connections held")
+        return peers
+
+    def resume(self, now: float) -> None:
+        """Poll the listener again once the budget has room (the loop's heartbeat tick)."""
+        if not self.accepting and now >= self._paused_until and (
+                self.guard is None or self.guard.room() > 0):
+            self.accepting = True
+            self.poll_dirty = True
 
     def read(self, peer: direct.Peer) -> tuple[bool, bool]:
         """Read a ready link until its socket is empty, or for at most ``direct.READ_BUDGET``
@@ -95,6 +130,9 @@ class Peers:
         assert self.listener is not None
         self.listener.drop(peer)
         self.poll_dirty = True
+        if self.guard is not None:
+            self.guard.direct = len(self.listener.by_fd)
+            self.guard.links_changed()
 
     def close(self) -> None:
         """Close the direct links and their listener (the broker closes the ROUTER socket)."""

@@ -2,7 +2,8 @@
 
 A broker holds its channel's lock file (``paths.try_lock``) for as long as it runs, and
 removes its files when it exits.  A broker that was killed leaves them: its lock file (held by
-nobody), address file, ipc socket file, direct-link socket and shared-memory segments.  Those
+nobody), address file, shutdown token file, ipc socket file, direct-link socket and
+shared-memory segments.  Those
 are *stale*; ``zchannel stat`` lists them and ``zchannel clean`` removes them (``clean``).
 """
 
@@ -60,6 +61,15 @@ def _flocked() -> set[int] | None:
     return found
 
 
+def lock_holder(lock_name: str) -> int | None:
+    """The pid of the broker that holds the lock of ``lock_name``: the one it wrote in the
+    lock file, while the lock is held (None when that cannot be told)."""
+    if not _held(lock_name, _flocked()):
+        return None
+    pid = paths.read_lock_holder(lock_name)
+    return pid if pid is not None and _pid_alive(pid) else None
+
+
 def _held(lock_name: str, flocked: set[int] | None) -> bool:
     """Whether a process holds the lock file of ``lock_name`` (never creates it)."""
     path = paths.lock_path(lock_name)
@@ -98,12 +108,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _address_files(address: str | None) -> list[str]:
-    """The socket files of an ipc address (the socket and its direct-link socket)."""
+    """The socket files of an ipc address (the socket, its direct-link socket and its gate's
+    files)."""
     ipc = paths.ipc_path(address or "")
     if not ipc or ipc.startswith("@"):
         return []
     link = direct.link_path(ipc)
-    return [p for p in (ipc, link) if p and os.path.lexists(p)]
+    return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ())) if p and os.path.lexists(p)]
 
 
 def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
@@ -112,6 +123,7 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
     names: dict[str, list[str]] = {}  # channel name -> its lock names
     tmp_files: list[tuple[str, Path]] = []
     sockets: list[Path] = []
+    tokens: list[tuple[str, Path]] = []
     for entry in sorted(rd.iterdir()):
         fname = entry.name
         if fname.endswith(".lock"):
@@ -121,8 +133,10 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
             names.setdefault(fname[: -len(".addr")], [])
         elif fname.endswith(".tmp") and ".addr." in fname:
             tmp_files.append((fname.split(".addr.")[0], entry))
-        elif fname.endswith((".sock", ".sock.d")):
+        elif fname.endswith((".sock", ".sock.d", ".sock.z", ".sock.g", ".sock.t")):
             sockets.append(entry)
+        elif fname.endswith(".token"):  # a shutdown token: NAME or NAME.replicaI
+            tokens.append((fname[: -len(".token")], entry))
     prefix = run_prefix(str(rd))
     segments: dict[str, list[str]] = {}
     for seg in list_segments(prefix):
@@ -156,6 +170,9 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
         pid = path.name.rsplit(".", 2)[-2]
         if not (pid.isdigit() and _pid_alive(int(pid))):
             _add(stale, name, str(path))
+    for lock_name, path in tokens:
+        if not _held(lock_name, flocked):
+            _add(stale, _channel_of(lock_name), str(path))
     for path in sockets:
         if str(path) not in claimed:  # a socket no channel's address names: nobody serves it
             _add(stale, path.name.split(".sock")[0], str(path))

@@ -25,6 +25,7 @@ from zchannel.broker.server import metrics
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.outbox import Outbox
 from zchannel.broker.server.peers import Peers
+from zchannel.broker.server.producers import Producers
 from zchannel.broker.shm.broker import ShmBroker, SlotFrames
 from zchannel.broker.transport import direct
 from zchannel.broker.wire.protocol import (
@@ -59,6 +60,7 @@ class Sessions:
         self._out: dict[bytes, Outbox] = {}
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
+        self.producers = Producers(config.producer_grace)  # retry-safe puts
 
     def tell_expired(self, address: bytes, now: float) -> None:
         """A message came from ``address``, which is no client (any more): say ``expired``."""
@@ -159,9 +161,11 @@ class Sessions:
 
     def client_gone(self, client: Client) -> None:
         """``client`` left or was ended: the core withdraws its requests and returns its leases,
-        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``)."""
+        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``), and its
+        producer window starts its grace period (``Producers.detach``)."""
         self.core.client_gone(client)
         self.shm.client_gone(client)
+        self.producers.detach(client)
 
     def direct_gone(self, peer: direct.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
@@ -183,6 +187,7 @@ class Sessions:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
         links that never said hello, and let the other periodic chores run."""
         self._release_memory()
+        self.producers.sweep(now)
         if self.replica is not None:
             self.replica.tick()
         self.shm.sweep(now)

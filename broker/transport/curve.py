@@ -202,7 +202,18 @@ def secure_server(sock: zmq.Socket, secret_key_file: str, public_keys_dir: str |
     return auth
 
 
-_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+def admin_keys(path: str) -> frozenset[str]:
+    """The public keys (z85 text, as ZeroMQ reports a peer's ``User-Id``) of the clients that
+    may stop the broker without its shutdown token: a public key file, or a directory of
+    them (``*.key``); ``ValueError`` naming the path when it holds none."""
+    files = sorted(Path(path).glob("*.key")) if Path(path).is_dir() else [Path(path)]
+    keys = {load_key_file(str(f), "an admin's CURVE public key")[0].decode() for f in files}
+    if not keys:
+        raise ValueError(f"--curve-admin-keys {path} holds no public key file (NAME.key)")
+    return frozenset(keys)
+
+
+FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENT = struct.Struct("=HI")
 # the first 11 bytes of a ZMTP 3 greeting: signature and major version; a peer answers with its
@@ -241,7 +252,7 @@ def broker_mechanism(address: str, timeout: float = 1.0) -> str | None:
 _monitor_ids = itertools.count(1)
 
 
-def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     """A PAIR socket receiving ``events`` of ``sock``, at an inproc address of its own (pyzmq's
     default names it after the socket's descriptor number, which a socket made after a closed
     one reuses while libzmq may still hold the old endpoint: its events were then lost)."""
@@ -249,12 +260,12 @@ def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     return sock.get_monitor_socket(events, addr=address)
 
 
-def _read_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+def read_events(mon: zmq.Socket) -> list[tuple[int, int]]:
     """The (event, value) pairs waiting on a monitor socket."""
     events = []
     while True:
         try:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
+            frames = mon.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return events
         if len(frames) == 2 and len(frames[0]) == _EVENT.size:
@@ -273,11 +284,11 @@ class HandshakeWatch:
         self._sock = sock
         self.address = address
         self.curve = curve
-        self.socket = _monitor(sock, _FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.socket = monitor(sock, FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.done = False
 
     def check(self) -> AuthenticationFailed | None:
-        for event, value in _read_events(self.socket):
+        for event, value in read_events(self.socket):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.done = True
                 return None
@@ -331,16 +342,16 @@ class HandshakeWatch:
 
 
 class BrokerHandshakes:
-    """The handshake failures of a broker's socket, reported to a ``RefusalLog``; poll
-    ``socket`` and call ``check()`` when it is readable."""
+    """The handshake failures of a broker's socket, reported to a ``RefusalLog``: ``check``
+    takes the (event, value) pairs of its monitor (``FAILED`` events; the broker's peer guard
+    reads the one monitor a socket can have, ``server/admission.py``)."""
 
-    def __init__(self, sock: zmq.Socket, curve: bool, refusals: RefusalLog) -> None:
-        self.socket = _monitor(sock, _FAILED)
+    def __init__(self, curve: bool, refusals: RefusalLog) -> None:
         self.curve = curve
         self.refusals = refusals
 
-    def check(self) -> None:
-        for event, value in _read_events(self.socket):
+    def check(self, events: list[tuple[int, int]]) -> None:
+        for event, value in events:
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 continue  # a denied key: the authenticator reported it, with the peer
             if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
@@ -357,9 +368,6 @@ class BrokerHandshakes:
             else:
                 continue  # a peer that went away mid-handshake: not a refusal
             self.refusals.handshake_failed(reason)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
 
 
 def keygen(directory: str, name: str) -> tuple[str, str]:

@@ -7,13 +7,16 @@ differs, and a message costs one system call on each side instead of two wake-up
 I/O threads (docs/decisions.md, "The direct link").
 
 Framing: a message is ``count`` (u32, little-endian), ``count`` part lengths (u64), then the
-parts; part 0 is the header.  The reader checks every length against its limits before it
-allocates; a stream that breaks them is closed (as libzmq drops a peer that breaks
-``ZMQ_MAXMSGSIZE``).
+parts; part 0 is the header.  The reader checks the count, every length and their sum against
+its limits before it allocates anything for the message (the sum, without a limit of its own,
+against the host's memory: a message larger than that cannot be held); a stream that breaks
+them is closed (as libzmq drops a peer that breaks ``ZMQ_MAXMSGSIZE``), and so is one whose
+message the allocator refuses.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -57,6 +60,14 @@ class FramingError(ValueError):
     """A direct-link stream that does not follow the framing or breaks a limit."""
 
 
+def host_memory() -> int:
+    """The bytes of memory of this host (no message can be larger)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # pragma: no cover - Linux has both
+        return 1 << 40
+
+
 def _byte_view(part: Any) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -66,10 +77,12 @@ class Reader:
     """Cuts a byte stream into messages (lists of parts: ``bytes`` for parts of messages that
     fit the scratch buffer, writable ``memoryview`` slices of one buffer for larger ones)."""
 
-    def __init__(self, max_parts: int, max_header: int, max_part: int = 0) -> None:
+    def __init__(self, max_parts: int, max_header: int, max_part: int = 0,
+                 max_total: int = 0) -> None:
         self.max_parts = max_parts
         self.max_header = max_header
         self.max_part = max_part  # 0: no limit
+        self.max_total = max_total or host_memory()  # all parts of one message
         self.buf = bytearray(SCRATCH)
         self.start = self.end = 0
         self.big: tuple[np.ndarray, int, tuple[int, ...]] | None = None  # buffer, filled, lengths
@@ -126,6 +139,8 @@ class Reader:
             if self.max_part and max(lens) > self.max_part:
                 raise FramingError(f"a part of {max(lens)} bytes (limit {self.max_part})")
             total = sum(lens)
+            if total > self.max_total:
+                raise FramingError(f"a message of {total} bytes (limit {self.max_total})")
             if prefix + total <= SCRATCH // 2:
                 if avail < prefix + total:
                     break
@@ -140,7 +155,10 @@ class Reader:
                 self.messages.append(parts)
                 continue
             # a large message: its own buffer, read into directly (its parts are not copied again)
-            big = np.empty(total, np.uint8)  # not zero-filled, unlike a bytearray
+            try:
+                big = np.empty(total, np.uint8)  # not zero-filled, unlike a bytearray
+            except MemoryError:
+                raise FramingError(f"no memory for a message of {total} bytes") from None
             have = min(total, avail - prefix)
             big[:have] = np.frombuffer(buf, np.uint8, have, start + prefix)
             self.start += prefix + have
@@ -375,7 +393,8 @@ class Peer:
 class Listener:
     """The broker's listening socket for direct links and its peers (by fd and by address)."""
 
-    def __init__(self, path: str, max_parts: int, max_header: int, max_part: int) -> None:
+    def __init__(self, path: str, max_parts: int, max_header: int, max_part: int,
+                 max_total: int = 0) -> None:
         if os.path.exists(path):
             os.unlink(path)  # stale: the broker holds the channel lock
         self.path = path
@@ -385,19 +404,25 @@ class Listener:
         self.sock.listen(128)
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
-        self.limits = (max_parts, max_header, max_part)
+        self.limits = (max_parts, max_header, max_part, max_total)
         self.by_fd: dict[int, Peer] = {}
         self.by_address: dict[bytes, Peer] = {}
         self._serial = 0
+        self.starved = False  # the last accept ran out of descriptors
 
-    def accept(self) -> list[Peer]:
-        peers = []
-        while True:
+    def accept(self, limit: int = 1 << 30) -> list[Peer]:
+        """Accept the waiting links, at most ``limit``; ``starved`` says whether the process
+        ran out of descriptors (or memory) meanwhile (the link then waits in the backlog)."""
+        peers: list[Peer] = []
+        self.starved = False
+        while len(peers) < limit:
             try:
                 sock, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return peers
-            except OSError:  # e.g. out of descriptors: the client falls back or retries
+            except OSError as exc:  # out of descriptors: the client waits, falls back or retries
+                self.starved = exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                             errno.ENOMEM)
                 return peers
             sock.setblocking(False)
             _tune(sock)
@@ -407,6 +432,7 @@ class Listener:
             self.by_fd[peer.fd] = peer
             self.by_address[address] = peer
             peers.append(peer)
+        return peers
 
     def drop(self, peer: Peer) -> None:
         self.by_fd.pop(peer.fd, None)

@@ -8,11 +8,14 @@ channel, so that all three refuse the same values with the same messages.
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Any
 
 MAX_KEY_BYTES = 1024
+MAX_KEY_DEPTH = 4  # tuples in tuples
 MAX_WEIGHT = 2**53
 MAX_PEEK = 1024
+MAX_TIMEOUT = sys.float_info.max  # any finite number of seconds
 # Float weights are summed in binary floating point: 0.1 + 0.2 is 0.30000000000000004, which
 # a target of 0.3 would otherwise refuse.  A total within this relative slack of the target
 # counts as reaching it and not as exceeding it (int weights and targets compare exactly).
@@ -36,7 +39,7 @@ def check_key(key: Any, _depth: int = 0) -> Any:
         if not -(2**63) <= key < 2**64:
             raise ValueError("an int key must fit in 64 bits")
         return key
-    if isinstance(key, tuple) and _depth < 4:
+    if isinstance(key, tuple) and _depth < MAX_KEY_DEPTH:
         if len(key) > 64:
             raise ValueError("a tuple key may have at most 64 parts")
         for part in key:
@@ -79,11 +82,16 @@ def check_target_weight(target: Any) -> int | float:
 
 
 def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as a float: None (no deadline) or a finite number of seconds >= 0 (an int,
+    float or numpy number), else ``ValueError`` naming the value.  NaN and infinities are
+    refused: a deadline that compares false with every other would stall the broker's timers."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
-    return float(timeout)
+    if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real) \
+            and 0 <= timeout <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
+        return float(timeout)
+    raise ValueError(f"timeout must be None or a finite number of seconds >= 0 (not a bool, "
+                     f"NaN or infinite), got {timeout!r}")
 
 
 def check_peek_count(n: Any) -> int:

@@ -9,7 +9,8 @@ code   value           payload
 1      tuple           ``[elements...]`` (so tuples stay tuples, also nested)
 2      numpy array     ``[dtype.str, shape, loc]``
 3      torch tensor    ``[dtype name, shape, loc, device]``
-4      dataclass       ``[tag, {field: value}]`` (registered classes only)
+4      dataclass       ``[tag, {field: value}]`` (registered classes only; a field never set
+                       is left out)
 5      numpy scalar    ``[dtype.str, raw bytes]``
 6      large bytes     ``frame index`` (bytes of 64 KiB or more travel as a buffer)
 7      set             ``[elements...]``
@@ -29,6 +30,19 @@ What becomes of every Python type (base values of subclasses, refusals) is ``doc
 ``i``-th shared-memory slot of the item (same-host path, ``broker/shm/``).  Every buffer is
 ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
 (dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
+
+Nesting.  The payload of a tuple, set, frozenset or dataclass (the *nesting* ext types) is
+decoded by a nested call of msgpack's unpacker, through ``ext_hook``; each such level costs
+about 45 KiB of C stack, and a few hundred levels overflow it.  So they nest at most
+``MAX_DEPTH`` deep along any path of an item: the encoder counts them as it goes and refuses a
+deeper item with a ``TypeError``; the decoder counts them *before* each nested call and refuses
+deeper input with a ``ValueError``; from ``HEAP_DEPTH`` levels on it decodes with an
+``Unpacker``, whose state is on the heap (a few KiB of stack a level).  The payloads of the
+other ext types (arrays, tensors, scalars...) are descriptors decoded without ext types
+(``EXT_BIGINT`` aside), so they never nest.  Lists and dicts nest inside one payload without
+recursion: msgpack's own limits bound them (its unpacker refuses more than 1,024 nested in a
+row; every payload is packed inside a one-element array, so that the packer, which allows one
+level more, refuses first).  ``wireform.py`` gives the same verdicts for ``local=True``.
 """
 
 from __future__ import annotations
@@ -45,7 +59,15 @@ from typing import Any, NoReturn
 import msgpack
 import numpy as np
 import zmq
-from zchannel.broker.wire.classtags import CLS_TO_TAG, lookup_tag, member_from_ref, member_ref
+from zchannel.broker.wire.classtags import (
+    CLS_TO_TAG,
+    PUBLISHED_PENDING,
+    lookup_tag,
+    member_from_ref,
+    member_ref,
+    published_tag,
+    registration_hint,
+)
 
 INLINE_LIMIT = 64 * 1024
 MAX_RANK = 32
@@ -55,6 +77,14 @@ EXT_SET, EXT_FROZENSET, EXT_COMPLEX, EXT_BIGINT, EXT_SIZE, EXT_ENUM = 7, 8, 9, 1
 INT_MIN, INT_END = -(2**63), 2**64  # msgpack ints: [INT_MIN, INT_END); others are EXT_BIGINT
 _COMPLEX = struct.Struct("<dd")
 NESTED_TOO_DEEPLY = "cannot encode item: nested too deeply"
+MAX_DEPTH = 100  # tuples, sets, frozensets and dataclasses inside each other, along any path
+HEAP_DEPTH = 4  # from this many nesting levels on, payloads are decoded by a heap Unpacker
+
+
+def too_deep(what: str) -> str:
+    """The error message for an item nested deeper than ``MAX_DEPTH``."""
+    return (f"cannot {what} item: tuples, sets, frozensets and dataclasses nested deeper than "
+            f"the depth limit of {MAX_DEPTH} (docs/values.md)")
 
 # numpy dtypes allowed on the wire: numeric and bool, either byte order.
 _NP_DTYPES: dict[str, np.dtype] = {}
@@ -129,17 +159,11 @@ def refuse(obj: Any) -> NoReturn:
     name = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(obj, enum.Enum):
         raise TypeError(
-            f"Enum {name} is not registered for the wire: decorate it with "
-            "@zchannel.broker.serializable or call zchannel.broker.register_type(cls) (its "
-            "members then arrive as themselves; str and int Enums unregistered arrive as their "
-            "value)"
+            f"Enum {name} is not registered for the wire: {registration_hint(cls)} (its members "
+            "then arrive as themselves; str and int Enums unregistered arrive as their value)"
         )
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        raise TypeError(
-            f"dataclass {name} is not registered for the wire: "
-            "decorate it with @zchannel.broker.serializable or call "
-            "zchannel.broker.register_type(cls)"
-        )
+        raise TypeError(f"dataclass {name} is not registered for the wire: {registration_hint(cls)}")
     if isinstance(obj, np.ma.MaskedArray):
         raise TypeError(
             f"cannot send a {name}: its mask would be lost; send arr.filled(value), or arr.data "
@@ -193,16 +217,50 @@ def _tensor_bytes(t: Any, device: str) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _small_buffer() -> dict[str, int]:
+    """``Packer`` arguments for a small first buffer where msgpack takes them (1.1 and later):
+    the default buffer (256 KiB, 1 MiB in 1.0) costs more to allocate than a small item costs
+    to pack, and ``packb`` makes a packer per call (the encoder needs one per nested value: a
+    packer is not re-entrant)."""
+    try:
+        msgpack.Packer(buf_size=256)
+    except TypeError:
+        return {}
+    return {"buf_size": 256}
+
+
+_PACKER_ARGS = {"strict_types": True, "use_bin_type": True, **_small_buffer()}
+
+
 class _Encoder:
-    __slots__ = ("buffers", "shm", "refs")
+    __slots__ = ("buffers", "shm", "refs", "depth")
 
     def __init__(self, shm: Any = None) -> None:
         self.buffers: list[Any] = []
         self.shm = shm  # shared-memory slot allocator (broker/shm/pool.py) or None
         self.refs: list[Any] = []
+        self.depth = 0  # nesting ext types around the value being packed
 
     def pack(self, obj: Any) -> bytes:
-        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+        """A descriptor's msgpack (the payload of an array, tensor, scalar... ext type)."""
+        return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack(obj)
+
+    def pack_value(self, obj: Any) -> bytes:
+        """The msgpack of a value that may hold lists and dicts: packed as ``[obj]``, minus the
+        array's one-byte header, so that the packer's nesting limit (one level more than the
+        unpacker's) refuses everything the unpacker would."""
+        return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([obj])[1:]
+
+    def nest(self, code: int, payload: Any) -> msgpack.ExtType:
+        """A nesting ext type (tuple, set, frozenset, dataclass), one level deeper; its
+        payload packed as ``pack_value`` packs."""
+        depth = self.depth
+        if depth >= MAX_DEPTH:
+            raise TypeError(too_deep("encode"))
+        self.depth = depth + 1
+        data = msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([payload])
+        self.depth = depth  # (an exception ends the whole encoding: no need to restore it then)
+        return msgpack.ExtType(code, data[1:])
 
     def loc(self, data: Any, nbytes: int) -> Any:
         if nbytes < INLINE_LIMIT:
@@ -222,7 +280,7 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if type(obj) is tuple:  # the commonest ext: no subclass question to ask
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+            return self.nest(EXT_TUPLE, list(obj))
         if is_tensor(obj):
             name = tensor_dtype_name(obj)
             shape = list(obj.shape)
@@ -243,12 +301,11 @@ class _Encoder:
         if tag is not None:
             if isinstance(obj, enum.Enum):
                 return msgpack.ExtType(EXT_ENUM, self.pack([tag, member_ref(obj)]))
-            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return msgpack.ExtType(EXT_DATACLASS, self.pack([tag, fields]))
+            return self.nest(EXT_DATACLASS, [tag, dataclass_values(obj)])
         if isinstance(obj, tuple):
             if is_size(obj):
                 return msgpack.ExtType(EXT_SIZE, self.pack([int(d) for d in obj]))
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+            return self.nest(EXT_TUPLE, list(obj))
         if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
             check_array(obj)
             return msgpack.ExtType(EXT_NPSCALAR, self.pack([obj.dtype.str, obj.tobytes()]))
@@ -259,6 +316,8 @@ class _Encoder:
                     view = memoryview(view.tobytes())
                 return msgpack.ExtType(EXT_BYTES, self.pack(self.loc(view, view.nbytes)))
             return view.tobytes()
+        if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(type(obj)):
+            return self.default(obj)  # its module is published: registered just now
         # subclasses of the base types below (str and int Enums among them) travel as their
         # base value: str.__str__, never the subclass's __str__ ("FinishReason.STOP")
         if isinstance(obj, dict):
@@ -277,8 +336,9 @@ class _Encoder:
         if isinstance(obj, complex):
             return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
         if isinstance(obj, (set, frozenset)):
-            code = EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET
-            return msgpack.ExtType(code, self.pack(list(obj)))
+            return self.nest(EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET, list(obj))
+        if PUBLISHED_PENDING and published_tag(type(obj)):
+            return self.default(obj)  # its module is published: registered just now
         refuse(obj)
 
 
@@ -304,7 +364,7 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
         return _plain_packer.pack(obj), []
     enc = _Encoder()
     try:
-        body = enc.pack(obj)
+        body = enc.pack_value(obj)
     except (ValueError, RecursionError) as exc:
         raise _refusal(exc) from None
     return body, enc.buffers
@@ -314,7 +374,8 @@ def _refusal(exc: ValueError | RecursionError) -> TypeError:
     """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large) or a
     ``RecursionError`` (tuples, sets... nested too deeply)."""
     if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
-        return TypeError(NESTED_TOO_DEEPLY)
+        return TypeError(f"{NESTED_TOO_DEEPLY}: lists and dicts nest at most about 1,000 "
+                         "levels in a row (msgpack's limit)")
     return TypeError(f"cannot encode item: {exc}")
 
 
@@ -327,7 +388,7 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
         return body, buffers, []
     enc = _Encoder(alloc)
     try:
-        body = enc.pack(obj)
+        body = enc.pack_value(obj)
     except BaseException as exc:
         alloc.undo(enc.refs)  # slots taken for an item that will not travel
         if isinstance(exc, (ValueError, RecursionError)):
@@ -372,20 +433,66 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _leaf_ext(code: int, data: bytes) -> Any:
+    """The ext types a descriptor may hold: a big int (a ``Flag`` member's value) only."""
+    if code == EXT_BIGINT:
+        return _bigint(data)
+    raise ValueError(f"malformed item: ext type {code} inside a descriptor")
+
+
+def _unpack_leaf(data: bytes) -> Any:
+    """The payload of an array, tensor, scalar, bytes, ``torch.Size`` or Enum ext type: a
+    descriptor, which nests no further ext type (module docstring, "Nesting")."""
+    return msgpack.unpackb(data, ext_hook=_leaf_ext, strict_map_key=False, raw=False,
+                           use_list=True)
+
+
+def _bigint(data: bytes) -> int:
+    if not data:
+        raise ValueError("malformed big int: no bytes")
+    return int.from_bytes(data, "big", signed=True)
+
+
 class _Decoder:
-    __slots__ = ("frames", "copy", "shm", "shm_copy")
+    """Decodes one item's body at nesting level ``depth`` (0: the body itself); the payloads of
+    nesting ext types go to ``inner()``, the decoder one level deeper."""
+
+    __slots__ = ("frames", "copy", "shm", "shm_copy", "depth", "_inner")
 
     def __init__(self, frames: Sequence[Any], copy: bool, shm: Sequence[Any] = (),
-                 shm_copy: bool = True) -> None:
+                 shm_copy: bool = True, depth: int = 0) -> None:
         self.frames = frames
         self.copy = copy
         self.shm = shm  # uint8 arrays of the item's shared-memory slots
         self.shm_copy = shm_copy
+        self.depth = depth
+        self._inner: _Decoder | None = None
 
     def unpack(self, data: bytes) -> Any:
-        return msgpack.unpackb(
-            data, ext_hook=self.ext_hook, strict_map_key=False, raw=False, use_list=True
-        )
+        if self.depth < HEAP_DEPTH:
+            return msgpack.unpackb(
+                data, ext_hook=self.ext_hook, strict_map_key=False, raw=False, use_list=True
+            )
+        # deep: unpackb keeps ~40 KiB of state on the C stack per call, an Unpacker on the heap
+        unpacker = msgpack.Unpacker(None, ext_hook=self.ext_hook, strict_map_key=False,
+                                    raw=False, use_list=True, max_buffer_size=max(1, len(data)))
+        unpacker.feed(data)
+        value = unpacker.unpack()
+        if unpacker.tell() != len(data):
+            raise ValueError("malformed item: extra bytes after a nested value")
+        return value
+
+    def inner(self) -> _Decoder:
+        """The decoder of the payloads of this level's nesting ext types (made once, shared:
+        it holds nothing a decoding changes); ``ValueError`` past ``MAX_DEPTH``, before any
+        further call of msgpack."""
+        inner = self._inner
+        if inner is None:
+            if self.depth >= MAX_DEPTH:
+                raise ValueError(too_deep("decode"))
+            inner = self._inner = _Decoder(self.frames, self.copy, self.shm, self.shm_copy,
+                                           self.depth + 1)
+        return inner
 
     def raw(self, loc: Any, nbytes: int) -> np.ndarray:
         """A writable flat uint8 array holding ``nbytes`` bytes at ``loc``."""
@@ -413,12 +520,12 @@ class _Decoder:
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
-            value = self.unpack(data)
+            value = (self._inner or self.inner()).unpack(data)
             if not isinstance(value, list):
                 raise ValueError("malformed tuple")
             return tuple(value)
         if code == EXT_NDARRAY:
-            value = self.unpack(data)
+            value = _unpack_leaf(data)
             if not (isinstance(value, list) and len(value) == 3):
                 raise ValueError("malformed array descriptor")
             dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
@@ -428,7 +535,7 @@ class _Decoder:
             nbytes = math.prod(shape) * dtype.itemsize
             return self.raw(value[2], nbytes).view(dtype).reshape(shape)
         if code == EXT_TENSOR:
-            value = self.unpack(data)
+            value = _unpack_leaf(data)
             if not (isinstance(value, list) and len(value) == 4):
                 raise ValueError("malformed tensor descriptor")
             torch = _torch()
@@ -446,7 +553,7 @@ class _Decoder:
                 tensor = tensor.reshape(shape)
             return _restore_device(tensor, value[3])
         if code == EXT_DATACLASS:
-            value = self.unpack(data)
+            value = (self._inner or self.inner()).unpack(data)
             if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
                 raise ValueError("malformed dataclass")
             if not isinstance(value[0], str):
@@ -456,7 +563,7 @@ class _Decoder:
                 raise ValueError(f"tag {value[0]!r} names {cls.__qualname__}, not a dataclass")
             return build_dataclass(cls, value[1])
         if code == EXT_NPSCALAR:
-            value = self.unpack(data)
+            value = _unpack_leaf(data)
             if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
                 raise ValueError("malformed numpy scalar")
             dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
@@ -464,14 +571,14 @@ class _Decoder:
                 raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
             return np.frombuffer(value[1], dtype=dtype)[0]
         if code == EXT_BYTES:
-            index = self.unpack(data)
+            index = _unpack_leaf(data)
             if isinstance(index, bool) or not isinstance(index, int):
                 raise ValueError("malformed bytes reference")
             if not 0 <= index < len(self.frames):
                 raise ValueError(f"buffer index {index} out of range")
             return bytes(memoryview(self.frames[index]))
         if code in (EXT_SET, EXT_FROZENSET):
-            value = self.unpack(data)
+            value = (self._inner or self.inner()).unpack(data)
             if not isinstance(value, list):
                 raise ValueError("malformed set: its payload is not an array")
             try:
@@ -483,18 +590,16 @@ class _Decoder:
                 raise ValueError(f"malformed complex: {len(data)} bytes, expected 16")
             return complex(*_COMPLEX.unpack(data))
         if code == EXT_BIGINT:
-            if not data:
-                raise ValueError("malformed big int: no bytes")
-            return int.from_bytes(data, "big", signed=True)
+            return _bigint(data)
         if code == EXT_SIZE:
-            value = self.unpack(data)
+            value = _unpack_leaf(data)
             if not isinstance(value, list) or not all(
                 type(d) is int and INT_MIN <= d < 2**63 for d in value
             ):
                 raise ValueError("malformed torch.Size: not an array of 64-bit ints")
             return _torch().Size(value)
         if code == EXT_ENUM:
-            value = self.unpack(data)
+            value = _unpack_leaf(data)
             if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
                 raise ValueError("malformed Enum member: not [tag, name]")
             cls = lookup_tag(value[0])
@@ -521,7 +626,25 @@ def _restore_device(tensor: Any, device: Any) -> Any:
         return tensor.to(kind)
 
 
+_UNSET = object()  # a dataclass field never set
+
+
+def dataclass_values(obj: Any) -> dict[str, Any]:
+    """The fields of a dataclass instance by name; a field never set (``init=False`` without a
+    default) is left out, and stays unset in the rebuilt instance."""
+    values = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name, _UNSET)
+        if value is not _UNSET:
+            values[f.name] = value
+    return values
+
+
 def build_dataclass(cls: type, fields: dict) -> Any:
+    """An instance of dataclass ``cls`` from its received ``fields``: the constructor with the
+    ``init`` fields (so ``__post_init__`` runs), then the others set as they were sent (also on a
+    frozen or slots class); ``ValueError`` for a field ``cls`` does not have or a constructor
+    that refuses the values."""
     init, rest = {}, {}
     known = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in fields.items():
@@ -552,7 +675,7 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     allowed.
     """
     if not (frames or shm) and type(body) is bytes and body[:1] == b"\xc4" \
-            and len(body) == 2 + body[1]:
+            and len(body) >= 2 and len(body) == 2 + body[1]:
         return body[2:]  # a small bytes item (msgpack bin 8): nothing else to look at
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:

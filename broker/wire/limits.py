@@ -20,6 +20,8 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "shm_threshold": (0, True, "bytes, 0 = off"),
     "shm_pool_bytes": (0, True, "bytes"),
     "key_grace": (0, False, "seconds"),
+    "max_clients": (0, True, "connections, 0 = from the descriptor limit"),
+    "producer_grace": (0, False, "seconds"),
     "fsync_interval": (0, False, "seconds, > 0"),
     "max_journal_bytes": (0, True, "bytes, 0 = no limit"),
     "journal_segment_bytes": (65536, True, "bytes"),

@@ -17,6 +17,7 @@ broker can answer it while handling the other records of its message.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from typing import Annotated, Any, NamedTuple
 
@@ -24,6 +25,7 @@ import msgpack
 import msgspec
 import zmq
 from msgspec import UNSET, Meta, Struct, UnsetType, field
+from zchannel.broker.wire.argchecks import MAX_KEY_DEPTH, MAX_PEEK, MAX_TIMEOUT, MAX_WEIGHT
 
 PROTOCOL_VERSION = 1
 
@@ -130,7 +132,16 @@ def recv_reply(sock: zmq.Socket, ready: bool = False) -> tuple[bytes, list[zmq.F
 
 # -- records -------------------------------------------------------------------------------
 
+# The numeric fields, checked while decoding (a value out of range is a ProtocolError: the
+# record's error reply), with the bounds the clients check (argchecks.py).  NaN fails every
+# bound; the upper bounds keep infinities out.
 FrameCount = Annotated[int, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=0)]  # an index, id or count that is never negative
+# a weight: an int or a finite float in [0, 2**53]; a get_batch target the same, > 0
+Weight = Annotated[int, Meta(ge=0, le=MAX_WEIGHT)] | Annotated[float, Meta(ge=0, le=MAX_WEIGHT)]
+Target = Annotated[int, Meta(ge=1, le=MAX_WEIGHT)] | Annotated[float, Meta(gt=0, le=MAX_WEIGHT)]
+# a timeout in seconds: a finite number >= 0, or nil (no deadline)
+Timeout = Annotated[float, Meta(ge=0, le=MAX_TIMEOUT)] | None
 
 
 class Request(Struct, tag_field="op", omit_defaults=True, kw_only=True):
@@ -142,10 +153,17 @@ class Request(Struct, tag_field="op", omit_defaults=True, kw_only=True):
     nf: FrameCount = 0
 
 
+ProducerId = Annotated[bytes, Meta(min_length=8, max_length=64)]
+Sequence = Annotated[int, Meta(ge=0)]
+
+
 class Hello(Request, tag=HELLO):
     id: Any = 0  # a hello without an int id is answered under id 0
     identity: Any = field(default=None, name="ident")  # consumer id "group:rank"; non-str: nil
     version: Any = field(default=None, name="v")  # checked by the broker (error names both)
+    # retry-safe puts: the connection's producer id, the same across its reconnects; its puts'
+    # ids are then sequence numbers the broker stores each at most once (docs/protocol.md)
+    producer: ProducerId | None = field(default=None, name="pr")
 
 
 class Bye(Request, tag=BYE):
@@ -158,25 +176,31 @@ class Heartbeat(Request, tag=HEARTBEAT):
 
 class Put(Request, tag=PUT):
     key: Any = field(default=None, name="k")
-    weight: Any = field(default=0, name="w")
-    timeout: Any = field(default=None, name="t")
+    weight: Weight = field(default=0, name="w")
+    timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
-    sizes: list[int] | None = field(default=None, name="fs")  # of all frames, body included
+    sizes: list[Count] | None = field(default=None, name="fs")  # of all frames, body included
     slots: list | None = field(default=None, name="sm")  # shared-memory slot references
     body: bytes | UnsetType = field(default=UNSET, name="b")  # a small item's body inline
+    seq: Sequence | UnsetType = field(default=UNSET, name="sq")  # a retry: the put it repeats
+
+    def sequence(self) -> int:
+        """The put's producer sequence: ``seq`` for a retry, else its request id."""
+        seq = self.seq
+        return self.id if seq is UNSET else seq
 
 
 class Get(Request, tag=GET):
     key: Any = field(default=None, name="k")
-    timeout: Any = field(default=None, name="t")
+    timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
     ack: bool = False
 
 
 class GetBatch(Request, tag=GET_BATCH):
     key: Any = field(default=None, name="k")
-    target: Any = field(default=0, name="tw")
-    timeout: Any = field(default=None, name="t")
+    target: Target | None = field(default=None, name="tw")  # required: nil is refused
+    timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
 
 
@@ -196,16 +220,16 @@ class Stats(Request, tag=STATS):
 
 class Peek(Request, tag=PEEK):
     key: Any = field(default=None, name="k")
-    count: Any = field(default=1, name="n")
+    count: Annotated[int, Meta(ge=1, le=MAX_PEEK)] = field(default=1, name="n")
     consumer: Any = field(default=None, name="c")
 
 
 class Ack(Request, tag=ACK):
-    lease: Any = None
+    lease: Count | None = None
 
 
 class Cancel(Request, tag=CANCEL):
-    request_id: Any = field(default=None, name="rid")
+    request_id: int | None = field(default=None, name="rid")
 
 
 class Shutdown(Request, tag=SHUTDOWN):
@@ -217,24 +241,24 @@ class ShmHello(Request, tag=SHM_HELLO):
 
 
 class ShmRelease(Request, tag=SHM_RELEASE):
-    holds: Any = field(default=None, name="h")  # hold ids the client no longer uses
+    holds: list[Count] | None = field(default=None, name="h")  # hold ids the client let go
 
 
 class Bind(Request, tag=BIND):
     key: Any = field(default=None, name="k")
     node: Any = None
-    replica: Any = None
-    sender: Any = field(default=None, name="from")  # the asking replica's index
+    replica: Count | None = None
+    sender: Count | None = field(default=None, name="from")  # the asking replica's index
 
 
 class Learn(Request, tag=LEARN):
     entries: Any = field(default=None, name="b")  # [[key, replica], ...]
     force: bool = False
-    sender: Any = field(default=None, name="from")
+    sender: Count | None = field(default=None, name="from")
 
 
 class Sync(Request, tag=SYNC):
-    sender: Any = field(default=None, name="from")
+    sender: Count | None = field(default=None, name="from")
 
 
 class Load(Request, tag=LOAD):
@@ -244,7 +268,7 @@ class Load(Request, tag=LOAD):
 class Release(Request, tag=RELEASE):
     """The binder asks a replica to give one empty key to replica ``to`` (``steal = true``)."""
 
-    to: Any = None
+    to: Count | None = None
 
 
 REQUEST_TYPES: tuple[type[Request], ...] = (
@@ -291,11 +315,11 @@ class HelloInfo(Struct, kw_only=True):
 
     name: Any = None
     pid: Any = None
-    hb: Any = 1.0
-    liveness: Any = 3
+    hb: Annotated[float, Meta(gt=0, le=sys.float_info.max)] = 1.0
+    liveness: Annotated[int, Meta(ge=1)] = 3
     deals: Any = False
-    maxsize: Any = 0
-    max_message_bytes: Any = None
+    maxsize: Count = 0
+    max_message_bytes: Count | None = None
     shm: Any = None  # {probe, prefix, threshold, pool} or nil (docs/shm.md)
     replica: Any = UNSET
     node: Any = UNSET
@@ -423,6 +447,8 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
         records = _checked_records(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed header: {exc}") from None
+    except RecursionError:  # a field nested about 1,000 deep (msgspec counts its recursion)
+        raise ProtocolError("malformed header: nested too deeply") from None
     if not records or len(records) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
     total = 0
@@ -467,8 +493,9 @@ def unpack_replies(data: bytes) -> list[Reply]:
         raise ProtocolError(f"malformed reply header: {exc}") from None
 
 
-def key_from_wire(value: Any) -> Any:
-    """Keys travel as msgpack, tuples as arrays (a key is never a list): arrays become tuples."""
-    if isinstance(value, list):
-        return tuple(key_from_wire(v) for v in value)
+def key_from_wire(value: Any, depth: int = 0) -> Any:
+    """Keys travel as msgpack, tuples as arrays (a key is never a list): arrays become tuples,
+    down to the nesting a key may have (deeper arrays stay lists, which ``check_key`` refuses)."""
+    if isinstance(value, list) and depth <= MAX_KEY_DEPTH:
+        return tuple(key_from_wire(v, depth + 1) for v in value)
     return value

@@ -5,12 +5,15 @@ delivers: ``wire_form(obj)`` is ``obj`` itself whenever ``decode(encode(obj))`` 
 same types and values (the common case: nothing is copied, tensors and arrays are not touched),
 else a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
 ``str`` Enum member, ``tuple`` for a named tuple, ``bytes`` for a ``bytearray``, a detached plain
-tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`` here.
+tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`` here, the
+nesting limit included (``codec.MAX_DEPTH`` tuples, sets, frozensets and dataclasses inside each
+other).  An item whose containers nest deeper than ``WALK_DEPTH`` (lists and dicts included) is
+not walked: it takes the broker's own path, encoded and decoded (a copy), which also gives
+msgpack's verdict on long runs of nested lists and dicts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import sys
@@ -18,33 +21,42 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.classtags import CLS_TO_TAG
+from zchannel.broker.wire.classtags import CLS_TO_TAG, PUBLISHED_PENDING, published_tag
 
-MAX_DEPTH = 512  # msgpack's own nesting limit
+WALK_DEPTH = 128  # containers of any kind; deeper items are encoded and decoded instead
 _AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+class _Deep(Exception):
+    """An item nested deeper than ``WALK_DEPTH``: not walked (see the module docstring)."""
 
 
 def wire_form(obj: Any) -> Any:
     """``obj`` as a receiver gets it from a broker (``obj`` itself if that is the same); raises
     the ``TypeError`` that ``codec.encode`` raises for a value that cannot travel."""
     try:
-        return _form(obj, 0)
-    except RecursionError:  # as codec.encode: refused, not a crash
-        raise TypeError(codec.NESTED_TOO_DEEPLY) from None
+        return _form(obj, 0, 0)
+    except (_Deep, RecursionError):  # (the caller's own stack was deep already)
+        body, buffers = codec.encode(obj)
+        return codec.decode(body, buffers, copy=True)
 
 
-def _form(obj: Any, depth: int) -> Any:
-    """:func:`wire_form` at nesting level ``depth``.  The checks come in the encoder's order,
-    so that a value of several kinds (a ``str`` Enum, a named tuple) takes the same form."""
+def _form(obj: Any, level: int, nest: int) -> Any:
+    """:func:`wire_form` of ``obj`` inside ``level`` containers, ``nest`` of them nesting ext
+    types (tuples, sets, frozensets, dataclasses).  The checks come in the encoder's order, so
+    that a value of several kinds (a ``str`` Enum, a named tuple) takes the same form and a
+    value refused for several reasons is refused for the same one."""
     kind = type(obj)
     if kind in _AS_IS:
         return obj
-    if depth >= MAX_DEPTH:
-        raise TypeError(codec.NESTED_TOO_DEEPLY)
+    if level >= WALK_DEPTH:
+        raise _Deep
     if kind is dict:  # the exact containers first: no subclass question to ask
-        return _dict(obj, depth)
-    if kind is list or kind is tuple:
-        return _sequence(obj, kind, depth)
+        return _dict(obj, level, nest)
+    if kind is list:
+        return _sequence(obj, kind, level, nest)
+    if kind is tuple:
+        return _sequence(obj, kind, level, _nest(nest))
     if kind is np.ndarray:
         codec.check_array(obj)
         return obj
@@ -58,21 +70,23 @@ def _form(obj: Any, depth: int) -> Any:
         codec.check_array(obj)
         return obj.view(np.ndarray)
     if kind in CLS_TO_TAG:
-        return obj if isinstance(obj, enum.Enum) else _dataclass(obj, depth)
+        return obj if isinstance(obj, enum.Enum) else _dataclass(obj, level, _nest(nest))
     if isinstance(obj, tuple):
         if codec.is_size(obj):
             size = sys.modules["torch"].Size
             return obj if kind is size else size(obj)
-        return _sequence(obj, tuple, depth)
+        return _sequence(obj, tuple, level, _nest(nest))
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         codec.check_array(obj)
         return obj
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return memoryview(obj).tobytes()
+    if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(kind):
+        return obj  # its module is published: registered just now
     if isinstance(obj, dict):
-        return _dict(obj, depth)
+        return _dict(obj, level, nest)
     if isinstance(obj, list):
-        return _sequence(obj, list, depth)
+        return _sequence(obj, list, level, nest)
     if isinstance(obj, str):
         return str.__str__(obj)
     if isinstance(obj, int):
@@ -82,18 +96,28 @@ def _form(obj: Any, depth: int) -> Any:
     if isinstance(obj, complex):
         return complex(obj.real, obj.imag)
     if isinstance(obj, (set, frozenset)):
-        return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, depth)
+        return _sequence(obj, frozenset if isinstance(obj, frozenset) else set, level,
+                         _nest(nest))
+    if PUBLISHED_PENDING and published_tag(kind):
+        return _form(obj, level, nest)  # its module is published: registered just now
     codec.refuse(obj)
 
 
-def _sequence(obj: Any, base: type, depth: int) -> Any:
+def _nest(nest: int) -> int:
+    """``nest`` plus the nesting ext type entered: ``TypeError`` past ``codec.MAX_DEPTH``."""
+    if nest >= codec.MAX_DEPTH:
+        raise TypeError(codec.too_deep("encode"))
+    return nest + 1
+
+
+def _sequence(obj: Any, base: type, level: int, nest: int) -> Any:
     """A list, tuple, set or frozenset (or subclass) with its elements in wire form: ``obj``
     itself if nothing changes, else a new ``base``."""
     out: list | None = None
     for i, value in enumerate(obj):
         if out is None and type(value) in _AS_IS:  # the common element: nothing to call
             continue
-        form = _form(value, depth + 1)
+        form = _form(value, level + 1, nest)
         if out is None:
             if form is value:
                 continue
@@ -104,12 +128,12 @@ def _sequence(obj: Any, base: type, depth: int) -> Any:
     return base(out)
 
 
-def _dict(obj: dict, depth: int) -> dict:
+def _dict(obj: dict, level: int, nest: int) -> dict:
     out: dict | None = None
     for i, (key, value) in enumerate(obj.items()):
         if out is None and type(key) in _AS_IS and type(value) in _AS_IS:
             continue
-        key_form, value_form = _form(key, depth + 1), _form(value, depth + 1)
+        key_form, value_form = _form(key, level + 1, nest), _form(value, level + 1, nest)
         if out is None:
             if key_form is key and value_form is value:
                 continue
@@ -120,11 +144,11 @@ def _dict(obj: dict, depth: int) -> dict:
     return out
 
 
-def _dataclass(obj: Any, depth: int) -> Any:
+def _dataclass(obj: Any, level: int, nest: int) -> Any:
     """A registered dataclass instance: ``obj`` if no field changes, else rebuilt as the
     receiver rebuilds it (constructor for init fields, then the others)."""
-    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    forms = {name: _form(value, depth + 1) for name, value in fields.items()}
+    fields = codec.dataclass_values(obj)
+    forms = {name: _form(value, level + 1, nest) for name, value in fields.items()}
     if all(forms[name] is value for name, value in fields.items()):
         return obj
     return codec.build_dataclass(type(obj), forms)

@@ -36,6 +36,7 @@ from zchannel.cli.bench.targets import (
     run_shm_targets,
     run_targets,
 )
+from zchannel.cli.shipped import ConfigFile
 
 
 class BenchFailure(click.ClickException):
@@ -84,6 +85,12 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     return out
 
 
+def _checked_size(value: str) -> str:
+    """``--payload-size`` as given, once ``parse_size`` accepts it (a bad one names the option)."""
+    parse_size(value)
+    return value
+
+
 def _restore_env(name: str, value: str | None) -> None:
     """Set ``os.environ[name]`` back to ``value`` (None: the variable was not set)."""
     if value is None:
@@ -119,6 +126,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "--payload-size",
     default="64B",
     show_default=True,
+    callback=lambda _ctx, _param, value: _checked_size(value),
     help="bytes per item: 64, 64B, 4KB, 16MB, 1GB",
 )
 @click.option(
@@ -199,8 +207,9 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(exists=True, dir_okay=False),
-    help="a TOML file with a [bench] table of these options",
+    type=ConfigFile(),
+    help="a TOML file with a [bench] table of these options (configs/NAME.toml also finds the "
+    "copy installed with zchannel)",
 )
 @click.pass_context
 def bench(
@@ -233,7 +242,11 @@ def bench(
                 f"{opts['scenario']}"
             )
         opts["scenario"] = "targets"
-    size = parse_size(opts["payload_size"])
+    try:
+        size = parse_size(opts["payload_size"])
+    except click.BadParameter as exc:  # the command line's value was checked: the file's is bad
+        exc.param_hint = f"payload_size in [bench] of {config_path}"
+        raise
     base = Case(
         "channel",
         ptype=opts["payload_type"],
@@ -307,8 +320,10 @@ def bench(
     out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
         f"{elapsed:.1f}s")
     out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
-        f"{machine['loadavg'][0]:.1f}, python {machine['python']}, torch {machine['torch']}, "
-        f"pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+        f"{machine['loadavg'][0]:.1f}")
+    out(f"versions: zchannel {machine['zchannel']}, python {machine['python']}, torch "
+        f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
+    out("")
     warnings = print_report(runner.rows, targets, runner.notes, out)
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}

@@ -5,9 +5,10 @@ A row (``Result``) holds the medians over the repeats of one case and every run'
 (``runs``); its ratio names the baseline row it is measured against (``baseline``), the figure
 compared (``ratio_metric``), which way is better (``ratio_higher_is_better``) and the ratio of
 each round (``ratio_runs``: case and baseline run in rounds, see ``Runner.measure_together``).
-``print_report`` writes the table, the ratios in words, a legend of every abbreviation used,
-why some figures look surprising (queueing in the window), and a warning for each row whose
-repeats spread widely.  ``Progress`` shows a bar on a terminal and one line per finished run
+``print_report`` writes two tables (throughput, then latency and memory: each ratio stands
+beside the figure it compares), the ratios in words, a legend of every abbreviation used, why
+some figures look surprising (queueing in the window), and one warning naming the rows whose
+repeats spread widely, all within ``WIDTH`` (100) columns.  ``Progress`` shows a bar on a terminal and one line per finished run
 otherwise, so a long run is never silent.
 """
 
@@ -18,8 +19,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -29,6 +32,7 @@ import numpy as np
 import zmq
 
 WIDE_SPREAD = 0.25  # warn when (max - min) / median of a row's repeats is above this
+WIDTH = 100  # the report fits a terminal of this many columns (a wide table's last column wraps)
 
 
 # what each kind of row is, for the ratios in words and the legend
@@ -184,12 +188,36 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
     return format(value, spec)
 
 
-def _print_grid(table: list[tuple], out: Callable[[str], None]) -> None:
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
-    for i, row in enumerate(table):
-        out("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+def _print_grid(table: list[tuple], out: Callable[[str], None], width: int = WIDTH) -> None:
+    """``table`` (its header first) in aligned columns, numbers right-aligned; the last column
+    wraps so that a line stays within ``width`` columns (when the others leave it room)."""
+    cells = [[str(c) for c in row] for row in table]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]) - 1)]
+    numeric = [all(_is_number(row[i]) for row in cells[1:]) for i in range(len(widths))]
+    start = sum(widths) + 2 * len(widths)
+    room = max(width - start, 24)
+    last = min(room, max(len(row[-1]) for row in cells))
+    for i, row in enumerate(cells):
+        head = "  ".join(c.rjust(w) if num and i else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric, strict=False))
+        parts = textwrap.wrap(row[-1], room) or [""]
+        out(f"{head}  {parts[0]}".rstrip())
+        for part in parts[1:]:
+            out(" " * start + part)
         if i == 0:
-            out("  ".join("-" * w for w in widths))
+            out("  ".join("-" * w for w in [*widths, last]))
+
+
+def _is_number(cell: str) -> bool:
+    return bool(re.fullmatch(r"-|[\d.,]+[%*x]?|[\d.,]+-[\d.,]+", cell))
+
+
+def _wrapped(text: str, out: Callable[[str], None], indent: str = "",
+             hanging: str = "    ") -> None:
+    """``text`` in lines of at most ``WIDTH`` columns, continuation lines indented."""
+    for line in textwrap.wrap(text, WIDTH, initial_indent=indent,
+                              subsequent_indent=indent + hanging, break_on_hyphens=False):
+        out(line)
 
 
 def baseline_tags(rows: list[Result]) -> dict[str, str]:
@@ -242,9 +270,14 @@ def legend_lines(rows: list[Result]) -> list[str]:
         "RSS MB           peak resident memory (VmHWM) of the broker, or of the proxy/echo "
         "process of a baseline row",
         "B1, B2, ...      baseline rows, measured in the same run on the same payloads; "
-        "'vs baseline' = this row's figure / the baseline's",
-        "kind             " + "; ".join(f"{k} = {KIND_DESCRIPTIONS.get(k, k)}" for k in kinds),
+        "'vs baseline' = this row's figure / the baseline's: items/s for streams (throughput "
+        "table), p50 for one request at a time (latency table)",
     ]
+    named = [k for k in kinds if k != "zchannel"]  # the case names that start (or end) with it
+    if named:
+        lines.append("zmq.proxy, ...   what carried a row's items when it is not a zchannel "
+                     "broker: " + "; ".join(f"{k} = {KIND_DESCRIPTIONS.get(k, k)}"
+                                            for k in named))
     if any(_queued(r) for r in rows):
         lines.insert(3, "p50 *            a p50 that is mostly time waiting in the queue "
                         "(explained below)")
@@ -282,7 +315,8 @@ def queueing_notes(rows: list[Result]) -> list[str]:
 
 
 def spread_warnings(rows: list[Result]) -> list[str]:
-    """A line for each row whose repeats (or per-round ratios) differ by more than 25 %."""
+    """What varied, for each row whose repeats (or per-round ratios) differ by more than 25 %
+    (``print_report`` prints them under one warning)."""
     warnings = []
     for r in rows:
         spread = r.spread()
@@ -290,52 +324,64 @@ def spread_warnings(rows: list[Result]) -> list[str]:
         ratio_spread = (max(ratios) - min(ratios)) / statistics.median(ratios) if ratios else 0.0
         if (spread is None or spread[2] <= WIDE_SPREAD) and ratio_spread <= WIDE_SPREAD:
             continue
-        text = f"warning: {r.case}: "
+        parts = []
         if spread is not None and spread[2] > WIDE_SPREAD:
-            text += (f"items/s varied {spread[2]:.0%} between repeats ({spread[0]:,.0f}-"
-                     f"{spread[1]:,.0f}); ")
+            parts.append(f"items/s varied {spread[2]:.0%} between repeats ({spread[0]:,.0f}-"
+                         f"{spread[1]:,.0f})")
         if ratio_spread > WIDE_SPREAD:
-            text += f"its ratio varied {min(ratios):.2f}x-{max(ratios):.2f}x between rounds; "
-        warnings.append(text + "the machine is noisy: trust the median less, or rerun with "
-                               "--repeat 5 on a quieter machine")
+            parts.append(f"its ratio varied {min(ratios):.2f}x-{max(ratios):.2f}x between rounds")
+        warnings.append(f"{r.case}: {'; '.join(parts)}")
     return warnings
+
+
+THROUGHPUT_METRICS = ("items/s", "chunks/s")
+
+
+def _versus(r: Result, tags: dict[str, str], metrics: tuple[str, ...]) -> str:
+    """The ``vs baseline`` cell of ``r`` in a table of ``metrics``: its ratio and verdict when
+    it is compared on one of them, its tag when it is a baseline, else ``-``."""
+    if r.ratio is not None and r.ratio_metric in metrics:
+        verdict = _better(r.ratio, bool(r.ratio_higher_is_better))
+        return f"{r.ratio:.2f}x {tags.get(r.baseline or '', 'baseline')} ({verdict})"
+    return tags.get(r.case, "-")
+
+
+def _tables(rows: list[Result], tags: dict[str, str], out: Callable[[str], None]) -> None:
+    """Two tables of the same rows: throughput (a stream's ratio is on items/s), then latency
+    and memory (a window-1 case's ratio is on p50), so a ratio stands beside its figure."""
+    fast: list[tuple] = [("case", "items/s", "range (min-max)", "spread", "MB/s",
+                          "vs baseline (items/s)")]
+    slow: list[tuple] = [("case", "lat", "p50 us", "p99 us", "RSS MB", "vs baseline (p50)")]
+    for r in rows:
+        spread = r.spread()
+        fast.append((r.case, _fmt(r.items_s),
+                     "-" if spread is None else f"{spread[0]:.0f}-{spread[1]:.0f}",
+                     "-" if spread is None else f"{spread[2]:.0%}", _fmt(r.mb_s, ".1f"),
+                     _versus(r, tags, THROUGHPUT_METRICS)))
+        slow.append((r.case, r.latency, _fmt(r.p50_us, ".1f") + ("*" if _queued(r) else ""),
+                     _fmt(r.p99_us, ".1f"), _fmt(r.rss_peak_mb), _versus(r, tags, ("p50",))))
+    out("throughput (medians over the repeats):")
+    _print_grid(fast, out)
+    out("")
+    out("latency and memory:")
+    _print_grid(slow, out)
 
 
 def print_report(rows: list[Result], targets: list[TargetResult], notes: list[str],
                  out: Callable[[str], None] = click.echo) -> list[str]:
-    """The results table, the ratios in words, the PASS/FAIL table of the targets (when
-    measured), the legend, the notes; returns the spread warnings it printed."""
+    """The results (a throughput and a latency table), the ratios in words, the PASS/FAIL
+    table of the targets (when measured), the legend, the notes and one warning naming every
+    row whose repeats spread widely (returned, one entry per row), in lines of at most
+    ``WIDTH`` columns."""
     tags = baseline_tags(rows)
-    table: list[tuple] = [("case", "kind", "items/s", "range (min-max)", "spread", "MB/s",
-                           "p50 us", "p99 us", "lat", "RSS MB", "vs baseline")]
-    for r in rows:
-        spread = r.spread()
-        if r.ratio is None:
-            ratio = tags.get(r.case, "-")
-        else:
-            ratio = (f"{r.ratio:.2f}x {tags.get(r.baseline or '', 'baseline')} {r.ratio_metric}, "
-                     f"{'higher' if r.ratio_higher_is_better else 'lower'} is better")
-        table.append((
-            r.case,
-            r.kind,
-            _fmt(r.items_s),
-            "-" if spread is None else f"{spread[0]:.0f}-{spread[1]:.0f}",
-            "-" if spread is None else f"{spread[2]:.0%}",
-            _fmt(r.mb_s, ".1f"),
-            _fmt(r.p50_us, ".1f") + ("*" if _queued(r) else ""),
-            _fmt(r.p99_us, ".1f"),
-            r.latency,
-            _fmt(r.rss_peak_mb),
-            ratio,
-        ))
     if rows:
-        _print_grid(table, out)
+        _tables(rows, tags, out)
         lines = ratio_lines(rows, tags)
         if lines:
             out("")
             out("ratios (medians; the baseline ran in rounds with the case, in this run):")
             for line in lines:
-                out(f"  {line}")
+                _wrapped(line, out, indent="  ")
     if targets:
         out("")
         grid: list[tuple] = [
@@ -352,20 +398,24 @@ def print_report(rows: list[Result], targets: list[TargetResult], notes: list[st
         out("")
         out("legend:")
         for line in legend_lines(rows):
-            out(f"  {line}")
+            _wrapped(line, out, indent="  ", hanging=" " * 17)
     why = queueing_notes(rows)
     if why:
         out("")
         for line in why:
-            out(line)
+            _wrapped(line, out, hanging="    " if line.startswith("  ") else "  ")
     for note in notes:
-        out(f"note: {note}")
+        _wrapped(f"note: {note}", out)
     warnings = spread_warnings(rows)
     if rows and all(r.repeats < 2 for r in rows):
         out("note: one run per case, so no spread is shown; --repeat 3 or more shows "
             "run-to-run noise")
-    for line in warnings:
-        out(line)
+    if warnings:
+        _wrapped(f"warning: the machine was noisy: {len(warnings)} row(s) varied by more than "
+                 f"{WIDE_SPREAD:.0%} between repeats or rounds, so trust their medians less "
+                 "(or rerun with --repeat 5 on a quieter machine):", out)
+        for line in warnings:
+            _wrapped(line, out, indent="  ")
     return warnings
 
 
@@ -421,6 +471,7 @@ def machine_description() -> dict[str, Any]:
         "loadavg": os.getloadavg(),
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "zchannel": importlib.metadata.version("zchannel"),
         "torch": torch_version,
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),

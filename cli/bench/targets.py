@@ -9,7 +9,6 @@ mark is data, the ``[targets]`` table of ``configs/bench_targets.toml`` (``load_
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,11 @@ from zchannel.cli.bench.payloads import verify_seqs
 from zchannel.cli.bench.report import TargetResult
 from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
+from zchannel.cli.shipped import shipped_path
 
 SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
-TARGETS_FILE = Path(__file__).resolve().parents[2] / "configs" / "bench_targets.toml"
-INSTALLED_TARGETS_FILE = Path(sys.prefix) / "share" / "zchannel" / "bench_targets.toml"
+TARGETS_FILE = "bench_targets.toml"  # shipped in zchannel.configs (configs/ of a checkout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +41,13 @@ class Threshold:
 
 
 def default_targets_file() -> Path:
-    """``configs/bench_targets.toml`` of this checkout, or the copy a wheel installs."""
-    for path in (TARGETS_FILE, INSTALLED_TARGETS_FILE):
-        if path.is_file():
-            return path
-    raise click.ClickException(
-        f"target thresholds not found ({TARGETS_FILE} or {INSTALLED_TARGETS_FILE}); "
-        "pass --config FILE with a [targets] table"
-    )
+    """``configs/bench_targets.toml`` as installed with the package (``zchannel.configs``)."""
+    try:
+        return shipped_path(TARGETS_FILE)
+    except FileNotFoundError as exc:
+        raise click.ClickException(
+            f"target thresholds not found ({exc}); pass --config FILE with a [targets] table"
+        ) from None
 
 
 def parse_thresholds(table: Any, source: str) -> dict[str, Threshold]:

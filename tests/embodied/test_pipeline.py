@@ -266,7 +266,9 @@ def test_rollout_and_pipeline_modes_give_identical_advantages(channels):
         actor = Channel.connect(f"adv-{plan.mode}", identity="actor:0")
         items = [actor.get(timeout=30) for _ in range(ch.qsize(consumer="actor:0") or 1)]
         actor.close()
-        results[plan.mode] = training_rows(sorted(items, key=_order), plan)
+        # pooled: the pipeline's normalisation (rollout actors default to RLinf's actor one)
+        results[plan.mode] = training_rows(sorted(items, key=_order), plan,
+                                           normalization="pooled")
     a, b = results["rollout"], results["pipeline"]
     assert a["advantages"].shape[0] == 2 * 4 * 3
     assert a["advantages"].abs().sum() > 0 and a["returns"].abs().sum() > 0

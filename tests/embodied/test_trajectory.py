@@ -140,9 +140,26 @@ def test_env_interventions_replace_actions_and_flags():
 
 
 def test_model_flags_overwrite_flags_and_keep_actions():
+    """The contract's default precedence: env interventions first, then the model's flags
+    overwrite ``intervene_flags`` and leave the executed actions."""
     policy, env = intervention_parts(flags([F, T]), model_flags=flags([T, F]))
     step = build(policy, env)
     assert step.actions.tolist() == [[1, 2, 7, 6]]
+    assert step.intervene_flags.tolist() == [[T, T, F, F]]
+
+
+def test_env_intervention_wins_over_model_flags_with_env_precedence():
+    """``intervention_precedence="env"``: where the env reports an intervention its flags replace
+    the model's for the chunk (what was executed wins, as in RLinf); the model's flags stand
+    where the env reports none."""
+    policy, env = intervention_parts(flags([F, T]), model_flags=flags([T, F]))
+    step = build(policy, env, intervention_precedence="env")
+    assert step.actions.tolist() == [[1, 2, 7, 6]]
+    assert step.intervene_flags.tolist() == [[F, F, T, T]]
+    policy, env = intervention_parts(flags([F, T]), model_flags=flags([T, F]))
+    env.transition.intervene_actions = env.transition.intervene_flags = None
+    step = build(policy, env, intervention_precedence="env")
+    assert step.actions.tolist() == [[1, 2, 3, 4]]
     assert step.intervene_flags.tolist() == [[T, T, F, F]]
 
 

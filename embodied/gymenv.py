@@ -1,0 +1,344 @@
+"""The Gymnasium adapter: any Gymnasium vector env as a ``VectorEnv`` (optional extra ``gym``).
+
+``make_gym_env("CartPole-v1", 4, env_kwargs={...})`` builds ``gymnasium.make_vec(id, num_envs,
+vectorization_mode="sync", **env_kwargs)`` with an observation check on every sub-env and wraps
+it in ``GymVectorEnv``, which
+
+- describes the env once (``spec``, an ``EnvSpec``) and refuses, at construction, a space it
+  cannot carry, naming it (Text, Graph, Sequence, OneOf; Dict/Tuple action spaces; non-numeric
+  Box dtypes);
+- turns each batched observation into the flat dict of ``zchannel.embodied.spaces``: uint8
+  images (3-D uint8 Box leaves) keep their shape under ``main_images`` / ``wrist_images`` /
+  ``extra_view_images`` (or the keys ``obs_map`` names), every other leaf (Box, Discrete and
+  MultiDiscrete as one-hot, MultiBinary) is flattened into float32 ``states``;
+- turns action chunks back into the action space (Box: [-1, 1] onto the bounds; Discrete,
+  MultiDiscrete, MultiBinary: integer indices of the right shape and dtype);
+- applies same-step auto-reset (``info["final_observation"]`` holds the observation a finished
+  env ended in) by resetting finished sub-envs with Gymnasium's ``reset_mask``.
+
+Ids: ``"CartPole-v1"``; ``"module:EnvId"`` imports ``module`` first (Gymnasium's form:
+``"gym_pusht:gym_pusht/PushT-v0"``); a namespaced ``"ns/Name-v0"`` whose namespace is not
+registered imports the module ``ns`` (``"gym_pusht/PushT-v0"``), as Gymnasium's namespace
+packages register on import.  An id that still cannot be found is a ``ValueError`` naming the
+forms that work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from zchannel.embodied.spaces import FINAL_MASK, FINAL_OBS, ActionSpec, EnvSpec, ObservationError
+
+try:  # the optional extra: this module only works with it, the package imports without it
+    import gymnasium
+    from gymnasium import spaces as gs
+except ImportError:  # pragma: no cover - exercised only without the extra
+    gymnasium = None
+    gs = None
+
+MAX_DEPTH = 8  # nesting of Dict / Tuple observation spaces
+_WRAPPER_BASE: Any = gymnasium.Wrapper if gymnasium is not None else object
+
+
+def _need_gymnasium() -> None:
+    if gymnasium is None:
+        raise RuntimeError("gym: environments need gymnasium; install the extra: "
+                           "pip install 'zchannel[gym]'")
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    path: tuple[str, ...]  # keys / tuple indexes from the observation's root
+    space: Any
+    image: bool
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.path) or "<observation>"
+
+
+def _is_image(space: Any) -> bool:
+    return isinstance(space, gs.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+
+
+def _leaves(space: Any, path: tuple[str, ...] = ()) -> list[_Leaf]:
+    """The observation's leaves in key order; refuses what cannot be carried, naming it."""
+    where = "/".join(path) or "the observation"
+    if len(path) > MAX_DEPTH:
+        raise ValueError(f"observation space nested deeper than {MAX_DEPTH} at {where!r}")
+    if isinstance(space, gs.Dict):
+        return [leaf for key, sub in space.spaces.items() for leaf in _leaves(sub, (*path, key))]
+    if isinstance(space, gs.Tuple):
+        return [leaf for i, sub in enumerate(space.spaces) for leaf in _leaves(sub, (*path, str(i)))]
+    if isinstance(space, gs.Box):
+        if not (np.issubdtype(space.dtype, np.number) or space.dtype == np.bool_):
+            raise ValueError(f"observation space {space} at {where!r}: a Box of dtype "
+                             f"{space.dtype} cannot be carried (numeric dtypes only)")
+        return [_Leaf(path, space, _is_image(space))]
+    if isinstance(space, (gs.Discrete, gs.MultiDiscrete, gs.MultiBinary)):
+        return [_Leaf(path, space, False)]
+    raise ValueError(f"observation space {space} at {where!r} cannot be carried: zchannel "
+                     "carries Box, Discrete, MultiDiscrete and MultiBinary leaves in Dict / "
+                     f"Tuple spaces, not {type(space).__name__}")
+
+
+def _state_width(space: Any) -> int:
+    if isinstance(space, gs.Discrete):
+        return int(space.n)
+    if isinstance(space, gs.MultiDiscrete):
+        return int(np.sum(space.nvec))
+    return int(np.prod(space.shape))
+
+
+def _state_columns(space: Any, value: Any, batch: int) -> np.ndarray:
+    """One state leaf of a batch as float32 ``[batch, width]`` (indices one-hot)."""
+    value = np.asarray(value)
+    if isinstance(space, gs.Discrete):
+        return np.eye(int(space.n), dtype=np.float32)[value.reshape(batch) - int(space.start)]
+    if isinstance(space, gs.MultiDiscrete):
+        index = (value - space.start).reshape(batch, -1)
+        return np.concatenate([np.eye(int(n), dtype=np.float32)[index[:, i]]
+                               for i, n in enumerate(space.nvec.reshape(-1))], axis=1)
+    return value.astype(np.float32, copy=False).reshape(batch, -1)
+
+
+def _image_groups(leaves: list[_Leaf], obs_map: dict[str, str | None]) -> dict[str, list[_Leaf]]:
+    """Output key -> the image leaves stacked under it (the documented default naming, or
+    ``obs_map``)."""
+    groups: dict[str, list[_Leaf]] = {}
+    default_main = None
+    for leaf in leaves:
+        if not leaf.image:
+            continue
+        if leaf.name in obs_map:
+            key = obs_map[leaf.name]
+            if key is None:
+                continue
+        elif "wrist" in leaf.name.lower():
+            key = "wrist_images"
+        elif default_main is None:
+            key = default_main = "main_images"
+        else:
+            key = "extra_view_images"
+        groups.setdefault(key, []).append(leaf)
+    for key, group in groups.items():
+        shapes = {tuple(leaf.space.shape) for leaf in group}
+        if len(shapes) > 1:
+            raise ValueError(f"images {[leaf.name for leaf in group]} go to {key!r} but have "
+                             f"different shapes {sorted(shapes)}; name each with obs_map")
+    return groups
+
+
+class ObservationCheck(_WRAPPER_BASE):
+    """A sub-env wrapper: every observation's leaves must have the dtype and shape of the
+    observation space (``ObservationError`` naming the leaf, raised before the vector env
+    batches it)."""
+
+    def __init__(self, env: Any) -> None:
+        super().__init__(env)
+        self._leaves = _leaves(env.observation_space)
+
+    def _check(self, obs: Any) -> Any:
+        for leaf in self._leaves:
+            value = obs
+            for key in leaf.path:
+                value = value[int(key)] if isinstance(value, tuple) else value[key]
+            value = np.asarray(value)
+            space = leaf.space
+            if isinstance(space, gs.Box) and (value.dtype != space.dtype or
+                                              value.shape != space.shape):
+                raise ObservationError(f"observation {leaf.name!r}: expected {space.dtype} "
+                                       f"{list(space.shape)}, got {value.dtype} "
+                                       f"{list(value.shape)}")
+        return obs
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = self.env.reset(**kwargs)
+        return self._check(obs), info
+
+    def step(self, action: Any) -> Any:
+        obs, *rest = self.env.step(action)
+        return (self._check(obs), *rest)
+
+
+def _action_spec(space: Any) -> ActionSpec:
+    if isinstance(space, gs.Box):
+        dim = int(np.prod(space.shape))
+        return ActionSpec("box", dim, low=tuple(float(x) for x in space.low.reshape(-1)),
+                          high=tuple(float(x) for x in space.high.reshape(-1)))
+    if isinstance(space, gs.Discrete):
+        return ActionSpec("discrete", 1, nvec=(int(space.n),), start=(int(space.start),))
+    if isinstance(space, gs.MultiDiscrete):
+        nvec = tuple(int(n) for n in space.nvec.reshape(-1))
+        return ActionSpec("multi_discrete", len(nvec), nvec=nvec,
+                          start=tuple(int(s) for s in space.start.reshape(-1)))
+    if isinstance(space, gs.MultiBinary):
+        dim = int(np.prod(space.shape))
+        return ActionSpec("multi_binary", dim, nvec=(2,) * dim)
+    raise ValueError(f"action space {space} cannot be carried: zchannel carries Box, Discrete, "
+                     f"MultiDiscrete and MultiBinary actions, not {type(space).__name__}")
+
+
+class GymVectorEnv:
+    """A Gymnasium vector env as a ``VectorEnv`` (see the module docstring)."""
+
+    def __init__(self, env: Any, obs_map: dict[str, str | None] | None = None) -> None:
+        _need_gymnasium()
+        self.env = env
+        self.num_envs = int(env.num_envs)
+        self.obs_map = dict(obs_map or {})
+        self.action_space = env.single_action_space
+        action = _action_spec(self.action_space)
+        self._leaves = _leaves(env.single_observation_space)
+        known = {leaf.name for leaf in self._leaves}
+        unknown = sorted(set(self.obs_map) - known)
+        if unknown:
+            raise ValueError(f"obs_map names {unknown}, which are not observation leaves "
+                             f"(leaves: {sorted(known)})")
+        for leaf in self._leaves:
+            target = self.obs_map.get(leaf.name, "states")
+            if not leaf.image and target not in ("states", None):
+                raise ValueError(f"obs_map maps the non-image leaf {leaf.name!r} to {target!r}:"
+                                 " non-image leaves go to 'states' (or None: dropped)")
+        self._states = [leaf for leaf in self._leaves if not leaf.image
+                        and self.obs_map.get(leaf.name, "states") is not None]
+        self._images = _image_groups(self._leaves, self.obs_map)
+        images = {}
+        for key, group in self._images.items():
+            shape = tuple(group[0].space.shape)
+            stacked = len(group) > 1 or key == "extra_view_images"
+            images[key] = (len(group), *shape) if stacked else shape
+        self.spec = EnvSpec(sum(_state_width(leaf.space) for leaf in self._states), action,
+                            images)
+        self.state_dim = self.spec.state_dim
+        self.action_dim = action.dim
+        if action.kind == "box":
+            low = np.asarray(action.low, dtype=np.float32)
+            high = np.asarray(action.high, dtype=np.float32)
+            self._scaled = np.isfinite(low) & np.isfinite(high)
+            self._low, self._high = np.where(self._scaled, low, -1), np.where(self._scaled, high, 1)
+
+    # -- observations ---------------------------------------------------------------------
+
+    def _leaf(self, obs: Any, leaf: _Leaf) -> Any:
+        for key in leaf.path:
+            obs = obs[int(key)] if isinstance(obs, tuple) else obs[key]
+        return obs
+
+    def convert(self, obs: Any) -> dict[str, torch.Tensor]:
+        """A batched Gymnasium observation as the flat tensor dict of ``self.spec``."""
+        B = self.num_envs
+        out: dict[str, torch.Tensor] = {}
+        if self._states:
+            columns = [_state_columns(leaf.space, self._leaf(obs, leaf), B)
+                       for leaf in self._states]
+            states = columns[0] if len(columns) == 1 else np.concatenate(columns, axis=1)
+            out["states"] = torch.from_numpy(np.array(states, dtype=np.float32))
+        for key, group in self._images.items():
+            shape = self.spec.images[key]
+            arrays = [np.asarray(self._leaf(obs, leaf)) for leaf in group]
+            image = arrays[0] if len(arrays) == 1 and len(shape) == 3 else np.stack(arrays, 1)
+            if image.dtype != np.uint8 or image.shape != (B, *shape):
+                raise ObservationError(f"observation {key!r}: expected uint8 {[B, *shape]}, got "
+                                       f"{image.dtype} {list(image.shape)}")
+            out[key] = torch.from_numpy(np.array(image, copy=True))
+        return out
+
+    # -- actions --------------------------------------------------------------------------
+
+    def to_space(self, actions: torch.Tensor) -> np.ndarray:
+        """A ``[B, A]`` float action batch in the action space's form."""
+        a = torch.as_tensor(actions, dtype=torch.float32).reshape(self.num_envs, -1).numpy()
+        spec, space = self.spec.action, self.action_space
+        if a.shape[1] != spec.dim:
+            raise ValueError(f"actions have {a.shape[1]} numbers per env, the action space "
+                             f"{space} takes {spec.dim}")
+        if spec.kind == "box":
+            scaled = self._low + (np.clip(a, -1, 1) + 1) * 0.5 * (self._high - self._low)
+            a = np.where(self._scaled, scaled, a)
+            return a.reshape(self.num_envs, *space.shape).astype(space.dtype, copy=False)
+        index = np.rint(a).astype(np.int64)
+        nvec = np.asarray(spec.nvec)
+        if (index < 0).any() or (index >= nvec).any():
+            raise ValueError(f"action indices {index.tolist()} outside the action space {space}")
+        if spec.kind == "discrete":
+            return index.reshape(self.num_envs) + spec.start[0]
+        if spec.kind == "multi_discrete":
+            index = index + np.asarray(spec.start)
+        return index.reshape(self.num_envs, *space.shape).astype(space.dtype, copy=False)
+
+    # -- the VectorEnv protocol -------------------------------------------------------------
+
+    def reset(self, seed: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed)
+        return self.convert(obs), info
+
+    def step(self, actions: torch.Tensor) -> tuple[
+        dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]
+    ]:
+        obs, reward, term, trunc, info = self.env.step(self.to_space(actions))
+        term = torch.as_tensor(np.asarray(term), dtype=torch.bool)
+        trunc = torch.as_tensor(np.asarray(trunc), dtype=torch.bool)
+        success = torch.zeros_like(term)  # an env without a "success" info has none
+        if "success" in info:  # e.g. Meta-World: per-env flags with a "_success" mask
+            mask = np.asarray(info.get("_success", True))
+            success = torch.as_tensor(np.asarray(info["success"]).astype(bool) & mask)
+        out_info: dict[str, Any] = {"success": success}
+        done = term | trunc
+        converted = self.convert(obs)
+        if bool(done.any()):
+            # Gymnasium >= 1.0 resets on the next step(); reset the finished rows now instead.
+            out_info[FINAL_OBS] = converted
+            out_info[FINAL_MASK] = done
+            reset_obs, _ = self.env.reset(options={"reset_mask": done.numpy()})
+            fresh = self.convert(reset_obs)
+            converted = {k: torch.where(done.reshape((-1,) + (1,) * (v.dim() - 1)), fresh[k], v)
+                         for k, v in converted.items()}
+        reward = torch.as_tensor(np.asarray(reward), dtype=torch.float32)
+        return converted, reward, term, trunc, out_info
+
+
+def _resolve_id(env_id: str) -> str:
+    """``env_id`` with a namespace module imported when Gymnasium needs it (see module doc)."""
+    if ":" in env_id or "/" not in env_id:
+        return env_id
+    namespace = env_id.split("/", 1)[0]
+    if any(spec.namespace == namespace for spec in gymnasium.registry.values()):
+        return env_id
+    try:
+        importlib.import_module(namespace)
+    except ImportError as exc:
+        raise ValueError(
+            f"gym:{env_id}: no env of namespace {namespace!r} is registered and importing the "
+            f"module {namespace!r} failed ({exc}); install the package that registers it, or "
+            "name the module that does: gym:<module>:<EnvId> (e.g. "
+            "gym:gym_pusht:gym_pusht/PushT-v0)") from None
+    return env_id
+
+
+def make_gym_env(env_id: str, num_envs: int, env_kwargs: dict[str, Any] | None = None,
+                 obs_map: dict[str, str | None] | None = None) -> GymVectorEnv:
+    """``GymVectorEnv`` over ``gymnasium.make_vec(env_id, num_envs, vectorization_mode="sync",
+    **env_kwargs)`` with ``ObservationCheck`` on every sub-env."""
+    _need_gymnasium()
+    resolved = _resolve_id(env_id)
+    try:
+        vec = gymnasium.make_vec(resolved, num_envs=num_envs, vectorization_mode="sync",
+                                 wrappers=[ObservationCheck], **dict(env_kwargs or {}))
+    except gymnasium.error.Error as exc:
+        raise ValueError(
+            f"gym:{env_id}: {exc} (forms that work: gym:<EnvId> for registered ids, "
+            "gym:<namespace>/<EnvId> when importing the module <namespace> registers it, "
+            "gym:<module>:<EnvId> to import <module> first)") from None
+    try:
+        return GymVectorEnv(vec, obs_map)
+    except BaseException:
+        vec.close()
+        raise
+
+
+__all__ = ["GymVectorEnv", "ObservationCheck", "make_gym_env"]

@@ -1,0 +1,128 @@
+"""``max_bytes`` bounds the broker's memory, not only its payload bytes (docs/guarantees.md,
+"Hostile input and limits"): an item counts its payload plus ``ITEM_OVERHEAD``; the requests
+waiting at one time count up to ``max_bytes`` more (``REQUEST_OVERHEAD`` each, a put's item, and
+``KEY_OVERHEAD`` for a key the request made).  A flood of empty items and a flood of waiting
+gets are refused at those bounds with errors naming ``max_bytes``, and the broker's resident
+memory grows by less than twice ``max_bytes`` (read from ``/proc/<pid>/status``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+from zchannel.broker import Channel
+from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.timeout(240)
+MAX_BYTES = 1 << 20
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def bounded_broker(run_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "bounded",
+                             "--max-bytes", str(MAX_BYTES)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        yield proc.pid, line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _flood_empty_items(ch: Channel, n: int) -> tuple[int, set[str]]:
+    """``n`` ``put(None, timeout=0)``, 1000 in flight: how many were refused, and why."""
+    refused, why = 0, set()
+    works: list = []
+
+    def settle() -> None:
+        nonlocal refused
+        for work in works:
+            try:
+                work.wait()
+            except TimeoutError as exc:
+                refused += 1
+                why.add(str(exc).split(";")[0])
+        works.clear()
+
+    for _ in range(n):
+        works.append(ch.put(None, key="flood", timeout=0, async_op=True))
+        if len(works) == 1000:
+            settle()
+    settle()
+    return refused, why
+
+
+def _flood_waiting_gets(address: str, n: int, keys: int) -> tuple[int, set[str]]:
+    """``n`` gets without a timeout over ``keys`` keys from one raw DEALER, 128 per message,
+    each message followed by a ``qsize`` whose reply says the broker has seen it: how many
+    were refused (the rest wait), and why."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send_multipart([msgpack.packb([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+    assert sock.poll(30_000)
+    sock.recv_multipart()
+    refused, why, rid = 0, set(), 1
+    for start in range(0, n, 128):
+        records = [{"op": "hb", "id": 0}]
+        for i in range(start, min(n, start + 128)):
+            records.append({"op": "get", "id": rid, "k": f"key-{i % keys}"})
+            rid += 1
+        marker = rid
+        rid += 1
+        records.append({"op": "qsize", "id": marker, "k": "key-0"})
+        sock.send_multipart([msgpack.packb(records)])
+        seen = False
+        while not seen:
+            assert sock.poll(60_000), "the broker did not answer"
+            for rec in msgpack.unpackb(sock.recv_multipart()[0], raw=False):
+                if rec.get("e"):
+                    assert rec["e"][0] == "ValueError", rec
+                    refused += 1
+                    why.add(rec["e"][1].split(";")[0])
+                seen = seen or rec.get("id") == marker
+    sock.close()
+    return refused, why
+
+
+def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
+    pid, address = bounded_broker
+    ch = Channel.connect(address)
+    try:
+        for _ in range(200):  # the paths the floods take, once, before measuring
+            ch.put(None, key="warm")
+            ch.get(key="warm")
+        idle = _rss(pid)
+        refused, why = _flood_empty_items(ch, 60_000)
+        held = MAX_BYTES // (1 + ITEM_OVERHEAD)  # None is one byte of msgpack
+        assert ch.qsize("flood") == held and refused == 60_000 - held
+        assert why and all("max_bytes limit (1048576" in w for w in why), why
+
+        refused, why = _flood_waiting_gets(address, 60_000, keys=500)
+        waiting = 60_000 - refused
+        assert 0 < waiting <= MAX_BYTES // REQUEST_OVERHEAD
+        assert waiting >= (MAX_BYTES - 500 * (REQUEST_OVERHEAD + KEY_OVERHEAD)) // REQUEST_OVERHEAD
+        assert why and all("max_bytes limit (1048576" in w for w in why), why
+
+        grown = _rss(pid) - idle
+        assert grown < 2 * MAX_BYTES, f"the broker grew by {grown / 1024:.0f} KiB"
+        stats = ch.stats()
+        assert stats["bytes_held"] == held * (1 + ITEM_OVERHEAD)
+        assert ch.get(key="flood", timeout=10) is None  # the broker serves on
+        ch.put("room again", key="after", timeout=10)
+        assert ch.get(key="after", timeout=10) == "room again"
+    finally:
+        ch.close()

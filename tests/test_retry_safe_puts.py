@@ -1,0 +1,452 @@
+"""Retry-safe puts (docs/guarantees.md): a put retried by the same handle is stored at most once,
+whether the broker stopped (SIGSTOP) before it read the put or stored it and its
+acknowledgement was lost; the broker's window of stored sequences per producer
+(``broker/server/producers.py``), over the wire and in itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+from cluster_util import Replicas, free_tcp_ports, write_cluster
+from conftest import wait_until
+from zchannel.broker import BrokerUnavailable, Channel
+from zchannel.broker.core.state import Request
+from zchannel.broker.handle import retries
+from zchannel.broker.server.producers import (
+    DUPLICATE,
+    NEW,
+    TOO_OLD,
+    WAITING,
+    WINDOW,
+    Producers,
+    ProducerWindow,
+)
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import unpack_requests
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _drain(ch, key="default_queue") -> list:
+    out = []
+    while ch.qsize(key):
+        out.append(ch.get(key, timeout=10))
+    return out
+
+
+def _retry_until_stored(ch, item, **kw) -> int:
+    """Put ``item`` until it is acknowledged (what a user's retry loop does); the attempts."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            ch.put(item, **kw)
+            return attempts
+        except BrokerUnavailable:
+            time.sleep(0.2)
+
+
+# -- the user's retry after the broker stopped answering ------------------------------------------
+
+
+@pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"], ids=["ipc", "tcp"])
+def test_a_put_retried_after_a_sigstop_is_stored_once(address, channels):
+    ch = Channel.create("retry", address=address)
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    ch.put("warm")
+    assert ch.get(timeout=10) == "warm"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BrokerUnavailable):
+            ch.put("A")  # sent; the broker reads it only when it runs again
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _retry_until_stored(ch, "A")
+    stats = ch.stats()
+    assert stats["keys"]["default_queue"]["depth"] == 1 and stats["duplicate_puts"] == 1
+    ch.put("A")  # the retry was matched once: an equal put now is a new put
+    ch.put("B")
+    assert _drain(ch) == ["A", "A", "B"]
+
+
+def test_async_puts_in_doubt_are_each_recognised(channels):
+    ch = Channel.create("retry_async")
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        works = [ch.put(i, key="k", async_op=True) for i in range(20)]
+        failed = []
+        for i, work in enumerate(works):
+            with pytest.raises(BrokerUnavailable):
+                work.wait(timeout=30)
+            failed.append(i)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for i in reversed(failed):  # retried out of order: the window holds more than the last
+        _retry_until_stored(ch, i, key="k")
+    assert sorted(_drain(ch, "k")) == list(range(20))
+    assert ch.stats()["duplicate_puts"] == 20
+
+
+def test_only_the_same_handle_retries(channels):
+    """Puts in doubt belong to their handle: another handle's equal put (over the same shared
+    connection) is a new put."""
+    ch = Channel.create("retry_handles")
+    channels.append(ch)
+    other = Channel.connect("retry_handles")
+    other.put("warm")
+    assert ch._conn is other._conn  # one connection per process and broker
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BrokerUnavailable):
+            ch.put("A")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _retry_until_stored(other, "A")
+    assert _drain(ch) == ["warm", "A", "A"]
+    other.close()
+
+
+def test_a_put_in_doubt_is_forgotten_after_a_while(channels, monkeypatch):
+    ch = Channel.create("retry_expiry")
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BrokerUnavailable):
+            ch.put("A")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    monkeypatch.setattr(retries, "IN_DOUBT_S", 0.0)
+    _retry_until_stored(ch, "A")  # too late to be taken as the retry: a new put
+    assert _drain(ch) == ["A", "A"]
+
+
+class _Proxy:
+    """A loopback TCP relay in front of a broker that can hold back everything the broker sends
+    (``hold``) and then cut both connections, dropping what it held (``cut``): the broker
+    stored a put, and its acknowledgement never reaches the client."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.holding = threading.Event()
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            broker = socket.create_connection(self.target)
+            with self.lock:
+                self.pairs.append((client, broker))
+            for src, dst, held in ((client, broker, False), (broker, client, True)):
+                t = threading.Thread(target=self._pump, args=(src, dst, held), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if held and self.holding.is_set():
+                    continue  # read and kept from the client: dropped at the cut
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for pair in pairs:
+            for sock in pair:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+        self.holding.clear()
+
+    def close(self) -> None:
+        self.stopped = True
+        self.listener.close()
+        self.cut()
+
+
+def test_a_put_whose_acknowledgement_was_lost_is_not_stored_again(channels):
+    ch = Channel.create("retry_ack", address="tcp://127.0.0.1:0")
+    channels.append(ch)
+    host, port = ch.address[len("tcp://"):].rsplit(":", 1)
+    proxy = _Proxy((host, int(port)))
+    try:
+        via = Channel.connect(f"tcp://127.0.0.1:{proxy.port}", timeout=20)
+        via.put("warm")
+        proxy.holding.set()  # from here on nothing the broker sends reaches ``via``
+        with pytest.raises(BrokerUnavailable):
+            via.put("B")  # stored by the broker; its acknowledgement is held, then dropped
+        assert ch.qsize() == 2  # the broker did store it
+        proxy.cut()  # the client reconnects through the relay and says hello again
+        _retry_until_stored(via, "B")
+        assert _drain(ch) == ["warm", "B"]
+        assert ch.stats()["duplicate_puts"] == 1
+        via.close()
+    finally:
+        proxy.close()
+
+
+_PRODUCER = """
+import sys, time
+from zchannel.broker import BrokerUnavailable, Channel
+ch = Channel.connect(sys.argv[1], timeout=30)
+n, window = int(sys.argv[2]), 64
+print("ready", flush=True)
+inflight, retried = {}, 0
+def settle(seq, work):
+    global retried
+    try:
+        work.wait(timeout=60)
+    except BrokerUnavailable:  # in doubt: retried until acknowledged, as a user would
+        while True:
+            try:
+                ch.put(seq, key="s")
+                retried += 1
+                return
+            except BrokerUnavailable:
+                time.sleep(0.1)
+for seq in range(n):
+    inflight[seq] = ch.put(seq, key="s", async_op=True)
+    if len(inflight) >= window:
+        first = min(inflight)
+        settle(first, inflight.pop(first))
+    time.sleep(0.0005)
+for seq in sorted(inflight):
+    settle(seq, inflight[seq])
+print("done", retried, flush=True)
+"""
+
+
+def test_a_stream_through_a_10s_stop_stores_every_item_once(channels, workers):
+    """The stream that once stored one item twice: a producer retries what failed while the
+    broker was stopped for 10 s; afterwards every sequence is in the queue exactly once."""
+    ch = Channel.create("stream", maxsize=0)
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    n = 3000
+    producer = workers.start(_PRODUCER, ch.address, str(n))
+    workers.wait_line(producer, "ready")
+    assert wait_until(lambda: ch.qsize("s") >= 300, 60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(10)  # the stop itself is the test: its producer fails and retries
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    line = workers.wait_line(producer, timeout=120)
+    assert line.startswith("done"), line
+    assert int(line.split()[1]) > 0  # some puts were in doubt and retried
+    got = _drain(ch, "s")
+    assert sorted(got) == list(range(n)), (len(got), len(set(got)))
+    assert ch.stats()["duplicate_puts"] >= 1
+
+
+def test_distributed_puts_are_retry_safe_per_replica(run_dir, monkeypatch):
+    """A distributed handle's puts go to one replica per key, each over its own connection (its
+    own producer id): a put retried after its replica stopped is stored once."""
+    ports = free_tcp_ports(3)
+    nodes = ("node-a", "node-b", "node-c")
+    path = write_cluster(run_dir, nodes, [f"tcp://127.0.0.1:{p}" for p in ports])
+    reps = Replicas()
+    try:
+        reps.start("dist", path, range(3))
+        monkeypatch.setenv("ZCHANNEL_NODE", "node-b")
+        ch = Channel.connect(f"tcp://127.0.0.1:{ports[0]}")
+        ch.put("warm", key="kb")
+        index = ch.replica_of("kb")
+        assert index == 1
+        producers = {ch._sub(i)._conn.producer for i in range(3) if ch._sub(i)._conn}
+        assert len(producers) == len([i for i in range(3) if ch._sub(i)._conn])
+        os.kill(reps.procs[index].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BrokerUnavailable):
+                ch.put("A", key="kb")
+        finally:
+            os.kill(reps.procs[index].pid, signal.SIGCONT)
+        _retry_until_stored(ch, "A", key="kb")
+        assert ch.qsize("kb") == 2
+        assert ch._sub(index).stats()["duplicate_puts"] == 1
+        assert [ch.get("kb", timeout=10) for _ in range(2)] == ["warm", "A"]
+        ch.close()
+    finally:
+        reps.stop_all()
+
+
+# -- the wire: producer ids and sequences ------------------------------------------------------------
+
+
+@pytest.fixture
+def raw(channels):
+    """``raw(name, maxsize)`` -> ``(send, channel)``: ``send(records)`` sends one message from
+    a raw DEALER and returns the broker's reply records by id (``expect`` of them)."""
+    socks = []
+
+    def make(name: str, maxsize: int = 0):
+        ch = Channel.create(name, maxsize=maxsize)
+        channels.append(ch)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(ch.address)
+        socks.append(sock)
+
+        def send(records: list, expect: int | None = None) -> dict:
+            sock.send(msgpack.packb(records))
+            replies: dict = {}
+            want = len(records) if expect is None else expect
+            while len(replies) < want:
+                assert sock.poll(20_000), "the broker did not answer"
+                for rec in msgpack.unpackb(sock.recv()):
+                    if rec.get("id") is not None:
+                        replies[rec["id"]] = rec
+            return replies
+
+        return send, ch
+
+    yield make
+    for sock in socks:
+        sock.close()
+
+
+def _put(rid: int, item: str, seq: int | None = None, **fields) -> dict:
+    body, _ = codec.encode(item)
+    rec = {"op": "put", "id": rid, "b": body, **fields}
+    if seq is not None:
+        rec["sq"] = seq
+    return rec
+
+
+HELLO = {"op": "hello", "id": 1, "v": 1, "pr": b"p" * 16}
+
+
+def test_the_broker_stores_each_sequence_of_a_producer_once(raw):
+    send, ch = raw("raw_retry")
+    replies = send([HELLO, _put(5, "x5", k="a"), _put(6, "x6", k="a"), _put(7, "x7", k="b")])
+    assert all("e" not in r for r in replies.values())
+    # 5 again, under a new request id: acknowledged, not stored; 9 repeats 3 (never stored)
+    replies = send([_put(8, "x5", seq=5, k="a"), _put(9, "x3", seq=3, k="a")])
+    assert "e" not in replies[8] and "e" not in replies[9]
+    assert ch.qsize("a") == 3 and ch.stats()["duplicate_puts"] == 1  # x5, x6, x3
+    replies = send([_put(7, "again", k="b")])  # a reused request id is a sequence too
+    assert "e" not in replies[7] and ch.qsize("b") == 1
+    far = WINDOW + 100
+    send([_put(far, "far", k="c")])
+    replies = send([_put(far + 1, "old", seq=50, k="c")])
+    assert replies[far + 1]["e"][0] == "ValueError" and "older than" in replies[far + 1]["e"][1]
+    assert ch.qsize("c") == 1
+
+
+def test_a_retry_of_a_put_waiting_for_room_is_refused_until_it_ends(raw):
+    send, ch = raw("raw_wait", maxsize=1)
+    send([HELLO, _put(2, "first", k="c")])
+    send([_put(3, "waits", k="c")], expect=0)  # the queue is full: it waits
+    replies = send([_put(4, "waits", seq=3, k="c")])
+    assert replies[4]["e"][0] == "ValueError" and "still waits" in replies[4]["e"][1]
+    assert ch.get("c", timeout=10) == "first"  # room: the waiting put is admitted
+    assert wait_until(lambda: ch.qsize("c") == 1)
+    replies = send([_put(5, "waits", seq=3, k="c")], expect=2)  # 3's late reply, and 5's
+    assert "e" not in replies[3] and "e" not in replies[5]
+    assert ch.qsize("c") == 1 and ch.get("c", timeout=10) == "waits"
+
+
+def test_a_client_without_a_producer_id_has_no_deduplication(raw):
+    send, ch = raw("raw_plain")
+    send([{"op": "hello", "id": 1, "v": 1}, _put(5, "x", k="a")])
+    ch.get("a", timeout=10)
+    send([_put(5, "x", k="a")])
+    assert ch.qsize("a") == 1 and ch.stats()["duplicate_puts"] == 0
+
+
+def test_a_malformed_producer_id_is_refused():
+    for bad in (b"short", "text" * 4, 7, b"x" * 65):
+        records = unpack_requests(msgpack.packb([{"op": "hello", "id": 1, "pr": bad}]), 0)
+        assert type(records[0]).__name__ == "BadRecord", bad
+    for bad in (-1, "1", 1.5):
+        records = unpack_requests(msgpack.packb([{"op": "put", "id": 2, "sq": bad}]), 0)
+        assert type(records[0]).__name__ == "BadRecord", bad
+    ok = unpack_requests(msgpack.packb([{"op": "put", "id": 2, "sq": 1}]), 0)[0]
+    assert ok.sequence() == 1 and unpack_requests(
+        msgpack.packb([{"op": "put", "id": 2}]), 0)[0].sequence() == 2
+
+
+# -- the window itself ---------------------------------------------------------------------------------
+
+
+def test_producer_window_marks_and_forgets():
+    w = ProducerWindow(b"p" * 16)
+    assert [w.begin(s) for s in (1, 2, 3)] == [NEW] * 3
+    assert w.begin(2) == DUPLICATE
+    assert w.begin(10) == NEW  # 4..9 never seen
+    assert [w.begin(s) for s in (4, 9)] == [NEW, NEW] and w.begin(4) == DUPLICATE
+    w.unmark(9)  # not stored after all
+    assert w.begin(9) == NEW
+    # a jump of less than the window keeps what is still inside it, wrapping around
+    assert w.begin(WINDOW + 5) == NEW
+    assert w.begin(5) == TOO_OLD and w.begin(6) == NEW and w.begin(10) == DUPLICATE
+    assert w.begin(7) == NEW  # its slot held 7, was cleared by the jump: never stored
+    assert w.begin(3 * WINDOW) == NEW and w.begin(2 * WINDOW + 1) == NEW
+    assert w.begin(2 * WINDOW) == TOO_OLD
+
+
+def test_producer_window_waiting_puts():
+    w = ProducerWindow(b"p" * 16)
+    req = Request(client=None, rid=1, kind="put", key="k", deadline=None)
+    assert w.begin(1) == NEW
+    w.wait(1, req)
+    assert w.begin(1) == WAITING
+    req.on_end(False)  # timed out: not stored
+    assert w.begin(1) == NEW
+    req2 = Request(client=None, rid=2, kind="put", key="k", deadline=None)
+    w.begin(2)
+    w.wait(2, req2)
+    req2.on_end(True)
+    assert w.begin(2) == DUPLICATE
+
+
+def test_producers_expire_after_their_grace_and_stay_bounded():
+    class C:
+        producer = None
+
+    table = Producers(grace=5.0, limit=3)
+    a, b = C(), C()
+    table.attach(a, b"a" * 16)
+    table.attach(b, b"a" * 16)  # the same producer reconnected
+    assert a.producer is b.producer and a.producer.sessions == 2
+    table.detach(a, now=0.0)
+    table.detach(b, now=1.0)
+    table.sweep(now=5.0)
+    assert b"a" * 16 in table.windows  # within its grace
+    table.sweep(now=6.5)
+    assert b"a" * 16 not in table.windows
+    clients = [C() for _ in range(5)]
+    for i, c in enumerate(clients):
+        table.attach(c, bytes([i]) * 16)
+        table.detach(c, now=float(i))
+    assert len(table.windows) == 3 and bytes([0]) * 16 not in table.windows
+    table.attach(C(), 7)  # not bytes: no window
+    assert len(table.windows) == 3
