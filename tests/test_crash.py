@@ -6,9 +6,11 @@ is killed and started again on its journal (``tests/forkbroker.py``: a fork, bac
 milliseconds).  Afterwards:
 
 - every acknowledged put was delivered (at least once, to one of the consumers);
-- no item whose ``ack`` succeeded was delivered again to a get asked after the ack returned
-  (but for puts the producer retried after an answer that never came: without the producer
-  sequence table in the journal such a put may be stored twice, and its copies are two items).
+- no item whose ``ack`` succeeded was delivered again to a get asked after the ack returned,
+  also for puts the producer retried after ``BrokerUnavailable`` (an answer that never came):
+  the journal keeps each put's producer and sequence, so a retry reaching the restarted broker
+  is acknowledged, not stored twice (retry-safe puts across a restart).  Only a put retried
+  after a ``TimeoutError`` is exempt: that is a new put by the documented rule.
 
 ``test_power_loss_with_fsync_always`` does the same with ``fsync="always"`` on an ext4 file
 system on a loop device, and at each kill copies the loop device's backing file: the copy holds
@@ -55,8 +57,11 @@ while not os.path.exists(stop):
         try:
             ch.put({"id": ident, "data": data}, key=f"k{p}", timeout=5)
             break
-        except (BrokerUnavailable, TimeoutError):  # in doubt: it may be stored already
+        except BrokerUnavailable:  # in doubt: it may be stored already; the retry is safe
             print(f"R {ident}", flush=True)
+            time.sleep(0.01)
+        except TimeoutError:  # not in doubt: putting it again is a new put
+            print(f"T {ident}", flush=True)
             time.sleep(0.01)
     print(f"P {ident} {time.monotonic_ns()}", flush=True)
     seq += 1
@@ -94,7 +99,7 @@ while True:
     data = item["data"]
     if isinstance(data, np.ndarray):
         assert data.size == 2 << 20 and (data == item["id"] % 251).all(), "corrupt array"
-    print(f"{'L' if mode == 'ack' else 'G'} {item['id']} {asked}", flush=True)
+    print(f"{'L' if mode == 'ack' else 'G'} {item['id']} {asked} {time.monotonic_ns()}", flush=True)
     if mode == "ack":
         try:
             ch.ack(got)
@@ -137,14 +142,37 @@ class Worker:
             self._thread.join(10)
 
 
-def _records(workers: list[Worker]) -> dict[str, list[tuple[int, int]]]:
-    out: dict[str, list[tuple[int, int]]] = {t: [] for t in "PGLAFR"}
+def _records(workers: list[Worker]) -> dict[str, list[tuple[int, ...]]]:
+    """The workers' lines by tag: (id, time) — deliveries (G, L): (id, asked, received)."""
+    out: dict[str, list[tuple[int, ...]]] = {t: [] for t in "PGLAFRT"}
     for w in workers:
         for line in w.lines:
             parts = line.split()
             if parts and parts[0] in out:
-                out[parts[0]].append((int(parts[1]), int(parts[2]) if len(parts) > 2 else 0))
+                out[parts[0]].append(tuple(int(p) for p in parts[1:]) + (0,) * (2 - len(parts[1:])))
     return out
+
+
+def _stored_twice(records: dict, kills: list[tuple[int, int]]) -> list[int]:
+    """Items two deliveries of one broker (no kill between the first get asked and the last
+    reply received) handed out: a broker hands an item out twice only if it stored it twice
+    (or its lease was given back: an ack that failed, ``F``, is left out)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for tag in "GL":
+        for ident, asked, received in records[tag]:
+            spans.setdefault(ident, []).append((asked, received))
+    failed = {i for i, _ in records["F"]}
+    twice = []
+    for ident, got in spans.items():
+        if len(got) < 2 or ident in failed:
+            continue
+        got.sort()
+        for (a1, r1), (_, r2) in zip(got, got[1:], strict=False):
+            lo, hi = a1, max(r1, r2)
+            if not any(before <= hi and after >= lo for before, after in kills):
+                twice.append(ident)
+                break
+    return twice
 
 
 def _check(records: dict, extra_delivered: set[int] = frozenset()) -> None:
@@ -153,15 +181,15 @@ def _check(records: dict, extra_delivered: set[int] = frozenset()) -> None:
     asked: a reply a dying broker sent may be read by a descheduled consumer long after)."""
     delivered: dict[int, list[int]] = {}
     for tag in "GL":
-        for ident, t in records[tag]:
+        for ident, t, _ in records[tag]:
             delivered.setdefault(ident, []).append(t)
     lost = {i for i, _ in records["P"]} - set(delivered) - set(extra_delivered)
     assert not lost, f"{len(lost)} acknowledged puts were never delivered: {sorted(lost)[:10]}"
-    # a put retried after an answer that never came may be stored twice (the producer sequence
-    # table is not journaled yet, docs/guarantees.md): its copies are two items
-    retried = {i for i, _ in records["R"]}
+    # a put retried after BrokerUnavailable is stored once (its copies would be two items);
+    # one put again after a TimeoutError is a new put
+    new_puts = {i for i, _ in records["T"]}
     again = [(i, t) for i, t in records["A"]
-             if i not in retried and any(d > t for d in delivered.get(i, ()))]
+             if i not in new_puts and any(d > t for d in delivered.get(i, ()))]
     assert not again, f"acknowledged items delivered again after their ack: {again[:10]}"
 
 
@@ -193,12 +221,15 @@ def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
         pid = brokers.start(**config)
         workers = _start_workers(address, stop)
         rng = random.Random(kills)
+        killed: list[tuple[int, int]] = []  # (before the kill, after it) in monotonic ns
         for _ in range(kills):
             before = sum(w.count("P ") for w in workers[:2])
             _wait_progress(workers[:2], before)
             time.sleep(rng.uniform(0.0, 0.3))
+            start = time.monotonic_ns()
             os.kill(pid, signal.SIGKILL)
             wait_gone(pid)
+            killed.append((start, time.monotonic_ns()))
             pid = brokers.start(**config)
         open(stop, "w").close()
         for w in workers:
@@ -207,6 +238,9 @@ def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
         assert len(records["P"]) > kills * 5
         assert records["A"] and records["G"], "both consumers took items"
         _check(records)
+        assert records["R"], "no put was retried after BrokerUnavailable"
+        twice = _stored_twice(records, killed)
+        assert not twice, f"items stored twice (retried: {sorted(set(twice) & {i for i, _ in records['R']})[:10]}): {twice[:10]}"
         stats = Channel.connect(address).stats()
         assert stats["journal"]["items"] == 0 and stats["bytes_held"] == 0, stats
         # the journal's disk use is back to about one segment once everything was taken
@@ -319,7 +353,7 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
             # and its successor is not started yet: these are the records of its life
             records = _records(workers)
             _check(records, extra_delivered=recovered)
-            acked = {i for i, _ in records["A"]} - {i for i, _ in records["R"]}
+            acked = {i for i, _ in records["A"]} - {i for i, _ in records["T"]}
             assert not acked & recovered, f"acknowledged items came back: {sorted(acked & recovered)[:10]}"
             pid = brokers.start(**config)
         open(stop, "w").close()

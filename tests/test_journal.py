@@ -26,7 +26,9 @@ from zchannel.broker import (
     JournalError,
     QueueFull,
 )
+from zchannel.broker.core.state import Item
 from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.journal import Journal, JournalSettings
 
 
 @pytest.fixture
@@ -218,6 +220,8 @@ def test_torn_last_records_and_empty_segments_lose_nothing_acknowledged(brokers,
     open(os.path.join(journal, f"durable-torn.{seq + 1:010d}.zcj"), "wb").close()  # zero-length
     with open(os.path.join(journal, f"durable-torn.{seq + 2:010d}.zcj"), "wb") as f:
         f.write(fmt.preamble(fmt.default_kind()))  # a segment whose making was cut short
+    with open(os.path.join(journal, f"durable-torn.{seq + 3:010d}.zcj"), "wb") as f:
+        f.truncate(1 << 20)  # preallocated, killed before its first record was written
     pid = brokers(**config)
     ch = Channel.connect(config["address"])
     assert [x["i"] for x in _get_all(ch, "default_queue")] == list(range(10))
@@ -429,3 +433,65 @@ def test_each_replica_of_a_distributed_channel_keeps_its_journal(run_dir, tmp_pa
         ch.close()
     finally:
         reps.stop_all()
+
+
+def test_the_stored_put_sequences_outlive_their_segments(tmp_path):
+    """Each put record carries its producer and sequence, and every segment starts with the
+    whole table of them: a journal read back knows every sequence it stored (within the last
+    WINDOW of its producer), also after the segments of those puts went, and none it did not
+    store (journal/sequences.py)."""
+    settings = JournalSettings(directory=str(tmp_path), name="seqs", fsync="never",
+                               segment_bytes=64 << 10)
+    p, q = b"p" * 16, b"q" * 16
+    journal = Journal(settings)
+    journal.recover()
+    try:
+        for seq in range(1, 301):  # 2 KiB items: ~30 per segment, ten segments
+            item = Item([os.urandom(2000)], 1, 2000, origin=(p, seq))
+            journal.stored([("k", None, item)])
+            journal.taken([item])
+            journal.sent()  # taken: the segments of these puts are removed
+        kept = Item([b"kept"], 1, 4, origin=(q, 7))
+        journal.stored([("k", None, kept)])
+        journal.stored([("k", None, Item([b"anonymous"], 1, 9))])  # no retry-safe producer
+        assert len(journal.store.segments) <= 2  # the segments of p's puts are gone
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        groups = again.recover()
+        assert [[bytes(f) for f in it.payload] for _, _, items in groups for it in items] == \
+            [[b"kept"], [b"anonymous"]]
+        windows = again.sequences.windows
+        assert set(windows) == {p, q}
+        assert all(windows[p].marked(seq) for seq in range(1, 301))
+        assert not windows[p].marked(301) and windows[p].high == 300
+        assert windows[q].marked(7) and not windows[q].marked(6)
+    finally:
+        again.close()
+
+
+def test_records_written_straight_to_a_new_segment_follow_its_tables(tmp_path):
+    """A large record (written at once, not buffered) that starts a new segment comes after the
+    tables the segment begins with (a buffered table written after it would overwrite it): every
+    put is read back, in order."""
+    settings = JournalSettings(directory=str(tmp_path), name="big", segment_bytes=64 << 10)
+    journal = Journal(settings)
+    journal.recover()
+    p = b"p" * 16
+    for seq in range(1, 101):
+        size = 200_000 if seq % 7 == 0 else 600  # every 7th fills a segment of its own
+        journal.stored([("k", None, Item([seq.to_bytes(4, "little") * (size // 4)], 1, size,
+                                         origin=(p, seq)))])
+        if seq % 3 == 0:
+            journal.commit()  # what a loop turn does before its replies go
+    journal.commit()  # all written: closing changes nothing read back
+    journal.close()
+    again = Journal(settings)
+    try:
+        (group,) = again.recover()
+        assert [int.from_bytes(bytes(it.payload[0][:4]), "little") for it in group[2]] == \
+            list(range(1, 101))
+        assert again.sequences.windows[p].high == 100
+    finally:
+        again.close()

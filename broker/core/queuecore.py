@@ -149,6 +149,8 @@ class QueueCore:
             else:
                 outputs = hooks.collect(item, key, item.weight)
                 routed = [(k, hooks.route(it, k), it) for k, it in outputs]
+                if item.origin is not None and routed:
+                    routed[-1][2].origin = item.origin
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)

@@ -31,7 +31,7 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
     from the slots, after them) and its length."""
     payload = item.payload
     if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
-        return _small_parts(crc, jid, key, consumer, item.weight, payload[0], rtype)
+        return _small_parts(crc, jid, key, consumer, item, payload[0], rtype)
     frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
     slots = 0
     if isinstance(payload, FramedSlots):
@@ -40,18 +40,18 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
         frames.extend(h.view() for h in payload.holds)
         slots = len(payload.holds)
     sizes = [memoryview(f).nbytes for f in frames]
-    meta = [jid, key, item.weight, consumer, sizes, slots, None]
+    meta = [jid, key, item.weight, consumer, sizes, slots, item.origin]
     parts, nbytes = fmt.put_parts(crc, meta, frames, rtype)
     if nbytes < JOIN_BELOW and len(parts) > 1:
         parts = [b"".join(p if isinstance(p, bytes) else bytes(p) for p in parts)]
     return parts, nbytes
 
 
-def _small_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None,
-                 weight: int | float, body: bytes, rtype: int) -> tuple[list[Any], int]:
+def _small_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
+                 body: bytes, rtype: int) -> tuple[list[Any], int]:
     """``item_parts`` of the common small item (its body alone, bytes, as small puts carry
     it inline): one bytes object, one checksum call."""
-    packed = fmt.pack([jid, key, weight, consumer, [len(body)], 0, None])
+    packed = fmt.pack([jid, key, item.weight, consumer, [len(body)], 0, item.origin])
     record = fmt.record(crc, rtype, fmt.U32.pack(len(packed)) + packed + body)
     return [record], len(record)
 

@@ -12,8 +12,11 @@ writes (``journal/format.py``):
   had not left when the broker died is there again after a restart (at least once);
 - a ``LEASE`` record for every delivery under a lease (counted as a redelivery when it comes
   back after a restart);
-- ``TABLE`` records for tables registered beside the items (``register_table``), whole at the
-  start of every segment, so that older segments are never needed for them.
+- ``TABLE`` records for the tables kept beside the items (``_tables``), whole at the start of
+  every segment, so that older segments are never needed for them: ``producers`` holds the put
+  sequences of each producer whose puts were recorded (each ``PUT`` record carries its put's
+  producer and sequence: ``journal/sequences.py``), which a broker started again on the
+  journal knows as stored (retry-safe puts across a restart).
 
 Segments are removed oldest first, once every item they hold has left; an old segment that
 keeps a few items while the journal grows past twice what its items take has them copied to
@@ -37,6 +40,7 @@ from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
 from zchannel.broker.journal.segments import JournalDir
+from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences
 from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
 from zchannel.broker.journal.syncing import JournalFailed
 
@@ -83,7 +87,8 @@ class Journal:
         self._unwritten: list[int] = []  # removals that found no room (written later)
         self._leases: list[int] = []
         self.on_room: Callable[[], None] | None = None  # puts may fit again (segments went)
-        self._tables: dict[str, Callable[[], dict]] = {}
+        self.sequences = StoredSequences()  # the put sequences recorded, per producer
+        self._tables: dict[str, Callable[[], dict]] = {TABLE_NAME: self._sequences}
         self.recovered: Recovered | None = None
         self.recovered_items = 0
         self.redelivered = 0
@@ -102,6 +107,7 @@ class Journal:
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
+        self.sequences = rec.sequences
         groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
         for jid, (seg, nbytes, put) in rec.items.items():
             got = recovered_item(jid, put)
@@ -127,20 +133,12 @@ class Journal:
             items.sort(key=lambda it: it.jid)
         return [(key, consumer, items) for (key, consumer), items in groups.items()]
 
-    def register_table(self, name: str, snapshot: Callable[[], dict]) -> dict:
-        """Keep table ``name`` beside the items: ``snapshot()`` gives all of it (written at the
-        start of every segment), ``table_set`` records changes; the table as it was at start."""
-        self._tables[name] = snapshot
-        self._write_table(name, snapshot(), whole=True)
-        return dict(self.recovered.tables.get(name, {})) if self.recovered else {}
-
-    def table_set(self, name: str, pairs: dict) -> None:
-        """Record that ``pairs`` of table ``name`` changed (written with the next commit)."""
-        self._write_table(name, pairs, whole=False)
-
     def _write_table(self, name: str, data: dict, whole: bool) -> None:
         body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
         self.store.append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+
+    def _sequences(self) -> dict:
+        return self.sequences.snapshot()
 
     def _write_tables(self) -> None:
         for name, snapshot in self._tables.items():
@@ -159,6 +157,8 @@ class Journal:
                 item.jid = jid
                 self.live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
+                if item.origin is not None:
+                    self.sequences.mark(item.origin)
             if self._idle_after is not None:
                 self._idle(self._idle_after)
         except JournalError:
@@ -195,6 +195,8 @@ class Journal:
         seg = self.store.append(parts, nbytes, for_put=True)
         self._next_jid = jid + 1
         self.inputs.add(jid, seg, nbytes, key, item)
+        if item.origin is not None:
+            self.sequences.mark(item.origin)
         if holds_state:
             self._idle_after = None  # it holds something again: every input stays
         elif outputs:

@@ -5,8 +5,9 @@ Each segment is mapped and read once, checking every record's checksum (the one 
 data that recovery costs).  Items keep their frames as views of the mapping (large frames) or
 as copies (small ones).  What the segments may hold, and what recovery does with it:
 
-- a zero-length file, or one shorter than its first record (a broker died while making it):
-  removed, it held nothing;
+- a zero-length file, one shorter than its first record, or one whose first record is all
+  zeros (a broker died while making it, between preallocating and writing it): removed, it
+  held nothing;
 - a torn record (a broker or the machine died while it was written): that segment's data end
   before it — nothing acknowledged can be there, since a reply waits for its record
   (``docs/durability.md``) — logged with the bytes dropped, and the file trimmed;
@@ -24,6 +25,7 @@ from typing import Any
 
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.segments import JournalDir, SegmentFile
+from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences, origin_of
 
 log = logging.getLogger("zchannel.journal")
 
@@ -39,6 +41,8 @@ class Recovered:
     # the inputs a collector that keeps state took since it last held nothing, by jid
     inputs: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
     tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # the put sequences of each producer the journal recorded (journal/sequences.py)
+    sequences: StoredSequences = field(default_factory=StoredSequences)
     segments: list[SegmentFile] = field(default_factory=list)
     max_jid: int = 0
     bytes_read: int = 0
@@ -70,6 +74,13 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(data)
     magic, kind = fmt.PREAMBLE.unpack_from(view, 0)
+    if not any(view[:head_size]):  # made (preallocated) but nothing written in it yet
+        log.warning("journal segment %s holds only zeros (a broker stopped while making it): "
+                    "removed", path)
+        view.release()
+        data.close()
+        _remove(path, rec)
+        return None
     if magic != fmt.MAGIC:
         raise fmt.JournalFormatError(f"{path} is not a zchannel journal segment (it is named "
                                      f"like one of channel {jdir.name!r}); move it away")
@@ -126,6 +137,9 @@ def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> No
         held.pop(put.jid, None)  # a copy made by compaction: the newest counts
         held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
         rec.max_jid = max(rec.max_jid, put.jid)
+        origin = origin_of(put.extra)
+        if origin is not None:
+            rec.sequences.mark(origin)
     elif rtype == fmt.IDLE:
         upto = fmt.unpack(body)
         if isinstance(upto, list) and upto and isinstance(upto[0], int):
@@ -154,6 +168,8 @@ def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> No
             for pair in pairs if isinstance(pairs, list) else ():
                 if isinstance(pair, list) and len(pair) == 2:
                     table[_hashable(pair[0])] = pair[1]
+            if name == TABLE_NAME:  # the whole table of stored sequences, as it was here
+                rec.sequences.load(table)
 
 
 def _hashable(value: Any) -> Any:

@@ -174,6 +174,8 @@ class SegmentStore:
             return seg
         self.flush_buffer()
         seg, offset = self._reserve(nbytes, for_put)
+        if self.buf:  # a new segment's tables, buffered by the roll: they come before it
+            self.flush_buffer()
         try:
             write_all(seg.fileno(), parts, offset)
         except OSError as exc:

@@ -29,6 +29,7 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     except BaseException:
         journal.close()
         raise
+    sessions.producers.restore(journal.sequences.windows)  # retry-safe puts go on
     core.attach_log(journal)
     journal.on_room = core.waiters.admit_putters
     sessions.journal = journal
