@@ -41,7 +41,8 @@ def valid(info: mi.Type, body_max: int = 512) -> st.SearchStrategy:
     if isinstance(info, mi.NoneType):
         return st.none()
     if isinstance(info, mi.BytesType):
-        return st.binary(max_size=body_max)
+        high = body_max if info.max_length is None else min(body_max, info.max_length)
+        return st.binary(min_size=info.min_length or 0, max_size=high)
     if isinstance(info, mi.ListType):
         return st.lists(valid(info.item_type), max_size=4)
     return values
