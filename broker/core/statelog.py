@@ -8,7 +8,9 @@ request changes).  Without a log (``QueueCore.log`` None) none of this runs.
 The order of the calls is the order of the changes, and the log may rely on it:
 
 - ``stored(outputs)`` before a put's items enter their queues (a put that waited for room:
-  when it is admitted); raising refuses the put;
+  when it is admitted); raising refuses the put.  The last output carries the put's
+  ``Item.origin`` (producer and sequence of a retry-safe put; opaque to the core), which the
+  log keeps with it, so that a broker started again knows the put was stored;
 - ``taken(items)`` when a plain ``get`` / ``get_batch`` takes items out of the queues; the
   reply is sent after this call, at the end of the loop turn (``returned`` cancels it if the
   reply could not be sent);

@@ -159,6 +159,7 @@ class Journal:
                 written.append(jid)
                 if item.origin is not None:
                     self.sequences.mark(item.origin)
+                    item.origin = None  # recorded: the tables carry it from here on
             if self._idle_after is not None:
                 self._idle(self._idle_after)
         except JournalError:

@@ -128,7 +128,8 @@ def put(broker: Any, client: Client, rec: Put, frames: list) -> None:
     if verdict != NEW:
         repeated(broker, client, rec, seq, verdict)
         return
-    item.origin = (window.producer, seq)  # a durable channel journals it with the item
+    if broker.journal is not None:  # a durable channel journals it with the item
+        item.origin = (window.producer, seq)
     try:
         outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
     except BaseException:  # answered with this error: not stored, as far as the client knows
