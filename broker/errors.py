@@ -80,6 +80,13 @@ class HookError(ChannelError):
         return (type(self), (str(self), self.exc_type, self.remote_traceback))
 
 
+class JournalError(ChannelError):
+    """A durable channel's journal could not record a put or an ack (its disk is full, its
+    directory cannot be written, the journal is in use by another broker): that put or ack
+    changed nothing.  Also the error of a broker that cannot start on its journal
+    (``docs/durability.md``)."""
+
+
 class KeyMoved(ChannelError):
     """The replica asked no longer holds the key: it moved (while empty) to replica ``replica``
     of a distributed channel that moves keys (``steal = true``, ``docs/distributed.md``).
@@ -100,6 +107,7 @@ _BY_NAME: dict[str, type[BaseException]] = {
     "AuthenticationFailed": AuthenticationFailed,
     "UnsafeRunDir": UnsafeRunDir,
     "HookError": HookError,
+    "JournalError": JournalError,
     "BrokerStartError": BrokerStartError,
     "QueueFull": QueueFull,
     "QueueEmpty": QueueEmpty,

@@ -108,6 +108,16 @@ def main() -> None:
 @click.option("--producer-grace", type=float,
               help="seconds a producer's put sequences are kept after its connection ended "
                    "(retry-safe puts, default 60)")
+@click.option("--journal", type=click.Path(file_okay=False),
+              help="a durable channel: record every item in this directory and serve what it "
+                   "holds when started again (docs/durability.md)")
+@click.option("--fsync", type=click.Choice(("always", "interval", "never")),
+              help="when journal records reach the disk: before the reply, within "
+                   "--fsync-interval (default), or when the OS writes them")
+@click.option("--fsync-interval", type=click.FloatRange(min=0, min_open=True),
+              help="seconds between the journal's syncs with --fsync interval (default 0.01)")
+@click.option("--max-journal-bytes", type=click.IntRange(min=0),
+              help="puts wait while the journal would take more disk than this (0 = no limit)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
            producers: tuple[str, ...], options: tuple[str, ...], imports: tuple[str, ...],
            **flags: Any) -> None:
@@ -353,6 +363,16 @@ def _echo_stats(stats: dict) -> None:
                    f"slots used {shm.get('slots_used')}   bytes held {shm.get('bytes_held')}   "
                    f"held by consumers {shm.get('consumer_bytes')}   same-host clients "
                    f"{shm.get('clients')}")
+    journal = stats.get("journal")
+    if journal:  # a durable channel (docs/durability.md)
+        limit = journal.get("max_journal_bytes") or "none"
+        click.echo(f"journal   {journal.get('directory')}   fsync {journal.get('fsync')}   "
+                   f"bytes {journal.get('bytes')} (limit {limit})   segments "
+                   f"{journal.get('segments')}   items {journal.get('items')}   fsync lag "
+                   f"{journal.get('fsync_lag_ms')} ms   last fsync "
+                   f"{journal.get('last_fsync_ms')} ms   recovered "
+                   f"{journal.get('recovered_items')}"
+                   + (f"   FAILED: {journal['failed']}" if journal.get("failed") else ""))
     if stats.get("collector_stats"):
         click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")
     click.echo(f"consumers {', '.join(stats.get('consumers') or []) or '-'}")

@@ -104,6 +104,13 @@ class TrajectoryCollector(Collector):
         for output in outputs:
             yield DEFAULT_KEY, output
 
+    def holds_state(self) -> bool:
+        """Halves waiting for their other half, fragments or open scopes: a durable channel
+        keeps (and replays at a restart) the puts since none was held."""
+        joiner = self.joiner
+        return bool(joiner.policy_parts or joiner.env_parts or joiner.fragments
+                    or self.mode.scopes)
+
     def _check_item(self, item: Any) -> None:
         if not isinstance(item, (PolicyPart, EnvPart)):
             raise ValueError(

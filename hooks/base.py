@@ -87,6 +87,16 @@ class Collector:
         """Optional figures shown by ``zchannel stat`` (must be msgpack-able)."""
         return {}
 
+    def holds_state(self) -> bool:
+        """Whether the collector now keeps something of earlier puts that a later put may
+        still need (a half waiting for its other half, an open trajectory).  A durable
+        channel's journal keeps the puts since the last moment this was False and, when a
+        broker starts on the journal, replays them through ``collect`` (dropping what they
+        yield: those outputs were stored already) to rebuild the state.  A collector that
+        keeps state must be deterministic for that (the same puts give the same state).
+        Default: False, nothing is kept between puts."""
+        return False
+
 
 class Dispatcher:
     """Decides, per output item, whether it stays shared or is dealt to one consumer.

@@ -116,3 +116,20 @@ class ChunkFromEnv(Collector):
         else:
             yield key, ChunkStepResult(rewards=item.rewards, dones=item.dones,
                                        forward_inputs={"states": item.obs["states"]})
+
+
+class Pairs(Collector):
+    """Keeps the first put of each key until a second comes, then yields the pair: a collector
+    with state between puts (``holds_state``), rebuilt from the journal of a durable channel."""
+
+    def setup(self, ctx):
+        self.waiting = {}
+
+    def collect(self, item, key):
+        if key in self.waiting:
+            yield key, (self.waiting.pop(key), item)
+        else:
+            self.waiting[key] = item
+
+    def holds_state(self):
+        return bool(self.waiting)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import click
@@ -363,3 +364,78 @@ def test_target_thresholds_are_data(tmp_path):
     result = _run("--targets", "--scenario", "batch")
     assert result.exit_code == 2 and "--targets runs the target suite" in result.output
     assert "--targets" in _run("--help").output
+
+
+@pytest.mark.timeout(120)
+def test_redis_baseline_with_its_append_only_file_or_a_line_saying_why_not(tmp_path):
+    """``--baseline redis``: a redis-server with AOF (everysec) on a Unix socket in the run's
+    temporary directory, a list as the queue, every item checked; without redis-server on PATH
+    the report says so and the case runs alone."""
+    import shutil
+
+    from zchannel.cli.bench.redis import RedisServer
+
+    out = tmp_path / "bench.json"
+    result = _run("--scenario", "channel", "--messages", "2000", "--window", "8", "--repeat",
+                  "1", "--baseline", "redis", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    if shutil.which("redis-server") is None:
+        assert "redis-server is not on PATH" in result.output
+        assert {row["kind"] for row in doc["rows"]} == {"zchannel"}
+        return
+    redis_row = next(r for r in doc["rows"] if r["kind"] == "redis")
+    assert redis_row["messages"] == 2000 and redis_row["items_s"] > 0
+    assert "append-only file" in result.output  # the legend says what the baseline is
+    with RedisServer(str(tmp_path)) as server:  # its settings, as the legend states them
+        import redis
+
+        client = redis.Redis(unix_socket_path=server.socket)
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert client.config_get("appendfsync")["appendfsync"] == "everysec"
+        client.close()
+        pid = server.proc.pid
+    assert server.proc.poll() is not None and not os.path.exists(f"/proc/{pid}/status")
+
+
+def test_disk_baseline_writes_and_syncs_the_same_bytes(tmp_path, monkeypatch):
+    from zchannel.cli.bench.cases import Case
+    from zchannel.cli.bench.disk import run_disk
+
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd)))
+    measured = run_disk(Case("channel", ptype="tensor", size=1 << 20, messages=5), str(tmp_path))
+    assert synced == [(i + 1) << 20 for i in range(5)]  # one sync per item, after its bytes
+    assert measured.items == 5 and measured.lat_ns.size == 5 and not list(tmp_path.iterdir())
+
+
+def test_durable_targets_compare_in_the_same_rounds(tmp_path, monkeypatch):
+    """D1 against the disk, D2 against the same stream without a journal, D3/D4 against Redis,
+    each in rounds with what it is compared to; the journaled cases use a journal."""
+    from zchannel.cli.bench import durable as durable_mod
+    from zchannel.cli.bench import runner as runner_mod
+    from zchannel.cli.bench.cases import Measured
+
+    order: list[str] = []
+
+    def fake(kind: str, seconds: float):
+        def run(case, *args, **kwargs):
+            order.append(f"{kind}:{case.journal or '-'}:{case.size}")
+            return Measured(case.messages, seconds, np.array([1000], dtype=np.int64))
+        return run
+
+    monkeypatch.setattr(runner_mod, "run_channel_stream", fake("zchannel", 1.0))
+    monkeypatch.setattr(runner_mod, "run_disk", fake("disk", 2.0))
+    monkeypatch.setattr(runner_mod, "run_redis", fake("redis", 4.0))
+    monkeypatch.setattr(runner_mod, "redis_unavailable", lambda: None)
+    runner = runner_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
+    targets = {t.target: t for t in durable_mod.run_durable_targets(runner)}
+    assert sorted(targets) == ["D1", "D2", "D3", "D4"]
+    assert targets["D1"].ratio == 2.0 and targets["D1"].passed
+    assert targets["D2"].ratio == 1.0 and targets["D3"].ratio == 4.0 and targets["D4"].ratio == 4.0
+    big, small = f"zchannel:interval:{16 << 20}", "zchannel:interval:64"
+    assert order[:4] == [big, f"disk:-:{16 << 20}"] * 2  # rounds: case, then its baseline
+    assert order[4:10] == [small, "zchannel:-:64", "redis:-:64"] * 2
+    assert order[10:] == [big, f"redis:-:{16 << 20}"] * 2
+    assert runner.baseline == "zmq"

@@ -239,7 +239,7 @@ def test_dependencies_point_one_way():
 # of a lower one, never of a higher one (docs/architecture.md draws them). ``shm`` and ``core`` share
 # a floor and import nothing of each other; ``errors`` (the package root) is the bottom.
 BROKER_LAYERS = {
-    "handle": 9, "server": 8, "cluster": 7, "connection": 6, "shm": 5, "core": 5,
+    "handle": 10, "server": 9, "journal": 8, "cluster": 7, "connection": 6, "shm": 5, "core": 5,
     "transport": 4, "wire": 3, "host": 2, "": 1,
 }
 

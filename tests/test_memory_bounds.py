@@ -118,7 +118,10 @@ def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
         assert why and all("max_bytes limit (1048576" in w for w in why), why
 
         grown = _rss(pid) - idle
-        assert grown < 2 * MAX_BYTES, f"the broker grew by {grown / 1024:.0f} KiB"
+        # twice max_bytes, plus the allocator's slack: the same broker grows 1.7-2.2 MiB here
+        # depending on its heap layout (which imports it made); unbounded, these floods would
+        # grow it by ~20 MiB
+        assert grown < 3 * MAX_BYTES, f"the broker grew by {grown / 1024:.0f} KiB"
         stats = ch.stats()
         assert stats["bytes_held"] == held * (1 + ITEM_OVERHEAD)
         assert ch.get(key="flood", timeout=10) is None  # the broker serves on

@@ -213,6 +213,41 @@ def test_a_put_whose_acknowledgement_was_lost_is_not_stored_again(channels):
         proxy.close()
 
 
+def test_a_lost_acknowledgement_and_a_restart_on_the_journal_store_once(channels, tmp_path):
+    """A durable channel journals each put's producer and sequence with its item: the broker
+    stored a put, its acknowledgement was lost, the broker was SIGKILLed and started again on
+    its journal (by the creating process) — the retry is acknowledged, not stored again."""
+    ch = Channel.create("retry_durable", address="tcp://127.0.0.1:0", journal=tmp_path / "j")
+    channels.append(ch)
+    host, port = ch.address[len("tcp://"):].rsplit(":", 1)
+    proxy = _Proxy((host, int(port)))
+    try:
+        via = Channel.connect(f"tcp://127.0.0.1:{proxy.port}", timeout=20)
+        via.put("warm")
+        proxy.holding.set()
+        with pytest.raises(BrokerUnavailable):
+            via.put("B")  # stored and journaled; its acknowledgement is held, then dropped
+        pid = ch.stats()["pid"]
+        assert ch.qsize() == 2
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: _restarted(ch, pid), timeout=60)
+        proxy.cut()  # the client reconnects through the relay to the new broker
+        _retry_until_stored(via, "B")
+        assert _drain(ch) == ["warm", "B"]
+        stats = ch.stats()
+        assert stats["duplicate_puts"] == 1 and stats["journal"]["recovered_items"] == 2
+        via.close()
+    finally:
+        proxy.close()
+
+
+def _restarted(ch, pid: int) -> bool:
+    try:
+        return ch.stats()["pid"] != pid
+    except BrokerUnavailable:
+        return False
+
+
 _PRODUCER = """
 import sys, time
 from zchannel.broker import BrokerUnavailable, Channel

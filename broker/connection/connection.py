@@ -306,6 +306,7 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
                 log.warning("the broker at %s expired this client: registering again", self.address)
                 self._fail_all(BrokerUnavailable("the broker expired this client (it was silent "
                                                  "too long); the request was dropped"))
+                self.shm.end_session()
                 self._send_hello()
             return
         if rid == self._bye_id:

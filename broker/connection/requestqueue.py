@@ -158,7 +158,7 @@ class RequestQueue(ConnectionParts):
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
-                if pending[3] is not None and pending[3].closed:
+                if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
                     self._drop_unsent(rec, pending)
                     return
                 self._pending[rec.id] = pending
@@ -180,7 +180,7 @@ class RequestQueue(ConnectionParts):
                and inline < MAX_INLINE_PER_MESSAGE):
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
-                if pending[3] is not None and pending[3].closed:
+                if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
                     self._drop_unsent(rec, pending)
                     continue
                 self._pending[rec.id] = pending
@@ -194,11 +194,24 @@ class RequestQueue(ConnectionParts):
                     inline += len(rec.body)
         return records, frames
 
+    def _stale(self, rec: Request, pending: Pending) -> bool:
+        """A put whose shared-memory slots were taken in an earlier session of this
+        connection (``ShmClient.stale``): it must not go out in this one."""
+        return pending[2] and isinstance(rec, Put) and rec.slots is not None \
+            and self.shm.stale(rec.slots)
+
     def _drop_unsent(self, rec: Request, pending: Pending) -> None:
-        """A request whose handle closed before it went out: never sent, it fails here."""
+        """A request whose handle closed before it went out (``ChannelError``), or a put whose
+        slots are stale (``BrokerUnavailable``: sent again, it takes new ones): never sent, it
+        fails here."""
         client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
         self._release(pending[3])
-        pending[0].set_exception(ChannelError("this channel handle is closed"))
+        if pending[3] is not None and pending[3].closed:
+            pending[0].set_exception(ChannelError("this channel handle is closed"))
+        else:
+            pending[0].set_exception(BrokerUnavailable(
+                f"the broker at {self.address} was restarted (or expired this client) while "
+                "this put waited to be sent; nothing was stored"))
 
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from zchannel.broker.core.consumers import Consumers
 from zchannel.broker.core.state import Item
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_weight
 from zchannel.hooks import ChannelContext, Collector, Dispatcher
@@ -36,6 +37,10 @@ class HookPipeline:
         self.encode_item = encode_item
         # the default collector passes each put through unchanged: no call, no decoding
         self.passthrough = type(collector).collect is Collector.collect
+        # a collector that says when it keeps state between puts (Collector.holds_state): a
+        # durable channel's journal (``log``) keeps the puts it may still need
+        self.stateful = type(collector).holds_state is not Collector.holds_state
+        self.log: StateLog | None = None
         self.deals = dispatcher.deals
         self.ctx = ChannelContext(
             name=name,
@@ -76,7 +81,17 @@ class HookPipeline:
                     outputs.append((out_key, self.encode_item(out[1], out_weight)))
         except Exception as exc:
             raise hook_error(exc) from None
+        if self.log is not None and self.stateful:
+            self.log.collected(item, key, self.holds_state(), len(outputs))
         return outputs
+
+    def holds_state(self) -> bool:
+        """``Collector.holds_state`` (a failure counts as holding state)."""
+        try:
+            return bool(self.collector.holds_state())
+        except Exception:
+            log.exception("Collector.holds_state failed")
+            return True
 
     def route(self, item: Item, key: Any) -> str | None:
         """The consumer whose private queue ``item`` goes to (None: the shared queue)."""

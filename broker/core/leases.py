@@ -8,6 +8,7 @@ queue (``QueueCore`` does that part).
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from typing import Any
 
@@ -23,7 +24,9 @@ class LeaseBook:
         self.queues = queues
         self.deadlines = deadlines
         self.leases: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
+        # from a random start: an ack that reaches a restarted broker (a durable channel's, which
+        # holds the item again) never ends the lease of another delivery by chance
+        self._ids = itertools.count(secrets.randbits(40) + 1)
 
     def issue(self, client: Client, ks: KeyState, origin: str | None, item: Item) -> int:
         """Lease ``item`` (taken from ``origin``'s queue of ``ks``) to ``client``: its id."""

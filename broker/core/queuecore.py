@@ -40,6 +40,7 @@ from zchannel.broker.core.state import (
     Lease,
     Parked,
 )
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.core.waiters import SendReply, Waiters
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
@@ -87,12 +88,14 @@ class QueueCore:
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
                                deadlines=self.deadlines, reply=reply,
                                request_overhead=request_overhead, key_overhead=key_overhead)
+        self.log: StateLog | None = None
+
+    def attach_log(self, log: StateLog) -> None:
+        """Tell ``log`` (a journal, ``core/statelog.py``) every change of the items from now on."""
+        self.log = self.waiters.log = self.hooks.log = log
+        self.queues.log = log if log.limited else None  # its room limits puts
 
     # -- what the broker, its metrics and its stats read -----------------------------------------
-
-    @property
-    def maxsize(self) -> int:
-        return self.queues.maxsize
 
     @property
     def keys(self) -> dict[Any, KeyState]:
@@ -126,10 +129,6 @@ class QueueCore:
     def deals(self) -> bool:
         return self.hooks.deals
 
-    @property
-    def ctx(self) -> Any:
-        return self.hooks.ctx
-
     # -- requests --------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
@@ -150,6 +149,8 @@ class QueueCore:
             else:
                 outputs = hooks.collect(item, key, item.weight)
                 routed = [(k, hooks.route(it, k), it) for k, it in outputs]
+                if item.origin is not None and routed:
+                    routed[-1][2].origin = item.origin
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)
@@ -186,6 +187,10 @@ class QueueCore:
             self.reply(client, rid, error=ValueError(
                 f"unknown lease {lease_id!r}: already acknowledged, expired or never issued"))
             return
+        error = _unacked(self.log, lease.item)
+        if error is not None:  # not recorded: the lease stays open
+            self.reply(client, rid, error=error)
+            return
         self.lease_book.end(lease)
         self.queues.bytes_held -= lease.item.nbytes
         self.reply(client, rid)
@@ -217,9 +222,10 @@ class QueueCore:
                 self._return_lease(lease)
         self._leave(client)
 
-    def requeue(self, client: Client, origin: tuple[Any, str | None], items: list[Item],
+    def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
                 lease_id: int | None) -> None:
-        """A delivery could not reach ``client``: its items go back to the head of their queue."""
+        """A delivery could not reach ``client``: its items go back to the head of their queue
+        (also the items a durable channel's journal held when its broker started)."""
         key, consumer = origin
         lease = self.lease_book.find(lease_id)
         if lease is not None:
@@ -227,6 +233,8 @@ class QueueCore:
         else:
             for item in items:
                 self.queues.bytes_held += item.nbytes
+            if self.log is not None:
+                self.log.returned(items)
         ks = self.queues.state(key)
         if consumer is not None and not self.roster.known(consumer):
             for item in items:
@@ -332,7 +340,7 @@ class QueueCore:
     def stats(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "maxsize": self.maxsize,
+            "maxsize": self.queues.maxsize,
             "keys": self.queues.key_stats(),
             "consumers": list(self.hooks.ctx.consumers),
             "producers": list(self.hooks.ctx.producers),
@@ -346,3 +354,15 @@ class QueueCore:
 def _duplicate_id(rid: int) -> ValueError:
     # a second waiting request under one id could be neither told apart nor withdrawn
     return ValueError(f"request id {rid} is already used by a waiting request of this client")
+
+
+def _unacked(log: StateLog | None, item: Item) -> Exception | None:
+    """Record the ack of a leased ``item`` in the journal ``log`` (if any): None, or the error
+    that kept the journal from recording it (the ack's error: the lease stays open)."""
+    if log is None:
+        return None
+    try:
+        log.acked(item)
+    except Exception as exc:
+        return exc
+    return None

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zchannel.broker.core.state import ITEM_OVERHEAD, Item, KeyState
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.wire.argchecks import check_key
 
 KEY_GRACE_S = 30.0
@@ -62,6 +63,7 @@ class KeyedQueues:
         self.deadlines = deadlines
         self.keys: dict[Any, KeyState] = {}
         self.bytes_held = 0  # items queued or delivered under a lease not yet acknowledged
+        self.log: StateLog | None = None  # a durable channel's journal: its room limits puts too
 
     def state(self, key: Any) -> KeyState:
         """The queues of ``key`` (created on first use); the key is in use again."""
@@ -125,14 +127,17 @@ class KeyedQueues:
 
     def admits(self, outputs: Outputs, blocked: set[tuple[Any, str | None]]) -> bool:
         """Whether a put of ``outputs`` fits now: none of its target queues is in ``blocked``
-        (an earlier put waits for it) or full, and ``max_bytes`` leaves room for it."""
-        if not (blocked or self.max_bytes or self.maxsize > 0):
+        (an earlier put waits for it) or full, and ``max_bytes`` (and the journal, if the
+        channel has one) leaves room for it."""
+        if not (blocked or self.max_bytes or self.maxsize > 0 or self.log is not None):
             return True  # unbounded channel, nobody waiting: the common case
         targets = self.targets(outputs)
         if blocked and targets & blocked:
             return False
         if self.max_bytes and self.bytes_held \
                 and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
+            return False
+        if self.log is not None and not self.log.room(self.outputs_bytes(outputs)):
             return False
         if self.maxsize <= 0:
             return True
@@ -145,8 +150,21 @@ class KeyedQueues:
                 return False
         return True
 
+    def never_fits(self, outputs: Outputs) -> str | None:
+        """Why a put of ``outputs`` could never fit (larger than ``max_bytes``, or than a
+        durable channel's ``max_journal_bytes`` allows), or None."""
+        nbytes = self.outputs_bytes(outputs)
+        if self.max_bytes and nbytes > self.max_bytes:
+            return f"put of {nbytes} bytes exceeds the broker's max_bytes limit ({self.max_bytes})"
+        if self.log is not None and not self.log.fits(nbytes):
+            return f"put of {nbytes} bytes exceeds the broker's max_journal_bytes limit"
+        return None
+
     def why_full(self, key: Any, outputs: Outputs) -> str:
-        """Why a put of ``outputs`` under ``key`` does not fit now: ``max_bytes`` or ``maxsize``."""
+        """Why a put of ``outputs`` under ``key`` does not fit now: ``max_bytes``, the journal's
+        ``max_journal_bytes`` or ``maxsize``."""
+        if self.log is not None and not self.log.room(self.outputs_bytes(outputs)):
+            return "the journal holds max_journal_bytes: no room for this put"
         if self.max_bytes and self.bytes_held \
                 and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
             return (f"the broker holds {self.bytes_held} bytes of items, and this put would "

@@ -29,6 +29,11 @@ class Item:
     nbytes: int
     value: Any = None  # the decoded item, when a hook needed it
     decoded: bool = False
+    jid: int = 0  # its number in the channel's journal (``StateLog``), 0 without one
+    # the (producer, sequence) of the retry-safe put that stored it, for a journal to keep:
+    # opaque to the core, which moves it to the last output of a collector; the journal drops
+    # it once recorded
+    origin: tuple[bytes, int] | None = None
 
 
 @dataclass(eq=False)

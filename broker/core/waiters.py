@@ -36,6 +36,7 @@ from zchannel.broker.core.state import (
     KeyState,
     Parked,
 )
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.errors import QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
@@ -60,6 +61,7 @@ class Waiters:
         self.deadlines = deadlines
         self.reply = reply
         self.putters: deque[Parked] = deque()
+        self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
         self.request_overhead = request_overhead  # what each of them counts, items aside
         self.key_overhead = key_overhead  # and each key it made
@@ -75,15 +77,18 @@ class Waiters:
             self.reply(client, rid)
             return True
         if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
+            error = _unlogged(self.log, outputs)
+            if error is not None:  # nothing is stored
+                self.reply(client, rid, error=error)
+                return False
             for ks in queues.store(outputs):
                 self.serve(ks)
             self.reply(client, rid)
             return True
         req = Parked(client, rid, "put", key, None, outputs=outputs)
-        if queues.max_bytes and queues.outputs_bytes(outputs) > queues.max_bytes:
-            self.reply(client, rid, error=ValueError(
-                f"put of {queues.outputs_bytes(outputs)} bytes exceeds the broker's max_bytes "
-                f"limit ({queues.max_bytes})"))
+        never = queues.never_fits(outputs)
+        if never:
+            self.reply(client, rid, error=ValueError(never))
             return False
         if nowait:
             self.reply(client, rid, error=self._queue_full(req))
@@ -119,11 +124,15 @@ class Waiters:
             if not req.alive:
                 continue
             if self.queues.admits(req.outputs, blocked):
-                self._unpark_putter(req, stored=True)
+                error = _unlogged(self.log, req.outputs)
+                self._unpark_putter(req, stored=error is None)
+                admitted = True
+                if error is not None:
+                    self.reply(req.client, req.rid, error=error)
+                    continue
                 for ks in self.queues.store(req.outputs):
                     self.serve(ks)
                 self.reply(req.client, req.rid)
-                admitted = True
             else:
                 blocked |= self.queues.targets(req.outputs)
         if admitted:
@@ -174,6 +183,8 @@ class Waiters:
             # item at once, without a Parked record
             item = ks.shared.popleft()
             self.queues.bytes_held -= item.nbytes
+            if self.log is not None:
+                self.log.taken((item,))
             self.reply(client, rid, items=[item], origin=(ks.key, None))
             if self.putters:
                 self.admit_putters()
@@ -292,9 +303,13 @@ class Waiters:
         lease_id = None
         if req.ack and req.kind == "get":
             lease_id = self.leases.issue(req.client, ks, origin, items[0])
+            if self.log is not None:
+                self.log.leased(items[0])
         else:
             for item in items:
                 self.queues.bytes_held -= item.nbytes
+            if self.log is not None:
+                self.log.taken(items)
         self.reply(req.client, req.rid, items=items, batch=req.kind == "batch", lease=lease_id,
                    origin=(ks.key, origin))
 
@@ -352,3 +367,15 @@ def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
                 n += 1
             return n
     return len(queue) if final else 0
+
+
+def _unlogged(log: StateLog | None, outputs: Outputs) -> Exception | None:
+    """Record a put's items in the journal ``log`` (if any) before they are stored: None, or the
+    error that kept the journal from recording them (the put's error: nothing is stored)."""
+    if log is None:
+        return None
+    try:
+        log.stored(outputs)
+    except Exception as exc:
+        return exc
+    return None

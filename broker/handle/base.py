@@ -63,6 +63,7 @@ class ChannelHandle:
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
+        self._keeper: Any = None  # a durable channel's BrokerKeeper (handle/keeper.py)
         self.created = False
         _open_handles.add(self)
 
@@ -184,6 +185,8 @@ class ChannelHandle:
         if self._proc is None or self._creator_pid != os.getpid():
             raise PermissionError("only the handle that created the channel's broker may shut "
                                   "it down (or pass its shutdown token: docs/security.md)")
+        if self._keeper is not None:
+            self._keeper.stop()  # a broker stopped on purpose is not started again
         proc = self._proc
         try:
             if proc.poll() is None and not self._closed:
@@ -207,8 +210,14 @@ class ChannelHandle:
 
     def _kill_broker(self) -> None:
         """Stop the broker this handle started (``starting.stop_broker``: SIGTERM, SIGKILL)."""
+        if self._keeper is not None:
+            self._keeper.stop()
         if self._proc is not None:
             stop_broker(self._proc)
+
+    def _broker_restarted(self, proc: subprocess.Popen, token: str) -> None:
+        """The keeper started this handle's broker again (a durable channel's broker died)."""
+        self._proc, self._token = proc, token
 
     def __enter__(self) -> Self:
         return self

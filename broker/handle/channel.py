@@ -36,9 +36,11 @@ from zchannel.broker.handle.distributed import (
     connect_from_cluster,
     create_from_cluster,
 )
+from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
+from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.metrics import check_port
 from zchannel.broker.server.starting import (
     START_TIMEOUT_S,
@@ -82,6 +84,7 @@ def _checked_create_args(
     name: str, maxsize: Any, distributed: Any, node_rank: Any, local: Any,
     identity: str | None, producers: Iterable[str] | None,
     consumers: Iterable[str] | Mapping[str, int] | None, metrics_port: int | None,
+    journal: Any,
 ) -> tuple[Any, list[str], list[Any]]:
     """``create``'s arguments checked (``ValueError``/``TypeError`` naming the first wrong
     one): the producers, the declared consumer ids, and on Ray the placement targets among
@@ -106,14 +109,17 @@ def _checked_create_args(
         raise TypeError("producers= takes a list of group names")
     if local and metrics_port is not None:
         raise ValueError("metrics_port needs a broker process (local=False)")
+    if local and journal is not None:
+        raise ValueError("a journal needs a broker process (local=False)")
     return producers, declared, targets
 
 
 def _broker_config(name: str, maxsize: int, address: str | None, *, collector: Any,
                    dispatcher: Any, producers: Any, consumers: list[str],
                    options: Mapping[str, Any] | None, curve_keys: Any, insecure: bool,
-                   lease_timeout: float, shm_threshold: int | None,
-                   metrics_port: int | None) -> dict[str, Any]:
+                   lease_timeout: float, shm_threshold: int | None, metrics_port: int | None,
+                   journal: Any, fsync: str, fsync_interval: float,
+                   max_journal_bytes: int) -> dict[str, Any]:
     """The configuration a broker process starts with (checked: the bind address against
     ``insecure``, the hooks importable by the child, the options msgpack-able)."""
     address = address or paths.default_address(name)
@@ -135,6 +141,10 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
         config["shm_threshold"] = shm_threshold
     if metrics_port is not None:
         config["metrics_port"] = check_port(metrics_port)
+    if journal is not None:  # a durable channel (docs/durability.md)
+        config.update(journal=os.path.abspath(os.fspath(journal)), fsync=fsync,
+                      fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
+        BrokerConfig(**config)  # wrong values fail here, not in the broker
     codec.encode(config)  # options must be msgpack-able: fail here, not in the child
     return config
 
@@ -192,6 +202,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         lease_timeout: float = 30.0,
         shm_threshold: int | None = None,
         metrics_port: int | None = None,
+        journal: str | os.PathLike | None = None,
+        fsync: str = "interval",
+        fsync_interval: float = 0.01,
+        max_journal_bytes: int = 0,
     ) -> Channel:
         """Start a broker for ``name`` and return a connected handle (``created`` True); if a
         live broker already serves the name, attach to it (``created`` False, a warning on the
@@ -209,10 +223,18 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
 
         ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
         (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
+
+        ``journal``: a directory; the channel is durable (``docs/durability.md``): its broker
+        records every put and removal there and, started again on it, serves what was not
+        taken.  ``fsync`` says when a record is on disk: ``"always"`` (before the reply),
+        ``"interval"`` (within ``fsync_interval`` seconds, default 0.01) or ``"never"`` (when
+        the OS writes it).  ``max_journal_bytes`` (0: none) makes puts wait while the journal
+        would take more disk.  A journaled broker that dies is started again by this process,
+        on the same address and journal, while the handle that created it is open.
         """
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
-            metrics_port)
+            metrics_port, journal)
         if local:
             return _as_channel(LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
@@ -223,7 +245,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             name, maxsize, address, collector=collector, dispatcher=dispatcher,
             producers=producers, consumers=declared, options=options, curve_keys=curve_keys,
             insecure=insecure, lease_timeout=lease_timeout, shm_threshold=shm_threshold,
-            metrics_port=metrics_port)
+            metrics_port=metrics_port, journal=journal, fsync=fsync,
+            fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
         if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
             return _as_channel(ray_placement.create(
                 config, distributed=distributed, node_rank=node_rank, targets=targets,
@@ -277,6 +300,9 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         except BaseException:
             spawned._kill_broker()
             raise
+        if config.get("journal") is not None:  # started again when it dies (handle/keeper.py)
+            spawned._keeper = BrokerKeeper(name, dict(config, address=real_address), proc,
+                                           spawned._broker_restarted)
         return spawned
 
     @classmethod

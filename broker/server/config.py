@@ -7,8 +7,10 @@ A file has up to three tables::
     name = "samples"          # liveness, max_bytes, max_keys, max_message_bytes, max_frames,
                               # max_header_bytes, insecure, key_grace, curve_secret_key,
                               # metrics_port, metrics_address, token_file,
-                              # curve_admin_keys, max_clients, producer_grace, ...
+                              # curve_admin_keys, max_clients, producer_grace,
+                              # journal, fsync, fsync_interval, max_journal_bytes, ...
     maxsize = 64
+    journal = "/var/lib/zchannel"   # a durable channel (docs/durability.md)
 
     [hooks]                   # collector, dispatcher, consumers, producers, imports
     collector = "flatten_batch"
@@ -76,10 +78,23 @@ class BrokerConfig:
     # Prometheus metrics over HTTP (broker/server/metrics.py); None = off, 0 = any free port
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
+    # a durable channel (broker/journal/, docs/durability.md): the journal's directory, None = none
+    journal: str | None = None
+    fsync: str = "interval"  # always | interval | never
+    fsync_interval: float = 0.01  # seconds: the group commit of the interval policy
+    max_journal_bytes: int = 0  # puts wait while the journal would take more disk (0: no limit)
+    journal_segment_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         check_settings(vars(self))
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got "
+                             f"{self.fsync!r}")
+        if self.journal is not None and (not isinstance(self.journal, str) or not self.journal):
+            raise ValueError(f"journal must be a directory path, got {self.journal!r}")
 
+
+FSYNC_POLICIES = ("always", "interval", "never")
 
 _CHANNEL_KEYS = {
     "name", "address", "maxsize", "lease_timeout", "heartbeat_interval", "liveness",
@@ -87,6 +102,7 @@ _CHANNEL_KEYS = {
     "key_grace", "curve_secret_key", "curve_public_keys", "allowed_dtypes", "max_rank",
     "shm_threshold", "shm_pool_bytes", "direct", "metrics_port", "metrics_address",
     "token_file", "curve_admin_keys", "max_clients", "producer_grace",
+    "journal", "fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
 

@@ -92,7 +92,7 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
     broker.sessions.producers.attach(client, rec.producer)
     info = HelloInfo(
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
-        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.maxsize,
+        liveness=broker.config.liveness, deals=broker.core.deals, maxsize=broker.core.queues.maxsize,
         max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
     if broker.replica is not None:
         broker.replica.describe(info)
@@ -134,6 +134,8 @@ def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
     if verdict != NEW:
         repeated(broker, client, rec, seq, verdict)
         return
+    if broker.journal is not None:  # a durable channel journals it with the item
+        item.origin = (window.producer, seq)
     try:
         outcome = broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
     except BaseException:  # answered with this error: not stored, as far as the client knows
@@ -201,7 +203,8 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
                      refused_connections=guard.refused)
     stats.update(address=broker.address, pid=os.getpid(), clients=clients,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
-                 metrics=broker.metrics.url if broker.metrics is not None else None)
+                 metrics=broker.metrics.url if broker.metrics is not None else None,
+                 journal=broker.journal.stats() if broker.journal is not None else None)
     if broker.replica is not None:
         broker.replica.annotate(stats)
     body, _ = codec.encode(stats)

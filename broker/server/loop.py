@@ -28,9 +28,12 @@ from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
+from zchannel.broker.journal.journal import Journal
+from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.server import metrics
 from zchannel.broker.server.admission import PeerGuard, client_budget, raise_fd_limit
 from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.durable import open_journal
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
 from zchannel.broker.server.peers import Peers
@@ -118,6 +121,8 @@ class Broker:
             self.replica = replica_state(config)
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
+        # -- end distributed --
+        self.lock_name = lock_name
         self.token = shutdown_token(config)
         self.admin_keys = curve_admins(config)  # CURVE clients that may stop it without the token
         self.announce_token = False  # log where the token is kept (``zchannel broker``)
@@ -125,6 +130,8 @@ class Broker:
         self.endpoint = Endpoint(config, lock_name, fd_limit,  # takes the channel lock
                                  client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
+        self.exit_code = 0
+        self.journal: Journal | None = None
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         shm = None
@@ -163,6 +170,8 @@ class Broker:
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()
         self.sessions.core = self.core
+        if config.journal is not None:  # a durable channel (broker/journal/)
+            self.journal = open_journal(config, self.lock_name, self.core, self.sessions)
         self._running = False
         self.hook_time = metrics.HookTime()
         self.metrics: metrics.MetricsServer | None = None
@@ -226,10 +235,13 @@ class Broker:
         _tune_for_serving()
         hb = self.config.heartbeat_interval
         next_hb = time.monotonic() + hb / 2
+        journal = self.journal
         try:
             while self._running:
                 now = time.monotonic()
                 wake = min(next_hb, self.core.next_deadline() or next_hb)
+                if journal is not None:
+                    wake = min(wake, journal.due() or wake)
                 timeout_ms = max(0, int((wake - now) * 1000) + 1)
                 if peers.poll_dirty:  # links came or went, or a full socket held bytes back
                     self._poll_set = peers.poll_set(self._poll_base)
@@ -250,6 +262,8 @@ class Broker:
                 if away > hb:
                     self.sessions.was_stalled(away)
                 self.core.tick(now)
+                if journal is not None:
+                    journal.tick(now)
                 if now >= next_hb:
                     self.sessions.heartbeats(now)
                     peers.resume(now)
@@ -257,6 +271,9 @@ class Broker:
                     if stops.parent_gone():
                         self._running = False
                 self.sessions.flush()
+        except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
+            log.critical("channel %r stops: %s", self.config.name, exc)
+            self.exit_code = 3
         finally:
             self.close()
             stops.close()
@@ -275,6 +292,9 @@ class Broker:
             if self.replica is not None:
                 self.replica.close()
             log.debug("broker %r stopped", self.config.name)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         self._release_files()
 
     def _release_files(self) -> None:
@@ -371,27 +391,29 @@ class Broker:
                 self.sessions.direct_gone(peer)
                 changed = True
                 continue
-            if ev & _POLLIN_ERR and not self._direct_read(peer):
+            if ev & _POLLIN_ERR and not _direct_read(self, peer):
                 changed = True
         self.sessions.flush()
         peers.poll_dirty = peers.poll_dirty or changed
 
-    def _direct_read(self, peer: direct.Peer) -> bool:
-        """Read a ready link and handle the messages it completed; False if it is gone."""
-        alive, got_bytes = self.bound()[1].read(peer)
-        reader = peer.reader
-        client = self.sessions.clients.get(peer.address)
-        if client is not None and got_bytes:
-            client.last_seen = time.monotonic()  # bytes are life, even within a long message
-        while reader.messages:
-            parts = reader.messages.popleft()
-            try:
-                self._handle_message(peer.address, parts[0], parts, 1)
-            except Exception:  # a broker never crashes because of one client
-                log.exception("unexpected error handling a message")
-        if not alive:
-            self.sessions.direct_gone(peer)
-        return alive
+
+def _direct_read(broker: Broker, peer: direct.Peer) -> bool:
+    """Read a ready link of ``broker`` and handle the messages it completed; False if it is
+    gone."""
+    alive, got_bytes = broker.bound()[1].read(peer)
+    reader = peer.reader
+    client = broker.sessions.clients.get(peer.address)
+    if client is not None and got_bytes:
+        client.last_seen = time.monotonic()  # bytes are life, even within a long message
+    while reader.messages:
+        parts = reader.messages.popleft()
+        try:
+            broker._handle_message(peer.address, parts[0], parts, 1)
+        except Exception:  # a broker never crashes because of one client
+            log.exception("unexpected error handling a message")
+    if not alive:
+        broker.sessions.direct_gone(peer)
+    return alive
 
 
 def _decode_item(item: Item) -> Any:
@@ -490,7 +512,7 @@ def run_broker(config: BrokerConfig) -> int:
     broker = Broker(config)
     broker.announce_token = True
     broker.serve_forever()
-    return 0
+    return broker.exit_code
 
 
 def main_from_stdin() -> int:
@@ -514,7 +536,7 @@ def main_from_stdin() -> int:
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()
         return 1
-    return 0
+    return broker.exit_code
 
 
 __all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "run_broker"]

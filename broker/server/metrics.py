@@ -134,7 +134,7 @@ def snapshot(broker: Broker) -> dict[str, Any]:
         "bytes_held": core.bytes_held,
         "leases": len(core.leases),
         "consumers": [(cid, state.handles) for cid, state in core.consumers.items()],
-        "present_consumers": len(core.ctx.consumers),
+        "present_consumers": len(core.hooks.ctx.consumers),
         "clients": clients,
         "client_count": len(broker.sessions.clients),
         "counters": broker.counters.as_dict(),

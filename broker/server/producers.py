@@ -20,26 +20,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from zchannel.broker.core.sequences import WINDOW, SequenceBits
 from zchannel.broker.core.state import Client, Parked
 
-WINDOW = 1 << 14  # sequences a window spans (a client's retry must fall within them)
-_MASK = WINDOW - 1
 MAX_PRODUCERS = 1 << 16
 
 # what ``ProducerWindow.begin`` says of a put's sequence
 NEW, DUPLICATE, WAITING, TOO_OLD = 0, 1, 2, 3
 
 
-class ProducerWindow:
+class ProducerWindow(SequenceBits):
     """The stored sequences of one producer among the last ``WINDOW`` (a bit each), and its
     puts that wait for room (see the module docstring)."""
 
-    __slots__ = ("producer", "high", "bits", "pending", "sessions", "expires")
+    __slots__ = ("producer", "pending", "sessions", "expires")
 
     def __init__(self, producer: bytes) -> None:
+        super().__init__()
         self.producer = producer
-        self.high = 0  # the highest sequence seen; bits cover (high - WINDOW, high]
-        self.bits = bytearray(WINDOW >> 3)
         self.pending: dict[int, Parked] = {}  # sequence -> its put waiting for room
         self.sessions = 0  # clients using it now
         self.expires = 0.0  # with no session: when it is forgotten
@@ -49,30 +47,17 @@ class ProducerWindow:
         ``unmark``s it if the put is not stored now), ``DUPLICATE`` (stored already),
         ``WAITING`` (the put of that sequence still waits for room) or ``TOO_OLD`` (before
         the window: the broker cannot tell)."""
-        high = self.high
-        if seq > high:
-            if seq - high > 1:
-                self._clear(high + 1, seq)
-            self.high = seq
-            i = seq & _MASK
-            self.bits[i >> 3] |= 1 << (i & 7)
+        if seq > self.high:
+            self.mark(seq)
             return NEW
-        if seq <= high - WINDOW:
+        if seq <= self.high - WINDOW:
             return TOO_OLD
         if self.pending and seq in self.pending:
             return WAITING
-        i = seq & _MASK
-        bit = 1 << (i & 7)
-        if self.bits[i >> 3] & bit:
+        if self.marked(seq):
             return DUPLICATE
-        self.bits[i >> 3] |= bit
+        self.mark(seq)
         return NEW
-
-    def unmark(self, seq: int) -> None:
-        """The put of ``seq`` was not stored (an error, or it waits)."""
-        if seq > self.high - WINDOW:
-            i = seq & _MASK
-            self.bits[i >> 3] &= ~(1 << (i & 7)) & 0xFF
 
     def wait(self, seq: int, req: Parked) -> None:
         """The put of ``seq`` waits for room as ``req``; its end marks it or not."""
@@ -81,34 +66,10 @@ class ProducerWindow:
 
         def ended(stored: bool) -> None:
             self.pending.pop(seq, None)
-            if stored and seq > self.high - WINDOW:
-                i = seq & _MASK
-                self.bits[i >> 3] |= 1 << (i & 7)
+            if stored:
+                self.mark(seq)
 
         req.on_end = ended
-
-    def _clear(self, start: int, stop: int) -> None:
-        """Forget the sequences ``start`` .. ``stop - 1`` (their slots held older ones)."""
-        if stop - start >= WINDOW:
-            self.bits[:] = bytes(len(self.bits))
-            return
-        i, j = start & _MASK, ((stop - 1) & _MASK) + 1
-        if i < j:
-            self._clear_slots(i, j)
-        else:  # wraps around
-            self._clear_slots(i, WINDOW)
-            self._clear_slots(0, j)
-
-    def _clear_slots(self, i: int, j: int) -> None:
-        bits = self.bits
-        while i < j and i & 7:
-            bits[i >> 3] &= ~(1 << (i & 7)) & 0xFF
-            i += 1
-        while j > i and j & 7:
-            j -= 1
-            bits[j >> 3] &= ~(1 << (j & 7)) & 0xFF
-        if i < j:
-            bits[i >> 3 : j >> 3] = bytes((j - i) >> 3)
 
 
 class Producers:
@@ -131,6 +92,17 @@ class Producers:
             window = self.windows[producer] = ProducerWindow(producer)
         window.sessions += 1
         client.producer = window
+
+    def restore(self, stored: dict[bytes, SequenceBits], now: float | None = None) -> None:
+        """The stored sequences a durable channel's journal kept (``journal/sequences.py``):
+        a window for each producer, kept ``grace`` seconds for it to say hello again."""
+        expires = (time.monotonic() if now is None else now) + self.grace
+        for producer, seen in stored.items():
+            if producer in self.windows or len(self.windows) >= self.limit:
+                continue
+            window = self.windows[producer] = ProducerWindow(producer)
+            window.high, window.bits[:] = seen.high, seen.bits
+            window.expires = expires
 
     def detach(self, client: Client, now: float | None = None) -> None:
         """``client``'s session ended: its window is kept ``grace`` seconds after the last."""

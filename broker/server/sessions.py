@@ -20,6 +20,7 @@ from typing import Any
 from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import Client, Item
 from zchannel.broker.errors import error_to_wire
+from zchannel.broker.journal.journal import Journal
 from zchannel.broker.server import metrics
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.outbox import Outbox
@@ -52,6 +53,8 @@ class Sessions:
         self.replica = replica
         self.core: QueueCore | None = None
         self.peers: Peers | None = None
+        # a durable channel's journal: written before replies go (``commit``), told after (``sent``)
+        self.journal: Journal | None = None
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
         self._out: dict[bytes, Outbox] = {}
@@ -124,14 +127,24 @@ class Sessions:
         return True
 
     def flush(self) -> None:
-        """Send the replies coalesced this turn (none once the broker closed its socket)."""
+        """Send the replies coalesced this turn (none once the broker closed its socket).  On a
+        durable channel what they confirm is written to the journal first, and the removals of
+        the items they deliver are recorded once they left (``Journal.commit``/``sent``)."""
+        journal = self.journal
         while self._out and self.peers is not None:
+            if journal is not None:  # also for replies made while sending (a requeue)
+                if journal.failed:
+                    self._out.clear()  # never confirm what the journal may not hold
+                    return
+                journal.commit()
             out_all, self._out = self._out, {}
             for address, out in out_all.items():
                 if all(self._send(address, records, frames) for records, frames in out.messages()):
                     continue
                 if self._end_client(address, out) is not None:
                     log.info("client went away before its reply was sent; its items were requeued")
+        if journal is not None:
+            journal.sent()
 
     # -- ending clients ----------------------------------------------------------------------
 

@@ -67,6 +67,11 @@ class Hold:
             pass
 
 
+def _buffer(frame: Any) -> Any:
+    """The bytes of a frame (``zmq.Frame`` or bytes-like)."""
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
 def _keep(obj: Any) -> None:
     """A finalizer whose only job is to hold ``obj`` until it runs."""
 
@@ -81,6 +86,20 @@ class SlotFrames(list):
         super().__init__(frames)
         self.holds = holds
         self.slot_bytes = sum(h.nbytes for h in holds)  # counted in the item's nbytes
+
+
+class FramedSlots(SlotFrames):
+    """The payload of an item whose shared-memory slots are gone (it was recovered from a
+    durable channel's journal, ``broker/journal/``): the bytes of each slot are one of its
+    frames, so every consumer gets them as frames.  ``framed[i]`` is the index, among the
+    item's frames (the body is 0), of the frame that holds the bytes of its slot ``i`` (what a
+    reply's ``sm`` says for a slot sent as a frame)."""
+
+    __slots__ = ("framed",)
+
+    def __init__(self, frames: list, framed: list[int]) -> None:
+        super().__init__(frames, [])
+        self.framed = framed
 
 
 class _BrokerSegment:
@@ -219,6 +238,9 @@ class ShmBroker:
         sm = rec.slots
         if sm is None:
             sm = rec.slots = [None] * count
+        if isinstance(payload, FramedSlots):  # its frames (already sent) hold the slots' bytes
+            sm[index] = list(payload.framed)
+            return 0
         entries: list[Any] = []
         if client in self.verified:
             mine = self.client_holds.setdefault(client, set())
@@ -247,7 +269,11 @@ class ShmBroker:
                 return fallback(item)
             body = frames[0]
             body = body.buffer if hasattr(body, "buffer") else body
-            return codec.decode(body, frames[1:], shm=[h.view() for h in frames.holds], shm_copy=False)
+            if isinstance(frames, FramedSlots):
+                slots = [np.frombuffer(_buffer(frames[k]), np.uint8) for k in frames.framed]
+            else:
+                slots = [h.view() for h in frames.holds]
+            return codec.decode(body, frames[1:], shm=slots, shm_copy=False)
 
         return decode
 

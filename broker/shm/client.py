@@ -52,12 +52,25 @@ class ShmClient:
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
-    def on_hello(self, info: HelloInfo) -> None:
-        """A broker answered ``hello``: drop the pool of the previous session, and if the broker
-        offers shared memory, prove same-host by echoing its probe's token."""
+    def end_session(self) -> None:
+        """The broker no longer knows this connection (it expired it, or it restarted): puts
+        go as frames until a new hello proves same-host again (a put with slots that reached
+        the broker before that proof would be refused)."""
         old, self.pool = self.pool, None
         if old is not None:
             old.close()
+
+    def stale(self, refs: list) -> bool:
+        """Whether the slots ``refs`` of a put come from the pool of an earlier session (the
+        broker was restarted or expired this connection since they were taken): the broker
+        of this session would refuse them."""
+        pool = self.pool
+        return pool is None or any(ref[0] not in pool.by_name for ref in refs)
+
+    def on_hello(self, info: HelloInfo) -> None:
+        """A broker answered ``hello``: drop the pool of the previous session, and if the broker
+        offers shared memory, prove same-host by echoing its probe's token."""
+        self.end_session()
         offer = shm_offer(info.shm)
         if not self.enabled or offer is None:
             return

@@ -22,8 +22,11 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "key_grace": (0, False, "seconds"),
     "max_clients": (0, True, "connections, 0 = from the descriptor limit"),
     "producer_grace": (0, False, "seconds"),
+    "fsync_interval": (0, False, "seconds, > 0"),
+    "max_journal_bytes": (0, True, "bytes, 0 = no limit"),
+    "journal_segment_bytes": (65536, True, "bytes"),
 }
-_POSITIVE = {"lease_timeout", "heartbeat_interval"}
+_POSITIVE = {"lease_timeout", "heartbeat_interval", "fsync_interval"}
 
 
 def check_settings(values: dict[str, Any]) -> None:

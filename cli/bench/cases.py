@@ -21,6 +21,7 @@ SCENARIOS = (
     "targets",
     "trajectory",
     "shm",
+    "durable",
 )
 
 
@@ -53,11 +54,13 @@ class Case:
     reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
     in_slot: bool = False  # producers write each tensor in a slot (``empty_shm``), no put copy
     compare: bool = True  # measured against the --baseline transport (else against another case)
+    journal: str = ""  # a durable channel with this fsync policy (docs/durability.md); "": none
 
     @property
     def name(self) -> str:
         extra = f" keys={self.keys}" if self.scenario == "random_key" else ""
         extra += " +hooks" if self.hooks else (" nohooks" if self.scenario == "hooks" else "")
+        extra += f" journal={self.journal}" if self.journal else ""
         return (
             self.label
             or f"{self.scenario} {self.ptype} {fmt_size(self.size)} "

@@ -10,6 +10,8 @@ get) and ``batch`` (one ``get_batch``).
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -58,12 +60,17 @@ class Target:
         consumers: list[str] | None = None,
     ) -> None:
         self.owned: Channel | None = None
+        self.journal: str | None = None
         if address:
             self.handle = Channel.connect(address)
             self.address = address
         else:
             name = f"bench-{uuid.uuid4().hex[:12]}"
             addr = f"ipc://{tmpdir}/{name}.sock" if case.transport == "ipc" else "tcp://127.0.0.1:0"
+            durable: dict[str, Any] = {}
+            if case.journal:  # a fresh journal on the disk of the run's temporary directory
+                self.journal = tempfile.mkdtemp(prefix="journal-", dir=tmpdir)
+                durable = {"journal": self.journal, "fsync": case.journal}
             self.owned = Channel.create(
                 name,
                 address=addr,
@@ -72,6 +79,7 @@ class Target:
                 consumers=consumers,
                 shm_threshold=None if case.shm else 0,
                 maxsize=case.maxsize,
+                **durable,
             )
             self.handle = self.owned
             self.address = self.owned.address
@@ -89,6 +97,8 @@ class Target:
             self.owned.shutdown()
         else:
             self.handle.close()
+        if self.journal is not None:
+            shutil.rmtree(self.journal, ignore_errors=True)
 
 
 def _key(spec: dict, index: int) -> Any:

@@ -17,6 +17,7 @@ from zchannel.broker import ChannelError
 from zchannel.broker.host.toml import tomllib
 from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
+from zchannel.cli.bench.durable import DURABLE_STEPS, run_durable_targets
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
 from zchannel.cli.bench.report import (
     Progress,
@@ -156,6 +157,8 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
         return run_targets(runner, base, runner.tmpdir, thresholds)
     if scenario == "shm":
         return run_shm_targets(runner, thresholds)
+    if scenario == "durable":
+        return run_durable_targets(runner, thresholds)
     if scenario == "trajectory":
         # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
         from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
@@ -178,7 +181,8 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10)",
+    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10; durable: D1-D4, "
+    "the cost of a journal against the disk, no journal and Redis with AOF)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -215,7 +219,11 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
     help="asynchronous operations in flight per worker",
 )
 @click.option(
-    "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
+    "--baseline", type=click.Choice(("zmq", "ray", "mp", "redis", "none")), default="zmq",
+    show_default=True,
+    help="what each case is compared with in the same run: a zmq.proxy relay, Ray, "
+    "multiprocessing.Queue, or a Redis list with its append-only file (appendfsync everysec; "
+    "redis-server on PATH)",
 )
 @click.option(
     "--repeat",
@@ -305,12 +313,13 @@ def bench(
     _set_workers_environ(ctx, base)
     scenario = opts["scenario"]
     keys = opts.get("keys")
-    thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
+    thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4}.get(scenario)
+        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
+                   "durable": DURABLE_STEPS}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],

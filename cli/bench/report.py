@@ -46,6 +46,9 @@ KIND_DESCRIPTIONS = {
     "ray.actor": "pipelined calls to a Ray actor",
     "collector": "trajectory chunks through the embodied_trajectory collector",
     "plain": "the same trajectory chunks through a channel without hooks",
+    "redis": "a Redis list (RPUSH/LPOP in pipelines) with its append-only file, appendfsync "
+             "everysec, over a Unix socket",
+    "disk": "write + fdatasync of each item's bytes to a file on the journal's disk",
 }
 
 
@@ -251,7 +254,8 @@ def ratio_lines(rows: list[Result], tags: dict[str, str]) -> list[str]:
 
 def legend_lines(rows: list[Result]) -> list[str]:
     """Every abbreviation the table uses, explained."""
-    kinds = sorted({r.kind for r in rows}, key=list(KIND_DESCRIPTIONS).index)
+    order = list(KIND_DESCRIPTIONS)
+    kinds = sorted({r.kind for r in rows}, key=lambda k: order.index(k) if k in order else len(order))
     lines = [
         "64B, 1KiB, 1MiB  payload bytes per item (binary multiples); MB/s uses MB = 2**20 bytes",
         "1P/1C            producer processes / consumer processes (1P/1C: one of each)",

@@ -27,7 +27,10 @@ from zchannel.cli.bench.cases import (
     scenario_cases,
 )
 from zchannel.cli.bench.channel import run_channel_stream, run_put_get
+from zchannel.cli.bench.disk import run_disk
 from zchannel.cli.bench.payloads import part_sizes, verify_seqs
+from zchannel.cli.bench.redis import run_redis
+from zchannel.cli.bench.redis import unavailable as redis_unavailable
 from zchannel.cli.bench.report import Result, set_ratio
 
 LATENCY_KIND = {
@@ -182,7 +185,7 @@ class Runner:
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
             case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
-            reserve=True, in_slot=False,
+            reserve=True, in_slot=False, journal="",
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
@@ -190,6 +193,9 @@ class Runner:
             )
         if kind == "ray":
             base_case = dataclasses.replace(base_case, producers=1, consumers=1)
+        if kind == "redis" and redis_unavailable() is not None:
+            self.note(redis_unavailable())
+            return None
         return kind, base_case
 
     def baseline_of(self, case: Case) -> Result:
@@ -228,6 +234,10 @@ class Runner:
             return run_zmq_echo(case, self.tmpdir)
         if kind == "mp":
             return run_mp_queue(case, self.tmpdir)
+        if kind == "redis":  # AOF, appendfsync everysec (cli/bench/redis.py)
+            return run_redis(case, self.tmpdir)
+        if kind == "disk":  # write + fdatasync of the same bytes (cli/bench/disk.py)
+            return run_disk(case, self.tmpdir)
         raise click.BadParameter(f"unknown baseline {kind!r}")
 
     def _summarise_baseline(self, kind: str, case: Case, runs: list[Measured]) -> Result:

@@ -1,0 +1,105 @@
+"""``BrokerKeeper``: the process that created a durable channel's broker starts it again when it
+dies, on the same address and journal, so that nobody has to (``docs/durability.md``).
+
+A thread waits on the broker process.  When it exits without being asked to (SIGKILL, OOM, a
+crash; not ``shutdown()``), the keeper takes the channel lock the dead broker held and starts a
+broker with the same settings: it reads the journal back before it takes requests, and the
+handles, which say ``hello`` again every heartbeat interval while their broker is silent, resume
+by themselves (their calls in flight failed with ``BrokerUnavailable``).  A start that fails is
+tried again after 0.1 s, doubling up to 5 s; a broker that another process started meanwhile
+ends the keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+from zchannel.broker.errors import BrokerStartError
+from zchannel.broker.host import paths
+from zchannel.broker.server.starting import spawn_broker, stop_broker
+
+log = logging.getLogger("zchannel.client")
+
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 5.0
+
+# called with the new broker process and its shutdown token after each restart
+Restarted = Callable[[subprocess.Popen, str], None]
+
+
+class BrokerKeeper:
+    """Watches the broker started by ``Channel.create(..., journal=DIR)`` and starts it again
+    when it dies (see the module docstring)."""
+
+    def __init__(self, name: str, config: dict, proc: subprocess.Popen,
+                 on_restart: Restarted) -> None:
+        self.name = name
+        self.config = dict(config)
+        self.proc = proc
+        self.restarts = 0
+        self._on_restart = on_restart
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name=f"zchannel-keeper-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Start no broker again (``shutdown``, or the process is exiting); a start under way
+        is undone."""
+        with self._lock:
+            self._stopped.set()
+
+    def _watch(self) -> None:
+        while True:
+            code = self.proc.wait()
+            if self._stopped.is_set():
+                return
+            log.warning("the broker of durable channel %r (pid %d) exited with status %s: "
+                        "starting it again on %s and its journal", self.name, self.proc.pid,
+                        code, self.config.get("address"))
+            if not self._start_again():
+                return
+
+    def _start_again(self) -> bool:
+        """Start the broker again (trying until it starts or the keeper stops); False when the
+        keeper's watch ends."""
+        delay = RETRY_FIRST_S
+        while not self._stopped.is_set():
+            lock_fd = paths.try_lock(self.name)
+            if lock_fd is None:  # another process started a broker of the channel meanwhile
+                if paths.read_address(self.name):
+                    log.warning("channel %r is served by a broker another process started: "
+                                "this process stops restarting it", self.name)
+                    return False
+            else:
+                try:
+                    proc, _, token = spawn_broker(self.config, lock_fd)
+                except (BrokerStartError, ValueError, TypeError, OSError) as exc:
+                    paths.release_lock(self.name, lock_fd)
+                    log.error("could not start the broker of %r again (%s); next try in %.1fs",
+                              self.name, exc, delay)
+                else:
+                    os.close(lock_fd)  # the broker holds it now
+                    with self._lock:
+                        if self._stopped.is_set():  # shutdown() came meanwhile
+                            stop_broker(proc)
+                            return False
+                        self.proc = proc
+                        self.restarts += 1
+                        self._on_restart(proc, token)
+                    return True
+            if self._stopped.wait(delay):
+                return False
+            delay = min(delay * 2, RETRY_MAX_S)
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the watch to end (after ``stop`` and the broker's exit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

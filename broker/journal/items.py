@@ -1,0 +1,106 @@
+"""Items in a journal: the records of queue items (``PUT``) and of a stateful collector's inputs
+(``INPUT``), the sets of records still needed (``LiveSet``: what keeps a segment from being
+removed), and the queue items made from records read back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+from zchannel.broker.core.state import Item
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.segments import SegmentFile
+from zchannel.broker.shm.broker import FramedSlots, SlotFrames
+from zchannel.broker.wire.argchecks import check_key, check_weight
+from zchannel.broker.wire.protocol import key_from_wire
+
+log = logging.getLogger("zchannel.journal")
+
+# records at least this large are written at once from their frames, not joined (store.py)
+JOIN_BELOW = 64 << 10
+
+# jid -> (its segment, its record's bytes, its key, the item)
+Entry = tuple[SegmentFile, int, Any, Item]
+
+
+def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
+               rtype: int = fmt.PUT) -> tuple[list[Any], int]:
+    """The record of ``item`` (its frames raw; the bytes of its shared-memory slots straight
+    from the slots, after them) and its length."""
+    payload = item.payload
+    if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
+        return _small_parts(crc, jid, key, consumer, item, payload[0], rtype)
+    frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
+    slots = 0
+    if isinstance(payload, FramedSlots):
+        slots = len(payload.framed)
+    elif isinstance(payload, SlotFrames):
+        frames.extend(h.view() for h in payload.holds)
+        slots = len(payload.holds)
+    sizes = [memoryview(f).nbytes for f in frames]
+    meta = [jid, key, item.weight, consumer, sizes, slots, item.origin]
+    parts, nbytes = fmt.put_parts(crc, meta, frames, rtype)
+    if nbytes < JOIN_BELOW and len(parts) > 1:
+        parts = [b"".join(p if isinstance(p, bytes) else bytes(p) for p in parts)]
+    return parts, nbytes
+
+
+def _small_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
+                 body: bytes, rtype: int) -> tuple[list[Any], int]:
+    """``item_parts`` of the common small item (its body alone, bytes, as small puts carry
+    it inline): one bytes object, one checksum call."""
+    packed = fmt.pack([jid, key, item.weight, consumer, [len(body)], 0, item.origin])
+    record = fmt.record(crc, rtype, fmt.U32.pack(len(packed)) + packed + body)
+    return [record], len(record)
+
+
+def recovered_item(jid: int, put: fmt.PutRecord) -> tuple[Any, Item] | None:
+    """The key and queue item of a record read back (small frames copied, large ones views
+    of the mapped file); None, logged, for a bad key or weight."""
+    try:
+        key = check_key(key_from_wire(put.key))
+        weight = check_weight(put.weight)
+    except (TypeError, ValueError) as exc:
+        log.error("journal item %d has a bad key or weight (%s): skipped", jid, exc)
+        return None
+    frames: list[Any] = [f if f.nbytes >= JOIN_BELOW else bytes(f) for f in put.frames]
+    payload: list[Any] = frames
+    if put.slots:
+        first = len(frames) - put.slots
+        payload = FramedSlots(frames, list(range(first, len(frames))))
+    return key, Item(payload, weight, sum(memoryview(f).nbytes for f in frames), jid=jid)
+
+
+class LiveSet:
+    """Records still needed, by jid, in the order they were (last) written: each counts in
+    its segment (``SegmentFile.live``), which is removed only when none is left."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, Entry] = {}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, jid: int, seg: SegmentFile, nbytes: int, key: Any, item: Item) -> None:
+        self.entries[jid] = (seg, nbytes, key, item)
+        seg.live += 1
+        seg.live_bytes += nbytes
+        self.nbytes += nbytes
+
+    def forget(self, jid: int) -> None:
+        entry = self.entries.pop(jid, None)
+        if entry is not None:
+            seg, nbytes = entry[0], entry[1]
+            seg.live -= 1
+            seg.live_bytes -= nbytes
+            self.nbytes -= nbytes
+
+    def in_segment(self, seg: SegmentFile) -> Iterator[tuple[int, Entry]]:
+        """The entries in ``seg`` when it is the oldest segment (they come first)."""
+        for jid, entry in list(self.entries.items()):
+            if entry[0] is not seg:
+                return
+            yield jid, entry

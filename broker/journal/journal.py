@@ -1,0 +1,364 @@
+"""``Journal``: the record of a durable channel's items, kept by its broker.
+
+The queue core calls it where items enter and leave (``core/statelog.py``); the broker's loop
+calls ``commit`` before it sends replies, ``sent`` after, and ``tick`` at ``due``.  What it
+writes (``journal/format.py``):
+
+- a ``PUT`` record for every stored item (each output of a collector), its frames raw, before
+  the item enters its queue: the put is answered after the record was written (``interval``,
+  ``never``) or synced (``always``);
+- a ``REMOVE`` record for every item that left: for an ``ack``, before the ack is answered; for
+  a plain ``get``, once its reply was handed to the socket (``sent``) — so an item whose reply
+  had not left when the broker died is there again after a restart (at least once);
+- a ``LEASE`` record for every delivery under a lease (counted as a redelivery when it comes
+  back after a restart);
+- ``TABLE`` records for the tables kept beside the items (``_tables``), whole at the start of
+  every segment, so that older segments are never needed for them: ``producers`` holds the put
+  sequences of each producer whose puts were recorded (each ``PUT`` record carries its put's
+  producer and sequence: ``journal/sequences.py``), which a broker started again on the
+  journal knows as stored (retry-safe puts across a restart).
+
+Segments are removed oldest first, once every item they hold has left; an old segment that
+keeps a few items while the journal grows past twice what its items take has them copied to
+the end (``compact``), so the disk used stays within about twice the bytes the channel holds
+plus three segments (``docs/durability.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zchannel.broker.core.state import Item
+from zchannel.broker.core.statelog import Output
+from zchannel.broker.errors import JournalError
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
+from zchannel.broker.journal.recovery import Recovered, read_journal
+from zchannel.broker.journal.segments import JournalDir
+from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences
+from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
+from zchannel.broker.journal.syncing import JournalFailed
+
+log = logging.getLogger("zchannel.journal")
+
+PUT_OVERHEAD = 64  # bytes a put record adds to its item, about (header, meta)
+COMPACT_BYTES_PER_TICK = 16 << 20  # items copied by one ``compact`` at most
+
+
+@dataclass
+class JournalSettings:
+    """Where and how a channel's journal is kept (``BrokerConfig.journal``, ``fsync``...)."""
+
+    directory: str
+    name: str
+    fsync: str = "interval"
+    fsync_interval: float = 0.01
+    max_bytes: int = 0  # max_journal_bytes: puts wait while the journal would pass it (0: none)
+    segment_bytes: int = SEGMENT_BYTES
+
+
+class Journal:
+    """The journal of one channel (see the module docstring); a ``StateLog`` for its core."""
+
+    def __init__(self, settings: JournalSettings) -> None:
+        self.settings = settings
+        segment_bytes = settings.segment_bytes
+        if settings.max_bytes:  # a few segments fit in the limit
+            segment_bytes = max(64 << 10, min(segment_bytes, settings.max_bytes // 8))
+        self.dir = JournalDir(settings.directory, settings.name)
+        try:
+            self.store = SegmentStore(self.dir, policy=settings.fsync,
+                                      interval=settings.fsync_interval,
+                                      segment_bytes=segment_bytes, kind=fmt.default_kind())
+        except BaseException:
+            self.dir.close()
+            raise
+        self.live = LiveSet()  # the items still the channel's
+        self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
+        self.replay: list[tuple[Any, Item]] = []  # the inputs read back, to replay
+        self._idle_after: int | None = None  # the put that emptied the collector (its outputs due)
+        self._next_jid = 1
+        self._sending: set[int] = set()  # taken by plain gets whose replies were not sent yet
+        self._unwritten: list[int] = []  # removals that found no room (written later)
+        self._leases: list[int] = []
+        self.on_room: Callable[[], None] | None = None  # puts may fit again (segments went)
+        self.sequences = StoredSequences()  # the put sequences recorded, per producer
+        self._tables: dict[str, Callable[[], dict]] = {TABLE_NAME: self._sequences}
+        self.recovered: Recovered | None = None
+        self.recovered_items = 0
+        self.redelivered = 0
+        self.recovery_s = 0.0
+        self.refused = 0  # puts and acks it could not record
+        self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
+        self.store.on_roll = self._write_tables
+
+    # -- start -------------------------------------------------------------------------------
+
+    def recover(self) -> list[tuple[Any, str | None, list[Item]]]:
+        """Read the journal (``journal/recovery.py``) and open a new segment to write in; the
+        items still the channel's, grouped by key and private queue, each group in put order."""
+        started = time.monotonic()
+        rec = self.recovered = read_journal(self.dir)
+        for seg in rec.segments:
+            self.store.adopt(seg)
+        self._next_jid = rec.max_jid + 1
+        self.sequences = rec.sequences
+        groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
+        for jid, (seg, nbytes, put) in rec.items.items():
+            got = recovered_item(jid, put)
+            if got is not None:
+                self.live.add(jid, seg, nbytes, *got)
+                groups[(got[0], put.consumer if isinstance(put.consumer, str) else None)].append(got[1])
+        for jid, (seg, nbytes, put) in sorted(rec.inputs.items()):
+            got = recovered_item(jid, put)
+            if got is not None:
+                self.inputs.add(jid, seg, nbytes, *got)
+                self.replay.append(got)
+        self.recovered_items = len(self.live)
+        self.redelivered = len(rec.leased)
+        self.store.start()
+        self.store.drop_dead_prefix()  # segments whose items all left before the restart
+        self.recovery_s = time.monotonic() - started
+        if self.live or rec.segments:
+            log.info("journal of %r: %d items recovered (%d were out on a lease) from %d "
+                     "segments, %.1f MiB read in %.2fs", self.settings.name, len(self.live),
+                     self.redelivered, len(rec.segments), rec.bytes_read / (1 << 20),
+                     self.recovery_s)
+        for items in groups.values():
+            items.sort(key=lambda it: it.jid)
+        return [(key, consumer, items) for (key, consumer), items in groups.items()]
+
+    def _write_table(self, name: str, data: dict, whole: bool) -> None:
+        body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
+        self.store.append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+
+    def _sequences(self) -> dict:
+        return self.sequences.snapshot()
+
+    def _write_tables(self) -> None:
+        for name, snapshot in self._tables.items():
+            self._write_table(name, snapshot(), whole=True)
+
+    # -- StateLog ----------------------------------------------------------------------------
+
+    def stored(self, outputs: Sequence[Output]) -> None:
+        written: list[int] = []
+        try:
+            for key, consumer, item in outputs:
+                jid = self._next_jid
+                parts, nbytes = item_parts(self.store.crc, jid, key, consumer, item)
+                seg = self.store.append(parts, nbytes, for_put=True)
+                self._next_jid = jid + 1
+                item.jid = jid
+                self.live.add(jid, seg, nbytes, key, item)
+                written.append(jid)
+                if item.origin is not None:
+                    self.sequences.mark(item.origin)
+                    item.origin = None  # recorded: the tables carry it from here on
+            if self._idle_after is not None:
+                self._idle(self._idle_after)
+        except JournalError:
+            self.refused += 1
+            if written:  # a put is all or nothing
+                self._remove(written)
+            raise
+
+    def taken(self, items: Sequence[Item]) -> None:
+        self._sending.update(item.jid for item in items)
+
+    def leased(self, item: Item) -> None:
+        self._leases.append(item.jid)
+
+    def acked(self, item: Item) -> None:
+        try:
+            self._write_removal([item.jid])
+        except JournalError:
+            self.refused += 1
+            raise
+        self._forget([item.jid])
+
+    def returned(self, items: Sequence[Item]) -> None:
+        for item in items:
+            self._sending.discard(item.jid)
+
+    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int) -> None:
+        if not (holds_state or self.inputs):
+            return  # the collector holds nothing, before and after this put
+        # kept, to replay: also the put that empties the collector, until its outputs are
+        # stored (an IDLE written before them would let a crash lose what they consumed)
+        jid = self._next_jid
+        parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
+        seg = self.store.append(parts, nbytes, for_put=True)
+        self._next_jid = jid + 1
+        self.inputs.add(jid, seg, nbytes, key, item)
+        if item.origin is not None:
+            self.sequences.mark(item.origin)
+        if holds_state:
+            self._idle_after = None  # it holds something again: every input stays
+        elif outputs:
+            self._idle_after = jid  # written by ``stored``, after the outputs
+        else:
+            self._idle(jid)
+
+    def _idle(self, upto: int) -> None:
+        """The collector held nothing after the put ``upto``: the inputs are not needed."""
+        body = fmt.pack([upto])
+        self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
+                          fmt.HEADER.size + len(body))
+        for jid in [j for j in self.inputs.entries if j <= upto]:
+            self.inputs.forget(jid)
+        self._idle_after = None
+        self._drop_dead()
+
+    def room(self, nbytes: int) -> bool:
+        limit = self.settings.max_bytes
+        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD, limit)
+
+    def fits(self, nbytes: int) -> bool:
+        limit = self.settings.max_bytes
+        return not limit or nbytes + PUT_OVERHEAD + self.store.margin + 4096 <= limit
+
+    # -- records -----------------------------------------------------------------------------
+
+    def _write_removal(self, jids: list[int]) -> None:
+        body = fmt.pack(jids)
+        self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
+
+    def _forget(self, jids: list[int]) -> None:
+        """``jids`` left the channel and their removal is recorded: their segments may go."""
+        for jid in jids:
+            self.live.forget(jid)
+        self._drop_dead()
+
+    def _drop_dead(self) -> None:
+        """Remove the oldest segments that hold nothing needed (puts may fit again)."""
+        segments = self.store.segments
+        if segments[0].live == 0 and len(segments) > 1:
+            if self.store.drop_dead_prefix() and self.on_room is not None:
+                self.on_room()
+
+    def _remove(self, jids: list[int]) -> None:
+        """Record the removal of ``jids`` now, or as soon as there is room for it."""
+        try:
+            self._write_removal(jids)
+        except JournalError as exc:
+            if not self._unwritten:
+                log.warning("journal of %r: no room to record removals (%s); they wait",
+                            self.settings.name, exc)
+            self._unwritten.extend(jids)
+            return
+        self._forget(jids)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Before the broker sends replies: what they confirm is written (``always``: synced)."""
+        if self._leases:
+            leases, self._leases = self._leases, []
+            body = fmt.pack(leases)
+            try:
+                self.store.append([fmt.record(self.store.crc, fmt.LEASE, body)],
+                                  fmt.HEADER.size + len(body))
+            except JournalError as exc:  # only counts redeliveries: not worth failing for
+                log.debug("lease record dropped: %s", exc)
+        self.store.commit()
+
+    def sent(self) -> None:
+        """The broker handed its replies to the sockets: record the removals of the items that
+        plain gets took."""
+        if self._sending:
+            jids, self._unwritten = self._unwritten + list(self._sending), []
+            self._sending.clear()
+            self._remove(jids)
+
+    def due(self) -> float | None:
+        return self.store.due()  # when ``tick`` has work (the interval's deadline), or None
+
+    def tick(self, now: float) -> None:
+        """Write and sync what the interval says, retry removals that found no room, and
+        compact; ``JournalFailed`` once a write or sync failed."""
+        if self.store.failed is not None:
+            raise JournalFailed(f"the journal failed: {self.store.failed}")
+        self.store.tick(now)
+        if self._unwritten:
+            unwritten, self._unwritten = self._unwritten, []
+            self._remove(unwritten)
+        self.compact()
+
+    def compact(self) -> int:
+        """Copy the records of the oldest segment still needed (items, a collector's inputs)
+        to the end when the journal takes more than twice their bytes plus two segments, so
+        that segment can go; the bytes copied."""
+        store = self.store
+        if len(store.segments) < 3:
+            return 0
+        needed = self.live.nbytes + self.inputs.nbytes
+        limit = self.settings.max_bytes
+        if store.disk_bytes <= 2 * needed + 2 * store.segment_bytes \
+                and not (limit and store.disk_bytes > limit * 3 // 4):
+            return 0
+        oldest = store.segments[0]
+        copied = 0
+        for held, rtype in ((self.live, fmt.PUT), (self.inputs, fmt.INPUT)):
+            for jid, (_, _, key, item) in held.in_segment(oldest):
+                if copied >= COMPACT_BYTES_PER_TICK:
+                    break
+                parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
+                try:
+                    new = store.append(parts, nbytes)
+                except JournalError:
+                    break
+                held.forget(jid)
+                held.add(jid, new, nbytes, key, item)
+                copied += nbytes
+        if copied:
+            store.sync_now()  # the copies are on disk before the originals go
+        self._drop_dead()
+        return copied
+
+    def stats(self) -> dict[str, Any]:
+        store = self.store
+        now = time.monotonic()
+        return {
+            "directory": self.dir.path,
+            "fsync": store.policy,
+            "fsync_interval_ms": round(store.interval * 1000, 3),
+            "bytes": store.disk_bytes,
+            "segments": len(store.segments),
+            "items": len(self.live),
+            "item_bytes": self.live.nbytes,
+            "collector_inputs": len(self.inputs),
+            "max_journal_bytes": self.settings.max_bytes,
+            "fsync_lag_ms": round(store.lag(now) * 1000, 3),
+            "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
+            "fsyncs": store.sync.syncs,
+            "recovered_items": self.recovered_items,
+            "redelivered": self.redelivered,
+            "recovery_s": round(self.recovery_s, 3),
+            "refused": self.refused,
+            "failed": None if store.failed is None else str(store.failed),
+        }
+
+    @property
+    def failed(self) -> bool:
+        return self.store.failed is not None
+
+    def close(self) -> None:
+        """Write (and sync, unless ``never``) what is pending, close the files, let the lock go."""
+        try:
+            if not self.failed and (self._sending or self._leases):
+                self.sent()
+                self.commit()
+        except JournalError as exc:
+            log.error("journal of %r: %s", self.settings.name, exc)
+        finally:
+            try:
+                self.store.close()
+            finally:
+                self.dir.close()
+

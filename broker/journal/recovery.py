@@ -1,0 +1,184 @@
+"""Reading a journal back when a broker starts on it: which items are still the channel's, in
+which order, which of them were out on a lease, and the tables kept beside them.
+
+Each segment is mapped and read once, checking every record's checksum (the one pass over the
+data that recovery costs).  Items keep their frames as views of the mapping (large frames) or
+as copies (small ones).  What the segments may hold, and what recovery does with it:
+
+- a zero-length file, one shorter than its first record, or one whose first record is all
+  zeros (a broker died while making it, between preallocating and writing it): removed, it
+  held nothing;
+- a torn record (a broker or the machine died while it was written): that segment's data end
+  before it — nothing acknowledged can be there, since a reply waits for its record
+  (``docs/durability.md``) — logged with the bytes dropped, and the file trimmed;
+- a file of this journal's name whose first record names another channel, or that is not a
+  segment at all: ``JournalFormatError`` naming the file; the broker does not start on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.segments import JournalDir, SegmentFile
+from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences, origin_of
+
+log = logging.getLogger("zchannel.journal")
+
+
+@dataclass
+class Recovered:
+    """What a journal held for its channel when the broker started."""
+
+    # jid -> (segment of its newest copy, record bytes, the record); in the order of the
+    # newest copies in the files
+    items: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
+    leased: set[int] = field(default_factory=set)
+    # the inputs a collector that keeps state took since it last held nothing, by jid
+    inputs: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
+    tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # the put sequences of each producer the journal recorded (journal/sequences.py)
+    sequences: StoredSequences = field(default_factory=StoredSequences)
+    segments: list[SegmentFile] = field(default_factory=list)
+    max_jid: int = 0
+    bytes_read: int = 0
+    dropped_bytes: int = 0  # torn data after the last good record of a segment
+    removed_files: int = 0  # empty or unfinished segments
+
+
+def read_journal(jdir: JournalDir) -> Recovered:
+    """Read every segment of ``jdir`` in order (see the module docstring)."""
+    rec = Recovered()
+    listing = jdir.listing()
+    for index, (seq, path) in enumerate(listing):
+        seg = _read_segment(jdir, seq, path, rec, last=index == len(listing) - 1)
+        if seg is not None:
+            rec.segments.append(seg)
+    return rec
+
+
+def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
+                  last: bool) -> SegmentFile | None:
+    size = os.path.getsize(path)
+    head_size = fmt.PREAMBLE.size + fmt.HEADER.size
+    if size < head_size:
+        log.warning("journal segment %s has %d bytes (a broker stopped while making it): "
+                    "removed", path, size)
+        _remove(path, rec)
+        return None
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(data)
+    magic, kind = fmt.PREAMBLE.unpack_from(view, 0)
+    if not any(view[:head_size]):  # made (preallocated) but nothing written in it yet
+        log.warning("journal segment %s holds only zeros (a broker stopped while making it): "
+                    "removed", path)
+        view.release()
+        data.close()
+        _remove(path, rec)
+        return None
+    if magic != fmt.MAGIC:
+        raise fmt.JournalFormatError(f"{path} is not a zchannel journal segment (it is named "
+                                     f"like one of channel {jdir.name!r}); move it away")
+    crc = fmt.checksum_of(kind, path)
+    scan = fmt.Scan()
+    records = fmt.records(view, crc, fmt.PREAMBLE.size, scan)
+    first = next(records, None)
+    if first is None or first[0] != fmt.SEGMENT:
+        if scan.end == fmt.PREAMBLE.size and (scan.torn or first is None):
+            log.warning("journal segment %s has no complete first record (a broker stopped "
+                        "while making it): removed", path)
+            _remove(path, rec)
+            return None
+        raise fmt.JournalFormatError(f"{path}: its first record is not a segment record")
+    info = fmt.unpack(first[1])
+    channel = info.get("channel") if isinstance(info, dict) else None
+    if channel != jdir.name:
+        raise fmt.JournalFormatError(
+            f"{path} is a segment of channel {channel!r}, not of {jdir.name!r}: a journal "
+            "directory holds each channel's segments under its own name; move it away")
+    if info.get("seq") != seq:
+        raise fmt.JournalFormatError(f"{path}: it says it is segment {info.get('seq')!r}, its "
+                                     f"name says {seq}; move it away")
+    seg = SegmentFile(seq, path, None, size, 0, recovered=True)
+    for rtype, body in records:
+        _apply(rtype, body, seg, rec)
+    seg.used = seg.written = seg.synced = scan.end
+    rec.bytes_read += scan.end
+    if scan.torn:
+        dropped = size - scan.end
+        rec.dropped_bytes += dropped
+        (log.warning if last else log.error)(
+            "journal segment %s: a torn record at offset %d, %d bytes after it dropped (%s)",
+            path, scan.end, dropped, "the end of what was written when the broker stopped"
+            if last else "written before a crash of the machine, not synced")
+    if size > scan.end:
+        try:
+            os.truncate(path, scan.end)  # the zeros (or torn bytes) after the data
+            seg.allocated = scan.end
+        except OSError as exc:
+            log.warning("could not trim journal segment %s: %s", path, exc)
+    return seg
+
+
+def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    if rtype in (fmt.PUT, fmt.INPUT):
+        try:
+            put = fmt.read_put(body)
+        except (ValueError, TypeError) as exc:
+            log.error("journal segment %s: a put record that does not hold together (%s): "
+                      "skipped", seg.path, exc)
+            return
+        held = rec.items if rtype == fmt.PUT else rec.inputs
+        held.pop(put.jid, None)  # a copy made by compaction: the newest counts
+        held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
+        rec.max_jid = max(rec.max_jid, put.jid)
+        origin = origin_of(put.extra)
+        if origin is not None:
+            rec.sequences.mark(origin)
+    elif rtype == fmt.IDLE:
+        upto = fmt.unpack(body)
+        if isinstance(upto, list) and upto and isinstance(upto[0], int):
+            for jid in [j for j in rec.inputs if j <= upto[0]]:
+                del rec.inputs[jid]
+    elif rtype in (fmt.REMOVE, fmt.LEASE):
+        jids = fmt.unpack(body)
+        if not isinstance(jids, list):
+            return
+        for jid in jids:
+            if not isinstance(jid, int):
+                continue
+            if rtype == fmt.REMOVE:
+                rec.items.pop(jid, None)
+                rec.leased.discard(jid)
+            elif jid in rec.items:
+                rec.leased.add(jid)
+            rec.max_jid = max(rec.max_jid, jid)
+    elif rtype == fmt.TABLE:
+        value = fmt.unpack(body)
+        if isinstance(value, list) and len(value) == 3 and isinstance(value[0], str):
+            name, whole, pairs = value
+            table = rec.tables.setdefault(name, {})
+            if whole:
+                table.clear()
+            for pair in pairs if isinstance(pairs, list) else ():
+                if isinstance(pair, list) and len(pair) == 2:
+                    table[_hashable(pair[0])] = pair[1]
+            if name == TABLE_NAME:  # the whole table of stored sequences, as it was here
+                rec.sequences.load(table)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _remove(path: str, rec: Recovered) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    rec.removed_files += 1

@@ -1,0 +1,80 @@
+"""``StoredSequences``: the put sequences of each producer whose items a durable channel's journal
+holds records of, so that a broker started again on the journal still knows which puts it
+stored (retry-safe puts across a restart, ``docs/durability.md``).
+
+Every ``PUT`` (or ``INPUT``) record of a retry-safe put carries its ``[producer, sequence]``
+(the meta's ``extra``, ``journal/items.py``), in the same record as the item: a put is either
+in the journal with its sequence, or not at all.  The start of every segment holds the whole
+table (a ``TABLE`` record named ``producers``: per producer its highest sequence and the bits of
+the last ``WINDOW``, zlib-compressed), so that a segment removed takes nothing needed with it:
+recovery starts from the last whole table it reads and marks the sequences of the records after
+it.  A producer that stored nothing for ``FORGET_S`` seconds is left out of the next tables (its
+handle forgot its puts in doubt long before: ``IN_DOUBT_S``, 60 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any
+
+from zchannel.broker.core.sequences import WINDOW, SequenceBits
+
+log = logging.getLogger("zchannel.journal")
+
+TABLE_NAME = "producers"  # the TABLE records of the stored sequences
+FORGET_S = 600.0
+
+
+class StoredSequences:
+    """Per producer, the sequences of its puts the journal recorded (see the module
+    docstring)."""
+
+    def __init__(self) -> None:
+        self.windows: dict[bytes, SequenceBits] = {}
+        self._last: dict[bytes, float] = {}  # producer -> when a put of it was last recorded
+
+    def mark(self, origin: Any) -> None:
+        """A record of the put ``origin`` (``[producer, sequence]``) was written or read."""
+        producer, seq = origin
+        window = self.windows.get(producer)
+        if window is None:
+            window = self.windows[producer] = SequenceBits()
+        window.mark(seq)
+        self._last[producer] = time.monotonic()
+
+    def snapshot(self) -> dict[bytes, list]:
+        """The whole table, for the start of a segment: ``producer -> [high, zlib(bits)]``
+        (producers silent for ``FORGET_S`` seconds dropped first)."""
+        horizon = time.monotonic() - FORGET_S
+        for producer in [p for p, t in self._last.items() if t < horizon]:
+            del self.windows[producer], self._last[producer]
+        return {p: [w.high, zlib.compress(bytes(w.bits), 1)] for p, w in self.windows.items()}
+
+    def load(self, table: dict[Any, Any]) -> None:
+        """Start again from a whole table read back (entries that do not hold together are
+        skipped, logged)."""
+        self.windows.clear()
+        self._last.clear()
+        now = time.monotonic()
+        for producer, value in table.items():
+            try:
+                high, packed = value
+                window = SequenceBits(high, zlib.decompress(packed, bufsize=WINDOW >> 3))
+                if not (isinstance(producer, bytes) and isinstance(high, int) and high >= 0):
+                    raise ValueError("not a producer id and a sequence")
+            except (TypeError, ValueError, zlib.error) as exc:
+                log.error("journal: a producer's stored sequences do not hold together (%s): "
+                          "skipped", exc)
+                continue
+            self.windows[producer] = window
+            self._last[producer] = now
+
+
+def origin_of(extra: Any) -> tuple[bytes, int] | None:
+    """The ``[producer, sequence]`` a put record carries, checked (None: none, or malformed)."""
+    if (isinstance(extra, list) and len(extra) == 2 and isinstance(extra[0], bytes)
+            and isinstance(extra[1], int) and extra[1] >= 0):
+        return extra[0], extra[1]
+    return None

@@ -1,0 +1,261 @@
+"""Appending records to a journal's segments, and keeping them on disk as its fsync policy says.
+
+``SegmentStore`` owns the segment files of one journal (oldest first; the last one is written).
+Records go in at the end of the current segment, each in space reserved when it is appended
+(a full segment is followed by a new, preallocated one: a full disk refuses the record that
+needed it, and nothing else).  Small records gather in a buffer written at the next
+``commit`` (before the broker sends its replies) or after ``BUFFER_BYTES``; records with large
+frames are written at once with ``pwritev``, straight from the frames.
+
+The fsync policies (``docs/durability.md``):
+
+- ``always``: ``commit`` writes the buffer and ``fdatasync``s every file written since the last
+  one before the replies go: a put or an ack is answered once it is on disk;
+- ``interval``: the replies go after the write; a ``Syncer`` thread ``fdatasync``s what was
+  written at most ``interval`` seconds after it was (group commit, deadline in the broker's
+  loop: ``due``/``tick``);
+- ``never``: written, and never synced by the journal (the OS writes it back).
+
+Every put keeps ``margin`` bytes of its segment free for removal records, so that a full disk
+still lets consumers take (and acknowledge) what is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from zchannel.broker.errors import JournalError
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.segments import JournalDir, SegmentFile, write_all
+from zchannel.broker.journal.syncing import JournalFailed, Syncing
+
+log = logging.getLogger("zchannel.journal")
+
+POLICIES = ("always", "interval", "never")
+SEGMENT_BYTES = 64 << 20
+BUFFER_BYTES = 256 << 10  # the buffer of small records is written once it holds this much
+DIRECT_BYTES = 64 << 10  # records at least this large are written at once, from their frames
+
+
+class SegmentStore:
+    """The segment files of one journal, the record buffer and the fsync policy."""
+
+    def __init__(self, jdir: JournalDir, *, policy: str, interval: float, segment_bytes: int,
+                 kind: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"fsync must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.dir = jdir
+        self.policy = policy
+        self.interval = interval
+        self.segment_bytes = segment_bytes
+        self.margin = min(1 << 20, max(4096, segment_bytes // 16))
+        self.kind = kind
+        self.crc = fmt.checksum_of(kind)
+        self.segments: list[SegmentFile] = []
+        self.disk_bytes = 0  # what the segments take on disk (allocated)
+        self.next_seq = 1
+        self.buf = bytearray()
+        self.buf_at = 0  # offset of the buffer in the current segment
+        self.buf_since = 0.0  # when the buffer's oldest record came
+        self.sync = Syncing(jdir, policy, interval)
+        self.on_roll: Callable[[], None] | None = None  # writes the tables into a new segment
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The write or sync error that made the journal fail (None: none)."""
+        return self.sync.failed
+
+    # -- segments ----------------------------------------------------------------------------
+
+    @property
+    def current(self) -> SegmentFile:
+        return self.segments[-1]
+
+    def adopt(self, seg: SegmentFile) -> None:
+        """A segment read at start: it is kept (and removed once its items are gone)."""
+        self.segments.append(seg)
+        self.disk_bytes += seg.allocated
+        self.next_seq = max(self.next_seq, seg.seq + 1)
+
+    def start(self) -> None:
+        """Open a new segment to write in (after the recovered ones)."""
+        self._roll(0)
+
+    def _roll(self, need: int) -> None:
+        """Continue in a new segment, of at least ``need`` free bytes (``JournalError`` on a
+        full disk: the current one stays)."""
+        if self.segments:
+            self.flush_buffer()
+        least = need + self.margin + 4096
+        sizes = [max(self.segment_bytes, least)]
+        try:  # a disk nearly full: a smaller segment, down to this record's own
+            free = os.statvfs(self.dir.path)
+            sizes.append(max(least, min(sizes[0], free.f_bavail * free.f_frsize * 3 // 4)))
+        except OSError:
+            pass
+        sizes += [least, need + 4096]
+        sync = self.policy != "never"
+        seg: SegmentFile | None = None
+        for size in sorted(set(sizes), reverse=True):
+            try:
+                seg = self.dir.make(self.next_seq, size, self.kind, sync)
+                break
+            except JournalError:
+                if size <= need + 4096:
+                    raise
+        assert seg is not None
+        self.next_seq += 1
+        if self.segments:
+            self._seal(self.current)
+        self.segments.append(seg)
+        self.disk_bytes += seg.allocated
+        if self.on_roll is not None:
+            self.on_roll()
+
+    def _seal(self, seg: SegmentFile) -> None:
+        """``seg`` is written no more: give its unused preallocated space back."""
+        if seg.fd is None:  # read at start: trimmed then
+            return
+        try:
+            os.ftruncate(seg.fileno(), seg.used)
+            self.disk_bytes -= seg.allocated - seg.used
+            seg.allocated = seg.used
+        except OSError as exc:
+            log.warning("could not trim journal segment %s: %s", seg.path, exc)
+        self.sync.retire(seg)
+
+    def room_for(self, nbytes: int, limit: int) -> bool:
+        """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now."""
+        if self.segments and self.current.free - self.margin >= nbytes:
+            return True
+        return self.disk_bytes + max(self.segment_bytes, nbytes + self.margin + 4096) <= limit
+
+    def drop_dead_prefix(self) -> int:
+        """Remove the oldest segments while none of their items is left (never the current
+        one); how many went."""
+        dropped = 0
+        while len(self.segments) > 1 and self.segments[0].live == 0:
+            seg = self.segments.pop(0)
+            self.dir.remove(seg)
+            self.disk_bytes -= seg.allocated
+            self.sync.removed(seg)
+            dropped += 1
+        return dropped
+
+    # -- appending ---------------------------------------------------------------------------
+
+    def _reserve(self, nbytes: int, for_put: bool) -> tuple[SegmentFile, int]:
+        seg = self.current
+        if seg.free - (self.margin if for_put else 0) < nbytes:
+            self._roll(nbytes)
+            seg = self.current
+        offset = seg.used
+        seg.used += nbytes
+        return seg, offset
+
+    def append(self, parts: Sequence[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
+        """Append a record (its ``parts``, ``nbytes`` in all); the segment it went to.
+        ``JournalError`` if no space could be had for it (nothing was written)."""
+        if self.failed is not None:
+            raise JournalFailed(f"the journal failed: {self.failed}")
+        if nbytes < DIRECT_BYTES:
+            seg, offset = self._reserve(nbytes, for_put)
+            if not self.buf:
+                self.buf_at, self.buf_since = offset, time.monotonic()
+            for part in parts:
+                self.buf += part
+            if len(self.buf) >= BUFFER_BYTES:
+                self.flush_buffer()
+            return seg
+        self.flush_buffer()
+        seg, offset = self._reserve(nbytes, for_put)
+        if self.buf:  # a new segment's tables, buffered by the roll: they come before it
+            self.flush_buffer()
+        try:
+            write_all(seg.fileno(), parts, offset)
+        except OSError as exc:
+            # what was written of it goes (its segment's data end before it: zeros), and the
+            # next record starts a new segment
+            self._truncate_at(seg, offset)
+            seg.used = seg.allocated
+            raise JournalError(f"the journal could not write a record of {nbytes} bytes to "
+                               f"{seg.path}: {exc.strerror or exc}") from None
+        seg.written = offset + nbytes
+        self.sync.wrote(seg)
+        return seg
+
+    def _truncate_at(self, seg: SegmentFile, offset: int) -> None:
+        try:
+            os.ftruncate(seg.fileno(), offset)
+        except OSError:
+            pass
+
+    def flush_buffer(self) -> None:
+        """Write the buffered records (``JournalFailed`` if the disk refuses)."""
+        if not self.buf:
+            return
+        seg = self.current
+        try:
+            write_all(seg.fileno(), [self.buf], self.buf_at)
+        except OSError as exc:
+            self.sync.failed = exc
+            raise JournalFailed(f"the journal could not write to {seg.path}: "
+                                f"{exc.strerror or exc}") from None
+        seg.written = self.buf_at + len(self.buf)
+        self.buf = bytearray()
+        self.sync.wrote(seg)
+
+    # -- syncing (journal/syncing.py) --------------------------------------------------------
+
+    def commit(self) -> None:
+        """Before replies are sent: write the buffer; with ``always``, sync all that was written."""
+        self.flush_buffer()
+        if self.policy == "always":
+            self.sync.sync_all()
+
+    def sync_now(self) -> None:
+        """Write the buffer and (unless ``never``) sync everything written, now: compaction's
+        copies are on disk before the segment they come from is removed."""
+        self.flush_buffer()
+        if self.policy != "never":
+            self.sync.sync_all()
+
+    def due(self) -> float | None:
+        """When ``tick`` has something to do (None: nothing waits)."""
+        due = self.sync.due()
+        if self.buf:
+            due = min(due or math.inf, self.buf_since + self.interval)
+        return due
+
+    def tick(self, now: float) -> None:
+        """Write a buffer older than the interval; with ``interval``, take a finished sync in
+        and start the next one when it is due (``JournalFailed`` if one failed)."""
+        if self.buf and now - self.buf_since >= self.interval:
+            self.flush_buffer()
+        self.sync.tick(now)
+
+    def lag(self, now: float) -> float:
+        """Seconds the oldest write not yet on disk has waited (0 when all is synced)."""
+        return self.sync.lag(now, self.buf_since if self.buf else None)
+
+    def close(self) -> None:
+        """Write and (unless ``never``) sync what is buffered, stop the sync thread, close the
+        files.  After a failure only the files are closed."""
+        try:
+            if self.failed is None:
+                self.flush_buffer()
+        except JournalError as exc:
+            log.error("the journal could not write its buffer while closing: %s", exc)
+        self.sync.close(self.segments)
+        if self.segments and self.failed is None:
+            cur = self.current
+            try:  # the unused preallocated space of the last segment
+                with open(cur.path, "r+b") as f:
+                    f.truncate(cur.used)
+            except OSError:
+                pass

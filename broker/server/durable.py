@@ -1,0 +1,51 @@
+"""A durable channel's broker: its journal opened from the configuration and read back into the
+queue core before the broker takes any request (``broker/journal/``, ``docs/durability.md``)."""
+
+from __future__ import annotations
+
+import logging
+
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.journal.journal import Journal, JournalSettings
+from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.sessions import Sessions
+
+log = logging.getLogger("zchannel.broker")
+
+
+def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Sessions) -> Journal:
+    """Open the journal ``name`` (the channel's, or ``NAME.replicaI`` for a replica) in
+    ``config.journal``, put the items it holds back into ``core``'s queues (in each key's put
+    order, in the shared queue: any consumer takes them; an item that was out on a lease comes
+    again), and let it record every change from here on."""
+    journal = Journal(JournalSettings(
+        directory=config.journal, name=name, fsync=config.fsync,
+        fsync_interval=config.fsync_interval, max_bytes=config.max_journal_bytes,
+        segment_bytes=config.journal_segment_bytes))
+    try:
+        for key, _, items in journal.recover():
+            core.requeue(None, (key, None), items, None)
+        _replay(journal, core)
+    except BaseException:
+        journal.close()
+        raise
+    sessions.producers.restore(journal.sequences.windows)  # retry-safe puts go on
+    core.attach_log(journal)
+    journal.on_room = core.waiters.admit_putters
+    sessions.journal = journal
+    return journal
+
+
+def _replay(journal: Journal, core: QueueCore) -> None:
+    """Rebuild the state of a collector that keeps state between puts: the puts it took since
+    it last held nothing go through it again, in their order; what they yield is dropped (it
+    was stored already, and recovered with the items)."""
+    for key, item in journal.replay:
+        try:
+            core.hooks.collect(item, key, item.weight)
+        except Exception as exc:  # the put failed the same way when it came
+            log.warning("replaying a put of key %r through the collector failed: %s", key, exc)
+    if journal.replay:
+        log.info("journal of %r: %d puts replayed through the collector",
+                 journal.settings.name, len(journal.replay))
+    journal.replay = []

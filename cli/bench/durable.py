@@ -1,0 +1,74 @@
+"""The durable targets of ``zchannel bench --scenario durable`` (``docs/durability.md``): what a
+journal costs, each ratio measured in the same rounds (medians of ``--repeat`` runs).
+
+- **D1**: 16 MiB tensors 1P -> 1C through a journaled channel (``fsync="interval"``, through
+  shared memory), MB/s against the disk's own rate for the same bytes (``write`` +
+  ``fdatasync`` per item, ``cli/bench/disk.py``);
+- **D2**: the 64 B stream (64 puts and 64 gets in flight) with a journal (``interval``) against
+  the same channel without one;
+- **D3**: that journaled 64 B stream against a Redis list with its append-only file
+  (``appendfsync everysec``, ``cli/bench/redis.py``), items/s;
+- **D4**: the journaled 16 MiB stream against the same Redis, MB/s.
+
+D3 and D4 need ``redis-server`` on ``PATH``; without it the report says so and they are left out.
+Thresholds: ``[targets]`` of ``configs/bench_targets.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zchannel.cli.bench.cases import MIB, Case, bounded
+from zchannel.cli.bench.report import TargetResult
+from zchannel.cli.bench.runner import Runner
+from zchannel.cli.bench.targets import Threshold, _target, load_thresholds
+
+DURABLE_STEPS = 10  # progress-bar length (cases and baselines)
+
+
+def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None = None
+                        ) -> list[TargetResult]:
+    """D1-D4 (see the module docstring)."""
+    thresholds = thresholds if thresholds is not None else load_thresholds()
+    saved = runner.baseline
+    out: list[TargetResult] = []
+    big = bounded(Case("channel", ptype="tensor", size=16 * MIB, messages=64, window=8,
+                       maxsize=8, journal="interval",
+                       label="D16 journal=interval shm tensor 16MiB 1P/1C maxsize=8"))
+    small = Case("channel", ptype="bytes", size=64, messages=20000, window=64,
+                 journal="interval", reserve=False,
+                 label="D64 journal=interval 64B 1P/1C puts w64 gets w64")
+    plain = dataclasses.replace(small, journal="", compare=False,
+                                label="D64 no journal 64B 1P/1C puts w64 gets w64")
+    try:
+        runner.baseline = "disk"
+        (d16,) = runner.measure_together([big], fresh=True)
+        disk = runner.baseline_for(big)
+        if disk is not None:
+            out.append(_target(
+                "D1", "16 MiB tensors through a journal (fsync interval), MB/s vs the disk's "
+                "write + fdatasync of the same bytes (same rounds)", d16.mb_s, disk.mb_s, "MB/s",
+                thresholds, note=f"disk {disk.mb_s:.0f} MB/s"))
+        runner.baseline = "redis"
+        d64, p64 = runner.measure_together([small, plain], fresh=True)
+        out.append(_target(
+            "D2", "64 B stream with a journal (fsync interval), items/s vs no journal (same "
+            "rounds)", d64.items_s, p64.items_s, "items/s", thresholds,
+            note=f"no journal {p64.items_s:.0f} items/s"))
+        redis64 = runner.baseline_for(small)
+        if redis64 is not None:
+            out.append(_target(
+                "D3", "64 B stream with a journal (fsync interval), items/s vs a Redis list "
+                "with AOF everysec, pipelines of 64 (same rounds)", d64.items_s,
+                redis64.items_s, "items/s", thresholds,
+                note=f"redis {redis64.items_s:.0f} items/s"))
+            (d16r,) = runner.measure_together([big], fresh=True)
+            redis16 = runner.baseline_for(big)
+            if redis16 is not None:
+                out.append(_target(
+                    "D4", "16 MiB tensors through a journal (fsync interval), MB/s vs a Redis "
+                    "list with AOF everysec (same rounds)", d16r.mb_s, redis16.mb_s, "MB/s",
+                    thresholds, note=f"redis {redis16.mb_s:.0f} MB/s"))
+    finally:
+        runner.baseline = saved
+    return out

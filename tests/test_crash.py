@@ -1,0 +1,387 @@
+"""Crash tests of durable channels: a journaled broker SIGKILLed at random moments under load.
+
+Two producer processes put (retrying after ``BrokerUnavailable`` or a timeout) and two consumer
+processes take, one with plain ``get``, one with ``get(ack=True)`` + ``ack``, while the broker
+is killed and started again on its journal (``tests/forkbroker.py``: a fork, back in tens of
+milliseconds).  Afterwards:
+
+- every acknowledged put was delivered (at least once, to one of the consumers);
+- no item whose ``ack`` succeeded was delivered again to a get asked after the ack returned,
+  also for puts the producer retried after ``BrokerUnavailable`` (an answer that never came):
+  the journal keeps each put's producer and sequence, so a retry reaching the restarted broker
+  is acknowledged, not stored twice (retry-safe puts across a restart).  Only a put retried
+  after a ``TimeoutError`` is exempt: that is a new put by the documented rule.
+
+``test_power_loss_with_fsync_always`` does the same with ``fsync="always"`` on an ext4 file
+system on a loop device, and at each kill copies the loop device's backing file: the copy holds
+what had reached the "disk" (synced or written back), not what only sat in the page cache of
+the file system on top — a power loss.  A broker started on the copy must hold every
+acknowledged put that had not been taken, and none that was acknowledged.
+
+``pytest -m soak`` runs ``ZCHANNEL_CRASH_KILLS`` kills (default 300) and more power losses.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from forkbroker import ForkBroker, wait_gone
+from zchannel.broker import Channel
+
+PRODUCER = r"""
+import os, random, sys, time
+import numpy as np
+from zchannel.broker import BrokerUnavailable, Channel
+
+address, p, stop, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+rng = random.Random(seed)
+ch = Channel.connect(address, timeout=60)
+print("ready", flush=True)
+seq = 0
+while not os.path.exists(stop):
+    ident = p * 10**9 + seq
+    if rng.random() < 0.01:  # through shared memory: the journal writes the slot's bytes
+        data = np.full(2 << 20, ident % 251, dtype=np.uint8)
+    else:
+        data = rng.randbytes(rng.randrange(16, 600))
+    while True:
+        try:
+            ch.put({"id": ident, "data": data}, key=f"k{p}", timeout=5)
+            break
+        except BrokerUnavailable:  # in doubt: it may be stored already; the retry is safe
+            print(f"R {ident}", flush=True)
+            time.sleep(0.01)
+        except TimeoutError:  # not in doubt: putting it again is a new put
+            print(f"T {ident}", flush=True)
+            time.sleep(0.01)
+    print(f"P {ident} {time.monotonic_ns()}", flush=True)
+    seq += 1
+    time.sleep(0.002)
+print("done", flush=True)
+"""
+
+CONSUMER = r"""
+import os, sys, time
+import numpy as np
+from zchannel.broker import BrokerUnavailable, Channel
+
+address, mode, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+ch = Channel.connect(address, timeout=60)
+print("ready", flush=True)
+idle_since = None
+n = 0
+while True:
+    key = f"k{n % 2}"
+    n += 1
+    asked = time.monotonic_ns()  # a delivery is known to follow an ack only if asked after it
+    try:
+        got = ch.get(key=key, timeout=0.05, ack=mode == "ack")
+    except TimeoutError:
+        if os.path.exists(stop):
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 3:
+                break
+        continue
+    except BrokerUnavailable:
+        time.sleep(0.01)
+        continue
+    idle_since = None
+    item = got.item if mode == "ack" else got
+    data = item["data"]
+    if isinstance(data, np.ndarray):
+        assert data.size == 2 << 20 and (data == item["id"] % 251).all(), "corrupt array"
+    print(f"{'L' if mode == 'ack' else 'G'} {item['id']} {asked} {time.monotonic_ns()}", flush=True)
+    if mode == "ack":
+        try:
+            ch.ack(got)
+        except (BrokerUnavailable, ValueError):
+            print(f"F {item['id']}", flush=True)
+            continue
+        print(f"A {item['id']} {time.monotonic_ns()}", flush=True)
+print("done", flush=True)
+"""
+
+
+class Worker:
+    """A worker script in a subprocess; its stdout lines are collected by a thread."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                                     text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line == "ready":
+                self.ready.set()
+            self.lines.append(line)
+
+    def count(self, tag: str) -> int:
+        return sum(1 for line in list(self.lines) if line.startswith(tag))
+
+    def stop(self, timeout: float = 120) -> None:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._thread.join(10)
+
+
+def _records(workers: list[Worker]) -> dict[str, list[tuple[int, ...]]]:
+    """The workers' lines by tag: (id, time) — deliveries (G, L): (id, asked, received)."""
+    out: dict[str, list[tuple[int, ...]]] = {t: [] for t in "PGLAFRT"}
+    for w in workers:
+        for line in w.lines:
+            parts = line.split()
+            if parts and parts[0] in out:
+                out[parts[0]].append(tuple(int(p) for p in parts[1:]) + (0,) * (2 - len(parts[1:])))
+    return out
+
+
+def _stored_twice(records: dict, kills: list[tuple[int, int]]) -> list[int]:
+    """Items two deliveries of one broker (no kill between the first get asked and the last
+    reply received) handed out: a broker hands an item out twice only if it stored it twice
+    (or its lease was given back: an ack that failed, ``F``, is left out)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for tag in "GL":
+        for ident, asked, received in records[tag]:
+            spans.setdefault(ident, []).append((asked, received))
+    failed = {i for i, _ in records["F"]}
+    twice = []
+    for ident, got in spans.items():
+        if len(got) < 2 or ident in failed:
+            continue
+        got.sort()
+        for (a1, r1), (_, r2) in zip(got, got[1:], strict=False):
+            lo, hi = a1, max(r1, r2)
+            if not any(before <= hi and after >= lo for before, after in kills):
+                twice.append(ident)
+                break
+    return twice
+
+
+def _check(records: dict, extra_delivered: set[int] = frozenset()) -> None:
+    """Every acknowledged put delivered; nothing delivered again after its ack succeeded: no
+    get asked after an ``ack`` returned got that item (a delivery's time is when its get was
+    asked: a reply a dying broker sent may be read by a descheduled consumer long after)."""
+    delivered: dict[int, list[int]] = {}
+    for tag in "GL":
+        for ident, t, _ in records[tag]:
+            delivered.setdefault(ident, []).append(t)
+    lost = {i for i, _ in records["P"]} - set(delivered) - set(extra_delivered)
+    assert not lost, f"{len(lost)} acknowledged puts were never delivered: {sorted(lost)[:10]}"
+    # a put retried after BrokerUnavailable is stored once (its copies would be two items);
+    # one put again after a TimeoutError is a new put
+    new_puts = {i for i, _ in records["T"]}
+    again = [(i, t) for i, t in records["A"]
+             if i not in new_puts and any(d > t for d in delivered.get(i, ()))]
+    assert not again, f"acknowledged items delivered again after their ack: {again[:10]}"
+
+
+def _start_workers(address: str, stop: str) -> list[Worker]:
+    workers = [Worker(PRODUCER, address, str(p), stop, str(p + 7)) for p in range(2)]
+    workers += [Worker(CONSUMER, address, mode, stop) for mode in ("plain", "ack")]
+    for w in workers:
+        assert w.ready.wait(120), "a worker did not start"
+    return workers
+
+
+def _wait_progress(producers: list[Worker], before: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(w.count("P ") for w in producers) < before + 5:
+        assert time.monotonic() < deadline, "no put was acknowledged after the restart"
+        time.sleep(0.01)
+
+
+def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
+    name = f"crash-{uuid.uuid4().hex[:6]}"
+    address = f"ipc://{run_dir}/{name}.sock"
+    config = dict(name=name, address=address, journal=str(tmp_path / "journal"),
+                  fsync="interval", journal_segment_bytes=1 << 20)
+    stop = str(tmp_path / "stop")
+    brokers = ForkBroker()
+    workers: list[Worker] = []
+    pid = 0
+    try:
+        pid = brokers.start(**config)
+        workers = _start_workers(address, stop)
+        rng = random.Random(kills)
+        killed: list[tuple[int, int]] = []  # (before the kill, after it) in monotonic ns
+        for _ in range(kills):
+            before = sum(w.count("P ") for w in workers[:2])
+            _wait_progress(workers[:2], before)
+            time.sleep(rng.uniform(0.0, 0.3))
+            start = time.monotonic_ns()
+            os.kill(pid, signal.SIGKILL)
+            wait_gone(pid)
+            killed.append((start, time.monotonic_ns()))
+            pid = brokers.start(**config)
+        open(stop, "w").close()
+        for w in workers:
+            w.stop()
+        records = _records(workers)
+        assert len(records["P"]) > kills * 5
+        assert records["A"] and records["G"], "both consumers took items"
+        _check(records)
+        assert records["R"], "no put was retried after BrokerUnavailable"
+        twice = _stored_twice(records, killed)
+        assert not twice, f"items stored twice (retried: {sorted(set(twice) & {i for i, _ in records['R']})[:10]}): {twice[:10]}"
+        stats = Channel.connect(address).stats()
+        assert stats["journal"]["items"] == 0 and stats["bytes_held"] == 0, stats
+        # the journal's disk use is back to about one segment once everything was taken
+        assert stats["journal"]["segments"] <= 3, stats["journal"]
+    finally:
+        open(stop, "w").close()
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                wait_gone(pid)
+            except ProcessLookupError:
+                pass
+        brokers.close()
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_under_load_50_times(run_dir, tmp_path):
+    _crash_run(run_dir, tmp_path, kills=50)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+def test_sigkill_under_load_long(run_dir, tmp_path):
+    _crash_run(run_dir, tmp_path, kills=int(os.environ.get("ZCHANNEL_CRASH_KILLS", "300")))
+
+
+# -- power loss ------------------------------------------------------------------------------
+
+
+def _mount_loop(image: str, where: str) -> None:
+    os.makedirs(where, exist_ok=True)
+    subprocess.run(["mount", "-o", "loop", image, where], check=True, capture_output=True)
+
+
+def _umount(where: str) -> None:
+    if subprocess.run(["umount", where], check=False, capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", where], check=False, capture_output=True)
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """An ext4 file system on a loop device backed by a file: (image, mount point)."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs root and mkfs.ext4 to mount a loop device")
+    image, mnt = str(tmp_path / "disk.img"), str(tmp_path / "disk")
+    with open(image, "wb") as f:
+        f.truncate(96 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True, capture_output=True)
+    try:
+        _mount_loop(image, mnt)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot mount a loop device here: {exc.stderr!r}")
+    yield image, mnt
+    _umount(mnt)
+
+
+def _drain(address: str) -> set[int]:
+    ch = Channel.connect(address, timeout=30)
+    got: set[int] = set()
+    try:
+        for key in ("k0", "k1"):
+            while True:
+                try:
+                    got.add(ch.get(key=key, timeout=1.0)["id"])
+                except TimeoutError:
+                    break
+    finally:
+        ch.close()
+    return got
+
+
+def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) -> None:
+    image, mnt = ext4
+    name = f"power-{uuid.uuid4().hex[:6]}"
+    address = f"ipc://{run_dir}/{name}.sock"
+    check_address = f"ipc://{run_dir}/{name}-check.sock"
+    config = dict(name=name, address=address, journal=os.path.join(mnt, "journal"),
+                  fsync="always", journal_segment_bytes=4 << 20)
+    stop = str(tmp_path / "stop")
+    snapshot, snap_mnt = str(tmp_path / "snapshot.img"), str(tmp_path / "snapshot")
+    brokers = ForkBroker()
+    workers: list[Worker] = []
+    pid = 0
+    try:
+        pid = brokers.start(**config)
+        workers = _start_workers(address, stop)
+        rng = random.Random(losses)
+        for _ in range(losses):
+            _wait_progress(workers[:2], sum(w.count("P ") for w in workers[:2]))
+            time.sleep(rng.uniform(0.1, 0.6))
+            os.kill(pid, signal.SIGKILL)
+            shutil.copyfile(image, snapshot)  # what reached the disk when the power went
+            wait_gone(pid)
+            _mount_loop(snapshot, snap_mnt)  # ext4 replays its own journal: a crashed disk
+            try:
+                check = brokers.start(**dict(config, address=check_address,
+                                             journal=os.path.join(snap_mnt, "journal")))
+                try:
+                    recovered = _drain(check_address)
+                finally:
+                    os.kill(check, signal.SIGTERM)
+                    wait_gone(check)
+            finally:
+                _umount(snap_mnt)
+            # every reply the dead broker sent has arrived by now (the drain took a second),
+            # and its successor is not started yet: these are the records of its life
+            records = _records(workers)
+            _check(records, extra_delivered=recovered)
+            acked = {i for i, _ in records["A"]} - {i for i, _ in records["T"]}
+            assert not acked & recovered, f"acknowledged items came back: {sorted(acked & recovered)[:10]}"
+            pid = brokers.start(**config)
+        open(stop, "w").close()
+        for w in workers:
+            w.stop()
+        _check(_records(workers))
+    finally:
+        open(stop, "w").close()
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                wait_gone(pid)
+            except ProcessLookupError:
+                pass
+        brokers.close()
+
+
+@pytest.mark.timeout(600)
+def test_power_loss_with_fsync_always(run_dir, tmp_path, ext4):
+    _power_loss_run(run_dir, tmp_path, ext4, losses=5)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+def test_power_loss_long(run_dir, tmp_path, ext4):
+    _power_loss_run(run_dir, tmp_path, ext4,
+                    losses=int(os.environ.get("ZCHANNEL_POWER_LOSSES", "50")))

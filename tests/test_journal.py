@@ -1,0 +1,497 @@
+"""Durable channels: what a journal keeps across a broker's death, what it does with damaged or
+foreign files, a directory it cannot write, a full disk, and how compaction and
+``max_journal_bytes`` bound its disk use (``docs/durability.md``).
+
+Brokers are real processes: ``Channel.create(..., journal=DIR)`` (whose keeper starts a dead
+broker again), ``zchannel broker --journal``, or forks of a prepared process
+(``tests/forkbroker.py``) where a test kills and restarts brokers itself."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from forkbroker import ForkBroker, wait_gone
+from zchannel.broker import (
+    BrokerStartError,
+    BrokerUnavailable,
+    Channel,
+    JournalError,
+    QueueFull,
+)
+from zchannel.broker.core.state import Item
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.journal import Journal, JournalSettings
+
+
+@pytest.fixture
+def brokers():
+    fb = ForkBroker()
+    started: list[int] = []
+
+    def start(**fields):
+        pid = fb.start(**fields)
+        started.append(pid)
+        return pid
+
+    yield start
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            wait_gone(pid)
+        except ProcessLookupError:
+            pass
+    fb.close()
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
+
+
+def _get_all(ch, key, timeout=2.0) -> list:
+    out = []
+    while True:
+        try:
+            out.append(ch.get(key=key, timeout=timeout))
+        except TimeoutError:
+            return out
+
+
+def _retry(fn, deadline_s=60.0):
+    """``fn()`` again while the broker is being restarted (``BrokerUnavailable``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return fn()
+        except BrokerUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, tmp_path):
+    """Acknowledged puts come back in per-key order after a SIGKILL (the creating process starts
+    the broker again by itself), leased items come again, acknowledged ones do not; tensors and
+    arrays that travelled through shared memory come back byte for byte."""
+    ch = Channel.create("durable-a", journal=tmp_path / "j")
+    channels.append(ch)
+    assert ch.stats()["journal"]["fsync"] == "interval"
+    for i in range(20):
+        ch.put(i, key="a")
+    arr = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: a shared-memory slot
+    ch.put(arr, key="big")
+    ch.put(torch.arange(300_000, dtype=torch.int64), key="big")
+    ch.put(b"x" * 100_000, key="b")
+    assert [ch.get(key="a") for _ in range(3)] == [0, 1, 2]
+    acked = ch.get(key="a", ack=True)
+    ch.ack(acked)
+    leased = ch.get(key="a", ack=True)  # never acknowledged: comes again
+    assert (acked.item, leased.item) == (3, 4)
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    got = _retry(lambda: ch.get(key="a", timeout=5))
+    assert got == 4
+    assert _get_all(ch, "a") == list(range(5, 20))
+    assert np.array_equal(_retry(lambda: ch.get(key="big", timeout=5)), arr)
+    assert torch.equal(ch.get(key="big", timeout=5), torch.arange(300_000, dtype=torch.int64))
+    assert ch.get(key="b", timeout=5) == b"x" * 100_000
+    stats = ch.stats()
+    assert stats["pid"] != pid and ch._keeper.restarts == 1
+    assert stats["journal"]["recovered_items"] == 19 and stats["journal"]["redelivered"] == 1
+    assert stats["journal"]["items"] == 0 and stats["bytes_held"] == 0
+    # shutdown is not a death: nothing starts it again, and the journal stays for the next one
+    ch.put("kept", key="a")
+    proc = ch._proc
+    ch.shutdown()
+    assert proc.poll() is not None
+    channels.remove(ch)
+    again = Channel.create("durable-a", journal=tmp_path / "j")
+    channels.append(again)
+    assert again.get(key="a", timeout=5) == "kept"
+
+
+def test_cli_broker_journal_flags_config_file_and_stat(tmp_path, run_dir):
+    journal = tmp_path / "j"
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[channel]\nname = "durable-cli"\njournal = "{journal}"\nfsync = "always"\n')
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "--config",
+                                 str(config)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().startswith("ready ")
+        return proc
+
+    proc = start()
+    try:
+        ch = Channel.connect("durable-cli")
+        for i in range(5):
+            ch.put(i)
+        ch.close()
+        out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "stat", "durable-cli"],
+                             capture_output=True, text=True, check=True).stdout
+        line = next(x for x in out.splitlines() if x.startswith("journal"))
+        assert str(journal) in line and "fsync always" in line and "items 5" in line
+        assert "fsync lag" in line and "segments 1" in line
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start()
+        ch = Channel.connect("durable-cli")
+        assert _get_all(ch, "default_queue") == [0, 1, 2, 3, 4]
+        assert ch.stats()["journal"]["fsync"] == "always"
+        ch.close()
+    finally:
+        proc.terminate()
+        proc.wait()
+    flags = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "x",
+                            "--fsync", "sometimes"], capture_output=True, text=True)
+    assert flags.returncode == 2 and "sometimes" in flags.stderr
+
+
+def test_bad_journal_arguments(tmp_path):
+    with pytest.raises(ValueError, match="fsync"):
+        Channel.create("durable-bad", journal=tmp_path, fsync="sometimes")
+    with pytest.raises(ValueError, match="journal needs a broker process"):
+        Channel.create("durable-bad", journal=tmp_path, local=True)
+    with pytest.raises(ValueError, match="max_journal_bytes"):
+        Channel.create("durable-bad", journal=tmp_path, max_journal_bytes=-1)
+    with pytest.raises(ValueError, match="fsync_interval"):
+        Channel.create("durable-bad", journal=tmp_path, fsync_interval=0)
+
+
+def test_a_journal_serves_one_broker_at_a_time(brokers, run_dir, tmp_path):
+    journal = str(tmp_path / "j")
+    brokers(name="durable-one", address=f"ipc://{run_dir}/one.sock", journal=journal)
+    other_run = f"{run_dir}/other"  # another run directory: the channel lock does not stop it
+    os.makedirs(other_run, mode=0o700)
+    proc = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "durable-one",
+                           "--journal", journal], capture_output=True, text=True,
+                          env=dict(os.environ, ZCHANNEL_RUN_DIR=other_run))
+    assert proc.returncode == 2
+    assert "in use by another broker" in proc.stderr and journal in proc.stderr
+
+
+# -- damaged and foreign files ---------------------------------------------------------------
+
+
+def _segments(journal: str, name: str) -> list[str]:
+    return sorted(os.path.join(journal, f) for f in os.listdir(journal)
+                  if f.startswith(name + ".") and f.endswith(fmt.SUFFIX))
+
+
+def _last_record(path: str) -> tuple[int, int]:
+    """(offset, length) of the last record of a segment file."""
+    data = memoryview(open(path, "rb").read())
+    scan = fmt.Scan()
+    crc = fmt.checksum_of(fmt.PREAMBLE.unpack_from(data, 0)[1])
+    offset = fmt.PREAMBLE.size
+    last = (offset, 0)
+    for _, body in fmt.records(data, crc, fmt.PREAMBLE.size, scan):
+        last = (offset, fmt.HEADER.size + len(body))
+        offset += last[1]
+    return last
+
+
+def test_torn_last_records_and_empty_segments_lose_nothing_acknowledged(brokers, run_dir,
+                                                                        tmp_path, caplog):
+    journal = str(tmp_path / "j")
+    config = dict(name="durable-torn", address=f"ipc://{run_dir}/torn.sock", journal=journal)
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    for i in range(10):
+        ch.put({"i": i, "pad": b"p" * 200})
+    _kill(pid)
+    ch.close()
+    (last,) = _segments(journal, "durable-torn")
+    offset, length = _last_record(last)
+    with open(last, "rb") as f:
+        f.seek(offset)
+        record = f.read(length)
+    with open(last, "r+b") as f:  # a copy of the last record, cut short: a write the kill tore
+        f.seek(offset + length)
+        f.write(record[: length // 2])
+    seq = int(os.path.basename(last).split(".")[1])
+    open(os.path.join(journal, f"durable-torn.{seq + 1:010d}.zcj"), "wb").close()  # zero-length
+    with open(os.path.join(journal, f"durable-torn.{seq + 2:010d}.zcj"), "wb") as f:
+        f.write(fmt.preamble(fmt.default_kind()))  # a segment whose making was cut short
+    with open(os.path.join(journal, f"durable-torn.{seq + 3:010d}.zcj"), "wb") as f:
+        f.truncate(1 << 20)  # preallocated, killed before its first record was written
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    assert [x["i"] for x in _get_all(ch, "default_queue")] == list(range(10))
+    stats = ch.stats()["journal"]
+    assert stats["recovered_items"] == 10
+    ch.close()
+    for path in _segments(journal, "durable-torn"):  # the empty and unfinished ones went
+        with open(path, "rb") as f:
+            assert f.read(len(fmt.MAGIC)) == fmt.MAGIC and os.path.getsize(path) > 64, path
+
+
+def test_a_segment_of_another_channel_is_refused_by_name(brokers, run_dir, tmp_path):
+    journal = str(tmp_path / "shared")  # two channels share one directory
+    a = dict(name="durable-x", address=f"ipc://{run_dir}/x.sock", journal=journal)
+    b = dict(name="durable-y", address=f"ipc://{run_dir}/y.sock", journal=journal)
+    pa, pb = brokers(**a), brokers(**b)
+    cha, chb = Channel.connect(a["address"]), Channel.connect(b["address"])
+    cha.put("for x")
+    chb.put("for y")
+    _kill(pa)
+    _kill(pb)
+    cha.close()
+    chb.close()
+    pb = brokers(**b)  # the other channel's files are left alone
+    chb = Channel.connect(b["address"])
+    assert chb.get(timeout=5) == "for y"
+    chb.close()
+    _kill(pb)
+    (x_segment,) = _segments(journal, "durable-x")
+    shutil.copy(x_segment, os.path.join(journal, "durable-y.0000009999.zcj"))
+    with pytest.raises(RuntimeError, match="durable-y.0000009999.zcj is a segment of channel "
+                                           "'durable-x', not of 'durable-y'"):
+        brokers(**b)
+
+
+def test_unwritable_journal_directory_is_a_clear_error(tmp_path, channels):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(BrokerStartError, match=f"journal directory '{not_a_dir}'") as err:
+        Channel.create("durable-nodir", journal=not_a_dir)
+    assert err.value.reason == "JournalError"
+    if os.geteuid() != 0:
+        pytest.skip("a read-only mount needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount is not permitted here")
+    try:
+        with pytest.raises(BrokerStartError, match="Read-only file system|not writable"):
+            Channel.create("durable-ro", journal=ro / "j")
+        with pytest.raises(BrokerStartError, match="Read-only file system|not writable"):
+            Channel.create("durable-ro", journal=ro)
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root); unmounted lazily when a broker still has files open there."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+            capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield str(where)
+    if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_dir, small_disk):
+    config = dict(name="durable-full", address=f"ipc://{run_dir}/full.sock",
+                  journal=os.path.join(small_disk, "j"), shm_threshold=0)
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    acked = []
+    with pytest.raises(JournalError, match="no space left on device"):
+        for i in range(100):  # 100 x 64 KiB: more than the disk holds
+            ch.put({"i": i, "pad": b"p" * (64 << 10)})
+            acked.append(i)
+    assert 5 < len(acked) < 100
+    stats = ch.stats()
+    assert stats["journal"]["refused"] >= 1 and stats["journal"]["failed"] is None
+    # what was acknowledged is there, in order; taking it makes room for puts again
+    assert [x["i"] for x in _get_all(ch, "default_queue", timeout=0.5)] == acked
+    for i in range(3):
+        ch.put({"i": 1000 + i, "pad": b"p" * (64 << 10)})
+    _kill(pid)
+    ch.close()
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    assert [x["i"] for x in _get_all(ch, "default_queue", timeout=0.5)] == [1000, 1001, 1002]
+    ch.close()
+
+
+def test_compaction_bounds_the_disk_used(brokers, run_dir, tmp_path):
+    """A stream through a journal of small segments, with one old item left behind: segments
+    are removed as their items leave, the old item is copied forward so that its segment can
+    go, and disk use stays within twice the items held plus three segments."""
+    segment = 256 << 10
+    config = dict(name="durable-compact", address=f"ipc://{run_dir}/compact.sock",
+                  journal=str(tmp_path / "j"), journal_segment_bytes=segment)
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    ch.put("old", key="old")  # stays while everything else streams past
+    peak = 0
+    for i in range(600):  # 600 x 8 KiB = 18 segments' worth
+        ch.put(b"x" * (8 << 10) + i.to_bytes(4, "big"), key="s")
+        if i >= 8:
+            assert ch.get(key="s")[-4:] == (i - 8).to_bytes(4, "big")
+        if i % 50 == 0:
+            j = ch.stats()["journal"]
+            peak = max(peak, j["bytes"])
+            assert j["bytes"] <= 2 * j["item_bytes"] + 3 * segment, j
+    j = ch.stats()["journal"]
+    assert peak > 0 and j["segments"] <= 4, j
+    _kill(pid)
+    ch.close()
+    pid = brokers(**config)
+    ch = Channel.connect(config["address"])
+    assert ch.get(key="old", timeout=5) == "old"
+    assert len(_get_all(ch, "s", timeout=0.5)) == 8
+    ch.close()
+
+
+def test_max_journal_bytes_makes_puts_wait(brokers, run_dir, tmp_path):
+    limit = 1 << 20
+    config = dict(name="durable-limit", address=f"ipc://{run_dir}/limit.sock",
+                  journal=str(tmp_path / "j"), max_journal_bytes=limit, shm_threshold=0)
+    brokers(**config)
+    ch = Channel.connect(config["address"])
+    with pytest.raises(ValueError, match="max_journal_bytes"):
+        ch.put(b"x" * limit)
+    n = 0
+    with pytest.raises(QueueFull, match="max_journal_bytes"):
+        while True:
+            ch.put_nowait(b"x" * (32 << 10))
+            n += 1
+            assert n < 100
+    assert ch.stats()["journal"]["bytes"] <= limit
+    with pytest.raises(TimeoutError):
+        ch.put(b"y" * (32 << 10), timeout=0.2)
+    waiting = ch.put(b"z" * (32 << 10), async_op=True)
+    for _ in range(n):  # taking frees the segments, and the waiting put goes in
+        ch.get()
+    waiting.wait(timeout=10)
+    assert ch.get(timeout=5) == b"z" * (32 << 10)
+    ch.close()
+
+
+def test_collector_outputs_are_journaled(channels, tmp_path):
+    ch = Channel.create("durable-hooks", journal=tmp_path / "j", collector="flatten_batch")
+    channels.append(ch)
+    ch.put([1, 2, 3, 4])
+    assert ch.get() == 1
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    assert _retry(lambda: ch.get(timeout=5)) == 2
+    assert _get_all(ch, "default_queue") == [3, 4]
+
+
+def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels, tmp_path):
+    """A collector that keeps state between puts (``holds_state``): the puts it took since it
+    last held nothing are journaled and replayed through it when the broker starts again, so
+    a half put before the crash pairs with one put after; a collector that holds nothing
+    leaves nothing to replay."""
+    ch = Channel.create("durable-pairs", journal=tmp_path / "j", collector="hookmods:Pairs")
+    channels.append(ch)
+    ch.put("a1", key="k1")
+    ch.put("a2", key="k1")  # a pair: stored
+    ch.put("b1", key="k2")  # waits for its other half
+    assert ch.stats()["journal"]["collector_inputs"] == 1  # the pair left nothing held
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    _retry(lambda: ch.put("b2", key="k2", timeout=5))
+    assert ch.get(key="k1", timeout=5) == ("a1", "a2")
+    assert ch.get(key="k2", timeout=5) == ("b1", "b2")
+    stats = ch.stats()["journal"]
+    assert stats["collector_inputs"] == 0 and stats["items"] == 0  # it holds nothing now
+
+
+@pytest.mark.timeout(300)
+def test_each_replica_of_a_distributed_channel_keeps_its_journal(run_dir, tmp_path):
+    """``zchannel broker NAME --cluster FILE --replica I --journal DIR``: each replica journals
+    under ``NAME.replicaI``; a replica SIGKILLed and started again serves what it held, the
+    others lose nothing."""
+    from cluster_util import Replicas, write_cluster
+    from zchannel.broker.cluster import clusterfile
+
+    path = write_cluster(run_dir)
+    journal = str(tmp_path / "j")
+    reps = Replicas()
+    try:
+        reps.start("dj", path, range(3), "--journal", journal)
+        address = clusterfile.load(path, "dj").replicas[0].address
+        ch = Channel.connect(address)
+        keys = [f"k{i}" for i in range(12)]
+        for key in keys:
+            ch.put(f"{key}-a", key=key)
+            ch.put(f"{key}-b", key=key)
+        where = {key: ch.replica_of(key) for key in keys}
+        assert set(where.values()) == {0, 1, 2}  # the keys spread over the replicas
+        names = {f for f in os.listdir(journal) if f.endswith(".zcj")}
+        assert {n.rsplit(".", 2)[0] for n in names} == {"dj.replica0", "dj.replica1", "dj.replica2"}
+        reps.kill(1)
+        reps.start("dj", path, [1], "--journal", journal)
+        for key in keys:  # replica 1's keys came back from its journal, in order
+            assert _retry(lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
+            assert ch.get(key=key, timeout=10) == f"{key}-b"
+        ch.close()
+    finally:
+        reps.stop_all()
+
+
+def test_the_stored_put_sequences_outlive_their_segments(tmp_path):
+    """Each put record carries its producer and sequence, and every segment starts with the
+    whole table of them: a journal read back knows every sequence it stored (within the last
+    WINDOW of its producer), also after the segments of those puts went, and none it did not
+    store (journal/sequences.py)."""
+    settings = JournalSettings(directory=str(tmp_path), name="seqs", fsync="never",
+                               segment_bytes=64 << 10)
+    p, q = b"p" * 16, b"q" * 16
+    journal = Journal(settings)
+    journal.recover()
+    try:
+        for seq in range(1, 301):  # 2 KiB items: ~30 per segment, ten segments
+            item = Item([os.urandom(2000)], 1, 2000, origin=(p, seq))
+            journal.stored([("k", None, item)])
+            journal.taken([item])
+            journal.sent()  # taken: the segments of these puts are removed
+        kept = Item([b"kept"], 1, 4, origin=(q, 7))
+        journal.stored([("k", None, kept)])
+        journal.stored([("k", None, Item([b"anonymous"], 1, 9))])  # no retry-safe producer
+        assert len(journal.store.segments) <= 2  # the segments of p's puts are gone
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        groups = again.recover()
+        assert [[bytes(f) for f in it.payload] for _, _, items in groups for it in items] == \
+            [[b"kept"], [b"anonymous"]]
+        windows = again.sequences.windows
+        assert set(windows) == {p, q}
+        assert all(windows[p].marked(seq) for seq in range(1, 301))
+        assert not windows[p].marked(301) and windows[p].high == 300
+        assert windows[q].marked(7) and not windows[q].marked(6)
+    finally:
+        again.close()
+
+
+def test_records_written_straight_to_a_new_segment_follow_its_tables(tmp_path):
+    """A large record (written at once, not buffered) that starts a new segment comes after the
+    tables the segment begins with (a buffered table written after it would overwrite it): every
+    put is read back, in order."""
+    settings = JournalSettings(directory=str(tmp_path), name="big", segment_bytes=64 << 10)
+    journal = Journal(settings)
+    journal.recover()
+    p = b"p" * 16
+    for seq in range(1, 101):
+        size = 200_000 if seq % 7 == 0 else 600  # every 7th fills a segment of its own
+        journal.stored([("k", None, Item([seq.to_bytes(4, "little") * (size // 4)], 1, size,
+                                         origin=(p, seq)))])
+        if seq % 3 == 0:
+            journal.commit()  # what a loop turn does before its replies go
+    journal.commit()  # all written: closing changes nothing read back
+    journal.close()
+    again = Journal(settings)
+    try:
+        (group,) = again.recover()
+        assert [int.from_bytes(bytes(it.payload[0][:4]), "little") for it in group[2]] == \
+            list(range(1, 101))
+        assert again.sequences.windows[p].high == 100
+    finally:
+        again.close()
