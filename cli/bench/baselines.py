@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zchannel.cli.bench.cases import Case, Measured, split
+from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
     PayloadFactory,
@@ -22,7 +22,13 @@ from zchannel.cli.bench.payloads import (
     checked_stream,
     verify_seqs,
 )
-from zchannel.cli.bench.workers import POLL_S, WORKER_DEADLINE_S, Workers, read_proc_status
+from zchannel.cli.bench.workers import (
+    POLL_S,
+    WORKER_DEADLINE_S,
+    Workers,
+    read_proc_cpu_ns,
+    read_proc_status,
+)
 
 ZERO_COPY_MIN = 64 * 1024  # frames at least this big are sent with copy=False (as the codec does)
 
@@ -342,13 +348,16 @@ def run_zmq_proxy(case: Case, tmpdir: str) -> Measured:
                 },
             )
         w.wait_ready()
+        cpu0 = read_proc_cpu_ns(proxy_pid)
         t_go = w.go()
         results = w.collect(case.consumers)
+        cpu1 = read_proc_cpu_ns(proxy_pid)
         done.set()
         results += w.collect(case.producers)
         rss = read_proc_status(proxy_pid, "VmHWM")
     seconds, lat = checked_stream(results, per_prod, t_go)
-    return Measured(case.messages, seconds, lat, rss)
+    cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+    return Measured(case.messages, seconds, lat, rss, cpu_figures(results, case.messages, cpu))
 
 
 def run_zmq_echo(case: Case, tmpdir: str) -> Measured:
@@ -417,4 +426,4 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
         t_go = w.go()
         results = w.collect(case.producers + case.consumers)
     seconds, lat = checked_stream(results, per_prod, t_go)
-    return Measured(case.messages, seconds, lat)
+    return Measured(case.messages, seconds, lat, extra=cpu_figures(results, case.messages))

@@ -132,6 +132,20 @@ def stream_figures(prod: list[dict], cons: list[dict], t_go: int) -> tuple[float
     return max(1e-9, (t1 - t0) / 1e9), lat
 
 
+def cpu_figures(results: list[dict], items: int, server_cpu_ns: int | None = None) -> dict:
+    """CPU microseconds per item of the producers, the consumers (all their threads, from the
+    start signal to their end) and the process between them (the broker, a relay) when its CPU
+    time over the run is known."""
+    out: dict[str, float] = {}
+    for role in ("producer", "consumer"):
+        cpu = [r["cpu_ns"] for r in results if r["name"].startswith(role) and "cpu_ns" in r]
+        if cpu:
+            out[f"{role}_cpu_us_item"] = sum(cpu) / 1e3 / max(1, items)
+    if server_cpu_ns is not None:
+        out["server_cpu_us_item"] = server_cpu_ns / 1e3 / max(1, items)
+    return out
+
+
 def scenario_cases(scenario: str, base: Case, keys: int | None) -> list[Case]:
     """The cases of one scenario, from the options in ``base``."""
     if scenario == "quick":

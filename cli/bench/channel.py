@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from zchannel.broker import Channel, Work
-from zchannel.cli.bench.cases import MIB, Case, Measured, split
+from zchannel.cli.bench.cases import MIB, Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
     PayloadFactory,
@@ -30,6 +30,7 @@ from zchannel.cli.bench.workers import (
     GET_TIMEOUT_S,
     WORKER_DEADLINE_S,
     Workers,
+    read_proc_cpu_ns,
     read_proc_status,
 )
 from zchannel.hooks import register_collector
@@ -80,6 +81,10 @@ class Target:
 
     def peak_rss(self) -> int | None:
         return read_proc_status(self.pid, "VmHWM") if self.pid else None
+
+    def cpu_ns(self) -> int | None:
+        """The broker's CPU time so far (user + system, ns)."""
+        return read_proc_cpu_ns(self.pid) if self.pid else None
 
     def rss(self) -> int | None:
         return read_proc_status(self.pid, "VmRSS") if self.pid else None
@@ -313,10 +318,14 @@ def run_channel_stream(case: Case, address: str | None, tmpdir: str) -> Measured
                     spec["request_latency"] = True
                 w.start(channel_consumer, spec)
             w.wait_ready()
+            cpu0 = target.cpu_ns()
             t_go = w.go()
             results = w.collect(case.producers + case.consumers)
+            cpu1 = target.cpu_ns()
         seconds, lat = checked_stream(results, per_prod, t_go)
-        extra = {}
+        extra = cpu_figures(
+            results, case.messages, None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+        )
         if case.scenario == "batch":
             extra["batches"] = int(lat.size)  # one latency per batch a consumer got
         return Measured(case.messages, seconds, lat, target.peak_rss(), extra)
