@@ -152,7 +152,13 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     help="asynchronous operations in flight per worker",
 )
 @click.option(
-    "--baseline", type=click.Choice(("zmq", "ray", "mp", "none")), default="zmq", show_default=True
+    "--baseline",
+    type=click.Choice(("zmq", "zmq.proxy.depth", "ray", "mp", "redis-mem", "none")),
+    default="zmq",
+    show_default=True,
+    help="what each case is compared with in the same run: zmq = a zmq.proxy relay at "
+    "libzmq's default HWM (an echo for get_only), zmq.proxy.depth = the relay at the case's "
+    "window, Ray, multiprocessing.Queue, or a Redis list in memory (redis-server on PATH)",
 )
 @click.option(
     "--repeat",
