@@ -280,7 +280,7 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     runner = runner_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
     targets = targets_mod.run_shm_targets(runner)
     labels = [c.label.split()[0] for c in runs]
-    assert labels[:9] == ["T9", "T9w", "T9d"] * 3  # interleaved, one of each per round
+    assert labels[:12] == ["T9", "T9w", "T9d", "T9z"] * 3  # interleaved, one of each per round
     tuned, in_slot, default = runs[0], runs[1], runs[2]
     assert (tuned.window, tuned.maxsize, tuned.reserve, tuned.in_slot) == (8, 8, True, False)
     # T9w: T9's stream with the producer writing each tensor in its slot (empty_shm)
@@ -295,8 +295,17 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     spec = producer_specs(default, "ipc://x", "k")[0]
     assert spec["shm_slots"] == 0 and spec["window"] == 64
     (t9d,) = [t for t in targets if t.target == "T9d"]
-    assert t9d.ratio == 0.5 and t9d.threshold == 0.8 and not t9d.passed
+    assert t9d.ratio == 0.5 and t9d.threshold == 0.9 and not t9d.passed
     assert not [r for r in runner.rows if r.case.startswith("T9d") and r.baseline]
+    # zero-copy: slots written by the producer, views for the consumer; items/s, absolute
+    zero = runs[3]
+    assert zero == dataclasses.replace(in_slot, views=True, compare=False, label=zero.label)
+    by_name = {t.target: t for t in targets}
+    assert by_name["T9z"].measured == by_name["T9z"].ratio == 256.0  # 256 items in 1 s
+    # T9 against np.copyto of the same 16 MiB, measured in the same rounds
+    (copy,) = [r for r in runner.rows if r.kind == "np.copyto"]
+    assert copy.repeats == 3 and copy.size == 16 << 20
+    assert by_name["T9-copy"].reference == pytest.approx(copy.mb_s)
 
 
 def test_payloads_built_in_slots_pass_the_check(make_remote):
@@ -368,7 +377,7 @@ def test_target_thresholds_are_data(tmp_path):
 
     thresholds = targets_mod.load_thresholds()
     for name in ("T1", "T2", "T2s", "T2s-mp", "T2s-redis", "T3", "T3b", "T4", "T6", "T7", "T8",
-                 "T9", "T9-ray", "T9d", "T10"):
+                 "T9", "T9-ray", "T9-copy", "T9z", "T9d", "T10"):
         assert name in thresholds
     assert thresholds["T2s"] == targets_mod.Threshold(0.8, True)
     assert thresholds["T4"].higher is False

@@ -447,6 +447,24 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
     return Measured(case.messages, seconds, lat, extra=cpu_figures(results, case.messages))
 
 
+def run_copyto(case: Case, tmpdir: str) -> Measured:
+    """The copy limit: ``np.copyto`` of each item's bytes into preallocated memory, ``messages``
+    times, in this process (a warm-up copy first, so no page is faulted in while timed)."""
+    src = np.frombuffer(np.random.default_rng(7).bytes(case.size), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    lat = np.empty(case.messages, dtype=np.int64)
+    start = time.monotonic_ns()
+    for i in range(case.messages):
+        t0 = time.monotonic_ns()
+        np.copyto(dst, src)
+        lat[i] = time.monotonic_ns() - t0
+    seconds = (time.monotonic_ns() - start) / 1e9
+    if not np.array_equal(dst[-4096:], src[-4096:]):
+        raise RuntimeError("np.copyto baseline: the copy differs from its source")
+    return Measured(case.messages, max(seconds, 1e-9), lat)
+
+
 def run_zmq_proxy_at_depth(case: Case, tmpdir: str) -> Measured:
     """The relay with every high-water mark at the case's window (``depth_hwm``)."""
     return run_zmq_proxy(case, tmpdir, hwm=depth_hwm(case))
@@ -467,6 +485,11 @@ register_baseline(Baseline(
 register_baseline(Baseline(
     "zmq.echo", run_zmq_echo, "raw DEALER -> ROUTER echo round trips, no broker logic",
     latency="rtt",
+))
+register_baseline(Baseline(
+    "np.copyto", run_copyto,
+    "np.copyto of each item's bytes into preallocated memory in one process: the copy limit",
+    latency="copy",
 ))
 register_baseline(Baseline(
     "mp", run_mp_queue, "multiprocessing.Queue between the same processes",

@@ -52,6 +52,7 @@ class Case:
     max_inflight: int = MAX_INFLIGHT_BYTES  # payload bytes in flight per worker (``bounded``)
     reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
     in_slot: bool = False  # producers write each tensor in a slot (``empty_shm``), no put copy
+    views: bool = False  # consumers get views of the slots (``copy=False``), no get copy
     compare: bool = True  # measured against the --baseline transport (else against another case)
 
     @property

@@ -116,7 +116,7 @@ class Runner:
         """Run ``cases`` in rounds, one run of each per round, ``repeats`` rounds, together with
         the baselines they (and ``baselines_of``) are compared to, where not measured yet
         (``fresh``: measure them again, alongside these cases), and with the baselines of kinds
-        ``also`` on the cases' set-ups (extra rows; ``baseline_for(case, kind)``).
+        ``also`` on the first case's set-up (extra rows; ``baseline_for(case, kind)``).
 
         Interleaving pairs each run with the runs it is compared to in time: on a shared
         machine the rate of every transport drifts by 10-30 % over minutes, and a block of
@@ -124,7 +124,7 @@ class Runner:
         cases = [bounded(c) for c in cases]
         keys: list[tuple] = []
         wanted = [self.baseline_key(c) for c in [*cases, *(bounded(b) for b in baselines_of)]]
-        wanted += [self.baseline_key(c, kind) for kind in also for c in cases]
+        wanted += [self.baseline_key(cases[0], kind) for kind in also]
         for key in wanted:
             if (
                 key is not None
@@ -184,7 +184,7 @@ class Runner:
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
             case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
-            reserve=True, in_slot=False, compare=True,
+            reserve=True, in_slot=False, views=False, compare=True,
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(

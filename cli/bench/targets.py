@@ -27,7 +27,7 @@ from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
 from zchannel.cli.shipped import shipped_path
 
-SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 10  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 TARGETS_FILE = "bench_targets.toml"  # shipped in zchannel.configs (configs/ of a checkout)
 
@@ -381,9 +381,19 @@ def run_shm_targets(
         c9w = dataclasses.replace(
             t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
         )
-        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        t9, _t9w, t9d = runner.measure_together([t9, c9w, c9d], fresh=True)
+        # no copy at all: the producer writes in its slot, the consumer reads views of it
+        # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
+        c9z = dataclasses.replace(
+            c9w, views=True, compare=False,
+            label="T9z shm tensor 16MiB 1P/1C ipc maxsize=8, zero-copy (slots and views)",
+        )
+        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
+        # and so does the copy limit (np.copyto of the same bytes)
+        t9, _t9w, t9d, t9z = runner.measure_together(
+            [t9, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
+        )
         b9 = runner.baseline_for(c9)
+        copy9 = runner.baseline_for(c9, "np.copyto")
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
             out.append(
@@ -407,6 +417,16 @@ def run_shm_targets(
                 thresholds,
             )
         )
+        if copy9 is not None:
+            out.append(_target(
+                "T9-copy", "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs np.copyto "
+                "of 16 MiB in one process (same rounds)", t9.mb_s, copy9.mb_s, "MB/s", thresholds,
+            ))
+        out.append(_target(
+            "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
+            "items/s (an absolute figure: reference 1)", t9z.items_s, 1.0, "items/s", thresholds,
+            note=f"{t9z.mb_s:.0f} MB/s",
+        ))
         out.append(
             _target(
                 "T9d",
