@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import click
@@ -394,3 +395,51 @@ def test_target_thresholds_are_data(tmp_path):
     result = _run("--targets", "--scenario", "batch")
     assert result.exit_code == 2 and "--targets runs the target suite" in result.output
     assert "--targets" in _run("--help").output
+
+
+def test_scaling_curves_table_and_plots(tmp_path, monkeypatch):
+    """``--scenario scaling``: every point (processes 1-8, keys 1-100k, sizes 64 B-64 MiB) runs
+    beside its baseline on the same set-up; the table has a line per point with both figures
+    and the ratio, and ``--plot`` writes one PNG per axis."""
+    pytest.importorskip("matplotlib")
+    from zchannel.cli.bench import runner as runner_mod
+    from zchannel.cli.bench import scaling
+    from zchannel.cli.bench.cases import Measured
+
+    seen: list = []
+
+    def fake_stream(case, *args, **kwargs):
+        seen.append(case)
+        seconds = 2.0 * case.producers  # half the relay's rate at 1P/1C, less with more
+        return Measured(case.messages, seconds, np.array([1000, 3000], dtype=np.int64),
+                        50 << 20, {"server_cpu_us_item": 20.0})
+
+    def fake_relay(case, *args, **kwargs):
+        return Measured(case.messages, 1.0, np.array([500], dtype=np.int64), 40 << 20,
+                        {"server_cpu_us_item": 5.0})
+
+    monkeypatch.setattr(runner_mod, "run_channel_stream", fake_stream)
+    monkeypatch.setitem(BASELINES, "zmq.proxy",
+                        dataclasses.replace(BASELINES["zmq.proxy"], run=fake_relay))
+    runner = runner_mod.Runner(address=None, baseline="zmq", repeats=1, tmpdir=str(tmp_path))
+    from zchannel.cli.bench.cases import Case
+
+    points = scaling.run_scaling(runner, Case("channel", messages=1000))
+    axes = [(p.axis, p.x) for p in points]
+    assert axes == [("processes", n) for n in (1, 2, 4, 8)] + [
+        ("keys", k) for k in (1, 100, 10_000, 100_000)] + [
+        ("size", s) for s in (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)]
+    assert all(p.baseline is not None and p.baseline.kind == "zmq.proxy" for p in points)
+    keys_100k = [c for c in seen if c.scenario == "random_key" and c.keys == 100_000]
+    assert keys_100k and keys_100k[0].messages == 100_000  # every key gets an item
+    sizes = {c.size: c for c in seen if c.label.startswith("scaling size")}
+    assert sizes[64 << 20].ptype == "numpy" and sizes[64].ptype == "bytes"
+    assert sizes[64 << 20].messages == 16  # bounded: 1 GiB per case
+    table = scaling.scaling_table(points)
+    assert len(table) == 2 + len(points)
+    assert "| processes | 8 | 62 | 1,000 | 0.06 |" in table[5]  # 1000 items in 16 s
+    assert "| 20.0 | 5.0 | 50 | 40 |" in table[2]
+    written = scaling.plot_scaling(points, str(tmp_path / "plots"))
+    assert sorted(os.path.basename(p) for p in written) == [
+        "scaling-keys.png", "scaling-processes.png", "scaling-size.png"]
+    assert all(os.path.getsize(p) > 1000 for p in written)

@@ -21,6 +21,7 @@ SCENARIOS = (
     "targets",
     "trajectory",
     "shm",
+    "scaling",
 )
 
 

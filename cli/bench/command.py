@@ -26,6 +26,13 @@ from zchannel.cli.bench.report import (
     write_json,
 )
 from zchannel.cli.bench.runner import Runner, run_scenario
+from zchannel.cli.bench.scaling import (
+    SCALING_STEPS,
+    Point,
+    plot_scaling,
+    run_scaling,
+    scaling_table,
+)
 from zchannel.cli.bench.targets import (
     SHM_STEPS,
     TARGET_STEPS,
@@ -115,7 +122,9 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10)",
+    "shm: T9, T9w (T9 written in slots), T9z (zero-copy), T9d (defaults vs tuned T9), "
+    "T9-copy (vs np.copyto), T10; scaling: curves over processes, keys and item size, "
+    "with --plot DIR)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -205,6 +214,14 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "'-' prints the JSON on stdout and the report on stderr",
 )
 @click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False, writable=True),
+    default=None,
+    help="--scenario scaling: draw the curves as PNGs in this directory (needs matplotlib, "
+    "the plot extra)",
+)
+@click.option(
     "--config",
     "config_path",
     type=ConfigFile(),
@@ -213,7 +230,11 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
 )
 @click.pass_context
 def bench(
-    ctx: click.Context, config_path: str | None, targets_flag: bool, **values: Any
+    ctx: click.Context,
+    config_path: str | None,
+    targets_flag: bool,
+    plot_dir: str | None,
+    **values: Any,
 ) -> None:
     """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
 
@@ -275,9 +296,11 @@ def bench(
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
+    points: list[Point] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4}.get(scenario)
+        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
+                   "scaling": SCALING_STEPS}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
@@ -295,6 +318,8 @@ def bench(
                     targets = run_targets(runner, base, tmpdir, thresholds)
                 elif scenario == "shm":
                     targets = run_shm_targets(runner, thresholds)
+                elif scenario == "scaling":
+                    points = run_scaling(runner, base)
                 elif scenario == "trajectory":
                     # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
                     from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
@@ -322,6 +347,14 @@ def bench(
         f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
     out("")
     warnings = print_report(runner.rows, targets, runner.notes, out)
+    if points:
+        out("")
+        out("scaling (markdown; ratio = items/s over the baseline's, same run):")
+        for line in scaling_table(points):
+            out(line)
+        if plot_dir:
+            for path in plot_scaling(points, plot_dir):
+                out(f"plot: {path}")
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size
