@@ -428,7 +428,8 @@ def test_scaling_curves_table_and_plots(tmp_path, monkeypatch):
     axes = [(p.axis, p.x) for p in points]
     assert axes == [("processes", n) for n in (1, 2, 4, 8)] + [
         ("keys", k) for k in (1, 100, 10_000, 100_000)] + [
-        ("size", s) for s in (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)]
+        ("size", s) for s in (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)] + [
+        ("brokers", b) for b in (1, 2, 4)]
     assert all(p.baseline is not None and p.baseline.kind == "zmq.proxy" for p in points)
     keys_100k = [c for c in seen if c.scenario == "random_key" and c.keys == 100_000]
     assert keys_100k and keys_100k[0].messages == 100_000  # every key gets an item
@@ -441,5 +442,29 @@ def test_scaling_curves_table_and_plots(tmp_path, monkeypatch):
     assert "| 20.0 | 5.0 | 50 | 40 |" in table[2]
     written = scaling.plot_scaling(points, str(tmp_path / "plots"))
     assert sorted(os.path.basename(p) for p in written) == [
-        "scaling-keys.png", "scaling-processes.png", "scaling-size.png"]
+        "scaling-brokers.png", "scaling-keys.png", "scaling-processes.png", "scaling-size.png"]
+    spread = [c for c in seen if c.label.startswith("scaling brokers")]
+    assert [c.brokers for c in spread] == [1, 2, 4] and all(c.keys == 64 for c in spread)
+    relays = {p.baseline.case for p in points if p.axis == "brokers"}
+    assert len(relays) == 1  # one relay for the three: brokers and keys do not change it
     assert all(os.path.getsize(p) > 1000 for p in written)
+
+
+@pytest.mark.timeout(120)
+def test_a_channel_spread_over_several_brokers_moves_every_item(tmp_path):
+    """The scaling curve's ``brokers`` points: one channel with two broker processes on this
+    host (replicas from a cluster file, keys spread over them by hash); every item of two
+    producers over 8 keys each arrives once, and the broker figures cover both processes."""
+    from zchannel.cli.bench.cases import Case
+    from zchannel.cli.bench.channel import Target, run_channel_stream
+
+    case = Case("random_key", keys=8, producers=2, consumers=2, messages=400, brokers=2)
+    target = Target(case, None, str(tmp_path))
+    try:
+        assert len(set(target.pids)) == 2 and target.cpu_ns() is not None
+        assert target.peak_rss() > max(target.rss() or 0, 1) // 2
+    finally:
+        target.close()
+    measured = run_channel_stream(case, None, str(tmp_path))  # checks every item (seqs)
+    assert measured.items == 400 and measured.rss_peak is not None
+    assert "server_cpu_us_item" in measured.extra

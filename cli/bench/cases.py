@@ -54,6 +54,7 @@ class Case:
     reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
     in_slot: bool = False  # producers write each tensor in a slot (``empty_shm``), no put copy
     views: bool = False  # consumers get views of the slots (``copy=False``), no get copy
+    brokers: int = 1  # broker processes of the channel on this host (replicas, keys spread)
     compare: bool = True  # measured against the --baseline transport (else against another case)
 
     @property

@@ -10,6 +10,8 @@ get) and ``batch`` (one ``get_batch``).
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 import uuid
 from collections import deque
@@ -65,35 +67,64 @@ class Target:
         else:
             name = f"bench-{uuid.uuid4().hex[:12]}"
             addr = f"ipc://{tmpdir}/{name}.sock" if case.transport == "ipc" else "tcp://127.0.0.1:0"
+            spread: dict[str, Any] = {}
+            if case.brokers > 1:  # replicas on this host, keys spread over them by hash
+                spread = {"distributed": True,
+                          "options": {"cluster": cluster_file(tmpdir, name, case.brokers)}}
             self.owned = Channel.create(
                 name,
-                address=addr,
+                address=None if spread else addr,
                 collector=collector,
                 dispatcher=dispatcher,
                 consumers=consumers,
                 shm_threshold=None if case.shm else 0,
                 maxsize=case.maxsize,
+                **spread,
             )
             self.handle = self.owned
             self.address = self.owned.address
         self.key_prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        self.pid = int(self.handle.stats().get("pid") or 0)
+        stats = self.handle.stats()
+        replicas = stats.get("replicas") or []
+        pids = [int(r.get("pid") or 0) for r in replicas] if replicas else [stats.get("pid")]
+        self.pids = [int(p) for p in pids if p]
 
     def peak_rss(self) -> int | None:
-        return read_proc_status(self.pid, "VmHWM") if self.pid else None
+        """The peak RSS of the broker (the sum over the replicas of a spread channel)."""
+        return _total(read_proc_status(p, "VmHWM") for p in self.pids)
 
     def cpu_ns(self) -> int | None:
-        """The broker's CPU time so far (user + system, ns)."""
-        return read_proc_cpu_ns(self.pid) if self.pid else None
+        """The broker's CPU time so far (user + system, ns; summed over the replicas)."""
+        return _total(read_proc_cpu_ns(p) for p in self.pids)
 
     def rss(self) -> int | None:
-        return read_proc_status(self.pid, "VmRSS") if self.pid else None
+        return _total(read_proc_status(p, "VmRSS") for p in self.pids)
 
     def close(self) -> None:
         if self.owned is not None:
             self.owned.shutdown()
         else:
             self.handle.close()
+
+
+def _total(values: Any) -> int | None:
+    """The sum of ``values`` (None if there is none or one is unknown)."""
+    got = list(values)
+    return None if not got or any(v is None for v in got) else sum(got)
+
+
+def cluster_file(tmpdir: str, name: str, brokers: int) -> str:
+    """A cluster file of ``brokers`` replicas of ``name`` on this host (ipc sockets in
+    ``tmpdir``): ``Channel.create(distributed=True)`` starts them all and spreads the keys
+    over them by hash (docs/distributed.md)."""
+    node = socket.gethostname()
+    lines = [f'[cluster]\nname = "{name}"\n']
+    for i in range(brokers):
+        lines.append(f'[[replica]]\nnode = "{node}"\naddress = "ipc://{tmpdir}/{name}-{i}.sock"\n')
+    path = os.path.join(tmpdir, f"{name}.cluster.toml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
 
 
 def _key(spec: dict, index: int) -> Any:

@@ -184,7 +184,7 @@ class Runner:
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
             case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
-            reserve=True, in_slot=False, views=False, compare=True,
+            reserve=True, in_slot=False, views=False, compare=True, brokers=1,
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(

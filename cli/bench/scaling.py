@@ -1,6 +1,8 @@
 """``zchannel bench --scenario scaling``: how a channel's items/s, p99 latency, broker CPU per
 item and broker peak RSS change with producers x consumers (1, 2, 4, 8 of each), keys
-(1 ... 100,000) and item size (64 B ... 64 MiB), each case beside the same-run baseline
+(1 ... 100,000), item size (64 B ... 64 MiB) and broker processes of one channel on this host
+(1, 2, 4 replicas with the keys spread over them, as a distributed channel's; CPU and RSS are
+summed over them), each case beside the same-run baseline
 (``--baseline``, a zmq.proxy relay by default) on the same set-up.  ``--plot DIR`` draws one
 PNG per axis (needs matplotlib, the ``plot`` extra) and ``scaling_table`` gives the markdown
 table of docs/benchmarks.md.
@@ -21,12 +23,17 @@ from zchannel.cli.bench.runner import Runner
 PROCESS_COUNTS = (1, 2, 4, 8)
 KEY_COUNTS = (1, 100, 10_000, 100_000)
 ITEM_SIZES = (64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+BROKER_COUNTS = (1, 2, 4)  # broker processes of one channel on this host
+SPREAD_KEYS = 64  # keys per producer of the brokers axis (spread over the brokers by hash)
+SPREAD_PROCESSES = 2  # producers = consumers of the brokers axis
 LARGE = 64 << 10  # items of this size or more are numpy arrays (shared memory on one host)
-SCALING_STEPS = 2 * (len(PROCESS_COUNTS) + len(KEY_COUNTS) + len(ITEM_SIZES))
+SCALING_STEPS = 2 * (len(PROCESS_COUNTS) + len(KEY_COUNTS) + len(ITEM_SIZES)) + len(BROKER_COUNTS)
 AXES = {
     "processes": "producers = consumers (processes of each)",
     "keys": "keys (items spread over them, random order)",
     "size": "item size (bytes)",
+    "brokers": f"broker processes of the channel ({SPREAD_PROCESSES}P/{SPREAD_PROCESSES}C, "
+               f"{SPREAD_KEYS} keys each)",
 }
 
 
@@ -57,6 +64,12 @@ def scaling_cases(base: Case) -> list[tuple[str, int, Case]]:
         out.append(("size", size, dataclasses.replace(
             small, ptype="numpy" if large else "bytes", size=size, window=window,
             label=f"scaling size={fmt_size(size)} w{window}")))
+    for b in BROKER_COUNTS:
+        out.append(("brokers", b, dataclasses.replace(
+            small, scenario="random_key", keys=SPREAD_KEYS, producers=SPREAD_PROCESSES,
+            consumers=SPREAD_PROCESSES, brokers=b,
+            label=f"scaling brokers={b} {SPREAD_PROCESSES}P/{SPREAD_PROCESSES}C "
+                  f"keys={SPREAD_KEYS} 64B w{small.window}")))
     return out
 
 
@@ -127,7 +140,7 @@ def plot_scaling(points: list[Point], directory: str, title: str = "") -> list[s
             base_kind = next((p.baseline.kind for p in mine if p.baseline is not None), None)
             if base_kind is not None:
                 ax.plot(xs, base, marker="s", linestyle="--", label=f"{base_kind} (same run)")
-            ax.set_xscale("log", base=2 if axis == "processes" else 10)
+            ax.set_xscale("log", base=2 if axis in ("processes", "brokers") else 10)
             if i in (0, 1, 2) and axis != "processes":
                 ax.set_yscale("log")
             ax.set_xlabel(xlabel)
