@@ -447,6 +447,12 @@ def test_scaling_curves_table_and_plots(tmp_path, monkeypatch):
     assert [c.brokers for c in spread] == [1, 2, 4] and all(c.keys == 64 for c in spread)
     relays = {p.baseline.case for p in points if p.axis == "brokers"}
     assert len(relays) == 1  # one relay for the three: brokers and keys do not change it
+    # every relay row measured is some point's baseline (each on the bounded case: 16 items
+    # of 64 MiB, not the unbounded 1000)
+    relay_rows = [r for r in runner.rows if r.kind == "zmq.proxy"]
+    assert {r.case for r in relay_rows} == {p.baseline.case for p in points}
+    assert len(relay_rows) == len({(r.case, r.messages) for r in relay_rows})
+    assert [p.baseline.messages for p in points if p.x == 64 << 20] == [16]
     assert all(os.path.getsize(p) > 1000 for p in written)
 
 

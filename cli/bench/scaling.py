@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 import click
-from zchannel.cli.bench.cases import MIB, Case, fmt_size
+from zchannel.cli.bench.cases import MIB, Case, bounded, fmt_size
 from zchannel.cli.bench.report import Result
 from zchannel.cli.bench.runner import Runner
 
@@ -78,7 +78,7 @@ def run_scaling(runner: Runner, base: Case) -> list[Point]:
     points = []
     for axis, x, case in scaling_cases(base):
         result = runner.measure(case)
-        points.append(Point(axis, x, result, runner.baseline_for(case)))
+        points.append(Point(axis, x, result, runner.baseline_for(bounded(case))))
     return points
 
 
