@@ -40,9 +40,9 @@ def valid(info: mi.Type, body_max: int = 512) -> st.SearchStrategy:
         return st.booleans()
     if isinstance(info, mi.NoneType):
         return st.none()
-    if isinstance(info, mi.BytesType):  # within the field's own length bounds (ProducerId)
-        longest = body_max if info.max_length is None else min(body_max, info.max_length)
-        return st.binary(min_size=info.min_length or 0, max_size=max(longest, info.min_length or 0))
+    if isinstance(info, mi.BytesType):
+        high = body_max if info.max_length is None else min(body_max, info.max_length)
+        return st.binary(min_size=info.min_length or 0, max_size=high)
     if isinstance(info, mi.ListType):
         return st.lists(valid(info.item_type), max_size=4)
     return values
