@@ -27,6 +27,13 @@ from zchannel.cli.bench.report import (
     write_json,
 )
 from zchannel.cli.bench.runner import Runner, run_scenario
+from zchannel.cli.bench.scaling import (
+    SCALING_STEPS,
+    Point,
+    plot_scaling,
+    run_scaling,
+    scaling_table,
+)
 from zchannel.cli.bench.targets import (
     SHM_STEPS,
     TARGET_STEPS,
@@ -116,8 +123,10 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10; durable: D1-D4, "
-    "the cost of a journal against the disk, no journal and Redis with AOF)",
+    "shm: T9, T9w (T9 written in slots), T9z (zero-copy), T9d (defaults vs tuned T9), "
+    "T9-copy (vs np.copyto), T10; durable: D1-D4, the cost of a journal against the disk, no "
+    "journal and Redis with AOF; scaling: curves over processes, keys and item size, with "
+    "--plot DIR)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -154,11 +163,14 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     help="asynchronous operations in flight per worker",
 )
 @click.option(
-    "--baseline", type=click.Choice(("zmq", "ray", "mp", "redis", "none")), default="zmq",
+    "--baseline",
+    type=click.Choice(("zmq", "zmq.proxy.depth", "ray", "mp", "redis", "redis-mem", "none")),
+    default="zmq",
     show_default=True,
-    help="what each case is compared with in the same run: a zmq.proxy relay, Ray, "
-    "multiprocessing.Queue, or a Redis list with its append-only file (appendfsync everysec; "
-    "redis-server on PATH)",
+    help="what each case is compared with in the same run: zmq = a zmq.proxy relay at "
+    "libzmq's default HWM (an echo for get_only), zmq.proxy.depth = the relay at the case's "
+    "window, Ray, multiprocessing.Queue, a Redis list with its append-only file (redis: "
+    "appendfsync everysec) or in memory (redis-mem); Redis needs redis-server on PATH",
 )
 @click.option(
     "--repeat",
@@ -205,6 +217,14 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "'-' prints the JSON on stdout and the report on stderr",
 )
 @click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False, writable=True),
+    default=None,
+    help="--scenario scaling: draw the curves as PNGs in this directory (needs matplotlib, "
+    "the plot extra)",
+)
+@click.option(
     "--config",
     "config_path",
     type=ConfigFile(),
@@ -213,7 +233,11 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
 )
 @click.pass_context
 def bench(
-    ctx: click.Context, config_path: str | None, targets_flag: bool, **values: Any
+    ctx: click.Context,
+    config_path: str | None,
+    targets_flag: bool,
+    plot_dir: str | None,
+    **values: Any,
 ) -> None:
     """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
 
@@ -275,10 +299,11 @@ def bench(
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
+    points: list[Point] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
         n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
-                   "durable": DURABLE_STEPS}.get(scenario)
+                   "durable": DURABLE_STEPS, "scaling": SCALING_STEPS}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
@@ -298,6 +323,8 @@ def bench(
                     targets = run_shm_targets(runner, thresholds)
                 elif scenario == "durable":
                     targets = run_durable_targets(runner, thresholds)
+                elif scenario == "scaling":
+                    points = run_scaling(runner, base)
                 elif scenario == "trajectory":
                     # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
                     from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
@@ -325,6 +352,14 @@ def bench(
         f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
     out("")
     warnings = print_report(runner.rows, targets, runner.notes, out)
+    if points:
+        out("")
+        out("scaling (markdown; ratio = items/s over the baseline's, same run):")
+        for line in scaling_table(points):
+            out(line)
+        if plot_dir:
+            for path in plot_scaling(points, plot_dir):
+                out(f"plot: {path}")
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size

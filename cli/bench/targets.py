@@ -27,7 +27,7 @@ from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
 from zchannel.cli.shipped import shipped_path
 
-SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 10  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 TARGETS_FILE = "bench_targets.toml"  # shipped in zchannel.configs (configs/ of a checkout)
 
@@ -155,11 +155,14 @@ def measure_rss_target(
 
 def measure_stream_target(
     runner: Runner, small: Case, thresholds: dict[str, Threshold]
-) -> TargetResult:
+) -> list[TargetResult]:
     """T2s: a producer process streams 64 B items with ``window`` async puts in flight while a
     consumer process keeps ``window`` async gets outstanding (default ``Channel.create``,
-    nothing reserved), in rounds with a fresh zmq.proxy relay moving the same items with the
-    same depth in flight (its HWMs)."""
+    nothing reserved), in rounds with the baselines a user compares it with: a fresh zmq.proxy
+    relay at libzmq's default high-water marks (T2s), ``multiprocessing.Queue`` (T2s-mp), a
+    Redis list in memory where ``redis-server`` is installed (T2s-redis) and, as an extra row,
+    the relay at the same depth in flight.  T3b, in the same rounds: ``get_batch(64)`` against
+    the stream's 64 single gets outstanding."""
     stream = dataclasses.replace(
         small,
         scenario="channel",
@@ -168,18 +171,30 @@ def measure_stream_target(
         reserve=False,
         label=f"T2s stream 64B 1P/1C puts w{small.window} gets w{small.window} defaults",
     )
-    (t2s,) = runner.measure_together([stream], fresh=True)
-    relay = runner.baseline_for(bounded(stream))
-    return _target(
-        "T2s",
-        f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
-        "items/s vs zmq.proxy (same rounds)",
-        t2s.items_s,
-        relay.items_s,
-        "items/s",
-        thresholds,
-        note=f"relay {relay.items_s:.0f} items/s",
+    batch = dataclasses.replace(
+        stream, scenario="batch", compare=False, label="T3b get_batch(64) 64B 1P/1C defaults"
     )
+    t2s, t3b = runner.measure_together(
+        [stream, batch], fresh=True, also=("zmq.proxy.depth", "mp", "redis-mem")
+    )
+    desc = (f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
+            "items/s vs ")
+    out = []
+    for name, kind, what in (
+        ("T2s", "zmq.proxy", "zmq.proxy at libzmq's default HWM (same rounds)"),
+        ("T2s-mp", "mp", "multiprocessing.Queue (same rounds)"),
+        ("T2s-redis", "redis-mem", "a Redis list in memory (same rounds)"),
+    ):
+        base = runner.baseline_for(stream, kind)
+        if base is None:  # not measurable here (the runner noted why)
+            continue
+        out.append(_target(name, desc + what, t2s.items_s, base.items_s, "items/s", thresholds,
+                           note=f"{base.case}: {base.items_s:.0f} items/s"))
+    out.append(_target(
+        "T3b", "64 B via get_batch(64) vs 64 single async gets outstanding, items/s (same "
+        "rounds)", t3b.items_s, t2s.items_s, "items/s", thresholds,
+    ))
+    return out
 
 
 def run_targets(
@@ -225,14 +240,16 @@ def run_targets(
                     small, scenario="get_only", label="T2 put(w64) then get(w64) 64B"
                 )
             ],
-            baselines_of=[dataclasses.replace(small, scenario="channel")],
+            also=("zmq.proxy.depth",),
         )
-        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"))
+        # T2 and T3 keep the reference they were defined with: the relay at the same depth in
+        # flight (T2s compares the stream with the relay at libzmq's default HWM)
+        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
         composite = t2.extra["put_then_get_items_s"]
         out.append(
             _target(
                 "T2",
-                "64 B async puts (w64) then gets, items/s vs zmq.proxy",
+                "64 B async puts (w64) then gets, items/s vs zmq.proxy at HWM 64",
                 composite,
                 b2.items_s,
                 "items/s",
@@ -240,14 +257,14 @@ def run_targets(
                 note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
             )
         )
-        out.append(measure_stream_target(runner, small, thresholds))
+        out.extend(measure_stream_target(runner, small, thresholds))
         t3 = runner.measure(
             dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
         )
         out.append(
             _target(
                 "T3",
-                "64 B via get_batch (64/batch), items/s vs zmq.proxy",
+                "64 B via get_batch (64/batch), items/s vs zmq.proxy at HWM 64",
                 t3.items_s,
                 b2.items_s,
                 "items/s",
@@ -364,9 +381,19 @@ def run_shm_targets(
         c9w = dataclasses.replace(
             t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
         )
-        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-        t9, _t9w, t9d = runner.measure_together([t9, c9w, c9d], fresh=True)
+        # no copy at all: the producer writes in its slot, the consumer reads views of it
+        # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
+        c9z = dataclasses.replace(
+            c9w, views=True, compare=False,
+            label="T9z shm tensor 16MiB 1P/1C ipc maxsize=8, zero-copy (slots and views)",
+        )
+        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
+        # and so does the copy limit (np.copyto of the same bytes)
+        t9, _t9w, t9d, t9z = runner.measure_together(
+            [t9, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
+        )
         b9 = runner.baseline_for(c9)
+        copy9 = runner.baseline_for(c9, "np.copyto")
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
             out.append(
@@ -390,6 +417,16 @@ def run_shm_targets(
                 thresholds,
             )
         )
+        if copy9 is not None:
+            out.append(_target(
+                "T9-copy", "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs np.copyto "
+                "of 16 MiB in one process (same rounds)", t9.mb_s, copy9.mb_s, "MB/s", thresholds,
+            ))
+        out.append(_target(
+            "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
+            "items/s (an absolute figure: reference 1)", t9z.items_s, 1.0, "items/s", thresholds,
+            note=f"{t9z.mb_s:.0f} MB/s",
+        ))
         out.append(
             _target(
                 "T9d",
