@@ -225,19 +225,6 @@ class Waiters:
                 ks.getters.remove(req)
         return ks
 
-    def _serve_plain_gets(self, ks: KeyState) -> bool:
-        """The common case: plain gets of the shared queue, served in arrival order (``serve``
-        does the same for a snapshot of all getters); True when nothing is left to serve."""
-        shared, getters = ks.shared, ks.getters
-        while shared and getters and getters[0].kind == "get":
-            self._deliver(getters[0], ks, None, shared, 1)
-        if shared and getters:
-            return False
-        if self.putters:
-            self.admit_putters()
-        self.queues.mark_idle(ks)
-        return True
-
     def serve(self, ks: KeyState) -> None:
         """Hand items to waiting getters of ``ks`` in arrival order, then try steals."""
         getters = ks.getters
@@ -245,7 +232,7 @@ class Waiters:
             self.queues.mark_idle(ks)
             return
         deals = self.hooks.deals
-        if not deals and not ks.private and self._serve_plain_gets(ks):
+        if not deals and not ks.private and _serve_plain_gets(self, ks):
             return
         blocked: set[str | None] = set()
         starving: list[Parked] = []
@@ -352,6 +339,20 @@ class Waiters:
             ks = self._remove_getter(req)
             if ks is not None:
                 self.serve(ks)
+
+
+def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
+    """The common case: plain gets of the shared queue, served in arrival order (``serve``
+    does the same for a snapshot of all getters); True when nothing is left to serve."""
+    shared, getters = ks.shared, ks.getters
+    while shared and getters and getters[0].kind == "get":
+        waiters._deliver(getters[0], ks, None, shared, 1)
+    if shared and getters:
+        return False
+    if waiters.putters:
+        waiters.admit_putters()
+    waiters.queues.mark_idle(ks)
+    return True
 
 
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:

@@ -1,6 +1,8 @@
 """The baselines ``zchannel bench`` measures on the same payloads in the same run: a raw
-``zmq.proxy`` ROUTER/DEALER relay, a raw DEALER/ROUTER echo (latency), ``multiprocessing.Queue``
-and, when ``ray`` is importable, ``ray.util.queue.Queue`` and pipelined Ray actor calls.
+``zmq.proxy`` ROUTER/DEALER relay (at libzmq's default high-water marks, as a user writes it,
+and at the depth in flight of the case), a raw DEALER/ROUTER echo (latency),
+``multiprocessing.Queue`` (registered in ``registry.BASELINES``) and, when ``ray`` is
+importable, ``ray.util.queue.Queue`` and pipelined Ray actor calls.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zchannel.cli.bench.cases import Case, Measured, split
+from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
     PayloadFactory,
@@ -22,9 +24,17 @@ from zchannel.cli.bench.payloads import (
     checked_stream,
     verify_seqs,
 )
-from zchannel.cli.bench.workers import POLL_S, WORKER_DEADLINE_S, Workers, read_proc_status
+from zchannel.cli.bench.registry import Baseline, register_baseline
+from zchannel.cli.bench.workers import (
+    POLL_S,
+    WORKER_DEADLINE_S,
+    Workers,
+    read_proc_cpu_ns,
+    read_proc_status,
+)
 
 ZERO_COPY_MIN = 64 * 1024  # frames at least this big are sent with copy=False (as the codec does)
+ZMQ_DEFAULT_HWM = 1000  # libzmq's default SNDHWM / RCVHWM (messages)
 
 
 def _bind(sock: zmq.Socket, transport: str, tmpdir: str, name: str) -> str:
@@ -297,11 +307,25 @@ def run_ray_baselines(
             ray.shutdown()
 
 
-def run_zmq_proxy(case: Case, tmpdir: str) -> Measured:
-    """The raw relay: P producer DEALERs -> zmq.proxy (ROUTER/DEALER) -> C consumer DEALERs."""
+def default_relay_hwm(case: Case) -> int:
+    """The relay's high-water mark as a user writes it: libzmq's default for items under
+    ``ZERO_COPY_MIN``; for larger items the depth in flight of the case, so that the relay's
+    queues hold what the channel's do, not up to 1000 items per socket (16 GiB of 16 MiB
+    tensors)."""
+    return ZMQ_DEFAULT_HWM if case.size < ZERO_COPY_MIN else depth_hwm(case)
+
+
+def depth_hwm(case: Case) -> int:
+    """The relay's high-water mark at the case's depth in flight (its window)."""
+    return max(2, case.window)
+
+
+def run_zmq_proxy(case: Case, tmpdir: str, hwm: int | None = None) -> Measured:
+    """The raw relay: P producer DEALERs -> zmq.proxy (ROUTER/DEALER) -> C consumer DEALERs,
+    each socket at high-water mark ``hwm`` (default: ``default_relay_hwm``)."""
     with Workers() as w:
         addr_q = w.ctx.Queue()
-        hwm = max(2, case.window)
+        hwm = default_relay_hwm(case) if hwm is None else hwm
         sub = tempfile.mkdtemp(prefix="zp-", dir=tmpdir)
         w.start(
             zmq_proxy_worker,
@@ -349,13 +373,16 @@ def run_zmq_proxy(case: Case, tmpdir: str) -> Measured:
                 },
             )
         w.wait_ready()
+        cpu0 = read_proc_cpu_ns(proxy_pid)
         t_go = w.go()
         results = w.collect(case.consumers)
+        cpu1 = read_proc_cpu_ns(proxy_pid)
         done.set()
         results += w.collect(case.producers)
         rss = read_proc_status(proxy_pid, "VmHWM")
     seconds, lat = checked_stream(results, per_prod, t_go)
-    return Measured(case.messages, seconds, lat, rss)
+    cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+    return Measured(case.messages, seconds, lat, rss, cpu_figures(results, case.messages, cpu))
 
 
 def run_zmq_echo(case: Case, tmpdir: str) -> Measured:
@@ -424,4 +451,53 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
         t_go = w.go()
         results = w.collect(case.producers + case.consumers)
     seconds, lat = checked_stream(results, per_prod, t_go)
-    return Measured(case.messages, seconds, lat)
+    return Measured(case.messages, seconds, lat, extra=cpu_figures(results, case.messages))
+
+
+def run_copyto(case: Case, tmpdir: str) -> Measured:
+    """The copy limit: ``np.copyto`` of each item's bytes into preallocated memory, ``messages``
+    times, in this process (a warm-up copy first, so no page is faulted in while timed)."""
+    src = np.frombuffer(np.random.default_rng(7).bytes(case.size), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    lat = np.empty(case.messages, dtype=np.int64)
+    start = time.monotonic_ns()
+    for i in range(case.messages):
+        t0 = time.monotonic_ns()
+        np.copyto(dst, src)
+        lat[i] = time.monotonic_ns() - t0
+    seconds = (time.monotonic_ns() - start) / 1e9
+    if not np.array_equal(dst[-4096:], src[-4096:]):
+        raise RuntimeError("np.copyto baseline: the copy differs from its source")
+    return Measured(case.messages, max(seconds, 1e-9), lat)
+
+
+def run_zmq_proxy_at_depth(case: Case, tmpdir: str) -> Measured:
+    """The relay with every high-water mark at the case's window (``depth_hwm``)."""
+    return run_zmq_proxy(case, tmpdir, hwm=depth_hwm(case))
+
+
+register_baseline(Baseline(
+    "zmq.proxy", run_zmq_proxy,
+    "raw zmq.proxy relay: producer DEALERs -> ROUTER/DEALER proxy -> consumer DEALERs, no "
+    "broker logic, libzmq's default high-water marks (1000) for items under 64 KiB",
+    suffix=lambda case: f" hwm={default_relay_hwm(case)}",
+))
+register_baseline(Baseline(
+    "zmq.proxy.depth", run_zmq_proxy_at_depth,
+    "the same relay with its high-water marks at the case's window (the same depth in "
+    "flight as the channel's)",
+    suffix=lambda case: f" hwm={depth_hwm(case)}",
+))
+register_baseline(Baseline(
+    "zmq.echo", run_zmq_echo, "raw DEALER -> ROUTER echo round trips, no broker logic",
+    latency="rtt",
+))
+register_baseline(Baseline(
+    "np.copyto", run_copyto,
+    "np.copyto of each item's bytes into preallocated memory in one process: the copy limit",
+    latency="copy",
+))
+register_baseline(Baseline(
+    "mp", run_mp_queue, "multiprocessing.Queue between the same processes",
+))

@@ -22,6 +22,7 @@ SCENARIOS = (
     "trajectory",
     "shm",
     "durable",
+    "scaling",
 )
 
 
@@ -53,6 +54,8 @@ class Case:
     max_inflight: int = MAX_INFLIGHT_BYTES  # payload bytes in flight per worker (``bounded``)
     reserve: bool = True  # producers preallocate their shared-memory slots (``reserve_shm``)
     in_slot: bool = False  # producers write each tensor in a slot (``empty_shm``), no put copy
+    views: bool = False  # consumers get views of the slots (``copy=False``), no get copy
+    brokers: int = 1  # broker processes of the channel on this host (replicas, keys spread)
     compare: bool = True  # measured against the --baseline transport (else against another case)
     journal: str = ""  # a durable channel with this fsync policy (docs/durability.md); "": none
 
@@ -133,6 +136,20 @@ def stream_figures(prod: list[dict], cons: list[dict], t_go: int) -> tuple[float
     t1 = max(r["t_end"] for r in cons)
     lat = np.concatenate([r["lat_ns"] for r in cons]) if cons else np.zeros(0, np.int64)
     return max(1e-9, (t1 - t0) / 1e9), lat
+
+
+def cpu_figures(results: list[dict], items: int, server_cpu_ns: int | None = None) -> dict:
+    """CPU microseconds per item of the producers, the consumers (all their threads, from the
+    start signal to their end) and the process between them (the broker, a relay) when its CPU
+    time over the run is known."""
+    out: dict[str, float] = {}
+    for role in ("producer", "consumer"):
+        cpu = [r["cpu_ns"] for r in results if r["name"].startswith(role) and "cpu_ns" in r]
+        if cpu:
+            out[f"{role}_cpu_us_item"] = sum(cpu) / 1e3 / max(1, items)
+    if server_cpu_ns is not None:
+        out["server_cpu_us_item"] = server_cpu_ns / 1e3 / max(1, items)
+    return out
 
 
 def scenario_cases(scenario: str, base: Case, keys: int | None) -> list[Case]:

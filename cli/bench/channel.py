@@ -10,17 +10,19 @@ get) and ``batch`` (one ``get_batch``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import socket
 import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from zchannel.broker import Channel, Work
-from zchannel.cli.bench.cases import MIB, Case, Measured, split
+from zchannel.cli.bench.cases import MIB, Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
     PayloadFactory,
@@ -32,6 +34,7 @@ from zchannel.cli.bench.workers import (
     GET_TIMEOUT_S,
     WORKER_DEADLINE_S,
     Workers,
+    read_proc_cpu_ns,
     read_proc_status,
 )
 from zchannel.hooks import register_collector
@@ -67,30 +70,42 @@ class Target:
         else:
             name = f"bench-{uuid.uuid4().hex[:12]}"
             addr = f"ipc://{tmpdir}/{name}.sock" if case.transport == "ipc" else "tcp://127.0.0.1:0"
-            durable: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
             if case.journal:  # a fresh journal on the disk of the run's temporary directory
                 self.journal = tempfile.mkdtemp(prefix="journal-", dir=tmpdir)
-                durable = {"journal": self.journal, "fsync": case.journal}
+                extra = {"journal": self.journal, "fsync": case.journal}
+            spread = case.brokers > 1
+            if spread:  # replicas on this host, keys spread over them by hash
+                extra.update(distributed=True,
+                             options={"cluster": cluster_file(tmpdir, name, case.brokers)})
             self.owned = Channel.create(
                 name,
-                address=addr,
+                address=None if spread else addr,
                 collector=collector,
                 dispatcher=dispatcher,
                 consumers=consumers,
                 shm_threshold=None if case.shm else 0,
                 maxsize=case.maxsize,
-                **durable,
+                **extra,
             )
             self.handle = self.owned
             self.address = self.owned.address
         self.key_prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        self.pid = int(self.handle.stats().get("pid") or 0)
+        stats = self.handle.stats()
+        replicas = stats.get("replicas") or []
+        pids = [int(r.get("pid") or 0) for r in replicas] if replicas else [stats.get("pid")]
+        self.pids = [int(p) for p in pids if p]
 
     def peak_rss(self) -> int | None:
-        return read_proc_status(self.pid, "VmHWM") if self.pid else None
+        """The peak RSS of the broker (the sum over the replicas of a spread channel)."""
+        return _total(read_proc_status(p, "VmHWM") for p in self.pids)
+
+    def cpu_ns(self) -> int | None:
+        """The broker's CPU time so far (user + system, ns; summed over the replicas)."""
+        return _total(read_proc_cpu_ns(p) for p in self.pids)
 
     def rss(self) -> int | None:
-        return read_proc_status(self.pid, "VmRSS") if self.pid else None
+        return _total(read_proc_status(p, "VmRSS") for p in self.pids)
 
     def close(self) -> None:
         if self.owned is not None:
@@ -99,6 +114,26 @@ class Target:
             self.handle.close()
         if self.journal is not None:
             shutil.rmtree(self.journal, ignore_errors=True)
+
+
+def _total(values: Any) -> int | None:
+    """The sum of ``values`` (None if there is none or one is unknown)."""
+    got = list(values)
+    return None if not got or any(v is None for v in got) else sum(got)
+
+
+def cluster_file(tmpdir: str, name: str, brokers: int) -> str:
+    """A cluster file of ``brokers`` replicas of ``name`` on this host (ipc sockets in
+    ``tmpdir``): ``Channel.create(distributed=True)`` starts them all and spreads the keys
+    over them by hash (docs/distributed.md)."""
+    node = socket.gethostname()
+    lines = [f'[cluster]\nname = "{name}"\n']
+    for i in range(brokers):
+        lines.append(f'[[replica]]\nnode = "{node}"\naddress = "ipc://{tmpdir}/{name}-{i}.sock"\n')
+    path = os.path.join(tmpdir, f"{name}.cluster.toml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
 
 
 def _key(spec: dict, index: int) -> Any:
@@ -149,42 +184,6 @@ def channel_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     }
 
 
-def _all_received(counts: Sequence[int], total: int, keys: list | None, n: int, deadline: float) -> bool:
-    """After a get timed out: whether the consumers got everything (stop asking); the
-    ``TimeoutError`` of a consumer still missing items at ``deadline``."""
-    if sum(counts) >= total or (keys is not None and n >= len(keys)):
-        return True
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"consumer got {n}; all together {sum(counts)}/{total}") from None
-    return False
-
-
-def _scheduled_keys(spec: dict) -> list[Any] | None:
-    """The keys a consumer with a ``schedule`` gets, in its producers' order (else None)."""
-    if not spec.get("schedules"):
-        return None
-    return [
-        _key({"key": spec["key"], "schedule": s, "pidx": p}, i)
-        for p, s in spec["schedules"]
-        for i in range(len(s))
-    ]
-
-
-def _request(ch: Channel, key: Any, batch: int, sync: bool) -> Work:
-    """One get (or get_batch) of the consumer, as a ``Work``; ``sync``: the blocking call a
-    user makes (window 1: its latency, not a Work's)."""
-    if sync:
-        work = Work()
-        try:
-            work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
-        except TimeoutError as exc:
-            work.set_exception(exc)
-        return work
-    if batch:
-        return cast(Work, ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S))
-    return ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S)
-
-
 def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Gets (or ``get_batch``es) with ``window`` requests in flight until all consumers
     together received ``total`` items; with a ``schedule`` it gets its producers' keys in
@@ -195,8 +194,17 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     alone = len(counts) == 1
     batch = spec.get("batch", 0)
     key = spec["key"]
-    keys = _scheduled_keys(spec)
+    keys: list[Any] | None = None
+    if spec.get("schedules"):
+        keys = [
+            _key({"key": key, "schedule": s, "pidx": p}, i)
+            for p, s in spec["schedules"]
+            for i in range(len(s))
+        ]
     window = spec["window"]
+    # views of the slots (copy=False): a full compare would read each item once more, so
+    # those are checked by their header and last 4 KiB (PayloadFactory.check)
+    copy = False if spec.get("views") else None
     request_latency = spec.get("request_latency", False)
     tally = Tally()
     req_lat: list[int] = []
@@ -207,29 +215,46 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
 
     sync = window == 1 and request_latency and keys is None and not batch
 
+    def issue() -> None:
+        nonlocal issued
+        t0 = time.monotonic_ns()
+        if sync:  # window 1: the latency of the blocking call a user makes, not of a Work
+            work = Work()
+            try:
+                work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
+            except TimeoutError as exc:
+                work.set_exception(exc)
+        elif keys is not None:
+            work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
+        elif batch:
+            work = ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S)
+        else:
+            work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=copy)
+        issued += 1
+        inflight.append((work, t0))
+
     ready()
     go_wait()
     tally.t_start = time.monotonic_ns()
     while True:
         while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
-            t0 = time.monotonic_ns()
-            if keys is None:
-                work = _request(ch, key, batch, sync)
-            else:  # its producers' keys in their order
-                work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
-            inflight.append((work, t0))
-            issued += 1
+            issue()
         if not inflight:
             break
         work, t0 = inflight.popleft()
         try:
             got = work.wait(WORKER_DEADLINE_S)
         except TimeoutError:
-            stopping = stopping or _all_received(counts, total, keys, n, deadline)
+            if sum(counts) >= total or (keys is not None and n >= len(keys)):
+                stopping = True
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"consumer got {n}; all together {sum(counts)}/{total}"
+                ) from None
             continue
         now = time.monotonic_ns()
         for item in got if batch else (got,):
-            seq, t_sent = fac.check(item)
+            seq, t_sent = fac.check(item, full=copy is None)
             tally.add(seq, t_sent, now)
             n += 1
         if request_latency:
@@ -237,9 +262,12 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
         counts[slot] = n
         # summing the shared counters costs ~2 us (ctypes): alone, n says it; with peers, look
         # every 16 items (a late stop only issues gets that time out after the last item)
-        done = False
-        if alone or n - summed_at >= 16:
-            summed_at, done = n, (n if alone else sum(counts)) >= total
+        if alone:
+            done = n >= total
+        elif n - summed_at >= 16:
+            summed_at, done = n, sum(counts) >= total
+        else:
+            done = False
         if done or (keys is not None and n >= len(keys)):
             stopping = True
     ch.close()
@@ -322,6 +350,7 @@ def run_channel_stream(case: Case, address: str | None, tmpdir: str) -> Measured
                     "counts": counts_arr,
                     "slot": c,
                     "total": case.messages,
+                    "views": case.views,
                 }
                 if schedules is not None:
                     spec["schedules"] = [
@@ -333,10 +362,14 @@ def run_channel_stream(case: Case, address: str | None, tmpdir: str) -> Measured
                     spec["request_latency"] = True
                 w.start(channel_consumer, spec)
             w.wait_ready()
+            cpu0 = target.cpu_ns()
             t_go = w.go()
             results = w.collect(case.producers + case.consumers)
+            cpu1 = target.cpu_ns()
         seconds, lat = checked_stream(results, per_prod, t_go)
-        extra = {}
+        extra = cpu_figures(
+            results, case.messages, None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+        )
         if case.scenario == "batch":
             extra["batches"] = int(lat.size)  # one latency per batch a consumer got
         return Measured(case.messages, seconds, lat, target.peak_rss(), extra)

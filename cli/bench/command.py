@@ -27,6 +27,13 @@ from zchannel.cli.bench.report import (
     write_json,
 )
 from zchannel.cli.bench.runner import Runner, run_scenario
+from zchannel.cli.bench.scaling import (
+    SCALING_STEPS,
+    Point,
+    plot_scaling,
+    run_scaling,
+    scaling_table,
+)
 from zchannel.cli.bench.targets import (
     SHM_STEPS,
     TARGET_STEPS,
@@ -109,71 +116,6 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     return load_thresholds()
 
 
-def _take_deprecated_counts(ctx: click.Context, values: dict[str, Any]) -> None:
-    """``--producers``/``--consumers`` (deprecated) into ``--num-*`` unless those were given."""
-    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
-        count = values.pop(old)
-        if count is not None:
-            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
-            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
-                values[new] = count
-
-
-def _targets_scenario(ctx: click.Context, scenario: str) -> str:
-    """``--targets``: the target suite, unless another ``--scenario`` was asked for."""
-    if scenario not in ("targets", "quick") or (
-        scenario == "quick"
-        and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
-    ):
-        raise click.BadParameter(
-            f"--targets runs the target suite; it cannot be combined with --scenario "
-            f"{scenario}"
-        )
-    return "targets"
-
-
-def _set_workers_environ(ctx: click.Context, base: Case) -> None:
-    """The environment the workers (spawned: they inherit it) and baselines run in, given
-    back when the command ends."""
-    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
-        # brokers started here get shm_threshold=0; with --address the workers keep off
-        # shared memory themselves
-        os.environ["ZCHANNEL_SHM"] = "0"
-        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
-    tunables = child_environ().get("GLIBC_TUNABLES")
-    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
-        # the workers and the baselines' processes copy as the brokers do (docs/shm.md,
-        # "Large copies")
-        users_tunables = os.environ.get("GLIBC_TUNABLES")
-        os.environ["GLIBC_TUNABLES"] = tunables
-        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
-
-
-def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str, Any],
-                  config_path: str | None, thresholds: dict) -> list[TargetResult]:
-    """Run the scenario of ``opts`` (its rows go to ``runner``); its targets' results."""
-    scenario = opts["scenario"]
-    if scenario == "targets":
-        return run_targets(runner, base, runner.tmpdir, thresholds)
-    if scenario == "shm":
-        return run_shm_targets(runner, thresholds)
-    if scenario == "durable":
-        return run_durable_targets(runner, thresholds)
-    if scenario == "trajectory":
-        # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
-        from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
-
-        given = ctx.get_parameter_source("messages") not in (
-            click.core.ParameterSource.DEFAULT,
-            None,
-        ) or (config_path and "messages" in opts and opts["messages"] != 20000)
-        steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
-        run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
-    else:
-        run_scenario(runner, scenario, base, opts.get("keys"))
-    return []
-
-
 @click.command()
 @click.option(
     "--scenario",
@@ -181,8 +123,10 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
     default="quick",
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
-    "shm: T9, T9w (T9 written in slots), T9d (defaults vs tuned T9), T10; durable: D1-D4, "
-    "the cost of a journal against the disk, no journal and Redis with AOF)",
+    "shm: T9, T9w (T9 written in slots), T9z (zero-copy), T9d (defaults vs tuned T9), "
+    "T9-copy (vs np.copyto), T10; durable: D1-D4, the cost of a journal against the disk, no "
+    "journal and Redis with AOF; scaling: curves over processes, keys and item size, with "
+    "--plot DIR)",
 )
 @click.option(
     "--payload-type", type=click.Choice(PAYLOAD_TYPES), default="bytes", show_default=True
@@ -219,11 +163,14 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
     help="asynchronous operations in flight per worker",
 )
 @click.option(
-    "--baseline", type=click.Choice(("zmq", "ray", "mp", "redis", "none")), default="zmq",
+    "--baseline",
+    type=click.Choice(("zmq", "zmq.proxy.depth", "ray", "mp", "redis", "redis-mem", "none")),
+    default="zmq",
     show_default=True,
-    help="what each case is compared with in the same run: a zmq.proxy relay, Ray, "
-    "multiprocessing.Queue, or a Redis list with its append-only file (appendfsync everysec; "
-    "redis-server on PATH)",
+    help="what each case is compared with in the same run: zmq = a zmq.proxy relay at "
+    "libzmq's default HWM (an echo for get_only), zmq.proxy.depth = the relay at the case's "
+    "window, Ray, multiprocessing.Queue, a Redis list with its append-only file (redis: "
+    "appendfsync everysec) or in memory (redis-mem); Redis needs redis-server on PATH",
 )
 @click.option(
     "--repeat",
@@ -270,6 +217,14 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
     "'-' prints the JSON on stdout and the report on stderr",
 )
 @click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False, writable=True),
+    default=None,
+    help="--scenario scaling: draw the curves as PNGs in this directory (needs matplotlib, "
+    "the plot extra)",
+)
+@click.option(
     "--config",
     "config_path",
     type=ConfigFile(),
@@ -278,7 +233,11 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
 )
 @click.pass_context
 def bench(
-    ctx: click.Context, config_path: str | None, targets_flag: bool, **values: Any
+    ctx: click.Context,
+    config_path: str | None,
+    targets_flag: bool,
+    plot_dir: str | None,
+    **values: Any,
 ) -> None:
     """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
 
@@ -290,10 +249,23 @@ def bench(
         # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
-    _take_deprecated_counts(ctx, values)
+    for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
+        count = values.pop(old)
+        if count is not None:
+            click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
+            if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
+                values[new] = count
     opts = _apply_config(ctx, config_path, values)
     if targets_flag:
-        opts["scenario"] = _targets_scenario(ctx, opts["scenario"])
+        if opts["scenario"] not in ("targets", "quick") or (
+            opts["scenario"] == "quick"
+            and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+        ):
+            raise click.BadParameter(
+                f"--targets runs the target suite; it cannot be combined with --scenario "
+                f"{opts['scenario']}"
+            )
+        opts["scenario"] = "targets"
     try:
         size = parse_size(opts["payload_size"])
     except click.BadParameter as exc:  # the command line's value was checked: the file's is bad
@@ -310,16 +282,28 @@ def bench(
         window=int(opts["window"]),
         shm=opts.get("shm", "on") == "on",
     )
-    _set_workers_environ(ctx, base)
+    if not base.shm and "ZCHANNEL_SHM" not in os.environ:
+        # brokers started here get shm_threshold=0; with --address the workers (spawned: they
+        # inherit the environment) keep off shared memory themselves
+        os.environ["ZCHANNEL_SHM"] = "0"
+        ctx.call_on_close(lambda: os.environ.pop("ZCHANNEL_SHM", None))
+    tunables = child_environ().get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != os.environ.get("GLIBC_TUNABLES"):
+        # the workers (spawned: they inherit the environment) and the baselines' processes
+        # copy as the brokers do (docs/shm.md, "Large copies")
+        users_tunables = os.environ.get("GLIBC_TUNABLES")
+        os.environ["GLIBC_TUNABLES"] = tunables
+        ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
     scenario = opts["scenario"]
     keys = opts.get("keys")
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     targets: list[TargetResult] = []
+    points: list[Point] = []
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
         n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
-                   "durable": DURABLE_STEPS}.get(scenario)
+                   "durable": DURABLE_STEPS, "scaling": SCALING_STEPS}.get(scenario)
         runner = Runner(
             address=opts.get("address"),
             baseline=opts["baseline"],
@@ -333,23 +317,34 @@ def bench(
         try:
             with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
                 runner.progress = bar
-                targets = _run_scenario(ctx, runner, base, opts, config_path, thresholds)
+                if scenario == "targets":
+                    targets = run_targets(runner, base, tmpdir, thresholds)
+                elif scenario == "shm":
+                    targets = run_shm_targets(runner, thresholds)
+                elif scenario == "durable":
+                    targets = run_durable_targets(runner, thresholds)
+                elif scenario == "scaling":
+                    points = run_scaling(runner, base)
+                elif scenario == "trajectory":
+                    # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
+                    from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
+
+                    given = ctx.get_parameter_source("messages") not in (
+                        click.core.ParameterSource.DEFAULT,
+                        None,
+                    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
+                    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
+                    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
+                else:
+                    run_scenario(runner, scenario, base, keys)
         except Mismatch as exc:
             error = f"content check failed: {exc}"
         except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
             error = f"benchmark failed: {exc}"
         elapsed = time.monotonic() - started
-    _report(runner, opts, machine, targets, size, elapsed, error)
-    if error is not None:
-        raise BenchFailure(error)
-
-
-def _report(runner: Runner, opts: dict[str, Any], machine: dict[str, Any],
-            targets: list[TargetResult], size: int, elapsed: float, error: str | None) -> None:
-    """The report of a bench run (stdout; stderr with ``--json -``) and its JSON file."""
     # with --json - the JSON owns stdout and the report goes to stderr
     out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
-    out(f"zchannel bench {opts['scenario']}: {runner.repeats} run(s) per case, medians shown; "
+    out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
         f"{elapsed:.1f}s")
     out(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), load average "
         f"{machine['loadavg'][0]:.1f}")
@@ -357,8 +352,18 @@ def _report(runner: Runner, opts: dict[str, Any], machine: dict[str, Any],
         f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
     out("")
     warnings = print_report(runner.rows, targets, runner.notes, out)
+    if points:
+        out("")
+        out("scaling (markdown; ratio = items/s over the baseline's, same run):")
+        for line in scaling_table(points):
+            out(line)
+        if plot_dir:
+            for path in plot_scaling(points, plot_dir):
+                out(f"plot: {path}")
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size
         write_json(opts["json_path"], machine, options, runner.rows, targets, runner.notes,
                    error is None, error, warnings)
+    if error is not None:
+        raise BenchFailure(error)

@@ -12,6 +12,7 @@ import time
 import numpy as np
 from zchannel.cli.bench.cases import Case, Measured
 from zchannel.cli.bench.payloads import PayloadFactory
+from zchannel.cli.bench.registry import Baseline, register_baseline
 
 
 def run_disk(case: Case, tmpdir: str) -> Measured:
@@ -34,3 +35,9 @@ def run_disk(case: Case, tmpdir: str) -> Measured:
         os.close(fd)
         os.unlink(path)
     return Measured(case.messages, max(seconds, 1e-9), lat)
+
+
+register_baseline(Baseline(
+    "disk", run_disk,
+    "write + fdatasync of each item's bytes to a file on the journal's disk",
+))

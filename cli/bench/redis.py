@@ -1,16 +1,17 @@
-"""The Redis baseline of ``zchannel bench`` (``--baseline redis``, and the durable targets): a
-``redis-server`` this run starts on a Unix socket in its temporary directory, with its
-append-only file on (``appendonly yes``, ``appendfsync everysec``: acknowledged writes reach
-the disk within a second, the setting Redis recommends for a durable queue), a list as the
-queue, producers ``RPUSH``ing in pipelines of 64 (8 for items of 1 MiB or more: the same bytes
-in flight as a channel's producer) and consumers taking with ``LPOP key 64`` (``BLPOP`` when the
-list is empty).  The server is ended by its PID.  Needs ``redis-server`` on ``PATH`` (Debian:
+"""The Redis baselines of ``zchannel bench``: a ``redis-server`` this run starts on a Unix
+socket in its temporary directory, in memory (``redis-mem``: no append-only file, no
+snapshots) or with its append-only file on (``redis``: ``appendonly yes``, ``appendfsync
+everysec``: acknowledged writes reach the disk within a second, the setting Redis recommends
+for a durable queue; the durable targets' baseline), a list as the queue, producers ``RPUSH``ing in pipelines of 64 (8 for items of
+1 MiB or more: the same bytes in flight as a channel's producer) and consumers taking with
+``LPOP key 64`` (``BLPOP`` when the list is empty).  The server is ended by its PID.  Needs ``redis-server`` on ``PATH`` (Debian:
 ``apt-get install redis-server``) and the ``redis`` Python package; without either the
 baseline is skipped with a line that says why.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -19,9 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.cli.bench.cases import Case, Measured, split
+from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, Tally, checked_stream
-from zchannel.cli.bench.workers import WORKER_DEADLINE_S, Workers
+from zchannel.cli.bench.registry import Baseline, register_baseline
+from zchannel.cli.bench.workers import (
+    WORKER_DEADLINE_S,
+    Workers,
+    read_proc_cpu_ns,
+    read_proc_status,
+)
 
 KEY = "zchannel-bench"
 SMALL_PIPELINE = 64
@@ -42,15 +49,18 @@ def unavailable() -> str | None:
 
 
 class RedisServer:
-    """A ``redis-server`` with AOF (``appendfsync everysec``) on a Unix socket in ``parent``."""
+    """A ``redis-server`` on a Unix socket in ``parent``: in memory, or with its append-only
+    file (``aof``: ``appendfsync everysec``)."""
 
-    def __init__(self, parent: str) -> None:
+    def __init__(self, parent: str, aof: bool = False) -> None:
         self.dir = tempfile.mkdtemp(prefix="redis-", dir=parent)
         self.socket = os.path.join(self.dir, "redis.sock")
+        durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if aof else [
+            "--appendonly", "no"]
         self.proc = subprocess.Popen(
             ["redis-server", "--port", "0", "--unixsocket", self.socket, "--unixsocketperm",
-             "700", "--dir", self.dir, "--appendonly", "yes", "--appendfsync", "everysec",
-             "--save", "", "--daemonize", "no", "--loglevel", "warning"],
+             "700", "--dir", self.dir, *durability, "--save", "", "--daemonize", "no",
+             "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):
@@ -143,9 +153,10 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
     return tally.result()
 
 
-def run_redis(case: Case, tmpdir: str) -> Measured:
-    """One run of ``case``'s stream through a Redis list (AOF ``everysec``)."""
-    with RedisServer(tmpdir) as server, Workers() as w:
+def run_redis(case: Case, tmpdir: str, aof: bool = False) -> Measured:
+    """One run of ``case``'s stream through a Redis list (in memory, or ``aof``: with its
+    append-only file, ``everysec``)."""
+    with RedisServer(tmpdir, aof) as server, Workers() as w:
         counts = w.counters(case.consumers)
         per_prod = split(case.messages, case.producers)
         for p, n in enumerate(per_prod):
@@ -156,7 +167,25 @@ def run_redis(case: Case, tmpdir: str) -> Measured:
                                      "ptype": case.ptype, "size": case.size, "counts": counts,
                                      "slot": c, "total": case.messages})
         w.wait_ready()
+        cpu0 = read_proc_cpu_ns(server.proc.pid)
         t_go = w.go()
         results = w.collect(case.producers + case.consumers)
+        cpu1 = read_proc_cpu_ns(server.proc.pid)
+        rss = read_proc_status(server.proc.pid, "VmHWM")
     seconds, lat = checked_stream(results, per_prod, t_go)
-    return Measured(case.messages, seconds, lat)
+    cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+    return Measured(case.messages, seconds, lat, rss, cpu_figures(results, case.messages, cpu))
+
+
+register_baseline(Baseline(
+    "redis-mem", run_redis,
+    "a Redis list in memory (redis-server on a Unix socket, no AOF): RPUSH in pipelines of "
+    "64, LPOP 64 at a time",
+    unavailable=unavailable,
+))
+register_baseline(Baseline(
+    "redis", functools.partial(run_redis, aof=True),
+    "a Redis list (RPUSH/LPOP in pipelines) with its append-only file, appendfsync everysec, "
+    "over a Unix socket",
+    unavailable=unavailable,
+))

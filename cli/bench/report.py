@@ -30,25 +30,20 @@ from typing import Any, TextIO
 import click
 import numpy as np
 import zmq
+from zchannel.cli.bench.registry import BASELINES, describe
 
 WIDE_SPREAD = 0.25  # warn when (max - min) / median of a row's repeats is above this
 WIDTH = 100  # the report fits a terminal of this many columns (a wide table's last column wraps)
 
 
-# what each kind of row is, for the ratios in words and the legend
+# what each kind of row is that is not a registered baseline (registry.BASELINES), for the
+# ratios in words and the legend
 KIND_DESCRIPTIONS = {
     "zchannel": "through a zchannel broker",
-    "zmq.proxy": "raw zmq.proxy relay: producer DEALERs -> ROUTER/DEALER proxy -> consumer "
-                 "DEALERs, no broker logic",
-    "zmq.echo": "raw DEALER -> ROUTER echo round trips, no broker logic",
-    "mp": "multiprocessing.Queue between the same processes",
     "ray.queue": "ray.util.queue.Queue between two Ray tasks",
     "ray.actor": "pipelined calls to a Ray actor",
     "collector": "trajectory chunks through the embodied_trajectory collector",
     "plain": "the same trajectory chunks through a channel without hooks",
-    "redis": "a Redis list (RPUSH/LPOP in pipelines) with its append-only file, appendfsync "
-             "everysec, over a Unix socket",
-    "disk": "write + fdatasync of each item's bytes to a file on the journal's disk",
 }
 
 
@@ -244,7 +239,7 @@ def ratio_lines(rows: list[Result], tags: dict[str, str]) -> list[str]:
         higher = bool(r.ratio_higher_is_better)
         what = METRIC_WORDS.get(r.ratio_metric or "", r.ratio_metric)
         line = (f"{r.case}: {r.ratio:.2f}x the {what} of {tags.get(base.case, 'the baseline')} = "
-                f"{base.case} ({KIND_DESCRIPTIONS.get(base.kind, base.kind)}); "
+                f"{base.case} ({describe(base.kind, KIND_DESCRIPTIONS)}); "
                 f"{'higher' if higher else 'lower'} is better, so {_better(r.ratio, higher)}")
         if r.ratio_runs:
             line += f"; per round {min(r.ratio_runs):.2f}x-{max(r.ratio_runs):.2f}x"
@@ -254,7 +249,7 @@ def ratio_lines(rows: list[Result], tags: dict[str, str]) -> list[str]:
 
 def legend_lines(rows: list[Result]) -> list[str]:
     """Every abbreviation the table uses, explained."""
-    order = list(KIND_DESCRIPTIONS)
+    order = ["zchannel", *BASELINES, *KIND_DESCRIPTIONS]
     kinds = sorted({r.kind for r in rows}, key=lambda k: order.index(k) if k in order else len(order))
     lines = [
         "64B, 1KiB, 1MiB  payload bytes per item (binary multiples); MB/s uses MB = 2**20 bytes",
@@ -276,7 +271,7 @@ def legend_lines(rows: list[Result]) -> list[str]:
     named = [k for k in kinds if k != "zchannel"]  # the case names that start (or end) with it
     if named:
         lines.append("zmq.proxy, ...   what carried a row's items when it is not a zchannel "
-                     "broker: " + "; ".join(f"{k} = {KIND_DESCRIPTIONS.get(k, k)}"
+                     "broker: " + "; ".join(f"{k} = {describe(k, KIND_DESCRIPTIONS)}"
                                             for k in named))
     if any(_queued(r) for r in rows):
         lines.insert(3, "p50 *            a p50 that is mostly time waiting in the queue "

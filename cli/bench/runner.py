@@ -4,19 +4,13 @@ compared to, summarised into report rows (medians over the repeats)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import click
-from zchannel.cli.bench.baselines import (
-    ray_available,
-    run_mp_queue,
-    run_ray_baselines,
-    run_zmq_echo,
-    run_zmq_proxy,
-)
+from zchannel.cli.bench import disk as _disk_baseline  # noqa: F401 - registers disk
+from zchannel.cli.bench import redis as _redis_baselines  # noqa: F401 - registers redis, redis-mem
+from zchannel.cli.bench.baselines import ray_available, run_ray_baselines
 from zchannel.cli.bench.cases import (
     MIB,
     Case,
@@ -27,10 +21,8 @@ from zchannel.cli.bench.cases import (
     scenario_cases,
 )
 from zchannel.cli.bench.channel import run_channel_stream, run_put_get
-from zchannel.cli.bench.disk import run_disk
 from zchannel.cli.bench.payloads import part_sizes, verify_seqs
-from zchannel.cli.bench.redis import run_redis
-from zchannel.cli.bench.redis import unavailable as redis_unavailable
+from zchannel.cli.bench.registry import baseline
 from zchannel.cli.bench.report import Result, set_ratio
 
 LATENCY_KIND = {
@@ -116,19 +108,25 @@ class Runner:
         return self.measure_together([case])[0]
 
     def measure_together(
-        self, cases: list[Case], baselines_of: Sequence[Case] = (), fresh: bool = False
+        self,
+        cases: list[Case],
+        baselines_of: list[Case] = (),
+        fresh: bool = False,
+        also: tuple[str, ...] = (),
     ) -> list[Result]:
         """Run ``cases`` in rounds, one run of each per round, ``repeats`` rounds, together with
-        the zmq/mp baselines they (and ``baselines_of``) are compared to, where not measured yet
-        (``fresh``: measure them again, alongside these cases).
+        the baselines they (and ``baselines_of``) are compared to, where not measured yet
+        (``fresh``: measure them again, alongside these cases), and with the baselines of kinds
+        ``also`` on the first case's set-up (extra rows; ``baseline_for(case, kind)``).
 
         Interleaving pairs each run with the runs it is compared to in time: on a shared
         machine the rate of every transport drifts by 10-30 % over minutes, and a block of
         repeats of one side then a block of the other puts that drift into the ratio."""
         cases = [bounded(c) for c in cases]
-        keys: list[tuple[str, Case]] = []
-        for c in [*cases, *(bounded(b) for b in baselines_of)]:
-            key = self.baseline_key(c)
+        keys: list[tuple] = []
+        wanted = [self.baseline_key(c) for c in [*cases, *(bounded(b) for b in baselines_of)]]
+        wanted += [self.baseline_key(cases[0], kind) for kind in also]
+        for key in wanted:
             if (
                 key is not None
                 and key[0] != "ray"
@@ -137,13 +135,13 @@ class Runner:
             ):
                 keys.append(key)
         case_runs: list[list] = [[] for _ in cases]
-        base_runs: dict[tuple[str, Case], list[Measured]] = {key: [] for key in keys}
+        base_runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
         for i in range(self.repeats):
             for runs, case in zip(case_runs, cases, strict=True):
-                runs.append(self.logged(case.name, i, functools.partial(self._run_case, case)))
+                runs.append(self.logged(case.name, i, lambda c=case: self._run_case(c)))
             for key in keys:
                 base_runs[key].append(self.logged(
-                    _baseline_label(*key), i, functools.partial(self._run_baseline_once, *key)))
+                    _baseline_label(*key), i, lambda k=key: self._run_baseline_once(*k)))
         for key in keys:
             self.store_baseline(key, self._summarise_baseline(*key, base_runs[key]))
         return [self._case_result(c, runs) for c, runs in zip(cases, case_runs, strict=True)]
@@ -176,16 +174,18 @@ class Runner:
         self.rows.append(result)
         return result
 
-    def baseline_key(self, case: Case) -> tuple[str, Case] | None:
-        """(kind, the baseline's own case) for ``case``; None without a baseline."""
-        if self.baseline == "none" or not case.compare:
-            return None
-        kind = self.baseline
+    def baseline_key(self, case: Case, kind: str | None = None) -> tuple | None:
+        """(kind, the baseline's own case) for ``case`` on the baseline of ``kind`` (default:
+        ``--baseline``'s); None without a baseline, or when it cannot run here (noted)."""
+        if kind is None:
+            if self.baseline == "none" or not case.compare:
+                return None
+            kind = self.baseline
         if kind == "zmq":
             kind = "zmq.echo" if case.scenario == "get_only" else "zmq.proxy"
         base_case = dataclasses.replace(
             case, scenario="channel", keys=1, hooks=False, label="", shm=True, maxsize=0,
-            reserve=True, in_slot=False, journal="",
+            reserve=True, in_slot=False, views=False, compare=True, brokers=1, journal="",
         )
         if kind == "zmq.echo":
             base_case = dataclasses.replace(
@@ -193,21 +193,17 @@ class Runner:
             )
         if kind == "ray":
             base_case = dataclasses.replace(base_case, producers=1, consumers=1)
-        if kind == "redis" and redis_unavailable() is not None:
-            self.note(redis_unavailable())
-            return None
+        else:
+            why = baseline(kind).unavailable()
+            if why is not None:
+                self.note(why)
+                return None
         return kind, base_case
 
-    def baseline_of(self, case: Case) -> Result:
-        """``baseline_for`` where a target compares with it (``--targets`` measures them)."""
-        result = self.baseline_for(case)
-        if result is None:
-            raise RuntimeError(f"no baseline for {case.label or case.name}")
-        return result
-
-    def baseline_for(self, case: Case) -> Result | None:
-        """The baseline row for ``case`` (measured once per distinct set-up)."""
-        key = self.baseline_key(case)
+    def baseline_for(self, case: Case, kind: str | None = None) -> Result | None:
+        """The baseline row for ``case`` (measured once per distinct set-up) on the baseline
+        of ``kind`` (default: ``--baseline``'s); None when there is none."""
+        key = self.baseline_key(case, kind)
         if key is None:
             return None
         if key not in self._baselines:
@@ -228,21 +224,11 @@ class Runner:
             self.rows.append(result)
 
     def _run_baseline_once(self, kind: str, case: Case) -> Measured:
-        if kind == "zmq.proxy":
-            return run_zmq_proxy(case, self.tmpdir)
-        if kind == "zmq.echo":
-            return run_zmq_echo(case, self.tmpdir)
-        if kind == "mp":
-            return run_mp_queue(case, self.tmpdir)
-        if kind == "redis":  # AOF, appendfsync everysec (cli/bench/redis.py)
-            return run_redis(case, self.tmpdir)
-        if kind == "disk":  # write + fdatasync of the same bytes (cli/bench/disk.py)
-            return run_disk(case, self.tmpdir)
-        raise click.BadParameter(f"unknown baseline {kind!r}")
+        return baseline(kind).run(case, self.tmpdir)
 
     def _summarise_baseline(self, kind: str, case: Case, runs: list[Measured]) -> Result:
         self.tick()
-        latency = "rtt" if kind == "zmq.echo" else "e2e"
+        latency = baseline(kind).latency
         label = _baseline_label(kind, case)
         return _summarise(dataclasses.replace(case, label=label), kind, runs, latency)
 
@@ -281,7 +267,9 @@ class Runner:
 
 
 def _baseline_label(kind: str, case: Case) -> str:
-    return f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C w{case.window}"
+    suffix = baseline(kind).suffix(case)
+    return (f"{kind} {case.ptype} {fmt_size(case.size)} {case.producers}P/{case.consumers}C "
+            f"w{case.window}{suffix}")
 
 
 def _ray_measured(res: dict, n: int) -> Measured:

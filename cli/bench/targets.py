@@ -22,12 +22,12 @@ from zchannel.cli.bench.channel import (
     producer_specs,
 )
 from zchannel.cli.bench.payloads import verify_seqs
-from zchannel.cli.bench.report import Result, TargetResult
+from zchannel.cli.bench.report import TargetResult
 from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
 from zchannel.cli.shipped import shipped_path
 
-SHM_STEPS = 8  # progress-bar length of the shm targets (cases + baselines)
+SHM_STEPS = 10  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
 TARGETS_FILE = "bench_targets.toml"  # shipped in zchannel.configs (configs/ of a checkout)
 
@@ -155,11 +155,14 @@ def measure_rss_target(
 
 def measure_stream_target(
     runner: Runner, small: Case, thresholds: dict[str, Threshold]
-) -> TargetResult:
+) -> list[TargetResult]:
     """T2s: a producer process streams 64 B items with ``window`` async puts in flight while a
     consumer process keeps ``window`` async gets outstanding (default ``Channel.create``,
-    nothing reserved), in rounds with a fresh zmq.proxy relay moving the same items with the
-    same depth in flight (its HWMs)."""
+    nothing reserved), in rounds with the baselines a user compares it with: a fresh zmq.proxy
+    relay at libzmq's default high-water marks (T2s), ``multiprocessing.Queue`` (T2s-mp), a
+    Redis list in memory where ``redis-server`` is installed (T2s-redis) and, as an extra row,
+    the relay at the same depth in flight.  T3b, in the same rounds: ``get_batch(64)`` against
+    the stream's 64 single gets outstanding."""
     stream = dataclasses.replace(
         small,
         scenario="channel",
@@ -168,170 +171,30 @@ def measure_stream_target(
         reserve=False,
         label=f"T2s stream 64B 1P/1C puts w{small.window} gets w{small.window} defaults",
     )
-    (t2s,) = runner.measure_together([stream], fresh=True)
-    relay = runner.baseline_of(bounded(stream))
-    return _target(
-        "T2s",
-        f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
-        "items/s vs zmq.proxy (same rounds)",
-        t2s.items_s,
-        relay.items_s,
-        "items/s",
-        thresholds,
-        note=f"relay {relay.items_s:.0f} items/s",
+    batch = dataclasses.replace(
+        stream, scenario="batch", compare=False, label="T3b get_batch(64) 64B 1P/1C defaults"
     )
-
-
-def _t1(runner: Runner, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T1: 16 MiB tensors over the socket path, MB/s vs zmq.proxy."""
-    # 4 GiB per run, as T9: over 1 GiB the start (connections, first allocations) weighs
-    # in and single runs of both sides swing by +-20 %
-    c1 = Case(
-        "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
+    t2s, t3b = runner.measure_together(
+        [stream, batch], fresh=True, also=("zmq.proxy.depth", "mp", "redis-mem")
     )
-    t1 = runner.measure(
-        dataclasses.replace(
-            c1,
-            label="T1 channel tensor 16MiB 1P/1C ipc frames",
-            shm=False,  # the socket path; T9 measures the shared-memory path
-        )
-    )
-    b1 = runner.baseline_of(bounded(c1))
-    return (
-        _target(
-            "T1",
-            "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy",
-            t1.mb_s,
-            b1.mb_s,
-            "MB/s",
-            thresholds,
-        )
-    )
-
-
-def _t2(runner: Runner, small: Case,
-        thresholds: dict[str, Threshold]) -> tuple[TargetResult, Result]:
-    """T2: 64 B async puts then gets, items/s vs zmq.proxy; and that baseline (T3's too)."""
-    # each target's case runs in rounds with what it is compared to (Runner.measure_together)
-    (t2,) = runner.measure_together(
-        [
-            dataclasses.replace(
-                small, scenario="get_only", label="T2 put(w64) then get(w64) 64B"
-            )
-        ],
-        baselines_of=[dataclasses.replace(small, scenario="channel")],
-    )
-    b2 = runner.baseline_of(dataclasses.replace(small, scenario="channel"))
-    composite = t2.extra["put_then_get_items_s"]
-    target = (
-        _target(
-            "T2",
-            "64 B async puts (w64) then gets, items/s vs zmq.proxy",
-            composite,
-            b2.items_s,
-            "items/s",
-            thresholds,
-            note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
-        )
-    )
-    return target, b2
-
-
-def _t3(runner: Runner, small: Case, b2: Result, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T3: 64 B items taken by get_batch, items/s vs zmq.proxy (``b2``, T2's baseline)."""
-    t3 = runner.measure(
-        dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
-    )
-    return (
-        _target(
-            "T3",
-            "64 B via get_batch (64/batch), items/s vs zmq.proxy",
-            t3.items_s,
-            b2.items_s,
-            "items/s",
-            thresholds,
-        )
-    )
-
-
-def _t4(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T4: the p50 latency of a get of a prefilled 64 B item vs a raw echo."""
-    t4 = runner.measure(
-        dataclasses.replace(
-            small,
-            scenario="get_only",
-            window=1,
-            messages=min(small.messages, 3000),
-            label="T4 get latency 64B prefilled",
-        )
-    )
-    b4 = runner.baseline_of(
-        bounded(
-            dataclasses.replace(
-                small, scenario="get_only", window=1, messages=min(small.messages, 3000)
-            )
-        )
-    )
-    return (
-        _target(
-            "T4",
-            "get p50 latency, 64 B, prefilled vs raw echo p50 (us)",
-            t4.p50_us,
-            b4.p50_us,
-            "us",
-            thresholds,
-        )
-    )
-
-
-def _t6(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T6: 64 B aggregate items/s of 4 producers and 4 consumers vs one of each."""
-    one, four = runner.measure_together(
-        [
-            dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C"),
-            dataclasses.replace(
-                small,
-                scenario="channel",
-                producers=4,
-                consumers=4,
-                label="T6 channel 64B 4P/4C",
-            ),
-        ]
-    )
-    return (
-        _target(
-            "T6",
-            "64 B 4P/4C aggregate items/s vs 1P/1C",
-            four.items_s,
-            one.items_s,
-            "items/s",
-            thresholds,
-        )
-    )
-
-
-def _t7(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T7: 64 B items spread over 10,000 keys vs one key, items/s."""
-    k1, k10k = runner.measure_together(
-        [
-            dataclasses.replace(
-                small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
-            ),
-            dataclasses.replace(
-                small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
-            ),
-        ]
-    )
-    return (
-        _target(
-            "T7",
-            "64 B over 10,000 keys vs 1 key, items/s",
-            k10k.items_s,
-            k1.items_s,
-            "items/s",
-            thresholds,
-        )
-    )
+    desc = (f"64 B stream, {stream.window} async puts and {stream.window} async gets in flight, "
+            "items/s vs ")
+    out = []
+    for name, kind, what in (
+        ("T2s", "zmq.proxy", "zmq.proxy at libzmq's default HWM (same rounds)"),
+        ("T2s-mp", "mp", "multiprocessing.Queue (same rounds)"),
+        ("T2s-redis", "redis-mem", "a Redis list in memory (same rounds)"),
+    ):
+        base = runner.baseline_for(stream, kind)
+        if base is None:  # not measurable here (the runner noted why)
+            continue
+        out.append(_target(name, desc + what, t2s.items_s, base.items_s, "items/s", thresholds,
+                           note=f"{base.case}: {base.items_s:.0f} items/s"))
+    out.append(_target(
+        "T3b", "64 B via get_batch(64) vs 64 single async gets outstanding, items/s (same "
+        "rounds)", t3b.items_s, t2s.items_s, "items/s", thresholds,
+    ))
+    return out
 
 
 def run_targets(
@@ -347,113 +210,140 @@ def run_targets(
     saved = runner.baseline
     runner.baseline = "zmq"
     try:
-        out.append(_t1(runner, thresholds))
-        t2, b2 = _t2(runner, small, thresholds)
-        out.append(t2)
-        out.append(measure_stream_target(runner, small, thresholds))
-        out.append(_t3(runner, small, b2, thresholds))
-        out.append(_t4(runner, small, thresholds))
-        out.append(_t6(runner, small, thresholds))
-        out.append(_t7(runner, small, thresholds))
+        # 4 GiB per run, as T9: over 1 GiB the start (connections, first allocations) weighs
+        # in and single runs of both sides swing by +-20 %
+        c1 = Case(
+            "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
+        )
+        t1 = runner.measure(
+            dataclasses.replace(
+                c1,
+                label="T1 channel tensor 16MiB 1P/1C ipc frames",
+                shm=False,  # the socket path; T9 measures the shared-memory path
+            )
+        )
+        b1 = runner.baseline_for(bounded(c1))
+        out.append(
+            _target(
+                "T1",
+                "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy",
+                t1.mb_s,
+                b1.mb_s,
+                "MB/s",
+                thresholds,
+            )
+        )
+        # each target's case runs in rounds with what it is compared to (Runner.measure_together)
+        (t2,) = runner.measure_together(
+            [
+                dataclasses.replace(
+                    small, scenario="get_only", label="T2 put(w64) then get(w64) 64B"
+                )
+            ],
+            also=("zmq.proxy.depth",),
+        )
+        # T2 and T3 keep the reference they were defined with: the relay at the same depth in
+        # flight (T2s compares the stream with the relay at libzmq's default HWM)
+        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
+        composite = t2.extra["put_then_get_items_s"]
+        out.append(
+            _target(
+                "T2",
+                "64 B async puts (w64) then gets, items/s vs zmq.proxy at HWM 64",
+                composite,
+                b2.items_s,
+                "items/s",
+                thresholds,
+                note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
+            )
+        )
+        out.extend(measure_stream_target(runner, small, thresholds))
+        t3 = runner.measure(
+            dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
+        )
+        out.append(
+            _target(
+                "T3",
+                "64 B via get_batch (64/batch), items/s vs zmq.proxy at HWM 64",
+                t3.items_s,
+                b2.items_s,
+                "items/s",
+                thresholds,
+            )
+        )
+        t4 = runner.measure(
+            dataclasses.replace(
+                small,
+                scenario="get_only",
+                window=1,
+                messages=min(small.messages, 3000),
+                label="T4 get latency 64B prefilled",
+            )
+        )
+        b4 = runner.baseline_for(
+            bounded(
+                dataclasses.replace(
+                    small, scenario="get_only", window=1, messages=min(small.messages, 3000)
+                )
+            )
+        )
+        out.append(
+            _target(
+                "T4",
+                "get p50 latency, 64 B, prefilled vs raw echo p50 (us)",
+                t4.p50_us,
+                b4.p50_us,
+                "us",
+                thresholds,
+            )
+        )
+        one, four = runner.measure_together(
+            [
+                dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C"),
+                dataclasses.replace(
+                    small,
+                    scenario="channel",
+                    producers=4,
+                    consumers=4,
+                    label="T6 channel 64B 4P/4C",
+                ),
+            ]
+        )
+        out.append(
+            _target(
+                "T6",
+                "64 B 4P/4C aggregate items/s vs 1P/1C",
+                four.items_s,
+                one.items_s,
+                "items/s",
+                thresholds,
+            )
+        )
+        k1, k10k = runner.measure_together(
+            [
+                dataclasses.replace(
+                    small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
+                ),
+                dataclasses.replace(
+                    small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
+                ),
+            ]
+        )
+        out.append(
+            _target(
+                "T7",
+                "64 B over 10,000 keys vs 1 key, items/s",
+                k10k.items_s,
+                k1.items_s,
+                "items/s",
+                thresholds,
+            )
+        )
         out.append(measure_rss_target(runner, tmpdir, thresholds))
     finally:
         runner.baseline = saved
     out.extend(run_shm_targets(runner, thresholds))
     return out
-
-
-def _t9_cases() -> tuple[Case, Case, Case, Case]:
-    """T9's stream (bounded, the baselines' set-up), as measured (maxsize 8), written in slots
-    (T9w) and with default settings (T9d)."""
-    # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
-    # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
-    # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
-    # and faulting in its segments costs the first ~400 MiB; docs/shm.md, pool sizing)
-    c9 = bounded(
-        Case(
-            "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
-        )
-    )
-    # the same stream as a user writes it: default Channel.create (unbounded), nothing
-    # reserved, 64 puts and 64 gets in flight (a burst of large tensors); same rounds as T9
-    c9d = dataclasses.replace(
-        c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
-        label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
-    )
-    # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
-    # sends the slot, so the row shows the stream without the producer's copy (a row of
-    # the report, no target; it shares T9's relay)
-    c9m = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
-    c9w = dataclasses.replace(
-        c9m, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
-    )
-    return c9, c9m, c9w, c9d
-
-
-def _t9(runner: Runner, thresholds: dict[str, Threshold]) -> list[TargetResult]:
-    """T9 against zmq.proxy and Ray pipelined actor calls, and T9d (default settings), with
-    the report-only row T9w in T9's rounds."""
-    out: list[TargetResult] = []
-    c9, c9m, c9w, c9d = _t9_cases()
-    # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds
-    t9, _t9w, t9d = runner.measure_together([c9m, c9w, c9d], fresh=True)
-    b9 = runner.baseline_of(c9)
-    r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
-    if r9 is not None:
-        out.append(
-            _target(
-                "T9",
-                "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs Ray pipelined actor calls",
-                t9.mb_s,
-                r9.mb_s,
-                "MB/s",
-                thresholds,
-                key="T9-ray",
-            )
-        )
-    out.append(
-        _target(
-            "T9",
-            "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
-            t9.mb_s,
-            b9.mb_s,
-            "MB/s",
-            thresholds,
-        )
-    )
-    out.append(
-        _target(
-            "T9d",
-            "16 MiB tensors, default settings (windows 64, unbounded, no reserve_shm), "
-            "MB/s vs T9 tuned (same rounds)",
-            t9d.mb_s,
-            t9.mb_s,
-            "MB/s",
-            thresholds,
-        )
-    )
-    return out
-
-
-def _t10(runner: Runner, thresholds: dict[str, Threshold]) -> TargetResult:
-    """T10: 1 MiB tensors through shared memory, MB/s vs zmq.proxy."""
-    c10 = bounded(
-        Case("channel", ptype="tensor", size=MIB, messages=4096, window=16, max_bytes=4 << 30)
-    )
-    t10 = runner.measure(
-        dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
-    )
-    b10 = runner.baseline_of(c10)
-    return (
-        _target(
-            "T10",
-            "1 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
-            t10.mb_s,
-            b10.mb_s,
-            "MB/s",
-            thresholds,
-        )
-    )
 
 
 def run_shm_targets(
@@ -469,8 +359,102 @@ def run_shm_targets(
     runner.baseline = "zmq"
     out: list[TargetResult] = []
     try:
-        out.extend(_t9(runner, thresholds))
-        out.append(_t10(runner, thresholds))
+        # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
+        # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
+        # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
+        # and faulting in its segments costs the first ~400 MiB; docs/shm.md, pool sizing)
+        c9 = bounded(
+            Case(
+                "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
+            )
+        )
+        # the same stream as a user writes it: default Channel.create (unbounded), nothing
+        # reserved, 64 puts and 64 gets in flight (a burst of large tensors); same rounds as T9
+        c9d = dataclasses.replace(
+            c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
+            label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
+        )
+        # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
+        # sends the slot, so the row shows the stream without the producer's copy (a row of
+        # the report, no target; it shares T9's relay)
+        t9 = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9w = dataclasses.replace(
+            t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
+        )
+        # no copy at all: the producer writes in its slot, the consumer reads views of it
+        # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
+        c9z = dataclasses.replace(
+            c9w, views=True, compare=False,
+            label="T9z shm tensor 16MiB 1P/1C ipc maxsize=8, zero-copy (slots and views)",
+        )
+        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
+        # and so does the copy limit (np.copyto of the same bytes)
+        t9, _t9w, t9d, t9z = runner.measure_together(
+            [t9, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
+        )
+        b9 = runner.baseline_for(c9)
+        copy9 = runner.baseline_for(c9, "np.copyto")
+        r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
+        if r9 is not None:
+            out.append(
+                _target(
+                    "T9",
+                    "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs Ray pipelined actor calls",
+                    t9.mb_s,
+                    r9.mb_s,
+                    "MB/s",
+                    thresholds,
+                    key="T9-ray",
+                )
+            )
+        out.append(
+            _target(
+                "T9",
+                "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
+                t9.mb_s,
+                b9.mb_s,
+                "MB/s",
+                thresholds,
+            )
+        )
+        if copy9 is not None:
+            out.append(_target(
+                "T9-copy", "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs np.copyto "
+                "of 16 MiB in one process (same rounds)", t9.mb_s, copy9.mb_s, "MB/s", thresholds,
+            ))
+        out.append(_target(
+            "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
+            "items/s (an absolute figure: reference 1)", t9z.items_s, 1.0, "items/s", thresholds,
+            note=f"{t9z.mb_s:.0f} MB/s",
+        ))
+        out.append(
+            _target(
+                "T9d",
+                "16 MiB tensors, default settings (windows 64, unbounded, no reserve_shm), "
+                "MB/s vs T9 tuned (same rounds)",
+                t9d.mb_s,
+                t9.mb_s,
+                "MB/s",
+                thresholds,
+            )
+        )
+        c10 = bounded(
+            Case("channel", ptype="tensor", size=MIB, messages=4096, window=16, max_bytes=4 << 30)
+        )
+        t10 = runner.measure(
+            dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
+        )
+        b10 = runner.baseline_for(c10)
+        out.append(
+            _target(
+                "T10",
+                "1 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
+                t10.mb_s,
+                b10.mb_s,
+                "MB/s",
+                thresholds,
+            )
+        )
     finally:
         runner.baseline = saved
     return out

@@ -20,6 +20,7 @@ from zchannel.cli.bench.payloads import Mismatch
 
 WORKER_DEADLINE_S = 300.0
 POLL_S = 0.05  # receive-poll interval of the baselines' consumers
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # units of the CPU times in /proc/<pid>/stat
 GET_TIMEOUT_S = 0.1  # consumers poll with this get timeout once the stream may be over
 
 
@@ -27,13 +28,18 @@ def _worker_entry(fn: Callable[..., dict], spec: dict, ready: Any, go: Any, out:
     """Run ``fn(spec, ready_cb, go_wait)`` in a worker; its result (or error) goes to ``out``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    cpu_at_go: list[int] = []
+
     def go_wait() -> None:
         if not go.wait(WORKER_DEADLINE_S):
             raise TimeoutError("never told to start")
+        cpu_at_go.append(time.process_time_ns())
 
     try:
         result = fn(spec, ready.set, go_wait)
         result["name"] = spec.get("name", fn.__name__)
+        if cpu_at_go:  # CPU of all the worker's threads from its start signal to its end
+            result["cpu_ns"] = time.process_time_ns() - cpu_at_go[0]
     except Mismatch as exc:
         result = {"name": spec.get("name"), "mismatch": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -138,6 +144,18 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_proc_cpu_ns(pid: int) -> int | None:
+    """User + system CPU time of process ``pid`` so far, in ns (``/proc/<pid>/stat``; None
+    when not readable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks * 1_000_000_000 // CLOCK_TICKS
 
 
 def read_proc_status(pid: int, field: str = "VmHWM") -> int | None:
