@@ -215,7 +215,7 @@ class ChannelHandle:
         if self._proc is not None:
             stop_broker(self._proc)
 
-    def _broker_restarted(self, proc: subprocess.Popen, token: str) -> None:
+    def _broker_restarted(self, proc: subprocess.Popen[bytes], token: str) -> None:
         """The keeper started this handle's broker again (a durable channel's broker died)."""
         self._proc, self._token = proc, token
 

@@ -44,7 +44,7 @@ import msgpack
 try:  # the hardware CRC-32C; zlib's CRC-32 otherwise (slower: ~1 GB/s here)
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - depends on the install
-    _crc32c = None
+    _crc32c = None  # type: ignore[assignment]  # without the durable extra: zlib's CRC-32
 
 MAGIC = b"ZCJRNL01"
 PREAMBLE = struct.Struct("<8sB7x")  # magic, checksum kind

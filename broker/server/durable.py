@@ -18,6 +18,8 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     ``config.journal``, put the items it holds back into ``core``'s queues (in each key's put
     order, in the shared queue: any consumer takes them; an item that was out on a lease comes
     again), and let it record every change from here on."""
+    if config.journal is None:
+        raise ValueError(f"channel {config.name!r} has no journal directory")
     journal = Journal(JournalSettings(
         directory=config.journal, name=name, fsync=config.fsync,
         fsync_interval=config.fsync_interval, max_bytes=config.max_journal_bytes,

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from zchannel.broker import Channel, Work
@@ -227,7 +227,7 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
         elif keys is not None:
             work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
         elif batch:
-            work = ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S)
+            work = cast(Work, ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S))
         else:
             work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=copy)
         issued += 1

@@ -4,8 +4,9 @@ compared to, summarised into report rows (medians over the repeats)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zchannel.cli.bench import disk as _disk_baseline  # noqa: F401 - registers disk
@@ -110,7 +111,7 @@ class Runner:
     def measure_together(
         self,
         cases: list[Case],
-        baselines_of: list[Case] = (),
+        baselines_of: Sequence[Case] = (),
         fresh: bool = False,
         also: tuple[str, ...] = (),
     ) -> list[Result]:
@@ -123,7 +124,7 @@ class Runner:
         machine the rate of every transport drifts by 10-30 % over minutes, and a block of
         repeats of one side then a block of the other puts that drift into the ratio."""
         cases = [bounded(c) for c in cases]
-        keys: list[tuple] = []
+        keys: list[tuple[str, Case]] = []
         wanted = [self.baseline_key(c) for c in [*cases, *(bounded(b) for b in baselines_of)]]
         wanted += [self.baseline_key(cases[0], kind) for kind in also]
         for key in wanted:
@@ -135,13 +136,13 @@ class Runner:
             ):
                 keys.append(key)
         case_runs: list[list] = [[] for _ in cases]
-        base_runs: dict[tuple, list[Measured]] = {key: [] for key in keys}
+        base_runs: dict[tuple[str, Case], list[Measured]] = {key: [] for key in keys}
         for i in range(self.repeats):
             for runs, case in zip(case_runs, cases, strict=True):
-                runs.append(self.logged(case.name, i, lambda c=case: self._run_case(c)))
+                runs.append(self.logged(case.name, i, functools.partial(self._run_case, case)))
             for key in keys:
                 base_runs[key].append(self.logged(
-                    _baseline_label(*key), i, lambda k=key: self._run_baseline_once(*k)))
+                    _baseline_label(*key), i, functools.partial(self._run_baseline_once, *key)))
         for key in keys:
             self.store_baseline(key, self._summarise_baseline(*key, base_runs[key]))
         return [self._case_result(c, runs) for c, runs in zip(cases, case_runs, strict=True)]
@@ -174,7 +175,7 @@ class Runner:
         self.rows.append(result)
         return result
 
-    def baseline_key(self, case: Case, kind: str | None = None) -> tuple | None:
+    def baseline_key(self, case: Case, kind: str | None = None) -> tuple[str, Case] | None:
         """(kind, the baseline's own case) for ``case`` on the baseline of ``kind`` (default:
         ``--baseline``'s); None without a baseline, or when it cannot run here (noted)."""
         if kind is None:
@@ -199,6 +200,13 @@ class Runner:
                 self.note(why)
                 return None
         return kind, base_case
+
+    def baseline_of(self, case: Case, kind: str | None = None) -> Result:
+        """``baseline_for`` where a target compares with it (``--targets`` measures them)."""
+        result = self.baseline_for(case, kind)
+        if result is None:
+            raise RuntimeError(f"no baseline for {case.label or case.name}")
+        return result
 
     def baseline_for(self, case: Case, kind: str | None = None) -> Result | None:
         """The baseline row for ``case`` (measured once per distinct set-up) on the baseline

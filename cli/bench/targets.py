@@ -222,7 +222,7 @@ def run_targets(
                 shm=False,  # the socket path; T9 measures the shared-memory path
             )
         )
-        b1 = runner.baseline_for(bounded(c1))
+        b1 = runner.baseline_of(bounded(c1))
         out.append(
             _target(
                 "T1",
@@ -244,7 +244,7 @@ def run_targets(
         )
         # T2 and T3 keep the reference they were defined with: the relay at the same depth in
         # flight (T2s compares the stream with the relay at libzmq's default HWM)
-        b2 = runner.baseline_for(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
+        b2 = runner.baseline_of(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
         composite = t2.extra["put_then_get_items_s"]
         out.append(
             _target(
@@ -280,7 +280,7 @@ def run_targets(
                 label="T4 get latency 64B prefilled",
             )
         )
-        b4 = runner.baseline_for(
+        b4 = runner.baseline_of(
             bounded(
                 dataclasses.replace(
                     small, scenario="get_only", window=1, messages=min(small.messages, 3000)
@@ -377,9 +377,9 @@ def run_shm_targets(
         # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
         # sends the slot, so the row shows the stream without the producer's copy (a row of
         # the report, no target; it shares T9's relay)
-        t9 = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+        c9m = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
         c9w = dataclasses.replace(
-            t9, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
+            c9m, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
         )
         # no copy at all: the producer writes in its slot, the consumer reads views of it
         # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
@@ -390,9 +390,9 @@ def run_shm_targets(
         # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
         # and so does the copy limit (np.copyto of the same bytes)
         t9, _t9w, t9d, t9z = runner.measure_together(
-            [t9, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
+            [c9m, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
         )
-        b9 = runner.baseline_for(c9)
+        b9 = runner.baseline_of(c9)
         copy9 = runner.baseline_for(c9, "np.copyto")
         r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
         if r9 is not None:
@@ -444,7 +444,7 @@ def run_shm_targets(
         t10 = runner.measure(
             dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
         )
-        b10 = runner.baseline_for(c10)
+        b10 = runner.baseline_of(c10)
         out.append(
             _target(
                 "T10",
