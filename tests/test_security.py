@@ -15,7 +15,7 @@ from zchannel.cli.main import main as cli
 pytestmark = pytest.mark.timeout(90)
 
 # a CURVE mismatch used to surface as "no broker answered within 10.0s" after 10-12 s; it must
-# now fail within a second or two (issue 19: under 3 s)
+# now fail within a second or two (under 3 s)
 FAST_S = 3.0
 
 
