@@ -1,5 +1,5 @@
 """A burst of large tensors must not make a healthy broker look dead, and the default path
-must stay the shared-memory path (issue 17, point 5).
+must stay the shared-memory path.
 
 The shape of the issue's reproducer: a producer process puts 256 tensors of 16 MiB (async,
 ``window`` in flight); the consumer (this process) takes one blocking get, then keeps

@@ -1,5 +1,5 @@
 """Every ``zchannel`` command turns an expected failure into one line on stderr and exit
-status 2, and the CLI refuses what the Python API refuses (issue 19, "Why" 3)."""
+status 2, and the CLI refuses what the Python API refuses."""
 
 from __future__ import annotations
 

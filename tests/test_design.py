@@ -1,4 +1,4 @@
-"""Guards of the package's shape (issue 20), read from the sources with ``ast``: no process, no
+"""Guards of the package's shape, read from the sources with ``ast``: no process, no
 import of zchannel, well under a second.
 
 - the modules of ``zchannel.broker`` (and of ``hooks``, ``embodied``) import each other without a
@@ -33,9 +33,9 @@ MAX_CLASS_LINES = 300
 
 # (importing file, imported module): function-level imports other helpers are removing
 _PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
-# files over MAX_FILE_LINES being split (issue 20, item 4)
+# files over MAX_FILE_LINES being split
 _PENDING_LONG_FILES: set[str] = set()
-# classes over MAX_CLASS_LINES being split (issue 20, items 2 and 5)
+# classes over MAX_CLASS_LINES being split
 _PENDING_LONG_CLASSES: set[tuple[str, str]] = set()
 
 

@@ -251,7 +251,7 @@ def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, ca
     with caplog.at_level("WARNING", logger="zchannel.client"):
         make_remote("running", maxsize=3, collector="FLATTEN_BATCH",
                     dispatcher="zchannel.hooks.builtin:RoundRobinDispatcher")  # the same hooks
-    # attaching is always logged (issue 19); the same settings are not called differences
+    # attaching is always logged; the same settings are not called differences
     assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == []
     assert any("attached to the broker" in r.getMessage() for r in caplog.records)
     with caplog.at_level("WARNING", logger="zchannel.client"):

@@ -1,5 +1,5 @@
 """Brokers clean up after themselves; ``zchannel stat`` lists this host's brokers and stale
-entries and ``zchannel clean`` removes the stale ones (issue 19, "Why" 8)."""
+entries and ``zchannel clean`` removes the stale ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Same-host shared-memory path (issue 8, docs/shm.md): real brokers, real sockets, real /dev/shm."""
+"""Same-host shared-memory path (docs/shm.md): real brokers, real sockets, real /dev/shm."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""gae mode refuses an epoch's last chunk without ``final_prev_values`` (issue 19, "Why" 9):
+"""gae mode refuses an epoch's last chunk without ``final_prev_values``:
 ``prev_values`` would come out with N rows per epoch where ``Trajectory`` documents N+1."""
 
 from __future__ import annotations
