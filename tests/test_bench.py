@@ -418,7 +418,7 @@ def test_redis_baseline_with_its_append_only_file_or_a_line_saying_why_not(tmp_p
     redis_row = next(r for r in doc["rows"] if r["kind"] == "redis")
     assert redis_row["messages"] == 2000 and redis_row["items_s"] > 0
     assert "append-only file" in result.output  # the legend says what the baseline is
-    with RedisServer(str(tmp_path)) as server:  # its settings, as the legend states them
+    with RedisServer(str(tmp_path), aof=True) as server:  # its settings, as the legend says
         import redis
 
         client = redis.Redis(unix_socket_path=server.socket)

@@ -1,5 +1,5 @@
-"""The call forms of RLinf's Channel that zchannel keeps (and a failed create, get_nowait's
-exceptions, attaching, stat): create's positional order,
+"""The call forms of RLinf's Channel that zchannel keeps (the seed's call forms; a failed
+create, get_nowait's exceptions, attaching, stat): create's positional order,
 connect(name, current_worker), is_local, created, peek and ``zchannel stat --peek``, Work.then,
 float weights and targets, QueueEmpty/QueueFull, the errors of a failed create — each against
 a broker process, a local channel and a distributed one where the form applies to all three."""

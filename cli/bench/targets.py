@@ -369,7 +369,7 @@ def run_shm_targets(
             )
         )
         # the same stream as a user writes it: default Channel.create (unbounded), nothing
-        # reserved, 64 puts and 64 gets in flight (a burst of large tensors); same rounds as T9
+        # reserved, 64 puts and 64 gets in flight; same rounds as T9
         c9d = dataclasses.replace(
             c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
             label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
