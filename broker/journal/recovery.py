@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,50 +127,74 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
 
 
 def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
-    if rtype in (fmt.PUT, fmt.INPUT):
-        try:
-            put = fmt.read_put(body)
-        except (ValueError, TypeError) as exc:
-            log.error("journal segment %s: a put record that does not hold together (%s): "
-                      "skipped", seg.path, exc)
-            return
-        held = rec.items if rtype == fmt.PUT else rec.inputs
-        held.pop(put.jid, None)  # a copy made by compaction: the newest counts
-        held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
-        rec.max_jid = max(rec.max_jid, put.jid)
-        origin = origin_of(put.extra)
-        if origin is not None:
-            rec.sequences.mark(origin)
-    elif rtype == fmt.IDLE:
-        upto = fmt.unpack(body)
-        if isinstance(upto, list) and upto and isinstance(upto[0], int):
-            for jid in [j for j in rec.inputs if j <= upto[0]]:
-                del rec.inputs[jid]
-    elif rtype in (fmt.REMOVE, fmt.LEASE):
-        jids = fmt.unpack(body)
-        if not isinstance(jids, list):
-            return
-        for jid in jids:
-            if not isinstance(jid, int):
-                continue
-            if rtype == fmt.REMOVE:
-                rec.items.pop(jid, None)
-                rec.leased.discard(jid)
-            elif jid in rec.items:
-                rec.leased.add(jid)
-            rec.max_jid = max(rec.max_jid, jid)
-    elif rtype == fmt.TABLE:
-        value = fmt.unpack(body)
-        if isinstance(value, list) and len(value) == 3 and isinstance(value[0], str):
-            name, whole, pairs = value
-            table = rec.tables.setdefault(name, {})
-            if whole:
-                table.clear()
-            for pair in pairs if isinstance(pairs, list) else ():
-                if isinstance(pair, list) and len(pair) == 2:
-                    table[_hashable(pair[0])] = pair[1]
-            if name == TABLE_NAME:  # the whole table of stored sequences, as it was here
-                rec.sequences.load(table)
+    """One record of a segment applied to what recovery holds (records of a type it does not
+    know are skipped)."""
+    apply = _APPLY.get(rtype)
+    if apply is not None:
+        apply(rtype, body, seg, rec)
+
+
+def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """A put (or a hook's input): held under its jid, the newest copy counting."""
+    try:
+        put = fmt.read_put(body)
+    except (ValueError, TypeError) as exc:
+        log.error("journal segment %s: a put record that does not hold together (%s): "
+                  "skipped", seg.path, exc)
+        return
+    held = rec.items if rtype == fmt.PUT else rec.inputs
+    held.pop(put.jid, None)  # a copy made by compaction: the newest counts
+    held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
+    rec.max_jid = max(rec.max_jid, put.jid)
+    origin = origin_of(put.extra)
+    if origin is not None:
+        rec.sequences.mark(origin)
+
+
+def _apply_idle(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """A hook went idle up to a jid: the inputs up to it are done."""
+    upto = fmt.unpack(body)
+    if isinstance(upto, list) and upto and isinstance(upto[0], int):
+        for jid in [j for j in rec.inputs if j <= upto[0]]:
+            del rec.inputs[jid]
+
+
+def _apply_jids(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """Items removed (taken) or leased, by jid."""
+    jids = fmt.unpack(body)
+    if not isinstance(jids, list):
+        return
+    for jid in jids:
+        if not isinstance(jid, int):
+            continue
+        if rtype == fmt.REMOVE:
+            rec.items.pop(jid, None)
+            rec.leased.discard(jid)
+        elif jid in rec.items:
+            rec.leased.add(jid)
+        rec.max_jid = max(rec.max_jid, jid)
+
+
+def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """A table's pairs (the whole table, or changes to it)."""
+    value = fmt.unpack(body)
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)):
+        return
+    name, whole, pairs = value
+    table = rec.tables.setdefault(name, {})
+    if whole:
+        table.clear()
+    for pair in pairs if isinstance(pairs, list) else ():
+        if isinstance(pair, list) and len(pair) == 2:
+            table[_hashable(pair[0])] = pair[1]
+    if name == TABLE_NAME:  # the whole table of stored sequences, as it was here
+        rec.sequences.load(table)
+
+
+_APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
+    fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.IDLE: _apply_idle,
+    fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
+}
 
 
 def _hashable(value: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zchannel.broker.cluster.replica import ReplicaState
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
-from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
+from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW, ProducerWindow
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_peek_count,
@@ -101,6 +101,25 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
 
 
 def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
+    frames, nbytes = _put_frames(rec, frames, broker.config.max_message_bytes)
+    weight = check_weight(rec.weight)
+    key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
+    if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
+        payload = broker.shm.attach_put(client, rec.slots, frames)
+        nbytes += payload.slot_bytes
+        frames = payload
+    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
+    broker.counters.puts += 1
+    window = client.producer
+    if window is None:  # a client without retry-safe puts
+        broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
+    else:
+        _put_once(broker, client, rec, window, key, item, timeout)
+
+
+def _put_frames(rec: Put, frames: list, limit: int) -> tuple[list, int]:
+    """A put's frames (its inline body as the one frame) and their bytes, checked against the
+    header's sizes and the message size limit (0: none)."""
     body = rec.body
     if body is not UNSET:  # a small item inside its record
         if len(body) > INLINE_BODY or frames:
@@ -114,21 +133,15 @@ def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
         if rec.sizes is not None and rec.sizes != lengths:
             raise ValueError("put frame sizes do not match the header")
         nbytes = sum(lengths)
-    limit = broker.config.max_message_bytes
     if limit and nbytes > limit:
         raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
-    weight = check_weight(rec.weight)
-    key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
-    if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
-        payload = broker.shm.attach_put(client, rec.slots, frames)
-        nbytes += payload.slot_bytes
-        frames = payload
-    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
-    broker.counters.puts += 1
-    window = client.producer
-    if window is None:  # a client without retry-safe puts
-        broker.core.put(client, rec.id, key, item, timeout, rec.nowait)
-        return
+    return frames, nbytes
+
+
+def _put_once(broker: Broker, client: Client, rec: Put, window: ProducerWindow, key: Any,
+              item: Item, timeout: float | None) -> None:
+    """A retry-safe put: stored once whatever the producer's retries (its sequence is marked
+    in the producer's ``window`` while stored or waiting for room)."""
     seq = rec.sequence()
     verdict = window.begin(seq)  # NEW: marked stored already
     if verdict != NEW:

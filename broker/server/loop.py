@@ -209,6 +209,19 @@ class Broker:
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
+        stops = self._start_serving()
+        try:
+            self._serve(stops)
+        except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
+            log.critical("channel %r stops: %s", self.config.name, exc)
+            self.exit_code = 3
+        finally:
+            self.close()
+            stops.close()
+
+    def _start_serving(self) -> StopSources:
+        """Bind, start the metrics server and the replica link, make the poll set and print
+        ``ready <address>``; the sources of a stop (signals, the parent's death) returned."""
         try:
             self.bind()
             self.metrics = _metrics_server(self)
@@ -219,10 +232,8 @@ class Broker:
             self.replica.start(self.core)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = StopSources(self.config.parent_pid, self.stop)
-        sock, peers = self.bound()
-        guard, handshakes = self.endpoint.guard, self.endpoint.handshakes
-        if guard is None or handshakes is None:
-            raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
+        sock, _ = self.bound()
+        guard, _ = self._admission()
         poll_set: list[tuple[Any, int]] = [(sock, zmq.POLLIN), *stops.poll_items(),
                                            (guard.wake_fd, zmq.POLLIN)]
         if self.metrics is not None:
@@ -233,50 +244,67 @@ class Broker:
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
         _tune_for_serving()
+        return stops
+
+    def _admission(self) -> tuple[PeerGuard, BrokerHandshakes]:
+        """The connection budget and the pending handshakes (``bind`` made them)."""
+        guard, handshakes = self.endpoint.guard, self.endpoint.handshakes
+        if guard is None or handshakes is None:
+            raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
+        return guard, handshakes
+
+    def _serve(self, stops: StopSources) -> None:
+        """The loop: poll, handle what came, answer, then the timers of the turn."""
+        sock, peers = self.bound()
+        guard, handshakes = self._admission()
+        next_hb = time.monotonic() + self.config.heartbeat_interval / 2
+        while self._running:
+            polled, timeout_ms, events = self._poll(peers, next_hb)
+            woke = time.monotonic()
+            ready = [obj for obj, _ in events]
+            if sock in ready:
+                self._drain()
+                self.sessions.flush()  # replies first: the rest of the turn is not on their path
+            if peers.listener is not None and len(events) > (sock in ready):
+                self._direct_events(events)
+            _side_events(self, ready, stops, guard, handshakes)
+            next_hb = self._timers(polled, woke, timeout_ms, next_hb, peers, stops)
+            self.sessions.flush()
+
+    def _poll(self, peers: Peers, next_hb: float) -> tuple[float, int, list[tuple[Any, int]]]:
+        """Wait for the sockets until the next deadline (a parked request's, the journal's, the
+        heartbeat's): when the poll started, its timeout in ms and the events."""
+        now = time.monotonic()
+        wake = min(next_hb, self.core.next_deadline() or next_hb)
+        if self.journal is not None:
+            wake = min(wake, self.journal.due() or wake)
+        timeout_ms = max(0, int((wake - now) * 1000) + 1)
+        if peers.poll_dirty:  # links came or went, or a full socket held bytes back
+            self._poll_set = peers.poll_set(self._poll_base)
+        polled = time.monotonic()
+        return polled, timeout_ms, zmq.zmq_poll(self._poll_set, timeout_ms)
+
+    def _timers(self, polled: float, woke: float, timeout_ms: int, next_hb: float,
+                peers: Peers, stops: StopSources) -> float:
+        """The deadlines of a turn: stalls noted, parked requests and the journal ticked,
+        heartbeats sent and the parent checked when due; the next heartbeat's time returned."""
         hb = self.config.heartbeat_interval
-        next_hb = time.monotonic() + hb / 2
-        journal = self.journal
-        try:
-            while self._running:
-                now = time.monotonic()
-                wake = min(next_hb, self.core.next_deadline() or next_hb)
-                if journal is not None:
-                    wake = min(wake, journal.due() or wake)
-                timeout_ms = max(0, int((wake - now) * 1000) + 1)
-                if peers.poll_dirty:  # links came or went, or a full socket held bytes back
-                    self._poll_set = peers.poll_set(self._poll_base)
-                polled = time.monotonic()
-                events = zmq.zmq_poll(self._poll_set, timeout_ms)
-                woke = time.monotonic()
-                ready = [obj for obj, _ in events]
-                if sock in ready:
-                    self._drain()
-                    self.sessions.flush()  # replies first: the rest of the turn is not on their path
-                if peers.listener is not None and len(events) > (sock in ready):
-                    self._direct_events(events)
-                _side_events(self, ready, stops, guard, handshakes)
-                now = time.monotonic()
-                # how long this loop did not look at its sockets beyond what it planned (its
-                # process did not run, or this turn was long): not the clients' silence
-                away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
-                if away > hb:
-                    self.sessions.was_stalled(away)
-                self.core.tick(now)
-                if journal is not None:
-                    journal.tick(now)
-                if now >= next_hb:
-                    self.sessions.heartbeats(now)
-                    peers.resume(now)
-                    next_hb = now + hb / 2
-                    if stops.parent_gone():
-                        self._running = False
-                self.sessions.flush()
-        except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
-            log.critical("channel %r stops: %s", self.config.name, exc)
-            self.exit_code = 3
-        finally:
-            self.close()
-            stops.close()
+        now = time.monotonic()
+        # how long this loop did not look at its sockets beyond what it planned (its
+        # process did not run, or this turn was long): not the clients' silence
+        away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
+        if away > hb:
+            self.sessions.was_stalled(away)
+        self.core.tick(now)
+        if self.journal is not None:
+            self.journal.tick(now)
+        if now >= next_hb:
+            self.sessions.heartbeats(now)
+            peers.resume(now)
+            next_hb = now + hb / 2
+            if stops.parent_gone():
+                self._running = False
+        return next_hb
 
     def close(self) -> None:
         """Stop serving and remove this broker's files: address file, socket file, shared

@@ -188,93 +188,117 @@ def channel_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[]
     """Gets (or ``get_batch``es) with ``window`` requests in flight until all consumers
     together received ``total`` items; with a ``schedule`` it gets its producers' keys in
     their order.  Latency: end-to-end, or per request when ``request_latency``."""
-    ch = Channel.connect(spec["address"], identity=spec.get("identity"))
-    fac = PayloadFactory(spec["ptype"], spec["size"])
-    counts, slot, total = spec["counts"], spec["slot"], spec["total"]
-    alone = len(counts) == 1
-    batch = spec.get("batch", 0)
-    key = spec["key"]
-    keys: list[Any] | None = None
-    if spec.get("schedules"):
-        keys = [
-            _key({"key": key, "schedule": s, "pidx": p}, i)
-            for p, s in spec["schedules"]
-            for i in range(len(s))
-        ]
-    window = spec["window"]
-    # views of the slots (copy=False): a full compare would read each item once more, so
-    # those are checked by their header and last 4 KiB (PayloadFactory.check)
-    copy = False if spec.get("views") else None
-    request_latency = spec.get("request_latency", False)
-    tally = Tally()
-    req_lat: list[int] = []
-    inflight: deque = deque()
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    issued = n = summed_at = 0
-    stopping = False
+    consumer = _Consumer(spec)
+    ready()
+    go_wait()
+    return consumer.run()
 
-    sync = window == 1 and request_latency and keys is None and not batch
 
-    def issue() -> None:
-        nonlocal issued
+class _Consumer:
+    """One consumer process of a stream: its requests in flight, what it got and when it
+    stops (all consumers together got ``total``, or its scheduled keys are done)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.ch = Channel.connect(spec["address"], identity=spec.get("identity"))
+        self.fac = PayloadFactory(spec["ptype"], spec["size"])
+        self.counts, self.slot, self.total = spec["counts"], spec["slot"], spec["total"]
+        self.alone = len(self.counts) == 1
+        self.batch = spec.get("batch", 0)
+        self.key = spec["key"]
+        self.keys: list[Any] | None = None
+        if spec.get("schedules"):
+            self.keys = [
+                _key({"key": self.key, "schedule": s, "pidx": p}, i)
+                for p, s in spec["schedules"]
+                for i in range(len(s))
+            ]
+        self.window = spec["window"]
+        # views of the slots (copy=False): a full compare would read each item once more, so
+        # those are checked by their header and last 4 KiB (PayloadFactory.check)
+        self.copy = False if spec.get("views") else None
+        self.request_latency = spec.get("request_latency", False)
+        self.tally = Tally()
+        self.req_lat: list[int] = []
+        self.inflight: deque = deque()
+        self.issued = self.n = self.summed_at = 0
+        self.stopping = False
+        # window 1: the latency of the blocking call a user makes, not of a Work
+        self.sync = self.window == 1 and self.request_latency and self.keys is None and not self.batch
+
+    def issue(self) -> None:
+        """One more request in flight."""
+        ch, key = self.ch, self.key
         t0 = time.monotonic_ns()
-        if sync:  # window 1: the latency of the blocking call a user makes, not of a Work
+        if self.sync:
             work = Work()
             try:
                 work.set_result(ch.get(key=key, timeout=GET_TIMEOUT_S))
             except TimeoutError as exc:
                 work.set_exception(exc)
-        elif keys is not None:
-            work = ch.get(key=keys[issued], async_op=True, timeout=WORKER_DEADLINE_S)
-        elif batch:
-            work = cast(Work, ch.get_batch(batch, key=key, async_op=True, timeout=GET_TIMEOUT_S))
+        elif self.keys is not None:
+            work = ch.get(key=self.keys[self.issued], async_op=True, timeout=WORKER_DEADLINE_S)
+        elif self.batch:
+            work = cast(Work, ch.get_batch(self.batch, key=key, async_op=True,
+                                           timeout=GET_TIMEOUT_S))
         else:
-            work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=copy)
-        issued += 1
-        inflight.append((work, t0))
+            work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=self.copy)
+        self.issued += 1
+        self.inflight.append((work, t0))
 
-    ready()
-    go_wait()
-    tally.t_start = time.monotonic_ns()
-    while True:
-        while not stopping and len(inflight) < window and (keys is None or issued < len(keys)):
-            issue()
-        if not inflight:
-            break
-        work, t0 = inflight.popleft()
-        try:
-            got = work.wait(WORKER_DEADLINE_S)
-        except TimeoutError:
-            if sum(counts) >= total or (keys is not None and n >= len(keys)):
-                stopping = True
-            elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"consumer got {n}; all together {sum(counts)}/{total}"
-                ) from None
-            continue
+    def run(self) -> dict:
+        """Keep ``window`` requests in flight until done; the tally (and request latencies)."""
+        keys, inflight = self.keys, self.inflight
+        deadline = time.monotonic() + WORKER_DEADLINE_S
+        self.tally.t_start = time.monotonic_ns()
+        while True:
+            while (not self.stopping and len(inflight) < self.window
+                   and (keys is None or self.issued < len(keys))):
+                self.issue()
+            if not inflight:
+                break
+            work, t0 = inflight.popleft()
+            try:
+                got = work.wait(WORKER_DEADLINE_S)
+            except TimeoutError:
+                self._timed_out(deadline)
+                continue
+            self._received(got, t0)
+        self.ch.close()
+        result = self.tally.result()
+        if self.request_latency:
+            result["lat_ns"] = np.asarray(self.req_lat, dtype=np.int64)
+        return result
+
+    def _timed_out(self, deadline: float) -> None:
+        """A request timed out: stop if everything was got, fail past the deadline."""
+        if sum(self.counts) >= self.total or (self.keys is not None and self.n >= len(self.keys)):
+            self.stopping = True
+        elif time.monotonic() > deadline:
+            raise TimeoutError(
+                f"consumer got {self.n}; all together {sum(self.counts)}/{self.total}"
+            ) from None
+
+    def _received(self, got: Any, t0: int) -> None:
+        """Check and count what a request got; stop when all consumers got everything."""
         now = time.monotonic_ns()
-        for item in got if batch else (got,):
-            seq, t_sent = fac.check(item, full=copy is None)
-            tally.add(seq, t_sent, now)
-            n += 1
-        if request_latency:
-            req_lat.append(now - t0)
-        counts[slot] = n
+        for item in got if self.batch else (got,):
+            seq, t_sent = self.fac.check(item, full=self.copy is None)
+            self.tally.add(seq, t_sent, now)
+            self.n += 1
+        n = self.n
+        if self.request_latency:
+            self.req_lat.append(now - t0)
+        self.counts[self.slot] = n
         # summing the shared counters costs ~2 us (ctypes): alone, n says it; with peers, look
         # every 16 items (a late stop only issues gets that time out after the last item)
-        if alone:
-            done = n >= total
-        elif n - summed_at >= 16:
-            summed_at, done = n, sum(counts) >= total
+        if self.alone:
+            done = n >= self.total
+        elif n - self.summed_at >= 16:
+            self.summed_at, done = n, sum(self.counts) >= self.total
         else:
             done = False
-        if done or (keys is not None and n >= len(keys)):
-            stopping = True
-    ch.close()
-    result = tally.result()
-    if request_latency:
-        result["lat_ns"] = np.asarray(req_lat, dtype=np.int64)
-    return result
+        if done or (self.keys is not None and n >= len(self.keys)):
+            self.stopping = True
 
 
 def producer_specs(

@@ -3,6 +3,7 @@ and one run of a scenario, reported as a table (and ``--json``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -249,29 +250,69 @@ def bench(
         # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    _deprecated_counts(ctx, values)
+    opts = _apply_config(ctx, config_path, values)
+    if targets_flag:
+        opts["scenario"] = _targets_scenario(ctx, opts["scenario"])
+    base = _base_case(opts, config_path)
+    _worker_environment(ctx, base)
+    scenario = opts["scenario"]
+    thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
+    machine = machine_description()
+    with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
+        runner = Runner(
+            address=opts.get("address"),
+            baseline=opts["baseline"],
+            repeats=int(opts["repeats"]),
+            tmpdir=tmpdir,
+        )
+        started = time.monotonic()
+        run = _run_scenario(ctx, runner, base, opts, thresholds, config_path)
+        elapsed = time.monotonic() - started
+    _report(opts, machine, runner, run, elapsed, plot_dir, base.size)
+    if run.error is not None:
+        raise BenchFailure(run.error)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one run of a scenario gave besides the runner's rows."""
+
+    targets: list[TargetResult] = dataclasses.field(default_factory=list)
+    points: list[Point] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+def _deprecated_counts(ctx: click.Context, values: dict[str, Any]) -> None:
+    """--producers/--consumers (deprecated) as --num-producers/--num-consumers, with a warning."""
     for old, new in (("old_producers", "producers"), ("old_consumers", "consumers")):
         count = values.pop(old)
         if count is not None:
             click.echo(f"warning: bench --{new} is deprecated; use --num-{new}", err=True)
             if ctx.get_parameter_source(new) is click.core.ParameterSource.DEFAULT:
                 values[new] = count
-    opts = _apply_config(ctx, config_path, values)
-    if targets_flag:
-        if opts["scenario"] not in ("targets", "quick") or (
-            opts["scenario"] == "quick"
-            and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
-        ):
-            raise click.BadParameter(
-                f"--targets runs the target suite; it cannot be combined with --scenario "
-                f"{opts['scenario']}"
-            )
-        opts["scenario"] = "targets"
+
+
+def _targets_scenario(ctx: click.Context, scenario: str) -> str:
+    """--targets: the target suite, refused beside another --scenario."""
+    if scenario not in ("targets", "quick") or (
+        scenario == "quick"
+        and ctx.get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+    ):
+        raise click.BadParameter(
+            f"--targets runs the target suite; it cannot be combined with --scenario {scenario}"
+        )
+    return "targets"
+
+
+def _base_case(opts: dict[str, Any], config_path: str | None) -> Case:
+    """The case the options describe (each scenario's cases are made from it)."""
     try:
         size = parse_size(opts["payload_size"])
     except click.BadParameter as exc:  # the command line's value was checked: the file's is bad
         exc.param_hint = f"payload_size in [bench] of {config_path}"
         raise
-    base = Case(
+    return Case(
         "channel",
         ptype=opts["payload_type"],
         size=size,
@@ -282,6 +323,11 @@ def bench(
         window=int(opts["window"]),
         shm=opts.get("shm", "on") == "on",
     )
+
+
+def _worker_environment(ctx: click.Context, base: Case) -> None:
+    """The environment the workers and baselines inherit (spawned): shared memory off with
+    --shm off, the brokers' allocator tunables; both given back when the command ends."""
     if not base.shm and "ZCHANNEL_SHM" not in os.environ:
         # brokers started here get shm_threshold=0; with --address the workers (spawned: they
         # inherit the environment) keep off shared memory themselves
@@ -294,54 +340,58 @@ def bench(
         users_tunables = os.environ.get("GLIBC_TUNABLES")
         os.environ["GLIBC_TUNABLES"] = tunables
         ctx.call_on_close(lambda: _restore_env("GLIBC_TUNABLES", users_tunables))
-    scenario = opts["scenario"]
-    keys = opts.get("keys")
-    thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
-    machine = machine_description()
-    targets: list[TargetResult] = []
-    points: list[Point] = []
-    error: str | None = None
-    with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
-        n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
-                   "durable": DURABLE_STEPS, "scaling": SCALING_STEPS}.get(scenario)
-        runner = Runner(
-            address=opts.get("address"),
-            baseline=opts["baseline"],
-            repeats=int(opts["repeats"]),
-            tmpdir=tmpdir,
-        )
-        if n_steps is None:  # the cases and their distinct baselines
-            cases = [bounded(c) for c in scenario_cases(scenario, base, keys)]
-            n_steps = len(cases) + len({runner.baseline_key(c) for c in cases} - {None})
-        started = time.monotonic()
-        try:
-            with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
-                runner.progress = bar
-                if scenario == "targets":
-                    targets = run_targets(runner, base, tmpdir, thresholds)
-                elif scenario == "shm":
-                    targets = run_shm_targets(runner, thresholds)
-                elif scenario == "durable":
-                    targets = run_durable_targets(runner, thresholds)
-                elif scenario == "scaling":
-                    points = run_scaling(runner, base)
-                elif scenario == "trajectory":
-                    # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
-                    from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
 
-                    given = ctx.get_parameter_source("messages") not in (
-                        click.core.ParameterSource.DEFAULT,
-                        None,
-                    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
-                    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
-                    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
-                else:
-                    run_scenario(runner, scenario, base, keys)
-        except Mismatch as exc:
-            error = f"content check failed: {exc}"
-        except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
-            error = f"benchmark failed: {exc}"
-        elapsed = time.monotonic() - started
+
+def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str, Any],
+                  thresholds: dict[str, Threshold], config_path: str | None) -> _Run:
+    """Run the scenario with a progress bar; a mismatch or a failure becomes the run's error."""
+    scenario, keys = opts["scenario"], opts.get("keys")
+    n_steps = {"targets": TARGET_STEPS, "shm": SHM_STEPS, "trajectory": 4,
+               "durable": DURABLE_STEPS, "scaling": SCALING_STEPS}.get(scenario)
+    if n_steps is None:  # the cases and their distinct baselines
+        cases = [bounded(c) for c in scenario_cases(scenario, base, keys)]
+        n_steps = len(cases) + len({runner.baseline_key(c) for c in cases} - {None})
+    run = _Run()
+    try:
+        with Progress(f"zchannel bench {scenario}", n_steps, runner.repeats) as bar:
+            runner.progress = bar
+            if scenario == "targets":
+                run.targets = run_targets(runner, base, runner.tmpdir, thresholds)
+            elif scenario == "shm":
+                run.targets = run_shm_targets(runner, thresholds)
+            elif scenario == "durable":
+                run.targets = run_durable_targets(runner, thresholds)
+            elif scenario == "scaling":
+                run.points = run_scaling(runner, base)
+            elif scenario == "trajectory":
+                _trajectory(ctx, runner, base, opts, config_path)
+            else:
+                run_scenario(runner, scenario, base, keys)
+    except Mismatch as exc:
+        run.error = f"content check failed: {exc}"
+    except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
+        run.error = f"benchmark failed: {exc}"
+    return run
+
+
+def _trajectory(ctx: click.Context, runner: Runner, base: Case, opts: dict[str, Any],
+                config_path: str | None) -> None:
+    """The trajectory scenario: its global steps from --messages when given, else its own."""
+    # loaded for this scenario only: it imports zchannel.embodied (and its hooks)
+    from zchannel.cli.bench.trajectory import TRAJECTORY_STEPS, run_trajectory
+
+    given = ctx.get_parameter_source("messages") not in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    ) or (config_path and "messages" in opts and opts["messages"] != 20000)
+    steps = int(opts["messages"]) if given else TRAJECTORY_STEPS
+    run_trajectory(runner, base, steps, int(opts["trajectory_batch"]))
+
+
+def _report(opts: dict[str, Any], machine: dict[str, Any], runner: Runner, run: _Run,
+            elapsed: float, plot_dir: str | None, size: int) -> None:
+    """The table, the scaling curves (and their plots) and the --json file."""
+    scenario = opts["scenario"]
     # with --json - the JSON owns stdout and the report goes to stderr
     out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
     out(f"zchannel bench {scenario}: {runner.repeats} run(s) per case, medians shown; "
@@ -351,19 +401,17 @@ def bench(
     out(f"versions: zchannel {machine['zchannel']}, python {machine['python']}, torch "
         f"{machine['torch']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']})")
     out("")
-    warnings = print_report(runner.rows, targets, runner.notes, out)
-    if points:
+    warnings = print_report(runner.rows, run.targets, runner.notes, out)
+    if run.points:
         out("")
         out("scaling (markdown; ratio = items/s over the baseline's, same run):")
-        for line in scaling_table(points):
+        for line in scaling_table(run.points):
             out(line)
         if plot_dir:
-            for path in plot_scaling(points, plot_dir):
+            for path in plot_scaling(run.points, plot_dir):
                 out(f"plot: {path}")
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size
-        write_json(opts["json_path"], machine, options, runner.rows, targets, runner.notes,
-                   error is None, error, warnings)
-    if error is not None:
-        raise BenchFailure(error)
+        write_json(opts["json_path"], machine, options, runner.rows, run.targets, runner.notes,
+                   run.error is None, run.error, warnings)
