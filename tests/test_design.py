@@ -46,13 +46,8 @@ _PENDING_LONG_FILES: set[str] = set()
 # the class: Connection's four parts (I/O thread, liveness, waiting, request queue) share the
 # state connection/parts.py declares; the types helper's composition work turns them into parts
 _PENDING_MIXIN_CLASSES: set[tuple[str, str]] = {("broker/connection/connection.py", "Connection")}
-# functions over MAX_FUNCTION_LINES being split: merged in with the benchmark registry and the
-# broker's journal calls; the types helper splits them by step (as before that merge)
-_PENDING_LONG_FUNCTIONS: set[tuple[str, str]] = {
-    ("cli/bench/targets.py", "run_targets"), ("cli/bench/command.py", "bench"),
-    ("cli/bench/targets.py", "run_shm_targets"), ("cli/bench/channel.py", "channel_consumer"),
-    ("broker/server/loop.py", "serve_forever"),
-}
+# functions over MAX_FUNCTION_LINES being split
+_PENDING_LONG_FUNCTIONS: set[tuple[str, str]] = set()
 # classes over MAX_CLASS_LINES being split
 _PENDING_LONG_CLASSES: set[tuple[str, str]] = set()
 

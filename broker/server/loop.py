@@ -268,7 +268,7 @@ class Broker:
             if peers.listener is not None and len(events) > (sock in ready):
                 self._direct_events(events)
             _side_events(self, ready, stops, guard, handshakes)
-            next_hb = self._timers(polled, woke, timeout_ms, next_hb, peers, stops)
+            next_hb = _turn_timers(self, polled, woke, timeout_ms, next_hb, peers, stops)
             self.sessions.flush()
 
     def _poll(self, peers: Peers, next_hb: float) -> tuple[float, int, list[tuple[Any, int]]]:
@@ -283,28 +283,6 @@ class Broker:
             self._poll_set = peers.poll_set(self._poll_base)
         polled = time.monotonic()
         return polled, timeout_ms, zmq.zmq_poll(self._poll_set, timeout_ms)
-
-    def _timers(self, polled: float, woke: float, timeout_ms: int, next_hb: float,
-                peers: Peers, stops: StopSources) -> float:
-        """The deadlines of a turn: stalls noted, parked requests and the journal ticked,
-        heartbeats sent and the parent checked when due; the next heartbeat's time returned."""
-        hb = self.config.heartbeat_interval
-        now = time.monotonic()
-        # how long this loop did not look at its sockets beyond what it planned (its
-        # process did not run, or this turn was long): not the clients' silence
-        away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
-        if away > hb:
-            self.sessions.was_stalled(away)
-        self.core.tick(now)
-        if self.journal is not None:
-            self.journal.tick(now)
-        if now >= next_hb:
-            self.sessions.heartbeats(now)
-            peers.resume(now)
-            next_hb = now + hb / 2
-            if stops.parent_gone():
-                self._running = False
-        return next_hb
 
     def close(self) -> None:
         """Stop serving and remove this broker's files: address file, socket file, shared
@@ -474,6 +452,29 @@ def _side_events(broker: Broker, ready: list, stops: StopSources, guard: PeerGua
         handshakes.check(guard.take_failures())
     if stops.parent_exited(ready):
         broker._running = False
+
+
+def _turn_timers(broker: Broker, polled: float, woke: float, timeout_ms: int, next_hb: float,
+                 peers: Peers, stops: StopSources) -> float:
+    """The deadlines of a turn: stalls noted, parked requests and the journal ticked,
+    heartbeats sent and the parent checked when due; the next heartbeat's time returned."""
+    hb = broker.config.heartbeat_interval
+    now = time.monotonic()
+    # how long this loop did not look at its sockets beyond what it planned (its
+    # process did not run, or this turn was long): not the clients' silence
+    away = max(0.0, woke - polled - timeout_ms / 1000) + now - woke
+    if away > hb:
+        broker.sessions.was_stalled(away)
+    broker.core.tick(now)
+    if broker.journal is not None:
+        broker.journal.tick(now)
+    if now >= next_hb:
+        broker.sessions.heartbeats(now)
+        peers.resume(now)
+        next_hb = now + hb / 2
+        if stops.parent_gone():
+            broker.stop()
+    return next_hb
 
 
 def _metrics_server(broker: Broker) -> metrics.MetricsServer | None:

@@ -22,7 +22,7 @@ from zchannel.cli.bench.channel import (
     producer_specs,
 )
 from zchannel.cli.bench.payloads import verify_seqs
-from zchannel.cli.bench.report import TargetResult
+from zchannel.cli.bench.report import Result, TargetResult
 from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
 from zchannel.cli.shipped import shipped_path
@@ -210,140 +210,106 @@ def run_targets(
     saved = runner.baseline
     runner.baseline = "zmq"
     try:
-        # 4 GiB per run, as T9: over 1 GiB the start (connections, first allocations) weighs
-        # in and single runs of both sides swing by +-20 %
-        c1 = Case(
-            "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
-        )
-        t1 = runner.measure(
-            dataclasses.replace(
-                c1,
-                label="T1 channel tensor 16MiB 1P/1C ipc frames",
-                shm=False,  # the socket path; T9 measures the shared-memory path
-            )
-        )
-        b1 = runner.baseline_of(bounded(c1))
-        out.append(
-            _target(
-                "T1",
-                "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy",
-                t1.mb_s,
-                b1.mb_s,
-                "MB/s",
-                thresholds,
-            )
-        )
-        # each target's case runs in rounds with what it is compared to (Runner.measure_together)
-        (t2,) = runner.measure_together(
-            [
-                dataclasses.replace(
-                    small, scenario="get_only", label="T2 put(w64) then get(w64) 64B"
-                )
-            ],
-            also=("zmq.proxy.depth",),
-        )
-        # T2 and T3 keep the reference they were defined with: the relay at the same depth in
-        # flight (T2s compares the stream with the relay at libzmq's default HWM)
-        b2 = runner.baseline_of(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
-        composite = t2.extra["put_then_get_items_s"]
-        out.append(
-            _target(
-                "T2",
-                "64 B async puts (w64) then gets, items/s vs zmq.proxy at HWM 64",
-                composite,
-                b2.items_s,
-                "items/s",
-                thresholds,
-                note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
-            )
-        )
+        out.append(_t1_frames(runner, thresholds))
+        t2, b2 = _t2_put_then_get(runner, small, thresholds)
+        out.append(t2)
         out.extend(measure_stream_target(runner, small, thresholds))
-        t3 = runner.measure(
-            dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B")
-        )
-        out.append(
-            _target(
-                "T3",
-                "64 B via get_batch (64/batch), items/s vs zmq.proxy at HWM 64",
-                t3.items_s,
-                b2.items_s,
-                "items/s",
-                thresholds,
-            )
-        )
-        t4 = runner.measure(
-            dataclasses.replace(
-                small,
-                scenario="get_only",
-                window=1,
-                messages=min(small.messages, 3000),
-                label="T4 get latency 64B prefilled",
-            )
-        )
-        b4 = runner.baseline_of(
-            bounded(
-                dataclasses.replace(
-                    small, scenario="get_only", window=1, messages=min(small.messages, 3000)
-                )
-            )
-        )
-        out.append(
-            _target(
-                "T4",
-                "get p50 latency, 64 B, prefilled vs raw echo p50 (us)",
-                t4.p50_us,
-                b4.p50_us,
-                "us",
-                thresholds,
-            )
-        )
-        one, four = runner.measure_together(
-            [
-                dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C"),
-                dataclasses.replace(
-                    small,
-                    scenario="channel",
-                    producers=4,
-                    consumers=4,
-                    label="T6 channel 64B 4P/4C",
-                ),
-            ]
-        )
-        out.append(
-            _target(
-                "T6",
-                "64 B 4P/4C aggregate items/s vs 1P/1C",
-                four.items_s,
-                one.items_s,
-                "items/s",
-                thresholds,
-            )
-        )
-        k1, k10k = runner.measure_together(
-            [
-                dataclasses.replace(
-                    small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
-                ),
-                dataclasses.replace(
-                    small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
-                ),
-            ]
-        )
-        out.append(
-            _target(
-                "T7",
-                "64 B over 10,000 keys vs 1 key, items/s",
-                k10k.items_s,
-                k1.items_s,
-                "items/s",
-                thresholds,
-            )
-        )
+        out.append(_t3_batch(runner, small, b2, thresholds))
+        out.append(_t4_latency(runner, small, thresholds))
+        out.append(_t6_processes(runner, small, thresholds))
+        out.append(_t7_keys(runner, small, thresholds))
         out.append(measure_rss_target(runner, tmpdir, thresholds))
     finally:
         runner.baseline = saved
     out.extend(run_shm_targets(runner, thresholds))
     return out
+
+
+def _t1_frames(runner: Runner, thresholds: dict[str, Threshold]) -> TargetResult:
+    """T1: 16 MiB tensors over the socket (frames, no shared memory) against the relay."""
+    # 4 GiB per run, as T9: over 1 GiB the start (connections, first allocations) weighs
+    # in and single runs of both sides swing by +-20 %
+    c1 = Case("channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30)
+    t1 = runner.measure(
+        dataclasses.replace(
+            c1,
+            label="T1 channel tensor 16MiB 1P/1C ipc frames",
+            shm=False,  # the socket path; T9 measures the shared-memory path
+        )
+    )
+    b1 = runner.baseline_of(bounded(c1))
+    return _target("T1", "16 MiB tensors 1P->1C ipc, MB/s vs zmq.proxy", t1.mb_s, b1.mb_s,
+                   "MB/s", thresholds)
+
+
+def _t2_put_then_get(
+    runner: Runner, small: Case, thresholds: dict[str, Threshold]
+) -> tuple[TargetResult, Result]:
+    """T2: 64 B puts (64 in flight), then gets, against the relay at the same depth (returned:
+    T3 compares with it too)."""
+    # each target's case runs in rounds with what it is compared to (Runner.measure_together)
+    (t2,) = runner.measure_together(
+        [dataclasses.replace(small, scenario="get_only", label="T2 put(w64) then get(w64) 64B")],
+        also=("zmq.proxy.depth",),
+    )
+    # T2 and T3 keep the reference they were defined with: the relay at the same depth in
+    # flight (T2s compares the stream with the relay at libzmq's default HWM)
+    b2 = runner.baseline_of(dataclasses.replace(small, scenario="channel"), "zmq.proxy.depth")
+    composite = t2.extra["put_then_get_items_s"]
+    result = _target(
+        "T2", "64 B async puts (w64) then gets, items/s vs zmq.proxy at HWM 64", composite,
+        b2.items_s, "items/s", thresholds,
+        note=f"put phase {t2.extra['put_items_s']:.0f}/s, get phase {t2.items_s:.0f}/s",
+    )
+    return result, b2
+
+
+def _t3_batch(runner: Runner, small: Case, b2: Result,
+              thresholds: dict[str, Threshold]) -> TargetResult:
+    """T3: 64 B items got 64 a batch, against T2's relay."""
+    t3 = runner.measure(dataclasses.replace(small, scenario="batch", label="T3 get_batch(64) 64B"))
+    return _target("T3", "64 B via get_batch (64/batch), items/s vs zmq.proxy at HWM 64",
+                   t3.items_s, b2.items_s, "items/s", thresholds)
+
+
+def _t4_latency(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
+    """T4: a get's median latency from a prefilled channel, against a raw echo."""
+    prefilled = dataclasses.replace(
+        small, scenario="get_only", window=1, messages=min(small.messages, 3000)
+    )
+    t4 = runner.measure(dataclasses.replace(prefilled, label="T4 get latency 64B prefilled"))
+    b4 = runner.baseline_of(bounded(prefilled))
+    return _target("T4", "get p50 latency, 64 B, prefilled vs raw echo p50 (us)", t4.p50_us,
+                   b4.p50_us, "us", thresholds)
+
+
+def _t6_processes(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
+    """T6: 4 producers and 4 consumers against 1 and 1, in the same rounds."""
+    one, four = runner.measure_together(
+        [
+            dataclasses.replace(small, scenario="channel", label="T6 ref channel 64B 1P/1C"),
+            dataclasses.replace(small, scenario="channel", producers=4, consumers=4,
+                                label="T6 channel 64B 4P/4C"),
+        ]
+    )
+    return _target("T6", "64 B 4P/4C aggregate items/s vs 1P/1C", four.items_s, one.items_s,
+                   "items/s", thresholds)
+
+
+def _t7_keys(runner: Runner, small: Case, thresholds: dict[str, Threshold]) -> TargetResult:
+    """T7: 10,000 random keys against one, in the same rounds."""
+    k1, k10k = runner.measure_together(
+        [
+            dataclasses.replace(
+                small, scenario="random_key", keys=1, label="T7 ref random_key 64B keys=1"
+            ),
+            dataclasses.replace(
+                small, scenario="random_key", keys=10000, label="T7 random_key 64B keys=10000"
+            ),
+        ]
+    )
+    return _target("T7", "64 B over 10,000 keys vs 1 key, items/s", k10k.items_s, k1.items_s,
+                   "items/s", thresholds)
 
 
 def run_shm_targets(
@@ -357,104 +323,85 @@ def run_shm_targets(
     thresholds = thresholds if thresholds is not None else load_thresholds()
     saved = runner.baseline
     runner.baseline = "zmq"
-    out: list[TargetResult] = []
     try:
-        # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
-        # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
-        # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
-        # and faulting in its segments costs the first ~400 MiB; docs/shm.md, pool sizing)
-        c9 = bounded(
-            Case(
-                "channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30
-            )
-        )
-        # the same stream as a user writes it: default Channel.create (unbounded), nothing
-        # reserved, 64 puts and 64 gets in flight; same rounds as T9
-        c9d = dataclasses.replace(
-            c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
-            label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
-        )
-        # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
-        # sends the slot, so the row shows the stream without the producer's copy (a row of
-        # the report, no target; it shares T9's relay)
-        c9m = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
-        c9w = dataclasses.replace(
-            c9m, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
-        )
-        # no copy at all: the producer writes in its slot, the consumer reads views of it
-        # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
-        c9z = dataclasses.replace(
-            c9w, views=True, compare=False,
-            label="T9z shm tensor 16MiB 1P/1C ipc maxsize=8, zero-copy (slots and views)",
-        )
-        # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
-        # and so does the copy limit (np.copyto of the same bytes)
-        t9, _t9w, t9d, t9z = runner.measure_together(
-            [c9m, c9w, c9d, c9z], fresh=True, also=("np.copyto",)
-        )
-        b9 = runner.baseline_of(c9)
-        copy9 = runner.baseline_for(c9, "np.copyto")
-        r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
-        if r9 is not None:
-            out.append(
-                _target(
-                    "T9",
-                    "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs Ray pipelined actor calls",
-                    t9.mb_s,
-                    r9.mb_s,
-                    "MB/s",
-                    thresholds,
-                    key="T9-ray",
-                )
-            )
-        out.append(
-            _target(
-                "T9",
-                "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
-                t9.mb_s,
-                b9.mb_s,
-                "MB/s",
-                thresholds,
-            )
-        )
-        if copy9 is not None:
-            out.append(_target(
-                "T9-copy", "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs np.copyto "
-                "of 16 MiB in one process (same rounds)", t9.mb_s, copy9.mb_s, "MB/s", thresholds,
-            ))
-        out.append(_target(
-            "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
-            "items/s (an absolute figure: reference 1)", t9z.items_s, 1.0, "items/s", thresholds,
-            note=f"{t9z.mb_s:.0f} MB/s",
-        ))
-        out.append(
-            _target(
-                "T9d",
-                "16 MiB tensors, default settings (windows 64, unbounded, no reserve_shm), "
-                "MB/s vs T9 tuned (same rounds)",
-                t9d.mb_s,
-                t9.mb_s,
-                "MB/s",
-                thresholds,
-            )
-        )
-        c10 = bounded(
-            Case("channel", ptype="tensor", size=MIB, messages=4096, window=16, max_bytes=4 << 30)
-        )
-        t10 = runner.measure(
-            dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
-        )
-        b10 = runner.baseline_of(c10)
-        out.append(
-            _target(
-                "T10",
-                "1 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
-                t10.mb_s,
-                b10.mb_s,
-                "MB/s",
-                thresholds,
-            )
-        )
+        out = _t9_large_tensors(runner, thresholds)
+        out.append(_t10_tensors(runner, thresholds))
     finally:
         runner.baseline = saved
     return out
+
+
+def _t9_cases(c9: Case) -> list[Case]:
+    """T9's rows, measured in the same rounds: T9 (maxsize 8), T9w (written in slots), T9d
+    (the defaults), T9z (zero-copy)."""
+    # the same stream as a user writes it: default Channel.create (unbounded), nothing
+    # reserved, 64 puts and 64 gets in flight; same rounds as T9
+    c9d = dataclasses.replace(
+        c9, window=64, max_inflight=64 * 16 * MIB, reserve=False, compare=False,
+        label="T9d shm tensor 16MiB 1P/1C ipc defaults, windows 64",
+    )
+    # T9 with the producer writing each tensor in its slot (Channel.empty_shm): the put
+    # sends the slot, so the row shows the stream without the producer's copy (a row of
+    # the report, no target; it shares T9's relay)
+    c9m = dataclasses.replace(c9, maxsize=8, label="T9 shm tensor 16MiB 1P/1C ipc maxsize=8")
+    c9w = dataclasses.replace(
+        c9m, in_slot=True, label="T9w shm tensor 16MiB 1P/1C ipc maxsize=8, written in slots"
+    )
+    # no copy at all: the producer writes in its slot, the consumer reads views of it
+    # (copy=False); the limit is the broker's message rate (a row and target T9z, items/s)
+    c9z = dataclasses.replace(
+        c9w, views=True, compare=False,
+        label="T9z shm tensor 16MiB 1P/1C ipc maxsize=8, zero-copy (slots and views)",
+    )
+    return [c9m, c9w, c9d, c9z]
+
+
+def _t9_large_tensors(runner: Runner, thresholds: dict[str, Threshold]) -> list[TargetResult]:
+    """T9 (against the relay, Ray's pipelined actor calls and np.copyto), T9z and T9d."""
+    # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
+    # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
+    # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
+    # and faulting in its segments costs the first ~400 MiB; docs/shm.md, pool sizing)
+    c9 = bounded(
+        Case("channel", ptype="tensor", size=16 * MIB, messages=256, window=8, max_bytes=4 << 30)
+    )
+    # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
+    # and so does the copy limit (np.copyto of the same bytes)
+    t9, _t9w, t9d, t9z = runner.measure_together(_t9_cases(c9), fresh=True, also=("np.copyto",))
+    b9 = runner.baseline_of(c9)
+    copy9 = runner.baseline_for(c9, "np.copyto")
+    r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
+    out: list[TargetResult] = []
+    what = "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs"
+    if r9 is not None:
+        out.append(_target("T9", f"{what} Ray pipelined actor calls", t9.mb_s, r9.mb_s, "MB/s",
+                           thresholds, key="T9-ray"))
+    out.append(_target("T9", f"{what} zmq.proxy", t9.mb_s, b9.mb_s, "MB/s", thresholds))
+    if copy9 is not None:
+        out.append(_target(
+            "T9-copy", f"{what} np.copyto of 16 MiB in one process (same rounds)", t9.mb_s,
+            copy9.mb_s, "MB/s", thresholds,
+        ))
+    out.append(_target(
+        "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
+        "items/s (an absolute figure: reference 1)", t9z.items_s, 1.0, "items/s", thresholds,
+        note=f"{t9z.mb_s:.0f} MB/s",
+    ))
+    out.append(_target(
+        "T9d", "16 MiB tensors, default settings (windows 64, unbounded, no reserve_shm), "
+        "MB/s vs T9 tuned (same rounds)", t9d.mb_s, t9.mb_s, "MB/s", thresholds,
+    ))
+    return out
+
+
+def _t10_tensors(runner: Runner, thresholds: dict[str, Threshold]) -> TargetResult:
+    """T10: 1 MiB tensors through shared memory against the relay."""
+    c10 = bounded(
+        Case("channel", ptype="tensor", size=MIB, messages=4096, window=16, max_bytes=4 << 30)
+    )
+    t10 = runner.measure(
+        dataclasses.replace(c10, maxsize=16, label="T10 shm tensor 1MiB 1P/1C ipc maxsize=16")
+    )
+    b10 = runner.baseline_of(c10)
+    return _target("T10", "1 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs zmq.proxy",
+                   t10.mb_s, b10.mb_s, "MB/s", thresholds)
