@@ -43,8 +43,10 @@ _PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 # files over MAX_FILE_LINES being split
 _PENDING_LONG_FILES: set[str] = set()
 # classes made of zchannel mixins that share their attributes, being turned into parts held by
-# the class: Connection's four parts (I/O thread, liveness, waiting, request queue) share the
-# state connection/parts.py declares; the types helper's composition work turns them into parts
+# the class: Connection's four parts (I/O thread, liveness, waiting, request queue) still share
+# the state connection/parts.py declares (the socket lock and its holder, the wake-up eventfd,
+# the state condition, the queue and the in-flight table); held parts get those through their
+# constructors instead
 _PENDING_MIXIN_CLASSES: set[tuple[str, str]] = {("broker/connection/connection.py", "Connection")}
 # functions over MAX_FUNCTION_LINES being split
 _PENDING_LONG_FUNCTIONS: set[tuple[str, str]] = set()
