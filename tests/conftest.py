@@ -14,7 +14,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from zchannel.broker import Channel
+from forkbroker import ForkBroker
+from zchannel.broker import BrokerUnavailable, Channel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "docs", "examples")  # seed_hooks.py: the seed's example hooks
@@ -105,6 +106,37 @@ def make_remote(channels):
         return ch
 
     return factory
+
+
+@pytest.fixture
+def brokers() -> Iterator[ForkBroker]:
+    """Brokers forked from one prepared process (tests/forkbroker.py): ``start(**fields)`` a
+    broker, ``kill(pid)`` it (SIGKILL, until it is gone) and start it again on its journal;
+    the ones still running are killed at teardown."""
+    fb = ForkBroker()
+    yield fb
+    fb.close()
+
+
+def until_available(call, timeout: float = 60.0):
+    """``call()`` again while it raises ``BrokerUnavailable`` (its broker is being started again,
+    or was stopped), what a user's retry loop does; its result, within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except BrokerUnavailable:
+            assert time.monotonic() < deadline, f"the broker was unavailable for {timeout}s"
+            time.sleep(0.05)  # pacing the retries
+
+
+def drain(ch, key: str = "default_queue") -> list:
+    """Every item ``key`` holds, taken in order (its depth says how many: no timeout to wait
+    out at the end)."""
+    out = []
+    while ch.qsize(key):
+        out.append(ch.get(key=key, timeout=10))
+    return out
 
 
 class Workers:

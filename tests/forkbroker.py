@@ -55,13 +55,15 @@ def _serve(conn: Any) -> None:
 
 
 class ForkBroker:
-    """Starts brokers (``BrokerConfig`` fields) as forks of one prepared process."""
+    """Starts brokers (``BrokerConfig`` fields) as forks of one prepared process, kills them,
+    and at ``close`` kills the ones still running."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
         self._proc.start()
+        self.running: list[int] = []  # started and not killed here
 
     def start(self, **fields: Any) -> int:
         """Start a broker; its pid once it printed ``ready`` (``RuntimeError`` otherwise)."""
@@ -69,9 +71,24 @@ class ForkBroker:
         pid, line = self._conn.recv()
         if not line.startswith("ready "):
             raise RuntimeError(f"broker did not start: {line!r}")
+        self.running.append(pid)
         return pid
 
+    def kill(self, pid: int, sig: int = signal.SIGKILL, wait: bool = True) -> None:
+        """Send ``sig`` (SIGKILL: a crash) to a broker started here and (``wait``) wait until it
+        is gone, so that a broker started next on the same journal finds its files closed."""
+        if pid in self.running:
+            self.running.remove(pid)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        if wait:
+            wait_gone(pid)
+
     def close(self) -> None:
+        for pid in list(self.running):
+            self.kill(pid)
         try:
             self._conn.send(None)
         except OSError:
@@ -85,8 +102,13 @@ class ForkBroker:
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
     """Wait until process ``pid`` (a child of ``ForkBroker``'s server, which lets the kernel
     reap them) is gone: only then are all its files closed, and its locks free."""
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process {pid} did not end")
-        time.sleep(0.01)
+    try:
+        fd = os.pidfd_open(pid)  # readable once the process has exited (its files closed)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    if not ready:
+        raise TimeoutError(f"process {pid} did not end")

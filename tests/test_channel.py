@@ -513,12 +513,12 @@ def test_asyncio_consumer_keeps_loop_running(make):
             nonlocal ticks
             while not stop.is_set():
                 ticks += 1
+                if ticks == 5:  # reached only if the loop runs while the get is pending
+                    ch.put("hello", async_op=True)
                 await asyncio.sleep(0.01)
 
         task = asyncio.create_task(ticker())
         work = ch.get(async_op=True)
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.3, lambda: ch.put("hello", async_op=True))
         value = await work
         stop.set()
         await task
@@ -537,7 +537,7 @@ def test_cancelling_await_does_not_cancel_operation(make):
     async def main():
         work = ch.get(async_op=True)
         task = asyncio.ensure_future(work.async_wait())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the task runs up to its wait for the reply
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -112,13 +112,15 @@ print("done", flush=True)
 
 
 class Worker:
-    """A worker script in a subprocess; its stdout lines are collected by a thread."""
+    """A worker script in a subprocess; its stdout lines are collected by a thread, which
+    notifies ``lines_changed`` at each."""
 
-    def __init__(self, script: str, *args: str) -> None:
+    def __init__(self, script: str, *args: str, lines_changed: threading.Condition) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
                                      text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()
+        self.lines_changed = lines_changed
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -127,7 +129,9 @@ class Worker:
             line = line.strip()
             if line == "ready":
                 self.ready.set()
-            self.lines.append(line)
+            with self.lines_changed:
+                self.lines.append(line)
+                self.lines_changed.notify_all()
 
     def count(self, tag: str) -> int:
         return sum(1 for line in list(self.lines) if line.startswith(tag))
@@ -194,29 +198,30 @@ def _check(records: dict, extra_delivered: set[int] = frozenset()) -> None:
 
 
 def _start_workers(address: str, stop: str) -> list[Worker]:
-    workers = [Worker(PRODUCER, address, str(p), stop, str(p + 7)) for p in range(2)]
-    workers += [Worker(CONSUMER, address, mode, stop) for mode in ("plain", "ack")]
+    changed = threading.Condition()
+    workers = [Worker(PRODUCER, address, str(p), stop, str(p + 7), lines_changed=changed)
+               for p in range(2)]
+    workers += [Worker(CONSUMER, address, mode, stop, lines_changed=changed)
+                for mode in ("plain", "ack")]
     for w in workers:
         assert w.ready.wait(120), "a worker did not start"
     return workers
 
 
-def _wait_progress(producers: list[Worker], before: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(w.count("P ") for w in producers) < before + 5:
-        assert time.monotonic() < deadline, "no put was acknowledged after the restart"
-        time.sleep(0.01)
+def _wait_progress(producers: list[Worker], before: int, timeout: float = 60) -> None:
+    with producers[0].lines_changed:
+        assert producers[0].lines_changed.wait_for(
+            lambda: sum(w.count("P ") for w in producers) >= before + 5, timeout
+        ), "no put was acknowledged after the restart"
 
 
-def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
+def _crash_run(run_dir: str, tmp_path, brokers: ForkBroker, kills: int) -> None:
     name = f"crash-{uuid.uuid4().hex[:6]}"
     address = f"ipc://{run_dir}/{name}.sock"
     config = dict(name=name, address=address, journal=str(tmp_path / "journal"),
                   fsync="interval", journal_segment_bytes=1 << 20)
     stop = str(tmp_path / "stop")
-    brokers = ForkBroker()
     workers: list[Worker] = []
-    pid = 0
     try:
         pid = brokers.start(**config)
         workers = _start_workers(address, stop)
@@ -227,8 +232,7 @@ def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
             _wait_progress(workers[:2], before)
             time.sleep(rng.uniform(0.0, 0.3))
             start = time.monotonic_ns()
-            os.kill(pid, signal.SIGKILL)
-            wait_gone(pid)
+            brokers.kill(pid)
             killed.append((start, time.monotonic_ns()))
             pid = brokers.start(**config)
         open(stop, "w").close()
@@ -247,28 +251,26 @@ def _crash_run(run_dir: str, tmp_path, kills: int) -> None:
         assert stats["journal"]["segments"] <= 3, stats["journal"]
     finally:
         open(stop, "w").close()
-        for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
-        if pid:
-            try:
-                os.kill(pid, signal.SIGTERM)
-                wait_gone(pid)
-            except ProcessLookupError:
-                pass
-        brokers.close()
+        _kill_workers(workers)
+
+
+def _kill_workers(workers: list[Worker]) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.kill()
+            w.proc.wait()
 
 
 @pytest.mark.timeout(600)
-def test_sigkill_under_load_50_times(run_dir, tmp_path):
-    _crash_run(run_dir, tmp_path, kills=50)
+def test_sigkill_under_load_50_times(run_dir, tmp_path, brokers):
+    _crash_run(run_dir, tmp_path, brokers, kills=50)
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(7200)
-def test_sigkill_under_load_long(run_dir, tmp_path):
-    _crash_run(run_dir, tmp_path, kills=int(os.environ.get("ZCHANNEL_CRASH_KILLS", "300")))
+def test_sigkill_under_load_long(run_dir, tmp_path, brokers):
+    _crash_run(run_dir, tmp_path, brokers,
+               kills=int(os.environ.get("ZCHANNEL_CRASH_KILLS", "300")))
 
 
 # -- power loss ------------------------------------------------------------------------------
@@ -316,7 +318,8 @@ def _drain(address: str) -> set[int]:
     return got
 
 
-def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) -> None:
+def _power_loss_run(run_dir: str, tmp_path, brokers: ForkBroker, ext4: tuple[str, str],
+                    losses: int) -> None:
     image, mnt = ext4
     name = f"power-{uuid.uuid4().hex[:6]}"
     address = f"ipc://{run_dir}/{name}.sock"
@@ -325,9 +328,7 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
                   fsync="always", journal_segment_bytes=4 << 20)
     stop = str(tmp_path / "stop")
     snapshot, snap_mnt = str(tmp_path / "snapshot.img"), str(tmp_path / "snapshot")
-    brokers = ForkBroker()
     workers: list[Worker] = []
-    pid = 0
     try:
         pid = brokers.start(**config)
         workers = _start_workers(address, stop)
@@ -335,7 +336,7 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
         for _ in range(losses):
             _wait_progress(workers[:2], sum(w.count("P ") for w in workers[:2]))
             time.sleep(rng.uniform(0.1, 0.6))
-            os.kill(pid, signal.SIGKILL)
+            brokers.kill(pid, wait=False)
             shutil.copyfile(image, snapshot)  # what reached the disk when the power went
             wait_gone(pid)
             _mount_loop(snapshot, snap_mnt)  # ext4 replays its own journal: a crashed disk
@@ -345,8 +346,7 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
                 try:
                     recovered = _drain(check_address)
                 finally:
-                    os.kill(check, signal.SIGTERM)
-                    wait_gone(check)
+                    brokers.kill(check, signal.SIGTERM)
             finally:
                 _umount(snap_mnt)
             # every reply the dead broker sent has arrived by now (the drain took a second),
@@ -362,26 +362,16 @@ def _power_loss_run(run_dir: str, tmp_path, ext4: tuple[str, str], losses: int) 
         _check(_records(workers))
     finally:
         open(stop, "w").close()
-        for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
-        if pid:
-            try:
-                os.kill(pid, signal.SIGTERM)
-                wait_gone(pid)
-            except ProcessLookupError:
-                pass
-        brokers.close()
+        _kill_workers(workers)
 
 
 @pytest.mark.timeout(600)
-def test_power_loss_with_fsync_always(run_dir, tmp_path, ext4):
-    _power_loss_run(run_dir, tmp_path, ext4, losses=5)
+def test_power_loss_with_fsync_always(run_dir, tmp_path, ext4, brokers):
+    _power_loss_run(run_dir, tmp_path, brokers, ext4, losses=5)
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(7200)
-def test_power_loss_long(run_dir, tmp_path, ext4):
-    _power_loss_run(run_dir, tmp_path, ext4,
+def test_power_loss_long(run_dir, tmp_path, ext4, brokers):
+    _power_loss_run(run_dir, tmp_path, brokers, ext4,
                     losses=int(os.environ.get("ZCHANNEL_POWER_LOSSES", "50")))

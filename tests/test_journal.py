@@ -13,15 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from forkbroker import ForkBroker, wait_gone
+from conftest import drain, until_available
 from zchannel.broker import (
     BrokerStartError,
-    BrokerUnavailable,
     Channel,
     JournalError,
     QueueFull,
@@ -29,51 +27,6 @@ from zchannel.broker import (
 from zchannel.broker.core.state import Item
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.journal import Journal, JournalSettings
-
-
-@pytest.fixture
-def brokers():
-    fb = ForkBroker()
-    started: list[int] = []
-
-    def start(**fields):
-        pid = fb.start(**fields)
-        started.append(pid)
-        return pid
-
-    yield start
-    for pid in started:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            wait_gone(pid)
-        except ProcessLookupError:
-            pass
-    fb.close()
-
-
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    wait_gone(pid)
-
-
-def _get_all(ch, key, timeout=2.0) -> list:
-    out = []
-    while True:
-        try:
-            out.append(ch.get(key=key, timeout=timeout))
-        except TimeoutError:
-            return out
-
-
-def _retry(fn, deadline_s=60.0):
-    """``fn()`` again while the broker is being restarted (``BrokerUnavailable``)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            return fn()
-        except BrokerUnavailable:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
 
 
 def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, tmp_path):
@@ -96,10 +49,10 @@ def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, t
     assert (acked.item, leased.item) == (3, 4)
     pid = ch.stats()["pid"]
     os.kill(pid, signal.SIGKILL)
-    got = _retry(lambda: ch.get(key="a", timeout=5))
+    got = until_available(lambda: ch.get(key="a", timeout=5))
     assert got == 4
-    assert _get_all(ch, "a") == list(range(5, 20))
-    assert np.array_equal(_retry(lambda: ch.get(key="big", timeout=5)), arr)
+    assert drain(ch, "a") == list(range(5, 20))
+    assert np.array_equal(until_available(lambda: ch.get(key="big", timeout=5)), arr)
     assert torch.equal(ch.get(key="big", timeout=5), torch.arange(300_000, dtype=torch.int64))
     assert ch.get(key="b", timeout=5) == b"x" * 100_000
     stats = ch.stats()
@@ -143,7 +96,7 @@ def test_cli_broker_journal_flags_config_file_and_stat(tmp_path, run_dir):
         proc.wait()
         proc = start()
         ch = Channel.connect("durable-cli")
-        assert _get_all(ch, "default_queue") == [0, 1, 2, 3, 4]
+        assert drain(ch, "default_queue") == [0, 1, 2, 3, 4]
         assert ch.stats()["journal"]["fsync"] == "always"
         ch.close()
     finally:
@@ -167,7 +120,7 @@ def test_bad_journal_arguments(tmp_path):
 
 def test_a_journal_serves_one_broker_at_a_time(brokers, run_dir, tmp_path):
     journal = str(tmp_path / "j")
-    brokers(name="durable-one", address=f"ipc://{run_dir}/one.sock", journal=journal)
+    brokers.start(name="durable-one", address=f"ipc://{run_dir}/one.sock", journal=journal)
     other_run = f"{run_dir}/other"  # another run directory: the channel lock does not stop it
     os.makedirs(other_run, mode=0o700)
     proc = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "durable-one",
@@ -202,11 +155,11 @@ def test_torn_last_records_and_empty_segments_lose_nothing_acknowledged(brokers,
                                                                         tmp_path, caplog):
     journal = str(tmp_path / "j")
     config = dict(name="durable-torn", address=f"ipc://{run_dir}/torn.sock", journal=journal)
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     for i in range(10):
         ch.put({"i": i, "pad": b"p" * 200})
-    _kill(pid)
+    brokers.kill(pid)
     ch.close()
     (last,) = _segments(journal, "durable-torn")
     offset, length = _last_record(last)
@@ -222,9 +175,9 @@ def test_torn_last_records_and_empty_segments_lose_nothing_acknowledged(brokers,
         f.write(fmt.preamble(fmt.default_kind()))  # a segment whose making was cut short
     with open(os.path.join(journal, f"durable-torn.{seq + 3:010d}.zcj"), "wb") as f:
         f.truncate(1 << 20)  # preallocated, killed before its first record was written
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
-    assert [x["i"] for x in _get_all(ch, "default_queue")] == list(range(10))
+    assert [x["i"] for x in drain(ch, "default_queue")] == list(range(10))
     stats = ch.stats()["journal"]
     assert stats["recovered_items"] == 10
     ch.close()
@@ -237,24 +190,24 @@ def test_a_segment_of_another_channel_is_refused_by_name(brokers, run_dir, tmp_p
     journal = str(tmp_path / "shared")  # two channels share one directory
     a = dict(name="durable-x", address=f"ipc://{run_dir}/x.sock", journal=journal)
     b = dict(name="durable-y", address=f"ipc://{run_dir}/y.sock", journal=journal)
-    pa, pb = brokers(**a), brokers(**b)
+    pa, pb = brokers.start(**a), brokers.start(**b)
     cha, chb = Channel.connect(a["address"]), Channel.connect(b["address"])
     cha.put("for x")
     chb.put("for y")
-    _kill(pa)
-    _kill(pb)
+    brokers.kill(pa)
+    brokers.kill(pb)
     cha.close()
     chb.close()
-    pb = brokers(**b)  # the other channel's files are left alone
+    pb = brokers.start(**b)  # the other channel's files are left alone
     chb = Channel.connect(b["address"])
     assert chb.get(timeout=5) == "for y"
     chb.close()
-    _kill(pb)
+    brokers.kill(pb)
     (x_segment,) = _segments(journal, "durable-x")
     shutil.copy(x_segment, os.path.join(journal, "durable-y.0000009999.zcj"))
     with pytest.raises(RuntimeError, match="durable-y.0000009999.zcj is a segment of channel "
                                            "'durable-x', not of 'durable-y'"):
-        brokers(**b)
+        brokers.start(**b)
 
 
 def test_unwritable_journal_directory_is_a_clear_error(tmp_path, channels):
@@ -296,7 +249,7 @@ def small_disk(tmp_path):
 def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_dir, small_disk):
     config = dict(name="durable-full", address=f"ipc://{run_dir}/full.sock",
                   journal=os.path.join(small_disk, "j"), shm_threshold=0)
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     acked = []
     with pytest.raises(JournalError, match="no space left on device"):
@@ -307,14 +260,14 @@ def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_di
     stats = ch.stats()
     assert stats["journal"]["refused"] >= 1 and stats["journal"]["failed"] is None
     # what was acknowledged is there, in order; taking it makes room for puts again
-    assert [x["i"] for x in _get_all(ch, "default_queue", timeout=0.5)] == acked
+    assert [x["i"] for x in drain(ch, "default_queue")] == acked
     for i in range(3):
         ch.put({"i": 1000 + i, "pad": b"p" * (64 << 10)})
-    _kill(pid)
+    brokers.kill(pid)
     ch.close()
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
-    assert [x["i"] for x in _get_all(ch, "default_queue", timeout=0.5)] == [1000, 1001, 1002]
+    assert [x["i"] for x in drain(ch, "default_queue")] == [1000, 1001, 1002]
     ch.close()
 
 
@@ -325,7 +278,7 @@ def test_compaction_bounds_the_disk_used(brokers, run_dir, tmp_path):
     segment = 256 << 10
     config = dict(name="durable-compact", address=f"ipc://{run_dir}/compact.sock",
                   journal=str(tmp_path / "j"), journal_segment_bytes=segment)
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     ch.put("old", key="old")  # stays while everything else streams past
     peak = 0
@@ -339,12 +292,12 @@ def test_compaction_bounds_the_disk_used(brokers, run_dir, tmp_path):
             assert j["bytes"] <= 2 * j["item_bytes"] + 3 * segment, j
     j = ch.stats()["journal"]
     assert peak > 0 and j["segments"] <= 4, j
-    _kill(pid)
+    brokers.kill(pid)
     ch.close()
-    pid = brokers(**config)
+    pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     assert ch.get(key="old", timeout=5) == "old"
-    assert len(_get_all(ch, "s", timeout=0.5)) == 8
+    assert len(drain(ch, "s")) == 8
     ch.close()
 
 
@@ -352,7 +305,7 @@ def test_max_journal_bytes_makes_puts_wait(brokers, run_dir, tmp_path):
     limit = 1 << 20
     config = dict(name="durable-limit", address=f"ipc://{run_dir}/limit.sock",
                   journal=str(tmp_path / "j"), max_journal_bytes=limit, shm_threshold=0)
-    brokers(**config)
+    brokers.start(**config)
     ch = Channel.connect(config["address"])
     with pytest.raises(ValueError, match="max_journal_bytes"):
         ch.put(b"x" * limit)
@@ -379,8 +332,8 @@ def test_collector_outputs_are_journaled(channels, tmp_path):
     ch.put([1, 2, 3, 4])
     assert ch.get() == 1
     os.kill(ch.stats()["pid"], signal.SIGKILL)
-    assert _retry(lambda: ch.get(timeout=5)) == 2
-    assert _get_all(ch, "default_queue") == [3, 4]
+    assert until_available(lambda: ch.get(timeout=5)) == 2
+    assert drain(ch, "default_queue") == [3, 4]
 
 
 def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels, tmp_path):
@@ -395,7 +348,7 @@ def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels
     ch.put("b1", key="k2")  # waits for its other half
     assert ch.stats()["journal"]["collector_inputs"] == 1  # the pair left nothing held
     os.kill(ch.stats()["pid"], signal.SIGKILL)
-    _retry(lambda: ch.put("b2", key="k2", timeout=5))
+    until_available(lambda: ch.put("b2", key="k2", timeout=5))
     assert ch.get(key="k1", timeout=5) == ("a1", "a2")
     assert ch.get(key="k2", timeout=5) == ("b1", "b2")
     stats = ch.stats()["journal"]
@@ -428,7 +381,7 @@ def test_each_replica_of_a_distributed_channel_keeps_its_journal(run_dir, tmp_pa
         reps.kill(1)
         reps.start("dj", path, [1], "--journal", journal)
         for key in keys:  # replica 1's keys came back from its journal, in order
-            assert _retry(lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
+            assert until_available(lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
             assert ch.get(key=key, timeout=10) == f"{key}-b"
         ch.close()
     finally:

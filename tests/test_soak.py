@@ -18,7 +18,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import pid_alive
+from conftest import pid_alive, wait_until
 from zchannel.broker import Channel
 
 KEYS = 8
@@ -121,27 +121,39 @@ def _rss_kib(pid: int) -> int:
 
 
 class _Proc:
-    """A worker whose stdout lines are collected by a thread (the pipe never fills)."""
+    """A worker whose stdout lines are collected by a thread (the pipe never fills), which
+    notifies ``changed`` at each line and at the end of the output."""
 
     def __init__(self, workers, code: str, *args: str) -> None:
         self.proc = workers.start(code, *args)
         self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.ended = False
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
-            self.lines.append(raw.decode().strip())
+            with self.changed:
+                self.lines.append(raw.decode().strip())
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
 
     def count(self, tag: str) -> int:
         return sum(1 for line in list(self.lines) if line.startswith(tag + " "))
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while "ready" not in self.lines:
-            assert self.proc.poll() is None, f"worker {self.proc.pid} died: {self.lines}"
-            assert time.monotonic() < deadline, f"worker {self.proc.pid} never got ready"
-            time.sleep(0.02)
+        with self.changed:
+            self.changed.wait_for(lambda: "ready" in self.lines or self.ended, timeout)
+            assert "ready" in self.lines, (
+                f"worker {self.proc.pid} never got ready (ended: {self.ended}): {self.lines}")
+
+    def wait_count(self, tag: str, target: int, timeout: float) -> None:
+        """Until ``target`` lines of ``tag`` arrived, the output ended, or ``timeout`` passed."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.count(tag) >= target or self.ended, timeout)
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -185,12 +197,12 @@ def _soak(workers, channels, ops_total: int, min_kills: int, budget_s: float) ->
         victim = consumers[victim_i]
         target = victim.count("R") + rng.randint(3, 40)
         deadline = time.monotonic() + 3
-        while (
+        while (  # a random number of receipts, or 3 s, or until the producers are done
             victim.count("R") < target
             and time.monotonic() < deadline
             and any(p.proc.poll() is None for p in producers)
         ):
-            time.sleep(0.05)
+            victim.wait_count("R", target, timeout=0.05)
         rss_peak = max(rss_peak, _rss_kib(pid))
         victim.kill()
         kills += 1
@@ -222,15 +234,13 @@ def _soak(workers, channels, ops_total: int, min_kills: int, budget_s: float) ->
             if line.startswith(tag + " ")
         )
 
-    # wait for the drain: every acknowledged put received, nothing held (leases returned/acked)
-    drain_deadline = time.monotonic() + 60 + 4 * LEASE_TIMEOUT
-    while True:
+    def drained() -> bool:
         stats = ch.stats()
-        if acked <= set(tally("R")) and stats["bytes_held"] == 0 and not stats["leases"]:
-            break
-        if time.monotonic() > drain_deadline:
-            break
-        time.sleep(0.1)
+        return acked <= set(tally("R")) and stats["bytes_held"] == 0 and not stats["leases"]
+
+    # wait for the drain: every acknowledged put received, nothing held (leases returned/acked);
+    # what is left otherwise is reported by the asserts below
+    wait_until(drained, timeout=60 + 4 * LEASE_TIMEOUT, interval=0.1)
     for c in consumers:
         c.proc.stdin.write(b"stop\n")
         c.proc.stdin.flush()
