@@ -157,18 +157,24 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         raise ChannelError(str(exc)) from None
 
 
+def _client_curve_options(command: Any) -> Any:
+    """The options of a command that connects to a broker with CURVE keys (``_stat_keys``)."""
+    command = click.option(
+        "--curve-server-key", type=click.Path(dir_okay=False), envvar="ZCHANNEL_CURVE_SERVER_KEY",
+        show_envvar=True, help="the broker's CURVE public key file (NAME.key)")(command)
+    return click.option(
+        "--curve-secret-key", type=click.Path(dir_okay=False), envvar="ZCHANNEL_CURVE_SECRET_KEY",
+        show_envvar=True,
+        help="this client's CURVE key pair file, for a broker with CURVE keys")(command)
+
+
 @main.command("broker stop", hidden=True)  # called as `zchannel broker stop NAME` (cli/failures.py)
 @click.argument("target")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
               help="the shutdown token's file (a first line), for a TARGET address")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="seconds to wait for the broker to answer and exit")
-@click.option("--curve-secret-key", type=click.Path(dir_okay=False),
-              envvar="ZCHANNEL_CURVE_SECRET_KEY", show_envvar=True,
-              help="this client's CURVE key pair file, for a broker with CURVE keys")
-@click.option("--curve-server-key", type=click.Path(dir_okay=False),
-              envvar="ZCHANNEL_CURVE_SERVER_KEY", show_envvar=True,
-              help="the broker's CURVE public key file (NAME.key)")
+@_client_curve_options
 def broker_stop(target: str, token_file: str | None, timeout: float,
                 curve_secret_key: str | None, curve_server_key: str | None) -> None:
     """Stop the broker of TARGET with its shutdown token.
@@ -182,6 +188,7 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
     import time
 
     from zchannel.broker import Channel
+    from zchannel.broker.server.rundir import process_running
 
     if paths.is_address(target):
         info: dict = {"address": target, "token": ""}
@@ -200,26 +207,12 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
     pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
     handle.shutdown(token=info["token"])
     deadline = time.monotonic() + timeout
-    while not paths.is_address(target) and isinstance(pid, int) and _alive(pid):
+    while not paths.is_address(target) and isinstance(pid, int) and process_running(pid):
         if time.monotonic() > deadline:
             raise ChannelError(f"broker {target!r} (pid {pid}) accepted the shutdown but did "
                                f"not exit within {timeout}s")
         time.sleep(0.05)
     click.echo(f"stopped {target} (pid {pid}, {info['address']})")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @main.command()
@@ -270,12 +263,7 @@ def _fmt_key(key: Any) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the raw stats as JSON")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
               show_default=True, help="seconds to wait for the broker")
-@click.option("--curve-secret-key", type=click.Path(dir_okay=False),
-              envvar="ZCHANNEL_CURVE_SECRET_KEY", show_envvar=True,
-              help="this client's CURVE key pair file, for a broker with CURVE keys")
-@click.option("--curve-server-key", type=click.Path(dir_okay=False),
-              envvar="ZCHANNEL_CURVE_SERVER_KEY", show_envvar=True,
-              help="the broker's CURVE public key file (NAME.key)")
+@_client_curve_options
 @click.option("--peek", "peek_key", metavar="KEY",
               help="also show copies of the head items of KEY, left in place (int, bytes and "
                    "tuple keys as Python literals: 7, b'x', ('train', 3))")

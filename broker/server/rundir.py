@@ -67,7 +67,7 @@ def lock_holder(lock_name: str) -> int | None:
     if not _held(lock_name, _flocked()):
         return None
     pid = paths.read_lock_holder(lock_name)
-    return pid if pid is not None and _pid_alive(pid) else None
+    return pid if pid is not None and pid_alive(pid) else None
 
 
 def _held(lock_name: str, flocked: set[int] | None) -> bool:
@@ -97,7 +97,8 @@ def _channel_of(lock_name: str) -> str:
     return base if sep and index.isdigit() else lock_name
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie included; another user's process included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -105,6 +106,17 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, waiting to be reaped)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _address_files(address: str | None) -> list[str]:
@@ -141,7 +153,7 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
             stale.append(leftover)
     for name, path in found.tmp_files:
         pid = path.name.rsplit(".", 2)[-2]
-        if not (pid.isdigit() and _pid_alive(int(pid))):
+        if not (pid.isdigit() and pid_alive(int(pid))):
             _add(stale, name, str(path))
     for lock_name, path in found.tokens:
         if not _held(lock_name, flocked):

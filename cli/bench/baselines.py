@@ -31,6 +31,7 @@ from zchannel.cli.bench.workers import (
     Workers,
     read_proc_cpu_ns,
     read_proc_status,
+    start_consumer,
 )
 
 ZERO_COPY_MIN = 64 * 1024  # frames at least this big are sent with copy=False (as the codec does)
@@ -126,12 +127,8 @@ def zmq_consumer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable
     sock.setsockopt(zmq.RCVHWM, spec["hwm"])
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(spec["address"])
-    fac = PayloadFactory(spec["ptype"], spec["size"])
     counts, slot, total = spec["counts"], spec["slot"], spec["total"]
-    tally = Tally()
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    ready()
-    go_wait()
+    fac, tally, deadline = start_consumer(spec, ready, go_wait)
     n = 0
     while True:
         if sock.poll(int(POLL_S * 1000)):
@@ -199,12 +196,8 @@ def mp_producer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[
 
 def mp_consumer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Gets from the queue until all consumers together got ``total`` items."""
-    fac = PayloadFactory(spec["ptype"], spec["size"])
     q, counts, slot, total = spec["queue"], spec["counts"], spec["slot"], spec["total"]
-    tally = Tally()
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    ready()
-    go_wait()
+    fac, tally, deadline = start_consumer(spec, ready, go_wait)
     n = 0
     while True:
         try:

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
-from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, Tally, checked_stream
+from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, checked_stream
 from zchannel.cli.bench.registry import Baseline, register_baseline
 from zchannel.cli.bench.workers import (
-    WORKER_DEADLINE_S,
     Workers,
     read_proc_cpu_ns,
     read_proc_status,
+    start_consumer,
 )
 
 KEY = "zchannel-bench"
@@ -121,13 +121,9 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
     """Takes items (``LPOP`` 64 at a time, ``BLPOP`` on an empty list) until all consumers
     together got ``total``."""
     client = _client(spec["socket"])
-    fac = PayloadFactory(spec["ptype"], spec["size"])
-    parts = fac.parts
     counts, slot, total = spec["counts"], spec["slot"], spec["total"]
-    tally = Tally()
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    ready()
-    go_wait()
+    fac, tally, deadline = start_consumer(spec, ready, go_wait)
+    parts = fac.parts
     n = 0
     while sum(counts) < total:
         got = client.lpop(KEY, SMALL_PIPELINE)

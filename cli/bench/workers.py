@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from zchannel.cli.bench.payloads import Mismatch
+from zchannel.cli.bench.payloads import Mismatch, PayloadFactory, Tally
 
 WORKER_DEADLINE_S = 300.0
 POLL_S = 0.05  # receive-poll interval of the baselines' consumers
@@ -144,6 +144,19 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]
+                   ) -> tuple[PayloadFactory, Tally, float]:
+    """A baseline consumer's start: its payload checker (``spec``'s ``ptype`` and ``size``), its
+    tally and its deadline (``WORKER_DEADLINE_S``), then the readiness handshake and the wait
+    for the common start."""
+    fac = PayloadFactory(spec["ptype"], spec["size"])
+    tally = Tally()
+    deadline = time.monotonic() + WORKER_DEADLINE_S
+    ready()
+    go_wait()
+    return fac, tally, deadline
 
 
 def read_proc_cpu_ns(pid: int) -> int | None:
