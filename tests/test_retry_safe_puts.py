@@ -266,7 +266,7 @@ print("done", retried, flush=True)
 """
 
 
-def test_a_stream_through_a_10s_stop_stores_every_item_once(channels, workers):
+def test_a_stream_retried_across_a_broker_stop_stores_every_item_once(channels, workers):
     """The stream that once stored one item twice: a producer retries what failed while the
     broker was stopped (until the producer found puts in doubt: the broker's heartbeat expiry,
     3 s by default); afterwards every sequence is in the queue exactly once."""
