@@ -166,11 +166,12 @@ def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
     assert order == ["case:1", "case:2", "proxy:1", "proxy:2"] * 2
     assert a.messages == b.messages == 300 and a.ratio > 0 and b.ratio > 0
     order.clear()
+    runner.repeats = 1  # the rounds are checked above: one round each from here
     runner.measure(one)  # its baseline is known: the case alone
-    assert order == ["case:1", "case:1"]
+    assert order == ["case:1"]
     order.clear()
     runner.measure_together([one], fresh=True)
-    assert order == ["case:1", "proxy:1"] * 2
+    assert order == ["case:1", "proxy:1"]
     proxies = [r for r in runner.rows if r.kind == "zmq.proxy"]
     assert len(proxies) == 3  # 1P/1C twice (fresh adds a row), 2P/2C once
 

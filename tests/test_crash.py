@@ -18,7 +18,8 @@ what had reached the "disk" (synced or written back), not what only sat in the p
 the file system on top — a power loss.  A broker started on the copy must hold every
 acknowledged put that had not been taken, and none that was acknowledged.
 
-``pytest -m soak`` runs ``ZCHANNEL_CRASH_KILLS`` kills (default 300) and more power losses.
+The default run kills the broker 20 times, ``pytest -m slow`` 50 times, ``pytest -m soak``
+``ZCHANNEL_CRASH_KILLS`` times (default 300), with more power losses.
 """
 
 from __future__ import annotations
@@ -262,6 +263,12 @@ def _kill_workers(workers: list[Worker]) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_sigkill_under_load_20_times(run_dir, tmp_path, brokers):
+    _crash_run(run_dir, tmp_path, brokers, kills=20)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sigkill_under_load_50_times(run_dir, tmp_path, brokers):
     _crash_run(run_dir, tmp_path, brokers, kills=50)
 

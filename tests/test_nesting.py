@@ -185,7 +185,7 @@ def test_lists_at_msgpack_limit_the_encoder_refuses_what_the_decoder_refuses(inn
             pass
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(nested_values())
 def test_codec_and_local_agree_around_the_limit(case):
     value, depth = case

@@ -4,8 +4,8 @@ get/get_nowait/get_batch, while consumers using ``ack=True`` are SIGKILLed and r
 
 Every acknowledged put must be received (never lost); duplicates are allowed only for deliveries
 that were never acknowledged (redelivered leases); the broker's RSS returns near idle once the
-queues drain.  The short run is in the default suite; ``pytest -m soak`` runs
-``ZCHANNEL_SOAK_OPS`` (default 100000) puts.
+queues drain.  ``pytest -m slow`` runs the short soak (400 puts, 3 kills at least);
+``pytest -m soak`` runs ``ZCHANNEL_SOAK_OPS`` (default 100000) puts.
 """
 
 from __future__ import annotations
@@ -281,6 +281,7 @@ def _soak(workers, channels, ops_total: int, min_kills: int, budget_s: float) ->
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_soak_short(workers, channels):
     _soak(workers, channels, ops_total=400, min_kills=3, budget_s=60)
