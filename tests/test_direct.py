@@ -483,7 +483,7 @@ def test_a_link_that_never_says_hello_is_closed_after_the_expiry(make_remote):
         assert raw.recv(timeout=20) is None, "the broker closes a silent link"
         assert ch.get(timeout=10) == 1
         conn = ch._connection()
-        assert conn.transport.up and conn._relink_at == 0.0, "the handle's own link stayed open"
+        assert conn.transport.up and conn._liveness.relink_at == 0.0, "the handle's own link stayed open"
         assert ch.stats()["clients"] == 1
     finally:
         raw.close()
