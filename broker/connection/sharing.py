@@ -76,7 +76,7 @@ class Share(Flow):
 
 
 def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) -> tuple:
-    """What makes two handles' connections different (``curve``: ``security.CurveKeys``)."""
+    """What makes two handles' connections different (``curve``: ``curve.CurveKeys``)."""
     return (address, identity, curve, shm_env_enabled() if shm is None else bool(shm),
             direct_enabled())
 
