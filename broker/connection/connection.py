@@ -252,28 +252,8 @@ class Connection:
         return self._waiting.call(rec, frames, convert, cancellable, owner)
 
     def send_unanswered(self, rec: Request, now: bool = False) -> None:
-        """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
-        ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
-        the hello reply).  Otherwise from any thread, with the next message; nothing once the
-        connection is closing."""
-        line = self._line
-        if now:
-            line.send([rec], [])
-            return
-        if line.closing or line.state == CLOSED:
-            return
-        queue = self._queue
-        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
-        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
-        # reply of a request still outstanding, or at the I/O thread's next tick, so the
-        # record then rides along with the next message.
-        woken = bool(queue) or bool(self._pending)
-        queue.append((rec, [], None))
-        if not woken:
-            try:
-                line.wake_io()
-            except OSError:
-                pass
+        """Send ``rec``, a record the broker does not answer (``RequestQueue.send_unanswered``)."""
+        self._requests.send_unanswered(rec, now)
 
     def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""

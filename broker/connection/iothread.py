@@ -63,7 +63,7 @@ class IOThread:
         # This thread waits without touching the socket: a zmq socket is not thread-safe and a
         # blocking caller (``call``) may be using it.  It polls the socket's notification fd
         # (ZMQ_FD: readable when the socket's state may have changed) and reads the socket only
-        # under ``_sock_lock``, always until it is empty (which re-arms ZMQ_FD).  That fd is
+        # under ``Line.sock_lock``, always until it is empty (which re-arms ZMQ_FD).  That fd is
         # polled only while this thread waits for replies; an idle handle's incoming heartbeats
         # are read at the next tick, and a caller driving the socket is not raced for its reply.
         with line.sock_lock:

@@ -106,6 +106,30 @@ class RequestQueue:
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
+    def send_unanswered(self, rec: Request, now: bool = False) -> None:
+        """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
+        ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
+        the hello reply).  Otherwise from any thread, with the next message; nothing once the
+        connection is closing."""
+        line = self._line
+        if now:
+            line.send([rec], [])
+            return
+        if line.closing or line.state == CLOSED:
+            return
+        queue = self.queue
+        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
+        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
+        # reply of a request still outstanding, or at the I/O thread's next tick, so the
+        # record then rides along with the next message.
+        woken = bool(queue) or bool(self.pending)
+        queue.append((rec, [], None))
+        if not woken:
+            try:
+                line.wake_io()
+            except OSError:
+                pass
+
     def _wait_for_room(self, rec: Request, flow: Flow) -> None:
         """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
         against the request's ``timeout``: the rest travels with the request, and
