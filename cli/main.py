@@ -233,7 +233,7 @@ def keygen(directory: str, name: str, replicas: int | None) -> None:
     """
     import shutil
 
-    from zchannel.broker.transport.curve import keygen as make_keys
+    from zchannel.broker.transport.curve_keys import keygen as make_keys
 
     paths.check_name(name)  # a file name stem: no separators
     if replicas is None:

@@ -39,7 +39,7 @@ from conftest import wait_until
 from zchannel.broker import Channel, shm
 from zchannel.broker.connection.connection import UP, Connection
 from zchannel.broker.server.outbox import MAX_REPLY_BYTES
-from zchannel.broker.transport import direct
+from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import QSize, pack_header
 
 SIZE = 16 << 20
@@ -180,7 +180,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
     announced, completes its request and the connection never goes down."""
     address = f"ipc://{run_dir}/slow.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(direct.link_path(address[len("ipc://"):]))
+    listener.bind(direct_framing.link_path(address[len("ipc://"):]))
     listener.listen(1)
     open(address[len("ipc://"):], "w").close()  # the ipc path a broker would bind
     done = threading.Event()
@@ -188,7 +188,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
 
     def fake_broker() -> None:
         sock, _ = listener.accept()
-        reader = direct.Reader(1 << 10, 1 << 20)
+        reader = direct_framing.Reader(1 << 10, 1 << 20)
         answered: set[int] = set()
         while not done.is_set():
             ready, _, _ = select.select([sock], [], [], 0.05)
@@ -199,11 +199,11 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
                     rid = rec.get("id")
                     if rec.get("op") == "hello":
                         reply = [{"id": rid, "r": {"name": "slow", "hb": 0.5, "liveness": 3}}]
-                        sock.sendall(b"".join(bytes(p) for p in direct._iovec([pack_header(reply)])[0]))
+                        sock.sendall(b"".join(bytes(p) for p in direct_framing.iovec([pack_header(reply)])[0]))
                     elif rec.get("op") == "qsize" and rid not in answered:
                         answered.add(rid)
                         big = bytes(2 << 20)
-                        data = b"".join(bytes(p) for p in direct._iovec(
+                        data = b"".join(bytes(p) for p in direct_framing.iovec(
                             [pack_header([{"id": rid, "r": 7, "nf": 1}]), big])[0])
                         for i in range(0, len(data), 64 << 10):  # 32 pieces, 4 s in all
                             sock.sendall(data[i : i + (64 << 10)])

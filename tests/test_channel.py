@@ -340,13 +340,13 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     a put from another thread on the same handle must go out at once, not when some message
     (a broker heartbeat, after up to a second) or the end of the get's drive window
     (``DRIVE_S``, made 60 s here) lets the getter look at its queue again."""
-    from zchannel.broker.connection import connection, tuning, waiting
+    from zchannel.broker.connection import connection, line, requestqueue, tuning, waiting
 
     monkeypatch.setattr(waiting, "DRIVE_S", 60.0)
     monkeypatch.setattr(tuning, "SPIN_US", 0)  # the getter waits in _drive, not _spin
     events: list[str] = []
-    Conn = connection.Connection
-    enqueue, send, on_message = Conn._enqueue, Conn._send, Conn._on_message
+    Conn, Queue, Line = connection.Connection, requestqueue.RequestQueue, line.Line
+    enqueue, send, on_message = Queue.enqueue, Line.send, Conn._on_message
 
     def logged_enqueue(self, rec, *args, **kwargs):
         events.append(f"queued {op_of(rec)}")
@@ -360,20 +360,20 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
         events.append("received")
         on_message(self, header, frames)
 
-    monkeypatch.setattr(Conn, "_enqueue", logged_enqueue)
-    monkeypatch.setattr(Conn, "_send", logged_send)
+    monkeypatch.setattr(Queue, "enqueue", logged_enqueue)
+    monkeypatch.setattr(Line, "send", logged_send)
     monkeypatch.setattr(Conn, "_on_message", logged_on_message)
     ch = make_remote("drive-window")
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
-    assert conn._spin_s == 0.0  # a connection made now reads tuning.SPIN_US
+    assert conn._waiting.spin_s == 0.0  # a connection made now reads tuning.SPIN_US
     got: list = []
     getter = threading.Thread(target=lambda: got.append(ch.get(key="late", timeout=20)))
     events.clear()
     getter.start()
     # the getter (or, now and then, the I/O thread) holds the socket while the get waits
-    wait_until(lambda: "sent get" in events and conn._sock_lock.locked(), timeout=10,
+    wait_until(lambda: "sent get" in events and conn._line.sock_lock.locked(), timeout=10,
                interval=0.001)
     ch.put("item", key="late")
     getter.join(timeout=30)
@@ -386,17 +386,17 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     """A blocking call spins up to SPIN_US for its reply; calls whose replies keep coming later
     (gets that time out on an empty queue) stop spinning after 4 misses and then spin only
     every SPIN_PROBE-th call, so a handle waiting for data does not burn a core."""
-    from zchannel.broker.connection import connection, tuning
+    from zchannel.broker.connection import tuning, waiting
 
     ch = make_remote("spin")
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
-    conn._spin_s = 200e-6  # also on a machine with one CPU (where it would be 0)
-    conn._spin_score = tuning.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
+    conn._waiting.spin_s = 200e-6  # also on a machine with one CPU (where it would be 0)
+    conn._waiting.spin_score = tuning.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
     spins = []
-    spin = connection.Connection._spin
-    monkeypatch.setattr(connection.Connection, "_spin",
+    spin = waiting.Waiting._spin
+    monkeypatch.setattr(waiting.Waiting, "_spin",
                         lambda self, work: (spins.append(1), spin(self, work)))
     for _ in range(40):
         with pytest.raises(TimeoutError):
@@ -404,7 +404,7 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     # 4 misses take the score from 8 to 0; then probes at the 1st and 33rd call after that
     # (the probe counter only counts calls made at score 0)
     assert len(spins) == 6
-    assert conn._spin_score == 0
+    assert conn._waiting.spin_score == 0
 
 
 def test_spin_setting_is_checked():
@@ -441,7 +441,7 @@ def test_threads_mix_blocking_and_async_calls_on_one_handle(make_remote):
     ch = make_remote("mix")
     # a small in-flight limit: blocking callers must wait for room without holding the socket
     # (regression: a caller waiting for room while driving the socket deadlocked the handle)
-    ch._connection()._max_inflight = 16
+    ch._connection()._requests.max_inflight = 16
     n, errors, got = 300, [], {}
 
     def sync_producer(tid: int) -> None:
@@ -483,7 +483,7 @@ def test_waiting_for_inflight_room_counts_against_timeout(make_remote):
     ch = make_remote("room")
     producer = Channel.connect("room")
     conn = ch._connection()
-    conn._max_inflight = 8
+    conn._requests.max_inflight = 8
     parked = [ch.get(key="k", async_op=True) for _ in range(8)]  # all 8 slots taken
     with pytest.raises(TimeoutError):
         ch.get(key="other", timeout=0.2)

@@ -42,12 +42,6 @@ MAX_FUNCTION_LINES = 60
 _PENDING_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 # files over MAX_FILE_LINES being split
 _PENDING_LONG_FILES: set[str] = set()
-# classes made of zchannel mixins that share their attributes, being turned into parts held by
-# the class: Connection's four parts (I/O thread, liveness, waiting, request queue) still share
-# the state connection/parts.py declares (the socket lock and its holder, the wake-up eventfd,
-# the state condition, the queue and the in-flight table); held parts get those through their
-# constructors instead
-_PENDING_MIXIN_CLASSES: set[tuple[str, str]] = {("broker/connection/connection.py", "Connection")}
 # functions over MAX_FUNCTION_LINES being split
 _PENDING_LONG_FUNCTIONS: set[tuple[str, str]] = set()
 # classes over MAX_CLASS_LINES being split
@@ -446,7 +440,4 @@ def test_no_class_is_made_of_zchannel_mixins():
                 bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ours]
                 if len(bases) > 1:
                     found.add((path, node.name))
-    unexpected = found - _PENDING_MIXIN_CLASSES
-    assert not unexpected, f"classes made of several zchannel classes: {sorted(unexpected)}"
-    fixed = _PENDING_MIXIN_CLASSES - found
-    assert not fixed, f"composed: remove {sorted(fixed)} from _PENDING_MIXIN_CLASSES"
+    assert not found, f"classes made of several zchannel classes: {sorted(found)}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 from zchannel.broker import Channel
-from zchannel.broker.transport import direct
+from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 def _link_file(ch: Channel) -> str:
     address = ch.stats()["address"]
     assert address.startswith("ipc://")
-    path = direct.link_path(address[len("ipc://") :])
+    path = direct_framing.link_path(address[len("ipc://") :])
     assert path is not None
     return path
 
@@ -35,10 +35,10 @@ class RawLink:
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
-        self.reader = direct.Reader(1 << 20, 1 << 30)
+        self.reader = direct_framing.Reader(1 << 20, 1 << 30)
 
     def send(self, records: list[dict], frames: list = ()) -> None:
-        self.send_raw(b"".join(bytes(p) for p in direct._iovec([pack_header(records), *frames])[0]))
+        self.send_raw(b"".join(bytes(p) for p in direct_framing.iovec([pack_header(records), *frames])[0]))
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -259,7 +259,7 @@ def test_without_shared_memory_handles_stay_on_zeromq(make_remote):
     """Large frames move faster through libzmq's I/O threads: the link is used only beside the
     shared-memory path (a broker with shm_threshold=0 does not listen, shm=False keeps zmq)."""
     off = make_remote("doff", shm_threshold=0)
-    path = direct.link_path(off.stats()["address"][len("ipc://") :])
+    path = direct_framing.link_path(off.stats()["address"][len("ipc://") :])
     assert path is not None and not os.path.exists(path)
     assert not off._connection().direct
     on = make_remote("don")
@@ -483,7 +483,7 @@ def test_a_link_that_never_says_hello_is_closed_after_the_expiry(make_remote):
         assert raw.recv(timeout=20) is None, "the broker closes a silent link"
         assert ch.get(timeout=10) == 1
         conn = ch._connection()
-        assert conn.transport.up and conn._relink_at == 0.0, "the handle's own link stayed open"
+        assert conn.transport.up and conn._liveness.relink_at == 0.0, "the handle's own link stayed open"
         assert ch.stats()["clients"] == 1
     finally:
         raw.close()

@@ -150,7 +150,7 @@ def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, br
 
 def test_create_whose_client_is_refused_leaves_nothing(run_dir, tmp_path):
     from zchannel.broker import AuthenticationFailed
-    from zchannel.broker.transport.curve import keygen
+    from zchannel.broker.transport.curve_keys import keygen
 
     server_pub, server_sec = keygen(str(tmp_path), "broker")
     _, other_sec = keygen(str(tmp_path), "other")

@@ -5,8 +5,8 @@ User threads hand requests to the I/O thread (a deque and an eventfd wake-up) an
 are coalesced into one message.  A blocking call (``call``) skips the two thread hand-offs when
 the socket is free: it takes the socket lock, sends, polls for its reply without sleeping for
 up to ``SPIN_US``, then waits for it in ``poll`` for a short while (``DRIVE_S``), completing
-every reply it reads, and hands the socket back.  Whoever holds
-``_sock_lock`` is the only thread touching the socket (zmq sockets are not thread-safe): the
+every reply it reads, and hands the socket back.  Whoever holds the socket lock
+(``Line.sock_lock``) is the only thread touching the socket (zmq sockets are not thread-safe): the
 I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
 with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself
@@ -25,15 +25,19 @@ thread says bye, fails what is left and, as its last act, closes the socket or l
 wake-up eventfd, holding the locks every other thread takes before it touches them.  No
 finalizer closes a descriptor (one run at exit could close it under a polling thread).
 
-``Connection`` is made of one part per responsibility, each in its own module and all sharing
-the connection's attributes: ``transport/seam.py`` (the seam: the DEALER socket or the direct link
-behind one interface, chosen at connect time; the connection holds it as ``transport``),
-``connection/requestqueue.py`` (the request queue, coalescing, the requests in flight, flow control),
-``connection/waiting.py`` (``call``, ``wait_for``: callers that read the socket themselves, and wake-ups of
-the I/O thread), ``connection/liveness.py`` (hello, bye, heartbeats, expiry, relinking, the CURVE
-handshake) and ``connection/iothread.py`` (the I/O thread's loop and its last acts).  This module keeps the
-choice of transport (``open_transport``), the public surface and the path of an incoming
-message (``_recv_one``, ``_on_message``, ``_on_reply``).
+``Connection`` holds one part per responsibility, each in its own module and each given what
+it uses through its constructor: ``connection/line.py`` (``Line``, what every part shares: the
+transport -- the DEALER socket or the direct link behind the seam of ``transport/seam.py``,
+chosen at connect time --, the socket lock and its holder, the wake-up eventfd, the state and
+its condition, the heartbeat and the times of the last traffic), ``connection/requestqueue.py``
+(the request queue, coalescing, the requests in flight, flow control),
+``connection/waiting.py`` (``call``, ``wait_for``: callers that read the socket themselves),
+``connection/liveness.py`` (hello, bye, heartbeats, expiry, relinking, the CURVE handshake) and
+``connection/iothread.py`` (the I/O thread's loop and its last acts).  A part that must call
+back into the connection gets the callback explicitly (``read_one``/``read_all``: the reply
+path; ``issue``: ``request``).  This module keeps the choice of transport
+(``open_transport``), the public surface and the path of an incoming message (``_recv_one``,
+``_on_message``, ``_on_reply``).
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
-from zchannel.broker.connection.iothread import IOThread, running
-from zchannel.broker.connection.liveness import CLOSED, CONNECTING, DOWN, UP, Liveness
+from zchannel.broker.connection.iothread import IOThread
+from zchannel.broker.connection.line import CLOSED, DOWN, UP, Line
+from zchannel.broker.connection.liveness import Liveness
 from zchannel.broker.connection.requestqueue import Convert, Flow, RequestQueue
 from zchannel.broker.connection.tuning import SEND_RUN, direct_enabled
 from zchannel.broker.connection.waiting import Waiting
@@ -66,7 +72,6 @@ from zchannel.broker.wire.protocol import (
     Reply,
     Request,
     hello_info,
-    pack_header,
     unpack_replies,
 )
 
@@ -77,6 +82,9 @@ JOIN_S = 5.0
 
 __all__ = ["CLOSED", "DOWN", "UP", "Connection", "Convert", "Flow", "JOIN_S", "open_transport",
            "running"]
+
+# connections whose I/O thread may still run (sharing.close_all stops them at interpreter exit)
+running: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 
 def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) -> Transport:
@@ -92,7 +100,7 @@ def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) ->
     return ZmqTransport(address, curve)
 
 
-class Connection(IOThread, Liveness, Waiting, RequestQueue):
+class Connection:
     """A connection to one broker address (see the module docstring)."""
 
     def __init__(
@@ -107,58 +115,76 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
     ) -> None:
         self.address = address
         self.identity = identity
-        self.hb = heartbeat_interval
-        self.liveness = liveness
-        self.state = CONNECTING
-        self._last_recv = time.monotonic()  # life from the broker (``Liveness.silent_for``)
         self.broker_info = HelloInfo()
-        self._init_requests(max_inflight)
-        self._init_waiting()
-        self._state_cv = threading.Condition()
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        # closed by the I/O thread as its last act, under this lock: a wake-up written later
-        # must not reach a descriptor that reused the number (``_wake_io``)
-        self._wake_lock = threading.Lock()
-        self._wake_closed = False
-        self._sock_lock = threading.Lock()
-        self._holder = 0  # the user thread that holds _sock_lock (close() must not join then)
-        self._fds_closed = False  # the I/O thread closed the socket or link (under _sock_lock)
-        self._woken = False  # an eventfd wake-up is pending (saves a system call per request)
-        self.io_turns = 0  # I/O thread wake-ups (tests check that a stream needs few)
-        self._io_idle = True  # the I/O thread sleeps without watching the socket (see _run)
-        self._io_lazy = False  # the I/O thread looks again within LAZY_S (see _run)
-        self._closing = False
-        self._bye = True  # the I/O thread says bye when it stops (close(bye=False): it does not)
-        self._bye_id: int | None = None  # the bye awaiting its answer
-        self._hello_id = 0
+        self.held_back = 0  # requests held back to go out with later ones (``request``)
         # retry-safe puts: this connection's producer id, the same across its reconnects; its
         # puts' request ids are their sequence numbers (broker/server/producers.py)
         self.producer = os.urandom(16)
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm/client.py)
         self.converters: dict[tuple[type, bool | None], Convert] = {}  # reply decoders (client.py)
-        self._relink_at = 0.0
-        # a CURVE mismatch fails the connection at once (broker/transport/curve.py); set by the I/O
-        # thread, which alone reads the transport's ``handshake``
-        self.refused: AuthenticationFailed | None = None
         try:
-            # A same-host broker's direct link when there is one (broker/transport/direct.py), else
-            # ZeroMQ; the link only beside shared memory: large arrays then bypass the link, and
-            # libzmq's I/O threads move large frames faster than a Python loop
+            # A same-host broker's direct link when there is one (broker/transport/direct.py),
+            # else ZeroMQ; the link only beside shared memory: large arrays then bypass the
+            # link, and libzmq's I/O threads move large frames faster than a Python loop
             # (docs/decisions.md)
-            self.transport = open_transport(address, curve, self.hb * self.liveness,
-                                            self.shm.enabled and direct_enabled())
+            transport = open_transport(address, curve, heartbeat_interval * liveness,
+                                       self.shm.enabled and direct_enabled())
         except BaseException:  # bad key files: nothing of this connection stays open
-            self._close_wake()
             self.shm.close()
             raise
-        # callers send and read it themselves (the direct link; see waiting.py)
-        self._callers_read = self.transport.callers_read
-        # what a poll waits on for replies: the socket, or the link's descriptor
-        self._readable = self.transport.readable
-        self._thread = threading.Thread(target=self._run, name=f"zchannel-io {address}", daemon=True)
+        line = self._line = Line(transport, heartbeat_interval, liveness)
+        requests = self._requests = RequestQueue(line, address, max_inflight, self.shm,
+                                                 self.request)
+        self._waiting = Waiting(line, requests, self._recv_one)
+        if line.callers_read:  # a thread waiting on a Work reads the link itself
+            requests.reader = self._waiting
+        self._liveness = Liveness(line, requests, address, identity, self.producer,
+                                  self._recv_all)
+        self._io = IOThread(line, requests, self._liveness, self._waiting, self._recv_all,
+                            self.shm, lambda: running.discard(self), f"zchannel-io {address}")
+        # what the paths run per request and per reply use, bound once
+        self._queue = requests.queue
+        self._pending = requests.pending
+        self._release = requests.release
+        self._callers_read = line.callers_read
         running.add(self)
-        self._thread.start()
+        self._io.start()
+
+    @property
+    def transport(self) -> Transport:
+        """The DEALER socket or the direct link (``transport/seam.py``)."""
+        return self._line.transport
+
+    @property
+    def state(self) -> str:
+        """``connecting``, ``up``, ``down`` or ``closed``."""
+        return self._line.state
+
+    @property
+    def hb(self) -> float:
+        """The heartbeat interval (the broker's, once it said hello)."""
+        return self._line.hb
+
+    @property
+    def liveness(self) -> int:
+        """Heartbeat intervals of silence after which the broker counts as gone."""
+        return self._line.liveness
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``stop`` asked the I/O thread to end."""
+        return self._line.closing
+
+    @property
+    def refused(self) -> AuthenticationFailed | None:
+        """Why the CURVE handshake was refused (None: it was not)."""
+        return self._liveness.refused
+
+    @property
+    def io_turns(self) -> int:
+        """Wake-ups of the I/O thread (tests check that a stream needs few)."""
+        return self._io.turns
 
     @property
     def direct(self) -> bool:
@@ -169,12 +195,13 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         """Wait until the broker answered the hello; False on timeout, or at once when the
         handshake was refused (``refused`` then says why)."""
         deadline = time.monotonic() + timeout
-        with self._state_cv:
-            while self.state != UP:
+        line, liveness = self._line, self._liveness
+        with line.state_cv:
+            while line.state != UP:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.state == CLOSED or self.refused is not None:
+                if remaining <= 0 or line.state == CLOSED or liveness.refused is not None:
                     return False
-                self._state_cv.wait(remaining)
+                line.state_cv.wait(remaining)
         return True
 
     def request(self, rec: Request, frames: list, convert: Convert | None = None,
@@ -182,92 +209,99 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error.  ``owner``: the share of the
         handle that issues it (``sharing.Share``; its close withdraws the request)."""
-        work = self._enqueue(rec, frames, convert, cancellable, room, owner)
+        work = self._requests.enqueue(rec, frames, convert, cancellable, room, owner)
         if work._state:  # failed already: the handle closed meanwhile
             return work
+        line = self._line
         if self._callers_read:
-            if self._pending and len(self._queue) < SEND_RUN and self._io_lazy \
-                    and not self._sock_lock.locked():
+            if self._pending and len(self._queue) < SEND_RUN and self._io.lazy \
+                    and not line.sock_lock.locked():
                 # replies are due and threads read them: the request waits for the next wait
                 # (or the I/O thread's look within LAZY_S) and goes out with those after it
                 self.held_back += 1
                 return work
-            if self._take():
+            if line.take():
                 # a direct link costs one system call to send on: the caller sends, and wakes
                 # the I/O thread only when it sleeps without watching the link
                 try:
-                    self._send_queued()
+                    self._requests.send_queued()
                 finally:
-                    self._give()
+                    line.give()
                 if not self._queue:
-                    if self._io_idle:
-                        self._wake_io()
+                    if self._io.idle:
+                        line.wake_io()
                     return work
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
-        if len(self._queue) >= SEND_RUN and self._take():
+        if len(self._queue) >= SEND_RUN and line.take():
             try:
-                self._send_queued()
+                self._requests.send_queued()
             finally:
-                self._give()
-        self._wake_io()
+                line.give()
+        line.wake_io()
         return work
 
+    def call(self, rec: Request, frames: list, convert: Convert | None = None,
+             cancellable: bool = False, owner: Any = None) -> Work:
+        """``request`` for a caller that waits for the result at once: when the connection is
+        up, the caller sends and reads replies itself while no other thread holds the socket
+        (``Waiting.call``)."""
+        if self._line.state != UP:
+            return self.request(rec, frames, convert, cancellable, owner=owner)
+        return self._waiting.call(rec, frames, convert, cancellable, owner)
+
     def send_unanswered(self, rec: Request, now: bool = False) -> None:
-        """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
-        ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
-        the hello reply).  Otherwise from any thread, with the next message; nothing once the
-        connection is closing."""
-        if now:
-            self._send([rec], [])
-            return
-        if self._closing or self.state == CLOSED:
-            return
-        queue = self._queue
-        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
-        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
-        # reply of a request still outstanding, or at the I/O thread's next tick, so the
-        # record then rides along with the next message.
-        woken = bool(queue) or bool(self._pending)
-        queue.append((rec, [], None))
-        if not woken:
-            try:
-                self._wake_io()
-            except OSError:
-                pass
+        """Send ``rec``, a record the broker does not answer (``RequestQueue.send_unanswered``)."""
+        self._requests.send_unanswered(rec, now)
+
+    def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
+        """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
+        return self._requests.requests_of(owner)
+
+    def flush(self) -> None:
+        """Send what is queued now (requests of closed owners are dropped)."""
+        self._requests.flush()
+
+    def forget(self, rid: int, exc: BaseException) -> None:
+        """Fail request ``rid`` with ``exc`` unless its reply came (a later reply is dropped)."""
+        self._requests.forget(rid, exc)
+
+    def broker_gone(self) -> bool:
+        """Down, or (ZeroMQ over ipc) nothing listens at the broker's path any more."""
+        return self._liveness.broker_gone()
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since anything came from the broker (``Liveness.silent_for``)."""
+        return self._liveness.silent_for(now)
 
     def stop(self, bye: bool = True) -> None:
         """Ask the I/O thread to end: it says bye (``bye``), fails what is left and closes the
         descriptors last.  Waiting for put acknowledgements is the caller's (``sharing``)."""
-        if os.getpid() == self.pid and not self._closing:
-            self._bye = bye
-            self._closing = True
-            self._signal()
+        line = self._line
+        if os.getpid() == self.pid and not line.closing:
+            self._io.say_bye = bye
+            line.closing = True
+            line.signal()
 
     def holds_socket(self) -> bool:
         """Whether the caller is the I/O thread or drives the socket (a done-callback or a
         finalizer can run there): it must not wait for replies or for the I/O thread."""
-        return threading.get_ident() in (self._thread.ident, self._holder)
+        return threading.get_ident() in (self._io.thread.ident, self._line.holder)
 
     def join(self, timeout: float = JOIN_S) -> None:
         """Wait for the I/O thread to end (unless ``holds_socket``: it needs the socket)."""
         if os.getpid() == self.pid and not self.holds_socket():
-            self._thread.join(timeout)
+            self._io.thread.join(timeout)
 
     def close(self, bye: bool = True) -> None:
         """``stop`` and ``join``.  Idempotent."""
         self.stop(bye)
         self.join()
 
-    def _set_state(self, state: str) -> None:
-        with self._state_cv:
-            self.state = state
-            self._state_cv.notify_all()
-
-    def _send(self, records: list, frames: list) -> None:
-        self.transport.send([pack_header(records), *frames])  # lost if it broke
-        self._last_send = time.monotonic()
+    def after_fork(self) -> None:
+        """In a forked child, where its I/O thread does not run: ``Line.after_fork``."""
+        self._line.after_fork()
 
     def _recv_all(self) -> None:
         while self._recv_one():
@@ -276,18 +310,19 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
     def _recv_one(self, ready: bool = False) -> bool:
         """Read and complete one message if there is one; False if there was none.
         ``ready``: a poll just said one is there."""
-        message = self.transport.recv(ready)
+        line = self._line
+        message = line.transport.recv(ready)
         if message is None:
-            if not self.transport.up and self.state == UP:  # the broker closed the link
+            if not line.transport.up and line.state == UP:  # the broker closed the link
                 now = time.monotonic()
-                if now >= self._relink_at:
-                    self._relink(now)
+                if now >= self._liveness.relink_at:
+                    self._liveness.relink(now)
             return False
         self._on_message(*message)
         return True
 
     def _on_message(self, header: bytes, frames: list) -> None:
-        self._last_recv = time.monotonic()
+        self._line.last_recv = time.monotonic()
         try:
             records = unpack_replies(header)
         except ProtocolError as exc:
@@ -303,24 +338,12 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
         rid = rec.id
         if rid is None:
             if rec.op == EXPIRED:
-                log.warning("the broker at %s expired this client: registering again", self.address)
-                self._fail_all(BrokerUnavailable("the broker expired this client (it was silent "
-                                                 "too long); the request was dropped"))
-                self.shm.end_session()
-                self._send_hello()
+                self._on_expired()
             return
-        if rid == self._bye_id:
-            self._bye_id = None
-            return
-        if rid == self._hello_id:
-            self.broker_info = hello_info(rec.result)
-            self._adopt_heartbeat(self.broker_info)
-            self.shm.on_hello(self.broker_info)
-            if self.state != UP:
-                self._set_state(UP)
-            return
+        # ids come from one counter: a hello's or a bye's is never in flight as a request
         pending = self._pending.pop(rid, None)
         if pending is None:
+            self._on_hello_or_bye(rid, rec)
             return
         self._release(pending[3])
         work, convert, _, _ = pending
@@ -330,3 +353,24 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
             work._finish(_DONE, rec.result)
+
+    def _on_expired(self) -> None:
+        """The broker expired this client (it was silent too long): register again."""
+        log.warning("the broker at %s expired this client: registering again", self.address)
+        self._requests.fail_all(BrokerUnavailable("the broker expired this client (it was "
+                                                  "silent too long); the request was dropped"))
+        self.shm.end_session()
+        self._liveness.send_hello()
+
+    def _on_hello_or_bye(self, rid: int, rec: Reply) -> None:
+        """The answer to a bye (the broker withdrew this connection's parked requests) or to a
+        hello (the connection is up); a reply to a request forgotten meanwhile is dropped."""
+        liveness = self._liveness
+        if rid == liveness.bye_id:
+            liveness.bye_id = None
+        elif rid == liveness.hello_id:
+            self.broker_info = hello_info(rec.result)
+            liveness.adopt_heartbeat(self.broker_info)
+            self.shm.on_hello(self.broker_info)
+            if self._line.state != UP:
+                self._line.set_state(UP)

@@ -1,22 +1,30 @@
 """Liveness of a client connection: hello and bye, heartbeats, a broker that went silent or
-away, a direct link the broker closed, a refused CURVE handshake.  ``Liveness`` is that part of
-``connection.Connection`` (its attributes are the connection's); its I/O thread (or a thread
-holding its socket) runs it.
+away, a direct link the broker closed, a refused CURVE handshake.
+
+``Liveness`` is that part of ``connection.Connection``: it gets the connection's ``Line``
+(transport, state, heartbeat, traffic times), its ``RequestQueue`` (request ids, what is
+queued, failing what is in flight), the identity and producer id its hello carries and
+``read_all`` (the connection's reply path: read and complete every message waiting).  Its I/O
+thread (or a thread holding its socket) runs it; the reply path reads ``hello_id`` and
+``bye_id`` to recognise the answers to them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
-from zchannel.broker.connection.parts import ConnectionParts
-from zchannel.broker.errors import BrokerUnavailable
+from zchannel.broker.connection.line import CLOSED, CONNECTING, DOWN, UP, Line
+from zchannel.broker.connection.requestqueue import RequestQueue
+from zchannel.broker.errors import AuthenticationFailed, BrokerUnavailable
 from zchannel.broker.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, Bye, Hello, HelloInfo
 
 log = logging.getLogger("zchannel.client")
 
-CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
+__all__ = ["BYE_WAIT_S", "CLOSED", "CONNECTING", "DOWN", "GONE_CHECK_S", "RELINK_S", "UP",
+           "Liveness"]
 # How often a handle whose direct link broke tries to connect it again.
 RELINK_S = 0.1
 # How often a wait on a silent broker checks whether anything still listens at its ipc path.
@@ -28,43 +36,61 @@ BYE_WAIT_S = 1.0
 _POLLIN = int(zmq.POLLIN)
 
 
-class Liveness(ConnectionParts):
-    """The liveness part of ``Connection`` (its attributes are the connection's)."""
+class Liveness:
+    """The liveness part of ``Connection`` (see the module docstring)."""
+
+    def __init__(self, line: Line, requests: RequestQueue, address: str, identity: str | None,
+                 producer: bytes, read_all: Callable[[], None]) -> None:
+        self._line = line
+        self._requests = requests
+        self.address = address
+        self.identity = identity
+        self.producer = producer
+        self._read_all = read_all
+        self.hello_id = 0  # the hello awaiting its answer
+        self.bye_id: int | None = None  # the bye awaiting its answer
+        self.relink_at = 0.0  # when a broken direct link is tried again
+        # a CURVE mismatch fails the connection at once (broker/transport/curve.py); set by the
+        # I/O thread, which alone reads the transport's ``handshake``
+        self.refused: AuthenticationFailed | None = None
 
     def broker_gone(self) -> bool:
         """Down, or (ZeroMQ over ipc) nothing listens at the broker's path any more."""
-        return self.state != UP or self.transport.broker_gone()
+        line = self._line
+        return line.state != UP or line.transport.broker_gone()
 
-    def _watch_handshake(self) -> bool:
+    def watch_handshake(self) -> bool:
         """Read the handshake events (I/O thread, holding the socket); True once watching
         ended: a handshake succeeded, or one was refused (which fails every request)."""
-        watch = self.transport.handshake
+        line = self._line
+        watch = line.transport.handshake
         if watch is None:  # not watched (any more)
             return True
         refused = watch.check()
         if refused is None and not watch.done:
             return False
-        self.transport.end_handshake()
+        line.transport.end_handshake()
         if refused is not None:
             self.refused = refused
-            self._fail_all(refused)
-            with self._state_cv:
-                self._state_cv.notify_all()
+            self._requests.fail_all(refused)
+            with line.state_cv:
+                line.state_cv.notify_all()
         return True
 
-    def _relink(self, now: float) -> None:
+    def relink(self, now: float) -> None:
         """The broker closed the direct link: connect again.  Nothing listening at its path means
         the broker is gone: pending requests fail now with ``BrokerUnavailable``, not at the
         heartbeat expiry (a restarted broker is found by the next tries, every ``RELINK_S``)."""
-        self._relink_at = now + RELINK_S
-        link = self.transport
+        self.relink_at = now + RELINK_S
+        line = self._line
+        link = line.transport
         if link.reconnect():
-            if self.state != UP:
-                self._send_hello()
-        elif link.gone and self.state == UP:
+            if line.state != UP:
+                self.send_hello()
+        elif link.gone and line.state == UP:
             log.info("the broker at %s is gone (nothing listens at %s)", self.address, link.where)
-            self._set_state(DOWN)
-            self._fail_all(BrokerUnavailable(
+            line.set_state(DOWN)
+            self._requests.fail_all(BrokerUnavailable(
                 f"the broker at {self.address} is gone (it closed the direct link and nothing "
                 f"listens at {link.where})"))
 
@@ -73,75 +99,84 @@ class Liveness(ConnectionParts):
         first when no other thread holds the socket (an idle connection's I/O thread reads
         heartbeats only at its next tick).  The broker is dead once this exceeds the expiry
         (``hb * liveness``), whether or not the I/O thread has noticed yet."""
-        if self._sock_lock.acquire(blocking=False):
+        line = self._line
+        if line.sock_lock.acquire(blocking=False):
             try:
-                if not self._fds_closed and self.state != CLOSED and self.transport is not None:
-                    self._recv_all()
+                if not line.fds_closed and line.state != CLOSED and line.transport is not None:
+                    self._read_all()
             finally:
-                self._sock_lock.release()
+                line.sock_lock.release()
         return now - self._last_life()
 
     def _last_life(self) -> float:
-        transport = self.transport
-        return max(self._last_recv, transport.last_read if transport is not None else 0.0)
+        line = self._line
+        transport = line.transport
+        return max(line.last_recv, transport.last_read if transport is not None else 0.0)
 
-    def _expiry_due(self) -> float:
+    def expiry_due(self) -> float:
         """Seconds until the broker's silence exceeds the expiry (``hb * liveness``)."""
-        return self._last_life() + self.hb * self.liveness - time.monotonic()
+        line = self._line
+        return self._last_life() + line.hb * line.liveness - time.monotonic()
 
-    def _keepalive(self, now: float) -> None:
-        link = self.transport
-        if not link.up and now >= self._relink_at:
-            self._relink(now)
+    def keepalive(self, now: float) -> None:
+        """The I/O thread's turn (holding the socket): relink a broken direct link, judge the
+        broker's silence (``DOWN`` after the expiry), send a hello or a heartbeat when due."""
+        line = self._line
+        link = line.transport
+        if not link.up and now >= self.relink_at:
+            self.relink(now)
         # life is any bytes from the broker, not only whole messages: a reply of many large
         # frames takes a while to arrive, and the broker's heartbeats queue behind it
-        silent = now - max(self._last_recv, link.last_read)
-        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
-            self._recv_all()  # what waits unread (this thread was held up) is life too
-            silent = now - max(self._last_recv, link.last_read)
-        if self.state in (UP, CONNECTING) and silent > self.hb * self.liveness:
-            if self.state == UP:
+        silent = now - max(line.last_recv, link.last_read)
+        if line.state in (UP, CONNECTING) and silent > line.hb * line.liveness:
+            self._read_all()  # what waits unread (this thread was held up) is life too
+            silent = now - max(line.last_recv, link.last_read)
+        if line.state in (UP, CONNECTING) and silent > line.hb * line.liveness:
+            if line.state == UP:
                 log.warning("the broker at %s is silent for %.1fs: unavailable", self.address, silent)
-            self._set_state(DOWN)
-            self._fail_all(BrokerUnavailable(
+            line.set_state(DOWN)
+            self._requests.fail_all(BrokerUnavailable(
                 f"the broker at {self.address} did not answer for {silent:.1f}s"))
-        if self.state == DOWN:
-            if now - self._last_send >= self.hb:
-                self._send_hello()
-        elif now - self._last_send >= self.hb:
-            self._send([CLIENT_HEARTBEAT], [])
+        if line.state == DOWN:
+            if now - line.last_send >= line.hb:
+                self.send_hello()
+        elif now - line.last_send >= line.hb:
+            line.send([CLIENT_HEARTBEAT], [])
 
-    def _send_hello(self) -> None:
-        self._hello_id = next(self._ids)
-        self._send([Hello(id=self._hello_id, identity=self.identity, version=PROTOCOL_VERSION,
-                          producer=self.producer)], [])
+    def send_hello(self) -> None:
+        """Send a hello (by the socket's holder); its answer brings the connection up."""
+        self.hello_id = next(self._requests.ids)
+        self._line.send([Hello(id=self.hello_id, identity=self.identity,
+                               version=PROTOCOL_VERSION, producer=self.producer)], [])
 
-    def _say_bye(self) -> None:
+    def say_bye(self) -> None:
         """Say bye and wait (at most ``BYE_WAIT_S``, less when the broker is gone) for the answer:
         the broker then withdrew this connection's parked requests (no item goes to them)."""
-        with self._sock_lock:  # whoever drove the socket left it on seeing _closing
-            self._send_queued()
-            self._bye_id = next(self._ids)
-            self._send([Bye(id=self._bye_id)], [])
+        line = self._line
+        with line.sock_lock:  # whoever drove the socket left it on seeing ``closing``
+            self._requests.send_queued()
+            self.bye_id = next(self._requests.ids)
+            line.send([Bye(id=self.bye_id)], [])
             deadline = time.monotonic() + BYE_WAIT_S
-            poll_set = [(self._readable, _POLLIN)]
-            while self._bye_id is not None and self.state == UP:
-                if not self.transport.up:
+            poll_set = [(line.readable, _POLLIN)]
+            while self.bye_id is not None and line.state == UP:
+                if not line.transport.up:
                     return  # the broker closed the link: it saw this connection end
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
                 if zmq.zmq_poll(poll_set, int(min(remaining, GONE_CHECK_S) * 1000) + 1):
-                    self._recv_all()
+                    self._read_all()
                 elif self.broker_gone():
                     return
 
-    def _adopt_heartbeat(self, info: HelloInfo) -> None:
+    def adopt_heartbeat(self, info: HelloInfo) -> None:
         """Both sides keep the broker's heartbeat interval and liveness (its hello reply
         says them): a broker set to expire clients sooner (or later) is judged the same way."""
         hb, liveness = info.hb, info.liveness
         if (isinstance(hb, (int, float)) and not isinstance(hb, bool) and 0 < hb <= 3600
                 and isinstance(liveness, int) and not isinstance(liveness, bool)
                 and 1 <= liveness <= 1000):
-            self.hb, self.liveness = float(hb), liveness
-            self.transport.stall_s = self.hb * liveness
+            line = self._line
+            line.hb, line.liveness = float(hb), liveness
+            line.transport.stall_s = line.hb * liveness

@@ -1,12 +1,15 @@
 """The requests of one connection: the queue of requests not sent yet, their coalescing into
-messages, the requests in flight (``_pending``, by id) and the flow control of each issuer.
+messages, the requests in flight (``pending``, by id) and the flow control of each issuer.
 
-``RequestQueue`` is that part of ``connection.Connection`` (its attributes are the
-connection's; see that module's docstring for the threads and locks).  A request is queued by
-the thread that issues it; whoever holds the socket lock (``_sock_lock``: the I/O thread, or a
-caller sending and reading itself, ``connection/waiting.py``) sends what is queued, coalesced into as few
-messages as the limits of ``connection/tuning.py`` allow; the reply path (``Connection._on_reply``) takes a
-request out of ``_pending`` and gives its issuer's slot back (``_release``).
+``RequestQueue`` is that part of ``connection.Connection``: it gets the connection's ``Line``
+(state, socket lock, ``send``), the broker's address (for errors), ``max_inflight``, the
+shared-memory client (a put's slots) and ``issue`` (the connection's ``request``: a cancel is
+a request).  A request is queued by the thread that issues it; whoever holds the socket lock
+(``Line.sock_lock``: the I/O thread, or a caller sending and reading itself,
+``connection/waiting.py``) sends what is queued, coalesced into as few messages as the limits of
+``connection/tuning.py`` allow; the reply path (``Connection._on_reply``) takes a request out of
+``pending`` and gives its issuer's slot back (``release``).  ``queue`` and ``pending`` stay the
+same objects for the connection's life: the other parts keep references to them.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from zchannel.broker.connection.liveness import CLOSED, DOWN
-from zchannel.broker.connection.parts import ConnectionParts, Convert, Pending
+from zchannel.broker.connection.line import CLOSED, DOWN, Line
 from zchannel.broker.connection.tuning import (
     MAX_BYTES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
@@ -26,8 +29,15 @@ from zchannel.broker.connection.tuning import (
 )
 from zchannel.broker.connection.work import CancelledError, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.shm.client import client_undo
+from zchannel.broker.shm.client import ShmClient, client_undo
 from zchannel.broker.wire.protocol import UNSET, Cancel, Get, GetBatch, Put, Request, op_of
+
+# a reply converter: (the reply record, its frames) -> the Work's result
+Convert = Callable[[Any, list], Any]
+
+# a request in flight: (its Work, its reply converter or None, is it a put, the handle's
+# share that issued it or None; see sharing.py)
+Pending = tuple[Work, Convert | None, bool, Any]
 
 
 class Flow:
@@ -43,51 +53,82 @@ class Flow:
         self.completed_count = itertools.count(1)
 
 
-class RequestQueue(ConnectionParts):
+class RequestQueue:
     """The request queue, in-flight table and flow control of ``Connection`` (see the module
     docstring)."""
 
-    def _init_requests(self, max_inflight: int) -> None:
-        self._ids = itertools.count(1)
-        self._queue = deque()
-        self._pending: dict[int, Pending] = {}
+    def __init__(self, line: Line, address: str, max_inflight: int, shm: ShmClient,
+                 issue: Callable[..., Work]) -> None:
+        self._line = line
+        self.address = address
+        self.shm = shm  # a put's shared-memory slots (``client_undo`` reads it)
+        self._issue = issue
+        self.ids = itertools.count(1)  # request ids (hello and bye take theirs here too)
+        self.queue: deque[tuple[Request, list, Pending | None]] = deque()
+        self.pending: dict[int, Pending] = {}
+        # the part whose ``wait_for`` reads the link for a waiting ``Work`` (``Waiting``, set
+        # by the connection when its callers read the link; None: the I/O thread completes it)
+        self.reader: Any = None
         # Flow control per handle (``Flow``: its share, or this connection's own for requests
         # of no handle).  Callers wait on ``_room`` only when the limit is reached.
-        self._max_inflight = max_inflight
+        self.max_inflight = max_inflight
         self._flow = Flow()
         self._room = threading.Condition()
         self._room_waiters = 0
-        self.held_back = 0  # requests held back to go out with later ones (``request``)
 
-    def _enqueue(self, rec: Request, frames: list, convert: Convert | None,
+    def enqueue(self, rec: Request, frames: list, convert: Convert | None,
                  cancellable: bool, room: bool = True, owner: Any = None) -> Work:
-        if self.state == CLOSED or self._closing or (owner is not None and owner.closed):
+        line = self._line
+        if line.state == CLOSED or line.closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
-        if self.state == DOWN:
+        if line.state == DOWN:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
         flow = self._flow if owner is None else owner
         flow.n_issued = next(flow.issued) + 1
-        if room and flow.n_issued - flow.completed > self._max_inflight:
+        if room and flow.n_issued - flow.completed > self.max_inflight:
             try:
                 self._wait_for_room(rec, flow)
             except BaseException:
-                self._release(owner)  # never issued: give its slot back
+                self.release(owner)  # never issued: give its slot back
                 raise
-        rid = next(self._ids)
+        rid = next(self.ids)
         rec.id = rid
         if frames:
             rec.nf = len(frames)  # 0 by default (docs/protocol.md)
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
-        if self._callers_read:
-            work._reader = self
-        # (a request whose owner closed meanwhile is dropped unsent by _send_queued)
-        self._queue.append((rec, frames, (work, convert, type(rec) is Put, owner)))
-        if self.state == CLOSED:
+        work._reader = self.reader
+        # (a request whose owner closed meanwhile is dropped unsent by send_queued)
+        self.queue.append((rec, frames, (work, convert, type(rec) is Put, owner)))
+        if line.state == CLOSED:
             # the I/O thread ended after the check above and may have failed the queue before
             # this request joined it: fail it here, or a wait() without a timeout would hang
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
+
+    def send_unanswered(self, rec: Request, now: bool = False) -> None:
+        """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
+        ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
+        the hello reply).  Otherwise from any thread, with the next message; nothing once the
+        connection is closing."""
+        line = self._line
+        if now:
+            line.send([rec], [])
+            return
+        if line.closing or line.state == CLOSED:
+            return
+        queue = self.queue
+        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
+        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
+        # reply of a request still outstanding, or at the I/O thread's next tick, so the
+        # record then rides along with the next message.
+        woken = bool(queue) or bool(self.pending)
+        queue.append((rec, [], None))
+        if not woken:
+            try:
+                line.wake_io()
+            except OSError:
+                pass
 
     def _wait_for_room(self, rec: Request, flow: Flow) -> None:
         """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
@@ -95,19 +136,20 @@ class RequestQueue(ConnectionParts):
         ``TimeoutError`` (nothing sent) when none is left."""
         timeout = rec.timeout if isinstance(rec, (Put, Get, GetBatch)) else None
         start = time.monotonic()
+        line = self._line
         with self._room:
             self._room_waiters += 1
             try:
-                while flow.n_issued - flow.completed > self._max_inflight:
-                    if self.state in (DOWN, CLOSED):
+                while flow.n_issued - flow.completed > self.max_inflight:
+                    if line.state in (DOWN, CLOSED):
                         raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-                    wait = self.hb
+                    wait = line.hb
                     if timeout is not None:
                         remaining = timeout - (time.monotonic() - start)
                         if remaining <= 0:
                             raise TimeoutError(
                                 f"{op_of(rec)} timed out waiting for room among this "
-                                f"handle's {self._max_inflight} outstanding requests")
+                                f"handle's {self.max_inflight} outstanding requests")
                         wait = min(wait, remaining)
                     self._room.wait(wait)
             finally:
@@ -115,7 +157,7 @@ class RequestQueue(ConnectionParts):
         if timeout is not None and isinstance(rec, (Put, Get, GetBatch)):
             rec.timeout = max(0.0, timeout - (time.monotonic() - start))
 
-    def _release(self, owner: Flow | None) -> None:
+    def release(self, owner: Flow | None) -> None:
         """A request of ``owner`` (None: of no handle) completed: its slot is free."""
         flow = self._flow if owner is None else owner
         flow.completed = next(flow.completed_count)
@@ -125,7 +167,7 @@ class RequestQueue(ConnectionParts):
 
     def _cancel(self, work: Work) -> bool:
         try:
-            answer = self.request(Cancel(id=0, request_id=work._tag), []).wait()
+            answer = self._issue(Cancel(id=0, request_id=work._tag), []).wait()
         except ChannelError:
             return False
         if answer:
@@ -134,48 +176,53 @@ class RequestQueue(ConnectionParts):
 
     def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
-        out = [(rid, p[0], p[2]) for rid, p in list(self._pending.items())
+        out = [(rid, p[0], p[2]) for rid, p in list(self.pending.items())
                if owner is None or p[3] is owner]
-        out += [(e[0].id, e[2][0], e[2][2]) for e in list(self._queue)
+        out += [(e[0].id, e[2][0], e[2][2]) for e in list(self.queue)
                 if e[2] is not None and (owner is None or e[2][3] is owner)]
         return out
 
     def flush(self) -> None:
-        """Send what is queued now (requests of closed owners are dropped, see _send_queued)."""
-        with self._sock_lock:
-            if not self._fds_closed:
-                self._send_queued()
+        """Send what is queued now (requests of closed owners are dropped, see send_queued)."""
+        line = self._line
+        with line.sock_lock:
+            if not line.fds_closed:
+                self.send_queued()
 
     def forget(self, rid: int, exc: BaseException) -> None:
         """Fail request ``rid`` with ``exc`` unless its reply came (a later reply is dropped)."""
-        pending = self._pending.pop(rid, None)
+        pending = self.pending.pop(rid, None)
         if pending is not None:
-            self._release(pending[3])
+            self.release(pending[3])
             pending[0].set_exception(exc)
 
-    def _send_queued(self) -> None:
-        queue = self._queue
+    def send_queued(self) -> None:
+        """Send what is queued (by the socket's holder), coalesced into as few messages as the
+        limits allow; a request whose handle closed, or a stale put, fails unsent."""
+        queue = self.queue
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
                     self._drop_unsent(rec, pending)
                     return
-                self._pending[rec.id] = pending
-            self._send([rec], op_frames)
+                self.pending[rec.id] = pending
+            self._line.send([rec], op_frames)
             return
+        send = self._line.send
         while queue:
             records, frames = self._next_message(queue)
             if records:
-                self._send(records, frames)
+                send(records, frames)
 
     def _next_message(self, queue: deque) -> tuple[list[Request], list]:
         """Take from ``queue`` the requests of one message (within the limits of
-        ``connection/tuning.py``), moving them to ``_pending``: the records and their frames."""
+        ``connection/tuning.py``), moving them to ``pending``: the records and their frames."""
         records: list[Request] = []
         frames: list = []
         nbytes = 0
         inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
+        in_flight = self.pending
         while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
                and inline < MAX_INLINE_PER_MESSAGE):
             rec, op_frames, pending = queue.popleft()
@@ -183,7 +230,7 @@ class RequestQueue(ConnectionParts):
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
                     self._drop_unsent(rec, pending)
                     continue
-                self._pending[rec.id] = pending
+                in_flight[rec.id] = pending
             records.append(rec)
             if op_frames:
                 frames.extend(op_frames)
@@ -205,7 +252,7 @@ class RequestQueue(ConnectionParts):
         slots are stale (``BrokerUnavailable``: sent again, it takes new ones): never sent, it
         fails here."""
         client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
-        self._release(pending[3])
+        self.release(pending[3])
         if pending[3] is not None and pending[3].closed:
             pending[0].set_exception(ChannelError("this channel handle is closed"))
         else:
@@ -213,8 +260,12 @@ class RequestQueue(ConnectionParts):
                 f"the broker at {self.address} was restarted (or expired this client) while "
                 "this put waited to be sent; nothing was stored"))
 
-    def _fail_all(self, exc: BaseException) -> None:
-        pending, self._pending = self._pending, {}
-        for entry in pending.values():
-            self._release(entry[3])
-            entry[0].set_exception(exc)
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every request in flight with ``exc`` (each taken out of ``pending`` once: a
+        reply read meanwhile completes it instead, never both)."""
+        pending = self.pending
+        for rid in list(pending):
+            entry = pending.pop(rid, None)
+            if entry is not None:
+                self.release(entry[3])
+                entry[0].set_exception(exc)

@@ -76,7 +76,7 @@ class Share(Flow):
 
 
 def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) -> tuple:
-    """What makes two handles' connections different (``curve``: ``security.CurveKeys``)."""
+    """What makes two handles' connections different (``curve``: ``curve.CurveKeys``)."""
     return (address, identity, curve, shm_env_enabled() if shm is None else bool(shm),
             direct_enabled())
 
@@ -109,7 +109,7 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None) ->
 
 def _take(key: tuple) -> Connection | None:
     conn = _by_key.get(key)
-    if conn is None or conn._closing or conn.state == CLOSED or conn.pid != os.getpid():
+    if conn is None or conn.closing or conn.state == CLOSED or conn.pid != os.getpid():
         return None
     _count[conn] += 1
     return conn
@@ -181,7 +181,7 @@ def settle(conn: Connection, owner: Share | None, limit: float) -> None:
     """Wait up to ``limit`` seconds for the acknowledgements of ``owner``'s puts (None: of
     every handle's), while the broker can still answer them (``Connection.broker_gone``)."""
     deadline = time.monotonic() + limit
-    while conn.state == UP and not conn._closing and conn.pid == os.getpid():
+    while conn.state == UP and not conn.closing and conn.pid == os.getpid():
         puts = [work for _, work, is_put in conn.requests_of(owner) if is_put]
         remaining = deadline - time.monotonic()
         if not puts or remaining <= 0 or conn.broker_gone():
@@ -260,14 +260,7 @@ def _after_fork() -> None:
     _count.clear()
     _keys.clear()
     for conn in list(connection.running):
-        conn._closing = True
-        conn._wake_lock = threading.Lock()  # as _lock
-        conn._sock_lock = threading.Lock()
-        conn._fds_closed = True
-        conn.transport.close_after_fork()
-        if not conn._wake_closed:
-            conn._wake_closed = True
-            os.close(conn._wake)
+        conn.after_fork()
     connection.running.clear()
 
 

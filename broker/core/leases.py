@@ -33,7 +33,7 @@ class LeaseBook:
         lease_id = next(self._ids)
         lease = Lease(lease_id, ks.key, origin, item, client, time.monotonic() + self.lease_timeout)
         self.leases[lease_id] = lease
-        client.leases.add(lease_id)
+        client.leases[lease_id] = None
         ks.leases += 1
         self.deadlines.add(lease.deadline, lease)
         return lease_id
@@ -48,7 +48,7 @@ class LeaseBook:
     def end(self, lease: Lease) -> None:
         """Close ``lease`` (acknowledged, lapsed, returned); its bytes stay the caller's to count."""
         del self.leases[lease.lease_id]
-        lease.client.leases.discard(lease.lease_id)
+        lease.client.leases.pop(lease.lease_id, None)
         ks = self.queues.keys.get(lease.key)
         if ks is not None:
             ks.leases -= 1

@@ -216,7 +216,7 @@ class QueueCore:
         client.gone = True
         for req in list(client.parked.values()):
             self.waiters.withdraw(req)
-        for lease_id in sorted(client.leases):  # in the order they were issued (ids count up)
+        for lease_id in list(client.leases):  # in the order they were issued
             lease = self.lease_book.find(lease_id)
             if lease is not None:
                 self._return_lease(lease)

@@ -44,7 +44,8 @@ class Client:
     identity: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     parked: dict[int, Parked] = field(default_factory=dict)
-    leases: set[int] = field(default_factory=set)
+    # its open leases' ids, in the order they were issued (values unused: an ordered set)
+    leases: dict[int, None] = field(default_factory=dict)
     consumer: str | None = None  # set once the handle joined as a consumer
     gone: bool = False
     user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import numpy as np
 from zchannel.broker.connection.connection import Connection
-from zchannel.broker.connection.parts import Convert
+from zchannel.broker.connection.requestqueue import Convert
 from zchannel.broker.connection.work import _DONE, Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound
 from zchannel.broker.handle.base import ChannelHandle

@@ -26,7 +26,7 @@ what libzmq accepts before the guard runs is what the reserve is for.  Closing t
 backlog plus what arrives while the guard waits to run.
 
 The guard owns the socket's one monitor (libzmq keeps one per socket), so it also collects the
-handshake failures the broker logs (``transport/curve.py``, ``BrokerHandshakes``) and wakes the
+handshake failures the broker logs (``transport/curve_broker.py``, ``BrokerHandshakes``) and wakes the
 loop for them through ``wake_fd``.
 """
 
@@ -42,7 +42,7 @@ from collections import deque
 
 import zmq
 from zchannel.broker.host import paths
-from zchannel.broker.transport.curve import FAILED, monitor, read_events
+from zchannel.broker.transport.sockets import HANDSHAKE_FAILED, monitor, read_events
 
 log = logging.getLogger("zchannel.broker")
 
@@ -109,7 +109,7 @@ class PeerGuard:
         self._failures: deque[tuple[int, int]] = deque()
         self._others = 0  # descriptors not of connections, at the last recount
         self._recounted = 0.0
-        self._monitor = monitor(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | FAILED)
+        self._monitor = monitor(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self._sock = sock
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # handshake failures
         self._stop_r, self._stop_w = os.pipe()

@@ -58,7 +58,7 @@ class BrokerConfig:
     max_header_bytes: int = MAX_HEADER_BYTES
     shm_threshold: int = DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
     shm_pool_bytes: int = DEFAULT_POOL_BYTES
-    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/transport/direct.py)
+    direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/transport/direct_broker.py)
     key_grace: float = 30.0
     insecure: bool = False
     curve_secret_key: str | None = None

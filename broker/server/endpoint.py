@@ -20,8 +20,8 @@ from zchannel.broker.server import rundir
 from zchannel.broker.server.admission import PeerGuard
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.peers import Peers
-from zchannel.broker.transport import direct
-from zchannel.broker.transport.curve import BrokerHandshakes, RefusalLog, secure_server
+from zchannel.broker.transport import direct_broker, direct_framing
+from zchannel.broker.transport.curve_broker import BrokerHandshakes, RefusalLog, secure_server
 
 log = logging.getLogger("zchannel.broker")
 
@@ -56,7 +56,7 @@ class Endpoint:
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
         self.guard: PeerGuard | None = None  # its connection budget (set by bind)
         self.token_file: Path | None = None  # where the shutdown token is kept (set by bind)
-        self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve.py)
+        self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve_broker.py)
         try:
             self.address = config.address or paths.default_address(config.name)
             paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
@@ -100,12 +100,12 @@ class Endpoint:
             os.chmod(ipc, 0o600)
         self.guard.bound(self.address)
         # beside shared memory only (see transport.open_transport); never around CURVE
-        link = direct.link_path(ipc) if ipc and self.config.direct and not self._auth \
+        link = direct_framing.link_path(ipc) if ipc and self.config.direct and not self._auth \
             and self.config.shm_threshold > 0 else None
         if link is not None:
             limit = self.config.max_message_bytes
             try:
-                peers.listener = direct.Listener(
+                peers.listener = direct_broker.Listener(
                     link, self.config.max_frames + 1, self.config.max_header_bytes, limit,
                     # a client coalesces requests up to MAX_BYTES_PER_MESSAGE, then one more
                     limit + MAX_BYTES_PER_MESSAGE + self.config.max_header_bytes if limit else 0)

@@ -40,8 +40,8 @@ from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
-from zchannel.broker.transport import direct
-from zchannel.broker.transport.curve import BrokerHandshakes, admin_keys
+from zchannel.broker.transport import direct_broker
+from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
 from zchannel.broker.transport.sockets import recv_message
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import (
@@ -377,7 +377,7 @@ class Broker:
         """End the loop after this turn (a shutdown request)."""
         self._running = False
 
-    # -- direct links (broker/transport/direct.py) -------------------------------------------------------
+    # -- direct links (broker/transport/direct_broker.py) -----------------------------------------
 
     def _direct_events(self, events: list) -> None:
         """Accept new links, read the ready ones (and handle their messages), write out what
@@ -403,7 +403,7 @@ class Broker:
         peers.poll_dirty = peers.poll_dirty or changed
 
 
-def _direct_read(broker: Broker, peer: direct.Peer) -> bool:
+def _direct_read(broker: Broker, peer: direct_broker.Peer) -> bool:
     """Read a ready link of ``broker`` and handle the messages it completed; False if it is
     gone."""
     alive, got_bytes = broker.bound()[1].read(peer)

@@ -2,10 +2,10 @@
 each, over the ROUTER socket or over a same-host direct link.
 
 A client's address (bytes) is its ZeroMQ routing id, or for a direct link one made up by the
-listener (``direct.ADDRESS_PREFIX`` and a serial number; never a routing id).  The broker's
+listener (``direct_broker.ADDRESS_PREFIX`` and a serial number; never a routing id).  The broker's
 loop (``server/loop.py``) knows clients only by address: it sends a message with ``send(address,
 parts)``, whichever transport the client came by, and hands the direct links' bytes to
-``read``, which cuts them into messages (``direct.Reader``) for it to handle.  ``Peers`` knows
+``read``, which cuts them into messages (``direct_framing.Reader``) for it to handle.  ``Peers`` knows
 nothing of records, queues or shared memory: those ride inside the messages.
 """
 
@@ -16,7 +16,7 @@ import time
 
 import zmq
 from zchannel.broker.server.admission import PeerGuard
-from zchannel.broker.transport import direct
+from zchannel.broker.transport import direct_broker, direct_framing
 from zchannel.broker.transport.sockets import send_message
 
 log = logging.getLogger("zchannel.broker")
@@ -27,7 +27,7 @@ class Peers:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.listener: direct.Listener | None = None
+        self.listener: direct_broker.Listener | None = None
         self.guard: PeerGuard | None = None  # the connection budget (server/admission.py)
         # the poll set changed: links came or went, or a full socket holds bytes back
         self.poll_dirty = True
@@ -49,7 +49,7 @@ class Peers:
                 if peer.out:
                     self.poll_dirty = True
                 return True
-            if address.startswith(direct.ADDRESS_PREFIX):
+            if address.startswith(direct_broker.ADDRESS_PREFIX):
                 return False  # a direct link that is gone
         try:
             send_message(self.sock, [address, *parts], nonblock=True)
@@ -78,7 +78,7 @@ class Peers:
             for fd, p in listener.by_fd.items()
         ]
 
-    def accept(self) -> list[direct.Peer]:
+    def accept(self) -> list[direct_broker.Peer]:
         """Accept the waiting direct links the connection budget has room for; with none (or
         no descriptor left) the listener is left alone until ``resume`` finds room: the links
         wait in its backlog, or their clients fall back to ZeroMQ."""
@@ -105,14 +105,14 @@ class Peers:
             self.accepting = True
             self.poll_dirty = True
 
-    def read(self, peer: direct.Peer) -> tuple[bool, bool]:
-        """Read a ready link until its socket is empty, or for at most ``direct.READ_BUDGET``
+    def read(self, peer: direct_broker.Peer) -> tuple[bool, bool]:
+        """Read a ready link until its socket is empty, or for at most ``direct_broker.READ_BUDGET``
         bytes (the other clients wait meanwhile; a loop turn per read would cost more than the
         read); the messages it completed wait in ``peer.reader.messages``.  ``(alive, got
         bytes)``: False when the link is gone (end of stream, an error, broken framing)."""
         reader = peer.reader
         alive = True
-        budget = direct.READ_BUDGET
+        budget = direct_broker.READ_BUDGET
         try:
             while alive and budget > 0:
                 n = reader.read(peer.fd)
@@ -120,13 +120,13 @@ class Peers:
                 budget -= n
         except BlockingIOError:
             pass
-        except (OSError, direct.FramingError) as exc:
-            if isinstance(exc, direct.FramingError):
+        except (OSError, direct_framing.FramingError) as exc:
+            if isinstance(exc, direct_framing.FramingError):
                 log.warning("closed a direct link that broke the framing: %s", exc)
             alive = False
-        return alive, budget < direct.READ_BUDGET
+        return alive, budget < direct_broker.READ_BUDGET
 
-    def drop(self, peer: direct.Peer) -> None:
+    def drop(self, peer: direct_broker.Peer) -> None:
         """Close a direct link (gone, or silent since it was accepted)."""
         assert self.listener is not None
         self.listener.drop(peer)

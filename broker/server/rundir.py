@@ -16,7 +16,7 @@ from pathlib import Path
 
 from zchannel.broker.host import paths
 from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
-from zchannel.broker.transport import direct
+from zchannel.broker.transport import direct_framing
 
 _REPLICA = ".replica"
 
@@ -125,7 +125,7 @@ def _address_files(address: str | None) -> list[str]:
     ipc = paths.ipc_path(address or "")
     if not ipc or ipc.startswith("@"):
         return []
-    link = direct.link_path(ipc)
+    link = direct_framing.link_path(ipc)
     return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ())) if p and os.path.lexists(p)]
 
 

@@ -27,7 +27,7 @@ from zchannel.broker.server.outbox import Outbox
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.producers import Producers
 from zchannel.broker.shm.broker import ShmBroker, SlotFrames
-from zchannel.broker.transport import direct
+from zchannel.broker.transport import direct_broker
 from zchannel.broker.wire.protocol import (
     BROKER_EXPIRED,
     BROKER_HEARTBEAT,
@@ -173,7 +173,7 @@ class Sessions:
         self.shm.client_gone(client)
         self.producers.detach(client)
 
-    def direct_gone(self, peer: direct.Peer) -> None:
+    def direct_gone(self, peer: direct_broker.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
         if self.peers is not None:
             self.peers.drop(peer)

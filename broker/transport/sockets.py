@@ -1,8 +1,12 @@
-"""ZeroMQ sockets as the transports use them: a client's DEALER socket and the multipart
-sends and non-blocking receives of both ends, without copying large frames."""
+"""ZeroMQ sockets as the transports use them: a client's DEALER socket, the multipart sends and
+non-blocking receives of both ends, without copying large frames, and socket monitors (the
+handshake events both ends watch)."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import struct
 import uuid
 from typing import Any
 
@@ -16,7 +20,7 @@ _POLLIN = int(zmq.POLLIN)
 def client_socket(curve: Any = None) -> zmq.Socket:
     """A client's DEALER socket, not connected yet: unbounded queues (the client keeps its own
     in-flight limit), no linger, reconnecting every 0.1-1 s; ``curve``: the client's
-    ``security.CurveKeys`` (``ValueError`` for key files without their key)."""
+    ``curve.CurveKeys`` (``ValueError`` for key files without their key)."""
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
@@ -81,3 +85,29 @@ def recv_reply(sock: zmq.Socket, ready: bool = False) -> tuple[bytes, list[zmq.F
     except zmq.Again:  # only after ``ready``, which a poll should not have said falsely
         return None
     return header, _recv_frames(sock, 0) if sock.getsockopt(_RCVMORE) else []
+
+# the handshake failures a socket monitor reports
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_EVENT = struct.Struct("=HI")
+_monitor_ids = itertools.count(1)
+
+
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving ``events`` of ``sock``, at an inproc address of its own (pyzmq's
+    default names it after the socket's descriptor number, which a socket made after a closed
+    one reuses while libzmq may still hold the old endpoint: its events were then lost)."""
+    address = f"inproc://zchannel-monitor-{os.getpid()}-{next(_monitor_ids)}"
+    return sock.get_monitor_socket(events, addr=address)
+
+
+def read_events(mon: zmq.Socket) -> list[tuple[int, int]]:
+    """The (event, value) pairs waiting on a monitor socket."""
+    events: list[tuple[int, int]] = []
+    while True:
+        try:
+            frames = mon.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        if len(frames) == 2 and len(frames[0]) == _EVENT.size:
+            events.append(_EVENT.unpack(frames[0]))

@@ -1,0 +1,124 @@
+"""What every part of a connection shares: its line to the broker.
+
+``Line`` holds the transport and who may touch it (the socket lock and its holder), the
+descriptors' closed flags, the wake-up eventfd of the I/O thread (and its lock), the
+connection's state (and the condition that announces it), the broker's heartbeat interval and
+liveness, and the times of the last message sent and received.  ``Connection``
+(``connection/connection.py``) makes one and gives it to each of its parts; a part reads and
+writes these fields and calls these methods, nothing else of another part.
+
+Whoever holds ``sock_lock`` is the only thread touching the transport (zmq sockets are not
+thread-safe); ``holder`` says which user thread it is (0: none, or the I/O thread).  The I/O
+thread closes the transport and the eventfd as its last act, holding the locks every other
+thread takes before it touches them (``close_fds``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from zchannel.broker.transport.seam import Transport
+from zchannel.broker.wire.protocol import pack_header
+
+CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
+
+
+class Line:
+    """A connection's transport, its locks, wake-up, state and traffic times (module docstring)."""
+
+    __slots__ = ("transport", "callers_read", "readable", "pid", "hb", "liveness", "state",
+                 "state_cv", "sock_lock", "holder", "fds_closed", "closing", "wake", "wake_lock",
+                 "wake_closed", "woken", "last_recv", "last_send")
+
+    def __init__(self, transport: Transport, hb: float, liveness: int) -> None:
+        self.transport = transport
+        # callers send and read it themselves (the direct link; see waiting.py)
+        self.callers_read = transport.callers_read
+        # what a poll waits on for replies: the socket, or the link's descriptor
+        self.readable = transport.readable
+        self.pid = os.getpid()  # the process whose threads may use it
+        # the heartbeat interval and liveness: the broker's once it said hello
+        # (``Liveness.adopt_heartbeat``); the broker is dead after ``hb * liveness`` of silence
+        self.hb = hb
+        self.liveness = liveness
+        self.state = CONNECTING
+        self.state_cv = threading.Condition()
+        self.sock_lock = threading.Lock()
+        self.holder = 0  # the user thread that holds sock_lock (close() must not join then)
+        self.fds_closed = False  # the I/O thread closed the transport (under sock_lock)
+        self.closing = False  # the I/O thread was asked to end (``Connection.stop``)
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # closed by the I/O thread as its last act, under this lock: a wake-up written later
+        # must not reach a descriptor that reused the number (``signal``)
+        self.wake_lock = threading.Lock()
+        self.wake_closed = False
+        self.woken = False  # an eventfd wake-up is pending (saves a system call per request)
+        self.last_recv = time.monotonic()  # life from the broker (``Liveness.silent_for``)
+        self.last_send = 0.0
+
+    def set_state(self, state: str) -> None:
+        """Change the state and wake every thread waiting on ``state_cv``."""
+        with self.state_cv:
+            self.state = state
+            self.state_cv.notify_all()
+
+    def send(self, records: list, frames: list) -> None:
+        """One message (``records`` in its header, then ``frames``), by the socket's holder."""
+        self.transport.send([pack_header(records), *frames])  # lost if it broke
+        self.last_send = time.monotonic()
+
+    def take(self) -> bool:
+        """Take the socket for this (user) thread if it is free and still open."""
+        if not self.sock_lock.acquire(blocking=False):
+            return False
+        if self.fds_closed:
+            self.sock_lock.release()
+            return False
+        self.holder = threading.get_ident()
+        return True
+
+    def give(self) -> None:
+        """Give back the socket ``take`` took."""
+        self.holder = 0
+        self.sock_lock.release()
+
+    def wake_io(self) -> None:
+        """Make sure the I/O thread wakes (once per batch: it re-arms before each round)."""
+        if not self.woken:
+            self.woken = True
+            self.signal()
+
+    def signal(self) -> None:
+        """Write a wake-up, unless the I/O thread closed the eventfd (it ended)."""
+        with self.wake_lock:
+            if not self.wake_closed:
+                os.eventfd_write(self.wake, 1)
+
+    def close_fds(self) -> None:
+        """Close the transport and the wake-up eventfd (with the socket lock taken, or before
+        any thread could use them)."""
+        self.fds_closed = True
+        self.transport.close()
+        self.close_wake()
+
+    def close_wake(self) -> None:
+        """Close the wake-up eventfd (a wake-up written later finds it closed)."""
+        with self.wake_lock:
+            if not self.wake_closed:
+                self.wake_closed = True
+                os.close(self.wake)
+
+    def after_fork(self) -> None:
+        """In a forked child: the I/O thread did not come along, so nothing may wait for it;
+        fresh locks (a parent's thread may have held them at the fork), the transport left to
+        the parent and the child's copy of the eventfd closed."""
+        self.closing = True
+        self.wake_lock = threading.Lock()
+        self.sock_lock = threading.Lock()
+        self.fds_closed = True
+        self.transport.close_after_fork()
+        if not self.wake_closed:
+            self.wake_closed = True
+            os.close(self.wake)

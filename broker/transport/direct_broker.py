@@ -1,0 +1,130 @@
+"""The broker's end of the same-host direct link: the listening socket beside the broker's
+``ipc://`` path and one ``Peer`` per client link (the client's end is ``transport/direct.py``;
+the framing and the reader are ``transport/direct_framing.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+from collections import deque
+
+from zchannel.broker.transport.direct_framing import (
+    IOV_MAX,
+    Reader,
+    advance,
+    head_buffers,
+    iovec,
+    tune_socket,
+)
+
+READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at most
+# The broker's address of a link's client: never a ZeroMQ routing id (a client's is 16 random
+# bytes, one libzmq makes up 5 starting with \x00).
+ADDRESS_PREFIX = b"\x00D"
+
+
+class Peer:
+    """The broker's end of one direct link."""
+
+    __slots__ = ("sock", "fd", "address", "reader", "out", "since", "greeted")
+
+    def __init__(self, sock: socket.socket, address: bytes, reader: Reader) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.address = address
+        self.reader = reader
+        self.out: deque = deque()  # bytes not yet written (the socket was full)
+        self.since = time.monotonic()  # accepted then
+        self.greeted = False  # it said hello (a link that never does is closed after expiry)
+
+    def send(self, parts: list) -> bool:
+        """Queue one message and write what the socket takes now; False if the peer is gone."""
+        bufs, total = iovec(parts)
+        if self.out:
+            self.out.extend(bufs)
+            return True
+        try:
+            n = os.writev(self.fd, bufs[:IOV_MAX])
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            return False
+        if n < total:
+            self.out.extend(bufs)
+            advance(self.out, n)
+        return True
+
+    def write_out(self) -> bool:
+        """Write queued bytes (the socket said it has room); False if the peer is gone."""
+        while self.out:
+            try:
+                n = os.writev(self.fd, head_buffers(self.out))
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            advance(self.out, n)
+        return True
+
+
+class Listener:
+    """The broker's listening socket for direct links and its peers (by fd and by address)."""
+
+    def __init__(self, path: str, max_parts: int, max_header: int, max_part: int,
+                 max_total: int = 0) -> None:
+        if os.path.exists(path):
+            os.unlink(path)  # stale: the broker holds the channel lock
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        os.chmod(path, 0o600)
+        self.sock.listen(128)
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+        self.limits = (max_parts, max_header, max_part, max_total)
+        self.by_fd: dict[int, Peer] = {}
+        self.by_address: dict[bytes, Peer] = {}
+        self._serial = 0
+        self.starved = False  # the last accept ran out of descriptors
+
+    def accept(self, limit: int = 1 << 30) -> list[Peer]:
+        """Accept the waiting links, at most ``limit``; ``starved`` says whether the process
+        ran out of descriptors (or memory) meanwhile (the link then waits in the backlog)."""
+        peers: list[Peer] = []
+        self.starved = False
+        while len(peers) < limit:
+            try:
+                sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return peers
+            except OSError as exc:  # out of descriptors: the client waits, falls back or retries
+                self.starved = exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                             errno.ENOMEM)
+                return peers
+            sock.setblocking(False)
+            tune_socket(sock)
+            self._serial += 1
+            address = ADDRESS_PREFIX + self._serial.to_bytes(8, "little")
+            peer = Peer(sock, address, Reader(*self.limits))
+            self.by_fd[peer.fd] = peer
+            self.by_address[address] = peer
+            peers.append(peer)
+        return peers
+
+    def drop(self, peer: Peer) -> None:
+        self.by_fd.pop(peer.fd, None)
+        self.by_address.pop(peer.address, None)
+        peer.out.clear()
+        peer.sock.close()
+
+    def close(self) -> None:
+        for peer in list(self.by_fd.values()):
+            self.drop(peer)
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
