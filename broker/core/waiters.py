@@ -221,8 +221,12 @@ class Waiters:
         self._unpark(req)
         ks = self.queues.keys.get(req.key)
         if ks is not None:
-            with contextlib.suppress(ValueError):
-                ks.getters.remove(req)
+            getters = ks.getters
+            if getters and getters[0] is req:  # served in arrival order: the common case
+                getters.popleft()
+            else:
+                with contextlib.suppress(ValueError):
+                    getters.remove(req)
         return ks
 
     def serve(self, ks: KeyState) -> None:
