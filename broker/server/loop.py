@@ -356,17 +356,14 @@ class Broker:
         handlers = self.handlers
         for rec in records:
             nf = rec.nf
-            if nf:
-                op_frames = frames[pos : pos + nf]
-                pos += nf
-            else:  # most small records: no frames of their own
-                op_frames = _NO_FRAMES
+            op_frames = frames[pos : pos + nf] if nf else _NO_FRAMES  # most have none
+            pos += nf
             if isinstance(rec, BadRecord):
                 _answer_bad_record(self.sessions, address, client, rec, now)
                 continue
             kind = type(rec)
             if client is None or kind is Hello:
-                client = self._greet(address, rec, head, now)
+                client = _greet(self, address, rec, head, now)
                 continue
             try:
                 handlers[kind](self, client, rec, op_frames)
@@ -377,15 +374,6 @@ class Broker:
             if kind is Bye:
                 client = None
         return len(records)
-
-    def _greet(self, address: bytes, rec: Request, head: Any, now: float) -> Client | None:
-        """A record of ``address`` that is a hello (the client registered anew), or that came
-        from no client (told it expired, unless it was its bye): the client from now on."""
-        if isinstance(rec, Hello):
-            return hello(self, address, rec, head)
-        if type(rec) is not Bye:
-            self.sessions.tell_expired(address, now)
-        return None
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""
@@ -415,6 +403,16 @@ class Broker:
                 changed = True
         self.sessions.flush()
         peers.poll_dirty = peers.poll_dirty or changed
+
+
+def _greet(broker: Broker, address: bytes, rec: Request, head: Any, now: float) -> Client | None:
+    """A record of ``address`` that is a hello (the client registered anew), or that came from
+    no client (told it expired, unless it was its bye): the client from now on."""
+    if isinstance(rec, Hello):
+        return hello(broker, address, rec, head)
+    if type(rec) is not Bye:
+        broker.sessions.tell_expired(address, now)
+    return None
 
 
 def _direct_read(broker: Broker, peer: direct.Peer) -> bool:
