@@ -18,6 +18,9 @@ def _wait_timeout(timeout: Any) -> float | None:
     can wait, infinity included: no limit); ``ValueError`` for NaN or a non-number."""
     if timeout is None:
         return None
+    kind = type(timeout)
+    if (kind is float or kind is int) and 0 <= timeout <= threading.TIMEOUT_MAX:  # the common case
+        return float(timeout)
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
         raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
     # a Real compares with a float (typeshed's numbers.Real does not say so)

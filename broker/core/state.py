@@ -36,7 +36,7 @@ class Item:
     origin: tuple[bytes, int] | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Client:
     """One connected handle (a DEALER socket, or a local handle)."""
 
@@ -52,7 +52,7 @@ class Client:
     producer: Any = None  # its put sequences' window (broker/server/producers.py)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Parked:
     """A parked get, get_batch or put."""
 

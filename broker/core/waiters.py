@@ -77,12 +77,14 @@ class Waiters:
             self.reply(client, rid)
             return True
         if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
-            error = _unlogged(self.log, outputs)
-            if error is not None:  # nothing is stored
-                self.reply(client, rid, error=error)
-                return False
+            if self.log is not None:
+                error = _unlogged(self.log, outputs)
+                if error is not None:  # nothing is stored
+                    self.reply(client, rid, error=error)
+                    return False
             for ks in queues.store(outputs):
-                self.serve(ks)
+                if ks.getters:  # else nothing to serve, and the key holds an item: not idle
+                    self.serve(ks)
             self.reply(client, rid)
             return True
         req = Parked(client, rid, "put", key, None, outputs=outputs)
@@ -221,8 +223,12 @@ class Waiters:
         self._unpark(req)
         ks = self.queues.keys.get(req.key)
         if ks is not None:
-            with contextlib.suppress(ValueError):
-                ks.getters.remove(req)
+            getters = ks.getters
+            if getters and getters[0] is req:  # served in arrival order: the common case
+                getters.popleft()
+            else:
+                with contextlib.suppress(ValueError):
+                    getters.remove(req)
         return ks
 
     def serve(self, ks: KeyState) -> None:
@@ -285,7 +291,7 @@ class Waiters:
 
     def _deliver(self, req: Parked, ks: KeyState, origin: str | None, queue: deque[Item],
                  n: int) -> None:
-        items = [queue.popleft() for _ in range(n)]
+        items = [queue.popleft()] if n == 1 else [queue.popleft() for _ in range(n)]
         self._remove_getter(req)
         lease_id = None
         if req.ack and req.kind == "get":

@@ -50,6 +50,7 @@ from zchannel.broker.wire.protocol import (
     Bye,
     Hello,
     ProtocolError,
+    Request,
     op_of,
     unpack_requests,
 )
@@ -62,6 +63,8 @@ log = logging.getLogger("zchannel.broker")
 RECORDS_PER_TURN = 16384
 # plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
 _POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
+# the frames of a record that has none (handlers never change the list they are given)
+_NO_FRAMES: list = []
 
 
 class _RateLimitFilter(logging.Filter):
@@ -347,24 +350,23 @@ class Broker:
             return 0
         client = self.sessions.clients.get(address)
         now = time.monotonic()
+        if client is not None:
+            client.last_seen = now
         head = frames[pos - 1]  # the header: a zmq.Frame (its CURVE User-Id), or link bytes
+        handlers = self.handlers
         for rec in records:
             nf = rec.nf
-            op_frames = frames[pos : pos + nf]
+            op_frames = frames[pos : pos + nf] if nf else _NO_FRAMES  # most have none
             pos += nf
             if isinstance(rec, BadRecord):
                 _answer_bad_record(self.sessions, address, client, rec, now)
                 continue
             kind = type(rec)
             if client is None or kind is Hello:
-                if isinstance(rec, Hello):
-                    client = hello(self, address, rec, head)
-                elif kind is not Bye:
-                    self.sessions.tell_expired(address, now)
+                client = _greet(self, address, rec, head, now)
                 continue
-            client.last_seen = now
             try:
-                self.handlers[kind](self, client, rec, op_frames)
+                handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
                 if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
                     log.exception("error handling op %r", op_of(rec))
@@ -401,6 +403,16 @@ class Broker:
                 changed = True
         self.sessions.flush()
         peers.poll_dirty = peers.poll_dirty or changed
+
+
+def _greet(broker: Broker, address: bytes, rec: Request, head: Any, now: float) -> Client | None:
+    """A record of ``address`` that is a hello (the client registered anew), or that came from
+    no client (told it expired, unless it was its bye): the client from now on."""
+    if isinstance(rec, Hello):
+        return hello(broker, address, rec, head)
+    if type(rec) is not Bye:
+        broker.sessions.tell_expired(address, now)
+    return None
 
 
 def _direct_read(broker: Broker, peer: direct_broker.Peer) -> bool:

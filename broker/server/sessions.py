@@ -79,10 +79,13 @@ class Sessions:
               items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
               origin: Any = None, raw: bool = False, weights: list | None = None) -> None:
         """Queue the reply to request ``rid`` of ``client`` (sent at the end of the turn)."""
-        rec = Reply(id=rid, weights=weights)
         out = self._out.get(client.address)
         if out is None:
             out = self._out[client.address] = Outbox()
+        if items is None and error is None and weights is None:  # an acknowledgement or a result
+            out.records.append(Reply(id=rid, result=result))
+            return
+        rec = Reply(id=rid, weights=weights)
         if error is not None:
             rec.error = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \

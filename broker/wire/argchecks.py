@@ -87,6 +87,9 @@ def check_timeout(timeout: Any) -> float | None:
     refused: a deadline that compares false with every other would stall the broker's timers."""
     if timeout is None:
         return None
+    kind = type(timeout)
+    if (kind is float or kind is int) and 0 <= timeout <= MAX_TIMEOUT:  # the common case
+        return float(timeout)
     # a Real compares with numbers (typeshed's numbers.Real does not say so)
     if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real) \
             and 0 <= cast(float, timeout) <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound

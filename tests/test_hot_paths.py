@@ -1,0 +1,73 @@
+"""The short cuts of the per-item paths refuse and serve exactly what the general paths do:
+timeouts checked without the numbers ABCs, getters served from the head of their queue (and
+one withdrawn from the middle), several records of one message from one client."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from zchannel.broker.connection.work import _wait_timeout
+from zchannel.broker.wire.argchecks import MAX_TIMEOUT, check_timeout
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1, 2.5, MAX_TIMEOUT, np.float64(0.5), np.int64(3)])
+def test_check_timeout_accepts_numbers_in_range_as_floats(value):
+    got = check_timeout(value)
+    assert type(got) is float and got == float(value)
+
+
+@pytest.mark.parametrize("value", [True, False, -1, -0.5, math.nan, math.inf, -math.inf,
+                                   MAX_TIMEOUT * 2, "1", [1]])
+def test_check_timeout_refuses_what_is_no_timeout(value):
+    with pytest.raises(ValueError, match="timeout must be None or a finite number"):
+        check_timeout(value)
+
+
+def test_wait_timeout_fast_path_matches_the_general_rule():
+    assert _wait_timeout(None) is None
+    assert _wait_timeout(3) == 3.0 and type(_wait_timeout(3)) is float
+    assert _wait_timeout(0.25) == 0.25
+    assert _wait_timeout(-1) == 0.0  # negative: do not wait
+    assert _wait_timeout(-0.5) == 0.0
+    assert _wait_timeout(math.inf) is None  # beyond what a lock can wait: no limit
+    assert _wait_timeout(np.float64(0.5)) == 0.5
+    for bad in (True, math.nan, "1"):
+        with pytest.raises(ValueError):
+            _wait_timeout(bad)
+
+
+def test_waiting_getters_served_in_arrival_order_after_one_withdrawn(make):
+    """Gets parked on an empty key get the items in the order they asked, also when one in the
+    middle was cancelled (it leaves from the middle of the waiting line, the others from its
+    head)."""
+    ch = make("order")
+    first = ch.get(key="k", async_op=True, timeout=60)
+    middle = ch.get(key="k", async_op=True, timeout=60)
+    last = ch.get(key="k", async_op=True, timeout=60)
+    assert middle.cancel() is True
+    ch.put("a", key="k")
+    ch.put("b", key="k")
+    assert first.wait(timeout=30) == "a"
+    assert last.wait(timeout=30) == "b"
+    ch.put("c", key="k")
+    assert ch.get(key="k", timeout=30) == "c"  # the cancelled get took nothing
+    assert ch.qsize("k") == 0
+
+
+def test_stream_of_small_items_keeps_per_key_fifo_and_counts(make):
+    """Many small puts and gets in flight at once (coalesced into messages of many records):
+    every item arrives once, in order per key, and the queue ends empty."""
+    ch = make("stream")
+    n = 2000
+    puts = [ch.put(i.to_bytes(4, "big") * 16, weight=1, key=("k", i % 3), async_op=True)
+            for i in range(n)]
+    gets = {k: [ch.get(key=("k", k), async_op=True, timeout=60) for _ in range(len(range(k, n, 3)))]
+            for k in range(3)}
+    for work in puts:
+        assert work.wait(timeout=60) is None
+    for k, works in gets.items():
+        got = [int.from_bytes(w.wait(timeout=60)[:4], "big") for w in works]
+        assert got == list(range(k, n, 3))
+        assert ch.qsize(("k", k)) == 0
