@@ -276,8 +276,13 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
         return Measured(case.messages, 4.0, np.array([1000], dtype=np.int64))
 
     monkeypatch.setattr(runner_mod, "run_channel_stream", fake_stream)
+    def fake_ring(case, *args, **kwargs):
+        return Measured(case.messages, 0.5, np.array([1000], dtype=np.int64))
+
     for kind in ("zmq.proxy", "zmq.proxy.depth"):
         monkeypatch.setitem(BASELINES, kind, dataclasses.replace(BASELINES[kind], run=fake_proxy))
+    monkeypatch.setitem(BASELINES, "copy.pipeline",
+                        dataclasses.replace(BASELINES["copy.pipeline"], run=fake_ring))
     monkeypatch.setattr(targets_mod, "measure_ray_actor", lambda runner, case: None)
     runner = runner_mod.Runner(address=None, baseline="none", repeats=3, tmpdir=str(tmp_path))
     targets = targets_mod.run_shm_targets(runner)
@@ -308,6 +313,11 @@ def test_shm_targets_measure_the_defaults_beside_tuned_t9(tmp_path, monkeypatch)
     (copy,) = [r for r in runner.rows if r.kind == "np.copyto"]
     assert copy.repeats == 3 and copy.size == 16 << 20
     assert by_name["T9-copy"].reference == pytest.approx(copy.mb_s)
+    # and against the bare copy-in, copy-out ring (two copies and the check, nothing else)
+    (ring,) = [r for r in runner.rows if r.kind == "copy.pipeline"]
+    assert ring.repeats == 3 and ring.size == 16 << 20
+    assert by_name["T9-pipe"].reference == pytest.approx(ring.mb_s)
+    assert by_name["T9-pipe"].ratio == pytest.approx(0.5) and not by_name["T9-pipe"].passed
 
 
 def test_payloads_built_in_slots_pass_the_check(make_remote):
@@ -379,7 +389,7 @@ def test_target_thresholds_are_data(tmp_path):
 
     thresholds = targets_mod.load_thresholds()
     for name in ("T1", "T2", "T2s", "T2s-mp", "T2s-redis", "T3", "T3b", "T4", "T6", "T7", "T8",
-                 "T9", "T9-ray", "T9-copy", "T9z", "T9d", "T10"):
+                 "T9", "T9-ray", "T9-copy", "T9-pipe", "T9z", "T9d", "T10"):
         assert name in thresholds
     assert thresholds["T2s"] == targets_mod.Threshold(0.8, True)
     assert thresholds["T4"].higher is False
@@ -440,6 +450,27 @@ def test_disk_baseline_writes_and_syncs_the_same_bytes(tmp_path, monkeypatch):
     measured = run_disk(Case("channel", ptype="tensor", size=1 << 20, messages=5), str(tmp_path))
     assert synced == [(i + 1) << 20 for i in range(5)]  # one sync per item, after its bytes
     assert measured.items == 5 and measured.lat_ns.size == 5 and not list(tmp_path.iterdir())
+
+
+def test_copy_pipeline_baseline_moves_and_checks_every_item(tmp_path, monkeypatch):
+    """The copy limit of T9-pipe: every item goes through the shared ring once (the sequence
+    numbers are verified), its segment is removed afterwards, and a corrupted item fails it."""
+    from zchannel.cli.bench.cases import Case
+    from zchannel.cli.bench.copylimit import run_copy_pipeline
+
+    def segments() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"zcb-copy-{os.getpid()}-")}
+
+    case = Case("channel", ptype="tensor", size=1 << 20, messages=40, window=3)
+    measured = run_copy_pipeline(case, str(tmp_path))
+    assert measured.items == 40 and measured.lat_ns.size == 40 and not segments()
+    assert measured.extra["consumer_cpu_us_item"] > 0
+    monkeypatch.setenv(CORRUPT_ENV, "17")
+    with pytest.raises(Mismatch, match="content mismatch"):
+        run_copy_pipeline(case, str(tmp_path))
+    assert not segments()
+    with pytest.raises(ValueError, match="1 producer and 1 consumer"):
+        run_copy_pipeline(dataclasses.replace(case, producers=2), str(tmp_path))
 
 
 def test_durable_targets_compare_in_the_same_rounds(tmp_path, monkeypatch):

@@ -219,11 +219,11 @@ def empty_array(pool: Pool | None, shape: Any, dtype: Any) -> Any:
     dims = _dims(shape)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        view = pool.lend(math.prod(dims) * itemsize) if pool is not None else None
+        nbytes = math.prod(dims) * codec.tensor_itemsize(dtype)
+        view = pool.lend(nbytes) if pool is not None else None
         if view is None:
             return torch.empty(dims, dtype=dtype)
-        return torch.from_numpy(view).view(dtype).reshape(dims)
+        return codec.tensor_over(view, dtype, dims)
     try:
         kind = np.dtype(dtype)
     except TypeError:

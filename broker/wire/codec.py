@@ -556,20 +556,34 @@ def _read_tensor(dec: _Decoder, data: bytes) -> Any:
     value = _unpack_leaf(data)
     if not (isinstance(value, list) and len(value) == 4):
         raise ValueError("malformed tensor descriptor")
-    torch = _torch()
+    _torch()
     dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
     if dtype is None:
         raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
     shape = _check_shape(value[1])
     raw = dec.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
+    return _restore_device(tensor_over(raw, dtype, shape), value[3])
+
+
+def tensor_itemsize(dtype: Any) -> int:
+    """Bytes per element of torch ``dtype`` (from the table built once; a dtype outside it is
+    probed)."""
+    _torch()
+    size = _TORCH_ITEMSIZE.get(dtype)
+    return size if size is not None else int(_torch().empty(0, dtype=dtype).element_size())
+
+
+def tensor_over(raw: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A CPU tensor of torch ``dtype`` and ``shape`` sharing the memory of ``raw`` (a flat uint8
+    array of exactly its bytes): one torch call where numpy has the dtype (view and reshape in
+    numpy cost a third of torch's)."""
+    torch = _torch()
     np_dtype = _TORCH_NUMPY.get(dtype)
-    if np_dtype is not None:  # one torch call: view and reshape in numpy
-        tensor = torch.from_numpy(raw.view(np_dtype).reshape(shape))
-    else:
-        tensor = torch.from_numpy(raw)
-        tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
-        tensor = tensor.reshape(shape)
-    return _restore_device(tensor, value[3])
+    if np_dtype is not None:
+        return torch.from_numpy(raw.view(np_dtype).reshape(shape))
+    tensor = torch.from_numpy(raw)
+    tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+    return tensor.reshape(shape)
 
 
 def _read_dataclass(dec: _Decoder, data: bytes) -> Any:

@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zchannel.cli.bench import copylimit as _copy_baseline  # noqa: F401 - registers copy.pipeline
 from zchannel.cli.bench import disk as _disk_baseline  # noqa: F401 - registers disk
 from zchannel.cli.bench import redis as _redis_baselines  # noqa: F401 - registers redis, redis-mem
 from zchannel.cli.bench.baselines import ray_available, run_ray_baselines

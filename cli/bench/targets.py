@@ -367,9 +367,12 @@ def _t9_large_tensors(runner: Runner, thresholds: dict[str, Threshold]) -> list[
     )
     # fresh: T1 measured the same zmq.proxy set-up earlier; T9 gets its own, run in rounds,
     # and so does the copy limit (np.copyto of the same bytes)
-    t9, _t9w, t9d, t9z = runner.measure_together(_t9_cases(c9), fresh=True, also=("np.copyto",))
+    t9, _t9w, t9d, t9z = runner.measure_together(
+        _t9_cases(c9), fresh=True, also=("np.copyto", "copy.pipeline")
+    )
     b9 = runner.baseline_of(c9)
     copy9 = runner.baseline_for(c9, "np.copyto")
+    pipe9 = runner.baseline_for(c9, "copy.pipeline")
     r9 = measure_ray_actor(runner, dataclasses.replace(c9, label=""))
     out: list[TargetResult] = []
     what = "16 MiB tensors 1P->1C same host (shm, copy-out), MB/s vs"
@@ -381,6 +384,11 @@ def _t9_large_tensors(runner: Runner, thresholds: dict[str, Threshold]) -> list[
         out.append(_target(
             "T9-copy", f"{what} np.copyto of 16 MiB in one process (same rounds)", t9.mb_s,
             copy9.mb_s, "MB/s", thresholds,
+        ))
+    if pipe9 is not None:
+        out.append(_target(
+            "T9-pipe", f"{what} the same copy-in, copy-out ring with nothing else (two "
+            "processes, same rounds)", t9.mb_s, pipe9.mb_s, "MB/s", thresholds,
         ))
     out.append(_target(
         "T9z", "16 MiB tensors, zero-copy (empty_shm producer, copy=False consumer), "
