@@ -543,3 +543,30 @@ def test_brokers_start_with_glibc_streaming_large_copies(make_remote, monkeypatc
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("ZCHANNEL_GLIBC_TUNABLES", "0")
     assert _broker_tunables(make_remote("tun3")) == b""
+
+
+def test_owned_copies_survive_slot_and_buffer_reuse(make_remote):
+    """The default get (copy=True) owns its tensor: later items that reuse the same slot, and
+    copy-out buffers recycled from tensors already collected, never write into a tensor the
+    user still holds; live tensors never share memory."""
+    ch = make_remote("owned", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    kept: list[tuple[int, torch.Tensor]] = []
+    slots_used = set()
+    for i in range(12):
+        ch.put(torch.full((T // 4,), float(i)))
+        slots_used |= {(seg.name, int(j)) for seg in pool.classes[T]
+                       for j in np.flatnonzero(seg.states == shm.USED)}
+        got = ch.get(timeout=10)
+        assert torch.equal(got, torch.full((T // 4,), float(i)))
+        if i % 3:  # keep two of three; the third is collected and its buffer recycled
+            kept.append((i, got))
+        del got
+        gc.collect()
+        wait_until(lambda: _shm_stats(ch)["slots_used"] == 0, timeout=10)
+    assert len(slots_used) == 1  # every put took the slot the previous item freed
+    for i, t in kept:
+        assert torch.equal(t, torch.full((T // 4,), float(i))), f"item {i} was overwritten"
+    assert len({t.data_ptr() for _, t in kept}) == len(kept)
+    cache = ch._connection().shm.out_cache
+    assert all(len(free) <= shm.client.OUT_CACHE for free in cache.values())

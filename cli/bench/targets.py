@@ -357,7 +357,8 @@ def _t9_cases(c9: Case) -> list[Case]:
 
 
 def _t9_large_tensors(runner: Runner, thresholds: dict[str, Threshold]) -> list[TargetResult]:
-    """T9 (against the relay, Ray's pipelined actor calls and np.copyto), T9z and T9d."""
+    """T9 (against the relay, Ray's pipelined actor calls, np.copyto and the bare copy-in,
+    copy-out ring), T9z and T9d."""
     # maxsize = window: a bounded queue, like the baselines' (zmq HWM, Ray's window); the
     # producer's pool then covers every item in flight (see docs/shm.md, pool sizing)
     # 4 GiB per case: a steady state, not the first fill of the producer's pool (creating
