@@ -355,7 +355,8 @@ def test_stream_target_runs_with_its_baselines(tmp_path):
     thresholds = load_thresholds()
     results = {r.target: r for r in measure_stream_target(runner, small, thresholds)}
     redis_here = unavailable() is None
-    assert set(results) == {"T2s", "T2s-mp", "T3b"} | ({"T2s-redis"} if redis_here else set())
+    assert set(results) == {"T2s", "T2s-mp", "T3b"} | (
+        {"T2s-redis", "T3b-redis"} if redis_here else set())
     result = results["T2s"]
     assert result.unit == "items/s" and result.measured > 0 and result.reference > 0
     assert result.ratio == pytest.approx(result.measured / result.reference)
@@ -374,10 +375,13 @@ def test_stream_target_runs_with_its_baselines(tmp_path):
     assert row.extra["server_cpu_us_item"] >= 0 and row.extra["consumer_cpu_us_item"] > 0
     if redis_here:
         assert results["T2s-redis"].reference == by_kind["redis-mem"].items_s
+        assert results["T3b-redis"].reference == by_kind["redis-mem"].items_s
     else:
         assert any("redis" in note for note in runner.notes)
     (batch,) = [r for r in runner.rows if r.case.startswith("T3b")]
     assert results["T3b"].measured == batch.items_s and results["T3b"].reference == row.items_s
+    if redis_here:
+        assert results["T3b-redis"].measured == batch.items_s
 
 
 def test_target_thresholds_are_data(tmp_path):
@@ -388,8 +392,8 @@ def test_target_thresholds_are_data(tmp_path):
     from zchannel.cli.bench import targets as targets_mod
 
     thresholds = targets_mod.load_thresholds()
-    for name in ("T1", "T2", "T2s", "T2s-mp", "T2s-redis", "T3", "T3b", "T4", "T6", "T7", "T8",
-                 "T9", "T9-ray", "T9-copy", "T9-pipe", "T9z", "T9d", "T10"):
+    for name in ("T1", "T2", "T2s", "T2s-mp", "T2s-redis", "T3", "T3b", "T3b-redis", "T4", "T6",
+                 "T7", "T8", "T9", "T9-ray", "T9-copy", "T9-pipe", "T9z", "T9d", "T10"):
         assert name in thresholds
     assert thresholds["T2s"] == targets_mod.Threshold(0.8, True)
     assert thresholds["T4"].higher is False
@@ -495,13 +499,14 @@ def test_durable_targets_compare_in_the_same_rounds(tmp_path, monkeypatch):
         BASELINES["redis"], run=fake("redis", 4.0), unavailable=lambda: None))
     runner = runner_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
     targets = {t.target: t for t in durable_mod.run_durable_targets(runner)}
-    assert sorted(targets) == ["D1", "D2", "D3", "D4"]
+    assert sorted(targets) == ["D1", "D2", "D3", "D3b", "D4"]
     assert targets["D1"].ratio == 2.0 and targets["D1"].passed
     assert targets["D2"].ratio == 1.0 and targets["D3"].ratio == 4.0 and targets["D4"].ratio == 4.0
+    assert targets["D3b"].ratio == 4.0  # the get_batch(64) stream, against the same Redis row
     big, small = f"zchannel:interval:{16 << 20}", "zchannel:interval:64"
     assert order[:4] == [big, f"disk:-:{16 << 20}"] * 2  # rounds: case, then its baseline
-    assert order[4:10] == [small, "zchannel:-:64", "redis:-:64"] * 2
-    assert order[10:] == [big, f"redis:-:{16 << 20}"] * 2
+    assert order[4:12] == [small, "zchannel:-:64", small, "redis:-:64"] * 2
+    assert order[12:] == [big, f"redis:-:{16 << 20}"] * 2
     assert runner.baseline == "zmq"
 
 

@@ -1,14 +1,18 @@
 """The short cuts of the per-item paths refuse and serve exactly what the general paths do:
 timeouts checked without the numbers ABCs, getters served from the head of their queue (and
-one withdrawn from the middle), several records of one message from one client."""
+one withdrawn from the middle), several records of one message from one client; a ``Work``
+completed without a gate unless a thread sleeps on it; small bytes decoded alike from bytes
+and from a view."""
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
-from zchannel.broker.connection.work import _wait_timeout
+from zchannel.broker.connection.work import _DONE, Work, _wait_timeout
+from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import MAX_TIMEOUT, check_timeout
 
 
@@ -71,3 +75,62 @@ def test_stream_of_small_items_keeps_per_key_fifo_and_counts(make):
         got = [int.from_bytes(w.wait(timeout=60)[:4], "big") for w in works]
         assert got == list(range(k, n, 3))
         assert ch.qsize(("k", k)) == 0
+
+
+# -- Work: one lock, its gate made only for a thread that sleeps ------------------------------
+
+
+def test_work_completed_before_any_wait_never_makes_a_gate():
+    work = Work()
+    work.set_result(5)
+    assert work.wait(0) == 5 and work._gate is None
+
+
+def test_work_wakes_every_sleeper_and_a_timed_out_wait_leaves_it_pending():
+    work = Work()
+    with pytest.raises(TimeoutError):
+        work.wait(0.01)
+    assert not work.done()
+    got: list = []
+    sleeping = threading.Barrier(5)
+
+    def sleeper() -> None:
+        sleeping.wait(30)
+        got.append(work.wait(30))
+
+    threads = [threading.Thread(target=sleeper) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    sleeping.wait(30)
+    work.set_result("done")
+    for thread in threads:
+        thread.join(30)
+    assert got == ["done"] * 4
+
+
+def test_work_failure_reaches_a_sleeper_and_a_lazy_result_converts_once():
+    failing = Work()
+    errors: list = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(KeyError, failing.wait, 30)))
+    thread.start()
+    failing.set_exception(KeyError("gone"))
+    thread.join(30)
+    assert len(errors) == 1
+    calls: list = []
+    lazy = Work()
+    lazy._finish(_DONE, (3, 4), lambda a, b: calls.append(1) or a + b)
+    assert lazy.wait() == 7 and lazy.result() == 7 and calls == [1]
+
+
+@pytest.mark.parametrize("item", [b"", b"x" * 64, b"y" * 255, b"z" * 300])
+def test_decode_of_a_small_bytes_body_is_the_same_from_bytes_and_from_a_view(item):
+    body, buffers = codec.encode(item)
+    assert not buffers
+    for form in (bytes(body), memoryview(bytes(body))):
+        got = codec.decode_frames([form], None)
+        assert got == item and type(got) is bytes
+
+
+def test_decode_of_a_truncated_bin8_view_is_a_clear_error():
+    with pytest.raises(ValueError):
+        codec.decode(memoryview(b"\xc4\x05ab"))

@@ -126,8 +126,7 @@ class Waiting:
         try:
             line.wake_io()
             remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-            if work._gate.acquire(timeout=remaining):
-                work._gate.release()
+            work._sleep(remaining)
         finally:
             with self._sleepers_lock:
                 self.sleepers -= 1

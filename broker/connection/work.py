@@ -54,8 +54,9 @@ class Work:
         self._state = _PENDING
         self._value: Any = None
         self._convert: Callable[..., Any] | None = None
-        self._gate = threading.Lock()
-        self._gate.acquire()
+        # held while pending, made only when a thread sleeps on it (``_sleep``): most Works
+        # complete before anyone waits, or are read by their waiting thread itself
+        self._gate: threading.Lock | None = None
         self._callbacks: list[Callable[[Work], None]] | None = None
         self._cancel_fn = cancel_fn
         self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
@@ -76,7 +77,9 @@ class Work:
             callbacks, self._callbacks = self._callbacks, None
             if state == _DONE:
                 self._on_error = None
-        self._gate.release()
+            gate = self._gate
+        if gate is not None:
+            gate.release()
         if callbacks:
             for callback in callbacks:
                 callback(self)
@@ -121,12 +124,25 @@ class Work:
             self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
             if self._state == _PENDING:
                 raise TimeoutError("Work.wait timed out; the operation is still pending")
-        elif self._state == _PENDING:
-            acquired = self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
-            if not acquired:
-                raise TimeoutError("Work.wait timed out; the operation is still pending")
-            self._gate.release()
+        elif self._state == _PENDING and not self._sleep(-1 if timeout is None else timeout):
+            raise TimeoutError("Work.wait timed out; the operation is still pending")
         return self.result()
+
+    def _sleep(self, timeout: float) -> bool:
+        """Sleep until the operation is done, for up to ``timeout`` seconds (-1: no limit);
+        whether it is.  Its gate is made here, under the lock ``_finish`` takes: a completion
+        either comes before (nothing to sleep on) or releases it."""
+        with self._lock:
+            if self._state != _PENDING:
+                return True
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = threading.Lock()
+                gate.acquire()
+        if gate.acquire(timeout=timeout):
+            gate.release()  # the next sleeper passes too
+            return True
+        return self._state != _PENDING
 
     def result(self) -> Any:
         """The result of a completed operation, or its error raised; ``asyncio.InvalidStateError``

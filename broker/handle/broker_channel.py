@@ -299,13 +299,17 @@ def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
 
 def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
     def convert(rec: Reply, frames: list[Any]) -> list[Any]:
-        out, pos = [], 0
+        out: list[Any] = []
+        pos = 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
+        append, decode_frames = out.append, codec.decode_frames
         for i, n in enumerate(rec.counts or ()):
             if i < len(sm) and sm[i]:
-                out.append(shm.decode(sm[i], frames[pos : pos + n], copy))
+                append(shm.decode(sm[i], frames[pos : pos + n], copy))
+            elif n == 1:  # the common small item: its body alone
+                append(decode_frames((frames[pos],), copy))
             else:
-                out.append(codec.decode_frames(frames[pos : pos + n], copy))
+                append(decode_frames(frames[pos : pos + n], copy))
             pos += n
         return out
 

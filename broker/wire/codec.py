@@ -749,9 +749,11 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
     allowed.
     """
-    if not (frames or shm) and type(body) is bytes and body[:1] == b"\xc4" \
-            and len(body) >= 2 and len(body) == 2 + body[1]:
-        return body[2:]  # a small bytes item (msgpack bin 8): nothing else to look at
+    if not (frames or shm) and (type(body) is bytes or type(body) is memoryview) \
+            and len(body) >= 2 and body[0] == 0xC4 and len(body) == 2 + body[1]:
+        # a small bytes item (msgpack bin 8): nothing else to look at (a frame of a batch
+        # reply comes as a memoryview of the message: its bytes copied out)
+        return body[2:] if type(body) is bytes else bytes(body[2:])
     dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
     try:
         return dec.unpack(body)

@@ -8,9 +8,11 @@ journal costs, each ratio measured in the same rounds (medians of ``--repeat`` r
   the same channel without one;
 - **D3**: that journaled 64 B stream against a Redis list with its append-only file
   (``appendfsync everysec``, ``cli/bench/redis.py``), items/s;
+- **D3b**: the same journaled stream taken by ``get_batch(64)`` against the same Redis, whose
+  consumer also takes 64 items per command (``LPOP key 64``): the same shape on both sides;
 - **D4**: the journaled 16 MiB stream against the same Redis, MB/s.
 
-D3 and D4 need ``redis-server`` on ``PATH``; without it the report says so and they are left out.
+D3, D3b and D4 need ``redis-server`` on ``PATH``; without it the report says so and they are left out.
 Thresholds: ``[targets]`` of ``configs/bench_targets.toml``.
 """
 
@@ -40,6 +42,10 @@ def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None 
                  label="D64 journal=interval 64B 1P/1C puts w64 gets w64")
     plain = dataclasses.replace(small, journal="", compare=False,
                                 label="D64 no journal 64B 1P/1C puts w64 gets w64")
+    # the Redis consumer pops 64 items per command (LPOP key 64): the same shape here is
+    # get_batch(64) (D3b); D3 keeps the 64 single gets of the T2s stream
+    batch = dataclasses.replace(small, scenario="batch", compare=False,
+                                label="D64 journal=interval 64B 1P/1C puts w64 get_batch(64)")
     try:
         runner.baseline = "disk"
         (d16,) = runner.measure_together([big], fresh=True)
@@ -47,7 +53,7 @@ def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None 
             runner, big, d16, "D1", "16 MiB tensors through a journal (fsync interval), MB/s vs "
             "the disk's write + fdatasync of the same bytes (same rounds)", thresholds, "disk")
         runner.baseline = "redis"
-        d64, p64 = runner.measure_together([small, plain], fresh=True)
+        d64, p64, b64 = runner.measure_together([small, plain, batch], fresh=True)
         out.append(_target(
             "D2", "64 B stream with a journal (fsync interval), items/s vs no journal (same "
             "rounds)", d64.items_s, p64.items_s, "items/s", thresholds,
@@ -56,6 +62,10 @@ def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None 
             runner, small, d64, "D3", "64 B stream with a journal (fsync interval), items/s vs "
             "a Redis list with AOF everysec, pipelines of 64 (same rounds)", thresholds, "redis")
         out += d3
+        out += _against_baseline(
+            runner, small, b64, "D3b", "64 B stream with a journal (fsync interval) taken by "
+            "get_batch(64), items/s vs a Redis list with AOF everysec popped 64 at a time "
+            "(same rounds)", thresholds, "redis")
         if d3:  # redis-server runs here
             (d16r,) = runner.measure_together([big], fresh=True)
             out += _against_baseline(

@@ -162,7 +162,8 @@ def measure_stream_target(
     relay at libzmq's default high-water marks (T2s), ``multiprocessing.Queue`` (T2s-mp), a
     Redis list in memory where ``redis-server`` is installed (T2s-redis) and, as an extra row,
     the relay at the same depth in flight.  T3b, in the same rounds: ``get_batch(64)`` against
-    the stream's 64 single gets outstanding."""
+    the stream's 64 single gets outstanding; T3b-redis: that ``get_batch(64)`` stream against
+    the Redis list, whose consumer also takes 64 items per request (``LPOP key 64``)."""
     stream = dataclasses.replace(
         small,
         scenario="channel",
@@ -194,6 +195,14 @@ def measure_stream_target(
         "T3b", "64 B via get_batch(64) vs 64 single async gets outstanding, items/s (same "
         "rounds)", t3b.items_s, t2s.items_s, "items/s", thresholds,
     ))
+    # the Redis consumer takes 64 items per command (LPOP key 64): the same shape on this
+    # side is get_batch(64), which T3b measured in the same rounds
+    redis = runner.baseline_for(stream, "redis-mem")
+    if redis is not None:
+        out.append(_target(
+            "T3b-redis", "64 B via get_batch(64) vs a Redis list in memory popped 64 at a "
+            "time (LPOP key 64), items/s (same rounds)", t3b.items_s, redis.items_s,
+            "items/s", thresholds, note=f"{redis.case}: {redis.items_s:.0f} items/s"))
     return out
 
 
