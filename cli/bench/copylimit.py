@@ -71,18 +71,13 @@ def pipeline_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[
     free, full = spec["free"], spec["full"]
     owned = [np.ones(spec["slot"], dtype=np.uint8) for _ in range(2)]  # faulted in now
     fac, tally, _ = start_consumer(spec, ready, go_wait)
-    parts = fac.parts
     for i in range(total):
         if not full.acquire(timeout=WORKER_DEADLINE_S):
             raise TimeoutError(f"consumer got {i}/{total}")
         out = owned[i % 2]
         np.copyto(out, slots[i % window])
         free.release()
-        views, pos = [], 0
-        for size in parts:
-            views.append(out[pos : pos + size])
-            pos += size
-        seq, t_sent = fac.check_views(views)
+        seq, t_sent = fac.check_views(fac.split(out))
         tally.add(seq, t_sent)
     return tally.result()
 
@@ -92,7 +87,7 @@ def run_copy_pipeline(case: Case, tmpdir: str) -> Measured:
     if case.producers != 1 or case.consumers != 1:
         raise ValueError("the copy.pipeline baseline runs 1 producer and 1 consumer")
     fac = PayloadFactory(case.ptype, case.size)
-    slot = (sum(fac.parts) + 4095) // 4096 * 4096
+    slot = (fac.nbytes + 4095) // 4096 * 4096
     window = max(1, case.window)
     path = os.path.join(SEGMENT_DIR, f"zcb-copy-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

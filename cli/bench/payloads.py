@@ -172,6 +172,15 @@ class PayloadFactory:
             raise Mismatch(f"dataclass seq field {item.seq} != header seq {seq}")
         return seq, t_ns
 
+    def split(self, flat: Any) -> list[Any]:
+        """``flat`` (one buffer holding an item's parts back to back) cut into one view per
+        part, as ``check_views`` takes them."""
+        views, pos = [], 0
+        for size in self.parts:
+            views.append(flat[pos : pos + size])
+            pos += size
+        return views
+
     def check_views(self, views: list[Any]) -> tuple[int, int]:
         """Check raw buffers (as received by the baselines); return (seq, send time ns)."""
         return self._check_arrays([np.frombuffer(v, dtype=np.uint8) for v in views],

@@ -123,7 +123,6 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
     client = _client(spec["socket"])
     counts, slot, total = spec["counts"], spec["slot"], spec["total"]
     fac, tally, deadline = start_consumer(spec, ready, go_wait)
-    parts = fac.parts
     n = 0
     while sum(counts) < total:
         got = client.lpop(KEY, SMALL_PIPELINE)
@@ -136,12 +135,7 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
             got = [popped[1]]
         now = time.monotonic_ns()
         for data in got:
-            view = memoryview(data)
-            views, pos = [], 0
-            for size in parts:
-                views.append(view[pos : pos + size])
-                pos += size
-            seq, t_sent = fac.check_views(views)
+            seq, t_sent = fac.check_views(fac.split(memoryview(data)))
             tally.add(seq, t_sent, now)
             n += 1
         counts[slot] = n
