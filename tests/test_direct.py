@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import wait_until
 from zchannel.broker import Channel
 from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
@@ -359,7 +360,8 @@ def test_replies_nobody_waits_for_still_complete(make_remote):
     work = ch.get(async_op=True, timeout=deadline)
     ch.put(b"b", async_op=True)
     done = threading.Event()
-    assert _poll_done(work, deadline), "a reply nobody waited for never completed"
+    assert wait_until(work.done, deadline, interval=0.001), \
+        "a reply nobody waited for never completed"
     assert work.wait(0) == b"b"
     work = ch.get(async_op=True, timeout=deadline)
     work.add_done_callback(lambda _: done.set())
@@ -372,17 +374,6 @@ def test_replies_nobody_waits_for_still_complete(make_remote):
         return await w
 
     assert asyncio.run(asyncio.wait_for(consume(), deadline)) == b"d"
-
-
-def _poll_done(work, timeout: float) -> bool:
-    import time
-
-    end = time.monotonic() + timeout
-    while not work.done():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def test_many_threads_waiting_on_one_handle_all_get_their_replies(make_remote):
