@@ -568,9 +568,9 @@ def _read_tensor(dec: _Decoder, data: bytes) -> Any:
 def tensor_itemsize(dtype: Any) -> int:
     """Bytes per element of torch ``dtype`` (from the table built once; a dtype outside it is
     probed)."""
-    _torch()
+    torch = _torch()
     size = _TORCH_ITEMSIZE.get(dtype)
-    return size if size is not None else int(_torch().empty(0, dtype=dtype).element_size())
+    return size if size is not None else int(torch.empty(0, dtype=dtype).element_size())
 
 
 def tensor_over(raw: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> Any:
