@@ -101,14 +101,7 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
 
 
 def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
-    body = rec.body
-    if body is not UNSET and not frames and len(body) <= INLINE_BODY:  # a small item inline
-        frames, nbytes = [body], len(body)
-        limit = broker.config.max_message_bytes
-        if limit and nbytes > limit:
-            raise ValueError(f"item of {nbytes} bytes exceeds the message size limit")
-    else:
-        frames, nbytes = _put_frames(rec, frames, broker.config.max_message_bytes)
+    frames, nbytes = _put_frames(rec, frames, broker.config.max_message_bytes)
     weight = check_weight(rec.weight)
     key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
