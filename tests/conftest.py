@@ -33,9 +33,10 @@ sys.path.insert(0, EXAMPLES)
 _FORKSERVER: dict = {}  # the session's broker fork server: its process and folder
 
 
-def start_forkserver(folder: str) -> subprocess.Popen:
-    """Start a broker fork server listening in ``folder``; returned once it printed ready."""
-    env = child_environ()
+def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
+    """Start a broker fork server listening in ``folder`` (environment: ``env``, by default
+    ``child_environ()``); returned once it printed ready."""
+    env = child_environ() if env is None else dict(env)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.join(REPO, "tests"), EXAMPLES, env.get("PYTHONPATH")) if p)
     sock = os.path.join(folder, "forkserver.sock")

@@ -18,7 +18,8 @@ def forkserver(tmp_path, monkeypatch):
     """A fork server of this test's own (not the session's), named by the variable."""
     folder = f"/tmp/zcft-{os.urandom(5).hex()}"
     os.makedirs(folder, mode=0o700)
-    proc = start_forkserver(folder)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    proc = start_forkserver(folder, env)  # it execs itself again with the brokers' tunables
     monkeypatch.setenv(ENV, os.path.join(folder, "forkserver.sock"))
     yield proc
     proc.terminate()
@@ -39,6 +40,8 @@ def test_forked_broker_serves_and_reports_its_exit(forkserver, channels):
     proc = ch._proc
     assert isinstance(proc, ForkedBroker)
     assert ppid_of(proc.pid) == forkserver.pid  # forked by the server, not started here
+    with open(f"/proc/{proc.pid}/environ", "rb") as f:
+        assert b"glibc.cpu.x86_non_temporal_threshold=0x400000" in f.read()
     ch.put({"a": 1}, key="k")
     assert ch.get(key="k", timeout=10) == {"a": 1}
     assert proc.poll() is None

@@ -43,7 +43,7 @@ class ForkedBroker:
         self._exit_fd = exit_fd
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:  # exited already: its status is on the exit pipe
+        except OSError:  # exited already (its status is on the exit pipe), or no pidfds
             self._pidfd = None
 
     def poll(self) -> int | None:

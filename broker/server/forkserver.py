@@ -6,7 +6,8 @@ Run it as ``python -m zchannel.broker.server.forkserver SOCKET`` and set
 ``ZCHANNEL_BROKER_FORKSERVER=SOCKET`` in the processes that create channels
 (``forkclient.spawn_forked`` is the client side; ``docs/channel.md``, "Starting brokers from a
 fork server").  It listens on a Unix socket (mode 0600, and it serves only peers of its own
-user), prints ``ready <socket>`` and serves until SIGTERM/SIGINT; brokers it started keep
+user), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it runs with the
+``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to get); brokers it started keep
 running (each in its own session, watching the process that created it).
 
 A request carries the broker's config and the requester's environment and working directory,
@@ -29,6 +30,7 @@ from typing import Any
 
 import msgpack
 from zchannel.broker.server.loop import main_from_stdin
+from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
 
 HEADER = struct.Struct("!Q")  # the length of the request body that follows
@@ -195,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         sys.stderr.write("usage: python -m zchannel.broker.server.forkserver SOCKET\n")
         return 2
+    env = child_environ()
+    if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
+        # glibc reads its tunables only at exec: start again with those of a spawned broker
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *args], env)
     server = ForkServer(args[0])
     sys.stdout.write(f"ready {args[0]}\n")
     sys.stdout.flush()
