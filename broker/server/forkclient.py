@@ -16,6 +16,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 from typing import IO
 
 import msgpack
@@ -41,6 +42,7 @@ class ForkedBroker:
         self.stdout = stdout
         self.returncode: int | None = None
         self._exit_fd = exit_fd
+        self._lock = threading.Lock()
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # exited already (its status is on the exit pipe), or no pidfds
@@ -56,21 +58,26 @@ class ForkedBroker:
         return code
 
     def _wait(self, timeout: float | None) -> int | None:
+        # several threads may wait (a durable channel's keeper and ``shutdown``): the exit
+        # pipe is read under the lock and closed only with this object
         if self.returncode is not None:
             return self.returncode
         ready, _, _ = select.select([self._exit_fd], [], [], timeout)
         if not ready:
             return None
-        data = os.read(self._exit_fd, 4)
-        if len(data) == 4:
-            (self.returncode,) = struct.unpack("!i", data)
-        else:  # the server is gone: wait for the process itself
-            if self._pidfd is not None:
-                select.select([self._pidfd], [], [], timeout)
-                if self._alive():
-                    return None
-            self.returncode = UNKNOWN_EXIT
-        self._release()
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            data = os.read(self._exit_fd, 4)
+            if len(data) == 4:
+                (self.returncode,) = struct.unpack("!i", data)
+                return self.returncode
+        # the server is gone without a status: wait for the process itself
+        if self._pidfd is not None:
+            select.select([self._pidfd], [], [], timeout)
+        if self._alive():
+            return None
+        self.returncode = UNKNOWN_EXIT
         return self.returncode
 
     def _alive(self) -> bool:
@@ -94,18 +101,10 @@ class ForkedBroker:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def _release(self) -> None:
-        os.close(self._exit_fd)
-        self._exit_fd = -1
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
     def __del__(self) -> None:
-        if self._exit_fd >= 0:
-            os.close(self._exit_fd)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
+        for fd in (getattr(self, "_exit_fd", None), getattr(self, "_pidfd", None)):
+            if fd is not None:
+                os.close(fd)
 
 
 def spawn_forked(path: str, config_body: bytes, lock_fd: int, env: dict[str, str]) -> ForkedBroker:
