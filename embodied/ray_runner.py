@@ -109,7 +109,10 @@ def run_on_ray(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
             ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
             cluster.wait_for_nodes()
         else:
-            ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR,
+            # address="local": a new local cluster, never one another process of this machine
+            # started (ray.init() without an address joins the latest one it finds)
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     logging_level=logging.ERROR,
                      log_to_driver=False)
         started = True
     try:
