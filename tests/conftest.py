@@ -1,10 +1,18 @@
 """Shared fixtures: a private run dir per test, channel factories that always clean up, and
-worker processes ended by PID."""
+worker processes ended by PID.
+
+The session starts one broker fork server (``python -m zchannel.broker.server.forkserver``) and
+sets ``ZCHANNEL_BROKER_FORKSERVER`` for itself and the processes it starts, so that each
+``Channel.create`` forks a prepared broker instead of starting an interpreter (tens of
+milliseconds instead of ~1 s on a loaded machine).  ``ZCHANNEL_TEST_FORKSERVER=0`` runs the
+suite on the default start path (``python -m zchannel.broker`` children); tests of that path
+itself unset the variable (``spawned_brokers``)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +24,58 @@ from collections.abc import Iterator
 import pytest
 from forkbroker import ForkBroker
 from zchannel.broker import BrokerUnavailable, Channel
+from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
+from zchannel.broker.server.starting import child_environ, read_line, stop_broker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "docs", "examples")  # seed_hooks.py: the seed's example hooks
 sys.path.insert(0, EXAMPLES)
+_FORKSERVER: dict = {}  # the session's broker fork server: its process and folder
+
+
+def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
+    """Start a broker fork server listening in ``folder`` (environment: ``env``, by default
+    ``child_environ()``); returned once it printed ready."""
+    env = child_environ() if env is None else dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(REPO, "tests"), EXAMPLES, env.get("PYTHONPATH")) if p)
+    sock = os.path.join(folder, "forkserver.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.broker.server.forkserver", sock],
+        stdout=subprocess.PIPE, env=env, cwd=os.path.join(REPO, "tests"),
+        start_new_session=True)
+    assert proc.stdout is not None
+    line = read_line(proc, 120.0)
+    assert line.startswith("ready "), f"the broker fork server did not start: {line!r}"
+    return proc
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("ZCHANNEL_TEST_FORKSERVER", "1").strip().lower() in ("0", "off", "no"):
+        return
+    folder = f"/tmp/zcfs-{uuid.uuid4().hex[:10]}"
+    os.makedirs(folder, mode=0o700)
+    proc = start_forkserver(folder)
+    _FORKSERVER.update(proc=proc, folder=folder)
+    os.environ[FORKSERVER_ENV] = os.path.join(folder, "forkserver.sock")
+
+
+def pytest_unconfigure(config) -> None:
+    proc = _FORKSERVER.pop("proc", None)
+    if proc is None:
+        return
+    os.environ.pop(FORKSERVER_ENV, None)
+    stop_broker(proc)
+    if proc.stdout:
+        proc.stdout.close()
+    shutil.rmtree(_FORKSERVER.pop("folder"), ignore_errors=True)
+
+
+@pytest.fixture
+def spawned_brokers(monkeypatch) -> None:
+    """Brokers of this test start on the default path: ``python -m zchannel.broker`` children
+    of the process creating them (no fork server)."""
+    monkeypatch.delenv(FORKSERVER_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)

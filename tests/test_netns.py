@@ -17,6 +17,12 @@ pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _brokers_in_their_namespace(spawned_brokers):
+    """Creators inside a namespace start their brokers as children there (a fork server's
+    brokers would live in the fork server's namespace)."""
+
+
 @pytest.fixture(scope="module")
 def nets():
     from netns_bench import Namespaces

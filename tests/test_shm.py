@@ -530,7 +530,8 @@ def _broker_tunables(ch) -> bytes:
     return b":".join(e for e in entries[:4] if e.startswith(b"glibc."))
 
 
-def test_brokers_start_with_glibc_streaming_large_copies(make_remote, monkeypatch):
+def test_brokers_start_with_glibc_streaming_large_copies(make_remote, monkeypatch,
+                                                         spawned_brokers):
     """A broker zchannel starts gets glibc's non-temporal copy threshold at 4 MiB in
     GLIBC_TUNABLES (docs/shm.md, "Large copies"), next to the user's own tunables; a threshold
     the user set wins, and ZCHANNEL_GLIBC_TUNABLES=0 leaves the environment alone."""

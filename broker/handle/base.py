@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
 from zchannel.broker.errors import ChannelError, ChannelNotFound
-from zchannel.broker.server.starting import stop_broker
+from zchannel.broker.server.starting import BrokerProcess, stop_broker
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire.protocol import Shutdown
 from zchannel.hooks import check_consumer_id
@@ -56,7 +56,7 @@ class ChannelHandle:
         self._identity: str | None = None
         self._identity_read = False
         self._curve_keys = curve_keys
-        self._proc: subprocess.Popen[bytes] | None = None  # the broker this handle started (_adopt)
+        self._proc: BrokerProcess | None = None  # the broker this handle started (_adopt)
         self._token: str | None = None  # the shutdown token that broker accepts
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
@@ -67,7 +67,7 @@ class ChannelHandle:
         self.created = False
         _open_handles.add(self)
 
-    def _adopt(self, proc: subprocess.Popen[bytes], token: str) -> Self:
+    def _adopt(self, proc: BrokerProcess, token: str) -> Self:
         """Make this handle the owner of the broker ``proc`` its ``create`` started: ``created``
         is True, and ``shutdown`` stops that broker with ``token``."""
         self._proc, self._token, self.created = proc, token, True
@@ -215,7 +215,7 @@ class ChannelHandle:
         if self._proc is not None:
             stop_broker(self._proc)
 
-    def _broker_restarted(self, proc: subprocess.Popen[bytes], token: str) -> None:
+    def _broker_restarted(self, proc: BrokerProcess, token: str) -> None:
         """The keeper started this handle's broker again (a durable channel's broker died)."""
         self._proc, self._token = proc, token
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 
 from zchannel.broker.errors import BrokerStartError
 from zchannel.broker.host import paths
-from zchannel.broker.server.starting import spawn_broker, stop_broker
+from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
 
 log = logging.getLogger("zchannel.client")
 
@@ -29,14 +28,14 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
 
 # called with the new broker process and its shutdown token after each restart
-Restarted = Callable[[subprocess.Popen, str], None]
+Restarted = Callable[[BrokerProcess, str], None]
 
 
 class BrokerKeeper:
     """Watches the broker started by ``Channel.create(..., journal=DIR)`` and starts it again
     when it dies (see the module docstring)."""
 
-    def __init__(self, name: str, config: dict, proc: subprocess.Popen,
+    def __init__(self, name: str, config: dict, proc: BrokerProcess,
                  on_restart: Restarted) -> None:
         self.name = name
         self.config = dict(config)

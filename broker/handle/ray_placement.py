@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import zmq
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.handle.distributed import DistributedChannel
 from zchannel.broker.host import paths
-from zchannel.broker.server.starting import spawn_broker, stop_broker
+from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
 from zchannel.broker.transport.curve import CurveKeys
 
 log = logging.getLogger("zchannel.client")
@@ -87,7 +86,7 @@ class BrokerActor:
     def __init__(self, name: str = "", replica: int = 0) -> None:
         import ray
 
-        self.proc: subprocess.Popen | None = None
+        self.proc: BrokerProcess | None = None
         self.token: str | None = None
         self.info: dict | None = None
         job = ray.get_runtime_context().get_job_id()

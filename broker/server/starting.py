@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zchannel.broker.errors import BrokerStartError
+from zchannel.broker.server import forkclient
 from zchannel.broker.wire import codec
 from zchannel.hooks import Collector, Dispatcher, hook_spec, import_path, registered
 
@@ -27,6 +28,9 @@ START_TIMEOUT_S = 60.0
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NON_TEMPORAL_BYTES = 4 << 20  # 1 MiB slots stay cached: their consumer reads them soon after
 _OFF = ("0", "off", "false", "no")
+# a broker process this process started: a child (``subprocess.Popen``) or one forked by the
+# fork server (``forkclient.ForkedBroker``, the same methods)
+BrokerProcess = subprocess.Popen | forkclient.ForkedBroker
 
 
 def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -94,14 +98,20 @@ def hook_label(spec: Any) -> str | None:
     return spec.lower()
 
 
-def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str]:
+def spawn_broker(config: dict, lock_fd: int) -> tuple[BrokerProcess, str, str]:
     """Start ``python -m zchannel.broker`` as a child in its own session (environment:
     ``child_environ``); it inherits the lock fd and stderr, reads its config from stdin and
-    prints ``ready <address>``."""
+    prints ``ready <address>``.  With ``ZCHANNEL_BROKER_FORKSERVER`` set, the fork server that
+    variable names forks the broker instead (``forkclient``), with the same config, lock,
+    environment and stderr."""
     token = secrets.token_hex(16)
     config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
     body, buffers = codec.encode(config)
     assert not buffers
+    server = forkclient.forkserver_path()
+    if server is not None:
+        forked = forkclient.spawn_forked(server, body, lock_fd, child_environ())
+        return forked, _ready_address(forked, config["name"]), token
     proc = subprocess.Popen(
         [sys.executable, "-m", "zchannel.broker"],
         stdin=subprocess.PIPE,
@@ -116,6 +126,17 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
     try:
         stdin.write(body)
         stdin.close()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, _ready_address(proc, config["name"]), token
+
+
+def _ready_address(proc: BrokerProcess, name: str) -> str:
+    """The address a starting broker reports on its ``ready`` line; a broker that reports an
+    error (or nothing in time) is killed and its error raised (``start_error``)."""
+    try:
         line = read_line(proc, START_TIMEOUT_S)
     except BaseException:
         proc.kill()
@@ -124,11 +145,11 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[subprocess.Popen, str, str
     if not line.startswith("ready "):
         proc.kill()
         proc.wait()
-        raise start_error(config["name"], line.strip())
-    return proc, line.split(None, 1)[1].strip(), token
+        raise start_error(name, line.strip())
+    return line.split(None, 1)[1].strip()
 
 
-def stop_broker(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def stop_broker(proc: BrokerProcess, grace_s: float = 5.0) -> None:
     """Stop a broker process this process started: SIGTERM (the broker removes its files), then
     SIGKILL if it has not exited within ``grace_s`` (by PID)."""
     if proc.poll() is not None:
@@ -160,7 +181,7 @@ def start_error(name: str, line: str) -> BaseException:
     return BrokerStartError(message, reason)
 
 
-def read_line(proc: subprocess.Popen, timeout: float) -> str:
+def read_line(proc: BrokerProcess, timeout: float) -> str:
     assert proc.stdout is not None, "the broker child's stdout is a pipe"
     fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout

@@ -33,15 +33,19 @@ class StopSources:
         self._parent_fd = self._watch_parent()
 
     def _watch_parent(self) -> int | None:
+        # the creator is this process's parent, or (a broker forked by the fork server,
+        # server/forkserver.py) a process of the same user watched through its pidfd alone
         pid = self.parent_pid
         if not pid:
             return None
-        if os.getppid() != pid:
-            raise SystemExit(f"creator process {pid} is already gone")
         try:
             fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise SystemExit(f"creator process {pid} is already gone") from None
         except (AttributeError, OSError):
-            return None  # fall back to the getppid() check on every heartbeat tick
+            fd = None  # fall back to the getppid() check on every heartbeat tick
+        if fd is None and os.getppid() != pid:
+            raise SystemExit(f"creator process {pid} is already gone")
         return fd
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -65,7 +69,7 @@ class StopSources:
 
     def parent_gone(self) -> bool:
         """The heartbeat tick's check: True when this process has another parent by now."""
-        if self.parent_pid and os.getppid() != self.parent_pid:
+        if self.parent_pid and self._parent_fd is None and os.getppid() != self.parent_pid:
             log.warning("creator process %s is gone: stopping", self.parent_pid)
             return True
         return False

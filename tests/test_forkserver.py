@@ -1,0 +1,95 @@
+"""The broker fork server (``ZCHANNEL_BROKER_FORKSERVER``): brokers forked from it serve like
+spawned ones, report their exit status, stop with their creator; unset, brokers are children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+from conftest import pid_alive, start_forkserver, wait_until
+from zchannel.broker import BrokerStartError, Channel
+from zchannel.broker.server.forkclient import ENV, ForkedBroker
+
+
+@pytest.fixture
+def forkserver(tmp_path, monkeypatch):
+    """A fork server of this test's own (not the session's), named by the variable."""
+    folder = f"/tmp/zcft-{os.urandom(5).hex()}"
+    os.makedirs(folder, mode=0o700)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    proc = start_forkserver(folder, env)  # it execs itself again with the brokers' tunables
+    monkeypatch.setenv(ENV, os.path.join(folder, "forkserver.sock"))
+    yield proc
+    proc.terminate()
+    proc.wait(30)
+    proc.stdout.close()
+    assert not os.path.exists(os.path.join(folder, "forkserver.sock"))  # removed on SIGTERM
+    os.rmdir(folder)
+
+
+def ppid_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_forked_broker_serves_and_reports_its_exit(forkserver, channels):
+    ch = Channel.create("forked", maxsize=4)
+    channels.append(ch)
+    proc = ch._proc
+    assert isinstance(proc, ForkedBroker)
+    assert ppid_of(proc.pid) == forkserver.pid  # forked by the server, not started here
+    with open(f"/proc/{proc.pid}/environ", "rb") as f:
+        assert b"glibc.cpu.x86_non_temporal_threshold=0x400000" in f.read()
+    ch.put({"a": 1}, key="k")
+    assert ch.get(key="k", timeout=10) == {"a": 1}
+    assert proc.poll() is None
+    ch.shutdown()
+    assert proc.wait(10) == 0  # a clean stop, as reported by the server
+    assert not pid_alive(proc.pid)
+
+
+def test_forked_broker_killed_reports_the_signal(forkserver, channels):
+    ch = Channel.create("forked-kill")
+    channels.append(ch)
+    proc = ch._proc
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    alive = Channel.create("forked-alive")
+    channels.append(alive)
+    with pytest.raises(subprocess.TimeoutExpired):
+        alive._proc.wait(0.05)
+
+
+def test_forked_broker_start_errors_keep_their_types(forkserver):
+    with pytest.raises(ValueError, match="unknown collector"):
+        Channel.create("forked-bad", collector="no_such_collector")
+
+
+def test_forked_broker_stops_with_its_creator(forkserver, workers):
+    code = """
+        from zchannel.broker import Channel
+        ch = Channel.create("orphan")
+        print(ch._proc.pid, type(ch._proc).__name__, flush=True)
+        input()
+    """
+    worker = workers.start(code)
+    pid, kind = workers.wait_line(worker).split()
+    assert kind == "ForkedBroker"
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    assert wait_until(lambda: not pid_alive(int(pid)), timeout=30)
+
+
+def test_missing_forkserver_is_a_clear_error(monkeypatch, run_dir):
+    monkeypatch.setenv(ENV, os.path.join(run_dir, "nothing.sock"))
+    with pytest.raises(BrokerStartError, match="no broker fork server"):
+        Channel.create("nowhere")
+
+
+def test_without_the_variable_brokers_are_children(spawned_brokers, channels):
+    ch = Channel.create("spawned")
+    channels.append(ch)
+    assert isinstance(ch._proc, subprocess.Popen)
+    assert ppid_of(ch._proc.pid) == os.getpid()
