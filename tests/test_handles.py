@@ -15,7 +15,7 @@ import textwrap
 import threading
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_until
 from zchannel.broker import Channel, ChannelError
 from zchannel.broker.connection import sharing
 
@@ -368,3 +368,34 @@ def test_every_handle_is_a_channel(make):
     finally:
         for h in handles[1:]:
             h.close()
+
+
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct-link", "zeromq"])
+def test_a_broker_started_again_at_its_address_gets_a_new_connection(direct, monkeypatch,
+                                                                      channels):
+    """``Channel.create`` at once after the channel's broker was SIGKILLed: the process's
+    connection to the dead broker has not noticed yet (over ZeroMQ it cannot before the
+    heartbeat expiry), and the new broker does not know it.  The new handle does not share it:
+    it puts and gets through a connection of its own, which ``connect`` by name shares; the old
+    handle's connection registers with the new broker by itself and serves again."""
+    monkeypatch.setenv("ZCHANNEL_DIRECT", direct)
+    old = Channel.create("again")
+    channels.append(old)
+    old.put("before")  # this process's connection to the first broker is up
+    conn = old._conn
+    assert conn is not None and conn.direct == (direct == "1")
+    os.kill(old._proc.pid, signal.SIGKILL)
+    old._proc.wait()
+    new = Channel.create("again")
+    channels.append(new)
+    new.put("after")
+    assert new.get(timeout=10) == "after"
+    assert new._conn is not conn and new._conn.broker_info.pid == new._proc.pid
+    by_name = Channel.connect("again")
+    assert by_name._connection() is new._conn
+    by_name.close()
+    assert wait_until(lambda: conn.state == "up" and conn.broker_info.pid == new._proc.pid,
+                      timeout=30)
+    old.put("through the old handle", timeout=10)
+    assert new.get(timeout=10) == "through the old handle"
+    new.shutdown()

@@ -80,13 +80,23 @@ class Liveness:
     def relink(self, now: float) -> None:
         """The broker closed the direct link: connect again.  Nothing listening at its path means
         the broker is gone: pending requests fail now with ``BrokerUnavailable``, not at the
-        heartbeat expiry (a restarted broker is found by the next tries, every ``RELINK_S``)."""
+        heartbeat expiry (a restarted broker is found by the next tries, every ``RELINK_S``).
+        A new link is a new client to the broker (a closed link ends its client there, and a
+        broker started anew at the path knows none): what was in flight on the old one fails
+        with ``BrokerUnavailable`` (no answer comes for it), the shared-memory session ends,
+        and a hello goes out first, before any request."""
         self.relink_at = now + RELINK_S
         line = self._line
         link = line.transport
         if link.reconnect():
-            if line.state != UP:
-                self.send_hello()
+            if line.state == UP:
+                log.info("the direct link to the broker at %s broke: registering again",
+                         self.address)
+                self._requests.fail_all(BrokerUnavailable(
+                    f"the direct link to the broker at {self.address} broke before the answer "
+                    "came"))
+                self._requests.shm.end_session()
+            self.send_hello()
         elif link.gone and line.state == UP:
             log.info("the broker at %s is gone (nothing listens at %s)", self.address, link.where)
             line.set_state(DOWN)

@@ -7,6 +7,15 @@ shared-memory client) to the broker's address, for the same consumer identity, C
 shared-memory/direct-link settings.  Handles that differ in any of these get their own
 connection: the broker sees one client per connection, and a consumer id is a client.
 
+A new broker at an address whose broker died does not know the connections that said hello
+to the dead one: a request over one of them is answered ``expired`` (unknown client), fails
+with ``BrokerUnavailable`` and makes the connection say hello again.  A handle that knows
+which broker process serves its address -- ``Channel.create`` that just started it, or
+``Channel.connect`` by name (the channel's lock file names its broker) -- therefore never
+shares a connection whose hello another process answered: ``acquire(..., broker_pid=)`` makes
+a new connection, which new handles share from then on; the handles of the old one keep it
+(it registers again by itself, ``connection/liveness.py``).
+
 A share goes when its handle is closed or garbage collected; the connection goes with its last
 share (its I/O thread stops and is joined; the thread closes the descriptors as its last act,
 see ``connection/connection.py``).  A request in flight holds its handle's share: a ``Work`` outlives the
@@ -81,22 +90,27 @@ def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) 
             direct_enabled())
 
 
-def acquire(address: str, identity: str | None, curve: Any, shm: bool | None) -> Share:
+def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
+            broker_pid: int | None = None) -> Share:
     """A share of this process's connection for these settings, made now if there is none
-    (``wait_up`` on it before use)."""
+    (``wait_up`` on it before use).  ``broker_pid``: the broker process known to serve
+    ``address`` now (one ``Channel.create`` just started, or the one a channel's lock file
+    names); a connection whose hello another process answered is not shared then: a broker
+    that replaced a dead one at the same address does not know it (see the module
+    docstring)."""
     if _exiting:
         raise ChannelError("the interpreter is exiting: no new connections")
     key = share_key(address, identity, curve, shm)
     _lock.acquire()
     try:
-        conn = _take(key)
+        conn = _take(key, broker_pid)
     finally:
         _unlock()
     if conn is None:
         fresh = Connection(address, identity=identity, curve=curve, shm=shm)
         _lock.acquire()
         try:
-            conn = _take(key)
+            conn = _take(key, broker_pid)
             if conn is None:
                 conn = fresh
                 _by_key[key], _keys[conn], _count[conn] = conn, key, 1
@@ -107,10 +121,12 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None) ->
     return Share(conn)
 
 
-def _take(key: tuple) -> Connection | None:
+def _take(key: tuple, broker_pid: int | None = None) -> Connection | None:
     conn = _by_key.get(key)
     if conn is None or conn.closing or conn.state == CLOSED or conn.pid != os.getpid():
         return None
+    if broker_pid is not None and conn.broker_info.pid != broker_pid:
+        return None  # said hello to another broker (or none yet): the caller makes a new one
     _count[conn] += 1
     return conn
 

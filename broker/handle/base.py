@@ -58,6 +58,9 @@ class ChannelHandle:
         self._curve_keys = curve_keys
         self._proc: BrokerProcess | None = None  # the broker this handle started (_adopt)
         self._token: str | None = None  # the shutdown token that broker accepts
+        # the broker process known to serve the address when this handle was made (its first
+        # connection must have said hello to that one: ``sharing.acquire``)
+        self._broker_pid: int | None = None
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
         self._conn_lock = threading.Lock()
@@ -71,6 +74,7 @@ class ChannelHandle:
         """Make this handle the owner of the broker ``proc`` its ``create`` started: ``created``
         is True, and ``shutdown`` stops that broker with ``token``."""
         self._proc, self._token, self.created = proc, token, True
+        self._broker_pid = proc.pid
         return self
 
     def _log_attached(self) -> None:
@@ -118,7 +122,7 @@ class ChannelHandle:
             if self._closed:
                 raise ChannelError("this channel handle is closed")
             share = sharing.acquire(self._address, self.identity, client_keys(self._curve_keys),
-                                    self._shm)
+                                    self._shm, self._broker_pid)
             if not share.conn.wait_up(timeout):
                 share.close(settle_puts=False, withdraw=False)
                 if share.conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
@@ -126,7 +130,7 @@ class ChannelHandle:
                 raise ChannelNotFound(f"no broker answered at {self._address} within {timeout}s")
             if self._name is None:
                 self._name = share.conn.broker_info.name
-            self._share = share
+            self._share, self._broker_pid = share, None
             return share
 
     def _give_back(self, settle_puts: bool = True, withdraw: bool = True, bye: bool = True) -> None:

@@ -351,6 +351,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             keys.load()  # a key file that does not hold its key: ValueError naming it, first
         paths.probe(address)
         handle = cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
+        # a channel's broker names itself in its lock file: the connection must be to that one
+        handle._broker_pid = None if name is None else paths.read_lock_holder(name)
         handle._connection(timeout=timeout)
         if handle._connection().broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
             return _as_channel(DistributedChannel.from_handle(handle))
