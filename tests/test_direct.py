@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 from conftest import wait_until
-from zchannel.broker import Channel
+from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
@@ -448,7 +448,7 @@ def test_lazy_setting_is_checked_and_zero_holds_nothing_back(make_remote):
         assert proc.returncode != 0
         assert "ZCHANNEL_LAZY_MS must be an int >= 0" in proc.stderr
     code = """
-from zchannel.broker import Channel
+from zchannel.broker import BrokerUnavailable, Channel
 ch = Channel.connect("dlz")
 parked = ch.get(key="never", async_op=True)
 for i in range(50):
@@ -478,3 +478,29 @@ def test_a_link_that_never_says_hello_is_closed_after_the_expiry(make_remote):
         assert ch.stats()["clients"] == 1
     finally:
         raw.close()
+
+
+def test_a_request_queued_when_a_reader_finds_the_broker_gone_fails(make_remote):
+    """A thread reading the link (``Waiting._read_for``) finds the broker gone (the link closed,
+    nothing listens at its path) while another thread's request waits in the queue: the
+    connection is down, and that request fails with ``BrokerUnavailable`` instead of going out
+    on the dead link and waiting for an answer that never comes."""
+    ch = make_remote("gone-while-queued")
+    conn = ch._connection()
+    assert conn.direct
+    line = conn._line
+    # this thread takes the link (between the I/O thread's turns) and reads it, as a waiting
+    # caller does
+    assert wait_until(line.take, timeout=30, interval=0.001)
+    try:
+        work = ch.get(async_op=True)  # the socket is taken: queued for the reader to send
+        os.kill(ch._proc.pid, signal.SIGKILL)
+        ch._proc.wait()
+        while conn._recv_one():  # the reader sees the link close and nothing listening
+            pass
+        assert conn.state == "down"
+        conn._requests.send_queued()  # what the reader does next with what is queued
+    finally:
+        line.give()
+    with pytest.raises(BrokerUnavailable, match="before this request was sent"):
+        work.wait(timeout=10)

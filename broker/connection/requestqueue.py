@@ -198,8 +198,13 @@ class RequestQueue:
 
     def send_queued(self) -> None:
         """Send what is queued (by the socket's holder), coalesced into as few messages as the
-        limits allow; a request whose handle closed, or a stale put, fails unsent."""
+        limits allow; a request whose handle closed, or a stale put, fails unsent, and so does
+        everything queued while the broker is known gone (``DOWN``: its requests in flight were
+        failed then, and one sent now would wait for an answer that never comes)."""
         queue = self.queue
+        if self._line.state == DOWN:
+            self._fail_queued()
+            return
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
@@ -247,18 +252,31 @@ class RequestQueue:
         return pending[2] and isinstance(rec, Put) and rec.slots is not None \
             and self.shm.stale(rec.slots)
 
-    def _drop_unsent(self, rec: Request, pending: Pending) -> None:
+    def _drop_unsent(self, rec: Request, pending: Pending,
+                     error: BaseException | None = None) -> None:
         """A request whose handle closed before it went out (``ChannelError``), or a put whose
-        slots are stale (``BrokerUnavailable``: sent again, it takes new ones): never sent, it
-        fails here."""
+        slots are stale (``BrokerUnavailable``: sent again, it takes new ones), or ``error``:
+        never sent, it fails here."""
         client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
         self.release(pending[3])
-        if pending[3] is not None and pending[3].closed:
+        if error is not None:
+            pending[0].set_exception(error)
+        elif pending[3] is not None and pending[3].closed:
             pending[0].set_exception(ChannelError("this channel handle is closed"))
         else:
             pending[0].set_exception(BrokerUnavailable(
                 f"the broker at {self.address} was restarted (or expired this client) while "
                 "this put waited to be sent; nothing was stored"))
+
+    def _fail_queued(self) -> None:
+        """Fail what is queued, unsent (the broker is known gone: ``send_queued``)."""
+        queue = self.queue
+        while queue:
+            rec, _, pending = queue.popleft()
+            if pending is not None:
+                self._drop_unsent(rec, pending, BrokerUnavailable(
+                    f"the broker at {self.address} is unavailable (it went away before this "
+                    "request was sent); nothing was sent"))
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every request in flight with ``exc`` (each taken out of ``pending`` once: a
