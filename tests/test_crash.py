@@ -60,13 +60,13 @@ while not os.path.exists(stop):
             break
         except BrokerUnavailable:  # in doubt: it may be stored already; the retry is safe
             print(f"R {ident}", flush=True)
-            time.sleep(0.01)
+            time.sleep(0.01)  # retry back-off while the broker restarts (pacing)
         except TimeoutError:  # not in doubt: putting it again is a new put
             print(f"T {ident}", flush=True)
-            time.sleep(0.01)
+            time.sleep(0.01)  # retry back-off (pacing)
     print(f"P {ident} {time.monotonic_ns()}", flush=True)
     seq += 1
-    time.sleep(0.002)
+    time.sleep(0.002)  # pacing: a steady stream of puts across the kills, not a flood
 print("done", flush=True)
 """
 
@@ -93,7 +93,7 @@ while True:
                 break
         continue
     except BrokerUnavailable:
-        time.sleep(0.01)
+        time.sleep(0.01)  # retry back-off while the broker restarts (pacing)
         continue
     idle_since = None
     item = got.item if mode == "ack" else got
@@ -231,7 +231,7 @@ def _crash_run(run_dir: str, tmp_path, brokers: ForkBroker, kills: int) -> None:
         for _ in range(kills):
             before = sum(w.count("P ") for w in workers[:2])
             _wait_progress(workers[:2], before)
-            time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(rng.uniform(0.0, 0.3))  # a random moment of the stream to kill at (pacing)
             start = time.monotonic_ns()
             brokers.kill(pid)
             killed.append((start, time.monotonic_ns()))
@@ -362,7 +362,7 @@ def _power_loss_run(run_dir: str, tmp_path, brokers: ForkBroker, ext4: tuple[str
         rng = random.Random(losses)
         for _ in range(losses):
             _wait_progress(workers[:2], sum(w.count("P ") for w in workers[:2]))
-            time.sleep(rng.uniform(0.1, 0.6))
+            time.sleep(rng.uniform(0.1, 0.6))  # a random moment of the stream to cut power at (pacing)
             brokers.kill(pid, wait=False)
             shutil.copyfile(image, snapshot)  # what reached the disk when the power went
             wait_gone(pid)

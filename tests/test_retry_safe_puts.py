@@ -253,13 +253,13 @@ def settle(seq, work):
                 retried += 1
                 return
             except BrokerUnavailable:
-                time.sleep(0.1)
+                time.sleep(0.1)  # retry back-off while the broker restarts (pacing)
 for seq in range(n):
     inflight[seq] = ch.put(seq, key="s", async_op=True)
     if len(inflight) >= window:
         first = min(inflight)
         settle(first, inflight.pop(first))
-    time.sleep(0.0005)
+    time.sleep(0.0005)  # pacing: puts spread over the broker's kill, not one burst
 for seq in sorted(inflight):
     settle(seq, inflight[seq])
 print("done", retried, flush=True)
