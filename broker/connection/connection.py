@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Any
 
+from zchannel.broker.connection.batching import on_batch_reply
 from zchannel.broker.connection.iothread import IOThread, running
 from zchannel.broker.connection.liveness import CLOSED, CONNECTING, DOWN, UP, Liveness
 from zchannel.broker.connection.requestqueue import Convert, Flow, RequestQueue
@@ -325,6 +326,8 @@ class Connection(IOThread, Liveness, Waiting, RequestQueue):
             return
         pending = self._pending.pop(rid, None)
         if pending is None:
+            if self._batches:
+                on_batch_reply(self, rec)
             return
         self._release(pending[3])
         work, convert, _, _ = pending

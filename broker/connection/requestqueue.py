@@ -18,8 +18,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from zchannel.broker.connection.batching import group_puts
 from zchannel.broker.connection.liveness import CLOSED, DOWN
 from zchannel.broker.connection.tuning import (
+    BATCH,
     MAX_BYTES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
     MAX_OPS_PER_MESSAGE,
@@ -57,6 +59,7 @@ class RequestQueue:
         self._ids = itertools.count(1)
         self._queue: deque[tuple[dict, list, _Pending | None]] = deque()
         self._pending: dict[int, _Pending] = {}
+        self._batches: dict[int, frozenset[int]] = {}  # batch id -> its puts' ids (batching.py)
         # Flow control per handle (``Flow``: its share, or this connection's own for requests
         # of no handle).  Callers wait on ``_room`` only when the limit is reached.
         self._max_inflight = max_inflight
@@ -190,6 +193,8 @@ class RequestQueue:
                 elif type(rec) is Put and rec.body is not UNSET:
                     inline += len(rec.body)
             if records:
+                if BATCH and len(records) > 1:
+                    records = group_puts(self, records)
                 self._send(records, frames)
 
     def _stale(self, rec: Request, pending: _Pending) -> bool:
@@ -211,6 +216,7 @@ class RequestQueue:
                 "this put waited to be sent; nothing was stored"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        self._batches = {}
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             self._release(entry[3])

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.server.batches import put_batch
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
@@ -46,6 +47,7 @@ from zchannel.broker.wire.protocol import (
     Load,
     Peek,
     Put,
+    PutBatch,
     QSize,
     Release,
     Request,
@@ -265,7 +267,7 @@ def check_consumer(consumer: Any) -> str | None:
 
 
 HANDLERS: dict[type[Request], Handler] = {
-    Put: put, Get: get, GetBatch: get_batch, Heartbeat: heartbeat, QSize: qsize, Full: full,
+    Put: put, PutBatch: put_batch, Get: get, GetBatch: get_batch, Heartbeat: heartbeat, QSize: qsize, Full: full,
     Stats: stats, Ack: ack, Peek: peek, Cancel: cancel, Bye: bye, ShmHello: shm_record,
     ShmRelease: shm_record, Shutdown: shutdown, Bind: replica_record, Learn: replica_record,
     Sync: replica_record, Load: replica_record, Release: replica_record,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zchannel.broker.wire.protocol import UNSET, Reply
+
 # Frame bytes per reply message at most (a single record may exceed it): replies coalesced in
 # one turn for a client with many gets out would otherwise make one message of hundreds of MiB,
 # which arrives whole only after seconds, with the heartbeats queued behind it.
@@ -42,3 +44,25 @@ class Outbox:
             r0, f0 = r1, f1
         out.append((self.records[r0:], self.frames[f0:]))
         return out
+
+    def mark(self) -> tuple[int, int]:
+        """Where the records of this turn stand now (for ``take_acks``)."""
+        return len(self.records), len(self.cuts)
+
+    def take_acks(self, mark: tuple[int, int], ids: set[int]) -> list[int]:
+        """Take the bare acknowledgements of requests ``ids`` added since ``mark`` out of this
+        outbox and return their ids, in order (none while a message cut was made since: the
+        cuts index the records)."""
+        r0, cuts = mark
+        if len(self.cuts) != cuts:
+            return []
+        kept, taken = [], []
+        for rec in self.records[r0:]:
+            if type(rec) is Reply and rec.id in ids and rec.error is None and rec.result is None \
+                    and rec.nf == 0 and rec.body is UNSET and rec.lease is None:
+                taken.append(rec.id)
+            else:
+                kept.append(rec)
+        if taken:
+            self.records[r0:] = kept
+        return taken

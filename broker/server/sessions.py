@@ -117,6 +117,20 @@ class Sessions:
             rec.result = result
         out.records.append(rec)
 
+    def outbox_mark(self, client: Client) -> tuple[Outbox | None, tuple[int, int]]:
+        """Where ``client``'s replies of this turn stand (``take_acks`` takes from there)."""
+        out = self._out.get(client.address)
+        return out, (out.mark() if out is not None else (0, 0))
+
+    def take_acks(self, client: Client, mark: tuple[Outbox | None, tuple[int, int]],
+                  ids: set[int]) -> list[int]:
+        """The ids of the bare acknowledgements to requests ``ids`` of ``client`` queued
+        since ``mark``, taken out of its replies (``Outbox.take_acks``)."""
+        out = self._out.get(client.address)
+        if out is None:
+            return []
+        return out.take_acks(mark[1] if out is mark[0] else (0, 0), ids)
+
     def _send(self, address: bytes, records: list, frames: list) -> bool:
         """Send to the client at ``address`` over its transport (``server/peers.py``); False when it
         cannot be reached (``flush`` then requeues and ends the client)."""
