@@ -5,10 +5,10 @@ Each put of the batch goes through the handler of a single put (``handlers.put``
 replica's checked version of it), in order, exactly as if its record had come alone: per-key
 FIFO, ``maxsize`` backpressure (a put that must wait is parked under its own id, and the puts
 behind it for the same queue wait behind it, as ``Waiters.put`` orders them), retry-safe
-sequences and errors are those of single puts.  Only the answers differ: the plain
-acknowledgements queued for the batch's puts this turn are taken out of the client's outbox
-and replaced by one reply to the batch's id whose result lists the ids stored; a put that
-failed, or waits for room, is answered under its own id (in the same reply message for a
+sequences and errors are those of single puts.  Only the answers differ: while the batch is
+handled, the bare acknowledgements of its puts are collected (``Sessions.collect_acks``)
+instead of queued one record each, and one reply to the batch's id lists the ids stored; a put
+that failed, or waits for room, is answered under its own id (in the same reply message for a
 failure, later for a wait).
 """
 
@@ -35,18 +35,19 @@ def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
     broker.counters.put_batches += 1
     sessions = broker.sessions
     handle = broker.handlers[Put]
-    before = sessions.outbox_mark(client)
-    pos = 0
-    for put in puts:
-        nf = put.nf
-        try:
-            handle(broker, client, put, frames[pos : pos + nf] if nf else [])
-        except Exception as exc:  # this put's error reply, as for a put sent alone
-            if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
-                log.exception("error handling a put of a batch")
-            sessions.reply(client, put.id, error=exc)
-        pos += nf
-    ids = {put.id for put in puts}
-    stored = sessions.take_acks(client, before, ids)
+    stored = sessions.collect_acks(client, {put.id for put in puts})
+    try:
+        pos = 0
+        for put in puts:
+            nf = put.nf
+            try:
+                handle(broker, client, put, frames[pos : pos + nf] if nf else [])
+            except Exception as exc:  # this put's error reply, as for a put sent alone
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
+                    log.exception("error handling a put of a batch")
+                sessions.reply(client, put.id, error=exc)
+            pos += nf
+    finally:
+        sessions.end_acks()
     sessions.reply(client, rec.id, result=stored)
 
