@@ -168,6 +168,16 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return st.text(max_size=3) | ints | st.lists(st.text(max_size=2), min_size=1, max_size=2)
     if tp == (list | None):
         return st.text(max_size=3) | ints | st.binary(max_size=3)
+    if tp == list[int]:  # a gets record's ids: 1 to MAX_BATCH_PUTS ints
+        return (st.text(max_size=3) | ints | st.none() | st.just([])
+                | st.lists(st.booleans() | st.text(max_size=2) | st.floats(), min_size=1,
+                           max_size=2)
+                | st.just(list(range(protocol.MAX_BATCH_PUTS + 1))))
+    if tp == list[protocol.Put]:  # a puts record's puts: 1 to MAX_BATCH_PUTS put records
+        return (st.text(max_size=3) | ints | st.none() | st.just([]) | st.lists(ints, min_size=1)
+                | st.just([{"op": "get", "id": 1, "k": "k"}])
+                | st.just([{"op": "put", "id": 1, "k": "k", "w": -1}])
+                | st.just([{"op": "put", "id": 1, "k": "k"}] * (protocol.MAX_BATCH_PUTS + 1)))
     if tp == (protocol.Sequence | msgspec.UnsetType):
         return st.integers(-(2**63), -1) | st.booleans() | st.text(max_size=3) | st.floats()
     if tp == (protocol.ProducerId | None):
