@@ -21,6 +21,17 @@ def batching(request, monkeypatch) -> bool:
     return request.param
 
 
+def gets_together(handle: Channel, n: int, **kwargs: object) -> list:
+    """``n`` async gets of ``handle`` queued while nobody may send, so that they leave in one
+    message (one ``gets`` record when batching is on), then sent."""
+    handle.qsize(kwargs.get("key", "k"))  # connected and registered
+    conn = handle._connection()
+    with conn._line.sock_lock:
+        works = [handle.get(async_op=True, **kwargs) for _ in range(n)]
+    conn.flush()
+    return works
+
+
 def _saw_runs(ch: Channel, batching: bool) -> None:
     stats = ch.stats()
     if batching:  # the gets (puts: tests/test_put_batches.py) travelled in runs
@@ -37,10 +48,10 @@ def test_fifo_per_key_and_no_more_items_than_gets(channels, batching):
         w.wait(30)
     consumer = Channel.connect(ch.address)
     try:
-        taken = [consumer.get(key="a", async_op=True) for _ in range(20)]
+        taken = gets_together(consumer, 20, key="a")
         assert [w.wait(30) for w in taken] == list(range(0, 40, 2))
         assert ch.qsize("a") == 10 and ch.qsize("b") == 30  # credit: only what was asked
-        more = [consumer.get(key="b", async_op=True) for _ in range(40)]
+        more = gets_together(consumer, 40, key="b")
         assert [w.wait(30) for w in more[:30]] == list(range(1, 60, 2))
         assert not any(w.done() for w in more[30:])  # parked, in order, for later items
         for i in range(10):
@@ -63,7 +74,7 @@ def test_maxsize_holds_with_runs_of_puts_and_gets(channels, batching):
         assert not any(w.done() for w in puts[3:])  # the rest wait for room, in order
         got: list = []
         while len(got) < 12:
-            run = [ch.get(key="k", async_op=True) for _ in range(4)]
+            run = gets_together(ch, 4, key="k")
             got += [w.wait(30) for w in run]
             assert ch.qsize("k") <= 3
         assert got == list(range(12))
@@ -81,8 +92,7 @@ def test_each_delivery_its_own_lease_and_redelivery(channels, batching):
         w.wait(30)
     first = Channel.connect(ch.address)
     try:
-        deliveries = [w.wait(30) for w in [first.get(key="k", ack=True, async_op=True)
-                                           for _ in range(6)]]
+        deliveries = [w.wait(30) for w in gets_together(first, 6, key="k", ack=True)]
         assert all(isinstance(d, Delivery) for d in deliveries)
         assert [d.item for d in deliveries] == list(range(6))
         assert len({d.lease_id for d in deliveries}) == 6
@@ -92,7 +102,7 @@ def test_each_delivery_its_own_lease_and_redelivery(channels, batching):
     finally:
         first.close()
     # the unacknowledged deliveries come back once their leases expire (5 s)
-    again = [w.wait(30) for w in [ch.get(key="k", async_op=True) for _ in range(3)]]
+    again = [w.wait(30) for w in gets_together(ch, 3, key="k")]
     assert sorted(again) == [1, 3, 5] and ch.qsize("k") == 0
     _saw_runs(ch, batching)
 
@@ -106,8 +116,8 @@ def test_dispatch_to_private_queues(channels, batching):
     zero = Channel.connect(ch.address, identity="c:0")
     one = Channel.connect(ch.address, identity="c:1")
     try:
-        a = [w.wait(30) for w in [zero.get(key="k", async_op=True) for _ in range(4)]]
-        b = [w.wait(30) for w in [one.get(key="k", async_op=True) for _ in range(4)]]
+        a = [w.wait(30) for w in gets_together(zero, 4, key="k")]
+        b = [w.wait(30) for w in gets_together(one, 4, key="k")]
         assert sorted(a + b) == list(range(8)) and len(a) == len(b) == 4
         assert a == sorted(a) and b == sorted(b) and set(a) != set(b)
         assert ch.qsize("k", consumer="c:0") == ch.qsize("k", consumer="c:1") == 0
@@ -123,7 +133,7 @@ def test_cancel_and_timeout_of_gets_sent_together(channels, batching):
     consumer = Channel.connect(ch.address)
     try:
         # a cancelled get took nothing: the items go to the gets still waiting, then stay
-        run = [consumer.get(key="k", async_op=True) for _ in range(4)]
+        run = gets_together(consumer, 4, key="k")
         assert ch.qsize("k") == 0 and not any(w.done() for w in run)
         assert run[1].cancel() and run[2].cancel()
         for i in range(4):
@@ -131,19 +141,19 @@ def test_cancel_and_timeout_of_gets_sent_together(channels, batching):
         assert [run[0].wait(30), run[3].wait(30)] == [0, 1]
         assert ch.qsize("k") == 2
         # a get that timed out at the broker took nothing either
-        timed = [consumer.get(key="t", async_op=True, timeout=0.2) for _ in range(3)]
+        timed = gets_together(consumer, 3, key="t", timeout=0.2)
         for w in timed:
             with pytest.raises(TimeoutError):
                 w.wait(30)
         ch.put("x", key="t")
         assert ch.qsize("t") == 1
         # a get whose item was sent already cannot be withdrawn: the Work keeps the item
-        served = [consumer.get(key="k", async_op=True) for _ in range(2)]
+        served = gets_together(consumer, 2, key="k")
         assert [w.wait(30) for w in served] == [2, 3]
         assert not served[0].cancel() and served[0].result() == 2
         # a cancel racing the item: either withdrawn (the item stays queued) or the Work has it
         ch.put("race", key="r")
-        racing = [consumer.get(key="r", async_op=True) for _ in range(2)]
+        racing = gets_together(consumer, 2, key="r")
         withdrawn = [w.cancel() for w in racing]
         outcomes = [w.wait(30) for w, gone in zip(racing, withdrawn, strict=True) if not gone]
         assert outcomes.count("race") + ch.qsize("r") == 1
