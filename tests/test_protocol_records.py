@@ -160,8 +160,8 @@ def _wrong_run(tp: object) -> st.SearchStrategy:
     MAX_BATCH_PUTS ints, or put records)."""
     ints = st.integers(-(2**63), 2**64 - 1)
     wrong = st.text(max_size=3) | ints | st.none() | st.just([])
-    if tp == list[int]:
-        return (wrong | st.lists(st.booleans() | st.text(max_size=2) | st.floats(), min_size=1,
+    if tp == list[protocol.Count]:
+        return (wrong | st.lists(st.integers(-(2**63), -1), min_size=1, max_size=2) | st.lists(st.booleans() | st.text(max_size=2) | st.floats(), min_size=1,
                                  max_size=2)
                 | st.just(list(range(protocol.MAX_BATCH_PUTS + 1))))
     return (wrong | st.lists(ints, min_size=1, max_size=3)
@@ -183,7 +183,7 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return st.text(max_size=3) | ints | st.lists(st.text(max_size=2), min_size=1, max_size=2)
     if tp == (list | None):
         return st.text(max_size=3) | ints | st.binary(max_size=3)
-    if tp in (list[int], list[protocol.Put]):
+    if tp in (list[protocol.Count], list[protocol.Put]):
         return _wrong_run(tp)
     if tp == (protocol.Sequence | msgspec.UnsetType):
         return st.integers(-(2**63), -1) | st.booleans() | st.text(max_size=3) | st.floats()

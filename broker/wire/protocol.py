@@ -149,7 +149,7 @@ class GetRun(Request, tag=GETS):
     timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
     ack: bool = False
-    ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] = field(
+    ids: Annotated[list[Count], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] = field(
         default_factory=list, name="g")
 
 
