@@ -44,7 +44,12 @@ def valid(info: mi.Type, body_max: int = 512) -> st.SearchStrategy:
         high = body_max if info.max_length is None else min(body_max, info.max_length)
         return st.binary(min_size=info.min_length or 0, max_size=high)
     if isinstance(info, mi.ListType):
-        return st.lists(valid(info.item_type), max_size=4)
+        return st.lists(valid(info.item_type, body_max), min_size=info.min_length or 0,
+                        max_size=max(4, info.min_length or 0))
+    if isinstance(info, mi.StructType):  # a record inside a record (the puts of a batch)
+        return st.fixed_dictionaries(
+            {f.name: valid(f.type, body_max) for f in info.fields}
+        ).map(lambda kwargs: info.cls(**kwargs))
     if isinstance(info, mi.StrType):
         return st.text(max_size=16)
     if isinstance(info, mi.DictType):

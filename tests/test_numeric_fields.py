@@ -32,7 +32,8 @@ NUMERIC = [(cls, f) for cls in REQUEST_TYPES for f in msgspec.inspect.type_info(
 UNANSWERABLE = {"id", "nf"}
 # the numeric fields of docs/protocol.md ("Numeric fields"), by operation and wire key
 DOCUMENTED = {
-    ("put", "w"), ("put", "t"), ("put", "fs"), ("put", "sq"), ("get", "t"), ("get_batch", "tw"),
+    ("put", "w"), ("put", "t"), ("put", "fs"), ("put", "sq"), ("get", "t"), ("gets", "t"),
+    ("gets", "g"), ("get_batch", "tw"),
     ("get_batch", "t"), ("peek", "n"), ("ack", "lease"), ("cancel", "rid"),
     ("shm_rel", "h"), ("bind", "replica"), ("bind", "from"), ("learn", "from"),
     ("sync", "from"), ("release", "to"),

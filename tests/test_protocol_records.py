@@ -155,6 +155,21 @@ def test_hello_info_and_sync_answer_round_trip():
 
 # -- every mutation is refused ------------------------------------------------------------------
 
+def _wrong_run(tp: object) -> st.SearchStrategy:
+    """A wrong value for the ids of a ``gets`` record or the puts of a ``puts`` record (1 to
+    MAX_BATCH_PUTS ints, or put records)."""
+    ints = st.integers(-(2**63), 2**64 - 1)
+    wrong = st.text(max_size=3) | ints | st.none() | st.just([])
+    if tp == list[protocol.Count]:
+        return (wrong | st.lists(st.integers(-(2**63), -1), min_size=1, max_size=2) | st.lists(st.booleans() | st.text(max_size=2) | st.floats(), min_size=1,
+                                 max_size=2)
+                | st.just(list(range(protocol.MAX_BATCH_PUTS + 1))))
+    return (wrong | st.lists(ints, min_size=1, max_size=3)
+            | st.just([{"op": "get", "id": 1, "k": "k"}])
+            | st.just([{"op": "put", "id": 1, "k": "k", "w": -1}])
+            | st.just([{"op": "put", "id": 1, "k": "k"}] * (protocol.MAX_BATCH_PUTS + 1)))
+
+
 def _wrong_value(tp: object) -> st.SearchStrategy:
     """A value of a wrong type for a field the decoder types."""
     ints = st.integers(-(2**63), 2**64 - 1)
@@ -168,6 +183,8 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return st.text(max_size=3) | ints | st.lists(st.text(max_size=2), min_size=1, max_size=2)
     if tp == (list | None):
         return st.text(max_size=3) | ints | st.binary(max_size=3)
+    if tp in (list[protocol.Count], list[protocol.Put]):
+        return _wrong_run(tp)
     if tp == (protocol.Sequence | msgspec.UnsetType):
         return st.integers(-(2**63), -1) | st.booleans() | st.text(max_size=3) | st.floats()
     if tp == (protocol.ProducerId | None):

@@ -49,6 +49,7 @@ import time
 import weakref
 from typing import Any
 
+from zchannel.broker.connection.batching import on_batch_reply
 from zchannel.broker.connection.iothread import IOThread
 from zchannel.broker.connection.line import CLOSED, DOWN, UP, Line
 from zchannel.broker.connection.liveness import Liveness
@@ -343,7 +344,8 @@ class Connection:
         # ids come from one counter: a hello's or a bye's is never in flight as a request
         pending = self._pending.pop(rid, None)
         if pending is None:
-            self._on_hello_or_bye(rid, rec)
+            if not (self._requests.batches and on_batch_reply(self._requests, rec)):
+                self._on_hello_or_bye(rid, rec)
             return
         self._release(pending[3])
         work, convert, _, _ = pending

@@ -21,8 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from zchannel.broker.connection.batching import group_records
 from zchannel.broker.connection.line import CLOSED, DOWN, Line
 from zchannel.broker.connection.tuning import (
+    BATCH,
     MAX_BYTES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
     MAX_OPS_PER_MESSAGE,
@@ -66,6 +68,8 @@ class RequestQueue:
         self.ids = itertools.count(1)  # request ids (hello and bye take theirs here too)
         self.queue: deque[tuple[Request, list, Pending | None]] = deque()
         self.pending: dict[int, Pending] = {}
+        # the id of a ``puts``/``gets`` record -> (is puts, the ids it stands for): batching.py
+        self.batches: dict[int, tuple[bool, frozenset[int]]] = {}
         # the part whose ``wait_for`` reads the link for a waiting ``Work`` (``Waiting``, set
         # by the connection when its callers read the link; None: the I/O thread completes it)
         self.reader: Any = None
@@ -218,6 +222,8 @@ class RequestQueue:
         while queue:
             records, frames = self._next_message(queue)
             if records:
+                if BATCH and len(records) > 1:
+                    records = group_records(self, records)
                 send(records, frames)
 
     def _next_message(self, queue: deque) -> tuple[list[Request], list]:
@@ -281,6 +287,7 @@ class RequestQueue:
     def fail_all(self, exc: BaseException) -> None:
         """Fail every request in flight with ``exc`` (each taken out of ``pending`` once: a
         reply read meanwhile completes it instead, never both)."""
+        self.batches.clear()
         pending = self.pending
         for rid in list(pending):
             entry = pending.pop(rid, None)

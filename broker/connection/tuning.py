@@ -1,7 +1,7 @@
 """Client tuning: how a connection batches, spins, drives its socket and uses direct links.
 
-Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS`` and ``ZCHANNEL_DIRECT`` change
-them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts use them;
+Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS``, ``ZCHANNEL_BATCH`` and
+``ZCHANNEL_DIRECT`` change them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts use them;
 the broker's direct-link listener sizes its message limit by ``MAX_BYTES_PER_MESSAGE``.
 """
 
@@ -62,6 +62,25 @@ SEND_RUN = 16
 # ZCHANNEL_LAZY_MS=0: the I/O thread always watches and nothing is held back.
 LAZY_MS = _env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
 LAZY_S = LAZY_MS / 1000
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A yes/no setting from the environment: 0/false/no/off or 1/true/yes/on (``ValueError``
+    naming it otherwise)."""
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 0 or 1 (or false/true, no/yes, off/on), got {text!r}")
+
+
+# Runs of consecutive puts that leave in one message travel as one ``puts`` record, answered
+# by one reply (``connection/batching.py``); only what is queued already is coalesced, nothing
+# waits for more.  ZCHANNEL_BATCH=0: every put travels as a record of its own.
+BATCH = _env_flag("ZCHANNEL_BATCH", True)
 
 
 def direct_enabled() -> bool:

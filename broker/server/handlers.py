@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zchannel.broker.cluster.replica import ReplicaState
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.server.batches import get_run, put_batch
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW, ProducerWindow
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
@@ -40,6 +41,7 @@ from zchannel.broker.wire.protocol import (
     Full,
     Get,
     GetBatch,
+    GetRun,
     Heartbeat,
     Hello,
     HelloInfo,
@@ -47,6 +49,7 @@ from zchannel.broker.wire.protocol import (
     Load,
     Peek,
     Put,
+    PutBatch,
     QSize,
     Release,
     Request,
@@ -285,7 +288,8 @@ def check_consumer(consumer: Any) -> str | None:
 
 
 HANDLERS: dict[type[Request], Handler] = {
-    Put: put, Get: get, GetBatch: get_batch, Heartbeat: heartbeat, QSize: qsize, Full: full,
+    Put: put, PutBatch: put_batch, Get: get, GetRun: get_run, GetBatch: get_batch,
+    Heartbeat: heartbeat, QSize: qsize, Full: full,
     Stats: stats, Ack: ack, Peek: peek, Cancel: cancel, Bye: bye, ShmHello: shm_record,
     ShmRelease: shm_record, Shutdown: shutdown, Bind: replica_record, Learn: replica_record,
     Sync: replica_record, Load: replica_record, Release: replica_record,

@@ -44,17 +44,21 @@ def check_port(port: Any) -> int:
 class Counters:
     """Requests counted by the broker loop since it started (read by ``stats`` and scrapes)."""
 
-    __slots__ = ("puts", "gets", "delivered", "duplicate_puts")
+    __slots__ = ("puts", "gets", "delivered", "duplicate_puts", "put_batches",
+                 "get_runs")
 
     def __init__(self) -> None:
         self.puts = 0  # put requests received (each carries one item)
         self.gets = 0  # get and get_batch requests received
         self.delivered = 0  # items sent to consumers (a get_batch reply counts each item)
         self.duplicate_puts = 0  # retried puts acknowledged without storing them again
+        self.put_batches = 0  # ``puts`` records received (their puts count in ``puts``)
+        self.get_runs = 0  # ``gets`` records received (their gets count in ``gets``)
 
     def as_dict(self) -> dict[str, int]:
         return {"puts": self.puts, "gets": self.gets, "delivered": self.delivered,
-                "duplicate_puts": self.duplicate_puts}
+                "duplicate_puts": self.duplicate_puts, "put_batches": self.put_batches,
+                "get_runs": self.get_runs}
 
 
 class HookTime:

@@ -61,6 +61,10 @@ class Sessions:
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
         self.producers = Producers(config.producer_grace)  # retry-safe puts
+        # the batch of puts being handled (``collect_acks``)
+        self._ack_client: Client | None = None
+        self._ack_ids: set[int] = set()
+        self._acked: list[int] = []
 
     def tell_expired(self, address: bytes, now: float) -> None:
         """A message came from ``address``, which is no client (any more): say ``expired``."""
@@ -79,6 +83,10 @@ class Sessions:
               items: list[Item] | None = None, batch: bool = False, lease: int | None = None,
               origin: Any = None, raw: bool = False, weights: list | None = None) -> None:
         """Queue the reply to request ``rid`` of ``client`` (sent at the end of the turn)."""
+        if self._ack_client is client and error is None and items is None and result is None \
+                and rid in self._ack_ids:  # a put of a batch stored: the batch's reply says so
+            self._acked.append(rid)
+            return
         out = self._out.get(client.address)
         if out is None:
             out = self._out[client.address] = Outbox()
@@ -119,6 +127,17 @@ class Sessions:
         else:
             rec.result = result
         out.records.append(rec)
+
+    def collect_acks(self, client: Client, ids: set[int]) -> list[int]:
+        """From now until ``end_acks``, a bare acknowledgement to one of the requests ``ids``
+        of ``client`` is not queued as a record of its own: its id is added to the list
+        returned (in order), which the batch's one reply carries (``server/batches.py``)."""
+        self._ack_client, self._ack_ids, self._acked = client, ids, []
+        return self._acked
+
+    def end_acks(self) -> None:
+        """Acknowledgements are queued as records again (see ``collect_acks``)."""
+        self._ack_client, self._ack_ids = None, set()
 
     def _send(self, address: bytes, records: list, frames: list) -> bool:
         """Send to the client at ``address`` over its transport (``server/peers.py``); False when it

@@ -31,6 +31,8 @@ PROTOCOL_VERSION = 1
 # Request operations (client -> broker).
 HELLO, BYE, HEARTBEAT = "hello", "bye", "hb"
 PUT, GET, GET_BATCH = "put", "get", "get_batch"
+PUTS = "puts"  # several puts in one record, answered by one record (docs/protocol.md)
+GETS = "gets"  # several alike gets in one record, each answered as a get (docs/protocol.md)
 QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN = "qsize", "full", "stats", "ack", "cancel", "shutdown"
 PEEK = "peek"  # copies of head items, left in place (docs/protocol.md)
 SHM_HELLO, SHM_RELEASE = "shm_hi", "shm_rel"  # same-host shared memory (docs/shm.md)
@@ -48,6 +50,9 @@ INLINE_BODY = 512
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 65536
 MAX_RECORDS = 4096
+# Puts in one ``puts`` record, gets one ``gets`` record stands for, at most (a client sends
+# at most MAX_OPS_PER_MESSAGE, 512, records in one message).
+MAX_BATCH_PUTS = 4096
 
 
 class ProtocolError(ValueError):
@@ -114,11 +119,38 @@ class Put(Request, tag=PUT):
         return self.id if seq is UNSET else seq
 
 
+class PutBatch(Request, tag=PUTS):
+    """Consecutive puts of one client in one record: each a whole ``Put`` record (its own id,
+    key, weight, sequence...), owning the next ``nf`` of the batch's frames in turn; ``nf``
+    of the batch is the sum of theirs.  The broker handles them in order, as the same records
+    sent one by one, and answers the batch's ``id`` with ``r``: the ids of the puts stored at
+    once (``BatchAnswer``); a put that waits for room or fails is answered under its own id."""
+
+    puts: Annotated[list[Put], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] = field(
+        default_factory=list, name="p")
+
+
 class Get(Request, tag=GET):
     key: Any = field(default=None, name="k")
     timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
     ack: bool = False
+
+
+class GetRun(Request, tag=GETS):
+    """Several gets of one client on one key with the same options, in one record: ``g`` the
+    gets' own request ids (distinct, none of them the record's ``id``).  The broker handles
+    them in order, each exactly as a ``get`` record with that id (parked, served, timed out,
+    cancelled and answered under its own id), then answers the record's ``id`` with an empty
+    success; an error on ``id`` means the record was refused whole and none of its gets was
+    handled."""
+
+    key: Any = field(default=None, name="k")
+    timeout: Timeout = field(default=None, name="t")
+    nowait: bool = field(default=False, name="nw")
+    ack: bool = False
+    ids: Annotated[list[Count], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] = field(
+        default_factory=list, name="g")
 
 
 class GetBatch(Request, tag=GET_BATCH):
@@ -196,11 +228,11 @@ class Release(Request, tag=RELEASE):
 
 
 REQUEST_TYPES: tuple[type[Request], ...] = (
-    Hello, Bye, Heartbeat, Put, Get, GetBatch, QSize, Full, Stats, Peek, Ack, Cancel, Shutdown,
-    ShmHello, ShmRelease, Bind, Learn, Sync, Load, Release,
+    Hello, Bye, Heartbeat, Put, PutBatch, Get, GetRun, GetBatch, QSize, Full, Stats, Peek, Ack,
+    Cancel, Shutdown, ShmHello, ShmRelease, Bind, Learn, Sync, Load, Release,
 )
-_AnyRequest = Hello | Bye | Heartbeat | Put | Get | GetBatch | QSize | Full | Stats | Peek | \
-    Ack | Cancel | Shutdown | ShmHello | ShmRelease | Bind | Learn | Sync | Load | Release
+_AnyRequest = Hello | Bye | Heartbeat | Put | PutBatch | Get | GetRun | GetBatch | QSize | Full | \
+    Stats | Peek | Ack | Cancel | Shutdown | ShmHello | ShmRelease | Bind | Learn | Sync | Load | Release
 # the requests on one key, which a replica that gave the key away answers with ``KeyMoved``
 KEYED_TYPES = (Put, Get, GetBatch, QSize, Full, Peek)
 
@@ -332,6 +364,20 @@ def load_answer(result: Any) -> LoadAnswer | None:
         return msgspec.convert(result, LoadAnswer)  # strict: a bool is not a count
     except msgspec.ValidationError:
         return None
+
+
+def batch_answer(result: Any, ids: frozenset[int]) -> list[int]:
+    """The put ids a ``puts`` reply's result says were stored, each one of ``ids`` (the
+    batch's puts) at most once; ``ProtocolError`` for a result that is not such a list."""
+    if type(result) is not list or len(result) > len(ids):
+        raise ProtocolError("a puts reply's result is a list of at most as many ids as puts")
+    seen: set[int] = set()
+    for rid in result:
+        if type(rid) is not int or rid not in ids or rid in seen:
+            raise ProtocolError(f"a puts reply names {rid!r}, which is not a put of its batch "
+                                "(or names it twice)")
+        seen.add(rid)
+    return result
 
 
 class BadRecord(NamedTuple):

@@ -1,0 +1,127 @@
+"""Request coalescing on the client: runs of consecutive puts in one outgoing message travel
+as one ``puts`` record (``wire/protocol.py``: ``PutBatch``), and runs of consecutive gets of
+the same key and options as one ``gets`` record (``GetRun``: get prefetch).
+
+Only what is already queued is coalesced (``RequestQueue._next_message`` cuts messages as
+before, nothing lingers to wait for more), and only consecutive records, so the broker sees
+every request in the order it was issued.  Each put or get keeps its own id, ``Work``,
+flow-control slot (``pending``), timeout and cancel; the record's own id maps to the ids it
+stands for in ``RequestQueue.batches`` until its reply comes:
+
+- a ``puts`` reply lists the ids stored; puts that fail or wait for room are answered under
+  their own ids;
+- a ``gets`` reply is an empty success once every get of the run was handled (each get is
+  answered, now or when an item comes, under its own id, exactly as a single get);
+- an error on the record itself (the broker refused it whole: nothing of it was done) fails
+  each put or get of it still waiting for an answer.
+
+``ZCHANNEL_BATCH=0`` turns both off (``connection/tuning.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from zchannel.broker.connection.work import _DONE
+from zchannel.broker.errors import error_from_wire
+from zchannel.broker.wire.protocol import (
+    MAX_BATCH_PUTS,
+    Get,
+    GetRun,
+    ProtocolError,
+    Put,
+    PutBatch,
+    Reply,
+    Request,
+    batch_answer,
+)
+
+if TYPE_CHECKING:  # the request queue imports this module; the type alone goes back
+    from zchannel.broker.connection.requestqueue import RequestQueue
+
+log = logging.getLogger("zchannel.client")
+
+
+def group_records(requests: RequestQueue, records: list[Request]) -> list[Request]:
+    """``records`` of one message with each run of two or more consecutive puts replaced by
+    one ``PutBatch`` and each run of two or more consecutive alike gets (``_alike``) by one
+    ``GetRun``, registered in ``requests.batches``; the frames keep their order."""
+    out: list[Request] = []
+    run: list[Any] = []
+    rec: Any
+    for rec in records:
+        kind = type(rec)
+        if run and (kind is not type(run[0]) or len(run) == MAX_BATCH_PUTS
+                    or kind is Get and not _alike(run[0], rec)):
+            _flush_run(requests, run, out)
+            run = []
+        if kind is Put or kind is Get:
+            run.append(rec)
+        else:
+            out.append(rec)
+    if run:
+        _flush_run(requests, run, out)
+    return out
+
+
+def _alike(first: Get, rec: Get) -> bool:
+    """Whether ``rec`` may stand in one ``gets`` record with ``first``: the same key (of the
+    same type: 1 and 1.0 or a tuple and a list never mix), timeout, nowait and ack."""
+    a, b = first.key, rec.key
+    return (type(a) is type(b) and a == b and first.timeout == rec.timeout
+            and first.nowait is rec.nowait and first.ack is rec.ack)
+
+
+def _flush_run(requests: RequestQueue, run: list, out: list[Request]) -> None:
+    if len(run) == 1:
+        out.append(run[0])
+        return
+    first = run[0]
+    ids = [rec.id for rec in run]
+    rid = next(requests.ids)
+    batch: Request
+    if type(first) is Put:
+        nf = 0
+        for put in run:
+            nf += put.nf
+        batch = PutBatch(id=rid, nf=nf, puts=run)
+        requests.batches[rid] = (True, frozenset(ids))
+    else:
+        batch = GetRun(id=rid, key=first.key, timeout=first.timeout, nowait=first.nowait,
+                       ack=first.ack, ids=ids)
+        requests.batches[rid] = (False, frozenset(ids))
+    out.append(batch)
+
+
+def on_batch_reply(requests: RequestQueue, rec: Reply) -> bool:
+    """The reply to a ``puts`` or ``gets`` record (``rec.id`` in ``requests.batches``): complete
+    the puts it stored, or fail every request of a record refused whole.  False when ``rec``
+    answers no such record."""
+    entry = requests.batches.pop(rec.id, None)  # type: ignore[arg-type]
+    if entry is None:
+        return False
+    is_puts, ids = entry
+    if rec.error is not None:
+        error = error_from_wire(rec.error)
+        for rid in ids:
+            requests.forget(rid, error)
+        return True
+    if not is_puts:
+        if rec.result is not None or rec.nf:
+            log.warning("a reply to a gets record carries a result: ignored")
+        return True
+    try:
+        stored = batch_answer(rec.result, ids)
+    except ProtocolError as exc:
+        log.warning("malformed reply to a batch of puts from the broker: %s", exc)
+        for rid in ids:
+            requests.forget(rid, exc)
+        return True
+    pending_of = requests.pending
+    for rid in stored:
+        pending = pending_of.pop(rid, None)
+        if pending is not None:
+            requests.release(pending[3])
+            pending[0]._finish(_DONE, None)
+    return True

@@ -1,0 +1,83 @@
+"""The broker's side of a ``puts`` record (``wire/protocol.py``: ``PutBatch``): several puts of
+one client handled in one pass and answered by one record; and of a ``gets`` record
+(``GetRun``): several gets of one client on one key, handled in one pass.
+
+Each put of the batch goes through the handler of a single put (``handlers.put``, or a
+replica's checked version of it), in order, exactly as if its record had come alone: per-key
+FIFO, ``maxsize`` backpressure (a put that must wait is parked under its own id, and the puts
+behind it for the same queue wait behind it, as ``Waiters.put`` orders them), retry-safe
+sequences and errors are those of single puts.  Only the answers differ: while the batch is
+handled, the bare acknowledgements of its puts are collected (``Sessions.collect_acks``)
+instead of queued one record each, and one reply to the batch's id lists the ids stored; a put
+that failed, or waits for room, is answered under its own id (in the same reply message for a
+failure, later for a wait).
+
+The gets of a ``gets`` record go through the handler of a single get, in order, each under its
+own id, with the record's key and options: each is served, parked (with its own deadline and
+its own place among the key's waiting getters), refused or cancelled exactly as a ``get``
+record of that id, and answered under that id -- the replies of the items served in one turn
+leave in one message, each its own delivery (its own lease under ``ack``).  The record's own
+id then gets an empty success.  A record whose ids repeat, or name the record itself, is
+refused whole (a ``ValueError`` reply to its id, none of its gets handled).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zchannel.broker.core.state import Client
+from zchannel.broker.errors import KeyMoved
+from zchannel.broker.wire.protocol import Get, GetRun, Put, PutBatch
+
+log = logging.getLogger("zchannel.broker")
+
+
+def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
+    """Handle the puts of ``rec`` in order, then answer the batch (module docstring)."""
+    puts = rec.puts
+    declared = 0
+    for put in puts:
+        declared += put.nf
+    if declared != rec.nf or len(frames) != rec.nf:
+        raise ValueError(f"a puts record declares {rec.nf} frames but its puts own {declared}")
+    broker.counters.put_batches += 1
+    sessions = broker.sessions
+    handle = broker.handlers[Put]
+    stored = sessions.collect_acks(client, {put.id for put in puts})
+    try:
+        pos = 0
+        for put in puts:
+            nf = put.nf
+            try:
+                handle(broker, client, put, frames[pos : pos + nf] if nf else [])
+            except Exception as exc:  # this put's error reply, as for a put sent alone
+                if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
+                    log.exception("error handling a put of a batch")
+                sessions.reply(client, put.id, error=exc)
+            pos += nf
+    finally:
+        sessions.end_acks()
+    sessions.reply(client, rec.id, result=stored)
+
+
+def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
+    """Handle the gets ``rec`` stands for in order, then answer the record (module docstring)."""
+    ids = rec.ids
+    if len(set(ids)) != len(ids) or rec.id in ids:
+        raise ValueError("a gets record names a get twice, or names itself among its gets")
+    if frames:
+        raise ValueError("a gets record carries no frames")
+    broker.counters.get_runs += 1
+    sessions = broker.sessions
+    handle = broker.handlers[Get]
+    one = Get(id=0, key=rec.key, timeout=rec.timeout, nowait=rec.nowait, ack=rec.ack)
+    for rid in ids:
+        one.id = rid
+        try:
+            handle(broker, client, one, frames)
+        except Exception as exc:  # this get's error reply, as for a get sent alone
+            if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
+                log.exception("error handling a get of a gets record")
+            sessions.reply(client, rid, error=exc)
+    sessions.reply(client, rec.id)

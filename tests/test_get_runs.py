@@ -1,0 +1,116 @@
+"""Gets coalesced into ``gets`` records (``GetRun``): one record stands for several gets of one
+client on one key with the same options; the broker handles each exactly as a ``get`` of its
+own id (served, parked, timed out, cancelled, answered under that id) and answers the record
+with an empty success; a malformed record is a ``ValueError`` reply to its id, none of its
+gets handled, the broker unharmed.  The client coalesces runs of queued alike gets
+(``ZCHANNEL_BATCH``, on by default)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from test_put_batches import exchange, put, raw_dealer
+from zchannel.broker import Channel
+from zchannel.broker.connection import batching
+from zchannel.broker.wire import codec
+from zchannel.broker.wire.protocol import MAX_BATCH_PUTS, Get, GetRun, Put, Stats
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def gets(rid: int, key: str, ids: list, **extra: object) -> dict:
+    return {"op": "gets", "id": rid, "k": key, "g": ids, **extra}
+
+
+def value(rec: dict) -> object:
+    return codec.decode(rec["b"], [])
+
+
+def test_a_gets_record_serves_each_get_under_its_own_id(channels):
+    ch = Channel.create("gets-order")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        assert exchange(raw, [put(2, "k", "a"), put(3, "k", "b")]) == [{"id": 2}, {"id": 3}]
+        replies = exchange(raw, [gets(10, "k", [4, 5, 6])])
+        # two items there: two gets served (each its own record), the third parked
+        assert [r["id"] for r in replies] == [4, 5, 10] and "e" not in replies[2]
+        assert [value(r) for r in replies[:2]] == ["a", "b"]
+        assert ch.qsize("k") == 0
+        ch.put("c", key="k")
+        assert raw.poll(10_000)
+        (late,) = msgpack.unpackb(raw.recv_multipart()[0])
+        assert late["id"] == 6 and value(late) == "c"
+    stats = ch.stats()
+    assert stats["get_runs"] == 1 and stats["gets"] >= 3
+
+
+def test_each_get_of_a_record_has_its_own_lease_and_error(channels):
+    ch = Channel.create("gets-leases")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        exchange(raw, [put(2, "k", "a"), put(3, "k", "b")])
+        replies = exchange(raw, [gets(10, "k", [4, 5], ack=True)])
+        leases = [r["lease"] for r in replies if r["id"] in (4, 5)]
+        assert len(set(leases)) == 2
+        # nowait: each get of the record fails alone with QueueEmpty
+        replies = {r["id"]: r for r in exchange(raw, [gets(11, "k", [6, 7], nw=True)])}
+        assert replies[6]["e"][0] == replies[7]["e"][0] == "QueueEmpty" and "e" not in replies[11]
+        # a get under the id of a parked one is refused alone, the others are handled
+        exchange(raw, [gets(12, "k", [8])])  # parked
+        replies = {r["id"]: r for r in exchange(raw, [gets(13, "k", [8, 9])])}
+        assert replies[8]["e"][0] == "ValueError" and "e" not in replies[13]
+        for lease in leases:
+            assert exchange(raw, [{"op": "ack", "id": 20 + lease % 7, "lease": lease}])[0].get(
+                "e") is None
+
+
+@pytest.mark.parametrize("record", [
+    gets(10, "k", []),  # no get
+    gets(10, "k", "not a list"),
+    gets(10, "k", [2, 2]),  # a get twice
+    gets(10, "k", [2, 10]),  # the record's own id
+    gets(10, "k", [2, True]),  # not an int
+    gets(10, "k", [2, 3.0]),
+    gets(10, "k", [2], t=-1),  # a field out of bounds
+    gets(10, "k", [2], nw=1),  # not a bool
+    gets(10, "k", list(range(11, MAX_BATCH_PUTS + 12))),  # more gets than a record may hold
+])
+def test_a_malformed_gets_record_is_refused_whole(channels, record):
+    ch = Channel.create("gets-hostile")
+    channels.append(ch)
+    ch.put("kept", key="k")
+    with raw_dealer(ch) as raw:
+        replies = exchange(raw, [record])
+        assert [r["id"] for r in replies] == [10] and replies[0]["e"][0] == "ValueError", replies
+        # the broker serves this client as before; none of the record's gets took an item
+        assert exchange(raw, [put(99, "k", "after")]) == [{"id": 99}]
+    assert [ch.get("k", timeout=5) for _ in range(2)] == ["kept", "after"]
+
+
+def test_a_bad_key_fails_each_get_of_the_record(channels):
+    ch = Channel.create("gets-badkey")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        replies = {r["id"]: r for r in exchange(raw, [gets(10, [[[[[["deep"]]]]]], [2, 3])])}
+    assert replies[2]["e"][0] in ("TypeError", "ValueError") and replies[3]["e"] == replies[2]["e"]
+
+
+class _FakeRequests:
+    def __init__(self) -> None:
+        self.ids = iter(range(100, 200))
+        self.batches: dict[int, tuple[bool, frozenset[int]]] = {}
+
+
+def test_only_runs_of_alike_consecutive_gets_are_grouped():
+    reqs = _FakeRequests()
+    a = [Get(id=i, key="a") for i in range(1, 4)]
+    other_key, tuple_key, list_key = Get(id=4, key="b"), Get(id=5, key=(1,)), Get(id=6, key=[1])
+    timed = [Get(id=7, key="a", timeout=1.0), Get(id=8, key="a", timeout=1.0)]
+    acked = Get(id=9, key="a", ack=True)
+    out = batching.group_records(reqs, [*a, other_key, tuple_key, list_key, *timed, acked,
+                                        Put(id=10, key="a"), Stats(id=11)])
+    assert [type(r) for r in out] == [GetRun, Get, Get, Get, GetRun, Get, Put, Stats]
+    assert out[0].ids == [1, 2, 3] and out[0].key == "a" and out[0].timeout is None
+    assert out[4].ids == [7, 8] and out[4].timeout == 1.0
+    assert reqs.batches == {out[0].id: (False, {1, 2, 3}), out[4].id: (False, {7, 8})}
+
