@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
 try:  # the hardware CRC-32C; zlib's CRC-32 otherwise (slower: ~1 GB/s here)
     import crc32c as _crc32c
@@ -50,6 +51,8 @@ MAGIC = b"ZCJRNL01"
 PREAMBLE = struct.Struct("<8sB7x")  # magic, checksum kind
 HEADER = struct.Struct("<IIB")  # body length, checksum of type + body, type
 U32 = struct.Struct("<I")
+HEADER_META = struct.Struct("<IIBI")  # a put record's header and the length of its meta
+TYPE_META = struct.Struct("<BI")  # the first bytes a put record's checksum covers
 VERSION = 1
 SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
@@ -57,6 +60,7 @@ MAX_BODY = (1 << 32) - 1
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
 END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE = 0, 1, 2, 3, 4, 5, 6, 7
 RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE}
+_TYPE_BYTE = tuple(bytes((t,)) for t in range(IDLE + 1))
 
 Checksum = Callable[[Any, int], int]
 
@@ -96,23 +100,41 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
+# The records written per item (a put's meta, a removal's jids): msgspec's encoder writes the
+# same msgpack bytes as ``pack`` for the plain values they hold (ints, floats, str, bytes, None,
+# lists and tuples of them) at a third of the cost of ``msgpack.packb``, which makes a packer
+# per call (tests/test_journal_records.py checks that the bytes are the same).
+pack_plain = msgspec.msgpack.Encoder().encode
+
+
 def unpack(data: Any) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
 
 
 def record(kind_crc: Checksum, rtype: int, body: bytes) -> bytes:
     """A whole record of ``rtype`` with ``body`` (small records: one bytes object)."""
-    crc = kind_crc(body, kind_crc(bytes((rtype,)), 0))
+    crc = kind_crc(body, kind_crc(_TYPE_BYTE[rtype], 0))
     return HEADER.pack(len(body), crc, rtype) + body
+
+
+def small_put(crc_of: Checksum, meta: tuple, body: bytes, rtype: int = PUT) -> tuple[list[Any], int]:
+    """``put_parts`` of an item that is one small frame ``body``: the same bytes, as
+    ``[header and meta length, meta, body]`` (appended to the record buffer as they are: no
+    joined copy, the checksum computed part by part) and the record's length."""
+    packed = pack_plain(meta)
+    n = len(packed)
+    size = 4 + n + len(body)
+    crc = crc_of(body, crc_of(packed, crc_of(TYPE_META.pack(rtype, n), 0)))
+    return [HEADER_META.pack(size, crc, rtype, n), packed, body], HEADER.size + size
 
 
 def put_parts(crc_of: Checksum, meta: list, frames: list[Any],
               rtype: int = PUT) -> tuple[list[Any], int]:
     """The parts of a ``PUT`` (or ``INPUT``) record (header and meta first, then the frames
     unchanged, for ``os.writev``) and its total length."""
-    packed = pack(meta)
+    packed = pack_plain(meta)
     head = U32.pack(len(packed)) + packed
-    crc = crc_of(head, crc_of(bytes((rtype,)), 0))
+    crc = crc_of(head, crc_of(_TYPE_BYTE[rtype], 0))
     body_len = len(head)
     for frame in frames:
         crc = crc_of(frame, crc)
@@ -179,7 +201,7 @@ def records(data: memoryview, crc_of: Checksum, start: int, scan: Scan) -> Itera
             scan.torn = True
             return
         body = data[pos + HEADER.size : end]
-        if crc_of(body, crc_of(bytes((rtype,)), 0)) != crc:
+        if crc_of(body, crc_of(_TYPE_BYTE[rtype], 0)) != crc:
             scan.torn = True
             return
         yield rtype, body

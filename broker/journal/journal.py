@@ -148,14 +148,15 @@ class Journal:
 
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
+        store, live = self.store, self.live
         try:
             for key, consumer, item in outputs:
                 jid = self._next_jid
-                parts, nbytes = item_parts(self.store.crc, jid, key, consumer, item)
-                seg = self.store.append(parts, nbytes, for_put=True)
+                parts, nbytes = item_parts(store.crc, jid, key, consumer, item)
+                seg = store.append(parts, nbytes, True)
                 self._next_jid = jid + 1
                 item.jid = jid
-                self.live.add(jid, seg, nbytes, key, item)
+                live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
                 if item.origin is not None:
                     self.sequences.mark(item.origin)
@@ -169,7 +170,9 @@ class Journal:
             raise
 
     def taken(self, items: Sequence[Item]) -> None:
-        self._sending.update(item.jid for item in items)
+        sending = self._sending
+        for item in items:
+            sending.add(item.jid)
 
     def leased(self, item: Item) -> None:
         self._leases.append(item.jid)
@@ -226,13 +229,12 @@ class Journal:
     # -- records -----------------------------------------------------------------------------
 
     def _write_removal(self, jids: list[int]) -> None:
-        body = fmt.pack(jids)
+        body = fmt.pack_plain(jids)
         self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
 
     def _forget(self, jids: list[int]) -> None:
         """``jids`` left the channel and their removal is recorded: their segments may go."""
-        for jid in jids:
-            self.live.forget(jid)
+        self.live.forget_all(jids)
         self._drop_dead()
 
     def _drop_dead(self) -> None:
@@ -260,7 +262,7 @@ class Journal:
         """Before the broker sends replies: what they confirm is written (``always``: synced)."""
         if self._leases:
             leases, self._leases = self._leases, []
-            body = fmt.pack(leases)
+            body = fmt.pack_plain(leases)
             try:
                 self.store.append([fmt.record(self.store.crc, fmt.LEASE, body)],
                                   fmt.HEADER.size + len(body))
@@ -272,8 +274,10 @@ class Journal:
         """The broker handed its replies to the sockets: record the removals of the items that
         plain gets took."""
         if self._sending:
-            jids, self._unwritten = self._unwritten + list(self._sending), []
+            jids = list(self._sending)
             self._sending.clear()
+            if self._unwritten:
+                jids, self._unwritten = self._unwritten + jids, []
             self._remove(jids)
 
     def due(self) -> float | None:

@@ -29,34 +29,57 @@ FORGET_S = 600.0
 
 class StoredSequences:
     """Per producer, the sequences of its puts the journal recorded (see the module
-    docstring)."""
+    docstring).  ``mark`` only notes a sequence (it runs for every put): the notes go into the
+    windows when they are read (``windows``, ``snapshot``), or once ``SETTLE_AFTER`` wait."""
+
+    SETTLE_AFTER = 4096
 
     def __init__(self) -> None:
-        self.windows: dict[bytes, SequenceBits] = {}
+        self._windows: dict[bytes, SequenceBits] = {}
         self._last: dict[bytes, float] = {}  # producer -> when a put of it was last recorded
+        self._marks: list[tuple[bytes, int]] = []  # noted, in their order, not in the windows yet
 
     def mark(self, origin: Any) -> None:
         """A record of the put ``origin`` (``[producer, sequence]``) was written or read."""
-        producer, seq = origin
-        window = self.windows.get(producer)
-        if window is None:
-            window = self.windows[producer] = SequenceBits()
-        window.mark(seq)
-        self._last[producer] = time.monotonic()
+        marks = self._marks
+        marks.append(origin)
+        if len(marks) >= self.SETTLE_AFTER:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Mark the noted sequences in their producers' windows, in the order they came."""
+        marks, self._marks = self._marks, []
+        if not marks:
+            return
+        windows, last, now = self._windows, self._last, time.monotonic()
+        for producer, seq in marks:
+            window = windows.get(producer)
+            if window is None:
+                window = windows[producer] = SequenceBits()
+            window.mark(seq)
+            last[producer] = now
+
+    @property
+    def windows(self) -> dict[bytes, SequenceBits]:
+        """Each producer's window of recorded sequences."""
+        self._settle()
+        return self._windows
 
     def snapshot(self) -> dict[bytes, list]:
         """The whole table, for the start of a segment: ``producer -> [high, zlib(bits)]``
         (producers silent for ``FORGET_S`` seconds dropped first)."""
+        self._settle()
         horizon = time.monotonic() - FORGET_S
         for producer in [p for p, t in self._last.items() if t < horizon]:
-            del self.windows[producer], self._last[producer]
-        return {p: [w.high, zlib.compress(bytes(w.bits), 1)] for p, w in self.windows.items()}
+            del self._windows[producer], self._last[producer]
+        return {p: [w.high, zlib.compress(bytes(w.bits), 1)] for p, w in self._windows.items()}
 
     def load(self, table: dict[Any, Any]) -> None:
         """Start again from a whole table read back (entries that do not hold together are
-        skipped, logged)."""
-        self.windows.clear()
+        skipped, logged); what was noted before it is in it."""
+        self._windows.clear()
         self._last.clear()
+        self._marks.clear()
         now = time.monotonic()
         for producer, value in table.items():
             try:
@@ -68,7 +91,7 @@ class StoredSequences:
                 log.error("journal: a producer's stored sequences do not hold together (%s): "
                           "skipped", exc)
                 continue
-            self.windows[producer] = window
+            self._windows[producer] = window
             self._last[producer] = now
 
 
