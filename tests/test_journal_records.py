@@ -80,10 +80,13 @@ def test_stored_sequences_noted_per_put_are_settled_in_their_order():
     p, q = b"p" * 16, b"q" * 16
     plan = [(p, s) for s in range(1, 2000)] + [(q, 5), (p, 2000 + WINDOW + 3), (q, 4), (p, 1999)]
     plan += [(q, s) for s in range(10, StoredSequences.SETTLE_AFTER + 50)]
+    plan += [(p if s % 2 else q, s) for s in range(3 * WINDOW, 3 * WINDOW + 3000)]  # short runs
+    plan += [(q, s) for s in range(5 * WINDOW - 37, 5 * WINDOW + 101)]  # across the ring's end
+    plan += [(p, s) for s in range(3 * WINDOW - 50, 3 * WINDOW + WINDOW + 20)]  # a whole window
     for producer, seq in plan:
         seqs.mark((producer, seq))
         eager.setdefault(producer, SequenceBits()).mark(seq)
-        assert len(seqs._marks) < StoredSequences.SETTLE_AFTER  # settled once that many wait
+        assert len(seqs._runs) < StoredSequences.SETTLE_AFTER  # settled once that many wait
     windows = seqs.windows
     assert set(windows) == {p, q}
     for producer, window in eager.items():
@@ -92,10 +95,10 @@ def test_stored_sequences_noted_per_put_are_settled_in_their_order():
     again = StoredSequences()
     again.mark((b"r" * 16, 3))  # noted before the whole table: the table replaces it
     again.load(table)
-    again.mark((q, StoredSequences.SETTLE_AFTER + 60))
+    again.mark((q, 5 * WINDOW + 200))
     assert set(again.windows) == {p, q}
     assert again.windows[p].bits == eager[p].bits
-    assert again.windows[q].marked(StoredSequences.SETTLE_AFTER + 60)
+    assert again.windows[q].marked(5 * WINDOW + 200) and not again.windows[q].marked(5 * WINDOW + 199)
 
 
 def test_what_a_turn_appended_is_on_file_once_committed(tmp_path):

@@ -1,6 +1,6 @@
 """The on-disk format of a journal: segment files holding checksummed records.
 
-A segment file starts with a 16-byte preamble (``ZCJRNL01``, the checksum kind, 7 zero bytes)
+A segment file starts with a 16-byte preamble (``ZCJRNL02``, the checksum kind, 7 zero bytes)
 and then holds records back to back.  The rest of the file, preallocated and never written, is
 zeros: a zero record header ends the data.  A record is a 9-byte header — the length of its
 body (u32), the checksum of its type byte and body (u32), its type (u8), little-endian — then
@@ -10,7 +10,7 @@ the body:
 type          body
 ============  ==================================================================================
 ``SEGMENT``   msgpack map: ``channel`` (the journal's name), ``seq`` (the segment's number),
-              ``created`` (Unix time), ``version`` (1); always the first record of a segment
+              ``created`` (Unix time), ``version`` (2); always the first record of a segment
 ``PUT``       u32 length of the meta, the meta (msgpack ``[jid, key, weight, consumer, sizes,
               slots, extra]``), then the item's frames back to back, ``sizes`` bytes each: the
               frames the broker received, raw; the last ``slots`` of them hold the bytes of the
@@ -23,7 +23,14 @@ type          body
               replayed through it when a broker starts on the journal
 ``IDLE``      msgpack ``[jid]``: the collector held nothing after the put of ``jid``: the
               ``INPUT`` records up to it are not needed any more
+``PUTS``      msgpack list of small puts stored in one loop turn, each ``[jid, key, weight,
+              consumer, extra, body]`` (``body``: the item's one frame, bytes): what ``PUT``
+              records of those items would hold, in one record (version 2)
 ============  ==================================================================================
+
+Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record; this code reads both
+and writes version 2.  A reader of version 1 refuses a version-2 segment by its magic (it
+does not skip records it does not know: it would take them for torn data).
 
 The checksum is CRC-32C (the ``crc32c`` package: hardware instructions, GB/s) when that is
 installed, else zlib's CRC-32; the preamble says which, and a reader without ``crc32c`` refuses
@@ -47,20 +54,23 @@ try:  # the hardware CRC-32C; zlib's CRC-32 otherwise (slower: ~1 GB/s here)
 except ImportError:  # pragma: no cover - depends on the install
     _crc32c = None  # type: ignore[assignment]  # without the durable extra: zlib's CRC-32
 
-MAGIC = b"ZCJRNL01"
+MAGIC = b"ZCJRNL02"  # the version written
+MAGICS = {b"ZCJRNL01": 1, MAGIC: 2}  # the versions read
 PREAMBLE = struct.Struct("<8sB7x")  # magic, checksum kind
 HEADER = struct.Struct("<IIB")  # body length, checksum of type + body, type
 U32 = struct.Struct("<I")
 HEADER_META = struct.Struct("<IIBI")  # a put record's header and the length of its meta
 TYPE_META = struct.Struct("<BI")  # the first bytes a put record's checksum covers
-VERSION = 1
+VERSION = 2
 SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE = 0, 1, 2, 3, 4, 5, 6, 7
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE}
-_TYPE_BYTE = tuple(bytes((t,)) for t in range(IDLE + 1))
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS = 0, 1, 2, 3, 4, 5, 6, 7, 8
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS}
+_TYPE_BYTE = tuple(bytes((t,)) for t in range(PUTS + 1))
+ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
+PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 
 Checksum = Callable[[Any, int], int]
 
@@ -144,6 +154,25 @@ def put_parts(crc_of: Checksum, meta: list, frames: list[Any],
     return [HEADER.pack(body_len, crc, rtype) + head, *frames], HEADER.size + body_len
 
 
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    return ARRAY16.pack(0xDC, n) if n < 1 << 16 else ARRAY32.pack(0xDD, n)
+
+
+def puts_record(crc_of: Checksum, entries: list[bytes]) -> tuple[list[Any], int]:
+    """The parts of a ``PUTS`` record of ``entries`` (each a put already packed, as
+    ``pack_plain([jid, key, weight, consumer, extra, body])``) and its length: one header,
+    one checksum over all."""
+    head = array_header(len(entries))
+    size = len(head) + sum(map(len, entries))
+    crc = crc_of(head, crc_of(_TYPE_BYTE[PUTS], 0))
+    for entry in entries:
+        crc = crc_of(entry, crc)
+    return [HEADER.pack(size, crc, PUTS), head, *entries], HEADER.size + size
+
+
 @dataclass
 class PutRecord:
     """A ``PUT`` read back: its meta and its frames (views of the segment's mapping)."""
@@ -176,6 +205,22 @@ def read_put(body: memoryview) -> PutRecord:
     if pos != len(body):
         raise ValueError("put frame sizes do not match the record")
     return PutRecord(jid, key, weight, consumer, frames, slots, extra)
+
+
+def read_puts(body: memoryview) -> list[PutRecord]:
+    """Parse a ``PUTS`` body (``ValueError`` if it does not hold together)."""
+    entries = unpack(body)
+    if not isinstance(entries, list):
+        raise ValueError("malformed puts record")
+    out = []
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 6):
+            raise ValueError("malformed put in a puts record")
+        jid, key, weight, consumer, extra, data = entry
+        if not (isinstance(jid, int) and jid > 0 and isinstance(data, bytes)):
+            raise ValueError("malformed put in a puts record")
+        out.append(PutRecord(jid, key, weight, consumer, [memoryview(data)], 0, extra))
+    return out
 
 
 @dataclass

@@ -37,9 +37,10 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.core.statelog import Output
 from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.batch import PutBatch
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
-from zchannel.broker.journal.segments import JournalDir
+from zchannel.broker.journal.segments import JournalDir, SegmentFile
 from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences
 from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
 from zchannel.broker.journal.syncing import JournalFailed
@@ -96,6 +97,7 @@ class Journal:
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.on_roll = self._write_tables
+        self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
 
     # -- start -------------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class Journal:
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
-        self.sequences = rec.sequences
+        self.sequences = self.batch.sequences = rec.sequences
         groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
         for jid, (seg, nbytes, put) in rec.items.items():
             got = recovered_item(jid, put)
@@ -135,7 +137,7 @@ class Journal:
 
     def _write_table(self, name: str, data: dict, whole: bool) -> None:
         body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
-        self.store.append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+        self._append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
 
     def _sequences(self) -> dict:
         return self.sequences.snapshot()
@@ -148,12 +150,16 @@ class Journal:
 
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
-        store, live = self.store, self.live
+        store, live, batch = self.store, self.live, self.batch
         try:
             for key, consumer, item in outputs:
                 jid = self._next_jid
+                if batch.take(jid, key, consumer, item):  # a small put: the turn's record
+                    self._next_jid = jid + 1
+                    written.append(jid)
+                    continue
                 parts, nbytes = item_parts(store.crc, jid, key, consumer, item)
-                seg = store.append(parts, nbytes, True)
+                seg = self._append(parts, nbytes, True)
                 self._next_jid = jid + 1
                 item.jid = jid
                 live.add(jid, seg, nbytes, key, item)
@@ -196,7 +202,7 @@ class Journal:
         # stored (an IDLE written before them would let a crash lose what they consumed)
         jid = self._next_jid
         parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
-        seg = self.store.append(parts, nbytes, for_put=True)
+        seg = self._append(parts, nbytes, True)
         self._next_jid = jid + 1
         self.inputs.add(jid, seg, nbytes, key, item)
         if item.origin is not None:
@@ -211,7 +217,7 @@ class Journal:
     def _idle(self, upto: int) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed."""
         body = fmt.pack([upto])
-        self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
+        self._append([fmt.record(self.store.crc, fmt.IDLE, body)],
                           fmt.HEADER.size + len(body))
         for jid in [j for j in self.inputs.entries if j <= upto]:
             self.inputs.forget(jid)
@@ -228,9 +234,16 @@ class Journal:
 
     # -- records -----------------------------------------------------------------------------
 
+    def _append(self, parts: list[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
+        """Append a record after the turn's gathered puts (their record first: records keep
+        the order of the changes); the segment it went to."""
+        if self.batch:
+            self.batch.flush()
+        return self.store.append(parts, nbytes, for_put)
+
     def _write_removal(self, jids: list[int]) -> None:
         body = fmt.pack_plain(jids)
-        self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
+        self._append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
 
     def _forget(self, jids: list[int]) -> None:
         """``jids`` left the channel and their removal is recorded: their segments may go."""
@@ -260,11 +273,13 @@ class Journal:
 
     def commit(self) -> None:
         """Before the broker sends replies: what they confirm is written (``always``: synced)."""
+        if self.batch:
+            self.batch.flush()
         if self._leases:
             leases, self._leases = self._leases, []
             body = fmt.pack_plain(leases)
             try:
-                self.store.append([fmt.record(self.store.crc, fmt.LEASE, body)],
+                self._append([fmt.record(self.store.crc, fmt.LEASE, body)],
                                   fmt.HEADER.size + len(body))
             except JournalError as exc:  # only counts redeliveries: not worth failing for
                 log.debug("lease record dropped: %s", exc)
@@ -288,6 +303,8 @@ class Journal:
         compact; ``JournalFailed`` once a write or sync failed."""
         if self.store.failed is not None:
             raise JournalFailed(f"the journal failed: {self.store.failed}")
+        if self.batch:
+            self.batch.flush()
         self.store.tick(now)
         if self._unwritten:
             unwritten, self._unwritten = self._unwritten, []
@@ -314,7 +331,7 @@ class Journal:
                     break
                 parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
                 try:
-                    new = store.append(parts, nbytes)
+                    new = self._append(parts, nbytes)
                 except JournalError:
                     break
                 held.forget(jid)
@@ -355,7 +372,7 @@ class Journal:
     def close(self) -> None:
         """Write (and sync, unless ``never``) what is pending, close the files, let the lock go."""
         try:
-            if not self.failed and (self._sending or self._leases):
+            if not self.failed and (self._sending or self._leases or self.batch):
                 self.sent()
                 self.commit()
         except JournalError as exc:

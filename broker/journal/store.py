@@ -158,6 +158,13 @@ class SegmentStore:
         seg.used += nbytes
         return seg, offset
 
+    def ensure_room(self, nbytes: int, for_put: bool) -> None:
+        """Make sure the current segment has ``nbytes`` free (a put: beside the removals'
+        margin), continuing in a new one if not (``JournalError`` on a full disk)."""
+        seg = self.segments[-1]
+        if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
+            self._roll(nbytes)
+
     def append(self, parts: Sequence[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
         """Append a record (its ``parts``, ``nbytes`` in all); the segment it went to.
         ``JournalError`` if no space could be had for it (nothing was written)."""
