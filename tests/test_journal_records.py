@@ -167,3 +167,53 @@ def test_a_broker_killed_right_after_its_answers_keeps_what_they_acknowledged(br
         assert drain(ch, "k") == expected
     finally:
         ch.close()
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 300, 70_000])
+def test_a_puts_record_reads_back_as_its_puts(count):
+    crc = fmt.checksum_of(fmt.default_kind())
+    entries = [fmt.pack_plain((jid, f"k{jid % 3}", jid % 5, None, (b"p", jid), b"%d" % jid))
+               for jid in range(1, count + 1)]
+    parts, nbytes = fmt.puts_record(crc, entries)
+    record = b"".join(parts)
+    assert len(record) == nbytes
+    scan = fmt.Scan()
+    ((rtype, body),) = fmt.records(memoryview(record), crc, 0, scan)
+    puts = fmt.read_puts(body)
+    assert rtype == fmt.PUTS and [p.jid for p in puts] == list(range(1, count + 1))
+    assert [bytes(p.frames[0]) for p in puts[:3]] == [b"1", b"2", b"3"][:count]
+    assert (puts[-1].key, puts[-1].weight, puts[-1].extra) == \
+        (f"k{count % 3}", count % 5, [b"p", count])
+    torn = fmt.Scan()
+    assert list(fmt.records(memoryview(record[:-1]), crc, 0, torn)) == [] and torn.torn
+
+
+def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
+    """Segments written before ``PUTS`` records (``ZCJRNL01``: a ``PUT`` record per item) are
+    recovered as before; the new segment the broker writes in is version 2."""
+    kind = fmt.default_kind()
+    crc = fmt.checksum_of(kind)
+    directory = tmp_path / "j"
+    directory.mkdir()
+    head = fmt.PREAMBLE.pack(b"ZCJRNL01", kind) + fmt.record(crc, fmt.SEGMENT, fmt.pack(
+        {"channel": "old", "seq": 1, "created": 0.0, "version": 1}))
+    records = [b"".join(fmt.small_put(crc, (jid, "k", 0, None, (4,), 0, [b"p" * 16, jid]),
+                                      b"v%03d" % jid)[0]) for jid in range(1, 11)]
+    records.append(fmt.record(crc, fmt.REMOVE, fmt.pack([1, 2])))
+    (directory / f"old.{1:010d}.zcj").write_bytes(head + b"".join(records))
+    journal = Journal(JournalSettings(directory=str(directory), name="old"))
+    try:
+        (group,) = journal.recover()
+        assert [bytes(it.payload[0]) for it in group[2]] == [b"v%03d" % j for j in range(3, 11)]
+        assert journal.sequences.windows[b"p" * 16].high == 10
+        journal.stored([("k", None, Item([b"new"], 1, 3))])
+        journal.commit()
+    finally:
+        journal.close()
+    assert (directory / f"old.{2:010d}.zcj").read_bytes()[:8] == fmt.MAGIC == b"ZCJRNL02"
+    again = Journal(JournalSettings(directory=str(directory), name="old"))
+    try:
+        (group,) = again.recover()
+        assert [bytes(it.payload[0]) for it in group[2]][-2:] == [b"v010", b"new"]
+    finally:
+        again.close()
