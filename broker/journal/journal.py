@@ -343,27 +343,8 @@ class Journal:
         return copied
 
     def stats(self) -> dict[str, Any]:
-        store = self.store
-        now = time.monotonic()
-        return {
-            "directory": self.dir.path,
-            "fsync": store.policy,
-            "fsync_interval_ms": round(store.interval * 1000, 3),
-            "bytes": store.disk_bytes,
-            "segments": len(store.segments),
-            "items": len(self.live),
-            "item_bytes": self.live.nbytes,
-            "collector_inputs": len(self.inputs),
-            "max_journal_bytes": self.settings.max_bytes,
-            "fsync_lag_ms": round(store.lag(now) * 1000, 3),
-            "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
-            "fsyncs": store.sync.syncs,
-            "recovered_items": self.recovered_items,
-            "redelivered": self.redelivered,
-            "recovery_s": round(self.recovery_s, 3),
-            "refused": self.refused,
-            "failed": None if store.failed is None else str(store.failed),
-        }
+        """What ``stats()["journal"]`` and ``zchannel stat`` show."""
+        return _stats(self)
 
     @property
     def failed(self) -> bool:
@@ -383,3 +364,27 @@ class Journal:
             finally:
                 self.dir.close()
 
+
+def _stats(journal: Journal) -> dict[str, Any]:
+    """What ``stats()["journal"]`` and ``zchannel stat`` show of ``journal``."""
+    store = journal.store
+    now = time.monotonic()
+    return {
+        "directory": journal.dir.path,
+        "fsync": store.policy,
+        "fsync_interval_ms": round(store.interval * 1000, 3),
+        "bytes": store.disk_bytes,
+        "segments": len(store.segments),
+        "items": len(journal.live),
+        "item_bytes": journal.live.nbytes,
+        "collector_inputs": len(journal.inputs),
+        "max_journal_bytes": journal.settings.max_bytes,
+        "fsync_lag_ms": round(store.lag(now) * 1000, 3),
+        "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
+        "fsyncs": store.sync.syncs,
+        "recovered_items": journal.recovered_items,
+        "redelivered": journal.redelivered,
+        "recovery_s": round(journal.recovery_s, 3),
+        "refused": journal.refused,
+        "failed": None if store.failed is None else str(store.failed),
+    }
