@@ -226,7 +226,7 @@ class Journal:
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
-        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD, limit)
+        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD + self.batch.nbytes, limit)
 
     def fits(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
