@@ -1,6 +1,6 @@
 """The on-disk format of a journal: segment files holding checksummed records.
 
-A segment file starts with a 16-byte preamble (``ZCJRNL01``, the checksum kind, 7 zero bytes)
+A segment file starts with a 16-byte preamble (``ZCJRNL02``, the checksum kind, 7 zero bytes)
 and then holds records back to back.  The rest of the file, preallocated and never written, is
 zeros: a zero record header ends the data.  A record is a 9-byte header — the length of its
 body (u32), the checksum of its type byte and body (u32), its type (u8), little-endian — then
@@ -10,7 +10,7 @@ the body:
 type          body
 ============  ==================================================================================
 ``SEGMENT``   msgpack map: ``channel`` (the journal's name), ``seq`` (the segment's number),
-              ``created`` (Unix time), ``version`` (1); always the first record of a segment
+              ``created`` (Unix time), ``version`` (2); always the first record of a segment
 ``PUT``       u32 length of the meta, the meta (msgpack ``[jid, key, weight, consumer, sizes,
               slots, extra]``), then the item's frames back to back, ``sizes`` bytes each: the
               frames the broker received, raw; the last ``slots`` of them hold the bytes of the
@@ -23,7 +23,14 @@ type          body
               replayed through it when a broker starts on the journal
 ``IDLE``      msgpack ``[jid]``: the collector held nothing after the put of ``jid``: the
               ``INPUT`` records up to it are not needed any more
+``PUTS``      msgpack list of small puts stored in one loop turn, each ``[jid, key, weight,
+              consumer, extra, body]`` (``body``: the item's one frame, bytes): what ``PUT``
+              records of those items would hold, in one record (version 2)
 ============  ==================================================================================
+
+Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record; this code reads both
+and writes version 2.  A reader of version 1 refuses a version-2 segment by its magic (it
+does not skip records it does not know: it would take them for torn data).
 
 The checksum is CRC-32C (the ``crc32c`` package: hardware instructions, GB/s) when that is
 installed, else zlib's CRC-32; the preamble says which, and a reader without ``crc32c`` refuses
@@ -40,23 +47,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
 try:  # the hardware CRC-32C; zlib's CRC-32 otherwise (slower: ~1 GB/s here)
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - depends on the install
     _crc32c = None  # type: ignore[assignment]  # without the durable extra: zlib's CRC-32
 
-MAGIC = b"ZCJRNL01"
+MAGIC = b"ZCJRNL02"  # the version written
+MAGICS = {b"ZCJRNL01": 1, MAGIC: 2}  # the versions read
 PREAMBLE = struct.Struct("<8sB7x")  # magic, checksum kind
 HEADER = struct.Struct("<IIB")  # body length, checksum of type + body, type
 U32 = struct.Struct("<I")
-VERSION = 1
+HEADER_META = struct.Struct("<IIBI")  # a put record's header and the length of its meta
+TYPE_META = struct.Struct("<BI")  # the first bytes a put record's checksum covers
+VERSION = 2
 SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE = 0, 1, 2, 3, 4, 5, 6, 7
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE}
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS = 0, 1, 2, 3, 4, 5, 6, 7, 8
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS}
+_TYPE_BYTE = tuple(bytes((t,)) for t in range(PUTS + 1))
+ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
+PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 
 Checksum = Callable[[Any, int], int]
 
@@ -96,23 +110,41 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
+# The records written per item (a put's meta, a removal's jids): msgspec's encoder writes the
+# same msgpack bytes as ``pack`` for the plain values they hold (ints, floats, str, bytes, None,
+# lists and tuples of them) at a third of the cost of ``msgpack.packb``, which makes a packer
+# per call (tests/test_journal_records.py checks that the bytes are the same).
+pack_plain = msgspec.msgpack.Encoder().encode
+
+
 def unpack(data: Any) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
 
 
 def record(kind_crc: Checksum, rtype: int, body: bytes) -> bytes:
     """A whole record of ``rtype`` with ``body`` (small records: one bytes object)."""
-    crc = kind_crc(body, kind_crc(bytes((rtype,)), 0))
+    crc = kind_crc(body, kind_crc(_TYPE_BYTE[rtype], 0))
     return HEADER.pack(len(body), crc, rtype) + body
+
+
+def small_put(crc_of: Checksum, meta: tuple, body: bytes, rtype: int = PUT) -> tuple[list[Any], int]:
+    """``put_parts`` of an item that is one small frame ``body``: the same bytes, as
+    ``[header and meta length, meta, body]`` (appended to the record buffer as they are: no
+    joined copy, the checksum computed part by part) and the record's length."""
+    packed = pack_plain(meta)
+    n = len(packed)
+    size = 4 + n + len(body)
+    crc = crc_of(body, crc_of(packed, crc_of(TYPE_META.pack(rtype, n), 0)))
+    return [HEADER_META.pack(size, crc, rtype, n), packed, body], HEADER.size + size
 
 
 def put_parts(crc_of: Checksum, meta: list, frames: list[Any],
               rtype: int = PUT) -> tuple[list[Any], int]:
     """The parts of a ``PUT`` (or ``INPUT``) record (header and meta first, then the frames
     unchanged, for ``os.writev``) and its total length."""
-    packed = pack(meta)
+    packed = pack_plain(meta)
     head = U32.pack(len(packed)) + packed
-    crc = crc_of(head, crc_of(bytes((rtype,)), 0))
+    crc = crc_of(head, crc_of(_TYPE_BYTE[rtype], 0))
     body_len = len(head)
     for frame in frames:
         crc = crc_of(frame, crc)
@@ -120,6 +152,22 @@ def put_parts(crc_of: Checksum, meta: list, frames: list[Any],
     if body_len > MAX_BODY:
         raise ValueError(f"an item of {body_len} bytes is too large for the journal (4 GiB)")
     return [HEADER.pack(body_len, crc, rtype) + head, *frames], HEADER.size + body_len
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    return ARRAY16.pack(0xDC, n) if n < 1 << 16 else ARRAY32.pack(0xDD, n)
+
+
+def puts_record(crc_of: Checksum, entries: list[bytes]) -> tuple[list[Any], int]:
+    """The parts of a ``PUTS`` record of ``entries`` (each a put already packed, as
+    ``pack_plain([jid, key, weight, consumer, extra, body])``) and its length: one header,
+    one checksum over all."""
+    body = array_header(len(entries)) + b"".join(entries)  # one copy: one checksum call
+    crc = crc_of(body, crc_of(_TYPE_BYTE[PUTS], 0))
+    return [HEADER.pack(len(body), crc, PUTS), body], HEADER.size + len(body)
 
 
 @dataclass
@@ -156,6 +204,22 @@ def read_put(body: memoryview) -> PutRecord:
     return PutRecord(jid, key, weight, consumer, frames, slots, extra)
 
 
+def read_puts(body: memoryview) -> list[PutRecord]:
+    """Parse a ``PUTS`` body (``ValueError`` if it does not hold together)."""
+    entries = unpack(body)
+    if not isinstance(entries, list):
+        raise ValueError("malformed puts record")
+    out = []
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 6):
+            raise ValueError("malformed put in a puts record")
+        jid, key, weight, consumer, extra, data = entry
+        if not (isinstance(jid, int) and jid > 0 and isinstance(data, bytes)):
+            raise ValueError("malformed put in a puts record")
+        out.append(PutRecord(jid, key, weight, consumer, [memoryview(data)], 0, extra))
+    return out
+
+
 @dataclass
 class Scan:
     """Where the data of a segment end: ``end`` (the offset after its last good record) and
@@ -179,7 +243,7 @@ def records(data: memoryview, crc_of: Checksum, start: int, scan: Scan) -> Itera
             scan.torn = True
             return
         body = data[pos + HEADER.size : end]
-        if crc_of(body, crc_of(bytes((rtype,)), 0)) != crc:
+        if crc_of(body, crc_of(_TYPE_BYTE[rtype], 0)) != crc:
             scan.torn = True
             return
         yield rtype, body

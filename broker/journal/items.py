@@ -18,8 +18,9 @@ from zchannel.broker.wire.protocol import key_from_wire
 
 log = logging.getLogger("zchannel.journal")
 
-# records at least this large are written at once from their frames, not joined (store.py)
-JOIN_BELOW = 64 << 10
+# frames at least this large stay views of the mapped segment when read back (smaller ones
+# are copied: a view would keep the whole mapping alive for a few bytes)
+COPY_BELOW = 64 << 10
 
 # jid -> (its segment, its record's bytes, its key, the item)
 Entry = tuple[SegmentFile, int, Any, Item]
@@ -31,7 +32,9 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
     from the slots, after them) and its length."""
     payload = item.payload
     if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
-        return _small_parts(crc, jid, key, consumer, item, payload[0], rtype)
+        body = payload[0]  # the common small item, as small puts carry it inline
+        return fmt.small_put(crc, (jid, key, item.weight, consumer, (len(body),), 0, item.origin),
+                             body, rtype)
     frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
     slots = 0
     if isinstance(payload, FramedSlots):
@@ -41,19 +44,7 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
         slots = len(payload.holds)
     sizes = [memoryview(f).nbytes for f in frames]
     meta = [jid, key, item.weight, consumer, sizes, slots, item.origin]
-    parts, nbytes = fmt.put_parts(crc, meta, frames, rtype)
-    if nbytes < JOIN_BELOW and len(parts) > 1:
-        parts = [b"".join(p if isinstance(p, bytes) else bytes(p) for p in parts)]
-    return parts, nbytes
-
-
-def _small_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
-                 body: bytes, rtype: int) -> tuple[list[Any], int]:
-    """``item_parts`` of the common small item (its body alone, bytes, as small puts carry
-    it inline): one bytes object, one checksum call."""
-    packed = fmt.pack([jid, key, item.weight, consumer, [len(body)], 0, item.origin])
-    record = fmt.record(crc, rtype, fmt.U32.pack(len(packed)) + packed + body)
-    return [record], len(record)
+    return fmt.put_parts(crc, meta, frames, rtype)
 
 
 def recovered_item(jid: int, put: fmt.PutRecord) -> tuple[Any, Item] | None:
@@ -65,7 +56,7 @@ def recovered_item(jid: int, put: fmt.PutRecord) -> tuple[Any, Item] | None:
     except (TypeError, ValueError) as exc:
         log.error("journal item %d has a bad key or weight (%s): skipped", jid, exc)
         return None
-    frames: list[Any] = [f if f.nbytes >= JOIN_BELOW else bytes(f) for f in put.frames]
+    frames: list[Any] = [f if f.nbytes >= COPY_BELOW else bytes(f) for f in put.frames]
     payload: list[Any] = frames
     if put.slots:
         first = len(frames) - put.slots
@@ -97,6 +88,18 @@ class LiveSet:
             seg.live -= 1
             seg.live_bytes -= nbytes
             self.nbytes -= nbytes
+
+    def forget_all(self, jids: list[int]) -> None:
+        """``forget`` each of ``jids`` (a loop turn's removals)."""
+        pop, gone = self.entries.pop, 0
+        for jid in jids:
+            entry = pop(jid, None)
+            if entry is not None:
+                seg, nbytes = entry[0], entry[1]
+                seg.live -= 1
+                seg.live_bytes -= nbytes
+                gone += nbytes
+        self.nbytes -= gone
 
     def in_segment(self, seg: SegmentFile) -> Iterator[tuple[int, Entry]]:
         """The entries in ``seg`` when it is the oldest segment (they come first)."""

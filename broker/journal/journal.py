@@ -37,9 +37,10 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.core.statelog import Output
 from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.batch import PutBatch
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
-from zchannel.broker.journal.segments import JournalDir
+from zchannel.broker.journal.segments import JournalDir, SegmentFile
 from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences
 from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
 from zchannel.broker.journal.syncing import JournalFailed
@@ -96,6 +97,7 @@ class Journal:
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.on_roll = self._write_tables
+        self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
 
     # -- start -------------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class Journal:
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
-        self.sequences = rec.sequences
+        self.sequences = self.batch.sequences = rec.sequences
         groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
         for jid, (seg, nbytes, put) in rec.items.items():
             got = recovered_item(jid, put)
@@ -135,7 +137,7 @@ class Journal:
 
     def _write_table(self, name: str, data: dict, whole: bool) -> None:
         body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
-        self.store.append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+        self._append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
 
     def _sequences(self) -> dict:
         return self.sequences.snapshot()
@@ -148,14 +150,19 @@ class Journal:
 
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
+        store, live, batch = self.store, self.live, self.batch
         try:
             for key, consumer, item in outputs:
                 jid = self._next_jid
-                parts, nbytes = item_parts(self.store.crc, jid, key, consumer, item)
-                seg = self.store.append(parts, nbytes, for_put=True)
+                if batch.take(jid, key, consumer, item):  # a small put: the turn's record
+                    self._next_jid = jid + 1
+                    written.append(jid)
+                    continue
+                parts, nbytes = item_parts(store.crc, jid, key, consumer, item)
+                seg = self._append(parts, nbytes, True)
                 self._next_jid = jid + 1
                 item.jid = jid
-                self.live.add(jid, seg, nbytes, key, item)
+                live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
                 if item.origin is not None:
                     self.sequences.mark(item.origin)
@@ -169,7 +176,9 @@ class Journal:
             raise
 
     def taken(self, items: Sequence[Item]) -> None:
-        self._sending.update(item.jid for item in items)
+        sending = self._sending
+        for item in items:
+            sending.add(item.jid)
 
     def leased(self, item: Item) -> None:
         self._leases.append(item.jid)
@@ -193,7 +202,7 @@ class Journal:
         # stored (an IDLE written before them would let a crash lose what they consumed)
         jid = self._next_jid
         parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
-        seg = self.store.append(parts, nbytes, for_put=True)
+        seg = self._append(parts, nbytes, True)
         self._next_jid = jid + 1
         self.inputs.add(jid, seg, nbytes, key, item)
         if item.origin is not None:
@@ -208,7 +217,7 @@ class Journal:
     def _idle(self, upto: int) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed."""
         body = fmt.pack([upto])
-        self.store.append([fmt.record(self.store.crc, fmt.IDLE, body)],
+        self._append([fmt.record(self.store.crc, fmt.IDLE, body)],
                           fmt.HEADER.size + len(body))
         for jid in [j for j in self.inputs.entries if j <= upto]:
             self.inputs.forget(jid)
@@ -217,7 +226,7 @@ class Journal:
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
-        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD, limit)
+        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD + self.batch.nbytes, limit)
 
     def fits(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
@@ -225,14 +234,20 @@ class Journal:
 
     # -- records -----------------------------------------------------------------------------
 
+    def _append(self, parts: list[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
+        """Append a record after the turn's gathered puts (their record first: records keep
+        the order of the changes); the segment it went to."""
+        if self.batch:
+            self.batch.flush()
+        return self.store.append(parts, nbytes, for_put)
+
     def _write_removal(self, jids: list[int]) -> None:
-        body = fmt.pack(jids)
-        self.store.append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
+        body = fmt.pack_plain(jids)
+        self._append([fmt.record(self.store.crc, fmt.REMOVE, body)], fmt.HEADER.size + len(body))
 
     def _forget(self, jids: list[int]) -> None:
         """``jids`` left the channel and their removal is recorded: their segments may go."""
-        for jid in jids:
-            self.live.forget(jid)
+        self.live.forget_all(jids)
         self._drop_dead()
 
     def _drop_dead(self) -> None:
@@ -258,11 +273,13 @@ class Journal:
 
     def commit(self) -> None:
         """Before the broker sends replies: what they confirm is written (``always``: synced)."""
+        if self.batch:
+            self.batch.flush()
         if self._leases:
             leases, self._leases = self._leases, []
-            body = fmt.pack(leases)
+            body = fmt.pack_plain(leases)
             try:
-                self.store.append([fmt.record(self.store.crc, fmt.LEASE, body)],
+                self._append([fmt.record(self.store.crc, fmt.LEASE, body)],
                                   fmt.HEADER.size + len(body))
             except JournalError as exc:  # only counts redeliveries: not worth failing for
                 log.debug("lease record dropped: %s", exc)
@@ -272,8 +289,10 @@ class Journal:
         """The broker handed its replies to the sockets: record the removals of the items that
         plain gets took."""
         if self._sending:
-            jids, self._unwritten = self._unwritten + list(self._sending), []
+            jids = list(self._sending)
             self._sending.clear()
+            if self._unwritten:
+                jids, self._unwritten = self._unwritten + jids, []
             self._remove(jids)
 
     def due(self) -> float | None:
@@ -284,6 +303,8 @@ class Journal:
         compact; ``JournalFailed`` once a write or sync failed."""
         if self.store.failed is not None:
             raise JournalFailed(f"the journal failed: {self.store.failed}")
+        if self.batch:
+            self.batch.flush()
         self.store.tick(now)
         if self._unwritten:
             unwritten, self._unwritten = self._unwritten, []
@@ -310,7 +331,7 @@ class Journal:
                     break
                 parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
                 try:
-                    new = store.append(parts, nbytes)
+                    new = self._append(parts, nbytes)
                 except JournalError:
                     break
                 held.forget(jid)
@@ -322,27 +343,8 @@ class Journal:
         return copied
 
     def stats(self) -> dict[str, Any]:
-        store = self.store
-        now = time.monotonic()
-        return {
-            "directory": self.dir.path,
-            "fsync": store.policy,
-            "fsync_interval_ms": round(store.interval * 1000, 3),
-            "bytes": store.disk_bytes,
-            "segments": len(store.segments),
-            "items": len(self.live),
-            "item_bytes": self.live.nbytes,
-            "collector_inputs": len(self.inputs),
-            "max_journal_bytes": self.settings.max_bytes,
-            "fsync_lag_ms": round(store.lag(now) * 1000, 3),
-            "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
-            "fsyncs": store.sync.syncs,
-            "recovered_items": self.recovered_items,
-            "redelivered": self.redelivered,
-            "recovery_s": round(self.recovery_s, 3),
-            "refused": self.refused,
-            "failed": None if store.failed is None else str(store.failed),
-        }
+        """What ``stats()["journal"]`` and ``zchannel stat`` show."""
+        return _stats(self)
 
     @property
     def failed(self) -> bool:
@@ -351,7 +353,7 @@ class Journal:
     def close(self) -> None:
         """Write (and sync, unless ``never``) what is pending, close the files, let the lock go."""
         try:
-            if not self.failed and (self._sending or self._leases):
+            if not self.failed and (self._sending or self._leases or self.batch):
                 self.sent()
                 self.commit()
         except JournalError as exc:
@@ -362,3 +364,27 @@ class Journal:
             finally:
                 self.dir.close()
 
+
+def _stats(journal: Journal) -> dict[str, Any]:
+    """What ``stats()["journal"]`` and ``zchannel stat`` show of ``journal``."""
+    store = journal.store
+    now = time.monotonic()
+    return {
+        "directory": journal.dir.path,
+        "fsync": store.policy,
+        "fsync_interval_ms": round(store.interval * 1000, 3),
+        "bytes": store.disk_bytes,
+        "segments": len(store.segments),
+        "items": len(journal.live),
+        "item_bytes": journal.live.nbytes,
+        "collector_inputs": len(journal.inputs),
+        "max_journal_bytes": journal.settings.max_bytes,
+        "fsync_lag_ms": round(store.lag(now) * 1000, 3),
+        "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),
+        "fsyncs": store.sync.syncs,
+        "recovered_items": journal.recovered_items,
+        "redelivered": journal.redelivered,
+        "recovery_s": round(journal.recovery_s, 3),
+        "refused": journal.refused,
+        "failed": None if store.failed is None else str(store.failed),
+    }

@@ -82,7 +82,7 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
         data.close()
         _remove(path, rec)
         return None
-    if magic != fmt.MAGIC:
+    if magic not in fmt.MAGICS:
         raise fmt.JournalFormatError(f"{path} is not a zchannel journal segment (it is named "
                                      f"like one of channel {jdir.name!r}); move it away")
     crc = fmt.checksum_of(kind, path)
@@ -142,9 +142,26 @@ def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -
         log.error("journal segment %s: a put record that does not hold together (%s): "
                   "skipped", seg.path, exc)
         return
-    held = rec.items if rtype == fmt.PUT else rec.inputs
-    held.pop(put.jid, None)  # a copy made by compaction: the newest counts
-    held[put.jid] = (seg, fmt.HEADER.size + len(body), put)
+    _hold(rec.items if rtype == fmt.PUT else rec.inputs, put, seg, fmt.HEADER.size + len(body),
+          rec)
+
+
+def _apply_puts(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """The small puts of a loop turn, each as a ``PUT`` record of its own."""
+    try:
+        puts = fmt.read_puts(body)
+    except (ValueError, TypeError) as exc:
+        log.error("journal segment %s: a puts record that does not hold together (%s): "
+                  "skipped", seg.path, exc)
+        return
+    for put in puts:
+        _hold(rec.items, put, seg, fmt.PUT_ENTRY_BYTES + put.frames[0].nbytes, rec)
+
+
+def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Recovered) -> None:
+    """A put read back: held under its jid, the newest copy counting (compaction copies)."""
+    held.pop(put.jid, None)
+    held[put.jid] = (seg, nbytes, put)
     rec.max_jid = max(rec.max_jid, put.jid)
     origin = origin_of(put.extra)
     if origin is not None:
@@ -192,7 +209,7 @@ def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
 
 
 _APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
-    fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.IDLE: _apply_idle,
+    fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle,
     fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
 }
 

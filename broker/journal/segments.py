@@ -236,6 +236,8 @@ class Syncer:
 
     def finished(self) -> SyncJob | None:
         """The job that completed since the last call (None: none)."""
+        if self._done is None:  # asked every loop turn: no lock while nothing finished
+            return None
         with self._cv:
             done, self._done = self._done, None
             return done

@@ -158,18 +158,31 @@ class SegmentStore:
         seg.used += nbytes
         return seg, offset
 
+    def ensure_room(self, nbytes: int, for_put: bool) -> None:
+        """Make sure the current segment has ``nbytes`` free (a put: beside the removals'
+        margin), continuing in a new one if not (``JournalError`` on a full disk)."""
+        seg = self.segments[-1]
+        if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
+            self._roll(nbytes)
+
     def append(self, parts: Sequence[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
         """Append a record (its ``parts``, ``nbytes`` in all); the segment it went to.
         ``JournalError`` if no space could be had for it (nothing was written)."""
-        if self.failed is not None:
-            raise JournalFailed(f"the journal failed: {self.failed}")
-        if nbytes < DIRECT_BYTES:
-            seg, offset = self._reserve(nbytes, for_put)
-            if not self.buf:
+        if self.sync.failed is not None:
+            raise JournalFailed(f"the journal failed: {self.sync.failed}")
+        if nbytes < DIRECT_BYTES:  # into the buffer (``_reserve`` inlined: once per item)
+            seg = self.segments[-1]
+            if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
+                self._roll(nbytes)  # writes the buffer, and the new segment's tables into it
+                seg = self.segments[-1]
+            offset = seg.used
+            seg.used = offset + nbytes
+            buf = self.buf
+            if not buf:
                 self.buf_at, self.buf_since = offset, time.monotonic()
             for part in parts:
-                self.buf += part
-            if len(self.buf) >= BUFFER_BYTES:
+                buf += part
+            if len(buf) >= BUFFER_BYTES:
                 self.flush_buffer()
             return seg
         self.flush_buffer()
@@ -197,16 +210,19 @@ class SegmentStore:
 
     def flush_buffer(self) -> None:
         """Write the buffered records (``JournalFailed`` if the disk refuses)."""
-        if not self.buf:
+        buf = self.buf
+        if not buf:
             return
         seg = self.current
         try:
-            write_all(seg.fileno(), [self.buf], self.buf_at)
+            done = os.pwrite(seg.fileno(), buf, self.buf_at)
+            if done < len(buf):  # a short write: the rest
+                write_all(seg.fileno(), [memoryview(buf)[done:]], self.buf_at + done)
         except OSError as exc:
             self.sync.failed = exc
             raise JournalFailed(f"the journal could not write to {seg.path}: "
                                 f"{exc.strerror or exc}") from None
-        seg.written = self.buf_at + len(self.buf)
+        seg.written = self.buf_at + len(buf)
         self.buf = bytearray()
         self.sync.wrote(seg)
 

@@ -1,0 +1,82 @@
+"""``PutBatch``: the small puts of one loop turn gathered into one ``PUTS`` record.
+
+A put whose item is one small bytes frame (every put of up to ``INLINE_BODY`` bytes is) is
+packed as it is stored — ``[jid, key, weight, consumer, extra, body]``, one encoder call — and
+its place is reserved in the current segment then (a full disk refuses that put, and nothing
+else).  The record is made when anything else is appended (so records stay in the order of
+the changes: a removal never precedes the put it removes) and before the broker sends the
+turn's replies (``Journal.commit``): one header and one checksum for the turn's puts instead
+of one each.  The items count in their segment, and their put sequences in the tables, once
+the record is in the buffer — as for a ``PUT`` record, a table written at the start of a new
+segment never names a sequence whose record comes after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zchannel.broker.core.state import Item
+from zchannel.broker.journal import format as fmt
+from zchannel.broker.journal.items import LiveSet
+from zchannel.broker.journal.sequences import StoredSequences
+from zchannel.broker.journal.store import DIRECT_BYTES, SegmentStore
+from zchannel.broker.journal.syncing import JournalFailed
+
+BATCH_BYTES = DIRECT_BYTES // 2  # a record of a turn's puts stays in the buffer
+ENTRY_BYTES = 4096  # larger puts get a ``PUT`` record of their own
+RECORD_EXTRA = fmt.HEADER.size + 5  # a ``PUTS`` record's header and its array's
+
+
+class PutBatch:
+    """The small puts of a loop turn not yet in a record (see the module docstring)."""
+
+    def __init__(self, store: SegmentStore, live: LiveSet, sequences: StoredSequences) -> None:
+        self.store = store
+        self.live = live
+        self.sequences = sequences
+        self.entries: list[bytes] = []
+        self.items: list[tuple[Any, Item, Any]] = []  # key, item, origin
+        self.nbytes = 0  # what the entries take
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def take(self, jid: int, key: Any, consumer: str | None, item: Item) -> bool:
+        """Gather the put of ``item`` as ``jid`` (its jid set); False if it is not a small
+        one-frame item (it gets a record of its own).  ``JournalError`` if the disk has no
+        room for it (nothing of it was kept)."""
+        payload = item.payload
+        if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
+                and len(payload[0]) <= ENTRY_BYTES):
+            return False
+        store = self.store
+        if store.sync.failed is not None:
+            raise JournalFailed(f"the journal failed: {store.sync.failed}")
+        origin = item.origin
+        entry = fmt.pack_plain((jid, key, item.weight, consumer, origin, payload[0]))
+        n = len(entry)
+        seg = store.segments[-1]
+        if self.nbytes + n > BATCH_BYTES \
+                or seg.allocated - seg.used - store.margin - self.nbytes < n + RECORD_EXTRA:
+            self.flush()
+            store.ensure_room(n + RECORD_EXTRA, for_put=True)
+        self.entries.append(entry)
+        self.items.append((key, item, origin))
+        self.nbytes += n
+        item.jid = jid
+        item.origin = None  # kept here, recorded with the item: the tables carry it from then on
+        return True
+
+    def flush(self) -> None:
+        """Append the ``PUTS`` record of the gathered puts (to the room reserved for them)."""
+        if not self.entries:
+            return
+        entries, items = self.entries, self.items
+        self.entries, self.items, self.nbytes = [], [], 0
+        parts, nbytes = fmt.puts_record(self.store.crc, entries)
+        seg = self.store.append(parts, nbytes, True)
+        add, mark = self.live.add, self.sequences.mark
+        for entry, (key, item, origin) in zip(entries, items, strict=True):
+            add(item.jid, seg, len(entry), key, item)
+            if origin is not None:
+                mark(origin)
