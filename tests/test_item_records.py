@@ -22,10 +22,13 @@ from zchannel.broker.wire.protocol import (
     ITEMS,
     MAX_BATCH_PUTS,
     PROTOCOL_VERSION,
+    BadRecord,
+    Hello,
     ProtocolError,
     Reply,
     pack_header,
     unpack_replies,
+    unpack_requests,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,3 +158,12 @@ def test_an_items_record_round_trips():
     rec = Reply(op=ITEMS, items=[(1, b"a", None), (2, b"", 7)])
     (back,) = unpack_replies(pack_header([rec]))
     assert back.op == ITEMS and back.items == [(1, b"a", None), (2, b"", 7)] and back.id is None
+
+
+def test_a_hello_whose_it_is_not_a_bool_is_refused():
+    for bad in (1, "yes", None, [True]):
+        (record,) = unpack_requests(
+            msgpack.packb([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION, "it": bad}]), 0)
+        assert type(record) is BadRecord and "it" in str(record.error), bad
+    (ok,) = unpack_requests(msgpack.packb([{"op": "hello", "id": 1, "v": 1, "it": True}]), 0)
+    assert type(ok) is Hello and ok.items is True
