@@ -7,8 +7,7 @@ drops its whole message (``ProtocolError``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import msgpack
 import pytest
@@ -34,20 +33,9 @@ from zchannel.broker.wire.protocol import (
 pytestmark = pytest.mark.timeout(120)
 
 
-@contextmanager
-def items_dealer(ch: Channel) -> Iterator[zmq.Socket]:
+def items_dealer(ch: Channel) -> AbstractContextManager[zmq.Socket]:
     """A bare DEALER registered on ``ch``'s broker as a client that reads ``items`` records."""
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(ch.address)
-    try:
-        raw.send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION,
-                                          "it": True}])])
-        assert raw.poll(10_000), "no hello reply"
-        raw.recv_multipart()
-        yield raw
-    finally:
-        raw.close()
+    return raw_dealer(ch, items=True)
 
 
 def test_the_gets_served_in_one_turn_share_one_items_record(channels):
