@@ -31,14 +31,18 @@ from zchannel.broker.wire.protocol import (
 
 
 @contextlib.contextmanager
-def raw_dealer(ch: Channel, producer: bytes | None = None) -> Iterator[zmq.Socket]:
-    """A bare DEALER registered on ``ch``'s broker (with a producer id: retry-safe puts)."""
+def raw_dealer(ch: Channel, producer: bytes | None = None,
+               items: bool = False) -> Iterator[zmq.Socket]:
+    """A bare DEALER registered on ``ch``'s broker (with a producer id: retry-safe puts;
+    ``items``: it reads ``items`` records)."""
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(ch.address)
     hello = {"op": "hello", "id": 1, "v": PROTOCOL_VERSION}
     if producer is not None:
         hello["pr"] = producer
+    if items:
+        hello["it"] = True
     try:
         raw.send_multipart([pack_header([hello])])
         assert raw.poll(10_000), "no hello reply"

@@ -11,7 +11,8 @@ stands for in ``RequestQueue.batches`` until its reply comes:
 - a ``puts`` reply lists the ids stored; puts that fail or wait for room are answered under
   their own ids;
 - a ``gets`` reply is an empty success once every get of the run was handled (each get is
-  answered, now or when an item comes, under its own id, exactly as a single get);
+  answered, now or when an item comes, under its own id, exactly as a single get, or by an
+  entry of an ``items`` record: ``Connection._on_items``);
 - an error on the record itself (the broker refused it whole: nothing of it was done) fails
   each put or get of it still waiting for an answer.
 

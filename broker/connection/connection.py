@@ -69,6 +69,7 @@ from zchannel.broker.transport.seam import Transport, ZmqTransport
 from zchannel.broker.wire.protocol import (
     EXPIRED,
     HelloInfo,
+    ItemEntry,
     ProtocolError,
     Reply,
     Request,
@@ -338,7 +339,9 @@ class Connection:
     def _on_reply(self, rec: Reply, frames: list) -> None:
         rid = rec.id
         if rid is None:
-            if rec.op == EXPIRED:
+            if rec.items is not None:
+                self._on_items(rec.items)
+            elif rec.op == EXPIRED:
                 self._on_expired()
             return
         # ids come from one counter: a hello's or a bye's is never in flight as a request
@@ -355,6 +358,22 @@ class Connection:
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
             work._finish(_DONE, rec.result)
+
+    def _on_items(self, items: list[ItemEntry]) -> None:
+        """An ``items`` record: complete each get it answers as a reply of the get's own id
+        carrying its inline item would (an id no longer awaited is dropped, as such a reply)."""
+        pending_of, release = self._pending, self._release
+        for rid, body, lease in items:
+            pending = pending_of.pop(rid, None)
+            if pending is None:
+                continue
+            release(pending[3])
+            work, convert = pending[0], pending[1]
+            one = Reply(id=rid, body=body, lease=lease)
+            if convert is not None:
+                work._finish(_DONE, (one, []), convert)
+            else:
+                work._finish(_DONE, None)
 
     def _on_expired(self) -> None:
         """The broker expired this client (it was silent too long): register again."""

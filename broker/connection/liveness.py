@@ -18,6 +18,7 @@ from collections.abc import Callable
 import zmq
 from zchannel.broker.connection.line import CLOSED, CONNECTING, DOWN, UP, Line
 from zchannel.broker.connection.requestqueue import RequestQueue
+from zchannel.broker.connection.tuning import BATCH
 from zchannel.broker.errors import AuthenticationFailed, BrokerUnavailable
 from zchannel.broker.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, Bye, Hello, HelloInfo
 
@@ -157,7 +158,8 @@ class Liveness:
         """Send a hello (by the socket's holder); its answer brings the connection up."""
         self.hello_id = next(self._requests.ids)
         self._line.send([Hello(id=self.hello_id, identity=self.identity,
-                               version=PROTOCOL_VERSION, producer=self.producer)], [])
+                               version=PROTOCOL_VERSION, producer=self.producer,
+                               items=BATCH)], [])
 
     def say_bye(self) -> None:
         """Say bye and wait (at most ``BYE_WAIT_S``, less when the broker is gone) for the answer:

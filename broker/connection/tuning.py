@@ -51,8 +51,12 @@ def spin_seconds() -> float:
     return SPIN_US / 1e6 if cpus > 1 else 0.0
 
 
-# Queued async requests a caller sends itself when the socket is free (see ``request``).
-SEND_RUN = 16
+# Queued async requests a caller sends itself when the socket is free, and below which an async
+# request issued while replies are due is held back for the next wait (see ``request``): half
+# of a 64-request window per message, so one writev (and one wake-up of the broker) per 32
+# requests (32 measured 6 % more items/s and 6-11 % less CPU per item than 16 on the 64 B
+# stream: docs/benchmarks.md, *Items records and the send run*).
+SEND_RUN = 32
 
 
 # Over a direct link a thread waiting for a reply reads the link itself (``wait_for``).  When

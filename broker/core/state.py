@@ -50,6 +50,7 @@ class Client:
     gone: bool = False
     user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys
     producer: Any = None  # its put sequences' window (broker/server/producers.py)
+    items: bool = False  # it reads ``items`` records (several gets' small items in one record)
 
 
 @dataclass(eq=False, slots=True)

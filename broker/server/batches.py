@@ -16,7 +16,8 @@ The gets of a ``gets`` record go through the handler of a single get, in order, 
 own id, with the record's key and options: each is served, parked (with its own deadline and
 its own place among the key's waiting getters), refused or cancelled exactly as a ``get``
 record of that id, and answered under that id -- the replies of the items served in one turn
-leave in one message, each its own delivery (its own lease under ``ack``).  The record's own
+leave in one message, each its own delivery (its own lease under ``ack``; the small items of
+a client that reads ``items`` records share such records: ``Sessions.reply``).  The record's own
 id then gets an empty success.  A record whose ids repeat, or name the record itself, is
 refused whole (a ``ValueError`` reply to its id, none of its gets handled).
 """

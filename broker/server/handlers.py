@@ -86,7 +86,7 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
     if old is not None:
         broker.sessions.client_gone(old)
     identity = rec.identity if isinstance(rec.identity, str) else None
-    client = Client(address=address, identity=identity)
+    client = Client(address=address, identity=identity, items=rec.items)
     if broker.admin_keys and isinstance(head, zmq.Frame):
         user = head.get("User-Id")  # the CURVE key the ZAP handler let in (a str)
         client.user = user if isinstance(user, str) else None

@@ -45,7 +45,7 @@ class Counters:
     """Requests counted by the broker loop since it started (read by ``stats`` and scrapes)."""
 
     __slots__ = ("puts", "gets", "delivered", "duplicate_puts", "put_batches",
-                 "get_runs")
+                 "get_runs", "item_records")
 
     def __init__(self) -> None:
         self.puts = 0  # put requests received (each carries one item)
@@ -54,11 +54,12 @@ class Counters:
         self.duplicate_puts = 0  # retried puts acknowledged without storing them again
         self.put_batches = 0  # ``puts`` records received (their puts count in ``puts``)
         self.get_runs = 0  # ``gets`` records received (their gets count in ``gets``)
+        self.item_records = 0  # ``items`` records sent (their items count in ``delivered``)
 
     def as_dict(self) -> dict[str, int]:
         return {"puts": self.puts, "gets": self.gets, "delivered": self.delivered,
                 "duplicate_puts": self.duplicate_puts, "put_batches": self.put_batches,
-                "get_runs": self.get_runs}
+                "get_runs": self.get_runs, "item_records": self.item_records}
 
 
 class HookTime:

@@ -32,11 +32,26 @@ from zchannel.broker.wire.protocol import (
     BROKER_EXPIRED,
     BROKER_HEARTBEAT,
     INLINE_BODY,
+    ITEMS,
+    MAX_BATCH_PUTS,
     Reply,
     pack_header,
 )
 
 log = logging.getLogger("zchannel.broker")
+
+
+def _add_item(out: Outbox, rid: int, body: bytes, lease: int | None) -> int:
+    """Answer get ``rid`` with its small item inside an ``items`` record: the outbox's last
+    record when it is one (the replies keep their order), else a new one (then 1, else 0)."""
+    records = out.records
+    last = records[-1] if records else None
+    if last is not None and last.op == ITEMS and last.items is not None \
+            and len(last.items) < MAX_BATCH_PUTS:
+        last.items.append((rid, body, lease))
+        return 0
+    records.append(Reply(op=ITEMS, items=[(rid, body, lease)]))
+    return 1
 
 
 class Sessions:
@@ -100,10 +115,14 @@ class Sessions:
                 and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
                 and len(items[0].payload[0]) <= INLINE_BODY:
             body = items[0].payload[0]  # a small item rides in the reply record (no frame)
-            rec.body = body if type(body) is bytes else bytes(body)
-            rec.lease = lease
+            body = body if type(body) is bytes else bytes(body)
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += 1
+            if client.items:  # with the small items before it, one ``items`` record
+                self.counters.item_records += _add_item(out, rid, body, lease)
+                return
+            rec.body = body
+            rec.lease = lease
         elif items is not None:
             nf = 0
             counts = []

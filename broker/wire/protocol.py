@@ -40,6 +40,7 @@ BIND, LEARN, SYNC = "bind", "learn", "sync"  # between replicas of a distributed
 LOAD, RELEASE = "load", "release"  # moving empty keys between replicas (steal = true)
 # Broker -> client records without a request id.
 EXPIRED = "expired"
+ITEMS = "items"  # small items for several gets in one record (docs/protocol.md)
 
 # An item body of at most this many bytes (and no other frame) travels inside its record, as
 # field ``b``, instead of as a frame of its own: one frame less to send and receive per small
@@ -50,7 +51,8 @@ INLINE_BODY = 512
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 65536
 MAX_RECORDS = 4096
-# Puts in one ``puts`` record, gets one ``gets`` record stands for, at most (a client sends
+# Puts in one ``puts`` record, gets one ``gets`` record stands for, gets answered in one
+# ``items`` record, at most (a client sends
 # at most MAX_OPS_PER_MESSAGE, 512, records in one message).
 MAX_BATCH_PUTS = 4096
 
@@ -93,6 +95,8 @@ class Hello(Request, tag=HELLO):
     # retry-safe puts: the connection's producer id, the same across its reconnects; its puts'
     # ids are then sequence numbers the broker stores each at most once (docs/protocol.md)
     producer: ProducerId | None = field(default=None, name="pr")
+    # the client reads ``items`` records: the broker may answer several of its gets in one
+    items: bool = field(default=False, name="it")
 
 
 class Bye(Request, tag=BYE):
@@ -242,10 +246,17 @@ def op_of(rec: Request) -> str:
     return cast(str, rec.__struct_config__.tag)  # every request's tag is its op name
 
 
+# One get answered inside an ``items`` record: the get's request id, its item's inline body
+# and its lease (nil without ``ack``).
+ItemEntry = tuple[Count, Annotated[bytes, Meta(max_length=INLINE_BODY)], Count | None]
+
+
 class Reply(Struct, omit_defaults=True, kw_only=True):
     """A record from the broker: the reply to request ``id`` (an error ``e``, or a result
-    ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``.
-    Decoded leniently (unknown fields ignored; the client checks what it uses)."""
+    ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``, or an
+    ``items`` record: ``i``, several gets each answered with its small item (``ItemEntry``),
+    owning no frame.  Decoded leniently (unknown fields ignored; the client checks what it
+    uses), but an ``i`` entry that is not an ``ItemEntry`` makes the header malformed."""
 
     op: str | None = None  # only on records without id
     id: int | None = None
@@ -257,6 +268,8 @@ class Reply(Struct, omit_defaults=True, kw_only=True):
     lease: int | None = None
     slots: list | None = field(default=None, name="sm")  # per item: nil or shared-memory entries
     weights: list | None = field(default=None, name="ws")  # peek: the items' weights
+    items: Annotated[list[ItemEntry], Meta(max_length=MAX_BATCH_PUTS)] | None = field(
+        default=None, name="i")  # op ``items`` only
 
 
 BROKER_HEARTBEAT = Reply(op=HEARTBEAT)
