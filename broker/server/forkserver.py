@@ -6,7 +6,9 @@ Run it as ``python -m zchannel.broker.server.forkserver SOCKET`` and set
 ``ZCHANNEL_BROKER_FORKSERVER=SOCKET`` in the processes that create channels
 (``forkclient.spawn_forked`` is the client side; ``docs/channel.md``, "Starting brokers from a
 fork server").  It listens on a Unix socket (mode 0600, and it serves only peers of its own
-user), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it runs with the
+user), imports the modules published under the ``zchannel.hooks`` entry-point group (so a
+broker given one of their hook names resolves it without importing them: ``embodied_trajectory``
+imports torch, seconds on a loaded machine), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it runs with the
 ``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to get); brokers it started keep
 running (each in its own session, watching the process that created it).
 
@@ -32,6 +34,7 @@ import msgpack
 from zchannel.broker.server.loop import main_from_stdin
 from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
+from zchannel.hooks import load_entry_points
 
 HEADER = struct.Struct("!Q")  # the length of the request body that follows
 FDS = 4  # lock, stdout pipe, stderr, exit pipe
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         # glibc reads its tunables only at exec: start again with those of a spawned broker
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *args], env)
     server = ForkServer(args[0])
+    load_entry_points()  # published hooks imported once here, not in every broker naming one
     sys.stdout.write(f"ready {args[0]}\n")
     sys.stdout.flush()
     server.serve()
