@@ -8,9 +8,10 @@ Run it as ``python -m zchannel.broker.server.forkserver SOCKET`` and set
 fork server").  It listens on a Unix socket (mode 0600, and it serves only peers of its own
 user), imports the modules published under the ``zchannel.hooks`` entry-point group (so a
 broker given one of their hook names resolves it without importing them: ``embodied_trajectory``
-imports torch, seconds on a loaded machine), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it runs with the
-``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to get); brokers it started keep
-running (each in its own session, watching the process that created it).
+imports torch, seconds on a loaded machine; a broker looking up a name not registered scans the
+group again on its own path), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it
+runs with the ``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to
+get); brokers it started keep running (each in its own session, watching the process that created it).
 
 A request carries the broker's config and the requester's environment and working directory,
 with four descriptors: the channel lock, the pipe the broker prints ``ready``/``error`` on, the
@@ -34,7 +35,7 @@ import msgpack
 from zchannel.broker.server.loop import main_from_stdin
 from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
-from zchannel.hooks import load_entry_points
+from zchannel.hooks import forget_entry_point_scan, load_entry_points
 
 HEADER = struct.Struct("!Q")  # the length of the request body that follows
 FDS = 4  # lock, stdout pipe, stderr, exit pipe
@@ -185,6 +186,7 @@ class ForkServer:
         for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:
                 sys.path.insert(0, entry)  # hook modules the requester's path finds
+        forget_entry_point_scan()  # plug-ins on the requester's path, found if a name needs them
         config["lock_fd"] = lock_fd
         body, _ = codec.encode(config)
         sys.stdin = io.TextIOWrapper(io.BytesIO(body))
