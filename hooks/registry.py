@@ -82,6 +82,14 @@ def load_entry_points() -> None:
             )
 
 
+def forget_entry_point_scan() -> None:
+    """Scan the ``zchannel.hooks`` group again at the next lookup of a name not registered
+    (``sys.path`` changed: other plug-ins may be visible); modules imported already are not
+    imported again."""
+    global _entry_points_loaded
+    _entry_points_loaded = False
+
+
 def entry_point_objects() -> dict[str, Any]:
     """What each entry point of the ``zchannel.hooks`` group loaded (a module, a hook class...),
     by its lowercased name; the entry points are loaded first if they were not."""

@@ -267,7 +267,7 @@ def wait_until(cond, timeout: float = 10.0, interval: float = 0.05):
         value = cond()
         if value or time.monotonic() > deadline:
             return value
-        time.sleep(interval)
+        time.sleep(interval)  # polling: what it waits for sends no event
 
 
 def pid_alive(pid: int) -> bool:

@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 
 import msgpack
@@ -40,7 +39,7 @@ from zchannel.broker import Channel, shm
 from zchannel.broker.connection.connection import UP, Connection
 from zchannel.broker.server.outbox import MAX_REPLY_BYTES
 from zchannel.broker.transport import direct_framing
-from zchannel.broker.wire.protocol import QSize, pack_header
+from zchannel.broker.wire.protocol import HEARTBEAT, QSize, pack_header
 
 SIZE = 16 << 20
 N = 256
@@ -176,8 +175,9 @@ def test_a_full_pool_waits_for_a_freed_slot(make_remote):
 
 def test_a_reply_arriving_slowly_is_life(run_dir):
     """A client counts bytes from the broker as life, not only whole messages: a 2 MiB reply
-    that a (fake, hand-driven) broker trickles out over 4 s, far past the 1.5 s expiry it
-    announced, completes its request and the connection never goes down."""
+    that a (fake, hand-driven) broker trickles out in 8 pieces, one per heartbeat the client
+    sends (every 0.5 s: ~4 s in all, far past the 1.5 s expiry it announced), completes its
+    request and the connection never goes down."""
     address = f"ipc://{run_dir}/slow.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(direct_framing.link_path(address[len("ipc://"):]))
@@ -190,6 +190,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
         sock, _ = listener.accept()
         reader = direct_framing.Reader(1 << 10, 1 << 20)
         answered: set[int] = set()
+        pieces: deque[bytes] = deque()  # of the reply, sent one per client heartbeat
         while not done.is_set():
             ready, _, _ = select.select([sock], [], [], 0.05)
             if ready and not reader.read(sock.fileno()):
@@ -205,10 +206,11 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
                         big = bytes(2 << 20)
                         data = b"".join(bytes(p) for p in direct_framing.iovec(
                             [pack_header([{"id": rid, "r": 7, "nf": 1}]), big])[0])
-                        for i in range(0, len(data), 64 << 10):  # 32 pieces, 4 s in all
-                            sock.sendall(data[i : i + (64 << 10)])
-                            states.append(conn.state)
-                            time.sleep(0.125)
+                        step = -(-len(data) // 8)
+                        pieces.extend(data[i : i + step] for i in range(0, len(data), step))
+                    if pieces and rec.get("op") in ("qsize", HEARTBEAT):
+                        sock.sendall(pieces.popleft())
+                        states.append(conn.state)
         sock.close()
 
     server = threading.Thread(target=fake_broker, daemon=True)
@@ -219,7 +221,7 @@ def test_a_reply_arriving_slowly_is_life(run_dir):
         assert (conn.hb, conn.liveness) == (0.5, 3)
         work = conn.request(QSize(id=0, key=None), [])
         assert work.wait(30) == 7
-        assert conn.state == UP and set(states) == {UP}
+        assert conn.state == UP and set(states) == {UP} and len(states) == 8
     finally:
         done.set()
         conn.close(bye=False)

@@ -515,7 +515,7 @@ def test_asyncio_consumer_keeps_loop_running(make):
                 ticks += 1
                 if ticks == 5:  # reached only if the loop runs while the get is pending
                     ch.put("hello", async_op=True)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # gives the loop back: each tick is a turn of it
 
         task = asyncio.create_task(ticker())
         work = ch.get(async_op=True)

@@ -11,6 +11,7 @@ import pytest
 from conftest import pid_alive, start_forkserver, wait_until
 from zchannel.broker import BrokerStartError, Channel
 from zchannel.broker.server.forkclient import ENV, ForkedBroker
+from zchannel.embodied.plan import TrajectoryPlan
 
 
 @pytest.fixture
@@ -65,6 +66,22 @@ def test_forked_broker_killed_reports_the_signal(forkserver, channels):
 def test_forked_broker_start_errors_keep_their_types(forkserver):
     with pytest.raises(ValueError, match="unknown collector"):
         Channel.create("forked-bad", collector="no_such_collector")
+
+
+def test_published_hooks_are_imported_by_the_fork_server(forkserver, channels):
+    """The fork server imported the ``zchannel.hooks`` entry points (``embodied_trajectory``,
+    which imports torch) before serving: its brokers resolve the name without importing them."""
+    with open(f"/proc/{forkserver.pid}/maps") as f:
+        assert "libtorch" in f.read()
+    plan = TrajectoryPlan.from_options(dict(
+        mode="rollout", num_sources=1, source_batch_size=1, num_chunks=1, rollout_epochs=1,
+        actor_world_size=1, num_action_chunks=1, action_dim=1))
+    ch = Channel.create("forked-hooks", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", producers=["rollout"],
+                        consumers={"actor": 1}, options=plan.to_options())
+    channels.append(ch)
+    assert ppid_of(ch._proc.pid) == forkserver.pid
+    assert ch.qsize() == 0
 
 
 def test_forked_broker_stops_with_its_creator(forkserver, workers):

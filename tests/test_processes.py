@@ -117,8 +117,8 @@ def test_broker_dies_with_its_creator(workers):
         from zchannel.broker import Channel
         ch = Channel.create("orphan")
         print(ch.stats()["pid"], flush=True)
-        import time
-        time.sleep(600)
+        import sys
+        sys.stdin.readline()  # blocks until this test SIGKILLs it (its stdin stays open)
         """
     )
     broker_pid = int(workers.wait_line(creator))

@@ -6,9 +6,12 @@ Run it as ``python -m zchannel.broker.server.forkserver SOCKET`` and set
 ``ZCHANNEL_BROKER_FORKSERVER=SOCKET`` in the processes that create channels
 (``forkclient.spawn_forked`` is the client side; ``docs/channel.md``, "Starting brokers from a
 fork server").  It listens on a Unix socket (mode 0600, and it serves only peers of its own
-user), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it runs with the
-``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to get); brokers it started keep
-running (each in its own session, watching the process that created it).
+user), imports the modules published under the ``zchannel.hooks`` entry-point group (so a
+broker given one of their hook names resolves it without importing them: ``embodied_trajectory``
+imports torch, seconds on a loaded machine; a broker looking up a name not registered scans the
+group again on its own path), prints ``ready <socket>`` and serves until SIGTERM/SIGINT (it
+runs with the ``GLIBC_TUNABLES`` of ``starting.child_environ``, which it execs itself again to
+get); brokers it started keep running (each in its own session, watching the process that created it).
 
 A request carries the broker's config and the requester's environment and working directory,
 with four descriptors: the channel lock, the pipe the broker prints ``ready``/``error`` on, the
@@ -32,6 +35,7 @@ import msgpack
 from zchannel.broker.server.loop import main_from_stdin
 from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
+from zchannel.hooks import forget_entry_point_scan, load_entry_points
 
 HEADER = struct.Struct("!Q")  # the length of the request body that follows
 FDS = 4  # lock, stdout pipe, stderr, exit pipe
@@ -182,6 +186,7 @@ class ForkServer:
         for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:
                 sys.path.insert(0, entry)  # hook modules the requester's path finds
+        forget_entry_point_scan()  # plug-ins on the requester's path, found if a name needs them
         config["lock_fd"] = lock_fd
         body, _ = codec.encode(config)
         sys.stdin = io.TextIOWrapper(io.BytesIO(body))
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         # glibc reads its tunables only at exec: start again with those of a spawned broker
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *args], env)
     server = ForkServer(args[0])
+    load_entry_points()  # published hooks imported once here, not in every broker naming one
     sys.stdout.write(f"ready {args[0]}\n")
     sys.stdout.flush()
     server.serve()
