@@ -363,6 +363,10 @@ def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
 
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
     """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
+    if type(target) is int:
+        n = _int_batch_take(queue, target)
+        if n is not None:
+            return n or (len(queue) if final else 0)
     total: int | float = 0
     for n, item in enumerate(queue):
         if exceeds(total + item.weight, target):
@@ -374,6 +378,26 @@ def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
                 n += 1
             return n
     return len(queue) if final else 0
+
+
+def _int_batch_take(queue: deque[Item], target: int) -> int | None:
+    """``batch_take`` of an int ``target`` over int weights, without the float slack: the count
+    (0 while the queue does not reach ``target``), or None at the first weight that is not an
+    int (the caller then scans with the float rules)."""
+    total = 0
+    for n, item in enumerate(queue):
+        weight = item.weight
+        if type(weight) is not int:
+            return None
+        total += weight
+        if total > target:
+            return n or 1
+        if total >= target:
+            n += 1
+            while n < len(queue) and queue[n].weight == 0:
+                n += 1
+            return n
+    return 0
 
 
 def _unlogged(log: StateLog | None, outputs: Outputs) -> Exception | None:

@@ -299,6 +299,13 @@ def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
 
 def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
     def convert(rec: Reply, frames: list[Any]) -> list[Any]:
+        bodies = rec.bodies
+        if bodies is not None:  # small items inside the record
+            if frames or rec.counts is not None or rec.slots:
+                raise ValueError("malformed reply: a batch of inline items has no frames, "
+                                 "frame counts or slots")
+            decode = codec.decode
+            return [decode(body) for body in bodies]
         out: list[Any] = []
         pos = 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)

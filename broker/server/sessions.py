@@ -34,6 +34,7 @@ from zchannel.broker.wire.protocol import (
     INLINE_BODY,
     ITEMS,
     MAX_BATCH_PUTS,
+    MAX_INLINE_BATCH_BYTES,
     Reply,
     pack_header,
 )
@@ -52,6 +53,26 @@ def _add_item(out: Outbox, rid: int, body: bytes, lease: int | None) -> int:
         return 0
     records.append(Reply(op=ITEMS, items=[(rid, body, lease)]))
     return 1
+
+
+def _inline_bodies(items: list[Item]) -> list[bytes] | None:
+    """The bodies of a get_batch's ``items`` when each is one frame of at most ``INLINE_BODY``
+    bytes (not in shared memory), together at most ``MAX_INLINE_BATCH_BYTES``; else None."""
+    if len(items) > MAX_BATCH_PUTS:
+        return None
+    bodies = []
+    total = 0
+    for item in items:
+        payload = item.payload
+        if type(payload) is not list or len(payload) != 1:
+            return None
+        body = payload[0]
+        size = len(body)
+        if size > INLINE_BODY:
+            return None
+        total += size
+        bodies.append(body if type(body) is bytes else bytes(body))
+    return bodies if total <= MAX_INLINE_BATCH_BYTES else None
 
 
 class Sessions:
@@ -123,22 +144,13 @@ class Sessions:
                 return
             rec.body = body
             rec.lease = lease
+        elif items is not None and batch and not raw and client.items \
+                and (bodies := _inline_bodies(items)):
+            rec.bodies = bodies  # a batch of small items rides in its record (no frame)
+            out.deliveries.append((client, origin, items, lease))
+            self.counters.delivered += len(items)
         elif items is not None:
-            nf = 0
-            counts = []
-            r0, f0 = len(out.records), len(out.frames)
-            for i, item in enumerate(items):
-                payload = item.payload
-                out.frames.extend(payload)
-                n = len(payload)
-                if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
-                    n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
-                nf += n
-                counts.append(n)
-            rec.nf = nf
-            out.record_added(r0, f0)
-            if batch:
-                rec.counts = counts
+            self._attach_frames(out, client, rec, items, batch)
             rec.lease = lease
             if not raw:
                 out.deliveries.append((client, origin, items, lease))
@@ -146,6 +158,25 @@ class Sessions:
         else:
             rec.result = result
         out.records.append(rec)
+
+    def _attach_frames(self, out: Outbox, client: Client, rec: Reply, items: list[Item],
+                       batch: bool) -> None:
+        """Queue the frames of ``items`` in ``out`` for ``rec`` (``nf``; ``n`` of a batch)."""
+        nf = 0
+        counts = []
+        r0, f0 = len(out.records), len(out.frames)
+        for i, item in enumerate(items):
+            payload = item.payload
+            out.frames.extend(payload)
+            n = len(payload)
+            if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
+                n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
+            nf += n
+            counts.append(n)
+        rec.nf = nf
+        out.record_added(r0, f0)
+        if batch:
+            rec.counts = counts
 
     def collect_acks(self, client: Client, ids: set[int]) -> list[int]:
         """From now until ``end_acks``, a bare acknowledgement to one of the requests ``ids``

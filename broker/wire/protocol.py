@@ -55,6 +55,9 @@ MAX_RECORDS = 4096
 # ``items`` record, at most (a client sends
 # at most MAX_OPS_PER_MESSAGE, 512, records in one message).
 MAX_BATCH_PUTS = 4096
+# A get_batch reply carries its items' bodies inside its record (field ``bs``) when every item
+# is one frame of at most INLINE_BODY bytes and they add up to at most this many bytes.
+MAX_INLINE_BATCH_BYTES = 64 << 10
 
 
 class ProtocolError(ValueError):
@@ -95,7 +98,8 @@ class Hello(Request, tag=HELLO):
     # retry-safe puts: the connection's producer id, the same across its reconnects; its puts'
     # ids are then sequence numbers the broker stores each at most once (docs/protocol.md)
     producer: ProducerId | None = field(default=None, name="pr")
-    # the client reads ``items`` records: the broker may answer several of its gets in one
+    # the client reads ``items`` records (the broker may answer several of its gets in one)
+    # and get_batch replies whose small items are inline (``bs``)
     items: bool = field(default=False, name="it")
 
 
@@ -249,14 +253,19 @@ def op_of(rec: Request) -> str:
 # One get answered inside an ``items`` record: the get's request id, its item's inline body
 # and its lease (nil without ``ack``).
 ItemEntry = tuple[Count, Annotated[bytes, Meta(max_length=INLINE_BODY)], Count | None]
+# The small item bodies of a get_batch reply, in order, inside its record.
+InlineBodies = Annotated[list[Annotated[bytes, Meta(max_length=INLINE_BODY)]],
+                         Meta(min_length=1, max_length=MAX_BATCH_PUTS)]
 
 
 class Reply(Struct, omit_defaults=True, kw_only=True):
     """A record from the broker: the reply to request ``id`` (an error ``e``, or a result
     ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``, or an
     ``items`` record: ``i``, several gets each answered with its small item (``ItemEntry``),
-    owning no frame.  Decoded leniently (unknown fields ignored; the client checks what it
-    uses), but an ``i`` entry that is not an ``ItemEntry`` makes the header malformed."""
+    owning no frame.  A get_batch reply of small items carries their bodies in ``bs``
+    (``InlineBodies``), with no frame and no ``n``.  Decoded leniently (unknown fields
+    ignored; the client checks what it uses), but an ``i`` entry that is not an ``ItemEntry``,
+    or a ``bs`` that is not ``InlineBodies``, makes the header malformed."""
 
     op: str | None = None  # only on records without id
     id: int | None = None
@@ -265,6 +274,7 @@ class Reply(Struct, omit_defaults=True, kw_only=True):
     nf: FrameCount = 0
     counts: list[int] | None = field(default=None, name="n")  # frames per item (get_batch, peek)
     body: bytes | UnsetType = field(default=UNSET, name="b")  # a get's small item inline
+    bodies: InlineBodies | None = field(default=None, name="bs")  # a get_batch's small items
     lease: int | None = None
     slots: list | None = field(default=None, name="sm")  # per item: nil or shared-memory entries
     weights: list | None = field(default=None, name="ws")  # peek: the items' weights
