@@ -63,16 +63,22 @@ def _inline_bodies(items: list[Item]) -> list[bytes] | None:
     bodies = []
     total = 0
     for item in items:
-        payload = item.payload
-        if type(payload) is not list or len(payload) != 1:
+        body = _inline_body(item)
+        if body is None:
             return None
-        body = payload[0]
-        size = len(body)
-        if size > INLINE_BODY:
-            return None
-        total += size
-        bodies.append(body if type(body) is bytes else bytes(body))
+        total += len(body)
+        bodies.append(body)
     return bodies if total <= MAX_INLINE_BATCH_BYTES else None
+
+
+def _inline_body(item: Item) -> bytes | None:
+    """The body of ``item`` when it is one frame of at most ``INLINE_BODY`` bytes, not in shared
+    memory (it may then ride inside its reply record), as bytes; else None."""
+    payload = item.payload
+    if isinstance(payload, SlotFrames) or len(payload) != 1 or len(payload[0]) > INLINE_BODY:
+        return None
+    body = payload[0]
+    return body if type(body) is bytes else bytes(body)
 
 
 class Sessions:
@@ -133,10 +139,8 @@ class Sessions:
         if error is not None:
             rec.error = error_to_wire(error)
         elif items is not None and not batch and not raw and len(items) == 1 \
-                and not isinstance(items[0].payload, SlotFrames) and len(items[0].payload) == 1 \
-                and len(items[0].payload[0]) <= INLINE_BODY:
-            body = items[0].payload[0]  # a small item rides in the reply record (no frame)
-            body = body if type(body) is bytes else bytes(body)
+                and (body := _inline_body(items[0])) is not None:
+            # a small item rides in the reply record (no frame)
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += 1
             if client.items:  # with the small items before it, one ``items`` record
