@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from forkbroker import ForkBroker
+from forkbroker import ForkBroker, wait_gone
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
 from zchannel.broker.server.starting import child_environ, read_line, stop_broker
@@ -174,16 +174,29 @@ def brokers() -> Iterator[ForkBroker]:
     fb.close()
 
 
-def until_available(call, timeout: float = 60.0):
-    """``call()`` again while it raises ``BrokerUnavailable`` (its broker is being started again,
-    or was stopped), what a user's retry loop does; its result, within ``timeout`` seconds."""
+def wait_connected(ch, timeout: float = 60.0) -> None:
+    """Block until the broker behind ``ch`` answered its connection's hello again (the I/O
+    thread wakes ``Connection.wait_up`` when it does: a broker started anew at the address).
+    A connection that ended is replaced at the handle's next call, which waits for that hello
+    itself."""
+    conn = ch._conn
+    if conn is not None and conn.state != "closed":
+        assert conn.wait_up(timeout) or conn.state == "closed", \
+            f"no broker answered at {ch.address} within {timeout}s"
+
+
+def until_available(ch, call, timeout: float = 60.0):
+    """``call()`` again while it raises ``BrokerUnavailable`` (the broker of ``ch`` is being
+    started again, or was stopped), what a user's retry loop does: each retry waits for the
+    broker to answer again (``wait_connected``); ``call``'s result, within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return call()
         except BrokerUnavailable:
-            assert time.monotonic() < deadline, f"the broker was unavailable for {timeout}s"
-            time.sleep(0.05)  # pacing the retries
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"the broker was unavailable for {timeout}s"
+            wait_connected(ch, remaining)
 
 
 def drain(ch, key: str = "default_queue") -> list:
@@ -268,6 +281,18 @@ def wait_until(cond, timeout: float = 10.0, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)  # polling: what it waits for sends no event
+
+
+def exited(pids, timeout: float = 30.0) -> bool:
+    """Whether every process of ``pids`` (a pid or several) exits within ``timeout`` seconds:
+    a wait on each one's pidfd, which turns readable when it exits (``forkbroker.wait_gone``)."""
+    deadline = time.monotonic() + timeout
+    for pid in [pids] if isinstance(pids, int) else pids:
+        try:
+            wait_gone(pid, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:

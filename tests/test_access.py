@@ -12,7 +12,7 @@ import sys
 import msgpack
 import pytest
 import zmq
-from conftest import pid_alive, wait_until
+from conftest import exited, pid_alive
 from zchannel.broker import Channel
 from zchannel.broker.host import paths
 from zchannel.broker.server.config import BrokerConfig
@@ -135,7 +135,7 @@ def test_the_creating_handle_stops_its_broker_and_others_need_the_token(channels
     # the creator's token is the one in the run directory: its owner may stop it from anywhere
     token = paths.read_token_file("owned")["token"]
     Channel.connect("owned").shutdown(token=token)
-    assert wait_until(lambda: not pid_alive(pid), 30)
+    assert exited(pid, 30)
     ch.shutdown()  # the creator's shutdown of a broker already gone: no error
 
 

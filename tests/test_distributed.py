@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from cluster_util import Replicas, free_tcp_ports, write_cluster
-from conftest import wait_until
+from conftest import exited, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, HookError
 from zchannel.broker.handle.distributed import DistributedChannel
 from zchannel.broker.wire.protocol import Bind, Learn
@@ -305,7 +305,6 @@ def test_cluster_file_and_node_detection(run_dir, monkeypatch):
 def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
     import signal
 
-    from conftest import pid_alive
 
     path = write_cluster(run_dir, ("n0", "n0", "elsewhere"))
     proc = workers.start("""
@@ -318,7 +317,7 @@ def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
     assert len(pids) == 2  # only this node's replicas; "elsewhere" starts its own
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10), \
+    assert exited(pids, 10), \
         "replicas outlived their creator"
 
 

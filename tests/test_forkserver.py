@@ -8,7 +8,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import pid_alive, start_forkserver, wait_until
+from conftest import exited, pid_alive, start_forkserver
 from zchannel.broker import BrokerStartError, Channel
 from zchannel.broker.server.forkclient import ENV, ForkedBroker
 from zchannel.embodied.plan import TrajectoryPlan
@@ -96,7 +96,7 @@ def test_forked_broker_stops_with_its_creator(forkserver, workers):
     assert kind == "ForkedBroker"
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
-    assert wait_until(lambda: not pid_alive(int(pid)), timeout=30)
+    assert exited(int(pid), 30)
 
 
 def test_missing_forkserver_is_a_clear_error(monkeypatch, run_dir):

@@ -49,10 +49,10 @@ def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, t
     assert (acked.item, leased.item) == (3, 4)
     pid = ch.stats()["pid"]
     os.kill(pid, signal.SIGKILL)
-    got = until_available(lambda: ch.get(key="a", timeout=5))
+    got = until_available(ch, lambda: ch.get(key="a", timeout=5))
     assert got == 4
     assert drain(ch, "a") == list(range(5, 20))
-    assert np.array_equal(until_available(lambda: ch.get(key="big", timeout=5)), arr)
+    assert np.array_equal(until_available(ch, lambda: ch.get(key="big", timeout=5)), arr)
     assert torch.equal(ch.get(key="big", timeout=5), torch.arange(300_000, dtype=torch.int64))
     assert ch.get(key="b", timeout=5) == b"x" * 100_000
     stats = ch.stats()
@@ -332,7 +332,7 @@ def test_collector_outputs_are_journaled(channels, tmp_path):
     ch.put([1, 2, 3, 4])
     assert ch.get() == 1
     os.kill(ch.stats()["pid"], signal.SIGKILL)
-    assert until_available(lambda: ch.get(timeout=5)) == 2
+    assert until_available(ch, lambda: ch.get(timeout=5)) == 2
     assert drain(ch, "default_queue") == [3, 4]
 
 
@@ -348,7 +348,7 @@ def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels
     ch.put("b1", key="k2")  # waits for its other half
     assert ch.stats()["journal"]["collector_inputs"] == 1  # the pair left nothing held
     os.kill(ch.stats()["pid"], signal.SIGKILL)
-    until_available(lambda: ch.put("b2", key="k2", timeout=5))
+    until_available(ch, lambda: ch.put("b2", key="k2", timeout=5))
     assert ch.get(key="k1", timeout=5) == ("a1", "a2")
     assert ch.get(key="k2", timeout=5) == ("b1", "b2")
     stats = ch.stats()["journal"]
@@ -381,7 +381,8 @@ def test_each_replica_of_a_distributed_channel_keeps_its_journal(run_dir, tmp_pa
         reps.kill(1)
         reps.start("dj", path, [1], "--journal", journal)
         for key in keys:  # replica 1's keys came back from its journal, in order
-            assert until_available(lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
+            replica = ch._sub(where[key])  # retries wait for this key's replica to answer
+            assert until_available(replica, lambda k=key: ch.get(key=k, timeout=10)) == f"{key}-a"
             assert ch.get(key=key, timeout=10) == f"{key}-b"
         ch.close()
     finally:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import zmq
-from conftest import pid_alive, until_available, wait_until
+from conftest import exited, pid_alive, until_available, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
@@ -125,7 +125,7 @@ def test_broker_dies_with_its_creator(workers):
     assert pid_alive(broker_pid)
     os.kill(creator.pid, signal.SIGKILL)
     creator.wait()
-    assert wait_until(lambda: not pid_alive(broker_pid), 10), "the broker outlived its SIGKILLed creator"
+    assert exited(broker_pid, 10), "the broker outlived its SIGKILLed creator"
 
 
 def _consume_pickled(channel, queue):
@@ -351,7 +351,7 @@ def test_broker_restart_reconnects_handles(run_dir):
             ch.get(async_op=True).wait(timeout=15)
         second = start()
         # calls while the handle reconnects raise BrokerUnavailable, later ones work
-        until_available(lambda: ch.put(2, timeout=5))
+        until_available(ch, lambda: ch.put(2, timeout=5))
         assert ch.get(timeout=5) == 2
         ch.close()
     finally:

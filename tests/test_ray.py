@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zcha
 
 import torch  # noqa: E402
 from cluster_util import audit, ray_three_nodes  # noqa: E402
-from conftest import pid_alive, wait_until  # noqa: E402
+from conftest import exited, pid_alive, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_creator_death_leaves_no_brokers(cluster, workers):
     assert len(pids) == 3 and all(pid_alive(p) for p in pids)
     os.kill(proc.pid, signal.SIGKILL)  # the creator dies: Ray removes its actors, brokers follow
     proc.wait()
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 60), \
+    assert exited(pids, 60), \
         "brokers outlived their creator"
     # Ray SIGKILLs an exiting worker's child processes, so these brokers could not remove their
     # shared-memory probe segments (a later broker of the channel would, in the same run dir).
@@ -298,7 +298,7 @@ def test_broker_actor_killed_under_load(cluster):
         assert wait_until(lambda: served_since(t0), 60), "the loaders never ran a clean round"
         old_pid = ray.get(actor.pid.remote())
         ray.kill(actor, no_restart=False)
-        assert wait_until(lambda: not pid_alive(old_pid), 30), "the killed actor's broker lives on"
+        assert exited(old_pid, 30), "the killed actor's broker lives on"
         dead_at = time.monotonic()  # nothing the old broker acknowledged is later than this
         new_pid = _restarted_pid(actor, old_pid)
         assert new_pid not in (-1, old_pid)

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _retry_until_stored(ch, item, **kw) -> None:
     """Put ``item`` until it is acknowledged (what a user's retry loop does)."""
-    until_available(lambda: ch.put(item, **kw))
+    until_available(ch, lambda: ch.put(item, **kw))
 
 
 # -- the user's retry after the broker stopped answering ------------------------------------------
