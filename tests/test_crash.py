@@ -1,9 +1,10 @@
 """Crash tests of durable channels: a journaled broker SIGKILLed at random moments under load.
 
-Two producer processes put (retrying after ``BrokerUnavailable`` or a timeout) and two consumer
-processes take, one with plain ``get``, one with ``get(ack=True)`` + ``ack``, while the broker
-is killed and started again on its journal (``tests/forkbroker.py``: a fork, back in tens of
-milliseconds).  Afterwards:
+Two producer processes put as fast as the keys' ``maxsize`` lets them (blocking puts, retried
+after ``BrokerUnavailable`` or a timeout) and two consumer processes take, one with plain
+``get``, one with ``get(ack=True)`` + ``ack``, while the broker is killed at a random moment of
+the stream (after a random number of puts, gets or acks) and started again on its journal
+(``tests/forkbroker.py``: a fork, back in tens of milliseconds).  Afterwards:
 
 - every acknowledged put was delivered (at least once, to one of the consumers);
 - no item whose ``ack`` succeeded was delivered again to a get asked after the ack returned,
@@ -33,15 +34,23 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 
 import pytest
 from forkbroker import ForkBroker, wait_gone
 from zchannel.broker import Channel
 
+MAXSIZE = 32  # items per key: the producers' puts block until the consumers make room
+
 PRODUCER = r"""
 import os, random, sys, time
 import numpy as np
 from zchannel.broker import BrokerUnavailable, Channel
+
+def await_broker(ch):  # the broker answered the connection's hello again (a new connection
+    conn = ch._conn    # replacing an ended one waits for it at the next call)
+    if conn is not None and conn.state != "closed":
+        conn.wait_up(60)
 
 address, p, stop, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 rng = random.Random(seed)
@@ -60,13 +69,11 @@ while not os.path.exists(stop):
             break
         except BrokerUnavailable:  # in doubt: it may be stored already; the retry is safe
             print(f"R {ident}", flush=True)
-            time.sleep(0.01)  # retry back-off while the broker restarts (pacing)
-        except TimeoutError:  # not in doubt: putting it again is a new put
+            await_broker(ch)
+        except TimeoutError:  # not in doubt (no room came within 5 s): putting it again is a new put
             print(f"T {ident}", flush=True)
-            time.sleep(0.01)  # retry back-off (pacing)
     print(f"P {ident} {time.monotonic_ns()}", flush=True)
-    seq += 1
-    time.sleep(0.002)  # pacing: a steady stream of puts across the kills, not a flood
+    seq += 1  # the next put blocks while the key holds MAXSIZE items: paced by the consumers
 print("done", flush=True)
 """
 
@@ -74,6 +81,11 @@ CONSUMER = r"""
 import os, sys, time
 import numpy as np
 from zchannel.broker import BrokerUnavailable, Channel
+
+def await_broker(ch):  # as in the producer
+    conn = ch._conn
+    if conn is not None and conn.state != "closed":
+        conn.wait_up(60)
 
 address, mode, stop = sys.argv[1], sys.argv[2], sys.argv[3]
 ch = Channel.connect(address, timeout=60)
@@ -93,7 +105,7 @@ while True:
                 break
         continue
     except BrokerUnavailable:
-        time.sleep(0.01)  # retry back-off while the broker restarts (pacing)
+        await_broker(ch)
         continue
     idle_since = None
     item = got.item if mode == "ack" else got
@@ -113,13 +125,14 @@ print("done", flush=True)
 
 
 class Worker:
-    """A worker script in a subprocess; its stdout lines are collected by a thread, which
-    notifies ``lines_changed`` at each."""
+    """A worker script in a subprocess; its stdout lines are collected (and counted by tag) by
+    a thread, which notifies ``lines_changed`` at each."""
 
     def __init__(self, script: str, *args: str, lines_changed: threading.Condition) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
                                      text=True)
         self.lines: list[str] = []
+        self.counts: Counter[str] = Counter()  # lines by their first word
         self.ready = threading.Event()
         self.lines_changed = lines_changed
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -132,10 +145,12 @@ class Worker:
                 self.ready.set()
             with self.lines_changed:
                 self.lines.append(line)
+                self.counts[line.split(" ", 1)[0]] += 1
                 self.lines_changed.notify_all()
 
     def count(self, tag: str) -> int:
-        return sum(1 for line in list(self.lines) if line.startswith(tag))
+        """Lines printed so far whose first word is ``tag`` (``"P "`` or ``"P"``)."""
+        return self.counts[tag.strip()]
 
     def stop(self, timeout: float = 120) -> None:
         try:
@@ -216,11 +231,25 @@ def _wait_progress(producers: list[Worker], before: int, timeout: float = 60) ->
         ), "no put was acknowledged after the restart"
 
 
+def _random_moment(workers: list[Worker], rng: random.Random, most: int,
+                   timeout: float = 60) -> None:
+    """Wait for a random moment of the stream: 1 to ``most`` further events of one kind drawn
+    at random (puts acknowledged, plain gets, leased gets, acks), counted as the workers print
+    them."""
+    tag, group = rng.choice([("P", workers[:2]), ("G", workers[2:3]), ("L", workers[3:]),
+                             ("A", workers[3:])])
+    target = sum(w.count(tag) for w in group) + rng.randint(1, most)
+    with group[0].lines_changed:
+        assert group[0].lines_changed.wait_for(
+            lambda: sum(w.count(tag) for w in group) >= target, timeout
+        ), f"the workers stopped at {sum(w.count(tag) for w in group)} {tag} lines"
+
+
 def _crash_run(run_dir: str, tmp_path, brokers: ForkBroker, kills: int) -> None:
     name = f"crash-{uuid.uuid4().hex[:6]}"
     address = f"ipc://{run_dir}/{name}.sock"
     config = dict(name=name, address=address, journal=str(tmp_path / "journal"),
-                  fsync="interval", journal_segment_bytes=1 << 20)
+                  fsync="interval", journal_segment_bytes=1 << 20, maxsize=MAXSIZE)
     stop = str(tmp_path / "stop")
     workers: list[Worker] = []
     try:
@@ -231,7 +260,7 @@ def _crash_run(run_dir: str, tmp_path, brokers: ForkBroker, kills: int) -> None:
         for _ in range(kills):
             before = sum(w.count("P ") for w in workers[:2])
             _wait_progress(workers[:2], before)
-            time.sleep(rng.uniform(0.0, 0.3))  # a random moment of the stream to kill at (pacing)
+            _random_moment(workers, rng, 60)  # the moment of the stream to kill at
             start = time.monotonic_ns()
             brokers.kill(pid)
             killed.append((start, time.monotonic_ns()))
@@ -352,7 +381,7 @@ def _power_loss_run(run_dir: str, tmp_path, brokers: ForkBroker, ext4: tuple[str
     address = f"ipc://{run_dir}/{name}.sock"
     check_address = f"ipc://{run_dir}/{name}-check.sock"
     config = dict(name=name, address=address, journal=os.path.join(mnt, "journal"),
-                  fsync="always", journal_segment_bytes=4 << 20)
+                  fsync="always", journal_segment_bytes=4 << 20, maxsize=MAXSIZE)
     stop = str(tmp_path / "stop")
     snapshot, snap_mnt = str(tmp_path / "snapshot.img"), str(tmp_path / "snapshot")
     workers: list[Worker] = []
@@ -362,7 +391,7 @@ def _power_loss_run(run_dir: str, tmp_path, brokers: ForkBroker, ext4: tuple[str
         rng = random.Random(losses)
         for _ in range(losses):
             _wait_progress(workers[:2], sum(w.count("P ") for w in workers[:2]))
-            time.sleep(rng.uniform(0.1, 0.6))  # a random moment of the stream to cut power at (pacing)
+            _random_moment(workers, rng, 120)  # the moment of the stream to cut power at
             brokers.kill(pid, wait=False)
             shutil.copyfile(image, snapshot)  # what reached the disk when the power went
             wait_gone(pid)
