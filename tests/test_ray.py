@@ -327,17 +327,13 @@ def test_broker_actor_killed_under_load(cluster):
 
 
 def _restarted_pid(actor, old_pid: int, timeout: float = 120) -> int:
-    """The broker pid of ``actor`` once Ray restarted it (calls fail with ActorUnavailableError
-    while it restarts, and may still reach the old instance right after the kill)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            pid = ray.get(actor.pid.remote(), timeout=timeout)
-            if pid != old_pid:
-                return pid
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
-            pass
-        assert time.monotonic() < deadline, "the broker actor was not restarted"
-        time.sleep(0.1)  # pacing the calls while Ray restarts the actor
+    """The broker pid of ``actor`` once Ray restarted it: the call is retried by Ray itself
+    (``max_task_retries``) until the restarted instance answers, and Ray holds it while the
+    actor restarts.  A call that still reached the old instance right after the kill answers
+    ``old_pid``: it is asked again once that broker exited (its actor is gone then)."""
+    for _ in range(2):
+        pid = ray.get(actor.pid.options(max_task_retries=-1).remote(), timeout=timeout)
+        if pid != old_pid:
+            return pid
+        assert exited(old_pid, timeout), "the killed actor's broker lives on"
+    raise AssertionError(f"the restarted broker actor still answers with the old broker {old_pid}")
