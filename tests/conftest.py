@@ -272,15 +272,17 @@ def workers() -> Iterator[Workers]:
 
 
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.05):
-    """Poll ``cond()`` until it is truthy or ``timeout`` passes; its last value.  For outcomes
-    nothing can signal (a process that died, a client the broker expires on its own clock), not
-    for synchronising with a live peer (those use readiness handshakes)."""
+    """Poll ``cond()`` until it is truthy or ``timeout`` passes; its last value.  Only for
+    state no event reports to the test: a broker's counters read through ``stats()`` (it
+    publishes no change notifications), a lock's state, a reply deliberately left unwaited.
+    Process exits use ``exited`` (pidfds), brokers starting again ``wait_connected``, workers
+    their printed handshakes."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
         if value or time.monotonic() > deadline:
             return value
-        time.sleep(interval)  # polling: what it waits for sends no event
+        time.sleep(interval)  # the one poll left: what it waits for sends no event
 
 
 def exited(pids, timeout: float = 30.0) -> bool:

@@ -312,7 +312,7 @@ def test_close_while_threads_issue_requests_leaves_nothing_pending(make_remote):
     ch = make_remote("racing-close")
     handle = Channel.connect(ch.address)
     handle.put("warm")  # connected before the threads start
-    works, stop = [], threading.Event()
+    works, stop, many = [], threading.Event(), threading.Event()
 
     def issue() -> None:
         while not stop.is_set():
@@ -320,11 +320,13 @@ def test_close_while_threads_issue_requests_leaves_nothing_pending(make_remote):
                 works.append(handle.get(key="empty", async_op=True))  # parks: no items
             except ChannelError:
                 return  # closed: refused at once
+            if len(works) >= 200:
+                many.set()
 
     threads = [threading.Thread(target=issue) for _ in range(4)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(works) >= 200, timeout=10)
+    many.wait(10)  # the close races the requests either way: 200 issued, or 10 s of them
     handle.close()
     stop.set()
     for t in threads:

@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zcha
 
 import torch  # noqa: E402
 from cluster_util import audit, ray_three_nodes  # noqa: E402
-from conftest import exited, pid_alive, wait_until  # noqa: E402
+from conftest import exited, pid_alive, until_available, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 
@@ -173,7 +173,6 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
     starts its broker again on the same address (it learns the bindings from the other
     replicas), and the creator's handle keeps serving without a restart: the dead replica's
     items are lost, the others' are not, and its keys take puts again."""
-    from zchannel.broker import BrokerUnavailable
 
     ch = Channel.create("rayha", distributed=True)
     try:
@@ -192,14 +191,9 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
         for i in (0, 2):
             assert [int(ch.get((f"h{i}", k), timeout=30)[0]) for k in range(3)] == [0, 1, 2]
 
-        def put_again() -> bool:
-            try:
-                ch.put(torch.zeros(4), key=("h1", 0), timeout=5)
-                return True
-            except BrokerUnavailable:
-                return False  # the handle has not seen the restarted replica yet
-
-        assert wait_until(put_again, 60), "the restarted replica never took a put"
+        # retried while the handle has not seen the restarted replica yet: each retry waits
+        # for that replica to answer the connection's hello
+        until_available(ch._sub(victim), lambda: ch.put(torch.zeros(4), key=("h1", 0), timeout=5))
         # it serves its keys at once; it binds only once it learned the table (joining)
         assert wait_until(lambda: ch.stats()["replicas"][victim].get("binding") != "joining", 60)
         stats = ch.stats()
@@ -233,6 +227,7 @@ class Loader:
         self.ch, self.tag = channel, tag
         self.acked, self.views, self.failed = [], {}, 0
         self.clean_round = -1.0  # when the last round in which every put succeeded began
+        self.clean = threading.Condition()  # notified at each such round
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -259,13 +254,17 @@ class Loader:
                 self.acked.append((key, item, time.monotonic()))
                 self.views[key] = self.ch.replica_of(key)
             if ok:
-                self.clean_round = began
+                with self.clean:
+                    self.clean_round = began
+                    self.clean.notify_all()
             rnd += 1
             self.done.wait(0.01)  # pacing: three loaders share two cores with Ray and brokers
 
-    def served_since(self, t: float) -> bool:
-        """A round that began after ``t`` had every put acknowledged."""
-        return self.clean_round > t
+    def served_since(self, t: float, timeout: float) -> bool:
+        """Whether a round that began after ``t`` has every put acknowledged within ``timeout``
+        seconds (waits for it)."""
+        with self.clean:
+            return self.clean.wait_for(lambda: self.clean_round > t, timeout)
 
     def finish(self) -> tuple[list, dict, int]:
         self.done.set()
@@ -293,9 +292,9 @@ def test_broker_actor_killed_under_load(cluster):
         t0 = time.monotonic()
 
         def served_since(t: float) -> bool:
-            return all(ray.get([lo.served_since.remote(t) for lo in loaders]))
+            return all(ray.get([lo.served_since.remote(t, 60) for lo in loaders], timeout=120))
 
-        assert wait_until(lambda: served_since(t0), 60), "the loaders never ran a clean round"
+        assert served_since(t0), "the loaders never ran a clean round"
         old_pid = ray.get(actor.pid.remote())
         ray.kill(actor, no_restart=False)
         assert exited(old_pid, 30), "the killed actor's broker lives on"
@@ -305,7 +304,7 @@ def test_broker_actor_killed_under_load(cluster):
         assert ray.get(actor.node.remote())[0] == node_before  # restarted on its node
         restarted = time.monotonic()
         # the loaders' handles (not restarted) are served again, the restarted replica's keys too
-        assert wait_until(lambda: served_since(restarted), 60), "the channel stopped serving"
+        assert served_since(restarted), "the channel stopped serving"
         records = ray.get([lo.finish.remote() for lo in loaders], timeout=120)
         acked = [a for r in records for a in r[0]]
         on_victim_after = [a for a in acked if records[1][1].get(a[0]) == victim
