@@ -241,6 +241,7 @@ class QueueCore:
                 self._redeal(ks, item)
         else:
             self.queues.queue(ks, consumer).extendleft(reversed(items))
+        ks.requeued += 1
         self.waiters.serve(ks)
 
     # -- consumers and leases --------------------------------------------------------------------
@@ -264,6 +265,7 @@ class QueueCore:
             if queue:
                 items = list(queue)
                 queue.clear()
+                ks.requeued += 1
                 for item in items:
                     self._redeal(ks, item)
                 self.waiters.serve(ks)
@@ -293,6 +295,7 @@ class QueueCore:
                     break
         else:
             self.queues.queue(ks, origin).appendleft(lease.item)
+        ks.requeued += 1
         self.waiters.serve(ks)
 
     # -- deadlines -------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ class Parked:
     alive: bool = True
     on_end: Callable[[bool], None] | None = None  # a put's: called with True once stored
     cost: int = 0  # bytes it counts against max_bytes while it waits (Waiters)
+    # a waiting get_batch's scan so far (``waiters.batch_take``): the queue, its ``requeued``
+    # count, its head item, how many head items were counted and their total weight
+    scan: tuple[deque[Item], int, Item, int, int] | None = None
 
 
 @dataclass(eq=False)
@@ -80,6 +83,9 @@ class KeyState:
     leases: int = 0
     idle_since: float | None = None
     idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
+    # counts the times items went back to the head of (or out of) one of its queues other than
+    # by being taken: a get_batch's remembered scan of a queue is stale once it moved
+    requeued: int = 0
 
     def depth(self) -> int:
         if not self.private:
