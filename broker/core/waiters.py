@@ -349,13 +349,16 @@ class Waiters:
 
 
 def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
-    """The common case: plain gets of the shared queue, served in arrival order (``serve``
-    does the same for a snapshot of all getters); True when nothing is left to serve."""
+    """The common case: gets and get_batches of the shared queue, served in arrival order
+    (``serve`` does the same for a snapshot of all getters); True when nothing is left to
+    serve.  A get_batch the queue does not complete yet holds back the getters behind it."""
     shared, getters = ks.shared, ks.getters
-    while shared and getters and getters[0].kind == "get":
-        waiters._deliver(getters[0], ks, None, shared, 1)
-    if shared and getters:
-        return False
+    while shared and getters:
+        req = getters[0]
+        n = 1 if req.kind == "get" else _batch_take_resumed(req, ks, shared)
+        if n == 0:
+            break
+        waiters._deliver(req, ks, None, shared, n)
     if waiters.putters:
         waiters.admit_putters()
     waiters.queues.mark_idle(ks)
