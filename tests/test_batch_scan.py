@@ -88,8 +88,7 @@ def test_the_remembered_count_agrees_with_a_count_from_the_head(weights, target)
         if i == 3 and len(queue) > 1:  # another getter took the head; it comes back later
             taken = queue.popleft()
             assert _batch_take_resumed(req, ks, queue) == batch_take(queue, target, False)
-            queue.appendleft(taken)
-            ks.requeued += 1
+            ks.put_back(queue, [taken])
         assert _batch_take_resumed(req, ks, queue) == batch_take(queue, target, False)
 
 
@@ -103,6 +102,5 @@ def test_a_queue_changed_behind_the_same_head_is_counted_again():
     assert _batch_take_resumed(req, ks, queue) == 0  # counted 2 of 4
     queue.popleft()
     queue.popleft()
-    queue.extendleft([heavy, head])  # the queue is head, heavy now: 4
-    ks.requeued += 1
+    ks.put_back(queue, [head, heavy])  # the queue is head, heavy now: 4
     assert _batch_take_resumed(req, ks, queue) == batch_take(queue, 4, False) == 2

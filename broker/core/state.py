@@ -83,8 +83,9 @@ class KeyState:
     leases: int = 0
     idle_since: float | None = None
     idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
-    # counts the times items went back to the head of (or out of) one of its queues other than
-    # by being taken: a get_batch's remembered scan of a queue is stale once it moved
+    # counts the times items went back to the head of one of its queues, or a queue was emptied
+    # other than by takes (``put_back``, ``take_all``): a get_batch's remembered count of a
+    # queue (``waiters._batch_take_resumed``) is stale then
     requeued: int = 0
 
     def depth(self) -> int:
@@ -96,6 +97,18 @@ class KeyState:
         if self.shared or self.getters or self.putters or self.leases:
             return False
         return not any(self.private.values())
+
+    def put_back(self, queue: deque[Item], items: list[Item]) -> None:
+        """Put ``items`` back at the head of ``queue`` (one of this key's), in their order."""
+        queue.extendleft(reversed(items))
+        self.requeued += 1
+
+    def take_all(self, queue: deque[Item]) -> list[Item]:
+        """Empty ``queue`` (one of this key's): its items, in order."""
+        items = list(queue)
+        queue.clear()
+        self.requeued += 1
+        return items
 
 
 @dataclass(eq=False)
