@@ -240,7 +240,7 @@ class QueueCore:
             for item in items:
                 self._redeal(ks, item)
         else:
-            self.queues.queue(ks, consumer).extendleft(reversed(items))
+            ks.put_back(self.queues.queue(ks, consumer), items)
         self.waiters.serve(ks)
 
     # -- consumers and leases --------------------------------------------------------------------
@@ -262,8 +262,7 @@ class QueueCore:
         for ks in list(self.queues.keys.values()):
             queue = ks.private.get(departed)
             if queue:
-                items = list(queue)
-                queue.clear()
+                items = ks.take_all(queue)
                 for item in items:
                     self._redeal(ks, item)
                 self.waiters.serve(ks)
@@ -289,10 +288,10 @@ class QueueCore:
             for queue in (ks.shared, *ks.private.values()):
                 if queue and queue[-1] is lease.item:
                     queue.pop()
-                    queue.appendleft(lease.item)
+                    ks.put_back(queue, [lease.item])
                     break
         else:
-            self.queues.queue(ks, origin).appendleft(lease.item)
+            ks.put_back(self.queues.queue(ks, origin), [lease.item])
         self.waiters.serve(ks)
 
     # -- deadlines -------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ class Parked:
     alive: bool = True
     on_end: Callable[[bool], None] | None = None  # a put's: called with True once stored
     cost: int = 0  # bytes it counts against max_bytes while it waits (Waiters)
+    # a waiting get_batch's scan so far (``waiters.batch_take``): the queue, its ``requeued``
+    # count, its head item, how many head items were counted and their total weight
+    scan: tuple[deque[Item], int, Item, int, int] | None = None
 
 
 @dataclass(eq=False)
@@ -80,6 +83,10 @@ class KeyState:
     leases: int = 0
     idle_since: float | None = None
     idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
+    # counts the times items went back to the head of one of its queues, or a queue was emptied
+    # other than by takes (``put_back``, ``take_all``): a get_batch's remembered count of a
+    # queue (``waiters._batch_take_resumed``) is stale then
+    requeued: int = 0
 
     def depth(self) -> int:
         if not self.private:
@@ -90,6 +97,18 @@ class KeyState:
         if self.shared or self.getters or self.putters or self.leases:
             return False
         return not any(self.private.values())
+
+    def put_back(self, queue: deque[Item], items: list[Item]) -> None:
+        """Put ``items`` back at the head of ``queue`` (one of this key's), in their order."""
+        queue.extendleft(reversed(items))
+        self.requeued += 1
+
+    def take_all(self, queue: deque[Item]) -> list[Item]:
+        """Empty ``queue`` (one of this key's): its items, in order."""
+        items = list(queue)
+        queue.clear()
+        self.requeued += 1
+        return items
 
 
 @dataclass(eq=False)

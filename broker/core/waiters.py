@@ -19,6 +19,7 @@ in items and waiting requests.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -256,7 +257,7 @@ class Waiters:
                 continue
             if origin in blocked:
                 continue
-            n = batch_take(queue, req.target, False) if req.kind == "batch" else 1
+            n = _batch_take_resumed(req, ks, queue) if req.kind == "batch" else 1
             if n == 0:
                 blocked.add(origin)
                 continue
@@ -348,13 +349,16 @@ class Waiters:
 
 
 def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
-    """The common case: plain gets of the shared queue, served in arrival order (``serve``
-    does the same for a snapshot of all getters); True when nothing is left to serve."""
+    """The common case: gets and get_batches of the shared queue, served in arrival order
+    (``serve`` does the same for a snapshot of all getters); True when nothing is left to
+    serve.  A get_batch the queue does not complete yet holds back the getters behind it."""
     shared, getters = ks.shared, ks.getters
-    while shared and getters and getters[0].kind == "get":
-        waiters._deliver(getters[0], ks, None, shared, 1)
-    if shared and getters:
-        return False
+    while shared and getters:
+        req = getters[0]
+        n = 1 if req.kind == "get" else _batch_take_resumed(req, ks, shared)
+        if n == 0:
+            break
+        waiters._deliver(req, ks, None, shared, n)
     if waiters.putters:
         waiters.admit_putters()
     waiters.queues.mark_idle(ks)
@@ -364,7 +368,7 @@ def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
     """How many head items a get_batch of ``target`` takes now (0 = not complete yet)."""
     if type(target) is int:
-        n = _int_batch_take(queue, target)
+        n, _ = _int_batch_take(queue, target)
         if n is not None:
             return n or (len(queue) if final else 0)
     total: int | float = 0
@@ -380,24 +384,46 @@ def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
     return len(queue) if final else 0
 
 
-def _int_batch_take(queue: deque[Item], target: int) -> int | None:
-    """``batch_take`` of an int ``target`` over int weights, without the float slack: the count
-    (0 while the queue does not reach ``target``), or None at the first weight that is not an
-    int (the caller then scans with the float rules)."""
-    total = 0
-    for n, item in enumerate(queue):
+def _int_batch_take(queue: deque[Item], target: int, start: int = 0,
+                    total: int = 0) -> tuple[int | None, int]:
+    """``batch_take`` of an int ``target`` over int weights, without the float slack, counting
+    on from head item ``start`` whose predecessors weigh ``total``: (the count, 0 while the
+    queue does not reach ``target``; the total weight counted), or (None, 0) at the first
+    weight that is not an int (the caller then scans with the float rules)."""
+    for n, item in enumerate(itertools.islice(queue, start, None) if start else queue, start):
         weight = item.weight
         if type(weight) is not int:
-            return None
+            return None, 0
         total += weight
         if total > target:
-            return n or 1
+            return n or 1, total
         if total >= target:
             n += 1
             while n < len(queue) and queue[n].weight == 0:
                 n += 1
-            return n
-    return 0
+            return n, total
+    return 0, total
+
+
+def _batch_take_resumed(req: Parked, ks: KeyState, queue: deque[Item]) -> int:
+    """``batch_take(queue, req.target, False)`` for a waiting get_batch that remembers how far
+    it counted (``req.scan``) while the queue falls short: the next call counts only the items
+    appended since.  The scan holds while the queue's head item and ``ks.requeued`` are
+    unchanged (then items were only appended); else it counts from the head again."""
+    target = req.target
+    if type(target) is not int or not queue:
+        return batch_take(queue, target, False)
+    head = queue[0]
+    start = total = 0
+    scan = req.scan
+    if scan is not None and scan[0] is queue and scan[1] == ks.requeued and scan[2] is head:
+        start, total = scan[3], scan[4]
+    n, total = _int_batch_take(queue, target, start, total)
+    if n is None:  # a weight that is not an int: the float rules, from the head
+        req.scan = None
+        return batch_take(queue, target, False)
+    req.scan = (queue, ks.requeued, head, len(queue), total) if n == 0 else None
+    return n
 
 
 def _unlogged(log: StateLog | None, outputs: Outputs) -> Exception | None:

@@ -135,10 +135,7 @@ class Sessions:
         if items is None and error is None and weights is None:  # an acknowledgement or a result
             out.records.append(Reply(id=rid, result=result))
             return
-        rec = Reply(id=rid, weights=weights)
-        if error is not None:
-            rec.error = error_to_wire(error)
-        elif items is not None and not batch and not raw and len(items) == 1 \
+        if error is None and items is not None and not batch and not raw and len(items) == 1 \
                 and (body := _inline_body(items[0])) is not None:
             # a small item rides in the reply record (no frame)
             out.deliveries.append((client, origin, items, lease))
@@ -146,8 +143,11 @@ class Sessions:
             if client.items:  # with the small items before it, one ``items`` record
                 self.counters.item_records += _add_item(out, rid, body, lease)
                 return
-            rec.body = body
-            rec.lease = lease
+            out.records.append(Reply(id=rid, weights=weights, body=body, lease=lease))
+            return
+        rec = Reply(id=rid, weights=weights)
+        if error is not None:
+            rec.error = error_to_wire(error)
         elif items is not None and batch and not raw and client.items \
                 and (bodies := _inline_bodies(items)):
             rec.bodies = bodies  # a batch of small items rides in its record (no frame)
