@@ -100,7 +100,6 @@ def _store(core: Any, queues: Any, checked: list[tuple]) -> None:
     """Append the items of ``checked`` to their keys' shared queues; a key with waiting getters
     is served after each of its items, in batch order."""
     states = {key: queues.state(key) for key, _ in checked}
-    nbytes = 0
     if any(ks.getters for ks in states.values()):
         serve = core.waiters.serve
         for key, item in checked:
@@ -116,6 +115,4 @@ def _store(core: Any, queues: Any, checked: list[tuple]) -> None:
     else:
         for key, item in checked:
             states[key].shared.append(item)
-    for _, item in checked:
-        nbytes += item.nbytes
-    queues.bytes_held += nbytes
+    queues.bytes_held += sum(item.nbytes for _, item in checked)
