@@ -6,7 +6,8 @@ Each put of the batch goes through the handler of a single put (``handlers.put``
 replica's checked version of it), in order, exactly as if its record had come alone: per-key
 FIFO, ``maxsize`` backpressure (a put that must wait is parked under its own id, and the puts
 behind it for the same queue wait behind it, as ``Waiters.put`` orders them), retry-safe
-sequences and errors are those of single puts.  Only the answers differ: while the batch is
+sequences and errors are those of single puts.  A batch of new small inline puts that all fit now is stored in one
+pass (``server/putrun.py``) with the same outcome.  Only the answers differ: while the batch is
 handled, the bare acknowledgements of its puts are collected (``Sessions.collect_acks``)
 instead of queued one record each, and one reply to the batch's id lists the ids stored; a put
 that failed, or waits for room, is answered under its own id (in the same reply message for a
@@ -29,6 +30,7 @@ from typing import Any
 
 from zchannel.broker.core.state import Client
 from zchannel.broker.errors import KeyMoved
+from zchannel.broker.server.putrun import store_at_once
 from zchannel.broker.wire.protocol import Get, GetRun, Put, PutBatch
 
 log = logging.getLogger("zchannel.broker")
@@ -44,6 +46,10 @@ def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
         raise ValueError(f"a puts record declares {rec.nf} frames but its puts own {declared}")
     broker.counters.put_batches += 1
     sessions = broker.sessions
+    stored_now = store_at_once(broker, client, puts)  # the common case, in one pass
+    if stored_now is not None:
+        sessions.reply(client, rec.id, result=stored_now)
+        return
     handle = broker.handlers[Put]
     stored = sessions.collect_acks(client, {put.id for put in puts})
     try:

@@ -1,0 +1,118 @@
+"""The common case of a ``puts`` record stored in one pass (``server/batches.py``).
+
+A batch qualifies when the channel has no hooks at work, no journal, no ``max_bytes`` and no
+put waiting for room, the broker is not a replica, and every put of it is a new small item
+riding in its record: an inline body (no frames, no shared-memory slots), a valid key, weight
+and timeout, an id no parked request of the client holds, and (for a retry-safe producer)
+sequences above every sequence its window saw, increasing within the batch.  If every put
+also fits under ``maxsize`` (each key's queue has room for all of that key's puts of the
+batch), all are stored: each key's items appended in order (one ``deque.extend`` for a key no
+getter waits on; a key with waiting getters gets its items one by one, each serving them,
+in the order of the batch, as single puts would).
+
+Anything else -- one malformed field, a duplicate, a full queue -- leaves the batch to the
+general path, put by put, with nothing changed here: its errors, parking and retry handling
+are those of single puts.  So the outcome of a batch is the same on both paths; this one only
+skips the per-put layers (record checks, routing lists, acknowledgement collection).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.wire.argchecks import check_key, check_timeout, check_weight
+from zchannel.broker.wire.protocol import INLINE_BODY, Put, key_from_wire
+
+
+def store_at_once(broker: Any, client: Client, puts: list[Put]) -> list[int] | None:
+    """Store every put of ``puts`` now and return their ids in order, or return None having
+    changed nothing when the batch is not the common case (module docstring)."""
+    core = broker.core
+    queues, hooks = core.queues, core.hooks
+    window = client.producer
+    if (broker.replica is not None or broker.journal is not None or queues.log is not None
+            or queues.max_bytes or core.waiters.putters or not hooks.passthrough
+            or hooks.deals or (window is not None and window.pending)):
+        return None
+    checked = _checked(puts, client, window, broker.config.max_message_bytes)
+    if checked is None or not _fits(queues, checked):
+        return None
+    if window is not None:
+        for put in puts:
+            window.mark(put.sequence())
+    broker.counters.puts += len(puts)
+    _store(core, queues, checked)
+    return [put.id for put in puts]
+
+
+def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[tuple] | None:
+    """``(key, Item)`` of each put in order, or None if one is not a new inline put with valid
+    fields (the general path then answers it as a single put)."""
+    out: list[tuple] = []
+    parked = client.parked
+    high = window.high if window is not None else 0
+    try:
+        for put in puts:
+            body = put.body
+            if (type(body) is not bytes or put.nf or put.slots is not None
+                    or put.sizes is not None or put.id in parked):
+                return None
+            nbytes = len(body)
+            if nbytes > INLINE_BODY or (limit and nbytes > limit):
+                return None
+            if window is not None:
+                seq = put.sequence()
+                if type(seq) is not int or seq <= high:
+                    return None
+                high = seq
+            key = check_key(key_from_wire(put.key))
+            check_timeout(put.timeout)
+            out.append((key, Item([body], check_weight(put.weight), nbytes + ITEM_OVERHEAD)))
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def _fits(queues: Any, checked: list[tuple]) -> bool:
+    """Whether every item of ``checked`` fits now: the ``max_keys`` limit leaves room for its
+    new keys and, under ``maxsize``, each key's queue for all of its items."""
+    counts: dict[Any, int] = {}
+    for key, _ in checked:
+        counts[key] = counts.get(key, 0) + 1
+    keys = queues.keys
+    try:
+        queues.check_new_keys([k for k in counts if k not in keys])
+    except ValueError:
+        return False
+    maxsize = queues.maxsize
+    if maxsize > 0:
+        for key, n in counts.items():
+            ks = keys.get(key)
+            if ks is not None and len(ks.shared) + n > maxsize:
+                return False
+            if ks is None and n > maxsize:
+                return False
+    return True
+
+
+def _store(core: Any, queues: Any, checked: list[tuple]) -> None:
+    """Append the items of ``checked`` to their keys' shared queues; a key with waiting getters
+    is served after each of its items, in batch order."""
+    states = {key: queues.state(key) for key, _ in checked}
+    if any(ks.getters for ks in states.values()):
+        serve = core.waiters.serve
+        for key, item in checked:
+            ks = states[key]
+            ks.shared.append(item)
+            queues.bytes_held += item.nbytes
+            if ks.getters:
+                serve(ks)
+        return
+    if len(states) == 1:
+        items = [item for _, item in checked]
+        next(iter(states.values())).shared.extend(items)
+    else:
+        for key, item in checked:
+            states[key].shared.append(item)
+    queues.bytes_held += sum(item.nbytes for _, item in checked)
