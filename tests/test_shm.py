@@ -571,3 +571,48 @@ def test_owned_copies_survive_slot_and_buffer_reuse(make_remote):
     assert len({t.data_ptr() for _, t in kept}) == len(kept)
     cache = ch._connection().shm.out_cache
     assert all(len(free) <= shm.client.OUT_CACHE for free in cache.values())
+
+
+def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch):
+    """A consumer whose item was read by the I/O thread (its gets outstanding) copies it out
+    later and has nothing else to send: the slot still goes back at once.  The release wakes
+    the I/O thread instead of waiting for the consumer's next message or the thread's next
+    look (half a heartbeat: a minute here), so a producer whose pool is full is not held up by
+    a consumer busy with what it got."""
+    from zchannel.broker.connection import iothread
+
+    monkeypatch.setattr(iothread, "LAZY_MS", 120_000)  # no short look-again either
+    monkeypatch.setattr(iothread, "LAZY_S", 120.0)
+    conf = tmp_path / "b.toml"
+    conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
+    address = f"ipc://{run_dir}/release.sock"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "release", "--address", address,
+         "--shm-threshold", str(T), "--config", str(conf)], stdout=subprocess.PIPE, text=True)
+    ch = None
+    try:
+        assert broker.stdout.readline().startswith("ready ")
+        ch = Channel.connect(address)
+        _release_while_gets_wait(ch)
+    finally:
+        if ch is not None:
+            ch.close()
+        broker.terminate()
+        broker.wait(timeout=30)
+
+
+def _release_while_gets_wait(ch) -> None:
+    assert ch._connection().hb == 120.0
+    pool = ch._connection().shm.pool
+    ch.put(torch.full((T // 4,), 7.0))
+    used = [(seg, int(j)) for seg in pool.classes[T]
+            for j in np.flatnonzero(seg.states == shm.USED)]
+    assert len(used) == 1  # the item's slot, until the consumer copied it out
+    works = [ch.get(async_op=True, timeout=300) for _ in range(3)]
+    assert wait_until(works[0].done, timeout=30)  # read by the I/O thread, not converted yet
+    seg, j = used[0]
+    assert seg.states[j] == shm.USED
+    got = works[0].wait(30)  # converted here: an owned copy, the slot is not needed any more
+    assert torch.equal(got, torch.full((T // 4,), 7.0))
+    assert wait_until(lambda: seg.states[j] == shm.FREE, timeout=20), "the slot did not come back"
+    assert not works[1].done() and not works[2].done()  # nothing else was put

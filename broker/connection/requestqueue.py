@@ -110,11 +110,11 @@ class RequestQueue:
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
-    def send_unanswered(self, rec: Request, now: bool = False) -> None:
+    def send_unanswered(self, rec: Request, now: bool = False, wake: bool = False) -> None:
         """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
         ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
-        the hello reply).  Otherwise from any thread, with the next message; nothing once the
-        connection is closing."""
+        the hello reply).  Otherwise from any thread, with the next message, or (``wake``) at
+        the I/O thread's next turn, woken for it; nothing once the connection is closing."""
         line = self._line
         if now:
             line.send([rec], [])
@@ -125,8 +125,9 @@ class RequestQueue:
         # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
         # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
         # reply of a request still outstanding, or at the I/O thread's next tick, so the
-        # record then rides along with the next message.
-        woken = bool(queue) or bool(self.pending)
+        # record then rides along with the next message.  ``wake``: a record someone waits on
+        # (slots a producer needs back) wakes it anyway (``wake_io`` writes once per turn).
+        woken = not wake and (bool(queue) or bool(self.pending))
         queue.append((rec, [], None))
         if not woken:
             try:

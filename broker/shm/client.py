@@ -150,9 +150,12 @@ class ShmClient:
                 self.out_cache.pop(n, None)
 
     def release(self, hold_ids: list[int]) -> None:
-        """Tell the broker these slots are no longer used here (no reply; any thread)."""
+        """Tell the broker these slots are no longer used here (no reply; any thread).  The
+        I/O thread is woken for it, not left to send it with the next message: the producer
+        of the slots may be waiting for them (its pool at its limit) while this consumer
+        works on what it got, with its next request or reply far off."""
         if hold_ids:
-            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids))
+            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), wake=True)
 
     def _slot(self, entry: Any) -> np.ndarray:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):

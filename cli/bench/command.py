@@ -125,7 +125,8 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     show_default=True,
     help="what to measure (quick: a short suite; targets: T1-T4, T2s, T6-T10, as --targets; "
     "shm: T9, T9w (T9 written in slots), T9z (zero-copy), T9d (defaults vs tuned T9), "
-    "T9-copy (vs np.copyto), T9-pipe (vs the bare two-copy ring), T10; durable: D1-D4 and D3b, the "
+    "T9-copy (vs np.copyto of distinct items, np.copyto.stream), T9-pipe (vs the bare "
+    "two-copy ring), T10; durable: D1-D4 and D3b, the "
     "cost of a journal against the disk, no journal and Redis with AOF; scaling: curves over "
     "processes, keys and item size, with --plot DIR)",
 )

@@ -1,4 +1,14 @@
-"""The copy limit of a copy-in, copy-out stream on this host: baseline ``copy.pipeline``.
+"""The copy limits of a stream of large items on this host: baselines ``np.copyto.stream``
+and ``copy.pipeline``.
+
+``np.copyto.stream`` (the reference of T9-copy) is one process copying each item with
+``np.copyto`` from one of several distinct sources into one of several distinct destinations,
+both faulted in before the clock starts, with a working set of at least four times the last
+level cache (``L3_BYTES``).  A stream of distinct items works that way: the producer's pool of
+slots and the consumer's buffers are far larger than the cache, while ``np.copyto`` between two
+fixed 16 MiB buffers (baseline ``np.copyto``, a report row) keeps its 32 MiB largely in a
+32 MiB L3 and measures a cache-warm copy no stream of distinct items reaches.
+
 
 A default shared-memory stream moves each large tensor twice: the producer copies it into a
 slot, the consumer copies it out (``copy=True``: it owns its tensor), and the bench's consumer
@@ -27,6 +37,50 @@ from zchannel.cli.bench.registry import Baseline, register_baseline
 from zchannel.cli.bench.workers import WORKER_DEADLINE_S, Workers, start_consumer
 
 SEGMENT_DIR = "/dev/shm"
+L3_SYSFS = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+L3_DEFAULT = 32 << 20  # when sysfs does not say
+
+
+def l3_bytes(path: str = L3_SYSFS) -> int:
+    """The last level cache of this host in bytes (sysfs, e.g. ``32768K``; ``L3_DEFAULT`` when
+    it cannot be read)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip().upper()
+    except OSError:
+        return L3_DEFAULT
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    mult = units.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in units else text
+    return int(digits) * mult if digits.isdigit() and int(digits) > 0 else L3_DEFAULT
+
+
+def stream_buffers(size: int, l3: int) -> int:
+    """How many sources (and as many destinations) of ``size`` bytes make a working set of at
+    least four times ``l3``: two at the least."""
+    return max(2, -(-4 * l3 // (2 * max(1, size))))
+
+
+def run_copyto_stream(case: Case, tmpdir: str) -> Measured:
+    """``case.messages`` copies of ``case.size`` bytes, item ``i`` from source ``i % n`` into
+    destination ``(i + n // 2) % n`` (``n = stream_buffers``): each buffer comes round again
+    only after the other copies moved four caches' worth, so every copy reads and writes memory
+    out of the cache, as a stream of distinct items does."""
+    n = stream_buffers(case.size, l3_bytes())
+    rng = np.random.default_rng(7)
+    srcs = [np.frombuffer(rng.bytes(case.size), dtype=np.uint8) for _ in range(n)]
+    dsts = [np.ones(case.size, dtype=np.uint8) for _ in range(n)]  # faulted in now
+    lat = np.empty(case.messages, dtype=np.int64)
+    start = time.monotonic_ns()
+    for i in range(case.messages):
+        t0 = time.monotonic_ns()
+        np.copyto(dsts[(i + n // 2) % n], srcs[i % n])
+        lat[i] = time.monotonic_ns() - t0
+    seconds = (time.monotonic_ns() - start) / 1e9
+    last = case.messages - 1
+    if case.messages and not np.array_equal(dsts[(last + n // 2) % n], srcs[last % n]):
+        raise RuntimeError("np.copyto.stream baseline: a copy differs from its source")
+    return Measured(case.messages, max(seconds, 1e-9), lat)
 
 
 def _slots(path: str, slot: int, n: int) -> list[np.ndarray]:
@@ -115,4 +169,10 @@ register_baseline(Baseline(
     "the copy limit of a copy-in, copy-out stream: a producer process copies each item into "
     "shared slots, a consumer process copies it out and checks every byte (two copies on two "
     "cores, nothing else)",
+))
+register_baseline(Baseline(
+    "np.copyto.stream", run_copyto_stream,
+    "the copy limit of a stream of distinct items: np.copyto in one process from rotating "
+    "sources into rotating destinations, a working set of at least 4x the L3 cache",
+    latency="copy",
 ))
