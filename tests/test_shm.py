@@ -581,8 +581,10 @@ def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch)
     a consumer busy with what it got."""
     from zchannel.broker.connection import iothread
 
-    monkeypatch.setattr(iothread, "LAZY_MS", 120_000)  # no short look-again either
-    monkeypatch.setattr(iothread, "LAZY_S", 120.0)
+    # The I/O thread always watches the socket (no lazy looks every LAZY_S): a reply is read
+    # at once, and with gets still due it sleeps up to half a heartbeat (a minute here).
+    monkeypatch.setattr(iothread, "LAZY_MS", 0)
+    monkeypatch.setattr(iothread, "LAZY_S", 0.0)
     conf = tmp_path / "b.toml"
     conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
     address = f"ipc://{run_dir}/release.sock"
