@@ -150,10 +150,11 @@ def test_a_busy_broker_survives_4000_peers(brokers, workers):
     floods = [workers.start(_FLOOD, "500", broker.address) for _ in range(8)]
     for proc in floods:
         workers.wait_line(proc, "connecting")
-    assert broker.wait_said("refused a connection", 60)
+    assert broker.wait_said("refused a connection", 60), "".join(broker.lines)
     for proc in floods:
         workers.send(proc)
         workers.wait_line(proc, "closed", timeout=60)
+    assert broker.proc.poll() is None, "".join(broker.lines)
     workers.send(stream)  # one more round: the stream still flows
     workers.wait_line(stream, timeout=60)
     workers.send(stream, "stop")
@@ -169,7 +170,7 @@ def test_max_clients_is_enforced_and_the_soft_limit_raised(brokers, workers):
     assert line.split()[3:5] == ["4096", "4096"], line  # soft raised to hard
     flood = workers.start(_FLOOD, "200", broker.address)
     workers.wait_line(flood, "connecting")
-    assert broker.wait_said("refused a connection", 60)
+    assert broker.wait_said("refused a connection", 60), "".join(broker.lines)
     assert broker.said("max_clients 40 (descriptor limit 4096)")
     workers.send(flood)
     workers.wait_line(flood, "closed", timeout=60)
