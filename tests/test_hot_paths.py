@@ -122,6 +122,51 @@ def test_work_failure_reaches_a_sleeper_and_a_lazy_result_converts_once():
     assert lazy.wait() == 7 and lazy.result() == 7 and calls == [1]
 
 
+def test_a_failed_lazy_conversion_raises_the_same_error_on_every_read():
+    calls: list = []
+
+    def convert(body: bytes) -> bytes:
+        calls.append(1)
+        raise ValueError(f"cannot decode {body!r}")
+
+    work = Work()
+    work._finish(_DONE, (b"bad",), convert)
+    for read in (work.wait, work.result, lambda: work.wait(0)):
+        with pytest.raises(ValueError, match="cannot decode"):
+            read()
+    assert calls == [1] and isinstance(work.exception(), ValueError) and work.done()
+
+
+def test_readers_racing_on_a_lazy_result_all_get_the_converted_value():
+    for _ in range(50):
+        work = Work()
+        start = threading.Barrier(4)
+        got: list = []
+
+        def reader(w: Work = work, barrier: threading.Barrier = start,
+                   out: list = got) -> None:
+            barrier.wait(30)
+            out.append(w.wait(30))
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        start.wait(30)
+        work._finish(_DONE, (20, 22), lambda a, b: a + b)
+        for thread in threads:
+            thread.join(30)
+        assert got == [42, 42, 42]
+
+
+def test_work_wait_refuses_a_bad_timeout_even_when_done():
+    work = Work()
+    work.set_result(5)
+    assert work.wait(0) == 5 and work.wait(2.5) == 5 and work.wait(-1) == 5
+    for bad in (float("nan"), "1", True):
+        with pytest.raises(ValueError):
+            work.wait(bad)
+
+
 @pytest.mark.parametrize("item", [b"", b"x" * 64, b"y" * 255, b"z" * 300])
 def test_decode_of_a_small_bytes_body_is_the_same_from_bytes_and_from_a_view(item):
     body, buffers = codec.encode(item)

@@ -361,17 +361,24 @@ class Connection:
 
     def _on_items(self, items: list[ItemEntry]) -> None:
         """An ``items`` record: complete each get it answers as a reply of the get's own id
-        carrying its inline item would (an id no longer awaited is dropped, as such a reply)."""
+        carrying its inline item would (an id no longer awaited is dropped, as such a reply).
+        A converter's ``inline`` (a get's, ``handle/broker_channel.py``) converts the entry's
+        body and lease as they are, with no ``Reply`` made; any other converts that Reply."""
         pending_of, release = self._pending, self._release
+        last: Convert | None = None
+        inline: Any = None
         for rid, body, lease in items:
             pending = pending_of.pop(rid, None)
             if pending is None:
                 continue
             release(pending[3])
             work, convert = pending[0], pending[1]
-            one = Reply(id=rid, body=body, lease=lease)
-            if convert is not None:
-                work._finish(_DONE, (one, []), convert)
+            if convert is not last:  # the gets of one record share their converter
+                last, inline = convert, getattr(convert, "inline", None)
+            if inline is not None:
+                work._finish(_DONE, (body, lease), inline)
+            elif convert is not None:
+                work._finish(_DONE, (Reply(id=rid, body=body, lease=lease), []), convert)
             else:
                 work._finish(_DONE, None)
 

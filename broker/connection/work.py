@@ -119,14 +119,20 @@ class Work:
         A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
         operation's own ``timeout=`` withdraws it).
         """
-        timeout = _wait_timeout(timeout)
-        if self._state == _PENDING and self._reader is not None:
-            self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
-            if self._state == _PENDING:
+        kind = type(timeout)
+        if timeout is not None and not (
+                (kind is float or kind is int) and 0 <= timeout <= threading.TIMEOUT_MAX):
+            timeout = _wait_timeout(timeout)  # (the common case passes as it is)
+        if self._state == _PENDING:
+            if self._reader is not None:
+                self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
+                if self._state == _PENDING:
+                    raise TimeoutError("Work.wait timed out; the operation is still pending")
+            elif not self._sleep(-1 if timeout is None else timeout):
                 raise TimeoutError("Work.wait timed out; the operation is still pending")
-        elif self._state == _PENDING and not self._sleep(-1 if timeout is None else timeout):
-            raise TimeoutError("Work.wait timed out; the operation is still pending")
-        return self.result()
+        if self._state == _DONE and self._convert is None:  # converted already, or nothing to
+            return self._value
+        return self._result()
 
     def _sleep(self, timeout: float) -> bool:
         """Sleep until the operation is done, for up to ``timeout`` seconds (-1: no limit);
@@ -147,21 +153,32 @@ class Work:
     def result(self) -> Any:
         """The result of a completed operation, or its error raised; ``asyncio.InvalidStateError``
         while it is pending."""
+        # ``_finish`` sets the state last and a conversion clears ``_convert`` only after
+        # storing its value (a failed one never clears it): done with no converter left means
+        # ``_value`` is the result
+        if self._state == _DONE and self._convert is None:
+            return self._value
+        return self._result()
+
+    def _result(self) -> Any:
+        """``result`` when the value may still need converting (by the first reader, under the
+        lock), or the operation failed or is pending."""
         if self._state == _PENDING:
             raise asyncio.InvalidStateError("the operation is still pending")
         if self._state == _FAILED:
             if self._on_error is not None:
                 self._failed()
             raise self._value
-        if self._convert is not None:
-            with self._lock:
-                if self._convert is not None:
-                    convert, self._convert = self._convert, None
-                    try:
-                        self._value = convert(*self._value)
-                    except BaseException as exc:
-                        self._state, self._value = _FAILED, exc
-                        raise
+        with self._lock:
+            convert = self._convert
+            if convert is not None and self._state == _DONE:
+                try:
+                    value = convert(*self._value)
+                except BaseException as exc:
+                    self._state, self._value = _FAILED, exc
+                    raise
+                self._value = value
+                self._convert = None
         if self._state == _FAILED:
             raise self._value
         return self._value

@@ -294,7 +294,17 @@ def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
         lease = rec.lease
         return Delivery(item, lease) if lease is not None else item
 
+    # an entry of an ``items`` record is converted from its body and lease alone, with no
+    # ``Reply`` made for it (``Connection._on_items``)
+    convert.inline = _inline_item  # type: ignore[attr-defined]
     return convert
+
+
+def _inline_item(body: bytes, lease: int | None) -> Any:
+    """A get's small item answered by an entry of an ``items`` record (bytes by the record's
+    schema, ``wire/protocol.py``: ``ItemEntry``), as ``Delivery`` when it carries a lease."""
+    item = codec.decode(body)
+    return Delivery(item, lease) if lease is not None else item
 
 
 def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
