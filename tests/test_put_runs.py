@@ -10,6 +10,7 @@ import os
 
 import msgpack
 import pytest
+from conftest import drain
 from test_put_batches import exchange, put, raw_dealer
 from zchannel.broker import Channel
 from zchannel.broker.wire.protocol import pack_header
@@ -85,3 +86,30 @@ def test_a_batch_repeating_some_sequences_stores_only_the_new_puts(channels):
     assert [ch.get("k", timeout=5) for _ in range(5)] == [2, 3, 4, 5, 6]
     assert ch.get("k", timeout=5) == 7 and ch.qsize("k") == 0
     assert ch.stats()["duplicate_puts"] == 1
+
+
+def test_a_journaled_batch_survives_a_kill_and_its_retry_is_not_stored_again(brokers, run_dir,
+                                                                            tmp_path):
+    """On a durable channel a batch stored in one pass is journaled, with its put sequences,
+    before its answer leaves: a broker SIGKILLed right after the answer and started again on
+    the journal holds every put in per-key order, and the same puts sent again by their
+    producer are acknowledged as stored, not stored twice."""
+    config = dict(name="run-durable", address=f"ipc://{run_dir}/run-durable.sock",
+                  journal=str(tmp_path / "j"))
+    pid = brokers.start(**config)
+    producer = os.urandom(16)
+    batch = {"op": "puts", "id": 40, "p": [put(i, "ab"[i % 2], i) for i in range(2, 9)]}
+    ch = Channel.connect(config["address"])
+    with raw_dealer(ch, producer) as raw:
+        assert exchange(raw, [batch]) == [{"id": 40, "r": list(range(2, 9))}]
+    ch.close()
+    brokers.kill(pid)  # at once: nothing after the answer is waited for
+    brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    try:
+        with raw_dealer(ch, producer) as raw:
+            assert exchange(raw, [dict(batch, id=41)]) == [{"id": 41, "r": list(range(2, 9))}]
+        assert ch.stats()["duplicate_puts"] == 7
+        assert drain(ch, "a") == [2, 4, 6, 8] and drain(ch, "b") == [3, 5, 7]
+    finally:
+        ch.close()

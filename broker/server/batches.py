@@ -48,12 +48,16 @@ def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
     sessions = broker.sessions
     stored_now = store_at_once(broker, client, puts)  # the common case, in one pass
     if stored_now is not None:
-        sessions.reply(client, rec.id, result=stored_now)
-        return
+        if len(stored_now) == len(puts):
+            sessions.reply(client, rec.id, result=stored_now)
+            return
+        puts = puts[len(stored_now):]  # a journal refused one: it and the rest, put by put
     handle = broker.handlers[Put]
     stored = sessions.collect_acks(client, {put.id for put in puts})
+    if stored_now:
+        stored.extend(stored_now)
     try:
-        pos = 0
+        pos = 0  # (the puts stored at once carry no frames)
         for put in puts:
             nf = put.nf
             try:

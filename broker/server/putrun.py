@@ -1,7 +1,7 @@
 """The common case of a ``puts`` record stored in one pass (``server/batches.py``).
 
-A batch qualifies when the channel has no hooks at work, no journal, no ``max_bytes`` and no
-put waiting for room, the broker is not a replica, and every put of it is a new small item
+A batch qualifies when the channel has no hooks at work, no ``max_bytes`` and no put waiting
+for room, the broker is not a replica, and every put of it is a new small item
 riding in its record: an inline body (no frames, no shared-memory slots), a valid key, weight
 and timeout, an id no parked request of the client holds, and (for a retry-safe producer)
 sequences above every sequence its window saw, increasing within the batch.  If every put
@@ -9,6 +9,15 @@ also fits under ``maxsize`` (each key's queue has room for all of that key's put
 batch), all are stored: each key's items appended in order (one ``deque.extend`` for a key no
 getter waits on; a key with waiting getters gets its items one by one, each serving them,
 in the order of the batch, as single puts would).
+
+On a durable channel each put is recorded in the journal (``StateLog.stored``, one call per
+put, the put sequence of a retry-safe producer with its item, as ``handlers._put_once`` does)
+before any item of the batch enters a queue, and only if the journal has room for the whole
+batch (``max_journal_bytes``).  A put the journal refuses ends the pass: the puts before it
+are stored (each recorded whole), it and the puts after it go to the general path, which
+records each again or answers its error, exactly as for single puts (so the journal's
+``refused`` count may count that put twice).  The journal writes the recorded puts before the
+turn's replies go (``Sessions.flush``): nothing is acknowledged before it is written.
 
 Anything else -- one malformed field, a duplicate, a full queue -- leaves the batch to the
 general path, put by put, with nothing changed here: its errors, parking and retry handling
@@ -21,29 +30,54 @@ from __future__ import annotations
 from typing import Any
 
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.wire.argchecks import check_key, check_timeout, check_weight
 from zchannel.broker.wire.protocol import INLINE_BODY, Put, key_from_wire
 
 
 def store_at_once(broker: Any, client: Client, puts: list[Put]) -> list[int] | None:
-    """Store every put of ``puts`` now and return their ids in order, or return None having
-    changed nothing when the batch is not the common case (module docstring)."""
+    """Store the puts of ``puts`` now and return their ids in order -- all of them, or on a
+    durable channel the puts before one its journal refused -- or return None having changed
+    nothing when the batch is not the common case (module docstring)."""
     core = broker.core
     queues, hooks = core.queues, core.hooks
     window = client.producer
-    if (broker.replica is not None or broker.journal is not None or queues.log is not None
-            or queues.max_bytes or core.waiters.putters or not hooks.passthrough
-            or hooks.deals or (window is not None and window.pending)):
+    if (broker.replica is not None or queues.max_bytes or core.waiters.putters
+            or not hooks.passthrough or hooks.deals or (window is not None and window.pending)):
         return None
     checked = _checked(puts, client, window, broker.config.max_message_bytes)
     if checked is None or not _fits(queues, checked):
         return None
+    log = core.log  # a durable channel's journal (``QueueCore.attach_log``)
+    if log is not None:
+        checked = _journaled(log, checked, puts, window)
+        if not checked:
+            return None
+        puts = puts[: len(checked)]
     if window is not None:
         for put in puts:
             window.mark(put.sequence())
     broker.counters.puts += len(puts)
     _store(core, queues, checked)
     return [put.id for put in puts]
+
+
+def _journaled(log: StateLog, checked: list[tuple], puts: list[Put], window: Any) -> list[tuple]:
+    """Record each put of ``checked`` in the durable channel's journal ``log``, in order, with
+    its put sequence when its producer is retry-safe; the puts recorded: all of them, or those
+    before the first the journal refused or found no room for (none recorded: ``[]``)."""
+    if log.limited and not log.room(sum(item.nbytes for _, item in checked)):
+        return []
+    producer = window.producer if window is not None else None
+    stored = log.stored
+    for n, (key, item) in enumerate(checked):
+        if producer is not None:
+            item.origin = (producer, puts[n].sequence())
+        try:
+            stored(((key, None, item),))
+        except Exception:  # this put's error is the general path's to answer
+            return checked[:n]
+    return checked
 
 
 def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[tuple] | None:
