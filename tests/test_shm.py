@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import Channel, shm
+from zchannel.broker.shm.segment import Segment
 from zchannel.broker.wire import codec
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,6 +146,45 @@ def test_pool_exhaustion_falls_back_to_frames(make_remote):
     ch.put(ts[0])  # slots come back to the pool
     assert _shm_stats(ch)["slots_in"] == shm.MAX_SLOTS + 1
     assert torch.equal(ch.get(timeout=10), ts[0])
+
+
+def test_a_put_at_the_pool_limit_takes_the_slot_a_get_frees(make_remote, monkeypatch):
+    """A put that finds every slot of its class in use (the class at its limit) waits, looking
+    at the slots' state bytes, and takes the slot a get frees meanwhile: no frame fallback."""
+    ch = make_remote("waitfree", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    pool.slot_wait = 120.0  # a loaded machine: the wait must end with the slot, not time out
+    n = shm.MAX_SLOTS
+    ts = [torch.full((T // 4,), float(i)) for i in range(n + 1)]
+    for t in ts[:n]:
+        ch.put(t)
+    assert _shm_stats(ch)["slots_used"] == n
+    looking = threading.Event()
+    has_free = Segment.has_free
+
+    def seen_looking(seg: Segment) -> bool:
+        looking.set()
+        return has_free(seg)
+
+    monkeypatch.setattr(Segment, "has_free", seen_looking)
+    errors: list[BaseException] = []
+
+    def put_last() -> None:
+        try:
+            ch.put(ts[n], timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    putter = threading.Thread(target=put_last)
+    putter.start()
+    assert looking.wait(60), "the put did not wait for a free slot"
+    assert torch.equal(ch.get(timeout=30), ts[0])  # copied out: its slot goes back
+    putter.join(120)
+    assert not putter.is_alive() and not errors
+    assert pool.fallbacks == 0 and _shm_stats(ch)["slots_in"] == n + 1
+    for t in ts[1:]:
+        assert torch.equal(ch.get(timeout=30), t)
+    assert _shm_stats(ch)["slots_used"] == 0
 
 
 def test_pool_grows_ahead_of_need_and_never_falls_back(make_remote):

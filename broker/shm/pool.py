@@ -286,8 +286,14 @@ class Pool:
             return None
         deadline = time.monotonic() + wait
         pause = 50e-6
+        segs = self.classes[size]
         while not self.closed and not self.failed:
             time.sleep(pause)
+            pause = min(2 * pause, SLOT_POLL_MAX_S)
+            # most looks find every slot still in use: the state bytes say so without the
+            # lock and the numpy scan of _take (the list only grows; any() reads it as it is)
+            if not any(seg.has_free() for seg in segs) and time.monotonic() < deadline:
+                continue
             with self.lock:
                 if self.closed:
                     break
@@ -297,7 +303,6 @@ class Pool:
                 if time.monotonic() >= deadline:
                     self.stalled.add(size)
                     break
-            pause = min(2 * pause, SLOT_POLL_MAX_S)
         return None
 
     def undo(self, refs: list) -> None:

@@ -33,6 +33,7 @@ STATES_OFFSET = 64
 FREED_OFFSET = 1024  # one uint64 per slot: when the broker last freed it (a broker-wide count)
 MAX_SLOTS = 64  # per segment, and per size class of a pool
 FREE, USED = 0, 1
+_FREE_BYTE = bytes([FREE])
 DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_POOL_BYTES = 1 << 30  # per producer connection, all size classes together
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
@@ -144,6 +145,11 @@ class Segment:
                 or slot_size % 4096 or HEADER_BYTES + slot_size * nslots > size):
             raise ValueError(f"shared-memory segment {name!r} has a malformed header")
         return cls(name, mm, slot_size, nslots)
+
+    def has_free(self) -> bool:
+        """Whether a slot's state byte says FREE (one search of the state bytes: no lock, no
+        numpy; a slot lent to its producer may still be in use, ``Pool._take`` decides)."""
+        return self.mm.find(_FREE_BYTE, STATES_OFFSET, STATES_OFFSET + self.nslots) >= 0
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
         """A writable uint8 array over the first ``nbytes`` of ``slot`` (a fresh base array, so
