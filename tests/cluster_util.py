@@ -162,14 +162,38 @@ def ray_three_nodes(prefix: str, node_resources: bool = False) -> Iterator[Any]:
             c.wait_for_nodes()
         except Exception as exc:
             pytest.skip(f"ray could not start a local 3-node cluster here: {type(exc).__name__}: {exc}")
+        finally:  # the cluster's processes inherited the run dir; the caller's is back
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         yield c
     finally:
         ray.shutdown()
         if c is not None:
             c.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class SharedRayCluster:
+    """One simulated three-node Ray cluster (``ray_three_nodes`` with node resources) for the
+    tests that use it one after another: ``get`` starts it for the first of them, ``close``
+    shuts it down after the last (tests/conftest.py runs them next to each other and closes it
+    when the next test does not use it), so that a run of such tests pays for one start."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self._cluster: Any = None
+
+    def get(self) -> Any:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            self._cluster = stack.enter_context(ray_three_nodes("zcr-", node_resources=True))
+            self._stack = stack
+        return self._cluster
+
+    def close(self) -> None:
+        stack, self._stack, self._cluster = self._stack, None, None
+        if stack is not None:
+            stack.close()

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from cluster_util import SharedRayCluster
 from forkbroker import ForkBroker, wait_gone
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
@@ -31,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "docs", "examples")  # seed_hooks.py: the seed's example hooks
 sys.path.insert(0, EXAMPLES)
 _FORKSERVER: dict = {}  # the session's broker fork server: its process and folder
+RAY_CLUSTER = SharedRayCluster()  # the simulated Ray cluster of the ``ray_cluster`` tests
 
 
 def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
@@ -60,7 +62,37 @@ def pytest_configure(config) -> None:
     os.environ[FORKSERVER_ENV] = os.path.join(folder, "forkserver.sock")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items) -> None:
+    """The tests on the shared Ray cluster (``ray_cluster``) run one after another, where the
+    first of them stood (after any reordering by other plugins): one cluster start for all."""
+    users = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    if users:
+        first = items.index(users[0])
+        moved = {id(item) for item in users}
+        rest = [item for item in items if id(item) not in moved]
+        items[:] = rest[:first] + users + rest[first:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a run of ``ray_cluster`` tests (and its fixtures), the cluster
+    is shut down."""
+    yield
+    if nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ()):
+        RAY_CLUSTER.close()
+
+
+@pytest.fixture
+def ray_cluster():
+    """The simulated three-node Ray cluster (tests/cluster_util.py ``ray_three_nodes``, node
+    ``i`` offering the custom resource ``node<i>``), shared by the tests that use it (they run
+    one after another); skipped with Ray's reason where it cannot start."""
+    return RAY_CLUSTER.get()
+
+
 def pytest_unconfigure(config) -> None:
+    RAY_CLUSTER.close()
     proc = _FORKSERVER.pop("proc", None)
     if proc is None:
         return

@@ -14,20 +14,30 @@ from zchannel.broker.server.forkclient import ENV, ForkedBroker
 from zchannel.embodied.plan import TrajectoryPlan
 
 
-@pytest.fixture
-def forkserver(tmp_path, monkeypatch):
-    """A fork server of this test's own (not the session's), named by the variable."""
+@pytest.fixture(scope="module")
+def own_forkserver():
+    """A fork server of this module's own (not the session's), shared by its tests: each one
+    forks brokers from it after the others' brokers were stopped, killed or orphaned; stopped
+    with SIGTERM at the end (its socket removed)."""
     folder = f"/tmp/zcft-{os.urandom(5).hex()}"
     os.makedirs(folder, mode=0o700)
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     proc = start_forkserver(folder, env)  # it execs itself again with the brokers' tunables
-    monkeypatch.setenv(ENV, os.path.join(folder, "forkserver.sock"))
-    yield proc
+    yield proc, os.path.join(folder, "forkserver.sock")
     proc.terminate()
     proc.wait(30)
     proc.stdout.close()
     assert not os.path.exists(os.path.join(folder, "forkserver.sock"))  # removed on SIGTERM
     os.rmdir(folder)
+
+
+@pytest.fixture
+def forkserver(own_forkserver, monkeypatch):
+    """The module's fork server, named by the variable for this test."""
+    proc, sock = own_forkserver
+    assert proc.poll() is None, "the module's fork server exited"
+    monkeypatch.setenv(ENV, sock)
+    return proc
 
 
 def ppid_of(pid: int) -> int:

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
 
 import torch  # noqa: E402
-from cluster_util import audit, ray_three_nodes  # noqa: E402
+from cluster_util import audit  # noqa: E402
 from conftest import exited, pid_alive, until_available, wait_until  # noqa: E402
 from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
@@ -18,10 +18,9 @@ from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_three_nodes("zcr-", node_resources=True) as c:
-        yield c
+@pytest.fixture
+def cluster(ray_cluster):
+    return ray_cluster  # the session's shared cluster (tests/conftest.py), node resources on
 
 
 @ray.remote(num_cpus=0)

@@ -52,8 +52,11 @@ def _refused(address, keys, match):
     return str(err.value)
 
 
-@pytest.fixture
-def keys(tmp_path):
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Key pairs made by ``zchannel keygen`` once for the module (the tests only read them): the
+    broker's, an allowed client's and an intruder's; ``allowed`` holds the client's public key."""
+    tmp_path = tmp_path_factory.mktemp("curve")
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     k = {}

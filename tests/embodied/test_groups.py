@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cluster_util import ray_three_nodes
 from zchannel.broker import Channel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.embodied.groups import Worker, WorkerError
@@ -70,13 +69,12 @@ def test_local_group_calls_and_channel_binding(channels):
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture
+def cluster(ray_cluster):
     # Ray workers cannot import this test module: its Worker class travels by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        with ray_three_nodes("zcg-") as c:
-            yield c
+        yield ray_cluster  # the session's shared cluster (tests/conftest.py)
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
