@@ -30,6 +30,10 @@ __all__ = ["BYE_WAIT_S", "CLOSED", "CONNECTING", "DOWN", "GONE_CHECK_S", "RELINK
 RELINK_S = 0.1
 # How often a wait on a silent broker checks whether anything still listens at its ipc path.
 GONE_CHECK_S = 0.1
+# Closing: the first such check comes after this wait for the answer to bye, each next one
+# after twice the wait before (up to ``GONE_CHECK_S``): a broker that stopped or was killed
+# (a replica's peer at its own shutdown) is seen in milliseconds, a live one answers first.
+BYE_FIRST_CHECK_S = 0.005
 # Closing: how long the I/O thread waits for the broker's answer to bye (an answer means the
 # broker withdrew this connection's parked requests).
 BYE_WAIT_S = 1.0
@@ -171,16 +175,19 @@ class Liveness:
             line.send([Bye(id=self.bye_id)], [])
             deadline = time.monotonic() + BYE_WAIT_S
             poll_set = [(line.readable, _POLLIN)]
+            check_s = BYE_FIRST_CHECK_S
             while self.bye_id is not None and line.state == UP:
                 if not line.transport.up:
                     return  # the broker closed the link: it saw this connection end
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                if zmq.zmq_poll(poll_set, int(min(remaining, GONE_CHECK_S) * 1000) + 1):
+                if zmq.zmq_poll(poll_set, int(min(remaining, check_s) * 1000) + 1):
                     self._read_all()
                 elif self.broker_gone():
                     return
+                else:
+                    check_s = min(2 * check_s, GONE_CHECK_S)
 
     def adopt_heartbeat(self, info: HelloInfo) -> None:
         """Both sides keep the broker's heartbeat interval and liveness (its hello reply
