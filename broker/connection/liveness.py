@@ -30,6 +30,10 @@ __all__ = ["BYE_WAIT_S", "CLOSED", "CONNECTING", "DOWN", "GONE_CHECK_S", "RELINK
 RELINK_S = 0.1
 # How often a wait on a silent broker checks whether anything still listens at its ipc path.
 GONE_CHECK_S = 0.1
+# Closing: whether the broker removed its ipc socket file (it stopped: a replica's peer at its
+# own shutdown) is looked up after this wait for the answer to bye, then after twice the wait
+# before (up to ``GONE_CHECK_S``); a file-system lookup, no connection to the broker.
+BYE_FIRST_CHECK_S = 0.005
 # Closing: how long the I/O thread waits for the broker's answer to bye (an answer means the
 # broker withdrew this connection's parked requests).
 BYE_WAIT_S = 1.0
@@ -169,18 +173,28 @@ class Liveness:
             self._requests.send_queued()
             self.bye_id = next(self._requests.ids)
             line.send([Bye(id=self.bye_id)], [])
-            deadline = time.monotonic() + BYE_WAIT_S
+            start = time.monotonic()
+            deadline, next_probe = start + BYE_WAIT_S, start + GONE_CHECK_S
             poll_set = [(line.readable, _POLLIN)]
+            wait_s = BYE_FIRST_CHECK_S
             while self.bye_id is not None and line.state == UP:
                 if not line.transport.up:
                     return  # the broker closed the link: it saw this connection end
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     return
-                if zmq.zmq_poll(poll_set, int(min(remaining, GONE_CHECK_S) * 1000) + 1):
+                timeout = min(remaining, wait_s, max(0.0, next_probe - now))
+                if zmq.zmq_poll(poll_set, int(timeout * 1000) + 1):
                     self._read_all()
-                elif self.broker_gone():
-                    return
+                    continue
+                if line.transport.address_removed():
+                    return  # the broker stopped: no answer comes
+                if time.monotonic() >= next_probe:  # every GONE_CHECK_S: a killed broker
+                    if self.broker_gone():
+                        return
+                    next_probe = time.monotonic() + GONE_CHECK_S
+                wait_s = min(2 * wait_s, GONE_CHECK_S)
 
     def adopt_heartbeat(self, info: HelloInfo) -> None:
         """Both sides keep the broker's heartbeat interval and liveness (its hello reply

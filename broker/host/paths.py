@@ -291,6 +291,17 @@ def probe(address: str) -> None:
         pass  # unreachable or slow: let the hello decide
 
 
+def socket_file_removed(address: str) -> bool:
+    """True when ``address`` is an ipc path whose socket file is gone: the broker that served
+    it stopped and removed it (a killed one leaves it: ``nothing_listens`` tells that apart).
+    A file-system lookup only; no connection reaches a broker still there.  False for tcp and
+    abstract ipc addresses."""
+    path = ipc_path(address)
+    if not path or path.startswith("@"):
+        return False
+    return not os.path.lexists(path)
+
+
 def nothing_listens(address: str) -> bool:
     """True when ``address`` is an ipc path at which no process listens any more (no socket
     file, or the connection is refused): the broker that served it stopped or was killed.

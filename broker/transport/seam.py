@@ -82,6 +82,11 @@ class Transport(ABC):
         """Whether nothing listens at the broker's address any more (False: cannot tell)."""
         return False
 
+    def address_removed(self) -> bool:
+        """Whether the broker removed its address (a stopped broker's ipc socket file), told
+        without connecting to it (False: cannot tell)."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Give the descriptors back (the broker sees the connection end).  Idempotent; the
@@ -129,6 +134,9 @@ class ZmqTransport(Transport):
 
     def broker_gone(self) -> bool:
         return paths.nothing_listens(self.where)
+
+    def address_removed(self) -> bool:
+        return paths.socket_file_removed(self.where)
 
     def end_handshake(self) -> None:
         """Stop watching the handshake (it succeeded, or was refused)."""
