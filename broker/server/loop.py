@@ -20,6 +20,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -68,19 +69,26 @@ _NO_FRAMES: list = []
 
 
 class _RateLimitFilter(logging.Filter):
-    """At most ``burst`` records of the same message template per ``period`` seconds."""
+    """At most ``burst`` records of the same message template per ``period`` seconds; the first
+    record of a later period says how many of the template the period before it dropped."""
 
-    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+    def __init__(self, burst: int = 5, period: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.burst, self.period = burst, period
+        self.burst, self.period, self._clock = burst, period, clock
         self._seen: dict[str, tuple[float, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        start, count = self._seen.get(record.msg, (now, 0))
+        now = self._clock()
+        template = str(record.msg)
+        start, count = self._seen.get(template, (now, 0))
         if now - start > self.period:
+            dropped = count - self.burst
+            if dropped > 0:
+                record.msg = (f"{template} ({dropped} more like this were not logged in "
+                              f"the previous {self.period:g} s window)")
             start, count = now, 0
-        self._seen[record.msg] = (start, count + 1)
+        self._seen[template] = (start, count + 1)
         return count < self.burst
 
 
