@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -86,26 +87,32 @@ def test_work_completed_before_any_wait_never_makes_a_gate():
     assert work.wait(0) == 5 and work._gate is None
 
 
+def _waits_in_threads(work: Work, n: int, complete: Callable[[], None]) -> list:
+    """What ``work.wait(30)`` returned in each of ``n`` threads, all started (met at a barrier)
+    before ``complete()`` completes ``work``."""
+    got: list = []
+    started = threading.Barrier(n + 1)
+
+    def waiter() -> None:
+        started.wait(30)
+        got.append(work.wait(30))
+
+    threads = [threading.Thread(target=waiter) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    started.wait(30)
+    complete()
+    for thread in threads:
+        thread.join(30)
+    return got
+
+
 def test_work_wakes_every_sleeper_and_a_timed_out_wait_leaves_it_pending():
     work = Work()
     with pytest.raises(TimeoutError):
         work.wait(0.01)
     assert not work.done()
-    got: list = []
-    sleeping = threading.Barrier(5)
-
-    def sleeper() -> None:
-        sleeping.wait(30)
-        got.append(work.wait(30))
-
-    threads = [threading.Thread(target=sleeper) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    sleeping.wait(30)
-    work.set_result("done")
-    for thread in threads:
-        thread.join(30)
-    assert got == ["done"] * 4
+    assert _waits_in_threads(work, 4, lambda: work.set_result("done")) == ["done"] * 4
 
 
 def test_work_failure_reaches_a_sleeper_and_a_lazy_result_converts_once():
@@ -140,21 +147,8 @@ def test_a_failed_lazy_conversion_raises_the_same_error_on_every_read():
 def test_readers_racing_on_a_lazy_result_all_get_the_converted_value():
     for _ in range(50):
         work = Work()
-        start = threading.Barrier(4)
-        got: list = []
-
-        def reader(w: Work = work, barrier: threading.Barrier = start,
-                   out: list = got) -> None:
-            barrier.wait(30)
-            out.append(w.wait(30))
-
-        threads = [threading.Thread(target=reader) for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        start.wait(30)
-        work._finish(_DONE, (20, 22), lambda a, b: a + b)
-        for thread in threads:
-            thread.join(30)
+        got = _waits_in_threads(
+            work, 3, lambda w=work: w._finish(_DONE, (20, 22), lambda a, b: a + b))
         assert got == [42, 42, 42]
 
 

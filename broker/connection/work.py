@@ -119,10 +119,7 @@ class Work:
         A ``TimeoutError`` after ``timeout`` seconds leaves the operation pending (only the
         operation's own ``timeout=`` withdraws it).
         """
-        kind = type(timeout)
-        if timeout is not None and not (
-                (kind is float or kind is int) and 0 <= timeout <= threading.TIMEOUT_MAX):
-            timeout = _wait_timeout(timeout)  # (the common case passes as it is)
+        timeout = _wait_timeout(timeout)
         if self._state == _PENDING:
             if self._reader is not None:
                 self._reader.wait_for(self, timeout)  # reads its reply itself (waiting.py)
@@ -130,9 +127,7 @@ class Work:
                     raise TimeoutError("Work.wait timed out; the operation is still pending")
             elif not self._sleep(-1 if timeout is None else timeout):
                 raise TimeoutError("Work.wait timed out; the operation is still pending")
-        if self._state == _DONE and self._convert is None:  # converted already, or nothing to
-            return self._value
-        return self._result()
+        return self.result()
 
     def _sleep(self, timeout: float) -> bool:
         """Sleep until the operation is done, for up to ``timeout`` seconds (-1: no limit);

@@ -288,7 +288,7 @@ def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
             body = rec.body
             if type(body) is not bytes or frames:
                 raise ValueError("malformed reply: an inline item is bytes, with no frames")
-            item = codec.decode(body)
+            return _inline_item(body, rec.lease)
         else:
             item = codec.decode_frames(frames, copy)
         lease = rec.lease

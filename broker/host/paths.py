@@ -296,18 +296,22 @@ def socket_file_removed(address: str) -> bool:
     it stopped and removed it (a killed one leaves it: ``nothing_listens`` tells that apart).
     A file-system lookup only; no connection reaches a broker still there.  False for tcp and
     abstract ipc addresses."""
+    path = _socket_file(address)
+    return path is not None and not os.path.lexists(path)
+
+
+def _socket_file(address: str) -> str | None:
+    """The socket file of an ipc ``address``; None for tcp and abstract ipc addresses."""
     path = ipc_path(address)
-    if not path or path.startswith("@"):
-        return False
-    return not os.path.lexists(path)
+    return path if path and not path.startswith("@") else None
 
 
 def nothing_listens(address: str) -> bool:
     """True when ``address`` is an ipc path at which no process listens any more (no socket
     file, or the connection is refused): the broker that served it stopped or was killed.
     False for tcp and whenever it cannot tell."""
-    path = ipc_path(address)
-    if not path or path.startswith("@"):
+    path = _socket_file(address)
+    if path is None:
         return False
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
