@@ -13,7 +13,7 @@ from test_put_batches import exchange, put, raw_dealer
 from zchannel.broker import Channel
 from zchannel.broker.connection import batching
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.protocol import MAX_BATCH_PUTS, Get, GetRun, Put, Stats
+from zchannel.broker.wire.protocol import MAX_BATCH_PUTS, Get, GetRun, Put, Stats, pack_header
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,6 +62,57 @@ def test_each_get_of_a_record_has_its_own_lease_and_error(channels):
         for lease in leases:
             assert exchange(raw, [{"op": "ack", "id": 20 + lease % 7, "lease": lease}])[0].get(
                 "e") is None
+
+
+def test_queued_items_serve_the_head_gets_of_a_record_in_order(channels):
+    ch = Channel.create("gets-at-once")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        for i, v in enumerate("abcde"):
+            exchange(raw, [put(2 + i, "k", v)])
+        replies = exchange(raw, [gets(20, "k", list(range(30, 37)))])
+        # five items: the first five gets take them in order, the other two park
+        assert [r["id"] for r in replies] == [30, 31, 32, 33, 34, 20]
+        assert [value(r) for r in replies[:5]] == list("abcde")
+        assert ch.qsize("k") == 0 and ch.stats()["gets"] == 7
+        ch.put("f", key="k")
+        ch.put("g", key="k")
+        got = []
+        while len(got) < 2:
+            assert raw.poll(10_000)
+            got += msgpack.unpackb(raw.recv_multipart()[0])
+        assert [(r["id"], value(r)) for r in got] == [(35, "f"), (36, "g")]
+
+
+def test_a_get_whose_id_is_parked_elsewhere_is_refused_alone_with_items_queued(channels):
+    ch = Channel.create("gets-parked-id")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        exchange(raw, [put(2, "k", "a"), put(3, "k", "b")])
+        exchange(raw, [gets(10, "other", [8])])  # parked: "other" holds nothing
+        replies = {r["id"]: r for r in exchange(raw, [gets(11, "k", [8, 9])])}
+        assert replies[8]["e"][0] == "ValueError" and value(replies[9]) == "a"
+        assert ch.qsize("k") == 1
+
+
+def test_a_waiting_get_batch_holds_back_a_gets_record_behind_it(channels):
+    ch = Channel.create("gets-behind-batch")
+    channels.append(ch)
+    with raw_dealer(ch) as first, raw_dealer(ch) as second:
+        exchange(first, [put(2, "k", "a", w=1)])
+        # a get_batch of weight 3 waits (one item of weight 1 is queued)
+        first.send_multipart([pack_header([{"op": "get_batch", "id": 5, "k": "k", "tw": 3}])])
+        assert not first.poll(200)
+        exchange(second, [put(3, "k", "b", w=1)])
+        # the second client's gets come behind the waiting get_batch: nothing for them yet
+        second.send_multipart([pack_header([gets(10, "k", [11, 12])])])
+        (ack,) = msgpack.unpackb(second.recv_multipart()[0]) if second.poll(10_000) else [None]
+        assert ack == {"id": 10}
+        exchange(second, [put(4, "k", "c", w=1)])  # completes the batch
+        assert first.poll(10_000)
+        (batch,) = msgpack.unpackb(first.recv_multipart()[0])
+        assert batch["id"] == 5
+        assert ch.qsize("k") == 0
 
 
 @pytest.mark.parametrize("record", [

@@ -41,7 +41,7 @@ from zchannel.broker.core.state import (
     Parked,
 )
 from zchannel.broker.core.statelog import StateLog
-from zchannel.broker.core.waiters import SendReply, Waiters
+from zchannel.broker.core.waiters import SendReply, Waiters, take_run
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
 from zchannel.hooks import Collector, Dispatcher
@@ -113,22 +113,6 @@ class QueueCore:
     def consumers(self) -> dict:
         return self.roster.consumers
 
-    @property
-    def collector(self) -> Collector:
-        return self.hooks.collector
-
-    @property
-    def dispatcher(self) -> Dispatcher:
-        return self.hooks.dispatcher
-
-    @property
-    def passthrough(self) -> bool:
-        return self.hooks.passthrough
-
-    @property
-    def deals(self) -> bool:
-        return self.hooks.deals
-
     # -- requests --------------------------------------------------------------------------------
 
     def put(self, client: Client, rid: int, key: Any, item: Item, timeout: float | None,
@@ -180,6 +164,20 @@ class QueueCore:
         new_key = key not in self.queues.keys
         self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
                          new_key)
+
+    def take_run(self, client: Client, rids: list[int], key: Any) -> int:
+        """The common case of plain gets ``rids`` (no ``ack``, their timeout checked) of the
+        checked ``key``, which holds items nobody else waits for: the first of them served at
+        once from its shared queue, exactly as ``get`` would serve each; how many (0: none,
+        nothing changed -- the rest take ``get`` one by one)."""
+        ks = self.queues.keys.get(key)
+        if ks is None or not ks.shared:
+            return 0
+        parked = client.parked
+        if parked and any(rid in parked for rid in rids):
+            return 0  # a duplicate id: ``get`` answers its error
+        self._join(client)
+        return take_run(self.waiters, client, rids, self.queues.state(key))
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
         lease = self.lease_book.find(lease_id)

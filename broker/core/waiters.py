@@ -348,6 +348,28 @@ class Waiters:
                 self.serve(ks)
 
 
+def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState) -> int:
+    """Plain gets ``rids`` of ``client`` on ``ks`` served at once from its shared queue, in
+    order, each as ``Waiters.get``'s common case serves one (nobody else waits on the key, no
+    dealing): how many of them, from the first, were served (0: nothing changed)."""
+    shared = ks.shared
+    if waiters.hooks.deals or ks.getters or not shared:
+        return 0
+    n = min(len(rids), len(shared))
+    popleft = shared.popleft
+    items = [popleft() for _ in range(n)]
+    waiters.queues.bytes_held -= sum(item.nbytes for item in items)
+    if waiters.log is not None:
+        waiters.log.taken(items)
+    reply, origin = waiters.reply, (ks.key, None)
+    for rid, item in zip(rids, items, strict=False):  # n of the rids
+        reply(client, rid, items=[item], origin=origin)
+    if waiters.putters:
+        waiters.admit_putters()
+    waiters.queues.mark_idle(ks)
+    return n
+
+
 def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
     """The common case: gets and get_batches of the shared queue, served in arrival order
     (``serve`` does the same for a snapshot of all getters); True when nothing is left to

@@ -19,7 +19,10 @@ its own place among the key's waiting getters), refused or cancelled exactly as 
 record of that id, and answered under that id -- the replies of the items served in one turn
 leave in one message, each its own delivery (its own lease under ``ack``; the small items of
 a client that reads ``items`` records share such records: ``Sessions.reply``).  The record's own
-id then gets an empty success.  A record whose ids repeat, or name the record itself, is
+id then gets an empty success.  The common case -- plain gets (no ``ack``) of a key that holds
+items nobody else waits for, on a broker that is no replica -- is served in one pass
+(``QueueCore.take_run``) with the same outcome: the first gets take the head items, in order,
+and the gets the queue does not cover go get by get.  A record whose ids repeat, or name the record itself, is
 refused whole (a ``ValueError`` reply to its id, none of its gets handled).
 """
 
@@ -31,7 +34,8 @@ from typing import Any
 from zchannel.broker.core.state import Client
 from zchannel.broker.errors import KeyMoved
 from zchannel.broker.server.putrun import store_at_once
-from zchannel.broker.wire.protocol import Get, GetRun, Put, PutBatch
+from zchannel.broker.wire.argchecks import check_key, check_timeout
+from zchannel.broker.wire.protocol import Get, GetRun, Put, PutBatch, key_from_wire
 
 log = logging.getLogger("zchannel.broker")
 
@@ -81,9 +85,10 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
         raise ValueError("a gets record carries no frames")
     broker.counters.get_runs += 1
     sessions = broker.sessions
+    served = _take_at_once(broker, client, rec)  # the common case, in one pass
     handle = broker.handlers[Get]
     one = Get(id=0, key=rec.key, timeout=rec.timeout, nowait=rec.nowait, ack=rec.ack)
-    for rid in ids:
+    for rid in ids[served:] if served else ids:
         one.id = rid
         try:
             handle(broker, client, one, frames)
@@ -92,3 +97,19 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
                 log.exception("error handling a get of a gets record")
             sessions.reply(client, rid, error=exc)
     sessions.reply(client, rec.id)
+
+
+def _take_at_once(broker: Any, client: Client, rec: GetRun) -> int:
+    """How many gets of ``rec``, from the first, were served at once (``QueueCore.take_run``):
+    plain gets (no ``ack``) with a valid key and timeout, on a broker that is no replica;
+    anything else -- and the gets the queue's items do not cover -- goes get by get."""
+    if broker.replica is not None or rec.ack:
+        return 0
+    try:
+        key = check_key(key_from_wire(rec.key))
+        check_timeout(rec.timeout)
+    except (TypeError, ValueError):
+        return 0  # each get's error reply is the single path's
+    served = broker.core.take_run(client, rec.ids, key)
+    broker.counters.gets += served
+    return served

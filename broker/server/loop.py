@@ -176,7 +176,8 @@ class Broker:
             max_keys=config.max_keys,
             key_grace=config.key_grace,
         )
-        if not self.core.passthrough or (self.core.deals and self.core.dispatcher.needs_item):
+        hooks = self.core.hooks
+        if not hooks.passthrough or (hooks.deals and hooks.dispatcher.needs_item):
             # A hook decodes items: import torch before serving, not on the first tensor (that
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
             codec.preload()

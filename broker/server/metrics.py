@@ -96,10 +96,11 @@ def time_hooks(core: Any, hook_time: HookTime) -> None:
         return call
 
     wraps = []
-    if not core.passthrough:
-        wraps.append((core.collector, "collect", "collector"))
-    if core.deals:
-        wraps += [(core.dispatcher, "route", "dispatcher"), (core.dispatcher, "rebalance", "dispatcher")]
+    hooks = core.hooks
+    if not hooks.passthrough:
+        wraps.append((hooks.collector, "collect", "collector"))
+    if hooks.deals:
+        wraps += [(hooks.dispatcher, "route", "dispatcher"), (hooks.dispatcher, "rebalance", "dispatcher")]
     for hook, method, which in wraps:
         try:
             setattr(hook, method, timed(getattr(hook, method), which))
@@ -131,8 +132,8 @@ def snapshot(broker: Broker) -> dict[str, Any]:
         "time": now,
         "name": core.name,
         "address": broker.address,
-        "collector": type(core.collector).__name__,
-        "dispatcher": type(core.dispatcher).__name__,
+        "collector": type(core.hooks.collector).__name__,
+        "dispatcher": type(core.hooks.dispatcher).__name__,
         "uptime_s": time.time() - core.started,
         "keys": keys,
         "key_count": len(core.keys),

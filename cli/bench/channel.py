@@ -221,6 +221,7 @@ class _Consumer:
         self.req_lat: list[int] = []
         self.inflight: deque = deque()
         self.issued = self.n = self.summed_at = 0
+        self.asked = 0  # items this consumer's get_batches asked for
         self.stopping = False
         # window 1: the latency of the blocking call a user makes, not of a Work
         self.sync = self.window == 1 and self.request_latency and self.keys is None and not self.batch
@@ -240,7 +241,11 @@ class _Consumer:
         elif self.keys is not None:
             work = ch.get(key=self.keys[self.issued], async_op=True, timeout=WORKER_DEADLINE_S)
         elif self.batch:
-            work = cast(Work, ch.get_batch(self.batch, key=key, async_op=True,
+            # alone, it asks for the stream's end, as a user who knows its length does: a
+            # batch asking past it would wait out its timeout for items that never come
+            target = min(self.batch, self.total - self.asked) if self.alone else self.batch
+            self.asked += target
+            work = cast(Work, ch.get_batch(target, key=key, async_op=True,
                                            timeout=GET_TIMEOUT_S))
         else:
             work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=self.copy)
@@ -254,7 +259,8 @@ class _Consumer:
         self.tally.t_start = time.monotonic_ns()
         while True:
             while (not self.stopping and len(inflight) < self.window
-                   and (keys is None or self.issued < len(keys))):
+                   and (keys is None or self.issued < len(keys))
+                   and not (self.batch and self.alone and self.asked >= self.total)):
                 self.issue()
             if not inflight:
                 break
