@@ -18,6 +18,32 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from zchannel.broker import BrokerUnavailable
+
+
+def wait_connected(ch, timeout: float = 60.0) -> None:
+    """Block until the broker behind ``ch`` answered its connection's hello again (the I/O
+    thread wakes ``Connection.wait_up`` when it does: a broker started anew at the address).
+    A connection that ended is replaced at the handle's next call, which waits for that hello
+    itself."""
+    conn = ch._conn
+    if conn is not None and conn.state != "closed":
+        assert conn.wait_up(timeout) or conn.state == "closed", \
+            f"no broker answered at {ch.address} within {timeout}s"
+
+
+def until_available(ch, call, timeout: float = 60.0):
+    """``call()`` again while it raises ``BrokerUnavailable`` (the broker of ``ch`` is being
+    started again, or was stopped), what a user's retry loop does: each retry waits for the
+    broker to answer again (``wait_connected``); ``call``'s result, within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except BrokerUnavailable:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"the broker was unavailable for {timeout}s"
+            wait_connected(ch, remaining)
 
 
 def write_cluster(directory: str, nodes: tuple[str, ...] = ("n0", "n0", "n0"),
@@ -113,7 +139,10 @@ def audit(reader: Any, acked: list, views: list[dict], kills: dict[int, list[flo
         for key, index in view.items():
             assert bound[key] == index, (key, index, bound[key])
     for i in range(len(reader.replicas)):  # no replica served a key bound to another one
-        for key in reader._sub(i).stats()["keys"]:
+        # a replica restarted since ``reader`` last used it answers its first request
+        # ``expired`` (BrokerUnavailable, docs/guarantees.md): ask again, as a user would
+        sub = reader._sub(i)
+        for key in until_available(sub, sub.stats)["keys"]:
             if key not in bound:  # touched by a get only (every put to it failed)
                 bound[key] = reader.replica_of(key)
             assert bound[key] == i, ("served by", i, key, bound[key])

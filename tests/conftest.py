@@ -22,9 +22,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import SharedRayCluster
+from cluster_util import SharedRayCluster, until_available, wait_connected  # noqa: F401
 from forkbroker import ForkBroker, wait_gone
-from zchannel.broker import BrokerUnavailable, Channel
+from zchannel.broker import Channel
 from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
 from zchannel.broker.server.starting import child_environ, read_line, stop_broker
 
@@ -204,31 +204,6 @@ def brokers() -> Iterator[ForkBroker]:
     fb = ForkBroker()
     yield fb
     fb.close()
-
-
-def wait_connected(ch, timeout: float = 60.0) -> None:
-    """Block until the broker behind ``ch`` answered its connection's hello again (the I/O
-    thread wakes ``Connection.wait_up`` when it does: a broker started anew at the address).
-    A connection that ended is replaced at the handle's next call, which waits for that hello
-    itself."""
-    conn = ch._conn
-    if conn is not None and conn.state != "closed":
-        assert conn.wait_up(timeout) or conn.state == "closed", \
-            f"no broker answered at {ch.address} within {timeout}s"
-
-
-def until_available(ch, call, timeout: float = 60.0):
-    """``call()`` again while it raises ``BrokerUnavailable`` (the broker of ``ch`` is being
-    started again, or was stopped), what a user's retry loop does: each retry waits for the
-    broker to answer again (``wait_connected``); ``call``'s result, within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except BrokerUnavailable:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"the broker was unavailable for {timeout}s"
-            wait_connected(ch, remaining)
 
 
 def drain(ch, key: str = "default_queue") -> list:
