@@ -183,7 +183,8 @@ class Waiters:
         (``new_key``: ``ks`` was made for it)."""
         if not (batch_target or ack or self.hooks.deals or ks.getters) and ks.shared:
             # the common case (a plain get of a shared queue nobody else waits on): the head
-            # item at once, without a Parked record
+            # item at once, without a Parked record (``take_run`` serves a run of such gets the
+            # same way; one get alone stays inline here: the run's lists cost ~1.8 us more)
             item = ks.shared.popleft()
             self.queues.bytes_held -= item.nbytes
             if self.log is not None:

@@ -22,8 +22,8 @@ a client that reads ``items`` records share such records: ``Sessions.reply``).  
 id then gets an empty success.  The common case -- plain gets (no ``ack``) of a key that holds
 items nobody else waits for, on a broker that is no replica -- is served in one pass
 (``QueueCore.take_run``) with the same outcome: the first gets take the head items, in order,
-and the gets the queue does not cover go get by get.  A record whose ids repeat, or name the record itself, is
-refused whole (a ``ValueError`` reply to its id, none of its gets handled).
+and the gets the queue does not cover go get by get.  A record whose ids repeat, or name the
+record itself, is refused whole (a ``ValueError`` reply to its id, none of its gets handled).
 """
 
 from __future__ import annotations

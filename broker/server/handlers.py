@@ -95,7 +95,8 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
     broker.sessions.producers.attach(client, rec.producer)
     info = HelloInfo(
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
-        liveness=broker.config.liveness, deals=broker.core.hooks.deals, maxsize=broker.core.queues.maxsize,
+        liveness=broker.config.liveness, deals=broker.core.hooks.deals,
+        maxsize=broker.core.queues.maxsize,
         max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
     if broker.replica is not None:
         broker.replica.describe(info)

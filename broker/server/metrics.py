@@ -100,7 +100,8 @@ def time_hooks(core: Any, hook_time: HookTime) -> None:
     if not hooks.passthrough:
         wraps.append((hooks.collector, "collect", "collector"))
     if hooks.deals:
-        wraps += [(hooks.dispatcher, "route", "dispatcher"), (hooks.dispatcher, "rebalance", "dispatcher")]
+        wraps += [(hooks.dispatcher, "route", "dispatcher"),
+                  (hooks.dispatcher, "rebalance", "dispatcher")]
     for hook, method, which in wraps:
         try:
             setattr(hook, method, timed(getattr(hook, method), which))
