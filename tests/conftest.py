@@ -52,14 +52,40 @@ def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
     return proc
 
 
+def _xdist_controller(config) -> bool:
+    """Whether this process hands the tests out to pytest-xdist workers (it runs none)."""
+    return (not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist")
+            and config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None)))
+
+
 def pytest_configure(config) -> None:
     if os.environ.get("ZCHANNEL_TEST_FORKSERVER", "1").strip().lower() in ("0", "off", "no"):
+        return
+    if _xdist_controller(config):  # each worker starts its own fork server
         return
     folder = f"/tmp/zcfs-{uuid.uuid4().hex[:10]}"
     os.makedirs(folder, mode=0o700)
     proc = start_forkserver(folder)
     _FORKSERVER.update(proc=proc, folder=folder)
     os.environ[FORKSERVER_ENV] = os.path.join(folder, "forkserver.sock")
+
+
+def pytest_itemcollected(item) -> None:
+    """Tests that must share one pytest-xdist worker (pyproject.toml runs the suite on 2 with
+    ``--dist loadgroup``), in collection order: the ``ray_cluster`` tests (one cluster start),
+    the tests of a module with a module-scoped fixture (built once), and the long runs marked
+    slow, fuzz or soak (one at a time, as each is sized for the whole machine)."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()):
+        group = "ray_cluster"
+    elif any(item.get_closest_marker(m) for m in ("slow", "fuzz", "soak")):
+        group = "long_runs"
+    else:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if not any(d.scope == "module" for fds in defs for d in fds):
+            return
+        group = item.module.__name__
+    item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(trylast=True)

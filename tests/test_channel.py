@@ -365,7 +365,9 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     monkeypatch.setattr(Queue, "enqueue", logged_enqueue)
     monkeypatch.setattr(Line, "send", logged_send)
     monkeypatch.setattr(Conn, "_on_message", logged_on_message)
-    ch = make_remote("drive-window")
+    # no heartbeat in the test's time: a message arriving (on a loaded machine, a heartbeat can
+    # come between the put's queueing and its sending) would let the getter look at its queue
+    ch = make_remote("drive-window", options={"heartbeat_interval": 60.0})
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
