@@ -71,8 +71,8 @@ def pytest_configure(config) -> None:
 
 
 def pytest_itemcollected(item) -> None:
-    """Tests that must share one pytest-xdist worker (pyproject.toml runs the suite on 2 with
-    ``--dist loadgroup``), in collection order: the ``ray_cluster`` tests (one cluster start),
+    """Tests that must share one pytest-xdist worker (the README's test command runs the suite
+    on 2 with ``--dist loadgroup``; a plain run ignores the groups), in collection order: the ``ray_cluster`` tests (one cluster start),
     the tests of a module with a module-scoped fixture (built once), and the long runs marked
     slow, fuzz or soak (one at a time, as each is sized for the whole machine)."""
     if "ray_cluster" in getattr(item, "fixturenames", ()):
