@@ -102,7 +102,11 @@ def test_a_broker_at_1024_descriptors_survives_2000_peers(transport, brokers, wo
     floods = [workers.start(_FLOOD, "500", broker.address) for _ in range(4)]  # 2,000 peers
     for proc in floods:
         workers.wait_line(proc, "connecting")
-    assert broker.wait_said("refused a connection", 60), "".join(broker.lines)
+    # over tcp the broker accepts and refuses the peers past its budget; over ipc it first
+    # points the path at a stand-in (the gate), so only peers already in its accept backlog
+    # when the gate shut are refused: none when the broker kept up with the connects
+    said = "refused a connection" if transport == "tcp" else "refuses new connections"
+    assert broker.wait_said(said, 60), "".join(broker.lines)
     assert broker.proc.poll() is None, "".join(broker.lines)
     for proc in floods:
         workers.send(proc)
@@ -113,7 +117,8 @@ def test_a_broker_at_1024_descriptors_survives_2000_peers(transport, brokers, wo
     ch.put("served")
     assert ch.get(timeout=10) == "served"
     stats = ch.stats()
-    assert stats["max_clients"] == 768 and stats["refused_connections"] > 0
+    assert stats["max_clients"] == 768
+    assert stats["refused_connections"] > 0 or transport == "ipc"
     assert wait_until(lambda: ch.stats()["connections"] <= 2, 30)
     ch.close()
     assert broker.stop() == 0, "".join(broker.lines)
@@ -150,7 +155,9 @@ def test_a_busy_broker_survives_4000_peers(brokers, workers):
     floods = [workers.start(_FLOOD, "500", broker.address) for _ in range(8)]
     for proc in floods:
         workers.wait_line(proc, "connecting")
-    assert broker.wait_said("refused a connection", 60), "".join(broker.lines)
+    # an ipc broker shuts its gate at the budget (see the test above): refusals only for the
+    # peers already in its accept backlog
+    assert broker.wait_said("refuses new connections", 60), "".join(broker.lines)
     for proc in floods:
         workers.send(proc)
         workers.wait_line(proc, "closed", timeout=60)
