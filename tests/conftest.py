@@ -70,12 +70,18 @@ def pytest_configure(config) -> None:
     os.environ[FORKSERVER_ENV] = os.path.join(folder, "forkserver.sock")
 
 
+def _on_ray_cluster(item) -> bool:
+    """Whether test ``item`` runs on the shared Ray cluster (uses ``ray_cluster``)."""
+    return "ray_cluster" in getattr(item, "fixturenames", ())
+
+
 def pytest_itemcollected(item) -> None:
     """Tests that must share one pytest-xdist worker (the README's test command runs the suite
-    on 2 with ``--dist loadgroup``; a plain run ignores the groups), in collection order: the ``ray_cluster`` tests (one cluster start),
-    the tests of a module with a module-scoped fixture (built once), and the long runs marked
-    slow, fuzz or soak (one at a time, as each is sized for the whole machine)."""
-    if "ray_cluster" in getattr(item, "fixturenames", ()):
+    on 2 with ``--dist loadgroup``; a plain run ignores the groups), in collection order: the
+    ``ray_cluster`` tests (one cluster start), the tests of a module with a module-scoped
+    fixture (built once), and the long runs marked slow, fuzz or soak (one at a time, as each
+    is sized for the whole machine)."""
+    if _on_ray_cluster(item):
         group = "ray_cluster"
     elif any(item.get_closest_marker(m) for m in ("slow", "fuzz", "soak")):
         group = "long_runs"
@@ -92,7 +98,7 @@ def pytest_itemcollected(item) -> None:
 def pytest_collection_modifyitems(items) -> None:
     """The tests on the shared Ray cluster (``ray_cluster``) run one after another, where the
     first of them stood (after any reordering by other plugins): one cluster start for all."""
-    users = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    users = [item for item in items if _on_ray_cluster(item)]
     if users:
         first = items.index(users[0])
         moved = {id(item) for item in users}
@@ -105,7 +111,7 @@ def pytest_runtest_teardown(item, nextitem):
     """After the last test of a run of ``ray_cluster`` tests (and its fixtures), the cluster
     is shut down."""
     yield
-    if nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ()):
+    if nextitem is None or not _on_ray_cluster(nextitem):
         RAY_CLUSTER.close()
 
 

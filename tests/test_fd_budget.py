@@ -118,7 +118,8 @@ def test_a_broker_at_1024_descriptors_survives_2000_peers(transport, brokers, wo
     assert ch.get(timeout=10) == "served"
     stats = ch.stats()
     assert stats["max_clients"] == 768
-    assert stats["refused_connections"] > 0 or transport == "ipc"
+    if transport == "tcp":  # over ipc only peers backlogged when the gate shut are refused
+        assert stats["refused_connections"] > 0
     assert wait_until(lambda: ch.stats()["connections"] <= 2, 30)
     ch.close()
     assert broker.stop() == 0, "".join(broker.lines)
