@@ -183,11 +183,19 @@ def test_only_runs_of_consecutive_puts_are_grouped():
     assert single == [puts[0], other]
 
 
+# The first 50 puts are issued while this thread holds the socket, so they wait in the queue
+# together (a caller sends a put itself when the socket is free, which the scheduling of the
+# threads decides); the I/O thread sends them once it is given back.
 STREAM = """
-import sys
+import sys, time
 from zchannel.broker import Channel
 ch = Channel.connect(sys.argv[1])
-works = [ch.put(i, key="s", async_op=True) for i in range(2000)]
+line = ch._connection()._line
+while not line.take():  # the I/O thread may be reading (the hello's reply, a heartbeat)
+    time.sleep(0.001)
+works = [ch.put(i, key="s", async_op=True) for i in range(50)]
+line.give()
+works += [ch.put(i, key="s", async_op=True) for i in range(50, 2000)]
 for w in works:
     w.wait(60)
 ch.close()

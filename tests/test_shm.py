@@ -614,12 +614,83 @@ def test_owned_copies_survive_slot_and_buffer_reuse(make_remote):
     assert all(len(free) <= shm.client.OUT_CACHE for free in cache.values())
 
 
+def test_a_stream_sends_its_slot_releases_with_its_requests(make_remote):
+    """A consumer returns a slot smaller than ``RELEASE_AT_ONCE_BYTES`` with its next message
+    instead of waking its I/O thread for it: a stream of 400 shared-memory items wakes the
+    consumer's I/O thread far less than once per item (it woke once per item, a switch to
+    that thread and back and a message of its own, when every release did), and the
+    producer's pool never runs dry."""
+    assert T < shm.client.RELEASE_AT_ONCE_BYTES
+    producer = make_remote("shm-release-stream", shm_threshold=T)
+    consumer = Channel.connect("shm-release-stream")
+    try:
+        pconn, cconn = producer._connection(), consumer._connection()
+        assert pconn.direct and cconn.direct and pconn.shm.pool is not None
+        before = cconn.io_turns
+        n, window = 400, 8
+        puts: list = []
+        gets: list = []
+        got = 0
+        for i in range(n):
+            puts.append(producer.put(np.full(T, i % 251, dtype=np.uint8), async_op=True))
+            gets.append(consumer.get(async_op=True, timeout=30))
+            if len(gets) >= window:
+                puts.pop(0).wait(30)
+                item = gets.pop(0).wait(30)
+                assert item.nbytes == T and item[0] == item[-1] == got % 251
+                got += 1
+        for w in puts:
+            w.wait(30)
+        for w in gets:
+            assert w.wait(30)[0] == got % 251
+            got += 1
+        assert got == n
+        turns = cconn.io_turns - before
+        assert turns < n // 4, f"the consumer's I/O thread woke {turns} times for {n} items"
+        assert pconn.shm.pool.fallbacks == 0  # every put found a slot: they came back in time
+        assert wait_until(lambda: _shm_stats(producer)["slots_used"] == 0, timeout=20)
+    finally:
+        consumer.close()
+
+
+def test_a_release_with_nothing_else_to_send_goes_within_lazy_s(run_dir, tmp_path):
+    """A small slot's release waits for the consumer's next message, but not for long: with
+    gets outstanding and nothing else to send, the I/O thread sends it at its next look
+    (``LAZY_S``), not after half a heartbeat (a minute here)."""
+    conf = tmp_path / "b.toml"
+    conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
+    address = f"ipc://{run_dir}/release-lazy.sock"
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "release-lazy", "--address",
+         address, "--shm-threshold", str(T), "--config", str(conf)], stdout=subprocess.PIPE,
+        text=True)
+    ch = None
+    try:
+        assert broker.stdout.readline().startswith("ready ")
+        ch = Channel.connect(address)
+        assert ch._connection().hb == 120.0
+        pool = ch._connection().shm.pool
+        ch.put(torch.full((T // 4,), 3.0))
+        (seg, j), = [(seg, int(j)) for seg in pool.classes[T]
+                     for j in np.flatnonzero(seg.states == shm.USED)]
+        works = [ch.get(async_op=True, timeout=300) for _ in range(3)]
+        got = works[0].wait(30)  # read by this thread, converted here: the slot is released
+        assert torch.equal(got, torch.full((T // 4,), 3.0))
+        assert wait_until(lambda: seg.states[j] == shm.FREE, timeout=20), "the slot did not come back"
+        assert not works[1].done() and not works[2].done()  # nothing else was put
+    finally:
+        if ch is not None:
+            ch.close()
+        broker.terminate()
+        broker.wait(timeout=30)
+
+
 def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch):
     """A consumer whose item was read by the I/O thread (its gets outstanding) copies it out
-    later and has nothing else to send: the slot still goes back at once.  The release wakes
-    the I/O thread instead of waiting for the consumer's next message or the thread's next
-    look (half a heartbeat: a minute here), so a producer whose pool is full is not held up by
-    a consumer busy with what it got."""
+    later and has nothing else to send: the slot still goes back at once.  With no lazy looks
+    (``LAZY_MS`` 0) the release wakes the I/O thread instead of waiting for the consumer's next
+    message or the thread's next look (half a heartbeat: a minute here), so a producer whose
+    pool is full is not held up by a consumer busy with what it got."""
     from zchannel.broker.connection import iothread
 
     # The I/O thread always watches the socket (no lazy looks every LAZY_S): a reply is read

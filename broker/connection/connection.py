@@ -253,9 +253,9 @@ class Connection:
             return self.request(rec, frames, convert, cancellable, owner=owner)
         return self._waiting.call(rec, frames, convert, cancellable, owner)
 
-    def send_unanswered(self, rec: Request, now: bool = False, wake: bool = False) -> None:
+    def send_unanswered(self, rec: Request, now: bool = False, soon: bool = False) -> None:
         """Send ``rec``, a record the broker does not answer (``RequestQueue.send_unanswered``)."""
-        self._requests.send_unanswered(rec, now, wake)
+        self._requests.send_unanswered(rec, now, soon, self._callers_read and self._io.lazy)
 
     def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""

@@ -137,6 +137,10 @@ class IOThread:
                 self.lazy = True
         elif busy:
             self.idle = False
+            if self._queue and not line.sock_lock.locked():
+                # queued since the last turn's send (a record that rides with the next
+                # message, ``RequestQueue.send_unanswered``, found this thread lazy): out now
+                timeout = 0
         return busy, timeout
 
     def _socket_turn(self) -> None:

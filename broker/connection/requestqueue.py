@@ -110,26 +110,25 @@ class RequestQueue:
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
 
-    def send_unanswered(self, rec: Request, now: bool = False, wake: bool = False) -> None:
+    def send_unanswered(self, rec: Request, now: bool = False, soon: bool = False,
+                        lazy: bool = False) -> None:
         """Send ``rec``, a record the broker does not answer (``ShmHello``, ``ShmRelease``).
         ``now``: on the socket at once, from the thread that holds it (the I/O thread handling
-        the hello reply).  Otherwise from any thread, with the next message, or (``wake``) at
-        the I/O thread's next turn, woken for it; nothing once the connection is closing."""
+        the hello reply).  ``soon``: at the I/O thread's next turn, woken for it.  Otherwise
+        with the next message, when ``lazy`` (the I/O thread looks again within ``LAZY_S``:
+        callers read the link) and the socket is free, else as ``soon``.  Nothing once the
+        connection is closing."""
         line = self._line
         if now:
             line.send([rec], [])
             return
         if line.closing or line.state == CLOSED:
             return
-        queue = self.queue
-        # No wake-up of the I/O thread when one is due anyway: whoever holds the socket (the
-        # I/O thread, or a blocking caller driving it) drains the queue whenever it reads a
-        # reply of a request still outstanding, or at the I/O thread's next tick, so the
-        # record then rides along with the next message.  ``wake``: a record someone waits on
-        # (slots a producer needs back) wakes it anyway (``wake_io`` writes once per turn).
-        woken = not wake and (bool(queue) or bool(self.pending))
-        queue.append((rec, [], None))
-        if not woken:
+        self.queue.append((rec, [], None))
+        # Checked after the append: whoever takes the socket from here on sends the queue
+        # first (a waiting caller, a caller's request, the I/O thread's turn), and the I/O
+        # thread takes it within LAZY_S; a holder now may be asleep in its poll, so it is woken.
+        if soon or not lazy or line.sock_lock.locked():
             try:
                 line.wake_io()
             except OSError:

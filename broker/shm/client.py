@@ -30,6 +30,12 @@ from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
 OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
+# The release of slots this large or larger goes at once (the I/O thread woken for it): a
+# size class of them holds few slots (``pool.CLASS_BYTES``: 32 of 4 MiB, 8 of 16 MiB), and a
+# producer whose pool is full waits for each; copying one out takes long enough that a
+# message of its own costs little.  Smaller slots' releases ride with the consumer's next
+# message (within ``LAZY_S``): a message and a broker turn less per item (docs/shm.md).
+RELEASE_AT_ONCE_BYTES = 4 << 20
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
 
 
@@ -149,13 +155,14 @@ class ShmClient:
             for n in list(self.out_cache)[:-16]:
                 self.out_cache.pop(n, None)
 
-    def release(self, hold_ids: list[int]) -> None:
-        """Tell the broker these slots are no longer used here (no reply; any thread).  The
-        I/O thread is woken for it, not left to send it with the next message: the producer
-        of the slots may be waiting for them (its pool at its limit) while this consumer
-        works on what it got, with its next request or reply far off."""
+    def release(self, hold_ids: list[int], at_once: bool = True) -> None:
+        """Tell the broker these slots are no longer used here (no reply; any thread):
+        ``at_once``, the I/O thread woken for it (the producer of the slots may be waiting
+        for them, its pool at its limit, while this consumer works on what it got), else
+        with this connection's next message, which goes within ``LAZY_S``
+        (``RequestQueue.send_unanswered``)."""
         if hold_ids:
-            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), wake=True)
+            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), soon=at_once)
 
     def _slot(self, entry: Any) -> np.ndarray:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
@@ -175,6 +182,7 @@ class ShmClient:
             raise ValueError("malformed shared-memory references")
         holds: list[int] = []
         views: list[np.ndarray] = []
+        slot_bytes = 0  # of the slots copied out here
         shm_copy = copy is not False
         try:
             for entry in entries:
@@ -192,10 +200,12 @@ class ShmClient:
                     views.append(view)
                 else:
                     views.append(self.copy_out(view))
+                    slot_bytes = max(slot_bytes, view.nbytes)
                     shm_copy = False  # copied already
             return codec.decode_frames(frames, copy, views, shm_copy)
         finally:
-            self.release(holds)  # copied out (or failed): the slots go back at once
+            # copied out (or failed): the slots go back now, large ones at once
+            self.release(holds, slot_bytes >= RELEASE_AT_ONCE_BYTES)
 
 
 def _dims(shape: Any) -> tuple[int, ...]:
