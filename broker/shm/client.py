@@ -182,7 +182,7 @@ class ShmClient:
             raise ValueError("malformed shared-memory references")
         holds: list[int] = []
         views: list[np.ndarray] = []
-        slot_bytes = 0  # of the slots copied out here
+        largest = 0  # bytes of the largest slot copied out here
         shm_copy = copy is not False
         try:
             for entry in entries:
@@ -200,12 +200,12 @@ class ShmClient:
                     views.append(view)
                 else:
                     views.append(self.copy_out(view))
-                    slot_bytes = max(slot_bytes, view.nbytes)
+                    largest = max(largest, view.nbytes)
                     shm_copy = False  # copied already
             return codec.decode_frames(frames, copy, views, shm_copy)
         finally:
             # copied out (or failed): the slots go back now, large ones at once
-            self.release(holds, slot_bytes >= RELEASE_AT_ONCE_BYTES)
+            self.release(holds, largest >= RELEASE_AT_ONCE_BYTES)
 
 
 def _dims(shape: Any) -> tuple[int, ...]:
