@@ -653,10 +653,11 @@ def test_a_stream_sends_its_slot_releases_with_its_requests(make_remote):
         consumer.close()
 
 
-def test_a_release_with_nothing_else_to_send_goes_within_lazy_s(run_dir, tmp_path):
+def test_a_small_slot_comes_back_with_nothing_else_to_send(run_dir, tmp_path):
     """A small slot's release waits for the consumer's next message, but not for long: with
     gets outstanding and nothing else to send, the I/O thread sends it at its next look
-    (``LAZY_S``), not after half a heartbeat (a minute here)."""
+    (within ``LAZY_S``, or at once when it was not looking lazily), not after half a
+    heartbeat (a minute here)."""
     conf = tmp_path / "b.toml"
     conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
     address = f"ipc://{run_dir}/release-lazy.sock"
