@@ -616,9 +616,10 @@ def test_owned_copies_survive_slot_and_buffer_reuse(make_remote):
 
 def test_a_stream_sends_its_slot_releases_with_its_requests(make_remote):
     """A consumer returns a slot smaller than ``RELEASE_AT_ONCE_BYTES`` with its next message
-    instead of waking its I/O thread for it: a stream of 400 shared-memory items wakes the
+    instead of waking its I/O thread for it: a stream of 2,000 shared-memory items wakes the
     consumer's I/O thread far less than once per item (it woke once per item, a switch to
-    that thread and back and a message of its own, when every release did), and the
+    that thread and back and a message of its own, when every release did; its looks every
+    ``LAZY_S`` while the stream runs stay far fewer even on a loaded machine), and the
     producer's pool never runs dry."""
     assert T < shm.client.RELEASE_AT_ONCE_BYTES
     producer = make_remote("shm-release-stream", shm_threshold=T)
@@ -627,7 +628,7 @@ def test_a_stream_sends_its_slot_releases_with_its_requests(make_remote):
         pconn, cconn = producer._connection(), consumer._connection()
         assert pconn.direct and cconn.direct and pconn.shm.pool is not None
         before = cconn.io_turns
-        n, window = 400, 8
+        n, window = 2000, 8
         puts: list = []
         gets: list = []
         got = 0
