@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -659,32 +661,9 @@ def test_a_small_slot_comes_back_with_nothing_else_to_send(run_dir, tmp_path):
     gets outstanding and nothing else to send, the I/O thread sends it at its next look
     (within ``LAZY_S``, or at once when it was not looking lazily), not after half a
     heartbeat (a minute here)."""
-    conf = tmp_path / "b.toml"
-    conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
-    address = f"ipc://{run_dir}/release-lazy.sock"
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "zchannel.cli.main", "broker", "release-lazy", "--address",
-         address, "--shm-threshold", str(T), "--config", str(conf)], stdout=subprocess.PIPE,
-        text=True)
-    ch = None
-    try:
-        assert broker.stdout.readline().startswith("ready ")
-        ch = Channel.connect(address)
-        assert ch._connection().hb == 120.0
-        pool = ch._connection().shm.pool
-        ch.put(torch.full((T // 4,), 3.0))
-        (seg, j), = [(seg, int(j)) for seg in pool.classes[T]
-                     for j in np.flatnonzero(seg.states == shm.USED)]
-        works = [ch.get(async_op=True, timeout=300) for _ in range(3)]
-        got = works[0].wait(30)  # read by this thread, converted here: the slot is released
-        assert torch.equal(got, torch.full((T // 4,), 3.0))
-        assert wait_until(lambda: seg.states[j] == shm.FREE, timeout=20), "the slot did not come back"
-        assert not works[1].done() and not works[2].done()  # nothing else was put
-    finally:
-        if ch is not None:
-            ch.close()
-        broker.terminate()
-        broker.wait(timeout=30)
+    with _slow_heartbeat_channel(run_dir, tmp_path, "release-lazy") as ch:
+        # read by this thread, converted here: the slot is released
+        _release_while_gets_wait(ch, 3.0, io_thread_reads=False)
 
 
 def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch):
@@ -699,17 +678,26 @@ def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch)
     # at once, and with gets still due it sleeps up to half a heartbeat (a minute here).
     monkeypatch.setattr(iothread, "LAZY_MS", 0)
     monkeypatch.setattr(iothread, "LAZY_S", 0.0)
+    with _slow_heartbeat_channel(run_dir, tmp_path, "release") as ch:
+        _release_while_gets_wait(ch, 7.0, io_thread_reads=True)
+
+
+@contextlib.contextmanager
+def _slow_heartbeat_channel(run_dir, tmp_path, name: str) -> Iterator[Channel]:
+    """A handle on broker ``name`` (shared-memory threshold ``T``) whose heartbeat interval is
+    120 s: a record left for the I/O thread's next heartbeat look would wait a minute."""
     conf = tmp_path / "b.toml"
     conf.write_text("[channel]\nheartbeat_interval = 120.0\n")
-    address = f"ipc://{run_dir}/release.sock"
+    address = f"ipc://{run_dir}/{name}.sock"
     broker = subprocess.Popen(
-        [sys.executable, "-m", "zchannel.cli.main", "broker", "release", "--address", address,
+        [sys.executable, "-m", "zchannel.cli.main", "broker", name, "--address", address,
          "--shm-threshold", str(T), "--config", str(conf)], stdout=subprocess.PIPE, text=True)
     ch = None
     try:
         assert broker.stdout.readline().startswith("ready ")
         ch = Channel.connect(address)
-        _release_while_gets_wait(ch)
+        assert ch._connection().hb == 120.0
+        yield ch
     finally:
         if ch is not None:
             ch.close()
@@ -717,18 +705,21 @@ def test_released_slot_goes_back_while_gets_wait(run_dir, tmp_path, monkeypatch)
         broker.wait(timeout=30)
 
 
-def _release_while_gets_wait(ch) -> None:
-    assert ch._connection().hb == 120.0
+def _release_while_gets_wait(ch, value: float, io_thread_reads: bool) -> None:
+    """One item of ``value`` gotten with two more gets outstanding and nothing else put: its
+    slot comes back once the item is copied out.  ``io_thread_reads``: the I/O thread reads
+    the reply before the caller waits (the slot stays in use until the caller converts it)."""
     pool = ch._connection().shm.pool
-    ch.put(torch.full((T // 4,), 7.0))
+    ch.put(torch.full((T // 4,), value))
     used = [(seg, int(j)) for seg in pool.classes[T]
             for j in np.flatnonzero(seg.states == shm.USED)]
     assert len(used) == 1  # the item's slot, until the consumer copied it out
-    works = [ch.get(async_op=True, timeout=300) for _ in range(3)]
-    assert wait_until(works[0].done, timeout=30)  # read by the I/O thread, not converted yet
     seg, j = used[0]
-    assert seg.states[j] == shm.USED
+    works = [ch.get(async_op=True, timeout=300) for _ in range(3)]
+    if io_thread_reads:
+        assert wait_until(works[0].done, timeout=30)  # read by the I/O thread, not converted yet
+        assert seg.states[j] == shm.USED
     got = works[0].wait(30)  # converted here: an owned copy, the slot is not needed any more
-    assert torch.equal(got, torch.full((T // 4,), 7.0))
+    assert torch.equal(got, torch.full((T // 4,), value))
     assert wait_until(lambda: seg.states[j] == shm.FREE, timeout=20), "the slot did not come back"
     assert not works[1].done() and not works[2].done()  # nothing else was put

@@ -123,6 +123,10 @@ class IOThread:
         timeout = int(line.hb * 500)  # the broker's interval once it said hello
         if self._pending and line.state == UP:  # fail them when the expiry ends, not later
             timeout = min(timeout, max(1, int(1000 * self._liveness.expiry_due()) + 1))
+        # queued since the last turn's send and nobody else to send it (requests held back by
+        # ``Connection.request``, a record that rides with the next message, from
+        # ``RequestQueue.send_unanswered``): out now
+        due = bool(self._queue) and not line.sock_lock.locked()
         if LAZY_MS and line.callers_read and not waiting.sleepers and (
             line.sock_lock.locked() or time.monotonic() - waiting.read_end < LAZY_S
         ):
@@ -131,16 +135,11 @@ class IOThread:
             # back meanwhile (``Connection.request``) go out then at the latest
             busy, timeout = False, LAZY_MS
             self.idle = False
-            if self._queue and not line.sock_lock.locked():
-                timeout = 0  # held back before this turn: out now
-            else:
-                self.lazy = True
+            self.lazy = not due
         elif busy:
             self.idle = False
-            if self._queue and not line.sock_lock.locked():
-                # queued since the last turn's send (a record that rides with the next
-                # message, ``RequestQueue.send_unanswered``, found this thread lazy): out now
-                timeout = 0
+        if due:
+            timeout = 0
         return busy, timeout
 
     def _socket_turn(self) -> None:
