@@ -84,6 +84,9 @@ def main() -> None:
 @click.option("--direct/--no-direct", default=None,
               help="same-host clients of an ipc address talk over a Unix stream socket beside it, "
                    "without libzmq (default: on; docs/protocol.md)")
+@click.option("--sched-batch/--no-sched-batch", default=None,
+              help="run the broker's loop under Linux's SCHED_BATCH policy: a waking broker "
+                   "does not preempt a busy client (default: on; docs/decisions.md)")
 @click.option("--insecure", is_flag=True, default=None, help="allow a non-loopback tcp bind without CURVE")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
               help="the broker's CURVE key pair file (zchannel keygen)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from zchannel.broker.host.environ import env_flag, env_int
+
 MAX_OPS_PER_MESSAGE = 512
 MAX_BYTES_PER_MESSAGE = 64 << 20
 # Inline bodies per message (docs/protocol.md): with 512 records this keeps a header under
@@ -19,24 +21,12 @@ MAX_INLINE_PER_MESSAGE = 64 << 10
 DRIVE_S = 0.05
 
 
-def _env_int(name: str, default: int, unit: str) -> int:
-    """An int >= 0 from the environment (``ValueError`` naming it otherwise)."""
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0 ({unit}), got {text!r}")
-    return value
-
-
 # A blocking call first polls for its reply without sleeping for up to SPIN_US: a reply that
 # comes back within it skips two thread wake-ups (on a 2-vCPU VM a raw ZeroMQ round trip takes
 # ~100 us with a sleeping recv and ~55 us polling).  A spin that sees its reply scores +1 (up
 # to SPIN_SCORE_MAX), one that does not -2; at 0 a handle spins only every SPIN_PROBE-th call
 # until a spin sees its reply again (docs/decisions.md).  ZCHANNEL_SPIN_US=0: no spinning.
-SPIN_US = _env_int("ZCHANNEL_SPIN_US", 250, "microseconds")
+SPIN_US = env_int("ZCHANNEL_SPIN_US", 250, "microseconds")
 SPIN_PROBE = 32
 SPIN_SCORE_MAX = 8
 
@@ -64,27 +54,14 @@ SEND_RUN = 32
 # a stream whose waits follow each other then never wakes the I/O thread per reply, and its
 # async requests go out together at the next wait, LAZY_S later at most (``request``).
 # ZCHANNEL_LAZY_MS=0: the I/O thread always watches and nothing is held back.
-LAZY_MS = _env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
+LAZY_MS = env_int("ZCHANNEL_LAZY_MS", 20, "milliseconds")
 LAZY_S = LAZY_MS / 1000
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    """A yes/no setting from the environment: 0/false/no/off or 1/true/yes/on (``ValueError``
-    naming it otherwise)."""
-    text = os.environ.get(name, "").strip().lower()
-    if not text:
-        return default
-    if text in ("0", "false", "no", "off"):
-        return False
-    if text in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be 0 or 1 (or false/true, no/yes, off/on), got {text!r}")
 
 
 # Runs of consecutive puts that leave in one message travel as one ``puts`` record, answered
 # by one reply (``connection/batching.py``); only what is queued already is coalesced, nothing
 # waits for more.  ZCHANNEL_BATCH=0: every put travels as a record of its own.
-BATCH = _env_flag("ZCHANNEL_BATCH", True)
+BATCH = env_flag("ZCHANNEL_BATCH", True)
 
 
 def direct_enabled() -> bool:

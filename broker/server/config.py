@@ -8,7 +8,8 @@ A file has up to three tables::
                               # max_header_bytes, insecure, key_grace, curve_secret_key,
                               # metrics_port, metrics_address, token_file,
                               # curve_admin_keys, max_clients, producer_grace,
-                              # journal, fsync, fsync_interval, max_journal_bytes, ...
+                              # journal, fsync, fsync_interval, max_journal_bytes,
+                              # sched_batch, ...
     maxsize = 64
     journal = "/var/lib/zchannel"   # a durable channel (docs/durability.md)
 
@@ -59,6 +60,7 @@ class BrokerConfig:
     shm_threshold: int = DEFAULT_THRESHOLD  # same-host shared memory (docs/shm.md); 0 = off
     shm_pool_bytes: int = DEFAULT_POOL_BYTES
     direct: bool = True  # same-host clients of an ipc address skip libzmq (broker/transport/direct_broker.py)
+    sched_batch: bool = True  # the loop runs under Linux's SCHED_BATCH (broker/host/scheduling.py)
     key_grace: float = 30.0
     insecure: bool = False
     curve_secret_key: str | None = None
@@ -87,6 +89,8 @@ class BrokerConfig:
 
     def __post_init__(self) -> None:
         check_settings(vars(self))
+        if type(self.sched_batch) is not bool:
+            raise ValueError(f"sched_batch must be true or false, got {self.sched_batch!r}")
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got "
                              f"{self.fsync!r}")
@@ -103,6 +107,7 @@ _CHANNEL_KEYS = {
     "shm_threshold", "shm_pool_bytes", "direct", "metrics_port", "metrics_address",
     "token_file", "curve_admin_keys", "max_clients", "producer_grace",
     "journal", "fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes",
+    "sched_batch",
 }
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
 

@@ -29,6 +29,7 @@ from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
+from zchannel.broker.host.scheduling import batch_wanted, use_batch_policy
 from zchannel.broker.journal.journal import Journal
 from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.server import metrics
@@ -120,6 +121,7 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         paths.check_name(config.name)
+        self.sched_policy = "other"  # the loop's scheduling policy once serving (stats)
         for module in config.imports:
             __import__(module)
         if config.allowed_dtypes is not None or config.max_rank is not None:
@@ -237,6 +239,7 @@ class Broker:
         try:
             self.bind()
             self.metrics = _metrics_server(self)
+            self.sched_policy = _tune_for_serving(batch_wanted(self.config.sched_batch))
         except BaseException:
             self.close()
             raise
@@ -255,7 +258,6 @@ class Broker:
         sys.stdout.write(f"ready {self.address}\n")
         sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
-        _tune_for_serving()
         return stops
 
     def _admission(self) -> tuple[PeerGuard, BrokerHandshakes]:
@@ -509,8 +511,12 @@ def _metrics_server(broker: Broker) -> metrics.MetricsServer | None:
     return server
 
 
-def _tune_for_serving() -> None:
-    """The interpreter settings of a serving broker: rare garbage collections, short switches."""
+def _tune_for_serving(sched_batch: bool) -> str:
+    """The interpreter settings of a serving broker: rare garbage collections, short switches;
+    with ``sched_batch``, the loop's thread under ``SCHED_BATCH`` (host/scheduling.py).  The
+    policy the loop runs under: ``"batch"``, ``"other"`` or ``"kept"``.  Called before the
+    broker says ``ready`` (the policy holds from then on), where a start error still removes
+    the broker's files (a bad ``ZCHANNEL_SCHED_BATCH``)."""
     # The broker allocates a few container objects per item and rarely makes cycles: a
     # collection every 700 allocations (the default) costs ~5-10 % of its CPU at 50k items/s.
     gc.freeze()
@@ -518,6 +524,7 @@ def _tune_for_serving() -> None:
     # the peer guard's thread (server/admission.py) must get the interpreter soon after
     # libzmq accepts a connection, not after the default 5 ms: libzmq goes on accepting
     sys.setswitchinterval(0.001)
+    return use_batch_policy() if sched_batch else "other"
 
 
 def _encode_item(value: Any, weight: int | float) -> Item:
