@@ -229,8 +229,8 @@ class Sessions:
         to their queues first, then the client ends (its leases, parked requests, holds)."""
         client = self.clients.pop(address, None)
         self.last_sent.pop(address, None)
-        if out is not None:
-            for c, origin, items, lease in out.deliveries:
+        if out is not None:  # the last first: each goes back in front of the ones after it
+            for c, origin, items, lease in reversed(out.deliveries):
                 self._core().requeue(c, origin, items, lease)
         if client is not None:
             self.client_gone(client)

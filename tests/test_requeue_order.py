@@ -1,0 +1,79 @@
+"""Deliveries a broker could not send go back to the head of their queue in their order.
+
+A turn of the broker may serve several parked gets of one client (a ``puts`` record of n
+items meets n gets waiting): n deliveries in that client's outbox. If the client then cannot
+be reached (its link broke, ZeroMQ says the peer is gone), ``Sessions`` hands every delivery
+back to the core, each to the head of its queue. Handed back first to last, the last would
+end up in front: the key's FIFO order reversed for the next consumer. The broker's own
+``Sessions`` and ``QueueCore`` are driven here directly, with the replies a turn made still
+in the outbox (the moment a real broker's send fails; which turn a dead peer's send fails in
+is up to the kernel and libzmq, so no socket test can pick it)."""
+
+from __future__ import annotations
+
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.metrics import Counters
+from zchannel.broker.server.sessions import Sessions
+from zchannel.broker.shm.broker import ShmBroker
+from zchannel.hooks import Collector, Dispatcher
+
+
+def _broker_parts(run_dir: str) -> tuple[Sessions, QueueCore]:
+    shm = ShmBroker("requeue", run_dir, threshold=0)  # shared memory off: nothing is made
+    sessions = Sessions(BrokerConfig(name="requeue"), shm, Counters())
+    core = QueueCore(name="requeue", collector=Collector(), dispatcher=Dispatcher(),
+                     reply=sessions.reply, decode_item=lambda item: item.payload,
+                     encode_item=lambda value, weight: Item([value], weight, 1))
+    sessions.core = core
+    return sessions, core
+
+
+def _item(body: bytes) -> Item:
+    return Item([body], 1, len(body) + ITEM_OVERHEAD)
+
+
+def test_deliveries_of_one_turn_go_back_in_their_order(run_dir):
+    sessions, core = _broker_parts(run_dir)
+    consumer = Client(address=b"consumer", items=True)
+    producer = Client(address=b"producer")
+    sessions.clients.update({consumer.address: consumer, producer.address: producer})
+    for rid in (1, 2, 3):  # three gets wait on an empty key
+        core.get(consumer, rid, "k", None, False)
+    assert sorted(consumer.parked) == [1, 2, 3]
+    for rid, body in zip((11, 12, 13), (b"first", b"second", b"third"), strict=True):
+        assert core.put(producer, rid, "k", _item(body), None, False) is True  # serves a get
+    assert core.qsize("k") == 0
+    out = sessions._out.pop(consumer.address)
+    assert [items[0].payload[0] for _, _, items, _ in out.deliveries] == [
+        b"first", b"second", b"third"]
+
+    sessions._end_client(consumer.address, out)  # the consumer could not be reached
+
+    assert consumer.address not in sessions.clients
+    assert [item.payload[0] for item in core.peek("k", 3)] == [b"first", b"second", b"third"]
+    later = Client(address=b"later", items=True)
+    sessions.clients[later.address] = later
+    for rid in (21, 22, 23):
+        core.get(later, rid, "k", None, False)
+    entries = sessions._out[later.address].records[0].items
+    assert [(rid, body) for rid, body, _ in entries] == [
+        (21, b"first"), (22, b"second"), (23, b"third")]
+
+
+def test_a_batch_and_single_gets_of_one_turn_go_back_in_their_order(run_dir):
+    """A get_batch's delivery holds several items; with single gets after it in the same turn,
+    all of them come back in the order they were taken."""
+    sessions, core = _broker_parts(run_dir)
+    producer = Client(address=b"producer")
+    consumer = Client(address=b"consumer", items=True)
+    sessions.clients.update({consumer.address: consumer, producer.address: producer})
+    for rid, body in enumerate((b"a", b"b", b"c", b"d"), start=1):
+        core.put(producer, rid, "k", _item(body), None, False)
+    core.get(consumer, 10, "k", None, False, batch_target=2)  # takes a and b
+    core.get(consumer, 11, "k", None, False)  # c
+    core.get(consumer, 12, "k", None, False)  # d
+    assert core.qsize("k") == 0
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address))
+    assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]
