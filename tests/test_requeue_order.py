@@ -24,7 +24,8 @@ def _broker_parts(run_dir: str) -> tuple[Sessions, QueueCore]:
     shm = ShmBroker("requeue", run_dir, threshold=0)  # shared memory off: nothing is made
     sessions = Sessions(BrokerConfig(name="requeue"), shm, Counters())
     core = QueueCore(name="requeue", collector=Collector(), dispatcher=Dispatcher(),
-                     reply=sessions.reply, decode_item=lambda item: item.payload,
+                     reply=sessions.reply, reply_run=sessions.reply_run,
+                     decode_item=lambda item: item.payload,
                      encode_item=lambda value, weight: Item([value], weight, 1))
     sessions.core = core
     return sessions, core
@@ -75,5 +76,25 @@ def test_a_batch_and_single_gets_of_one_turn_go_back_in_their_order(run_dir):
     core.get(consumer, 11, "k", None, False)  # c
     core.get(consumer, 12, "k", None, False)  # d
     assert core.qsize("k") == 0
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address))
+    assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_a_run_of_gets_served_at_once_goes_back_in_its_order(run_dir):
+    """A ``gets`` record served in one pass (``QueueCore.take_run``) answers its gets as entries
+    of one ``items`` record, in order, and counts as one delivery, handed back whole."""
+    sessions, core = _broker_parts(run_dir)
+    producer = Client(address=b"producer")
+    consumer = Client(address=b"consumer", items=True)
+    sessions.clients.update({consumer.address: consumer, producer.address: producer})
+    for rid, body in enumerate((b"a", b"b", b"c", b"d"), start=1):
+        core.put(producer, rid, "k", _item(body), None, False)
+    assert core.take_run(consumer, [30, 31, 32], "k") == 3
+    out = sessions._out[consumer.address]
+    assert [(rid, body) for rid, body, _ in out.records[-1].items] == [
+        (30, b"a"), (31, b"b"), (32, b"c")]
+    assert len(out.deliveries) == 1
+    core.get(consumer, 33, "k", None, False)  # the last item, a get alone: the same record
+    assert [rid for rid, _, _ in out.records[-1].items] == [30, 31, 32, 33]
     sessions._end_client(consumer.address, sessions._out.pop(consumer.address))
     assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]

@@ -41,7 +41,7 @@ from zchannel.broker.core.state import (
     Parked,
 )
 from zchannel.broker.core.statelog import StateLog
-from zchannel.broker.core.waiters import SendReply, Waiters, take_run
+from zchannel.broker.core.waiters import SendReply, SendRun, Waiters, take_run
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
 from zchannel.hooks import Collector, Dispatcher
@@ -71,6 +71,7 @@ class QueueCore:
         key_grace: float = KEY_GRACE_S,
         request_overhead: int = REQUEST_OVERHEAD,
         key_overhead: int = KEY_OVERHEAD,
+        reply_run: SendRun | None = None,
     ) -> None:
         self.name = name
         self.reply = reply
@@ -87,7 +88,8 @@ class QueueCore:
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,
                                deadlines=self.deadlines, reply=reply,
-                               request_overhead=request_overhead, key_overhead=key_overhead)
+                               request_overhead=request_overhead, key_overhead=key_overhead,
+                               reply_run=reply_run)
         self.log: StateLog | None = None
 
     def attach_log(self, log: StateLog) -> None:

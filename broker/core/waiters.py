@@ -46,6 +46,8 @@ log = logging.getLogger("zchannel.broker")
 # reply(client, rid, *, result=, error=, items=, batch=, lease=, origin=): the transport sends
 # the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
 SendReply = Callable[..., None]
+# ``(client, rids, items, origin)``: plain gets ``rids`` answered with ``items``, one each
+SendRun = Callable[[Client, list[int], list[Item], tuple[Any, str | None]], None]
 
 _NONE_WAITING: set[tuple[Any, str | None]] = set()  # no waiting put blocks a target queue (never added to)
 
@@ -55,12 +57,13 @@ class Waiters:
 
     def __init__(self, *, queues: KeyedQueues, hooks: HookPipeline, leases: LeaseBook,
                  deadlines: Deadlines, reply: SendReply, request_overhead: int = REQUEST_OVERHEAD,
-                 key_overhead: int = KEY_OVERHEAD) -> None:
+                 key_overhead: int = KEY_OVERHEAD, reply_run: SendRun | None = None) -> None:
         self.queues = queues
         self.hooks = hooks
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
+        self.reply_run = reply_run  # the replies of a run of gets at once (``take_run``)
         self.putters: deque[Parked] = deque()
         self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
@@ -362,9 +365,13 @@ def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState) ->
     waiters.queues.bytes_held -= sum(item.nbytes for item in items)
     if waiters.log is not None:
         waiters.log.taken(items)
-    reply, origin = waiters.reply, (ks.key, None)
-    for rid, item in zip(rids, items, strict=False):  # n of the rids
-        reply(client, rid, items=[item], origin=origin)
+    origin = (ks.key, None)
+    if waiters.reply_run is not None:
+        waiters.reply_run(client, rids[:n], items, origin)
+    else:
+        reply = waiters.reply
+        for rid, item in zip(rids, items, strict=False):  # n of the rids
+            reply(client, rid, items=[item], origin=origin)
     if waiters.putters:
         waiters.admit_putters()
     waiters.queues.mark_idle(ks)

@@ -170,7 +170,7 @@ class Broker:
             producers=tuple(config.producers or ()),
             consumers=expand_consumers(config.consumers),
             options=config.options,
-            reply=self.sessions.reply,
+            reply=self.sessions.reply, reply_run=self.sessions.reply_run,
             decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
             lease_timeout=config.lease_timeout,

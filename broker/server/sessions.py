@@ -163,6 +163,34 @@ class Sessions:
             rec.result = result
         out.records.append(rec)
 
+    def reply_run(self, client: Client, rids: list[int], items: list[Item], origin: Any) -> None:
+        """Queue the replies of plain gets ``rids`` served at once with ``items``, one each in
+        order, from ``origin``'s queue (``QueueCore.take_run``): for a client that reads
+        ``items`` records, small items as entries of the last one (or new ones) and the run as
+        one delivery (handed back in order if the client cannot be reached); else reply by
+        reply, as ``reply`` answers each."""
+        bodies = _inline_bodies(items) if client.items else None
+        if bodies is None:
+            for rid, item in zip(rids, items, strict=True):
+                self.reply(client, rid, items=[item], origin=origin)
+            return
+        out = self._out.get(client.address)
+        if out is None:
+            out = self._out[client.address] = Outbox()
+        out.deliveries.append((client, origin, items, None))
+        self.counters.delivered += len(items)
+        entries: list[tuple[int, bytes, int | None]] = [
+            (rid, body, None) for rid, body in zip(rids, bodies, strict=True)]
+        records = out.records
+        last = records[-1] if records else None
+        if last is not None and last.op == ITEMS and last.items is not None:
+            room = MAX_BATCH_PUTS - len(last.items)
+            last.items.extend(entries[:room])
+            entries = entries[room:]
+        for start in range(0, len(entries), MAX_BATCH_PUTS):
+            records.append(Reply(op=ITEMS, items=entries[start : start + MAX_BATCH_PUTS]))
+            self.counters.item_records += 1
+
     def _attach_frames(self, out: Outbox, client: Client, rec: Reply, items: list[Item],
                        batch: bool) -> None:
         """Queue the frames of ``items`` in ``out`` for ``rec`` (``nf``; ``n`` of a batch)."""
