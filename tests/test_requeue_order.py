@@ -35,6 +35,18 @@ def _item(body: bytes) -> Item:
     return Item([body], 1, len(body) + ITEM_OVERHEAD)
 
 
+def _key_of_four(run_dir: str) -> tuple[Sessions, QueueCore, Client]:
+    """The broker's parts with key ``k`` holding a, b, c and d, and a consumer that reads
+    ``items`` records (both clients registered)."""
+    sessions, core = _broker_parts(run_dir)
+    producer = Client(address=b"producer")
+    consumer = Client(address=b"consumer", items=True)
+    sessions.clients.update({consumer.address: consumer, producer.address: producer})
+    for rid, body in enumerate((b"a", b"b", b"c", b"d"), start=1):
+        core.put(producer, rid, "k", _item(body), None, False)
+    return sessions, core, consumer
+
+
 def test_deliveries_of_one_turn_go_back_in_their_order(run_dir):
     sessions, core = _broker_parts(run_dir)
     consumer = Client(address=b"consumer", items=True)
@@ -66,12 +78,7 @@ def test_deliveries_of_one_turn_go_back_in_their_order(run_dir):
 def test_a_batch_and_single_gets_of_one_turn_go_back_in_their_order(run_dir):
     """A get_batch's delivery holds several items; with single gets after it in the same turn,
     all of them come back in the order they were taken."""
-    sessions, core = _broker_parts(run_dir)
-    producer = Client(address=b"producer")
-    consumer = Client(address=b"consumer", items=True)
-    sessions.clients.update({consumer.address: consumer, producer.address: producer})
-    for rid, body in enumerate((b"a", b"b", b"c", b"d"), start=1):
-        core.put(producer, rid, "k", _item(body), None, False)
+    sessions, core, consumer = _key_of_four(run_dir)
     core.get(consumer, 10, "k", None, False, batch_target=2)  # takes a and b
     core.get(consumer, 11, "k", None, False)  # c
     core.get(consumer, 12, "k", None, False)  # d
@@ -83,12 +90,7 @@ def test_a_batch_and_single_gets_of_one_turn_go_back_in_their_order(run_dir):
 def test_a_run_of_gets_served_at_once_goes_back_in_its_order(run_dir):
     """A ``gets`` record served in one pass (``QueueCore.take_run``) answers its gets as entries
     of one ``items`` record, in order, and counts as one delivery, handed back whole."""
-    sessions, core = _broker_parts(run_dir)
-    producer = Client(address=b"producer")
-    consumer = Client(address=b"consumer", items=True)
-    sessions.clients.update({consumer.address: consumer, producer.address: producer})
-    for rid, body in enumerate((b"a", b"b", b"c", b"d"), start=1):
-        core.put(producer, rid, "k", _item(body), None, False)
+    sessions, core, consumer = _key_of_four(run_dir)
     assert core.take_run(consumer, [30, 31, 32], "k") == 3
     out = sessions._out[consumer.address]
     assert [(rid, body) for rid, body, _ in out.records[-1].items] == [

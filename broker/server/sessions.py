@@ -42,17 +42,24 @@ from zchannel.broker.wire.protocol import (
 log = logging.getLogger("zchannel.broker")
 
 
-def _add_item(out: Outbox, rid: int, body: bytes, lease: int | None) -> int:
-    """Answer get ``rid`` with its small item inside an ``items`` record: the outbox's last
-    record when it is one (the replies keep their order), else a new one (then 1, else 0)."""
+def _add_items(out: Outbox, entries: list[tuple[int, bytes, int | None]]) -> int:
+    """Answer gets with their small items, ``(rid, body, lease)`` each, inside ``items``
+    records: the outbox's last record while it is one with room (the replies keep their
+    order), then new ones of at most ``MAX_BATCH_PUTS`` entries; how many records were made."""
     records = out.records
     last = records[-1] if records else None
-    if last is not None and last.op == ITEMS and last.items is not None \
-            and len(last.items) < MAX_BATCH_PUTS:
-        last.items.append((rid, body, lease))
-        return 0
-    records.append(Reply(op=ITEMS, items=[(rid, body, lease)]))
-    return 1
+    if last is not None and last.op == ITEMS and last.items is not None:
+        room = MAX_BATCH_PUTS - len(last.items)
+        if len(entries) <= room:
+            last.items.extend(entries)
+            return 0
+        last.items.extend(entries[:room])
+        entries = entries[room:]
+    made = 0
+    for start in range(0, len(entries), MAX_BATCH_PUTS):
+        records.append(Reply(op=ITEMS, items=entries[start : start + MAX_BATCH_PUTS]))
+        made += 1
+    return made
 
 
 def _inline_bodies(items: list[Item]) -> list[bytes] | None:
@@ -129,9 +136,7 @@ class Sessions:
                 and rid in self._ack_ids:  # a put of a batch stored: the batch's reply says so
             self._acked.append(rid)
             return
-        out = self._out.get(client.address)
-        if out is None:
-            out = self._out[client.address] = Outbox()
+        out = self._outbox(client.address)
         if items is None and error is None and weights is None:  # an acknowledgement or a result
             out.records.append(Reply(id=rid, result=result))
             return
@@ -141,7 +146,7 @@ class Sessions:
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += 1
             if client.items:  # with the small items before it, one ``items`` record
-                self.counters.item_records += _add_item(out, rid, body, lease)
+                self.counters.item_records += _add_items(out, [(rid, body, lease)])
                 return
             out.records.append(Reply(id=rid, weights=weights, body=body, lease=lease))
             return
@@ -174,22 +179,18 @@ class Sessions:
             for rid, item in zip(rids, items, strict=True):
                 self.reply(client, rid, items=[item], origin=origin)
             return
-        out = self._out.get(client.address)
-        if out is None:
-            out = self._out[client.address] = Outbox()
+        out = self._outbox(client.address)
         out.deliveries.append((client, origin, items, None))
         self.counters.delivered += len(items)
-        entries: list[tuple[int, bytes, int | None]] = [
-            (rid, body, None) for rid, body in zip(rids, bodies, strict=True)]
-        records = out.records
-        last = records[-1] if records else None
-        if last is not None and last.op == ITEMS and last.items is not None:
-            room = MAX_BATCH_PUTS - len(last.items)
-            last.items.extend(entries[:room])
-            entries = entries[room:]
-        for start in range(0, len(entries), MAX_BATCH_PUTS):
-            records.append(Reply(op=ITEMS, items=entries[start : start + MAX_BATCH_PUTS]))
-            self.counters.item_records += 1
+        self.counters.item_records += _add_items(
+            out, [(rid, body, None) for rid, body in zip(rids, bodies, strict=True)])
+
+    def _outbox(self, address: bytes) -> Outbox:
+        """The replies of this turn for the client at ``address`` (made on first use)."""
+        out = self._out.get(address)
+        if out is None:
+            out = self._out[address] = Outbox()
+        return out
 
     def _attach_frames(self, out: Outbox, client: Client, rec: Reply, items: list[Item],
                        batch: bool) -> None:
@@ -312,8 +313,7 @@ class Sessions:
                 self.client_gone(client)
                 self._send(address, [BROKER_EXPIRED], [])
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
-                out = self._out[address] = Outbox()
-                out.records.append(BROKER_HEARTBEAT)
+                self._outbox(address).records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
         listener = self.peers.listener if self.peers is not None else None
