@@ -123,7 +123,10 @@ def test_a_broker_at_1024_descriptors_survives_2000_peers(transport, brokers, wo
     assert wait_until(lambda: ch.stats()["connections"] <= 2, 30)
     ch.close()
     assert broker.stop() == 0, "".join(broker.lines)
-    assert broker.said("max_clients 768 (descriptor limit 1024)")
+    # each refusal is logged naming the budget and the limit it came from; over ipc a run
+    # whose gate shut before any peer was backlogged refuses none, and then logs none
+    refused = stats["refused_connections"]
+    assert broker.said("max_clients 768 (descriptor limit 1024)") == (refused > 0), refused
     if transport == "ipc":  # the path named a stand-in while the budget was used up
         assert broker.said("refuses new connections: max_clients (768)")
         assert broker.said("accepts connections again")
