@@ -398,16 +398,26 @@ def test_blocking_calls_stop_spinning_while_their_replies_are_slow(make_remote, 
     conn = ch._connection()
     conn._waiting.spin_s = 200e-6  # also on a machine with one CPU (where it would be 0)
     conn._waiting.spin_score = tuning.SPIN_SCORE_MAX  # as new, whatever the warm-up calls scored
-    spins = []
-    spin = waiting.Waiting._spin
-    monkeypatch.setattr(waiting.Waiting, "_spin",
-                        lambda self, work: (spins.append(1), spin(self, work)))
-    for _ in range(40):
+    # the spin decision of each call that took the socket itself (a call made while the I/O
+    # thread reads replies leaves them to it: no decision, no probe count)
+    decisions: list[bool] = []
+    read_for = waiting.Waiting._read_for
+
+    def recording(self, work, limit, spin=None):
+        if spin is not None:
+            decisions.append(spin)
+        return read_for(self, work, limit, bool(spin))
+
+    monkeypatch.setattr(waiting.Waiting, "_read_for", recording)
+    for _ in range(400):  # until 37 calls decided, on a loaded machine too
         with pytest.raises(TimeoutError):
             ch.get(key="empty", timeout=0.005)  # each reply comes >= 5 ms later: a miss
+        if len(decisions) >= 37:
+            break
     # 4 misses take the score from 8 to 0; then probes at the 1st and 33rd call after that
     # (the probe counter only counts calls made at score 0)
-    assert len(spins) == 6
+    expected = [True] * 5 + [False] * 31 + [True]
+    assert decisions[:37] == expected
     assert conn._waiting.spin_score == 0
 
 
