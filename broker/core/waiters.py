@@ -19,6 +19,7 @@ in items and waiting requests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -63,7 +64,8 @@ class Waiters:
         self.leases = leases
         self.deadlines = deadlines
         self.reply = reply
-        self.reply_run = reply_run  # the replies of a run of gets at once (``take_run``)
+        # the replies of a run of gets at once (``take_run``); by default one reply each
+        self.reply_run: SendRun = reply_run or functools.partial(reply_each, reply)
         self.putters: deque[Parked] = deque()
         self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
@@ -365,17 +367,19 @@ def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState) ->
     waiters.queues.bytes_held -= sum(item.nbytes for item in items)
     if waiters.log is not None:
         waiters.log.taken(items)
-    origin = (ks.key, None)
-    if waiters.reply_run is not None:
-        waiters.reply_run(client, rids[:n], items, origin)
-    else:
-        reply = waiters.reply
-        for rid, item in zip(rids, items, strict=False):  # n of the rids
-            reply(client, rid, items=[item], origin=origin)
+    waiters.reply_run(client, rids[:n], items, (ks.key, None))
     if waiters.putters:
         waiters.admit_putters()
     waiters.queues.mark_idle(ks)
     return n
+
+
+def reply_each(reply: SendReply, client: Client, rids: list[int], items: list[Item],
+               origin: tuple[Any, str | None]) -> None:
+    """Answer plain gets ``rids`` with ``items``, one reply each, in order: the ``SendRun`` of a
+    transport that has no way of its own to answer a run (``Waiters.reply_run``)."""
+    for rid, item in zip(rids, items, strict=True):
+        reply(client, rid, items=[item], origin=origin)
 
 
 def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import Client, Item
+from zchannel.broker.core.waiters import reply_each
 from zchannel.broker.errors import error_to_wire
 from zchannel.broker.journal.journal import Journal
 from zchannel.broker.server import metrics
@@ -176,8 +177,7 @@ class Sessions:
         reply, as ``reply`` answers each."""
         bodies = _inline_bodies(items) if client.items else None
         if bodies is None:
-            for rid, item in zip(rids, items, strict=True):
-                self.reply(client, rid, items=[item], origin=origin)
+            reply_each(self.reply, client, rids, items, origin)
             return
         out = self._outbox(client.address)
         out.deliveries.append((client, origin, items, None))
