@@ -127,12 +127,14 @@ class Replicas:
 def audit(reader: Any, acked: list, views: list[dict], kills: dict[int, list[float]],
           got: list = ()) -> dict:
     """Check a distributed channel after a failure run and count.  ``acked``: (key, item,
-    monotonic time of the acknowledgement) of every acknowledged put; ``views``: each handle's
+    monotonic time the put was issued) of every acknowledged put -- the issuer may see an
+    acknowledgement only after the broker that sent it was seen gone, but never one of a put
+    issued after that; ``views``: each handle's
     key -> replica; ``kills``: replica -> when it was killed (gone); ``got``: (key, item) taken
     during the run.  Asserted: every handle saw the replica a fresh lookup by ``reader`` gives;
     no replica holds a key bound to another; ``reader`` drains every key; nothing delivered
     twice or without an acknowledged put; every acknowledged item delivered unless its replica
-    was killed after the acknowledgement.  Returns ops, lost, duplicates, delivered, keys."""
+    was killed after the put was issued.  Returns ops, lost, duplicates, delivered, keys."""
     keys = {key for view in views for key in view}
     bound = {key: reader.replica_of(key) for key in keys}
     for view in views:  # every handle saw the same replica for every key
@@ -155,7 +157,7 @@ def audit(reader: Any, acked: list, views: list[dict], kills: dict[int, list[flo
     lost = []
     for key, item, t in acked:
         if (key, item) not in delivered:
-            # allowed only when the key's replica was killed after the acknowledgement
+            # allowed only when the key's replica was killed after the put was issued
             assert any(k > t for k in kills.get(bound[key], ())), \
                 ("lost", key, item, t, bound[key], kills)
             lost.append((key, item))

@@ -218,7 +218,7 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
 class Loader:
     """Puts (weight 1) to its node's three old keys, a new key every five rounds and a key every
     loader touches in the same round, from a thread of its own until ``finish``; records every
-    acknowledged put and the replica its handle routed each key to."""
+    acknowledged put (with when it was issued) and the replica its handle routed each key to."""
 
     def start(self, channel, tag: str) -> str:
         import threading
@@ -244,13 +244,14 @@ class Loader:
             for key in old + [(self.tag, "new", rnd // 5), ("shared", rnd // 5)]:
                 seq += 1
                 item = f"{self.tag}/{seq}"
+                issued = time.monotonic()  # a broker that acknowledges it was alive by then
                 try:
                     self.ch.put(item, 1, key=key, timeout=10)
                 except (BrokerUnavailable, TimeoutError):
                     self.failed += 1
                     ok = False
                     continue
-                self.acked.append((key, item, time.monotonic()))
+                self.acked.append((key, item, issued))
                 self.views[key] = self.ch.replica_of(key)
             if ok:
                 with self.clean:
@@ -297,7 +298,7 @@ def test_broker_actor_killed_under_load(cluster):
         old_pid = ray.get(actor.pid.remote())
         ray.kill(actor, no_restart=False)
         assert exited(old_pid, 30), "the killed actor's broker lives on"
-        dead_at = time.monotonic()  # nothing the old broker acknowledged is later than this
+        dead_at = time.monotonic()  # nothing the old broker acknowledged was issued later
         new_pid = _restarted_pid(actor, old_pid)
         assert new_pid not in (-1, old_pid)
         assert ray.get(actor.node.remote())[0] == node_before  # restarted on its node
