@@ -36,6 +36,17 @@ class SequenceBits:
         i = seq & _MASK
         self.bits[i >> 3] |= 1 << (i & 7)
 
+    def mark_rising(self, seqs: list[int]) -> None:
+        """``mark`` each of ``seqs``, which rise and are all above ``high`` (a run of new puts)."""
+        bits, high = self.bits, self.high
+        for seq in seqs:
+            if seq - high > 1:
+                self._clear(high + 1, seq)
+            i = seq & _MASK
+            bits[i >> 3] |= 1 << (i & 7)
+            high = seq
+        self.high = high
+
     def marked(self, seq: int) -> bool:
         """Whether ``seq`` is marked (False for one above ``high`` or before the window)."""
         if seq > self.high or seq <= self.high - WINDOW:

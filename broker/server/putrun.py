@@ -6,9 +6,11 @@ riding in its record: an inline body (no frames, no shared-memory slots), a vali
 and timeout, an id no parked request of the client holds, and (for a retry-safe producer)
 sequences above every sequence its window saw, increasing within the batch.  If every put
 also fits under ``maxsize`` (each key's queue has room for all of that key's puts of the
-batch), all are stored: each key's items appended in order (one ``deque.extend`` for a key no
-getter waits on; a key with waiting getters gets its items one by one, each serving them,
-in the order of the batch, as single puts would).
+batch), all are stored: each key's items appended in order, then each key with waiting getters
+served once.  Getters of the shared queue are served strictly in arrival order, each taking
+head items, so they take the items they would have taken had each item been served as it
+came; only a get_batch completed by the batch may also take zero-weight items that follow its
+last counted one in the same batch, as it would had those arrived before it was served.
 
 On a durable channel each put is recorded in the journal (``StateLog.stored``, one call per
 put, the put sequence of a retry-safe producer with its item, as ``handlers._put_once`` does)
@@ -31,8 +33,14 @@ from typing import Any
 
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.core.statelog import StateLog
-from zchannel.broker.wire.argchecks import check_key, check_timeout, check_weight
-from zchannel.broker.wire.protocol import INLINE_BODY, Put, key_from_wire
+from zchannel.broker.wire.argchecks import (
+    MAX_KEY_BYTES,
+    MAX_WEIGHT,
+    check_key,
+    check_timeout,
+    check_weight,
+)
+from zchannel.broker.wire.protocol import INLINE_BODY, UNSET, Put, key_from_wire
 
 
 def store_at_once(broker: Any, client: Client, puts: list[Put]) -> list[int] | None:
@@ -55,8 +63,7 @@ def store_at_once(broker: Any, client: Client, puts: list[Put]) -> list[int] | N
             return None
         puts = puts[: len(checked)]
     if window is not None:
-        for put in puts:
-            window.mark(put.sequence())
+        window.mark_rising([put.sequence() for put in puts])
     broker.counters.puts += len(puts)
     _store(core, queues, checked)
     return [put.id for put in puts]
@@ -82,27 +89,38 @@ def _journaled(log: StateLog, checked: list[tuple], puts: list[Put], window: Any
 
 def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[tuple] | None:
     """``(key, Item)`` of each put in order, or None if one is not a new inline put with valid
-    fields (the general path then answers it as a single put)."""
+    fields (the general path then answers it as a single put).  The common field values (a
+    short str key, an int weight in range, no timeout) are told by their type and range here;
+    any other value goes through the checks of ``wire/argchecks.py``."""
     out: list[tuple] = []
     parked = client.parked
     high = window.high if window is not None else 0
+    largest = min(INLINE_BODY, limit) if limit else INLINE_BODY
     try:
         for put in puts:
             body = put.body
             if (type(body) is not bytes or put.nf or put.slots is not None
-                    or put.sizes is not None or put.id in parked):
+                    or put.sizes is not None or (parked and put.id in parked)):
                 return None
             nbytes = len(body)
-            if nbytes > INLINE_BODY or (limit and nbytes > limit):
+            if nbytes > largest:
                 return None
             if window is not None:
-                seq = put.sequence()
+                seq = put.seq
+                if seq is UNSET:
+                    seq = put.id
                 if type(seq) is not int or seq <= high:
                     return None
                 high = seq
-            key = check_key(key_from_wire(put.key))
-            check_timeout(put.timeout)
-            out.append((key, Item([body], check_weight(put.weight), nbytes + ITEM_OVERHEAD)))
+            key = put.key
+            if type(key) is not str or len(key) > MAX_KEY_BYTES:
+                key = check_key(key_from_wire(key))
+            if put.timeout is not None:
+                check_timeout(put.timeout)
+            weight = put.weight
+            if type(weight) is not int or not 0 <= weight <= MAX_WEIGHT:
+                weight = check_weight(weight)
+            out.append((key, Item([body], weight, nbytes + ITEM_OVERHEAD)))
     except (TypeError, ValueError):
         return None
     return out
@@ -131,22 +149,16 @@ def _fits(queues: Any, checked: list[tuple]) -> bool:
 
 
 def _store(core: Any, queues: Any, checked: list[tuple]) -> None:
-    """Append the items of ``checked`` to their keys' shared queues; a key with waiting getters
-    is served after each of its items, in batch order."""
+    """Append the items of ``checked`` to their keys' shared queues, in order, then serve the
+    waiting getters of each key once (module docstring)."""
     states = {key: queues.state(key) for key, _ in checked}
-    if any(ks.getters for ks in states.values()):
-        serve = core.waiters.serve
-        for key, item in checked:
-            ks = states[key]
-            ks.shared.append(item)
-            queues.bytes_held += item.nbytes
-            if ks.getters:
-                serve(ks)
-        return
     if len(states) == 1:
-        items = [item for _, item in checked]
-        next(iter(states.values())).shared.extend(items)
+        next(iter(states.values())).shared.extend(item for _, item in checked)
     else:
         for key, item in checked:
             states[key].shared.append(item)
     queues.bytes_held += sum(item.nbytes for _, item in checked)
+    serve = core.waiters.serve
+    for ks in states.values():
+        if ks.getters:
+            serve(ks)
