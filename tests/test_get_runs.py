@@ -84,6 +84,40 @@ def test_queued_items_serve_the_head_gets_of_a_record_in_order(channels):
         assert [(r["id"], value(r)) for r in got] == [(35, "f"), (36, "g")]
 
 
+def recv_records(raw, n: int) -> list[dict]:
+    """The next ``n`` reply records, over as many messages as they take."""
+    got: list[dict] = []
+    while len(got) < n:
+        assert raw.poll(10_000), f"got {got}, waiting for {n}"
+        got += msgpack.unpackb(raw.recv_multipart()[0])
+    return got
+
+
+def test_the_gets_of_a_record_on_an_empty_key_wait_each_with_its_own_deadline(channels):
+    ch = Channel.create("gets-parked-run")
+    channels.append(ch)
+    with raw_dealer(ch) as raw:
+        exchange(raw, [put(2, "k", "a")])
+        assert ch.get("k", timeout=5) == "a"  # the key stays known, its queue empty
+        # all four wait: the record's own id is answered at once, nothing else
+        assert exchange(raw, [gets(20, "k", [30, 31, 32, 33], t=60)]) == [{"id": 20}]
+        assert ch.stats()["gets"] >= 4
+        # one of them is cancelled: it ends without a reply, the others keep their places
+        raw.send_multipart([pack_header([{"op": "cancel", "id": 21, "rid": 31}])])
+        assert recv_records(raw, 1) == [{"id": 21, "r": True}]
+        for v in "bcd":
+            ch.put(v, key="k")
+        got = recv_records(raw, 3)
+        assert [(r["id"], value(r)) for r in got] == [(30, "b"), (32, "c"), (33, "d")]
+        # a record whose gets wait with a short timeout: each times out under its own id
+        assert exchange(raw, [gets(40, "k", [41, 42], t=0.2)]) == [{"id": 40}]
+        expired = recv_records(raw, 2)
+        assert sorted(r["id"] for r in expired) == [41, 42]
+        assert all(r["e"][0] == "TimeoutError" for r in expired)
+        ch.put("e", key="k")
+        assert ch.get("k", timeout=5) == "e"  # nothing waits any more: the item stayed
+
+
 def test_a_get_whose_id_is_parked_elsewhere_is_refused_alone_with_items_queued(channels):
     ch = Channel.create("gets-parked-id")
     channels.append(ch)

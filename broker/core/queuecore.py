@@ -167,19 +167,19 @@ class QueueCore:
         self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
                          new_key)
 
-    def take_run(self, client: Client, rids: list[int], key: Any) -> int:
-        """The common case of plain gets ``rids`` (no ``ack``, their timeout checked) of the
-        checked ``key``, which holds items nobody else waits for: the first of them served at
-        once from its shared queue, exactly as ``get`` would serve each; how many (0: none,
-        nothing changed -- the rest take ``get`` one by one)."""
+    def take_run(self, client: Client, rids: list[int], key: Any, timeout: float | None = None,
+                 park: bool = False) -> int:
+        """The common case of plain gets ``rids`` (no ``ack``, their ``timeout`` checked) of
+        the checked ``key``: served at once from its shared queue when nobody else waits on
+        it and, with ``park``, those it does not cover parked in order (``waiters.take_run``),
+        exactly as ``get`` would serve or park each; how many (0: none, nothing changed --
+        the rest take ``get`` one by one)."""
         ks = self.queues.keys.get(key)
-        if ks is None or not ks.shared:
-            return 0
         parked = client.parked
-        if parked and any(rid in parked for rid in rids):
-            return 0  # a duplicate id: ``get`` answers its error
+        if ks is None or (parked and any(rid in parked for rid in rids)):
+            return 0  # a new key or a duplicate id: ``get`` sees to each
         self._join(client)
-        return take_run(self.waiters, client, rids, self.queues.state(key))
+        return take_run(self.waiters, client, rids, self.queues.state(key), timeout, park)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
         lease = self.lease_book.find(lease_id)

@@ -354,24 +354,50 @@ class Waiters:
                 self.serve(ks)
 
 
-def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState) -> int:
-    """Plain gets ``rids`` of ``client`` on ``ks`` served at once from its shared queue, in
-    order, each as ``Waiters.get``'s common case serves one (nobody else waits on the key, no
-    dealing): how many of them, from the first, were served (0: nothing changed)."""
+def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
+             timeout: float | None = None, park: bool = False) -> int:
+    """Plain gets ``rids`` of ``client`` (no ``ack``, ``timeout`` checked) on ``ks`` served at
+    once from its shared queue, in order, each as ``Waiters.get``'s common case serves one
+    (nobody else waits on the key, no dealing), and with ``park`` those its items do not cover
+    parked in order behind any getters waiting already (``park_run``, when the queue is
+    empty): how many of them, from the first (0: nothing changed)."""
     shared = ks.shared
-    if waiters.hooks.deals or ks.getters or not shared:
+    if waiters.hooks.deals:
         return 0
-    n = min(len(rids), len(shared))
-    popleft = shared.popleft
-    items = [popleft() for _ in range(n)]
-    waiters.queues.bytes_held -= sum(item.nbytes for item in items)
-    if waiters.log is not None:
-        waiters.log.taken(items)
-    waiters.reply_run(client, rids[:n], items, (ks.key, None))
-    if waiters.putters:
-        waiters.admit_putters()
-    waiters.queues.mark_idle(ks)
+    n = 0 if ks.getters else min(len(rids), len(shared))
+    if n:
+        popleft = shared.popleft
+        items = [popleft() for _ in range(n)]
+        waiters.queues.bytes_held -= sum(item.nbytes for item in items)
+        if waiters.log is not None:
+            waiters.log.taken(items)
+        waiters.reply_run(client, rids[:n], items, (ks.key, None))
+        if waiters.putters:
+            waiters.admit_putters()
+        waiters.queues.mark_idle(ks)
+    if park and n < len(rids):
+        n += park_run(waiters, client, rids[n:], ks, timeout)
     return n
+
+
+def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
+             timeout: float | None) -> int:
+    """Park plain gets ``rids`` of ``client`` (no ``ack``, ``timeout`` checked) on ``ks``, whose
+    shared queue is empty, in order, each as ``Waiters.get`` parks one: its own ``Parked``
+    record, place among the key's getters and deadline; how many (0, nothing changed, when the
+    queue holds items, items are dealt, a ``max_bytes`` limit may refuse a wait, or a
+    ``timeout`` of 0 means the gets may not wait at all)."""
+    if (ks.shared or ks.private or waiters.hooks.deals or waiters.queues.max_bytes
+            or (timeout is not None and timeout <= 0)):
+        return 0
+    getters, cost = ks.getters, waiters.request_overhead
+    for rid in rids:
+        req = Parked(client, rid, "get", ks.key, None)
+        getters.append(req)
+        req.cost = cost
+        waiters.waiting_bytes += cost
+        waiters._park(req, timeout)
+    return len(rids)
 
 
 def reply_each(reply: SendReply, client: Client, rids: list[int], items: list[Item],
@@ -389,7 +415,13 @@ def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
     shared, getters = ks.shared, ks.getters
     while shared and getters:
         req = getters[0]
-        n = 1 if req.kind == "get" else _batch_take_resumed(req, ks, shared)
+        if req.kind == "get":
+            if req.ack or len(shared) == 1 or len(getters) == 1:
+                waiters._deliver(req, ks, None, shared, 1)
+            else:
+                _deliver_get_run(waiters, ks)
+            continue
+        n = _batch_take_resumed(req, ks, shared)
         if n == 0:
             break
         waiters._deliver(req, ks, None, shared, n)
@@ -397,6 +429,29 @@ def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
         waiters.admit_putters()
     waiters.queues.mark_idle(ks)
     return True
+
+
+def _deliver_get_run(waiters: Waiters, ks: KeyState) -> None:
+    """Serve the plain gets without ``ack`` of one client at the head of ``ks.getters`` with
+    head items of the shared queue, as many as it holds, answered as one run (``reply_run``),
+    as ``_deliver`` would serve each in turn."""
+    shared, getters = ks.shared, ks.getters
+    client = getters[0].client
+    rids: list[int] = []
+    limit = len(shared)
+    while getters and len(rids) < limit:
+        req = getters[0]
+        if req.kind != "get" or req.ack or req.client is not client:
+            break
+        getters.popleft()
+        waiters._unpark(req)
+        rids.append(req.rid)
+    popleft = shared.popleft
+    items = [popleft() for _ in rids]
+    waiters.queues.bytes_held -= sum(item.nbytes for item in items)
+    if waiters.log is not None:
+        waiters.log.taken(items)
+    waiters.reply_run(client, rids, items, (ks.key, None))
 
 
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:

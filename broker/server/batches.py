@@ -107,9 +107,9 @@ def _take_at_once(broker: Any, client: Client, rec: GetRun) -> int:
         return 0
     try:
         key = check_key(key_from_wire(rec.key))
-        check_timeout(rec.timeout)
+        timeout = check_timeout(rec.timeout)
     except (TypeError, ValueError):
         return 0  # each get's error reply is the single path's
-    served = broker.core.take_run(client, rec.ids, key)
+    served = broker.core.take_run(client, rec.ids, key, timeout, park=not rec.nowait)
     broker.counters.gets += served
     return served
