@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.queues import DEADLINES_KEPT
 from zchannel.broker.core.state import Client, Item
 from zchannel.broker.wire.argchecks import exceeds, reaches
 from zchannel.hooks import Collector, Dispatcher
@@ -664,3 +665,26 @@ def test_a_stream_keeps_one_grace_deadline_per_key():
     assert "a" in core.keys and core.deadlines.next() == last_idle + 30.0
     core.tick(last_idle + 30.0)
     assert "a" not in core.keys and core.deadlines.next() is None
+
+
+def test_served_gets_and_acknowledged_leases_leave_the_timer_heap():
+    """A stream whose gets wait with long timeouts (and whose deliveries are leased and
+    acknowledged) keeps the timer heap within about twice its live deadlines: the entries of
+    gets served and leases acknowledged before their deadline are dropped as the heap grows,
+    while a get still waiting keeps its deadline and times out at it."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    n = 5 * DEADLINES_KEPT
+    for i in range(n):
+        core.get(consumer, 3 * i + 1, "a", 600.0, False, ack=True)  # waits: the queue is empty
+        core.put(producer, 3 * i + 2, "a", Item((i, None), 1, 1), None, False)
+        assert replies[3 * i + 1] == ("items", [i], False, True, ("a", None))
+        core.ack(consumer, 3 * i + 3, next(iter(core.leases)))
+        assert len(core.deadlines) <= 2 * DEADLINES_KEPT + 1
+    core.get(consumer, 3 * n + 1, "a", 600.0, False)  # still waiting: its deadline stays
+    for i in range(3 * DEADLINES_KEPT):
+        core.get(consumer, 3 * n + 2 + 2 * i, "b", 600.0, False)
+        core.put(producer, 3 * n + 3 + 2 * i, "b", Item((i, None), 1, 1), None, False)
+    assert 3 * n + 1 not in replies
+    core.tick(time.monotonic() + 601.0)
+    assert replies[3 * n + 1] == ("error", "TimeoutError")

@@ -48,6 +48,7 @@ class LeaseBook:
     def end(self, lease: Lease) -> None:
         """Close ``lease`` (acknowledged, lapsed, returned); its bytes stay the caller's to count."""
         del self.leases[lease.lease_id]
+        lease.alive = False
         lease.client.leases.pop(lease.lease_id, None)
         ks = self.queues.keys.get(lease.key)
         if ks is not None:

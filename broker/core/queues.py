@@ -27,19 +27,39 @@ KEY_GRACE_S = 30.0
 Outputs = list[tuple[Any, str | None, Item]]
 
 
+# entries the deadline heap may hold before it drops those of ended objects
+DEADLINES_KEPT = 4096
+
+
 class Deadlines:
-    """A heap of (deadline, object): what ``QueueCore.tick`` expires, in deadline order."""
+    """A heap of (deadline, object): what ``QueueCore.tick`` expires, in deadline order.
+
+    An object whose ``alive`` attribute is False (a get served before its deadline, a lease
+    acknowledged) has nothing left to expire; its entry is dropped when the heap grows past
+    twice what it held after the last drop (and past ``DEADLINES_KEPT``), so the heap holds
+    at most about twice the live deadlines however long the timeouts (a stream of gets each
+    waiting with ``timeout=60`` would otherwise keep a minute of served gets)."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Any]] = []
         self._seq = itertools.count()
+        self._limit = DEADLINES_KEPT
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
     def add(self, deadline: float, obj: Any) -> None:
         """Expire ``obj`` at ``deadline``: a finite float (``ValueError`` otherwise; a NaN at
         the root would compare false with every deadline and stall them all)."""
         if not -math.inf < deadline < math.inf:
             raise ValueError(f"a deadline must be a finite number, got {deadline!r}")
-        heapq.heappush(self._heap, (deadline, next(self._seq), obj))
+        heap = self._heap
+        heapq.heappush(heap, (deadline, next(self._seq), obj))
+        if len(heap) > self._limit:
+            kept = [entry for entry in heap if getattr(entry[2], "alive", True)]
+            heapq.heapify(kept)
+            self._heap = kept
+            self._limit = max(DEADLINES_KEPT, 2 * len(kept))
 
     def next(self) -> float | None:
         """The earliest deadline, or None when nothing waits for one."""

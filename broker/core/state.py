@@ -119,6 +119,7 @@ class Lease:
     item: Item
     client: Client
     deadline: float
+    alive: bool = True  # open (``LeaseBook.end`` closes it)
 
 
 @dataclass
