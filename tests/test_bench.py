@@ -345,7 +345,8 @@ def test_stream_target_runs_with_its_baselines(tmp_path):
     """T2s on a tiny stream: a producer process with 16 async puts in flight, a consumer
     process with 16 async gets outstanding (default ``Channel.create``, nothing reserved), in
     rounds with a fresh zmq.proxy relay at libzmq's default HWM, multiprocessing.Queue, a Redis
-    list in memory (where redis-server is installed), the relay at the same depth (an extra
+    list in memory (where redis-server is installed) popped by pipelines of single LPOPs (the
+    T2s shape) and 64 items per LPOP (the T3b shape), the relay at the same depth (an extra
     row) and T3b's get_batch(64) of the same items; every rate is reported."""
     from zchannel.cli.bench.cases import Case
     from zchannel.cli.bench.redis import unavailable
@@ -376,8 +377,9 @@ def test_stream_target_runs_with_its_baselines(tmp_path):
     assert by_kind["zmq.proxy"].extra["server_cpu_us_item"] >= 0
     assert row.extra["server_cpu_us_item"] >= 0 and row.extra["consumer_cpu_us_item"] > 0
     if redis_here:
-        assert results["T2s-redis"].reference == by_kind["redis-mem"].items_s
+        assert results["T2s-redis"].reference == by_kind["redis-mem.single"].items_s
         assert results["T3b-redis"].reference == by_kind["redis-mem"].items_s
+        assert by_kind["redis-mem.single"].repeats == by_kind["redis-mem"].repeats == 2
     else:
         assert any("redis" in note for note in runner.notes)
     (batch,) = [r for r in runner.rows if r.case.startswith("T3b")]
@@ -527,16 +529,20 @@ def test_durable_targets_compare_in_the_same_rounds(tmp_path, monkeypatch):
                                                                run=fake("disk", 2.0)))
     monkeypatch.setitem(BASELINES, "redis", dataclasses.replace(
         BASELINES["redis"], run=fake("redis", 4.0), unavailable=lambda: None))
+    monkeypatch.setitem(BASELINES, "redis.single", dataclasses.replace(
+        BASELINES["redis.single"], run=fake("redis.single", 3.0), unavailable=lambda: None))
     runner = runner_mod.Runner(address=None, baseline="zmq", repeats=2, tmpdir=str(tmp_path))
     targets = {t.target: t for t in durable_mod.run_durable_targets(runner)}
     assert sorted(targets) == ["D1", "D2", "D3", "D3b", "D4"]
     assert targets["D1"].ratio == 2.0 and targets["D1"].passed
-    assert targets["D2"].ratio == 1.0 and targets["D3"].ratio == 4.0 and targets["D4"].ratio == 4.0
-    assert targets["D3b"].ratio == 4.0  # the get_batch(64) stream, against the same Redis row
+    assert targets["D2"].ratio == 1.0 and targets["D3"].ratio == 3.0 and targets["D4"].ratio == 4.0
+    # D3: 64 single gets against Redis's pipelined single LPOPs; D3b: get_batch(64) against
+    # LPOP key 64
+    assert targets["D3b"].ratio == 4.0
     big, small = f"zchannel:interval:{16 << 20}", "zchannel:interval:64"
-    assert order[:4] == [big, f"disk:-:{16 << 20}"] * 2  # rounds: case, then its baseline
-    assert order[4:12] == [small, "zchannel:-:64", small, "redis:-:64"] * 2
-    assert order[12:] == [big, f"redis:-:{16 << 20}"] * 2
+    assert order[:4] == [big, f"disk:-:{16 << 20}"] * 2  # rounds: case, then its baselines
+    assert order[4:14] == [small, "zchannel:-:64", small, "redis:-:64", "redis.single:-:64"] * 2
+    assert order[14:] == [big, f"redis:-:{16 << 20}"] * 2
     assert runner.baseline == "zmq"
 
 

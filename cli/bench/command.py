@@ -166,13 +166,15 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
 )
 @click.option(
     "--baseline",
-    type=click.Choice(("zmq", "zmq.proxy.depth", "ray", "mp", "redis", "redis-mem", "none")),
+    type=click.Choice(("zmq", "zmq.proxy.depth", "ray", "mp", "redis", "redis.single",
+                       "redis-mem", "redis-mem.single", "none")),
     default="zmq",
     show_default=True,
     help="what each case is compared with in the same run: zmq = a zmq.proxy relay at "
     "libzmq's default HWM (an echo for get_only), zmq.proxy.depth = the relay at the case's "
     "window, Ray, multiprocessing.Queue, a Redis list with its append-only file (redis: "
-    "appendfsync everysec) or in memory (redis-mem); Redis needs redis-server on PATH",
+    "appendfsync everysec) or in memory (redis-mem), its consumer popping 64 items per "
+    "command, or (.single) pipelining 64 single pops; Redis needs redis-server on PATH",
 )
 @click.option(
     "--repeat",

@@ -7,7 +7,8 @@ journal costs, each ratio measured in the same rounds (medians of ``--repeat`` r
 - **D2**: the 64 B stream (64 puts and 64 gets in flight) with a journal (``interval``) against
   the same channel without one;
 - **D3**: that journaled 64 B stream against a Redis list with its append-only file
-  (``appendfsync everysec``, ``cli/bench/redis.py``), items/s;
+  (``appendfsync everysec``, ``cli/bench/redis.py``) whose consumer pipelines 64 single
+  ``LPOP``s, as this one keeps 64 single gets outstanding (``redis.single``), items/s;
 - **D3b**: the same journaled stream taken by ``get_batch(64)`` against the same Redis, whose
   consumer also takes 64 items per command (``LPOP key 64``): the same shape on both sides;
 - **D4**: the journaled 16 MiB stream against the same Redis, MB/s.
@@ -42,8 +43,8 @@ def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None 
                  label="D64 journal=interval 64B 1P/1C puts w64 gets w64")
     plain = dataclasses.replace(small, journal="", compare=False,
                                 label="D64 no journal 64B 1P/1C puts w64 gets w64")
-    # the Redis consumer pops 64 items per command (LPOP key 64): the same shape here is
-    # get_batch(64) (D3b); D3 keeps the 64 single gets of the T2s stream
+    # D3: 64 single gets outstanding against Redis's 64 single LPOPs per pipeline; D3b:
+    # get_batch(64) against Redis popping 64 items per command (LPOP key 64)
     batch = dataclasses.replace(small, scenario="batch", compare=False,
                                 label="D64 journal=interval 64B 1P/1C puts w64 get_batch(64)")
     try:
@@ -53,14 +54,16 @@ def run_durable_targets(runner: Runner, thresholds: dict[str, Threshold] | None 
             runner, big, d16, "D1", "16 MiB tensors through a journal (fsync interval), MB/s vs "
             "the disk's write + fdatasync of the same bytes (same rounds)", thresholds, "disk")
         runner.baseline = "redis"
-        d64, p64, b64 = runner.measure_together([small, plain, batch], fresh=True)
+        d64, p64, b64 = runner.measure_together([small, plain, batch], fresh=True,
+                                                also=("redis.single",))
         out.append(_target(
             "D2", "64 B stream with a journal (fsync interval), items/s vs no journal (same "
             "rounds)", d64.items_s, p64.items_s, "items/s", thresholds,
             note=f"no journal {p64.items_s:.0f} items/s"))
         d3 = _against_baseline(
             runner, small, d64, "D3", "64 B stream with a journal (fsync interval), items/s vs "
-            "a Redis list with AOF everysec, pipelines of 64 (same rounds)", thresholds, "redis")
+            "a Redis list with AOF everysec, 64 single LPOPs per pipeline (same rounds)",
+            thresholds, "redis.single")
         out += d3
         out += _against_baseline(
             runner, small, b64, "D3b", "64 B stream with a journal (fsync interval) taken by "
@@ -80,7 +83,7 @@ def _against_baseline(runner: Runner, case: Case, ours: Result, name: str, desc:
                       thresholds: dict[str, Threshold], baseline: str) -> list[TargetResult]:
     """Target ``name``: ``ours`` against the runner's baseline row for ``case`` (MB/s for
     items of 1 MiB or more, items/s below); none when that baseline cannot run here."""
-    base = runner.baseline_for(case)
+    base = runner.baseline_for(case, baseline)
     if base is None:
         return []
     if case.size >= MIB:

@@ -4,7 +4,9 @@ snapshots) or with its append-only file on (``redis``: ``appendonly yes``, ``app
 everysec``: acknowledged writes reach the disk within a second, the setting Redis recommends
 for a durable queue; the durable targets' baseline), a list as the queue, producers ``RPUSH``ing in pipelines of 64 (8 for items of
 1 MiB or more: the same bytes in flight as a channel's producer) and consumers taking with
-``LPOP key 64`` (``BLPOP`` when the list is empty).  The server is ended by its PID.  Needs ``redis-server`` on ``PATH`` (Debian:
+``LPOP key 64`` (``BLPOP`` when the list is empty).  The ``.single`` variants (``redis-mem.single``,
+``redis.single``) take the same shape as a consumer keeping 64 single gets outstanding: 64
+single ``LPOP`` commands per pipeline (those that find the list empty answer nil).  The server is ended by its PID.  Needs ``redis-server`` on ``PATH`` (Debian:
 ``apt-get install redis-server``) and the ``redis`` Python package; without either the
 baseline is skipped with a line that says why.
 """
@@ -118,14 +120,20 @@ def redis_producer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
 
 
 def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
-    """Takes items (``LPOP`` 64 at a time, ``BLPOP`` on an empty list) until all consumers
-    together got ``total``."""
+    """Takes items (``LPOP`` 64 at a time, or with ``single`` a pipeline of 64 single
+    ``LPOP``s; ``BLPOP`` on an empty list) until all consumers together got ``total``."""
     client = _client(spec["socket"])
     counts, slot, total = spec["counts"], spec["slot"], spec["total"]
     fac, tally, deadline = start_consumer(spec, ready, go_wait)
     n = 0
+    pipe = client.pipeline(transaction=False) if spec.get("single") else None
     while sum(counts) < total:
-        got = client.lpop(KEY, SMALL_PIPELINE)
+        if pipe is None:
+            got = client.lpop(KEY, SMALL_PIPELINE)
+        else:
+            for _ in range(SMALL_PIPELINE):
+                pipe.lpop(KEY)
+            got = [data for data in pipe.execute() if data is not None]
         if not got:
             popped = client.blpop([KEY], timeout=0.05)
             if popped is None:
@@ -143,9 +151,9 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
     return tally.result()
 
 
-def run_redis(case: Case, tmpdir: str, aof: bool = False) -> Measured:
+def run_redis(case: Case, tmpdir: str, aof: bool = False, single: bool = False) -> Measured:
     """One run of ``case``'s stream through a Redis list (in memory, or ``aof``: with its
-    append-only file, ``everysec``)."""
+    append-only file, ``everysec``; consumers pipelining single pops with ``single``)."""
     with RedisServer(tmpdir, aof) as server, Workers() as w:
         counts = w.counters(case.consumers)
         per_prod = split(case.messages, case.producers)
@@ -155,7 +163,7 @@ def run_redis(case: Case, tmpdir: str, aof: bool = False) -> Measured:
         for c in range(case.consumers):
             w.start(redis_consumer, {"name": f"consumer-{c}", "socket": server.socket,
                                      "ptype": case.ptype, "size": case.size, "counts": counts,
-                                     "slot": c, "total": case.messages})
+                                     "slot": c, "total": case.messages, "single": single})
         w.wait_ready()
         cpu0 = read_proc_cpu_ns(server.proc.pid)
         t_go = w.go()
@@ -174,8 +182,20 @@ register_baseline(Baseline(
     unavailable=unavailable,
 ))
 register_baseline(Baseline(
+    "redis-mem.single", functools.partial(run_redis, single=True),
+    "a Redis list in memory: RPUSH in pipelines of 64, single LPOPs in pipelines of 64 (the "
+    "shape of 64 single gets outstanding)",
+    unavailable=unavailable,
+))
+register_baseline(Baseline(
     "redis", functools.partial(run_redis, aof=True),
-    "a Redis list (RPUSH/LPOP in pipelines) with its append-only file, appendfsync everysec, "
-    "over a Unix socket",
+    "a Redis list with its append-only file, appendfsync everysec, over a Unix socket: RPUSH "
+    "in pipelines of 64, LPOP 64 at a time",
+    unavailable=unavailable,
+))
+register_baseline(Baseline(
+    "redis.single", functools.partial(run_redis, aof=True, single=True),
+    "a Redis list with its append-only file, appendfsync everysec: RPUSH in pipelines of 64, "
+    "single LPOPs in pipelines of 64",
     unavailable=unavailable,
 ))
