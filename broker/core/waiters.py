@@ -410,8 +410,9 @@ def reply_each(reply: SendReply, client: Client, rids: list[int], items: list[It
 
 def _serve_plain_gets(waiters: Waiters, ks: KeyState) -> bool:
     """The common case: gets and get_batches of the shared queue, served in arrival order
-    (``serve`` does the same for a snapshot of all getters); True when nothing is left to
-    serve.  A get_batch the queue does not complete yet holds back the getters behind it."""
+    (``serve`` does the same for a snapshot of all getters; one client's plain gets at the
+    head are answered as one run, ``_deliver_get_run``); True when nothing is left to serve.
+    A get_batch the queue does not complete yet holds back the getters behind it."""
     shared, getters = ks.shared, ks.getters
     while shared and getters:
         req = getters[0]

@@ -22,7 +22,9 @@ a client that reads ``items`` records share such records: ``Sessions.reply``).  
 id then gets an empty success.  The common case -- plain gets (no ``ack``) of a key that holds
 items nobody else waits for, on a broker that is no replica -- is served in one pass
 (``QueueCore.take_run``) with the same outcome: the first gets take the head items, in order,
-and the gets the queue does not cover go get by get.  A record whose ids repeat, or name the
+and the gets the queue does not cover are parked in order in one pass when nothing keeps them
+from waiting (no ``nowait``, a timeout above 0, no dealing, no ``max_bytes`` limit), also
+behind getters waiting already on an empty queue; any other get goes get by get.  A record whose ids repeat, or name the
 record itself, is refused whole (a ``ValueError`` reply to its id, none of its gets handled).
 """
 
@@ -100,9 +102,9 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
 
 
 def _take_at_once(broker: Any, client: Client, rec: GetRun) -> int:
-    """How many gets of ``rec``, from the first, were served at once (``QueueCore.take_run``):
-    plain gets (no ``ack``) with a valid key and timeout, on a broker that is no replica;
-    anything else -- and the gets the queue's items do not cover -- goes get by get."""
+    """How many gets of ``rec``, from the first, were served or parked at once
+    (``QueueCore.take_run``): plain gets (no ``ack``) with a valid key and timeout, on a
+    broker that is no replica; anything else goes get by get."""
     if broker.replica is not None or rec.ack:
         return 0
     try:
