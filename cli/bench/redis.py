@@ -2,13 +2,14 @@
 socket in its temporary directory, in memory (``redis-mem``: no append-only file, no
 snapshots) or with its append-only file on (``redis``: ``appendonly yes``, ``appendfsync
 everysec``: acknowledged writes reach the disk within a second, the setting Redis recommends
-for a durable queue; the durable targets' baseline), a list as the queue, producers ``RPUSH``ing in pipelines of 64 (8 for items of
-1 MiB or more: the same bytes in flight as a channel's producer) and consumers taking with
-``LPOP key 64`` (``BLPOP`` when the list is empty).  The ``.single`` variants (``redis-mem.single``,
-``redis.single``) take the same shape as a consumer keeping 64 single gets outstanding: 64
-single ``LPOP`` commands per pipeline (those that find the list empty answer nil).  The server is ended by its PID.  Needs ``redis-server`` on ``PATH`` (Debian:
-``apt-get install redis-server``) and the ``redis`` Python package; without either the
-baseline is skipped with a line that says why.
+for a durable queue; the durable targets' baseline), a list as the queue, producers
+``RPUSH``ing in pipelines of 64 (8 for items of 1 MiB or more: the same bytes in flight as a
+channel's producer) and consumers taking with ``LPOP key 64`` (``BLPOP`` when the list is
+empty).  The ``.single`` variants (``redis-mem.single``, ``redis.single``) have the shape of a
+consumer keeping 64 single gets outstanding: 64 single ``LPOP`` commands per pipeline (those
+that find the list empty answer nil).  The server is ended by its PID.  Needs
+``redis-server`` on ``PATH`` (Debian: ``apt-get install redis-server``) and the ``redis``
+Python package; without either the baseline is skipped with a line that says why.
 """
 
 from __future__ import annotations
