@@ -361,17 +361,11 @@ def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
     (nobody else waits on the key, no dealing), and with ``park`` those its items do not cover
     parked in order behind any getters waiting already (``park_run``, when the queue is
     empty): how many of them, from the first (0: nothing changed)."""
-    shared = ks.shared
     if waiters.hooks.deals:
         return 0
-    n = 0 if ks.getters else min(len(rids), len(shared))
+    n = 0 if ks.getters else min(len(rids), len(ks.shared))
     if n:
-        popleft = shared.popleft
-        items = [popleft() for _ in range(n)]
-        waiters.queues.bytes_held -= sum(item.nbytes for item in items)
-        if waiters.log is not None:
-            waiters.log.taken(items)
-        waiters.reply_run(client, rids[:n], items, (ks.key, None))
+        _answer_run(waiters, client, rids[:n], ks)
         if waiters.putters:
             waiters.admit_putters()
         waiters.queues.mark_idle(ks)
@@ -436,10 +430,10 @@ def _deliver_get_run(waiters: Waiters, ks: KeyState) -> None:
     """Serve the plain gets without ``ack`` of one client at the head of ``ks.getters`` with
     head items of the shared queue, as many as it holds, answered as one run (``reply_run``),
     as ``_deliver`` would serve each in turn."""
-    shared, getters = ks.shared, ks.getters
+    getters = ks.getters
     client = getters[0].client
     rids: list[int] = []
-    limit = len(shared)
+    limit = len(ks.shared)
     while getters and len(rids) < limit:
         req = getters[0]
         if req.kind != "get" or req.ack or req.client is not client:
@@ -447,7 +441,13 @@ def _deliver_get_run(waiters: Waiters, ks: KeyState) -> None:
         getters.popleft()
         waiters._unpark(req)
         rids.append(req.rid)
-    popleft = shared.popleft
+    _answer_run(waiters, client, rids, ks)
+
+
+def _answer_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState) -> None:
+    """Answer plain gets ``rids`` of ``client`` with as many head items of ``ks``'s shared
+    queue, in order, as one run (``reply_run``)."""
+    popleft = ks.shared.popleft
     items = [popleft() for _ in rids]
     waiters.queues.bytes_held -= sum(item.nbytes for item in items)
     if waiters.log is not None:
