@@ -444,6 +444,25 @@ class CoreModel(RuleBasedStateMachine):
                       batch_target=batch)
         self._check_step(before)
 
+    @rule(slot=st.integers(0, len(IDENTITIES)), key=st.sampled_from(KEYS), n=st.integers(2, 4),
+          nowait=st.booleans(), timed=st.booleans())
+    def get_run(self, slot: int, key: str, n: int, nowait: bool, timed: bool) -> None:
+        """``n`` plain gets of one client on one key handled as the broker handles a ``gets``
+        record (``server/batches.py``): those ``take_run`` serves or parks at once, the rest
+        one by one; the reference sees ``n`` single gets."""
+        before = self._step()
+        rids = [self._rid() for _ in range(n)]
+        client = self.handles[slot]
+        if not (self.ref.deals and client.identity is None) and client.consumer is None:
+            self.ref.join(client.identity)
+        for rid in rids:
+            self.ref.get(rid, slot, client.identity, key, nowait, False, 0, timed)
+        timeout = TIMEOUT_S if timed else None
+        done = self.core.take_run(client, rids, key, timeout, park=not nowait)
+        for rid in rids[done:]:
+            self.core.get(client, rid, key, timeout, nowait)
+        self._check_step(before)
+
     @precondition(lambda self: self.ref.leases)
     @rule(data=st.data())
     def ack(self, data: st.DataObject) -> None:

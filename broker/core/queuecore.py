@@ -176,10 +176,10 @@ class QueueCore:
         the rest take ``get`` one by one)."""
         ks = self.queues.keys.get(key)
         parked = client.parked
-        if ks is None or (parked and any(rid in parked for rid in rids)):
-            return 0  # a new key or a duplicate id: ``get`` sees to each
+        if ks is None or self.hooks.deals or (parked and any(rid in parked for rid in rids)):
+            return 0  # a new key, dealing or a duplicate id: ``get`` sees to each
         self._join(client)
-        return take_run(self.waiters, client, rids, self.queues.state(key), timeout, park)
+        return take_run(self.waiters, client, rids, ks, timeout, park)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
         lease = self.lease_book.find(lease_id)

@@ -384,6 +384,7 @@ def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
     if (ks.shared or ks.private or waiters.hooks.deals or waiters.queues.max_bytes
             or (timeout is not None and timeout <= 0)):
         return 0
+    ks.idle_since = None  # in use again, as ``KeyedQueues.state`` makes it for a single get
     getters, cost = ks.getters, waiters.request_overhead
     for rid in rids:
         req = Parked(client, rid, "get", ks.key, None)
