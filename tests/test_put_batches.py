@@ -83,6 +83,36 @@ def test_a_batch_is_stored_in_order_and_answered_by_one_record(channels):
     assert stats["put_batches"] == 1 and stats["puts"] == 4
 
 
+def _getters(ch: Channel, key: str) -> int:
+    return ch.stats()["keys"].get(key, {}).get("getters", 0)
+
+
+@pytest.mark.parametrize("trailing_weight", [0, 1])
+def test_a_batch_gives_waiting_getters_what_single_puts_would(channels, trailing_weight):
+    """A get_batch of weight 2 and a get wait; one record puts a, b (weight 1), c and d: the
+    get_batch completes at b and takes a, b -- not c, even when c weighs 0 (a get_batch takes
+    the zero-weight items right behind its last counted one only if they are there when it
+    completes, and with single puts c comes after) --, the get takes c and d stays queued."""
+    ch = Channel.create(f"batch-serves-{trailing_weight}")
+    channels.append(ch)
+    consumer = Channel.connect(ch.address)
+    try:
+        batch = consumer.get_batch(2, key="k", async_op=True, timeout=60)
+        single = consumer.get(key="k", async_op=True, timeout=60)
+        # a call on the same connection is answered after the gets sent before it: both wait
+        assert consumer.qsize("k") == 0 and _getters(ch, "k") == 2
+        with raw_dealer(ch) as raw:
+            record = {"op": "puts", "id": 10, "p": [
+                put(2, "k", "a", w=1), put(3, "k", "b", w=1), put(4, "k", "c", w=trailing_weight),
+                put(5, "k", "d", w=1)]}
+            assert exchange(raw, [record]) == [{"id": 10, "r": [2, 3, 4, 5]}]
+        assert batch.wait(30) == ["a", "b"]
+        assert single.wait(30) == "c"
+        assert ch.qsize("k") == 1 and ch.get("k", timeout=5) == "d"
+    finally:
+        consumer.close()
+
+
 def test_a_bad_put_in_a_batch_fails_alone(channels):
     ch = Channel.create("batch-errors")
     channels.append(ch)

@@ -9,8 +9,10 @@ also fits under ``maxsize`` (each key's queue has room for all of that key's put
 batch), all are stored: each key's items appended in order, then each key with waiting getters
 served once.  Getters of the shared queue are served strictly in arrival order, each taking
 head items, so they take the items they would have taken had each item been served as it
-came; only a get_batch completed by the batch may also take zero-weight items that follow its
-last counted one in the same batch, as it would had those arrived before it was served.
+came -- except that a get_batch completed by the batch would also take the zero-weight items
+right behind its last counted one; so while a get_batch waits and the batch holds a
+zero-weight item, the items are appended one by one, each key served after each of its items,
+as single puts are.
 
 On a durable channel each put is recorded in the journal (``StateLog.stored``, one call per
 put, the put sequence of a retry-safe producer with its item, as ``handlers._put_once`` does)
@@ -150,15 +152,24 @@ def _fits(queues: Any, checked: list[tuple]) -> bool:
 
 def _store(core: Any, queues: Any, checked: list[tuple]) -> None:
     """Append the items of ``checked`` to their keys' shared queues, in order, then serve the
-    waiting getters of each key once (module docstring)."""
+    waiting getters of each key once (or item by item: module docstring)."""
     states = {key: queues.state(key) for key, _ in checked}
+    serve = core.waiters.serve
+    if (any(item.weight == 0 for _, item in checked)
+            and any(req.kind == "batch" for ks in states.values() for req in ks.getters)):
+        for key, item in checked:
+            ks = states[key]
+            ks.shared.append(item)
+            queues.bytes_held += item.nbytes
+            if ks.getters:
+                serve(ks)
+        return
     if len(states) == 1:
         next(iter(states.values())).shared.extend(item for _, item in checked)
     else:
         for key, item in checked:
             states[key].shared.append(item)
     queues.bytes_held += sum(item.nbytes for _, item in checked)
-    serve = core.waiters.serve
     for ks in states.values():
         if ks.getters:
             serve(ks)
