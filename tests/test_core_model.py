@@ -41,6 +41,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from zchannel.broker.core import queues as queues_mod
 from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.queues import DEADLINES_KEPT
 from zchannel.broker.core.state import Client, Item
@@ -567,6 +568,14 @@ def _run(max_examples: int) -> None:
 
 def test_queue_core_matches_reference():
     _run(250)  # 250 programs of up to 40 steps; ``pytest -m fuzz`` runs 5000
+
+
+def test_queue_core_matches_reference_with_a_timer_heap_that_drops_often(monkeypatch):
+    """The same programs with a timer heap that drops the entries of ended requests and leases
+    once it holds more than 2 (``Deadlines``): timeouts, lapsed leases and idle keys still
+    come when the reference says."""
+    monkeypatch.setattr(queues_mod, "DEADLINES_KEPT", 2)
+    _run(150)
 
 
 @pytest.mark.fuzz
