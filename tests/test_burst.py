@@ -121,7 +121,7 @@ def test_burst_with_a_short_heartbeat_expiry(run_dir, workers, tmp_path, window,
         assert broker.stdout.readline().startswith("ready ")
         ch = Channel.connect(address)
         conn = ch._connection()
-        assert (conn.hb, conn.liveness) == (1.0, 3), "clients keep the broker's heartbeat"
+        assert (conn.hb, conn.liveness) == (0.5, 3), "clients keep the broker's heartbeat"
         _bursts(workers, ch, address, window, rounds=2)
     finally:
         if ch is not None:
