@@ -389,8 +389,7 @@ def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
     for rid in rids:
         req = Parked(client, rid, "get", ks.key, None)
         getters.append(req)
-        req.cost = cost
-        waiters.waiting_bytes += cost
+        waiters._may_wait(req, cost)  # always True here: no ``max_bytes`` limit
         waiters._park(req, timeout)
     return len(rids)
 
