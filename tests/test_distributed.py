@@ -204,6 +204,8 @@ def test_replica_death_fails_only_its_keys(tcp_cluster, monkeypatch):
     stats = reader.stats()
     assert "error" in stats["replicas"][2] and "error" not in stats["replicas"][0]
     assert "node-c" not in stats["keys"]
+    # the binder stops offering the dead replica to new keys once its expiry ends
+    assert wait_until(lambda: reader.stats()["replicas"][0]["live_replicas"] == [0, 1], 30)
     for ch in (*h.values(), reader):
         ch.close()
 
@@ -331,6 +333,8 @@ def test_binding_table_rejects_bad_input(tcp_cluster, monkeypatch):
     # replicas other than the binder finish joining at their next heartbeat tick
     assert wait_until(lambda: [r["binding"] for r in ch.stats()["replicas"]]
                       == ["binder", "ready", "ready"], 30)
+    assert wait_until(lambda: all(r["live_replicas"] == [0, 1, 2]
+                                  for r in ch.stats()["replicas"]), 30)
     for rec, cause in ((Learn(id=0, entries=[["kept", 99]]), "unknown replica"),
                        (Learn(id=0, entries=[["x"]]), "[key, replica]"),
                        (Learn(id=0, entries=[["y", True]], force=True), "unknown replica"),

@@ -203,7 +203,10 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
         assert ch.qsize(("h1", 1)) == 0  # what the dead replica held is lost
         assert rep["bound_keys"] == stats["replicas"][(victim + 1) % 3]["bound_keys"], \
             stats["replicas"]
-        # a new key from the restarted node binds to its replica; connect by name still works
+        # a new key from the restarted node binds to its replica once the binder sees that
+        # replica live again; connect by name still works
+        binder = next(i for i, r in enumerate(ch.stats()["replicas"]) if r.get("binding") == "binder")
+        assert wait_until(lambda: victim in ch.stats()["replicas"][binder]["live_replicas"], 60)
         assert ray.get(producers[1].produce.remote(ch, "after", 1)) == nodes[1]
         assert ray.get(read_by_name.remote("rayha", ("after", 0))) == 0
         pids = [r["pid"] for r in ch.stats()["replicas"]]

@@ -220,11 +220,16 @@ class BindingTable:
     def _choose(self, node: str | None, key: Any) -> int:
         """``choose_replica`` over the replicas that are up: a key first touched from a node
         whose replicas are all down binds to a live replica (it is served now, not lost)."""
-        now = time.monotonic()
-        live = [i for i in range(len(self.replicas)) if i == self.index or (
-            i in self._peers and self._peers[i].state == UP and self.alive(i, now))]
+        live = self.live_replicas()
         index = choose_replica([self.replicas[i] for i in live], node, key)
         return live[index]
+
+    def live_replicas(self) -> list[int]:
+        """The replicas a new binding may go to, in this replica's view: this one, and those
+        whose link is up and that were heard from within one heartbeat expiry."""
+        now = time.monotonic()
+        return [i for i in range(len(self.replicas)) if i == self.index or (
+            i in self._peers and self._peers[i].state == UP and self.alive(i, now))]
 
     def _replicate(self, entries: list, skip: Any) -> dict:
         """Send ``entries`` to every live replica but ``skip``; wait for the acknowledgements

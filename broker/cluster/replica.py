@@ -161,6 +161,7 @@ class ReplicaState:
         stats["bound_keys"] = len(self.table)
         stats["binding"] = "binder" if self.bindings.ready and \
             self.bindings.binder() == self.index else ("ready" if self.bindings.ready else "joining")
+        stats["live_replicas"] = self.bindings.live_replicas()
         if self.mover is not None:
             stats.update(self.mover.stats())
         return stats

@@ -42,7 +42,7 @@ log = logging.getLogger("zchannel.client")
 
 _SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
 # per-replica stats that go to stats()["replicas"][i] only
-_REPLICA_FIELDS = ("bound_keys", "binding", "keys_given", "moves_asked")
+_REPLICA_FIELDS = ("bound_keys", "binding", "live_replicas", "keys_given", "moves_asked")
 STATS_CONNECT_S = 3.0
 
 
