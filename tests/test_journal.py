@@ -271,6 +271,32 @@ def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_di
     ch.close()
 
 
+def test_small_puts_on_a_full_disk_keep_every_acknowledged_one(brokers, run_dir, small_disk):
+    """Small puts in flight (gathered into one record per loop turn) until the disk is full:
+    after a kill, every put acknowledged is read back, in order, and no refused one."""
+    config = dict(name="durable-full-small", address=f"ipc://{run_dir}/fulls.sock",
+                  journal=os.path.join(small_disk, "j"), shm_threshold=0)
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    works = [(i, ch.put(i.to_bytes(4, "little") * 256, async_op=True)) for i in range(3000)]
+    acked, refused = [], 0
+    for i, work in works:  # 3000 x 1 KiB: three times what the disk holds
+        try:
+            work.wait(60)
+            acked.append(i)
+        except JournalError as exc:
+            assert "no space left on device" in str(exc) or "no room" in str(exc)
+            refused += 1
+    assert acked and refused
+    brokers.kill(pid)
+    ch.close()
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    got = [int.from_bytes(x[:4], "little") for x in drain(ch, "default_queue")]
+    assert got == acked
+    ch.close()
+
+
 def test_compaction_bounds_the_disk_used(brokers, run_dir, tmp_path):
     """A stream through a journal of small segments, with one old item left behind: segments
     are removed as their items leave, the old item is copied forward so that its segment can
@@ -447,5 +473,38 @@ def test_records_written_straight_to_a_new_segment_follow_its_tables(tmp_path):
         assert [int.from_bytes(bytes(it.payload[0][:4]), "little") for it in group[2]] == \
             list(range(1, 101))
         assert again.sequences.windows[p].high == 100
+    finally:
+        again.close()
+
+
+def test_a_run_of_puts_on_a_full_disk_records_those_before_the_first_refused(small_disk):
+    """``stored_each`` on a disk that fills up: the puts before the first refused are recorded
+    and read back -- also the last one gathered before it, whose record is written when the
+    refused one finds no room -- that one and those after it are not (the broker answers
+    each of them)."""
+    settings = JournalSettings(directory=os.path.join(small_disk, "j"), name="full-run",
+                               fsync="never")
+    journal = Journal(settings)
+    journal.recover()
+    recorded = 0
+    try:
+        for run in range(200):  # 200 runs of 40 puts of 1 KiB: eight times the disk
+            outputs = [("k", None, Item([(run * 40 + i).to_bytes(8, "little") * 128], 1, 1024))
+                       for i in range(40)]
+            n = journal.stored_each(outputs)
+            recorded += n
+            journal.commit()
+            if n < len(outputs):
+                break
+        else:
+            raise AssertionError("the disk never filled")
+        assert 0 < recorded < 200 * 40 and journal.refused >= 1
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        (group,) = again.recover()
+        assert [int.from_bytes(bytes(it.payload[0][:8]), "little") for it in group[2]] == \
+            list(range(recorded))
     finally:
         again.close()

@@ -91,6 +91,12 @@ def test_stored_sequences_noted_per_put_are_settled_in_their_order():
     assert set(windows) == {p, q}
     for producer, window in eager.items():
         assert (windows[producer].high, windows[producer].bits) == (window.high, window.bits)
+    # marked a turn at a time (``mark_all``, puts of no retry-safe producer among them): the same
+    by_turn = StoredSequences()
+    for start in range(0, len(plan), 37):
+        by_turn.mark_all([None, *plan[start : start + 37], None])
+    assert {k: (w.high, w.bits) for k, w in by_turn.windows.items()} == \
+        {k: (w.high, w.bits) for k, w in eager.items()}
     table = seqs.snapshot()
     again = StoredSequences()
     again.mark((b"r" * 16, 3))  # noted before the whole table: the table replaces it
@@ -215,5 +221,45 @@ def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
     try:
         (group,) = again.recover()
         assert [bytes(it.payload[0]) for it in group[2]][-2:] == [b"v010", b"new"]
+    finally:
+        again.close()
+
+
+def test_puts_recorded_as_a_run_read_back_as_single_puts_would(tmp_path):
+    """``stored_each`` (the one-pass store of a ``puts`` record) records each put as ``stored``
+    would: runs of small puts, puts large enough for a record of their own among them, across
+    segment ends; what was not taken reads back in order, with every put sequence."""
+    settings = JournalSettings(directory=str(tmp_path / "j"), name="runs", fsync="never",
+                               segment_bytes=64 << 10)
+    journal = Journal(settings)
+    journal.recover()
+    p = b"p" * 16
+    seq, kept = 0, []
+    try:
+        for turn in range(200):
+            outputs = []
+            for i in range(1 + turn % 40):
+                seq += 1
+                size = 5000 if (turn + i) % 17 == 0 else 64  # 5000 B: a PUT record of its own
+                body = seq.to_bytes(8, "little") * (size // 8)
+                outputs.append((f"k{seq % 3}", None, Item([body], 1, size, origin=(p, seq))))
+            assert journal.stored_each(outputs) == len(outputs)
+            assert [o[2].jid for o in outputs] == sorted({o[2].jid for o in outputs})
+            taken = [o[2] for o in outputs[::4]]
+            journal.taken(taken)
+            journal.commit()
+            journal.sent()
+            kept += [o for o in outputs if o[2] not in taken]
+        assert len(journal.store.segments) > 2  # the runs crossed segment ends
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        groups = {key: items for key, _, items in again.recover()}
+        for key in ("k0", "k1", "k2"):
+            want = [bytes(o[2].payload[0]) for o in kept if o[0] == key]
+            assert [bytes(it.payload[0]) for it in groups[key]] == want
+        window = again.sequences.windows[p]
+        assert window.high == seq and all(window.marked(s) for s in range(seq - 1000, seq + 1))
     finally:
         again.close()

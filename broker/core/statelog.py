@@ -11,6 +11,9 @@ The order of the calls is the order of the changes, and the log may rely on it:
   when it is admitted); raising refuses the put.  The last output carries the put's
   ``Item.origin`` (producer and sequence of a retry-safe put; opaque to the core), which the
   log keeps with it, so that a broker started again knows the put was stored;
+- ``stored_each(outputs)``: ``stored`` of each output as a put of its own, in order, as one
+  call; how many were recorded (all, or those before the first refused, whose error is not
+  raised: the caller records that put again to answer it);
 - ``taken(items)`` when a plain ``get`` / ``get_batch`` takes items out of the queues; the
   reply is sent after this call, at the end of the loop turn (``returned`` cancels it if the
   reply could not be sent);
@@ -47,6 +50,8 @@ class StateLog(Protocol):
     limited: bool  # whether ``room`` may say no (puts then check it)
 
     def stored(self, outputs: Sequence[Output]) -> None: ...
+
+    def stored_each(self, outputs: Sequence[Output]) -> int: ...
 
     def taken(self, items: Sequence[Item]) -> None: ...
 

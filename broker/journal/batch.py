@@ -13,9 +13,12 @@ segment never names a sequence whose record comes after it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zchannel.broker.core.state import Item
+from zchannel.broker.core.statelog import Output
+from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.items import LiveSet
 from zchannel.broker.journal.sequences import StoredSequences
@@ -60,12 +63,52 @@ class PutBatch:
                 or seg.allocated - seg.used - store.margin - self.nbytes < n + RECORD_EXTRA:
             self.flush()
             store.ensure_room(n + RECORD_EXTRA, for_put=True)
+            seg = store.segments[-1]
+            if seg.allocated - seg.used < n + RECORD_EXTRA:  # a nearly full disk's last segment
+                raise JournalError(f"the journal of channel {store.dir.name!r} in "
+                                   f"{store.dir.path!r} has no room for a put of {n} bytes: "
+                                   "no space left on device")
         self.entries.append(entry)
         self.items.append((key, item, origin))
         self.nbytes += n
         item.jid = jid
         item.origin = None  # kept here, recorded with the item: the tables carry it from then on
         return True
+
+    def take_run(self, jid: int, outputs: Sequence[Output]) -> int:
+        """Gather the leading small one-frame items of ``outputs`` (each a put of its own) as
+        ``jid``, ``jid + 1``, ... in one pass, as ``take`` would each; how many (0 when the
+        first is not small, or their room is not there without a new segment: ``take``
+        then sees to each)."""
+        n = 0
+        for _, _, item in outputs:
+            payload = item.payload
+            if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
+                    and len(payload[0]) <= ENTRY_BYTES):
+                break
+            n += 1
+        store = self.store
+        if n == 0 or store.sync.failed is not None:
+            return 0
+        run = outputs[:n]
+        pack = fmt.pack_plain
+        entries = [pack((jid + i, key, item.weight, consumer, item.origin, item.payload[0]))
+                   for i, (key, consumer, item) in enumerate(run)]
+        total = sum(map(len, entries))
+        if self.nbytes + total > BATCH_BYTES:
+            self.flush()
+        seg = store.segments[-1]
+        if total > BATCH_BYTES \
+                or seg.allocated - seg.used - store.margin - self.nbytes < total + RECORD_EXTRA:
+            return 0
+        self.entries += entries
+        items = self.items
+        for i, (key, _, item) in enumerate(run):
+            items.append((key, item, item.origin))
+            item.jid = jid + i
+            item.origin = None
+        self.nbytes += total
+        return n
 
     def flush(self) -> None:
         """Append the ``PUTS`` record of the gathered puts (to the room reserved for them)."""
@@ -74,9 +117,9 @@ class PutBatch:
         entries, items = self.entries, self.items
         self.entries, self.items, self.nbytes = [], [], 0
         parts, nbytes = fmt.puts_record(self.store.crc, entries)
-        seg = self.store.append(parts, nbytes, True)
-        add, mark = self.live.add, self.sequences.mark
-        for entry, (key, item, origin) in zip(entries, items, strict=True):
-            add(item.jid, seg, len(entry), key, item)
-            if origin is not None:
-                mark(origin)
+        # into the room ``take`` made sure of (the removals' margin counted when the segment
+        # has one): this never continues in a new segment, which could fail on a full disk
+        seg = self.store.append(parts, nbytes, False)
+        self.live.add_run(seg, [(item.jid, len(entry), key, item)
+                                for entry, (key, item, _) in zip(entries, items, strict=True)])
+        self.sequences.mark_all([origin for _, _, origin in items])

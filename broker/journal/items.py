@@ -81,6 +81,16 @@ class LiveSet:
         seg.live_bytes += nbytes
         self.nbytes += nbytes
 
+    def add_run(self, seg: SegmentFile, rows: list[tuple[int, int, Any, Item]]) -> None:
+        """``add`` of each ``(jid, nbytes, key, item)`` of ``rows``, all in ``seg``."""
+        entries, total = self.entries, 0
+        for jid, nbytes, key, item in rows:
+            entries[jid] = (seg, nbytes, key, item)
+            total += nbytes
+        seg.live += len(rows)
+        seg.live_bytes += total
+        self.nbytes += total
+
     def forget(self, jid: int) -> None:
         entry = self.entries.pop(jid, None)
         if entry is not None:

@@ -20,7 +20,7 @@ writes (``journal/format.py``):
 
 Segments are removed oldest first, once every item they hold has left; an old segment that
 keeps a few items while the journal grows past twice what its items take has them copied to
-the end (``compact``), so the disk used stays within about twice the bytes the channel holds
+the end (``_compact``), so the disk used stays within about twice the bytes the channel holds
 plus three segments (``docs/durability.md``).
 """
 
@@ -48,7 +48,7 @@ from zchannel.broker.journal.syncing import JournalFailed
 log = logging.getLogger("zchannel.journal")
 
 PUT_OVERHEAD = 64  # bytes a put record adds to its item, about (header, meta)
-COMPACT_BYTES_PER_TICK = 16 << 20  # items copied by one ``compact`` at most
+COMPACT_BYTES_PER_TICK = 16 << 20  # items copied by one ``_compact`` at most
 
 
 @dataclass
@@ -174,6 +174,22 @@ class Journal:
             if written:  # a put is all or nothing
                 self._remove(written)
             raise
+
+    def stored_each(self, outputs: Sequence[Output]) -> int:
+        n = 0
+        if self._idle_after is None:
+            jid = self._next_jid
+            try:
+                n = self.batch.take_run(jid, outputs)
+            except JournalError:  # ``stored`` of the first answers it
+                n = 0
+            self._next_jid = jid + n
+        for i in range(n, len(outputs)):
+            try:
+                self.stored(outputs[i : i + 1])
+            except Exception:  # this put's error is the caller's to answer
+                return i
+        return len(outputs)
 
     def taken(self, items: Sequence[Item]) -> None:
         sending = self._sending
@@ -309,38 +325,7 @@ class Journal:
         if self._unwritten:
             unwritten, self._unwritten = self._unwritten, []
             self._remove(unwritten)
-        self.compact()
-
-    def compact(self) -> int:
-        """Copy the records of the oldest segment still needed (items, a collector's inputs)
-        to the end when the journal takes more than twice their bytes plus two segments, so
-        that segment can go; the bytes copied."""
-        store = self.store
-        if len(store.segments) < 3:
-            return 0
-        needed = self.live.nbytes + self.inputs.nbytes
-        limit = self.settings.max_bytes
-        if store.disk_bytes <= 2 * needed + 2 * store.segment_bytes \
-                and not (limit and store.disk_bytes > limit * 3 // 4):
-            return 0
-        oldest = store.segments[0]
-        copied = 0
-        for held, rtype in ((self.live, fmt.PUT), (self.inputs, fmt.INPUT)):
-            for jid, (_, _, key, item) in held.in_segment(oldest):
-                if copied >= COMPACT_BYTES_PER_TICK:
-                    break
-                parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
-                try:
-                    new = self._append(parts, nbytes)
-                except JournalError:
-                    break
-                held.forget(jid)
-                held.add(jid, new, nbytes, key, item)
-                copied += nbytes
-        if copied:
-            store.sync_now()  # the copies are on disk before the originals go
-        self._drop_dead()
-        return copied
+        _compact(self)
 
     def stats(self) -> dict[str, Any]:
         """What ``stats()["journal"]`` and ``zchannel stat`` show."""
@@ -363,6 +348,38 @@ class Journal:
                 self.store.close()
             finally:
                 self.dir.close()
+
+
+def _compact(journal: Journal) -> int:
+    """Copy the records of the oldest segment still needed (items, a collector's inputs)
+    to the end when the journal takes more than twice their bytes plus two segments, so
+    that segment can go; the bytes copied."""
+    store = journal.store
+    if len(store.segments) < 3:
+        return 0
+    needed = journal.live.nbytes + journal.inputs.nbytes
+    limit = journal.settings.max_bytes
+    if store.disk_bytes <= 2 * needed + 2 * store.segment_bytes \
+            and not (limit and store.disk_bytes > limit * 3 // 4):
+        return 0
+    oldest = store.segments[0]
+    copied = 0
+    for held, rtype in ((journal.live, fmt.PUT), (journal.inputs, fmt.INPUT)):
+        for jid, (_, _, key, item) in held.in_segment(oldest):
+            if copied >= COMPACT_BYTES_PER_TICK:
+                break
+            parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
+            try:
+                new = journal._append(parts, nbytes)
+            except JournalError:
+                break
+            held.forget(jid)
+            held.add(jid, new, nbytes, key, item)
+            copied += nbytes
+    if copied:
+        store.sync_now()  # the copies are on disk before the originals go
+    journal._drop_dead()
+    return copied
 
 
 def _stats(journal: Journal) -> dict[str, Any]:

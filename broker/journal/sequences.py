@@ -56,6 +56,20 @@ class StoredSequences:
                 self._settle()
         self._producer, self._first, self._next = producer, seq, seq + 1
 
+    def mark_all(self, origins: list[Any]) -> None:
+        """``mark`` of each of ``origins`` that is not None, in order."""
+        producer, following = self._producer, self._next
+        for origin in origins:
+            if origin is None:
+                continue
+            if origin[1] == following and origin[0] == producer:
+                following += 1  # the common case: the run goes on
+                continue
+            self._next = following
+            self.mark(origin)
+            producer, following = self._producer, self._next
+        self._next = following
+
     def _settle(self) -> None:
         """Mark the noted runs in their producers' windows, in the order they came."""
         if self._producer is not None:

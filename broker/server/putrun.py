@@ -14,9 +14,9 @@ right behind its last counted one; so while a get_batch waits and the batch hold
 zero-weight item, the items are appended one by one, each key served after each of its items,
 as single puts are.
 
-On a durable channel each put is recorded in the journal (``StateLog.stored``, one call per
-put, the put sequence of a retry-safe producer with its item, as ``handlers._put_once`` does)
-before any item of the batch enters a queue, and only if the journal has room for the whole
+On a durable channel each put is recorded in the journal (``StateLog.stored_each``: each put
+recorded as a put of its own, the put sequence of a retry-safe producer with its item, as
+``handlers._put_once`` does) before any item of the batch enters a queue, and only if the journal has room for the whole
 batch (``max_journal_bytes``).  A put the journal refuses ends the pass: the puts before it
 are stored (each recorded whole), it and the puts after it go to the general path, which
 records each again or answers its error, exactly as for single puts (so the journal's
@@ -77,16 +77,12 @@ def _journaled(log: StateLog, checked: list[tuple], puts: list[Put], window: Any
     before the first the journal refused or found no room for (none recorded: ``[]``)."""
     if log.limited and not log.room(sum(item.nbytes for _, item in checked)):
         return []
-    producer = window.producer if window is not None else None
-    stored = log.stored
-    for n, (key, item) in enumerate(checked):
-        if producer is not None:
-            item.origin = (producer, puts[n].sequence())
-        try:
-            stored(((key, None, item),))
-        except Exception:  # this put's error is the general path's to answer
-            return checked[:n]
-    return checked
+    if window is not None:
+        producer = window.producer
+        for put, (_, item) in zip(puts, checked, strict=False):
+            item.origin = (producer, put.sequence())
+    n = log.stored_each([(key, None, item) for key, item in checked])
+    return checked if n == len(checked) else checked[:n]
 
 
 def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[tuple] | None:
