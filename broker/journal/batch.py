@@ -80,20 +80,21 @@ class PutBatch:
         ``jid``, ``jid + 1``, ... in one pass, as ``take`` would each; how many (0 when the
         first is not small, or their room is not there without a new segment: ``take``
         then sees to each)."""
-        n = 0
-        for _, _, item in outputs:
+        store = self.store
+        if store.sync.failed is not None:
+            return 0
+        pack = fmt.pack_plain
+        entries: list[bytes] = []
+        for key, consumer, item in outputs:
             payload = item.payload
             if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
                     and len(payload[0]) <= ENTRY_BYTES):
                 break
-            n += 1
-        store = self.store
-        if n == 0 or store.sync.failed is not None:
+            entries.append(pack((jid + len(entries), key, item.weight, consumer, item.origin,
+                                 payload[0])))
+        n = len(entries)
+        if n == 0:
             return 0
-        run = outputs[:n]
-        pack = fmt.pack_plain
-        entries = [pack((jid + i, key, item.weight, consumer, item.origin, item.payload[0]))
-                   for i, (key, consumer, item) in enumerate(run)]
         total = sum(map(len, entries))
         if self.nbytes + total > BATCH_BYTES:
             self.flush()
@@ -103,10 +104,11 @@ class PutBatch:
             return 0
         self.entries += entries
         items = self.items
-        for i, (key, _, item) in enumerate(run):
+        for key, _, item in outputs[:n]:
             items.append((key, item, item.origin))
-            item.jid = jid + i
+            item.jid = jid
             item.origin = None
+            jid += 1
         self.nbytes += total
         return n
 

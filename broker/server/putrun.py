@@ -55,41 +55,44 @@ def store_at_once(broker: Any, client: Client, puts: list[Put]) -> list[int] | N
     if (broker.replica is not None or queues.max_bytes or core.waiters.putters
             or not hooks.passthrough or hooks.deals or (window is not None and window.pending)):
         return None
-    checked = _checked(puts, client, window, broker.config.max_message_bytes)
+    seqs: list[int] = []  # the puts' sequences, from a retry-safe producer
+    checked = _checked(puts, client, window, broker.config.max_message_bytes, seqs)
     if checked is None or not _fits(queues, checked):
         return None
     log = core.log  # a durable channel's journal (``QueueCore.attach_log``)
     if log is not None:
-        checked = _journaled(log, checked, puts, window)
+        checked = _journaled(log, checked, window, seqs)
         if not checked:
             return None
         puts = puts[: len(checked)]
     if window is not None:
-        window.mark_rising([put.sequence() for put in puts])
+        window.mark_rising(seqs[: len(puts)])
     broker.counters.puts += len(puts)
     _store(core, queues, checked)
     return [put.id for put in puts]
 
 
-def _journaled(log: StateLog, checked: list[tuple], puts: list[Put], window: Any) -> list[tuple]:
+def _journaled(log: StateLog, checked: list[tuple], window: Any, seqs: list[int]) -> list[tuple]:
     """Record each put of ``checked`` in the durable channel's journal ``log``, in order, with
-    its put sequence when its producer is retry-safe; the puts recorded: all of them, or those
-    before the first the journal refused or found no room for (none recorded: ``[]``)."""
+    its put sequence (``seqs``) when its producer is retry-safe; the puts recorded: all of
+    them, or those before the first the journal refused or found no room for (none: ``[]``)."""
     if log.limited and not log.room(sum(item.nbytes for _, item in checked)):
         return []
     if window is not None:
         producer = window.producer
-        for put, (_, item) in zip(puts, checked, strict=False):
-            item.origin = (producer, put.sequence())
+        for seq, (_, item) in zip(seqs, checked, strict=True):
+            item.origin = (producer, seq)
     n = log.stored_each([(key, None, item) for key, item in checked])
     return checked if n == len(checked) else checked[:n]
 
 
-def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[tuple] | None:
-    """``(key, Item)`` of each put in order, or None if one is not a new inline put with valid
-    fields (the general path then answers it as a single put).  The common field values (a
-    short str key, an int weight in range, no timeout) are told by their type and range here;
-    any other value goes through the checks of ``wire/argchecks.py``."""
+def _checked(puts: list[Put], client: Client, window: Any, limit: int,
+             seqs: list[int]) -> list[tuple] | None:
+    """``(key, Item)`` of each put in order (and each put's sequence appended to ``seqs`` when
+    its producer is retry-safe), or None if one is not a new inline put with valid fields (the
+    general path then answers it as a single put).  The common field values (a short str key,
+    an int weight in range, no timeout) are told by their type and range here; any other value
+    goes through the checks of ``wire/argchecks.py``."""
     out: list[tuple] = []
     parked = client.parked
     high = window.high if window is not None else 0
@@ -110,6 +113,7 @@ def _checked(puts: list[Put], client: Client, window: Any, limit: int) -> list[t
                 if type(seq) is not int or seq <= high:
                     return None
                 high = seq
+                seqs.append(seq)
             key = put.key
             if type(key) is not str or len(key) > MAX_KEY_BYTES:
                 key = check_key(key_from_wire(key))
