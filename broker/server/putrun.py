@@ -17,11 +17,12 @@ as single puts are.
 On a durable channel each put is recorded in the journal (``StateLog.stored_each``: each put
 recorded as a put of its own, the put sequence of a retry-safe producer with its item, as
 ``handlers._put_once`` does) before any item of the batch enters a queue, and only if the
-journal has room for the whole batch (``max_journal_bytes``).  A put the journal refuses ends the pass: the puts before it
-are stored (each recorded whole), it and the puts after it go to the general path, which
-records each again or answers its error, exactly as for single puts (so the journal's
-``refused`` count may count that put twice).  The journal writes the recorded puts before the
-turn's replies go (``Sessions.flush``): nothing is acknowledged before it is written.
+journal has room for the whole batch (``max_journal_bytes``).  A put the journal refuses ends
+the pass: the puts before it are stored (each recorded whole), it and the puts after it go to
+the general path, which records each again or answers its error, exactly as for single puts
+(so the journal's ``refused`` count may count that put twice).  The journal writes the
+recorded puts before the turn's replies go (``Sessions.flush``): nothing is acknowledged
+before it is written.
 
 Anything else -- one malformed field, a duplicate, a full queue -- leaves the batch to the
 general path, put by put, with nothing changed here: its errors, parking and retry handling
