@@ -9,10 +9,12 @@ broker again), ``zchannel broker --journal``, or forks of a prepared process
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -271,29 +273,46 @@ def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_di
     ch.close()
 
 
-def test_small_puts_on_a_full_disk_keep_every_acknowledged_one(brokers, run_dir, small_disk):
-    """Small puts in flight (gathered into one record per loop turn) until the disk is full:
-    after a kill, every put acknowledged is read back, in order, and no refused one."""
-    config = dict(name="durable-full-small", address=f"ipc://{run_dir}/fulls.sock",
+@pytest.mark.parametrize("seed", [1, 4, 11])
+def test_puts_on_a_full_disk_keep_every_acknowledged_one(brokers, run_dir, small_disk, seed):
+    """Async puts of mixed sizes (16 B to 70 KB: small ones gathered into one record per loop
+    turn, large ones in records of their own) until the disk is full, some taken, more put in
+    the room that made: after a kill, every put acknowledged and not taken is read back, in
+    order, and no other (the seeds' size sequences once lost the last small put gathered)."""
+    rng = random.Random(seed)
+    config = dict(name=f"durable-full-{seed}", address=f"ipc://{run_dir}/full{seed}.sock",
                   journal=os.path.join(small_disk, "j"), shm_threshold=0)
     pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
-    works = [(i, ch.put(i.to_bytes(4, "little") * 256, async_op=True)) for i in range(3000)]
-    acked, refused = [], 0
-    for i, work in works:  # 3000 x 1 KiB: three times what the disk holds
+    works = []
+    for i in range(4000):  # ~50 MB asked of a 1 MiB disk
+        size = rng.choice([16, 64, 1000, 3000, 5000, 20000, 70000])
+        works.append((i, ch.put(i.to_bytes(4, "little") * (size // 4), async_op=True)))
+        if rng.random() < 0.02:
+            time.sleep(0.001)  # turns of varied length (not a wait for anything)
+    acked = []
+    for i, work in works:
         try:
             work.wait(60)
             acked.append(i)
         except JournalError as exc:
             assert "no space left on device" in str(exc) or "no room" in str(exc)
-            refused += 1
-    assert acked and refused
+    assert 0 < len(acked) < 4000
+    taken = {int.from_bytes(ch.get(timeout=10)[:4], "little")
+             for _ in range(min(rng.randint(0, 50), len(acked)))}
+    more = []
+    for i in range(4000, 4100):
+        try:
+            ch.put(i.to_bytes(4, "little") * 250, timeout=5)
+            more.append(i)
+        except (JournalError, TimeoutError):
+            pass
     brokers.kill(pid)
     ch.close()
     pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     got = [int.from_bytes(x[:4], "little") for x in drain(ch, "default_queue")]
-    assert got == acked
+    assert got == [i for i in acked if i not in taken] + more
     ch.close()
 
 
