@@ -48,19 +48,15 @@ class PutBatch:
         """Gather the put of ``item`` as ``jid`` (its jid set); False if it is not a small
         one-frame item (it gets a record of its own).  ``JournalError`` if the disk has no
         room for it (nothing of it was kept)."""
-        payload = item.payload
-        if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
-                and len(payload[0]) <= ENTRY_BYTES):
+        entry = _entry(jid, key, consumer, item)
+        if entry is None:
             return False
         store = self.store
         if store.sync.failed is not None:
             raise JournalFailed(f"the journal failed: {store.sync.failed}")
         origin = item.origin
-        entry = fmt.pack_plain((jid, key, item.weight, consumer, origin, payload[0]))
         n = len(entry)
-        seg = store.segments[-1]
-        if self.nbytes + n > BATCH_BYTES \
-                or seg.allocated - seg.used - store.margin - self.nbytes < n + RECORD_EXTRA:
+        if self.nbytes + n > BATCH_BYTES or not self._room_for(n):
             self.flush()
             store.ensure_room(n + RECORD_EXTRA, for_put=True)
             seg = store.segments[-1]
@@ -83,24 +79,19 @@ class PutBatch:
         store = self.store
         if store.sync.failed is not None:
             return 0
-        pack = fmt.pack_plain
         entries: list[bytes] = []
         for key, consumer, item in outputs:
-            payload = item.payload
-            if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
-                    and len(payload[0]) <= ENTRY_BYTES):
+            entry = _entry(jid + len(entries), key, consumer, item)
+            if entry is None:
                 break
-            entries.append(pack((jid + len(entries), key, item.weight, consumer, item.origin,
-                                 payload[0])))
+            entries.append(entry)
         n = len(entries)
         if n == 0:
             return 0
         total = sum(map(len, entries))
         if self.nbytes + total > BATCH_BYTES:
             self.flush()
-        seg = store.segments[-1]
-        if total > BATCH_BYTES \
-                or seg.allocated - seg.used - store.margin - self.nbytes < total + RECORD_EXTRA:
+        if total > BATCH_BYTES or not self._room_for(total):
             return 0
         self.entries += entries
         items = self.items
@@ -111,6 +102,13 @@ class PutBatch:
             jid += 1
         self.nbytes += total
         return n
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether the current segment holds ``nbytes`` more of entries beside those gathered,
+        the record's header and the removals' margin."""
+        store = self.store
+        seg = store.segments[-1]
+        return seg.allocated - seg.used - store.margin - self.nbytes >= nbytes + RECORD_EXTRA
 
     def flush(self) -> None:
         """Append the ``PUTS`` record of the gathered puts (to the room reserved for them)."""
@@ -125,3 +123,13 @@ class PutBatch:
         self.live.add_run(seg, [(item.jid, len(entry), key, item)
                                 for entry, (key, item, _) in zip(entries, items, strict=True)])
         self.sequences.mark_all([origin for _, _, origin in items])
+
+
+def _entry(jid: int, key: Any, consumer: str | None, item: Item) -> bytes | None:
+    """The packed entry of ``item`` as put ``jid`` when it is one small bytes frame (of at most
+    ``ENTRY_BYTES``); else None (it gets a record of its own)."""
+    payload = item.payload
+    if not (type(payload) is list and len(payload) == 1 and type(payload[0]) is bytes
+            and len(payload[0]) <= ENTRY_BYTES):
+        return None
+    return fmt.pack_plain((jid, key, item.weight, consumer, item.origin, payload[0]))
