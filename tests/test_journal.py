@@ -527,3 +527,43 @@ def test_a_run_of_puts_on_a_full_disk_records_those_before_the_first_refused(sma
             list(range(recorded))
     finally:
         again.close()
+
+
+def test_a_small_disk_fills_with_puts_and_keeps_room_to_reopen(small_disk):
+    """Puts from 400 retry-safe producers (so the tables each segment starts with take
+    ~20 KB) fill a 1 MiB disk whose free space is less than one segment and its removals'
+    margin: the journal makes smaller segments, each with a margin of its own size, so the
+    puts recorded take most of the disk (not one segment and a copy of the tables each); it
+    refuses the rest with a clear error, keeps room for the first segment of a broker started
+    again, which reads back every put recorded."""
+    settings = JournalSettings(directory=os.path.join(small_disk, "j"), name="small-disk",
+                               fsync="never")
+    producers = [os.urandom(16) for _ in range(400)]
+    journal = Journal(settings)
+    journal.recover()
+    stored: list[int] = []
+    try:
+        for i in range(4000):  # 4000 puts of 512 B: twice the disk
+            item = Item([i.to_bytes(8, "little") * 64], 1, 512,
+                        origin=(producers[i % 400], i // 400 + 1))
+            try:
+                journal.stored([("k", None, item)])
+            except JournalError as exc:
+                assert "no space left on device" in str(exc) or "no room" in str(exc)
+                break
+            journal.commit()
+            stored.append(i)
+        else:
+            raise AssertionError("the disk never filled")
+        assert journal.store.failed is None
+        assert len(stored) * 512 > (1 << 20) // 2, len(stored)
+        assert len(journal.store.segments) < 20
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        (group,) = again.recover()
+        assert [int.from_bytes(bytes(it.payload[0][:8]), "little") for it in group[2]] == stored
+        assert len(again.sequences.windows) == 400
+    finally:
+        again.close()

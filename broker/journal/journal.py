@@ -96,7 +96,7 @@ class Journal:
         self.recovery_s = 0.0
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
-        self.store.on_roll = self._write_tables
+        self.store.tables = self._table_records
         self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
 
     # -- start -------------------------------------------------------------------------------
@@ -135,16 +135,15 @@ class Journal:
             items.sort(key=lambda it: it.jid)
         return [(key, consumer, items) for (key, consumer), items in groups.items()]
 
-    def _write_table(self, name: str, data: dict, whole: bool) -> None:
-        body = fmt.pack([name, whole, [[k, v] for k, v in data.items()]])
-        self._append([fmt.record(self.store.crc, fmt.TABLE, body)], fmt.HEADER.size + len(body))
+    def _table_records(self) -> list[bytes]:
+        """The ``TABLE`` records of the whole tables, that every new segment starts with."""
+        crc = self.store.crc
+        return [fmt.record(crc, fmt.TABLE,
+                           fmt.pack([name, True, [[k, v] for k, v in snapshot().items()]]))
+                for name, snapshot in self._tables.items()]
 
     def _sequences(self) -> dict:
         return self.sequences.snapshot()
-
-    def _write_tables(self) -> None:
-        for name, snapshot in self._tables.items():
-            self._write_table(name, snapshot(), whole=True)
 
     # -- StateLog ----------------------------------------------------------------------------
 
@@ -246,7 +245,7 @@ class Journal:
 
     def fits(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
-        return not limit or nbytes + PUT_OVERHEAD + self.store.margin + 4096 <= limit
+        return not limit or nbytes + PUT_OVERHEAD + self.store.full_margin + 4096 <= limit
 
     # -- records -----------------------------------------------------------------------------
 

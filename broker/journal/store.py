@@ -53,7 +53,9 @@ class SegmentStore:
         self.policy = policy
         self.interval = interval
         self.segment_bytes = segment_bytes
-        self.margin = min(1 << 20, max(4096, segment_bytes // 16))
+        # the removals' margin of a segment of ``segment_bytes``; ``margin``: the current one's
+        self.full_margin = min(1 << 20, max(4096, segment_bytes // 16))
+        self.margin = self.full_margin
         self.kind = kind
         self.crc = fmt.checksum_of(kind)
         self.segments: list[SegmentFile] = []
@@ -63,7 +65,8 @@ class SegmentStore:
         self.buf_at = 0  # offset of the buffer in the current segment
         self.buf_since = 0.0  # when the buffer's oldest record came
         self.sync = Syncing(jdir, policy, interval)
-        self.on_roll: Callable[[], None] | None = None  # writes the tables into a new segment
+        # the records of the whole tables every new segment starts with
+        self.tables: Callable[[], list[bytes]] | None = None
 
     @property
     def failed(self) -> BaseException | None:
@@ -86,19 +89,34 @@ class SegmentStore:
         """Open a new segment to write in (after the recovered ones)."""
         self._roll(0)
 
-    def _roll(self, need: int) -> None:
-        """Continue in a new segment, of at least ``need`` free bytes (``JournalError`` on a
-        full disk: the current one stays)."""
+    def _roll(self, need: int, for_put: bool = False) -> None:
+        """Continue in a new segment, of at least ``need`` free bytes after the tables it starts
+        with (``JournalError`` on a full disk: the current one stays).  On a disk too full for
+        a segment of ``segment_bytes``, a smaller one, down to the tables and this record; its
+        removals' margin is a sixteenth of it.  A put never takes the room a broker started
+        again on this journal needs for its first segment (the tables and a page)."""
         if self.segments:
             self.flush_buffer()
-        least = need + self.margin + 4096
-        sizes = [max(self.segment_bytes, least)]
-        try:  # a disk nearly full: a smaller segment, down to this record's own
-            free = os.statvfs(self.dir.path)
-            sizes.append(max(least, min(sizes[0], free.f_bavail * free.f_frsize * 3 // 4)))
+        head = self.tables() if self.tables is not None else []
+        tables = sum(map(len, head))
+        own = need + tables + 4096
+        least = own + self.full_margin
+        largest = max(self.segment_bytes, least)
+        sizes = [largest, least, own]
+        try:
+            stat = os.statvfs(self.dir.path)
+            disk_free = stat.f_bavail * stat.f_frsize
         except OSError:
-            pass
-        sizes += [least, need + 4096]
+            disk_free = None
+        if disk_free is not None:
+            keep = tables + 2 * 4096 if for_put else 0
+            sizes.append(max(own, min(largest, (disk_free - keep) * 3 // 4)))
+            sizes = [size for size in sizes if _pages(size) + keep <= disk_free]
+            if not sizes:
+                raise JournalError(
+                    f"the journal of channel {self.dir.name!r} in {self.dir.path!r} has no "
+                    f"room for a segment of {own} bytes: no space left on device"
+                    + (" (beside the room kept for a restart)" if keep else ""))
         sync = self.policy != "never"
         seg: SegmentFile | None = None
         for size in sorted(set(sizes), reverse=True):
@@ -106,7 +124,7 @@ class SegmentStore:
                 seg = self.dir.make(self.next_seq, size, self.kind, sync)
                 break
             except JournalError:
-                if size <= need + 4096:
+                if size <= min(sizes):
                     raise
         assert seg is not None
         self.next_seq += 1
@@ -114,8 +132,9 @@ class SegmentStore:
             self._seal(self.current)
         self.segments.append(seg)
         self.disk_bytes += seg.allocated
-        if self.on_roll is not None:
-            self.on_roll()
+        self.margin = min(self.full_margin, seg.allocated // 16)
+        for record in head:  # the room for them was counted above
+            self.append([record], len(record))
 
     def _seal(self, seg: SegmentFile) -> None:
         """``seg`` is written no more: give its unused preallocated space back."""
@@ -133,7 +152,7 @@ class SegmentStore:
         """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now."""
         if self.segments and self.current.free - self.margin >= nbytes:
             return True
-        return self.disk_bytes + max(self.segment_bytes, nbytes + self.margin + 4096) <= limit
+        return self.disk_bytes + max(self.segment_bytes, nbytes + self.full_margin + 4096) <= limit
 
     def drop_dead_prefix(self) -> int:
         """Remove the oldest segments while none of their items is left (never the current
@@ -152,7 +171,7 @@ class SegmentStore:
     def _reserve(self, nbytes: int, for_put: bool) -> tuple[SegmentFile, int]:
         seg = self.current
         if seg.free - (self.margin if for_put else 0) < nbytes:
-            self._roll(nbytes)
+            self._roll(nbytes, for_put)
             seg = self.current
         offset = seg.used
         seg.used += nbytes
@@ -163,7 +182,7 @@ class SegmentStore:
         margin), continuing in a new one if not (``JournalError`` on a full disk)."""
         seg = self.segments[-1]
         if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
-            self._roll(nbytes)
+            self._roll(nbytes, for_put)
 
     def append(self, parts: Sequence[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
         """Append a record (its ``parts``, ``nbytes`` in all); the segment it went to.
@@ -173,7 +192,7 @@ class SegmentStore:
         if nbytes < DIRECT_BYTES:  # into the buffer (``_reserve`` inlined: once per item)
             seg = self.segments[-1]
             if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
-                self._roll(nbytes)  # writes the buffer, and the new segment's tables into it
+                self._roll(nbytes, for_put)  # writes the buffer, then the new segment's tables
                 seg = self.segments[-1]
             offset = seg.used
             seg.used = offset + nbytes
@@ -275,3 +294,8 @@ class SegmentStore:
                     f.truncate(cur.used)
             except OSError:
                 pass
+
+
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what a file of them takes on disk, about)."""
+    return -(-nbytes // 4096) * 4096
