@@ -93,8 +93,9 @@ class SegmentStore:
         """Continue in a new segment, of at least ``need`` free bytes after the tables it starts
         with (``JournalError`` on a full disk: the current one stays).  On a disk too full for
         a segment of ``segment_bytes``, a smaller one, down to the tables and this record; its
-        removals' margin is a sixteenth of it.  A put never takes the room a broker started
-        again on this journal needs for its first segment (the tables and a page)."""
+        removals' margin is a sixteenth of it (at least a page).  A put (``for_put``) never
+        takes the room a broker started again on this journal needs for its first segment (the
+        tables and two pages); removals may: they are what makes room."""
         if self.segments:
             self.flush_buffer()
         head = self.tables() if self.tables is not None else []
@@ -132,7 +133,7 @@ class SegmentStore:
             self._seal(self.current)
         self.segments.append(seg)
         self.disk_bytes += seg.allocated
-        self.margin = min(self.full_margin, seg.allocated // 16)
+        self.margin = min(self.full_margin, max(4096, seg.allocated // 16))
         for record in head:  # the room for them was counted above
             self.append([record], len(record))
 
