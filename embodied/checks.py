@@ -77,10 +77,9 @@ def check_policy_part(part: PolicyPart, plan: TrajectoryPlan) -> None:
     B, D = _rows(part), plan.num_action_chunks * plan.action_dim
     if part.output is None:
         return
-    action = part.output.forward_inputs.get("action")
-    if action is None:
-        raise ValueError(f"{what}: field 'output.forward_inputs[\"action\"]' is missing")
-    _check_shape(what, "output.forward_inputs[\"action\"]", action, (B, D))
+    action = part.output.forward_inputs.get("action")  # None: the trajectory has no actions
+    if action is not None:
+        _check_shape(what, "output.forward_inputs[\"action\"]", action, (B, D))
     if part.output.prev_logprobs is not None and part.output.prev_logprobs.shape[0] != B:
         raise ValueError(f"{what}: field 'output.prev_logprobs' has {part.output.prev_logprobs.shape[0]} rows, expected {B}")
 

@@ -158,6 +158,29 @@ def test_malformed_part_through_the_broker_loses_nothing(channels):
     assert isinstance(out, Trajectory) and out.actions.shape == (1, 2, 2)
 
 
+def test_a_policy_output_without_an_action_makes_a_trajectory_without_actions(channels):
+    """``actions = output.forward_inputs.get("action")``: an output that carries no action (a
+    policy that keeps its action elsewhere) is not an error; its trajectory has no actions,
+    and the other fields are there as usual."""
+    from embodied.test_collector import key, parts
+
+    plan = make_plan(source_batch_size=2, num_action_chunks=2, action_dim=1)
+    ch = Channel.create("traj-noaction", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", producers=["rollout"],
+                        consumers={"actor": 1}, options=plan.to_options())
+    channels.append(ch)
+    policy, env = parts(plan, key())
+    del policy.output.forward_inputs["action"]
+    policy.output.forward_inputs["obs_emb"] = torch.ones(2, 4)
+    ch.put(policy)
+    ch.put(env)
+    actor = Channel.connect("traj-noaction", identity="actor:0")
+    out = actor.get(timeout=30)
+    actor.close()
+    assert isinstance(out, Trajectory) and out.actions is None
+    assert out.rewards.shape == (1, 2, 2) and out.forward_inputs["obs_emb"].shape == (1, 2, 4)
+
+
 def _run_producers(plan, *, decoupled, steps, name, channels, capture_parts=False):
     """EnvLoop threads and a Rollout thread over real broker channels; returns the items on
     the trajectory channel (raw parts when ``capture_parts``)."""
