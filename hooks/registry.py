@@ -102,9 +102,18 @@ def import_path(path: str) -> Any:
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"expected 'module:ClassName', got {path!r}")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:  # not one raised inside a module that exists
+        if not exc.name or not (module_name + ".").startswith(exc.name + "."):
+            raise
+        raise ValueError(f"cannot import {path!r}: No module named {exc.name!r}") from None
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"cannot import {path!r}: {getattr(obj, '__name__', obj)!r} has "
+                             f"no attribute {part!r}") from None
     return obj
 
 

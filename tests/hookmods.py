@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from rldata.embodied_io_struct import ChunkStepResult
-from zchannel.hooks import Collector
+from zchannel.hooks import Collector, Dispatcher
 
 
 class Raising(Collector):
@@ -133,3 +133,25 @@ class Pairs(Collector):
 
     def holds_state(self):
         return bool(self.waiting)
+
+
+class ObserveRefusesOnce(Dispatcher):
+    """``observe`` raises the first time consumer ``late:0`` joins (then lets it join)."""
+
+    def setup(self, ctx):
+        self.refused = False
+
+    def observe(self, consumer_id):
+        if consumer_id == "late:0" and not self.refused:
+            self.refused = True
+            raise RuntimeError("observe refused late:0")
+
+
+class DealsToFirstRebalanceRaises(Dispatcher):
+    """Deals every item to ``a:0``; ``rebalance`` raises (a starved ``a:1`` asks it)."""
+
+    def route(self, item, key):
+        return "a:0"
+
+    def rebalance(self, key, starved, depths):
+        raise RuntimeError(f"rebalance exploded for {starved}")

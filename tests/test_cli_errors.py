@@ -49,6 +49,10 @@ def test_busy_tcp_address_is_one_line(run_dir):
      "/nonexistent/broker.toml: no such file (configs shipped with zchannel"),
     (["bench", "--payload-size", "12XB"], "Invalid value for '--payload-size': '12XB'"),
     (["broker", "neg", "--collector", "no_such_collector"], "unknown collector 'no_such_collector'"),
+    (["broker", "neg", "--collector", "no_such_module_zz:X"],
+     "cannot import 'no_such_module_zz:X': No module named 'no_such_module_zz'"),
+    (["broker", "neg", "--dispatcher", "zchannel.hooks.builtin:Nope"],
+     "cannot import 'zchannel.hooks.builtin:Nope': 'zchannel.hooks.builtin' has no attribute 'Nope'"),
     (["broker", "neg", "--consumers", "actor"], "expected group:count or group:rank"),
     (["broker", "bad/name"], "invalid channel name 'bad/name'"),
     (["stat", "nothing-here"], "no channel named 'nothing-here' on this host"),
@@ -75,6 +79,21 @@ def test_cli_refuses_what_the_api_refuses():
     assert out.returncode == 2
     line = _one_line(out.stderr)
     assert str(api.value).split(",")[0] in line  # "maxsize must be an int >= 0" in both
+
+
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "30"])
+def test_create_checks_lease_timeout_as_the_cli_does(local, value):
+    with pytest.raises(ValueError, match="lease_timeout must be a number > 0"):
+        Channel.create("badlease", lease_timeout=value, local=local)
+
+
+def test_a_hook_path_that_does_not_resolve_is_a_value_error_from_create(channels):
+    for spec, message in (("no_such_module_zz:X", "No module named 'no_such_module_zz'"),
+                          ("zchannel.hooks.builtin:Nope", "has no attribute 'Nope'")):
+        for local in (False, True):
+            with pytest.raises(ValueError, match=message):
+                channels.append(Channel.create("badpath", collector=spec, local=local))
 
 
 def test_an_open_bind_names_the_remedy_of_the_interface_used():

@@ -290,6 +290,32 @@ def test_failing_hooks_reach_the_putter(make):
     assert [partial.get(timeout=5), partial.get(timeout=5)] == ["first half", "x"]
 
 
+def test_failing_observe_and_rebalance_reach_the_get(make):
+    # docs/hooks.md: a dispatcher hook that raises reaches the request it ran for
+    ch = make("obsfail", dispatcher="hookmods:ObserveRefusesOnce")
+    ch.put("x")
+    late = Channel.connect("obsfail", identity="late:0")
+    try:
+        with pytest.raises(HookError, match="observe refused late:0") as info:
+            late.get(timeout=5)
+        assert info.value.exc_type == "RuntimeError"
+        assert ch.qsize() == 1  # nothing was taken; the consumer had not joined
+        assert late.get(timeout=5) == "x"  # its next get calls observe again, which lets it in
+    finally:
+        late.close()
+    ch = make("rebalfail", dispatcher="hookmods:DealsToFirstRebalanceRaises",
+              consumers=["a:0", "a:1"])
+    ch.put("y")  # dealt to a:0
+    starved = Channel.connect("rebalfail", identity="a:1")
+    try:
+        with pytest.raises(HookError, match="rebalance exploded for a:1") as info:
+            starved.get(timeout=5)  # its private and the shared queue are empty: a steal
+        assert info.value.exc_type == "RuntimeError"
+        assert ch.qsize(consumer="a:0") == 1  # nothing was stolen
+    finally:
+        starved.close()
+
+
 def test_unsendable_collector_output_is_hook_error(make):
     # the broker must encode a new output; a local channel checks it the same way
     ch = make("unsendable_out", collector="hookmods:YieldsUnsendable")

@@ -241,3 +241,28 @@ def test_xdg_runtime_dir_is_preferred_when_it_is_ours(tmp_path, monkeypatch):
         os.chown(xdg, OTHER_UID, OTHER_UID)
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
         assert paths.run_dir() == paths.Path(f"/tmp/zchannel-{os.getuid()}")
+
+
+def test_a_socket_too_long_for_the_run_directory_stays_in_a_private_one(tmp_path, monkeypatch,
+                                                                        channels):
+    """An ipc path may take 107 bytes: a long name becomes a hash in the run directory, and a
+    run directory too long for that sends the socket to ``/tmp/zchannel-<uid>`` (mode 0700),
+    never straight into ``/tmp``; the channel works there."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir(mode=0o700)
+    monkeypatch.setenv("ZCHANNEL_RUN_DIR", str(deep))
+    name = "n" * 60
+    address = paths.default_address(name)
+    folder = os.path.dirname(address[len("ipc://"):])
+    assert folder == f"/tmp/zchannel-{os.getuid()}"
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert len(address) - len("ipc://") <= 107
+    ch = Channel.create(name)
+    channels.append(ch)
+    assert ch.address == address
+    ch.put("through the short path")
+    assert ch.get(timeout=10) == "through the short path"
+    short = tmp_path / "r"
+    short.mkdir(mode=0o700)
+    monkeypatch.setenv("ZCHANNEL_RUN_DIR", str(short))
+    assert os.path.dirname(paths.default_address("n" * 64)[len("ipc://"):]) == str(short)

@@ -3,7 +3,9 @@ outputs and the ``Dispatcher`` that deals items to consumers and names steal don
 
 Items stay in the form their transport gave them; ``decode_item`` and ``encode_item`` (given by
 the broker or the local channel) turn them into values only when a hook needs to see one.  A
-hook that raises is the putter's ``HookError``; a dispatcher notification that raises is logged.
+hook that raises is its caller's ``HookError``: a collector's or ``route``'s the putter's,
+``observe``'s the get of the consumer that joined (it has not joined then), ``rebalance``'s
+the starved get's; ``forget`` and ``key_dropped``, which no request calls, are logged.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.core.consumers import Consumers
-from zchannel.broker.core.state import Item
+from zchannel.broker.core.state import Client, Item
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_weight
@@ -115,16 +117,35 @@ class HookPipeline:
         return target
 
     def notify(self, fn: Callable, *args: Any) -> None:
-        """Call a dispatcher notification (``observe``, ``forget``, ``key_dropped``); a failure
-        is logged, never raised."""
+        """Call a dispatcher notification with no caller to answer (``forget``,
+        ``key_dropped``); a failure is logged, never raised."""
         try:
             fn(*args)
         except Exception:
             log.exception("dispatcher hook %s failed", getattr(fn, "__name__", fn))
 
-    def consumer_joined(self, consumer: str) -> None:
+    def consumer_joined(self, client: Client, consumer: str) -> None:
+        """``observe`` the consumer ``client`` made present; ``HookError`` if it raises (the
+        client then leaves again: its next get tries again)."""
         self.ctx.consumers = self.roster.present()
-        self.notify(self.dispatcher.observe, consumer)
+        try:
+            self.dispatcher.observe(consumer)
+        except Exception as exc:
+            self.roster.leave(client)
+            self.ctx.consumers = self.roster.present()
+            raise hook_error(exc) from None
+
+    def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
+        """The dispatcher's donor for ``starved`` (None: none); ``HookError`` if it raises or
+        names something other than a consumer id."""
+        try:
+            donor = self.dispatcher.rebalance(key, starved, depths)
+        except Exception as exc:
+            raise hook_error(exc) from None
+        if donor is not None and not isinstance(donor, str):
+            raise HookError(f"Dispatcher.rebalance returned {type(donor).__name__}, expected "
+                            "a consumer id or None", "TypeError")
+        return donor
 
     def consumer_left(self, consumer: str) -> None:
         self.ctx.consumers = self.roster.present()

@@ -159,10 +159,10 @@ class QueueCore:
                     f"channel {self.name!r} deals items to consumers: a consumer needs an "
                     "identity (identity='group:rank' or ZCHANNEL_IDENTITY)"
                 )
+            self._join(client)
         except Exception as exc:
             self.reply(client, rid, error=exc)
             return
-        self._join(client)
         new_key = key not in self.queues.keys
         self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
                          new_key)
@@ -176,9 +176,9 @@ class QueueCore:
         the rest take ``get`` one by one)."""
         ks = self.queues.keys.get(key)
         parked = client.parked
-        if ks is None or self.hooks.deals or (parked and any(rid in parked for rid in rids)):
-            return 0  # a new key, dealing or a duplicate id: ``get`` sees to each
-        self._join(client)
+        if ks is None or self.hooks.deals or (parked and any(rid in parked for rid in rids)) \
+                or (client.identity is not None and client.consumer is None):
+            return 0  # a new key or consumer, dealing or a duplicate id: ``get`` sees to each
         return take_run(self.waiters, client, rids, ks, timeout, park)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
@@ -245,11 +245,11 @@ class QueueCore:
 
     # -- consumers and leases --------------------------------------------------------------------
 
-    def _join(self, client: Client) -> None:
+    def _join(self, client: Client) -> None:  # HookError: ``observe`` raised, it did not join
         joined = self.roster.join(client)
         if joined is None:
             return
-        self.hooks.consumer_joined(joined)
+        self.hooks.consumer_joined(client, joined)
         for ks in list(self.queues.keys.values()):
             if ks.private.get(joined):
                 self.waiters.serve(ks)

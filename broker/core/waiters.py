@@ -39,7 +39,7 @@ from zchannel.broker.core.state import (
     Parked,
 )
 from zchannel.broker.core.statelog import StateLog
-from zchannel.broker.errors import QueueEmpty, QueueFull
+from zchannel.broker.errors import HookError, QueueEmpty, QueueFull
 from zchannel.broker.wire.argchecks import exceeds, reaches
 
 log = logging.getLogger("zchannel.broker")
@@ -269,32 +269,10 @@ class Waiters:
                 continue
             self._deliver(req, ks, origin, queue, n)
         if starving and deals:
-            self._steal(ks, starving, blocked)
+            _steal(self, ks, starving, blocked)
         if self.putters:
             self.admit_putters()
         self.queues.mark_idle(ks)
-
-    def _steal(self, ks: KeyState, starving: list[Parked], blocked: set) -> None:
-        for req in starving:
-            if not req.alive or req.kind != "get":
-                continue
-            starved = req.client.consumer
-            if starved is None:
-                continue
-            depths = {c: len(ks.private.get(c) or ()) for c in self.hooks.ctx.consumers}
-            depths.update({c: len(q) for c, q in ks.private.items() if c not in depths})
-            if not any(d for c, d in depths.items() if c != starved):
-                return
-            try:
-                donor = self.hooks.dispatcher.rebalance(ks.key, starved, depths)
-            except Exception:
-                log.exception("Dispatcher.rebalance failed")
-                return
-            if donor is None or donor == starved or donor in blocked:
-                continue
-            queue = ks.private.get(donor)
-            if queue:
-                self._deliver(req, ks, donor, queue, 1)
 
     def _deliver(self, req: Parked, ks: KeyState, origin: str | None, queue: deque[Item],
                  n: int) -> None:
@@ -352,6 +330,33 @@ class Waiters:
             ks = self._remove_getter(req)
             if ks is not None:
                 self.serve(ks)
+
+
+def _steal(waiters: Waiters, ks: KeyState, starving: list[Parked], blocked: set) -> None:
+    """Each starving get of ``ks`` takes the oldest item of the donor the dispatcher's
+    ``rebalance`` names, if any; a ``rebalance`` that raises ends that get with its
+    ``HookError``."""
+    for req in starving:
+        if not req.alive or req.kind != "get":
+            continue
+        starved = req.client.consumer
+        if starved is None:
+            continue
+        depths = {c: len(ks.private.get(c) or ()) for c in waiters.hooks.ctx.consumers}
+        depths.update({c: len(q) for c, q in ks.private.items() if c not in depths})
+        if not any(d for c, d in depths.items() if c != starved):
+            return
+        try:
+            donor = waiters.hooks.rebalance(ks.key, starved, depths)
+        except HookError as exc:
+            waiters._remove_getter(req)
+            waiters.reply(req.client, req.rid, error=exc)
+            continue
+        if donor is None or donor == starved or donor in blocked:
+            continue
+        queue = ks.private.get(donor)
+        if queue:
+            waiters._deliver(req, ks, donor, queue, 1)
 
 
 def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,

@@ -84,13 +84,13 @@ def _checked_create_args(
     name: str, maxsize: Any, distributed: Any, node_rank: Any, local: Any,
     identity: str | None, producers: Iterable[str] | None,
     consumers: Iterable[str] | Mapping[str, int] | None, metrics_port: int | None,
-    journal: Any,
+    journal: Any, lease_timeout: Any,
 ) -> tuple[Any, list[str], list[Any]]:
     """``create``'s arguments checked (``ValueError``/``TypeError`` naming the first wrong
     one): the producers, the declared consumer ids, and on Ray the placement targets among
     them (actor handles, node ids)."""
     paths.check_name(name)
-    check_settings({"maxsize": maxsize})
+    check_settings({"maxsize": maxsize, "lease_timeout": lease_timeout})
     for flag, value in (("distributed", distributed), ("local", local)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
@@ -144,7 +144,7 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     if journal is not None:  # a durable channel (docs/durability.md)
         config.update(journal=os.path.abspath(os.fspath(journal)), fsync=fsync,
                       fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
-        BrokerConfig(**config)  # wrong values fail here, not in the broker
+    BrokerConfig(**config)  # wrong values fail here, not in the broker
     codec.encode(config)  # options must be msgpack-able: fail here, not in the child
     return config
 
@@ -234,7 +234,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         """
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
-            metrics_port, journal)
+            metrics_port, journal, lease_timeout)
         if local:
             return _as_channel(LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,

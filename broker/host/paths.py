@@ -39,7 +39,17 @@ def run_dir() -> Path:
     elif _own_dir(os.environ.get("XDG_RUNTIME_DIR")):
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel"
     else:
-        path = Path(f"/tmp/zchannel-{os.getuid()}")
+        path = _tmp_dir()
+    return _private_dir(path)
+
+
+def _tmp_dir() -> Path:
+    return Path(f"/tmp/zchannel-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, created with mode 0700 if missing; ``UnsafeRunDir`` unless it is this user's
+    alone (``check_run_dir``)."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except FileExistsError:  # a file, or a dangling symbolic link: check_run_dir says which
@@ -108,8 +118,8 @@ def default_address(name: str) -> str:
     if len(path) > IPC_PATH_LIMIT:
         digest = hashlib.sha1(name.encode()).hexdigest()[:16]
         path = str(run_dir() / f"{digest}.sock")
-        if len(path) > IPC_PATH_LIMIT:
-            path = f"/tmp/zchannel-{os.getuid()}-{digest}.sock"
+        if len(path) > IPC_PATH_LIMIT:  # a run directory with a long path: the short one
+            path = str(_private_dir(_tmp_dir()) / f"{digest}.sock")
     return f"ipc://{path}"
 
 

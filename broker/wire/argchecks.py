@@ -68,15 +68,12 @@ def check_weight(weight: Any, what: str = "weight") -> int | float:
 
 
 def check_target_weight(target: Any) -> int | float:
-    """``get_batch``'s target: an int or finite float > 0."""
-    try:
-        value = check_weight(target, "target_weight")
-    except ValueError:
-        value = 0
+    """``get_batch``'s target: an int or finite float in ``(0, 2**53]``."""
+    value = check_weight(target, "target_weight")  # the range of a weight, or ValueError
     if value <= 0:
         raise ValueError(
-            f"target_weight must be an int or a finite float > 0, got {target!r}: zchannel has "
-            "no default target, because RLinf's default of 0 returns an empty batch and a "
+            f"target_weight must be an int or a finite float > 0, got {target!r}: zchannel "
+            "has no default target, because RLinf's default of 0 returns an empty batch and a "
             "zchannel batch is never empty")
     return value
 

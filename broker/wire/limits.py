@@ -9,8 +9,8 @@ from typing import Any
 # field -> (lowest value, ints only, what it means)
 RANGES: dict[str, tuple[float, bool, str]] = {
     "maxsize": (0, True, "per-queue capacity, 0 = unbounded"),
-    "lease_timeout": (0, False, "seconds, > 0"),
-    "heartbeat_interval": (0, False, "seconds, > 0"),
+    "lease_timeout": (0, False, "seconds"),
+    "heartbeat_interval": (0, False, "seconds"),
     "liveness": (1, True, "heartbeats"),
     "max_bytes": (0, True, "bytes, 0 = no limit"),
     "max_keys": (1, True, "keys"),
@@ -22,7 +22,7 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "key_grace": (0, False, "seconds"),
     "max_clients": (0, True, "connections, 0 = from the descriptor limit"),
     "producer_grace": (0, False, "seconds"),
-    "fsync_interval": (0, False, "seconds, > 0"),
+    "fsync_interval": (0, False, "seconds"),
     "max_journal_bytes": (0, True, "bytes, 0 = no limit"),
     "journal_segment_bytes": (65536, True, "bytes"),
 }
