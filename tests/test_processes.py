@@ -42,6 +42,12 @@ def test_create_twice_gives_one_broker(channels):
         b.shutdown()
     b.put("from b")
     assert a.get(timeout=5) == "from b"
+    pid = a.stats()["pid"]
+    a.shutdown()
+    a.shutdown()  # the handle that stopped its broker: again, nothing (as close())
+    assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped by the first call
+    with pytest.raises(PermissionError):
+        b.shutdown()  # still not this handle's to stop
 
 
 def test_create_from_two_processes_at_once(workers, channels):

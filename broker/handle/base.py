@@ -48,6 +48,8 @@ class ChannelHandle:
     broker, and its lifetime (``close``, ``shutdown``, pickling); ``BrokerChannel`` adds the
     operations."""
 
+    _stopped_broker = False  # this handle's shutdown() stopped its broker (again: a no-op)
+
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
                  curve_keys: Any = None, shm: bool | None = None) -> None:
         self._name = name
@@ -178,12 +180,15 @@ class ChannelHandle:
         """Stop the broker.  The handle whose ``create`` started it may; any other handle
         needs the broker's shutdown ``token`` (``zchannel broker stop NAME`` reads it from the
         run directory, ``docs/security.md``), else ``PermissionError`` (client-side, or from
-        the broker for a wrong token; nothing changes).  This handle is closed afterwards."""
+        the broker for a wrong token; nothing changes).  This handle is closed afterwards; a
+        second call on the handle that stopped the broker does nothing."""
+        if self._stopped_broker:
+            return
         if token is not None:
             if not isinstance(token, str):
                 raise TypeError("token must be a str")
             self._request_shutdown(token, timeout=10.0)
-            self._closed = True
+            self._closed = self._stopped_broker = True
             self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
             return
         if self._proc is None or self._creator_pid != os.getpid():
@@ -204,6 +209,7 @@ class ChannelHandle:
         except subprocess.TimeoutExpired:
             self._kill_broker()
         self._proc = None
+        self._stopped_broker = True
 
     def _request_shutdown(self, token: str | None, timeout: float) -> None:
         """Ask the broker to stop, with ``token``; its answer (``PermissionError`` for a wrong

@@ -262,7 +262,9 @@ class DistributedChannel(BrokerChannel):
 
     def shutdown(self, token: str | None = None) -> None:
         """Stop the replicas this handle's ``create`` started (and their Ray actors); only
-        that handle may (``token`` is not used: each replica has its own)."""
+        that handle may (``token`` is not used: each replica has its own); again, nothing."""
+        if self._stopped_broker:
+            return
         if not self._owns_broker():
             raise PermissionError("only the handle that created the channel's brokers may shut them down")
         for sub in self._each_sub():
@@ -279,6 +281,7 @@ class DistributedChannel(BrokerChannel):
             owner, self._ray_owner = self._ray_owner, None
             owner.teardown()
         self._owner = False
+        self._stopped_broker = True
 
     def _owns_broker(self) -> bool:
         return self._owner and self._creator_pid == os.getpid()
