@@ -215,6 +215,11 @@ def test_env_vars_and_create_with_keys(tmp_path, monkeypatch, channels):
     other = Channel.connect(ch.address)
     assert other.get(timeout=5) == 1
     other.close()
+    # the creating handle connects too: without its own keys it is refused before a start
+    with pytest.raises(ValueError, match="no 'secret_key' or 'server_public_key'"):
+        Channel.create("curvy2", address="tcp://127.0.0.1:0", curve_keys={
+            "server_secret_key": server_sec, "public_keys": str(allowed)})
+    assert not os.path.exists(os.path.join(os.environ["ZCHANNEL_RUN_DIR"], "curvy2.lock"))
 
 
 def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):

@@ -267,6 +267,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         """A handle on the live broker of ``config["name"]`` (another process holds its lock:
         attach, warning), else one on the broker started now with ``config``."""
         name = config["name"]
+        client_keys(curve_keys)  # this handle's own CURVE keys: wrong ones fail before a start
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             lock_fd = paths.try_lock(name)

@@ -70,8 +70,11 @@ def replica_client_keys(curve_keys: Any, server_key: str | None) -> Any:
     that key; ``curve_keys`` unchanged when the replica has none; None without a client key."""
     if not server_key:
         return curve_keys
-    base = client_keys(curve_keys) if curve_keys is not None else None
-    secret = base.secret_key if base is not None else os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")
+    if isinstance(curve_keys, dict):  # the replica's key stands for 'server_public_key'
+        secret = curve_keys.get("secret_key") or os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")
+    else:
+        base = client_keys(curve_keys) if curve_keys is not None else None
+        secret = base.secret_key if base is not None else os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")
     if not secret:
         return None
     return ReplicaCurveKeys(secret, server_key)
@@ -89,6 +92,12 @@ def client_keys(curve_keys: Any) -> CurveKeys | None:
     if isinstance(curve_keys, CurveKeys):
         return curve_keys
     if isinstance(curve_keys, dict):
+        missing = [k for k in ("secret_key", "server_public_key") if not curve_keys.get(k)]
+        if missing:
+            raise ValueError(
+                f"curve_keys= has no {' or '.join(repr(k) for k in missing)}: a handle connects "
+                "with its own secret key and the broker's public key (a creator passes them "
+                "beside 'server_secret_key' and 'public_keys')")
         return CurveKeys(str(curve_keys["secret_key"]), str(curve_keys["server_public_key"]))
     if isinstance(curve_keys, (tuple, list)) and len(curve_keys) == 2:
         return CurveKeys(str(curve_keys[0]), str(curve_keys[1]))
