@@ -28,6 +28,7 @@ from zchannel.embodied.types import (
     EnvPart,
     PolicyPart,
     TrajectoryKey,
+    as_float32,
     assign_history_rewards,
 )
 
@@ -210,6 +211,7 @@ class TrajectoryStep:
             setattr(self, f.name, to_cpu_contiguous(getattr(self, f.name)))
         for name in _FLAG_FIELDS + ("intervene_flags",):
             setattr(self, name, _bool(getattr(self, name)))
+        self.versions = as_float32(self.versions)
         if self.intervene_flags is None and isinstance(self.actions, torch.Tensor):
             self.intervene_flags = torch.zeros(self.actions.shape, dtype=torch.bool)
 
@@ -449,6 +451,7 @@ class Trajectory:
             setattr(self, name, to_cpu_contiguous(value))
         for name in _BOUNDARY_FIELDS + ("intervene_flags",):
             setattr(self, name, _bool(getattr(self, name)))
+        self.versions = as_float32(self.versions)
 
     # -- construction ------------------------------------------------------------------------
 

@@ -45,6 +45,13 @@ def _as_bool(value: Any) -> Any:
     return value
 
 
+def as_float32(value: Any) -> Any:
+    """A ``versions`` tensor as float32 (the rule of every type here); None as it is."""
+    if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+        return value.float()
+    return value
+
+
 def _convert_fields(obj: Any, *, flags: Sequence[str] = (), skip: Sequence[str] = ()) -> None:
     """Move every field of dataclass ``obj`` to CPU/contiguous/detached; make ``flags`` bool."""
     for f in dataclasses.fields(obj):
@@ -548,8 +555,7 @@ class PolicyOutput:
         if not isinstance(self.forward_inputs, dict):
             raise TypeError("PolicyOutput.forward_inputs must be a dict.")
         _convert_fields(self, flags=("intervene_flags",))
-        if isinstance(self.versions, torch.Tensor) and self.versions.dtype != torch.float32:
-            self.versions = self.versions.float()
+        self.versions = as_float32(self.versions)
 
     def split(self, sizes: Sequence[int]) -> list[PolicyOutput]:
         """Split every field on the batch."""

@@ -606,3 +606,14 @@ def test_package_exports_public_api():
     assert set(PUBLIC_API) <= set(package.__all__)
     for name in PUBLIC_API:
         assert getattr(package, name) is not None
+
+
+def test_versions_are_float32_in_every_type():
+    """``versions`` is float32 on every type, whatever dtype it is given in."""
+    step = TrajectoryStep(actions=torch.zeros(1, 1), versions=torch.ones(1, 1, dtype=torch.int32))
+    traj = Trajectory(actions=torch.zeros(1, 1, 1),
+                      versions=torch.ones(1, 1, 1, dtype=torch.float64))
+    out = PolicyOutput(forward_inputs={}, versions=torch.ones(1, 1, dtype=torch.int64))
+    assert step.versions.dtype == traj.versions.dtype == out.versions.dtype == torch.float32
+    assert step.versions.tolist() == [[1.0]] and traj.versions.tolist() == [[[1.0]]]
+    assert TrajectoryStep(actions=torch.zeros(1, 1)).versions is None
