@@ -15,6 +15,18 @@ class Raising(Collector):
         yield key, item
 
 
+class Exits(Collector):
+    """Raises what ends a process: ``sys.exit`` for ``"exit"``, ``KeyboardInterrupt`` for
+    ``"interrupt"`` (a hook's failure like any other)."""
+
+    def collect(self, item, key):
+        if item == "exit":
+            raise SystemExit(3)
+        if item == "interrupt":
+            raise KeyboardInterrupt
+        yield key, item
+
+
 class BadYield(Collector):
     def collect(self, item, key):
         if item == "bad":

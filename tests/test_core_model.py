@@ -31,10 +31,12 @@ queue as ``peek`` shows them, ``full`` and the bytes held agree.  The default ru
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -716,3 +718,61 @@ def test_served_gets_and_acknowledged_leases_leave_the_timer_heap():
     assert 3 * n + 1 not in replies
     core.tick(time.monotonic() + 601.0)
     assert replies[3 * n + 1] == ("error", "TimeoutError")
+
+
+class _Payload:
+    """An item's payload that a weak reference can watch (the broker's frames, in a test)."""
+
+
+def test_acknowledged_and_admitted_items_are_not_kept_till_their_deadline():
+    """An acknowledged lease and a put admitted after waiting keep their deadline-heap entry
+    until the deadline (or a purge), but not their item: its payload is freed once consumed."""
+    core, replies = _core(Dispatcher(), maxsize=1)
+    producer, consumer = Client(address=0), Client(address=1)
+    leased = _Payload()
+    watch_leased = weakref.ref(leased)
+    core.put(producer, 1, "a", Item((leased, None), 1, 1), None, False)
+    core.get(consumer, 2, "a", None, False, ack=True)
+    core.ack(consumer, 3, next(iter(core.leases)))
+    assert 3 in replies
+    waited = _Payload()
+    watch_waited = weakref.ref(waited)
+    core.put(producer, 4, "a", Item(("first", None), 1, 1), None, False)
+    core.put(producer, 5, "a", Item((waited, None), 1, 1), 600.0, False)  # full: waits, deadline 600 s
+    assert 5 not in replies
+    core.get(consumer, 6, "a", None, False)  # room: the waiting put is admitted
+    core.get(consumer, 7, "a", None, False)  # and taken
+    assert 5 in replies and 7 in replies
+    del leased, waited
+    replies.clear()  # the test's own record of the replies held the items too
+    gc.collect()
+    assert len(core.deadlines) >= 2  # both entries still wait for their deadlines
+    assert watch_leased() is None and watch_waited() is None
+
+
+def test_a_long_line_of_waiting_puts_costs_each_get_a_look_at_its_head():
+    """Puts waiting for one full queue are admitted in arrival order, one per get that makes
+    room, each get looking at the head of the line only (the line is not scanned each time:
+    60,000 waiting puts took minutes of broker time that way)."""
+    core, replies = _core(Dispatcher(), maxsize=2)
+    producer, consumer = Client(address=0), Client(address=1)
+    n = 20_000
+    for i in range(n):
+        core.put(producer, i + 1, "a", Item((i, None), 1, 1), None, False)
+    assert len(core.waiters.putters) == n - 2 and core.waiters.put_targets == {("a", None): n - 2}
+    calls = 0
+    admits = core.queues.admits
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return admits(*args)
+
+    core.queues.admits = counted
+    got = []
+    for i in range(n):
+        core.get(consumer, n + 1 + i, "a", None, False)
+        got.append(replies[n + 1 + i][1][0])
+    assert got == list(range(n)) and all(i + 1 in replies for i in range(n))
+    assert calls <= 3 * n  # a few looks per get, not one per waiting put
+    assert not core.waiters.putters and core.waiters.put_targets == {}

@@ -316,6 +316,17 @@ def test_failing_observe_and_rebalance_reach_the_get(make):
         starved.close()
 
 
+def test_a_hook_that_exits_or_interrupts_is_a_hook_error(make):
+    ch = make("exits", collector="hookmods:Exits")
+    ch.put("kept")
+    for item, kind in (("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt")):
+        with pytest.raises(HookError) as info:
+            ch.put(item)
+        assert info.value.exc_type == kind
+    ch.put("after")  # the broker serves on, and lost nothing
+    assert [ch.get(timeout=5), ch.get(timeout=5)] == ["kept", "after"]
+
+
 def test_unsendable_collector_output_is_hook_error(make):
     # the broker must encode a new output; a local channel checks it the same way
     ch = make("unsendable_out", collector="hookmods:YieldsUnsendable")

@@ -189,6 +189,8 @@ def _table() -> list[tuple[str, object, object]]:
         ("bytes 100 KiB", bytes(range(256)) * 400, bytes(range(256)) * 400),
         ("bytearray", bytearray(b"ba"), b"ba"),
         ("memoryview", memoryview(b"mv"), b"mv"),
+        ("memoryview with a step inside", [memoryview(b"abcdef")[::2]],
+         Refused("cannot encode item: a memoryview inside it is not C-contiguous")),
         ("float nan", [math.nan], [math.nan]),
         ("tuple nested", (1, (2, (3, "x")), []), (1, (2, (3, "x")), [])),
         ("namedtuple", Pair(1, FinishReason.LENGTH), (1, "length")),
@@ -378,6 +380,22 @@ def test_refused_values_are_type_errors_at_put_naming_type_and_fix(path, channel
     assert ch.qsize() == 0
     ch.put(_wrap(path, FinishReason.STOP))  # the handle still works
     assert _unwrap(path, ch.get(timeout=10)) == "stop"
+
+
+@pytest.mark.parametrize("path", ["zmq", "direct", "local"])
+def test_a_memoryview_with_a_step_travels_as_its_bytes(path, channels, monkeypatch):
+    """An item that is a memoryview arrives as bytes, also one that is not C-contiguous (in C
+    order, as ``bytes(view)``); inside an item, such a view is refused (msgpack packs only
+    contiguous ones), the same way on every path."""
+    ch = _open(path, channels, monkeypatch)
+    big = bytes(range(256)) * 1200
+    for view in (memoryview(b"abcdef")[::2], memoryview(big)[::2],
+                 memoryview(np.arange(12, dtype=np.uint8).reshape(3, 4).T)):
+        ch.put(view)
+        assert ch.get(timeout=10) == view.tobytes()
+    with pytest.raises(TypeError, match="a memoryview inside it is not C-contiguous"):
+        ch.put({"v": memoryview(b"abcdef")[::2]})
+    assert ch.qsize() == 0
 
 
 RLDATA_ROWS = [(name, value) for name, value, _expected in GOOD if name.startswith("rldata ")]

@@ -24,6 +24,10 @@ from zchannel.hooks import ChannelContext, Collector, Dispatcher
 
 log = logging.getLogger("zchannel.broker")
 
+# what a hook may raise: any error, also ``sys.exit()`` and a ``KeyboardInterrupt`` it raises
+# itself (a broker takes SIGINT with a handler, never as an exception), is the hook's failure
+HOOK_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+
 
 class HookPipeline:
     """A channel's collector and dispatcher, their ``ChannelContext``, and the item codec."""
@@ -81,7 +85,7 @@ class HookPipeline:
                     outputs.append((out_key, item))
                 else:
                     outputs.append((out_key, self.encode_item(out[1], out_weight)))
-        except Exception as exc:
+        except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if self.log is not None and self.stateful:
             self.log.collected(item, key, self.holds_state(), len(outputs))
@@ -91,7 +95,7 @@ class HookPipeline:
         """``Collector.holds_state`` (a failure counts as holding state)."""
         try:
             return bool(self.collector.holds_state())
-        except Exception:
+        except HOOK_FAILURES:
             log.exception("Collector.holds_state failed")
             return True
 
@@ -102,7 +106,7 @@ class HookPipeline:
         value = self.value(item) if self.dispatcher.needs_item else None
         try:
             target = self.dispatcher.route(value, key)
-        except Exception as exc:
+        except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if target is None:
             return None
@@ -121,7 +125,7 @@ class HookPipeline:
         ``key_dropped``); a failure is logged, never raised."""
         try:
             fn(*args)
-        except Exception:
+        except HOOK_FAILURES:
             log.exception("dispatcher hook %s failed", getattr(fn, "__name__", fn))
 
     def consumer_joined(self, client: Client, consumer: str) -> None:
@@ -130,7 +134,7 @@ class HookPipeline:
         self.ctx.consumers = self.roster.present()
         try:
             self.dispatcher.observe(consumer)
-        except Exception as exc:
+        except HOOK_FAILURES as exc:
             self.roster.leave(client)
             self.ctx.consumers = self.roster.present()
             raise hook_error(exc) from None
@@ -140,7 +144,7 @@ class HookPipeline:
         names something other than a consumer id."""
         try:
             donor = self.dispatcher.rebalance(key, starved, depths)
-        except Exception as exc:
+        except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if donor is not None and not isinstance(donor, str):
             raise HookError(f"Dispatcher.rebalance returned {type(donor).__name__}, expected "
@@ -175,6 +179,6 @@ def _hook_name(hook: Any) -> str:
 def _safe_stats(hook: Any) -> dict:
     try:
         return dict(hook.stats())
-    except Exception:
+    except HOOK_FAILURES:
         log.exception("hook stats() failed")
         return {}

@@ -15,6 +15,8 @@ from typing import Any
 from zchannel.broker.core.queues import Deadlines, KeyedQueues
 from zchannel.broker.core.state import Client, Item, KeyState, Lease
 
+_ENDED = Item(None, 0, 0)  # what an ended lease holds instead of its item
+
 
 class LeaseBook:
     """The open leases of one channel, by lease id."""
@@ -45,11 +47,15 @@ class LeaseBook:
     def is_open(self, lease: Lease) -> bool:
         return self.leases.get(lease.lease_id) is lease
 
-    def end(self, lease: Lease) -> None:
-        """Close ``lease`` (acknowledged, lapsed, returned); its bytes stay the caller's to count."""
+    def end(self, lease: Lease) -> Item:
+        """Close ``lease`` (acknowledged, lapsed, returned) and return its item: the lease lets
+        go of it (its entry in the deadline heap may stay until its deadline); its bytes stay
+        the caller's to count."""
         del self.leases[lease.lease_id]
         lease.alive = False
+        item, lease.item = lease.item, _ENDED
         lease.client.leases.pop(lease.lease_id, None)
         ks = self.queues.keys.get(lease.key)
         if ks is not None:
             ks.leases -= 1
+        return item

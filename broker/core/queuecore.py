@@ -191,8 +191,7 @@ class QueueCore:
         if error is not None:  # not recorded: the lease stays open
             self.reply(client, rid, error=error)
             return
-        self.lease_book.end(lease)
-        self.queues.bytes_held -= lease.item.nbytes
+        self.queues.bytes_held -= self.lease_book.end(lease).nbytes
         self.reply(client, rid)
         self.waiters.admit_putters()
         ks = self.queues.keys.get(lease.key)
@@ -279,19 +278,19 @@ class QueueCore:
 
     def _return_lease(self, lease: Lease) -> None:
         """An unacknowledged delivery goes back to the head of its queue."""
-        self.lease_book.end(lease)
+        item = self.lease_book.end(lease)
         ks = self.queues.state(lease.key)
         origin = lease.origin
         if origin is not None and not self.roster.listed(origin):
-            self._redeal(ks, lease.item)
+            self._redeal(ks, item)
             # _redeal appends; move it to the head of wherever it went
             for queue in (ks.shared, *ks.private.values()):
-                if queue and queue[-1] is lease.item:
+                if queue and queue[-1] is item:
                     queue.pop()
-                    ks.put_back(queue, [lease.item])
+                    ks.put_back(queue, [item])
                     break
         else:
-            ks.put_back(self.queues.queue(ks, origin), [lease.item])
+            ks.put_back(self.queues.queue(ks, origin), [item])
         self.waiters.serve(ks)
 
     # -- deadlines -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from zchannel.broker.core.state import ITEM_OVERHEAD, Item, KeyState
@@ -145,7 +146,7 @@ class KeyedQueues:
     def outputs_bytes(outputs: Outputs) -> int:
         return sum(it.nbytes for _, _, it in outputs)
 
-    def admits(self, outputs: Outputs, blocked: set[tuple[Any, str | None]]) -> bool:
+    def admits(self, outputs: Outputs, blocked: AbstractSet[tuple[Any, str | None]]) -> bool:
         """Whether a put of ``outputs`` fits now: none of its target queues is in ``blocked``
         (an earlier put waits for it) or full, and ``max_bytes`` (and the journal, if the
         channel has one) leaves room for it."""

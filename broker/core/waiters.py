@@ -50,7 +50,6 @@ SendReply = Callable[..., None]
 # ``(client, rids, items, origin)``: plain gets ``rids`` answered with ``items``, one each
 SendRun = Callable[[Client, list[int], list[Item], tuple[Any, str | None]], None]
 
-_NONE_WAITING: set[tuple[Any, str | None]] = set()  # no waiting put blocks a target queue (never added to)
 
 
 class Waiters:
@@ -67,6 +66,7 @@ class Waiters:
         # the replies of a run of gets at once (``take_run``); by default one reply each
         self.reply_run: SendRun = reply_run or functools.partial(reply_each, reply)
         self.putters: deque[Parked] = deque()
+        self.put_targets: dict[tuple[Any, str | None], int] = {}  # queue -> puts waiting for it
         self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
         self.request_overhead = request_overhead  # what each of them counts, items aside
@@ -82,7 +82,7 @@ class Waiters:
         if not outputs:
             self.reply(client, rid)
             return True
-        if queues.admits(outputs, self._waiting_targets() if self.putters else _NONE_WAITING):
+        if queues.admits(outputs, self.put_targets.keys()):
             if self.log is not None:
                 error = _unlogged(self.log, outputs)
                 if error is not None:  # nothing is stored
@@ -109,57 +109,68 @@ class Waiters:
         if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
                               + new_keys * self.key_overhead):
             return False
-        self._park(req, timeout)
-        self.putters.append(req)
-        for k in {k for k, _, _ in outputs}:
-            queues.state(k).putters += 1
+        self._park_putter(req, timeout)
         return req
 
-    def _waiting_targets(self) -> set[tuple[Any, str | None]]:
-        waiting: set[tuple[Any, str | None]] = set()
-        for p in self.putters:
-            waiting |= self.queues.targets(p.outputs)
-        return waiting
+    def _park_putter(self, req: Parked, timeout: float | None) -> None:
+        self._park(req, timeout)
+        self.putters.append(req)
+        for target in self.queues.targets(req.outputs):
+            self.put_targets[target] = self.put_targets.get(target, 0) + 1
+        for k in {k for k, _, _ in req.outputs}:
+            self.queues.state(k).putters += 1
 
     def admit_putters(self) -> None:
         """Admit the waiting puts that fit now, in arrival order (a put waits while an earlier
-        waiting put targets one of its queues)."""
+        waiting put targets one of its queues): the scan ends once every queue a waiting put
+        targets is held by an earlier one, so a long line of puts waiting for one full queue
+        costs each get a look at its head, not at the whole line."""
         if not self.putters:
             return
         blocked: set = set()
         admitted = False
+        waiting = self.put_targets
         for req in list(self.putters):
+            if len(blocked) >= len(waiting) and blocked.issuperset(waiting):
+                break
             if not req.alive:
                 continue
-            if self.queues.admits(req.outputs, blocked):
-                error = _unlogged(self.log, req.outputs)
+            outputs = req.outputs
+            if self.queues.admits(outputs, blocked):
+                error = _unlogged(self.log, outputs)
                 self._unpark_putter(req, stored=error is None)
                 admitted = True
                 if error is not None:
                     self.reply(req.client, req.rid, error=error)
                     continue
-                for ks in self.queues.store(req.outputs):
+                for ks in self.queues.store(outputs):
                     self.serve(ks)
                 self.reply(req.client, req.rid)
             else:
-                blocked |= self.queues.targets(req.outputs)
+                blocked |= self.queues.targets(outputs)
         if admitted:
             self.admit_putters()
 
     def _unpark_putter(self, req: Parked, stored: bool = False) -> None:
-        """A waiting put ends: admitted (``stored``), timed out or withdrawn."""
+        """A waiting put ends: admitted (``stored``), timed out or withdrawn.  It lets go of
+        its items (its entry in the deadline heap may stay until its deadline)."""
         self._unpark(req)
         if req.on_end is not None:
             req.on_end(stored)
         try:
             self.putters.remove(req)
         except ValueError:
-            pass
+            return  # ended before
+        for target in self.queues.targets(req.outputs):
+            n = self.put_targets.pop(target, 0) - 1
+            if n > 0:
+                self.put_targets[target] = n
         for k in {k for k, _, _ in req.outputs}:
             ks = self.queues.keys.get(k)
             if ks is not None:
                 ks.putters -= 1
                 self.queues.mark_idle(ks)
+        req.outputs = []
 
     def _queue_full(self, req: Parked) -> QueueFull:
         return QueueFull(self.queues.why_full(req.key, req.outputs))
@@ -225,6 +236,7 @@ class Waiters:
         req.client.parked.pop(req.rid, None)
         self.waiting_bytes -= req.cost
         req.cost = 0
+        req.scan = None  # a get_batch's scan names its head item: not kept till the deadline
 
     def _remove_getter(self, req: Parked) -> KeyState | None:
         self._unpark(req)
@@ -297,9 +309,10 @@ class Waiters:
         """``req`` reached its deadline (or asked ``nowait``): a get_batch takes what it can,
         any other request gets its timeout (or ``QueueFull``/``QueueEmpty``) error."""
         if req.kind == "put":
+            error = self._queue_full(req) if nowait else TimeoutError(
+                "put timed out: a target queue stayed full")
             self._unpark_putter(req)
-            self.reply(req.client, req.rid, error=self._queue_full(req) if nowait
-                       else TimeoutError("put timed out: a target queue stayed full"))
+            self.reply(req.client, req.rid, error=error)
             self.admit_putters()
             return
         ks = self.queues.keys.get(req.key)

@@ -247,7 +247,11 @@ class _Encoder:
     def pack_value(self, obj: Any) -> bytes:
         """The msgpack of a value that may hold lists and dicts: packed as ``[obj]``, minus the
         array's one-byte header, so that the packer's nesting limit (one level more than the
-        unpacker's) refuses everything the unpacker would."""
+        unpacker's) refuses everything the unpacker would.  An item that is a memoryview
+        travels as its bytes, in C order when it is not C-contiguous (msgpack packs only
+        contiguous ones: inside an item, such a view is a ``TypeError``)."""
+        if type(obj) is memoryview and not obj.c_contiguous:
+            obj = obj.tobytes()
         return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([obj])[1:]
 
     def nest(self, code: int, payload: Any) -> msgpack.ExtType:
@@ -371,17 +375,21 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     enc = _Encoder()
     try:
         body = enc.pack_value(obj)
-    except (ValueError, RecursionError) as exc:
-        raise _refusal(exc) from None
+    except (ValueError, RecursionError, BufferError) as exc:
+        raise refusal(exc) from None
     return body, enc.buffers
 
 
-def _refusal(exc: ValueError | RecursionError) -> TypeError:
-    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large) or a
-    ``RecursionError`` (tuples, sets... nested too deeply)."""
+def refusal(exc: ValueError | RecursionError | BufferError) -> TypeError:
+    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large), a
+    ``RecursionError`` (tuples, sets... nested too deeply) or a ``BufferError`` (a memoryview
+    inside the item that is not C-contiguous)."""
     if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
         return TypeError(f"{NESTED_TOO_DEEPLY}: lists and dicts nest at most about 1,000 "
                          "levels in a row (msgpack's limit)")
+    if isinstance(exc, BufferError):
+        return TypeError("cannot encode item: a memoryview inside it is not C-contiguous; "
+                         "put bytes(view) (or a contiguous view) there")
     return TypeError(f"cannot encode item: {exc}")
 
 
@@ -397,8 +405,8 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
         body = enc.pack_value(obj)
     except BaseException as exc:
         alloc.undo(enc.refs)  # slots taken for an item that will not travel
-        if isinstance(exc, (ValueError, RecursionError)):
-            raise _refusal(exc) from None
+        if isinstance(exc, (ValueError, RecursionError, BufferError)):
+            raise refusal(exc) from None
         raise
     return body, enc.buffers, enc.refs
 

@@ -85,7 +85,10 @@ def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
         codec.check_array(obj)
         return obj
     if isinstance(obj, (bytes, bytearray, memoryview)):
-        return memoryview(obj).tobytes()
+        view = memoryview(obj)
+        if level and not view.c_contiguous:  # as the codec: only an item itself is made so
+            raise codec.refusal(BufferError(view))
+        return view.tobytes()
     if PUBLISHED_PENDING and isinstance(obj, enum.Enum) and published_tag(kind):
         return obj  # its module is published: registered just now
     return _form_base(obj, kind, level, nest)
