@@ -22,6 +22,14 @@ class Sample:
 
 
 @dataclass
+class Point:
+    """Registered by the test that uses it (``register_type``), not by this module."""
+
+    x: int
+    label: tuple = ()
+
+
+@dataclass
 class Unregistered:
     x: int = 1
 

@@ -327,6 +327,21 @@ def test_a_hook_that_exits_or_interrupts_is_a_hook_error(make):
     assert [ch.get(timeout=5), ch.get(timeout=5)] == ["kept", "after"]
 
 
+def test_a_broker_that_decodes_knows_the_classes_its_creator_registered(make_remote):
+    """A collector's broker decodes each put: ``create`` hands it the classes this process
+    registered (here one registered by a call, not by importing its module), which it
+    registers too, so registered dataclasses travel through it."""
+    import payloads
+    from zchannel.broker import register_type
+
+    register_type(payloads.Point)
+    ch = make_remote("decodes-types", collector="flatten_batch")
+    ch.put([payloads.Point(1, ("a",)), payloads.Sample(torch.arange(2), ["x"], {})])
+    assert ch.get(timeout=5) == payloads.Point(1, ("a",))
+    got = ch.get(timeout=5)
+    assert isinstance(got, payloads.Sample) and torch.equal(got.obs, torch.arange(2))
+
+
 def test_unsendable_collector_output_is_hook_error(make):
     # the broker must encode a new output; a local channel checks it the same way
     ch = make("unsendable_out", collector="hookmods:YieldsUnsendable")

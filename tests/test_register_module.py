@@ -291,12 +291,15 @@ def _publish(tmp_path, monkeypatch) -> None:
 
 
 def test_a_broker_hook_uses_the_classes_of_a_published_module(tmp_path, monkeypatch, channels,
-                                                              workers):
+                                                              workers, brokers, run_dir):
     rewards, dones = torch.arange(4.0), torch.tensor([False, True, False, True])
     env = EnvOutput(obs={"states": torch.randn(4, 3)}, rewards=rewards, dones=dones,
                     status=EnvStatus.DONE)
-    # the hook module imports rldata but registers nothing: the broker cannot build or read them
-    bare = Channel.create("unpublished", collector="hookmods:ChunkFromEnv")
+    # the hook module imports rldata but registers nothing, and this broker was not started
+    # by a process that registered them (no ``types``): it cannot build or read them
+    brokers.start(name="unpublished", address=f"ipc://{run_dir}/unpublished.sock",
+                  collector="hookmods:ChunkFromEnv")
+    bare = Channel.connect(f"ipc://{run_dir}/unpublished.sock")
     channels.append(bare)
     with pytest.raises(HookError, match=r"dataclass rldata\.embodied_io_struct\.ChunkStepResult is "
                        r'not registered .*register_module\("rldata\.embodied_io_struct"\)'):

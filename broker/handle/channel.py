@@ -51,6 +51,7 @@ from zchannel.broker.server.starting import (
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import check_timeout
+from zchannel.broker.wire.classtags import registrations
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import UNSET
 from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
@@ -137,6 +138,8 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
         "curve_secret_key": server_keys.get("server_secret_key"),
         "curve_public_keys": server_keys.get("public_keys"),
     }
+    if collector is not None or dispatcher is not None:  # the broker may decode items
+        config["types"] = registrations()
     if shm_threshold is not None:  # same-host shared memory (docs/shm.md); 0 = off
         config["shm_threshold"] = shm_threshold
     if metrics_port is not None:

@@ -13,7 +13,7 @@ A file has up to three tables::
     maxsize = 64
     journal = "/var/lib/zchannel"   # a durable channel (docs/durability.md)
 
-    [hooks]                   # collector, dispatcher, consumers, producers, imports
+    [hooks]                   # collector, dispatcher, consumers, producers, imports, types
     collector = "flatten_batch"
     dispatcher = "round_robin"
     consumers = { actor = 3 } # or a list of ids
@@ -47,6 +47,8 @@ class BrokerConfig:
     consumers: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     imports: list[str] = field(default_factory=list)
+    # [tag, "module:qualname"] of the classes to register for the wire (a creator's own)
+    types: list[list[str]] = field(default_factory=list)
     lease_timeout: float = 30.0
     heartbeat_interval: float = 1.0
     liveness: int = 3
@@ -94,6 +96,11 @@ class BrokerConfig:
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got "
                              f"{self.fsync!r}")
+        if not isinstance(self.types, list) or not all(
+                isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                for t in self.types):
+            raise ValueError("types must be a list of [tag, 'module:qualname'] pairs, got "
+                             f"{self.types!r}")
         if self.journal is not None and (not isinstance(self.journal, str) or not self.journal):
             raise ValueError(f"journal must be a directory path, got {self.journal!r}")
 
@@ -109,7 +116,7 @@ _CHANNEL_KEYS = {
     "journal", "fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes",
     "sched_batch",
 }
-_HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports"}
+_HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports", "types"}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from zchannel.broker.transport import direct_broker
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
 from zchannel.broker.transport.sockets import recv_message
 from zchannel.broker.wire import codec
+from zchannel.broker.wire.classtags import register_paths
 from zchannel.broker.wire.protocol import (
     BYE,
     BadRecord,
@@ -124,6 +125,7 @@ class Broker:
         self.sched_policy = "other"  # the loop's scheduling policy once serving (stats)
         for module in config.imports:
             __import__(module)
+        register_paths(config.types, import_path)  # the creator's registered classes
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
         # distributed: this broker is one replica (see broker/cluster/replica.py)

@@ -57,6 +57,27 @@ def register_type(cls: C, name: str | None = None) -> C:
     return cls
 
 
+def registrations() -> list[list[str]]:
+    """``[tag, "module:qualname"]`` of each class this process registered that another process
+    can import by that path (not ``__main__``'s, not a local class, not zchannel's own): what
+    ``Channel.create`` hands the broker it starts, which registers them (``register_paths``)."""
+    return [[tag, default_tag(cls)] for cls, tag in CLS_TO_TAG.items()
+            if cls.__module__ != "__main__" and "<locals>" not in cls.__qualname__
+            and not cls.__module__.startswith("zchannel.")]
+
+
+def register_paths(pairs: list[list[str]], find: Any) -> None:
+    """``register_type(find(path), tag)`` of each ``[tag, path]`` of ``pairs`` (a broker's
+    ``types``, from its creator).  One this process cannot import or register is logged and
+    skipped: its items stay unknown here (a ``ValueError`` for a put that needs them
+    decoded), as they were before this process was told of them."""
+    for tag, path in pairs:
+        try:
+            register_type(find(path), tag)
+        except (ImportError, ValueError, TypeError) as exc:
+            _log.warning("type %r (%s) not registered in this process: %s", tag, path, exc)
+
+
 def serializable(cls: C | None = None, *, name: str | None = None) -> Any:
     """Class decorator form of :func:`register_type`: ``@serializable`` or
     ``@serializable(name="tag")``, on a dataclass or an Enum class."""
