@@ -361,8 +361,8 @@ def test_max_journal_bytes_makes_puts_wait(brokers, run_dir, tmp_path):
             n += 1
             assert n < 100
     assert ch.stats()["journal"]["bytes"] <= limit
-    with pytest.raises(TimeoutError):
-        ch.put(b"y" * (32 << 10), timeout=0.2)
+    with pytest.raises(TimeoutError, match="put timed out: the journal holds max_journal_bytes"):
+        ch.put(b"y" * (32 << 10), timeout=0.2)  # it waited, then timed out naming the cause
     waiting = ch.put(b"z" * (32 << 10), async_op=True)
     for _ in range(n):  # taking frees the segments, and the waiting put goes in
         ch.get()

@@ -309,8 +309,8 @@ class Waiters:
         """``req`` reached its deadline (or asked ``nowait``): a get_batch takes what it can,
         any other request gets its timeout (or ``QueueFull``/``QueueEmpty``) error."""
         if req.kind == "put":
-            error = self._queue_full(req) if nowait else TimeoutError(
-                "put timed out: a target queue stayed full")
+            why = self.queues.why_full(req.key, req.outputs)  # max_bytes, the journal, maxsize
+            error = QueueFull(why) if nowait else TimeoutError(f"put timed out: {why}")
             self._unpark_putter(req)
             self.reply(req.client, req.rid, error=error)
             self.admit_putters()
