@@ -1,8 +1,9 @@
 """zchannel.hooks: the Collector -> Dispatcher pipeline that runs inside a channel's broker.
 
 This package imports nothing else of zchannel.  ``__all__`` is the documented API
-(``docs/reference/hooks.md``); ``hook_spec``, ``import_path``, ``load_entry_points`` and
-``forget_entry_point_scan`` are the broker's plumbing, importable from here but not part of it.
+(``docs/reference/hooks.md``); ``hook_spec``, ``import_path``, ``import_named``,
+``load_entry_points`` and ``forget_entry_point_scan`` are the broker's plumbing, importable from
+here but not part of it.
 """
 
 from zchannel.hooks.base import (
@@ -30,6 +31,7 @@ from zchannel.hooks.registry import (
 )
 from zchannel.hooks.registry import forget_entry_point_scan as forget_entry_point_scan
 from zchannel.hooks.registry import hook_spec as hook_spec
+from zchannel.hooks.registry import import_named as import_named
 from zchannel.hooks.registry import import_path as import_path
 from zchannel.hooks.registry import load_entry_points as load_entry_points
 

@@ -97,17 +97,25 @@ def entry_point_objects() -> dict[str, Any]:
     return dict(_entry_point_objects)
 
 
+def import_named(module_name: str, what: str | None = None) -> Any:
+    """Import module ``module_name``; ``ValueError`` naming ``what`` (default: the module)
+    when there is no such module (a ``ModuleNotFoundError`` raised by code inside a module
+    that exists is left as it is)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not exc.name or not (module_name + ".").startswith(exc.name + "."):
+            raise
+        raise ValueError(f"cannot import {what or module_name!r}: No module named "
+                         f"{exc.name!r}") from None
+
+
 def import_path(path: str) -> Any:
     """Import ``"module:qualname"`` and return the object."""
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"expected 'module:ClassName', got {path!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:  # not one raised inside a module that exists
-        if not exc.name or not (module_name + ".").startswith(exc.name + "."):
-            raise
-        raise ValueError(f"cannot import {path!r}: No module named {exc.name!r}") from None
+    obj = import_named(module_name, path)
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)

@@ -271,15 +271,20 @@ def ipc_path(address: str) -> str | None:
 
 
 def tcp_host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://HOST:PORT`` address (None: not one); ``ValueError`` for a
+    port outside 0-65535 (ZeroMQ would take it modulo 65536)."""
     if not address.startswith("tcp://"):
         return None
     rest = address[len("tcp://"):]
     host, _, port = rest.rpartition(":")
     host = host.strip("[]")
     try:
-        return host, int(port)
+        number = int(port)
     except ValueError:
         return None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"address {address!r}: port {number} is not in 0-65535")
+    return host, number
 
 
 def probe(address: str) -> None:

@@ -57,7 +57,13 @@ from zchannel.broker.wire.protocol import (
     op_of,
     unpack_requests,
 )
-from zchannel.hooks import expand_consumers, import_path, resolve_collector, resolve_dispatcher
+from zchannel.hooks import (
+    expand_consumers,
+    import_named,
+    import_path,
+    resolve_collector,
+    resolve_dispatcher,
+)
 
 log = logging.getLogger("zchannel.broker")
 
@@ -124,7 +130,7 @@ class Broker:
         paths.check_name(config.name)
         self.sched_policy = "other"  # the loop's scheduling policy once serving (stats)
         for module in config.imports:
-            __import__(module)
+            import_named(module)
         register_paths(config.types, import_path)  # the creator's registered classes
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
