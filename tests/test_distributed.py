@@ -277,6 +277,25 @@ def test_cli_cluster_flags(run_dir):
     assert out.returncode == 2 and "CURVE" in out.stderr
 
 
+def test_broker_stop_stops_one_replica_by_its_name(tcp_cluster, monkeypatch):
+    """``zchannel broker stop NAME.replicaI`` (the line each replica logs) stops that replica
+    with its shutdown token, and leaves the others serving."""
+    path, reps = tcp_cluster
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "stop",
+                          "dist.replica1"], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    assert "stopped dist.replica1" in out.stdout
+    reps.procs[1].wait(timeout=30)
+    assert reps.procs[0].poll() is None and reps.procs[2].poll() is None
+    ch = _handle(monkeypatch, path, "node-a")
+    try:
+        ch.put("still served", key="a-key")  # node-a's key binds to its own replica, 0
+        assert ch.get(key="a-key", timeout=10) == "still served"
+    finally:
+        ch.close()
+
+
 def test_cluster_file_and_node_detection(run_dir, monkeypatch):
     import socket
 

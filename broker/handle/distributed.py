@@ -65,6 +65,7 @@ class DistributedChannel(BrokerChannel):
         self._owner = owner
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
+        self._via: int | None = None  # the replica this handle was connected through, if any
 
     @classmethod
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
@@ -75,6 +76,7 @@ class DistributedChannel(BrokerChannel):
         dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
                    subs={int(info.replica or 0): handle})
+        dist._via = int(info.replica or 0)
         return dist
 
     # -- routing ------------------------------------------------------------------------
@@ -262,8 +264,15 @@ class DistributedChannel(BrokerChannel):
 
     def shutdown(self, token: str | None = None) -> None:
         """Stop the replicas this handle's ``create`` started (and their Ray actors); only
-        that handle may (``token`` is not used: each replica has its own); again, nothing."""
+        that handle may; again, nothing.  With a replica's shutdown ``token`` (``zchannel
+        broker stop NAME.replicaI`` reads it), a handle connected through that replica's
+        address stops that replica alone, and is closed."""
         if self._stopped_broker:
+            return
+        if token is not None and self._via is not None:
+            self._subs[self._via].shutdown(token=token)
+            self._stopped_broker = True
+            self.close()
             return
         if not self._owns_broker():
             raise PermissionError("only the handle that created the channel's brokers may shut them down")
