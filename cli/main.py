@@ -224,7 +224,9 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
 @click.option("--replicas", type=click.IntRange(min=1),
               help="keys for a cluster file instead: replicaI pairs, NAME as the client pair, "
                    "their public keys in DIRECTORY/clients; prints the [cluster] lines")
-def keygen(directory: str, name: str, replicas: int | None) -> None:
+@click.option("--force", is_flag=True,
+              help="replace key files that exist (their holders are locked out)")
+def keygen(directory: str, name: str, replicas: int | None, force: bool) -> None:
     """Write a CURVE key pair: DIRECTORY/NAME.key (public) and NAME.key_secret (mode 0600).
 
     Give the broker its NAME.key_secret (--curve-secret-key) and a directory holding the clients'
@@ -232,13 +234,21 @@ def keygen(directory: str, name: str, replicas: int | None) -> None:
     broker's .key (curve_keys=(secret, server_public) or ZCHANNEL_CURVE_SECRET_KEY /
     ZCHANNEL_CURVE_SERVER_KEY).  With --replicas N: a pair per replica of a cluster file
     (docs/distributed.md), one client pair NAME, and DIRECTORY/clients holding every public key
-    let in (the replicas authenticate each other with their own pairs).
+    let in (the replicas authenticate each other with their own pairs).  Key files that exist
+    are kept (an error names them) unless --force.
     """
     import shutil
 
     from zchannel.broker.transport.curve_keys import keygen as make_keys
 
     paths.check_name(name)  # a file name stem: no separators
+    stems = [name] if replicas is None else [f"replica{i}" for i in range(replicas)] + [name]
+    taken = [f for stem in stems for f in (os.path.join(directory, f"{stem}.key"),
+                                           os.path.join(directory, f"{stem}.key_secret"))
+             if os.path.exists(f)]
+    if taken and not force:
+        raise ValueError(f"{taken[0]} exists (a new pair would lock out whoever holds it): "
+                         "use another --name or directory, or --force to replace it")
     if replicas is None:
         public, secret = make_keys(directory, name)
         click.echo(f"public {public}")
@@ -246,7 +256,6 @@ def keygen(directory: str, name: str, replicas: int | None) -> None:
         return
     clients = os.path.join(directory, "clients")
     os.makedirs(clients, exist_ok=True)
-    stems = [f"replica{i}" for i in range(replicas)] + [name]
     for stem in stems:
         public, secret = make_keys(directory, stem)
         shutil.copy(public, os.path.join(clients, f"{stem}.key"))

@@ -100,6 +100,17 @@ def test_a_hook_path_that_does_not_resolve_is_a_value_error_from_create(channels
                 channels.append(Channel.create("badpath", collector=spec, local=local))
 
 
+def test_keygen_keeps_a_pair_that_exists_unless_forced(tmp_path):
+    keys = str(tmp_path / "keys")
+    assert CliRunner().invoke(cli, ["keygen", keys]).exit_code == 0
+    secret = (tmp_path / "keys" / "broker.key_secret").read_bytes()
+    again = CliRunner().invoke(cli, ["keygen", keys])
+    assert again.exit_code == 2 and "broker.key exists" in again.output and "--force" in again.output
+    assert (tmp_path / "keys" / "broker.key_secret").read_bytes() == secret
+    assert CliRunner().invoke(cli, ["keygen", keys, "--force"]).exit_code == 0
+    assert (tmp_path / "keys" / "broker.key_secret").read_bytes() != secret
+
+
 def test_an_open_bind_names_the_remedy_of_the_interface_used():
     """The Python API names its arguments, the command its flags, never the other's."""
     with pytest.raises(ValueError, match="without CURVE keys") as api:
