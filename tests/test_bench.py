@@ -174,6 +174,21 @@ def test_cases_run_in_rounds_with_their_baselines(tmp_path, monkeypatch):
     assert order == ["case:1", "proxy:1"]
     proxies = [r for r in runner.rows if r.kind == "zmq.proxy"]
     assert len(proxies) == 3  # 1P/1C twice (fresh adds a row), 2P/2C once
+    # the row measured again is named apart: its B tag, and the ratio naming it, are its own
+    assert len({r.case for r in proxies}) == 3 and proxies[-1].case.endswith("(#2)")
+    assert runner.rows[-1].kind == "zchannel" and runner.rows[-1].baseline == proxies[-1].case
+    from zchannel.cli.bench.report import baseline_tags
+
+    assert sorted(baseline_tags(runner.rows).values()) == ["B1", "B2", "B3"]
+
+
+def test_a_case_bounded_to_a_smaller_window_is_labelled_with_it():
+    from zchannel.cli.bench.cases import Case, bounded
+
+    big = Case("channel", ptype="numpy", size=64 << 20, window=8, label="scaling size=64MiB w8")
+    run = bounded(big)
+    assert run.window < 8 and run.label == f"scaling size=64MiB w{run.window}"
+    assert bounded(Case("channel", window=64, label="x w64")).label == "x w64"
 
 
 @pytest.mark.timeout(90)

@@ -115,11 +115,15 @@ def split(total: int, parts: int) -> list[int]:
 
 
 def bounded(case: Case) -> Case:
-    """Cap messages and window of large payloads (bytes per case, bytes in flight)."""
+    """Cap messages and window of large payloads (bytes per case, bytes in flight); a label
+    that names the window names the one run."""
     nbytes = max(case.size, 1)
     messages = min(case.messages, max(8, case.max_bytes // nbytes))
     window = max(1, min(case.window, case.max_inflight // nbytes))
-    return dataclasses.replace(case, messages=messages, window=window)
+    label = case.label
+    if window != case.window:
+        label = re.sub(rf"\bw{case.window}\b", f"w{window}", label)
+    return dataclasses.replace(case, messages=messages, window=window, label=label)
 
 
 def percentiles(lat_ns: np.ndarray) -> tuple[float, float]:

@@ -393,6 +393,10 @@ def print_report(rows: list[Result], targets: list[TargetResult], notes: list[st
                 _wrapped(line, out, indent="  ")
     if targets:
         out("")
+        if rows:
+            _wrapped("targets (each against its own reference, named in its row and in "
+                     "configs/bench_targets.toml: it may be another row than the B tag the "
+                     "table above gives that case):", out)
         _print_targets(targets, out)
     if rows:
         out("")

@@ -227,9 +227,16 @@ class Runner:
         return self._baselines[key]
 
     def store_baseline(self, key: tuple, result: Result | None) -> None:
-        """Remember the baseline row of ``key`` (None: not measurable) and add it to the rows."""
+        """Remember the baseline row of ``key`` (None: not measurable) and add it to the rows,
+        named apart from a row of the same name measured before (the same set-up measured
+        again in other rounds: ``B`` tags and ratios name one row each)."""
         self._baselines[key] = result
         if result is not None:
+            taken = {r.case for r in self.rows}
+            name, n = result.case, 1
+            while result.case in taken:
+                n += 1
+                result.case = f"{name} (#{n})"
             self.rows.append(result)
 
     def _run_baseline_once(self, kind: str, case: Case) -> Measured:
