@@ -8,17 +8,38 @@ from typing import Any
 
 import click
 from zchannel.broker import Channel, ChannelError
+from zchannel.broker.handle.broker_channel import BrokerChannel
 from zchannel.broker.host import paths
 from zchannel.broker.server import rundir
 
 
-def _broker_row(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": broker.name, "address": broker.address, "locks": broker.locks}
-    if broker.address is None:
+def _rows_of(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> list[dict[str, Any]]:
+    """The rows of a channel: one, or one per replica of a distributed channel served here
+    (each replica under its lock name, at the address its token file names)."""
+    replicas = [lock for lock in broker.locks if lock != broker.name]
+    if not replicas:
+        return [_broker_row(broker.name, broker.address, broker.locks, timeout, curve_keys)]
+    rows = []
+    for lock in replicas:
+        try:
+            found = paths.read_token_file(lock)
+        except ValueError:
+            found = None
+        rows.append(_broker_row(lock, found["address"] if found else None, [lock], timeout,
+                                curve_keys, replica=True))
+    return rows
+
+
+def _broker_row(name: str, address: str | None, locks: list[str], timeout: float,
+                curve_keys: Any, replica: bool = False) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": name, "address": address, "locks": locks}
+    if address is None:
         row["error"] = "no address file (a distributed channel: stat one of its replicas)"
         return row
     try:
-        channel = Channel.connect(broker.address, timeout=timeout, curve_keys=curve_keys)
+        # a replica's own figures: a plain handle (Channel.connect would merge the replicas)
+        channel = (BrokerChannel(name, address, curve_keys=curve_keys) if replica
+                   else Channel.connect(address, timeout=timeout, curve_keys=curve_keys))
     except ChannelError as exc:
         row["error"] = str(exc)
         return row
@@ -39,7 +60,7 @@ def show_host(as_json: bool, timeout: float, curve_keys: Any) -> None:
     """Print the brokers serving from this host's run directory and its stale entries."""
     live, stale = rundir.scan()
     where = str(paths.run_dir())
-    rows = [_broker_row(b, min(timeout, 2.0), curve_keys) for b in live]
+    rows = [row for b in live for row in _rows_of(b, min(timeout, 2.0), curve_keys)]
     if as_json:
         click.echo(json.dumps({"run_dir": where, "brokers": rows, "stale": [
             {"name": e.name, "files": e.files} for e in stale]}, indent=2, sort_keys=True))

@@ -277,6 +277,20 @@ def test_cli_cluster_flags(run_dir):
     assert out.returncode == 2 and "CURVE" in out.stderr
 
 
+def test_stat_lists_each_replica_on_this_host(tcp_cluster):
+    """``zchannel stat`` without a target: one row per replica, under its lock name, with its
+    own address and pid (not one row mixing them)."""
+    path, reps = tcp_cluster
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "stat", "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)["brokers"]}
+    assert {f"dist.replica{i}" for i in range(3)} <= set(rows)
+    for i in range(3):
+        row = rows[f"dist.replica{i}"]
+        assert row["pid"] == reps.procs[i].pid and row["address"] == _address(path, i)
+
+
 def test_broker_stop_stops_one_replica_by_its_name(tcp_cluster, monkeypatch):
     """``zchannel broker stop NAME.replicaI`` (the line each replica logs) stops that replica
     with its shutdown token, and leaves the others serving."""
