@@ -168,7 +168,8 @@ def test_create_with_a_bad_server_key_file_names_it_and_leaves_nothing(run_dir, 
     bad.write_text("garbage\n")
     with pytest.raises(ValueError, match=f"cannot read the broker's CURVE key pair from {bad}"):
         Channel.create("badkey", address="tcp://127.0.0.1:0",
-                       curve_keys={"server_secret_key": str(bad)})
+                       curve_keys={"server_secret_key": str(bad), "secret_key": str(bad),
+                                   "server_public_key": str(bad)})
     assert _leftovers(run_dir) == []
 
 
