@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
+from zchannel.cli.failures import output_file
 
 if TYPE_CHECKING:  # the demo imports zchannel.embodied when it runs
     from zchannel.embodied.runners import RunConfig
@@ -118,8 +119,10 @@ def demo() -> None:
 @click.option("--ray-nodes", type=click.IntRange(1, 16), default=1, show_default=True,
               help="with --ray: simulate a cluster of this many nodes on this machine")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              callback=output_file,
               help="write the run (config, one record per step, evaluation) as JSON")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              callback=output_file,
               help="save the learning curve as PNG (needs the 'plot' extra: matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar or table")
 def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerobot_fps: int,
@@ -295,7 +298,8 @@ __all__ = ["demo"]
               help="bytes from which the requests and trajectory brokers use shared memory "
                    "(tensors under 64 KiB travel inline anyway)  [default: 64 KiB for envs with "
                    "images, else the channel's 1 MiB]")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              callback=output_file)
 def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
                    env_kwargs: str | None, env_batches: str | None, num_chunks: int | None,
                    ppo_epochs: int | None, shm_threshold: int | None,

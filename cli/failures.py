@@ -25,6 +25,19 @@ EXTRA_HINT = "pip install 'zchannel["  # an ImportError naming the extra to inst
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback for an option naming a file to write at the end of a run: its
+    directory must exist and be writable now (not only after the run), else a usage error."""
+    if value is None or value == "-":
+        return value
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"{value}: directory {folder} does not exist", ctx, param)
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"{value}: directory {folder} is not writable", ctx, param)
+    return value
+
+
 def fail(message: str) -> None:
     """Print ``error: MESSAGE`` (one line) on stderr and exit with status 2."""
     click.echo(f"error: {' '.join(message.split())}", err=True)

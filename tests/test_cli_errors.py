@@ -67,6 +67,9 @@ def test_busy_tcp_address_is_one_line(run_dir):
     (["stat", "x", "--curve-secret-key", "/nonexistent/client.key_secret"],
      "--curve-secret-key and --curve-server-key go together"),
     (["no-such-command"], "No such command 'no-such-command'"),
+    (["bench", "--json", "/nonexistent/dir/x.json"], "directory /nonexistent/dir does not exist"),
+    (["demo", "embodied", "--json", "/nonexistent/dir/x.json"],
+     "directory /nonexistent/dir does not exist"),
 ])
 def test_expected_failures_are_one_line_and_status_2(args, message):
     result = CliRunner().invoke(cli, args)

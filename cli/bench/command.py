@@ -44,6 +44,7 @@ from zchannel.cli.bench.targets import (
     run_shm_targets,
     run_targets,
 )
+from zchannel.cli.failures import output_file
 from zchannel.cli.shipped import ConfigFile
 
 
@@ -217,6 +218,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "--json",
     "json_path",
     type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+    callback=output_file,
     help="also write every row (with each repeat) and the machine description to this file; "
     "'-' prints the JSON on stdout and the report on stderr",
 )
