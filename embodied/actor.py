@@ -114,6 +114,29 @@ class Actor:
             else:
                 return delivery
 
+    def _gather(self, step: int, need: int, received: dict) -> list:
+        """This actor's deliveries of ``step``: ``items_per_actor_step`` of them, or fewer once
+        they and the contributions of peers (collected into ``received``) cover the step's
+        ``need`` ids -- dealing does not know steps, so when the rollout runs ahead a peer may
+        be dealt, and train, a share of this step that was this actor's count."""
+        done: set = set()
+        mine: list = []
+        while len(mine) < items_per_actor_step(self.plan):
+            got = self._take(step, done, self.poll_s)
+            if got is not None:
+                mine.append(got)
+                done |= item_ids(got.item)
+                continue
+            while True:
+                try:
+                    c = self.sync.get_nowait(key=("contrib", step, self.rank))
+                except asyncio.QueueEmpty:
+                    break
+                received[(c["rank"], c["seq"])] = c
+            if len(_cover(received)[1] | done) >= need:
+                break
+        return mine
+
     def _poll_members(self) -> None:
         while True:
             try:
@@ -147,6 +170,11 @@ class Actor:
         self._seq += 1
         for peer in sorted(self.live):
             self.sync.put(contribution, key=("contrib", step, peer))
+        self._ack_all(deliveries)
+        return contribution
+
+    def _ack_all(self, deliveries: list) -> None:
+        """Acknowledge ``deliveries`` (trained, here or by a peer)."""
         for d in deliveries:
             try:
                 self.trajectory.ack(d)
@@ -155,21 +183,18 @@ class Actor:
                     raise
                 # the lease expired while this (starved) actor trained: the broker deals the
                 # item again, and _take acknowledges that re-delivery as already trained
-        return contribution
 
     def train_step(self, step: int) -> dict:
         """Train on step ``step``; returns this step's metrics (as published by the leader)."""
         t0 = time.monotonic()
         base = copy.deepcopy(self.policy.state_dict())
-        done: set = set()
-        mine: list = []
-        while len(mine) < items_per_actor_step(self.plan):
-            got = self._take(step, done, None)
-            mine.append(got)
-            done |= item_ids(got.item)
-        self._contribute(step, base, mine)
         need = ids_per_step(self.plan)
         received: dict[tuple[int, int], dict] = {}
+        mine = self._gather(step, need, received)
+        if len(_cover(received)[1]) >= need:  # peers trained all of it, these too
+            self._ack_all(mine)
+        elif mine:
+            self._contribute(step, base, mine)
         while True:
             chosen, covered = _cover(received)
             if len(covered) >= need:

@@ -62,6 +62,9 @@ def site(tmp_path_factory) -> dict[str, str]:
     """Every HTML page of the built site: path relative to the site -> HTML."""
     pytest.importorskip("mkdocs", reason="the docs extra is not installed")
     pytest.importorskip("material", reason="the docs extra is not installed")
+    if not os.path.isdir(os.path.join(REPO, ".mkdocs", "zchannel")):
+        pytest.skip("the API pages read the code through .mkdocs/zchannel, a git checkout's "
+                    "symlinks (not in the sdist: MANIFEST.in)")
     out = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
