@@ -121,6 +121,14 @@ def curve_admins(config: BrokerConfig) -> frozenset:
     return admin_keys(config.curve_admin_keys)
 
 
+def _load_classes(config: BrokerConfig) -> None:
+    """Import the modules ``config`` names (``--import``), and register the classes its
+    creator registered (``types``), before any hook is resolved."""
+    for module in config.imports:
+        import_named(module)
+    register_paths(config.types, import_path)
+
+
 class Broker:
     """Serves one channel until stopped: the loop, and the dispatch of each record to its
     handler."""
@@ -129,9 +137,7 @@ class Broker:
         self.config = config
         paths.check_name(config.name)
         self.sched_policy = "other"  # the loop's scheduling policy once serving (stats)
-        for module in config.imports:
-            import_named(module)
-        register_paths(config.types, import_path)  # the creator's registered classes
+        _load_classes(config)
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
         # distributed: this broker is one replica (see broker/cluster/replica.py)
