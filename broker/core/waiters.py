@@ -98,12 +98,8 @@ class Waiters:
         if never:
             self.reply(client, rid, error=ValueError(never))
             return False
-        if nowait:
-            self.reply(client, rid, error=self._queue_full(req))
-            return False
-        if timeout is not None and timeout <= 0:
-            why = queues.why_full(key, outputs)
-            self.reply(client, rid, error=TimeoutError(f"put timed out: {why}"))
+        if nowait or (timeout is not None and timeout <= 0):
+            self.reply(client, rid, error=self._put_refused(req, nowait))
             return False
         new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
         if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
@@ -172,8 +168,12 @@ class Waiters:
                 self.queues.mark_idle(ks)
         req.outputs = []
 
-    def _queue_full(self, req: Parked) -> QueueFull:
-        return QueueFull(self.queues.why_full(req.key, req.outputs))
+    def _put_refused(self, req: Parked, nowait: bool) -> Exception:
+        """The error of a put that does not fit and may wait no longer, naming why it does not
+        fit (``max_bytes``, the journal, ``maxsize``): ``QueueFull`` for ``nowait``, else
+        ``TimeoutError``."""
+        why = self.queues.why_full(req.key, req.outputs)
+        return QueueFull(why) if nowait else TimeoutError(f"put timed out: {why}")
 
     def _may_wait(self, req: Parked, cost: int) -> bool:
         """Whether ``req`` may wait, costing ``cost`` bytes of the ``max_bytes`` budget of
@@ -309,8 +309,7 @@ class Waiters:
         """``req`` reached its deadline (or asked ``nowait``): a get_batch takes what it can,
         any other request gets its timeout (or ``QueueFull``/``QueueEmpty``) error."""
         if req.kind == "put":
-            why = self.queues.why_full(req.key, req.outputs)  # max_bytes, the journal, maxsize
-            error = QueueFull(why) if nowait else TimeoutError(f"put timed out: {why}")
+            error = self._put_refused(req, nowait)  # before its items are let go
             self._unpark_putter(req)
             self.reply(req.client, req.rid, error=error)
             self.admit_putters()

@@ -18,7 +18,6 @@ from typing import Any
 
 from zchannel.broker.core.state import Item
 from zchannel.broker.core.statelog import Output
-from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.items import LiveSet
 from zchannel.broker.journal.sequences import StoredSequences
@@ -61,9 +60,7 @@ class PutBatch:
             store.ensure_room(n + RECORD_EXTRA, for_put=True)
             seg = store.segments[-1]
             if seg.allocated - seg.used < n + RECORD_EXTRA:  # a nearly full disk's last segment
-                raise JournalError(f"the journal of channel {store.dir.name!r} in "
-                                   f"{store.dir.path!r} has no room for a put of {n} bytes: "
-                                   "no space left on device")
+                raise store.dir.no_room(f"a put of {n} bytes")
         self.entries.append(entry)
         self.items.append((key, item, origin))
         self.nbytes += n

@@ -137,6 +137,11 @@ class JournalDir:
                 found.append((int(middle), os.path.join(self.path, entry)))
         return sorted(found)
 
+    def no_room(self, what: str, more: str = "") -> JournalError:
+        """The error of a full disk: no room for ``what`` (``more``: said after the cause)."""
+        return JournalError(f"the journal of channel {self.name!r} in {self.path!r} has no "
+                            f"room for {what}: no space left on device{more}")
+
     def make(self, seq: int, size: int, kind: int, sync: bool) -> SegmentFile:
         """A new segment of ``size`` bytes (preallocated), its preamble and ``SEGMENT`` record
         written; ``JournalError`` naming the cause (a full disk) if it cannot be made."""
@@ -158,9 +163,7 @@ class JournalDir:
                 os.close(fd)
                 _unlink(path)
             if exc.errno == errno.ENOSPC:
-                raise JournalError(f"the journal of channel {self.name!r} in {self.path!r} has "
-                                   f"no room for a segment of {size} bytes: no space left on "
-                                   "device") from None
+                raise self.no_room(f"a segment of {size} bytes") from None
             raise JournalError(f"the journal of channel {self.name!r} in {self.path!r} could "
                                f"not make segment {path!r}: {exc.strerror or exc}") from None
         return SegmentFile(seq, path, fd, size, len(head), written=len(head),

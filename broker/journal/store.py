@@ -114,10 +114,8 @@ class SegmentStore:
             sizes.append(max(own, min(largest, (disk_free - keep) * 3 // 4)))
             sizes = [size for size in sizes if _pages(size) + keep <= disk_free]
             if not sizes:
-                raise JournalError(
-                    f"the journal of channel {self.dir.name!r} in {self.dir.path!r} has no "
-                    f"room for a segment of {own} bytes: no space left on device"
-                    + (" (beside the room kept for a restart)" if keep else ""))
+                raise self.dir.no_room(f"a segment of {own} bytes",
+                                       " (beside the room kept for a restart)" if keep else "")
         sync = self.policy != "never"
         seg: SegmentFile | None = None
         for size in sorted(set(sizes), reverse=True):
