@@ -445,7 +445,12 @@ def test_local_form_is_the_decoded_form(name, value, expected):
     if same(value, expected) and not isinstance(value, torch.Tensor | np.ndarray | np.generic):
         assert local is value  # nothing to change: passed by reference
     if isinstance(value, torch.Tensor) and not value.requires_grad:
-        assert local is value
+        # a contiguous tensor is passed by reference, another arrives contiguous (a copy)
+        assert (local is value) == value.is_contiguous() and local.is_contiguous()
+    if isinstance(value, np.ndarray):
+        contiguous = value.flags.c_contiguous and value.flags.writeable
+        assert (local is value) == (contiguous and type(value) is np.ndarray)
+        assert local.flags.c_contiguous and local.flags.writeable
 
 
 @pytest.mark.parametrize("name,value,pattern", BAD, ids=[r[0] for r in BAD])

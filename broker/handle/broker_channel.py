@@ -29,6 +29,7 @@ from zchannel.broker.shm.client import client_submit as shm_submit
 from zchannel.broker.shm.client import client_undo as shm_undo
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
+    check_consumer,
     check_key,
     check_peek_count,
     check_target_weight,
@@ -50,7 +51,6 @@ from zchannel.broker.wire.protocol import (
     Stats,
     op_of,
 )
-from zchannel.hooks import check_consumer_id
 
 log = logging.getLogger("zchannel.client")
 
@@ -189,7 +189,7 @@ class BrokerChannel(ChannelHandle):
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
         """Items queued under ``key``: the shared queue plus every private queue, or plus only
         ``consumer``'s private queue; 0 for an unknown key."""
-        rec = QSize(id=0, key=check_key(key), consumer=consumer)
+        rec = QSize(id=0, key=check_key(key), consumer=check_consumer(consumer))
         return cast(int, self._submit(rec, wait=True).wait())
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
@@ -199,7 +199,7 @@ class BrokerChannel(ChannelHandle):
     def full(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> bool:
         """Whether the shared queue of ``key`` (or ``consumer``'s private queue) holds ``maxsize``
         items; never with ``maxsize=0``."""
-        rec = Full(id=0, key=check_key(key), consumer=consumer)
+        rec = Full(id=0, key=check_key(key), consumer=check_consumer(consumer))
         return cast(bool, self._submit(rec, wait=True).wait())
 
     def peek(self, key: Any = DEFAULT_KEY, n: int = 1, *, consumer: str | None = None,
@@ -215,7 +215,7 @@ class BrokerChannel(ChannelHandle):
         network.
         """
         rec = Peek(id=0, key=check_key(key), count=check_peek_count(n),
-                   consumer=None if consumer is None else check_consumer_id(consumer))
+                   consumer=check_consumer(consumer))
         pairs = self._submit(rec, copy=True, wait=True).wait()
         return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
 

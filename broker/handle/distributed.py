@@ -203,7 +203,10 @@ class DistributedChannel(BrokerChannel):
 
     def stats(self, *, exclude_self: bool = False) -> dict[str, Any]:
         """The replicas' stats merged: keys (each with its ``node``), consumers, summed counters,
-        and ``replicas``: one summary per replica (``error`` for one that does not answer)."""
+        and ``replicas``: one summary per replica (``error`` for one that does not answer).
+        ``ChannelError`` once this handle is closed, as every other call."""
+        if self._closed:
+            raise ChannelError("this channel handle is closed")
         parts: list[dict[str, Any]] = []
         summaries: list[dict[str, Any]] = []
         for i, r in enumerate(self._replicas):

@@ -14,6 +14,7 @@ import functools
 import itertools
 import threading
 import time
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,11 @@ class _LocalBroker:
         self.name = name
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
-        self.pending: dict[tuple[int, int], tuple[Work, Any]] = {}
+        # each request waiting for its answer: its Work, whether to copy, the handle it is of
+        self.pending: dict[tuple[int, int], tuple[Work, bool, LocalChannel]] = {}
+        # the client of each identity of this process's handles, and how many hold it: as the
+        # handles of one process share their connection to a broker (leases belong to it)
+        self.clients: dict[str | None, tuple[Client, int]] = {}
         self.ids = itertools.count(1)
         self.closed = False
         self.core = QueueCore(
@@ -90,7 +95,7 @@ class _LocalBroker:
         entry = self.pending.pop((id(client), rid), None)
         if entry is None:
             return
-        work, copy = entry
+        work, copy, _handle = entry
         if error is not None:
             work.set_exception(error)
         elif items is not None:
@@ -104,13 +109,22 @@ class _LocalBroker:
         else:
             work.set_result(result)
 
-    def submit(self, client: Client, rec: Request, item: Any, copy: bool | None) -> Work:
+    def attach(self, identity: str | None) -> Client:
+        """The client of a handle of ``identity``, shared with the other open handles of it."""
+        with self.cv:
+            entry = self.clients.get(identity)
+            client = Client(address=self, identity=identity) if entry is None else entry[0]
+            self.clients[identity] = (client, 1 if entry is None else entry[1] + 1)
+            return client
+
+    def submit(self, handle: LocalChannel, client: Client, rec: Request, item: Any,
+               copy: bool | None) -> Work:
         with self.cv:
             if self.closed:
                 raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
             rid = next(self.ids)
             work = Work(functools.partial(_cancel_of, self, client, rid))
-            self.pending[(id(client), rid)] = (work, bool(copy))
+            self.pending[(id(client), rid)] = (work, bool(copy), handle)
             core = self.core
             try:
                 if isinstance(rec, Put):
@@ -147,22 +161,29 @@ class _LocalBroker:
                 return False
             answer = Work()
             cancel_rid = next(self.ids)
-            self.pending[(id(client), cancel_rid)] = (answer, False)
+            self.pending[(id(client), cancel_rid)] = (answer, False, entry[2])
             self.core.cancel(client, cancel_rid, rid)
             if answer.result():
-                from concurrent.futures import CancelledError
-
                 self.pending.pop((id(client), rid), None)
                 entry[0].set_exception(CancelledError("the operation was withdrawn"))
                 return True
             return False
 
-    def leave(self, client: Client) -> None:
+    def leave(self, handle: LocalChannel, client: Client) -> None:
+        """``handle`` closed: its waiting requests are withdrawn and fail; its client leaves
+        (its leases return to their queues) with the last handle that held it."""
         with self.cv:
-            self.core.client_gone(client)
-            for key in [k for k in self.pending if k[0] == id(client)]:
-                work, _ = self.pending.pop(key)
+            for key in [k for k, entry in self.pending.items() if entry[2] is handle]:
+                work = self.pending.pop(key)[0]
+                self.core.cancel(client, next(self.ids), key[1])  # its answer goes nowhere
                 work.set_exception(ChannelError("this channel handle is closed"))
+            held = self.clients.get(client.identity)
+            if held is not None and held[0] is client and held[1] > 1:
+                self.clients[client.identity] = (client, held[1] - 1)
+                return
+            if held is not None and held[0] is client:
+                del self.clients[client.identity]
+            self.core.client_gone(client)
 
     def new_handle(self, identity: str | None) -> LocalChannel:
         """Another handle to this channel (what ``Channel.connect(name)`` returns)."""
@@ -172,7 +193,7 @@ class _LocalBroker:
         with self.cv:
             self.closed = True
             pending, self.pending = self.pending, {}
-            for work, _ in pending.values():
+            for work, _copy_it, _handle in pending.values():
                 work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
         with _registry_lock:
@@ -205,7 +226,7 @@ class LocalChannel(BrokerChannel):
         self._broker = broker
         self._owner = owner
         self.created = owner
-        self._client = Client(address=self)
+        self._client: Client | None = None  # attached at its first request
 
     @classmethod
     def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
@@ -227,11 +248,11 @@ class LocalChannel(BrokerChannel):
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
-        if self._client.identity is None and self.identity is not None:
-            self._client.identity = self.identity
+        if self._client is None:
+            self._client = self._broker.attach(self.identity)
         if has_item:  # no serialization, but what a broker would deliver, or its TypeError
             item = wire_form(item)
-        return self._broker.submit(self._client, rec, item, copy)
+        return self._broker.submit(self, self._client, rec, item, copy)
 
     @property
     def is_local(self) -> bool:
@@ -251,7 +272,8 @@ class LocalChannel(BrokerChannel):
         if self._closed:
             return
         self._closed = True
-        self._broker.leave(self._client)
+        if self._client is not None:
+            self._broker.leave(self, self._client)
 
     def shutdown(self, token: str | None = None) -> None:
         """Stop the local broker (the creating handle only; a local channel has no shutdown

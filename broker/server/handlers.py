@@ -24,6 +24,7 @@ from zchannel.broker.server.batches import get_run, put_batch
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW, ProducerWindow
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
+    check_consumer,
     check_peek_count,
     check_target_weight,
     check_timeout,
@@ -280,12 +281,6 @@ def replica_record(broker: Broker, client: Client, rec: Bind | Learn | Sync | Lo
     if broker.replica is None:
         raise ValueError(f"unknown op {op_of(rec)!r}")
     broker.sessions.reply(client, rec.id, result=broker.replica.handle(rec))
-
-
-def check_consumer(consumer: Any) -> str | None:
-    if consumer is not None and not isinstance(consumer, str):
-        raise TypeError("consumer must be a str")
-    return consumer
 
 
 HANDLERS: dict[type[Request], Handler] = {

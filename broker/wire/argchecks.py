@@ -1,5 +1,6 @@
 """Checks of the arguments every transport validates the same way: keys, weights, timeouts,
-``get_batch`` targets and ``peek`` counts, and the weight comparisons of ``get_batch``.
+``get_batch`` targets, ``peek`` counts and the ``consumer`` of ``qsize``/``full``/``peek``, and
+the weight comparisons of ``get_batch``.
 
 Used by the client (before a request is sent), the broker (on what arrives) and the local
 channel, so that all three refuse the same values with the same messages.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import Any, cast
+from typing import Any
+
+from zchannel.hooks import check_consumer_id
 
 MAX_KEY_BYTES = 1024
 MAX_KEY_DEPTH = 4  # tuples in tuples
@@ -87,12 +90,25 @@ def check_timeout(timeout: Any) -> float | None:
     kind = type(timeout)
     if (kind is float or kind is int) and 0 <= timeout <= MAX_TIMEOUT:  # the common case
         return float(timeout)
-    # a Real compares with numbers (typeshed's numbers.Real does not say so)
-    if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real) \
-            and 0 <= cast(float, timeout) <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
-        return float(timeout)
+    # compared as a float: a numpy float32 compared with MAX_TIMEOUT would overflow (a warning)
+    if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real):
+        seconds = float(timeout)
+        if 0 <= seconds <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
+            return seconds
     raise ValueError(f"timeout must be None or a finite number of seconds >= 0 (not a bool, "
                      f"NaN or infinite), got {timeout!r}")
+
+
+def check_consumer(consumer: Any) -> str | None:
+    """The ``consumer`` of ``qsize``, ``full`` and ``peek``: None, or a consumer id
+    ``group:rank`` (``TypeError`` for a value that is not a str, ``ValueError`` for a str that
+    is not an id)."""
+    if consumer is None:
+        return None
+    if not isinstance(consumer, str):
+        raise TypeError(f"consumer must be a str (a consumer id 'group:rank'), got "
+                        f"{type(consumer).__name__}")
+    return check_consumer_id(consumer)
 
 
 def check_peek_count(n: Any) -> int:

@@ -2,8 +2,9 @@
 
 A local channel (``broker/handle/local.py``) passes items by reference, yet must deliver what a broker
 delivers: ``wire_form(obj)`` is ``obj`` itself whenever ``decode(encode(obj))`` would hold the
-same types and values (the common case: nothing is copied, tensors and arrays are not touched),
-else a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
+same types and values (the common case: nothing is copied; C-contiguous, writable arrays and
+contiguous tensors are not touched, others are copied into that form, as a broker delivers
+them), else a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
 ``str`` Enum member, ``tuple`` for a named tuple, ``bytes`` for a ``bytearray``, a detached plain
 tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`` here, the
 nesting limit included (``codec.MAX_DEPTH`` tuples, sets, frozensets and dataclasses inside each
@@ -58,22 +59,21 @@ def _form(obj: Any, level: int, nest: int) -> Any:
     if kind is tuple:
         return _sequence(obj, kind, level, _nest(nest))
     if kind is np.ndarray:
-        codec.check_array(obj)
-        return obj
+        return _array(obj)
     torch = sys.modules.get("torch")  # (not imported: no tensor can exist)
     if torch is not None and isinstance(obj, torch.Tensor):
         codec.tensor_dtype_name(obj)
-        if kind is torch.Tensor and not obj.requires_grad:
-            return obj
-        return obj.detach().as_subclass(torch.Tensor)
+        if kind is not torch.Tensor or obj.requires_grad:
+            obj = obj.detach().as_subclass(torch.Tensor)
+        return obj if obj.is_contiguous() else obj.contiguous()
     return _form_other(obj, kind, level, nest)
 
 
 def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
     """``_form`` for the rarer values: subclasses, registered classes, numpy scalars, bytes."""
     if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
-        codec.check_array(obj)
-        return obj.view(np.ndarray)
+        codec.check_array(obj)  # (a masked array is refused)
+        return _array(obj.view(np.ndarray))
     if kind in CLS_TO_TAG:
         return obj if isinstance(obj, enum.Enum) else _dataclass(obj, level, _nest(nest))
     if isinstance(obj, tuple):
@@ -114,6 +114,16 @@ def _form_base(obj: Any, kind: type, level: int, nest: int) -> Any:
     if PUBLISHED_PENDING and published_tag(kind):
         return _form(obj, level, nest)  # its module is published: registered just now
     codec.refuse(obj)
+
+
+def _array(obj: np.ndarray) -> np.ndarray:
+    """An array as a broker delivers it: ``obj`` if C-contiguous and writable, else a copy that
+    is; the codec's ``TypeError`` for a dtype that cannot travel."""
+    codec.check_array(obj)
+    flags = obj.flags
+    if flags.c_contiguous and flags.writeable:
+        return obj
+    return np.array(obj, order="C")
 
 
 def _nest(nest: int) -> int:

@@ -1,0 +1,121 @@
+"""The same program on a broker channel, a local channel and a distributed one: leases shared by
+the handles of a process, the form arrays and tensors arrive in, the checks of ``consumer``
+and ``timeout``, and a closed handle's ``stats``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import wait_until
+from zchannel.broker import BrokerUnavailable, Channel, ChannelError
+from zchannel.broker.wire.protocol import Full, Peek, QSize
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_closed_handle_leaves_its_leases_to_the_other_handles_of_its_process(make):
+    ch = make("leases", lease_timeout=60.0)
+    other = Channel.connect(ch.name)
+    try:
+        ch.put("a", key="k")
+        delivery = other.get(key="k", ack=True, timeout=10)
+        ch.ack(delivery)  # acknowledged through another handle of the process
+
+        ch.put("x", key="k")
+        delivery = other.get(key="k", ack=True, timeout=10)
+        other.close()  # the lease holder closes while ch stays open
+        assert ch.qsize("k") == 0  # not handed back to the queue
+        ch.ack(delivery)
+        assert ch.qsize("k") == 0 and ch.stats()["leases"] == 0
+    finally:
+        other.close()
+
+
+def test_the_last_handle_of_a_process_returns_its_leases(make):
+    if not make.local:
+        pytest.skip("a process's last handle of a broker is its connection's (test_handles.py)")
+    ch = make("lastlease", lease_timeout=60.0)
+    other = Channel.connect(ch.name)
+    third = Channel.connect(ch.name, identity="reader:0")
+    ch.put("x", key="k")
+    third.get(key="k", ack=True, timeout=10)
+    pending = third.get(key="k", async_op=True, timeout=30)
+    other.close()
+    assert ch.qsize("k") == 0
+    third.close()  # the only handle of identity reader:0: its lease comes back, its get fails
+    with pytest.raises(ChannelError, match="closed"):
+        pending.wait(10)
+    assert ch.qsize("k") == 1 and ch.get(key="k", timeout=10) == "x"
+
+
+def test_arrays_and_tensors_arrive_contiguous_and_writable(make):
+    ch = make("forms")
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frozen = base.copy()
+    frozen.flags.writeable = False
+    sent = {"T": base.T, "reversed": base[::-1], "frozen": frozen,
+            "t": torch.arange(12.0).reshape(3, 4).t(), "step": torch.arange(30)[::3]}
+    for name, value in sent.items():
+        ch.put(value, key=name)
+    for name, value in sent.items():
+        got = ch.get(key=name, timeout=10)
+        assert type(got) is type(value), name
+        if isinstance(got, np.ndarray):
+            assert got.flags.c_contiguous and got.flags.writeable, name
+            assert np.array_equal(got, value) and got.dtype == value.dtype, name
+            got[0] = -1  # a consumer may write in place
+        else:
+            assert got.is_contiguous() and torch.equal(got, value), name
+
+
+def test_the_consumer_of_qsize_full_and_peek_is_checked_the_same_everywhere(make):
+    ch = make("consumerarg")
+    for call in (ch.qsize, ch.full):
+        with pytest.raises(TypeError, match="consumer must be a str"):
+            call("k", consumer=3)
+        with pytest.raises(ValueError, match="invalid consumer id"):
+            call("k", consumer="bad id")
+    with pytest.raises(TypeError, match="consumer must be a str"):
+        ch.peek("k", consumer=3)
+    with pytest.raises(ValueError, match="invalid consumer id"):
+        ch.peek("k", consumer="bad id")
+    assert ch.qsize("k", consumer="actor:0") == 0 and not ch.full("k", consumer="actor:0")
+
+
+def test_the_broker_checks_the_consumer_of_what_arrives(make_remote):
+    """The records a client would refuse, sent anyway: the broker refuses them the same way."""
+    ch = make_remote("consumerwire")
+    for rec in (QSize(id=0, key="k", consumer="bad id"), Full(id=0, key="k", consumer="x"),
+                Peek(id=0, key="k", count=1, consumer="no:rank")):
+        with pytest.raises(ValueError, match="invalid consumer id"):
+            ch._submit(rec, wait=True).wait(10)
+    with pytest.raises(TypeError, match="consumer must be a str"):
+        ch._submit(QSize(id=0, key="k", consumer=7), wait=True).wait(10)
+    ch.put(1, key="k")
+    assert ch.get(key="k", timeout=10) == 1  # the broker serves on
+
+
+def test_a_numpy_timeout_is_taken_without_a_warning(make):
+    ch = make("nptimeout")
+    ch.put(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ch.get(timeout=np.float32(5.0)) == 1
+        with pytest.raises(TimeoutError):
+            ch.get(timeout=np.float64(0.05))
+    with pytest.raises(ValueError, match="timeout"):
+        ch.get(timeout=np.float32("inf"))
+
+
+def test_a_closed_handle_says_so_for_stats_too(make):
+    ch = make("statsafter")
+    other = Channel.connect(ch.name)
+    assert other.stats()["name"] == ch.name
+    other.close()
+    with pytest.raises(ChannelError, match="this channel handle is closed") as raised:
+        other.stats()
+    assert not isinstance(raised.value, BrokerUnavailable)  # the brokers are up
+    wait_until(lambda: ch.stats()["name"] == ch.name)
