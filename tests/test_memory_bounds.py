@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 from zchannel.broker import Channel
-from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD
+from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD, item_bytes
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(240)
@@ -128,4 +128,42 @@ def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
         ch.put("room again", key="after", timeout=10)
         assert ch.get(key="after", timeout=10) == "room again"
     finally:
+        ch.close()
+
+
+def test_an_item_of_many_empty_frames_counts_each_frame(bounded_broker):
+    """An item's frames count beside its bytes: puts of 2,000 empty frames each, which would
+    count 320 bytes apiece by their payload, stop at ``max_bytes`` while the broker grows by
+    less than about twice that."""
+    pid, address = bounded_broker
+    frames = 2_000
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    ch = Channel.connect(address)
+    try:
+        sock.send_multipart([msgpack.packb([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+        assert sock.poll(30_000)
+        sock.recv_multipart()
+        ch.put(None, key="warm")
+        ch.get(key="warm")
+        idle = _rss(pid)
+        stored, refused = 0, []
+        for rid in range(1, 41):
+            sock.send_multipart([msgpack.packb([{"op": "put", "id": rid, "k": "frames",
+                                                 "nf": frames, "nw": True}]), *[b""] * frames])
+            assert sock.poll(30_000), "the broker did not answer"
+            (rec,) = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+            if rec.get("e"):
+                refused.append(rec["e"])
+            else:
+                stored += 1
+        per_item = item_bytes(0, frames)
+        assert per_item > frames * 200 and stored == MAX_BYTES // per_item
+        assert refused and all(e[0] == "QueueFull" and "max_bytes" in e[1] for e in refused)
+        assert ch.stats()["bytes_held"] == stored * per_item
+        assert _rss(pid) - idle < 3 * MAX_BYTES
+        assert ch.qsize("frames") == stored
+    finally:
+        sock.close()
         ch.close()

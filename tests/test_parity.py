@@ -119,3 +119,22 @@ def test_a_closed_handle_says_so_for_stats_too(make):
         other.stats()
     assert not isinstance(raised.value, BrokerUnavailable)  # the brokers are up
     wait_until(lambda: ch.stats()["name"] == ch.name)
+
+
+def test_a_lease_is_acknowledged_only_through_the_connection_that_got_it(make):
+    """Handles of other identities use other connections: their ``ack`` of a lease they do not
+    hold is refused, and the lease stays for its holder (it still comes back if not acked)."""
+    ch = make("leaseowner", lease_timeout=60.0)
+    mine = Channel.connect(ch.name, identity="learner:0")
+    theirs = Channel.connect(ch.name, identity="learner:1")
+    try:
+        ch.put("x", key="k")
+        delivery = mine.get(key="k", ack=True, timeout=10)
+        with pytest.raises(ValueError, match="held by another connection"):
+            theirs.ack(delivery)
+        assert ch.stats()["leases"] == 1
+        mine.close()  # the holder goes: its lease comes back
+        assert ch.get(key="k", timeout=10) == "x"
+    finally:
+        mine.close()
+        theirs.close()

@@ -44,6 +44,19 @@ class LeaseBook:
         """The open lease ``lease_id`` (any value a client sent), or None."""
         return self.leases.get(lease_id) if isinstance(lease_id, int) else None
 
+    def held(self, lease_id: Any, client: Client) -> Lease:
+        """The open lease ``lease_id`` of ``client`` (an ``ack``'s), else ``ValueError`` saying
+        why: leases belong to the connection that got the delivery."""
+        lease = self.find(lease_id)
+        if lease is None:
+            raise ValueError(
+                f"unknown lease {lease_id!r}: already acknowledged, expired or never issued")
+        if lease.client is not client:
+            raise ValueError(f"lease {lease_id!r} is held by another connection: a delivery is "
+                             f"acknowledged through a handle of the process and identity that "
+                             f"got it")
+        return lease
+
     def is_open(self, lease: Lease) -> bool:
         return self.leases.get(lease.lease_id) is lease
 

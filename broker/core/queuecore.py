@@ -182,10 +182,10 @@ class QueueCore:
         return take_run(self.waiters, client, rids, ks, timeout, park)
 
     def ack(self, client: Client, rid: int, lease_id: Any) -> None:
-        lease = self.lease_book.find(lease_id)
-        if lease is None:
-            self.reply(client, rid, error=ValueError(
-                f"unknown lease {lease_id!r}: already acknowledged, expired or never issued"))
+        try:
+            lease = self.lease_book.held(lease_id, client)
+        except ValueError as exc:
+            self.reply(client, rid, error=exc)
             return
         error = _unacked(self.log, lease.item)
         if error is not None:  # not recorded: the lease stays open

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from zchannel.broker.core.state import ITEM_OVERHEAD, Item, KeyState
+from zchannel.broker.core.state import FRAME_OVERHEAD, ITEM_OVERHEAD, Item, KeyState
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.wire.argchecks import check_key
 
@@ -190,7 +190,7 @@ class KeyedQueues:
                 and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
             return (f"the broker holds {self.bytes_held} bytes of items, and this put would "
                     f"pass its max_bytes limit ({self.max_bytes}; an item counts its payload "
-                    f"plus {ITEM_OVERHEAD} bytes)")
+                    f"plus {ITEM_OVERHEAD} bytes, and {FRAME_OVERHEAD} per frame after its first)")
         return f"a target queue of key {key!r} is full (maxsize {self.maxsize})"
 
     def store(self, outputs: Outputs) -> list[KeyState]:

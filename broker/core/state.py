@@ -13,8 +13,15 @@ from typing import Any
 # beyond an item's payload, as counted against ``max_bytes`` (measured: 170-240 B per queued
 # item, ~370 B per waiting get, ~1 KiB per key; docs/guarantees.md).
 ITEM_OVERHEAD = 320
+# each frame of an item after its first: a message of many empty frames costs ~200 B a frame
+FRAME_OVERHEAD = 256
 REQUEST_OVERHEAD = 640
 KEY_OVERHEAD = 1536
+
+
+def item_bytes(payload: int, frames: int) -> int:
+    """What an item of ``payload`` bytes in ``frames`` frames counts against ``max_bytes``."""
+    return payload + ITEM_OVERHEAD + FRAME_OVERHEAD * max(0, frames - 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -22,7 +29,7 @@ class Item:
     """One queued item.  ``payload`` belongs to the transport and the queue core never looks
     into it: a broker's frames (with any shared-memory slots they refer to), or the object
     itself in a local channel.  ``nbytes`` is what the item counts against ``max_bytes``: in a
-    broker its payload bytes plus ``ITEM_OVERHEAD``."""
+    broker ``item_bytes`` of its payload and frames."""
 
     payload: Any
     weight: int | float

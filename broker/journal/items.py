@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import zmq
-from zchannel.broker.core.state import Item
+from zchannel.broker.core.state import Item, item_bytes
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.segments import SegmentFile
 from zchannel.broker.shm.broker import FramedSlots, SlotFrames
@@ -61,7 +61,8 @@ def recovered_item(jid: int, put: fmt.PutRecord) -> tuple[Any, Item] | None:
     if put.slots:
         first = len(frames) - put.slots
         payload = FramedSlots(frames, list(range(first, len(frames))))
-    return key, Item(payload, weight, sum(memoryview(f).nbytes for f in frames), jid=jid)
+    nbytes = item_bytes(sum(memoryview(f).nbytes for f in frames), len(frames))
+    return key, Item(payload, weight, nbytes, jid=jid)
 
 
 class LiveSet:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 from zchannel.broker.cluster.replica import ReplicaState
-from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.core.state import Client, Item, item_bytes
 from zchannel.broker.server.batches import get_run, put_batch
 from zchannel.broker.server.producers import DUPLICATE, NEW, WAITING, WINDOW, ProducerWindow
 from zchannel.broker.wire import codec
@@ -109,11 +109,12 @@ def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
     frames, nbytes = _put_frames(rec, frames, broker.config.max_message_bytes)
     weight = check_weight(rec.weight)
     key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
+    nframes = len(frames)
     if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
         payload = broker.shm.attach_put(client, rec.slots, frames)
         nbytes += payload.slot_bytes
         frames = payload
-    item = Item(frames, weight, nbytes + ITEM_OVERHEAD)
+    item = Item(frames, weight, item_bytes(nbytes, nframes))
     broker.counters.puts += 1
     window = client.producer
     if window is None:  # a client without retry-safe puts

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
 from zchannel.broker.core.queuecore import QueueCore
-from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.core.state import Client, Item, item_bytes
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
 from zchannel.broker.host.scheduling import batch_wanted, use_batch_policy
@@ -544,7 +544,7 @@ def _tune_for_serving(sched_batch: bool) -> str:
 def _encode_item(value: Any, weight: int | float) -> Item:
     body, buffers = codec.encode(value)
     frames = [zmq.Frame(body)] + [zmq.Frame(b, copy=False) for b in buffers]
-    return Item(frames, weight, sum(len(f) for f in frames) + ITEM_OVERHEAD, value, True)
+    return Item(frames, weight, item_bytes(sum(len(f) for f in frames), len(frames)), value, True)
 
 
 def hook_from_wire(spec: Any) -> Any:
