@@ -504,3 +504,37 @@ def test_a_request_queued_when_a_reader_finds_the_broker_gone_fails(make_remote)
         line.give()
     with pytest.raises(BrokerUnavailable, match="before this request was sent"):
         work.wait(timeout=10)
+
+
+def test_a_zeromq_peer_cannot_speak_as_a_direct_link(make_remote):
+    """A direct link's address is the listener's prefix and a serial; a ZeroMQ peer choosing a
+    routing id of that form is ignored, so it can neither cancel a link client's waiting get
+    nor make requests in its session."""
+    import msgpack
+
+    from zchannel.broker.transport.direct_broker import ADDRESS_PREFIX
+
+    ch = make_remote("linkid")
+    link = RawLink(_link_file(ch))
+    dealers = []
+    try:
+        link.send([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])
+        assert link.replies(1)[0][0].get("e") is None
+        link.send([{"op": "get", "id": 50, "k": "vk", "t": 60}])  # waits
+        wait_until(lambda: ch.stats()["keys"].get("vk", {}).get("getters") == 1)
+        for serial in range(1, 5):  # the first links' addresses
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, ADDRESS_PREFIX + serial.to_bytes(8, "little"))
+            sock.connect(ch.stats()["address"])
+            sock.send_multipart([msgpack.packb([{"op": "cancel", "id": 7, "rid": 50}])])
+            dealers.append(sock)
+        ch.put("for the link", key="vk")  # sent after the cancels: the broker read them first
+        (reply, frames), = link.replies(1)
+        assert reply["id"] == 50 and reply.get("e") is None
+        for sock in dealers:
+            assert not sock.poll(200), "a peer in a link's guise was answered"
+    finally:
+        for sock in dealers:
+            sock.close()
+        link.close()

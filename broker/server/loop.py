@@ -356,10 +356,11 @@ class Broker:
                 return
 
     def _handle(self, frames: list[zmq.Frame]) -> int:
-        if len(frames) < 2:
-            log.warning("dropped a message without a header")
+        address = frames[0].bytes if len(frames) >= 2 else b""
+        if not address or direct_broker.is_link_address(address):  # (a peer as a link)
+            log.warning("dropped a message without a header or from a link-form routing id")
             return 0
-        return self._handle_message(frames[0].bytes, frames[1].buffer, frames, 2)
+        return self._handle_message(address, frames[1].buffer, frames, 2)
 
     def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> int:
         """One message of ``address``: its header and, from ``frames[pos]`` on, its frames;

@@ -2,7 +2,8 @@
 each, over the ROUTER socket or over a same-host direct link.
 
 A client's address (bytes) is its ZeroMQ routing id, or for a direct link one made up by the
-listener (``direct_broker.ADDRESS_PREFIX`` and a serial number; never a routing id).  The broker's
+listener (``direct_broker.ADDRESS_PREFIX`` and a serial number; a ZeroMQ peer whose routing id
+has that form is refused).  The broker's
 loop (``server/loop.py``) knows clients only by address: it sends a message with ``send(address,
 parts)``, whichever transport the client came by, and hands the direct links' bytes to
 ``read``, which cuts them into messages (``direct_framing.Reader``) for it to handle.  ``Peers`` knows
@@ -49,7 +50,7 @@ class Peers:
                 if peer.out:
                     self.poll_dirty = True
                 return True
-            if address.startswith(direct_broker.ADDRESS_PREFIX):
+            if direct_broker.is_link_address(address):
                 return False  # a direct link that is gone
         try:
             send_message(self.sock, [address, *parts], nonblock=True)

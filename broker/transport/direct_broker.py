@@ -21,9 +21,16 @@ from zchannel.broker.transport.direct_framing import (
 )
 
 READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at most
-# The broker's address of a link's client: never a ZeroMQ routing id (a client's is 16 random
-# bytes, one libzmq makes up 5 starting with \x00).
+# The broker's address of a link's client: the prefix and an 8-byte serial.  A zchannel client's
+# ZeroMQ routing id is 16 random bytes and one libzmq makes up is 5 starting with \x00; a peer
+# that chose one of this form is refused (``is_link_address``), so that it cannot speak as a link.
 ADDRESS_PREFIX = b"\x00D"
+ADDRESS_BYTES = len(ADDRESS_PREFIX) + 8
+
+
+def is_link_address(routing_id: bytes) -> bool:
+    """Whether ``routing_id`` has the form of a direct link's address."""
+    return len(routing_id) == ADDRESS_BYTES and routing_id.startswith(ADDRESS_PREFIX)
 
 
 class Peer:
