@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,7 @@ import zmq
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.transport import direct_framing
+from zchannel.broker.transport.direct_broker import ADDRESS_PREFIX
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,8 +57,6 @@ class RawLink:
 
     def replies(self, n: int) -> list[tuple[dict, list]]:
         """The next ``n`` reply records with their frames (heartbeats skipped)."""
-        import msgpack
-
         out: list[tuple[dict, list]] = []
         while len(out) < n:
             parts = self.recv()
@@ -510,10 +510,6 @@ def test_a_zeromq_peer_cannot_speak_as_a_direct_link(make_remote):
     """A direct link's address is the listener's prefix and a serial; a ZeroMQ peer choosing a
     routing id of that form is ignored, so it can neither cancel a link client's waiting get
     nor make requests in its session."""
-    import msgpack
-
-    from zchannel.broker.transport.direct_broker import ADDRESS_PREFIX
-
     ch = make_remote("linkid")
     link = RawLink(_link_file(ch))
     dealers = []
