@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import Channel, shm
+from zchannel.broker.shm.pool import SLOT_WAIT_CUT
 from zchannel.broker.shm.segment import Segment
 from zchannel.broker.wire import codec
 
@@ -187,6 +188,41 @@ def test_a_put_at_the_pool_limit_takes_the_slot_a_get_frees(make_remote, monkeyp
     for t in ts[1:]:
         assert torch.equal(ch.get(timeout=30), t)
     assert _shm_stats(ch)["slots_used"] == 0
+
+
+def test_waits_that_get_no_slot_get_shorter_and_ones_that_do_longer(make_remote):
+    """Slots held by items nobody takes yet (a collector keeping a step's chunks until the step
+    is complete): each wait that ends without a slot makes the class's next wait
+    ``SLOT_WAIT_CUT`` times shorter, so a producer does not wait the full ``slot_wait`` per
+    item; a wait that gets a slot doubles it again (backpressure on a fast producer)."""
+    ch = make_remote("waitcut", shm_threshold=T)
+    pool = ch._connection().shm.pool
+    pool.slot_wait = 0.4
+    n = shm.MAX_SLOTS
+    ts = [torch.full((T // 4,), float(i)) for i in range(n + 3)]
+    for t in ts[:n]:
+        ch.put(t)
+    ch.put(ts[n])  # no slot within slot_wait: a frame
+    (size,) = pool.wait_s
+    assert pool.wait_s[size] == pytest.approx(0.4 / SLOT_WAIT_CUT) and pool.fallbacks == 1
+    assert torch.equal(ch.get(timeout=30), ts[0])  # one slot comes back
+    wait_until(lambda: _shm_stats(ch)["slots_used"] == n - 1)
+    ch.put(ts[n + 1])  # takes it, no wait
+    ch.put(ts[n + 2])  # waits the shorter time, then a frame
+    assert pool.wait_s[size] == pytest.approx(0.4 / SLOT_WAIT_CUT**2) and pool.fallbacks == 2
+    assert torch.equal(ch.get(timeout=30), ts[1])
+    wait_until(lambda: _shm_stats(ch)["slots_used"] == n - 1)
+    ch.put(ts[0])  # the class is full again, and nothing waits for the stall to clear:
+    pool.slot_wait, pool.wait_s[size] = 120.0, 30.0  # a loaded machine must not time out
+    putter = threading.Thread(target=ch.put, args=(ts[1],))
+    putter.start()
+    wait_until(lambda: size not in pool.stalled)
+    assert torch.equal(ch.get(timeout=30), ts[2])  # frees a slot while the put waits
+    putter.join(120)
+    assert not putter.is_alive() and pool.fallbacks == 2
+    assert pool.wait_s[size] == 60.0  # a wait that got its slot: twice as long next time
+    got = [ch.get(timeout=30) for _ in range(n + 2)]
+    assert sorted(float(t[0]) for t in got) == sorted(float(t[0]) for t in ts[3 : n + 3] + ts[:2])
 
 
 def test_pool_grows_ahead_of_need_and_never_falls_back(make_remote):

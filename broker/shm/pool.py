@@ -35,6 +35,14 @@ MIN_CLASS_SLOTS = 4  # a class of very large tensors still holds this many slots
 # broker to free one, polling the segments' state bytes (sleeping up to SLOT_POLL_MAX_S between
 # looks), for up to its handle's heartbeat expiry (docs/shm.md, "Backpressure").
 SLOT_POLL_MAX_S = 0.001
+# A wait that ends without a freed slot (a hook holding the items until more come, as the
+# trajectory collector does until its step is complete) makes the class's next waits
+# SLOT_WAIT_CUT times shorter, down to SLOT_WAIT_MIN_S; a wait that gets a slot doubles them
+# again, up to the pool's ``slot_wait``.  So a class whose slots come back (consumers slower
+# than the producer) keeps its backpressure, and one whose slots are held does not cost a full
+# wait per item (docs/shm.md, "Backpressure").
+SLOT_WAIT_CUT = 8
+SLOT_WAIT_MIN_S = 0.002
 
 
 def check_reserve(nbytes: Any, slots: Any) -> None:
@@ -77,6 +85,7 @@ class Pool:
         self.pins: dict[str, np.ndarray] = {}  # segment -> its slots whose lent array exists
         self.fallbacks = 0
         self.stalled: set[int] = set()  # classes whose last wait for a free slot timed out
+        self.wait_s: dict[int, float] = {}  # size class -> its waits' length (``_wait_free``)
         self.failed = False  # a segment could not be created: no more attempts
         self.closed = False
 
@@ -185,8 +194,9 @@ class Pool:
 
     def _acquire(self, size: int, wait: float | None) -> tuple[Segment, int] | None:
         """A free slot of class ``size``, marked USED: taken, or after waiting for (or making)
-        a segment, or for the broker to free one for up to ``wait`` seconds (by default
-        ``slot_wait``); None if none came."""
+        a segment, or for the broker to free one for up to the class's wait (``slot_wait`` at
+        first, shorter after waits that got nothing: ``SLOT_WAIT_CUT``) or ``wait`` seconds if
+        shorter; None if none came."""
         for _ in range(3):  # take; or wait for (or make) a segment and take again
             with self.lock:
                 self.classes.setdefault(size, [])
@@ -203,7 +213,15 @@ class Pool:
                 self._make(size, nslots)
             else:
                 pending.wait()
-        return self._wait_free(size, self.slot_wait if wait is None else wait)
+        if size in self.stalled or (wait is not None and wait <= 0):
+            return None  # (no wait: nothing to learn from)
+        budget = self.wait_s.get(size, self.slot_wait)
+        got = self._wait_free(size, budget if wait is None else min(wait, budget))
+        if got is not None:
+            self.wait_s[size] = min(self.slot_wait, 2 * budget)
+        elif wait is None or wait >= budget:
+            self.wait_s[size] = max(SLOT_WAIT_MIN_S, budget / SLOT_WAIT_CUT)
+        return got
 
     def __call__(self, data: Any, nbytes: int, wait: float | None = None) -> list | None:
         """The slot reference ``[segment, slot, nbytes]`` of ``data`` (a C-contiguous array or
