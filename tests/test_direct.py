@@ -534,3 +534,31 @@ def test_a_zeromq_peer_cannot_speak_as_a_direct_link(make_remote):
         for sock in dealers:
             sock.close()
         link.close()
+
+
+def test_a_link_whose_client_expired_is_closed_unless_it_says_hello_again(make_remote):
+    """A link client that goes silent mid-message is expired like any client, and its link,
+    which holds the message read in part, is closed one expiry later (a live client says
+    hello again on its link after ``expired``)."""
+    ch = make_remote("expiredlink")
+    link = RawLink(_link_file(ch))
+    try:
+        link.send([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])
+        assert link.replies(1)[0][0].get("e") is None
+        header = pack_header([{"op": "put", "id": 5, "k": "big", "nf": 1}])
+        whole = b"".join(bytes(p) for p in direct_framing.iovec([header, b"x" * (1 << 20)])[0])
+        link.send_raw(whole[: len(whole) // 2])  # half of a message, then silence
+        wait_until(lambda: ch.stats()["clients"] == 1, timeout=60)  # this handle's connection
+        ops = []
+        for _ in range(100):  # heartbeats, then ``expired``, then the link closes
+            parts = link.recv(timeout=60)
+            if parts is None:
+                break
+            ops += [rec.get("op") for rec in msgpack.unpackb(parts[0], raw=False)]
+        else:
+            raise AssertionError(f"the link stayed open: {ops}")
+        assert "expired" in ops
+        ch.put("still", key="k")
+        assert ch.get(key="k", timeout=10) == "still"
+    finally:
+        link.close()

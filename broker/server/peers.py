@@ -66,6 +66,15 @@ class Peers:
         if listener is not None and address in listener.by_address:
             listener.by_address[address].greeted = True
 
+    def expired(self, address: bytes, now: float) -> None:
+        """The client at ``address`` expired: a direct link of it must say hello again within
+        an expiry (a live client registers again) or is closed, with what it holds (a message
+        read in part included)."""
+        listener = self.listener
+        peer = listener.by_address.get(address) if listener is not None else None
+        if peer is not None:
+            peer.greeted, peer.since = False, now
+
     def poll_set(self, base: list) -> list:
         """``base``, the listener while it accepts, and the direct links (with ``POLLOUT``
         where a full socket held bytes back)."""

@@ -297,7 +297,8 @@ class Sessions:
 
     def heartbeats(self, now: float) -> None:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
-        links that never said hello, and let the other periodic chores run."""
+        links that never said hello (or not again after their client expired), and let the
+        other periodic chores run."""
         self._release_memory()
         self.producers.sweep(now)
         if self.replica is not None:
@@ -312,6 +313,8 @@ class Sessions:
                 self.last_sent.pop(address, None)
                 self.client_gone(client)
                 self._send(address, [BROKER_EXPIRED], [])
+                if self.peers is not None:
+                    self.peers.expired(address, now)
             elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
                 self._outbox(address).records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
