@@ -245,3 +245,35 @@ def test_a_nan_timeout_cannot_stall_other_clients_deadlines(channels, workers):
     finally:
         raw.close()
     assert ch.qsize("a") == 0
+
+
+def test_a_record_with_int_map_keys_or_a_bad_timestamp_is_refused_alone(channels):
+    """A field holding a map with non-str keys, or an extension value that does not decode (a
+    timestamp of one byte), fails its own record with a ``ValueError``; the other records of
+    the message are handled (the whole message used to be dropped, none of them answered)."""
+    ch = Channel.create("mapkeys")
+    channels.append(ch)
+    raw = Raw(ch.stats()["address"])
+    try:
+        bad_timestamp = msgpack.ExtType(0, b"")  # replaced below by a type -1 of one byte
+        for bad in ({"op": "put", "id": 1, "k": "key", "w": {1: 2}, "b": b"\xc0"},
+                    {"op": "get", "id": 1, "k": {1.5: "x"}, "nw": True},
+                    {"op": "qsize", "id": 1, "k": "key", "extra": {True: 1}},
+                    {"op": "qsize", "id": 1, "k": bad_timestamp}):
+            header = msgpack.packb([bad, {"op": "put", "id": 2, "k": "key", "b": b"\x01"},
+                                    {"op": "qsize", "id": 3, "k": "key"}], use_bin_type=True)
+            header = header.replace(b"\xd4\x00\x00", b"\xd4\xff\x00")  # (ExtType refuses -1)
+            raw.sock.send_multipart([header])
+            replies: dict[int, dict] = {}
+            while len(replies) < 3:
+                assert raw.sock.poll(30_000), f"no reply for {bad}: {replies}"
+                for rec in msgpack.unpackb(raw.sock.recv_multipart()[0], raw=False):
+                    replies[rec.get("id")] = rec
+            if "extra" in bad:  # unknown fields are skipped, whatever they hold
+                assert replies[1].get("e") is None, replies
+            else:
+                assert replies[1]["e"][0] in ("ValueError", "TypeError"), replies
+            assert replies[2].get("e") is None and replies[3]["r"] >= 1, replies
+        assert ch.qsize("key") == 4
+    finally:
+        raw.close()

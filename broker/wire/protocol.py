@@ -21,7 +21,6 @@ import collections.abc
 import sys
 from typing import Annotated, Any, NamedTuple, cast
 
-import msgpack
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 from zchannel.broker.wire.argchecks import MAX_KEY_DEPTH, MAX_PEEK, MAX_TIMEOUT, MAX_WEIGHT
@@ -419,7 +418,19 @@ _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(list[_AnyRequest])
 _replies = msgspec.msgpack.Decoder(list[Reply])
 _one_request = msgspec.msgpack.Decoder(_AnyRequest)
-_packer = msgpack.Packer(use_bin_type=True)
+
+
+class _RecordHead(Struct):
+    """What ``_checked_records`` reads of a record that is not a valid request (the other
+    fields are skipped, whatever they hold)."""
+
+    op: Any = None
+    id: Any = None
+    nf: Any = 0
+
+
+_record_head = msgspec.msgpack.Decoder(_RecordHead)
+_raw_records = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def pack_header(records: list) -> bytes:
@@ -454,28 +465,33 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
 
 
 def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
-    """The slow path of ``unpack_requests``: the message's structure checked as plain msgpack,
-    then each record on its own."""
+    """The slow path of ``unpack_requests``: the message cut into its records' raw msgpack,
+    then each record decoded on its own; one that is not a valid request (a wrong type in any
+    field, a map with int keys, a malformed extension value) is a ``BadRecord`` with its
+    ``op``, ``id`` and ``nf`` (read by ``_RecordHead``), the others are handled as usual."""
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:
-        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_RECORDS:
+        raws = _raw_records.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise ProtocolError(f"malformed header: {exc}") from None
+    if not raws or len(raws) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
     out: list[Request | BadRecord] = []
-    for record in raw:
-        if type(record) is not dict:
-            raise ProtocolError("a header record is a map")
-        nf = record.get("nf", 0)
+    for raw in raws:
+        try:
+            out.append(_one_request.decode(raw))
+            continue
+        except msgspec.ValidationError as exc:
+            error = exc
+        try:
+            head = _record_head.decode(raw)
+        except msgspec.MsgspecError:
+            raise ProtocolError("a header record is a map") from None
+        nf, rid = head.nf, head.id
         if type(nf) is not int or nf < 0:  # bool is not int here
             raise ProtocolError("record field nf must be an int >= 0")
-        try:  # decoded from msgpack again: msgspec.convert would take base64 text as bytes
-            out.append(_one_request.decode(_packer.pack(record)))
-        except msgspec.ValidationError as exc:
-            rid = record.get("id")
-            op = record.get("op")
-            out.append(BadRecord(op, rid if type(rid) is int else None, nf,
-                                 ProtocolError(f"invalid {op!r} record: {exc}")))
+        op = head.op if type(head.op) is str else None
+        out.append(BadRecord(op, rid if type(rid) is int else None, nf,
+                             ProtocolError(f"invalid {op!r} record: {error}")))
     return out
 
 
