@@ -37,7 +37,7 @@ from zchannel.embodied.pipeline import (
 )
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import MLPPolicy, Policy, RandomPolicy, chunk_actions
-from zchannel.embodied.spaces import ActionSpec, EnvSpec, ObservationError
+from zchannel.embodied.spaces import ActionSpec, EnvSpec, ObservationError, RewardError
 from zchannel.embodied.trajectory import (
     ActorBatch,
     EpisodeShard,
@@ -73,6 +73,7 @@ __all__ = [
     "PointReach",
     "Policy",
     "RandomPolicy",
+    "RewardError",
     "Rollout",
     "VectorEnv",
     "WeightPublisher",

@@ -1,8 +1,9 @@
 """Validation of trajectory parts against a plan: a clear error naming the key and the field.
 
 ``check_env_part`` / ``check_policy_part`` raise ``ValueError("<Part> <key>: field '<name>' ...")``
-for a key outside the plan, a missing required field or a tensor whose shape does not fit
-``[B, C]`` / ``[B, D]``.  They change nothing, so a rejected part loses nothing else in flight.
+for a key outside the plan, a missing required field, a tensor whose shape does not fit
+``[B, C]`` / ``[B, D]``, non-finite ``transition.rewards`` or a non-finite policy action.  They
+change nothing, so a rejected part loses nothing else in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def _check_shape(what: str, name: str, value: Any, shape: tuple[int, ...]) -> No
                          f"{shape}")
 
 
+def _check_finite(what: str, name: str, value: Any) -> None:
+    """``value`` (a tensor, already shape-checked, or None) holds no NaN or inf."""
+    if value is None or not value.is_floating_point():
+        return
+    bad = ~torch.isfinite(value)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()
+        raise ValueError(f"{what}: field '{name}' has non-finite values "
+                         f"{value[bad][:4].tolist()} in rows {rows}; it must be finite")
+
+
 def check_env_part(part: EnvPart, plan: TrajectoryPlan, *, strict: bool = True) -> None:
     """Raise ``ValueError`` naming the key and field when ``part`` does not fit ``plan``.
 
@@ -59,6 +71,7 @@ def check_env_part(part: EnvPart, plan: TrajectoryPlan, *, strict: bool = True) 
                 raise ValueError(f"{what}: field 'transition.{name}' is missing")
     for name in ("rewards", "dones", "terminations", "truncations"):
         _check_shape(what, f"transition.{name}", getattr(t, name), (B, C))
+    _check_finite(what, "transition.rewards", t.rewards)
     if not strict:
         return
     if key.chunk_id == 0 and part.initial_transition is None:
@@ -68,18 +81,28 @@ def check_env_part(part: EnvPart, plan: TrajectoryPlan, *, strict: bool = True) 
 
 
 def check_policy_part(part: PolicyPart, plan: TrajectoryPlan) -> None:
-    """Raise ``ValueError`` naming the key and field when ``part`` does not fit ``plan``."""
+    """Raise ``ValueError`` naming the key and field when ``part`` does not fit ``plan``: the
+    action ``output.forward_inputs["action"]`` must be a finite tensor ``[B, C*A]`` (the rows of
+    the part's sources, ``num_action_chunks * action_dim``)."""
     if not part.sources:
         raise ValueError("PolicyPart: field 'sources' is empty")
     for source in part.sources:
         _check_key("PolicyPart", source.key, plan)
     what = f"PolicyPart {part.sources[0].key}"
-    B, D = _rows(part), plan.num_action_chunks * plan.action_dim
+    B, C, A = _rows(part), plan.num_action_chunks, plan.action_dim
     if part.output is None:
         return
     action = part.output.forward_inputs.get("action")  # None: the trajectory has no actions
+    name = "output.forward_inputs[\"action\"]"
     if action is not None:
-        _check_shape(what, "output.forward_inputs[\"action\"]", action, (B, D))
+        if not isinstance(action, torch.Tensor):
+            raise ValueError(f"{what}: field '{name}' must be a tensor, got "
+                             f"{type(action).__name__}")
+        if tuple(action.shape) != (B, C * A):
+            raise ValueError(f"{what}: field '{name}' has shape {list(action.shape)}, expected "
+                             f"[B, C*A] = [{B}, {C}*{A}] = [{B}, {C * A}] (B envs, C "
+                             "num_action_chunks, A action_dim)")
+        _check_finite(what, name, action)
     if part.output.prev_logprobs is not None and part.output.prev_logprobs.shape[0] != B:
         raise ValueError(f"{what}: field 'output.prev_logprobs' has {part.output.prev_logprobs.shape[0]} rows, expected {B}")
 

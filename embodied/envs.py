@@ -34,6 +34,7 @@ from zchannel.embodied.spaces import (
     FINAL_OBS,
     EnvSpec,
     ObservationError,
+    RewardError,
     box_spec,
     check_observation,
 )
@@ -152,15 +153,19 @@ class ChunkedEnv:
 
     ``reward_scaler`` (optional) scales the rewards put into the transition; the statistics
     keep the env's own rewards.  Every observation is checked against ``env.spec``
-    (``ObservationError`` naming the key).  ``record_episodes`` attaches each chunk's
-    ``episode_data`` (lerobot mode)."""
+    (``ObservationError`` naming the key) and every reward must be finite (``RewardError``
+    naming the env, the sub-env, its episode step and the chunk slot, raised before the reward
+    reaches the statistics or the transition).  ``name`` (default: the env's class name) names
+    the env in those errors.  ``record_episodes`` attaches each chunk's ``episode_data``
+    (lerobot mode)."""
 
     def __init__(self, env: VectorEnv, num_action_chunks: int, *,
                  reward_scaler: RewardScaler | None = None,
-                 record_episodes: bool = False) -> None:
+                 record_episodes: bool = False, name: str | None = None) -> None:
         if num_action_chunks < 1:
             raise ValueError("num_action_chunks must be >= 1")
         self.env, self.chunks = env, num_action_chunks
+        self.name = name or type(env).__name__
         self.record_episodes = record_episodes
         self.num_envs = env.num_envs
         self.spec: EnvSpec | None = getattr(env, "spec", None)
@@ -175,6 +180,16 @@ class ChunkedEnv:
         if self.spec is not None:
             check_observation(obs, self.spec, self.num_envs)
         return obs
+
+    def _check_reward(self, reward: torch.Tensor, slot: int) -> None:
+        bad = ~torch.isfinite(reward)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad).flatten()[0])
+            raise RewardError(f"env {self.name!r}: sub-env {b} returned the non-finite reward "
+                              f"{float(reward[b])} at step {int(self._len[b]) + 1} of its "
+                              f"episode (slot {slot} of the action chunk); rewards must be "
+                              f"finite (non-finite sub-envs: "
+                              f"{torch.nonzero(bad).flatten().tolist()})")
 
     def reset(self, seed: int | None = None) -> dict[str, torch.Tensor]:
         obs, _ = self.env.reset(seed=seed)
@@ -202,6 +217,7 @@ class ChunkedEnv:
             if self.record_episodes:
                 infos_list.append({k: info[k] for k in RECORDED_INFO_KEYS if k in info})
             reward = torch.as_tensor(reward, dtype=torch.float32).reshape(B)
+            self._check_reward(reward, c)
             term = torch.as_tensor(term, dtype=torch.bool).reshape(B)
             trunc = torch.as_tensor(trunc, dtype=torch.bool).reshape(B)
             done = term | trunc
@@ -249,4 +265,4 @@ def make_env(name: str, num_envs: int, env_kwargs: dict[str, Any] | None = None,
 
 
 __all__ = ["RECORDED_INFO_KEYS", "ChunkedEnv", "EpisodeStats", "GymVectorEnv", "ObservationError",
-           "PointReach", "VectorEnv", "make_env"]
+           "PointReach", "RewardError", "VectorEnv", "make_env"]

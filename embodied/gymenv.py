@@ -13,8 +13,15 @@ it in ``GymVectorEnv``, which
   MultiDiscrete as one-hot, MultiBinary) is flattened into float32 ``states``;
 - turns action chunks back into the action space (Box: [-1, 1] onto the bounds; Discrete,
   MultiDiscrete, MultiBinary: integer indices of the right shape and dtype);
-- applies same-step auto-reset (``info["final_observation"]`` holds the observation a finished
-  env ended in) by resetting finished sub-envs with Gymnasium's ``reset_mask``.
+- refuses a non-finite action (NaN, inf) with a ``ValueError`` naming the policy output and the
+  env rows, instead of handing it to the env (``np.clip`` would pass NaN through);
+- gives same-step auto-reset in each of Gymnasium's autoreset modes (the vector env's
+  ``metadata["autoreset_mode"]``, set by ``env_kwargs={"vector_kwargs": {"autoreset_mode":
+  ...}}``): ``info["final_observation"]`` holds the observation a finished env ended in and the
+  returned observation is the reset one.  ``NextStep`` (Gymnasium's default) and ``Disabled``:
+  the finished sub-envs are reset at once with Gymnasium's ``reset_mask``; ``SameStep``:
+  Gymnasium already reset them, the final observation comes from its ``info["final_obs"]`` and
+  the step's ``success`` from its ``info["final_info"]``.  Any other mode is a ``ValueError``.
 
 Ids: ``"CartPole-v1"``; ``"module:EnvId"`` imports ``module`` first (Gymnasium's form:
 ``"gym_pusht:gym_pusht/PushT-v0"``); a namespaced ``"ns/Name-v0"`` whose namespace is not
@@ -36,11 +43,15 @@ from zchannel.embodied.spaces import FINAL_MASK, FINAL_OBS, ActionSpec, EnvSpec,
 try:  # the optional extra: this module only works with it, the package imports without it
     import gymnasium
     from gymnasium import spaces as gs
+    from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 except ImportError:  # pragma: no cover - exercised only without the extra
     gymnasium = None  # type: ignore[assignment]  # without the extra: checked before use
     gs = None  # type: ignore[assignment]  # without the extra: checked before use
+    concatenate = create_empty_array = iterate = None  # type: ignore[assignment]  # same
 
 MAX_DEPTH = 8  # nesting of Dict / Tuple observation spaces
+# Gymnasium's autoreset modes (the values of gymnasium.vector.AutoresetMode, Gymnasium >= 1.1)
+NEXT_STEP, SAME_STEP, DISABLED = "NextStep", "SameStep", "Disabled"
 _WRAPPER_BASE: Any = gymnasium.Wrapper if gymnasium is not None else object
 
 
@@ -183,6 +194,26 @@ def _action_spec(space: Any) -> ActionSpec:
                      f"MultiDiscrete and MultiBinary actions, not {type(space).__name__}")
 
 
+def _autoreset_mode(env: Any) -> str:
+    """The vector env's autoreset mode as its string value (``NEXT_STEP`` when unset, as in
+    Gymnasium 1.0); ``ValueError`` naming any other mode."""
+    mode = getattr(env, "metadata", {}).get("autoreset_mode", NEXT_STEP)
+    value = str(getattr(mode, "value", mode))
+    if value not in (NEXT_STEP, SAME_STEP, DISABLED):
+        raise ValueError(f"vector env {env}: metadata['autoreset_mode'] is {mode!r}, expected "
+                         f"one of {[NEXT_STEP, SAME_STEP, DISABLED]}")
+    return value
+
+
+def _info_flags(info: dict[str, Any], key: str, batch: int) -> np.ndarray:
+    """The bool ``[batch]`` flags ``info[key]`` where its mask ``info["_" + key]`` is set
+    (False where the key or the mask is missing)."""
+    if key not in info:
+        return np.zeros(batch, dtype=np.bool_)
+    mask = np.asarray(info.get(f"_{key}", True), dtype=np.bool_)
+    return np.asarray(info[key]).astype(bool).reshape(batch) & mask
+
+
 class GymVectorEnv:
     """A Gymnasium vector env as a ``VectorEnv`` (see the module docstring)."""
 
@@ -192,6 +223,7 @@ class GymVectorEnv:
         self.num_envs = int(env.num_envs)
         self.obs_map = dict(obs_map or {})
         self.action_space = env.single_action_space
+        self.autoreset_mode = _autoreset_mode(env)
         action = _action_spec(self.action_space)
         self._leaves = _leaves(env.single_observation_space)
         known = {leaf.name for leaf in self._leaves}
@@ -257,6 +289,12 @@ class GymVectorEnv:
         if a.shape[1] != spec.dim:
             raise ValueError(f"actions have {a.shape[1]} numbers per env, the action space "
                              f"{space} takes {spec.dim}")
+        bad = ~np.isfinite(a)
+        if bad.any():
+            rows = np.flatnonzero(bad.any(axis=1)).tolist()
+            raise ValueError(f"the policy output forward_inputs['action'] has non-finite values "
+                             f"{a[bad][:4].tolist()} for env rows {rows}: actions for the action "
+                             f"space {space} must be finite")
         if spec.kind == "box":
             scaled = self._low + (np.clip(a, -1, 1) + 1) * 0.5 * (self._high - self._low)
             a = np.where(self._scaled, scaled, a)
@@ -283,23 +321,44 @@ class GymVectorEnv:
         obs, reward, term, trunc, info = self.env.step(self.to_space(actions))
         term = torch.as_tensor(np.asarray(term), dtype=torch.bool)
         trunc = torch.as_tensor(np.asarray(trunc), dtype=torch.bool)
-        success = torch.zeros_like(term)  # an env without a "success" info has none
-        if "success" in info:  # e.g. Meta-World: per-env flags with a "_success" mask
-            mask = np.asarray(info.get("_success", True))
-            success = torch.as_tensor(np.asarray(info["success"]).astype(bool) & mask)
-        out_info: dict[str, Any] = {"success": success}
         done = term | trunc
+        # e.g. Meta-World: per-env "success" flags with a "_success" mask; none: no success
+        success = _info_flags(info, "success", self.num_envs)
+        out_info: dict[str, Any] = {}
         converted = self.convert(obs)
         if bool(done.any()):
-            # Gymnasium >= 1.0 resets on the next step(); reset the finished rows now instead.
-            out_info[FINAL_OBS] = converted
             out_info[FINAL_MASK] = done
-            reset_obs, _ = self.env.reset(options={"reset_mask": done.numpy()})
-            fresh = self.convert(reset_obs)
-            converted = {k: torch.where(done.reshape((-1,) + (1,) * (v.dim() - 1)), fresh[k], v)
-                         for k, v in converted.items()}
+            if self.autoreset_mode == SAME_STEP:
+                # Gymnasium reset the finished rows already; their step's info is "final_info"
+                out_info[FINAL_OBS] = self.convert(self._same_step_final(obs, info, done.numpy()))
+                final_success = _info_flags(info.get("final_info", {}), "success",
+                                            self.num_envs)
+                success = np.where(done.numpy(), final_success, success)
+            else:
+                # NextStep would reset on the next step() and Disabled never: reset them now
+                out_info[FINAL_OBS] = converted
+                reset_obs, _ = self.env.reset(options={"reset_mask": done.numpy()})
+                fresh = self.convert(reset_obs)
+                converted = {k: torch.where(done.reshape((-1,) + (1,) * (v.dim() - 1)),
+                                            fresh[k], v) for k, v in converted.items()}
+        out_info["success"] = torch.as_tensor(success)
         reward = torch.as_tensor(np.asarray(reward), dtype=torch.float32)
         return converted, reward, term, trunc, out_info
+
+    def _same_step_final(self, obs: Any, info: dict[str, Any], done: np.ndarray) -> Any:
+        """The batched observation with the ``done`` rows replaced by the observations they
+        finished in (SameStep: Gymnasium's per-env ``info["final_obs"]``)."""
+        final, mask = info.get("final_obs"), info.get("_final_obs")
+        if final is None or mask is None or not np.asarray(mask)[done].all():
+            raise ValueError(f"vector env {self.env}: autoreset mode {SAME_STEP!r} finished env "
+                             f"rows {np.flatnonzero(done).tolist()} but info['final_obs'] does "
+                             "not hold their final observations")
+        single = self.env.single_observation_space
+        rows = list(iterate(self.env.observation_space, obs))
+        for i in np.flatnonzero(done):
+            rows[i] = final[i]
+        out: Any = create_empty_array(single, self.num_envs)  # a Box / Dict / Tuple batch
+        return concatenate(single, rows, out)
 
 
 def _resolve_id(env_id: str) -> str:

@@ -227,8 +227,11 @@ class _Step:
 def _build_frame(
     obs: Any, info: Any, step: _Step, segment_id: int, action_dim: int
 ) -> dict[str, Any] | None:
-    """The LeRobot frame of one recorded step, or None without a state or an action.
+    """The LeRobot frame of one recorded step, or None without an action or an observation.
 
+    The observation is the state vector (``observation.state``, from ``states`` or ``state``)
+    and the camera images (``observation.images.<camera>``); a camera-only env has no state and
+    its frames no ``observation.state`` (LeRobot's features are whatever the frames hold).
     The per-episode keys (``next.done``, ``next.success``, ``frame_index``, ``episode_index``,
     ``timestamp``) hold placeholders until ``_EpisodeRecorder`` finishes the episode.
     """
@@ -238,18 +241,20 @@ def _build_frame(
     if state_value is None:
         state_value = obs.get("state")
     action, intervened = _executed_action(info, step.action, action_dim)
-    if state_value is None or action is None:
+    if action is None:
         return None
-    frame: dict[str, Any] = {
-        "observation.state": np.ascontiguousarray(
+    frame: dict[str, Any] = {}
+    if state_value is not None:
+        frame["observation.state"] = np.ascontiguousarray(
             _to_numpy(state_value).astype(np.float32).reshape(-1)
-        ),
-    }
+        )
     for camera, keys in _CAMERAS:
         for key in keys:
             if obs.get(key) is not None:
                 frame.update(_camera_images(camera, obs[key]))
                 break
+    if not frame:
+        return None
     frame.update(
         {
             "action": np.ascontiguousarray(np.asarray(action, dtype=np.float32).reshape(-1)),
@@ -535,7 +540,8 @@ class _EpisodeRecorder:
 class LeRobotEpisodeAccumulator:
     """Turns action chunks of ``num_envs`` environments into LeRobot episodes (docs/embodied.md).
 
-    Frames carry exactly the keys ``observation.state``, ``observation.images.<camera>``,
+    Frames carry exactly the keys ``observation.state`` (absent for a camera-only env),
+    ``observation.images.<camera>``,
     ``action``, ``next.reward``, ``next.done``, ``next.success``, ``task``, ``intervention``,
     ``segment_id``, ``frame_index``, ``episode_index`` and ``timestamp``.  ``episode_index``
     counts the episodes this accumulator emitted before (dropped episodes take none).  The

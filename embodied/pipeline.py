@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 from zchannel.broker import DEFAULT_KEY, HookError
-from zchannel.embodied.checks import check_env_part
+from zchannel.embodied.checks import check_env_part, check_policy_part
 from zchannel.embodied.envs import ChunkedEnv
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import chunk_actions, stamp_version
-from zchannel.embodied.spaces import ObservationError
+from zchannel.embodied.spaces import ObservationError, RewardError
 from zchannel.embodied.types import (
     EnvPart,
     EnvTransition,
@@ -276,12 +276,11 @@ class EnvLoop:
                     raise failure.error()
                 try:
                     out = self.env.step_chunk(actions)
-                except ObservationError as exc:
+                except (ObservationError, RewardError) as exc:
                     # nothing of the chunk was sent; the requests already put are delivered
                     if self._sent is not None:
                         self._sent.wait()
-                    raise ObservationError(f"env rank {self.env_rank}, chunk {key}: {exc}") \
-                        from None
+                    raise type(exc)(f"env rank {self.env_rank}, chunk {key}: {exc}") from None
                 self.env_steps += plan.source_batch_size * plan.num_action_chunks
                 last = chunk == plan.num_chunks - 1
                 dones = out.dones
@@ -435,6 +434,8 @@ class Rollout:
         output = self.infer(merged.obs)
         if self.tag_columns:
             _tag(output, merged)
+        part = PolicyPart(merged.sources, merged.obs, output=output)
+        check_policy_part(part, self.plan)  # before chunk_actions reshapes the action
         pieces = output.split([r.request_sizes[0] for r in requests]) \
             if len(requests) > 1 else [output]
         for request, piece in zip(requests, pieces, strict=True):
@@ -444,7 +445,7 @@ class Rollout:
             # connection's next wait while earlier replies are due)
             self.actions.put(chunk_actions(piece, self.plan.num_action_chunks),
                              key=actions_key(rank))
-        self._put(self.trajectory, PolicyPart(merged.sources, merged.obs, output=output))
+        self._put(self.trajectory, part)
         self.chunks += len(requests)
         return pieces
 

@@ -237,7 +237,7 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
         scaler = RewardScaler(cfg.env_batch, cfg.gamma) if cfg.normalize_reward else None
         env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
                          cfg.num_action_chunks, reward_scaler=scaler,
-                         record_episodes=cfg.mode == "lerobot")
+                         record_episodes=cfg.mode == "lerobot", name=cfg.env)
         loop = EnvLoop(env, plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
         loop.start(seed=cfg.seed * 1000 + rank)
         for step in range(cfg.steps):
@@ -629,7 +629,7 @@ def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
     (default for ``point_reach``: 40), or else until every env has finished an episode (at most
     ``max_chunks``)."""
     env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
-                     cfg.num_action_chunks)
+                     cfg.num_action_chunks, name=cfg.env)
     env.reset(seed=episodes_seed)
     if chunks is None and cfg.env == "point_reach":
         chunks = 40

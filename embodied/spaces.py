@@ -15,7 +15,8 @@ policy constructors (``zchannel.embodied.models``):
   float32 holds exactly.
 
 ``check_observation`` checks a batch against the spec; a wrong dtype or shape is an
-``ObservationError`` naming the key.
+``ObservationError`` naming the key.  ``ChunkedEnv`` raises ``RewardError`` for a non-finite
+reward.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ IMAGE_KEYS = ("main_images", "wrist_images", "extra_view_images")
 
 class ObservationError(ValueError):
     """An observation does not match the env's ``EnvSpec`` (the message names the key)."""
+
+
+class RewardError(ValueError):
+    """An env returned a non-finite reward (NaN, inf); the message names the env, the sub-env
+    and the step."""
 
 
 @dataclass(frozen=True)
@@ -125,5 +131,5 @@ def check_observation(obs: dict[str, Any], spec: EnvSpec, batch: int) -> None:
                                    f"{[batch, spec.state_dim]}, got {got}")
 
 
-__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "ActionSpec", "EnvSpec", "ObservationError",
-           "box_spec", "check_observation"]
+__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "ActionSpec", "EnvSpec",
+           "ObservationError", "RewardError", "box_spec", "check_observation"]

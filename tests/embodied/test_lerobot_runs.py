@@ -111,3 +111,24 @@ def test_demo_writes_the_dataset_and_says_where(tmp_path):
     assert info["total_episodes"] > 0 and info["codebase_version"] == "v3.0"
     assert sorted(os.listdir(root)) == ["data", "meta"]
     assert os.listdir(tmp_path) == ["demo-ds"]  # no staging directory left
+
+
+def test_a_camera_only_env_records_episodes_without_a_state(tmp_path):
+    """TwoCameraReach with its state leaf dropped (``obs_map``): the frames hold the two
+    cameras and no ``observation.state``, and the dataset has no such feature."""
+    pytest.importorskip("gymnasium")
+    root = str(tmp_path / "cams")
+    cfg = RunConfig(env="gym:zchannel.embodied.toyenvs:TwoCameraReach-v0",
+                    env_kwargs={"size": 16, "max_steps": 4}, obs_map={"state": None},
+                    mode="lerobot", transport="inproc", envs=1, env_batch=2, steps=2,
+                    num_chunks=4, num_action_chunks=1, seed=3, dataset=root)
+    result = run(cfg)
+    records = result["records"]
+    assert all(r["episodes_recorded"] == r["episodes"] > 0 for r in records)
+    info = json.load(open(os.path.join(root, "meta/info.json")))
+    assert info["total_episodes"] == sum(r["episodes"] for r in records)
+    features = info["features"]
+    assert "observation.state" not in features
+    assert features["observation.images.main"]["shape"] == [16, 16, 3]
+    assert features["observation.images.wrist"]["shape"] == [16, 16, 3]
+    assert all(1 <= len(e) <= 4 for e in _episodes(root))  # max_steps (or success) ends each

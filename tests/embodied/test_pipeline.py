@@ -126,6 +126,8 @@ def test_apply_interventions_is_a_public_step_method():
 @pytest.mark.parametrize("field, bad, match", [
     ("rewards", torch.ones(2, 3), "field 'transition.rewards' has shape"),
     ("dones", None, "field 'transition.dones' is missing"),
+    ("rewards", torch.tensor([[0.0, 0.0], [float("nan"), 1.0]]),
+     r"field 'transition.rewards' has non-finite values \[nan\] in rows \[1\]"),
 ])
 def test_malformed_env_part_names_field_and_key(field, bad, match):
     plan = make_plan(source_batch_size=2, num_action_chunks=2, action_dim=2)

@@ -91,6 +91,17 @@ def test_actions_reach_the_env_in_its_own_form():
         md.to_space(torch.zeros(2, 1))
 
 
+@pytest.mark.parametrize("action", ["box", "discrete"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_action_is_refused_naming_the_policy_output(action, bad):
+    env = make_env(TOY, 2, {"action": action})
+    actions = torch.zeros(2, env.action_dim)
+    actions[1, 0] = bad
+    with pytest.raises(ValueError, match=r"policy output forward_inputs\['action'\] has "
+                                         r"non-finite values \[(nan|inf)\] for env rows \[1\]"):
+        env.to_space(actions)
+
+
 def test_two_cameras_keep_their_shape_and_dtype_under_named_keys():
     env = make_env(CAMERAS, 2, {"size": 24})
     assert env.spec.images == {"main_images": (24, 24, 3), "wrist_images": (24, 24, 3)}
