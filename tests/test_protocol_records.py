@@ -134,7 +134,7 @@ def test_every_request_round_trips(records):
     weights=st.none() | st.lists(st.integers(0, 9) | st.floats(0, 9), max_size=3),
 ))
 def test_every_reply_round_trips(reply):
-    assert unpack_replies(pack_header([reply, protocol.BROKER_HEARTBEAT])) == [
+    assert unpack_replies(pack_header([reply, protocol.BROKER_HEARTBEAT]), reply.nf) == [
         reply, protocol.BROKER_HEARTBEAT]
 
 

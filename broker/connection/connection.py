@@ -68,6 +68,7 @@ from zchannel.broker.transport import direct
 from zchannel.broker.transport.seam import Transport, ZmqTransport
 from zchannel.broker.wire.protocol import (
     EXPIRED,
+    BadRecord,
     HelloInfo,
     ItemEntry,
     ProtocolError,
@@ -326,15 +327,16 @@ class Connection:
     def _on_message(self, header: bytes, frames: list) -> None:
         self._line.last_recv = time.monotonic()
         try:
-            records = unpack_replies(header)
-        except ProtocolError as exc:
-            log.warning("dropped a malformed reply from the broker: %s", exc)
-            return
+            records = unpack_replies(header, len(frames))
+        except ProtocolError as exc:  # unreadable: it may answer any request in flight
+            records = [BadRecord(None, None, 0, exc)]
         pos = 0
         for rec in records:
-            nf = rec.nf
-            self._on_reply(rec, frames[pos : pos + nf])
-            pos += nf
+            if isinstance(rec, BadRecord):
+                self._requests.malformed(rec.id, rec.error)
+            else:
+                self._on_reply(rec, frames[pos : pos + rec.nf])
+            pos += rec.nf
 
     def _on_reply(self, rec: Reply, frames: list) -> None:
         rid = rec.id
@@ -361,9 +363,8 @@ class Connection:
 
     def _on_items(self, items: list[ItemEntry]) -> None:
         """An ``items`` record: complete each get it answers as a reply of the get's own id
-        carrying its inline item would (an id no longer awaited is dropped, as such a reply).
-        A converter's ``inline`` (a get's, ``handle/broker_channel.py``) converts the entry's
-        body and lease as they are, with no ``Reply`` made; any other converts that Reply."""
+        with its inline item would (an id no longer awaited is dropped).  A converter's
+        ``inline`` (a get's) converts the entry's body and lease, with no ``Reply`` made."""
         pending_of, release = self._pending, self._release
         last: Convert | None = None
         inline: Any = None

@@ -15,6 +15,7 @@ same objects for the connection's life: the other parts keep references to them.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -32,7 +33,16 @@ from zchannel.broker.connection.tuning import (
 from zchannel.broker.connection.work import CancelledError, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.shm.client import ShmClient, client_undo
-from zchannel.broker.wire.protocol import UNSET, Cancel, Get, GetBatch, Put, Request, op_of
+from zchannel.broker.wire.protocol import (
+    UNSET,
+    Cancel,
+    Get,
+    GetBatch,
+    ProtocolError,
+    Put,
+    Request,
+    op_of,
+)
 
 # a reply converter: (the reply record, its frames) -> the Work's result
 Convert = Callable[[Any, list], Any]
@@ -40,6 +50,8 @@ Convert = Callable[[Any, list], Any]
 # a request in flight: (its Work, its reply converter or None, is it a put, the handle's
 # share that issued it or None; see sharing.py)
 Pending = tuple[Work, Convert | None, bool, Any]
+
+log = logging.getLogger("zchannel.client")
 
 
 class Flow:
@@ -192,6 +204,21 @@ class RequestQueue:
         with line.sock_lock:
             if not line.fds_closed:
                 self.send_queued()
+
+    def malformed(self, rid: int | None, error: ProtocolError) -> None:
+        """A reply from the broker that cannot be read (``error`` says why): the request
+        ``rid`` fails, or each of the ``puts``/``gets`` record ``rid`` (``batching.py``);
+        without an id (a message unreadable whole, an ``items`` record) it may answer any
+        request, so every request in flight fails (none waits for an answer that came)."""
+        log.error("a reply from the broker at %s cannot be read: %s", self.address, error)
+        failure = ProtocolError(f"the broker at {self.address} sent a reply this client cannot "
+                                f"read ({error})")
+        if rid is None:
+            self.fail_all(failure)
+            return
+        batch = self.batches.pop(rid, None)
+        for each in batch[1] if batch is not None else (rid,):
+            self.forget(each, failure)
 
     def forget(self, rid: int, exc: BaseException) -> None:
         """Fail request ``rid`` with ``exc`` unless its reply came (a later reply is dropped)."""

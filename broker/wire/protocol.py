@@ -403,8 +403,9 @@ def batch_answer(result: Any, ids: frozenset[int]) -> list[int]:
 
 
 class BadRecord(NamedTuple):
-    """A record of a well-formed message that is not a valid request: ``id`` is its int id (None
-    without one: then it is dropped), ``error`` says why (answered as a ``ValueError``)."""
+    """A record of a well-formed message that is not a valid request (or reply): ``id`` is its
+    int id (None without one: a request is then dropped), ``error`` says why (a request's is
+    answered as a ``ValueError``, a reply's fails the request it answers)."""
 
     op: Any
     id: int | None
@@ -418,11 +419,12 @@ _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(list[_AnyRequest])
 _replies = msgspec.msgpack.Decoder(list[Reply])
 _one_request = msgspec.msgpack.Decoder(_AnyRequest)
+_one_reply = msgspec.msgpack.Decoder(Reply)
 
 
 class _RecordHead(Struct):
-    """What ``_checked_records`` reads of a record that is not a valid request (the other
-    fields are skipped, whatever they hold)."""
+    """What ``_record_by_record`` reads of a record that is not a valid request or reply (the
+    other fields are skipped, whatever they hold)."""
 
     op: Any = None
     id: Any = None
@@ -449,36 +451,42 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
     try:
         records = _requests.decode(data)
     except msgspec.ValidationError:  # some record is not a valid request: find which
-        records = _checked_records(data)
+        records = _record_by_record(data, _one_request)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed header: {exc}") from None
     except RecursionError:  # a field nested about 1,000 deep (msgspec counts its recursion)
         raise ProtocolError("malformed header: nested too deeply") from None
     if not records or len(records) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
+    _check_frames(records, nframes)
+    return records
+
+
+def _check_frames(records: collections.abc.Sequence[Any], nframes: int) -> None:
+    """``ProtocolError`` unless the records' frame counts add up to the message's frames."""
     total = 0
     for record in records:
         total += record.nf
     if total != nframes:
         raise ProtocolError(f"header declares {total} frames but the message has {nframes}")
-    return records
 
 
-def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
-    """The slow path of ``unpack_requests``: the message cut into its records' raw msgpack,
-    then each record decoded on its own; one that is not a valid request (a wrong type in any
-    field, a map with int keys, a malformed extension value) is a ``BadRecord`` with its
-    ``op``, ``id`` and ``nf`` (read by ``_RecordHead``), the others are handled as usual."""
+def _record_by_record(data: bytes | memoryview, one: msgspec.msgpack.Decoder) -> list[Any]:
+    """The slow path of ``unpack_requests`` and ``unpack_replies``: the message cut into its
+    records' raw msgpack, then each record decoded by ``one`` on its own; one that is not valid
+    (a wrong type in any field, a map with int keys, a malformed extension value) is a
+    ``BadRecord`` with its ``op``, ``id`` and ``nf`` (read by ``_RecordHead``), the others are
+    handled as usual."""
     try:
         raws = _raw_records.decode(data)
     except msgspec.MsgspecError as exc:
         raise ProtocolError(f"malformed header: {exc}") from None
     if not raws or len(raws) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
-    out: list[Request | BadRecord] = []
+    out: list[Any] = []
     for raw in raws:
         try:
-            out.append(_one_request.decode(raw))
+            out.append(one.decode(raw))
             continue
         except msgspec.ValidationError as exc:
             error = exc
@@ -495,12 +503,19 @@ def _checked_records(data: bytes | memoryview) -> list[Request | BadRecord]:
     return out
 
 
-def unpack_replies(data: bytes) -> list[Reply]:
-    """Decode a header from the broker (``ProtocolError`` if it is not a list of maps)."""
+def unpack_replies(data: bytes, nframes: int) -> collections.abc.Sequence[Reply | BadRecord]:
+    """Decode a header from the broker against the ``nframes`` frames that follow it:
+    ``ProtocolError`` if it is not a list of maps whose frame counts add up to ``nframes``,
+    else its records, a ``BadRecord`` for each that is not a valid ``Reply``."""
+    records: collections.abc.Sequence[Reply | BadRecord]
     try:
-        return _replies.decode(data)
-    except msgspec.MsgspecError as exc:
+        records = _replies.decode(data)
+    except msgspec.ValidationError:
+        records = _record_by_record(data, _one_reply)
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"malformed reply header: {exc}") from None
+    _check_frames(records, nframes)
+    return records
 
 
 def key_from_wire(value: Any, depth: int = 0) -> Any:

@@ -1,0 +1,117 @@
+"""A client facing a broker that answers wrongly: a real client against a ROUTER socket that
+says hello and heartbeats as a broker does, then answers one request with a malformed or
+wrong-typed reply.  The call fails with a ``ProtocolError`` naming what was wrong; it never
+hangs and never returns a value of the wrong type."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import zmq
+from zchannel.broker import Channel
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, ProtocolError, QSize
+
+pytestmark = pytest.mark.timeout(120)
+
+HELLO = {"name": "hostile", "pid": 1, "hb": 1.0, "liveness": 3, "deals": False, "maxsize": 0,
+         "max_message_bytes": 0, "shm": None, "v": PROTOCOL_VERSION}
+Answer = Callable[[dict], list]
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+class HostileBroker:
+    """A ROUTER at ``address`` answering hello, bye and heartbeats as a broker does, and every
+    other request with ``answer(record)`` (the message parts to send; [] for none)."""
+
+    def __init__(self, address: str, answer: Answer) -> None:
+        self.address, self.answer = address, answer
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        peers: set[bytes] = set()
+        while not self.stop.is_set():
+            if self.sock.poll(100):
+                ident, header, *_frames = self.sock.recv_multipart()
+                peers.add(ident)
+                for rec in msgpack.unpackb(header, raw=False):
+                    op = rec.get("op")
+                    if op == "hello":
+                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": HELLO}])])
+                    elif op == "bye":
+                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": True}])])
+                    elif op not in ("hb", "shm_hi", "shm_rel"):
+                        parts = self.answer(rec)
+                        if parts:
+                            self.sock.send_multipart([ident, *parts])
+            for ident in peers:  # a live broker's heartbeat
+                self.sock.send_multipart([ident, _pack([{"op": "hb"}])])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        self.sock.close()
+
+
+@pytest.fixture
+def hostile(run_dir, monkeypatch) -> Iterator[Callable[[Answer], Channel]]:
+    monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
+    made: list[tuple[HostileBroker, Channel]] = []
+
+    def connect(answer: Answer) -> Channel:
+        broker = HostileBroker(f"ipc://{run_dir}/hostile{len(made)}.sock", answer)
+        ch = Channel.connect(broker.address, timeout=30)
+        made.append((broker, ch))
+        return ch
+
+    yield connect
+    for broker, ch in made:
+        ch.close()
+        broker.close()
+
+
+def _reply(**fields) -> Answer:
+    return lambda rec: [_pack([{"id": rec["id"], **fields}])]
+
+
+UNREADABLE = [
+    ("an error that is not a list", "qsize", _reply(e="boom"), "at `\\$.e`"),
+    ("an id that is not an int", "qsize", lambda rec: [_pack([{"id": str(rec["id"]), "r": 1}])],
+     "at `\\$.id`"),
+    ("a negative frame count", "qsize", _reply(r=1, nf=-1), "nf must be an int"),
+    ("a header that is not msgpack", "qsize", lambda rec: [b"\xc1"], "malformed reply header"),
+    ("frames the header does not declare", "qsize", lambda rec: [_pack([{"id": rec["id"]}]),
+                                                                  b"x"], "declares 0 frames"),
+    ("an inline body that is a str", "get", _reply(b="text"), "at `\\$.b`"),
+    ("a lease that is a str", "get", _reply(b=_pack(1), lease="x"), "at `\\$.lease`"),
+    ("an items entry too long to be inline", "get",
+     lambda rec: [_pack([{"op": "items", "i": [[rec["id"], b"x" * 600, None]]}])],
+     "'items' record"),
+    ("a batch of no inline bodies", "get_batch", _reply(bs=[]), "at `\\$.bs`"),
+]
+
+
+def _call(ch: Channel, op: str):
+    if op == "qsize":
+        return ch._submit(QSize(id=0, key="k"))  # qsize() without waiting
+    if op == "get":
+        return ch.get(key="k", timeout=5, async_op=True)
+    return ch.get_batch(2, key="k", timeout=5, async_op=True)
+
+
+@pytest.mark.parametrize("what,op,answer,match", UNREADABLE, ids=[c[0] for c in UNREADABLE])
+def test_an_unreadable_reply_fails_the_call_at_once(hostile, what, op, answer, match):
+    ch = hostile(answer)
+    work = _call(ch, op)
+    with pytest.raises(ProtocolError, match=match):
+        work.wait(30)  # (the broker's timeout of 5 s never comes: nothing answers in time)
