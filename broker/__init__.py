@@ -25,6 +25,7 @@ from zchannel.broker.handle.broker_channel import DEFAULT_KEY
 from zchannel.broker.handle.channel import Channel
 from zchannel.broker.host import logs
 from zchannel.broker.wire.classtags import register_module, register_type, serializable
+from zchannel.broker.wire.protocol import ProtocolError
 
 __version__ = importlib.metadata.version("zchannel")
 logs.install()  # zchannel's warnings name their process where the application logs nothing
@@ -41,6 +42,7 @@ __all__ = [
     "HookError",
     "JournalError",
     "KeyMoved",
+    "ProtocolError",
     "QueueEmpty",
     "QueueFull",
     "UnsafeRunDir",

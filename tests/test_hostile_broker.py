@@ -115,3 +115,42 @@ def test_an_unreadable_reply_fails_the_call_at_once(hostile, what, op, answer, m
     work = _call(ch, op)
     with pytest.raises(ProtocolError, match=match):
         work.wait(30)  # (the broker's timeout of 5 s never comes: nothing answers in time)
+
+
+WRONG = [
+    ("a qsize that is a str", "qsize", _reply(r="3"), "expected an int >= 0"),
+    ("a qsize below 0", "qsize", _reply(r=-1), "expected an int >= 0"),
+    ("a full that is an int", "full", _reply(r=5), "expected a bool"),
+    ("stats that are an int", "stats", lambda rec: [_pack([{"id": rec["id"], "nf": 1}]),
+                                                    _pack(7)], "stats are a map"),
+    ("stats without a frame", "stats", _reply(r=None), "stats are a map"),
+    ("a get with ack answered without a lease", "get_ack", _reply(b=_pack(1)),
+     "without a lease"),
+    ("a get answered with a lease it did not ask for", "get", _reply(b=_pack(1), lease=3),
+     "with a lease"),
+    ("a get answered with no item", "get", _reply(r=None), "no item"),
+    ("a batch whose frames are not counted", "get_batch",
+     lambda rec: [_pack([{"id": rec["id"], "nf": 2}]), _pack(1), _pack(2)], "counted as"),
+    ("a batch counting more frames than came", "get_batch",
+     lambda rec: [_pack([{"id": rec["id"], "nf": 1, "n": [1, 1]}]), _pack(1)], "counted as"),
+]
+
+
+def _call_sync(ch: Channel, op: str):
+    return {"qsize": lambda: ch.qsize("k"), "full": lambda: ch.full("k"), "stats": ch.stats,
+            "get": lambda: ch.get(key="k", timeout=5),
+            "get_ack": lambda: ch.get(key="k", timeout=5, ack=True),
+            "get_batch": lambda: ch.get_batch(2, key="k", timeout=5)}[op]()
+
+
+@pytest.mark.parametrize("what,op,answer,match", WRONG, ids=[c[0] for c in WRONG])
+def test_a_reply_of_the_wrong_form_is_a_protocol_error(hostile, what, op, answer, match):
+    ch = hostile(answer)
+    with pytest.raises(ProtocolError, match=match):
+        _call_sync(ch, op)
+
+
+def test_a_put_answered_with_a_result_returns_none(hostile):
+    ch = hostile(_reply(r={"unexpected": 1}))
+    assert ch.put(b"x", key="k", timeout=5) is None
+    assert ch.put(b"x", key="k", timeout=5, async_op=True).wait(30) is None

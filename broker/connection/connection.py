@@ -125,7 +125,7 @@ class Connection:
         self.producer = os.urandom(16)
         self.pid = os.getpid()
         self.shm = ShmClient(self, shm)  # same-host shared-memory path (broker/shm/client.py)
-        self.converters: dict[tuple[type, bool | None], Convert] = {}  # reply decoders (client.py)
+        self.converters: dict[tuple[type, bool | None, bool], Convert] = {}  # by op, copy, ack
         try:
             # A same-host broker's direct link when there is one (broker/transport/direct.py),
             # else ZeroMQ; the link only beside shared memory: large arrays then bypass the
@@ -353,13 +353,13 @@ class Connection:
                 self._on_hello_or_bye(rid, rec)
             return
         self._release(pending[3])
-        work, convert, _, _ = pending
+        work, convert, is_put, _ = pending
         if rec.error is not None:
             work.set_exception(error_from_wire(rec.error))
         elif convert is not None:
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
-            work._finish(_DONE, rec.result)
+            work._finish(_DONE, None if is_put else rec.result)  # a put's result is None
 
     def _on_items(self, items: list[ItemEntry]) -> None:
         """An ``items`` record: complete each get it answers as a reply of the get's own id

@@ -16,6 +16,7 @@ replica) subclass it to reuse its operations.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -44,6 +45,7 @@ from zchannel.broker.wire.protocol import (
     Get,
     GetBatch,
     Peek,
+    ProtocolError,
     Put,
     QSize,
     Reply,
@@ -80,7 +82,7 @@ class BrokerChannel(ChannelHandle):
                 raise TypeError(f"only a put carries an item, not {op_of(rec)!r}")
             frames, retried = self._put_frames(rec, item, conn)
         kind = type(rec)
-        convert = _converter(kind, copy, conn) if kind is not Put else None
+        convert = _converter(rec, copy, conn) if kind is not Put else None
         send = conn.call if wait else conn.request
         try:
             work = send(rec, frames, convert, cancellable=kind is Put or kind is Get
@@ -264,31 +266,40 @@ class BrokerChannel(ChannelHandle):
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
 
 
-def _converter(kind: type, copy: bool | None, conn: Connection) -> Convert | None:
-    """How the reply of a request of ``kind`` becomes its result (None: the reply's ``r``)."""
+def _converter(rec: Request, copy: bool | None, conn: Connection) -> Convert | None:
+    """How the reply of ``rec`` becomes its result, checked against what the request asked
+    for (``ProtocolError`` for a reply of another form; None: the reply's ``r`` as it is)."""
+    kind = type(rec)
     if kind is Get or kind is GetBatch:
-        convert = conn.converters.get((kind, copy))
-        if convert is None:  # one per connection, op and copy (not a closure per call)
-            make = _get_converter if kind is Get else _batch_converter
-            convert = conn.converters[(kind, copy)] = make(copy, conn.shm)
+        ack = kind is Get and cast(Get, rec).ack
+        convert = conn.converters.get((kind, copy, ack))
+        if convert is None:  # one per connection, op, copy and ack (not a closure per call)
+            convert = conn.converters[(kind, copy, ack)] = (
+                _get_converter(copy, conn.shm, ack) if kind is Get
+                else _batch_converter(copy, conn.shm))
         return convert
-    if kind is Stats:
-        return _stats_converter
-    if kind is Peek:
-        return _peek_converter(conn.shm)
-    return None
+    return _RESULT_CONVERTERS.get(kind) or (_peek_converter(conn.shm) if kind is Peek else None)
 
 
-def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
+def _malformed(what: str) -> ProtocolError:
+    return ProtocolError(f"malformed reply from the broker: {what}")
+
+
+def _get_converter(copy: bool | None, shm: Any = None, ack: bool = False) -> Convert:
     def convert(rec: Reply, frames: list[Any]) -> Any:
         sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
+        if (rec.lease is not None) is not ack:
+            raise _malformed(f"a get{' with ack' if ack else ''} answered "
+                             f"{'without' if ack else 'with'} a lease")
         if sm and sm[0]:
             item = shm.decode(sm[0], frames, copy)
         elif rec.body is not UNSET:  # a small item inside its record
             body = rec.body
             if type(body) is not bytes or frames:
-                raise ValueError("malformed reply: an inline item is bytes, with no frames")
+                raise _malformed("an inline item is bytes, with no frames")
             return _inline_item(body, rec.lease)
+        elif not frames:
+            raise _malformed("a get answered with no item")
         else:
             item = codec.decode_frames(frames, copy)
         lease = rec.lease
@@ -296,8 +307,15 @@ def _get_converter(copy: bool | None, shm: Any = None) -> Convert:
 
     # an entry of an ``items`` record is converted from its body and lease alone, with no
     # ``Reply`` made for it (``Connection._on_items``)
-    convert.inline = _inline_item  # type: ignore[attr-defined]
+    convert.inline = _checked_inline if ack else _inline_item  # type: ignore[attr-defined]
     return convert
+
+
+def _checked_inline(body: bytes, lease: int | None) -> Any:
+    """``_inline_item`` of a get with ``ack``: its entry must carry a lease."""
+    if lease is None:
+        raise _malformed("a get with ack answered without a lease")
+    return _inline_item(body, lease)
 
 
 def _inline_item(body: bytes, lease: int | None) -> Any:
@@ -316,11 +334,14 @@ def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
                                  "frame counts or slots")
             decode = codec.decode
             return [decode(body) for body in bodies]
+        counts = rec.counts or ()
+        if sum(counts) != len(frames) or any(n < 1 for n in counts):
+            raise _malformed(f"a batch of {len(frames)} frames counted as {list(counts)}")
         out: list[Any] = []
         pos = 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
         append, decode_frames = out.append, codec.decode_frames
-        for i, n in enumerate(rec.counts or ()):
+        for i, n in enumerate(counts):
             if i < len(sm) and sm[i]:
                 append(shm.decode(sm[i], frames[pos : pos + n], copy))
             elif n == 1:  # the common small item: its body alone
@@ -347,4 +368,25 @@ def _peek_converter(shm: Any = None) -> Convert:
 
 
 def _stats_converter(rec: Reply, frames: list[Any]) -> dict[str, Any]:
-    return cast(dict[str, Any], codec.decode_frames(frames, True))
+    stats = codec.decode_frames(frames, True) if frames else None
+    if not isinstance(stats, dict):
+        raise _malformed(f"stats are a map, not {type(stats).__name__}")
+    return stats
+
+
+def _result_of(kind: type, check: Callable[[Any], bool], what: str) -> Convert:
+    """The converter of a reply whose result ``r`` must pass ``check`` (``what`` it is)."""
+    def convert(rec: Reply, frames: list[Any]) -> Any:
+        if frames or not check(rec.result):
+            raise _malformed(f"{op_of(kind(id=0))} answered {rec.result!r} with {len(frames)} "
+                             f"frame(s), expected {what}")
+        return rec.result
+    return convert
+
+
+_RESULT_CONVERTERS: dict[type, Convert] = {
+    Stats: _stats_converter,
+    QSize: _result_of(QSize, lambda r: type(r) is int and r >= 0, "an int >= 0"),
+    Full: _result_of(Full, lambda r: type(r) is bool, "a bool"),
+    Ack: _result_of(Ack, lambda r: r is None, "no result"),
+}

@@ -60,7 +60,8 @@ MAX_INLINE_BATCH_BYTES = 64 << 10
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol."""
+    """A message that does not follow the protocol: on the client, a reply from the broker that
+    cannot be read or is not of the form its request asked for (the call raises it)."""
 
 
 # -- records -------------------------------------------------------------------------------
