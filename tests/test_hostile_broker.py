@@ -9,9 +9,11 @@ import threading
 from collections.abc import Callable, Iterator
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from zchannel.broker import Channel
+from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, ProtocolError, QSize
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,8 +31,8 @@ class HostileBroker:
     """A ROUTER at ``address`` answering hello, bye and heartbeats as a broker does, and every
     other request with ``answer(record)`` (the message parts to send; [] for none)."""
 
-    def __init__(self, address: str, answer: Answer) -> None:
-        self.address, self.answer = address, answer
+    def __init__(self, address: str, answer: Answer, hello: dict = HELLO) -> None:
+        self.address, self.answer, self.hello = address, answer, hello
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
@@ -47,7 +49,7 @@ class HostileBroker:
                 for rec in msgpack.unpackb(header, raw=False):
                     op = rec.get("op")
                     if op == "hello":
-                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": HELLO}])])
+                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": self.hello}])])
                     elif op == "bye":
                         self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": True}])])
                     elif op not in ("hb", "shm_hi", "shm_rel"):
@@ -154,3 +156,26 @@ def test_a_put_answered_with_a_result_returns_none(hostile):
     ch = hostile(_reply(r={"unexpected": 1}))
     assert ch.put(b"x", key="k", timeout=5) is None
     assert ch.put(b"x", key="k", timeout=5, async_op=True).wait(30) is None
+
+
+@pytest.mark.parametrize("table", [[1, 2], [{"node": 5, "address": "ipc:///x"}],
+                                   [{"node": "a", "address": "ipc:///x", "hostnames": "h"}]])
+def test_a_malformed_replicas_table_in_the_hello_is_named(run_dir, monkeypatch, table):
+    monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
+    broker = HostileBroker(f"ipc://{run_dir}/replicas.sock", _reply(r=0),
+                           {**HELLO, "replicas": table, "replica": 0, "node": "a"})
+    try:
+        with pytest.raises(ValueError, match="replicas table"):
+            Channel.connect(broker.address, timeout=30)
+    finally:
+        broker.close()
+
+
+def test_a_numpy_scalar_of_the_wrong_length_is_named_as_such():
+    """An item's numpy scalar whose bytes do not fit its (allowed) dtype: the error says so."""
+    def scalar(data: bytes) -> bytes:
+        return _pack(msgpack.ExtType(codec.EXT_NPSCALAR, _pack(["<i8", data])))
+
+    assert codec.decode(scalar(np.int64(5).tobytes())) == 5
+    with pytest.raises(ValueError, match="has 3 bytes, not 8"):
+        codec.decode(scalar(b"\x05\x00\x00"))

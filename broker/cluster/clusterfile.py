@@ -159,10 +159,22 @@ def public_key_z85(path: str | os.PathLike) -> str:
     return public.decode()
 
 
-def from_table(table: list[dict[str, Any]]) -> list[Replica]:
-    return [Replica(str(r["node"]), str(r["address"]), tuple(r.get("hostnames") or ()),
-                    r.get("server_key") or None)
-            for r in table]
+def from_table(table: Any) -> list[Replica]:
+    """The replicas of a ``replicas`` table (from a hello reply or a replica's state): a list
+    of maps, each with ``node`` and ``address`` str, ``hostnames`` a list of str and
+    ``server_key`` a str or nil; ``ValueError`` naming what is malformed."""
+    if not isinstance(table, list) or not table:
+        raise ValueError(f"a replicas table is a non-empty list, not {type(table).__name__}")
+    out = []
+    for i, r in enumerate(table):
+        hostnames = r.get("hostnames") or [] if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and isinstance(r.get("node"), str)
+                and isinstance(r.get("address"), str) and isinstance(hostnames, list)
+                and all(isinstance(h, str) for h in hostnames)
+                and isinstance(r.get("server_key") or "", str)):
+            raise ValueError(f"replica {i} of a replicas table is malformed: {r!r:.200}")
+        out.append(Replica(r["node"], r["address"], tuple(hostnames), r.get("server_key") or None))
+    return out
 
 
 def find_file(options: dict | None = None) -> str | None:

@@ -611,8 +611,11 @@ def _read_npscalar(dec: _Decoder, data: bytes) -> Any:
     if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
         raise ValueError("malformed numpy scalar")
     dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-    if dtype is None or len(value[1]) != dtype.itemsize:
+    if dtype is None:
         raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
+    if len(value[1]) != dtype.itemsize:
+        raise ValueError(f"numpy scalar of dtype {value[0]!r} has {len(value[1])} bytes, "
+                         f"not {dtype.itemsize}")
     return np.frombuffer(value[1], dtype=dtype)[0]
 
 
