@@ -380,6 +380,7 @@ class CoreModel(RuleBasedStateMachine):
         # broker's outbox would hand back to the core if the client could not be reached
         self.deliveries: list[tuple] = []
         self.lease_ids: dict[int, int] = {}  # item seq -> the core's lease id
+        self.lease_holders: dict[int, Client] = {}  # item seq -> the handle its lease is of
         self.core = QueueCore(
             name="model", maxsize=maxsize, collector=Collector(),
             dispatcher=ToDispatcher(steal) if deals else Dispatcher(),
@@ -402,6 +403,7 @@ class CoreModel(RuleBasedStateMachine):
             self.deliveries.append((client, outcome["origin"], outcome["items"], outcome.get("lease")))
         if outcome.get("lease") is not None:
             self.lease_ids[outcome["items"][0].payload[0]] = outcome["lease"]
+            self.lease_holders[outcome["items"][0].payload[0]] = client
 
     def _check_step(self, before: set[int]) -> None:
         got = {rid: out for rid, out in self.sent.items() if rid not in before}
@@ -475,7 +477,19 @@ class CoreModel(RuleBasedStateMachine):
         del self.ref.leases[seq]
         self.ref.replies[rid] = ("ok", None)
         self.ref.admit()
-        self.core.ack(self.handles[0], rid, self.lease_ids[seq])
+        self.core.ack(self.lease_holders[seq], rid, self.lease_ids[seq])  # (only its own)
+        self._check_step(before)
+
+    @precondition(lambda self: self.ref.leases)
+    @rule(data=st.data())
+    def ack_by_another(self, data: st.DataObject) -> None:
+        """An ack through a handle that does not hold the lease is refused; the lease stays."""
+        before = self._step()
+        seq = data.draw(st.sampled_from(sorted(self.ref.leases)))
+        others = [c for c in self.handles if c is not self.lease_holders[seq]]
+        rid = self._rid()
+        self.ref.replies[rid] = ("error", "ValueError")
+        self.core.ack(data.draw(st.sampled_from(others)), rid, self.lease_ids[seq])
         self._check_step(before)
 
     @rule(data=st.data())

@@ -109,13 +109,17 @@ class _LocalBroker:
         else:
             work.set_result(result)
 
-    def attach(self, identity: str | None) -> Client:
-        """The client of a handle of ``identity``, shared with the other open handles of it."""
+    def attach(self, handle: LocalChannel) -> Client:
+        """The client of ``handle`` (made at its first request): the one of the other open
+        handles of its identity, else a new one."""
         with self.cv:
-            entry = self.clients.get(identity)
-            client = Client(address=self, identity=identity) if entry is None else entry[0]
-            self.clients[identity] = (client, 1 if entry is None else entry[1] + 1)
-            return client
+            if handle._client is None:  # (two threads may ask at once: one attaches)
+                identity = handle.identity
+                entry = self.clients.get(identity)
+                client = Client(address=self, identity=identity) if entry is None else entry[0]
+                self.clients[identity] = (client, 1 if entry is None else entry[1] + 1)
+                handle._client = client
+            return handle._client
 
     def submit(self, handle: LocalChannel, client: Client, rec: Request, item: Any,
                copy: bool | None) -> Work:
@@ -248,11 +252,10 @@ class LocalChannel(BrokerChannel):
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
-        if self._client is None:
-            self._client = self._broker.attach(self.identity)
+        client = self._client or self._broker.attach(self)
         if has_item:  # no serialization, but what a broker would deliver, or its TypeError
             item = wire_form(item)
-        return self._broker.submit(self, self._client, rec, item, copy)
+        return self._broker.submit(self, client, rec, item, copy)
 
     @property
     def is_local(self) -> bool:
