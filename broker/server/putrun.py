@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zchannel.broker.core.state import Client, Item, item_bytes
+from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.wire.argchecks import (
     MAX_KEY_BYTES,
@@ -123,7 +123,7 @@ def _checked(puts: list[Put], client: Client, window: Any, limit: int,
             weight = put.weight
             if type(weight) is not int or not 0 <= weight <= MAX_WEIGHT:
                 weight = check_weight(weight)
-            out.append((key, Item([body], weight, item_bytes(nbytes, 1))))
+            out.append((key, Item([body], weight, nbytes + ITEM_OVERHEAD)))  # item_bytes(n, 1)
     except (TypeError, ValueError):
         return None
     return out
