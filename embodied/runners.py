@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from zchannel.broker import Channel
+from zchannel.broker.shm import MAX_SLOTS
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
 from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
@@ -91,7 +92,8 @@ class RunConfig:
     normalize_reward: bool = False  # env workers scale rewards (RewardScaler, gamma)
     reproducible: bool = False  # rollout: no request merging, sampling seeded per chunk key
     # requests/trajectory brokers' shared-memory threshold; None: IMAGE_SHM_THRESHOLD when the
-    # env has images (camera tensors of a batch take slots), else the channel's default
+    # env has images (camera tensors of a batch take slots; the trajectory's only while a
+    # step's fit in half a pool class, else frames: _create_channels), else the channel's default
     shm_threshold: int | None = None
     transport: str = "broker"  # or "inproc": threads over in-process channels
     gamma: float = 0.95
@@ -385,10 +387,17 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
     local = cfg.transport == "inproc"
     if cfg.mode == "lerobot":  # the driver records (recording.RECORDER)
         consumers = {RECORDER.partition(":")[0]: 1}
-    threshold = cfg.shm_threshold
-    if threshold is None and env_spec(cfg).images:
+    threshold, held = cfg.shm_threshold, cfg.shm_threshold
+    images = env_spec(cfg).images
+    if threshold is None and images:
         threshold = IMAGE_SHM_THRESHOLD
+        # the collector holds a step's camera tensors until the step is complete: when they
+        # take more than half a pool class's slots, the trajectory goes as frames (the
+        # producer would otherwise wait for slots only the step's end frees)
+        fits = cfg.envs * cfg.num_chunks * cfg.rollout_epochs * len(images) <= MAX_SLOTS // 2
+        held = threshold if fits else 0
     shm: dict[str, Any] = {} if local or threshold is None else {"shm_threshold": threshold}
+    kept: dict[str, Any] = {} if local or held is None else {"shm_threshold": held}
     return {
         "requests": Channel.create(names["requests"], local=local, **shm),
         "actions": Channel.create(names["actions"], local=local),
@@ -396,7 +405,7 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
             names["trajectory"], collector="embodied_trajectory",
             dispatcher="embodied_trajectory", producers=producers or ["rollout"],
             consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
-            lease_timeout=cfg.lease_timeout, **shm),
+            lease_timeout=cfg.lease_timeout, **kept),
         "sync": Channel.create(names["sync"], local=local),
     }
 

@@ -6,6 +6,7 @@ and loses nothing already sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -16,7 +17,7 @@ gymnasium = pytest.importorskip("gymnasium")
 
 from gymnasium import spaces  # noqa: E402
 from zchannel.broker import Channel  # noqa: E402
-from zchannel.embodied import Trajectory  # noqa: E402
+from zchannel.embodied import Trajectory, runners  # noqa: E402
 from zchannel.embodied.envs import ChunkedEnv, make_env  # noqa: E402
 from zchannel.embodied.gymenv import GymVectorEnv, ObservationCheck  # noqa: E402
 from zchannel.embodied.models import ActorCritic  # noqa: E402
@@ -29,6 +30,7 @@ from zchannel.embodied.pipeline import (  # noqa: E402
     WeightReceiver,
 )
 from zchannel.embodied.ppo import PPOConfig, ppo_update, training_rows  # noqa: E402
+from zchannel.embodied.presets import GYM_DEFAULT  # noqa: E402
 from zchannel.embodied.spaces import ObservationError  # noqa: E402
 
 from embodied.conftest import make_plan  # noqa: E402
@@ -208,3 +210,17 @@ def test_bad_image_mid_run_names_key_and_env_rank_and_loses_nothing(channels):
     assert chans["requests"].qsize(key=REQUESTS_KEY) == 0
     assert len(items) == 1  # step 0 flushed whole; step 1 never completed
     assert items[0].actions.shape == (4, 2, 1)
+
+
+@pytest.mark.parametrize("num_chunks,trajectory_threshold", [(8, 64 << 10), (32, 0)])
+def test_a_step_of_camera_tensors_too_many_for_the_pool_goes_as_frames(
+        channels, num_chunks, trajectory_threshold):
+    """The trajectory collector holds a step's camera tensors until the step is complete: a
+    run whose step holds more of them than half a pool class's slots (32 chunks x 2 cameras)
+    sends its trajectory as frames, its inference requests still through shared memory."""
+    cfg = dataclasses.replace(GYM_DEFAULT, env=CAMERAS, env_kwargs={"size": 96}, env_batch=8,
+                              num_chunks=num_chunks, run_id=f"camsfit{num_chunks}")
+    made = runners._create_channels(cfg, cfg.plan(runners._spaces(cfg)[1]))
+    channels.extend(made.values())
+    assert made["requests"].stats()["shm"]["threshold"] == 64 << 10
+    assert made["trajectory"].stats()["shm"]["threshold"] == trajectory_threshold
