@@ -247,9 +247,8 @@ class Connection:
 
     def call(self, rec: Request, frames: list, convert: Convert | None = None,
              cancellable: bool = False, owner: Any = None) -> Work:
-        """``request`` for a caller that waits for the result at once: when the connection is
-        up, the caller sends and reads replies itself while no other thread holds the socket
-        (``Waiting.call``)."""
+        """``request`` for a caller that waits for the result at once: on a connection that is
+        up, it sends and reads replies itself if no other thread has the socket (``Waiting``)."""
         if self._line.state != UP:
             return self.request(rec, frames, convert, cancellable, owner=owner)
         return self._waiting.call(rec, frames, convert, cancellable, owner)
@@ -303,8 +302,9 @@ class Connection:
         self.join()
 
     def after_fork(self) -> None:
-        """In a forked child, where its I/O thread does not run: ``Line.after_fork``."""
+        """In a forked child: ``Line.after_fork`` and ``RequestQueue.after_fork``."""
         self._line.after_fork()
+        self._requests.after_fork()
 
     def _recv_all(self) -> None:
         while self._recv_one():

@@ -58,6 +58,7 @@ class IOThread:
 
     def _run(self) -> None:
         line = self._line
+        line.io_ident = threading.get_ident()
         transport = line.transport
         liveness = self._liveness
         # This thread waits without touching the socket: a zmq socket is not thread-safe and a

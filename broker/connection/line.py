@@ -29,7 +29,7 @@ class Line:
     """A connection's transport, its locks, wake-up, state and traffic times (module docstring)."""
 
     __slots__ = ("transport", "callers_read", "readable", "pid", "hb", "liveness", "state",
-                 "state_cv", "sock_lock", "holder", "fds_closed", "closing", "wake", "wake_lock",
+                 "state_cv", "sock_lock", "holder", "io_ident", "fds_closed", "closing", "wake", "wake_lock",
                  "wake_closed", "woken", "last_recv", "last_send")
 
     def __init__(self, transport: Transport, hb: float, liveness: int) -> None:
@@ -47,6 +47,7 @@ class Line:
         self.state_cv = threading.Condition()
         self.sock_lock = threading.Lock()
         self.holder = 0  # the user thread that holds sock_lock (close() must not join then)
+        self.io_ident = 0  # the I/O thread's (set when it starts)
         self.fds_closed = False  # the I/O thread closed the transport (under sock_lock)
         self.closing = False  # the I/O thread was asked to end (``Connection.stop``)
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -68,6 +69,12 @@ class Line:
         """One message (``records`` in its header, then ``frames``), by the socket's holder."""
         self.transport.send([pack_header(records), *frames])  # lost if it broke
         self.last_send = time.monotonic()
+
+    def reads_here(self) -> bool:
+        """Whether the calling thread reads this line's replies now (the I/O thread, or a user
+        thread driving the socket): a callback or a signal handler running there must not
+        wait for a reply, which only this thread could read."""
+        return threading.get_ident() in (self.holder, self.io_ident)
 
     def take(self) -> bool:
         """Take the socket for this (user) thread if it is free and still open."""

@@ -311,6 +311,20 @@ class RequestQueue:
                     f"the broker at {self.address} is unavailable (it went away before this "
                     "request was sent); nothing was sent"))
 
+    def after_fork(self) -> None:
+        """In a forked child: the requests in flight or queued are the parent's connection's;
+        their ``Work`` copies fail here (with fresh locks: a parent's thread may have held
+        theirs at the fork), so that a child waiting on one does not wait forever."""
+        exc = ChannelError("this request was made before the process forked: it belongs to "
+                           "the parent's connection (the child's handles connect anew)")
+        entries = [*self.pending.values(), *(e[2] for e in self.queue if e[2] is not None)]
+        self.pending.clear()
+        self.queue.clear()
+        self.batches.clear()
+        for entry in entries:
+            entry[0]._lock = threading.Lock()
+            entry[0].set_exception(exc)
+
     def fail_all(self, exc: BaseException) -> None:
         """Fail every request in flight with ``exc`` (each taken out of ``pending`` once: a
         reply read meanwhile completes it instead, never both)."""

@@ -14,6 +14,7 @@ I/O thread watch the link at once (the I/O thread reads ``sleepers`` and ``read_
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,8 @@ from zchannel.broker.connection.requestqueue import Convert, RequestQueue
 from zchannel.broker.connection.tuning import DRIVE_S, SPIN_PROBE, SPIN_SCORE_MAX, spin_seconds
 from zchannel.broker.connection.work import Work
 from zchannel.broker.wire.protocol import Request
+
+log = logging.getLogger("zchannel.client")
 
 _POLLIN = int(zmq.POLLIN)
 
@@ -53,6 +56,11 @@ class Waiting:
         ``SPIN_US`` and then sleeping in ``poll`` for up to ``DRIVE_S`` (a sync round trip
         without waking the I/O thread twice); whatever is still pending after that is
         completed by the I/O thread as usual."""
+        if self._line.reads_here():
+            raise RuntimeError("a blocking channel call in a done-callback, then() or a signal "
+                               "handler that runs while this thread reads the connection's "
+                               "replies would wait for itself: make it with async_op=True, or "
+                               "from another thread")
         # queued first: waiting for room (max_inflight) must not hold the socket, or the
         # replies that make room could never be read
         work = self._requests.enqueue(rec, frames, convert, cancellable, owner=owner)
@@ -64,7 +72,11 @@ class Waiting:
             return work
         spin = bool(self.spin_s) and (
             self.spin_score > 0 or next(self._calls) % SPIN_PROBE == 0)
-        self._read_for(work, DRIVE_S, spin)
+        try:
+            self._read_for(work, DRIVE_S, spin)
+        except BaseException:
+            withdraw(work)
+            raise
         return work
 
     def _read_for(self, work: Work, limit: float, spin: bool = False) -> None:
@@ -79,7 +91,7 @@ class Waiting:
                 self._spin(work)
             if work._state == 0:
                 took_wake = self._drive(work, limit)
-        finally:  # also when interrupted (KeyboardInterrupt): the request stays pending
+        finally:  # also when interrupted (KeyboardInterrupt): ``withdraw`` then sees to it
             self.read_end = time.monotonic()
             line.give()
             if took_wake or self._queue or (self._pending and not line.callers_read):
@@ -170,3 +182,16 @@ class Waiting:
             if queue:
                 self._requests.send_queued()
         return took_wake
+
+
+def withdraw(work: Work) -> None:
+    """A blocking call was interrupted (``KeyboardInterrupt``, or an exception a signal handler
+    raised) while its request waits: withdraw it at the broker if it may be (a get, a put
+    waiting for room), so that no later item goes to a get nobody waits for; the interruption
+    is what the caller sees."""
+    if work.done():
+        return
+    try:
+        work.cancel()
+    except Exception:
+        log.debug("could not withdraw an interrupted request", exc_info=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import numbers
 import threading
 from collections.abc import Callable, Generator
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+log = logging.getLogger("zchannel.client")
 
 
 def _wait_timeout(timeout: Any) -> float | None:
@@ -82,7 +85,7 @@ class Work:
             gate.release()
         if callbacks:
             for callback in callbacks:
-                callback(self)
+                _call(callback, self)
 
     def set_result(self, value: Any = None, convert: Callable[[], Any] | None = None) -> None:
         """Complete with ``value``, or with ``convert()`` computed lazily by the first reader."""
@@ -96,7 +99,8 @@ class Work:
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         """Call ``callback(work)`` once the operation is done (at once if it already is), in the
-        thread that completes it."""
+        thread that completes it.  An exception it raises is logged and goes no further (as
+        ``concurrent.futures`` does): that thread may be completing other requests too."""
         with self._lock:
             if self._state == _PENDING:
                 if self._callbacks is None:
@@ -105,7 +109,7 @@ class Work:
                 if self._reader is not None:
                     self._reader.watch()  # nobody may wait: its reply must not wait for one
                 return
-        callback(self)
+        _call(callback, self)
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -232,7 +236,10 @@ class Work:
             future = loop.create_future()
 
             def wake(_: Work) -> None:
-                loop.call_soon_threadsafe(_resolve, future)
+                try:
+                    loop.call_soon_threadsafe(_resolve, future)
+                except RuntimeError:  # its loop closed meanwhile: nobody awaits any more
+                    pass
 
             self.add_done_callback(wake)
             # shield: cancelling the awaiting task does not cancel the operation
@@ -245,6 +252,14 @@ class Work:
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
         return f"<Work {state}>"
+
+
+def _call(callback: Callable[[Work], None], work: Work) -> None:
+    """``callback(work)``; what it raises is logged (never raised in the completing thread)."""
+    try:
+        callback(work)
+    except Exception:
+        log.exception("a Work done-callback raised (ignored): %r", callback)
 
 
 def _resolve(future: asyncio.Future[Any]) -> None:

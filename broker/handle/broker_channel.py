@@ -22,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 from zchannel.broker.connection.connection import Connection
 from zchannel.broker.connection.requestqueue import Convert
+from zchannel.broker.connection.waiting import withdraw
 from zchannel.broker.connection.work import _DONE, Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound
 from zchannel.broker.handle.base import ChannelHandle
@@ -168,7 +169,7 @@ class BrokerChannel(ChannelHandle):
         rec = Get(id=0, key=check_key(key),
                   timeout=None if timeout is None else check_timeout(timeout), ack=bool(ack))
         work = self._submit(rec, copy=copy, wait=not async_op)
-        return work if async_op else work.wait()
+        return work if async_op else _wait_or_withdraw(work)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
@@ -186,7 +187,7 @@ class BrokerChannel(ChannelHandle):
         rec = GetBatch(id=0, key=check_key(key), target=check_target_weight(target_weight),
                        timeout=check_timeout(timeout))
         work = self._submit(rec, copy=copy, wait=not async_op)
-        return work if async_op else work.wait()
+        return work if async_op else _wait_or_withdraw(work)
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
         """Items queued under ``key``: the shared queue plus every private queue, or plus only
@@ -261,6 +262,16 @@ class BrokerChannel(ChannelHandle):
             raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
         self._submit(Ack(id=0, lease=delivery.lease_id), wait=True).wait()
 
+
+
+def _wait_or_withdraw(work: Work) -> Any:
+    """A blocking get's result; interrupted while it waits, the get is withdrawn at the broker
+    before the interruption goes on (``waiting.withdraw``)."""
+    try:
+        return work.wait()
+    except BaseException:
+        withdraw(work)
+        raise
 
 
 # -- reply conversion (runs in the waiting thread, not the I/O thread) ------------------------
