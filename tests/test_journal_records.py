@@ -135,7 +135,7 @@ def test_what_a_turn_appended_is_on_file_once_committed(tmp_path):
     again = Journal(JournalSettings(directory=str(tmp_path / "killed"), name="turns"))
     try:
         (group,) = again.recover()
-        got = [int.from_bytes(bytes(it.payload[0][:8]), "little") for it in group[2]]
+        got = [int.from_bytes(bytes(it.payload[0][:8]), "little") for it in group[1]]
         assert got == [s for s in range(1, seq + 1) if s not in set(taken)]
         window = again.sequences.windows[p]
         assert window.high == seq and all(window.marked(s) for s in range(1, seq + 1))
@@ -210,7 +210,7 @@ def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
     journal = Journal(JournalSettings(directory=str(directory), name="old"))
     try:
         (group,) = journal.recover()
-        assert [bytes(it.payload[0]) for it in group[2]] == [b"v%03d" % j for j in range(3, 11)]
+        assert [bytes(it.payload[0]) for it in group[1]] == [b"v%03d" % j for j in range(3, 11)]
         assert journal.sequences.windows[b"p" * 16].high == 10
         journal.stored([("k", None, Item([b"new"], 1, 3))])
         journal.commit()
@@ -220,7 +220,7 @@ def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
     again = Journal(JournalSettings(directory=str(directory), name="old"))
     try:
         (group,) = again.recover()
-        assert [bytes(it.payload[0]) for it in group[2]][-2:] == [b"v010", b"new"]
+        assert [bytes(it.payload[0]) for it in group[1]][-2:] == [b"v010", b"new"]
     finally:
         again.close()
 
@@ -255,7 +255,7 @@ def test_puts_recorded_as_a_run_read_back_as_single_puts_would(tmp_path):
         journal.close()
     again = Journal(settings)
     try:
-        groups = {key: items for key, _, items in again.recover()}
+        groups = dict(again.recover())
         for key in ("k0", "k1", "k2"):
             want = [bytes(o[2].payload[0]) for o in kept if o[0] == key]
             assert [bytes(it.payload[0]) for it in groups[key]] == want

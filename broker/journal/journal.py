@@ -101,21 +101,22 @@ class Journal:
 
     # -- start -------------------------------------------------------------------------------
 
-    def recover(self) -> list[tuple[Any, str | None, list[Item]]]:
+    def recover(self) -> list[tuple[Any, list[Item]]]:
         """Read the journal (``journal/recovery.py``) and open a new segment to write in; the
-        items still the channel's, grouped by key and private queue, each group in put order."""
+        items still the channel's, grouped by key (whatever private queue held them), each
+        group in put order."""
         started = time.monotonic()
         rec = self.recovered = read_journal(self.dir)
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
         self.sequences = self.batch.sequences = rec.sequences
-        groups: dict[tuple[Any, str | None], list[Item]] = defaultdict(list)
+        groups: dict[Any, list[Item]] = defaultdict(list)
         for jid, (seg, nbytes, put) in rec.items.items():
             got = recovered_item(jid, put)
             if got is not None:
                 self.live.add(jid, seg, nbytes, *got)
-                groups[(got[0], put.consumer if isinstance(put.consumer, str) else None)].append(got[1])
+                groups[got[0]].append(got[1])
         for jid, (seg, nbytes, put) in sorted(rec.inputs.items()):
             got = recovered_item(jid, put)
             if got is not None:
@@ -133,7 +134,7 @@ class Journal:
                      self.recovery_s)
         for items in groups.values():
             items.sort(key=lambda it: it.jid)
-        return [(key, consumer, items) for (key, consumer), items in groups.items()]
+        return list(groups.items())
 
     def _table_records(self) -> list[bytes]:
         """The ``TABLE`` records of the whole tables, that every new segment starts with."""

@@ -25,7 +25,7 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
         fsync_interval=config.fsync_interval, max_bytes=config.max_journal_bytes,
         segment_bytes=config.journal_segment_bytes))
     try:
-        for key, _, items in journal.recover():
+        for key, items in journal.recover():
             core.requeue(None, (key, None), items, None)
         _replay(journal, core)
     except BaseException:
