@@ -19,9 +19,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import drain, until_available
+from conftest import drain, until_available, wait_until
 from zchannel.broker import (
     BrokerStartError,
+    BrokerUnavailable,
     Channel,
     JournalError,
     QueueFull,
@@ -419,6 +420,33 @@ def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels
     assert ch.get(key="k2", timeout=5) == ("b1", "b2")
     stats = ch.stats()["journal"]
     assert stats["collector_inputs"] == 0 and stats["items"] == 0  # it holds nothing now
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_collected_put_that_waited_for_room_is_stored_after_a_crash(channels, tmp_path,
+                                                                     retry):
+    """A stateful collector's put whose outputs wait for room when the broker dies: its input
+    was journaled but its outputs were not.  The restarted broker stores those outputs (the
+    acknowledged half they hold is not lost), and the producer's retry of the put in doubt is
+    known as stored (it used to be acknowledged and dropped, with the pair)."""
+    ch = Channel.create(f"durable-parked{int(retry)}", journal=tmp_path / "j",
+                        collector="hookmods:Pairs", maxsize=1)
+    channels.append(ch)
+    ch.put("a1", key="k")
+    ch.put("a2", key="k")  # a pair: stored, and the queue is full
+    ch.put("b1", key="k")  # acknowledged, held by the collector
+    waiting = ch.put("b2", key="k", async_op=True)  # completes a pair that waits for room
+    wait_until(lambda: ch.stats()["keys"]["k"]["putters"] == 1)
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    with pytest.raises(BrokerUnavailable):
+        waiting.wait(60)
+    if retry:
+        until_available(ch, lambda: ch.put("b2", key="k", timeout=5))
+    assert until_available(ch, lambda: ch.get(key="k", timeout=5)) == ("a1", "a2")
+    assert ch.get(key="k", timeout=5) == ("b1", "b2")
+    with pytest.raises(TimeoutError):
+        ch.get(key="k", timeout=0.5)
+    assert ch.stats()["duplicate_puts"] == int(retry)
 
 
 @pytest.mark.timeout(300)

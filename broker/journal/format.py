@@ -26,6 +26,9 @@ type          body
 ``PUTS``      msgpack list of small puts stored in one loop turn, each ``[jid, key, weight,
               consumer, extra, body]`` (``body``: the item's one frame, bytes): what ``PUT``
               records of those items would hold, in one record (version 2)
+``INPUT_OUT`` as ``INPUT``, for a put whose outputs are stored after it (``PUT`` records; the
+              last carries the put's ``extra``): its ``extra`` counts as stored only with them,
+              and a replay stores the outputs of one whose outputs were not stored
 ============  ==================================================================================
 
 Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record; this code reads both
@@ -66,9 +69,9 @@ SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS = 0, 1, 2, 3, 4, 5, 6, 7, 8
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS}
-_TYPE_BYTE = tuple(bytes((t,)) for t in range(PUTS + 1))
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT = range(10)
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT}
+_TYPE_BYTE = tuple(bytes((t,)) for t in range(INPUT_OUT + 1))
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
 PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 

@@ -41,7 +41,7 @@ from zchannel.broker.journal.batch import PutBatch
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
 from zchannel.broker.journal.segments import JournalDir, SegmentFile
-from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences
+from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences, origin_of
 from zchannel.broker.journal.store import SEGMENT_BYTES, SegmentStore
 from zchannel.broker.journal.syncing import JournalFailed
 
@@ -81,7 +81,8 @@ class Journal:
             raise
         self.live = LiveSet()  # the items still the channel's
         self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
-        self.replay: list[tuple[Any, Item]] = []  # the inputs read back, to replay
+        # the inputs read back, to replay: (key, input, whether its outputs were not stored)
+        self.replay: list[tuple[Any, Item, bool]] = []
         self._idle_after: int | None = None  # the put that emptied the collector (its outputs due)
         self._next_jid = 1
         self._sending: set[int] = set()  # taken by plain gets whose replies were not sent yet
@@ -121,7 +122,11 @@ class Journal:
             got = recovered_item(jid, put)
             if got is not None:
                 self.inputs.add(jid, seg, nbytes, *got)
-                self.replay.append(got)
+                origin = origin_of(put.extra)
+                got[1].origin = origin
+                unstored = (jid in rec.awaiting and origin is not None
+                            and not rec.sequences.marked(origin))
+                self.replay.append((*got, unstored))
         self.recovered_items = len(self.live)
         self.redelivered = len(rec.leased)
         self.store.start()
@@ -217,11 +222,12 @@ class Journal:
         # kept, to replay: also the put that empties the collector, until its outputs are
         # stored (an IDLE written before them would let a crash lose what they consumed)
         jid = self._next_jid
-        parts, nbytes = item_parts(self.store.crc, jid, key, None, item, fmt.INPUT)
+        parts, nbytes = item_parts(self.store.crc, jid, key, None, item,
+                                   self._input_type(item, outputs))
         seg = self._append(parts, nbytes, True)
         self._next_jid = jid + 1
         self.inputs.add(jid, seg, nbytes, key, item)
-        if item.origin is not None:
+        if item.origin is not None and not outputs:  # else its last output marks it, stored
             self.sequences.mark(item.origin)
         if holds_state:
             self._idle_after = None  # it holds something again: every input stays
@@ -229,6 +235,14 @@ class Journal:
             self._idle_after = jid  # written by ``stored``, after the outputs
         else:
             self._idle(jid)
+
+    def _input_type(self, item: Item, outputs: int = 1) -> int:
+        """The record type of a collector's input: ``INPUT_OUT`` for a retry-safe put whose
+        outputs are not stored yet (its origin counts once they are), else ``INPUT``."""
+        origin = item.origin
+        if origin is None or not outputs or self.sequences.marked(origin):
+            return fmt.INPUT
+        return fmt.INPUT_OUT
 
     def _idle(self, upto: int) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed."""
@@ -364,10 +378,11 @@ def _compact(journal: Journal) -> int:
         return 0
     oldest = store.segments[0]
     copied = 0
-    for held, rtype in ((journal.live, fmt.PUT), (journal.inputs, fmt.INPUT)):
+    for held in (journal.live, journal.inputs):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
+            rtype = fmt.PUT if held is journal.live else journal._input_type(item)
             parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
             try:
                 new = journal._append(parts, nbytes)

@@ -41,6 +41,8 @@ class Recovered:
     leased: set[int] = field(default_factory=set)
     # the inputs a collector that keeps state took since it last held nothing, by jid
     inputs: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
+    # those whose newest record is an ``INPUT_OUT``: stored only if their origin is marked
+    awaiting: set[int] = field(default_factory=set)
     tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
     # the put sequences of each producer the journal recorded (journal/sequences.py)
     sequences: StoredSequences = field(default_factory=StoredSequences)
@@ -142,8 +144,12 @@ def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -
         log.error("journal segment %s: a put record that does not hold together (%s): "
                   "skipped", seg.path, exc)
         return
+    if rtype == fmt.INPUT_OUT:  # its outputs, once stored, mark its origin
+        rec.awaiting.add(put.jid)
+    elif rtype == fmt.INPUT:
+        rec.awaiting.discard(put.jid)
     _hold(rec.items if rtype == fmt.PUT else rec.inputs, put, seg, fmt.HEADER.size + len(body),
-          rec)
+          rec, mark=rtype != fmt.INPUT_OUT)
 
 
 def _apply_puts(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
@@ -158,12 +164,14 @@ def _apply_puts(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) 
         _hold(rec.items, put, seg, fmt.PUT_ENTRY_BYTES + put.frames[0].nbytes, rec)
 
 
-def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Recovered) -> None:
-    """A put read back: held under its jid, the newest copy counting (compaction copies)."""
+def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Recovered,
+          mark: bool = True) -> None:
+    """A put read back: held under its jid, the newest copy counting (compaction copies);
+    its origin marked as stored (``mark``)."""
     held.pop(put.jid, None)
     held[put.jid] = (seg, nbytes, put)
     rec.max_jid = max(rec.max_jid, put.jid)
-    origin = origin_of(put.extra)
+    origin = origin_of(put.extra) if mark else None
     if origin is not None:
         rec.sequences.mark(origin)
 
@@ -209,7 +217,8 @@ def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
 
 
 _APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
-    fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle,
+    fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.INPUT_OUT: _apply_put,
+    fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle,
     fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
 }
 

@@ -86,6 +86,11 @@ class StoredSequences:
             _mark_run(window, first, final)
             last[producer] = now
 
+    def marked(self, origin: Any) -> bool:
+        """Whether a record of the put ``origin`` was written or read (as ``mark`` noted)."""
+        window = self.windows.get(origin[0])
+        return window is not None and window.marked(origin[1])
+
     @property
     def windows(self) -> dict[bytes, SequenceBits]:
         """Each producer's window of recorded sequences."""

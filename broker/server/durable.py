@@ -40,14 +40,23 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
 
 def _replay(journal: Journal, core: QueueCore) -> None:
     """Rebuild the state of a collector that keeps state between puts: the puts it took since
-    it last held nothing go through it again, in their order; what they yield is dropped (it
-    was stored already, and recovered with the items)."""
-    for key, item in journal.replay:
+    it last held nothing go through it again, in their order.  What they yield is dropped (it
+    was stored already, and recovered with the items), but for a put whose outputs were not
+    stored when the broker died (they waited for room): those are stored now, and its retry is
+    then known as stored."""
+    stored = 0
+    for key, item, unstored in journal.replay:
         try:
-            core.hooks.collect(item, key, item.weight)
+            outputs = core.hooks.collect(item, key, item.weight)
+            if unstored and outputs:
+                routed = [(k, core.hooks.route(it, k), it) for k, it in outputs]
+                routed[-1][2].origin = item.origin  # marks the put as stored
+                journal.stored(routed)
+                core.queues.store(routed)
+                stored += len(routed)
         except Exception as exc:  # the put failed the same way when it came
             log.warning("replaying a put of key %r through the collector failed: %s", key, exc)
     if journal.replay:
-        log.info("journal of %r: %d puts replayed through the collector",
-                 journal.settings.name, len(journal.replay))
+        log.info("journal of %r: %d puts replayed through the collector (%d items stored that "
+                 "had waited for room)", journal.settings.name, len(journal.replay), stored)
     journal.replay = []
