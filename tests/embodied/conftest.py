@@ -4,11 +4,21 @@ values, and an encode/decode round trip (import them with ``from .conftest impor
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
 import torch
+from zchannel.broker import Channel
 from zchannel.broker.wire.codec import decode, encode
+from zchannel.embodied.pipeline import (
+    REQUESTS_KEY,
+    STOP,
+    EnvLoop,
+    Rollout,
+    WeightPublisher,
+    WeightReceiver,
+)
 from zchannel.embodied.plan import TrajectoryPlan
 
 ROLLOUT = dict(
@@ -62,3 +72,43 @@ def roundtrip(obj: Any) -> Any:
     body, buffers = encode(obj)
     assert b"pickle" not in body
     return decode(body, [bytes(memoryview(b).cast("B")) for b in buffers])
+
+
+def run_env_and_rollout(name: str, channels: list, policy: Any, plan: TrajectoryPlan,
+                        env: Any, consumers: dict, steps: int) -> tuple[Any, Any, int]:
+    """One env loop (this thread, rank 0, stepping ``env``, a ``ChunkedEnv``) against a
+    rollout thread serving ``policy`` over real brokers, for ``steps`` steps or until the env
+    loop raises; ``(the env loop's error, the rollout's error, the env's low-level steps)``."""
+    plain = Channel.create(f"{name}-plain")  # requests, actions and weights on distinct keys
+    traj = Channel.create(f"{name}-traj", collector="embodied_trajectory",
+                          dispatcher="embodied_trajectory", producers=["rollout"],
+                          consumers=consumers, options=plan.to_options())
+    channels.extend([plain, traj])
+    WeightPublisher(plain).publish(policy.state_dict(), 100)  # no step waits for weights
+    rollout = Rollout(policy, plan, requests=plain, actions=plain, trajectory=traj,
+                      weights=WeightReceiver(plain, policy))
+    rollout_error: list[BaseException] = []
+
+    def rollout_main() -> None:
+        try:
+            rollout.run()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            rollout_error.append(exc)
+
+    thread = threading.Thread(target=rollout_main)
+    thread.start()
+    env_side = Channel.connect(f"{name}-plain")
+    loop = EnvLoop(env, plan, 0, env_side, env_side, reply_timeout=600)
+    loop.start(seed=0)
+    env_error = None
+    try:
+        for step in range(steps):
+            loop.run_step(step)
+    except Exception as exc:
+        env_error = exc
+    if thread.is_alive():
+        env_side.put(STOP, key=REQUESTS_KEY)  # the rollout waits for requests: it may end
+    env_side.close()
+    thread.join(60)
+    assert not thread.is_alive()
+    return env_error, rollout_error[0] if rollout_error else None, loop.env_steps

@@ -5,23 +5,14 @@ what was expected, before anything is reshaped or reaches an env."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from zchannel.broker import Channel
 from zchannel.embodied import ChunkedEnv, MLPPolicy, PointReach, RewardError
 from zchannel.embodied.pipeline import (
-    REQUESTS_KEY,
-    STOP,
-    EnvLoop,
-    Rollout,
     RolloutFailed,
-    WeightPublisher,
-    WeightReceiver,
 )
 
-from embodied.conftest import make_plan
+from embodied.conftest import make_plan, run_env_and_rollout
 
 pytestmark = pytest.mark.timeout(120)  # a hang (the reply timeout is 600 s) fails the test
 
@@ -67,43 +58,11 @@ class _BadAction(MLPPolicy):
 
 
 def _run(name, channels, policy, env):
-    """One env loop (this thread, rank 0) and a rollout thread; returns (env error, rollout
-    error, the env's low-level step count)."""
+    """One env loop and a rollout thread (``run_env_and_rollout``, 5 steps); returns (env
+    error, rollout error, the env's low-level step count)."""
     plan = make_plan(source_batch_size=B, num_chunks=2, num_action_chunks=C, action_dim=A)
-    plain = Channel.create(f"{name}-plain")  # requests, actions and weights on distinct keys
-    traj = Channel.create(f"{name}-traj", collector="embodied_trajectory",
-                          dispatcher="embodied_trajectory", producers=["rollout"],
-                          consumers={"actor": 1}, options=plan.to_options())
-    channels.extend([plain, traj])
-    WeightPublisher(plain).publish(policy.state_dict(), 100)  # no step waits for weights
-    rollout = Rollout(policy, plan, requests=plain, actions=plain, trajectory=traj,
-                      weights=WeightReceiver(plain, policy))
-    rollout_error = []
-
-    def rollout_main():
-        try:
-            rollout.run()
-        except BaseException as exc:
-            rollout_error.append(exc)
-
-    thread = threading.Thread(target=rollout_main)
-    thread.start()
-    env_side = Channel.connect(f"{name}-plain")
-    loop = EnvLoop(ChunkedEnv(env, C, name="nan-reach"), plan, 0, env_side, env_side,
-                   reply_timeout=600)
-    loop.start(seed=0)
-    env_error = None
-    try:
-        for step in range(5):
-            loop.run_step(step)
-    except Exception as exc:
-        env_error = exc
-    if thread.is_alive():
-        env_side.put(STOP, key=REQUESTS_KEY)
-    env_side.close()
-    thread.join(60)
-    assert not thread.is_alive()
-    return env_error, rollout_error[0] if rollout_error else None, loop.env_steps
+    return run_env_and_rollout(name, channels, policy, plan, ChunkedEnv(env, C, name="nan-reach"),
+                               {"actor": 1}, steps=5)
 
 
 def test_a_nan_reward_names_the_env_the_sub_env_and_the_step(channels):

@@ -18,6 +18,7 @@ from zchannel.embodied.pipeline import (
     WeightReceiver,
 )
 
+from embodied.conftest import run_env_and_rollout
 from embodied.test_collector import make_plan
 
 pytestmark = pytest.mark.timeout(120)  # a hang (the reply timeout is 600 s) fails the test
@@ -42,41 +43,12 @@ class _FailingPolicy(MLPPolicy):
 
 
 def _run(name, channels, policy, *, record_episodes):
-    """One env loop (main thread) and a rollout thread; returns (env error, rollout error)."""
-    plan = make_plan(**LEROBOT)
-    # requests, actions and weights on distinct keys of one plain channel
-    plain = Channel.create(f"{name}-plain")
-    traj = Channel.create(f"{name}-traj", collector="embodied_trajectory",
-                          dispatcher="embodied_trajectory", producers=["rollout"],
-                          consumers={"recorder": 1}, options=plan.to_options())
-    channels.extend([plain, traj])
-    WeightPublisher(plain).publish(policy.state_dict(), 100)  # no step waits for weights
-    rollout = Rollout(policy, plan, requests=plain, actions=plain, trajectory=traj,
-                      weights=WeightReceiver(plain, policy))
-    rollout_error = []
-
-    def rollout_main():
-        try:
-            rollout.run()
-        except BaseException as exc:
-            rollout_error.append(exc)
-
-    thread = threading.Thread(target=rollout_main)
-    thread.start()
-    env_side = Channel.connect(f"{name}-plain")
-    loop = EnvLoop(ChunkedEnv(PointReach(2), 2, record_episodes=record_episodes), plan, 0,
-                   env_side, env_side, reply_timeout=600)
-    loop.start(seed=0)
-    env_error = None
-    try:
-        for step in range(20):
-            loop.run_step(step)
-    except Exception as exc:
-        env_error = exc
-    env_side.close()
-    thread.join(60)
-    assert not thread.is_alive()
-    return env_error, rollout_error[0] if rollout_error else None
+    """One env loop and a rollout thread (``run_env_and_rollout``, up to 20 steps); returns
+    (env error, rollout error)."""
+    env = ChunkedEnv(PointReach(2), 2, record_episodes=record_episodes)
+    env_error, rollout_error, _ = run_env_and_rollout(name, channels, policy, make_plan(**LEROBOT),
+                                                      env, {"recorder": 1}, steps=20)
+    return env_error, rollout_error
 
 
 def test_a_hook_error_reaches_the_env_loop_as_a_hook_error(channels):
