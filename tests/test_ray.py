@@ -4,6 +4,7 @@ machine; producers pinned to nodes by custom resources.  Skipped when ray is not
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -215,6 +216,31 @@ def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
     finally:
         ch.shutdown()
     _assert_gone(pids, "zchannel:rayha")
+
+
+def test_a_broker_process_killed_under_its_actor_is_started_again(cluster):
+    """The broker process of a replica dies (SIGKILL, as the OOM killer does) while its actor
+    lives: the actor ends itself, Ray restarts it, and it starts the broker again on the same
+    address; the replica's keys take puts again (they used to fail for good)."""
+    ch = Channel.create("raybroker", distributed=True)
+    try:
+        victim = 1
+        actor = ch._ray_owner.actors[victim]
+        old_pid = ray.get(actor.pid.remote())
+        address = ch.replicas[victim]["address"]
+        os.kill(old_pid, signal.SIGKILL)
+        assert exited([old_pid], 30)
+        new_pid = _restarted_pid(actor, old_pid)
+        assert new_pid not in (-1, old_pid) and pid_alive(new_pid)
+        sub = ch._sub(victim)
+        until_available(sub, lambda: sub.put("again", key="k", timeout=5))
+        assert sub.get(key="k", timeout=30) == "again"
+        rep = ch.stats()["replicas"][victim]
+        assert rep["pid"] == new_pid and rep["address"] == address
+        pids = [r["pid"] for r in ch.stats()["replicas"]]
+    finally:
+        ch.shutdown()
+    _assert_gone(pids, "zchannel:raybroker")
 
 
 @ray.remote(num_cpus=0)

@@ -30,6 +30,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,8 @@ class BrokerActor:
                 if lock_fd is None:
                     raise ChannelError(f"a broker for {lock_name!r} already runs in this actor")
                 self.proc, address, self.token = spawn_broker(config, lock_fd)
+                threading.Thread(target=self._watch, args=(self.proc,), daemon=True,
+                                 name="zchannel-broker-watch").start()
                 return address, self.proc.pid
             except ChannelError:
                 if time.monotonic() >= deadline:
@@ -177,6 +180,16 @@ class BrokerActor:
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)
+
+    def _watch(self, proc: BrokerProcess) -> None:
+        """Wait for the broker to end; one that ends while this actor still runs it (killed,
+        out of memory) ends the actor's process too, so that Ray restarts the actor, which
+        starts the broker again on its address (and journal)."""
+        code = proc.wait()
+        if self.proc is proc:  # not stopped by ``stop``
+            log.error("the broker of this actor (pid %d) exited with status %s: restarting "
+                      "the actor", proc.pid, code)
+            os._exit(1)
 
     def set_info(self, info: dict) -> None:
         self.info = info
