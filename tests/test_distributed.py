@@ -337,6 +337,27 @@ def test_cluster_file_and_node_detection(run_dir, monkeypatch):
     assert clusterfile.choose_replica(table, here, "x") == clusterfile.choose_replica(table, here, "x")
 
 
+def test_a_cluster_file_listing_an_address_twice_is_refused(run_dir, tmp_path, channels):
+    """Two replicas on one address: refused when the file is read, before any broker starts
+    (both used to start, and the creator's shutdown then left one running)."""
+    from zchannel.broker.cluster import clusterfile
+
+    path = tmp_path / "twice.toml"
+    path.write_text(f'''
+[[replica]]
+node = "n0"
+address = "ipc://{run_dir}/twice.sock"
+[[replica]]
+node = "n1"
+address = "ipc://{run_dir}/twice.sock"
+''')
+    with pytest.raises(ValueError, match="listed more than once"):
+        clusterfile.load(path, "twice")
+    with pytest.raises(ValueError, match="listed more than once"):
+        channels.append(Channel.create("twice", distributed=True, options={"cluster": str(path)}))
+    assert not [f for f in os.listdir(run_dir) if f.startswith("twice")]
+
+
 def test_replicas_started_by_create_die_with_their_creator(run_dir, workers):
     import signal
 

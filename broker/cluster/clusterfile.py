@@ -122,6 +122,11 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: a cluster file lists at least one [[replica]]")
     replicas = [_replica(path, i, row, name or file_name) for i, row in enumerate(rows)]
+    addresses = [r.address for r in replicas]
+    twice = sorted({a for a in addresses if addresses.count(a) > 1})
+    if twice:  # two brokers cannot serve one address (the second would be another's)
+        raise ValueError(f"{path}: each replica has an address of its own; listed more than "
+                         f"once: {twice}")
     here = Path(path).resolve().parent
     server_keys = head.get("server_keys")
     client_dir = head.get("client_keys")
