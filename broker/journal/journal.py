@@ -244,6 +244,12 @@ class Journal:
             return fmt.INPUT
         return fmt.INPUT_OUT
 
+    def replayed(self, holds_state: bool) -> None:
+        """The inputs read back went through the collector again: one that holds nothing after
+        them (its replay stored what waited) needs none of them any more."""
+        if self.inputs.entries and not holds_state:
+            self._idle(max(self.inputs.entries))
+
     def _idle(self, upto: int) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed."""
         body = fmt.pack([upto])

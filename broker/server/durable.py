@@ -59,4 +59,5 @@ def _replay(journal: Journal, core: QueueCore) -> None:
     if journal.replay:
         log.info("journal of %r: %d puts replayed through the collector (%d items stored that "
                  "had waited for room)", journal.settings.name, len(journal.replay), stored)
+        journal.replayed(core.hooks.holds_state())
     journal.replay = []
