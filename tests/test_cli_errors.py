@@ -137,6 +137,39 @@ def test_config_file_values_are_checked_too(tmp_path):
     _one_line(out.stderr)
 
 
+WRONG_TYPES = [
+    ('insecure = "false"\naddress = "tcp://0.0.0.0:0"', "insecure must be true or false"),
+    ('direct = "no"', "direct must be true or false"),
+    ("curve_secret_key = 5", "curve_secret_key must be a str"),
+    ("token_file = 3", "token_file must be a str"),
+    ("address = 5", "address must be a str"),
+    ('max_rank = "x"', "max_rank must be an int"),
+    ("metrics_address = 5", "metrics_address must be a str"),
+    ("[hooks]\nproducers = \"rollout\"", "producers must be a list of str"),
+    ("[hooks]\nimports = \"json\"", "imports must be a list"),
+    ("[hooks]\nconsumers = 3", "consumers must be a list of consumer ids"),
+]
+
+
+@pytest.mark.parametrize("lines,message", WRONG_TYPES, ids=[w[1] for w in WRONG_TYPES])
+def test_config_file_values_of_the_wrong_type_are_named(run_dir, tmp_path, lines, message):
+    """A value of another type names its key (a string "false" used to count as true, a
+    number as a file descriptor to open), and no broker starts."""
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[channel]\nname = "typed"\n{lines}\n')
+    out = _zchannel("broker", "--config", str(config))
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert message in _one_line(out.stderr)
+
+
+@pytest.mark.parametrize("table", ["channel = 3", "hooks = \"x\"", "options = 3"])
+def test_a_config_table_that_is_not_a_table_is_named(tmp_path, table):
+    config = tmp_path / "broker.toml"
+    config.write_text(f"{table}\n")
+    out = _zchannel("broker", "typed", "--config", str(config))
+    assert out.returncode == 2 and "must be a table" in _one_line(out.stderr)
+
+
 def test_second_broker_of_a_name_is_one_line(run_dir):
     proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "twice"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -91,8 +91,7 @@ class BrokerConfig:
 
     def __post_init__(self) -> None:
         check_settings(vars(self))
-        if type(self.sched_batch) is not bool:
-            raise ValueError(f"sched_batch must be true or false, got {self.sched_batch!r}")
+        check_types(vars(self))
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got "
                              f"{self.fsync!r}")
@@ -119,6 +118,46 @@ _CHANNEL_KEYS = {
 _HOOK_KEYS = {"collector", "dispatcher", "consumers", "producers", "imports", "types"}
 
 
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_consumers(value: Any) -> bool:
+    """None, a list of consumer ids, or a mapping of groups to counts."""
+    return value is None or _is_str_list(value) or (
+        isinstance(value, dict) and all(isinstance(k, str) and type(v) is int
+                                        for k, v in value.items()))
+
+
+_FLAG = (lambda v: type(v) is bool, "true or false")
+_PATH = (lambda v: v is None or isinstance(v, str), "a str (a path)")
+# The fields whose type ``check_types`` checks (the numeric ones are ``check_settings``'s): a
+# value of another type must name its field, not act as another (``"false"`` as true, a
+# number as a file descriptor).
+_TYPES: dict[str, tuple[Any, str]] = {
+    "name": (lambda v: isinstance(v, str), "a str"),
+    "address": (lambda v: v is None or isinstance(v, str), "a str (an address)"),
+    "insecure": _FLAG, "direct": _FLAG, "sched_batch": _FLAG, "steal": _FLAG,
+    "curve_secret_key": _PATH, "curve_public_keys": _PATH, "token_file": _PATH,
+    "curve_admin_keys": _PATH, "cluster": _PATH,
+    "token": (lambda v: v is None or isinstance(v, str), "a str"),
+    "metrics_address": (lambda v: isinstance(v, str), "a str (a host)"),
+    "producers": (_is_str_list, "a list of str"),
+    "imports": (_is_str_list, "a list of module names (str)"),
+    "allowed_dtypes": (lambda v: v is None or _is_str_list(v), "a list of dtype names (str)"),
+    "max_rank": (lambda v: v is None or (type(v) is int and v >= 0), "an int >= 0"),
+    "consumers": (_is_consumers, "a list of consumer ids or a table of group = count"),
+    "options": (lambda v: isinstance(v, dict), "a table"),
+}
+
+
+def check_types(fields: dict[str, Any]) -> None:
+    """``ValueError`` naming the first field of ``_TYPES`` whose value is of another type."""
+    for name, (ok, what) in _TYPES.items():
+        if name in fields and not ok(fields[name]):
+            raise ValueError(f"{name} must be {what}, got {fields[name]!r}")
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a broker TOML file into ``BrokerConfig`` fields; unknown keys are a ``ValueError``."""
     with open(path, "rb") as f:
@@ -127,6 +166,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     unknown = set(data) - {"channel", "hooks", "options", "bench"}
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
+    for table in data:
+        if not isinstance(data[table], dict):
+            raise ValueError(f"{path}: [{table}] must be a table, got {data[table]!r}")
     for table, allowed in (("channel", _CHANNEL_KEYS), ("hooks", _HOOK_KEYS)):
         section = data.get(table, {})
         bad = set(section) - allowed
