@@ -223,7 +223,7 @@ class Journal:
         # stored (an IDLE written before them would let a crash lose what they consumed)
         jid = self._next_jid
         parts, nbytes = item_parts(self.store.crc, jid, key, None, item,
-                                   self._input_type(item, outputs))
+                                   _input_type(self.sequences, item, outputs))
         seg = self._append(parts, nbytes, True)
         self._next_jid = jid + 1
         self.inputs.add(jid, seg, nbytes, key, item)
@@ -235,14 +235,6 @@ class Journal:
             self._idle_after = jid  # written by ``stored``, after the outputs
         else:
             self._idle(jid)
-
-    def _input_type(self, item: Item, outputs: int = 1) -> int:
-        """The record type of a collector's input: ``INPUT_OUT`` for a retry-safe put whose
-        outputs are not stored yet (its origin counts once they are), else ``INPUT``."""
-        origin = item.origin
-        if origin is None or not outputs or self.sequences.marked(origin):
-            return fmt.INPUT
-        return fmt.INPUT_OUT
 
     def replayed(self, holds_state: bool) -> None:
         """The inputs read back went through the collector again: one that holds nothing after
@@ -370,6 +362,15 @@ class Journal:
                 self.dir.close()
 
 
+def _input_type(sequences: StoredSequences, item: Item, outputs: int = 1) -> int:
+    """The record type of a collector's input: ``INPUT_OUT`` for a retry-safe put whose
+    outputs are not stored yet (its origin counts once they are), else ``INPUT``."""
+    origin = item.origin
+    if origin is None or not outputs or sequences.marked(origin):
+        return fmt.INPUT
+    return fmt.INPUT_OUT
+
+
 def _compact(journal: Journal) -> int:
     """Copy the records of the oldest segment still needed (items, a collector's inputs)
     to the end when the journal takes more than twice their bytes plus two segments, so
@@ -388,7 +389,7 @@ def _compact(journal: Journal) -> int:
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
-            rtype = fmt.PUT if held is journal.live else journal._input_type(item)
+            rtype = fmt.PUT if held is journal.live else _input_type(journal.sequences, item)
             parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
             try:
                 new = journal._append(parts, nbytes)
