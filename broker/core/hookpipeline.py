@@ -17,7 +17,7 @@ from typing import Any
 
 from zchannel.broker.core.consumers import Consumers
 from zchannel.broker.core.state import Client, Item
-from zchannel.broker.core.statelog import StateLog
+from zchannel.broker.core.statelog import Output, StateLog
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_weight
 from zchannel.hooks import ChannelContext, Collector, Dispatcher
@@ -98,6 +98,15 @@ class HookPipeline:
         except HOOK_FAILURES:
             log.exception("Collector.holds_state failed")
             return True
+
+    def routed(self, outputs: list[tuple[Any, Item]], origin: Any) -> list[Output]:
+        """``outputs`` of a put (``collect``'s), each with the consumer its dispatcher routes
+        it to; the last carries the put's ``origin`` (its retry-safe sequence, recorded with
+        it when stored)."""
+        routed = [(k, self.route(it, k), it) for k, it in outputs]
+        if origin is not None and routed:
+            routed[-1][2].origin = origin
+        return routed
 
     def route(self, item: Item, key: Any) -> str | None:
         """The consumer whose private queue ``item`` goes to (None: the shared queue)."""

@@ -133,10 +133,7 @@ class QueueCore:
                 if key not in queues.keys:
                     queues.check_new_keys((key,))
             else:
-                outputs = hooks.collect(item, key, item.weight)
-                routed = [(k, hooks.route(it, k), it) for k, it in outputs]
-                if item.origin is not None and routed:
-                    routed[-1][2].origin = item.origin
+                routed = hooks.routed(hooks.collect(item, key, item.weight), item.origin)
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)

@@ -300,8 +300,7 @@ def _get_converter(copy: bool | None, shm: Any = None, ack: bool = False) -> Con
     def convert(rec: Reply, frames: list[Any]) -> Any:
         sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
         if (rec.lease is not None) is not ack:
-            raise _malformed(f"a get{' with ack' if ack else ''} answered "
-                             f"{'without' if ack else 'with'} a lease")
+            raise _lease_mismatch(ack)
         if sm and sm[0]:
             item = shm.decode(sm[0], frames, copy)
         elif rec.body is not UNSET:  # a small item inside its record
@@ -325,8 +324,14 @@ def _get_converter(copy: bool | None, shm: Any = None, ack: bool = False) -> Con
 def _checked_inline(body: bytes, lease: int | None) -> Any:
     """``_inline_item`` of a get with ``ack``: its entry must carry a lease."""
     if lease is None:
-        raise _malformed("a get with ack answered without a lease")
+        raise _lease_mismatch(True)
     return _inline_item(body, lease)
+
+
+def _lease_mismatch(ack: bool) -> ProtocolError:
+    """A get answered with a lease it did not ask for, or (``ack``) without the one it did."""
+    return _malformed(f"a get{' with ack' if ack else ''} answered "
+                      f"{'without' if ack else 'with'} a lease")
 
 
 def _inline_item(body: bytes, lease: int | None) -> Any:

@@ -181,12 +181,11 @@ class _LocalBroker:
                 work = self.pending.pop(key)[0]
                 self.core.cancel(client, next(self.ids), key[1])  # its answer goes nowhere
                 work.set_exception(ChannelError("this channel handle is closed"))
-            held = self.clients.get(client.identity)
-            if held is not None and held[0] is client and held[1] > 1:
-                self.clients[client.identity] = (client, held[1] - 1)
+            holders = self.clients[client.identity][1]  # (attach made the entry)
+            if holders > 1:
+                self.clients[client.identity] = (client, holders - 1)
                 return
-            if held is not None and held[0] is client:
-                del self.clients[client.identity]
+            del self.clients[client.identity]
             self.core.client_gone(client)
 
     def new_handle(self, identity: str | None) -> LocalChannel:

@@ -129,19 +129,24 @@ def _is_consumers(value: Any) -> bool:
                                         for k, v in value.items()))
 
 
+def _str(what: str, optional: bool = True) -> tuple[Any, str]:
+    """The check of a str field (``optional``: or None), and ``what`` it is."""
+    return (lambda v: isinstance(v, str) or (optional and v is None)), what
+
+
 _FLAG = (lambda v: type(v) is bool, "true or false")
-_PATH = (lambda v: v is None or isinstance(v, str), "a str (a path)")
+_PATH = _str("a str (a path)")
 # The fields whose type ``check_types`` checks (the numeric ones are ``check_settings``'s): a
 # value of another type must name its field, not act as another (``"false"`` as true, a
 # number as a file descriptor).
 _TYPES: dict[str, tuple[Any, str]] = {
-    "name": (lambda v: isinstance(v, str), "a str"),
-    "address": (lambda v: v is None or isinstance(v, str), "a str (an address)"),
+    "name": _str("a str", optional=False),
+    "address": _str("a str (an address)"),
     "insecure": _FLAG, "direct": _FLAG, "sched_batch": _FLAG, "steal": _FLAG,
     "curve_secret_key": _PATH, "curve_public_keys": _PATH, "token_file": _PATH,
     "curve_admin_keys": _PATH, "cluster": _PATH,
-    "token": (lambda v: v is None or isinstance(v, str), "a str"),
-    "metrics_address": (lambda v: isinstance(v, str), "a str (a host)"),
+    "token": _str("a str"),
+    "metrics_address": _str("a str (a host)", optional=False),
     "producers": (_is_str_list, "a list of str"),
     "imports": (_is_str_list, "a list of module names (str)"),
     "allowed_dtypes": (lambda v: v is None or _is_str_list(v), "a list of dtype names (str)"),

@@ -49,8 +49,7 @@ def _replay(journal: Journal, core: QueueCore) -> None:
         try:
             outputs = core.hooks.collect(item, key, item.weight)
             if unstored and outputs:
-                routed = [(k, core.hooks.route(it, k), it) for k, it in outputs]
-                routed[-1][2].origin = item.origin  # marks the put as stored
+                routed = core.hooks.routed(outputs, item.origin)  # its origin: stored
                 journal.stored(routed)
                 core.queues.store(routed)
                 stored += len(routed)

@@ -72,8 +72,7 @@ def _form(obj: Any, level: int, nest: int) -> Any:
 def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
     """``_form`` for the rarer values: subclasses, registered classes, numpy scalars, bytes."""
     if isinstance(obj, np.ndarray):  # a subclass (the exact type was above)
-        codec.check_array(obj)  # (a masked array is refused)
-        return _array(obj.view(np.ndarray))
+        return _array(obj)
     if kind in CLS_TO_TAG:
         return obj if isinstance(obj, enum.Enum) else _dataclass(obj, level, _nest(nest))
     if isinstance(obj, tuple):
@@ -117,9 +116,12 @@ def _form_base(obj: Any, kind: type, level: int, nest: int) -> Any:
 
 
 def _array(obj: np.ndarray) -> np.ndarray:
-    """An array as a broker delivers it: ``obj`` if C-contiguous and writable, else a copy that
-    is; the codec's ``TypeError`` for a dtype that cannot travel."""
+    """An array as a broker delivers it: a plain ``ndarray`` (a view of a subclass), ``obj``
+    itself if C-contiguous and writable, else a copy that is; the codec's ``TypeError`` for
+    one that cannot travel (its dtype, a masked array)."""
     codec.check_array(obj)
+    if type(obj) is not np.ndarray:
+        obj = obj.view(np.ndarray)
     flags = obj.flags
     if flags.c_contiguous and flags.writeable:
         return obj
