@@ -10,9 +10,10 @@ from typing import Any
 import click
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
+from zchannel.broker.wire.argchecks import key_from_label, key_label
 from zchannel.cli.failures import Cli
 from zchannel.cli.shipped import ConfigFile
-from zchannel.cli.summary import parse_key, summarize
+from zchannel.cli.summary import summarize
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
@@ -266,10 +267,6 @@ def keygen(directory: str, name: str, replicas: int | None, force: bool) -> None
     click.echo(f'client_keys = "{clients}"')
 
 
-def _fmt_key(key: Any) -> str:
-    return repr(key) if not isinstance(key, str) else key
-
-
 @main.command()
 @click.argument("target", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print the raw stats as JSON")
@@ -328,8 +325,8 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
         return
     try:
         stats = channel.stats(exclude_self=True)
-        peeked = None if peek_key is None else (parse_key(peek_key), channel.peek(
-            parse_key(peek_key), peek_count, consumer=peek_consumer, weights=True))
+        peeked = None if peek_key is None else (key_from_label(peek_key), channel.peek(
+            key_from_label(peek_key), peek_count, consumer=peek_consumer, weights=True))
     except (ValueError, TypeError) as exc:  # a key or consumer id the channel refuses
         raise click.UsageError(str(exc)) from None
     finally:
@@ -389,7 +386,7 @@ def _echo_key_table(stats: dict) -> None:
     rows = [("key", "depth", "weight", "getters", "putters", "private") + (("node",) if nodes else ())]
     for key, ks in sorted(keys.items(), key=lambda kv: repr(kv[0])):
         private = " ".join(f"{c}={d}" for c, d in sorted(ks.get("private", {}).items()))
-        rows.append((_fmt_key(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
+        rows.append((key_label(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
                      str(ks["putters"]), private or "-") + ((str(ks.get("node")),) if nodes else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -399,7 +396,7 @@ def _echo_key_table(stats: dict) -> None:
 def _echo_peek(key: Any, items: list, stats: dict) -> None:
     """The ``--peek`` section: one line per head item (index, weight, summary)."""
     key_stats = (stats.get("keys") or {}).get(key, {})
-    click.echo(f"peek      {_fmt_key(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
+    click.echo(f"peek      {key_label(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
                "item(s), head first, left in place")
     for i, (item, weight) in enumerate(items):
         click.echo(f"  [{i}] weight {weight}  {summarize(item)}")
@@ -421,9 +418,10 @@ def _stat_keys(secret: str | None, server: str | None) -> Any:
 
 
 def _json_keys(value: Any) -> Any:
-    """JSON objects need str keys: str keys stay, other keys (int, bytes, tuple) become repr()."""
+    """JSON objects need str keys: str keys stay, other keys (int, bytes, tuple) become their
+    repr(), and a str key that reads as one of those is quoted (``key_label``)."""
     if isinstance(value, dict):
-        return {k if isinstance(k, str) else repr(k): _json_keys(v) for k, v in value.items()}
+        return {key_label(k): _json_keys(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_keys(v) for v in value]
     return value

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 from zchannel.broker import BrokerUnavailable, ChannelError
+from zchannel.broker.wire.argchecks import key_label
 
 COUNTERS = ("puts", "gets", "delivered")
 MAX_KEY_ROWS = 20  # keys shown per frame (the deepest)
@@ -67,7 +68,7 @@ def _packed(label: str | None, items: list[str], sep: str = "   ") -> list[str]:
 
 
 def _key_text(key: Any) -> str:
-    text = key if isinstance(key, str) else repr(key)
+    text = key_label(key)
     return text if len(text) <= MAX_KEY_TEXT else text[: MAX_KEY_TEXT - 3] + "..."
 
 

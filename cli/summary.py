@@ -3,26 +3,10 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from typing import Any
 
 WIDTH = 100
-
-
-def parse_key(text: str) -> Any:
-    """A key as ``zchannel stat`` prints it: a str as is, other keys as Python literals.
-
-    ``7`` is the int key 7, ``b'x'`` a bytes key, ``('train', 3)`` a tuple key; anything else
-    (``train``) is a str.  Quote a str that reads as one of those: ``"'7'"``.
-    """
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return text
-    if isinstance(value, bool) or not isinstance(value, (str, int, bytes, tuple)):
-        return text
-    return value
 
 
 def summarize(value: Any, width: int = WIDTH) -> str:

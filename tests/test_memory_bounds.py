@@ -116,6 +116,9 @@ def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
         assert 0 < waiting <= MAX_BYTES // REQUEST_OVERHEAD
         assert waiting >= (MAX_BYTES - 500 * (REQUEST_OVERHEAD + KEY_OVERHEAD)) // REQUEST_OVERHEAD
         assert why and all("max_bytes limit (1048576" in w for w in why), why
+        # each refusal names what the get would have cost: a new key costs its state too
+        costs = {REQUEST_OVERHEAD, REQUEST_OVERHEAD + KEY_OVERHEAD}
+        assert all(any(f"it would take {c} bytes" in w for c in costs) for w in why), why
 
         grown = _rss(pid) - idle
         # twice max_bytes, plus the allocator's slack: the same broker grows 1.7-2.2 MiB here

@@ -117,6 +117,40 @@ def test_scraped_metrics_match_stat(run_dir):
     assert proc.returncode == 0
 
 
+def test_keys_that_print_alike_stay_apart(run_dir):
+    """The int key 7 and the str key "7" (and the str "'7'") are separate series, separate
+    entries of ``stat --json`` and separate ``--peek`` targets: a str key that reads as a
+    literal is quoted, and ``--peek`` reads a key the way ``stat`` prints it."""
+    proc, line = _start_broker("mxk", run_dir, "--metrics-port", "0")
+    try:
+        assert line.startswith("ready "), proc.stderr.read()
+        address = line.split()[1]
+        producer = Channel.connect(address)
+        for key, n in ((7, 1), ("7", 2), ("'7'", 3), ("plain", 4)):
+            for i in range(n):
+                producer.put(f"{key!r}-{i}", key=key)
+        stats = _stat_json(address)
+        assert {k: v["depth"] for k, v in stats["keys"].items()} == {
+            "7": 1, "'7'": 2, "\"'7'\"": 3, "plain": 4}
+        m = _scrape(stats["metrics"])
+        held = {k: v for k, v in m.items() if k.startswith("zchannel_key_items_held{")}
+        assert held == {'zchannel_key_items_held{key="7"}': 1,
+                        "zchannel_key_items_held{key=\"'7'\"}": 2,
+                        'zchannel_key_items_held{key="\\"\'7\'\\""}': 3,
+                        'zchannel_key_items_held{key="plain"}': 4}
+        for label, key, n in (("7", 7, 1), ("'7'", "7", 2), ("\"'7'\"", "'7'", 3)):
+            out = subprocess.run([*CLI, "stat", address, "--peek", label], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert f"peek      {label}: {n} of {n} item(s)" in out.stdout, out.stdout
+            first = f"{key!r}-0"
+            assert repr(first) in out.stdout, out.stdout
+        producer.close()
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+
+
 def test_hook_time_is_measured(run_dir, tmp_path):
     """With a collector and a dispatcher at work, hook seconds and calls add up."""
     proc, line = _start_broker("mh", run_dir, "--metrics-port", "0", "--collector",

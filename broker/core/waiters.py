@@ -182,10 +182,11 @@ class Waiters:
         if limit and self.waiting_bytes + cost > limit:
             what = "put" if req.kind == "put" else "get"
             self.reply(req.client, req.rid, error=ValueError(
-                f"this {what} cannot wait: the requests waiting already take "
-                f"{self.waiting_bytes} bytes of the broker's max_bytes limit ({limit}; a "
-                f"waiting request counts {self.request_overhead} bytes, a put its item's too); "
-                "retry later, or raise max_bytes"))
+                f"this {what} cannot wait: it would take {cost} bytes of the broker's "
+                f"max_bytes limit ({limit}), and the requests waiting already take "
+                f"{self.waiting_bytes} (a waiting request counts {self.request_overhead} bytes, "
+                f"a put its item's too, a get of a new key {self.key_overhead} more); retry "
+                "later, or raise max_bytes"))
             return False
         req.cost = cost
         self.waiting_bytes += cost

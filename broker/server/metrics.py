@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from zchannel.broker.wire.argchecks import key_label
+
 if TYPE_CHECKING:  # the loop imports this module; the type alone goes back
     from zchannel.broker.server.loop import Broker
 
@@ -109,10 +111,6 @@ def time_hooks(core: Any, hook_time: HookTime) -> None:
             log.warning("cannot time %s.%s (no instance attributes)", type(hook).__name__, method)
 
 
-def _label(key: Any) -> str:
-    return key if isinstance(key, str) else repr(key)
-
-
 def snapshot(broker: Broker) -> dict[str, Any]:
     """The broker's state as plain values (called on the loop thread only)."""
     core = broker.core
@@ -120,7 +118,7 @@ def snapshot(broker: Broker) -> dict[str, Any]:
     keys = []
     for key, ks in core.keys.items():
         queues = (ks.shared, *ks.private.values())
-        keys.append((_label(key), ks.depth(), sum(i.nbytes for q in queues for i in q), ks.leases,
+        keys.append((key, ks.depth(), sum(i.nbytes for q in queues for i in q), ks.leases,
                      len(ks.getters), ks.putters))
     if len(keys) > MAX_KEY_SERIES:
         keys = sorted(keys, key=lambda k: -k[1])[:MAX_KEY_SERIES]
@@ -294,10 +292,11 @@ def _tables(snap: dict[str, Any]) -> Iterator[Any]:
         ("key_waiting_getters", "get requests parked on a key", 4),
         ("key_waiting_putters", "put requests parked on a key (its queue is full)", 5),
     ]
+    labels = [key_label(row[0]) for row in snap["keys"]]
     for name, doc, col in per_key:
         fam = GaugeMetricFamily(f"zchannel_{name}", doc, labels=["key"])
-        for row in snap["keys"]:
-            fam.add_metric([row[0]], row[col])
+        for label, row in zip(labels, snap["keys"], strict=True):
+            fam.add_metric([label], row[col])
         yield fam
     handles = GaugeMetricFamily("zchannel_consumer_handles", "handles connected per consumer id",
                                 labels=["consumer"])

@@ -1,6 +1,7 @@
 """Checks of the arguments every transport validates the same way: keys, weights, timeouts,
 ``get_batch`` targets, ``peek`` counts and the ``consumer`` of ``qsize``/``full``/``peek``, and
-the weight comparisons of ``get_batch``.
+the weight comparisons of ``get_batch``; and the text that names a key where only text fits
+(``key_label``, ``key_from_label``).
 
 Used by the client (before a request is sent), the broker (on what arrives) and the local
 channel, so that all three refuse the same values with the same messages.
@@ -8,6 +9,7 @@ channel, so that all three refuse the same values with the same messages.
 
 from __future__ import annotations
 
+import ast
 import numbers
 import sys
 from typing import Any
@@ -24,6 +26,9 @@ MAX_TIMEOUT = sys.float_info.max  # any finite number of seconds
 # counts as reaching it and not as exceeding it (int weights and targets compare exactly).
 FLOAT_SLACK = 1e-9
 
+# the first characters of the Python literals key_from_label reads (int, bytes, str, tuple;
+# literal_eval skips leading blanks)
+_LITERAL_STARTS = frozenset("0123456789+-.bBrR'\"( \t")
 _KEY_WHY = ("keys are str, int, bytes or tuples of those, because True == 1 and 1.0 == 1 "
             "would share a queue in a Python dict (as in RLinf) but not on the wire")
 
@@ -49,6 +54,31 @@ def check_key(key: Any, _depth: int = 0) -> Any:
             check_key(part, _depth + 1)
         return key
     raise TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
+
+
+def key_label(key: Any) -> str:
+    """The text naming ``key`` where only text fits (``zchannel stat`` and its JSON, metric
+    labels), which ``key_from_label`` reads back: a str key is itself, another key (int, bytes,
+    tuple) its ``repr``, and a str key that reads as one of those (``"7"``, ``"('a', 1)"``) its
+    ``repr`` too (``"'7'"``), so that no two keys share a label."""
+    if isinstance(key, str) and key_from_label(key) == key:
+        # the common case: text that is no Python literal, which key_from_label keeps
+        return key
+    return repr(key)
+
+
+def key_from_label(text: str) -> Any:
+    """The key ``key_label`` names ``text``: ``7`` is the int key 7, ``b'x'`` a bytes key,
+    ``('train', 3)`` a tuple key, ``'7'`` the str ``"7"``; other text (``train``) is a str."""
+    if not text or text[0] not in _LITERAL_STARTS:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+    if isinstance(value, bool) or not isinstance(value, (str, int, bytes, tuple)):
+        return text
+    return value
 
 
 def check_weight(weight: Any, what: str = "weight") -> int | float:
