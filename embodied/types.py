@@ -182,7 +182,7 @@ class TrajectorySource:
 # ---------------------------------------------------------------------------------------------
 # EnvTransition and rewards
 
-_TRANSITION_FLAGS = ("dones", "terminations", "truncations", "intervene_flags")
+_TRANSITION_FLAGS = ("dones", "terminations", "truncations", "intervene_flags", "rlt_switch_flags")
 _TRANSITION_DICT_FIELDS = (
     "dones",
     "terminations",
@@ -690,7 +690,7 @@ class PolicyInput:
                 raise TypeError(f"PolicyInput.env_parts must hold EnvPart or None, not {part!r}.")
         self.request_sizes = [int(n) for n in self.request_sizes or []]
         self.is_last = bool(self.is_last)
-        _convert_fields(self, flags=("intervene_flags",), skip=("sources", "env_parts"))
+        _convert_fields(self, flags=_INPUT_FLAGS, skip=("sources", "env_parts"))
 
     @property
     def requires_inference(self) -> bool:

@@ -734,8 +734,20 @@ def test_tensors_are_contiguous_cpu_and_detached(obj):
 
 
 def test_transition_flags_become_bool():
-    t = EnvTransition(dones=torch.tensor([[1, 0]]), intervene_flags=torch.tensor([[0.0, 1.0]]))
+    t = EnvTransition(dones=torch.tensor([[1, 0]]), intervene_flags=torch.tensor([[0.0, 1.0]]),
+                      rlt_switch_flags=torch.tensor([1, 0]))
     assert t.dones.dtype == torch.bool and t.intervene_flags.dtype == torch.bool
+    assert t.rlt_switch_flags.dtype == torch.bool and t.rlt_switch_flags.tolist() == [True, False]
+
+
+def test_policy_input_flags_become_bool():
+    """Flags are bool on every type that carries them, ``rlt_switch_flags`` too."""
+    k = TrajectoryKey(0, 0, 0, 0, 1)
+    got = PolicyInput(obs={"states": torch.ones(2, 3)}, sources=[TrajectorySource(k, 2)],
+                      env_parts=[None], request_sizes=[2],
+                      rlt_switch_flags=torch.tensor([0, 2]), intervene_flags=torch.ones(2, 1))
+    assert got.rlt_switch_flags.dtype == torch.bool and got.rlt_switch_flags.tolist() == [False, True]
+    assert got.intervene_flags.dtype == torch.bool
 
 
 # -- serialization ----------------------------------------------------------------------------
