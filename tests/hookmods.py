@@ -167,3 +167,11 @@ class DealsToFirstRebalanceRaises(Dispatcher):
 
     def rebalance(self, key, starved, depths):
         raise RuntimeError(f"rebalance exploded for {starved}")
+
+
+class DealsToNamed(Dispatcher):
+    """Deals each item (a dict) to the consumer its ``"to"`` names, also when that consumer
+    has left (a rank-bound item waits for its rank)."""
+
+    def route(self, item, key):
+        return item["to"]

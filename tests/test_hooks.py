@@ -382,6 +382,32 @@ def test_items_routed_before_any_consumer_go_to_first_asker(make):
         late.close()
 
 
+def test_an_item_dealt_back_to_its_departed_consumer_waits_for_it(make):
+    """A consumer that joined by its first get (not declared) leaves: its private item is dealt
+    again, the dispatcher names the departed id, and the item waits for that consumer to come
+    back instead of going to the shared queue (where another consumer would take it)."""
+    ch = make("dealback", dispatcher="hookmods:DealsToNamed")
+    first = Channel.connect("dealback", identity="x:1")
+    other = Channel.connect("dealback", identity="y:1")
+    try:
+        with pytest.raises(TimeoutError):
+            first.get(timeout=0.05)  # x:1 joins by its first get
+        ch.put({"to": "x:1", "v": 1})
+        assert ch.stats()["keys"]["default_queue"]["private"] == {"x:1": 1}
+        first.close()
+        assert wait_until(lambda: "x:1" not in ch.stats()["consumers"], timeout=30)
+        assert ch.stats()["keys"]["default_queue"]["private"] == {"x:1": 1}
+        with pytest.raises(TimeoutError):
+            other.get(timeout=0.2)
+        again = Channel.connect("dealback", identity="x:1")
+        try:
+            assert again.get(timeout=10) == {"to": "x:1", "v": 1}
+        finally:
+            again.close()
+    finally:
+        other.close()
+
+
 def test_get_without_identity_on_dealing_channel(make):
     ch = make("needsid", dispatcher="round_robin", consumers={"actor": 1})
     with pytest.raises(ValueError, match="identity"):

@@ -108,8 +108,10 @@ class HookPipeline:
             routed[-1][2].origin = origin
         return routed
 
-    def route(self, item: Item, key: Any) -> str | None:
-        """The consumer whose private queue ``item`` goes to (None: the shared queue)."""
+    def route(self, item: Item, key: Any, departed: str | None = None) -> str | None:
+        """The consumer whose private queue ``item`` goes to (None: the shared queue).  When
+        ``item`` is dealt again because its consumer ``departed``, that id is accepted too: the
+        item waits in its private queue for it to come back."""
         if not self.deals:
             return None
         value = self.value(item) if self.dispatcher.needs_item else None
@@ -124,7 +126,7 @@ class HookPipeline:
                 f"Dispatcher.route returned {type(target).__name__}, expected a consumer id or None",
                 "TypeError",
             )
-        if not self.roster.known(target):
+        if target != departed and not self.roster.known(target):
             log.warning("route returned unknown consumer %r: the item goes to the shared queue", target)
             return None
         return target

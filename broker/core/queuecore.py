@@ -234,7 +234,7 @@ class QueueCore:
         ks = self.queues.state(key)
         if consumer is not None and not self.roster.known(consumer):
             for item in items:
-                self._redeal(ks, item)
+                self._redeal(ks, item, consumer)
         else:
             ks.put_back(self.queues.queue(ks, consumer), items)
         self.waiters.serve(ks)
@@ -260,14 +260,15 @@ class QueueCore:
             if queue:
                 items = ks.take_all(queue)
                 for item in items:
-                    self._redeal(ks, item)
+                    self._redeal(ks, item, departed)
                 self.waiters.serve(ks)
         self.waiters.admit_putters()
 
-    def _redeal(self, ks: KeyState, item: Item) -> None:
-        """Deal ``item`` of ``ks`` again (its consumer left): appended to the queue it goes to."""
+    def _redeal(self, ks: KeyState, item: Item, departed: str) -> None:
+        """Deal ``item`` of ``ks`` again (its consumer ``departed``): appended to the queue it
+        goes to, which may be the departed consumer's own (it waits for it to come back)."""
         try:
-            target = self.hooks.route(item, ks.key)
+            target = self.hooks.route(item, ks.key, departed)
         except HookError as exc:
             log.warning("re-dealing an item of %r failed (%s): it goes to the shared queue", ks.key, exc)
             target = None
@@ -279,7 +280,7 @@ class QueueCore:
         ks = self.queues.state(lease.key)
         origin = lease.origin
         if origin is not None and not self.roster.listed(origin):
-            self._redeal(ks, item)
+            self._redeal(ks, item, origin)
             # _redeal appends; move it to the head of wherever it went
             for queue in (ks.shared, *ks.private.values()):
                 if queue and queue[-1] is item:
