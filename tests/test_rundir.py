@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from zchannel.broker import Channel, UnsafeRunDir, shm
+from zchannel.broker import Channel, ChannelNotFound, UnsafeRunDir, shm
 from zchannel.broker.host import paths
 from zchannel.cli.main import main as cli
 
@@ -115,6 +115,10 @@ def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, br
     dead_handle.close()
     os.kill(dead.pid, signal.SIGKILL)  # no clean exit: its files stay
     dead.communicate(timeout=20)
+    # its name and socket file are left, but nothing listens: a connect says so at once
+    # instead of waiting out its timeout (here longer than the test's)
+    with pytest.raises(ChannelNotFound, match="nothing listens"):
+        Channel.connect("dead", timeout=600)
     result = runner.invoke(cli, ["stat"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()

@@ -293,6 +293,9 @@ def probe(address: str) -> None:
     if ipc is not None:
         if not os.path.exists(ipc):
             raise ChannelNotFound(f"no broker at {address} (no socket file)")
+        if nothing_listens(address):  # a killed broker's socket file stays behind
+            raise ChannelNotFound(f"no broker at {address} (its socket file is left from a "
+                                  "broker that is gone: nothing listens on it)")
         return
     hp = tcp_host_port(address)
     if hp is None:
