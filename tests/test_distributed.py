@@ -11,11 +11,12 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import exited, wait_until
-from zchannel.broker import BrokerUnavailable, Channel, HookError
+from zchannel.broker import BrokerUnavailable, Channel, HookError, shm
 from zchannel.broker.handle.distributed import DistributedChannel
 from zchannel.broker.wire.protocol import Bind, Learn
 
@@ -251,6 +252,27 @@ def test_one_node_cluster_is_a_plain_channel(run_dir, monkeypatch, channels):
     stats = ch.stats()
     assert stats["keys"]["default_queue"]["node"] == "solo"
     assert stats["replicas"][0]["bound_keys"] == 0  # one replica: no binding round trips
+
+
+def test_replicas_on_one_host_keep_their_shared_memory_apart(run_dir, monkeypatch, channels):
+    """Two replicas of one channel on one host: each has its own segment names and same-host
+    proof, so large tensors go through shared memory to either of them (before, the second
+    replica's probe replaced the first's, and every large put to the first was refused)."""
+    path = write_cluster(run_dir, ("host", "host"))
+    monkeypatch.setenv("ZCHANNEL_NODE", "host")
+    ch = Channel.create("twin", distributed=True, options={"cluster": path})
+    channels.append(ch)
+    user = Channel.connect("twin")
+    channels.append(user)
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: above the shared-memory threshold
+    keys = [f"k{i}" for i in range(16)]
+    for key in keys:
+        user.put(big, key=key)
+    assert {user.replica_of(key) for key in keys} == {0, 1}
+    for key in keys:
+        assert np.array_equal(user.get(key=key, timeout=30), big)
+    for i in (0, 1):  # each replica's probe, under a prefix of its own
+        assert shm.list_segments(shm.prefix_for(f"twin.replica{i}", run_dir))
 
 
 def test_distributed_without_cluster_or_ray_is_one_local_broker(make_remote, monkeypatch, caplog):

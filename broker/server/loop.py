@@ -163,7 +163,7 @@ class Broker:
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         shm = None
         try:
-            shm = ShmBroker(config.name, str(paths.run_dir()), config.shm_threshold,
+            shm = ShmBroker(self.lock_name, str(paths.run_dir()), config.shm_threshold,
                             config.shm_pool_bytes, 2 * config.heartbeat_interval * config.liveness)
             self._setup(config, shm)
         except BaseException:  # a failed start leaves no files behind

@@ -112,7 +112,9 @@ class _BrokerSegment:
 
 
 class ShmBroker:
-    """The broker's shared-memory state (see the module docstring)."""
+    """The broker's shared-memory state (see the module docstring).  ``name`` names its
+    segments: the channel's name, or ``<name>.replica<i>`` for a replica of a distributed
+    channel, so that replicas on one host keep apart."""
 
     def __init__(self, name: str, run_dir: str, threshold: int = DEFAULT_THRESHOLD,
                  pool_bytes: int = DEFAULT_POOL_BYTES, orphan_grace: float = 6.0) -> None:

@@ -7,8 +7,10 @@ state FREE -> USED (when it puts an item in it); only the broker flips USED -> F
 nothing references the slot any more), so no round trip is needed per item.
 
 Segment names: ``zc+<run>+<channel>+...`` where ``run`` is a hash of the broker's run directory
-(``+`` never occurs in a channel name), so brokers of other run directories or other channels
-never touch each other's segments, and a broker removes at start (stale, after a SIGKILL) and at
+(``+`` never occurs in a channel name) and ``channel`` the channel's name, or
+``<name>.replica<i>`` for replica ``i`` of a distributed channel (the name of its lock), so
+brokers of other run directories, other channels or other replicas on this host never touch
+each other's segments, and a broker removes at start (stale, after a SIGKILL) and at
 stop every segment of its own prefix.  This module also names the two records of the path
 (``shm_hi``, ``shm_rel``).
 """
@@ -38,8 +40,9 @@ DEFAULT_THRESHOLD = 1 << 20
 DEFAULT_POOL_BYTES = 1 << 30  # per producer connection, all size classes together
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
 
-NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+[A-Za-z0-9._-]{1,64}$")
-PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,64}\+$")
+# the channel part: a channel name (1-64 characters), or a replica's ``<name>.replica<i>``
+NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+[A-Za-z0-9._-]{1,64}$")
+PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+$")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
