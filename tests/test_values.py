@@ -625,3 +625,32 @@ def test_malformed_forms_are_clear_errors_and_the_broker_stays_up(channels):
     assert pid_alive(pid) and plain.stats()["pid"] == pid
     plain.put(1 + 2j, key="good")
     assert plain.get(key="good", timeout=10) == 1 + 2j
+
+
+class _KeyWord(str, enum.Enum):
+    TRAIN = "train"
+
+
+class _Rank(enum.IntEnum):
+    ONE = 1
+
+
+class _Name(str):
+    pass
+
+
+_Pair = collections.namedtuple("_Pair", "group rank")
+
+
+def test_keys_of_base_type_subclasses_are_their_base_value_everywhere(make):
+    """A key that subclasses str, int, bytes or tuple (an Enum member, a named tuple) is its
+    base value on every path, as an item is: the same queue as the plain key, and a plain key
+    in ``stats()``."""
+    ch = make("subkeys")
+    for key, plain in ((_KeyWord.TRAIN, "train"), (_Name("n"), "n"), (_Rank.ONE, 1),
+                       (_Pair("actor", 2), ("actor", 2)), ((_KeyWord.TRAIN, _Rank.ONE), ("train", 1))):
+        ch.put(repr(key), key=key)
+        assert ch.qsize(plain) == 1 and ch.qsize(key) == 1
+        assert plain in ch.stats()["keys"]
+        assert all(type(k) in (str, int, bytes, tuple) for k in ch.stats()["keys"])
+        assert ch.get(key=plain, timeout=10) == repr(key)

@@ -34,7 +34,9 @@ _KEY_WHY = ("keys are str, int, bytes or tuples of those, because True == 1 and 
 
 
 def check_key(key: Any, _depth: int = 0) -> Any:
-    """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those)."""
+    """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those); a
+    subclass of one of those (a ``str``/``int`` Enum member, a named tuple) as its base value,
+    as an item travels, so that a key is the same on every path and in ``stats()``."""
     if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
         return key
     if isinstance(key, bool):
@@ -42,17 +44,20 @@ def check_key(key: Any, _depth: int = 0) -> Any:
     if isinstance(key, (str, bytes)):
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES})")
-        return key
+        if type(key) is str or type(key) is bytes:
+            return key
+        return str.__str__(key) if isinstance(key, str) else bytes(key)
     if isinstance(key, int):
         if not -(2**63) <= key < 2**64:
             raise ValueError("an int key must fit in 64 bits")
-        return key
+        return key if type(key) is int else int.__int__(key)
     if isinstance(key, tuple) and _depth < MAX_KEY_DEPTH:
         if len(key) > 64:
             raise ValueError("a tuple key may have at most 64 parts")
-        for part in key:
-            check_key(part, _depth + 1)
-        return key
+        parts = [check_key(part, _depth + 1) for part in key]
+        if type(key) is tuple and all(p is q for p, q in zip(parts, key, strict=True)):
+            return key
+        return tuple(parts)
     raise TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
 
 
