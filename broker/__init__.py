@@ -19,6 +19,7 @@ from zchannel.broker.errors import (
     KeyMoved,
     QueueEmpty,
     QueueFull,
+    UndecodableItems,
     UnsafeRunDir,
 )
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY
@@ -45,6 +46,7 @@ __all__ = [
     "ProtocolError",
     "QueueEmpty",
     "QueueFull",
+    "UndecodableItems",
     "UnsafeRunDir",
     "Work",
     "register_module",

@@ -100,6 +100,24 @@ class KeyMoved(ChannelError):
         return (type(self), (str(self), self.replica))
 
 
+class UndecodableItems(ValueError):
+    """Some items of one ``get_batch`` reply could not be decoded (an unregistered tag, an item
+    nested past the depth limit): they are consumed, as a plain ``get``'s undecodable item is,
+    and the others are not lost: ``items`` holds them, decoded, in their order in the batch;
+    ``errors`` pairs each failed position in the batch with its ``ValueError``."""
+
+    def __init__(self, message: str, items: list[Any] | None = None,
+                 errors: list[tuple[int, ValueError]] | None = None):
+        super().__init__(message)
+        self.items = [] if items is None else items
+        """The items of the batch that decoded, in batch order."""
+        self.errors = [] if errors is None else errors
+        """``(position in the batch, ValueError)`` of each item that did not decode."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.items, self.errors))
+
+
 _BY_NAME: dict[str, type[BaseException]] = {
     "ChannelError": ChannelError,
     "BrokerUnavailable": BrokerUnavailable,

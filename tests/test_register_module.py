@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import pid_alive
+from conftest import pid_alive, wait_until
 from payloads import RLDATA
 from rldata.embodied_io_struct import ChunkStepResult, EnvOutput, EnvStatus
 from rldata.io_struct import RolloutRequest, Timing
@@ -247,6 +247,60 @@ def test_a_receiver_that_has_not_registered_the_module_gets_a_value_error_and_go
     assert ch.get(key="back", timeout=60) == second
     workers.finish(proc)
     assert ch.qsize("plain") == 0 and ch.qsize("acked") == 0 and ch.stats()["leases"] == 0
+
+
+BATCH_RECEIVER = """
+    import json, sys
+    import numpy as np
+    from zchannel.broker import Channel, UndecodableItems
+
+    ch = Channel.connect(sys.argv[1])
+    print("ready", flush=True)
+    sys.stdin.readline()  # the items are in
+    out = {}
+    for key in ("small", "large"):
+        try:
+            ch.get_batch(5, key=key, timeout=60)
+            out[key] = "decoded"
+        except UndecodableItems as exc:
+            out[key] = {"items": [x if isinstance(x, str) else float(np.asarray(x).sum())
+                                  for x in exc.items],
+                        "failed": [i for i, _ in exc.errors],
+                        "value_error": isinstance(exc, ValueError), "message": str(exc)}
+    ch.put(ch.get_batch(1, key="small", timeout=60), key="back")  # the handle goes on
+    print(json.dumps(out), flush=True)
+    ch.close()
+"""
+
+
+def test_a_batch_keeps_the_items_that_decode_when_some_do_not(channels, workers):
+    """A ``get_batch`` reply holding items the consumer cannot decode: those are consumed (as a
+    single get's would be) and the others reach the caller in ``UndecodableItems.items``, small
+    items in the record and large ones through shared memory alike; nothing stays held."""
+    ch = Channel.create("batchdecode")
+    channels.append(ch)
+    proc = workers.start(BATCH_RECEIVER, "batchdecode")
+    workers.wait_line(proc, "ready")
+    odd = RolloutRequest(1, [[1]], [[b"a"]], [["x"]], [None])
+    big = torch.ones(1 << 19)  # 2 MiB: through shared memory
+    for key, items in (("small", ["good1", odd, "good2", odd, "good3"]),
+                       ("large", ["good1", big, odd, "good2", big])):
+        for item in items:
+            ch.put(item, key=key, weight=1)
+    ch.put("after", key="small", weight=1)
+    workers.send(proc)
+    out = json.loads(workers.wait_line(proc, timeout=180))
+    assert out["small"]["items"] == ["good1", "good2", "good3"] and out["small"]["failed"] == [1, 3]
+    assert out["large"]["items"] == ["good1", float(1 << 19), "good2", float(1 << 19)]
+    assert out["large"]["failed"] == [2] and out["large"]["value_error"]
+    assert re.search(r"1 of the 5 items of this batch could not be decoded .*unknown "
+                     r"serializable type tag 'rldata\.io_struct:RolloutRequest'",
+                     out["large"]["message"]), out["large"]["message"]
+    assert ch.get(key="back", timeout=60) == ["after"]
+    workers.finish(proc)
+    stats = ch.stats()
+    assert stats["leases"] == 0 and ch.qsize("small") == 0 and ch.qsize("large") == 0
+    assert wait_until(lambda: ch.stats()["shm"]["slots_used"] == 0, timeout=60)
 
 
 # -- a module published under the zchannel.hooks entry point (broker and receivers) -------------------

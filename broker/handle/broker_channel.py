@@ -24,7 +24,7 @@ from zchannel.broker.connection.connection import Connection
 from zchannel.broker.connection.requestqueue import Convert
 from zchannel.broker.connection.waiting import withdraw
 from zchannel.broker.connection.work import _DONE, Delivery, Work
-from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound
+from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound, UndecodableItems
 from zchannel.broker.handle.base import ChannelHandle
 from zchannel.broker.handle.retries import InDoubtPuts
 from zchannel.broker.shm.client import client_submit as shm_submit
@@ -349,25 +349,57 @@ def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
                 raise ValueError("malformed reply: a batch of inline items has no frames, "
                                  "frame counts or slots")
             decode = codec.decode
-            return [decode(body) for body in bodies]
+            try:
+                return [decode(body) for body in bodies]
+            except ValueError:  # again one at a time (no side effects), to keep those that decode
+                return _decoded_apart(decode, bodies)
         counts = rec.counts or ()
         if sum(counts) != len(frames) or any(n < 1 for n in counts):
             raise _malformed(f"a batch of {len(frames)} frames counted as {list(counts)}")
         out: list[Any] = []
+        errors: list[tuple[int, ValueError]] = []
         pos = 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
         append, decode_frames = out.append, codec.decode_frames
         for i, n in enumerate(counts):
-            if i < len(sm) and sm[i]:
-                append(shm.decode(sm[i], frames[pos : pos + n], copy))
-            elif n == 1:  # the common small item: its body alone
-                append(decode_frames((frames[pos],), copy))
-            else:
-                append(decode_frames(frames[pos : pos + n], copy))
+            try:  # each item is tried (its slots released or kept as for a single get)
+                if i < len(sm) and sm[i]:
+                    append(shm.decode(sm[i], frames[pos : pos + n], copy))
+                elif n == 1:  # the common small item: its body alone
+                    append(decode_frames((frames[pos],), copy))
+                else:
+                    append(decode_frames(frames[pos : pos + n], copy))
+            except ValueError as exc:
+                errors.append((i, exc))
             pos += n
+        if errors:
+            raise _undecodable(out, errors, len(counts))
         return out
 
     return convert
+
+
+def _decoded_apart(decode: Callable[[bytes], Any], bodies: list[bytes]) -> list[Any]:
+    """The small items of a batch decoded one by one: all of them, or ``UndecodableItems``
+    holding those that decoded."""
+    out: list[Any] = []
+    errors: list[tuple[int, ValueError]] = []
+    for i, body in enumerate(bodies):
+        try:
+            out.append(decode(body))
+        except ValueError as exc:
+            errors.append((i, exc))
+    if errors:
+        raise _undecodable(out, errors, len(bodies))
+    return out
+
+
+def _undecodable(items: list[Any], errors: list[tuple[int, ValueError]], n: int) -> UndecodableItems:
+    first, exc = errors[0]
+    return UndecodableItems(
+        f"{len(errors)} of the {n} items of this batch could not be decoded and are consumed "
+        f"(the first, at position {first}: {exc}); the {len(items)} others are in this "
+        "error's .items", items, errors)
 
 
 def _peek_converter(shm: Any = None) -> Convert:
