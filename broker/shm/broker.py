@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -36,6 +37,7 @@ from zchannel.broker.wire.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 log = logging.getLogger("zchannel.shm")
 
 PROVEN_ADDRESSES = 4096  # connections remembered as same-host after their client left
+_CREATOR_RE = re.compile(r"^([0-9]+)-[0-9a-f]+$")  # what a segment's name holds after its prefix
 
 
 class Hold:
@@ -74,6 +76,38 @@ def _buffer(frame: Any) -> Any:
 
 def _keep(obj: Any) -> None:
     """A finalizer whose only job is to hold ``obj`` until it runs."""
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (``PermissionError``: it exists)."""
+    if pid <= 0:
+        return True  # not a process's pid: never taken for a dead creator
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def dead_creator_segments(prefix: str, known: Any, probe: str | None,
+                          connected: set[int]) -> list[str]:
+    """The segments in ``/dev/shm`` of ``prefix``, other than ``probe`` and those in ``known``,
+    whose creator (the pid in their name) no longer runs and is none of the ``connected``
+    clients' pids: a producer's segments made but never named in a put (grown in the
+    background, reserved, or taken mid-write) when it was killed."""
+    out = []
+    for name in list_segments(prefix):
+        m = _CREATOR_RE.match(name[len(prefix):])
+        if (name != probe and name not in known and m and int(m.group(1)) not in connected
+                and not _pid_alive(int(m.group(1)))):
+            out.append(name)
+    return out
 
 
 class SlotFrames(list):
@@ -142,6 +176,12 @@ class ShmBroker:
         self.slots_in = 0  # slots received in puts
         self.probe: str | None = None
         self._token = b""
+        # the first departure of a client since ``/dev/shm`` was last scanned for segments of
+        # dead producers the broker never heard of (``sweep``), and when that scan was
+        self.left_at: float | None = None
+        self.scanned_at = -float("inf")
+        self.client_pids: dict[Any, int] = {}  # proven clients' pids (``_note_pid``)
+        self.foreign_pids = False  # a proven client's pid was not visible here
         stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
         for seg_name in stale:
             unlink(seg_name)
@@ -182,6 +222,7 @@ class ShmBroker:
         if type(rec) is ShmHello:
             token = rec.token
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
+                self._note_pid(client, rec.pid)
                 self.verified.add(client)
                 self.proven[client.address] = None
                 while len(self.proven) > PROVEN_ADDRESSES:
@@ -197,6 +238,18 @@ class ShmBroker:
             if isinstance(hid, int) and hid in mine:
                 mine.discard(hid)
                 self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
+
+    def _note_pid(self, client: Any, pid: Any) -> None:
+        """Remember the pid a proven client gives; one this process cannot see running (or none
+        given) means clients in another pid namespace share this ``/dev/shm``: from then on no
+        segment is taken for a dead producer's by the pid in its name (``sweep``)."""
+        if type(pid) is int and _pid_alive(pid) and pid > 0:
+            self.client_pids[client] = pid
+        elif not self.foreign_pids:
+            self.foreign_pids = True
+            log.info("a client's process id is not one this broker can see (another pid "
+                     "namespace, or an older client): segments of killed producers that were "
+                     "never announced stay until the broker stops")
 
     def attach_put(self, client: Any, refs: Any, frames: list) -> SlotFrames:
         """The payload of a put of ``frames`` with the slot references ``refs``: the frames and
@@ -305,9 +358,12 @@ class ShmBroker:
         """A client left or died: drop the slots it held as a consumer; its own segments go
         once nothing references them any more."""
         self.verified.discard(client)
+        self.client_pids.pop(client, None)
         for hid in self.client_holds.pop(client, ()):
             self.holds.pop(hid, None)
         now = time.monotonic()
+        if self.left_at is None:
+            self.left_at = now
         with self.lock:
             for bseg in list(self.segments.values()):
                 if bseg.owner is client:
@@ -315,12 +371,24 @@ class ShmBroker:
         self.sweep(now)
 
     def sweep(self, now: float) -> None:
-        """Remove departed owners' segments that nothing references past the grace period."""
+        """Remove departed owners' segments that nothing references past the grace period.
+        Once the grace period has passed since a client left (and since the last such scan),
+        also remove the segments of this prefix the broker never mapped whose creator is dead
+        (``dead_creator_segments``): a live producer's segment not yet named in a put stays."""
         with self.lock:
             for bseg in list(self.segments.values()):
                 if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
                         and not any(bseg.refs)):
                     self._remove(bseg)
+        if (self.left_at is not None and now - self.left_at >= self.orphan_grace
+                and now - self.scanned_at >= self.orphan_grace and not self.foreign_pids):
+            self.left_at, self.scanned_at = None, now
+            dead = dead_creator_segments(self.prefix, self.segments, self.probe,
+                                         set(self.client_pids.values()))
+            for seg_name in dead:
+                unlink(seg_name)
+            if dead:
+                log.info("removed %d shared-memory segment(s) of dead producers", len(dead))
 
     def stats(self) -> dict:
         with self.lock:

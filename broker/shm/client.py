@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -37,6 +38,11 @@ OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages 
 # message (within ``LAZY_S``): a message and a broker turn less per item (docs/shm.md).
 RELEASE_AT_ONCE_BYTES = 4 << 20
 MAPPED_SEGMENTS = 64  # a consumer keeps at most this many segments mapped (views keep theirs)
+# A consumer looks for cached segments the broker has unlinked (their producer left) at most
+# this often: at a mapping of a segment not cached (UNLINKED_MISS_S) or of one cached
+# (UNLINKED_HIT_S).  A look costs one ``stat`` per cached segment, never one per item.
+UNLINKED_MISS_S = 0.1
+UNLINKED_HIT_S = 1.0
 
 
 def env_enabled() -> bool:
@@ -53,6 +59,7 @@ class ShmClient:
         self.pool: Pool | None = None  # set while same-host is proven for the current hello
         self.mapped: OrderedDict[str, Segment] = OrderedDict()
         self.lock = threading.Lock()
+        self.unlinked_at = 0.0  # when ``_drop_unlinked`` last looked (``time.monotonic``)
         self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
         self.reserved: dict[int, int] = {}  # nbytes -> slots asked for with reserve()
 
@@ -93,7 +100,7 @@ class ShmClient:
             return  # another host (or another /dev/shm): frames
         if len(data) < 24 or data[:8] != MAGIC:
             return
-        self.conn.send_unanswered(ShmHello(id=0, token=data[8:24]), now=True)
+        self.conn.send_unanswered(ShmHello(id=0, token=data[8:24], pid=os.getpid()), now=True)
         pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
         if self.reserved:  # a new session (broker restarted): reserve again, off this thread
             wanted = dict(self.reserved)
@@ -121,11 +128,16 @@ class ShmClient:
     # -- consumer side -------------------------------------------------------------------------
 
     def _map(self, name: str) -> Segment:
+        now = time.monotonic()
         with self.lock:
             seg = self.mapped.get(name)
             if seg is not None:
                 self.mapped.move_to_end(name)
-                return seg
+        if now - self.unlinked_at >= (UNLINKED_MISS_S if seg is None else UNLINKED_HIT_S):
+            self.unlinked_at = now
+            self._drop_unlinked()
+        if seg is not None:
+            return seg
         # Not populated: mapping all of a 400 MiB segment at once costs ~40 ms before the
         # first item is read (the pipeline stands still meanwhile); first reads of each slot
         # fault its pages in a few at a time (fault-around), while the producer works on.
@@ -135,6 +147,21 @@ class ShmClient:
             while len(self.mapped) > MAPPED_SEGMENTS:
                 self.mapped.popitem(last=False)  # views of it keep its mapping alive
         return seg
+
+    def _drop_unlinked(self) -> None:
+        """Forget the cached segments whose file the broker unlinked (their producer left and
+        nothing held their slots): the cache alone would keep their memory allocated in
+        ``/dev/shm`` until this connection closes.  Nothing is unmapped explicitly: a
+        ``copy=False`` view of a slot holds the segment's ``mmap`` (a buffer export), so the
+        mapping goes when the last view of it is collected, or at once when none exists."""
+        with self.lock:
+            cached = list(self.mapped.values())
+        gone = [seg for seg in cached if seg.unlinked()]
+        if gone:
+            with self.lock:
+                for seg in gone:
+                    if self.mapped.get(seg.name) is seg:
+                        del self.mapped[seg.name]
 
     def copy_out(self, view: np.ndarray) -> np.ndarray:
         """An owned copy of a slot, in a buffer recycled from copies already garbage collected

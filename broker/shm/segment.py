@@ -101,10 +101,12 @@ def _populate(mm: mmap.mmap, advice: int) -> None:
 class Segment:
     """A mapped segment (any side)."""
 
-    __slots__ = ("name", "mm", "slot_size", "nslots", "states", "freed", "__weakref__")
+    __slots__ = ("name", "mm", "slot_size", "nslots", "states", "freed", "ident", "__weakref__")
 
-    def __init__(self, name: str, mm: mmap.mmap, slot_size: int, nslots: int) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, slot_size: int, nslots: int,
+                 ident: tuple[int, int] | None = None) -> None:
         self.name, self.mm, self.slot_size, self.nslots = name, mm, slot_size, nslots
+        self.ident = ident  # (st_dev, st_ino) of the file mapped (``unlinked``)
         self.states = np.frombuffer(mm, dtype=np.uint8, count=nslots, offset=STATES_OFFSET)
         self.freed = np.frombuffer(mm, dtype=np.uint64, count=nslots, offset=FREED_OFFSET)
 
@@ -137,7 +139,8 @@ class Segment:
         except OSError as exc:
             raise ValueError(f"cannot open shared-memory segment {name!r}: {exc}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size < HEADER_BYTES:
                 raise ValueError(f"shared-memory segment {name!r} is too small")
             mm = mmap.mmap(fd, size)
@@ -147,7 +150,22 @@ class Segment:
         if (magic != MAGIC or not 0 < nslots <= MAX_SLOTS or slot_size <= 0
                 or slot_size % 4096 or HEADER_BYTES + slot_size * nslots > size):
             raise ValueError(f"shared-memory segment {name!r} has a malformed header")
-        return cls(name, mm, slot_size, nslots)
+        return cls(name, mm, slot_size, nslots, (st.st_dev, st.st_ino))
+
+    def unlinked(self) -> bool:
+        """Whether the file this segment maps is no longer in ``/dev/shm`` (unlinked, or its
+        name now names another file): one ``stat``.  Its memory stays allocated as long as it
+        is mapped.  False for a segment made by ``create`` (not recorded) or when ``stat``
+        fails otherwise."""
+        if self.ident is None:
+            return False
+        try:
+            st = os.stat(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self.ident
 
     def has_free(self) -> bool:
         """Whether a slot's state byte says FREE (one search of the state bytes: no lock, no
