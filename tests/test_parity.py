@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import BrokerUnavailable, Channel, ChannelError
+from zchannel.broker import BrokerUnavailable, Channel, ChannelError, ChannelNotFound
 from zchannel.broker.wire.protocol import Full, Peek, QSize
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,3 +138,16 @@ def test_a_lease_is_acknowledged_only_through_the_connection_that_got_it(make):
     finally:
         mine.close()
         theirs.close()
+
+
+def test_local_create_refuses_options_that_cannot_travel_as_the_broker_path_does(run_dir):
+    """``options`` must be msgpack-able (hooks read them from ``ChannelContext``): a local
+    channel refuses what a broker channel refuses, with the same message, and is not made."""
+    refusals = []
+    for local in (False, True):
+        with pytest.raises(TypeError) as raised:
+            Channel.create("badoptions", local=local, options={"x": object()})
+        refusals.append(str(raised.value))
+    assert refusals[0] == refusals[1] and "builtins.object" in refusals[1]
+    with pytest.raises(ChannelNotFound):
+        Channel.connect("badoptions", timeout=1.0)

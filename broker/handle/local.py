@@ -233,6 +233,7 @@ class LocalChannel(BrokerChannel):
 
     @classmethod
     def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
+        codec.encode(kwargs.get("options"))  # msgpack-able, as a broker's: TypeError naming it
         with _registry_lock:
             existing = _registry.get(name)
             if existing is None:
