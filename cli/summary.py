@@ -1,5 +1,5 @@
-"""One-line summaries of channel items and keys as typed on the command line
-(``zchannel stat NAME --peek KEY``)."""
+"""One-line summaries of channel items (``zchannel stat NAME --peek KEY``; the key is read by
+``argchecks.key_from_label``)."""
 
 from __future__ import annotations
 
