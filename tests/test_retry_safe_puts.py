@@ -488,3 +488,32 @@ def test_producers_expire_after_their_grace_and_stay_bounded():
     assert len(table.windows) == 3 and bytes([0]) * 16 not in table.windows
     table.attach(C(), 7)  # not bytes: no window
     assert len(table.windows) == 3
+
+
+def test_a_producer_back_after_its_window_was_forgotten_cannot_store_a_sequence_again():
+    """A window forgotten (its producer gone past the grace, or evicted for room) leaves its
+    highest sequence: the producer's late retry of a put it had made is refused (``TOO_OLD``:
+    a ``ValueError``), not stored a second time; its new puts go on."""
+    class C:
+        producer = None
+
+    table = Producers(grace=1.0, limit=2)
+    first = C()
+    table.attach(first, b"p" * 16)
+    assert [first.producer.begin(s) for s in (1, 2, 3)] == [NEW] * 3
+    table.detach(first, now=0.0)
+    table.sweep(now=2.0)
+    assert b"p" * 16 not in table.windows
+    back = C()
+    table.attach(back, b"p" * 16)
+    assert [back.producer.begin(s) for s in (1, 3)] == [TOO_OLD, TOO_OLD]
+    assert back.producer.begin(4) == NEW and back.producer.begin(4) == DUPLICATE
+    table.detach(back, now=3.0)
+    others = [C() for _ in range(3)]  # evicting for room forgets the same way
+    for i, c in enumerate(others):
+        table.attach(c, bytes([i]) * 16)
+    assert b"p" * 16 not in table.windows
+    again = C()
+    table.attach(again, b"p" * 16)
+    assert again.producer.begin(4) == TOO_OLD and again.producer.begin(5) == NEW
+    assert len(table.forgotten) <= 2

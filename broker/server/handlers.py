@@ -179,7 +179,9 @@ def repeated(broker: Broker, client: Client, rec: Put, seq: int, verdict: int) -
                          "broker: a retry must wait for its outcome")
     else:
         raise ValueError(f"put sequence {seq} is older than this producer's last {WINDOW} "
-                         "sequences: the broker cannot tell whether it was stored")
+                         "sequences, or than its session the broker forgot (its connection "
+                         "was gone past the producer grace): the broker cannot tell whether "
+                         "it was stored")
 
 
 def get(broker: Broker, client: Client, rec: Get, frames: list) -> None:

@@ -13,11 +13,15 @@ A sequence is marked when its put is stored.  A put that waits for room (a full 
 the same sequence arriving meanwhile is refused, never acknowledged.  ``Producers`` keeps the
 windows of live sessions and, for ``grace`` seconds after a producer's last session ended, of
 departed ones; at most ``MAX_PRODUCERS`` windows (the departed that expire first go first).
+A forgotten window leaves its highest sequence behind (``Producers.forgotten``, as many): a
+producer that comes back gets a window whose sequences up to that one are ``TOO_OLD``, so that
+a late retry is refused rather than stored a second time.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 from zchannel.broker.core.sequences import WINDOW, SequenceBits
@@ -33,11 +37,12 @@ class ProducerWindow(SequenceBits):
     """The stored sequences of one producer among the last ``WINDOW`` (a bit each), and its
     puts that wait for room (see the module docstring)."""
 
-    __slots__ = ("producer", "pending", "sessions", "expires")
+    __slots__ = ("producer", "pending", "sessions", "expires", "floor")
 
-    def __init__(self, producer: bytes) -> None:
-        super().__init__()
+    def __init__(self, producer: bytes, floor: int = 0) -> None:
+        super().__init__(high=floor)
         self.producer = producer
+        self.floor = floor  # sequences up to this one were forgotten: TOO_OLD
         self.pending: dict[int, Parked] = {}  # sequence -> its put waiting for room
         self.sessions = 0  # clients using it now
         self.expires = 0.0  # with no session: when it is forgotten
@@ -50,7 +55,7 @@ class ProducerWindow(SequenceBits):
         if seq > self.high:
             self.mark(seq)
             return NEW
-        if seq <= self.high - WINDOW:
+        if seq <= self.high - WINDOW or seq <= self.floor:
             return TOO_OLD
         if self.pending and seq in self.pending:
             return WAITING
@@ -79,6 +84,8 @@ class Producers:
         self.grace = grace
         self.limit = limit
         self.windows: dict[bytes, ProducerWindow] = {}
+        # producer id -> the highest sequence of its forgotten window (oldest first)
+        self.forgotten: OrderedDict[bytes, int] = OrderedDict()
         self.duplicates = 0  # puts acknowledged without being stored again
 
     def attach(self, client: Client, producer: Any) -> None:
@@ -87,9 +94,10 @@ class Producers:
             return
         window = self.windows.get(producer)
         if window is None:
+            floor = self.forgotten.pop(producer, 0)  # before an eviction may push it out
             if len(self.windows) >= self.limit:
                 self._evict()
-            window = self.windows[producer] = ProducerWindow(producer)
+            window = self.windows[producer] = ProducerWindow(producer, floor)
         window.sessions += 1
         client.producer = window
 
@@ -119,7 +127,14 @@ class Producers:
         gone = [p for p, w in self.windows.items()
                 if w.sessions <= 0 and w.expires <= now and not w.pending]
         for producer in gone:
-            del self.windows[producer]
+            self._forget(self.windows.pop(producer))
+
+    def _forget(self, window: ProducerWindow) -> None:
+        """Drop ``window``, keeping its highest sequence (at most ``limit`` of them)."""
+        self.forgotten[window.producer] = window.high
+        self.forgotten.move_to_end(window.producer)
+        while len(self.forgotten) > self.limit:
+            self.forgotten.popitem(last=False)
 
     def _evict(self) -> None:
         """Room for one more window: the departed producer that expires first goes (with none
@@ -127,4 +142,4 @@ class Producers:
         departed = [w for w in self.windows.values() if w.sessions <= 0]
         victim = min(departed, key=lambda w: w.expires) if departed \
             else next(iter(self.windows.values()))
-        del self.windows[victim.producer]
+        self._forget(self.windows.pop(victim.producer))
