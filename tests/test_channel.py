@@ -77,6 +77,17 @@ def test_key_types(make):
     for bad in [True, 1.5, ["list"], None]:
         with pytest.raises((TypeError, ValueError)):
             ch.put(1, key=bad)
+    # the size limits: 1024 characters of a str, 1024 bytes, 64 bits, 64 parts, 4 levels
+    edge = ["s" * 1024, b"b" * 1024, 2**64 - 1, -(2**63), tuple(range(64)), ((((1,),),),)]
+    for key in edge:
+        ch.put("edge", key=key)
+        assert ch.get(key=key, timeout=10) == "edge"
+    for bad, error in (("s" * 1025, ValueError), (b"b" * 1025, ValueError), (2**64, ValueError),
+                       (-(2**63) - 1, ValueError), (tuple(range(65)), ValueError),
+                       ((((((1,),),),),), TypeError)):
+        with pytest.raises(error):
+            ch.put(1, key=bad)
+        assert ch.qsize() == 0
 
 
 def test_pending_get_does_not_swallow_other_reply(make):
@@ -599,6 +610,8 @@ def test_ack_redelivers_unacknowledged(make):
     assert again.item == "a" and again.lease_id != first.lease_id
     ch.ack(again)
     assert ch.stats()["leases"] == 0
+    with pytest.raises(ValueError):
+        ch.ack(first)  # its lease lapsed: the item was delivered again, not acknowledged
     ch.put("b")
     assert ch.get(timeout=5) == "b"
     with pytest.raises(ValueError):

@@ -25,6 +25,7 @@ from zchannel.broker.wire.codec import encode
 from zchannel.broker.wire.protocol import (
     MAX_FRAMES,
     MAX_HEADER_BYTES,
+    MAX_RECORDS,
     PROTOCOL_VERSION,
     pack_header,
 )
@@ -246,9 +247,18 @@ def _fuzz(channels, max_examples: int) -> int:
         sockets.append(sock)
     sockets[0].send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
     assert sockets[0].poll(10_000)
-    # the size limits, once each: an oversized header and one frame too many
+    # the size limits, once each: an oversized header, one frame too many, one record too many
     sockets[0].send_multipart([b"\x91" + b"\x00" * MAX_HEADER_BYTES])
     sockets[0].send_multipart([pack_header([{"op": "hb", "id": 0}])] + [b""] * (MAX_FRAMES + 1))
+    sockets[0].send_multipart([pack_header([{"op": "qsize", "id": 2 + i, "k": "x"}
+                                            for i in range(MAX_RECORDS + 1)])])
+    # none of them is answered; a well-formed request after them is
+    sockets[0].send_multipart([pack_header([{"op": "qsize", "id": 99_999, "k": "x"}])])
+    answered: list = []
+    while 99_999 not in answered:  # the hello's reply, heartbeats, then the last request's
+        assert sockets[0].poll(30_000), answered
+        answered += [rec.get("id") for rec in msgpack.unpackb(sockets[0].recv_multipart()[0])]
+    assert not [i for i in answered if i is not None and 2 <= i <= MAX_RECORDS + 2], answered
     state = {"sent": 0, "got": 0, "examples": 0}
 
     @settings(

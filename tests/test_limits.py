@@ -52,9 +52,9 @@ def test_limits_name_themselves_and_store_nothing(cli_broker):
             ch.get(key="c", timeout=0.1)
         assert ch.get(key="a") == 1  # existing keys still work
         ch.put(torch.zeros(30_000), key="a")  # 120 kB
-        with pytest.raises(asyncio.QueueFull):  # would pass max_bytes: waits like a full queue
+        with pytest.raises(asyncio.QueueFull, match="max_bytes"):  # waits like a full queue
             ch.put_nowait(torch.zeros(30_000), key="a")
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match="max_bytes"):
             ch.put(torch.zeros(30_000), key="a", timeout=0.2)
         assert ch.qsize("a") == 1
         ch.get(key="a")
