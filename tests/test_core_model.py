@@ -17,7 +17,8 @@ and, step by step, a reference written from the channel contract with plain list
   that would pass it is refused with a ``ValueError`` instead of waiting;
 - a getter with nothing in its private or the shared queue steals one item from the private
   queue the dispatcher's ``rebalance`` names;
-- a consumer's last handle leaving re-deals its private items; its unacknowledged deliveries
+- a consumer's last handle leaving re-deals its private items (the dispatcher may name it
+  again: they then wait for it to come back); its unacknowledged deliveries
   go back to the head of their queue, as do those whose lease lapsed;
 - deliveries that could not be sent (the handle's connection broke) go back to the head of the
   queue they came from, or are dealt again if that consumer is gone;
@@ -108,11 +109,13 @@ class Ref:
             return self.shared[key]
         return self.private[key].setdefault(consumer, [])
 
-    def target(self, item: tuple) -> str | None:
+    def target(self, item: tuple, departed: str | None = None) -> str | None:
+        """Where the dispatcher's choice sends ``item``: a present or declared consumer, or the
+        ``departed`` one whose items are dealt again (they wait for it), else the shared queue."""
         if not self.deals:
             return None
         to = item[1]
-        return to if to in self.consumers or to in DECLARED else None
+        return to if to in self.consumers or to in DECLARED or to == departed else None
 
     def depth(self, key: str) -> int:
         return len(self.shared[key]) + sum(len(q) for q in self.private[key].values())
@@ -244,7 +247,7 @@ class Ref:
         lease = self.leases.pop(seq)
         origin = lease["origin"]
         if origin is not None and origin not in self.consumers:
-            origin = self.target(lease["item"])
+            origin = self.target(lease["item"], origin)
         self.queue(lease["key"], origin).insert(0, lease["item"])
         self.serve(lease["key"])
 
@@ -291,7 +294,7 @@ class Ref:
         items = [self.items[s] for s in seqs]
         if origin is not None and origin not in self.consumers and origin not in DECLARED:
             for item in items:
-                self.queue(key, self.target(item)).append(item)
+                self.queue(key, self.target(item, origin)).append(item)
         else:
             self.queue(key, origin)[:0] = items
         self.serve(key)
@@ -326,7 +329,7 @@ class Ref:
         for key in KEYS:
             items = self.private[key].pop(consumer, [])
             for item in items:
-                self.queue(key, self.target(item)).append(item)
+                self.queue(key, self.target(item, consumer)).append(item)
             if items:
                 self.serve(key)
         self.admit()
