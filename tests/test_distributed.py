@@ -311,6 +311,9 @@ def test_stat_lists_each_replica_on_this_host(tcp_cluster):
     for i in range(3):
         row = rows[f"dist.replica{i}"]
         assert row["pid"] == reps.procs[i].pid and row["address"] == _address(path, i)
+    # each live replica's shared-memory probe (named by its lock) is its own, not stale
+    stale = [s for s in json.loads(out.stdout)["stale"] if s["name"].startswith("dist")]
+    assert stale == [], stale
 
 
 def test_broker_stop_stops_one_replica_by_its_name(tcp_cluster, monkeypatch):

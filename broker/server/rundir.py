@@ -135,18 +135,20 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
     found = _RunDirFiles.read(rd)
     names = found.names
     prefix = run_prefix(str(rd))
-    segments: dict[str, list[str]] = {}
+    # channel name -> its lock names (the channel's, or its replicas') -> their segments
+    segments: dict[str, dict[str, list[str]]] = {}
     for seg in list_segments(prefix):
-        names_part = seg[len(prefix):].split("+", 1)[0]
-        segments.setdefault(names_part, []).append(os.path.join(SHM_DIR, seg))
-        names.setdefault(names_part, [])
+        lock_name = seg[len(prefix):].split("+", 1)[0]
+        name = _channel_of(lock_name)
+        segments.setdefault(name, {}).setdefault(lock_name, []).append(os.path.join(SHM_DIR, seg))
+        names.setdefault(name, [])
     live: list[HostBroker] = []
     stale: list[StaleEntry] = []
     claimed: set[str] = set()  # socket files that belong to a known channel
     flocked = _flocked()
     for name in sorted(names):
         broker, leftover = _channel_files(name, sorted(names[name]), flocked, claimed,
-                                          segments.get(name, []))
+                                          segments.get(name, {}))
         if broker is not None:
             live.append(broker)
         if leftover.files:
@@ -193,9 +195,11 @@ class _RunDirFiles:
 
 
 def _channel_files(name: str, locks: list[str], flocked: set[int] | None, claimed: set[str],
-                   segments: list[str]) -> tuple[HostBroker | None, StaleEntry]:
+                   segments: dict[str, list[str]]) -> tuple[HostBroker | None, StaleEntry]:
     """Channel ``name``'s live broker (None: no lock of it is held) and its stale files;
-    the socket files its address names are added to ``claimed``."""
+    the socket files its address names are added to ``claimed``.  ``segments``: its
+    shared-memory segments by the lock name of the broker that made them (a replica's own):
+    those of a broker whose lock is held are live."""
     held = [lock for lock in locks if _held(lock, flocked)]
     address = paths.read_address(name) if paths.NAME_RE.match(name) else None
     own = set(_address_files(address))
@@ -205,11 +209,14 @@ def _channel_files(name: str, locks: list[str], flocked: set[int] | None, claime
     leftover = StaleEntry(name, live=bool(held))
     leftover.locks = [lock for lock in locks if lock not in held]
     leftover.files = [str(paths.lock_path(lock)) for lock in leftover.locks]
+    dead_segments = [seg for lock, segs in sorted(segments.items()) if lock not in held
+                     for seg in segs]
     if held:
+        leftover.files += dead_segments  # a replica that died while others serve
         return HostBroker(name, address, held), leftover
     if paths.addr_path(name).exists():
         leftover.files.append(str(paths.addr_path(name)))
-    leftover.files += sorted(own) + segments
+    leftover.files += sorted(own) + dead_segments
     return None, leftover
 
 
