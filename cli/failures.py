@@ -38,10 +38,14 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     return value
 
 
-def fail(message: str) -> None:
-    """Print ``error: MESSAGE`` (one line) on stderr and exit with status 2."""
+def fail(message: str, status: int = USAGE_STATUS) -> None:
+    """Print ``error: MESSAGE`` (one line) on stderr and exit with ``status`` (2 by default)."""
     click.echo(f"error: {' '.join(message.split())}", err=True)
-    sys.exit(USAGE_STATUS)
+    sys.exit(status)
+
+
+class CommandFailure(click.ClickException):
+    """A run that failed (not its usage): one line on stderr, and its own ``exit_code``."""
 
 
 class Cli(click.Group):
@@ -74,7 +78,8 @@ class Cli(click.Group):
                     exc.show()
                     sys.exit(exc.exit_code)
                 raise
-            fail(_click_message(exc))
+            fail(_click_message(exc),
+                 exc.exit_code if isinstance(exc, CommandFailure) else USAGE_STATUS)
         except EXPECTED as exc:
             if debug:
                 raise

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 
 import click
 import numpy as np
@@ -638,3 +640,18 @@ def test_a_channel_spread_over_several_brokers_moves_every_item(tmp_path):
     measured = run_channel_stream(case, None, str(tmp_path))  # checks every item (seqs)
     assert measured.items == 400 and measured.rss_peak is not None
     assert "server_cpu_us_item" in measured.extra
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_content_check_exits_1_from_the_zchannel_command():
+    """Through the ``zchannel`` group, as a user runs it: a corrupted item is status 1 (a
+    failed run), one line on stderr; status 2 stays for usage errors."""
+
+    cmd = [sys.executable, "-m", "zchannel.cli.main", "bench", "--scenario", "channel",
+           "--messages", "200", "--baseline", "none", "--repeat", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=50,
+                         env={**os.environ, CORRUPT_ENV: "17"})
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: content check failed"), out.stderr
+    bad = subprocess.run(cmd[:4] + ["nope"], capture_output=True, text=True, timeout=50)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

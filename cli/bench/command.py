@@ -44,12 +44,12 @@ from zchannel.cli.bench.targets import (
     run_shm_targets,
     run_targets,
 )
-from zchannel.cli.failures import output_file
+from zchannel.cli.failures import CommandFailure, output_file
 from zchannel.cli.shipped import ConfigFile
 
 
-class BenchFailure(click.ClickException):
-    """A run that must exit non-zero (a mismatch, a worker failure)."""
+class BenchFailure(CommandFailure):
+    """A run that must exit with status 1 (a mismatch, a worker failure)."""
 
     exit_code = 1
 
