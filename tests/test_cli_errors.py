@@ -134,7 +134,28 @@ def test_config_file_values_are_checked_too(tmp_path):
     config.write_text("[channel\n")
     out = _zchannel("broker", "--config", str(config))
     assert out.returncode == 2
-    _one_line(out.stderr)
+    assert f"{config} is not valid TOML" in _one_line(out.stderr)
+
+
+BENCH_CONFIGS = [
+    ('scenario = "nope"', "scenario = 'nope' in [bench] of"),
+    ("messages = -5", "messages = -5 in [bench] of"),
+    ('window = "wide"', "window = 'wide' in [bench] of"),
+    ("bench = 3", "must be a table"),
+    ("[bench", "is not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,message", BENCH_CONFIGS, ids=[b[0] for b in BENCH_CONFIGS])
+def test_bench_config_values_are_checked_as_the_options_are(tmp_path, text, message):
+    """A ``[bench]`` value gets the checks of its command-line option (type, choices, range):
+    one line naming the key and the file, status 2, nothing run."""
+    config = tmp_path / "bench.toml"
+    config.write_text(text if text.startswith(("[", "bench")) else f"[bench]\n{text}\n")
+    out = _zchannel("bench", "--config", str(config), "--baseline", "none", "--repeat", "1")
+    assert out.returncode == 2, out.stderr
+    line = _one_line(out.stderr)
+    assert message in line and (str(config) in line or "table" in line), line
 
 
 WRONG_TYPES = [

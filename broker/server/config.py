@@ -166,7 +166,10 @@ def check_types(fields: dict[str, Any]) -> None:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a broker TOML file into ``BrokerConfig`` fields; unknown keys are a ``ValueError``."""
     with open(path, "rb") as f:
-        data = tomllib.load(f)
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path} is not valid TOML: {exc}") from None
     fields: dict[str, Any] = {}
     unknown = set(data) - {"channel", "hooks", "options", "bench"}
     if unknown:

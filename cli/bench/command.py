@@ -81,8 +81,10 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
     if not path:
         return values
-    with open(path, "rb") as f:
-        table = tomllib.load(f).get("bench", {})
+    table = _toml(path).get("bench", {})
+    if not isinstance(table, dict):
+        raise click.BadParameter(f"[bench] of {path} must be a table")
+    params = {p.name: p for p in ctx.command.params}
     out = dict(values)
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
@@ -90,8 +92,22 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
         if key not in _OPTION_NAMES:
             raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
         if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
-            out[key] = value
+            param = params[key]
+            try:  # the checks of the command-line option: its type, choices and range
+                out[key] = param.type_cast_value(ctx, value)
+            except click.BadParameter as exc:
+                raise click.BadParameter(f"{raw_key} = {value!r} in [bench] of {path}: "
+                                         f"{exc.format_message()}") from None
     return out
+
+
+def _toml(path: str) -> dict[str, Any]:
+    """The tables of TOML file ``path``; a malformed one is a ``BadParameter`` naming it."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise click.BadParameter(f"{path} is not valid TOML: {exc}") from None
 
 
 def _checked_size(value: str) -> str:
@@ -111,8 +127,7 @@ def _restore_env(name: str, value: str | None) -> None:
 def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     """The ``[targets]`` table of ``--config`` if it has one, else of the default file."""
     if config_path:
-        with open(config_path, "rb") as f:
-            table = tomllib.load(f).get("targets")
+        table = _toml(config_path).get("targets")
         if table is not None:
             return parse_thresholds(table, config_path)
     return load_thresholds()
