@@ -333,7 +333,7 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
         channel.close()
     if as_json:
         if peeked is not None:
-            stats["peek"] = {"key": peeked[0], "items": [
+            stats["peek"] = {"key": key_label(peeked[0]), "items": [
                 {"weight": w, "summary": summarize(item)} for item, w in peeked[1]]}
         click.echo(json.dumps(_json_keys(stats), default=_jsonable, indent=2, sort_keys=True))
         return

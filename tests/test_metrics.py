@@ -144,6 +144,10 @@ def test_keys_that_print_alike_stay_apart(run_dir):
             assert out.returncode == 0, out.stderr
             assert f"peek      {label}: {n} of {n} item(s)" in out.stdout, out.stdout
             first = f"{key!r}-0"
+            peeked = json.loads(subprocess.run(
+                [*CLI, "stat", address, "--json", "--peek", label], capture_output=True,
+                text=True, timeout=60).stdout)["peek"]
+            assert peeked["key"] == label and len(peeked["items"]) == n
             assert repr(first) in out.stdout, out.stdout
         producer.close()
     finally:
