@@ -153,7 +153,8 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     if config.cluster is not None:
         remedy = (f"give the replicas CURVE keys (zchannel keygen --replicas N), or set "
                   f"insecure = true in [cluster] of {config.cluster}")
-    paths.check_bind_address(config.address or "ipc://", bool(config.curve_secret_key),
+    paths.check_bind_address(config.address or "ipc://",
+                             bool(config.curve_secret_key and config.curve_public_keys),
                              bool(config.insecure), remedy=remedy)
     try:
         sys.exit(run_broker(config))

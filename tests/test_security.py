@@ -275,3 +275,24 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
     os.rename(keys / "replica2.key_secret", tmp_path / "moved")
     with pytest.raises(ValueError, match="replica2.key_secret"):
         Channel.create("sec2", distributed=True, options={"cluster": str(path)})
+
+
+def test_a_secret_key_alone_encrypts_but_does_not_authenticate(keys):
+    """``--curve-secret-key`` without ``--curve-public-keys`` lets any client with a key pair
+    in: a non-loopback bind is refused as without CURVE (unless ``--insecure``), and a
+    loopback one is served with a warning saying so."""
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "half",
+                          "--address", "tcp://0.0.0.0:0", "--curve-secret-key", keys["server_sec"]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert "without CURVE keys (a secret key and the clients' public keys)" in out.stderr
+    assert "--curve-public-keys" in out.stderr
+    with pytest.raises(ValueError, match="the clients' public keys"):
+        Channel.create("half", address="tcp://0.0.0.0:0",
+                       curve_keys={"server_secret_key": keys["server_sec"],
+                                   "secret_key": keys["client_sec"],
+                                   "server_public_key": keys["server_pub"]})
+    proc, address = _start_broker("half", "--address", "tcp://127.0.0.1:0",
+                                  "--curve-secret-key", keys["server_sec"])
+    err = _stop(proc)
+    assert "uses CURVE without the clients' public keys" in err and "any client with a key pair" in err

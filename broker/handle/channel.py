@@ -125,8 +125,9 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     ``insecure``, the hooks importable by the child, the options msgpack-able)."""
     address = address or paths.default_address(name)
     server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
-    paths.check_bind_address(address, secure=bool(server_keys.get("server_secret_key")),
-                             insecure=insecure)
+    paths.check_bind_address(
+        address, secure=bool(server_keys.get("server_secret_key") and server_keys.get("public_keys")),
+        insecure=insecure)
     imports: list[str] = []
     config = {
         "name": name, "address": address, "maxsize": maxsize,

@@ -365,9 +365,11 @@ INSECURE_REMEDY = ("give curve_keys with a server_secret_key (zchannel keygen), 
 
 def check_bind_address(address: str, secure: bool, insecure: bool, *,
                        remedy: str = INSECURE_REMEDY) -> None:
-    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``; the error ends
-    with ``remedy``, in the terms of the caller's user (the Python arguments by default, the
-    command's flags for the CLI)."""
+    """Refuse a non-loopback tcp bind without CURVE keys unless ``insecure``; ``secure`` means
+    the broker authenticates its clients (its secret key and the directory of the clients'
+    public keys: a secret key alone encrypts, but lets any client with a key pair in).  The
+    error ends with ``remedy``, in the terms of the caller's user (the Python arguments by
+    default, the command's flags for the CLI)."""
     hp = tcp_host_port(address)
     if hp is None:
         if not address.startswith("ipc://"):
@@ -377,16 +379,23 @@ def check_bind_address(address: str, secure: bool, insecure: bool, *,
     if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
         if not (secure or insecure):
             raise ValueError(
-                f"refusing to bind {address} (not loopback) without CURVE keys: {remedy}")
+                f"refusing to bind {address} (not loopback) without CURVE keys (a secret key "
+                f"and the clients' public keys): {remedy}")
 
 
-def bind_warnings(address: str, secure: bool) -> list[str]:
+def bind_warnings(address: str, secure: bool, encrypted: bool = False) -> list[str]:
     """What a broker binding ``address`` warns about: a non-loopback tcp address without
-    CURVE (allowed by ``insecure``) or a loopback tcp address without CURVE (any local user
-    can connect); nothing for ipc or CURVE (``docs/security.md``)."""
+    CURVE (allowed by ``insecure``), a loopback tcp address without CURVE (any local user
+    can connect), and CURVE without the clients' public keys (``encrypted`` but not
+    ``secure``: any client with a key pair gets in); nothing for ipc or CURVE with the
+    clients' keys (``docs/security.md``)."""
     hp = tcp_host_port(address)
     if hp is None or secure:
         return []
+    if encrypted:
+        return [f"{address} uses CURVE without the clients' public keys (no "
+                "--curve-public-keys): traffic is encrypted, but any client with a key pair "
+                "can connect and put, get and read items"]
     host, _ = hp
     if host in ("*", "0.0.0.0", "::") or not is_loopback_host(host):
         return [f"{address} is bound without CURVE (insecure): anyone who can reach it can "

@@ -59,8 +59,9 @@ class Endpoint:
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve_broker.py)
         try:
             self.address = config.address or paths.default_address(config.name)
-            paths.check_bind_address(self.address, secure=bool(config.curve_secret_key),
-                                     insecure=config.insecure)
+            paths.check_bind_address(
+                self.address, secure=bool(config.curve_secret_key and config.curve_public_keys),
+                insecure=config.insecure)
         except BaseException:
             self.release_lock()
             raise
@@ -113,7 +114,9 @@ class Endpoint:
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
         self.token_file = paths.write_token_file(self._lock_name, self.address, token)
-        for warning in paths.bind_warnings(self.address, bool(self._auth)):
+        for warning in paths.bind_warnings(
+                self.address, bool(self._auth and self.config.curve_public_keys),
+                encrypted=bool(self._auth)):
             log.warning("%s", warning)
         return self.address
 
