@@ -125,12 +125,15 @@ def _restore_env(name: str, value: str | None) -> None:
 
 
 def _thresholds(config_path: str | None) -> dict[str, Threshold]:
-    """The ``[targets]`` table of ``--config`` if it has one, else of the default file."""
+    """The thresholds of the default file, those that ``[targets]`` of ``--config`` names
+    replaced by its own (so a partial table is checked before anything runs, and the rest keep
+    their defaults)."""
+    thresholds = load_thresholds()
     if config_path:
         table = _toml(config_path).get("targets")
         if table is not None:
-            return parse_thresholds(table, config_path)
-    return load_thresholds()
+            thresholds.update(parse_thresholds(table, config_path))
+    return thresholds
 
 
 @click.command()
