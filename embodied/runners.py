@@ -23,6 +23,7 @@ import asyncio
 import importlib
 import json
 import multiprocessing
+import sys
 import threading
 import time
 import traceback
@@ -60,7 +61,13 @@ ERRORS = "errors"
 
 
 class WorkerDied(RuntimeError):
-    """A worker the run cannot go on without has died or failed."""
+    """A worker the run cannot go on without has died or failed: the message names the worker
+    and its exception in one line; ``remote_traceback`` is the worker's traceback ("" when it
+    died without raising)."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
 
 
 @dataclass(frozen=True)
@@ -209,9 +216,12 @@ def _connect(name: str, identity: str | None = None) -> Any:
 
 
 def _report_error(names: dict, who: str) -> None:
+    """Tell the driver why worker ``who`` failed: the exception in one line, and its traceback."""
+    exc = sys.exc_info()[1]
     try:
         sync = _connect(names["sync"])
-        sync.put({"worker": who, "error": traceback.format_exc()}, key=ERRORS)
+        sync.put({"worker": who, "error": " ".join(f"{type(exc).__name__}: {exc}".split()),
+                  "traceback": traceback.format_exc()}, key=ERRORS)
         sync.close()
     except Exception:
         pass
@@ -251,6 +261,8 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
         loop.flush()  # decoupled: the last boundary part
         for ch in (requests, actions, sync):
             ch.close()
+    except KeyboardInterrupt:  # Ctrl-C reached the whole group: the driver ends the run
+        raise SystemExit(130) from None
     except BaseException:
         _report_error(names, f"env:{rank}")
         raise
@@ -274,6 +286,8 @@ def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> N
                   "weight_updates": rollout.weights.updates}, key="rollout_metrics")
         for ch in (requests, actions, trajectory, sync):
             ch.close()
+    except KeyboardInterrupt:  # Ctrl-C reached the whole group: the driver ends the run
+        raise SystemExit(130) from None
     except BaseException:
         _report_error(names, f"rollout:{rank}")
         raise
@@ -301,6 +315,8 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
             sync.put({k: v.clone() for k, v in policy.state_dict().items()}, key="final_weights")
         trajectory.close()
         sync.close()
+    except KeyboardInterrupt:  # Ctrl-C reached the whole group: the driver ends the run
+        raise SystemExit(130) from None
     except BaseException:
         _report_error(names, f"actor:{rank}")
         raise
@@ -565,7 +581,8 @@ def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfi
     except asyncio.QueueEmpty:
         error = None
     if error is not None:
-        raise WorkerDied(f"worker {error['worker']} failed:\n{error['error']}")
+        raise WorkerDied(f"worker {error['worker']} failed: {error['error']}",
+                         str(error.get("traceback", "")))
     for name, how in workers.dead().items():
         group, _, rank = name.partition(":")
         if group == "actor" and cfg.mode == "rollout" and int(rank) not in dead_actors:

@@ -4,6 +4,7 @@ faults end or survive a run as documented."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -94,6 +95,21 @@ def test_env_worker_death_ends_the_run_with_its_name():
 
     with pytest.raises(WorkerDied, match=r"env:1 died \(exit code -9\)"):
         run(cfg, kill=kill)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_raises_ends_the_run_with_one_line_naming_it():
+    """An env worker's exception ends the run: ``WorkerDied`` names the worker and the
+    exception in one line; the worker's traceback travels in ``remote_traceback``."""
+    cfg = RunConfig(env="gym:failenvs:FailsAfterSteps-v0", steps=3, seed=4)
+    with pytest.raises(WorkerDied) as err:
+        run(cfg)
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert re.fullmatch(r"worker env:\d failed: RuntimeError: the simulator lost its connection",
+                        message), message
+    assert "Traceback" in err.value.remote_traceback
+    assert "lost its connection" in err.value.remote_traceback
 
 
 def test_bad_runner_config_is_refused():
