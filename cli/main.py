@@ -193,7 +193,7 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
     import time
 
     from zchannel.broker import Channel
-    from zchannel.broker.server.rundir import process_running
+    from zchannel.broker.host.procs import process_running
 
     if paths.is_address(target):
         info: dict = {"address": target, "token": ""}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zchannel.broker.host import paths
+from zchannel.broker.host.procs import pid_alive
 from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
 from zchannel.broker.transport import direct_framing
 
@@ -95,28 +96,6 @@ def _held(lock_name: str, flocked: set[int] | None) -> bool:
 def _channel_of(lock_name: str) -> str:
     base, sep, index = lock_name.rpartition(_REPLICA)
     return base if sep and index.isdigit() else lock_name
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie included; another user's process included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def process_running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (exited, waiting to be reaped)."""
-    if not pid_alive(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _address_files(address: str | None) -> list[str]:

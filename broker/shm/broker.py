@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zchannel.broker.host.procs import process_running
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
@@ -78,23 +79,6 @@ def _keep(obj: Any) -> None:
     """A finalizer whose only job is to hold ``obj`` until it runs."""
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (``PermissionError``: it exists)."""
-    if pid <= 0:
-        return True  # not a process's pid: never taken for a dead creator
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def dead_creator_segments(prefix: str, known: Any, probe: str | None,
                           connected: set[int]) -> list[str]:
     """The segments in ``/dev/shm`` of ``prefix``, other than ``probe`` and those in ``known``,
@@ -105,7 +89,7 @@ def dead_creator_segments(prefix: str, known: Any, probe: str | None,
     for name in list_segments(prefix):
         m = _CREATOR_RE.match(name[len(prefix):])
         if (name != probe and name not in known and m and int(m.group(1)) not in connected
-                and not _pid_alive(int(m.group(1)))):
+                and not process_running(int(m.group(1)))):
             out.append(name)
     return out
 
@@ -243,7 +227,7 @@ class ShmBroker:
         """Remember the pid a proven client gives; one this process cannot see running (or none
         given) means clients in another pid namespace share this ``/dev/shm``: from then on no
         segment is taken for a dead producer's by the pid in its name (``sweep``)."""
-        if type(pid) is int and _pid_alive(pid) and pid > 0:
+        if type(pid) is int and pid > 0 and process_running(pid):
             self.client_pids[client] = pid
         elif not self.foreign_pids:
             self.foreign_pids = True
