@@ -142,6 +142,10 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         **flags,
     )
     paths.check_name(config.name)
+    given = [f"--{f.replace('_', '-')}" for f in ("fsync", "fsync_interval", "max_journal_bytes")
+             if flags.get(f) is not None]
+    if given and not config.journal:
+        raise click.UsageError(f"{', '.join(given)} set(s) the journal: give --journal DIR too")
     if config.cluster is not None or config.replica is not None:  # one replica of a cluster
         if config.cluster is None or config.replica is None:
             raise ValueError("--cluster FILE and --replica I go together")

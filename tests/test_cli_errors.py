@@ -227,3 +227,18 @@ def test_help_and_debug_tracebacks(monkeypatch):
     result = runner.invoke(cli, ["broker", "neg", "--maxsize", "-1"])
     assert isinstance(result.exception, ValueError)  # raised, for the traceback
     assert "maxsize must be an int >= 0" in str(result.exception)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["broker", "nojournal", "--fsync", "always"], "--fsync set(s) the journal: give --journal DIR"),
+    (["broker", "nojournal", "--max-journal-bytes", "100"], "--max-journal-bytes set(s) the journal"),
+    (["broker", "halfcurve", "--curve-public-keys", "."], "curve_public_keys (the clients' keys let "
+                                                          "in) needs the broker's own key pair"),
+    (["bench", "--scenario", "get_only", "--plot", "."], "--plot draws the scaling curves"),
+], ids=["fsync", "max-journal-bytes", "public-keys", "plot"])
+def test_options_that_would_do_nothing_are_refused(run_dir, args, message):
+    """An option whose companion is missing would be silently ignored: it is one line naming
+    what to add, status 2, and nothing starts."""
+    out = _zchannel(*args)
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert message in _one_line(out.stderr)

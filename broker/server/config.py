@@ -102,6 +102,9 @@ class BrokerConfig:
                              f"{self.types!r}")
         if self.journal is not None and (not isinstance(self.journal, str) or not self.journal):
             raise ValueError(f"journal must be a directory path, got {self.journal!r}")
+        if self.curve_public_keys and not self.curve_secret_key:
+            raise ValueError("curve_public_keys (the clients' keys let in) needs the broker's "
+                             "own key pair: give curve_secret_key (--curve-secret-key FILE) too")
 
 
 FSYNC_POLICIES = ("always", "interval", "never")

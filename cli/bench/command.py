@@ -280,6 +280,9 @@ def bench(
     base = _base_case(opts, config_path)
     _worker_environment(ctx, base)
     scenario = opts["scenario"]
+    if plot_dir is not None and scenario != "scaling":
+        raise click.UsageError(f"--plot draws the scaling curves: give --scenario scaling "
+                               f"(not {scenario})")
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
