@@ -47,7 +47,7 @@ from typing import Any
 
 import msgpack
 import zmq.auth
-from zchannel.broker.host.toml import tomllib
+from zchannel.broker.host.toml import read_toml
 
 ENV_CLUSTER = "ZCHANNEL_CLUSTER"
 ENV_NODE = "ZCHANNEL_NODE"
@@ -106,8 +106,7 @@ def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | N
 
 def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     """Read a cluster file; ``{name}`` in addresses is replaced by the channel ``name``."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    data = read_toml(path)
     unknown = set(data) - {"cluster", "replica"}
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zchannel.broker.host.toml import tomllib
+from zchannel.broker.host.toml import read_toml
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
@@ -168,11 +168,7 @@ def check_types(fields: dict[str, Any]) -> None:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a broker TOML file into ``BrokerConfig`` fields; unknown keys are a ``ValueError``."""
-    with open(path, "rb") as f:
-        try:
-            data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml(path)
     fields: dict[str, Any] = {}
     unknown = set(data) - {"channel", "hooks", "options", "bench"}
     if unknown:

@@ -15,7 +15,7 @@ from typing import Any
 import click
 import click.core
 from zchannel.broker import ChannelError
-from zchannel.broker.host.toml import tomllib
+from zchannel.broker.host.toml import read_toml
 from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
 from zchannel.cli.bench.durable import DURABLE_STEPS, run_durable_targets
@@ -81,7 +81,7 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
     if not path:
         return values
-    table = _toml(path).get("bench", {})
+    table = read_toml(path).get("bench", {})
     if not isinstance(table, dict):
         raise click.BadParameter(f"[bench] of {path} must be a table")
     params = {p.name: p for p in ctx.command.params}
@@ -99,15 +99,6 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
                 raise click.BadParameter(f"{raw_key} = {value!r} in [bench] of {path}: "
                                          f"{exc.format_message()}") from None
     return out
-
-
-def _toml(path: str) -> dict[str, Any]:
-    """The tables of TOML file ``path``; a malformed one is a ``BadParameter`` naming it."""
-    with open(path, "rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise click.BadParameter(f"{path} is not valid TOML: {exc}") from None
 
 
 def _checked_size(value: str) -> str:
@@ -130,7 +121,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     their defaults)."""
     thresholds = load_thresholds()
     if config_path:
-        table = _toml(config_path).get("targets")
+        table = read_toml(config_path).get("targets")
         if table is not None:
             thresholds.update(parse_thresholds(table, config_path))
     return thresholds

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from zchannel.broker.host.toml import tomllib
+from zchannel.broker.host.toml import read_toml
 from zchannel.cli.bench.cases import MIB, Case, bounded
 from zchannel.cli.bench.channel import (
     Target,
@@ -72,9 +72,7 @@ def parse_thresholds(table: Any, source: str) -> dict[str, Threshold]:
 def load_thresholds(path: str | Path | None = None) -> dict[str, Threshold]:
     """The ``[targets]`` table of ``path`` (default: ``default_targets_file()``)."""
     path = Path(path) if path else default_targets_file()
-    with open(path, "rb") as f:
-        table = tomllib.load(f).get("targets")
-    return parse_thresholds(table, str(path))
+    return parse_thresholds(read_toml(path).get("targets"), str(path))
 
 
 def _target(
