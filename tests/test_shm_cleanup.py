@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import exited, wait_until
 from zchannel.broker import Channel, shm
+from zchannel.broker.host import procs
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.wire.protocol import ShmHello
 
@@ -128,17 +129,26 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.parametrize("foreign", [False, True])
-def test_the_dead_producer_scan_trusts_only_pids_it_can_see(run_dir, foreign):
-    """A proven client whose pid this broker cannot see runs in another pid namespace sharing
-    ``/dev/shm``: pids in segment names then say nothing, and the broker removes no segment it
-    never heard of.  With every client's pid visible, a dead creator's segment goes."""
-    broker = ShmBroker(f"scan{int(foreign)}", run_dir, threshold=T, orphan_grace=0.0)
+@pytest.mark.parametrize("pid, pid_ns, foreign", [
+    ("own", "own", False),
+    ("dead", "own", False),  # the client exited before the broker read its hello
+    ("own", None, False),  # a client that cannot name its namespace, seen running
+    ("dead", None, True),  # ... not seen running: perhaps another namespace
+    ("own", "pid:[1]", True),  # another pid namespace
+])
+def test_the_dead_producer_scan_trusts_only_pids_it_can_see(run_dir, pid, pid_ns, foreign):
+    """A proven client of another pid namespace shares ``/dev/shm``: pids in segment names
+    then say nothing, and the broker removes no segment it never heard of.  With every
+    client's pid one of this namespace, a dead creator's segment goes, even when a client
+    had exited by the time the broker read its hello."""
+    broker = ShmBroker(f"scan{pid}{pid_ns}", run_dir, threshold=T, orphan_grace=0.0)
     client = _Client()
     path = os.path.join(shm.SHM_DIR, f"{broker.prefix}{_dead_pid()}-0123abcd")
+    ns = procs.pid_namespace() if pid_ns == "own" else pid_ns
+    assert procs.pid_namespace() is not None  # Linux: /proc names it
     try:
-        broker.handle(client, ShmHello(id=0, token=broker._token,
-                                       pid=_dead_pid() if foreign else os.getpid()))
+        broker.handle(client, ShmHello(id=0, token=broker._token, pid_ns=ns,
+                                       pid=_dead_pid() if pid == "dead" else os.getpid()))
         assert broker.foreign_pids is foreign
         with open(path, "wb") as f:
             f.write(b"\0" * 4096)

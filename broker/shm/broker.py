@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zchannel.broker.host.procs import process_running
+from zchannel.broker.host.procs import pid_namespace, process_running
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
@@ -206,7 +206,7 @@ class ShmBroker:
         if type(rec) is ShmHello:
             token = rec.token
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
-                self._note_pid(client, rec.pid)
+                self._note_pid(client, rec.pid, rec.pid_ns)
                 self.verified.add(client)
                 self.proven[client.address] = None
                 while len(self.proven) > PROVEN_ADDRESSES:
@@ -223,13 +223,23 @@ class ShmBroker:
                 mine.discard(hid)
                 self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
 
-    def _note_pid(self, client: Any, pid: Any) -> None:
-        """Remember the pid a proven client gives; one this process cannot see running (or none
-        given) means clients in another pid namespace share this ``/dev/shm``: from then on no
-        segment is taken for a dead producer's by the pid in its name (``sweep``)."""
-        if type(pid) is int and pid > 0 and process_running(pid):
-            self.client_pids[client] = pid
-        elif not self.foreign_pids:
+    def _note_pid(self, client: Any, pid: Any, pid_ns: Any) -> None:
+        """Remember the pid a proven client gives.  A client that names this process's pid
+        namespace sees the same pids: its pid is kept while it runs (one that has exited since
+        its hello is simply dead).  A client of another namespace, or one that cannot tell and
+        whose pid this process cannot see running, means clients whose pids are not this
+        process's share this ``/dev/shm``: from then on no segment is taken for a dead
+        producer's by the pid in its name (``sweep``)."""
+        if type(pid) is int and pid > 0:
+            mine = pid_namespace()
+            if mine is not None and pid_ns == mine:
+                if process_running(pid):
+                    self.client_pids[client] = pid
+                return
+            if pid_ns is None and process_running(pid):
+                self.client_pids[client] = pid
+                return
+        if not self.foreign_pids:
             self.foreign_pids = True
             log.info("a client's process id is not one this broker can see (another pid "
                      "namespace, or an older client): segments of killed producers that were "

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+from zchannel.broker.host.procs import pid_namespace
 from zchannel.broker.shm.pool import Pool, check_reserve
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
@@ -100,7 +101,8 @@ class ShmClient:
             return  # another host (or another /dev/shm): frames
         if len(data) < 24 or data[:8] != MAGIC:
             return
-        self.conn.send_unanswered(ShmHello(id=0, token=data[8:24], pid=os.getpid()), now=True)
+        self.conn.send_unanswered(ShmHello(id=0, token=data[8:24], pid=os.getpid(),
+                                              pid_ns=pid_namespace()), now=True)
         pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
         if self.reserved:  # a new session (broker restarted): reserve again, off this thread
             wanted = dict(self.reserved)

@@ -203,6 +203,7 @@ class Shutdown(Request, tag=SHUTDOWN):
 class ShmHello(Request, tag=SHM_HELLO):
     token: Any = field(default=None, name="tok")  # not bytes: no proof (unanswered)  # the probe segment's token
     pid: Any = field(default=None, name="cpid")  # the client's process id, as it sees it
+    pid_ns: Any = field(default=None, name="cpidns")  # its pid namespace (None: cannot tell)
 
 
 class ShmRelease(Request, tag=SHM_RELEASE):
