@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONSUMER_ID_RE = re.compile(r"^[A-Za-z0-9._-]+:\d+$")
+MAX_CONSUMER_ID = 256  # characters of a consumer id at most
 
 
 def consumer_sort_key(consumer_id: str) -> tuple[str, int]:
@@ -22,10 +23,13 @@ def consumer_sort_key(consumer_id: str) -> tuple[str, int]:
 
 def check_consumer_id(consumer_id: object) -> str:
     """Return ``consumer_id`` if it matches ``group:rank``, else raise ``ValueError``."""
-    if not isinstance(consumer_id, str) or not CONSUMER_ID_RE.match(consumer_id):
+    if (not isinstance(consumer_id, str) or len(consumer_id) > MAX_CONSUMER_ID
+            or not CONSUMER_ID_RE.match(consumer_id)):
+        shown = repr(consumer_id)
         raise ValueError(
-            f"invalid consumer id {consumer_id!r}: expected 'group:rank' "
-            "(group of [A-Za-z0-9._-], integer rank), e.g. 'actor:0'"
+            f"invalid consumer id {shown[:80] + '...' if len(shown) > 80 else shown}: expected "
+            f"'group:rank' (group of [A-Za-z0-9._-], integer rank; at most {MAX_CONSUMER_ID} "
+            "characters), e.g. 'actor:0'"
         )
     return consumer_id
 

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 import msgpack
 import numpy as np
+import pytest
 import zmq
+from conftest import wait_until
 from zchannel.broker import Channel
 from zchannel.broker.wire.codec import decode, encode
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
@@ -103,6 +105,31 @@ def test_hello_of_another_protocol_version_is_refused(channels):
         assert info["name"] == "version"
         raw.send([{"op": "qsize", "id": 5, "k": "q"}])
         assert raw.reply(5)[0] == {"id": 5, "r": 0}
+
+
+@pytest.mark.parametrize("dispatcher", [None, "round_robin"])
+def test_hello_with_an_invalid_consumer_id_is_refused(channels, dispatcher):
+    """A hello whose ``ident`` is a str but not ``group:rank`` (or too long) is refused with
+    an error naming the field and registers nothing; a consumer that joined before and then
+    falls silent still leaves the broker serving (its sorted roster never holds a bad id)."""
+    ch = Channel.create("idents", identity="actor:1",
+                        **({"dispatcher": dispatcher} if dispatcher else {}))
+    channels.append(ch)
+    with raw_client(ch, hello=False) as good, raw_client(ch, hello=False) as evil:
+        good.hello("actor:0")
+        good.send([{"op": "get", "id": 2, "k": "q", "nw": True}])
+        assert good.reply(2)[0]["e"][0] == "QueueEmpty"
+        for rid, ident in ((1, "evil"), (2, "actor:x"), (3, "a" * 300 + ":1")):
+            evil.send([{"op": "hello", "id": rid, "ident": ident, "v": PROTOCOL_VERSION}])
+            kind, message, _ = evil.reply(rid)[0]["e"]
+            assert kind == "ValueError"
+            assert "invalid consumer id" in message and "'ident' of hello" in message
+        evil.send([{"op": "get", "id": 4, "k": "q", "nw": True}])
+        assert evil.recv()[0] == [{"op": "expired"}]  # nothing was registered
+    # the consumer that joined is gone without a bye: it expires, the broker serves on
+    assert wait_until(lambda: ch.stats()["clients"] == 1, timeout=60)
+    ch.put("after", key="q")
+    assert ch.get(key="q", timeout=10) == "after"
 
 
 def test_hello_reply_units(channels):

@@ -62,6 +62,7 @@ from zchannel.broker.wire.protocol import (
     key_from_wire,
     op_of,
 )
+from zchannel.hooks import check_consumer_id
 
 if TYPE_CHECKING:  # the loop imports this module; the type alone goes back
     from zchannel.broker.server.loop import Broker
@@ -82,11 +83,18 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
             f"protocol version {version!r} is not supported: this broker speaks "
             f"version {PROTOCOL_VERSION} (field 'v' of hello)"))
         return broker.sessions.clients.get(address)
+    identity = rec.identity if isinstance(rec.identity, str) else None
+    if identity is not None:
+        try:
+            check_consumer_id(identity)
+        except ValueError as exc:
+            broker.sessions.reply(Client(address=address), rid, error=ValueError(
+                f"{exc} (field 'ident' of hello)"))
+            return broker.sessions.clients.get(address)
     broker.bound()[1].greeted(address)
     old = broker.sessions.clients.pop(address, None)
     if old is not None:
         broker.sessions.client_gone(old)
-    identity = rec.identity if isinstance(rec.identity, str) else None
     client = Client(address=address, identity=identity, items=rec.items)
     if broker.admin_keys and isinstance(head, zmq.Frame):
         user = head.get("User-Id")  # the CURVE key the ZAP handler let in (a str)

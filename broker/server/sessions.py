@@ -273,10 +273,14 @@ class Sessions:
     def client_gone(self, client: Client) -> None:
         """``client`` left or was ended: the core withdraws its requests and returns its leases,
         then the slots it held as a consumer are dropped (``ShmBroker.client_gone``), and its
-        producer window starts its grace period (``Producers.detach``)."""
-        self._core().client_gone(client)
-        self.shm.client_gone(client)
-        self.producers.detach(client)
+        producer window starts its grace period (``Producers.detach``).  Each step runs even
+        if one before it failed (logged): one client's end never stops the loop."""
+        for step in (self._core().client_gone, self.shm.client_gone, self.producers.detach):
+            try:
+                step(client)
+            except Exception:
+                log.exception("ending client %s: %s failed", client.address.hex(),
+                              getattr(step, "__qualname__", step))
 
     def direct_gone(self, peer: direct_broker.Peer) -> None:
         """A link closed (its process exited or was killed): the client is gone at once."""
