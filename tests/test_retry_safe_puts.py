@@ -517,3 +517,28 @@ def test_a_producer_back_after_its_window_was_forgotten_cannot_store_a_sequence_
     table.attach(again, b"p" * 16)
     assert again.producer.begin(4) == TOO_OLD and again.producer.begin(5) == NEW
     assert len(table.forgotten) <= 2
+
+
+def test_evicting_for_room_takes_the_first_departed_window_without_a_scan():
+    """At the limit, a new producer's window pushes out the departed window that expires first
+    (a reconnected one is live again and stays), kept in expiry order as they depart, so a
+    flood of new producer ids costs the broker the same per hello at any table size."""
+    class C:
+        producer = None
+
+    table = Producers(grace=5.0, limit=4)
+    clients = {i: C() for i in range(4)}
+    for i, c in clients.items():
+        table.attach(c, bytes([i]) * 16)
+    for t, i in enumerate((2, 0, 3, 1)):  # departure order: 2 expires first, then 0, 3, 1
+        table.detach(clients[i], now=float(t))
+    assert list(table.departed) == [bytes([i]) * 16 for i in (2, 0, 3, 1)]
+    table.attach(C(), bytes([0]) * 16)  # producer 0 back: live, no longer departed
+    assert list(table.departed) == [bytes([i]) * 16 for i in (2, 3, 1)]
+    for n in range(10, 13):
+        table.attach(C(), bytes([n]) * 16)
+    assert set(table.windows) == {bytes([i]) * 16 for i in (0, 10, 11, 12)}
+    assert table.departed == {}
+    assert table.windows[bytes([0]) * 16].sessions == 1
+    table.sweep(now=1e9)  # nothing departed: nothing forgotten
+    assert len(table.windows) == 4

@@ -84,6 +84,10 @@ class Producers:
         self.grace = grace
         self.limit = limit
         self.windows: dict[bytes, ProducerWindow] = {}
+        # the windows without a session, by producer id, in the order they expire (they all
+        # expire ``grace`` after their last session ended): eviction and sweeps take the
+        # first ones without scanning every window
+        self.departed: OrderedDict[bytes, ProducerWindow] = OrderedDict()
         # producer id -> the highest sequence of its forgotten window (oldest first)
         self.forgotten: OrderedDict[bytes, int] = OrderedDict()
         self.duplicates = 0  # puts acknowledged without being stored again
@@ -98,6 +102,8 @@ class Producers:
             if len(self.windows) >= self.limit:
                 self._evict()
             window = self.windows[producer] = ProducerWindow(producer, floor)
+        else:
+            self.departed.pop(producer, None)
         window.sessions += 1
         client.producer = window
 
@@ -111,6 +117,7 @@ class Producers:
             window = self.windows[producer] = ProducerWindow(producer)
             window.high, window.bits[:] = seen.high, seen.bits
             window.expires = expires
+            self.departed[producer] = window
 
     def detach(self, client: Client, now: float | None = None) -> None:
         """``client``'s session ended: its window is kept ``grace`` seconds after the last."""
@@ -121,12 +128,20 @@ class Producers:
         window.sessions -= 1
         if window.sessions <= 0:
             window.expires = (time.monotonic() if now is None else now) + self.grace
+            self.departed[window.producer] = window
+            self.departed.move_to_end(window.producer)
 
     def sweep(self, now: float) -> None:
-        """Forget the windows whose producer left more than ``grace`` seconds ago."""
-        gone = [p for p, w in self.windows.items()
-                if w.sessions <= 0 and w.expires <= now and not w.pending]
+        """Forget the windows whose producer left more than ``grace`` seconds ago (one with a
+        put still waiting for room stays until that put ends)."""
+        gone = []
+        for producer, window in self.departed.items():
+            if window.expires > now:
+                break
+            if not window.pending:
+                gone.append(producer)
         for producer in gone:
+            del self.departed[producer]
             self._forget(self.windows.pop(producer))
 
     def _forget(self, window: ProducerWindow) -> None:
@@ -139,7 +154,8 @@ class Producers:
     def _evict(self) -> None:
         """Room for one more window: the departed producer that expires first goes (with none
         departed, the oldest window: more live producers than the limit)."""
-        departed = [w for w in self.windows.values() if w.sessions <= 0]
-        victim = min(departed, key=lambda w: w.expires) if departed \
-            else next(iter(self.windows.values()))
-        self._forget(self.windows.pop(victim.producer))
+        if self.departed:
+            producer, _ = self.departed.popitem(last=False)
+        else:
+            producer = next(iter(self.windows))
+        self._forget(self.windows.pop(producer))
