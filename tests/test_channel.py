@@ -77,14 +77,18 @@ def test_key_types(make):
     for bad in [True, 1.5, ["list"], None]:
         with pytest.raises((TypeError, ValueError)):
             ch.put(1, key=bad)
-    # the size limits: 1024 characters of a str, 1024 bytes, 64 bits, 64 parts, 4 levels
-    edge = ["s" * 1024, b"b" * 1024, 2**64 - 1, -(2**63), tuple(range(64)), ((((1,),),),)]
+    # the size limits: 1024 characters of a str, 1024 bytes, 64 bits, 64 parts, 4 levels; a
+    # tuple key's parts and its str and bytes lengths counted in all, nested tuples' included
+    edge = ["s" * 1024, b"b" * 1024, 2**64 - 1, -(2**63), tuple(range(64)), ((((1,),),),),
+            (tuple(range(31)), tuple(range(31))), ("s" * 512, (b"b" * 512,))]
     for key in edge:
         ch.put("edge", key=key)
         assert ch.get(key=key, timeout=10) == "edge"
     for bad, error in (("s" * 1025, ValueError), (b"b" * 1025, ValueError), (2**64, ValueError),
                        (-(2**63) - 1, ValueError), (tuple(range(65)), ValueError),
-                       ((((((1,),),),),), TypeError)):
+                       ((((((1,),),),),), TypeError),
+                       ((tuple(range(32)), tuple(range(32))), ValueError),
+                       (("s" * 512, (b"b" * 513,)), ValueError)):
         with pytest.raises(error):
             ch.put(1, key=bad)
         assert ch.qsize() == 0

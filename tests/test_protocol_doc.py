@@ -221,6 +221,27 @@ def test_key_is_required(channels):
     assert ch.stats()["keys"] == {}
 
 
+def test_a_key_of_too_many_parts_in_all_is_refused_before_it_is_built(channels):
+    """A key nested within the depth limit, each tuple within 64 parts, but of 64**3 parts in
+    all (a 0.3 MB header) is refused at once with a ``ValueError``, for every keyed request;
+    the broker stores nothing and serves on."""
+    ch = Channel.create("widekey")
+    channels.append(ch)
+    wide = [[list(range(64))] * 64] * 64
+    with raw_client(ch) as raw:
+        for rid, op in enumerate(("get", "qsize", "full", "peek"), start=1):
+            raw.send([{"op": op, "id": rid, "k": wide, "nw": True}])
+            kind, message, _ = raw.reply(rid)[0]["e"]
+            assert kind == "ValueError" and "64 parts in all" in message, op
+        raw.send([{"op": "put", "id": 9, "k": wide, "b": encode(1)[0]}])
+        assert "64 parts in all" in raw.reply(9)[0]["e"][1]
+        raw.send([{"op": "puts", "id": 10, "p": [{"id": 11, "k": wide, "b": encode(1)[0]}]}])
+        assert "64 parts in all" in raw.reply(11)[0]["e"][1]
+    assert ch.stats()["keys"] == {}
+    ch.put("after", key=("a", ("b",)))
+    assert ch.get(key=("a", ("b",)), timeout=10) == "after"
+
+
 def test_malformed_inputs_dropped_or_answered(channels):
     """The table of docs/protocol.md: what is dropped, what gets an error reply."""
     ch = Channel.create("malformed")

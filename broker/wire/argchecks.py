@@ -18,6 +18,7 @@ from zchannel.hooks import check_consumer_id
 
 MAX_KEY_BYTES = 1024
 MAX_KEY_DEPTH = 4  # tuples in tuples
+MAX_KEY_PARTS = 64  # parts of a tuple key in all, those of the tuples inside it counted
 MAX_WEIGHT = 2**53
 MAX_PEEK = 1024
 MAX_TIMEOUT = sys.float_info.max  # any finite number of seconds
@@ -33,17 +34,27 @@ _KEY_WHY = ("keys are str, int, bytes or tuples of those, because True == 1 and 
             "would share a queue in a Python dict (as in RLinf) but not on the wire")
 
 
-def check_key(key: Any, _depth: int = 0) -> Any:
+def check_key(key: Any) -> Any:
     """Return ``key`` if it is a valid queue key (str, int, bytes or tuples of those); a
     subclass of one of those (a ``str``/``int`` Enum member, a named tuple) as its base value,
-    as an item travels, so that a key is the same on every path and in ``stats()``."""
+    as an item travels, so that a key is the same on every path and in ``stats()``.  A tuple
+    key holds at most ``MAX_KEY_PARTS`` parts in all (nested tuples' parts counted) and at
+    most ``MAX_KEY_BYTES`` characters and bytes of str and bytes parts in all."""
     if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
         return key
+    return _checked_key(key, 0, [MAX_KEY_PARTS, MAX_KEY_BYTES])
+
+
+def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
+    """``check_key`` of ``key`` at nesting ``depth``; ``left``: the parts and the str/bytes
+    length the whole key may still hold (both counted down here)."""
     if isinstance(key, bool):
         raise TypeError(f"a key may not be a bool: {_KEY_WHY}")
     if isinstance(key, (str, bytes)):
-        if len(key) > MAX_KEY_BYTES:
-            raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES})")
+        left[1] -= len(key)
+        if left[1] < 0:
+            raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES} characters "
+                             "and bytes of str and bytes parts in all)")
         if type(key) is str or type(key) is bytes:
             return key
         return str.__str__(key) if isinstance(key, str) else bytes(key)
@@ -51,10 +62,12 @@ def check_key(key: Any, _depth: int = 0) -> Any:
         if not -(2**63) <= key < 2**64:
             raise ValueError("an int key must fit in 64 bits")
         return key if type(key) is int else int.__int__(key)
-    if isinstance(key, tuple) and _depth < MAX_KEY_DEPTH:
-        if len(key) > 64:
-            raise ValueError("a tuple key may have at most 64 parts")
-        parts = [check_key(part, _depth + 1) for part in key]
+    if isinstance(key, tuple) and depth < MAX_KEY_DEPTH:
+        left[0] -= len(key)
+        if left[0] < 0:
+            raise ValueError(f"a tuple key may have at most {MAX_KEY_PARTS} parts in all "
+                             "(the parts of tuples inside it counted)")
+        parts = [_checked_key(part, depth + 1, left) for part in key]
         if type(key) is tuple and all(p is q for p, q in zip(parts, key, strict=True)):
             return key
         return tuple(parts)

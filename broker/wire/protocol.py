@@ -23,7 +23,13 @@ from typing import Annotated, Any, NamedTuple, cast
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType, field
-from zchannel.broker.wire.argchecks import MAX_KEY_DEPTH, MAX_PEEK, MAX_TIMEOUT, MAX_WEIGHT
+from zchannel.broker.wire.argchecks import (
+    MAX_KEY_DEPTH,
+    MAX_KEY_PARTS,
+    MAX_PEEK,
+    MAX_TIMEOUT,
+    MAX_WEIGHT,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -521,9 +527,21 @@ def unpack_replies(data: bytes, nframes: int) -> collections.abc.Sequence[Reply 
     return records
 
 
-def key_from_wire(value: Any, depth: int = 0) -> Any:
+def key_from_wire(value: Any) -> Any:
     """Keys travel as msgpack, tuples as arrays (a key is never a list): arrays become tuples,
-    down to the nesting a key may have (deeper arrays stay lists, which ``check_key`` refuses)."""
+    down to the nesting a key may have (deeper arrays stay lists, which ``check_key`` refuses).
+    ``ValueError`` as soon as the arrays hold more than ``MAX_KEY_PARTS`` elements in all,
+    before the rest is converted."""
+    if not isinstance(value, list):
+        return value
+    return _tuple_from_wire(value, 0, [MAX_KEY_PARTS])
+
+
+def _tuple_from_wire(value: Any, depth: int, left: list[int]) -> Any:
     if isinstance(value, list) and depth <= MAX_KEY_DEPTH:
-        return tuple(key_from_wire(v, depth + 1) for v in value)
+        left[0] -= len(value)
+        if left[0] < 0:
+            raise ValueError(f"a tuple key may have at most {MAX_KEY_PARTS} parts in all (the "
+                             "parts of tuples inside it counted)")
+        return tuple(_tuple_from_wire(v, depth + 1, left) for v in value)
     return value
