@@ -431,6 +431,21 @@ def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
     assert seg.states[held[0]] == shm.FREE  # the broker gave it back to the producer
 
 
+def test_a_leased_delivery_is_copied_out_so_a_redelivery_is_the_item_as_put(make_remote):
+    """A get with ``ack`` copies shared-memory slots out even with ``copy=False``: the broker
+    keeps the slot for a redelivery until the ack, so a writable view of it would turn what a
+    second consumer (or the journal) gets into what the first one wrote."""
+    ch = make_remote("leasedview", shm_threshold=T, lease_timeout=0.5)
+    ch.put(torch.full((T // 4,), 7.0))
+    got = ch.get(timeout=10, ack=True, copy=False)
+    got.item.fill_(-1.0)  # an owned copy: the slot the lease keeps is untouched
+    again = ch.get(timeout=30, ack=True)  # the lease lapses: the item comes again
+    assert again.lease_id != got.lease_id
+    assert torch.equal(again.item, torch.full((T // 4,), 7.0))
+    ch.ack(again)
+    assert wait_until(lambda: _shm_stats(ch)["slots_used"] == 0, timeout=30)
+
+
 def test_hooks_see_slot_views_and_outputs_stay_valid(make_remote):
     ch = make_remote("hooks", shm_threshold=T, collector="flatten_batch", dispatcher="round_robin",
                      consumers=["a:0"])

@@ -297,12 +297,17 @@ def _malformed(what: str) -> ProtocolError:
 
 
 def _get_converter(copy: bool | None, shm: Any = None, ack: bool = False) -> Convert:
+    # a leased delivery's slots are copied out even with copy=False: the broker keeps the
+    # slot for a redelivery (and a journal's compaction) until the ack, so a writable view of
+    # it would change what comes again
+    slot_copy = None if ack and copy is False else copy
+
     def convert(rec: Reply, frames: list[Any]) -> Any:
         sm = rec.slots  # shared-memory slots of the item (broker/shm/client.py)
         if (rec.lease is not None) is not ack:
             raise _lease_mismatch(ack)
         if sm and sm[0]:
-            item = shm.decode(sm[0], frames, copy)
+            item = shm.decode(sm[0], frames, slot_copy)
         elif rec.body is not UNSET:  # a small item inside its record
             body = rec.body
             if type(body) is not bytes or frames:
