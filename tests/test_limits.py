@@ -12,7 +12,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+import zmq
+from conftest import wait_until
 from zchannel.broker import Channel
+from zchannel.broker.server.outbox import MAX_REPLY_BYTES, Outbox
+from zchannel.broker.transport.direct_broker import MAX_QUEUED_MESSAGES
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, Reply, pack_header
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -143,3 +148,56 @@ def test_an_allow_list_of_numpy_dtypes_only_refuses_every_tensor(tmp_path, run_d
             with pytest.raises(ValueError):
                 ch.put(bad)
         assert ch.qsize() == 0
+
+
+def test_a_client_that_stops_reading_is_ended_and_the_broker_serves_on(channels):
+    """A client that sends requests but never reads the replies fills its pipe: past
+    ``MAX_QUEUED_MESSAGES`` reply messages the broker ends it (its sends fail at the high-water
+    mark) instead of queueing replies without bound, and serves everyone else."""
+    ch = Channel.create("nonreader")
+    channels.append(ch)
+    ch.put(b"x" * 1000, key="peeked")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+    try:
+        sock.send_multipart([pack_header([{"op": "hello", "id": 1, "v": PROTOCOL_VERSION}])])
+        assert wait_until(lambda: ch.stats()["clients"] == 2, timeout=30)
+        sent = 0
+        while ch.stats()["clients"] == 2:
+            for _ in range(100):  # a peek, then a round trip: the peek's reply is a message
+                sent += 1
+                sock.send_multipart([pack_header([{"op": "peek", "id": sent, "k": "peeked"}])])
+                ch.qsize("peeked")
+            assert sent < 20 * MAX_QUEUED_MESSAGES, "the broker kept queueing replies"
+        assert sent > MAX_QUEUED_MESSAGES
+        ch.put("after", key="q")
+        assert ch.get(key="q", timeout=10) == "after"
+        assert ch.qsize("peeked") == 1
+    finally:
+        sock.close()
+
+
+def test_a_reply_cut_into_messages_names_the_deliveries_of_each():
+    """Replies of one turn over ``MAX_REPLY_BYTES`` go as several messages; each knows its first
+    delivery, so a client that can take the first but not the second gets back only the items
+    of what it did not get (a requeue of every delivery would deliver the first ones twice)."""
+    class Frame(bytes):
+        """A frame as long as it says (its bytes are not what is measured here)."""
+
+        def __len__(self) -> int:
+            return MAX_REPLY_BYTES // 2 + 1
+
+    out = Outbox()
+    for i in range(3):
+        r0, f0 = len(out.records), len(out.frames)
+        out.records.append(Reply(id=i))
+        out.frames.append(Frame())
+        out.record_added(r0, f0)
+        out.deliveries.append(("client", "origin", [i], None))
+    messages = out.messages()
+    assert [(len(r), len(f), first) for r, f, first in messages] == [(1, 1, 0), (1, 1, 1),
+                                                                      (1, 1, 2)]
+    assert [d[2] for d in out.deliveries[messages[1][2]:]] == [[1], [2]]

@@ -75,7 +75,7 @@ class Endpoint:
         sock = self.sock = ctx.socket(zmq.ROUTER)
         peers = self.peers = Peers(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, direct_broker.MAX_QUEUED_MESSAGES)  # a client not reading
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         if self.config.max_message_bytes:

@@ -14,7 +14,8 @@ MAX_REPLY_BYTES = 64 << 20
 
 class Outbox:
     """The replies of one turn for one client, sent as few messages as ``MAX_REPLY_BYTES``
-    allows (``cuts``: where a new message starts, as record and frame indices)."""
+    allows (``cuts``: where a new message starts, as record, frame and delivery indices: the
+    deliveries of a message are those its records made)."""
 
     __slots__ = ("records", "frames", "deliveries", "cuts", "nbytes")
 
@@ -22,26 +23,28 @@ class Outbox:
         self.records: list[Reply] = []
         self.frames: list[Any] = []
         self.deliveries: list[tuple] = []
-        self.cuts: list[tuple[int, int]] = []
+        self.cuts: list[tuple[int, int, int]] = []
         self.nbytes = 0  # frame bytes since the last cut
 
     def record_added(self, r0: int, f0: int) -> None:
-        """A reply record was added at ``records[r0]`` with its frames from ``frames[f0]`` on:
-        it starts a new message if the current one would exceed ``MAX_REPLY_BYTES``."""
+        """A reply record was added at ``records[r0]`` with its frames from ``frames[f0]`` on
+        (its delivery, if any, not added yet): it starts a new message if the current one
+        would exceed ``MAX_REPLY_BYTES``."""
         nbytes = sum(len(f) for f in self.frames[f0:])
         if self.nbytes and self.nbytes + nbytes > MAX_REPLY_BYTES:
-            self.cuts.append((r0, f0))
+            self.cuts.append((r0, f0, len(self.deliveries)))
             self.nbytes = 0
         self.nbytes += nbytes
 
-    def messages(self) -> list[tuple[list[Reply], list]]:
-        """``(records, frames)`` of each message to send."""
+    def messages(self) -> list[tuple[list[Reply], list, int]]:
+        """``(records, frames, first)`` of each message to send: ``first``, the index of its
+        first delivery (those before it were made by the messages before it)."""
         if not self.cuts:
-            return [(self.records, self.frames)]
-        out: list[tuple[list[Reply], list]] = []
-        r0, f0 = 0, 0
-        for r1, f1 in self.cuts:
-            out.append((self.records[r0:r1], self.frames[f0:f1]))
-            r0, f0 = r1, f1
-        out.append((self.records[r0:], self.frames[f0:]))
+            return [(self.records, self.frames, 0)]
+        out: list[tuple[list[Reply], list, int]] = []
+        r0, f0, d0 = 0, 0, 0
+        for r1, f1, d1 in self.cuts:
+            out.append((self.records[r0:r1], self.frames[f0:f1], d0))
+            r0, f0, d0 = r1, f1, d1
+        out.append((self.records[r0:], self.frames[f0:], d0))
         return out

@@ -244,23 +244,34 @@ class Sessions:
                 journal.commit()
             out_all, self._out = self._out, {}
             for address, out in out_all.items():
-                if all(self._send(address, records, frames) for records, frames in out.messages()):
+                unsent = self._send_outbox(address, out)
+                if unsent is None:
                     continue
-                if self._end_client(address, out) is not None:
-                    log.info("client went away before its reply was sent; its items were requeued")
+                if self._end_client(address, out.deliveries[unsent:]) is not None:
+                    log.info("client went away or stopped reading before its reply was sent; "
+                             "the items of its unsent replies were requeued")
         if journal is not None:
             journal.sent()
 
+    def _send_outbox(self, address: bytes, out: Outbox) -> int | None:
+        """Send the messages of ``out`` in order; None when all went, else the index of the
+        first delivery of the first message that could not go."""
+        for records, frames, first in out.messages():
+            if not self._send(address, records, frames):
+                return first
+        return None
+
     # -- ending clients ----------------------------------------------------------------------
 
-    def _end_client(self, address: bytes, out: Outbox | None) -> Client | None:
-        """``address`` cannot be reached: the deliveries of ``out`` that were not sent go back
-        to their queues first, then the client ends (its leases, parked requests, holds)."""
+    def _end_client(self, address: bytes, unsent: list[tuple]) -> Client | None:
+        """``address`` cannot be reached: the ``unsent`` deliveries (of replies that did not
+        go) go back to their queues first, then the client ends (its leases, parked
+        requests, holds)."""
         client = self.clients.pop(address, None)
         self.last_sent.pop(address, None)
-        if out is not None:  # the last first: each goes back in front of the ones after it
-            for c, origin, items, lease in reversed(out.deliveries):
-                self._core().requeue(c, origin, items, lease)
+        # the last first: each goes back in front of the ones after it
+        for c, origin, items, lease in reversed(unsent):
+            self._core().requeue(c, origin, items, lease)
         if client is not None:
             self.client_gone(client)
         return client
@@ -286,7 +297,8 @@ class Sessions:
         """A link closed (its process exited or was killed): the client is gone at once."""
         if self.peers is not None:
             self.peers.drop(peer)
-        self._end_client(peer.address, self._out.pop(peer.address, None))
+        out = self._out.pop(peer.address, None)
+        self._end_client(peer.address, out.deliveries if out is not None else [])
 
     # -- heartbeats and expiry -----------------------------------------------------------------
 

@@ -26,6 +26,12 @@ READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at 
 # that chose one of this form is refused (``is_link_address``), so that it cannot speak as a link.
 ADDRESS_PREFIX = b"\x00D"
 ADDRESS_BYTES = len(ADDRESS_PREFIX) + 8
+# Messages the broker queues for one client that does not read them, at most (over ZeroMQ the
+# ROUTER's SNDHWM, over a direct link ``Peer.send``): past it the client is ended and the
+# items of its unsent replies go back to their queues.  A zchannel client reads all the time
+# and has at most 1,024 requests outstanding (each answered in one message at most), so only
+# a client that stopped reading gets there.
+MAX_QUEUED_MESSAGES = 2048
 
 
 def is_link_address(routing_id: bytes) -> bool:
@@ -36,7 +42,8 @@ def is_link_address(routing_id: bytes) -> bool:
 class Peer:
     """The broker's end of one direct link."""
 
-    __slots__ = ("sock", "fd", "address", "reader", "out", "since", "greeted")
+    __slots__ = ("sock", "fd", "address", "reader", "out", "since", "greeted", "ends",
+                 "queued", "written")
 
     def __init__(self, sock: socket.socket, address: bytes, reader: Reader) -> None:
         self.sock = sock
@@ -46,12 +53,20 @@ class Peer:
         self.out: deque = deque()  # bytes not yet written (the socket was full)
         self.since = time.monotonic()  # accepted then
         self.greeted = False  # it said hello (a link that never does is closed after expiry)
+        # where each message not yet written whole ends, in bytes queued since the link began
+        self.ends: deque[int] = deque()
+        self.queued = self.written = 0  # bytes queued, bytes written, since the link began
 
     def send(self, parts: list) -> bool:
-        """Queue one message and write what the socket takes now; False if the peer is gone."""
+        """Queue one message and write what the socket takes now; False if the peer is gone,
+        or if ``MAX_QUEUED_MESSAGES`` messages already wait for it (it stopped reading)."""
         bufs, total = iovec(parts)
+        self.queued += total
         if self.out:
+            if len(self.ends) >= MAX_QUEUED_MESSAGES:
+                return False
             self.out.extend(bufs)
+            self.ends.append(self.queued)
             return True
         try:
             n = os.writev(self.fd, bufs[:IOV_MAX])
@@ -59,9 +74,11 @@ class Peer:
             n = 0
         except OSError:
             return False
+        self.written += n
         if n < total:
             self.out.extend(bufs)
             advance(self.out, n)
+            self.ends.append(self.queued)
         return True
 
     def write_out(self) -> bool:
@@ -74,6 +91,10 @@ class Peer:
             except OSError:
                 return False
             advance(self.out, n)
+            self.written += n
+            ends = self.ends
+            while ends and ends[0] <= self.written:
+                ends.popleft()
         return True
 
 
