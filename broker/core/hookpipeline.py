@@ -168,8 +168,8 @@ class HookPipeline:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "collector": _hook_name(self.collector),
-            "dispatcher": _hook_name(self.dispatcher),
+            "collector": hook_name(self.collector),
+            "dispatcher": hook_name(self.dispatcher),
             "collector_stats": _safe_stats(self.collector),
             "dispatcher_stats": _safe_stats(self.dispatcher),
         }
@@ -183,7 +183,9 @@ def hook_error(exc: BaseException) -> HookError:
     return HookError(f"{type(exc).__name__}: {exc}", type(exc).__name__, tb)
 
 
-def _hook_name(hook: Any) -> str:
+def hook_name(hook: Any) -> str:
+    """The name of ``hook`` as ``stats()`` shows it: its class's ``hook_name`` (a registered
+    hook), else ``module:qualname``."""
     return getattr(type(hook), "hook_name", None) or f"{type(hook).__module__}:{type(hook).__qualname__}"
 
 

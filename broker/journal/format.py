@@ -33,12 +33,15 @@ type          body
 
 Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record; this code reads both
 and writes version 2.  A reader of version 1 refuses a version-2 segment by its magic (it
-does not skip records it does not know: it would take them for torn data).
+does not skip records it does not know: it would take them for torn data).  This reader
+yields a record of a type it does not know, whose checksum matches, like any other (recovery
+skips it).
 
 The checksum is CRC-32C (the ``crc32c`` package: hardware instructions, GB/s) when that is
 installed, else zlib's CRC-32; the preamble says which, and a reader without ``crc32c`` refuses
 a CRC-32C journal with an error that says so.  A record whose header runs past the end of the
-file, or whose checksum does not match, is *torn*: the data of its segment end before it.
+file, or whose checksum does not match, is *torn*: the data of its segment end before it.  So
+is a zero header (where the data end) with bytes other than zeros after it.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ MAX_BODY = (1 << 32) - 1
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
 END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT = range(10)
 RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT}
-_TYPE_BYTE = tuple(bytes((t,)) for t in range(INPUT_OUT + 1))
+_TYPE_BYTE = tuple(bytes((t,)) for t in range(256))  # what each type's checksum starts with
+ZEROS_CHECKED = 1 << 20  # the bytes after the data are checked for zeros this much at a time
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
 PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 
@@ -233,16 +237,18 @@ class Scan:
 
 
 def records(data: memoryview, crc_of: Checksum, start: int, scan: Scan) -> Iterator[tuple[int, memoryview]]:
-    """The ``(type, body)`` records of a segment's ``data`` from ``start`` on; ``scan`` says
-    where they end and whether a torn record was found there."""
+    """The ``(type, body)`` records of a segment's ``data`` from ``start`` on, of any type
+    (``RECORD_TYPES`` are the ones this version writes); ``scan`` says where they end and
+    whether a torn record was found there."""
     pos, size = start, len(data)
     scan.end = pos
     while pos + HEADER.size <= size:
         body_len, crc, rtype = HEADER.unpack_from(data, pos)
         if rtype == END and body_len == 0 and crc == 0:
-            return  # the zeros after the last record
+            scan.torn = not all_zeros(data[pos:size])  # the zeros after the last record?
+            return
         end = pos + HEADER.size + body_len
-        if rtype not in RECORD_TYPES or end > size:
+        if end > size:
             scan.torn = True
             return
         body = data[pos + HEADER.size : end]
@@ -252,5 +258,14 @@ def records(data: memoryview, crc_of: Checksum, start: int, scan: Scan) -> Itera
         yield rtype, body
         pos = end
         scan.end = pos
-    if pos < size and any(data[pos:size]):
+    if pos < size and not all_zeros(data[pos:size]):
         scan.torn = True  # a header cut short
+
+
+def all_zeros(data: memoryview) -> bool:
+    """Whether ``data`` holds only zero bytes (read ``ZEROS_CHECKED`` bytes at a time)."""
+    for at in range(0, len(data), ZEROS_CHECKED):
+        chunk = data[at : at + ZEROS_CHECKED].tobytes()
+        if chunk.count(0) != len(chunk):
+            return False
+    return True

@@ -72,6 +72,7 @@ class LiveSet:
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
         self.nbytes = 0
+        self.removed = 0  # records forgotten so far (a copy moved by ``move`` is none)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -99,10 +100,20 @@ class LiveSet:
             seg.live -= 1
             seg.live_bytes -= nbytes
             self.nbytes -= nbytes
+            self.removed += 1
+
+    def move(self, jid: int, seg: SegmentFile, nbytes: int) -> None:
+        """The record of ``jid`` was copied to ``seg`` (``nbytes``): the copy counts from here
+        on, the old record no more (compaction; not a removal)."""
+        old_seg, old_nbytes, key, item = self.entries.pop(jid)
+        old_seg.live -= 1
+        old_seg.live_bytes -= old_nbytes
+        self.nbytes -= old_nbytes
+        self.add(jid, seg, nbytes, key, item)
 
     def forget_all(self, jids: list[int]) -> None:
         """``forget`` each of ``jids`` (a loop turn's removals)."""
-        pop, gone = self.entries.pop, 0
+        pop, gone, count = self.entries.pop, 0, 0
         for jid in jids:
             entry = pop(jid, None)
             if entry is not None:
@@ -110,7 +121,9 @@ class LiveSet:
                 seg.live -= 1
                 seg.live_bytes -= nbytes
                 gone += nbytes
+                count += 1
         self.nbytes -= gone
+        self.removed += count
 
     def in_segment(self, seg: SegmentFile) -> Iterator[tuple[int, Entry]]:
         """The entries in ``seg`` when it is the oldest segment (they come first)."""

@@ -16,12 +16,15 @@ writes (``journal/format.py``):
   every segment, so that older segments are never needed for them: ``producers`` holds the put
   sequences of each producer whose puts were recorded (each ``PUT`` record carries its put's
   producer and sequence: ``journal/sequences.py``), which a broker started again on the
-  journal knows as stored (retry-safe puts across a restart).
+  journal knows as stored (retry-safe puts across a restart); ``collector`` names the
+  collector the broker runs (``journal/collectors.py``), which a broker started again on
+  inputs it holds must run too.
 
 Segments are removed oldest first, once every item they hold has left; an old segment that
 keeps a few items while the journal grows past twice what its items take has them copied to
-the end (``_compact``), so the disk used stays within about twice the bytes the channel holds
-plus three segments (``docs/durability.md``).
+the end (``_compact``, when ``journal/compaction.py`` says it frees space), so the disk used
+stays within about twice the bytes the channel holds plus three segments
+(``docs/durability.md``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from zchannel.broker.core.statelog import Output
 from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.batch import PutBatch
+from zchannel.broker.journal.collectors import TABLE_NAME as COLLECTOR_TABLE
+from zchannel.broker.journal.collectors import check_collector
+from zchannel.broker.journal.compaction import COMPACT_BYTES_PER_TICK, Compaction
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
 from zchannel.broker.journal.segments import JournalDir, SegmentFile
@@ -48,7 +54,6 @@ from zchannel.broker.journal.syncing import JournalFailed
 log = logging.getLogger("zchannel.journal")
 
 PUT_OVERHEAD = 64  # bytes a put record adds to its item, about (header, meta)
-COMPACT_BYTES_PER_TICK = 16 << 20  # items copied by one ``_compact`` at most
 
 
 @dataclass
@@ -61,6 +66,8 @@ class JournalSettings:
     fsync_interval: float = 0.01
     max_bytes: int = 0  # max_journal_bytes: puts wait while the journal would pass it (0: none)
     segment_bytes: int = SEGMENT_BYTES
+    # the collector the broker runs (``collectors.collector_identity``; None: not known)
+    collector: dict[str, str] | None = None
 
 
 class Journal:
@@ -90,7 +97,9 @@ class Journal:
         self._leases: list[int] = []
         self.on_room: Callable[[], None] | None = None  # puts may fit again (segments went)
         self.sequences = StoredSequences()  # the put sequences recorded, per producer
-        self._tables: dict[str, Callable[[], dict]] = {TABLE_NAME: self._sequences}
+        self._tables: dict[str, Callable[[], dict]] = {TABLE_NAME: lambda: self.sequences.snapshot()}
+        if settings.collector is not None:  # the collector its held inputs belong to
+            self._tables[COLLECTOR_TABLE] = lambda: dict(settings.collector or {})
         self.recovered: Recovered | None = None
         self.recovered_items = 0
         self.redelivered = 0
@@ -99,6 +108,7 @@ class Journal:
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.tables = self._table_records
         self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
+        self.compaction = Compaction()
 
     # -- start -------------------------------------------------------------------------------
 
@@ -107,7 +117,9 @@ class Journal:
         items still the channel's, grouped by key (whatever private queue held them), each
         group in put order."""
         started = time.monotonic()
-        rec = self.recovered = read_journal(self.dir)
+        rec = self.recovered = read_journal(self.dir, self.settings.fsync == "always")
+        check_collector(rec.tables.get(COLLECTOR_TABLE), self.settings.collector,
+                        len(rec.inputs), self.settings.name, self.dir.path)
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
@@ -147,9 +159,6 @@ class Journal:
         return [fmt.record(crc, fmt.TABLE,
                            fmt.pack([name, True, [[k, v] for k, v in snapshot().items()]]))
                 for name, snapshot in self._tables.items()]
-
-    def _sequences(self) -> dict:
-        return self.sequences.snapshot()
 
     # -- StateLog ----------------------------------------------------------------------------
 
@@ -372,35 +381,34 @@ def _input_type(sequences: StoredSequences, item: Item, outputs: int = 1) -> int
 
 
 def _compact(journal: Journal) -> int:
-    """Copy the records of the oldest segment still needed (items, a collector's inputs)
-    to the end when the journal takes more than twice their bytes plus two segments, so
-    that segment can go; the bytes copied."""
-    store = journal.store
-    if len(store.segments) < 3:
-        return 0
-    needed = journal.live.nbytes + journal.inputs.nbytes
-    limit = journal.settings.max_bytes
-    if store.disk_bytes <= 2 * needed + 2 * store.segment_bytes \
-            and not (limit and store.disk_bytes > limit * 3 // 4):
+    """Copy the records of the oldest segment still needed (items, a collector's inputs) to
+    the end, at most ``COMPACT_BYTES_PER_TICK``, when ``Compaction.due`` says it frees space,
+    so that segment can go; the bytes copied."""
+    store, live, inputs = journal.store, journal.live, journal.inputs
+    removals = live.removed + inputs.removed
+    if not journal.compaction.due(store, live.nbytes + inputs.nbytes,
+                                  journal.settings.max_bytes, removals):
         return 0
     oldest = store.segments[0]
     copied = 0
-    for held in (journal.live, journal.inputs):
+    for held in (live, inputs):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
-            rtype = fmt.PUT if held is journal.live else _input_type(journal.sequences, item)
+            rtype = fmt.PUT if held is live else _input_type(journal.sequences, item)
             parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
             try:
                 new = journal._append(parts, nbytes)
             except JournalError:
+                journal.compaction.stalled(removals)
                 break
-            held.forget(jid)
-            held.add(jid, new, nbytes, key, item)
+            held.move(jid, new, nbytes)
             copied += nbytes
     if copied:
         store.sync_now()  # the copies are on disk before the originals go
+    before = len(store.segments)
     journal._drop_dead()
+    journal.compaction.copied(copied, before - len(store.segments))
     return copied
 
 
@@ -425,5 +433,7 @@ def _stats(journal: Journal) -> dict[str, Any]:
         "redelivered": journal.redelivered,
         "recovery_s": round(journal.recovery_s, 3),
         "refused": journal.refused,
+        "compacted_bytes": journal.compaction.copied_bytes,
+        "compacted_segments": journal.compaction.segments_freed,
         "failed": None if store.failed is None else str(store.failed),
     }

@@ -8,11 +8,21 @@ as copies (small ones).  What the segments may hold, and what recovery does with
 - a zero-length file, one shorter than its first record, or one whose first record is all
   zeros (a broker died while making it, between preallocating and writing it): removed, it
   held nothing;
-- a torn record (a broker or the machine died while it was written): that segment's data end
-  before it — nothing acknowledged can be there, since a reply waits for its record
-  (``docs/durability.md``) — logged with the bytes dropped, and the file trimmed;
-- a file of this journal's name whose first record names another channel, or that is not a
-  segment at all: ``JournalFormatError`` naming the file; the broker does not start on it.
+- a torn record (a broker or the machine died while it was written) in the last segment that
+  holds records: the data end before it — nothing acknowledged can be there, since a reply
+  waits for its record (``docs/durability.md``) — logged with the bytes dropped, and the file
+  trimmed;
+- a torn or damaged record in any other segment (records of later segments were written
+  after it): with ``fsync="always"`` damage (every record was synced before its reply):
+  ``JournalFormatError`` naming the file and the offset, nothing is trimmed and the broker
+  does not start on it; with ``interval`` or ``never`` what a crash of the machine left of
+  records not synced yet: trimmed there as the last segment is, and the error logged;
+- a record of a type this version does not know, whose checksum matches (a later version
+  wrote it): skipped, and logged;
+- a file of this journal's name whose first record names another channel, that is not a
+  segment at all, or that is not a regular file (a directory, a symbolic link, a FIFO...), or
+  that cannot be read: ``JournalFormatError`` naming the file and the channel; the broker
+  does not start on it.
 """
 
 from __future__ import annotations
@@ -20,7 +30,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,31 +61,126 @@ class Recovered:
     max_jid: int = 0
     bytes_read: int = 0
     dropped_bytes: int = 0  # torn data after the last good record of a segment
+    unknown_records: int = 0  # records of a type this version does not know (skipped)
     removed_files: int = 0  # empty or unfinished segments
 
 
-def read_journal(jdir: JournalDir) -> Recovered:
-    """Read every segment of ``jdir`` in order (see the module docstring)."""
+def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
+    """Read every segment of ``jdir`` in order (see the module docstring).  A torn or damaged
+    record in a segment that later segments follow stops the start (``JournalFormatError``)
+    when the journal is written with ``fsync="always"`` (``synced_always``: every record was on
+    disk before its reply, so such a record is damage, not a crash); with ``interval`` or
+    ``never`` it is what a crash of the machine leaves of records not synced yet: the segment
+    is trimmed there, as the last one is, and the error logged."""
     rec = Recovered()
-    listing = jdir.listing()
-    for index, (seq, path) in enumerate(listing):
-        seg = _read_segment(jdir, seq, path, rec, last=index == len(listing) - 1)
-        if seg is not None:
-            rec.segments.append(seg)
+    torn: tuple[SegmentFile, int] | None = None  # a torn segment and its size
+    for seq, path in jdir.listing():
+        read = _read_segment(jdir, seq, path, rec)
+        if read is None:
+            continue
+        if torn is not None:
+            if synced_always:
+                raise _torn_inside(jdir, *torn)
+            _drop_torn(*torn, last=False, rec=rec)
+            torn = None
+        seg, size, is_torn = read
+        rec.segments.append(seg)
+        if is_torn:
+            torn = (seg, size)
+        else:
+            _trim(seg, size)  # the zeros after the data (a preallocated segment)
+    if torn is not None:
+        _drop_torn(*torn, last=True, rec=rec)
     return rec
 
 
-def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
-                  last: bool) -> SegmentFile | None:
-    size = os.path.getsize(path)
+def _drop_torn(seg: SegmentFile, size: int, last: bool, rec: Recovered) -> None:
+    """Drop what follows the torn record of ``seg`` (logged) and trim its file there."""
+    dropped = size - seg.used
+    rec.dropped_bytes += dropped
+    (log.warning if last else log.error)(
+        "journal segment %s: a torn record at offset %d, %d bytes after it dropped (%s)",
+        seg.path, seg.used, dropped, "the end of what was written when the broker stopped"
+        if last else "written before a crash of the machine, not synced")
+    _trim(seg, size)
+
+
+def _torn_inside(jdir: JournalDir, seg: SegmentFile, size: int) -> fmt.JournalFormatError:
+    """The error of a torn or damaged record in a segment that later segments follow."""
+    return fmt.JournalFormatError(
+        f"{seg.path}: a torn or damaged record at offset {seg.used} ({size - seg.used} bytes "
+        f"from there to the end of the file), in a segment of channel {jdir.name!r} that is not "
+        "the journal's last: the records after it cannot be read, and later segments hold "
+        "records written after them, and with fsync 'always' every record was on disk before "
+        "its reply, so this is damage: the broker does not start on it.  "
+        f"`truncate -s {seg.used} {seg.path}` starts on the records before it (what follows "
+        "it in that file is lost); else move the journal's files away")
+
+
+def _trim(seg: SegmentFile, size: int) -> None:
+    """Cut the file of a segment read back after its data (zeros, or a torn last record)."""
+    if size > seg.used:
+        try:
+            os.truncate(seg.path, seg.used)
+            seg.allocated = seg.used
+        except OSError as exc:
+            log.warning("could not trim journal segment %s: %s", seg.path, exc)
+
+
+def _open_segment(jdir: JournalDir, path: str) -> tuple[int, int]:
+    """Open a file named like a segment of ``jdir`` to read it: its descriptor and size
+    (``JournalFormatError`` naming it for anything but a regular file, or an ``OSError``)."""
+    try:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode):
+                return fd, info.st_size
+            os.close(fd)  # replaced meanwhile
+            mode = info.st_mode
+    except OSError as exc:
+        raise fmt.JournalFormatError(
+            f"{path}: this file, named like a segment of the journal of channel "
+            f"{jdir.name!r}, cannot be read: {exc.strerror or exc}") from None
+    raise fmt.JournalFormatError(
+        f"{path} is named like a segment of the journal of channel {jdir.name!r} but is "
+        f"{_file_kind(mode)}, not a regular file; move it away")
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "of another kind"
+
+
+def _map(jdir: JournalDir, path: str, fd: int) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise fmt.JournalFormatError(
+            f"{path}: this segment of the journal of channel {jdir.name!r} cannot be mapped: "
+            f"{exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _read_segment(jdir: JournalDir, seq: int, path: str,
+                  rec: Recovered) -> tuple[SegmentFile, int, bool] | None:
+    """Read one segment into ``rec``: it, its file's size, and whether its data end at a torn
+    record; None for a file removed (it held nothing)."""
+    fd, size = _open_segment(jdir, path)
     head_size = fmt.PREAMBLE.size + fmt.HEADER.size
     if size < head_size:
+        os.close(fd)
         log.warning("journal segment %s has %d bytes (a broker stopped while making it): "
                     "removed", path, size)
         _remove(path, rec)
         return None
-    with open(path, "rb") as f:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    data = _map(jdir, path, fd)
     view = memoryview(data)
     magic, kind = fmt.PREAMBLE.unpack_from(view, 0)
     if not any(view[:head_size]):  # made (preallocated) but nothing written in it yet
@@ -98,7 +204,17 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
             _remove(path, rec)
             return None
         raise fmt.JournalFormatError(f"{path}: its first record is not a segment record")
-    info = fmt.unpack(first[1])
+    _check_segment_record(jdir, seq, path, first[1])
+    seg = SegmentFile(seq, path, None, size, 0, recovered=True)
+    _apply_records(records, seg, rec, scan)
+    seg.used = seg.written = seg.synced = scan.end
+    rec.bytes_read += scan.end
+    return seg, size, scan.torn
+
+
+def _check_segment_record(jdir: JournalDir, seq: int, path: str, body: memoryview) -> None:
+    """``JournalFormatError`` unless a segment's first record names this channel and ``seq``."""
+    info = fmt.unpack(body)
     channel = info.get("channel") if isinstance(info, dict) else None
     if channel != jdir.name:
         raise fmt.JournalFormatError(
@@ -107,33 +223,27 @@ def _read_segment(jdir: JournalDir, seq: int, path: str, rec: Recovered,
     if info.get("seq") != seq:
         raise fmt.JournalFormatError(f"{path}: it says it is segment {info.get('seq')!r}, its "
                                      f"name says {seq}; move it away")
-    seg = SegmentFile(seq, path, None, size, 0, recovered=True)
+
+
+def _apply_records(records: Iterator[tuple[int, memoryview]], seg: SegmentFile,
+                   rec: Recovered, scan: fmt.Scan) -> None:
+    """The records of a segment after its first applied to what recovery holds; records of a
+    type this version does not know skipped (logged); where its start (tables) ends noted."""
+    unknown: dict[int, int] = {}
+    head = None
     for rtype, body in records:
-        _apply(rtype, body, seg, rec)
-    seg.used = seg.written = seg.synced = scan.end
-    rec.bytes_read += scan.end
-    if scan.torn:
-        dropped = size - scan.end
-        rec.dropped_bytes += dropped
-        (log.warning if last else log.error)(
-            "journal segment %s: a torn record at offset %d, %d bytes after it dropped (%s)",
-            path, scan.end, dropped, "the end of what was written when the broker stopped"
-            if last else "written before a crash of the machine, not synced")
-    if size > scan.end:
-        try:
-            os.truncate(path, scan.end)  # the zeros (or torn bytes) after the data
-            seg.allocated = scan.end
-        except OSError as exc:
-            log.warning("could not trim journal segment %s: %s", path, exc)
-    return seg
-
-
-def _apply(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
-    """One record of a segment applied to what recovery holds (records of a type it does not
-    know are skipped)."""
-    apply = _APPLY.get(rtype)
-    if apply is not None:
-        apply(rtype, body, seg, rec)
+        if head is None and rtype != fmt.TABLE:
+            head = scan.end  # the offset of this record: the tables end here
+        apply = _APPLY.get(rtype)
+        if apply is not None:
+            apply(rtype, body, seg, rec)
+        else:
+            unknown[rtype] = unknown.get(rtype, 0) + 1
+    seg.head = scan.end if head is None else head
+    if unknown:
+        rec.unknown_records += sum(unknown.values())
+        log.warning("journal segment %s: %s skipped (written by a later zchannel?)", seg.path,
+                    ", ".join(f"{n} records of unknown type {t}" for t, n in sorted(unknown.items())))
 
 
 def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:

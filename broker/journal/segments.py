@@ -42,6 +42,7 @@ class SegmentFile:
     used: int  # bytes written or reserved for records
     live: int = 0  # items of this segment still in the channel
     live_bytes: int = 0
+    head: int = 0  # bytes of its start (preamble, ``SEGMENT`` and ``TABLE`` records): never freed
     written: int = 0  # bytes handed to the file (the rest of ``used`` waits in the buffer)
     synced: int = 0  # bytes known to be on disk
     recovered: bool = False  # read at start (not written by this broker)

@@ -134,6 +134,7 @@ class SegmentStore:
         self.margin = min(self.full_margin, max(4096, seg.allocated // 16))
         for record in head:  # the room for them was counted above
             self.append([record], len(record))
+        seg.head = seg.used
 
     def _seal(self, seg: SegmentFile) -> None:
         """``seg`` is written no more: give its unused preallocated space back."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.journal.collectors import collector_identity
 from zchannel.broker.journal.journal import Journal, JournalSettings
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.sessions import Sessions
@@ -17,13 +19,16 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     """Open the journal ``name`` (the channel's, or ``NAME.replicaI`` for a replica) in
     ``config.journal``, put the items it holds back into ``core``'s queues (in each key's put
     order, in the shared queue: any consumer takes them; an item that was out on a lease comes
-    again), and let it record every change from here on."""
+    again), and let it record every change from here on.  A journal that holds puts another
+    collector (or the same with other options) was holding is refused (``JournalError``:
+    ``journal/collectors.py``)."""
     if config.journal is None:
         raise ValueError(f"channel {config.name!r} has no journal directory")
     journal = Journal(JournalSettings(
         directory=config.journal, name=name, fsync=config.fsync,
         fsync_interval=config.fsync_interval, max_bytes=config.max_journal_bytes,
-        segment_bytes=config.journal_segment_bytes))
+        segment_bytes=config.journal_segment_bytes,
+        collector=collector_identity(hook_name(core.hooks.collector), config.options)))
     try:
         for key, items in journal.recover():
             core.requeue(None, (key, None), items, None)
@@ -60,3 +65,4 @@ def _replay(journal: Journal, core: QueueCore) -> None:
                  "had waited for room)", journal.settings.name, len(journal.replay), stored)
         journal.replayed(core.hooks.holds_state())
     journal.replay = []
+

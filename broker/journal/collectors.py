@@ -1,0 +1,58 @@
+"""Which collector a journal's held inputs belong to: the ``collector`` table.
+
+A collector that keeps state between puts (``Collector.holds_state``) has its inputs kept in
+the journal (``INPUT`` records) until it holds nothing; a broker started on the journal replays
+them through its collector.  Through another collector, or the same one with other options,
+the replay would rebuild another state (or none) and drop what it yields: acknowledged puts
+would be lost without a word.  So every segment starts with a ``TABLE`` record ``collector``
+naming the collector its broker runs (``name``: its registered name, else
+``module:qualname``, as ``stats()["collector"]`` shows it) and its ``options`` (the channel's
+``options``, as canonical JSON), and a broker whose collector is not the one the table names
+does not start while the journal holds inputs (``check_collector``).  With no held inputs any
+collector may start.  A journal without the table (written before it existed) is replayed as
+before.  ``docs/durability.md`` (Hook state).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from zchannel.broker.errors import JournalError
+from zchannel.hooks import Collector
+
+TABLE_NAME = "collector"
+PASS_THROUGH = f"{Collector.__module__}:{Collector.__qualname__}"  # no collector configured
+
+
+def collector_identity(name: str, options: dict[str, Any]) -> dict[str, str]:
+    """What the ``collector`` table holds for a collector named ``name`` run with ``options``."""
+    return {"name": name,
+            "options": json.dumps(options, sort_keys=True, separators=(",", ":"), default=repr)}
+
+
+def check_collector(recorded: dict[Any, Any] | None, current: dict[str, str] | None,
+                    held: int, channel: str, directory: str) -> None:
+    """``JournalError`` if the journal of ``channel`` holds ``held`` inputs of the collector
+    ``recorded`` (its table as read back; None: the journal has none) and the broker runs
+    another one, ``current`` (None: not known, nothing is checked)."""
+    if not held or recorded is None or current is None:
+        return
+    if recorded.get("name") == current["name"] and recorded.get("options") == current["options"]:
+        return
+    was, now = _label(recorded), _label(current)
+    if recorded.get("name") == current["name"]:
+        was = f"{was} with options {recorded.get('options')}"
+        now = f"{now} with options {current['options']}"
+    raise JournalError(
+        f"the journal of channel {channel!r} in {directory!r} holds {held} acknowledged "
+        f"put(s) that collector {was} was holding (it keeps state between puts); this broker "
+        f"runs collector {now}, which would not rebuild that state: they would be lost.  "
+        f"Start the broker with collector {_label(recorded)} and the same options to let it "
+        f"finish them, or remove this channel's journal (the files {directory}/{channel}.*.zcj; "
+        "every item it holds is lost with them)")
+
+
+def _label(identity: dict[Any, Any]) -> str:
+    name = identity.get("name")
+    return "none (the pass-through collector)" if name == PASS_THROUGH else repr(name)
