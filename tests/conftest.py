@@ -10,6 +10,7 @@ itself unset the variable (``spawned_brokers``)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -35,6 +36,16 @@ _FORKSERVER: dict = {}  # the session's broker fork server: its process and fold
 RAY_CLUSTER = SharedRayCluster()  # the simulated Ray cluster of the ``ray_cluster`` tests
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+def _terminated_with_parent() -> None:
+    """In a child about to exec: SIGTERM when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``, kept across exec), so that a fork server outlives no pytest process
+    killed before its ``pytest_unconfigure`` (it would hold the run's output pipe open)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
     """Start a broker fork server listening in ``folder`` (environment: ``env``, by default
     ``child_environ()``); returned once it printed ready."""
@@ -45,7 +56,7 @@ def start_forkserver(folder: str, env: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "zchannel.broker.server.forkserver", sock],
         stdout=subprocess.PIPE, env=env, cwd=os.path.join(REPO, "tests"),
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_terminated_with_parent)
     assert proc.stdout is not None
     line = read_line(proc, 120.0)
     assert line.startswith("ready "), f"the broker fork server did not start: {line!r}"
