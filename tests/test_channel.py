@@ -604,13 +604,13 @@ def test_shutdown_fails_other_handles_with_broker_unavailable(make):
 
 
 def test_ack_redelivers_unacknowledged(make):
-    ch = make(lease_timeout=0.3)
+    ch = make(lease_timeout=2.0)  # long enough to see the lease before it lapses, loaded
     ch.put("a")
     first = ch.get(ack=True)
     assert isinstance(first, Delivery) and first.item == "a"
     assert ch.stats()["leases"] == 1
     # not acknowledged: after the lease it is delivered again (the waiting get receives it)
-    again = ch.get(ack=True, timeout=5)
+    again = ch.get(ack=True, timeout=30)
     assert again.item == "a" and again.lease_id != first.lease_id
     ch.ack(again)
     assert ch.stats()["leases"] == 0

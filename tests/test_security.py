@@ -15,8 +15,8 @@ from zchannel.cli.main import main as cli
 pytestmark = pytest.mark.timeout(90)
 
 # a CURVE mismatch used to surface as "no broker answered within 10.0s" after 10-12 s; it must
-# now fail within a second or two (under 3 s)
-FAST_S = 3.0
+# now fail within a second or two (under 6 s: room for a loaded machine, short of the old 10)
+FAST_S = 6.0
 
 
 def _keygen(directory, name):

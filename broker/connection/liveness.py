@@ -155,7 +155,10 @@ class Liveness:
         if line.state == DOWN:
             if now - line.last_send >= line.hb:
                 self.send_hello()
-        elif now - line.last_send >= line.hb:
+        elif now - line.last_send >= line.hb / 2:
+            # this runs every half interval: a heartbeat due at half an interval of silence
+            # leaves at most one interval between two (at a whole one, up to one and a half:
+            # half the broker's expiry margin gone before this process is ever held up)
             line.send([CLIENT_HEARTBEAT], [])
 
     def send_hello(self) -> None:

@@ -331,7 +331,8 @@ class Sessions:
                 self._send(address, [BROKER_EXPIRED], [])
                 if self.peers is not None:
                     self.peers.expired(address, now)
-            elif now - self.last_sent.get(address, 0.0) >= hb and address not in self._out:
+            elif now - self.last_sent.get(address, 0.0) >= hb / 2 and address not in self._out:
+                # checked every half interval: at most one interval between two messages
                 self._outbox(address).records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
