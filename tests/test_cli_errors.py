@@ -242,3 +242,21 @@ def test_options_that_would_do_nothing_are_refused(run_dir, args, message):
     out = _zchannel(*args)
     assert out.returncode == 2 and "ready" not in out.stdout
     assert message in _one_line(out.stderr)
+
+
+# runs the zchannel command in a Python where ``import matplotlib`` fails (the plot extra missing)
+_WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'zchannel'; "
+                       "from zchannel.cli.main import main; main()")
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path):
+    """``bench --scenario scaling --plot DIR`` needs matplotlib: without it the command stops
+    at once with the line ``demo embodied --plot`` gives, not after minutes of measuring."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_MATPLOTLIB, "bench", "--scenario",
+                          "scaling", "--plot", str(tmp_path / "plots")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert _one_line(out.stderr) == (
+        "error: --plot needs matplotlib; install the extra: pip install 'zchannel[plot]' "
+        "(see 'zchannel bench --help')")
+    assert not out.stdout and not (tmp_path / "plots").exists()

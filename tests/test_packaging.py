@@ -96,7 +96,7 @@ def test_every_package_folder_is_in_the_wheel(wheel):
 
 def test_package_data_is_in_the_wheel(wheel):
     names = set(wheel.namelist())
-    for package in ("broker", "hooks", "embodied", "cli"):
+    for package in ("broker", "hooks", "embodied", "cli", "configs"):
         assert f"zchannel/{package}/py.typed" in names
     configs = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".toml"))
     assert configs and all(f"zchannel/configs/{f}" in names for f in configs), configs
@@ -106,13 +106,25 @@ def test_package_data_is_in_the_wheel(wheel):
 
 
 def test_wheel_metadata(wheel):
-    """The version of ``setup.cfg``, the ``zchannel`` command, the extras of ``setup.cfg``."""
+    """The version of ``setup.cfg``, the ``zchannel`` command, the extras of ``setup.cfg``,
+    the licence and the classifiers."""
     version = _setup_cfg().get("metadata", "version")
     meta = wheel.read(f"zchannel-{version}.dist-info/METADATA").decode()
     assert re.search(rf"^Version: {re.escape(version)}$", meta, re.M)
     assert set(re.findall(r"^Provides-Extra: (\S+)$", meta, re.M)) == set(_extras())
     points = wheel.read(f"zchannel-{version}.dist-info/entry_points.txt").decode()
     assert "zchannel = zchannel.cli.main:main" in points
+    # the licence: an SPDX expression (PEP 639, no License :: classifier) and its text
+    assert re.search(r"^License-Expression: Apache-2\.0$", meta, re.M), meta[:2000]
+    assert re.search(r"^License-File: LICENSE$", meta, re.M), meta[:2000]
+    (licence,) = [n for n in wheel.namelist()
+                  if re.fullmatch(rf"zchannel-{re.escape(version)}\.dist-info/(licenses/)?LICENSE", n)]
+    assert "Apache License" in wheel.read(licence).decode()
+    assert "Version 2.0, January 2004" in wheel.read(licence).decode()
+    classifiers = set(re.findall(r"^Classifier: (.+)$", meta, re.M))
+    assert "Typing :: Typed" in classifiers
+    floor = re.search(r">=3\.(\d+)", _setup_cfg().get("options", "python_requires"))
+    assert floor and f"Programming Language :: Python :: 3.{floor.group(1)}" in classifiers
 
 
 def test_version_is_written_once():
@@ -145,6 +157,75 @@ def test_each_extra_pulls_only_what_it_needs():
     assert extras["docs"] == {"mkdocs", "mkdocs-material", "mkdocstrings-python"}
     for extra, names in extras.items():
         assert not names & required, f"[{extra}] repeats install requirements {names & required}"
+
+
+# -- the types a user's type checker sees ---------------------------------------------------------
+
+# checked as a user's script against the installed wheel: no error
+_TYPED_USE = """\
+import importlib.resources
+
+import zchannel.configs
+from zchannel.broker import Channel, Work
+
+with Channel.create("typed", maxsize=64) as ch:
+    ch.put("s0", key="train", weight=1)
+    ch.put("s1", key="train", weight=3, async_op=True).wait()
+    ch.put("s2", 1, "train", True).wait()
+    items = ch.get_batch(target_weight=4, key="train", timeout=0.1)
+    print(len(items), items[0])
+    work: Work = ch.get_batch(4, "train", async_op=True)
+    work.wait()
+    ch.get_batch(4, "train", True).wait()
+print(importlib.resources.files(zchannel.configs))
+"""
+
+# every line marked ``# E`` is an error, and no other line
+_WRONG_USE = """\
+from zchannel.broker import Channel
+
+
+def run(ch: Channel, flag: bool) -> None:
+    ch.put("s0", async_op=False).wait()  # E: a put that waited returns None
+    len(ch.get_batch(4, async_op=True))  # E: a Work is no list
+    ch.get_batch(4)[0].wait()
+    ch.get_batch(4).wait()  # E: the items are a list
+    ch.put("s1", async_op=flag).wait()  # E: None when flag is False
+"""
+
+
+# the user's mypy configuration: torch's and numpy's own types (no part of what is checked
+# here) are skipped, which halves the run
+_USER_MYPY_INI = """\
+[mypy]
+[mypy-torch,torch.*,numpy,numpy.*]
+follow_imports = skip
+follow_imports_for_stubs = True
+"""
+
+
+@pytest.mark.timeout(400)  # the wheel's build and a cold mypy run
+def test_a_users_type_checker_sees_precise_types(wheel, tmp_path):
+    """``put``/``get_batch`` return None / a list when they wait and a ``Work`` with
+    ``async_op=True``, as mypy sees them on ``Channel.create``'s handle from the installed
+    wheel; ``zchannel.configs`` is typed too (its ``py.typed``)."""
+    pytest.importorskip("mypy", reason="the test extra is not installed")
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    (tmp_path / "typed_use.py").write_text(_TYPED_USE)
+    (tmp_path / "wrong_use.py").write_text(_WRONG_USE)
+    (tmp_path / "mypy.ini").write_text(_USER_MYPY_INI)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir",
+         str(tmp_path / "cache"), "--no-error-summary", "--show-error-codes",
+         "typed_use.py", "wrong_use.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(site), MYPYPATH=""))
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert not [e for e in errors if e.startswith("typed_use.py")], proc.stdout + proc.stderr
+    flagged = {int(e.split(":")[1]) for e in errors if e.startswith("wrong_use.py")}
+    marked = {n for n, line in enumerate(_WRONG_USE.splitlines(), 1) if "# E" in line}
+    assert flagged == marked, proc.stdout + proc.stderr
 
 
 # -- the default import path ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 from zchannel.broker.connection.connection import Connection
@@ -126,6 +126,21 @@ class BrokerChannel(ChannelHandle):
                              f"max_message_bytes limit ({limit})")
         return frames, retried
 
+    # put and get_batch: None / the items when waiting, a Work with async_op=True (the last
+    # overload takes a bool known only at run time)
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ...,
+            async_op: Literal[False] = ..., timeout: float | None = ...) -> None: ...
+    @overload
+    def put(self, item: Any, weight: int | float, key: Any, async_op: Literal[True],
+            timeout: float | None = ...) -> Work: ...
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ..., *,
+            async_op: Literal[True], timeout: float | None = ...) -> Work: ...
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ...,
+            async_op: bool = ..., timeout: float | None = ...) -> Work | None: ...
+
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
             async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Enqueue ``item`` under ``key``; blocks while a target queue is full.
@@ -176,6 +191,22 @@ class BrokerChannel(ChannelHandle):
         both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
         rec = Get(id=0, key=check_key(key), nowait=True, ack=bool(ack))
         return self._submit(rec, copy=copy, wait=True).wait()
+
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ...,
+                  async_op: Literal[False] = ..., timeout: float | None = ..., *,
+                  copy: bool | None = ...) -> list[Any]: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any, async_op: Literal[True],
+                  timeout: float | None = ..., *, copy: bool | None = ...) -> Work: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ..., *,
+                  async_op: Literal[True], timeout: float | None = ...,
+                  copy: bool | None = ...) -> Work: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ...,
+                  async_op: bool = ..., timeout: float | None = ..., *,
+                  copy: bool | None = ...) -> list[Any] | Work: ...
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,

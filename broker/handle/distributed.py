@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 from msgspec import UnsetType
@@ -128,6 +128,20 @@ class DistributedChannel(BrokerChannel):
         """The node whose replica holds ``key`` (binds it on first touch, like any operation)."""
         return self._routing.node_of(key)
 
+    # the overloads of BrokerChannel.put and get_batch (None / the items, or a Work)
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ...,
+            async_op: Literal[False] = ..., timeout: float | None = ...) -> None: ...
+    @overload
+    def put(self, item: Any, weight: int | float, key: Any, async_op: Literal[True],
+            timeout: float | None = ...) -> Work: ...
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ..., *,
+            async_op: Literal[True], timeout: float | None = ...) -> Work: ...
+    @overload
+    def put(self, item: Any, weight: int | float = ..., key: Any = ...,
+            async_op: bool = ..., timeout: float | None = ...) -> Work | None: ...
+
     def put(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY,
             async_op: bool = False, timeout: float | None = None) -> Work | None:
         check_weight(weight)
@@ -158,6 +172,22 @@ class DistributedChannel(BrokerChannel):
             return self._tag(result, index) if ack else result
 
         return self._routing.on(key, call)
+
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ...,
+                  async_op: Literal[False] = ..., timeout: float | None = ..., *,
+                  copy: bool | None = ...) -> list[Any]: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any, async_op: Literal[True],
+                  timeout: float | None = ..., *, copy: bool | None = ...) -> Work: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ..., *,
+                  async_op: Literal[True], timeout: float | None = ...,
+                  copy: bool | None = ...) -> Work: ...
+    @overload
+    def get_batch(self, target_weight: int | float, key: Any = ...,
+                  async_op: bool = ..., timeout: float | None = ..., *,
+                  copy: bool | None = ...) -> list[Any] | Work: ...
 
     def get_batch(self, target_weight: int | float, key: Any = DEFAULT_KEY,
                   async_op: bool = False, timeout: float | None = None, *,

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from zchannel.broker import Channel, Work
@@ -245,8 +245,7 @@ class _Consumer:
             # batch asking past it would wait out its timeout for items that never come
             target = min(self.batch, self.total - self.asked) if self.alone else self.batch
             self.asked += target
-            work = cast(Work, ch.get_batch(target, key=key, async_op=True,
-                                           timeout=GET_TIMEOUT_S))
+            work = ch.get_batch(target, key=key, async_op=True, timeout=GET_TIMEOUT_S)
         else:
             work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=self.copy)
         self.issued += 1

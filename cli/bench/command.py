@@ -4,6 +4,7 @@ and one run of a scenario, reported as a table (and ``--json``)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import signal
 import sys
@@ -271,9 +272,7 @@ def bench(
     base = _base_case(opts, config_path)
     _worker_environment(ctx, base)
     scenario = opts["scenario"]
-    if plot_dir is not None and scenario != "scaling":
-        raise click.UsageError(f"--plot draws the scaling curves: give --scenario scaling "
-                               f"(not {scenario})")
+    _check_plot(plot_dir, scenario)
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     machine = machine_description()
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
@@ -289,6 +288,21 @@ def bench(
     _report(opts, machine, runner, run, elapsed, plot_dir, base.size)
     if run.error is not None:
         raise BenchFailure(run.error)
+
+
+def _check_plot(plot_dir: str | None, scenario: str) -> None:
+    """``--plot`` draws the scaling curves with matplotlib (the ``plot`` extra): a missing
+    ``--scenario scaling`` or matplotlib is a usage error before the run, not after it."""
+    if plot_dir is None:
+        return
+    if scenario != "scaling":
+        raise click.UsageError(f"--plot draws the scaling curves: give --scenario scaling "
+                               f"(not {scenario})")
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        raise click.UsageError(
+            "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'") from None
 
 
 @dataclasses.dataclass

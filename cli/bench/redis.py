@@ -47,7 +47,8 @@ def unavailable() -> str | None:
     try:
         import redis  # noqa: F401
     except ImportError:
-        return "redis baseline skipped: the redis package is not installed (pip install redis)"
+        return ("redis baseline skipped: the redis package is not installed "
+                "(pip install 'zchannel[redis]')")
     return None
 
 

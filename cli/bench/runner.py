@@ -250,7 +250,8 @@ class Runner:
 
     def _run_ray_baseline(self, case: Case) -> Result | None:
         if not ray_available():
-            self.note("ray baseline skipped: `ray` is not importable (pip install ray)")
+            self.note("ray baseline skipped: `ray` is not importable "
+                      "(pip install 'zchannel[ray]')")
             return None
         raw = [
             self.logged("ray", i, lambda: run_ray_baselines(
@@ -300,7 +301,8 @@ def measure_ray_actor(runner: Runner, case: Case) -> Result | None:
         return runner._baselines[key]
     result = None
     if not ray_available():
-        runner.note("ray comparison skipped: `ray` is not importable (pip install ray)")
+        runner.note("ray comparison skipped: `ray` is not importable "
+                    "(pip install 'zchannel[ray]')")
     else:
         raw = [
             runner.logged("ray.actor", i, lambda: run_ray_baselines(
