@@ -178,19 +178,21 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     if mode == "lerobot":
         _report_recording(result, records, json_path)
         return
-    _report_training(cfg, spec, result, records, seed, json_path, plot_path,
+    _report_training(cfg, spec, result, records, json_path, plot_path,
                      f"{env_name}, {runner} runner, {mode} mode")
 
 
-def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict], seed: int,
+def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict],
                      json_path: str | None, plot_path: str | None, title: str) -> None:
     """The end of a training run: the trained and a random policy evaluated on the same env
-    seeds, the run's figures, and the files asked for (``--json``, ``--plot``)."""
+    seeds (``evaluation_seeds``: the first episode of each of 3 x ``env_batch`` envs, every
+    env with its own seed), the run's figures, and the files asked for (``--json``,
+    ``--plot``)."""
     from zchannel.embodied.policy import RandomPolicy
-    from zchannel.embodied.runners import evaluate, trained_policy
+    from zchannel.embodied.runners import evaluate, evaluation_seeds, trained_policy
 
     policy = trained_policy(cfg, result["final_weights"])
-    seeds = [10_000 + seed * 10 + i for i in range(3)]
+    seeds = evaluation_seeds(cfg, 3)  # 3 x env_batch envs, each with its own seed
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
     random = [evaluate(cfg, RandomPolicy(spec.action_dim, cfg.num_action_chunks, seed=s,
                                          action=spec.action), episodes_seed=s)
@@ -206,7 +208,12 @@ def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[
     click.echo(f"trained policy: return {evaluation['trained_return']:.2f}, success "
                f"{evaluation['trained_success']:.2f}   random policy: return "
                f"{evaluation['random_return']:.2f}, success {evaluation['random_success']:.2f}"
-               f"   (same env seeds {seeds})")
+               f"   (first episode of each of {len(seeds)} x {cfg.env_batch} envs, same env "
+               f"seeds {seeds})")
+    unfinished = sum(r["unfinished"] for r in trained + random)
+    if unfinished:
+        click.echo(f"({unfinished} evaluation envs finished no episode within the chunk limit "
+                   "and are not counted)")
     if result.get("placement"):
         click.echo(f"trajectory channel placed by Ray on node(s) {result['placement']}")
     click.echo(f"wall {result['wall_s']:.1f}s, policy lag mean "

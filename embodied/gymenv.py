@@ -8,9 +8,15 @@ it in ``GymVectorEnv``, which
   cannot carry, naming it (Text, Graph, Sequence, OneOf; Dict/Tuple action spaces; non-numeric
   Box dtypes);
 - turns each batched observation into the flat dict of ``zchannel.embodied.spaces``: uint8
-  images (3-D uint8 Box leaves) keep their shape under ``main_images`` / ``wrist_images`` /
-  ``extra_view_images`` (or the keys ``obs_map`` names), every other leaf (Box, Discrete and
-  MultiDiscrete as one-hot, MultiBinary) is flattened into float32 ``states``;
+  images (3-D uint8 Box leaves, H x W x C) keep their shape under ``main_images`` /
+  ``wrist_images`` / ``extra_view_images`` (or the keys ``obs_map`` names), every other leaf
+  (Box, Discrete and MultiDiscrete as one-hot, MultiBinary) is flattened into float32
+  ``states``;
+- refuses, at construction, a 3-D uint8 Box that looks channel-first (``_looks_channel_first``:
+  C x H x W, or a stack of k H x W frames) unless ``obs_map`` sends it to ``states`` or drops it,
+  with a ``ValueError`` naming the leaf, its shape and the remedies;
+- reads ``info["success"]`` only when its values are bools or numbers (``_info_flags``: any other
+  value, such as the string ``"no"``, is a ``ValueError`` naming the key and the dtype);
 - turns action chunks back into the action space (Box: [-1, 1] onto the bounds; Discrete,
   MultiDiscrete, MultiBinary: integer indices of the right shape and dtype);
 - refuses a non-finite action (NaN, inf) with a ``ValueError`` naming the policy output and the
@@ -72,8 +78,40 @@ class _Leaf:
         return "/".join(self.path) or "<observation>"
 
 
-def _is_image(space: Any) -> bool:
+IMAGE_CHANNELS = (1, 3, 4)  # the channel counts of an H x W x C image: gray, RGB, RGBA
+
+
+def _is_uint8_3d(space: Any) -> bool:
     return isinstance(space, gs.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+
+
+def _looks_channel_first(space: Any) -> bool:
+    """A 3-D uint8 Box whose last dimension is not a channel count (1, 3, 4) while its first is
+    smaller than the other two: C x H x W, or a stack of k H x W frames (Gymnasium's
+    ``FrameStackObservation`` over grayscale frames gives (k, H, W))."""
+    if not _is_uint8_3d(space):
+        return False
+    first, middle, last = space.shape
+    return last not in IMAGE_CHANNELS and first < min(middle, last)
+
+
+def _is_image(space: Any) -> bool:
+    """A 3-D uint8 Box taken as an H x W x C image (not one that looks channel-first)."""
+    return _is_uint8_3d(space) and not _looks_channel_first(space)
+
+
+def _channel_first_error(leaf: _Leaf) -> ValueError:
+    shape = tuple(leaf.space.shape)
+    return ValueError(
+        f"observation leaf {leaf.name!r} is a uint8 Box of shape {shape}, which looks "
+        f"channel-first (C x H x W, or a stack of {shape[0]} frames of {shape[1]} x {shape[2]});"
+        " zchannel takes 3-D uint8 observations as H x W x C images (channels last) and will "
+        "not guess: wrap the env so the channels come last (e.g. "
+        "gymnasium.wrappers.TransformObservation(env, lambda obs: np.moveaxis(obs, 0, -1), "
+        "<the Box with the channels last>) in a module that registers it, named "
+        "gym:<module>:<EnvId>), or set obs_map "
+        f"{{{leaf.name!r}: 'states'}} to carry it as flat float32 states, or "
+        f"{{{leaf.name!r}: None}} to drop it (docs/embodied-envs.md)")
 
 
 def _leaves(space: Any, path: tuple[str, ...] = ()) -> list[_Leaf]:
@@ -205,13 +243,34 @@ def _autoreset_mode(env: Any) -> str:
     return value
 
 
+def _is_flag_value(value: Any) -> bool:
+    """A bool or a real number (Python's or NumPy's), the values a flag may have."""
+    return isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating))
+
+
 def _info_flags(info: dict[str, Any], key: str, batch: int) -> np.ndarray:
     """The bool ``[batch]`` flags ``info[key]`` where its mask ``info["_" + key]`` is set
-    (False where the key or the mask is missing)."""
+    (False where the key or the mask is missing).  The values must be bools or numbers (nonzero
+    is True): a bool or numeric array, or Gymnasium's object array of them (what it builds for
+    NumPy bools); any other value (a string, say) is a ``ValueError`` naming the key and the
+    dtype, never read as a truth value."""
     if key not in info:
         return np.zeros(batch, dtype=np.bool_)
-    mask = np.asarray(info.get(f"_{key}", True), dtype=np.bool_)
-    return np.asarray(info[key]).astype(bool).reshape(batch) & mask
+    mask = np.broadcast_to(np.asarray(info.get(f"_{key}", True), dtype=np.bool_), (batch,))
+    values = np.asarray(info[key])
+    if values.dtype == object:
+        flat = values.reshape(batch)
+        bad = [value for value, masked in zip(flat, mask, strict=True)
+               if masked and not _is_flag_value(value)]
+        if bad:
+            raise ValueError(f"info[{key!r}] has dtype object with values such as {bad[0]!r} "
+                             f"({type(bad[0]).__name__}): {key} flags must be bools or numbers")
+        values = np.array([bool(value) if masked else False
+                           for value, masked in zip(flat, mask, strict=True)])
+    elif values.dtype != np.bool_ and not np.issubdtype(values.dtype, np.number):
+        raise ValueError(f"info[{key!r}] has dtype {values.dtype}: {key} flags must be bools "
+                         "or numbers")
+    return values.astype(bool).reshape(batch) & mask
 
 
 class GymVectorEnv:
@@ -233,6 +292,9 @@ class GymVectorEnv:
                              f"(leaves: {sorted(known)})")
         for leaf in self._leaves:
             target = self.obs_map.get(leaf.name, "states")
+            if _looks_channel_first(leaf.space) and (leaf.name not in self.obs_map
+                                                     or target not in ("states", None)):
+                raise _channel_first_error(leaf)
             if not leaf.image and target not in ("states", None):
                 raise ValueError(f"obs_map maps the non-image leaf {leaf.name!r} to {target!r}:"
                                  " non-image leaves go to 'states' (or None: dropped)")

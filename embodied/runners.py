@@ -58,6 +58,10 @@ RUNNERS = {"sync": 0, "async": 1, "decoupled": 2}  # runner -> the rollout's max
 IMAGE_SHM_THRESHOLD = 64 << 10  # tensors under 64 KiB travel inline in the body anyway
 ENV_METRICS = "env_metrics"
 ERRORS = "errors"
+# evaluation env seeds start here, above the training seeds of any run with
+# seed * envs * env_batch < 2**31 (env_seed); below 2**32 for reasonable seeds, as envs that
+# hand their seed to a 32-bit generator need
+EVALUATION_SEED_BASE = 2**31
 
 
 class WorkerDied(RuntimeError):
@@ -211,6 +215,24 @@ def build_policy(cfg: RunConfig) -> torch.nn.Module:
 _policy = build_policy
 
 
+def env_seed(cfg: RunConfig, rank: int) -> int:
+    """The seed env worker ``rank`` resets its envs with: ``(cfg.seed * cfg.envs + rank) *
+    cfg.env_batch``.  A Gymnasium vector env seeds its sub-env i with seed + i, so sub-env i of
+    worker ``rank`` starts from seed ``(seed * envs + rank) * env_batch + i``: no two sub-envs
+    of a run share a seed, nor do two runs of the same ``envs`` and ``env_batch`` with different
+    seeds."""
+    return (cfg.seed * cfg.envs + rank) * cfg.env_batch
+
+
+def evaluation_seeds(cfg: RunConfig, count: int) -> list[int]:
+    """Seeds for ``count`` evaluations (``evaluate``) of ``cfg.env_batch`` envs each:
+    ``EVALUATION_SEED_BASE + (cfg.seed * count + i) * cfg.env_batch`` for i < ``count``.  Every
+    sub-env of every evaluation gets its own seed, none shared with another run's evaluations
+    (same ``env_batch``) nor with the training seeds of ``env_seed`` (those below
+    ``EVALUATION_SEED_BASE``)."""
+    return [EVALUATION_SEED_BASE + (cfg.seed * count + i) * cfg.env_batch for i in range(count)]
+
+
 def _connect(name: str, identity: str | None = None) -> Any:
     return Channel.connect(name, identity=identity, timeout=60.0)
 
@@ -251,7 +273,7 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
                          cfg.num_action_chunks, reward_scaler=scaler,
                          record_episodes=cfg.mode == "lerobot", name=cfg.env)
         loop = EnvLoop(env, plan, rank, requests, actions, decoupled=cfg.runner == "decoupled")
-        loop.start(seed=cfg.seed * 1000 + rank)
+        loop.start(seed=env_seed(cfg, rank))
         for step in range(cfg.steps):
             t0, steps0 = time.monotonic(), loop.env_steps
             loop.run_step(step)
@@ -649,31 +671,39 @@ def _record(step: int, envs: list[dict], actor: dict, trajectory: Any, step_s: f
 
 
 def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
-             chunks: int | None = None, max_chunks: int = 2000) -> dict:
-    """Mean return / success of ``policy`` on fresh envs seeded ``episodes_seed`` (in process,
-    no channel): the demo's trained-versus-random comparison.  ``chunks`` action chunks
-    (default for ``point_reach``: 40), or else until every env has finished an episode (at most
-    ``max_chunks``)."""
+             max_chunks: int = 2000) -> dict:
+    """Mean return and success rate of ``policy`` over the first episode of each of
+    ``cfg.env_batch`` fresh envs reset with seed ``episodes_seed`` (in process, no channel):
+    the demo's trained-versus-random comparison.
+
+    Every env counts once, whatever its episode length: the envs are stepped until each has
+    finished its first episode, and the episodes they start after it are not counted (an
+    average over every finished episode would favour the envs whose episodes are short).  An
+    env without a finished episode after ``max_chunks`` action chunks is left out and counted
+    in ``unfinished``.  The result: ``mean_return`` (undiscounted, the env's own rewards),
+    ``success_rate``, ``episodes`` (the envs counted) and ``unfinished``."""
     env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
                      cfg.num_action_chunks, name=cfg.env)
     env.reset(seed=episodes_seed)
-    if chunks is None and cfg.env == "point_reach":
-        chunks = 40
-    done = torch.zeros(cfg.env_batch, dtype=torch.bool)
-    for _ in range(chunks if chunks is not None else max_chunks):
+    first: dict[int, tuple[float, bool]] = {}  # env row -> its first episode's return, success
+    for _ in range(max_chunks):
         out = policy(env.obs)
         step = env.step_chunk(out.forward_inputs["action"].reshape(cfg.env_batch,
                                                                    cfg.num_action_chunks, -1))
         dones = step.transition.dones
         if dones is None:
             raise ValueError(f"env {cfg.env!r} gave a step without dones")
-        done |= dones.any(-1)
-        if chunks is None and bool(done.all()):
+        # the chunk's episodes in the order ChunkedEnv records them: by chunk slot, then env row
+        rows = [b for c in range(dones.shape[1]) for b in torch.nonzero(dones[:, c]).flatten().tolist()]
+        stats = env.stats.take()
+        for row, ret, success in zip(rows, stats["returns"], stats["successes"], strict=True):
+            first.setdefault(row, (ret, success))
+        if len(first) == cfg.env_batch:
             break
-    stats = env.stats.take()
-    n = len(stats["returns"])
-    return {"mean_return": sum(stats["returns"]) / max(n, 1),
-            "success_rate": sum(stats["successes"]) / max(n, 1), "episodes": n}
+    n = len(first)
+    return {"mean_return": sum(ret for ret, _ in first.values()) / max(n, 1),
+            "success_rate": sum(success for _, success in first.values()) / max(n, 1),
+            "episodes": n, "unfinished": cfg.env_batch - n}
 
 
 def trained_policy(cfg: RunConfig, final_weights: dict) -> torch.nn.Module:
@@ -682,5 +712,5 @@ def trained_policy(cfg: RunConfig, final_weights: dict) -> torch.nn.Module:
     return policy
 
 
-__all__ = ["RUNNERS", "RunConfig", "WorkerDied", "build_policy", "env_spec", "episodes", "evaluate",
-           "run", "trained_policy"]
+__all__ = ["EVALUATION_SEED_BASE", "RUNNERS", "RunConfig", "WorkerDied", "build_policy", "env_seed",
+           "env_spec", "episodes", "evaluate", "evaluation_seeds", "run", "trained_policy"]
