@@ -159,3 +159,30 @@ def test_the_dead_producer_scan_trusts_only_pids_it_can_see(run_dir, pid, pid_ns
         broker.close()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_restarted_broker_keeps_live_producers_old_segments_for_the_grace(run_dir):
+    """A broker started after one of its channel died removes that broker's probe and the
+    segments of dead producers at once; a live producer's segment stays for the grace period
+    (a reply the dead broker sent may name it to a consumer that has not mapped it yet) and
+    goes after it."""
+    prefix = shm.prefix_for("restarted", run_dir)
+    live = os.path.join(shm.SHM_DIR, f"{prefix}{os.getpid()}-0123abcd")
+    dead = os.path.join(shm.SHM_DIR, f"{prefix}{_dead_pid()}-4567abcd")
+    probe = os.path.join(shm.SHM_DIR, f"{prefix}probe")
+    for path in (live, dead, probe):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    broker = ShmBroker("restarted", run_dir, threshold=T, orphan_grace=30.0)
+    try:
+        assert os.path.exists(live) and not os.path.exists(dead)
+        assert os.path.exists(probe)  # the new broker's own probe, made anew
+        broker.sweep(time.monotonic())
+        assert os.path.exists(live)  # within the grace
+        broker.sweep(time.monotonic() + 31.0)
+        assert not os.path.exists(live)
+    finally:
+        broker.close()
+        for path in (live, dead):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -166,11 +166,22 @@ class ShmBroker:
         self.scanned_at = -float("inf")
         self.client_pids: dict[Any, int] = {}  # proven clients' pids (``_note_pid``)
         self.foreign_pids = False  # a proven client's pid was not visible here
-        stale = list_segments(self.prefix)  # a previous broker of this channel and run dir died
+        # A previous broker of this channel and run dir died: its probe and the segments of
+        # dead producers go now; a live producer's go after the grace period (``sweep``), as a
+        # reply the dead broker sent may still name one to a consumer that has not mapped it
+        self.previous: list[str] = []
+        self.previous_until = time.monotonic() + orphan_grace
+        stale = list_segments(self.prefix)
         for seg_name in stale:
-            unlink(seg_name)
+            m = _CREATOR_RE.match(seg_name[len(self.prefix):])
+            if m and process_running(int(m.group(1))):
+                self.previous.append(seg_name)
+            else:
+                unlink(seg_name)
         if stale:
-            log.info("removed %d stale shared-memory segment(s) of channel %r", len(stale), name)
+            log.info("removed %d stale shared-memory segment(s) of channel %r (%d of live "
+                     "producers go in %.0fs)", len(stale) - len(self.previous), name,
+                     len(self.previous), orphan_grace)
         if threshold:
             try:
                 self._make_probe()
@@ -368,12 +379,19 @@ class ShmBroker:
         """Remove departed owners' segments that nothing references past the grace period.
         Once the grace period has passed since a client left (and since the last such scan),
         also remove the segments of this prefix the broker never mapped whose creator is dead
-        (``dead_creator_segments``): a live producer's segment not yet named in a put stays."""
+        (``dead_creator_segments``): a live producer's segment not yet named in a put stays.
+        Past the grace period after this broker started, remove the segments a previous broker
+        of the channel left of producers that were alive then (``previous``)."""
         with self.lock:
             for bseg in list(self.segments.values()):
                 if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
                         and not any(bseg.refs)):
                     self._remove(bseg)
+            if self.previous and now >= self.previous_until:
+                for seg_name in self.previous:
+                    if seg_name not in self.segments:
+                        unlink(seg_name)
+                self.previous = []
         if (self.left_at is not None and now - self.left_at >= self.orphan_grace
                 and now - self.scanned_at >= self.orphan_grace and not self.foreign_pids):
             self.left_at, self.scanned_at = None, now
