@@ -62,7 +62,7 @@ def test_deliveries_of_one_turn_go_back_in_their_order(run_dir):
     assert [items[0].payload[0] for _, _, items, _ in out.deliveries] == [
         b"first", b"second", b"third"]
 
-    sessions._end_client(consumer.address, out)  # the consumer could not be reached
+    sessions._end_client(consumer.address, out.deliveries)  # the consumer could not be reached
 
     assert consumer.address not in sessions.clients
     assert [item.payload[0] for item in core.peek("k", 3)] == [b"first", b"second", b"third"]
@@ -83,7 +83,7 @@ def test_a_batch_and_single_gets_of_one_turn_go_back_in_their_order(run_dir):
     core.get(consumer, 11, "k", None, False)  # c
     core.get(consumer, 12, "k", None, False)  # d
     assert core.qsize("k") == 0
-    sessions._end_client(consumer.address, sessions._out.pop(consumer.address))
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address).deliveries)
     assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]
 
 
@@ -98,5 +98,5 @@ def test_a_run_of_gets_served_at_once_goes_back_in_its_order(run_dir):
     assert len(out.deliveries) == 1
     core.get(consumer, 33, "k", None, False)  # the last item, a get alone: the same record
     assert [rid for rid, _, _ in out.records[-1].items] == [30, 31, 32, 33]
-    sessions._end_client(consumer.address, sessions._out.pop(consumer.address))
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address).deliveries)
     assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]

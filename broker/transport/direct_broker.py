@@ -61,10 +61,10 @@ class Peer:
         """Queue one message and write what the socket takes now; False if the peer is gone,
         or if ``MAX_QUEUED_MESSAGES`` messages already wait for it (it stopped reading)."""
         bufs, total = iovec(parts)
+        if self.out and len(self.ends) >= MAX_QUEUED_MESSAGES:
+            return False
         self.queued += total
         if self.out:
-            if len(self.ends) >= MAX_QUEUED_MESSAGES:
-                return False
             self.out.extend(bufs)
             self.ends.append(self.queued)
             return True
