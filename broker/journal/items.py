@@ -93,23 +93,27 @@ class LiveSet:
         seg.live_bytes += total
         self.nbytes += total
 
-    def forget(self, jid: int) -> None:
+    def _drop(self, jid: int) -> Entry | None:
+        """Take ``jid``'s entry out of the set and of its segment's counts (None: not held)."""
         entry = self.entries.pop(jid, None)
         if entry is not None:
             seg, nbytes = entry[0], entry[1]
             seg.live -= 1
             seg.live_bytes -= nbytes
             self.nbytes -= nbytes
+        return entry
+
+    def forget(self, jid: int) -> None:
+        if self._drop(jid) is not None:
             self.removed += 1
 
     def move(self, jid: int, seg: SegmentFile, nbytes: int) -> None:
         """The record of ``jid`` was copied to ``seg`` (``nbytes``): the copy counts from here
         on, the old record no more (compaction; not a removal)."""
-        old_seg, old_nbytes, key, item = self.entries.pop(jid)
-        old_seg.live -= 1
-        old_seg.live_bytes -= old_nbytes
-        self.nbytes -= old_nbytes
-        self.add(jid, seg, nbytes, key, item)
+        entry = self._drop(jid)
+        if entry is None:
+            raise KeyError(jid)
+        self.add(jid, seg, nbytes, entry[2], entry[3])
 
     def forget_all(self, jids: list[int]) -> None:
         """``forget`` each of ``jids`` (a loop turn's removals)."""

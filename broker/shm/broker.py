@@ -87,11 +87,18 @@ def dead_creator_segments(prefix: str, known: Any, probe: str | None,
     background, reserved, or taken mid-write) when it was killed."""
     out = []
     for name in list_segments(prefix):
-        m = _CREATOR_RE.match(name[len(prefix):])
-        if (name != probe and name not in known and m and int(m.group(1)) not in connected
-                and not process_running(int(m.group(1)))):
+        pid = creator_pid(prefix, name)
+        if (name != probe and name not in known and pid is not None and pid not in connected
+                and not process_running(pid)):
             out.append(name)
     return out
+
+
+def creator_pid(prefix: str, name: str) -> int | None:
+    """The pid of the process that made segment ``name`` of ``prefix`` (None for a name that
+    holds none, such as the probe's)."""
+    m = _CREATOR_RE.match(name[len(prefix):])
+    return int(m.group(1)) if m else None
 
 
 class SlotFrames(list):
@@ -173,8 +180,8 @@ class ShmBroker:
         self.previous_until = time.monotonic() + orphan_grace
         stale = list_segments(self.prefix)
         for seg_name in stale:
-            m = _CREATOR_RE.match(seg_name[len(self.prefix):])
-            if m and process_running(int(m.group(1))):
+            pid = creator_pid(self.prefix, seg_name)
+            if pid is not None and process_running(pid):
                 self.previous.append(seg_name)
             else:
                 unlink(seg_name)
