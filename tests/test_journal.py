@@ -272,9 +272,13 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_dir, small_disk):
+# a long sync interval: the segments the drain frees were never synced when the puts come
+@pytest.mark.parametrize("fsync_interval", [0.01, 30.0])
+def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_dir, small_disk,
+                                                                 fsync_interval):
     config = dict(name="durable-full", address=f"ipc://{run_dir}/full.sock",
-                  journal=os.path.join(small_disk, "j"), shm_threshold=0)
+                  journal=os.path.join(small_disk, "j"), shm_threshold=0,
+                  fsync_interval=fsync_interval)
     pid = brokers.start(**config)
     ch = Channel.connect(config["address"])
     acked = []

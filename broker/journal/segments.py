@@ -171,6 +171,14 @@ class JournalDir:
                            synced=len(head) if sync else 0)
 
     def remove(self, seg: SegmentFile) -> None:
+        """Remove ``seg``'s file.  Its file is emptied first: a removed file still open (a sync
+        in flight uses it) would keep its disk space until it closes, and a put may need that
+        space at once."""
+        if seg.fd is not None:
+            try:
+                os.ftruncate(seg.fd, 0)
+            except OSError as exc:
+                log.debug("could not empty journal segment %s: %s", seg.path, exc)
         _unlink(seg.path)
 
     def close(self) -> None:

@@ -58,8 +58,10 @@ class Syncing:
         self.close_unused()
 
     def removed(self, seg: SegmentFile) -> None:
-        """``seg``'s file was removed: the directory changed, and its file closes."""
+        """``seg``'s file was removed: the directory changed, what was written to it need not
+        reach the disk, and its file closes (once no running sync uses it)."""
         self.dir_dirty = self.policy != "never"
+        self.dirty.pop(seg, None)
         self.retire(seg)
 
     def sync_all(self) -> None:
