@@ -15,10 +15,11 @@ CONSUMER_ID_RE = re.compile(r"^[A-Za-z0-9._-]+:\d+$")
 MAX_CONSUMER_ID = 256  # characters of a consumer id at most
 
 
-def consumer_sort_key(consumer_id: str) -> tuple[str, int]:
-    """Sort key of a consumer id ``"group:rank"``: by group, then by integer rank."""
+def consumer_sort_key(consumer_id: str) -> tuple[str, int, str]:
+    """Sort key of a consumer id ``"group:rank"``: by group, then by integer rank (then by the
+    id itself, so that ``"a:1"`` and ``"a:01"`` are two places in a rotation, not one)."""
     group, _, rank = consumer_id.rpartition(":")
-    return (group, int(rank))
+    return (group, int(rank), consumer_id)
 
 
 def check_consumer_id(consumer_id: object) -> str:

@@ -6,6 +6,7 @@ import os
 
 from rldata.embodied_io_struct import ChunkStepResult
 from zchannel.hooks import Collector, Dispatcher
+from zchannel.hooks.builtin import FlattenBatch
 
 
 class Raising(Collector):
@@ -175,3 +176,13 @@ class DealsToNamed(Dispatcher):
 
     def route(self, item, key):
         return item["to"]
+
+
+class DoubledFlatten(FlattenBatch):
+    """An unregistered subclass of the registered ``flatten_batch``: each element twice (another
+    hook, so another name in ``stats()`` and in a journal)."""
+
+    def collect(self, item, key):
+        for out_key, value in super().collect(item, key):
+            yield out_key, value
+            yield out_key, value

@@ -242,24 +242,43 @@ class Ref:
         self.replies[getter["rid"]] = ("items", [i[0] for i in items], bool(getter["target"]),
                                        leased, (getter["key"], origin))
 
-    def unlease(self, seq: int) -> None:
-        """A delivery that was not acknowledged goes back to the head of its queue."""
-        lease = self.leases.pop(seq)
-        origin = lease["origin"]
-        if origin is not None and origin not in self.consumers:
-            origin = self.target(lease["item"], origin)
-        self.queue(lease["key"], origin).insert(0, lease["item"])
-        self.serve(lease["key"])
+    def unlease(self, seqs: list[int]) -> None:
+        """Deliveries that were not acknowledged (``seqs``, in the order their leases were
+        issued) go back to the head of their queues, the first issued in front; then the
+        getters of those keys are served, the key of the first lease first."""
+        keys: list[str] = []
+        for seq in reversed(seqs):
+            lease = self.leases.pop(seq)
+            origin = lease["origin"]
+            if origin is not None and origin not in self.consumers:
+                origin = self.target(lease["item"], origin)
+            self.queue(lease["key"], origin).insert(0, lease["item"])
+            if lease["key"] not in keys:
+                keys.append(lease["key"])
+        for key in reversed(keys):
+            self.serve(key)
 
     def time_passes(self) -> None:
         """Every deadline passes, in the order they were set: waiting requests with a timeout
-        time out (a get_batch takes what there is), leases lapse (the deliveries they make
-        meanwhile are leased again and lapse too)."""
-        for kind, ident, n in self.timed:  # grows while it runs
+        time out (a get_batch takes what there is), then the leases that lapsed go back
+        together; the deliveries that makes are leased again and lapse in the next round."""
+        start = 0
+        while start < len(self.timed):
+            start = self._deadline_round(start)
+        self.timed = []
+
+    def _deadline_round(self, start: int) -> int:
+        """The deadlines from ``start`` (and those set meanwhile) pass, the leases last; where
+        the next round starts."""
+        lapsed: list[int] = []
+        i = start
+        while i < len(self.timed):  # grows while it runs
+            kind, ident, n = self.timed[i]
+            i += 1
             if kind == "lease":
                 lease = self.leases.get(ident)
                 if lease is not None and lease["n"] == n:
-                    self.unlease(ident)
+                    lapsed.append(ident)
             elif kind == "put":
                 put = next((p for p in self.putters if p["rid"] == ident), None)
                 if put is not None:
@@ -268,7 +287,8 @@ class Ref:
                     self.admit()
             else:
                 self.expire_get(ident)
-        self.timed = []
+        self.unlease(lapsed)
+        return i
 
     def expire_get(self, rid: int) -> None:
         getter = next((g for k in KEYS for g in self.getters[k] if g["rid"] == rid), None)
@@ -318,8 +338,7 @@ class Ref:
     def close(self, handle: int, consumer: str | None, parked_rids: list[int]) -> None:
         for rid in parked_rids:  # in the order they were parked
             self.cancel(rid)
-        for seq in [s for s, lease in self.leases.items() if lease["handle"] == handle]:
-            self.unlease(seq)
+        self.unlease([s for s, lease in self.leases.items() if lease["handle"] == handle])
         if consumer is None:
             return
         self.consumers[consumer] -= 1
@@ -332,6 +351,9 @@ class Ref:
                 self.queue(key, self.target(item, consumer)).append(item)
             if items:
                 self.serve(key)
+        for put in self.putters:  # puts waiting for its queue are dealt again
+            if put["to"] == consumer:
+                put["to"] = self.target(put["item"], consumer)
         self.admit()
 
     def join(self, consumer: str | None) -> None:
@@ -690,8 +712,37 @@ def test_leases_of_a_departed_handle_go_back_in_the_order_they_were_issued(monke
     core.get(consumer, 5, "a", None, False, ack=True)
     assert sorted(core.leases) == [7, 8]
     core.client_gone(consumer)
-    # each lease goes back to the head of the queue in the order of issue: 0, then 1 before it
-    assert [i.payload[0] for i in core.peek("a", 3)] == [1, 0, 2]
+    # they go back in front of the rest in the order of issue: the queue keeps its order
+    assert [i.payload[0] for i in core.peek("a", 3)] == [0, 1, 2]
+
+
+def test_leases_that_lapse_together_go_back_in_the_order_they_were_issued():
+    """Leases lapsing in one tick go back to the head of their queue together, the first
+    issued in front: the queue has the items in the order it gave them."""
+    core, replies = _core(Dispatcher())
+    producer, consumer = Client(address=0), Client(address=1)
+    for i in range(4):
+        core.put(producer, i + 1, "a", Item((i, None), 1, 1), None, False)
+    for rid in (5, 6, 7):
+        core.get(consumer, rid, "a", None, False, ack=True)
+    core.tick(time.monotonic() + 2 * LEASE_S)
+    assert [i.payload[0] for i in core.peek("a", 4)] == [0, 1, 2, 3]
+
+
+def test_a_waiting_getter_gets_the_first_of_a_departed_handles_leases():
+    """A getter waiting while a handle's leases go back gets the first one issued, not the
+    last one put back: the leases are all back before any getter is served."""
+    core, replies = _core(Dispatcher())
+    producer, holder, waiter = Client(address=0), Client(address=1), Client(address=2)
+    for i in range(2):
+        core.put(producer, i + 1, "a", Item((i, None), 1, 1), None, False)
+    core.get(holder, 3, "a", None, False, ack=True)
+    core.get(holder, 4, "a", None, False, ack=True)
+    core.get(waiter, 5, "a", None, False)  # the queue is empty: it waits
+    assert 5 not in replies
+    core.client_gone(holder)
+    assert replies[5] == ("items", [0], False, False, ("a", None))
+    assert [i.payload[0] for i in core.peek("a", 2)] == [1]
 
 
 def test_a_stream_keeps_one_grace_deadline_per_key():

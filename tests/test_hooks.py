@@ -7,10 +7,11 @@ import signal
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import drain, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from zchannel.broker import Channel, HookError
+from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.hooks import (
     ChannelContext,
     Collector,
@@ -19,6 +20,7 @@ from zchannel.hooks import (
     resolve_collector,
     resolve_dispatcher,
 )
+from zchannel.hooks.base import consumer_sort_key
 from zchannel.hooks.builtin import (
     FlattenBatch,
     LeastLoadedDispatcher,
@@ -509,6 +511,71 @@ def test_killed_consumer_items_are_redealt_exactly_once(workers, channels):
     finally:
         for handle in survivors:
             handle.close()
+
+
+@pytest.mark.parametrize("dispatcher", ["round_robin", "least_loaded"])
+def test_a_put_waiting_for_a_killed_consumers_queue_is_dealt_again(workers, channels, dispatcher):
+    """A put waiting for room (``maxsize``) in the private queue of a consumer that dies is
+    routed again among those present: the survivor gets every item, none stays behind in the
+    dead consumer's queue."""
+    name = f"reroute-{dispatcher}"
+    ch = Channel.create(name, maxsize=1, dispatcher=dispatcher, consumers={"w": 2})
+    channels.append(ch)
+    victim = workers.start(
+        """
+        import sys
+        from zchannel.broker import Channel
+        ch = Channel.connect(sys.argv[1], identity="w:0")
+        try:
+            ch.get_nowait(key="nothing")  # a get joins the consumer
+        except Exception as exc:
+            print("joined", type(exc).__name__, flush=True)
+        sys.stdin.readline()
+        """,
+        ch.address,
+    )
+    assert workers.wait_line(victim) == "joined QueueEmpty"
+    ch.put("item0")  # to w:0
+    ch.put("item1")  # to w:1
+    waiting = ch.put("item2", async_op=True, timeout=60)  # to w:0, whose queue is full
+    assert wait_until(lambda: ch.stats()["keys"]["default_queue"]["putters"] == 1, 10)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert wait_until(lambda: "w:0" not in ch.stats()["consumers"], 10), \
+        "the dead consumer never left"
+    survivor = Channel.connect(name, identity="w:1")
+    try:
+        got = sorted(survivor.get(timeout=10) for _ in range(3))
+        assert got == ["item0", "item1", "item2"]
+        assert waiting.wait(10) is None
+        assert not any(ch.stats()["keys"]["default_queue"]["private"].values())
+    finally:
+        survivor.close()
+
+
+def test_consumer_ids_with_equal_ranks_keep_their_own_places(make):
+    """``a:1`` and ``a:01`` have the same integer rank but are two consumers: round robin
+    deals to both."""
+    assert consumer_sort_key("a:1") != consumer_sort_key("a:01")
+    ch = make("equalranks", dispatcher="round_robin", consumers=["a:1", "a:01", "a:2"])
+    for i in range(9):
+        ch.put(i)
+    assert ch.stats()["keys"]["default_queue"]["private"] == {"a:01": 3, "a:1": 3, "a:2": 3}
+
+
+def test_an_unregistered_subclass_of_a_registered_hook_is_named_as_itself(make_remote, caplog):
+    """A subclass inherits ``hook_name`` but is another hook: ``stats()``, the warning of a
+    ``create`` with other hooks and a journal's record of its collector name the subclass."""
+    import hookmods
+
+    assert hook_name(hookmods.DoubledFlatten()) == "hookmods:DoubledFlatten"
+    ch = make_remote("subclassed", collector="hookmods:DoubledFlatten")
+    ch.put([1, 2])
+    assert ch.stats()["collector"] == "hookmods:DoubledFlatten"
+    assert drain(ch) == [1, 1, 2, 2]
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        make_remote("subclassed", collector="flatten_batch")
+    assert "collector=flatten_batch ignored" in caplog.text
 
 
 def test_stat_shows_consumers_and_hooks(make_remote):

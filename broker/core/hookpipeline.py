@@ -131,6 +131,16 @@ class HookPipeline:
             return None
         return target
 
+    def route_again(self, item: Item, key: Any, departed: str) -> str | None:
+        """``route`` for ``item`` of ``key`` dealt again because its consumer ``departed``;
+        a failing dispatcher is logged and the item goes to the shared queue (None): nobody
+        waits for an answer."""
+        try:
+            return self.route(item, key, departed)
+        except HookError as exc:
+            log.warning("re-dealing an item of %r failed (%s): it goes to the shared queue", key, exc)
+            return None
+
     def notify(self, fn: Callable, *args: Any) -> None:
         """Call a dispatcher notification with no caller to answer (``forget``,
         ``key_dropped``); a failure is logged, never raised."""
@@ -186,7 +196,8 @@ def hook_error(exc: BaseException) -> HookError:
 def hook_name(hook: Any) -> str:
     """The name of ``hook`` as ``stats()`` shows it: its class's ``hook_name`` (a registered
     hook), else ``module:qualname``."""
-    return getattr(type(hook), "hook_name", None) or f"{type(hook).__module__}:{type(hook).__qualname__}"
+    # the class's own name only: a subclass inherits ``hook_name`` but is another hook
+    return vars(type(hook)).get("hook_name") or f"{type(hook).__module__}:{type(hook).__qualname__}"
 
 
 def _safe_stats(hook: Any) -> dict:

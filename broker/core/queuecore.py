@@ -42,7 +42,6 @@ from zchannel.broker.core.state import (
 )
 from zchannel.broker.core.statelog import StateLog
 from zchannel.broker.core.waiters import SendReply, SendRun, Waiters, take_run
-from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
 from zchannel.hooks import Collector, Dispatcher
 
@@ -212,10 +211,8 @@ class QueueCore:
         client.gone = True
         for req in list(client.parked.values()):
             self.waiters.withdraw(req)
-        for lease_id in list(client.leases):  # in the order they were issued
-            lease = self.lease_book.find(lease_id)
-            if lease is not None:
-                self._return_lease(lease)
+        leases = [self.lease_book.find(lease_id) for lease_id in client.leases]  # issue order
+        self._return_leases([lease for lease in leases if lease is not None])
         self._leave(client)
 
     def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
@@ -262,34 +259,33 @@ class QueueCore:
                 for item in items:
                     self._redeal(ks, item, departed)
                 self.waiters.serve(ks)
+        # puts waiting for room in the departed consumer's private queue were routed to it
+        # while it was present: route those outputs again, or they would be stored for nobody
+        self.waiters.reroute_putters(departed, self.hooks.route_again)
         self.waiters.admit_putters()
 
     def _redeal(self, ks: KeyState, item: Item, departed: str) -> None:
         """Deal ``item`` of ``ks`` again (its consumer ``departed``): appended to the queue it
         goes to, which may be the departed consumer's own (it waits for it to come back)."""
-        try:
-            target = self.hooks.route(item, ks.key, departed)
-        except HookError as exc:
-            log.warning("re-dealing an item of %r failed (%s): it goes to the shared queue", ks.key, exc)
-            target = None
-        self.queues.queue(ks, target).append(item)
+        self.queues.queue(ks, self.hooks.route_again(item, ks.key, departed)).append(item)
 
-    def _return_lease(self, lease: Lease) -> None:
-        """An unacknowledged delivery goes back to the head of its queue."""
-        item = self.lease_book.end(lease)
-        ks = self.queues.state(lease.key)
-        origin = lease.origin
-        if origin is not None and not self.roster.listed(origin):
-            self._redeal(ks, item, origin)
-            # _redeal appends; move it to the head of wherever it went
-            for queue in (ks.shared, *ks.private.values()):
-                if queue and queue[-1] is item:
-                    queue.pop()
-                    ks.put_back(queue, [item])
-                    break
-        else:
+    def _return_leases(self, leases: list[Lease]) -> None:
+        """Unacknowledged deliveries (``leases``, in the order they were issued) go back to the
+        head of their queues, the first issued in front, so that a queue has them in the order
+        it gave them; then the waiting getters of those queues are served."""
+        touched: dict[int, KeyState] = {}
+        for lease in reversed(leases):
+            if not self.lease_book.is_open(lease):
+                continue
+            item = self.lease_book.end(lease)
+            ks = self.queues.state(lease.key)
+            origin = lease.origin
+            if origin is not None and not self.roster.listed(origin):  # dealt again
+                origin = self.hooks.route_again(item, ks.key, origin)
             ks.put_back(self.queues.queue(ks, origin), [item])
-        self.waiters.serve(ks)
+            touched[id(ks)] = ks
+        for ks in reversed(touched.values()):  # the queue of the first lease first
+            self.waiters.serve(ks)
 
     # -- deadlines -------------------------------------------------------------------------------
 
@@ -299,16 +295,22 @@ class QueueCore:
     def tick(self, now: float | None = None) -> None:
         """Expire due deadlines: parked requests time out, leases lapse, idle keys go."""
         now = time.monotonic() if now is None else now
-        for obj in self.deadlines.due(now):
-            if isinstance(obj, Parked):
-                if obj.alive:
-                    self.waiters.expire(obj)
-            elif isinstance(obj, Lease):
-                if self.lease_book.is_open(obj):
-                    self._return_lease(obj)
-            elif isinstance(obj, KeyState):
-                if self.queues.drop_if_idle(obj, now):
-                    self.hooks.notify(self.hooks.dispatcher.key_dropped, obj.key)
+        while True:
+            lapsed: list[Lease] = []  # in deadline order: the order they were issued
+            for obj in self.deadlines.due(now):
+                if isinstance(obj, Parked):
+                    if obj.alive:
+                        self.waiters.expire(obj)
+                elif isinstance(obj, Lease):
+                    lapsed.append(obj)
+                elif isinstance(obj, KeyState):
+                    if self.queues.drop_if_idle(obj, now):
+                        self.hooks.notify(self.hooks.dispatcher.key_dropped, obj.key)
+            if not lapsed:
+                return
+            # they go back together (their queues keep their order); what that delivers
+            # anew under a lease already due lapses in the next round
+            self._return_leases(lapsed)
 
     def drop_idle_key(self, key: Any) -> bool:
         """Forget ``key`` if it holds nothing and nobody waits on it (it moved to another

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from zchannel.broker.core.hookpipeline import HookPipeline
@@ -111,8 +111,7 @@ class Waiters:
     def _park_putter(self, req: Parked, timeout: float | None) -> None:
         self._park(req, timeout)
         self.putters.append(req)
-        for target in self.queues.targets(req.outputs):
-            self.put_targets[target] = self.put_targets.get(target, 0) + 1
+        _count(self.put_targets, self.queues.targets(req.outputs), 1)
         for k in {k for k, _, _ in req.outputs}:
             self.queues.state(k).putters += 1
 
@@ -147,6 +146,19 @@ class Waiters:
         if admitted:
             self.admit_putters()
 
+    def reroute_putters(self, departed: str,
+                        route: Callable[[Item, Any, str], str | None]) -> None:
+        """Waiting puts with outputs routed to the consumer that ``departed``: those outputs
+        are routed again (``route(item, key, departed)``), in arrival order."""
+        for req in self.putters:
+            if req.alive and any(c == departed for _, c, _ in req.outputs):
+                old = self.queues.targets(req.outputs)
+                req.outputs = [(k, route(it, k, departed) if c == departed else c, it)
+                               for k, c, it in req.outputs]
+                new = self.queues.targets(req.outputs)
+                _count(self.put_targets, old - new, -1)
+                _count(self.put_targets, new - old, 1)
+
     def _unpark_putter(self, req: Parked, stored: bool = False) -> None:
         """A waiting put ends: admitted (``stored``), timed out or withdrawn.  It lets go of
         its items (its entry in the deadline heap may stay until its deadline)."""
@@ -157,10 +169,7 @@ class Waiters:
             self.putters.remove(req)
         except ValueError:
             return  # ended before
-        for target in self.queues.targets(req.outputs):
-            n = self.put_targets.pop(target, 0) - 1
-            if n > 0:
-                self.put_targets[target] = n
+        _count(self.put_targets, self.queues.targets(req.outputs), -1)
         for k in {k for k, _, _ in req.outputs}:
             ks = self.queues.keys.get(k)
             if ks is not None:
@@ -544,3 +553,14 @@ def _unlogged(log: StateLog | None, outputs: Outputs) -> Exception | None:
     except Exception as exc:
         return exc
     return None
+
+
+def _count(counts: dict[Any, int], targets: Iterable[Any], step: int) -> None:
+    """Add ``step`` to the count of each of ``targets`` in ``counts`` (a count that reaches 0
+    is removed)."""
+    for target in targets:
+        n = counts.get(target, 0) + step
+        if n > 0:
+            counts[target] = n
+        else:
+            counts.pop(target, None)

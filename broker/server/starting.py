@@ -93,7 +93,7 @@ def hook_label(spec: Any) -> str | None:
             cls = import_path(spec)
         except Exception:
             return spec
-        name = getattr(cls, "hook_name", None)
+        name = vars(cls).get("hook_name") if isinstance(cls, type) else None
         return name if isinstance(name, str) else spec
     return spec.lower()
 
