@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-CONSUMER_ID_RE = re.compile(r"^[A-Za-z0-9._-]+:\d+$")
+CONSUMER_ID_RE = re.compile(r"[A-Za-z0-9._-]+:[0-9]+")  # whole id (fullmatch), ASCII digits
 MAX_CONSUMER_ID = 256  # characters of a consumer id at most
 
 
@@ -25,7 +25,7 @@ def consumer_sort_key(consumer_id: str) -> tuple[str, int, str]:
 def check_consumer_id(consumer_id: object) -> str:
     """Return ``consumer_id`` if it matches ``group:rank``, else raise ``ValueError``."""
     if (not isinstance(consumer_id, str) or len(consumer_id) > MAX_CONSUMER_ID
-            or not CONSUMER_ID_RE.match(consumer_id)):
+            or not CONSUMER_ID_RE.fullmatch(consumer_id)):
         shown = repr(consumer_id)
         raise ValueError(
             f"invalid consumer id {shown[:80] + '...' if len(shown) > 80 else shown}: expected "

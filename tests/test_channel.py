@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, Work
+from zchannel.broker import DEFAULT_KEY, Channel, ChannelError, Delivery, QueueEmpty, Work
 from zchannel.broker.wire.protocol import op_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -631,11 +631,34 @@ def test_connect_and_identity(make):
         assert ch.get() == "via other"
     finally:
         other.close()
-    with pytest.raises(ValueError):
-        Channel.connect("ch", identity="bad id")
+    for bad in ("bad id", "actor:1\n", "actor:\u0663", "actor:"):  # a newline, a non-ASCII digit
+        with pytest.raises(ValueError, match="consumer id"):
+            Channel.connect("ch", identity=bad)
 
 
 def test_context_manager_closes(make):
     with make("ctx") as ch:
         ch.put(1)
         assert ch.get() == 1
+
+
+def test_calls_answered_at_once_go_out_while_every_slot_holds_a_waiting_get(make_remote):
+    """A handle whose ``max_inflight`` (1024) outstanding requests are all gets waiting for
+    items still sends what the broker answers at once: ``*_nowait``, ``qsize``, ``full``,
+    ``stats``. A put that may wait waits for a slot (counted against its timeout)."""
+    ch = make_remote("inflight")
+    gets = [ch.get(key="later", async_op=True, timeout=60) for _ in range(1024)]
+    with pytest.raises(QueueEmpty):
+        ch.get_nowait(key="other")
+    ch.put_nowait("x", key="other")
+    assert ch.qsize(key="other") == 1 and not ch.full(key="other")
+    assert ch.get_nowait(key="other") == "x"
+    assert ch.stats()["keys"]["later"]["getters"] == 1024
+    with pytest.raises(TimeoutError, match="outstanding requests"):
+        ch.put("y", key="later", timeout=0.2)
+    feeder = Channel.connect(ch.address)
+    try:
+        feeder.put("first", key="later")
+        assert gets[0].wait(10) == "first"
+    finally:
+        feeder.close()

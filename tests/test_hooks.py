@@ -267,6 +267,26 @@ def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, ca
     assert second.qsize() == 2  # the running broker's flatten_batch collector still applies
 
 
+def test_create_of_a_running_channel_warns_about_every_ignored_setting(make_remote, caplog,
+                                                                       tmp_path):
+    """Declared consumers, producers, a journal and the lease timeout the running broker does
+    not have are named too: a ``journal=`` that is ignored leaves a channel that is not
+    durable."""
+    make_remote("running2", consumers={"a": 1}, producers=["p"])
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        second = make_remote("running2", consumers={"a": 2}, producers=["q"],
+                             journal=tmp_path / "j", lease_timeout=5.0)
+    text = caplog.text
+    assert "consumers=['a:0', 'a:1'] ignored" in text
+    assert "producers=['q'] ignored" in text
+    assert "journal=" in text and second.stats()["journal"] is None
+    assert "lease_timeout=5.0 ignored" in text and second.stats()["lease_timeout"] == 30.0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        make_remote("running2", consumers={"a": 1}, producers=["p"])  # the same settings
+    assert "ignored" not in caplog.text
+
+
 def test_failing_hooks_reach_the_putter(make):
     ch = make("raising", collector="hookmods:Raising")
     with pytest.raises(HookError) as info:

@@ -151,3 +151,21 @@ def test_local_create_refuses_options_that_cannot_travel_as_the_broker_path_does
     assert refusals[0] == refusals[1] and "builtins.object" in refusals[1]
     with pytest.raises(ChannelNotFound):
         Channel.connect("badoptions", timeout=1.0)
+
+
+def test_a_broker_channel_may_not_take_the_name_of_a_local_one(run_dir):
+    """One name, one channel: ``connect(name)`` in a process finds its local channel, so a
+    broker channel of that name would be one nobody here could reach; ``create`` refuses it
+    and starts no broker."""
+    local = Channel.create("onename", local=True)
+    try:
+        with pytest.raises(ValueError, match="local channel named 'onename'"):
+            Channel.create("onename")
+        local.put("x")
+        other = Channel.connect("onename")
+        assert other.is_local and other.get(timeout=5) == "x"
+        other.close()
+    finally:
+        local.shutdown()
+    with pytest.raises(ChannelNotFound):
+        Channel.connect("onename", timeout=1.0)

@@ -44,6 +44,15 @@ from zchannel.broker.wire.protocol import (
     op_of,
 )
 
+
+def may_wait(rec: Request) -> bool:
+    """Whether the broker may hold ``rec`` waiting (a put, get or get_batch that is not
+    ``nowait``): only those wait for room among ``max_inflight`` outstanding requests.  The
+    others (``*_nowait``, ``qsize``, ``full``, ``stats``, ``ack``...) are answered at once, so
+    they go out even when the handle's outstanding gets are all waiting for items."""
+    return isinstance(rec, (Put, Get, GetBatch)) and not rec.nowait
+
+
 # a reply converter: (the reply record, its frames) -> the Work's result
 Convert = Callable[[Any, list], Any]
 
@@ -101,7 +110,7 @@ class RequestQueue:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
         flow = self._flow if owner is None else owner
         flow.n_issued = next(flow.issued) + 1
-        if room and flow.n_issued - flow.completed > self.max_inflight:
+        if room and flow.n_issued - flow.completed > self.max_inflight and may_wait(rec):
             try:
                 self._wait_for_room(rec, flow)
             except BaseException:

@@ -40,7 +40,7 @@ from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
-from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT, BrokerConfig
 from zchannel.broker.server.metrics import check_port
 from zchannel.broker.server.starting import (
     START_TIMEOUT_S,
@@ -159,17 +159,32 @@ def _warn_differences(handle: BrokerChannel, config: dict[str, Any]) -> None:
     if info.maxsize is not None and info.maxsize != config["maxsize"]:
         log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
                     config["name"], info.maxsize, config["maxsize"])
-    if config["collector"] is None and config["dispatcher"] is None:
-        return
+    hooks = {kind: hook_label(config[kind]) for kind in ("collector", "dispatcher")}
+    declared = list(expand_consumers(config.get("consumers")))
+    producers = list(config.get("producers") or ())
+    journal = config.get("journal")
+    lease_timeout = config.get("lease_timeout", DEFAULT_LEASE_TIMEOUT)
+    if not (any(hooks.values()) or declared or producers or journal is not None
+            or lease_timeout != DEFAULT_LEASE_TIMEOUT):
+        return  # nothing given that the hello did not already compare
     try:
         running = handle.stats()
     except ChannelError:
         return
-    for kind in ("collector", "dispatcher"):
-        given = hook_label(config[kind])
-        if given is not None and given != running.get(kind):
-            log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
-                        kind, running.get(kind), kind, given)
+    differences: list[tuple[str, Any, Any]] = [
+        (kind, running.get(kind), given) for kind, given in hooks.items()
+        if given is not None and given != running.get(kind)]
+    if any(c not in (running.get("consumers") or ()) for c in declared):
+        differences.append(("consumers", running.get("consumers"), declared))
+    if producers and producers != list(running.get("producers") or ()):
+        differences.append(("producers", running.get("producers"), producers))
+    if journal is not None and running.get("journal") is None:
+        differences.append(("journal", None, journal))
+    if running.get("lease_timeout") not in (None, lease_timeout):
+        differences.append(("lease_timeout", running.get("lease_timeout"), lease_timeout))
+    for field, theirs, given in differences:
+        log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                    field, theirs, field, given)
 
 
 class Channel(BrokerChannel, metaclass=ABCMeta):
@@ -203,7 +218,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         identity: str | None = None,
         curve_keys: Any = None,
         insecure: bool = False,
-        lease_timeout: float = 30.0,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         shm_threshold: int | None = None,
         metrics_port: int | None = None,
         journal: str | os.PathLike[str] | None = None,
@@ -245,6 +260,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
                 identity=identity, lease_timeout=lease_timeout,
             ))
+        if LocalChannel.lookup(name) is not None:  # connect(name) here would find that one
+            raise ValueError(f"this process has a local channel named {name!r}: one name is one "
+                             "channel (Channel.create(..., local=True) or Channel.connect "
+                             "reaches it; give a broker channel another name)")
         config = _broker_config(
             name, maxsize, address, collector=collector, dispatcher=dispatcher,
             producers=producers, consumers=declared, options=options, curve_keys=curve_keys,

@@ -33,6 +33,8 @@ from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
 
+DEFAULT_LEASE_TIMEOUT = 30.0  # seconds an unacknowledged delivery is held
+
 
 @dataclass
 class BrokerConfig:
@@ -49,7 +51,7 @@ class BrokerConfig:
     imports: list[str] = field(default_factory=list)
     # [tag, "module:qualname"] of the classes to register for the wire (a creator's own)
     types: list[list[str]] = field(default_factory=list)
-    lease_timeout: float = 30.0
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_bytes: int = 0

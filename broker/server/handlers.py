@@ -231,6 +231,7 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
         stats.update(connections=guard.connections, max_clients=guard.max_clients,
                      refused_connections=guard.refused)
     stats.update(address=broker.address, pid=os.getpid(), sched=broker.sched_policy, clients=clients,
+                 lease_timeout=broker.config.lease_timeout,
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None,
                  journal=broker.journal.stats() if broker.journal is not None else None)
