@@ -58,15 +58,17 @@ class Worker:
     def worker_name(self) -> str:
         return f"{self._group_name}:{self._rank}"
 
-    def create_channel(self, name: str, **kwargs: Any) -> Any:
-        """``Channel.create`` bound to this worker (placed on this worker's node under Ray)."""
+    def create_channel(self, channel_name: str, maxsize: int = 0, distributed: bool = False,
+                       node_rank: int | None = None, local: bool = False, **kwargs: Any) -> Any:
+        """``Channel.create`` bound to this worker (placed on this worker's node under Ray);
+        RLinf's ``Worker.create_channel(channel_name, maxsize, distributed, node_rank, local)``."""
         kwargs.setdefault("identity", self.worker_name)
-        return Channel.create(name, **kwargs)
+        return Channel.create(channel_name, maxsize, distributed, node_rank, local, **kwargs)
 
-    def connect_channel(self, name: str, **kwargs: Any) -> Any:
-        """``Channel.connect(name)`` bound to this worker."""
+    def connect_channel(self, channel_name: str, **kwargs: Any) -> Any:
+        """``Channel.connect(channel_name)`` bound to this worker (RLinf's parameter name)."""
         kwargs.setdefault("identity", self.worker_name)
-        return Channel.connect(name, **kwargs)
+        return Channel.connect(channel_name, **kwargs)
 
     def _zchannel_setup(self, group: str, rank: int, world: int) -> None:
         self._group_name, self._rank, self._world_size = group, rank, world

@@ -31,6 +31,7 @@ from zchannel.broker import (
     Work,
 )
 from zchannel.cli.main import main
+from zchannel.embodied.groups import Worker
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -101,8 +102,18 @@ def test_connect_with_current_worker(make):
             h.close()
     with pytest.raises(ValueError, match="give one of them"):
         Channel.connect("cw", "actor:0", identity="actor:1")
-    with pytest.raises(TypeError, match="no Worker class"):
+    with pytest.raises(TypeError, match="worker_name"):
         Channel.connect("cw", 3.5)
+    # RLinf's own call (worker.py): the name as a keyword, and zchannel's Worker as the worker
+    worker = Worker()
+    worker._zchannel_setup("actor", 1, 2)
+    as_rlinf = Channel.connect(name="cw", current_worker=worker)
+    try:
+        assert as_rlinf.identity == "actor:1"
+    finally:
+        as_rlinf.close()
+    with pytest.raises(TypeError, match="not both"):
+        Channel.connect("cw", name="other")
     with pytest.raises(ValueError):
         Channel.connect("cw", "not an id")
 

@@ -69,10 +69,24 @@ def _worker_identity(current_worker: Any) -> str | None:
     group, rank = getattr(current_worker, "group_name", None), getattr(current_worker, "rank", None)
     if isinstance(group, str) and isinstance(rank, int) and not isinstance(rank, bool):
         return f"{group}:{rank}"
+    worker_name = getattr(current_worker, "worker_name", None)  # zchannel.embodied.groups.Worker
+    if isinstance(worker_name, str):
+        return worker_name
     raise TypeError(
-        "current_worker is a consumer id 'group:rank', or an object with an identity str or "
-        f"with group_name (str) and rank (int) attributes, not {type(current_worker).__name__}: "
-        "zchannel has no Worker class, a handle acts for the consumer id it is given")
+        "current_worker is a consumer id 'group:rank', or an object with an identity str, with "
+        "group_name (str) and rank (int) attributes or with a worker_name str ('group:rank', "
+        f"as zchannel.embodied.groups.Worker), not {type(current_worker).__name__}")
+
+
+def _connect_target(name_or_address: str | None, name: str | None) -> str:
+    """What ``connect`` attaches to: ``name_or_address``, or RLinf's keyword ``name=``."""
+    if name is not None:
+        if name_or_address is not None and name_or_address != name:
+            raise TypeError("give the channel as name_or_address or as name=, not both")
+        return name
+    if name_or_address is None:
+        raise TypeError("connect() needs the channel's name or address")
+    return name_or_address
 
 
 def _as_channel(handle: BrokerChannel) -> Channel:
@@ -330,19 +344,21 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         return spawned
 
     @classmethod
-    def connect(cls, name_or_address: str, current_worker: Any = None, *,
+    def connect(cls, name_or_address: str | None = None, current_worker: Any = None, *,
                 identity: str | None = None, timeout: float = 10.0, curve_keys: Any = None,
-                shm: bool | None = None) -> Channel:
+                shm: bool | None = None, name: str | None = None) -> Channel:
         """Attach to a running broker by channel name or ``ipc://``/``tcp://`` address.
 
         ``current_worker`` (RLinf's second positional argument) names the consumer this handle
         acts for and becomes its ``identity``: a ``"group:rank"`` str, or an object with an
-        ``identity`` str or with ``group_name`` and ``rank`` attributes (zchannel has no Worker
-        class).  None keeps ``identity=``, else ``ZCHANNEL_IDENTITY``.
+        ``identity`` str, with ``group_name`` and ``rank`` attributes, or with a ``worker_name``
+        str (``zchannel.embodied.groups.Worker``).  None keeps ``identity=``, else
+        ``ZCHANNEL_IDENTITY``.  ``name=`` is RLinf's keyword for ``name_or_address``.
         ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
         the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
+        name_or_address = _connect_target(name_or_address, name)
         if timeout is None or check_timeout(timeout) is None:
             raise ValueError("connect needs a timeout: a finite number of seconds >= 0")
         worker_identity = _worker_identity(current_worker)
@@ -353,7 +369,6 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             identity = worker_identity
         if identity is not None:
             check_consumer_id(identity)
-        name: str | None
         address: str | None
         if paths.is_address(name_or_address):
             name, address = None, name_or_address

@@ -66,6 +66,22 @@ def test_local_group_calls_and_channel_binding(channels):
         group.shutdown()
 
 
+def test_a_workers_channel_methods_take_rlinfs_parameters(channels):
+    """``create_channel(channel_name, maxsize, distributed, node_rank, local)`` and
+    ``connect_channel(channel_name)``, as RLinf's ``Worker`` has them; the handles act for the
+    worker's ``group:rank``."""
+    worker = Echo()
+    worker._zchannel_setup("actor", 1, 2)
+    ch = worker.create_channel("rlinf-forms", 2, False, None, True)  # local, maxsize 2
+    channels.append(ch)
+    assert ch.is_local and ch.identity == "actor:1" and ch.stats()["maxsize"] == 2
+    other = worker.connect_channel(channel_name="rlinf-forms")
+    try:
+        assert other.identity == "actor:1" and other.is_local
+    finally:
+        other.close()
+
+
 ray = pytest.importorskip("ray")
 
 
