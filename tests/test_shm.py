@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import wait_until
-from zchannel.broker import Channel, shm
+from zchannel.broker import BrokerUnavailable, Channel, shm
 from zchannel.broker.shm.pool import SLOT_WAIT_CUT
 from zchannel.broker.shm.segment import Segment
 from zchannel.broker.wire import codec
@@ -429,6 +429,79 @@ def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
     st = _shm_stats(ch)
     assert st["consumer_holds"] == 0 and st["slots_used"] == 0
     assert seg.states[held[0]] == shm.FREE  # the broker gave it back to the producer
+
+
+def all_of(works: list):
+    """Whether every ``Work`` of ``works`` is done (a poll that reads none of them)."""
+    return lambda: all(w.done() for w in works)
+
+
+def test_a_get_work_dropped_unread_gives_its_slots_back(make_remote):
+    """An async get whose ``Work`` completes and is collected without being read gives its
+    slots back; they are not held for the life of the connection."""
+    ch = make_remote("dropped", shm_threshold=T)
+    for i in range(3):
+        ch.put(torch.full((T // 4,), float(i)))
+    works = [ch.get(timeout=10, async_op=True) for _ in range(3)]
+    all_done = all_of(works)
+    assert wait_until(all_done, 10)
+    assert _shm_stats(ch)["consumer_holds"] == 3
+    works.clear()
+    del all_done
+    gc.collect()
+    assert wait_until(lambda: _shm_stats(ch)["consumer_holds"] == 0, 10)
+    assert _shm_stats(ch)["slots_used"] == 0
+
+
+def test_a_view_from_an_earlier_broker_releases_nothing_of_the_next(run_dir):
+    """Hold ids are not reused by the next broker of a channel: a ``copy=False`` view from the
+    broker that died, dropped, does not free the slot of a live view from the new one."""
+    address = f"ipc://{run_dir}/holds.sock"
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zchannel.cli.main", "broker", "holds", "--address", address,
+             "--shm-threshold", str(T)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().startswith("ready ")
+        return proc
+
+    def answers(handle) -> bool:
+        try:
+            handle.qsize()
+            return True
+        except BrokerUnavailable:
+            return False
+
+    procs = [start()]
+    handles = []
+    try:
+        producer = Channel.connect(address)
+        consumer = Channel.connect(address, identity="c:0")
+        handles += [producer, consumer]
+        producer.put(np.full(T, 1, np.uint8))
+        old = consumer.get(copy=False, timeout=10)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        procs.append(start())
+        assert wait_until(lambda: answers(producer) and answers(consumer), 20)
+        producer.put(np.full(T, 2, np.uint8))
+        new = consumer.get(copy=False, timeout=10)
+        del old
+        gc.collect()
+        consumer.qsize()  # the release of the old view goes out before this request
+        for _ in range(4):  # a freed slot would be taken by these
+            producer.put(np.full(T, 3, np.uint8))
+        assert (new == 2).all()
+        assert _shm_stats(consumer)["consumer_holds"] == 1
+    finally:
+        for handle in handles:
+            handle.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in shm.list_segments(shm.prefix_for("holds", run_dir)):
+            os.unlink(os.path.join(shm.SHM_DIR, name))
 
 
 def test_a_leased_delivery_is_copied_out_so_a_redelivery_is_the_item_as_put(make_remote):

@@ -182,6 +182,8 @@ def _table() -> list[tuple[str, object, object]]:
         ("tensor requiring grad", grad, grad.detach()),
         ("sparse tensor", torch.eye(2).to_sparse(),
          Refused(r"cannot send a torch\.sparse_coo tensor; convert it to a dense tensor")),
+        ("meta tensor", torch.empty(4, device="meta"),
+         Refused(r"cannot send a tensor on the meta device")),
         # -- containers and the rest
         ("None", None, None),
         ("str", "text", "text"),

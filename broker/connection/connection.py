@@ -351,12 +351,17 @@ class Connection:
         if pending is None:
             if not (self._requests.batches and on_batch_reply(self._requests, rec)):
                 self._on_hello_or_bye(rid, rec)
+                self.shm.release(_hold_ids(rec.slots))  # an answer nobody awaits: its slots go
             return
         self._release(pending[3])
         work, convert, is_put, _ = pending
         if rec.error is not None:
             work.set_exception(error_from_wire(rec.error))
         elif convert is not None:
+            holds = _hold_ids(rec.slots)
+            if holds:  # a Work dropped unread gives its slots back (docs/shm.md)
+                dropped = weakref.finalize(work, self.shm.release, holds)
+                convert = _detaching(convert, dropped)
             work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
         else:
             work._finish(_DONE, None if is_put else rec.result)  # a put's result is None
@@ -403,3 +408,20 @@ class Connection:
             self.shm.on_hello(self.broker_info)
             if self._line.state != UP:
                 self._line.set_state(UP)
+
+
+def _hold_ids(slots: Any) -> list[int]:
+    """The consumer hold ids a reply's ``sm`` entries name (``[segment, slot, nbytes, hold]``)."""
+    if not slots:
+        return []
+    return [entry[3] for item in slots if isinstance(item, list) for entry in item
+            if isinstance(entry, list) and len(entry) == 4 and type(entry[3]) is int]
+
+
+def _detaching(convert: Convert, dropped: weakref.finalize) -> Convert:
+    """``convert`` that first disarms ``dropped`` (the release of a reply's slots if its Work is
+    collected unread): the conversion releases them itself, or hands them to its views."""
+    def converting(*args: Any) -> Any:
+        dropped.detach()
+        return convert(*args)
+    return converting

@@ -159,7 +159,9 @@ class ShmBroker:
         self.proven: OrderedDict[bytes, None] = OrderedDict()
         self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
         self.client_holds: dict[Any, set[int]] = {}
-        self._ids = itertools.count(1)
+        # hold ids start at random: a consumer's view of a slot of an earlier broker of this
+        # channel is released by its old id, which must not name a hold of this one
+        self._ids = itertools.count(secrets.randbits(52) + 1)
         self._freed_count = itertools.count(1)
         self.bytes_held = 0  # slot bytes referenced by items in the broker
         self.consumer_bytes = 0  # slot bytes delivered and not yet released by consumers

@@ -186,6 +186,8 @@ def tensor_dtype_name(t: Any) -> str:
         raise TypeError(f"torch dtype {t.dtype} cannot be sent")
     if t.layout != torch.strided:
         raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
+    if t.is_meta:
+        raise TypeError("cannot send a tensor on the meta device: it has no data")
     return name
 
 
