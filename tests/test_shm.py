@@ -367,15 +367,32 @@ def test_empty_shm_without_shared_memory_is_a_plain_array(make_remote):
             ch.empty_shm(bad, object if bad == (2,) else np.float32)
 
 
+def _broker_process(name: str, address: str) -> subprocess.Popen:
+    """``zchannel broker NAME`` at ``address`` with the tests' shared-memory threshold, once it
+    said it is ready (the caller kills it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", name, "--address", address,
+         "--shm-threshold", str(T)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("ready ")
+    return proc
+
+
+def _end_brokers(procs: list[subprocess.Popen], name: str, run_dir: str) -> None:
+    """Kill the broker processes of ``procs`` still running (by PID) and remove the shared
+    memory segments of channel ``name`` they left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for segment in shm.list_segments(shm.prefix_for(name, run_dir)):
+        os.unlink(os.path.join(shm.SHM_DIR, segment))
+
+
 def test_reserve_shm_is_kept_across_a_broker_restart(run_dir):
     address = f"ipc://{run_dir}/reserve.sock"
 
     def start() -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "zchannel.cli.main", "broker", "reserve2", "--address", address,
-             "--shm-threshold", str(T)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().startswith("ready ")
-        return proc
+        return _broker_process("reserve2", address)
 
     procs = [start()]
     ch = None
@@ -399,12 +416,7 @@ def test_reserve_shm_is_kept_across_a_broker_restart(run_dir):
     finally:
         if ch is not None:
             ch.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for name in shm.list_segments(shm.prefix_for("reserve2", run_dir)):
-            os.unlink(os.path.join(shm.SHM_DIR, name))
+        _end_brokers(procs, "reserve2", run_dir)
 
 
 def test_copy_false_view_keeps_its_slot_until_collected(make_remote):
@@ -459,11 +471,7 @@ def test_a_view_from_an_earlier_broker_releases_nothing_of_the_next(run_dir):
     address = f"ipc://{run_dir}/holds.sock"
 
     def start() -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "zchannel.cli.main", "broker", "holds", "--address", address,
-             "--shm-threshold", str(T)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().startswith("ready ")
-        return proc
+        return _broker_process("holds", address)
 
     def answers(handle) -> bool:
         try:
@@ -496,12 +504,7 @@ def test_a_view_from_an_earlier_broker_releases_nothing_of_the_next(run_dir):
     finally:
         for handle in handles:
             handle.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for name in shm.list_segments(shm.prefix_for("holds", run_dir)):
-            os.unlink(os.path.join(shm.SHM_DIR, name))
+        _end_brokers(procs, "holds", run_dir)
 
 
 def test_a_leased_delivery_is_copied_out_so_a_redelivery_is_the_item_as_put(make_remote):
