@@ -507,6 +507,57 @@ def test_a_view_from_an_earlier_broker_releases_nothing_of_the_next(run_dir):
         _end_brokers(procs, "holds", run_dir)
 
 
+def test_a_consumer_stopped_past_its_expiry_keeps_its_views(make_remote, workers):
+    """A consumer whose process was stopped (SIGSTOP) until the broker expired it keeps the
+    slots of its ``copy=False`` views: they are not reused meanwhile, and once it registered
+    again its view's release frees them."""
+    ch = make_remote("stalled", shm_threshold=T)
+    consumer = workers.start(
+        """
+        import gc, sys, time
+        from zchannel.broker import BrokerUnavailable, Channel
+        ch = Channel.connect(sys.argv[1], identity="c:0")
+        view = ch.get(copy=False, timeout=30)
+        print("got", int(view[0]), flush=True)
+        sys.stdin.readline()  # stopped and resumed meanwhile
+
+        def registered_again():
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    return ch.qsize()
+                except BrokerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+        registered_again()
+        print("kept", bool((view == 1).all()), flush=True)
+        del view
+        gc.collect()
+        ch.qsize()  # the release goes out before this request
+        print("released", flush=True)
+        sys.stdin.readline()
+        """,
+        ch.address,
+    )
+    ch.put(np.full(T, 1, np.uint8))
+    assert workers.wait_line(consumer) == "got 1"
+    clients = ch.stats()["clients"]
+    os.kill(consumer.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: ch.stats()["clients"] == clients - 1, 30), "never expired"
+        assert _shm_stats(ch)["consumer_holds"] == 1
+        for _ in range(4):  # a freed slot would be taken by these
+            ch.put(np.full(T, 2, np.uint8))
+    finally:
+        os.kill(consumer.pid, signal.SIGCONT)
+    consumer.stdin.write(b"\n")
+    assert workers.wait_line(consumer) == "kept True"
+    assert workers.wait_line(consumer) == "released"
+    assert wait_until(lambda: _shm_stats(ch)["consumer_holds"] == 0, 10)
+
+
 def test_a_leased_delivery_is_copied_out_so_a_redelivery_is_the_item_as_put(make_remote):
     """A get with ``ack`` copies shared-memory slots out even with ``copy=False``: the broker
     keeps the slot for a redelivery until the ack, so a writable view of it would turn what a

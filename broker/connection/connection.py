@@ -339,8 +339,7 @@ class Connection:
             pos += rec.nf
 
     def _on_reply(self, rec: Reply, frames: list) -> None:
-        rid = rec.id
-        if rid is None:
+        if (rid := rec.id) is None:
             if rec.items is not None:
                 self._on_items(rec.items)
             elif rec.op == EXPIRED:
@@ -357,12 +356,8 @@ class Connection:
         work, convert, is_put, _ = pending
         if rec.error is not None:
             work.set_exception(error_from_wire(rec.error))
-        elif convert is not None:
-            holds = _hold_ids(rec.slots)
-            if holds:  # a Work dropped unread gives its slots back (docs/shm.md)
-                dropped = weakref.finalize(work, self.shm.release, holds)
-                convert = _detaching(convert, dropped)
-            work._finish(_DONE, (rec, frames), convert)  # converted by its first reader
+        elif convert is not None:  # converted by its first reader
+            work._finish(_DONE, (rec, frames), _released_if_dropped(work, convert, rec, self.shm))
         else:
             work._finish(_DONE, None if is_put else rec.result)  # a put's result is None
 
@@ -418,9 +413,15 @@ def _hold_ids(slots: Any) -> list[int]:
             if isinstance(entry, list) and len(entry) == 4 and type(entry[3]) is int]
 
 
-def _detaching(convert: Convert, dropped: weakref.finalize) -> Convert:
-    """``convert`` that first disarms ``dropped`` (the release of a reply's slots if its Work is
-    collected unread): the conversion releases them itself, or hands them to its views."""
+def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClient) -> Convert:
+    """``convert`` of reply ``rec`` to ``work``; when the reply names slots held for this
+    consumer, they are released if ``work`` is collected unread (docs/shm.md), and the
+    conversion disarms that (it releases them itself, or hands them to its views)."""
+    holds = _hold_ids(rec.slots)
+    if not holds:
+        return convert
+    dropped = weakref.finalize(work, shm.release, holds)
+
     def converting(*args: Any) -> Any:
         dropped.detach()
         return convert(*args)

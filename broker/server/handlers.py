@@ -93,8 +93,8 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
             return broker.sessions.clients.get(address)
     broker.bound()[1].greeted(address)
     old = broker.sessions.clients.pop(address, None)
-    if old is not None:
-        broker.sessions.client_gone(old)
+    if old is not None:  # the same connection registers again: its views live on
+        broker.sessions.client_gone(old, expired=True)
     client = Client(address=address, identity=identity, items=rec.items)
     if broker.admin_keys and isinstance(head, zmq.Frame):
         user = head.get("User-Id")  # the CURVE key the ZAP handler let in (a str)

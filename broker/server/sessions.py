@@ -13,6 +13,7 @@ for a while; the handlers (``server/handlers.py``) answer through ``reply``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from typing import Any
@@ -281,12 +282,14 @@ class Sessions:
             raise RuntimeError("the broker's queue core is not made yet")
         return self.core
 
-    def client_gone(self, client: Client) -> None:
+    def client_gone(self, client: Client, expired: bool = False) -> None:
         """``client`` left or was ended: the core withdraws its requests and returns its leases,
-        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``), and its
-        producer window starts its grace period (``Producers.detach``).  Each step runs even
-        if one before it failed (logged): one client's end never stops the loop."""
-        for step in (self._core().client_gone, self.shm.client_gone, self.producers.detach):
+        then the slots it held as a consumer are dropped (``ShmBroker.client_gone``: kept for
+        an ``expired`` one whose process runs), and its producer window starts its grace
+        period (``Producers.detach``).  Each step runs even if one before it failed (logged):
+        one client's end never stops the loop."""
+        shm_gone = functools.partial(self.shm.client_gone, expired=expired)
+        for step in (self._core().client_gone, shm_gone, self.producers.detach):
             try:
                 step(client)
             except Exception:
@@ -327,7 +330,7 @@ class Sessions:
                 log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
                 del self.clients[address]
                 self.last_sent.pop(address, None)
-                self.client_gone(client)
+                self.client_gone(client, expired=True)
                 self._send(address, [BROKER_EXPIRED], [])
                 if self.peers is not None:
                     self.peers.expired(address, now)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 from zchannel.broker.host.procs import pid_namespace, process_running
+from zchannel.broker.shm.holds import ConsumerHolds
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
     DEFAULT_THRESHOLD,
@@ -136,6 +137,24 @@ class _BrokerSegment:
         self.orphan_at = 0.0
 
 
+def _stale_segments(prefix: str, name: str, grace: float) -> list[str]:
+    """At a broker's start: remove the segments of ``prefix`` a previous broker of channel
+    ``name`` left whose producer is dead; those of live producers, returned, go after
+    ``grace`` (a reply the dead broker sent may still name one to a consumer)."""
+    stale = list_segments(prefix)
+    kept = []
+    for seg_name in stale:
+        pid = creator_pid(prefix, seg_name)
+        if pid is not None and process_running(pid):
+            kept.append(seg_name)
+        else:
+            unlink(seg_name)
+    if stale:
+        log.info("removed %d stale shared-memory segment(s) of channel %r (%d of live "
+                 "producers go in %.0fs)", len(stale) - len(kept), name, len(kept), grace)
+    return kept
+
+
 class ShmBroker:
     """The broker's shared-memory state (see the module docstring).  ``name`` names its
     segments: the channel's name, or ``<name>.replica<i>`` for a replica of a distributed
@@ -157,11 +176,7 @@ class ShmBroker:
         # addresses (one per connection) that proved it: a client expired under load and
         # registered again still sends puts with slots before its new proof arrives
         self.proven: OrderedDict[bytes, None] = OrderedDict()
-        self.holds: dict[int, tuple[Any, Hold]] = {}  # consumer deliveries by hold id
-        self.client_holds: dict[Any, set[int]] = {}
-        # hold ids start at random: a consumer's view of a slot of an earlier broker of this
-        # channel is released by its old id, which must not name a hold of this one
-        self._ids = itertools.count(secrets.randbits(52) + 1)
+        self.holds = ConsumerHolds()  # slots delivered to consumers, by hold id
         self._freed_count = itertools.count(1)
         self.bytes_held = 0  # slot bytes referenced by items in the broker
         self.consumer_bytes = 0  # slot bytes delivered and not yet released by consumers
@@ -178,19 +193,8 @@ class ShmBroker:
         # A previous broker of this channel and run dir died: its probe and the segments of
         # dead producers go now; a live producer's go after the grace period (``sweep``), as a
         # reply the dead broker sent may still name one to a consumer that has not mapped it
-        self.previous: list[str] = []
+        self.previous = _stale_segments(self.prefix, name, orphan_grace)
         self.previous_until = time.monotonic() + orphan_grace
-        stale = list_segments(self.prefix)
-        for seg_name in stale:
-            pid = creator_pid(self.prefix, seg_name)
-            if pid is not None and process_running(pid):
-                self.previous.append(seg_name)
-            else:
-                unlink(seg_name)
-        if stale:
-            log.info("removed %d stale shared-memory segment(s) of channel %r (%d of live "
-                     "producers go in %.0fs)", len(stale) - len(self.previous), name,
-                     len(self.previous), orphan_grace)
         if threshold:
             try:
                 self._make_probe()
@@ -235,13 +239,7 @@ class ShmBroker:
         ids = rec.holds if isinstance(rec, ShmRelease) else None
         if not isinstance(ids, list):
             raise ValueError("shm_rel carries a list of hold ids")
-        mine = self.client_holds.get(client)
-        if not mine:
-            return
-        for hid in ids:
-            if isinstance(hid, int) and hid in mine:
-                mine.discard(hid)
-                self.holds.pop(hid, None)  # dropping the Hold frees the slot when it was the last
+        self.holds.release(client, ids)  # dropping a Hold frees its slot when it was the last
 
     def _note_pid(self, client: Any, pid: Any, pid_ns: Any) -> None:
         """Remember the pid a proven client gives.  A client that names this process's pid
@@ -255,9 +253,11 @@ class ShmBroker:
             if mine is not None and pid_ns == mine:
                 if process_running(pid):
                     self.client_pids[client] = pid
+                    self.holds.adopt(client, pid)
                 return
             if pid_ns is None and process_running(pid):
                 self.client_pids[client] = pid
+                self.holds.adopt(client, pid)
                 return
         if not self.foreign_pids:
             self.foreign_pids = True
@@ -312,11 +312,8 @@ class ShmBroker:
             return 0
         entries: list[Any] = []
         if client in self.verified:
-            mine = self.client_holds.setdefault(client, set())
             for h in payload.holds:
-                hid = next(self._ids)
-                self.holds[hid] = (client, Hold(self, h.seg, h.slot, h.nbytes, False))
-                mine.add(hid)
+                hid = self.holds.add(client, Hold(self, h.seg, h.slot, h.nbytes, False))
                 entries.append([h.seg.seg.name, h.slot, h.nbytes, hid])
             sm[index] = entries
             return 0
@@ -368,13 +365,14 @@ class ShmBroker:
             del self.segments[bseg.seg.name]
         unlink(bseg.seg.name)
 
-    def client_gone(self, client: Any) -> None:
-        """A client left or died: drop the slots it held as a consumer; its own segments go
-        once nothing references them any more."""
+    def client_gone(self, client: Any, expired: bool = False) -> None:
+        """A client left or died: drop the slots it held as a consumer (an ``expired`` one
+        whose process still runs keeps them until it registers again or its process ends:
+        its views live on); its own segments go once nothing references them any more."""
         self.verified.discard(client)
-        self.client_pids.pop(client, None)
-        for hid in self.client_holds.pop(client, ()):
-            self.holds.pop(hid, None)
+        pid = self.client_pids.pop(client, None)
+        stalled = expired and pid is not None and process_running(pid)
+        self.holds.client_gone(client, pid if stalled else None)
         now = time.monotonic()
         if self.left_at is None:
             self.left_at = now
@@ -391,6 +389,7 @@ class ShmBroker:
         (``dead_creator_segments``): a live producer's segment not yet named in a put stays.
         Past the grace period after this broker started, remove the segments a previous broker
         of the channel left of producers that were alive then (``previous``)."""
+        self.holds.sweep()
         with self.lock:
             for bseg in list(self.segments.values()):
                 if (bseg.orphan and now - bseg.orphan_at >= self.orphan_grace
@@ -432,7 +431,6 @@ class ShmBroker:
         """The broker stops: remove every segment of this channel (clients keep their
         mappings as long as they use them)."""
         self.holds.clear()
-        self.client_holds.clear()
         self.segments.clear()
         for seg_name in list_segments(self.prefix):
             unlink(seg_name)
