@@ -71,6 +71,9 @@ def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
         if type(key) is tuple and all(p is q for p, q in zip(parts, key, strict=True)):
             return key
         return tuple(parts)
+    if isinstance(key, tuple):
+        raise TypeError(f"a key's tuples may be nested {MAX_KEY_DEPTH} deep at most "
+                        "(the key itself counted)")
     raise TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
 
 
