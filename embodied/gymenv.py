@@ -450,7 +450,7 @@ def make_gym_env(env_id: str, num_envs: int, env_kwargs: dict[str, Any] | None =
     try:
         vec = gymnasium.make_vec(resolved, num_envs=num_envs, vectorization_mode="sync",
                                  wrappers=[ObservationCheck], **dict(env_kwargs or {}))
-    except gymnasium.error.Error as exc:
+    except (gymnasium.error.Error, ImportError) as exc:  # gym:<module>:<EnvId>, module missing
         raise ValueError(
             f"gym:{env_id}: {exc} (forms that work: gym:<EnvId> for registered ids, "
             "gym:<namespace>/<EnvId> when importing the module <namespace> registers it, "

@@ -23,6 +23,7 @@ import asyncio
 import importlib
 import json
 import multiprocessing
+import signal
 import sys
 import threading
 import time
@@ -499,6 +500,31 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
     """
     if not cfg.run_id:
         cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
+    previous = _interrupt_on_sigterm()
+    try:
+        return _run(cfg, on_step, kill, launcher)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt_on_sigterm() -> Any:
+    """In the main thread, while SIGTERM has its default action: make it a KeyboardInterrupt,
+    so that ``timeout``, ``kill``, Slurm or Kubernetes end a run as Ctrl-C does (workers
+    stopped, channels shut down, an unfinished dataset removed).  The previous handler, or
+    None when nothing was installed."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _run(cfg: RunConfig, on_step: Callable[[dict], None] | None,
+         kill: Callable[[int, Any], None] | None, launcher: Any) -> dict:
     plan = cfg.plan(_spaces(cfg)[1])
     writer = LeRobotDatasetWriter(cfg.dataset, fps=cfg.lerobot_fps, overwrite=cfg.overwrite) \
         if cfg.dataset else None
@@ -614,8 +640,28 @@ def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfi
                 raise WorkerDied(f"every actor died (last: {name}, {how})")
             for peer in live:
                 sync.put(("dead", int(rank)), key=members_key(peer))
+            _release_consumer(cfg, name)
         elif group != "actor" or cfg.mode != "rollout":
             raise WorkerDied(f"worker {name} died ({how}); the run cannot go on without it")
+
+
+def _release_consumer(cfg: RunConfig, consumer: str) -> None:
+    """Make the trajectory broker see ``consumer`` leave, so that the items dealt to its private
+    queue are dealt again to the live actors.  A declared consumer that died before its first
+    ``get`` never joined, so its death is no departure: its items would wait for it forever and
+    the survivors would wait for them.  Joining under its identity (a ``get``) and closing is
+    one (the lease taken is returned on close)."""
+    if cfg.transport == "inproc":
+        return
+    try:
+        handle = _connect(cfg.names()["trajectory"], identity=consumer)
+        try:
+            handle.get_nowait(ack=True)
+        except asyncio.QueueEmpty:
+            pass
+        handle.close()
+    except Exception:  # best effort: the broker re-deals on its own if the actor had joined
+        pass
 
 
 def episodes(records: list[dict]) -> list[dict]:

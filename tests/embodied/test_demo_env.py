@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -40,6 +41,7 @@ def test_demo_trains_on_a_gymnasium_id_with_env_kwargs(tmp_path):
 
 @pytest.mark.parametrize("args,match", [
     (["--env", "gym:NoSuchEnv-v0"], "forms that work"),
+    (["--env", "gym:no_such_module:NoSuchEnv-v0"], "forms that work"),  # the import fails
     (["--env", TOY, "--env-kwargs", "{not json"], "--env-kwargs.*not JSON"),
     (["--env", TOY, "--env-kwargs", '{"action": "teleport"}'], "SpacesToy: action in"),
 ])
@@ -47,3 +49,29 @@ def test_demo_refuses_bad_env_input_before_starting(args, match, tmp_path):
     proc = _demo(*args, "--steps", "1", tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert re.search(match, proc.stderr), proc.stderr
+
+
+def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
+    """SIGTERM (``timeout``, ``kill``, a cluster's scheduler) ends a run as Ctrl-C does: workers
+    stopped quietly, exit 1 ("Aborted!"), and a LeRobot dataset being written leaves nothing
+    behind, not even its hidden staging directory."""
+    pytest.importorskip("pyarrow")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "demo", "embodied", "--mode", "lerobot",
+         "--dataset", "out", "--steps", "1000"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # a step's row: the run is under way, the dataset staged
+            if re.match(r"\s+0\s", line):
+                break
+        else:
+            pytest.fail(f"the demo printed no step: {proc.stderr.read()}")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert "Aborted!" in err and "Traceback" not in err, err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)

@@ -10,7 +10,14 @@ import signal
 import pytest
 import torch
 from zchannel.embodied.policy import RandomPolicy
-from zchannel.embodied.runners import RunConfig, WorkerDied, evaluate, run, trained_policy
+from zchannel.embodied.runners import (
+    RunConfig,
+    WorkerDied,
+    _LocalLauncher,
+    evaluate,
+    run,
+    trained_policy,
+)
 
 SEEDS = [10_000, 10_001, 10_002]
 
@@ -83,6 +90,26 @@ def test_actor_sigkilled_mid_run_is_survived():
     _check_records(cfg, result)  # every step trained and published a version
     # the final weights are a real, finite model
     assert all(torch.isfinite(v).all() for v in result["final_weights"].values())
+
+
+class _KillsActor1AtStart(_LocalLauncher):
+    """Starts the workers and SIGKILLs ``actor:1`` at once: before it could say hello, let
+    alone take its first item."""
+
+    def start(self, cfg, data, channels):
+        workers = super().start(cfg, data, channels)
+        os.kill(workers.procs["actor:1"].pid, signal.SIGKILL)
+        return workers
+
+
+@pytest.mark.timeout(240)
+def test_an_actor_killed_before_its_first_get_is_survived():
+    """A declared actor that died before it joined never left the trajectory broker's
+    consumers: the driver makes it leave, so what was dealt to it goes to the live actor."""
+    cfg = RunConfig(runner="sync", actors=2, steps=3, seed=3)
+    result = run(cfg, launcher=_KillsActor1AtStart(False))
+    assert result["dead_actors"] == [1]
+    _check_records(cfg, result)
 
 
 @pytest.mark.timeout(240)
