@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import multiprocessing
 import signal
 import sys
@@ -63,6 +64,8 @@ ERRORS = "errors"
 # seed * envs * env_batch < 2**31 (env_seed); below 2**32 for reasonable seeds, as envs that
 # hand their seed to a 32-bit generator need
 EVALUATION_SEED_BASE = 2**31
+
+log = logging.getLogger("zchannel.embodied")
 
 
 class WorkerDied(RuntimeError):
@@ -660,8 +663,9 @@ def _release_consumer(cfg: RunConfig, consumer: str) -> None:
         except asyncio.QueueEmpty:
             pass
         handle.close()
-    except Exception:  # best effort: the broker re-deals on its own if the actor had joined
-        pass
+    except Exception as exc:  # the broker re-deals on its own if the actor had joined
+        log.warning("could not make the dead %s leave channel %r (%s): what was dealt to it "
+                    "may wait for it", consumer, cfg.names()["trajectory"], exc)
 
 
 def episodes(records: list[dict]) -> list[dict]:

@@ -352,7 +352,8 @@ def test_close_while_threads_issue_requests_leaves_nothing_pending(make_remote):
             work.wait(10)
 
 
-def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remote, monkeypatch):
+def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(brokers, run_dir,
+                                                                       monkeypatch, request):
     """A thread blocked in get() on an empty queue holds the handle's socket while it waits;
     a put from another thread on the same handle must go out at once, not when some message
     (a broker heartbeat, after up to a second) or the end of the get's drive window
@@ -381,8 +382,13 @@ def test_a_blocking_call_waiting_for_its_reply_lets_other_threads_send(make_remo
     monkeypatch.setattr(Line, "send", logged_send)
     monkeypatch.setattr(Conn, "_on_message", logged_on_message)
     # no heartbeat in the test's time: a message arriving (on a loaded machine, a heartbeat can
-    # come between the put's queueing and its sending) would let the getter look at its queue
-    ch = make_remote("drive-window", options={"heartbeat_interval": 60.0})
+    # come between the put's queueing and its sending) would let the getter look at its queue;
+    # the broker's interval is the connection's too (its hello reply says it)
+    address = f"ipc://{run_dir}/drive-window.sock"
+    brokers.start(name="drive-window", address=address, heartbeat_interval=60.0)
+    ch = Channel.connect(address)
+    request.addfinalizer(ch.close)
+    assert ch._connection().broker_info.hb == 60.0
     ch.put("warm")
     assert ch.get() == "warm"
     conn = ch._connection()
