@@ -63,7 +63,7 @@ from zchannel.broker.errors import (
     error_from_wire,
 )
 from zchannel.broker.host import paths
-from zchannel.broker.shm.client import ShmClient
+from zchannel.broker.shm.client import ShmClient, reply_hold_ids
 from zchannel.broker.transport import direct
 from zchannel.broker.transport.seam import Transport, ZmqTransport
 from zchannel.broker.wire.protocol import (
@@ -350,7 +350,7 @@ class Connection:
         if pending is None:
             if not (self._requests.batches and on_batch_reply(self._requests, rec)):
                 self._on_hello_or_bye(rid, rec)
-                self.shm.release(_hold_ids(rec.slots))  # an answer nobody awaits: its slots go
+                self.shm.release(reply_hold_ids(rec.slots))  # an answer nobody awaits: its slots go
             return
         self._release(pending[3])
         work, convert, is_put, _ = pending
@@ -405,19 +405,11 @@ class Connection:
                 self._line.set_state(UP)
 
 
-def _hold_ids(slots: Any) -> list[int]:
-    """The consumer hold ids a reply's ``sm`` entries name (``[segment, slot, nbytes, hold]``)."""
-    if not slots:
-        return []
-    return [entry[3] for item in slots if isinstance(item, list) for entry in item
-            if isinstance(entry, list) and len(entry) == 4 and type(entry[3]) is int]
-
-
 def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClient) -> Convert:
     """``convert`` of reply ``rec`` to ``work``; when the reply names slots held for this
     consumer, they are released if ``work`` is collected unread (docs/shm.md), and the
     conversion disarms that (it releases them itself, or hands them to its views)."""
-    holds = _hold_ids(rec.slots)
+    holds = reply_hold_ids(rec.slots)
     if not holds:
         return convert
     dropped = weakref.finalize(work, shm.release, holds)

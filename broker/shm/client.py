@@ -194,7 +194,7 @@ class ShmClient:
             self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), soon=at_once)
 
     def _slot(self, entry: Any) -> np.ndarray:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int)):
+        if hold_id(entry) is None:
             raise ValueError("malformed shared-memory reference")
         name, slot, nbytes, _ = entry
         seg = self._map(name)
@@ -221,8 +221,9 @@ class ShmClient:
                     views.append(np.frombuffer(memoryview(frames[entry]), dtype=np.uint8))
                     shm_copy = bool(copy)  # frames: the usual copy semantics
                     continue
-                if isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int):
-                    holds.append(entry[3])
+                hid = hold_id(entry)
+                if hid is not None:
+                    holds.append(hid)
                 view = self._slot(entry)
                 if copy is False:  # the view keeps the slot until it is garbage collected
                     weakref.finalize(view, self.release, [holds.pop()])
@@ -235,6 +236,22 @@ class ShmClient:
         finally:
             # copied out (or failed): the slots go back now, large ones at once
             self.release(holds, largest >= RELEASE_AT_ONCE_BYTES)
+
+
+def hold_id(entry: Any) -> int | None:
+    """The hold id of a reply's same-host ``sm`` entry ``[segment, slot, nbytes, hold]``
+    (None: another form, or a malformed one)."""
+    if isinstance(entry, list) and len(entry) == 4 and isinstance(entry[3], int):
+        return entry[3]
+    return None
+
+
+def reply_hold_ids(slots: Any) -> list[int]:
+    """The hold ids a reply's ``sm`` (a list of entries per item) names."""
+    if not isinstance(slots, list):
+        return []
+    return [hid for item in slots if isinstance(item, list) for entry in item
+            if (hid := hold_id(entry)) is not None]
 
 
 def _dims(shape: Any) -> tuple[int, ...]:
