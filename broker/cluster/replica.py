@@ -17,6 +17,7 @@ from zchannel.broker.cluster import clusterfile
 from zchannel.broker.cluster.binding import BindingTable
 from zchannel.broker.cluster.clusterfile import Replica, from_table
 from zchannel.broker.cluster.moving import KeyMover
+from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
 from zchannel.broker.transport.curve import ReplicaCurveKeys, client_keys
 from zchannel.broker.wire.argchecks import check_key
@@ -198,8 +199,8 @@ def wrap_collector(collector: Collector, state: ReplicaState) -> Collector:
     if type(collector).collect is Collector.collect:
         return collector
     inner_cls = type(collector)
-    name = getattr(inner_cls, "hook_name", None) or f"{inner_cls.__module__}:{inner_cls.__qualname__}"
-    cls = type(f"Bound{inner_cls.__name__}", (_BindingCollector,), {"hook_name": name})
+    cls = type(f"Bound{inner_cls.__name__}", (_BindingCollector,),
+               {"hook_name": hook_name(collector)})
     return cls(collector, state)
 
 

@@ -193,11 +193,17 @@ def hook_error(exc: BaseException) -> HookError:
     return HookError(f"{type(exc).__name__}: {exc}", type(exc).__name__, tb)
 
 
+def registered_name(cls: type) -> str | None:
+    """The name hook class ``cls`` itself was registered under (its own ``hook_name``), or
+    None: a subclass inherits the attribute but is another hook."""
+    name = vars(cls).get("hook_name")
+    return name if isinstance(name, str) else None
+
+
 def hook_name(hook: Any) -> str:
-    """The name of ``hook`` as ``stats()`` shows it: its class's ``hook_name`` (a registered
-    hook), else ``module:qualname``."""
-    # the class's own name only: a subclass inherits ``hook_name`` but is another hook
-    return vars(type(hook)).get("hook_name") or f"{type(hook).__module__}:{type(hook).__qualname__}"
+    """The name of ``hook`` as ``stats()`` shows it: its class's registered name
+    (``registered_name``), else ``module:qualname``."""
+    return registered_name(type(hook)) or f"{type(hook).__module__}:{type(hook).__qualname__}"
 
 
 def _safe_stats(hook: Any) -> dict:

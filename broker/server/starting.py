@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from zchannel.broker.core.hookpipeline import registered_name
 from zchannel.broker.errors import BrokerStartError
 from zchannel.broker.server import forkclient
 from zchannel.broker.wire import codec
@@ -93,8 +94,7 @@ def hook_label(spec: Any) -> str | None:
             cls = import_path(spec)
         except Exception:
             return spec
-        name = vars(cls).get("hook_name") if isinstance(cls, type) else None
-        return name if isinstance(name, str) else spec
+        return (registered_name(cls) if isinstance(cls, type) else None) or spec
     return spec.lower()
 
 
