@@ -373,7 +373,9 @@ def _echo_stats(stats: dict) -> None:
                    f"{journal.get('segments')}   items {journal.get('items')}   fsync lag "
                    f"{journal.get('fsync_lag_ms')} ms   last fsync "
                    f"{journal.get('last_fsync_ms')} ms   recovered "
-                   f"{journal.get('recovered_items')}"
+                   f"{journal.get('recovered_items')} ({journal.get('redelivered')} redelivered)   "
+                   f"compacted {journal.get('compacted_bytes')} bytes, "
+                   f"{journal.get('compacted_segments')} segments"
                    + (f"   FAILED: {journal['failed']}" if journal.get("failed") else ""))
     if stats.get("collector_stats"):
         click.echo(f"collector {json.dumps(stats['collector_stats'], default=_jsonable)}")

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from cluster_util import write_cluster
 from conftest import drain, until_available, wait_until
 from zchannel.broker import (
     BrokerStartError,
@@ -97,6 +98,7 @@ def test_cli_broker_journal_flags_config_file_and_stat(tmp_path, run_dir):
         line = next(x for x in out.splitlines() if x.startswith("journal"))
         assert str(journal) in line and "fsync always" in line and "items 5" in line
         assert "fsync lag" in line and "segments 1" in line
+        assert "(0 redelivered)" in line and "compacted 0 bytes, 0 segments" in line
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc = start()
@@ -175,6 +177,57 @@ def test_a_dealt_key_comes_back_in_put_order(brokers, run_dir, tmp_path):
         assert [actor.get(key="k", timeout=30) for _ in range(9)] == list(range(9))
     finally:
         actor.close()
+
+
+def test_a_durable_distributed_channel_restarts_its_dead_replica(run_dir, monkeypatch, channels,
+                                                                  tmp_path):
+    """``Channel.create(distributed=True, journal=DIR)`` keeps each replica it started as
+    ``create`` keeps its one broker: a SIGKILLed replica is started again on its address and
+    its journal, and its keys' acknowledged items come back."""
+    path = write_cluster(run_dir, ("host", "host"))
+    monkeypatch.setenv("ZCHANNEL_NODE", "host")
+    ch = Channel.create("durable-dist", distributed=True, options={"cluster": path},
+                        journal=tmp_path / "j")
+    channels.append(ch)
+    keys = [f"k{i}" for i in range(8)]
+    for key in keys:
+        ch.put(f"{key}-item", key=key)
+    assert {ch.replica_of(key) for key in keys} == {0, 1}
+    (pid,) = [r["pid"] for r in ch.stats()["replicas"] if r["replica"] == 1]
+    os.kill(pid, signal.SIGKILL)
+    for key in keys:
+        assert until_available(ch, lambda key=key: ch.get(key=key, timeout=5)) == f"{key}-item"
+    (again,) = [r["pid"] for r in ch.stats()["replicas"] if r["replica"] == 1]
+    assert again != pid
+
+
+def test_items_dealt_after_a_restart_come_after_the_recovered_ones(brokers, run_dir, tmp_path):
+    """A consumer's gets (and its peek) take its private queue and the key's shared queue in
+    put order on a durable channel: an item put after the restart and dealt to it does not
+    overtake the items read back from the journal."""
+    config = dict(name="durable-dealt-after", address=f"ipc://{run_dir}/dealt-after.sock",
+                  journal=str(tmp_path / "j"), dispatcher="round_robin",
+                  consumers=["actor:0", "actor:1"])
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    for i in range(6):
+        ch.put(i, key="k")
+    brokers.kill(pid)
+    ch.close()
+    brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    actor = Channel.connect(config["address"], identity="actor:0")
+    try:
+        ch.put(6, key="k")
+        ch.put(7, key="k")
+        assert sum(ch.stats()["keys"]["k"]["private"].values()) == 2  # dealt, one each
+        ahead = ch.peek(key="k", n=8, consumer="actor:0")
+        assert ahead[:6] == list(range(6)) and len(ahead) == 7
+        got = [actor.get(key="k", timeout=30) for _ in range(7)]
+        assert got == ahead
+    finally:
+        actor.close()
+        ch.close()
 
 
 def test_torn_last_records_and_empty_segments_lose_nothing_acknowledged(brokers, run_dir,
@@ -407,6 +460,44 @@ def test_collector_outputs_are_journaled(channels, tmp_path):
     os.kill(ch.stats()["pid"], signal.SIGKILL)
     assert until_available(ch, lambda: ch.get(timeout=5)) == 2
     assert drain(ch, "default_queue") == [3, 4]
+
+
+def test_a_put_whose_last_output_was_not_written_leaves_none_of_its_outputs(brokers, run_dir,
+                                                                           tmp_path):
+    """A collector's put with several outputs is in the journal whole or not at all: outputs
+    written before a crash cut the put short are dropped at the restart (the put was not
+    acknowledged; its retry stores all of them), not served as a part of it, and later puts
+    never take the missing output's jid (which would make them whole at the next restart)."""
+    journal = str(tmp_path / "j")
+    config = dict(name="durable-parts", address=f"ipc://{run_dir}/parts.sock", journal=journal,
+                  collector="flatten_batch")
+
+    def names(items: list) -> list:
+        return [(x[0], x[1]) for x in items]
+
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    ch.put([("pin", 0, b"")], key="pin")  # keeps the first segment (and the cut records) on disk
+    ch.put([("whole", i, b"w" * 100_000) for i in range(2)], key="k")
+    ch.put([("cut", i, b"c" * 100_000) for i in range(3)], key="k")
+    brokers.kill(pid)
+    ch.close()
+    (segment,) = _segments(journal, "durable-parts")
+    offset, _ = _last_record(segment)
+    os.truncate(segment, offset)  # the third output's record was never written
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    assert names(drain(ch, "k")) == [("whole", 0), ("whole", 1)]
+    ch.put([("after", 0, b"a" * 100_000)], key="k")  # one output: a whole put
+    ch.put([("after", i, b"a" * 100_000) for i in (1, 2)], key="k")
+    brokers.kill(pid)
+    ch.close()
+    brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    try:
+        assert names(drain(ch, "k")) == [("after", 0), ("after", 1), ("after", 2)]
+    finally:
+        ch.close()
 
 
 def test_a_stateful_collectors_state_is_rebuilt_from_the_journaled_puts(channels, tmp_path):

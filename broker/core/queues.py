@@ -112,6 +112,20 @@ class KeyedQueues:
             queue = ks.private[consumer] = deque()
         return queue
 
+    @staticmethod
+    def source(ks: KeyState, consumer: str | None) -> tuple[str | None, deque[Item]] | None:
+        """Where ``consumer``'s next get takes from (the queue's origin and the queue): its
+        private queue, else the key's shared one; None when both are empty.  On a durable
+        channel the queue whose head was put first: items read back from the journal wait in
+        the shared queue, and items dealt to the consumer since were put after them."""
+        private = ks.private.get(consumer) if consumer is not None else None
+        shared = ks.shared
+        if private:
+            if shared and 0 < shared[0].jid < private[0].jid:
+                return None, shared
+            return consumer, private
+        return (None, shared) if shared else None
+
     def mark_idle(self, ks: KeyState) -> None:
         """Start the grace period of a key nothing uses (no items, waiters or leases)."""
         if ks.idle_since is None and ks.idle():
@@ -222,14 +236,18 @@ class KeyedQueues:
 
     def peek(self, key: Any, n: int, consumer: str | None = None) -> list[Item]:
         """Up to ``n`` items at the head of ``key``'s queue, left in place: the shared queue,
-        or what ``consumer``'s gets would take next (its private queue, then the shared one)."""
+        or what ``consumer``'s gets would take next (its private queue, then the shared one;
+        on a durable channel the two in put order, as ``source`` chooses)."""
         ks = self.keys.get(check_key(key))
         if ks is None:
             return []
         private = ks.private.get(consumer) if consumer is not None else None
-        items = list(itertools.islice(private, n)) if private else []
-        items.extend(itertools.islice(ks.shared, n - len(items)))
-        return items
+        if not private:
+            return list(itertools.islice(ks.shared, n))
+        heads = [itertools.islice(private, n), itertools.islice(ks.shared, n)]
+        if ks.shared and ks.shared[0].jid:  # a durable channel: in put order, as gets take them
+            return list(itertools.islice(heapq.merge(*heads, key=_put_order), n))
+        return list(itertools.islice(itertools.chain(*heads), n))
 
     def full(self, key: Any, consumer: str | None = None) -> bool:
         key = check_key(key)  # a bad key is an error also where nothing can be full
@@ -257,3 +275,7 @@ class KeyedQueues:
                 "node": None,
             }
         return keys
+
+
+def _put_order(item: Item) -> int:
+    return item.jid

@@ -274,15 +274,11 @@ class Waiters:
         for req in list(ks.getters):
             if not (ks.shared or ks.private or deals):
                 break  # nothing left to hand out, nothing to steal: the rest keep waiting
-            consumer = req.client.consumer
-            private = ks.private.get(consumer) if consumer is not None else None
-            if private:
-                origin, queue = consumer, private
-            elif ks.shared:
-                origin, queue = None, ks.shared
-            else:
+            source = self.queues.source(ks, req.client.consumer)
+            if source is None:
                 starving.append(req)
                 continue
+            origin, queue = source
             if origin in blocked:
                 continue
             n = _batch_take_resumed(req, ks, queue) if req.kind == "batch" else 1
@@ -326,9 +322,7 @@ class Waiters:
             return
         ks = self.queues.keys.get(req.key)
         if req.kind == "batch" and ks is not None:
-            consumer = req.client.consumer
-            private = ks.private.get(consumer) if consumer is not None else None
-            origin, queue = (consumer, private) if private else (None, ks.shared)
+            origin, queue = self.queues.source(ks, req.client.consumer) or (None, ks.shared)
             n = batch_take(queue, req.target, True)
             if n:
                 self._deliver(req, ks, origin, queue, n)

@@ -31,6 +31,7 @@ from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
+from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.routing import KeyRouting
 from zchannel.broker.host import paths
 from zchannel.broker.server.starting import START_TIMEOUT_S, spawn_broker
@@ -372,8 +373,11 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
             return
         os.close(lock_fd)  # the replica holds it now
         keys = replica_client_keys(curve_keys, r.server_key)
-        subs[i] = BrokerChannel(name, real_address, identity=identity,
-                                curve_keys=keys)._adopt(proc, token)
+        sub = subs[i] = BrokerChannel(name, real_address, identity=identity,
+                                      curve_keys=keys)._adopt(proc, token)
+        if config.get("journal") is not None:  # started again when it dies (handle/keeper.py)
+            sub._keeper = BrokerKeeper(f"{name}.replica{i}", dict(rconfig, address=real_address),
+                                       proc, sub._broker_restarted)
 
     try:
         # the node's replicas start in parallel (each is a child process, as in create())

@@ -14,7 +14,11 @@ type          body
 ``PUT``       u32 length of the meta, the meta (msgpack ``[jid, key, weight, consumer, sizes,
               slots, extra]``), then the item's frames back to back, ``sizes`` bytes each: the
               frames the broker received, raw; the last ``slots`` of them hold the bytes of the
-              item's shared-memory slots (in the order of the body's ``[i]`` locs)
+              item's shared-memory slots (in the order of the body's ``[i]`` locs).  ``extra``:
+              ``[producer, sequence]`` of a retry-safe put (``journal/sequences.py``),
+              ``["part", J]`` for an output of a put with several outputs other than its last
+              (``J``: the last one's jid; the outputs are written in order, each a ``PUT``
+              record, and count only once the record of ``J`` was written), or nil
 ``REMOVE``    msgpack list of the jids of items that left the channel (taken, acknowledged)
 ``LEASE``     msgpack list of the jids of items delivered under a lease (``get(ack=True)``)
 ``TABLE``     msgpack ``[name, whole, data]``: a table kept beside the items (``whole``: all of it,
@@ -77,6 +81,7 @@ RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT
 _TYPE_BYTE = tuple(bytes((t,)) for t in range(256))  # what each type's checksum starts with
 ZEROS_CHECKED = 1 << 20  # the bytes after the data are checked for zeros this much at a time
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
+PART = "part"  # the tag of an output of a put with several outputs (``part_extra``)
 PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 
 Checksum = Callable[[Any, int], int]
@@ -122,6 +127,20 @@ def pack(value: Any) -> bytes:
 # lists and tuples of them) at a third of the cost of ``msgpack.packb``, which makes a packer
 # per call (tests/test_journal_records.py checks that the bytes are the same).
 pack_plain = msgspec.msgpack.Encoder().encode
+
+
+def part_extra(last_jid: int) -> list[Any]:
+    """The ``extra`` of an output of a put with several outputs, other than its last one."""
+    return [PART, last_jid]
+
+
+def part_of(extra: Any) -> int | None:
+    """The jid of the last output of the put whose output carries ``extra`` (None: the record
+    is a whole put, or that last output)."""
+    if (isinstance(extra, list) and len(extra) == 2 and extra[0] == PART
+            and type(extra[1]) is int and extra[1] > 0):
+        return extra[1]
+    return None
 
 
 def unpack(data: Any) -> Any:

@@ -27,13 +27,15 @@ Entry = tuple[SegmentFile, int, Any, Item]
 
 
 def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
-               rtype: int = fmt.PUT) -> tuple[list[Any], int]:
+               rtype: int = fmt.PUT, part_of: int = 0) -> tuple[list[Any], int]:
     """The record of ``item`` (its frames raw; the bytes of its shared-memory slots straight
-    from the slots, after them) and its length."""
+    from the slots, after them) and its length; ``part_of``: the jid of the last output of
+    the put whose earlier output ``item`` is (``format.part_extra``), 0 for a whole put."""
     payload = item.payload
+    extra = fmt.part_extra(part_of) if part_of else item.origin
     if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
         body = payload[0]  # the common small item, as small puts carry it inline
-        return fmt.small_put(crc, (jid, key, item.weight, consumer, (len(body),), 0, item.origin),
+        return fmt.small_put(crc, (jid, key, item.weight, consumer, (len(body),), 0, extra),
                              body, rtype)
     frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in payload]
     slots = 0
@@ -43,7 +45,7 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
         frames.extend(h.view() for h in payload.holds)
         slots = len(payload.holds)
     sizes = [memoryview(f).nbytes for f in frames]
-    meta = [jid, key, item.weight, consumer, sizes, slots, item.origin]
+    meta = [jid, key, item.weight, consumer, sizes, slots, extra]
     return fmt.put_parts(crc, meta, frames, rtype)
 
 

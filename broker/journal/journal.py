@@ -165,17 +165,18 @@ class Journal:
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
         store, live, batch = self.store, self.live, self.batch
+        last = self._next_jid + len(outputs) - 1 if len(outputs) > 1 else 0  # format.part_of
         try:
             for key, consumer, item in outputs:
                 jid = self._next_jid
-                if batch.take(jid, key, consumer, item):  # a small put: the turn's record
+                if not last and batch.take(jid, key, consumer, item):  # the turn's record
                     self._next_jid = jid + 1
                     written.append(jid)
                     continue
-                parts, nbytes = item_parts(store.crc, jid, key, consumer, item)
+                parts, nbytes = item_parts(store.crc, jid, key, consumer, item,
+                                           part_of=last if jid < last else 0)
                 seg = self._append(parts, nbytes, True)
-                self._next_jid = jid + 1
-                item.jid = jid
+                self._next_jid, item.jid = jid + 1, jid
                 live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
                 if item.origin is not None:

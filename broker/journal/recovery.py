@@ -63,6 +63,10 @@ class Recovered:
     dropped_bytes: int = 0  # torn data after the last good record of a segment
     unknown_records: int = 0  # records of a type this version does not know (skipped)
     removed_files: int = 0  # empty or unfinished segments
+    # the outputs read of puts with several outputs, by the jid of the put's last output, until
+    # that one is read: those left at the end belong to a put a crash cut short
+    parts: dict[int, list[int]] = field(default_factory=dict)
+    dropped_parts: int = 0  # outputs of such puts, dropped
 
 
 def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
@@ -91,7 +95,22 @@ def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
             _trim(seg, size)  # the zeros after the data (a preallocated segment)
     if torn is not None:
         _drop_torn(*torn, last=True, rec=rec)
+    _drop_unfinished_puts(jdir, rec)
     return rec
+
+
+def _drop_unfinished_puts(jdir: JournalDir, rec: Recovered) -> None:
+    """Drop the outputs of a put whose last output was never written (the broker died while it
+    wrote them): the put was not acknowledged, and its retry stores them all again.  Jids go
+    on after that last output's: a later put never takes it."""
+    for last, jids in rec.parts.items():
+        for jid in jids:
+            rec.items.pop(jid, None)
+        rec.dropped_parts += len(jids)
+        rec.max_jid = max(rec.max_jid, last)
+        log.warning("journal of %r: %d outputs of a put the broker did not finish writing "
+                    "dropped (it was not acknowledged)", jdir.name, len(jids))
+    rec.parts.clear()
 
 
 def _drop_torn(seg: SegmentFile, size: int, last: bool, rec: Recovered) -> None:
@@ -281,6 +300,12 @@ def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Re
     held.pop(put.jid, None)
     held[put.jid] = (seg, nbytes, put)
     rec.max_jid = max(rec.max_jid, put.jid)
+    if held is rec.items:
+        last = fmt.part_of(put.extra)
+        if last is not None and last > put.jid:
+            rec.parts.setdefault(last, []).append(put.jid)
+        elif rec.parts:
+            rec.parts.pop(put.jid, None)  # the last output of a put: its outputs are whole
     origin = origin_of(put.extra) if mark else None
     if origin is not None:
         rec.sequences.mark(origin)
