@@ -287,6 +287,22 @@ def test_create_of_a_running_channel_warns_about_every_ignored_setting(make_remo
     assert "ignored" not in caplog.text
 
 
+def test_create_of_a_running_durable_channel_names_another_journal_or_fsync(make_remote, caplog,
+                                                                            tmp_path):
+    """A running durable channel keeps its journal directory and fsync policy: a ``create``
+    that asks for others is told so."""
+    make_remote("running-durable", journal=tmp_path / "j")
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        second = make_remote("running-durable", journal=tmp_path / "other", fsync="always")
+    assert "fsync=interval; fsync=always ignored" in caplog.text
+    assert f"journal={tmp_path / 'other'} ignored" in caplog.text
+    assert second.stats()["journal"]["fsync"] == "interval"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zchannel.client"):
+        make_remote("running-durable", journal=tmp_path / "j")  # the same settings
+    assert "ignored" not in caplog.text
+
+
 def test_failing_hooks_reach_the_putter(make):
     ch = make("raising", collector="hookmods:Raising")
     with pytest.raises(HookError) as info:

@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 from conftest import wait_until
-from zchannel.broker import Channel
+from zchannel.broker import BrokerStartError, Channel
+from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -241,7 +242,7 @@ def test_stat_watch_refreshes_with_rates(run_dir):
         _stop(proc)
 
 
-def test_metrics_port_from_create_and_config(run_dir, channels, tmp_path):
+def test_metrics_port_from_create_and_config(run_dir, channels, tmp_path, monkeypatch):
     """``Channel.create(metrics_port=0)`` and ``metrics_port`` in a config file's [channel];
     an in-process channel has no broker to serve them."""
     ch = Channel.create("mcreate", metrics_port=0)
@@ -254,6 +255,13 @@ def test_metrics_port_from_create_and_config(run_dir, channels, tmp_path):
         Channel.create("mlocal", local=True, metrics_port=0)
     with pytest.raises(ValueError, match="metrics_port must be an int in 0..65535"):
         Channel.create("mbad", metrics_port=-1)
+    port = ch.stats()["metrics"].rsplit(":", 1)[1].split("/")[0]
+    with monkeypatch.context() as env:  # a fresh interpreter, as users start brokers
+        env.delenv(FORKSERVER_ENV, raising=False)
+        with pytest.raises(BrokerStartError) as info:  # the broker's error, not "no output"
+            Channel.create("mbusy", metrics_port=int(port))
+    assert info.value.reason == "RuntimeError"
+    assert f"metrics endpoint 127.0.0.1:{port}" in str(info.value)
     conf = tmp_path / "m.toml"
     conf.write_text("[channel]\nmetrics_port = 0\nmetrics_address = \"127.0.0.1\"\n")
     proc, line = _start_broker("mconf", run_dir, "--config", str(conf))

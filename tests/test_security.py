@@ -261,7 +261,11 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
     assert [r.get("bound_keys") for r in stats["replicas"]] == [len(spread)] * 3, stats["replicas"]
     addresses = [r["address"] for r in ch.replicas]
     # the replicas admit only the listed keys
-    _refused(addresses[1], None, "requires CURVE keys and this client has none")
+    _refused(addresses[1], None, "requires CURVE keys and this client has only its own "
+             r"\(ZCHANNEL_CURVE_SECRET_KEY\), not the broker's public key")
+    with monkeypatch.context() as env:
+        env.delenv("ZCHANNEL_CURVE_SECRET_KEY")
+        _refused(addresses[1], None, "requires CURVE keys and this client has none")
     server1 = str(keys / "replica1.key")
     _refused(addresses[1], (rogue_sec, server1), "curve-public-keys")
     other = Channel.connect(addresses[2], curve_keys=(str(keys / "client.key_secret"), str(keys / "replica2.key")))
@@ -271,6 +275,16 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
         assert ch.get(spread[0], timeout=10) == "over CURVE"
     finally:
         other.close()
+    # by name, on a host whose run directory names a replica's address: the cluster file
+    # gives each replica's server key
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", str(path))
+    by_name = Channel.connect("sec")
+    try:
+        assert isinstance(by_name, DistributedChannel)
+        by_name.put("by name", key=spread[1])
+        assert ch.get(spread[1], timeout=10) == "by name"
+    finally:
+        by_name.close()
     # a replica whose key pair file is missing on this host is named
     os.rename(keys / "replica2.key_secret", tmp_path / "moved")
     with pytest.raises(ValueError, match="replica2.key_secret"):

@@ -192,8 +192,13 @@ def _warn_differences(handle: BrokerChannel, config: dict[str, Any]) -> None:
         differences.append(("consumers", running.get("consumers"), declared))
     if producers and producers != list(running.get("producers") or ()):
         differences.append(("producers", running.get("producers"), producers))
-    if journal is not None and running.get("journal") is None:
+    running_journal = running.get("journal")
+    if journal is not None and running_journal is None:
         differences.append(("journal", None, journal))
+    elif journal is not None and running_journal is not None:  # directory and fsync policy
+        for field, key in (("journal", "directory"), ("fsync", "fsync")):
+            if running_journal.get(key) != config[field]:
+                differences.append((field, running_journal.get(key), config[field]))
     if running.get("lease_timeout") not in (None, lease_timeout):
         differences.append(("lease_timeout", running.get("lease_timeout"), lease_timeout))
     for field, theirs, given in differences:
@@ -378,7 +383,9 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             if local is not None:
                 return _as_channel(local.new_handle(identity))
             address = paths.read_address(name)
-            if address is None:  # a distributed channel: cluster file, else Ray
+            if address is None or _cluster_file_serves(name, address):
+                # a distributed channel: cluster file (also where a replica's .addr is on this
+                # host: the file holds each replica's server key), else Ray
                 found = connect_from_cluster(name, identity=identity, timeout=timeout)
                 if found is None and clusterfile.ray_connected():
                     found = ray_placement.connect(name, identity=identity, timeout=timeout)
@@ -396,6 +403,19 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         if handle._connection().broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
             return _as_channel(DistributedChannel.from_handle(handle))
         return handle
+
+
+def _cluster_file_serves(name: str, address: str) -> bool:
+    """Whether ``$ZCHANNEL_CLUSTER`` describes channel ``name`` with a replica at ``address``
+    (the ``.addr`` file of a replica on this host): connect through the file then."""
+    path = clusterfile.find_file()
+    if not path:
+        return False
+    try:
+        cl = clusterfile.load(path, name)
+    except ValueError:
+        return False
+    return any(r.address == address for r in cl.replicas)
 
 
 Channel.register(LocalChannel)

@@ -604,7 +604,8 @@ def main_from_stdin() -> int:
         return 1
     try:
         broker.serve_forever()
-    except (zmq.ZMQError, ValueError, OSError) as exc:  # a busy address, a bad key file
+    except (zmq.ZMQError, ValueError, OSError, RuntimeError) as exc:
+        # a busy address, a bad key file, a metrics endpoint that cannot start (RuntimeError)
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()
         return 1

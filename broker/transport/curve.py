@@ -173,10 +173,13 @@ class HandshakeWatch:
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
                 and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if keys is None:
+                has = ("only its own (ZCHANNEL_CURVE_SECRET_KEY), not the broker's public key"
+                       if os.environ.get("ZCHANNEL_CURVE_SECRET_KEY") else "none")
                 return AuthenticationFailed(
                     f"authentication failed: {where} requires CURVE keys and this client has "
-                    "none: pass curve_keys=(own .key_secret, broker's .key) or set "
-                    "ZCHANNEL_CURVE_SECRET_KEY and ZCHANNEL_CURVE_SERVER_KEY")
+                    f"{has}: pass curve_keys=(own .key_secret, broker's .key), set "
+                    "ZCHANNEL_CURVE_SECRET_KEY and ZCHANNEL_CURVE_SERVER_KEY, or connect to a "
+                    "distributed channel through its cluster file ($ZCHANNEL_CLUSTER)")
             return AuthenticationFailed(
                 f"authentication failed: {where} does not use CURVE and this client has keys "
                 f"({keys.secret_key}): connect without curve_keys (and unset "
