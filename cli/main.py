@@ -17,23 +17,27 @@ from zchannel.cli.summary import summarize
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
-    """``--consumers actor:3`` means ``{"actor": 3}``; ``--consumers actor:0,actor:2`` a list."""
+    """``--consumers actor:3`` means ``{"actor": 3}`` (``--consumers actor:3 --consumers
+    critic:2``: ``{"actor": 3, "critic": 2}``); ``--consumers actor:0,actor:2`` a list of ids."""
     if not values:
         return None
     mapping: dict[str, int] = {}
     ids: list[str] = []
     for value in values:
-        for part in value.split(","):
-            part = part.strip()
-            if not part:
-                continue
+        parts = [part.strip() for part in value.split(",") if part.strip()]
+        for part in parts:
             group, sep, count = part.rpartition(":")
             if not sep or not count.isdigit():
                 raise click.BadParameter(f"{part!r}: expected group:count or group:rank")
-            if len(values) == 1 and "," not in value:
+            if len(parts) == 1 and "," not in value:
+                if group in mapping:
+                    raise click.BadParameter(f"{part!r}: group {group!r} is counted twice")
                 mapping[group] = int(count)
             else:
                 ids.append(part)
+    if mapping and ids:
+        raise click.BadParameter("give either group:count values (actor:3 --consumers critic:2) "
+                                 "or lists of ids (actor:0,actor:1), not both")
     return mapping or ids
 
 
@@ -131,7 +135,7 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     shutdown token is kept; SIGINT/SIGTERM stop it, and so does ``zchannel broker stop NAME``
     (with that token), from any process of the same user.
     """
-    from zchannel.broker.server.config import build_config
+    from zchannel.broker.server.config import build_config, read_config_file
     from zchannel.broker.server.loop import run_broker
 
     # expected failures (bad values, unreadable files, a busy address, a name already served)
@@ -142,10 +146,19 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         **flags,
     )
     paths.check_name(config.name)
-    given = [f"--{f.replace('_', '-')}" for f in ("fsync", "fsync_interval", "max_journal_bytes")
-             if flags.get(f) is not None]
-    if given and not config.journal:
-        raise click.UsageError(f"{', '.join(given)} set(s) the journal: give --journal DIR too")
+    in_file = read_config_file(config_file) if config_file else {}
+
+    def given(*fields: str) -> list[str]:  # the options set on the command line or in the file
+        return [f"--{f.replace('_', '-')}" if flags.get(f) is not None else f"{f} in {config_file}"
+                for f in fields if flags.get(f) is not None or f in in_file]
+
+    journal_only = given("fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes")
+    if journal_only and not config.journal:
+        raise click.UsageError(f"{', '.join(journal_only)} set(s) the journal: give --journal "
+                               "DIR too")
+    if given("metrics_address") and config.metrics_port is None:
+        raise click.UsageError(f"{given('metrics_address')[0]} sets the metrics endpoint: give "
+                               "--metrics-port PORT too")
     if config.cluster is not None or config.replica is not None:  # one replica of a cluster
         if config.cluster is None or config.replica is None:
             raise ValueError("--cluster FILE and --replica I go together")

@@ -125,6 +125,19 @@ def import_path(path: str) -> Any:
     return obj
 
 
+def _make(kind: str, cls: type) -> Any:
+    """An instance of hook class ``cls``: its own ``ValueError``/``TypeError`` (a refused
+    option) as it is, any other exception of its constructor as a ``ValueError`` naming the
+    class (the CLI prints one line; ``ZCHANNEL_DEBUG=1`` and ``__cause__`` keep the traceback)."""
+    try:
+        return cls()
+    except (ValueError, TypeError):
+        raise
+    except Exception as exc:
+        raise ValueError(f"{kind} {cls.__module__}:{cls.__qualname__} could not be made: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 def _resolve(base: type, spec: Any) -> Any:
     kind = base.__name__.lower()
     if isinstance(spec, base):
@@ -132,7 +145,7 @@ def _resolve(base: type, spec: Any) -> Any:
     if isinstance(spec, type):
         if not issubclass(spec, base):
             raise TypeError(f"{spec.__qualname__} is not a {base.__name__} subclass")
-        return spec()
+        return _make(kind, spec)
     if isinstance(spec, str):
         if ":" in spec:
             obj = import_path(spec)
@@ -143,13 +156,13 @@ def _resolve(base: type, spec: Any) -> Any:
             load_entry_points()
         published = _entry_point_objects.get(lname)
         if lname not in registry and isinstance(published, type) and issubclass(published, base):
-            return published()  # a hook class published under this entry-point name
+            return _make(kind, published)  # a hook class published under this entry-point name
         if lname not in registry:
             published = {n for n, obj in _entry_point_objects.items()
                          if isinstance(obj, type) and issubclass(obj, base)}
             known = ", ".join(sorted(set(registry) | published)) or "(none)"
             raise ValueError(f"unknown {kind} {spec!r}; known {kind}s: {known}")
-        return registry[lname]()
+        return _make(kind, registry[lname])
     raise TypeError(
         f"a {kind} is given as an instance, a class, 'module:ClassName' or a registered name, "
         f"not {type(spec).__name__}"

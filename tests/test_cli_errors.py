@@ -143,6 +143,9 @@ BENCH_CONFIGS = [
     ('window = "wide"', "window = 'wide' in [bench] of"),
     ("bench = 3", "must be a table"),
     ("[bench", "is not valid TOML"),
+    ("messages = 1.9", "messages = 1.9 in [bench] of"),  # not cast to 1
+    ("window = true", "window = True in [bench] of"),
+    ('json = "/nonexistent/dir/x.json"', "directory /nonexistent/dir does not exist"),
 ]
 
 
@@ -235,7 +238,9 @@ def test_help_and_debug_tracebacks(monkeypatch):
     (["broker", "halfcurve", "--curve-public-keys", "."], "curve_public_keys (the clients' keys let "
                                                           "in) needs the broker's own key pair"),
     (["bench", "--scenario", "get_only", "--plot", "."], "--plot draws the scaling curves"),
-], ids=["fsync", "max-journal-bytes", "public-keys", "plot"])
+    (["broker", "nometrics", "--metrics-address", "0.0.0.0"],
+     "--metrics-address sets the metrics endpoint: give --metrics-port PORT too"),
+], ids=["fsync", "max-journal-bytes", "public-keys", "plot", "metrics-address"])
 def test_options_that_would_do_nothing_are_refused(run_dir, args, message):
     """An option whose companion is missing would be silently ignored: it is one line naming
     what to add, status 2, and nothing starts."""
@@ -260,3 +265,85 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path):
         "error: --plot needs matplotlib; install the extra: pip install 'zchannel[plot]' "
         "(see 'zchannel bench --help')")
     assert not out.stdout and not (tmp_path / "plots").exists()
+
+
+def test_companion_settings_in_a_config_file_are_refused_too(run_dir, tmp_path):
+    """``fsync`` in a config file without a journal would start a broker that is not durable."""
+    config = tmp_path / "broker.toml"
+    config.write_text('[channel]\nfsync = "always"\n')
+    out = _zchannel("broker", "nojournal", "--config", str(config))
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert f"fsync in {config} set(s) the journal: give --journal DIR" in _one_line(out.stderr)
+
+
+CLUSTER_FILES = [
+    ('[cluster]\ninsecure = "false"\n', "[cluster] insecure is true or false, not 'false'"),
+    ("cluster = 5\n", "[cluster] must be a table"),
+    ("", "hostnames must be a list of str"),
+]
+
+
+@pytest.mark.parametrize("head,message", CLUSTER_FILES, ids=["insecure", "table", "hostnames"])
+def test_cluster_file_values_of_the_wrong_type_are_named(run_dir, tmp_path, head, message):
+    """A string "false" counted as true (and skipped the refusal to bind a non-loopback
+    address without CURVE); a ``hostnames`` string was split into its characters."""
+    path = tmp_path / "cluster.toml"
+    row = '[[replica]]\nnode = "a"\naddress = "tcp://10.0.0.1:5555"\n'
+    path.write_text(head + row + ("" if head else 'hostnames = "localhost"\n'))
+    out = _zchannel("broker", "cl", "--cluster", str(path), "--replica", "0")
+    assert out.returncode == 2 and "ready" not in out.stdout
+    line = _one_line(out.stderr)
+    assert message in line and str(path) in line
+
+
+def test_consumer_groups_given_twice_are_counts_each(run_dir):
+    """``--consumers actor:3 --consumers critic:2`` declares actor:0-2 and critic:0-1 (it used
+    to declare the two ids actor:3 and critic:2); counts and id lists do not mix."""
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "groups",
+                             "--collector", "flatten_batch", "--dispatcher", "round_robin",
+                             "--consumers", "actor:3", "--consumers", "critic:2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("ready ")
+        ch = Channel.connect("groups")
+        try:
+            assert sorted(ch.stats()["consumers"]) == [
+                "actor:0", "actor:1", "actor:2", "critic:0", "critic:1"]
+        finally:
+            ch.close()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+    out = _zchannel("broker", "mixed", "--consumers", "actor:3", "--consumers", "a:0,a:1")
+    assert out.returncode == 2 and "not both" in _one_line(out.stderr)
+
+
+def test_bench_against_an_address_without_a_broker_is_status_2():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = _zchannel("bench", "--address", f"tcp://127.0.0.1:{port}", "--messages", "10",
+                    "--repeat", "1", "--baseline", "none")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "items/s" not in out.stdout
+
+
+def test_a_hook_whose_constructor_fails_is_one_line(run_dir, tmp_path):
+    (tmp_path / "badhook.py").write_text(
+        "from zchannel.hooks import Collector\n"
+        "class C(Collector):\n"
+        "    def __init__(self):\n"
+        "        raise KeyError('bad init')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "hk",
+                          "--collector", "badhook:C"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2
+    assert "collector badhook:C could not be made: KeyError: 'bad init'" in _one_line(out.stderr)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    config = tmp_path / "broker.toml"
+    config.write_bytes(b"\xff\xfe")
+    out = _zchannel("broker", "enc", "--config", str(config))
+    assert out.returncode == 2 and f"{config} is not valid TOML" in _one_line(out.stderr)

@@ -201,3 +201,28 @@ def test_a_reply_cut_into_messages_names_the_deliveries_of_each():
     assert [(len(r), len(f), first) for r, f, first in messages] == [(1, 1, 0), (1, 1, 1),
                                                                       (1, 1, 2)]
     assert [d[2] for d in out.deliveries[messages[1][2]:]] == [[1], [2]]
+
+
+@pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"], ids=["direct", "zmq-tcp"])
+def test_coalesced_puts_stay_within_the_brokers_header_limit(channels, address):
+    """A client coalesces up to 512 queued requests into one message; their keys count toward
+    the header the broker limits (1 MiB by default): 1,000 async puts to a key of 1,024
+    three-byte characters all get in (they made a 1.5 MiB header, which the broker dropped:
+    ``BrokerUnavailable``, or puts that never returned over ZeroMQ)."""
+    ch = Channel.create("longkeys", address=address)
+    channels.append(ch)
+    key = "\u20ac" * 1024
+    works = [ch.put(b"y", key=key, async_op=True) for _ in range(1000)]
+    for work in works:
+        work.wait(timeout=60)
+    assert ch.qsize(key) == 1000
+
+
+@pytest.mark.parametrize("line", ["max_frames = 16", "max_header_bytes = 16384"])
+def test_message_limits_below_what_a_client_coalesces_are_refused(run_dir, tmp_path, line):
+    config = tmp_path / "broker.toml"
+    config.write_text(f"[channel]\n{line}\n")
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "lowlimit",
+                          "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert f"{line.split()[0]} must be" in out.stderr, out.stderr

@@ -171,6 +171,9 @@ def test_hook_time_is_measured(run_dir, tmp_path):
         assert m['zchannel_hook_calls_total{hook="dispatcher"}'] == 4
         assert m['zchannel_hook_seconds_total{hook="collector"}'] > 0
         assert m['zchannel_key_items_held{key="k"}'] == 4
+        (info,) = [name for name in m if name.startswith("zchannel_broker_info{")]
+        # the hooks named as stats() and `zchannel stat` name them
+        assert 'collector="flatten_batch"' in info and 'dispatcher="round_robin"' in info
         ch.close()
     finally:
         _stop(proc)

@@ -93,6 +93,8 @@ class Cluster:
 
 def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | None) -> Replica:
     """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: replica {i} must be a table ([[replica]]), got {row!r}")
     bad = set(row) - {"node", "address", "hostnames"}
     if bad or "node" not in row or "address" not in row:
         raise ValueError(f"{path}: replica {i} needs node and address (and only hostnames besides)")
@@ -101,7 +103,10 @@ def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | N
         if name is None:
             raise ValueError(f"{path}: address {address!r} needs a channel name")
         address = address.replace("{name}", name)
-    return Replica(str(row["node"]), address, tuple(row.get("hostnames") or ()))
+    hostnames = row.get("hostnames") or []
+    if not isinstance(hostnames, list) or not all(isinstance(h, str) for h in hostnames):
+        raise ValueError(f"{path}: replica {i}: hostnames must be a list of str, got {hostnames!r}")
+    return Replica(str(row["node"]), address, tuple(hostnames))
 
 
 def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
@@ -111,6 +116,8 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
     head = data.get("cluster", {})
+    if not isinstance(head, dict):
+        raise ValueError(f"{path}: [cluster] must be a table, got {head!r}")
     bad = set(head) - {"name", "insecure", "server_keys", "client_keys", "steal"}
     if bad:
         raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [cluster]")
@@ -132,16 +139,19 @@ def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
     if (server_keys is None) != (client_dir is None):
         raise ValueError(f"{path}: server_keys and client_keys go together in [cluster]")
     if server_keys is not None:
-        if not isinstance(server_keys, list) or len(server_keys) != len(replicas):
+        if not isinstance(server_keys, list) or len(server_keys) != len(replicas) \
+                or not all(isinstance(k, str) for k in server_keys):
             raise ValueError(f"{path}: server_keys lists one public key file per replica "
                              f"({len(replicas)})")
+        if not isinstance(client_dir, str):
+            raise ValueError(f"{path}: client_keys is a directory name, not {client_dir!r}")
         key_files = [str(here / key_file) for key_file in server_keys]
         replicas = [Replica(r.node, r.address, r.hostnames, public_key_z85(key_file))
                     for r, key_file in zip(replicas, key_files, strict=True)]
         client_dir = str(here / client_dir)
         if not Path(client_dir).is_dir():
             raise ValueError(f"{path}: client_keys {client_dir} is not a directory")
-    return Cluster(replicas, name=file_name or name, insecure=bool(head.get("insecure", False)),
+    return Cluster(replicas, name=file_name or name, insecure=_flag(head, "insecure", path),
                    source=str(path), client_keys=client_dir,
                    server_key_files=key_files if server_keys is not None else [],
                    steal=_flag(head, "steal", path))

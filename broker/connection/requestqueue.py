@@ -27,6 +27,7 @@ from zchannel.broker.connection.line import CLOSED, DOWN, Line
 from zchannel.broker.connection.tuning import (
     BATCH,
     MAX_BYTES_PER_MESSAGE,
+    MAX_FRAMES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
     MAX_OPS_PER_MESSAGE,
 )
@@ -271,7 +272,7 @@ class RequestQueue:
         inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
         in_flight = self.pending
         while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
-               and inline < MAX_INLINE_PER_MESSAGE):
+               and inline < MAX_INLINE_PER_MESSAGE and len(frames) < MAX_FRAMES_PER_MESSAGE):
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
@@ -286,6 +287,9 @@ class RequestQueue:
                     nbytes += sum(rec.sizes or ())
                 elif rec.body is not UNSET:
                     inline += len(rec.body)
+            key = getattr(rec, "key", None)
+            if key is not None and type(key) is not int:  # a long key makes the header too
+                inline += _key_bytes(key)
         return records, frames
 
     def _stale(self, rec: Request, pending: Pending) -> bool:
@@ -344,3 +348,18 @@ class RequestQueue:
             if entry is not None:
                 self.release(entry[3])
                 entry[0].set_exception(exc)
+
+
+def _key_bytes(key: Any) -> int:
+    """About the bytes a long ``key`` takes in a header (at most 4 per character; 0 for a short
+    one): 512 records of 1024-character keys would pass the broker's ``max_header_bytes``."""
+    n = _text_len(key)
+    return 4 * n if n > 64 else 0
+
+
+def _text_len(key: Any) -> int:
+    if isinstance(key, (str, bytes)):
+        return len(key)
+    if isinstance(key, tuple):
+        return sum(_text_len(part) + 1 for part in key)
+    return 8

@@ -16,6 +16,9 @@ MAX_BYTES_PER_MESSAGE = 64 << 20
 # Inline bodies per message (docs/protocol.md): with 512 records this keeps a header under
 # ~100 KiB, far below the broker's max_header_bytes (1 MiB by default)
 MAX_INLINE_PER_MESSAGE = 64 << 10
+# Frames per coalesced message (a put with more still goes, alone): far below the broker's
+# max_frames, whose lowest setting is this (broker/wire/limits.py)
+MAX_FRAMES_PER_MESSAGE = 4096
 # How long a blocking caller drives the socket itself before leaving its reply to the I/O
 # thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
 DRIVE_S = 0.05

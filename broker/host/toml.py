@@ -25,5 +25,5 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as f:
         try:
             return tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not valid TOML: {exc}") from None

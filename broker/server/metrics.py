@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.broker.wire.argchecks import key_label
 
 if TYPE_CHECKING:  # the loop imports this module; the type alone goes back
@@ -131,8 +132,9 @@ def snapshot(broker: Broker) -> dict[str, Any]:
         "time": now,
         "name": core.name,
         "address": broker.address,
-        "collector": type(core.hooks.collector).__name__,
-        "dispatcher": type(core.hooks.dispatcher).__name__,
+        # named as stats() and `zchannel stat` name them (a registered name, else module:qualname)
+        "collector": hook_name(core.hooks.collector),
+        "dispatcher": hook_name(core.hooks.dispatcher),
         "uptime_s": time.time() - core.started,
         "keys": keys,
         "key_count": len(core.keys),

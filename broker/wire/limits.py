@@ -15,8 +15,10 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "max_bytes": (0, True, "bytes, 0 = no limit"),
     "max_keys": (1, True, "keys"),
     "max_message_bytes": (0, True, "bytes, 0 = no limit"),
-    "max_frames": (1, True, "frames"),
-    "max_header_bytes": (1, True, "bytes"),
+    # not below what a client puts in one coalesced message (broker/connection/tuning.py):
+    # a broker below it drops ordinary traffic (BrokerUnavailable, or puts that never return)
+    "max_frames": (4096, True, "frames"),
+    "max_header_bytes": (256 << 10, True, "bytes"),
     "shm_threshold": (0, True, "bytes, 0 = off"),
     "shm_pool_bytes": (0, True, "bytes"),
     "key_grace": (0, False, "seconds"),

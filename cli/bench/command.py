@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import click.core
-from zchannel.broker import ChannelError
+from zchannel.broker import Channel, ChannelError
 from zchannel.broker.host.toml import read_toml
 from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
@@ -94,8 +94,13 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
             raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
         if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
             param = params[key]
-            try:  # the checks of the command-line option: its type, choices and range
-                out[key] = param.type_cast_value(ctx, value)
+            # a TOML value keeps its type: true or 1.9 is not an int (click would cast them to 1)
+            ints = isinstance(param.type, click.types.IntParamType)
+            if isinstance(value, bool) or (ints and type(value) is not int):
+                raise click.BadParameter(f"{raw_key} = {value!r} in [bench] of {path}: expected "
+                                         f"{'an integer' if ints else 'a string'}")
+            try:  # the checks of the command-line option: type, choices, range and callback
+                out[key] = param.process_value(ctx, value)
             except click.BadParameter as exc:
                 raise click.BadParameter(f"{raw_key} = {value!r} in [bench] of {path}: "
                                          f"{exc.format_message()}") from None
@@ -274,6 +279,8 @@ def bench(
     scenario = opts["scenario"]
     _check_plot(plot_dir, scenario)
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
+    if opts.get("address"):  # no broker there: an expected failure (status 2), before any run
+        Channel.connect(opts["address"], timeout=5.0).close()
     machine = machine_description()
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
         runner = Runner(
