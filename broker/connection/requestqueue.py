@@ -26,6 +26,7 @@ from zchannel.broker.connection.batching import group_records
 from zchannel.broker.connection.line import CLOSED, DOWN, Line
 from zchannel.broker.connection.tuning import (
     BATCH,
+    LONG_KEY,
     MAX_BYTES_PER_MESSAGE,
     MAX_FRAMES_PER_MESSAGE,
     MAX_INLINE_PER_MESSAGE,
@@ -287,8 +288,11 @@ class RequestQueue:
                     nbytes += sum(rec.sizes or ())
                 elif rec.body is not UNSET:
                     inline += len(rec.body)
-            key = getattr(rec, "key", None)
-            if key is not None and type(key) is not int:  # a long key makes the header too
+            key = getattr(rec, "key", None)  # a long key makes the header too
+            if type(key) is str:
+                if len(key) > LONG_KEY:
+                    inline += 4 * len(key)
+            elif key is not None and type(key) is not int:
                 inline += _key_bytes(key)
         return records, frames
 
@@ -354,7 +358,7 @@ def _key_bytes(key: Any) -> int:
     """About the bytes a long ``key`` takes in a header (at most 4 per character; 0 for a short
     one): 512 records of 1024-character keys would pass the broker's ``max_header_bytes``."""
     n = _text_len(key)
-    return 4 * n if n > 64 else 0
+    return 4 * n if n > LONG_KEY else 0
 
 
 def _text_len(key: Any) -> int:

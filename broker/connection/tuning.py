@@ -19,6 +19,8 @@ MAX_INLINE_PER_MESSAGE = 64 << 10
 # Frames per coalesced message (a put with more still goes, alone): far below the broker's
 # max_frames, whose lowest setting is this (broker/wire/limits.py)
 MAX_FRAMES_PER_MESSAGE = 4096
+# Keys longer than this many characters count toward MAX_INLINE_PER_MESSAGE (4 bytes each)
+LONG_KEY = 64
 # How long a blocking caller drives the socket itself before leaving its reply to the I/O
 # thread (which also keeps the heartbeat, so this stays well below the heartbeat interval).
 DRIVE_S = 0.05
