@@ -106,6 +106,90 @@ def test_keyboard_interrupt_in_a_blocking_get_withdraws_it(make_remote):
         producer.close()
 
 
+def test_keyboard_interrupt_in_a_blocking_put_withdraws_it(make_remote):
+    """Ctrl-C while ``put`` waits for room: the put is withdrawn at the broker and stores
+    nothing (a retry would have stored the item twice)."""
+    ch = make_remote("sigintput", maxsize=1)
+    consumer = Channel.connect(ch.name)
+    ch.put("A", key="k")
+    interrupter = threading.Thread(target=lambda: (
+        wait_until(lambda: consumer.stats()["keys"]["k"]["putters"] == 1, timeout=60),
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)))
+    try:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            ch.put("B", key="k", timeout=60)
+        interrupter.join(60)
+        wait_until(lambda: consumer.stats()["keys"]["k"]["putters"] == 0, timeout=30)
+        assert consumer.get(key="k", timeout=30) == "A"
+        assert consumer.qsize("k") == 0  # B was not stored when A left
+    finally:
+        interrupter.join(60)
+        consumer.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait", "then"])
+def test_waiting_for_a_pending_work_in_a_callback_is_refused_not_a_hang(make_remote, how):
+    """``Work.cancel()`` (which waits for the broker's answer) or ``wait()`` of another pending
+    Work in a done-callback or ``then()``: a ``RuntimeError`` where the callback runs on the
+    thread that reads the replies, never a connection that stops reading (and heartbeats)."""
+    ch = make_remote(f"cbwait{how}")
+    other = ch.get(key="b", async_op=True, timeout=60)
+    first = ch.get(key="a", async_op=True, timeout=60)
+    seen: dict = {}
+    done = threading.Event()
+
+    def inner(_work) -> None:
+        try:
+            seen["value"] = other.cancel() if how == "cancel" else other.wait(5)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            seen["error"] = exc
+        finally:
+            done.set()
+
+    if how == "then":
+        chained = first.then(lambda _: other.wait(5))
+    else:
+        first.add_done_callback(inner)
+    feeder = Channel.connect(ch.name)
+    try:
+        feeder.put("x", key="a")
+        assert first.wait(30) == "x"
+        if how == "then":
+            with pytest.raises((RuntimeError, TimeoutError)) as info:
+                chained.wait(30)
+            error = info.value
+        else:
+            assert done.wait(30)
+            error = seen.get("error")
+        if error is not None:  # it ran where the replies are read (else it waited elsewhere)
+            assert isinstance(error, RuntimeError) and "would wait for itself" in str(error)
+        assert feeder.qsize("b") == 0  # the connection goes on
+        feeder.put("y", key="b")
+        if how != "cancel" or error is not None:  # refused: the get still waits for "y"
+            assert other.wait(30) == "y"
+    finally:
+        feeder.close()
+
+
+def test_a_callback_that_exits_stops_nothing_else(make_remote):
+    """A done-callback that raises ``SystemExit`` (or ``KeyboardInterrupt``) is logged like any
+    other: the thread that completed its Work goes on reading the rest of the message."""
+    ch = make_remote("cbexit")
+    exiting = ch.get(key="a", async_op=True, timeout=60)
+    exiting.add_done_callback(lambda _: (_ for _ in ()).throw(SystemExit(1)))
+    bystander = ch.get(key="b", async_op=True, timeout=60)
+    feeder = Channel.connect(ch.name)
+    try:
+        feeder.put("x", key="a")
+        feeder.put("y", key="b")
+        assert exiting.wait(30) == "x" and bystander.wait(30) == "y"
+        ch.put("still", key="c")
+        assert ch.get(key="c", timeout=30) == "still"
+    finally:
+        feeder.close()
+
+
 def test_a_forked_child_waiting_on_its_parents_request_gets_an_error(make_remote):
     ch = make_remote("forkwork")
     parked = ch.get(key="k", async_op=True, timeout=60)

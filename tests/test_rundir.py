@@ -83,6 +83,25 @@ def test_clean_shutdown_leaves_nothing(run_dir, brokers):
     assert _leftovers(run_dir) == []
 
 
+def test_shutdown_after_the_broker_was_killed_leaves_nothing(run_dir):
+    """The creator of a broker that was SIGKILLed (it removed none of its files) removes them
+    at ``shutdown()`` (and so at exit): the socket, address, lock and token files and its
+    shared-memory segments."""
+    ch = Channel.create("killed")
+    reader = Channel.connect("killed")
+    ch.put(b"x" * (2 << 20))
+    view = reader.get(copy=False, timeout=10)  # a held slot: its segment stays mapped here
+    assert len(view) == 2 << 20 and shm.list_segments(shm.prefix_for("killed", run_dir))
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    ch._proc.wait(timeout=30)  # the handle's own child process, by its pid
+    assert any(name.startswith("killed.") for name in os.listdir(run_dir))
+    del view
+    reader.close()
+    ch.shutdown()
+    assert _leftovers(run_dir) == []
+
+
 def test_lock_file_removal_does_not_let_two_holders_in(run_dir):
     first = paths.try_lock("racy")
     assert first is not None and paths.try_lock("racy") is None

@@ -32,7 +32,7 @@ from zchannel.broker.connection.tuning import (
     MAX_INLINE_PER_MESSAGE,
     MAX_OPS_PER_MESSAGE,
 )
-from zchannel.broker.connection.work import CancelledError, Work
+from zchannel.broker.connection.work import SELF_WAIT, CancelledError, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.shm.client import ShmClient, client_undo
 from zchannel.broker.wire.protocol import (
@@ -125,6 +125,7 @@ class RequestQueue:
         work = Work(self._cancel if cancellable else None)
         work._tag = rid
         work._reader = self.reader
+        work._line = line
         # (a request whose owner closed meanwhile is dropped unsent by send_queued)
         self.queue.append((rec, frames, (work, convert, type(rec) is Put, owner)))
         if line.state == CLOSED:
@@ -193,6 +194,8 @@ class RequestQueue:
                 self._room.notify_all()
 
     def _cancel(self, work: Work) -> bool:
+        if self._line.reads_here():  # its answer could only be read by this thread: refused
+            raise RuntimeError(SELF_WAIT)  # before the request goes out
         try:
             answer = self._issue(Cancel(id=0, request_id=work._tag), []).wait()
         except ChannelError:

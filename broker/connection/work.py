@@ -51,7 +51,7 @@ class Work:
     """
 
     __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
-                 "_tag", "_reader", "_on_error", "__weakref__")
+                 "_tag", "_reader", "_on_error", "_line", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
@@ -68,6 +68,9 @@ class Work:
         # a put's: ``(fn, *args)``, ``fn(*args, error)`` called once by the first thread that
         # sees it fail (the handle notes a put in doubt, handle/retries.py)
         self._on_error: tuple[Any, ...] | None = None
+        # the connection's ``Line`` (set by the transport): a wait on the thread that reads
+        # its replies would wait for itself (``_sleep`` refuses it)
+        self._line: Any = None
         self._lock = threading.Lock()
 
     # -- completion (called by the transport) ------------------------------------------------
@@ -140,6 +143,8 @@ class Work:
         with self._lock:
             if self._state != _PENDING:
                 return True
+            if self._line is not None and self._line.reads_here():
+                raise RuntimeError(SELF_WAIT)
             gate = self._gate
             if gate is None:
                 gate = self._gate = threading.Lock()
@@ -216,6 +221,7 @@ class Work:
         if not callable(fn):
             raise TypeError(f"then() takes a callable, not {type(fn).__name__}")
         out = Work(lambda _: self.cancel())
+        out._line = self._line  # waited for where this one's reply is read: refused too
 
         def done(work: Work) -> None:
             try:
@@ -254,11 +260,16 @@ class Work:
         return f"<Work {state}>"
 
 
+SELF_WAIT = ("waiting for a pending Work (or cancelling one) in a done-callback, then() or a "
+              "signal handler that runs while this thread reads the connection's replies "
+              "would wait for itself: use add_done_callback/then, or another thread")
+
+
 def _call(callback: Callable[[Work], None], work: Work) -> None:
     """``callback(work)``; what it raises is logged (never raised in the completing thread)."""
     try:
         callback(work)
-    except Exception:
+    except BaseException:  # SystemExit, KeyboardInterrupt too: the completing thread goes on
         log.exception("a Work done-callback raised (ignored): %r", callback)
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
 from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.server import rundir
 from zchannel.broker.server.starting import BrokerProcess, stop_broker
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire.protocol import Shutdown
@@ -208,6 +209,8 @@ class ChannelHandle:
             proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             self._kill_broker()
+        if proc.poll() not in (None, 0) and self._name is not None:
+            _clean_after_dead_broker(self._name)  # killed: it removed nothing of its own
         self._proc = None
         self._stopped_broker = True
 
@@ -257,6 +260,17 @@ class ChannelHandle:
 def _unpickle(cls: type[ChannelHandle], name: str | None, address: str, identity: str | None,
               curve_keys: Any) -> ChannelHandle:
     return cls(name, address, identity=identity, curve_keys=curve_keys)
+
+
+def _clean_after_dead_broker(name: str) -> None:
+    """The files and segments a broker this process started left when it was killed
+    (``zchannel clean`` for its channel alone, under the channel's lock)."""
+    try:
+        removed = rundir.clean_channel(name)
+    except OSError:
+        return
+    if removed:
+        log.info("removed %d file(s) of channel %r's killed broker", len(removed), name)
 
 
 @atexit.register

@@ -154,7 +154,7 @@ class BrokerChannel(ChannelHandle):
         rec = Put(id=0, key=check_key(key), weight=check_weight(weight),
                   timeout=None if timeout is None else check_timeout(timeout))
         work = self._submit(rec, item, has_item=True, wait=not async_op)
-        return work if async_op else work.wait()
+        return work if async_op else _wait_or_withdraw(work)
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         """Enqueue without waiting; ``QueueFull`` (nothing enqueued) if a target is full: it
@@ -296,8 +296,8 @@ class BrokerChannel(ChannelHandle):
 
 
 def _wait_or_withdraw(work: Work) -> Any:
-    """A blocking get's result; interrupted while it waits, the get is withdrawn at the broker
-    before the interruption goes on (``waiting.withdraw``)."""
+    """A blocking get's (or put's) result; interrupted while it waits, the request is withdrawn
+    at the broker before the interruption goes on (``waiting.withdraw``)."""
     try:
         return work.wait()
     except BaseException:

@@ -51,6 +51,9 @@ from zchannel.broker.wire.protocol import (
     BYE,
     BadRecord,
     Bye,
+    Get,
+    GetBatch,
+    GetRun,
     Hello,
     ProtocolError,
     Request,
@@ -140,15 +143,13 @@ class Broker:
         _load_classes(config)
         if config.allowed_dtypes is not None or config.max_rank is not None:
             codec.restrict(config.allowed_dtypes, config.max_rank)
-        # distributed: this broker is one replica (see broker/cluster/replica.py)
-        self.replica = None
+        self.replica = None  # distributed: this broker is one replica (cluster/replica.py)
         self.handlers = HANDLERS
         lock_name = config.name
         if config.cluster is not None or config.replicas is not None:
             self.replica = replica_state(config)
             self.handlers = handlers_for(self.replica)
             lock_name = f"{config.name}.replica{config.replica}"
-        # -- end distributed --
         self.lock_name = lock_name
         self.token = shutdown_token(config)
         self.admin_keys = curve_admins(config)  # CURVE clients that may stop it without the token
@@ -179,7 +180,7 @@ class Broker:
         self.core = QueueCore(
             name=config.name,
             maxsize=config.maxsize,
-            collector=self._collector(resolve_collector(config.collector)),
+            collector=_replica_collector(self, resolve_collector(config.collector)),
             dispatcher=resolve_dispatcher(config.dispatcher),
             producers=tuple(config.producers or ()),
             consumers=expand_consumers(config.consumers),
@@ -206,11 +207,6 @@ class Broker:
         if config.metrics_port is not None:
             metrics.check_port(config.metrics_port)
             metrics.time_hooks(self.core, self.hook_time)
-
-    def _collector(self, collector: Any) -> Any:
-        if self.replica is None:
-            return collector
-        return wrap_collector(collector, self.replica)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -285,10 +281,13 @@ class Broker:
         """The loop: poll, handle what came, answer, then the timers of the turn."""
         sock, peers = self.bound()
         guard, handshakes = self._admission()
-        next_hb = time.monotonic() + self.config.heartbeat_interval / 2
+        woke = time.monotonic()
+        next_hb = woke + self.config.heartbeat_interval / 2
         while self._running:
             polled, timeout_ms, events = self._poll(peers, next_hb)
-            woke = time.monotonic()
+            last, woke = woke, time.monotonic()
+            if woke - last - timeout_ms / 1000 > self.config.heartbeat_interval:
+                self.sessions.judged_gone(woke)  # stalled (in the poll or the turn before it)
             ready = [obj for obj, _ in events]
             if sock in ready:
                 self._drain()
@@ -391,6 +390,8 @@ class Broker:
             if client is None or kind is Hello:
                 client = _greet(self, address, rec, head, now)
                 continue
+            if client.stale and kind in _GETS:
+                continue  # its caller was told it failed (``Sessions.judged_gone``)
             try:
                 handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
@@ -463,6 +464,17 @@ def _direct_read(broker: Broker, peer: direct_broker.Peer) -> bool:
 def _decode_item(item: Item) -> Any:
     frames = item.payload
     return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
+
+
+def _replica_collector(broker: Broker, collector: Any) -> Any:
+    """The collector this broker runs (a replica's wrapped: ``cluster/replica.wrap_collector``)."""
+    if broker.replica is None:
+        return collector
+    return wrap_collector(collector, broker.replica)
+
+
+# requests a stale client's caller was told failed (``Sessions.judged_gone``)
+_GETS = (Get, GetBatch, GetRun)
 
 
 def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None, rec: BadRecord,

@@ -217,6 +217,16 @@ def clean() -> list[str]:
     return removed
 
 
+def clean_channel(name: str) -> list[str]:
+    """Remove the stale entries of channel ``name`` only (its broker, started by this process,
+    died without removing them: SIGKILL, OOM); the paths removed.  Live brokers keep theirs."""
+    removed: list[str] = []
+    for entry in scan()[1]:
+        if entry.name == name:
+            removed += _clean(entry)
+    return removed
+
+
 def _clean(entry: StaleEntry) -> list[str]:
     locks = list(entry.locks)
     if not entry.live and paths.NAME_RE.match(entry.name) and entry.name not in locks:
