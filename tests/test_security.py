@@ -10,6 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 from zchannel.broker import AuthenticationFailed, Channel
+from zchannel.broker.handle.distributed import DistributedChannel
 from zchannel.cli.main import main as cli
 
 pytestmark = pytest.mark.timeout(90)
@@ -222,6 +223,16 @@ def test_env_vars_and_create_with_keys(tmp_path, monkeypatch, channels):
     assert not os.path.exists(os.path.join(os.environ["ZCHANNEL_RUN_DIR"], "curvy2.lock"))
 
 
+def _put_through(handle, reader, key) -> None:
+    """``handle`` is a distributed handle whose put ``reader`` gets; closed afterwards."""
+    try:
+        assert isinstance(handle, DistributedChannel)
+        handle.put(("through", key), key=key)
+        assert reader.get(key, timeout=10) == ("through", key)
+    finally:
+        handle.close()
+
+
 def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
     """``Channel.create`` with a cluster file whose ``[cluster]`` section turns CURVE on starts
     its node's replicas with their own key pairs (``NAME.key_secret`` next to each
@@ -230,7 +241,6 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
     that is not listed, are refused; the client key pair works; the replicas replicate the
     binding table to each other, which they can only do authenticated."""
     from cluster_util import free_tcp_ports
-    from zchannel.broker.handle.distributed import DistributedChannel
 
     keys = tmp_path / "keys"
     out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", str(keys),
@@ -268,23 +278,12 @@ def test_create_from_cluster_file_with_curve(tmp_path, monkeypatch, channels):
         _refused(addresses[1], None, "requires CURVE keys and this client has none")
     server1 = str(keys / "replica1.key")
     _refused(addresses[1], (rogue_sec, server1), "curve-public-keys")
-    other = Channel.connect(addresses[2], curve_keys=(str(keys / "client.key_secret"), str(keys / "replica2.key")))
-    try:
-        assert isinstance(other, DistributedChannel)
-        other.put("over CURVE", key=spread[0])
-        assert ch.get(spread[0], timeout=10) == "over CURVE"
-    finally:
-        other.close()
+    client_keys = (str(keys / "client.key_secret"), str(keys / "replica2.key"))
+    _put_through(Channel.connect(addresses[2], curve_keys=client_keys), ch, spread[0])
     # by name, on a host whose run directory names a replica's address: the cluster file
     # gives each replica's server key
     monkeypatch.setenv("ZCHANNEL_CLUSTER", str(path))
-    by_name = Channel.connect("sec")
-    try:
-        assert isinstance(by_name, DistributedChannel)
-        by_name.put("by name", key=spread[1])
-        assert ch.get(spread[1], timeout=10) == "by name"
-    finally:
-        by_name.close()
+    _put_through(Channel.connect("sec"), ch, spread[1])
     # a replica whose key pair file is missing on this host is named
     os.rename(keys / "replica2.key_secret", tmp_path / "moved")
     with pytest.raises(ValueError, match="replica2.key_secret"):

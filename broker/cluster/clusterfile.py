@@ -197,6 +197,18 @@ def find_file(options: dict | None = None) -> str | None:
     return str(Path(path)) if path else None
 
 
+def load_found(name: str) -> Cluster | None:
+    """The cluster file of ``$ZCHANNEL_CLUSTER`` if it describes channel ``name`` (None: no
+    file, or one that does not)."""
+    path = find_file()
+    if not path:
+        return None
+    try:
+        return load(path, name)
+    except ValueError:
+        return None
+
+
 def _hostnames() -> set[str]:
     names = {socket.gethostname()}
     names.add(socket.gethostname().split(".")[0])

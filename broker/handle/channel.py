@@ -408,14 +408,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
 def _cluster_file_serves(name: str, address: str) -> bool:
     """Whether ``$ZCHANNEL_CLUSTER`` describes channel ``name`` with a replica at ``address``
     (the ``.addr`` file of a replica on this host): connect through the file then."""
-    path = clusterfile.find_file()
-    if not path:
-        return False
-    try:
-        cl = clusterfile.load(path, name)
-    except ValueError:
-        return False
-    return any(r.address == address for r in cl.replicas)
+    cl = clusterfile.load_found(name)
+    return cl is not None and any(r.address == address for r in cl.replicas)
 
 
 Channel.register(LocalChannel)

@@ -432,12 +432,8 @@ def connect_from_cluster(name: str, *, identity: str | None,
     """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER``; None if
     there is none or it does not serve the name.  ``ChannelNotFound`` if this node's replica
     does not answer within ``timeout``."""
-    path = clusterfile.find_file()
-    if not path:
-        return None
-    try:
-        cl = clusterfile.load(path, name)
-    except ValueError:
+    cl = clusterfile.load_found(name)
+    if cl is None:
         return None
     return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
 
