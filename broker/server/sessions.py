@@ -314,27 +314,6 @@ class Sessions:
         for client in self.clients.values():
             client.last_seen += seconds
 
-    def judged_gone(self, now: float) -> None:
-        """After a stall, before any message is read: a client this broker sent nothing for
-        about the expiry (less one heartbeat: it may have read the last send late) may have
-        failed its pending requests with ``BrokerUnavailable`` (its own judgment of the
-        silence), so its parked gets are withdrawn, it is told it expired (it fails what it
-        still waits for and says hello), and its gets sent before that hello are dropped: no
-        item goes to a get whose caller was told it failed.  (Its puts go on: a retry of one
-        is recognised, docs/guarantees.md.)"""
-        hb = self.config.heartbeat_interval
-        limit = hb * (self.config.liveness - 1)  # it may have read our last send a beat late
-        waiters = self._core().waiters
-        for address, client in list(self.clients.items()):
-            if now - self.last_sent.get(address, now) > limit and not client.stale:
-                log.info("client %s heard nothing for %.1fs (a stall): its gets are withdrawn",
-                         address.hex(), now - self.last_sent[address])
-                client.stale = True
-                for req in [r for r in client.parked.values() if r.kind != "put"]:
-                    waiters.withdraw(req)
-                # one that did not judge yet fails what it still waits for and says hello
-                self._send(address, [BROKER_EXPIRED], [])
-
     def heartbeats(self, now: float) -> None:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
         links that never said hello (or not again after their client expired), and let the
