@@ -66,7 +66,6 @@ class Recovered:
     # the outputs read of puts with several outputs, by the jid of the put's last output, until
     # that one is read: those left at the end belong to a put a crash cut short
     parts: dict[int, list[int]] = field(default_factory=dict)
-    dropped_parts: int = 0  # outputs of such puts, dropped
 
 
 def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
@@ -106,7 +105,6 @@ def _drop_unfinished_puts(jdir: JournalDir, rec: Recovered) -> None:
     for last, jids in rec.parts.items():
         for jid in jids:
             rec.items.pop(jid, None)
-        rec.dropped_parts += len(jids)
         rec.max_jid = max(rec.max_jid, last)
         log.warning("journal of %r: %d outputs of a put the broker did not finish writing "
                     "dropped (it was not acknowledged)", jdir.name, len(jids))
