@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import msgpack
@@ -60,6 +62,59 @@ def test_a_put_retried_after_a_sigstop_is_stored_once(address, channels):
     ch.put("A")  # the retry was matched once: an equal put now is a new put
     ch.put("B")
     assert drain(ch) == ["A", "A", "B"]
+
+
+@pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"], ids=["ipc", "tcp"])
+def test_gets_failed_by_a_broker_stall_get_no_items_after_it(address, channels, run_dir):
+    """A broker stopped past the expiry (SIGSTOP, a long GC or swap pause) while gets are
+    parked: the client fails them with ``BrokerUnavailable``; the broker, running again,
+    withdraws them before it reads anything, so the items another process puts at once go to
+    the next gets, not to gets nobody waits for any more."""
+    ch = Channel.create("stalled-gets", address=address)
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    parked = [ch.get(key="g", async_op=True, timeout=120) for _ in range(5)]
+    parked.append(ch.get_batch(2, key="g", async_op=True, timeout=120))
+    wait_until(lambda: ch.stats()["keys"].get("g", {}).get("getters") == 6, timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for work in parked:
+            with pytest.raises(BrokerUnavailable):
+                work.wait(60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    subprocess.run([sys.executable, "-c", "import sys; from zchannel.broker import Channel; "
+                    "c = Channel.connect(sys.argv[1]); [c.put(i, 1, key='g') for i in range(8)]",
+                    ch.address], check=True, timeout=120, env=dict(os.environ, ZCHANNEL_RUN_DIR=run_dir))
+    got = [until_available(ch, lambda: ch.get(key="g", timeout=30)) for _ in range(8)]
+    assert got == list(range(8))
+
+
+@pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"], ids=["ipc", "tcp"])
+def test_puts_sent_during_a_broker_stall_go_to_no_failed_get(address, channels):
+    """Puts another handle sent while the broker was stopped wait in its socket beside the
+    consumer's new hello; the broker, running again, may read them first: they must not go
+    to the gets that consumer was told failed (the broker withdraws those before it reads)."""
+    ch = Channel.create("stall-puts", address=address)
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    producer = Channel.connect(ch.address)
+    try:
+        producer.put("warm", key="w")
+        parked = [ch.get(key="g", async_op=True, timeout=120) for _ in range(4)]
+        wait_until(lambda: ch.stats()["keys"].get("g", {}).get("getters") == 4, timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sent = [producer.put(i, key="g", async_op=True, timeout=120) for i in range(6)]
+            for work in parked + sent:
+                with pytest.raises(BrokerUnavailable):
+                    work.wait(60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        producer.close()
+    got = [until_available(ch, lambda: ch.get(key="g", timeout=30)) for _ in range(6)]
+    assert got == list(range(6))
 
 
 def test_async_puts_in_doubt_are_each_recognised(channels):

@@ -58,6 +58,9 @@ class Client:
     user: str | None = None  # its CURVE public key (z85), when the broker checks admin keys
     producer: Any = None  # its put sequences' window (broker/server/producers.py)
     items: bool = False  # it reads ``items`` records (several gets' small items in one record)
+    # the broker stalled past its expiry: the client failed its requests, so its gets sent
+    # before its next hello are dropped (``Sessions.judged_gone``)
+    stale: bool = False
 
 
 @dataclass(eq=False, slots=True)

@@ -51,6 +51,9 @@ from zchannel.broker.wire.protocol import (
     BYE,
     BadRecord,
     Bye,
+    Get,
+    GetBatch,
+    GetRun,
     Hello,
     ProtocolError,
     Request,
@@ -278,10 +281,14 @@ class Broker:
         """The loop: poll, handle what came, answer, then the timers of the turn."""
         sock, peers = self.bound()
         guard, handshakes = self._admission()
-        next_hb = time.monotonic() + self.config.heartbeat_interval / 2
+        woke = time.monotonic()
+        next_hb = woke + self.config.heartbeat_interval / 2
         while self._running:
             polled, timeout_ms, events = self._poll(peers, next_hb)
-            woke = time.monotonic()
+            last, woke = woke, time.monotonic()
+            if (woke - last - timeout_ms / 1000 > self.config.heartbeat_interval
+                    or self.sessions.suspects):  # stalled (in the poll or a turn before it)
+                self.sessions.judged_gone(woke)
             ready = [obj for obj, _ in events]
             if sock in ready:
                 self._drain()
@@ -384,6 +391,8 @@ class Broker:
             if client is None or kind is Hello:
                 client = _greet(self, address, rec, head, now)
                 continue
+            if client.stale and kind in _GETS:
+                continue  # its caller was told it failed (``Sessions.judged_gone``)
             try:
                 handlers[kind](self, client, rec, op_frames)
             except Exception as exc:
@@ -463,6 +472,10 @@ def _replica_collector(broker: Broker, collector: Any) -> Any:
     if broker.replica is None:
         return collector
     return wrap_collector(collector, broker.replica)
+
+
+# requests a stale client's caller was told failed (``Sessions.judged_gone``)
+_GETS = (Get, GetBatch, GetRun)
 
 
 def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None, rec: BadRecord,

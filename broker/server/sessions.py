@@ -108,6 +108,10 @@ class Sessions:
         self.journal: Journal | None = None
         self.clients: dict[bytes, Client] = {}
         self.last_sent: dict[bytes, float] = {}
+        # clients sent something after a silence past ``judge_after``: they may have failed
+        # their requests meanwhile (``judged_gone`` sees to them before the next turn reads)
+        self.suspects: set[bytes] = set()
+        self.judge_after = config.heartbeat_interval * (config.liveness - 1)
         self._out: dict[bytes, Outbox] = {}
         self._expired_told: dict[bytes, float] = {}
         self._peak_held = 0
@@ -229,7 +233,10 @@ class Sessions:
         peers = self.peers
         if peers is None or not peers.send(address, [pack_header(records), *frames]):
             return False
-        self.last_sent[address] = time.monotonic()
+        now = time.monotonic()
+        if now - self.last_sent.get(address, now) > self.judge_after:
+            self.suspects.add(address)  # the silence before this send was the broker's stall
+        self.last_sent[address] = now
         return True
 
     def flush(self) -> None:
@@ -313,6 +320,28 @@ class Sessions:
         log.info("the broker did not read for %.1fs: clients' expiry moved on as much", seconds)
         for client in self.clients.values():
             client.last_seen += seconds
+
+    def judged_gone(self, now: float) -> None:
+        """Before a turn reads any message: a client this broker sent nothing for about the
+        expiry (less one heartbeat: it may have read the last send late) — now, or before a
+        send since (``suspects``: the stall fell inside a turn that went on sending) — may
+        have failed its pending requests with ``BrokerUnavailable``, so its parked gets are
+        withdrawn, it is told it expired (it fails what it still waits for and says hello),
+        and its gets sent before that hello are dropped.  (Its puts go on: a retry of one is
+        recognised, docs/guarantees.md.)"""
+        waiters, suspects, self.suspects = self._core().waiters, self.suspects, set()
+        for address, client in list(self.clients.items()):
+            silent = now - self.last_sent.get(address, now) > self.judge_after
+            if client.stale or not (silent or address in suspects):
+                continue
+            log.info("client %s heard nothing from this broker for a while (a stall): its "
+                     "gets are withdrawn", address.hex())
+            client.stale = True
+            for req in [r for r in client.parked.values() if r.kind != "put"]:
+                waiters.withdraw(req)
+            # one that did not judge yet fails what it still waits for and says hello
+            self._send(address, [BROKER_EXPIRED], [])
+        self.suspects.clear()  # the expired notices just sent
 
     def heartbeats(self, now: float) -> None:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
