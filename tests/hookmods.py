@@ -58,6 +58,14 @@ class Rekey(Collector):
             yield key, item, len(item)
 
 
+class RegisteredAtRunTime(Collector):
+    """Registered by a test at run time (``register_collector(...)(cls)``), not by this module's
+    import: the broker child learns the name from its creator."""
+
+    def collect(self, item, key):
+        yield key, ("seen", item)
+
+
 class Scaled(Collector):
     """An instance with state handed to the broker at creation."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+import hookmods
 import pytest
 import torch
 from conftest import drain, wait_until
@@ -204,6 +205,19 @@ def test_seed_example_three_consumer_processes(workers, channels, collector, dis
         workers.wait_line(proc, "ready")
     for consumer, proc in procs.items():
         assert workers.finish(proc).split() == EXPECTED[consumer]
+
+
+def test_hook_registered_at_run_time_reaches_the_broker(channels):
+    """A class registered by a call in the creating process, not by its module's import, works
+    by its name and as the class: the broker child imports it and registers the name too."""
+    register_collector("registered_at_run_time")(hookmods.RegisteredAtRunTime)
+    for spec in ("registered_at_run_time", hookmods.RegisteredAtRunTime):
+        ch = Channel.create("runtime", collector=spec)
+        channels.append(ch)
+        assert ch.stats()["collector"] == "registered_at_run_time"
+        ch.put(1)
+        assert ch.get(timeout=5) == ("seen", 1)
+        ch.shutdown()
 
 
 def test_seed_example_local(channels):

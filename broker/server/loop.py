@@ -61,9 +61,12 @@ from zchannel.broker.wire.protocol import (
     unpack_requests,
 )
 from zchannel.hooks import (
+    Collector,
     expand_consumers,
     import_named,
     import_path,
+    register_collector,
+    register_dispatcher,
     resolve_collector,
     resolve_dispatcher,
 )
@@ -562,9 +565,14 @@ def _encode_item(value: Any, weight: int | float) -> Item:
 
 
 def hook_from_wire(spec: Any) -> Any:
-    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``."""
+    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``;
+    a class its creator registered under a name, ``{"class": path, "name": name}``, is
+    registered here under that name too and given as the class."""
     if isinstance(spec, dict) and "class" in spec:
         cls = import_path(spec["class"])
+        if "name" in spec:
+            register = register_collector if issubclass(cls, Collector) else register_dispatcher
+            return register(spec["name"])(cls)
         obj = cls.__new__(cls)
         obj.__dict__.update(spec.get("state") or {})
         return obj
@@ -605,12 +613,11 @@ def main_from_stdin() -> int:
     start-up pipe of ``Channel.create``)."""
     data = sys.stdin.buffer.read()
     fields = codec.decode(data)
-    for name in ("collector", "dispatcher"):
-        fields[name] = hook_from_wire(fields.get(name))
-    config = BrokerConfig(**fields)
     setup_logging()
     try:
-        broker = Broker(config)
+        for name in ("collector", "dispatcher"):
+            fields[name] = hook_from_wire(fields.get(name))
+        broker = Broker(BrokerConfig(**fields))
     except Exception as exc:
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()

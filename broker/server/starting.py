@@ -74,10 +74,25 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
         named = registered(base).get(hook.lower())
         if named is not None and not named.__module__.startswith("zchannel."):
             imports.append(named.__module__)
+            return _registered_for_child(named, hook.lower())
         return hook
     if isinstance(hook, type) and not hook.__module__.startswith("zchannel."):
         imports.append(hook.__module__)
+        name = registered_name(hook)
+        if name is not None and registered(base).get(name) is hook:
+            return _registered_for_child(hook, name)
     return hook_spec(hook)
+
+
+def _registered_for_child(cls: type, name: str) -> Any:
+    """A class registered under ``name`` in this process, as the child receives it: its path
+    and that name, which the child registers too (``hook_from_wire``): the registration may
+    have been made at run time, not by importing the class's module.  A class the child
+    cannot import (``__main__``, a local class) goes by name alone: the child may know it
+    (an entry point, ``--import``)."""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return name
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "name": name}
 
 
 def hook_label(spec: Any) -> str | None:
