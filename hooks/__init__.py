@@ -11,6 +11,7 @@ from zchannel.hooks.base import (
     Collector,
     Dispatcher,
     check_consumer_id,
+    check_groups,
     consumer_sort_key,
     expand_consumers,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "RoundRobinDispatcher",
     "SharedDispatcher",
     "check_consumer_id",
+    "check_groups",
     "consumer_sort_key",
     "entry_point_objects",
     "expand_consumers",

@@ -636,3 +636,18 @@ def test_stat_shows_consumers_and_hooks(make_remote):
     assert stats["collector"] == "flatten_batch" and stats["dispatcher"] == "round_robin"
     assert stats["consumers"] == ["actor:0", "actor:1"]
     assert stats["keys"]["default_queue"]["private"] == {"actor:0": 2, "actor:1": 1}
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "broker"])
+def test_producer_group_names_are_checked(local, channels):
+    """``producers=`` names groups as a consumer id's group is spelled: a bad one is refused
+    by name before anything starts, a good one reaches the hooks' context."""
+    for bad, error, cause in ((["x y"], ValueError, "group name 'x y' in producers="),
+                              (["a:b"], ValueError, "group name 'a:b' in producers="),
+                              ([1], ValueError, "group name 1 in producers="),
+                              ("rollout", TypeError, "producers= takes a list of group names")):
+        with pytest.raises(error, match=cause):
+            Channel.create("groups", producers=bad, local=local)
+    ch = Channel.create("groups", producers=["rollout", "env.1"], local=local)
+    channels.append(ch)
+    assert ch.stats()["producers"] == ["rollout", "env.1"]

@@ -54,7 +54,13 @@ from zchannel.broker.wire.argchecks import check_timeout
 from zchannel.broker.wire.classtags import registrations
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import UNSET
-from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
+from zchannel.hooks import (
+    Collector,
+    Dispatcher,
+    check_consumer_id,
+    check_groups,
+    expand_consumers,
+)
 
 log = logging.getLogger("zchannel.client")
 
@@ -120,8 +126,8 @@ def _checked_create_args(
     if not local and (producers or consumers) and clusterfile.ray_connected():
         producers, consumers, targets = ray_placement.split_targets(producers, consumers)
     declared = list(expand_consumers(consumers))
-    if producers is not None and isinstance(producers, str):
-        raise TypeError("producers= takes a list of group names")
+    if producers is not None:
+        producers = check_groups(producers)
     if local and metrics_port is not None:
         raise ValueError("metrics_port needs a broker process (local=False)")
     if local and journal is not None:

@@ -32,6 +32,7 @@ from zchannel.broker.host.toml import read_toml
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
+from zchannel.hooks import check_groups
 
 DEFAULT_LEASE_TIMEOUT = 30.0  # seconds an unacknowledged delivery is held
 
@@ -102,6 +103,7 @@ class BrokerConfig:
                 for t in self.types):
             raise ValueError("types must be a list of [tag, 'module:qualname'] pairs, got "
                              f"{self.types!r}")
+        self.producers = check_groups(self.producers)
         if self.journal is not None and (not isinstance(self.journal, str) or not self.journal):
             raise ValueError(f"journal must be a directory path, got {self.journal!r}")
         if self.curve_public_keys and not self.curve_secret_key:
