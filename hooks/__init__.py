@@ -11,7 +11,6 @@ from zchannel.hooks.base import (
     Collector,
     Dispatcher,
     check_consumer_id,
-    check_groups,
     consumer_sort_key,
     expand_consumers,
 )
@@ -46,7 +45,6 @@ __all__ = [
     "RoundRobinDispatcher",
     "SharedDispatcher",
     "check_consumer_id",
-    "check_groups",
     "consumer_sort_key",
     "entry_point_objects",
     "expand_consumers",

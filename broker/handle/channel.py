@@ -54,13 +54,8 @@ from zchannel.broker.wire.argchecks import check_timeout
 from zchannel.broker.wire.classtags import registrations
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import UNSET
-from zchannel.hooks import (
-    Collector,
-    Dispatcher,
-    check_consumer_id,
-    check_groups,
-    expand_consumers,
-)
+from zchannel.hooks import Collector, Dispatcher, check_consumer_id, expand_consumers
+from zchannel.hooks.base import check_groups
 
 log = logging.getLogger("zchannel.client")
 

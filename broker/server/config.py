@@ -32,7 +32,7 @@ from zchannel.broker.host.toml import read_toml
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
-from zchannel.hooks import check_groups
+from zchannel.hooks.base import check_groups
 
 DEFAULT_LEASE_TIMEOUT = 30.0  # seconds an unacknowledged delivery is held
 
