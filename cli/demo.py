@@ -133,11 +133,12 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     """Train PPO through zchannel (env → rollout → actors) on PointReach or a Gymnasium env, or
     with --mode lerobot record its episodes (as a LeRobot v3 dataset with --dataset DIR)."""
     from zchannel.embodied.presets import preset
-    from zchannel.embodied.runners import env_spec
+    from zchannel.embodied.runners import check_recordable, env_spec
 
     given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
              if v is not None}
     _check_plot_extra(plot_path)
+    _import_from_cwd()
     try:
         if mode != "lerobot" and (dataset or only_success):
             raise ValueError("--dataset and --only-success need --mode lerobot")
@@ -150,6 +151,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                      lerobot_only_success=only_success, **given)
         spec = env_spec(cfg)  # an env that cannot be made or carried is refused here
         cfg.plan(spec.action_dim)  # geometry errors (e.g. pipeline widths) before anything starts
+        check_recordable(cfg)  # a dataset's cameras: 1 or 3 channels
     except (ValueError, TypeError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
     envs, env_batch, steps = cfg.envs, cfg.env_batch, cfg.steps
@@ -180,6 +182,17 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
         return
     _report_training(cfg, spec, result, records, json_path, plot_path,
                      f"{env_name}, {runner} runner, {mode} mode")
+
+
+def _import_from_cwd() -> None:
+    """Make ``gym:<module>:<EnvId>`` and ``--env`` modules of the working directory importable,
+    as ``python script.py`` would (a console script's ``sys.path[0]`` is its ``bin`` folder),
+    here and in the workers (spawned processes get ``sys.path``; others ``PYTHONPATH``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+        paths = os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = cwd + (os.pathsep + paths if paths else "")
 
 
 def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict],

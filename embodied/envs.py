@@ -32,6 +32,7 @@ from zchannel.embodied.normalize import RewardScaler
 from zchannel.embodied.spaces import (
     FINAL_MASK,
     FINAL_OBS,
+    RECORDED_INFO_KEYS,
     EnvSpec,
     ObservationError,
     RewardError,
@@ -39,10 +40,6 @@ from zchannel.embodied.spaces import (
     check_observation,
 )
 from zchannel.embodied.types import EnvOutput, EnvTransition
-
-# the info keys a recorded step keeps (lerobot mode): success, expert intervention, recording
-RECORDED_INFO_KEYS = ("success", "success_once", "success_at_end", "intervene_action",
-                      "intervene_flag", "record_reset", "pre_record", "segment_advance")
 
 
 @runtime_checkable
@@ -157,7 +154,9 @@ class ChunkedEnv:
     naming the env, the sub-env, its episode step and the chunk slot, raised before the reward
     reaches the statistics or the transition).  ``name`` (default: the env's class name) names
     the env in those errors.  ``record_episodes`` attaches each chunk's ``episode_data``
-    (lerobot mode)."""
+    (lerobot mode).  An env that reports an expert intervention (``info["intervene_action"]``
+    with ``info["intervene_flag"]``) gets it into the transition's ``intervene_actions`` /
+    ``intervene_flags``, so the trajectory holds the action that was executed."""
 
     def __init__(self, env: VectorEnv, num_action_chunks: int, *,
                  reward_scaler: RewardScaler | None = None,
@@ -208,6 +207,9 @@ class ChunkedEnv:
         final_obs = None
         obs_list: list[dict[str, Any]] = []
         infos_list: list[dict[str, Any]] = []
+        expert = torch.zeros(B, C, actions.shape[-1])  # env-reported interventions
+        intervened = torch.zeros(B, C, dtype=torch.bool)
+        reported = False
         for c in range(C):
             if self.record_episodes:
                 obs_list.append({k: v.clone() if isinstance(v, torch.Tensor) else v
@@ -227,6 +229,11 @@ class ChunkedEnv:
             if self.reward_scaler is not None:
                 reward = self.reward_scaler(reward, done)
             rewards[:, c], terms[:, c], truncs[:, c] = reward, term, trunc
+            if "intervene_action" in info and "intervene_flag" in info:
+                reported = True
+                expert[:, c] = torch.as_tensor(info["intervene_action"],
+                                               dtype=torch.float32).reshape(B, -1)
+                intervened[:, c] = torch.as_tensor(info["intervene_flag"]).reshape(B).bool()
             if bool(done.any()):
                 success = torch.as_tensor(info.get("success", term)).reshape(B)
                 for b in torch.nonzero(done).flatten().tolist():
@@ -246,7 +253,9 @@ class ChunkedEnv:
                             "terminations": terms, "truncations": truncs,
                             "infos_list": infos_list}
         transition = EnvTransition(rewards=rewards, dones=terms | truncs, terminations=terms,
-                                   truncations=truncs, episode_data=episode_data)
+                                   truncations=truncs, episode_data=episode_data,
+                                   intervene_actions=expert if reported else None,
+                                   intervene_flags=intervened if reported else None)
         return EnvOutput(obs=self.obs, transition=transition, final_obs=final_obs)
 
 

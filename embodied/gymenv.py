@@ -18,7 +18,9 @@ it in ``GymVectorEnv``, which
 - reads ``info["success"]`` only when its values are bools or numbers (``_info_flags``: any other
   value, such as the string ``"no"``, is a ``ValueError`` naming the key and the dtype);
 - turns action chunks back into the action space (Box: [-1, 1] onto the bounds; Discrete,
-  MultiDiscrete, MultiBinary: integer indices of the right shape and dtype);
+  MultiDiscrete, MultiBinary: integer indices of the right shape and dtype), and an env's
+  ``info["intervene_action"]`` (the action it executed, in its action space) back into the
+  policy's (``from_space``), so training and recording see what the policy would have emitted;
 - refuses a non-finite action (NaN, inf) with a ``ValueError`` naming the policy output and the
   env rows, instead of handing it to the env (``np.clip`` would pass NaN through);
 - gives same-step auto-reset in each of Gymnasium's autoreset modes (the vector env's
@@ -44,7 +46,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from zchannel.embodied.spaces import FINAL_MASK, FINAL_OBS, ActionSpec, EnvSpec, ObservationError
+from zchannel.embodied.spaces import (
+    FINAL_MASK,
+    FINAL_OBS,
+    RECORDED_INFO_KEYS,
+    ActionSpec,
+    EnvSpec,
+    ObservationError,
+)
 
 try:  # the optional extra: this module only works with it, the package imports without it
     import gymnasium
@@ -203,6 +212,10 @@ class ObservationCheck(_WRAPPER_BASE):
                 raise ObservationError(f"observation {leaf.name!r}: expected {space.dtype} "
                                        f"{list(space.shape)}, got {value.dtype} "
                                        f"{list(value.shape)}")
+            if not isinstance(space, gs.Box) and not space.contains(value):
+                # an index outside the space would pick a wrong one-hot column (or none)
+                raise ObservationError(f"observation {leaf.name!r}: {value.tolist()!r} is not "
+                                       f"in its space {space}")
         return obs
 
     def reset(self, **kwargs: Any) -> Any:
@@ -271,6 +284,27 @@ def _info_flags(info: dict[str, Any], key: str, batch: int) -> np.ndarray:
         raise ValueError(f"info[{key!r}] has dtype {values.dtype}: {key} flags must be bools "
                          "or numbers")
     return values.astype(bool).reshape(batch) & mask
+
+
+def _recorded_info(info: dict[str, Any], key: str, batch: int,
+                   rows: np.ndarray | None = None) -> np.ndarray | None:
+    """The batched ``info[key]`` as a numeric array ``[batch, ...]`` with the rows Gymnasium's
+    mask ``info["_" + key]`` (and ``rows``, if given) leaves unset zeroed; None without the key.
+    Object arrays (Gymnasium's batch of NumPy scalars) must hold bools or numbers."""
+    if key not in info:
+        return None
+    values = np.asarray(info[key])
+    mask = np.broadcast_to(np.asarray(info.get(f"_{key}", True), dtype=np.bool_), (batch,))
+    if rows is not None:
+        mask = mask & rows
+    values = np.where(mask.reshape((batch,) + (1,) * (values.ndim - 1)), values,
+                      np.zeros_like(values))
+    if values.dtype == object:
+        values = np.array(values.tolist())
+    if values.dtype != np.bool_ and not np.issubdtype(values.dtype, np.number):
+        raise ValueError(f"info[{key!r}] has dtype {values.dtype}: recorded info must be bools "
+                         "or numbers")
+    return values
 
 
 class GymVectorEnv:
@@ -371,6 +405,23 @@ class GymVectorEnv:
             index = index + np.asarray(spec.start)
         return index.reshape(self.num_envs, *space.shape).astype(space.dtype, copy=False)
 
+    def from_space(self, values: Any) -> np.ndarray:
+        """The inverse of ``to_space``: a batch of actions of the action space (e.g. an env's
+        executed ``intervene_action``) as the policy's float32 ``[B, A]``: Box values mapped
+        from ``[low, high]`` back onto [-1, 1] (clipped; infinite bounds pass through),
+        indices without the space's ``start``."""
+        a = np.asarray(values, dtype=np.float32).reshape(self.num_envs, -1)
+        spec = self.spec.action
+        if a.shape[1] != spec.dim:
+            raise ValueError(f"an action of the action space {self.action_space} has "
+                             f"{spec.dim} numbers per env, got {a.shape[1]}")
+        if spec.kind == "box":
+            unscaled = np.clip(2 * (a - self._low) / (self._high - self._low) - 1, -1, 1)
+            return np.where(self._scaled, unscaled, a).astype(np.float32)
+        if spec.start:
+            a = a - np.asarray(spec.start, dtype=np.float32)
+        return a
+
     # -- the VectorEnv protocol -------------------------------------------------------------
 
     def reset(self, seed: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -404,6 +455,20 @@ class GymVectorEnv:
                 converted = {k: torch.where(done.reshape((-1,) + (1,) * (v.dim() - 1)),
                                             fresh[k], v) for k, v in converted.items()}
         out_info["success"] = torch.as_tensor(success)
+        # the recording info of lerobot mode (ChunkedEnv keeps RECORDED_INFO_KEYS); SameStep:
+        # a finished row's step info is Gymnasium's final_info
+        final_info = info.get("final_info", {}) if self.autoreset_mode == SAME_STEP else {}
+        for key in (key for key in RECORDED_INFO_KEYS if key != "success"):
+            value = _recorded_info(info, key, self.num_envs)
+            final = _recorded_info(final_info, key, self.num_envs, done.numpy())
+            if value is not None and final is not None:
+                value = np.where(done.numpy().reshape((-1,) + (1,) * (value.ndim - 1)), final,
+                                 value)
+            value = final if value is None else value
+            if value is not None and key == "intervene_action":
+                value = self.from_space(value)  # the env's executed action, as the policy's
+            if value is not None:
+                out_info[key] = torch.as_tensor(value)
         reward = torch.as_tensor(np.asarray(reward), dtype=torch.float32)
         return converted, reward, term, trunc, out_info
 

@@ -182,6 +182,19 @@ def env_spec(cfg: RunConfig) -> EnvSpec:
     return _SPECS[key]
 
 
+def check_recordable(cfg: RunConfig) -> None:
+    """A run that writes a LeRobot dataset (``cfg.dataset``) needs cameras of 1 or 3 channels,
+    what the writer stores: ``ValueError`` naming the image key before anything starts."""
+    if not cfg.dataset:
+        return
+    for key, shape in env_spec(cfg).images.items():
+        if shape[-1] not in (1, 3):
+            raise ValueError(f"image {key!r} of env {cfg.env!r} has {shape[-1]} channels "
+                             f"(per-env shape {list(shape)}): a LeRobot dataset holds images "
+                             "of 1 or 3 channels (uint8 [H, W, 3] or [H, W, 1]); drop or "
+                             "convert the camera (obs_map, a wrapper) or record without dataset")
+
+
 def _spaces(cfg: RunConfig) -> tuple[int, int]:
     spec = env_spec(cfg)
     return spec.state_dim, spec.action_dim
@@ -529,6 +542,7 @@ def _interrupt_on_sigterm() -> Any:
 def _run(cfg: RunConfig, on_step: Callable[[dict], None] | None,
          kill: Callable[[int, Any], None] | None, launcher: Any) -> dict:
     plan = cfg.plan(_spaces(cfg)[1])
+    check_recordable(cfg)
     writer = LeRobotDatasetWriter(cfg.dataset, fps=cfg.lerobot_fps, overwrite=cfg.overwrite) \
         if cfg.dataset else None
     launcher = launcher or _LocalLauncher(cfg.transport == "inproc")
@@ -762,5 +776,6 @@ def trained_policy(cfg: RunConfig, final_weights: dict) -> torch.nn.Module:
     return policy
 
 
-__all__ = ["EVALUATION_SEED_BASE", "RUNNERS", "RunConfig", "WorkerDied", "build_policy", "env_seed",
-           "env_spec", "episodes", "evaluate", "evaluation_seeds", "run", "trained_policy"]
+__all__ = ["EVALUATION_SEED_BASE", "RUNNERS", "RunConfig", "WorkerDied", "build_policy",
+           "check_recordable", "env_seed", "env_spec", "episodes", "evaluate",
+           "evaluation_seeds", "run", "trained_policy"]

@@ -31,6 +31,9 @@ FINAL_OBS = "final_observation"  # info key: the observation finished envs ended
 FINAL_MASK = "_final_observation"  # info key: which rows of FINAL_OBS are set
 ACTION_KINDS = ("box", "discrete", "multi_discrete", "multi_binary")
 IMAGE_KEYS = ("main_images", "wrist_images", "extra_view_images")
+# the info keys a recorded step keeps (lerobot mode): success, expert intervention, recording
+RECORDED_INFO_KEYS = ("success", "success_once", "success_at_end", "intervene_action",
+                      "intervene_flag", "record_reset", "pre_record", "segment_advance")
 
 
 class ObservationError(ValueError):
@@ -131,5 +134,6 @@ def check_observation(obs: dict[str, Any], spec: EnvSpec, batch: int) -> None:
                                    f"{[batch, spec.state_dim]}, got {got}")
 
 
-__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "ActionSpec", "EnvSpec",
-           "ObservationError", "RewardError", "box_spec", "check_observation"]
+__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "RECORDED_INFO_KEYS",
+           "ActionSpec", "EnvSpec", "ObservationError", "RewardError", "box_spec",
+           "check_observation"]
