@@ -261,18 +261,18 @@ def test_unknown_hook_names_at_create_are_value_errors(make):
         make("badopts", collector="embodied_trajectory", options={})
 
 
-def test_create_of_a_running_channel_warns_about_differing_hooks(make_remote, caplog):
+def test_create_of_a_running_channel_warns_about_differing_hooks(make, caplog):
     # docs/channel.md: "the running broker's settings win; differing arguments are logged"
-    make_remote("running", maxsize=3, collector="flatten_batch", dispatcher="round_robin")
+    make("running", maxsize=3, collector="flatten_batch", dispatcher="round_robin")
     with caplog.at_level("WARNING", logger="zchannel.client"):
-        make_remote("running", maxsize=3, collector="FLATTEN_BATCH",
-                    dispatcher="zchannel.hooks.builtin:RoundRobinDispatcher")  # the same hooks
+        make("running", maxsize=3, collector="FLATTEN_BATCH",
+             dispatcher="zchannel.hooks.builtin:RoundRobinDispatcher")  # the same hooks
     # attaching is always logged; the same settings are not called differences
     assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == []
     assert any("attached to the broker" in r.getMessage() for r in caplog.records)
     with caplog.at_level("WARNING", logger="zchannel.client"):
-        second = make_remote("running", maxsize=5, collector="hookmods:Rekey",
-                             dispatcher="least_loaded")
+        second = make("running", maxsize=5, collector="hookmods:Rekey",
+                      dispatcher="least_loaded")
     text = caplog.text
     assert "maxsize=5 ignored" in text
     assert "collector=hookmods:Rekey ignored" in text

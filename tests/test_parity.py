@@ -4,6 +4,8 @@ and ``timeout``, and a closed handle's ``stats``."""
 
 from __future__ import annotations
 
+import gc
+import threading
 import warnings
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 import torch
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelError, ChannelNotFound
+from zchannel.broker.errors import QueueEmpty
 from zchannel.broker.wire.protocol import Full, Peek, QSize
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,3 +172,71 @@ def test_a_broker_channel_may_not_take_the_name_of_a_local_one(run_dir):
         local.shutdown()
     with pytest.raises(ChannelNotFound):
         Channel.connect("onename", timeout=1.0)
+
+
+def test_a_handle_dropped_unclosed_leaves_as_a_closed_one(make):
+    """A consumer's handle garbage collected without ``close()``: its lease comes back at once
+    and its consumer id leaves (its private items are dealt again), as when it is closed."""
+    if make.distributed:
+        pytest.skip("dealing is per replica there (test_distributed.py)")
+    ch = make("dropped", lease_timeout=60.0, dispatcher="round_robin", consumers=["actor:0"])
+    handle = Channel.connect(ch.name, identity="actor:1")
+    with pytest.raises(QueueEmpty):
+        handle.get_nowait(key="k")  # actor:1 joins
+    for i in range(4):  # dealt to actor:0, actor:1, actor:0, actor:1
+        ch.put(f"i{i}", key="k")
+    assert handle.get(key="k", ack=True, timeout=10).item == "i1"  # leased, not acknowledged
+    del handle
+    gc.collect()
+    wait_until(lambda: ch.stats()["consumers"] == ["actor:0"], timeout=30)
+    stats = ch.stats()
+    assert stats["leases"] == 0 and stats["keys"]["k"]["private"] == {"actor:0": 4}
+
+
+def test_a_blocking_call_in_a_callback_of_a_local_channel_is_refused_not_a_hang(make):
+    """A local channel completes requests in the calling thread, holding the channel: a
+    blocking call in a done-callback there would wait for itself (its deadline never comes),
+    so it is a ``RuntimeError``, as on the thread that reads a broker connection's replies."""
+    if not make.local:
+        pytest.skip("a broker channel's case: test_reentry.py")
+    ch = make("cbcall")
+    seen: dict = {}
+    pending = ch.get(key="k", async_op=True, timeout=60)
+    pending.add_done_callback(lambda _: seen.setdefault("error", _blocking_get(ch)))
+    ch.put(42, key="k")  # completes the get here, running the callback
+    assert pending.wait(30) == 42
+    assert isinstance(seen["error"], RuntimeError) and "would wait for itself" in str(
+        seen["error"])
+    ch.put(7, key="k2")
+    assert ch.get(key="k2", timeout=30) == 7 and ch.qsize("k") == 0  # the channel goes on
+
+
+def _blocking_get(ch: Channel) -> BaseException | None:
+    try:
+        ch.get(key="other", timeout=0.5)
+    except BaseException as exc:  # noqa: BLE001 - the test looks at it
+        return exc
+    return None
+
+
+def test_stats_name_the_lease_timeout(make):
+    ch = make("leasestat", lease_timeout=7.0)
+    assert ch.stats()["lease_timeout"] == 7.0
+
+
+def test_close_lets_a_put_waiting_for_room_get_in(make):
+    """``close()`` waits (up to the heartbeat expiry) for this handle's puts: one waiting for
+    room gets in when a consumer makes room meanwhile."""
+    if make.distributed:
+        pytest.skip("the same handle code as a broker channel's")
+    ch = make("closeput", maxsize=1)
+    producer = Channel.connect(ch.name)
+    producer.put("first", key="k")
+    waiting = producer.put("second", key="k", async_op=True, timeout=60)
+    wait_until(lambda: ch.stats()["keys"]["k"].get("putters", 0) == 1, timeout=30)
+    closing = threading.Thread(target=producer.close)
+    closing.start()
+    assert ch.get(key="k", timeout=10) == "first"  # room: the waiting put gets in
+    closing.join(30)
+    assert not closing.is_alive() and waiting.wait(10) is None
+    assert ch.get(key="k", timeout=10) == "second"

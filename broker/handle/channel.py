@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 from zchannel.broker.cluster import clusterfile
+from zchannel.broker.core.hookpipeline import registered_name
 from zchannel.broker.errors import (
     BrokerStartError,
     BrokerUnavailable,
@@ -170,11 +171,26 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
 
 def _warn_differences(handle: BrokerChannel, config: dict[str, Any]) -> None:
     """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
-    info = handle._connection().broker_info
-    if info.maxsize is not None and info.maxsize != config["maxsize"]:
-        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
-                    config["name"], info.maxsize, config["maxsize"])
     hooks = {kind: hook_label(config[kind]) for kind in ("collector", "dispatcher")}
+    _log_differences(handle, config, handle._connection().broker_info.maxsize, hooks)
+
+
+def _local_hook_label(spec: Any) -> str | None:
+    """A hook given to a local ``create`` (a name, a class or an instance), named as the
+    channel's ``stats()`` names it."""
+    if spec is None or isinstance(spec, str):
+        return hook_label(spec)
+    cls = spec if isinstance(spec, type) else type(spec)
+    return registered_name(cls) or f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _log_differences(handle: BrokerChannel, config: dict[str, Any], maxsize: int | None,
+                     hooks: dict[str, str | None]) -> None:
+    """Log what of ``config`` (``create``'s arguments) the running channel of ``handle`` (its
+    ``maxsize``, its ``stats()``) ignores; ``hooks``: the given hooks' labels."""
+    if maxsize is not None and maxsize != config["maxsize"]:
+        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
+                    config["name"], maxsize, config["maxsize"])
     declared = list(expand_consumers(config.get("consumers")))
     producers = list(config.get("producers") or ())
     journal = config.get("journal")
@@ -275,11 +291,19 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
             metrics_port, journal, lease_timeout)
         if local:
-            return _as_channel(LocalChannel.create_local(
+            local_handle = LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
                 identity=identity, lease_timeout=lease_timeout,
-            ))
+            )
+            if not local_handle.created:  # attached: what it ignores is logged, as a broker's
+                _log_differences(
+                    local_handle, {"name": name, "maxsize": maxsize, "consumers": declared,
+                                   "producers": producers, "lease_timeout": lease_timeout},
+                    local_handle._broker.core.queues.maxsize,
+                    {"collector": _local_hook_label(collector),
+                     "dispatcher": _local_hook_label(dispatcher)})
+            return _as_channel(local_handle)
         if LocalChannel.lookup(name) is not None:  # connect(name) here would find that one
             raise ValueError(f"this process has a local channel named {name!r}: one name is one "
                              "channel (Channel.create(..., local=True) or Channel.connect "
@@ -297,8 +321,11 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         if distributed:  # replicas from a cluster file (distributed.py)
             path = clusterfile.find_file(config.get("options"))
             if path:
-                return _as_channel(create_from_cluster(config, path, identity=identity,
-                                                       curve_keys=curve_keys))
+                spread = create_from_cluster(config, path, identity=identity,
+                                             curve_keys=curve_keys)
+                if not spread.created:  # attached: this node's replica says what it ignores
+                    _warn_differences(spread._sub(spread._home), config)
+                return _as_channel(spread)
             log.info("distributed=True without Ray or a cluster file: one local replica")
         if node_rank is not None:
             log.info("node_rank=%s ignored: the channel is not placed by Ray", node_rank)

@@ -14,6 +14,8 @@ import functools
 import itertools
 import threading
 import time
+import weakref
+from collections import deque
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -58,15 +60,21 @@ class _LocalBroker:
                  producers: list[str], consumers: list[str], options: dict[str, Any],
                  lease_timeout: float) -> None:
         self.name = name
+        self.lease_timeout = float(lease_timeout)  # in stats(), as a broker's
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
         # each request waiting for its answer: its Work, whether to copy, the handle it is of
         self.pending: dict[tuple[int, int], tuple[Work, bool, LocalChannel]] = {}
+        self.puts: set[tuple[int, int]] = set()  # the pending requests that are puts
+        self.closing = 0  # handles in ``leave`` waiting for their puts
         # the client of each identity of this process's handles, and how many hold it: as the
         # handles of one process share their connection to a broker (leases belong to it)
         self.clients: dict[str | None, tuple[Client, int]] = {}
         self.ids = itertools.count(1)
         self.closed = False
+        # clients whose handle was garbage collected unclosed (its finalizer: any thread, any
+        # moment), released by the timer thread as a broker drops a collected connection's
+        self.collected: deque[Client] = deque()
         self.core = QueueCore(
             name=name, maxsize=maxsize,
             collector=resolve_collector(collector), dispatcher=resolve_dispatcher(dispatcher),
@@ -82,6 +90,8 @@ class _LocalBroker:
     def _run_timers(self) -> None:
         with self.cv:
             while not self.closed:
+                while self.collected:
+                    self._release(self.collected.popleft())
                 deadline = self.core.next_deadline()
                 now = time.monotonic()
                 if deadline is not None and deadline <= now:
@@ -95,6 +105,9 @@ class _LocalBroker:
         entry = self.pending.pop((id(client), rid), None)
         if entry is None:
             return
+        self.puts.discard((id(client), rid))
+        if self.closing:
+            self.cv.notify_all()  # a closing handle may wait for this put
         work, copy, _handle = entry
         if error is not None:
             work.set_exception(error)
@@ -109,6 +122,12 @@ class _LocalBroker:
         else:
             work.set_result(result)
 
+    def reads_here(self) -> bool:
+        """Whether this thread is completing requests of this channel (it holds its lock: a
+        done-callback or ``then()`` runs there), where a blocking call would wait for itself -
+        the question a broker connection's ``Line`` answers for ``Work``."""
+        return bool(self.lock._is_owned())  # type: ignore[attr-defined]
+
     def attach(self, handle: LocalChannel) -> Client:
         """The client of ``handle`` (made at its first request): the one of the other open
         handles of its identity, else a new one."""
@@ -119,6 +138,9 @@ class _LocalBroker:
                 client = Client(address=self, identity=identity) if entry is None else entry[0]
                 self.clients[identity] = (client, 1 if entry is None else entry[1] + 1)
                 handle._client = client
+                # dropped unclosed, the handle leaves as a collected broker connection does
+                handle._finalizer = weakref.finalize(handle, self.collected_handle, client)
+                handle._finalizer.atexit = False
             return handle._client
 
     def submit(self, handle: LocalChannel, client: Client, rec: Request, item: Any,
@@ -128,10 +150,12 @@ class _LocalBroker:
                 raise BrokerUnavailable(f"local channel {self.name!r} was shut down")
             rid = next(self.ids)
             work = Work(functools.partial(_cancel_of, self, client, rid))
+            work._line = self  # a wait in a callback of this channel is refused (reads_here)
             self.pending[(id(client), rid)] = (work, bool(copy), handle)
             core = self.core
             try:
                 if isinstance(rec, Put):
+                    self.puts.add((id(client), rid))
                     core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
                              check_timeout(rec.timeout), rec.nowait)
                 elif isinstance(rec, Get):
@@ -145,7 +169,8 @@ class _LocalBroker:
                 elif isinstance(rec, Full):
                     self._reply(client, rid, result=core.full(rec.key, rec.consumer))
                 elif isinstance(rec, Stats):
-                    self._reply(client, rid, result=dict(core.stats(), address=None))
+                    self._reply(client, rid, result=dict(
+                        core.stats(), address=None, lease_timeout=self.lease_timeout))
                 elif isinstance(rec, Ack):
                     core.ack(client, rid, rec.lease)
                 elif isinstance(rec, Peek):  # (copy, weight) pairs: the items stay where they are
@@ -169,24 +194,57 @@ class _LocalBroker:
             self.core.cancel(client, cancel_rid, rid)
             if answer.result():
                 self.pending.pop((id(client), rid), None)
+                self.puts.discard((id(client), rid))
                 entry[0].set_exception(CancelledError("the operation was withdrawn"))
                 return True
             return False
 
     def leave(self, handle: LocalChannel, client: Client) -> None:
-        """``handle`` closed: its waiting requests are withdrawn and fail; its client leaves
-        (its leases return to their queues) with the last handle that held it."""
+        """``handle`` closed: its puts waiting for room get ``CLOSE_WAIT_S`` to get in (as a
+        broker handle waits for its puts' acknowledgements), then its waiting requests are
+        withdrawn and fail; its client leaves (its leases return to their queues) with the last
+        handle that held it."""
         with self.cv:
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            self.closing += 1
+            try:
+                while not self.closed and any(
+                        entry[2] is handle for key, entry in self.pending.items()
+                        if key in self.puts):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self.cv.wait(remaining)
+            finally:
+                self.closing -= 1
             for key in [k for k, entry in self.pending.items() if entry[2] is handle]:
+                self.puts.discard(key)
                 work = self.pending.pop(key)[0]
                 self.core.cancel(client, next(self.ids), key[1])  # its answer goes nowhere
                 work.set_exception(ChannelError("this channel handle is closed"))
-            holders = self.clients[client.identity][1]  # (attach made the entry)
-            if holders > 1:
-                self.clients[client.identity] = (client, holders - 1)
-                return
-            del self.clients[client.identity]
-            self.core.client_gone(client)
+            self._release(client)
+
+    def _release(self, client: Client) -> None:
+        """With the lock taken: one handle of ``client`` less; with its last one the client
+        leaves (its leases return to their queues, its consumer id leaves)."""
+        entry = self.clients.get(client.identity)
+        if entry is None or entry[0] is not client:
+            return
+        if entry[1] > 1:
+            self.clients[client.identity] = (client, entry[1] - 1)
+            return
+        del self.clients[client.identity]
+        self.core.client_gone(client)
+
+    def collected_handle(self, client: Client) -> None:
+        """A handle of ``client`` was garbage collected without ``close()`` (any thread, maybe
+        inside an operation of this channel): the timer thread releases it."""
+        self.collected.append(client)
+        if self.lock.acquire(blocking=False):  # else the holder's wait or return wakes it
+            try:
+                self.cv.notify_all()
+            finally:
+                self.lock.release()
 
     def new_handle(self, identity: str | None) -> LocalChannel:
         """Another handle to this channel (what ``Channel.connect(name)`` returns)."""
@@ -196,12 +254,22 @@ class _LocalBroker:
         with self.cv:
             self.closed = True
             pending, self.pending = self.pending, {}
+            self.puts.clear()
             for work, _copy_it, _handle in pending.values():
                 work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
         with _registry_lock:
             if _registry.get(self.name) is self:
                 del _registry[self.name]
+
+
+# how long a closing handle's puts waiting for room may take to get in: a broker handle's
+# wait for its puts' acknowledgements, at the default heartbeat expiry
+CLOSE_WAIT_S = 3.0
+
+SELF_CALL = ("a blocking channel call in a done-callback or then() of a local channel runs while "
+             "this thread completes its requests and would wait for itself: make it with "
+             "async_op=True, or from another thread")
 
 
 def _cancel_of(broker: _LocalBroker, client: Client, rid: int, _work: Work) -> bool:
@@ -230,6 +298,7 @@ class LocalChannel(BrokerChannel):
         self._owner = owner
         self.created = owner
         self._client: Client | None = None  # attached at its first request
+        self._finalizer: weakref.finalize[Any, Any] | None = None  # its leaving if collected unclosed
 
     @classmethod
     def create_local(cls, name: str, maxsize: int, *, identity: str | None, **kwargs: Any) -> LocalChannel:
@@ -252,6 +321,8 @@ class LocalChannel(BrokerChannel):
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
+        if wait and self._broker.reads_here():  # in a done-callback, as on a broker channel
+            raise RuntimeError(SELF_CALL)
         client = self._client or self._broker.attach(self)
         if has_item:  # no serialization, but what a broker would deliver, or its TypeError
             item = wire_form(item)
@@ -275,6 +346,8 @@ class LocalChannel(BrokerChannel):
         if self._closed:
             return
         self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._client is not None:
             self._broker.leave(self, self._client)
 
