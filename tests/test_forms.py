@@ -310,7 +310,7 @@ def test_float_weights_and_targets(make):
     for bad in (0, 0.0, -1.5, float("nan"), float("inf"), False):
         with pytest.raises(ValueError, match="target_weight must be an int or a finite float"):
             ch.get_batch(bad, timeout=1)
-    with pytest.raises(ValueError, match=r"target_weight .* in \[0, 2\*\*53\]"):
+    with pytest.raises(ValueError, match=r"target_weight .* in \(0, 2\*\*53\]"):
         ch.get_batch(1e300, timeout=1)  # finite, but beyond the range of a weight
     with pytest.raises(ValueError, match="never empty"):
         ch.get_batch(0)

@@ -240,3 +240,18 @@ def test_close_lets_a_put_waiting_for_room_get_in(make):
     closing.join(30)
     assert not closing.is_alive() and waiting.wait(10) is None
     assert ch.get(key="k", timeout=10) == "second"
+
+
+def test_copy_and_target_weight_are_checked_the_same_everywhere(make):
+    ch = make("argchecks")
+    ch.put(1, key="k")
+    for call in (lambda: ch.get(key="k", timeout=5, copy="yes"),
+                 lambda: ch.get_nowait(key="k", copy=1),
+                 lambda: ch.get_batch(1, key="k", timeout=5, copy="no")):
+        with pytest.raises(TypeError, match="copy must be None, True or False"):
+            call()
+    for target in (-1, 0, float("nan")):
+        with pytest.raises(ValueError, match=r"target_weight must be an int or a finite float "
+                                             r"(in \(0, 2\*\*53\]|> 0)"):
+            ch.get_batch(target, key="k", timeout=5)
+    assert ch.get(key="k", timeout=5, copy=True) == 1  # nothing was taken meanwhile

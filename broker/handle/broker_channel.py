@@ -32,6 +32,7 @@ from zchannel.broker.shm.client import client_undo as shm_undo
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_consumer,
+    check_copy,
     check_key,
     check_peek_count,
     check_target_weight,
@@ -183,14 +184,16 @@ class BrokerChannel(ChannelHandle):
         then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
         rec = Get(id=0, key=check_key(key),
                   timeout=None if timeout is None else check_timeout(timeout), ack=bool(ack))
-        work = self._submit(rec, copy=copy, wait=not async_op)
+        work = self._submit(rec, copy=copy if copy is None else check_copy(copy),
+                            wait=not async_op)
         return work if async_op else _wait_or_withdraw(work)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
         both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
         rec = Get(id=0, key=check_key(key), nowait=True, ack=bool(ack))
-        return self._submit(rec, copy=copy, wait=True).wait()
+        return self._submit(rec, copy=copy if copy is None else check_copy(copy),
+                            wait=True).wait()
 
     @overload
     def get_batch(self, target_weight: int | float, key: Any = ...,
@@ -217,7 +220,8 @@ class BrokerChannel(ChannelHandle):
         relative 1e-9 of the target count as reaching it (0.1 + 0.2 meets 0.3)."""
         rec = GetBatch(id=0, key=check_key(key), target=check_target_weight(target_weight),
                        timeout=check_timeout(timeout))
-        work = self._submit(rec, copy=copy, wait=not async_op)
+        work = self._submit(rec, copy=copy if copy is None else check_copy(copy),
+                            wait=not async_op)
         return work if async_op else _wait_or_withdraw(work)
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:

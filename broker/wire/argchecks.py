@@ -123,13 +123,24 @@ def check_weight(weight: Any, what: str = "weight") -> int | float:
 
 def check_target_weight(target: Any) -> int | float:
     """``get_batch``'s target: an int or finite float in ``(0, 2**53]``."""
-    value = check_weight(target, "target_weight")  # the range of a weight, or ValueError
+    try:
+        value = check_weight(target, "target_weight")  # the range of a weight
+    except ValueError:
+        raise ValueError(f"target_weight must be an int or a finite float in (0, 2**53] (not a "
+                         f"bool, NaN, infinite, zero or negative), got {target!r}") from None
     if value <= 0:
         raise ValueError(
             f"target_weight must be an int or a finite float > 0, got {target!r}: zchannel "
             "has no default target, because RLinf's default of 0 returns an empty batch and a "
             "zchannel batch is never empty")
     return value
+
+
+def check_copy(copy: Any) -> bool | None:
+    """A get's ``copy``: None (the default form), True or False, else ``TypeError``."""
+    if copy is None or copy is True or copy is False:
+        return copy
+    raise TypeError(f"copy must be None, True or False, got {copy!r}")
 
 
 def check_timeout(timeout: Any) -> float | None:
