@@ -76,7 +76,7 @@ def _items(weights):
     [1] * 10, [2, 2, 2], [1, 0, 1, 0, 0, 3, 1], [3, 0, 0, 1], [7], [1, 1, 0.5, 0.5, 1],
     [0, 0, 1, 1, 1, 1, 1], [4, 1], [1, 2, 1, 1],
 ])
-@pytest.mark.parametrize("target", [1, 3, 4, 5])
+@pytest.mark.parametrize("target", [1, 3, 4, 5, 1.5, 4.0])
 def test_the_remembered_count_agrees_with_a_count_from_the_head(weights, target):
     """Items appended one at a time (and the head taken or an item put back at the head in
     between): the remembered count takes what a count from the head takes, every time."""
@@ -104,3 +104,32 @@ def test_a_queue_changed_behind_the_same_head_is_counted_again():
     queue.popleft()
     ks.put_back(queue, [head, heavy])  # the queue is head, heavy now: 4
     assert _batch_take_resumed(req, ks, queue) == batch_take(queue, 4, False) == 2
+
+
+class _WalkCounting(deque):
+    """A deque that counts the walks from its head (``iter``): a scan resumed from the head."""
+
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("target", [1, 1.0])
+def test_each_append_costs_the_items_appended_not_the_queue(target):
+    """A get_batch waiting on a key whose items weigh 0 never completes: each put re-counted
+    the whole queue (a deque's ``islice`` walks from the head; a float target or weight was
+    counted from the head every time), so 60,000 weight-0 puts behind one parked
+    ``get_batch(1)`` took 5 s of the broker's loop, and 20,000 behind ``get_batch(1.0)`` 6 s,
+    growing with the square of the queue.  The count resumes from the tail: the queue is
+    walked from its head once, not once per put."""
+    queue = _WalkCounting()
+    ks = KeyState("k", shared=queue)
+    req = Parked(Client("c"), 1, "batch", "k", None, target=target)
+    for item in _items([0] * 2_000):
+        queue.append(item)
+        assert _batch_take_resumed(req, ks, queue) == 0
+    assert queue.walks <= 1
+    queue.append(Item([b"x"], 1, 100))
+    assert _batch_take_resumed(req, ks, queue) == batch_take(queue, target, False) == 2_001

@@ -9,14 +9,17 @@ import signal
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
 from conftest import wait_until
 from zchannel.broker import Channel
-from zchannel.broker.server.outbox import MAX_REPLY_BYTES, Outbox
+from zchannel.broker.server.handlers import PEEKED_PER_TURN
+from zchannel.broker.server.outbox import MAX_REPLY_BYTES, MAX_REPLY_FRAMES, Outbox
 from zchannel.broker.transport.direct_broker import MAX_QUEUED_MESSAGES
+from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, Reply, pack_header
 
 pytestmark = pytest.mark.timeout(90)
@@ -226,3 +229,92 @@ def test_message_limits_below_what_a_client_coalesces_are_refused(run_dir, tmp_p
                           "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "ready" not in out.stdout
     assert f"{line.split()[0]} must be" in out.stderr, out.stderr
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
+    """``stats`` costs O(keys) to make and holds its own reply: one message of 1000 ``stats``
+    records on a broker of 5000 keys made 1000 bodies in one turn (tens of seconds during which
+    nobody else was served, and a gigabyte held at 20000 keys).  The broker makes a few per turn
+    (``FRESH_STATS_PER_TURN``) and the later ones of the turn share the last: every record is
+    answered with a whole stats dict, for about the broker CPU of ten records (measured as a
+    ratio of the broker's own CPU time, not a wall-clock figure)."""
+    ch = Channel.create("statsflood")
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+
+    def replies(n: int, timeout: float) -> list:
+        got: list = []
+        while len(got) < n and sock.poll(int(timeout * 1000)):
+            header, *frames = sock.recv_multipart()
+            recs = [r for r in msgpack.unpackb(header, raw=False) if "id" in r]
+            got += [(r, frames) for r in recs]
+        return got
+
+    def stats_burst(n: int, first_id: int) -> tuple[list, int]:
+        before = _cpu_ticks(pid)
+        sock.send_multipart([pack_header([{"op": "stats", "id": first_id + i}
+                                          for i in range(n)])])
+        got = replies(n, 300)
+        return got, _cpu_ticks(pid) - before
+
+    try:
+        sock.send_multipart([pack_header([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+        assert len(replies(1, 30)) == 1
+        keys = 5000
+        for part in range(0, keys, 2500):  # at most 4096 records per header
+            sock.send_multipart([pack_header([{"op": "put", "id": 1 + i, "k": f"k{i}", "b": b"x",
+                                               "nw": True} for i in range(part, part + 2500)])])
+        assert len(replies(keys, 60)) == keys
+        few = min(stats_burst(10, 10_000)[1] for _ in range(3))
+        got, many = stats_burst(1000, 20_000)
+        assert len(got) == 1000 and all("e" not in r for r, _ in got)
+        for _, frames in got[:: 100]:
+            assert len(codec.decode(frames[0], [])["keys"]) == keys
+        assert many <= 10 * max(few, 5), f"1000 stats records: {many} ticks, 10: {few}"
+        assert ch.qsize("k0") == 1
+    finally:
+        sock.close()
+
+
+def test_a_message_of_many_peeks_is_bounded_per_turn(channels):
+    """Each ``peek n=1024`` record copies 1024 items into its reply: one message of thousands
+    made millions of reply frames in one turn (seconds of a stalled loop, gigabytes held for a
+    client that does not read).  A turn copies at most ``PEEKED_PER_TURN`` items (later peeks
+    are refused, naming why), and reply messages are cut at ``MAX_REPLY_FRAMES`` frames."""
+    ch = Channel.create("peekflood")
+    channels.append(ch)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+    got: list = []
+    largest = 0
+    try:
+        sock.send_multipart([pack_header([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+        assert sock.poll(30_000)
+        sock.recv_multipart()
+        sock.send_multipart([pack_header([{"op": "put", "id": 1 + i, "k": "p", "b": b"x",
+                                           "nw": True} for i in range(1024)])])
+        peeks = 100
+        sock.send_multipart([pack_header([{"op": "peek", "id": 10_000 + i, "k": "p", "n": 1024}
+                                          for i in range(peeks)])])
+        while len([r for r in got if r["id"] >= 10_000]) < peeks and sock.poll(120_000):
+            header, *frames = sock.recv_multipart()
+            largest = max(largest, len(frames))
+            got += [r for r in msgpack.unpackb(header, raw=False) if "id" in r]
+        answered = [r for r in got if r["id"] >= 10_000]
+        assert len(answered) == peeks
+        refused = [r for r in answered if "e" in r]
+        assert len(answered) - len(refused) == PEEKED_PER_TURN // 1024
+        assert all("peeked in this turn" in str(r["e"]) for r in refused)
+        assert largest <= MAX_REPLY_FRAMES + 1024
+        assert ch.qsize("p") == 1024  # peeks take nothing
+    finally:
+        sock.close()

@@ -79,8 +79,9 @@ class Parked:
     on_end: Callable[[bool], None] | None = None  # a put's: called with True once stored
     cost: int = 0  # bytes it counts against max_bytes while it waits (Waiters)
     # a waiting get_batch's scan so far (``waiters.batch_take``): the queue, its ``requeued``
-    # count, its head item, how many head items were counted and their total weight
-    scan: tuple[deque[Item], int, Item, int, int] | None = None
+    # count, its head item, how many head items were counted, their total weight and whether
+    # the float rules apply (a float target or weight)
+    scan: tuple[deque[Item], int, Item, int, int | float, bool] | None = None
 
 
 @dataclass(eq=False)

@@ -482,17 +482,36 @@ def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
         n, _ = _int_batch_take(queue, target)
         if n is not None:
             return n or (len(queue) if final else 0)
-    total: int | float = 0
-    for n, item in enumerate(queue):
+    n, _ = _float_batch_take(queue, target)
+    return n or (len(queue) if final else 0)
+
+
+def _tail(queue: deque[Item], start: int) -> Iterable[Item]:
+    """The items of ``queue`` from index ``start`` on, in order, at a cost of their number (a
+    deque's ``islice`` walks from the head: resuming a scan there made every put to a key with
+    a waiting get_batch cost the whole queue)."""
+    if not start:
+        return queue
+    tail = list(itertools.islice(reversed(queue), len(queue) - start))
+    tail.reverse()
+    return tail
+
+
+def _float_batch_take(queue: deque[Item], target: int | float, start: int = 0,
+                      total: int | float = 0) -> tuple[int, int | float]:
+    """``batch_take`` with the float rules, counting on from head item ``start`` whose
+    predecessors weigh ``total``: (the count, 0 while the queue does not reach ``target``;
+    the total weight counted)."""
+    for n, item in enumerate(_tail(queue, start), start):
         if exceeds(total + item.weight, target):
-            return n or 1
+            return n or 1, total
         total += item.weight
         if reaches(total, target):
             n += 1
             while n < len(queue) and queue[n].weight == 0:
                 n += 1
-            return n
-    return len(queue) if final else 0
+            return n, total
+    return 0, total
 
 
 def _int_batch_take(queue: deque[Item], target: int, start: int = 0,
@@ -501,7 +520,7 @@ def _int_batch_take(queue: deque[Item], target: int, start: int = 0,
     on from head item ``start`` whose predecessors weigh ``total``: (the count, 0 while the
     queue does not reach ``target``; the total weight counted), or (None, 0) at the first
     weight that is not an int (the caller then scans with the float rules)."""
-    for n, item in enumerate(itertools.islice(queue, start, None) if start else queue, start):
+    for n, item in enumerate(_tail(queue, start), start):
         weight = item.weight
         if type(weight) is not int:
             return None, 0
@@ -521,19 +540,24 @@ def _batch_take_resumed(req: Parked, ks: KeyState, queue: deque[Item]) -> int:
     it counted (``req.scan``) while the queue falls short: the next call counts only the items
     appended since.  The scan holds while the queue's head item and ``ks.requeued`` are
     unchanged (then items were only appended); else it counts from the head again."""
+    if not queue:
+        return 0
     target = req.target
-    if type(target) is not int or not queue:
-        return batch_take(queue, target, False)
     head = queue[0]
-    start = total = 0
+    start: int = 0
+    total: int | float = 0
+    floats = type(target) is not int
     scan = req.scan
     if scan is not None and scan[0] is queue and scan[1] == ks.requeued and scan[2] is head:
-        start, total = scan[3], scan[4]
-    n, total = _int_batch_take(queue, target, start, total)
-    if n is None:  # a weight that is not an int: the float rules, from the head
-        req.scan = None
-        return batch_take(queue, target, False)
-    req.scan = (queue, ks.requeued, head, len(queue), total) if n == 0 else None
+        start, total, floats = scan[3], scan[4], scan[5]
+    n: int | None = None
+    if not floats and type(target) is int:
+        n, total = _int_batch_take(queue, target, start, int(total))
+        if n is None:  # a weight that is not an int: the float rules, from the head
+            floats, start, total = True, 0, 0
+    if n is None:
+        n, total = _float_batch_take(queue, target, start, total)
+    req.scan = (queue, ks.requeued, head, len(queue), total, floats) if n == 0 else None
     return n
 
 

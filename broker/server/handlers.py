@@ -219,13 +219,51 @@ def full(broker: Broker, client: Client, rec: Full, frames: list) -> None:
     broker.sessions.reply(client, rec.id, result=result)
 
 
+# ``stats`` bodies computed afresh per turn of the loop at most; later ``stats`` records of the
+# turn share the last body made (a snapshot of this turn): each costs O(keys) to make and holds
+# its own reply, so one message of 4096 ``stats`` records stalled the broker for minutes and
+# held gigabytes of replies
+FRESH_STATS_PER_TURN = 4
+# items ``peek`` records may copy in one turn: past it a ``peek`` is refused (``ValueError``:
+# peek again), so one message of thousands of ``peek n=1024`` records cannot stall the loop
+PEEKED_PER_TURN = 65536
+
+
+class TurnCosts:
+    """What the records of the current turn cost beyond one record each (``Broker`` starts
+    anew each turn): the ``stats`` bodies made, and the items ``peek`` records copied (each
+    counts against the turn's record budget, ``RECORDS_PER_TURN``: a message of 4096
+    ``peek n=1024`` records made 4 million reply frames in one turn)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.bodies: dict[int, bytes] = {}  # by the ``clients`` figure they report
+        self.peeked = 0
+
+    def new_turn(self) -> None:
+        self.peeked = 0
+        if self.made:
+            self.made = 0
+            self.bodies.clear()
+
+
 def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
-    stats = broker.core.stats()
     # an observer (zchannel stat) does not count itself
     table = broker.sessions.clients
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
+    snapshots = broker.turn_costs
+    body = snapshots.bodies.get(clients) if snapshots.made >= FRESH_STATS_PER_TURN else None
+    if body is None:
+        body = _stats_body(broker, clients)
+        snapshots.made += 1
+        snapshots.bodies[clients] = body
+    broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
+
+
+def _stats_body(broker: Broker, clients: int) -> bytes:
+    stats = broker.core.stats()
     guard = broker.endpoint.guard  # the connection budget (server/admission.py)
     if guard is not None:  # bound
         stats.update(connections=guard.connections, max_clients=guard.max_clients,
@@ -238,7 +276,7 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     if broker.replica is not None:
         broker.replica.annotate(stats)
     body, _ = codec.encode(stats)
-    broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
+    return body
 
 
 def ack(broker: Broker, client: Client, rec: Ack, frames: list) -> None:
@@ -247,8 +285,13 @@ def ack(broker: Broker, client: Client, rec: Ack, frames: list) -> None:
 
 def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
     """Copies of head items: sent like a batch, never tracked as delivered."""
+    costs = broker.turn_costs
+    if costs.peeked >= PEEKED_PER_TURN:
+        raise ValueError(f"more than {PEEKED_PER_TURN} items were peeked in this turn of the "
+                         "broker's loop (one message of many peek records): peek again")
     items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
                              check_consumer(rec.consumer))
+    costs.peeked += len(items)
     broker.sessions.reply(client, rec.id, items=items, batch=True, raw=True,
                  weights=[item.weight for item in items])
 

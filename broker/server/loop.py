@@ -37,7 +37,7 @@ from zchannel.broker.server.admission import PeerGuard, client_budget, raise_fd_
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.durable import open_journal
 from zchannel.broker.server.endpoint import Endpoint
-from zchannel.broker.server.handlers import HANDLERS, handlers_for, hello
+from zchannel.broker.server.handlers import HANDLERS, TurnCosts, handlers_for, hello
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.sessions import Sessions
 from zchannel.broker.server.stopping import StopSources
@@ -179,6 +179,7 @@ class Broker:
     def _setup(self, config: BrokerConfig, shm: ShmBroker) -> None:
         self.shm = shm
         self.counters = metrics.Counters()
+        self.turn_costs = TurnCosts()  # of this turn's stats and peeks (server/handlers.py)
         self.sessions = Sessions(config, self.shm, self.counters, self.replica)
         self.core = QueueCore(
             name=config.name,
@@ -355,7 +356,7 @@ class Broker:
                 records += self._handle(frames)
             except Exception:  # a broker never crashes because of one client
                 log.exception("unexpected error handling a message")
-            if records >= RECORDS_PER_TURN:
+            if records + self.turn_costs.peeked >= RECORDS_PER_TURN:
                 return
 
     def _handle(self, frames: list[zmq.Frame]) -> int:
@@ -520,6 +521,7 @@ def _turn_timers(broker: Broker, polled: float, woke: float, timeout_ms: int, ne
     if away > hb:
         broker.sessions.was_stalled(away)
     broker.core.tick(now)
+    broker.turn_costs.new_turn()
     if broker.journal is not None:
         broker.journal.tick(now)
     if now >= next_hb:

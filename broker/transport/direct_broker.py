@@ -32,6 +32,9 @@ ADDRESS_BYTES = len(ADDRESS_PREFIX) + 8
 # and has at most 1,024 requests outstanding (each answered in one message at most), so only
 # a client that stopped reading gets there.
 MAX_QUEUED_MESSAGES = 2048
+# Buffers (frames, headers) queued for one client at most, likewise: messages of many small
+# frames hold far more memory than their count says.
+MAX_QUEUED_BUFFERS = 1 << 20
 
 
 def is_link_address(routing_id: bytes) -> bool:
@@ -59,9 +62,11 @@ class Peer:
 
     def send(self, parts: list) -> bool:
         """Queue one message and write what the socket takes now; False if the peer is gone,
-        or if ``MAX_QUEUED_MESSAGES`` messages already wait for it (it stopped reading)."""
+        or if ``MAX_QUEUED_MESSAGES`` messages (``MAX_QUEUED_BUFFERS`` buffers) already wait
+        for it (it stopped reading)."""
         bufs, total = iovec(parts)
-        if self.out and len(self.ends) >= MAX_QUEUED_MESSAGES:
+        out = self.out
+        if out and (len(self.ends) >= MAX_QUEUED_MESSAGES or len(out) >= MAX_QUEUED_BUFFERS):
             return False
         self.queued += total
         if self.out:
