@@ -8,16 +8,20 @@ import json
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from cluster_util import Replicas, free_tcp_ports, write_cluster
+from cluster_util import Replicas, free_tcp_ports, until_available, write_cluster
 from conftest import exited, wait_until
-from zchannel.broker import BrokerUnavailable, Channel, HookError, shm
+from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound, HookError, shm
+from zchannel.broker.cluster import clusterfile
+from zchannel.broker.errors import ChannelError
 from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.host import paths
 from zchannel.broker.wire.protocol import Bind, Learn
 
 pytestmark = pytest.mark.timeout(90)
@@ -58,8 +62,6 @@ def _handle(monkeypatch, path, node, **kw) -> DistributedChannel:
 
 
 def _address(path: str, index: int) -> str:
-    from zchannel.broker.cluster import clusterfile
-
     return clusterfile.load(path).replicas[index].address
 
 
@@ -336,10 +338,6 @@ def test_broker_stop_stops_one_replica_by_its_name(tcp_cluster, monkeypatch):
 
 
 def test_cluster_file_and_node_detection(run_dir, monkeypatch):
-    import socket
-
-    from zchannel.broker.cluster import clusterfile
-
     example = clusterfile.load(os.path.join(os.path.dirname(__file__), "..", "configs",
                                         "cluster_example.toml"))
     assert [r.node for r in example.replicas] == ["host-a", "host-b", "host-c"]
@@ -425,3 +423,77 @@ def test_binding_table_rejects_bad_input(tcp_cluster, monkeypatch):
     assert [r["binding"] for r in stats["replicas"]] == ["binder", "ready", "ready"]  # unchanged
     assert sub.qsize("kept") == 0 and ch.get("kept", timeout=5) == 1
     ch.close()
+
+
+def test_a_mismatched_cluster_file_is_named_at_connect(tcp_cluster, monkeypatch, tmp_path):
+    """A client whose cluster file lists the running replicas in another order is refused at
+    connect, naming its file (it used to connect and then fail every new key after 30 s with
+    ``BrokerUnavailable: no replica ... bound``, every replica being up)."""
+    path, _ = tcp_cluster
+    rows = clusterfile.load(path).replicas
+    swapped = write_cluster(str(tmp_path), tuple(r.node for r in rows[::-1]),
+                            [r.address for r in rows[::-1]], file_name="swapped.toml")
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", swapped)
+    monkeypatch.setenv("ZCHANNEL_NODE", "node-a")
+    with pytest.raises(ChannelError, match="swapped.toml does not match"):
+        Channel.connect("dist")
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", path)
+    ch = Channel.connect("dist")
+    try:
+        ch.put(1, key="mm")
+        assert ch.get(key="mm", timeout=5) == 1
+    finally:
+        ch.close()
+
+
+def test_connect_by_name_when_this_nodes_replica_is_down(tcp_cluster, monkeypatch):
+    """``$ZCHANNEL_CLUSTER`` + ``Channel.connect(NAME)`` on a node whose replica is down
+    connects through another replica, and a new key of that node binds to a live replica (it
+    used to fail with ``ChannelNotFound`` after the whole timeout, the channel being served)."""
+    path, reps = tcp_cluster
+    reps.kill(2)
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", path)
+    monkeypatch.setenv("ZCHANNEL_NODE", "node-c")
+    ch = Channel.connect("dist", timeout=5)
+    try:
+        assert isinstance(ch, DistributedChannel)
+        # a new key binds to a live replica once the binder stops counting replica 2 as alive
+        # (one heartbeat expiry after it was last heard from; before, it binds to replica 2)
+        assert wait_until(lambda: ch.stats()["replicas"][0]["live_replicas"] == [0, 1], 30)
+        ch.put(1, key="from-c", timeout=10)
+        assert ch.replica_of("from-c") in (0, 1) and ch.get(key="from-c", timeout=5) == 1
+    finally:
+        ch.close()
+    reps.kill(0)
+    reps.kill(1)
+    with pytest.raises(ChannelNotFound, match="no replica of channel 'dist'"):
+        Channel.connect("dist", timeout=3)
+
+
+def test_create_on_a_node_without_a_replica_names_the_cause(run_dir, monkeypatch):
+    """``create`` from a cluster file that lists no replica on this node, the other nodes'
+    replicas being down: a ``ChannelNotFound`` naming the file, this node and the file's nodes
+    within about 10 s (it used to wait 60 s and name only replica 0's address)."""
+    path = write_cluster(run_dir, ("node-A", "node-b"))
+    monkeypatch.setenv("ZCHANNEL_NODE", "node-a")
+    with pytest.raises(ChannelNotFound, match=r"lists no replica on this node 'node-a'.*'node-A'"):
+        Channel.create("nolocal", distributed=True, options={"cluster": path})
+    assert not [f for f in os.listdir(run_dir) if f.startswith("nolocal")]
+
+
+def test_connect_by_name_when_the_addr_files_replica_is_gone(tcp_cluster, monkeypatch):
+    """Three replicas on this host share ``dist.addr`` (the last writer's address): when that
+    replica is killed, ``Channel.connect("dist")`` (no cluster file) connects through another
+    replica of this host (it used to fail with ``ChannelNotFound: connection refused``)."""
+    path, reps = tcp_cluster
+    monkeypatch.delenv("ZCHANNEL_CLUSTER", raising=False)
+    monkeypatch.setenv("ZCHANNEL_NODE", "node-a")
+    writer = [_address(path, i) for i in range(3)].index(paths.read_address("dist"))
+    reps.kill(writer)
+    ch = Channel.connect("dist", timeout=5)
+    try:
+        assert isinstance(ch, DistributedChannel)
+        until_available(ch, lambda: ch.put(1, key="via-other", timeout=10))
+        assert ch.get(key="via-other", timeout=5) == 1
+    finally:
+        ch.close()

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zcha
 import torch  # noqa: E402
 from cluster_util import audit  # noqa: E402
 from conftest import exited, pid_alive, until_available, wait_until  # noqa: E402
-from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
+from zchannel.broker import Channel, ChannelError, ChannelNotFound  # noqa: E402
 from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -367,3 +367,23 @@ def _restarted_pid(actor, old_pid: int, timeout: float = 120) -> int:
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"the restarted broker actor still answers with the old broker {old_pid}")
+
+
+def test_connect_by_name_while_the_broker_actor_restarts(cluster):
+    """``Channel.connect(name)`` while Ray restarts replica 0's actor (the named one) raises
+    a zchannel error or connects, never a raw Ray exception (``ActorUnavailableError: The actor
+    was restarted`` used to escape from the table look-up)."""
+    ch = Channel.create("rayrc", distributed=True)
+    try:
+        ray.kill(ray.get_actor("zchannel:rayrc"), no_restart=False)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                Channel.connect("rayrc").close()
+            except ChannelError:
+                pass  # BrokerUnavailable / ChannelNotFound: the documented errors
+        other = Channel.connect("rayrc")
+        until_available(other._sub(0), lambda: other.put(1, key="after", timeout=5))
+        other.close()
+    finally:
+        ch.shutdown()

@@ -410,7 +410,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             local = LocalChannel.lookup(name)
             if local is not None:
                 return _as_channel(local.new_handle(identity))
-            address = paths.read_address(name)
+            address = _address_on_this_host(name)
             if address is None or _cluster_file_serves(name, address):
                 # a distributed channel: cluster file (also where a replica's .addr is on this
                 # host: the file holds each replica's server key), else Ray
@@ -431,6 +431,31 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         if handle._connection().broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
             return _as_channel(DistributedChannel.from_handle(handle))
         return handle
+
+
+def _address_on_this_host(name: str) -> str | None:
+    """The address in ``name``'s ``.addr`` file; when its writer stopped or died, the address
+    of another live replica of that (distributed) channel on this host, if any."""
+    address = paths.read_address(name)
+    if address is None or _gone(address):
+        return _replica_on_this_host(name) or address
+    return address
+
+
+def _gone(address: str) -> bool:
+    """Whether nothing can be listening at ``address`` (``paths.probe``)."""
+    try:
+        paths.probe(address)
+    except ChannelNotFound:
+        return True
+    return False
+
+
+def _replica_on_this_host(name: str) -> str | None:
+    """The address of a live replica of distributed channel ``name`` on this host (several
+    replicas on one host share one ``.addr`` file: the last one written, removed when that
+    replica stops); None if there is none."""
+    return next((a for a in paths.replica_addresses(name) if not _gone(a)), None)
 
 
 def _cluster_file_serves(name: str, address: str) -> bool:

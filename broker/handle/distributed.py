@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Literal, overload
 
 import numpy as np
 from msgspec import UnsetType
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection.work import Delivery, Work
-from zchannel.broker.errors import BrokerUnavailable, ChannelError
+from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.routing import KeyRouting
@@ -45,6 +46,8 @@ _SUM_FIELDS = ("bytes_held", "leases", "clients", "puts", "gets", "delivered")
 # per-replica stats that go to stats()["replicas"][i] only
 _REPLICA_FIELDS = ("bound_keys", "binding", "live_replicas", "keys_given", "moves_asked")
 STATS_CONNECT_S = 3.0
+NO_LOCAL_REPLICA_WAIT_S = 10.0  # create() on a node without a replica: wait for the others
+CONNECT_SLICE_S = 1.0  # connect(): how long to wait for one replica before trying the next
 
 
 class DistributedChannel(BrokerChannel):
@@ -67,6 +70,7 @@ class DistributedChannel(BrokerChannel):
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
         self._via: int | None = None  # the replica this handle was connected through, if any
+        self._reached = self._home  # the replica _connect_home reached
 
     @classmethod
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
@@ -93,13 +97,45 @@ class DistributedChannel(BrokerChannel):
         return self._node
 
     def _connect_home(self, timeout: float) -> DistributedChannel:
-        """Connect to this node's replica now (``ChannelNotFound`` if it does not answer in
-        ``timeout``; the handle is closed then)."""
+        """Connect to this node's replica now, else (it is down) to any other replica: the
+        channel is served while one answers (new keys of this node bind to a live replica);
+        ``ChannelNotFound`` if none answers in ``timeout`` (the handle is closed then).
+        ``self._reached`` is the replica that answered."""
+        order = [self._home] + [i for i in range(len(self._replicas)) if i != self._home]
+        deadline = time.monotonic() + timeout
         try:
-            self._sub(self._home)._connection(timeout=timeout)
+            while True:
+                for i in order:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ChannelNotFound(
+                            f"no replica of channel {self._name!r} answered within {timeout}s "
+                            f"({', '.join(r.address for r in self._replicas)})")
+                    try:
+                        self._sub(i)._connection(timeout=min(left, CONNECT_SLICE_S))
+                    except ChannelNotFound:
+                        continue
+                    self._reached = i
+                    return self
         except BaseException:
             self.close()
             raise
+
+    def _check_table(self, source: str | None, index: int) -> DistributedChannel:
+        """``ChannelError`` naming ``source`` (a cluster file) when replica ``index`` serves
+        another replica table than this handle's (a mismatched file would otherwise send
+        binding requests to a replica that is not the binder); the handle is closed then."""
+        info = self._sub(index)._connection().broker_info
+        theirs = None if isinstance(info.replicas, UnsetType) else [
+            (r.node, r.address) for r in clusterfile.from_table(info.replicas)]
+        ours = [(r.node, r.address) for r in self._replicas]
+        if theirs != ours or info.replica != index:
+            self.close()
+            raise ChannelError(
+                f"{source} does not match the running channel {self._name!r}: it lists "
+                f"{ours} and names {self._replicas[index].address} replica {index}, but that "
+                f"broker is replica {info.replica} of {theirs}; give every process the same "
+                "cluster file (or connect by address)")
         return self
 
     def _sub(self, index: int) -> BrokerChannel:
@@ -391,7 +427,11 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
             raise errors[0]
         handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
                                     subs=subs, owner=bool(subs))
-        handle._sub(handle._home)._connection(timeout=START_TIMEOUT_S)  # this node's replica
+        if threads:
+            handle._sub(handle._home)._connection(timeout=START_TIMEOUT_S)  # this node's replica
+        else:  # nothing to start here: a client of the other nodes' replicas
+            _connect_without_local_replica(handle, cl, node)
+        handle._check_table(path, handle._reached)
         if not subs:
             handle._log_attached()
     except BaseException:
@@ -399,6 +439,20 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
             sub._kill_broker()
         raise
     return handle
+
+
+def _connect_without_local_replica(handle: DistributedChannel, cl: clusterfile.Cluster,
+                                   node: str) -> None:
+    """``create`` on a node the file lists no replica on: connect to any replica, else a
+    ``ChannelNotFound`` that says this node has none (not only that replica 0 is silent)."""
+    try:
+        handle._connect_home(NO_LOCAL_REPLICA_WAIT_S)
+    except ChannelNotFound as exc:
+        raise ChannelNotFound(
+            f"{cl.source} lists no replica on this node {node!r} (its nodes: "
+            f"{sorted({r.node for r in cl.replicas})}; a process's node is "
+            f"${clusterfile.ENV_NODE}, else its hostname), so nothing was started, and "
+            f"no replica elsewhere answered within {NO_LOCAL_REPLICA_WAIT_S}s") from exc
 
 
 def replica_curve_settings(cl: clusterfile.Cluster, local: list[int],
@@ -435,7 +489,8 @@ def connect_from_cluster(name: str, *, identity: str | None,
     cl = clusterfile.load_found(name)
     if cl is None:
         return None
-    return DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
+    handle = DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
+    return handle._check_table(cl.source, handle._reached)
 
 
 __all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",

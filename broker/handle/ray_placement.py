@@ -37,7 +37,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from zchannel.broker.errors import ChannelError
+from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.handle.distributed import DistributedChannel
 from zchannel.broker.host import paths
 from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
@@ -299,7 +299,18 @@ def _lookup(name: str) -> dict | None:
         actor = ray.get_actor(ACTOR_PREFIX + name)
     except ValueError:
         return None
-    return ray.get(actor.get_info.remote(), timeout=START_TIMEOUT_S)
+    # while Ray restarts the actor (its broker died, or it was killed) a call fails with
+    # ActorUnavailableError / RayActorError: ask again until it answers, never let it escape
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(actor.get_info.remote(), timeout=START_TIMEOUT_S)
+        except ray.exceptions.RayActorError as exc:
+            restarting = isinstance(exc, ray.exceptions.ActorUnavailableError)
+            if not restarting or time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"the broker actor of channel {name!r} is unavailable: "
+                                        f"{exc}") from exc
+            time.sleep(0.2)
 
 
 def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,

@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 from zchannel.broker.errors import ChannelNotFound, UnsafeRunDir
+from zchannel.broker.host.procs import process_running
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 IPC_PATH_LIMIT = 107
@@ -253,6 +254,24 @@ def read_token_file(lock_name: str) -> dict | None:
             and isinstance(data.get("address"), str)):
         raise ValueError(f"{token_path(lock_name)} is not a shutdown token file")
     return data
+
+
+def replica_addresses(name: str) -> list[str]:
+    """The addresses of the replicas of distributed channel ``name`` that run on this host, from
+    their token files (``NAME.replicaI.token``; a killed replica's file is left: it is skipped
+    when its pid is gone).  Each replica serves the whole channel (its hello carries the table),
+    so any one of them will do when the ``.addr`` file's replica is gone."""
+    found = []
+    for path in sorted(run_dir().glob(f"{check_name(name)}.replica*.token")):
+        try:
+            data = read_token_file(path.name.removesuffix(".token"))
+        except ValueError:
+            continue
+        pid = data.get("pid") if data else None
+        if data is None or not isinstance(pid, int) or not process_running(pid):
+            continue
+        found.append(data["address"])
+    return found
 
 
 def remove_token_file(lock_name: str) -> None:
