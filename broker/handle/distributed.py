@@ -70,7 +70,6 @@ class DistributedChannel(BrokerChannel):
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
         self._via: int | None = None  # the replica this handle was connected through, if any
-        self._reached = self._home  # the replica _connect_home reached
 
     @classmethod
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
@@ -95,48 +94,6 @@ class DistributedChannel(BrokerChannel):
     def node(self) -> str:
         """This process's node (``ZCHANNEL_NODE``, the Ray node id, or the hostname)."""
         return self._node
-
-    def _connect_home(self, timeout: float) -> DistributedChannel:
-        """Connect to this node's replica now, else (it is down) to any other replica: the
-        channel is served while one answers (new keys of this node bind to a live replica);
-        ``ChannelNotFound`` if none answers in ``timeout`` (the handle is closed then).
-        ``self._reached`` is the replica that answered."""
-        order = [self._home] + [i for i in range(len(self._replicas)) if i != self._home]
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                for i in order:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ChannelNotFound(
-                            f"no replica of channel {self._name!r} answered within {timeout}s "
-                            f"({', '.join(r.address for r in self._replicas)})")
-                    try:
-                        self._sub(i)._connection(timeout=min(left, CONNECT_SLICE_S))
-                    except ChannelNotFound:
-                        continue
-                    self._reached = i
-                    return self
-        except BaseException:
-            self.close()
-            raise
-
-    def _check_table(self, source: str | None, index: int) -> DistributedChannel:
-        """``ChannelError`` naming ``source`` (a cluster file) when replica ``index`` serves
-        another replica table than this handle's (a mismatched file would otherwise send
-        binding requests to a replica that is not the binder); the handle is closed then."""
-        info = self._sub(index)._connection().broker_info
-        theirs = None if isinstance(info.replicas, UnsetType) else [
-            (r.node, r.address) for r in clusterfile.from_table(info.replicas)]
-        ours = [(r.node, r.address) for r in self._replicas]
-        if theirs != ours or info.replica != index:
-            self.close()
-            raise ChannelError(
-                f"{source} does not match the running channel {self._name!r}: it lists "
-                f"{ours} and names {self._replicas[index].address} replica {index}, but that "
-                f"broker is replica {info.replica} of {theirs}; give every process the same "
-                "cluster file (or connect by address)")
-        return self
 
     def _sub(self, index: int) -> BrokerChannel:
         sub = self._subs.get(index)
@@ -381,6 +338,49 @@ def _unpickle(name: str | None, replicas: list[Any], identity: str | None,
 # -- creating and finding distributed channels ---------------------------------------------
 
 
+def connect_home(channel: DistributedChannel, timeout: float) -> int:
+    """Connect ``channel`` to this node's replica now, else (it is down) to any other replica:
+    the channel is served while one answers (new keys of this node bind to a live replica);
+    the index of the replica that answered, or ``ChannelNotFound`` if none answers in
+    ``timeout`` (the handle is closed then)."""
+    replicas = channel._replicas
+    order = [channel._home] + [i for i in range(len(replicas)) if i != channel._home]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            for i in order:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelNotFound(
+                        f"no replica of channel {channel._name!r} answered within {timeout}s "
+                        f"({', '.join(r.address for r in replicas)})")
+                try:
+                    channel._sub(i)._connection(timeout=min(left, CONNECT_SLICE_S))
+                except ChannelNotFound:
+                    continue
+                return i
+    except BaseException:
+        channel.close()
+        raise
+
+
+def check_table(channel: DistributedChannel, source: str | None, index: int) -> None:
+    """``ChannelError`` naming ``source`` (a cluster file) when replica ``index`` serves another
+    replica table than ``channel``'s (a mismatched file would otherwise send binding requests
+    to a replica that is not the binder); the handle is closed then."""
+    info = channel._sub(index)._connection().broker_info
+    theirs = None if isinstance(info.replicas, UnsetType) else [
+        (r.node, r.address) for r in clusterfile.from_table(info.replicas)]
+    ours = [(r.node, r.address) for r in channel._replicas]
+    if theirs != ours or info.replica != index:
+        channel.close()
+        raise ChannelError(
+            f"{source} does not match the running channel {channel._name!r}: it lists "
+            f"{ours} and names {ours[index][1]} replica {index}, but that broker is replica "
+            f"{info.replica} of {theirs}; give every process the same cluster file (or connect "
+            "by address)")
+
+
 def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | None,
                         curve_keys: Any) -> DistributedChannel:
     """Start the replicas of the cluster file that live on this process's node (other nodes
@@ -427,11 +427,12 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
             raise errors[0]
         handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
                                     subs=subs, owner=bool(subs))
+        reached = handle._home
         if threads:
-            handle._sub(handle._home)._connection(timeout=START_TIMEOUT_S)  # this node's replica
+            handle._sub(reached)._connection(timeout=START_TIMEOUT_S)  # this node's replica
         else:  # nothing to start here: a client of the other nodes' replicas
-            _connect_without_local_replica(handle, cl, node)
-        handle._check_table(path, handle._reached)
+            reached = _connect_without_local_replica(handle, cl, node)
+        check_table(handle, path, reached)
         if not subs:
             handle._log_attached()
     except BaseException:
@@ -442,11 +443,12 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
 
 
 def _connect_without_local_replica(handle: DistributedChannel, cl: clusterfile.Cluster,
-                                   node: str) -> None:
-    """``create`` on a node the file lists no replica on: connect to any replica, else a
-    ``ChannelNotFound`` that says this node has none (not only that replica 0 is silent)."""
+                                   node: str) -> int:
+    """``create`` on a node the file lists no replica on: connect to any replica (its index),
+    else a ``ChannelNotFound`` that says this node has none (not only that replica 0 is
+    silent)."""
     try:
-        handle._connect_home(NO_LOCAL_REPLICA_WAIT_S)
+        return connect_home(handle, NO_LOCAL_REPLICA_WAIT_S)
     except ChannelNotFound as exc:
         raise ChannelNotFound(
             f"{cl.source} lists no replica on this node {node!r} (its nodes: "
@@ -489,8 +491,9 @@ def connect_from_cluster(name: str, *, identity: str | None,
     cl = clusterfile.load_found(name)
     if cl is None:
         return None
-    handle = DistributedChannel(name, cl.table(), identity=identity)._connect_home(timeout)
-    return handle._check_table(cl.source, handle._reached)
+    handle = DistributedChannel(name, cl.table(), identity=identity)
+    check_table(handle, cl.source, connect_home(handle, timeout))
+    return handle
 
 
 __all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",

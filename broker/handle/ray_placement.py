@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.handle.distributed import DistributedChannel, connect_home
 from zchannel.broker.host import paths
 from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
 from zchannel.broker.transport.curve import CurveKeys
@@ -383,7 +383,9 @@ def connect(name: str, *, identity: str | None, timeout: float) -> DistributedCh
     info = _lookup(name)
     if info is None:
         return None
-    return _handle(name, info, identity)._connect_home(timeout)
+    handle = _handle(name, info, identity)
+    connect_home(handle, timeout)
+    return handle
 
 
 __all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]
