@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -497,3 +498,18 @@ def test_connect_by_name_when_the_addr_files_replica_is_gone(tcp_cluster, monkey
         assert ch.get(key="via-other", timeout=5) == 1
     finally:
         ch.close()
+
+
+def test_shutdown_after_a_replica_was_killed_leaves_no_files(run_dir, monkeypatch):
+    """A replica started by ``create`` that was SIGKILLed leaves its token, sockets and lock:
+    the creator's ``shutdown`` removes them once the other replicas stopped (while they ran,
+    the channel was live and its files kept)."""
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", write_cluster(run_dir))
+    monkeypatch.setenv("ZCHANNEL_NODE", "n0")
+    ch = Channel.create("leftover", distributed=True)
+    ch.put(1, key="k")
+    pid = ch.stats()["replicas"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert exited(pid)
+    ch.shutdown()
+    assert not [f for f in os.listdir(run_dir) if f.startswith("leftover")]

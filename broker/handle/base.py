@@ -210,7 +210,7 @@ class ChannelHandle:
         except subprocess.TimeoutExpired:
             self._kill_broker()
         if proc.poll() not in (None, 0) and self._name is not None:
-            _clean_after_dead_broker(self._name)  # killed: it removed nothing of its own
+            clean_after_dead_broker(self._name)  # killed: it removed nothing of its own
         self._proc = None
         self._stopped_broker = True
 
@@ -262,11 +262,12 @@ def _unpickle(cls: type[ChannelHandle], name: str | None, address: str, identity
     return cls(name, address, identity=identity, curve_keys=curve_keys)
 
 
-def _clean_after_dead_broker(name: str) -> None:
+def clean_after_dead_broker(name: str, addresses: tuple[str, ...] = ()) -> None:
     """The files and segments a broker this process started left when it was killed
-    (``zchannel clean`` for its channel alone, under the channel's lock)."""
+    (``zchannel clean`` for its channel alone, under the channel's lock; ``addresses``:
+    ``rundir.clean_channel``'s)."""
     try:
-        removed = rundir.clean_channel(name)
+        removed = rundir.clean_channel(name, addresses)
     except OSError:
         return
     if removed:

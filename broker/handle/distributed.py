@@ -31,6 +31,7 @@ from msgspec import UnsetType
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
+from zchannel.broker.handle.base import clean_after_dead_broker
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.routing import KeyRouting
@@ -303,14 +304,18 @@ class DistributedChannel(BrokerChannel):
             return
         if not self._owns_broker():
             raise PermissionError("only the handle that created the channel's brokers may shut them down")
+        died = False  # a replica it started was killed: its files wait for the others' end
         for sub in self._each_sub():
             try:
                 if sub._proc is not None:
+                    died = died or sub._proc.poll() not in (None, 0)
                     sub.shutdown()
                 else:
                     sub.close()
             except Exception:
                 log.exception("stopping a replica failed")
+        if died and self._name is not None:
+            clean_after_dead_broker(self._name, tuple(r.address for r in self._replicas))
         self._closed = True
         self._give_back(settle_puts=False, withdraw=False)
         if self._ray_owner is not None:

@@ -217,12 +217,17 @@ def clean() -> list[str]:
     return removed
 
 
-def clean_channel(name: str) -> list[str]:
+def clean_channel(name: str, addresses: tuple[str, ...] = ()) -> list[str]:
     """Remove the stale entries of channel ``name`` only (its broker, started by this process,
-    died without removing them: SIGKILL, OOM); the paths removed.  Live brokers keep theirs."""
+    died without removing them: SIGKILL, OOM); the paths removed.  Live brokers keep theirs.
+    ``addresses``: the channel's ipc addresses outside its default place (a cluster file's
+    replicas), whose socket files go too when no broker of the channel runs."""
     removed: list[str] = []
     for entry in scan()[1]:
         if entry.name == name:
+            if not entry.live:
+                entry.files += [f for a in addresses for f in _address_files(a)
+                                if f not in entry.files]
             removed += _clean(entry)
     return removed
 
