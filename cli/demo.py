@@ -113,7 +113,8 @@ def demo() -> None:
               help="actor workers")
 @click.option("--steps", type=click.IntRange(1, 100000), default=None,
               help="training steps  [default: the env's preset; 20]")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="the run's seed (>= 0: Gymnasium needs non-negative seeds)")
 @click.option("--ray", "use_ray", is_flag=True,
               help="run the workers as Ray actor groups (needs the 'ray' extra)")
 @click.option("--ray-nodes", type=click.IntRange(1, 16), default=1, show_default=True,

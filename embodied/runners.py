@@ -136,6 +136,9 @@ class RunConfig:
                      "rollout_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0 (Gymnasium needs non-negative seeds), "
+                             f"got {self.seed!r}")
 
     def plan(self, action_dim: int) -> TrajectoryPlan:
         options = dict(

@@ -207,3 +207,14 @@ def test_a_discrete_observation_outside_its_space_is_refused(tasks, value):
     with pytest.raises(ObservationError, match=rf"observation '<observation>': {value} is not "
                                                r"in its space Discrete\(4\)"):
         env.step_chunk(torch.zeros(1, 1))
+
+
+def test_a_negative_seed_is_refused_before_anything_starts():
+    """Gymnasium refuses negative seeds in the env worker, after the workers started: the run
+    configuration and the CLI refuse them first, naming the rule."""
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        RunConfig(seed=-1)
+    script = os.path.join(os.path.dirname(sys.executable), "zchannel")
+    proc = subprocess.run([script, "demo", "embodied", "--seed", "-1"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--seed" in proc.stderr
