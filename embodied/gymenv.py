@@ -458,11 +458,12 @@ class GymVectorEnv:
         # the recording info of lerobot mode (ChunkedEnv keeps RECORDED_INFO_KEYS); SameStep:
         # a finished row's step info is Gymnasium's final_info
         final_info = info.get("final_info", {}) if self.autoreset_mode == SAME_STEP else {}
+        done_rows = done.numpy()
         for key in (key for key in RECORDED_INFO_KEYS if key != "success"):
             value = _recorded_info(info, key, self.num_envs)
-            final = _recorded_info(final_info, key, self.num_envs, done.numpy())
+            final = _recorded_info(final_info, key, self.num_envs, done_rows)
             if value is not None and final is not None:
-                value = np.where(done.numpy().reshape((-1,) + (1,) * (value.ndim - 1)), final,
+                value = np.where(done_rows.reshape((-1,) + (1,) * (value.ndim - 1)), final,
                                  value)
             value = final if value is None else value
             if value is not None and key == "intervene_action":

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-CONSUMER_ID_RE = re.compile(r"[A-Za-z0-9._-]+:[0-9]+")  # whole id (fullmatch), ASCII digits
 GROUP_RE = re.compile(r"[A-Za-z0-9._-]+")  # a group name: the part of an id before the colon
+CONSUMER_ID_RE = re.compile(GROUP_RE.pattern + r":[0-9]+")  # whole id (fullmatch), ASCII digits
 MAX_CONSUMER_ID = 256  # characters of a consumer id at most
 
 
@@ -36,18 +36,18 @@ def check_consumer_id(consumer_id: object) -> str:
     return consumer_id
 
 
-def check_groups(groups: object, what: str = "producers") -> list[str]:
-    """Return ``groups`` (an iterable of group names, not a str) as a list if every name
-    matches ``[A-Za-z0-9._-]+`` (what a consumer id's group holds), else raise ``TypeError``
-    / ``ValueError`` naming ``what`` and the first bad name."""
+def check_groups(groups: object) -> list[str]:
+    """Return ``groups`` (``producers=``: an iterable of group names, not a str) as a list if
+    every name matches ``GROUP_RE`` (what a consumer id's group holds), else raise
+    ``TypeError`` / ``ValueError`` naming the first bad name."""
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-        raise TypeError(f"{what}= takes a list of group names, not {type(groups).__name__}")
+        raise TypeError(f"producers= takes a list of group names, not {type(groups).__name__}")
     names = list(groups)
     for name in names:
         if (not isinstance(name, str) or len(name) >= MAX_CONSUMER_ID
                 or not GROUP_RE.fullmatch(name)):
             shown = repr(name)
-            raise ValueError(f"invalid group name {shown[:80]} in {what}=: expected "
+            raise ValueError(f"invalid group name {shown[:80]} in producers=: expected "
                              f"[A-Za-z0-9._-] characters (at most {MAX_CONSUMER_ID - 1}), "
                              "e.g. 'rollout'")
     return names

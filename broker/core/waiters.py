@@ -551,8 +551,8 @@ def _batch_take_resumed(req: Parked, ks: KeyState, queue: deque[Item]) -> int:
     if scan is not None and scan[0] is queue and scan[1] == ks.requeued and scan[2] is head:
         start, total, floats = scan[3], scan[4], scan[5]
     n: int | None = None
-    if not floats and type(target) is int:
-        n, total = _int_batch_take(queue, target, start, int(total))
+    if not floats:  # an int target, every weight counted so far an int
+        n, total = _int_batch_take(queue, int(target), start, int(total))
         if n is None:  # a weight that is not an int: the float rules, from the head
             floats, start, total = True, 0, 0
     if n is None:

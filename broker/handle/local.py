@@ -63,9 +63,9 @@ class _LocalBroker:
         self.lease_timeout = float(lease_timeout)  # in stats(), as a broker's
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
-        # each request waiting for its answer: its Work, whether to copy, the handle it is of
-        self.pending: dict[tuple[int, int], tuple[Work, bool, LocalChannel]] = {}
-        self.puts: set[tuple[int, int]] = set()  # the pending requests that are puts
+        # each request waiting for its answer: its Work, whether to copy, the handle it is of,
+        # whether it is a put
+        self.pending: dict[tuple[int, int], tuple[Work, bool, LocalChannel, bool]] = {}
         self.closing = 0  # handles in ``leave`` waiting for their puts
         # the client of each identity of this process's handles, and how many hold it: as the
         # handles of one process share their connection to a broker (leases belong to it)
@@ -105,10 +105,9 @@ class _LocalBroker:
         entry = self.pending.pop((id(client), rid), None)
         if entry is None:
             return
-        self.puts.discard((id(client), rid))
         if self.closing:
             self.cv.notify_all()  # a closing handle may wait for this put
-        work, copy, _handle = entry
+        work, copy = entry[0], entry[1]
         if error is not None:
             work.set_exception(error)
         elif items is not None:
@@ -151,11 +150,10 @@ class _LocalBroker:
             rid = next(self.ids)
             work = Work(functools.partial(_cancel_of, self, client, rid))
             work._line = self  # a wait in a callback of this channel is refused (reads_here)
-            self.pending[(id(client), rid)] = (work, bool(copy), handle)
+            self.pending[(id(client), rid)] = (work, bool(copy), handle, isinstance(rec, Put))
             core = self.core
             try:
                 if isinstance(rec, Put):
-                    self.puts.add((id(client), rid))
                     core.put(client, rid, rec.key, Item(item, check_weight(rec.weight), 0, item, True),
                              check_timeout(rec.timeout), rec.nowait)
                 elif isinstance(rec, Get):
@@ -190,11 +188,10 @@ class _LocalBroker:
                 return False
             answer = Work()
             cancel_rid = next(self.ids)
-            self.pending[(id(client), cancel_rid)] = (answer, False, entry[2])
+            self.pending[(id(client), cancel_rid)] = (answer, False, entry[2], False)
             self.core.cancel(client, cancel_rid, rid)
             if answer.result():
                 self.pending.pop((id(client), rid), None)
-                self.puts.discard((id(client), rid))
                 entry[0].set_exception(CancelledError("the operation was withdrawn"))
                 return True
             return False
@@ -209,8 +206,7 @@ class _LocalBroker:
             self.closing += 1
             try:
                 while not self.closed and any(
-                        entry[2] is handle for key, entry in self.pending.items()
-                        if key in self.puts):
+                        entry[2] is handle and entry[3] for entry in self.pending.values()):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -218,7 +214,6 @@ class _LocalBroker:
             finally:
                 self.closing -= 1
             for key in [k for k, entry in self.pending.items() if entry[2] is handle]:
-                self.puts.discard(key)
                 work = self.pending.pop(key)[0]
                 self.core.cancel(client, next(self.ids), key[1])  # its answer goes nowhere
                 work.set_exception(ChannelError("this channel handle is closed"))
@@ -254,9 +249,8 @@ class _LocalBroker:
         with self.cv:
             self.closed = True
             pending, self.pending = self.pending, {}
-            self.puts.clear()
-            for work, _copy_it, _handle in pending.values():
-                work.set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
+            for entry in pending.values():
+                entry[0].set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
         with _registry_lock:
             if _registry.get(self.name) is self:

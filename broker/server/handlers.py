@@ -253,12 +253,12 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
-    snapshots = broker.turn_costs
-    body = snapshots.bodies.get(clients) if snapshots.made >= FRESH_STATS_PER_TURN else None
+    costs = broker.turn_costs
+    body = costs.bodies.get(clients) if costs.made >= FRESH_STATS_PER_TURN else None
     if body is None:
         body = _stats_body(broker, clients)
-        snapshots.made += 1
-        snapshots.bodies[clients] = body
+        costs.made += 1
+        costs.bodies[clients] = body
     broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 

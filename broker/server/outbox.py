@@ -19,8 +19,8 @@ MAX_REPLY_FRAMES = 4096
 
 class Outbox:
     """The replies of one turn for one client, sent as few messages as ``MAX_REPLY_BYTES``
-    and ``MAX_REPLY_FRAMES`` allow (``cuts``: where a new message starts, as record, frame and delivery indices: the
-    deliveries of a message are those its records made)."""
+    and ``MAX_REPLY_FRAMES`` allow (``cuts``: where a new message starts, as record, frame and
+    delivery indices: the deliveries of a message are those its records made)."""
 
     __slots__ = ("records", "frames", "deliveries", "cuts", "nbytes", "f_cut")
 

@@ -329,7 +329,7 @@ class Sessions:
         withdrawn, it is told it expired (it fails what it still waits for and says hello),
         and its gets sent before that hello are dropped.  (Its puts go on: a retry of one is
         recognised, docs/guarantees.md.)"""
-        waiters, suspects, self.suspects = self._core().waiters, self.suspects, set()
+        waiters, suspects = self._core().waiters, self.suspects
         for address, client in list(self.clients.items()):
             silent = now - self.last_sent.get(address, now) > self.judge_after
             if client.stale or not (silent or address in suspects):
@@ -341,7 +341,7 @@ class Sessions:
                 waiters.withdraw(req)
             # one that did not judge yet fails what it still waits for and says hello
             self._send(address, [BROKER_EXPIRED], [])
-        self.suspects.clear()  # the expired notices just sent
+        self.suspects = set()  # (the expired notices just sent joined it)
 
     def heartbeats(self, now: float) -> None:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
