@@ -1,6 +1,7 @@
 """Request coalescing on the client: runs of consecutive puts in one outgoing message travel
-as one ``puts`` record (``wire/protocol.py``: ``PutBatch``), and runs of consecutive gets of
-the same key and options as one ``gets`` record (``GetRun``: get prefetch).
+as one ``puts`` record (``wire/protocol.py``: ``PutBatch``), and runs of consecutive gets with
+the same options as one ``gets`` record (``GetRun``: get prefetch), of one key or of a key
+each.
 
 Only what is already queued is coalesced (``RequestQueue._next_message`` cuts messages as
 before, nothing lingers to wait for more), and only consecutive records, so the broker sees
@@ -47,7 +48,8 @@ log = logging.getLogger("zchannel.client")
 def group_records(requests: RequestQueue, records: list[Request]) -> list[Request]:
     """``records`` of one message with each run of two or more consecutive puts replaced by
     one ``PutBatch`` and each run of two or more consecutive alike gets (``_alike``) by one
-    ``GetRun``, registered in ``requests.batches``; the frames keep their order."""
+    ``GetRun`` (of their key, or of each get's key when they differ: ``_flush_run``),
+    registered in ``requests.batches``; the frames keep their order."""
     out: list[Request] = []
     run: list[Any] = []
     rec: Any
@@ -67,11 +69,20 @@ def group_records(requests: RequestQueue, records: list[Request]) -> list[Reques
 
 
 def _alike(first: Get, rec: Get) -> bool:
-    """Whether ``rec`` may stand in one ``gets`` record with ``first``: the same key (of the
-    same type: 1 and 1.0 or a tuple and a list never mix), timeout, nowait and ack."""
-    a, b = first.key, rec.key
-    return (type(a) is type(b) and a == b and first.timeout == rec.timeout
-            and first.nowait is rec.nowait and first.ack is rec.ack)
+    """Whether ``rec`` may stand in one ``gets`` record with ``first``: the same timeout,
+    nowait and ack (each get keeps its own key)."""
+    return first.timeout == rec.timeout and first.nowait is rec.nowait and first.ack is rec.ack
+
+
+def _same_key(run: list[Get]) -> bool:
+    """Whether the gets of ``run`` name one key (of one type: 1 and 1.0, or a tuple and a
+    list, never count as one)."""
+    key = run[0].key
+    kind = type(key)
+    for rec in run:
+        if type(rec.key) is not kind or rec.key != key:
+            return False
+    return True
 
 
 def _flush_run(requests: RequestQueue, run: list, out: list[Request]) -> None:
@@ -89,8 +100,11 @@ def _flush_run(requests: RequestQueue, run: list, out: list[Request]) -> None:
         batch = PutBatch(id=rid, nf=nf, puts=run)
         requests.batches[rid] = (True, frozenset(ids))
     else:
-        batch = GetRun(id=rid, key=first.key, timeout=first.timeout, nowait=first.nowait,
-                       ack=first.ack, ids=ids)
+        batch = GetRun(id=rid, timeout=first.timeout, nowait=first.nowait, ack=first.ack, ids=ids)
+        if _same_key(run):
+            batch.key = first.key
+        else:  # each get of the run its own key
+            batch.keys = [rec.key for rec in run]
         requests.batches[rid] = (False, frozenset(ids))
     out.append(batch)
 

@@ -84,7 +84,7 @@ class Parked:
     scan: tuple[deque[Item], int, Item, int, int | float, bool] | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KeyState:
     key: Any
     shared: deque[Item] = field(default_factory=deque)

@@ -211,14 +211,7 @@ class Waiters:
             # the common case (a plain get of a shared queue nobody else waits on): the head
             # item at once, without a Parked record (``take_run`` serves a run of such gets the
             # same way; one get alone stays inline here: the run's lists cost ~1.8 us more)
-            item = ks.shared.popleft()
-            self.queues.bytes_held -= item.nbytes
-            if self.log is not None:
-                self.log.taken((item,))
-            self.reply(client, rid, items=[item], origin=(ks.key, None))
-            if self.putters:
-                self.admit_putters()
-            self.queues.mark_idle(ks)
+            self.serve_head(client, rid, ks)
             return
         req = Parked(client, rid, "batch" if batch_target else "get", ks.key, None,
                       target=batch_target, ack=ack)
@@ -234,6 +227,18 @@ class Waiters:
             self.queues.mark_idle(ks)
             return
         self._park(req, timeout)
+
+    def serve_head(self, client: Client, rid: int, ks: KeyState) -> None:
+        """Answer plain get ``rid`` of ``client`` with the head item of ``ks``'s shared queue,
+        which holds items no getter waits for (the common case of ``get``)."""
+        item = ks.shared.popleft()
+        self.queues.bytes_held -= item.nbytes
+        if self.log is not None:
+            self.log.taken((item,))
+        self.reply(client, rid, items=[item], origin=(ks.key, None))
+        if self.putters:
+            self.admit_putters()
+        self.queues.mark_idle(ks)
 
     def _park(self, req: Parked, timeout: float | None) -> None:
         req.client.parked[req.rid] = req
@@ -393,6 +398,22 @@ def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
     if park and n < len(rids):
         n += park_run(waiters, client, rids[n:], ks, timeout)
     return n
+
+
+def take_head(waiters: Waiters, client: Client, rid: int, key: Any) -> bool:
+    """The common case of a plain get ``rid`` (no ``ack``) of ``key`` as it came off the wire:
+    a str or int key whose shared queue holds items nobody else waits for, served at once as
+    ``Waiters.get`` would (``serve_head``); False, with nothing changed, in any other case (a
+    new key, dealing, waiting getters, a duplicate id: ``QueueCore.get`` then sees to it).
+    A key found among the queues' keys was checked when it was made."""
+    if type(key) is not str and type(key) is not int:
+        return False
+    ks = waiters.queues.keys.get(key)
+    if (ks is None or not ks.shared or ks.getters or waiters.hooks.deals
+            or rid in client.parked or (client.identity is not None and client.consumer is None)):
+        return False
+    waiters.serve_head(client, rid, ks)
+    return True
 
 
 def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,

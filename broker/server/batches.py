@@ -1,6 +1,7 @@
 """The broker's side of a ``puts`` record (``wire/protocol.py``: ``PutBatch``): several puts of
 one client handled in one pass and answered by one record; and of a ``gets`` record
-(``GetRun``): several gets of one client on one key, handled in one pass.
+(``GetRun``): several gets of one client, on one key or each of its own key, handled in one
+pass.
 
 Each put of the batch goes through the handler of a single put (``handlers.put``, or a
 replica's checked version of it), in order, exactly as if its record had come alone: per-key
@@ -24,8 +25,12 @@ items nobody else waits for, on a broker that is no replica -- is served in one 
 (``QueueCore.take_run``) with the same outcome: the first gets take the head items, in order,
 and the gets the queue does not cover are parked in order in one pass when nothing keeps them
 from waiting (no ``nowait``, a timeout above 0, no dealing, no ``max_bytes`` limit), also
-behind getters waiting already on an empty queue; any other get goes get by get.  A record whose ids repeat, or name the
-record itself, is refused whole (a ``ValueError`` reply to its id, none of its gets handled).
+behind getters waiting already on an empty queue; any other get goes get by get.  Of a record
+naming a key per get (``ks``), each plain get of a str or int key whose shared queue holds
+items nobody else waits for is served at once (``waiters.take_head``), in order, the others
+get by get.  A record whose ids repeat, or name the record itself, or whose ``ks`` does not
+hold a key per id (or comes with ``k``), is refused whole (a ``ValueError`` reply to its id,
+none of its gets handled).
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ import logging
 from typing import Any
 
 from zchannel.broker.core.state import Client
+from zchannel.broker.core.waiters import take_head
 from zchannel.broker.errors import KeyMoved
 from zchannel.broker.server.putrun import store_at_once
 from zchannel.broker.wire.argchecks import check_key, check_timeout
 from zchannel.broker.wire.protocol import Get, GetRun, Put, PutBatch, key_from_wire
 
 log = logging.getLogger("zchannel.broker")
+_NO_FRAMES: list = []
 
 
 def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
@@ -80,25 +87,43 @@ def put_batch(broker: Any, client: Client, rec: PutBatch, frames: list) -> None:
 
 def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
     """Handle the gets ``rec`` stands for in order, then answer the record (module docstring)."""
-    ids = rec.ids
+    ids, keys = rec.ids, rec.keys
     if len(set(ids)) != len(ids) or rec.id in ids:
         raise ValueError("a gets record names a get twice, or names itself among its gets")
     if frames:
         raise ValueError("a gets record carries no frames")
+    if keys is not None and (rec.key is not None or len(keys) != len(ids)):
+        raise ValueError("a gets record names one key (k) or a key per get (ks: as many keys "
+                         "as ids), not both")
     broker.counters.get_runs += 1
-    sessions = broker.sessions
-    served = _take_at_once(broker, client, rec)  # the common case, in one pass
-    handle = broker.handlers[Get]
     one = Get(id=0, key=rec.key, timeout=rec.timeout, nowait=rec.nowait, ack=rec.ack)
-    for rid in ids[served:] if served else ids:
-        one.id = rid
-        try:
-            handle(broker, client, one, frames)
-        except Exception as exc:  # this get's error reply, as for a get sent alone
-            if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
-                log.exception("error handling a get of a gets record")
-            sessions.reply(client, rid, error=exc)
-    sessions.reply(client, rec.id)
+    if keys is not None:
+        # each get of its own key, in order: the common case served at once, get by get
+        quick = broker.replica is None and not rec.ack
+        waiters = broker.core.waiters
+        for rid, key in zip(ids, keys, strict=True):
+            if quick and take_head(waiters, client, rid, key):
+                broker.counters.gets += 1
+                continue
+            one.key = key
+            _one_get(broker, client, one, rid)
+    else:
+        served = _take_at_once(broker, client, rec)  # the common case, in one pass
+        for rid in ids[served:] if served else ids:
+            _one_get(broker, client, one, rid)
+    broker.sessions.reply(client, rec.id)
+
+
+def _one_get(broker: Any, client: Client, one: Get, rid: int) -> None:
+    """Get ``rid`` of a ``gets`` record (``one``: its key and options) through the handler
+    of a single get, answered as a get record sent alone."""
+    one.id = rid
+    try:
+        broker.handlers[Get](broker, client, one, _NO_FRAMES)
+    except Exception as exc:  # this get's error reply, as for a get sent alone
+        if not isinstance(exc, (ValueError, TypeError, KeyMoved, PermissionError)):
+            log.exception("error handling a get of a gets record")
+        broker.sessions.reply(client, rid, error=exc)
 
 
 def _take_at_once(broker: Any, client: Client, rec: GetRun) -> int:

@@ -136,10 +136,11 @@ def _fits(queues: Any, checked: list[tuple]) -> bool:
     for key, _ in checked:
         counts[key] = counts.get(key, 0) + 1
     keys = queues.keys
-    try:
-        queues.check_new_keys([k for k in counts if k not in keys])
-    except ValueError:
-        return False
+    if queues.max_keys and len(keys) + len(counts) > queues.max_keys:  # may pass it
+        try:
+            queues.check_new_keys([k for k in counts if k not in keys])
+        except ValueError:
+            return False
     maxsize = queues.maxsize
     if maxsize > 0:
         for key, n in counts.items():

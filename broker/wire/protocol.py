@@ -37,7 +37,7 @@ PROTOCOL_VERSION = 1
 HELLO, BYE, HEARTBEAT = "hello", "bye", "hb"
 PUT, GET, GET_BATCH = "put", "get", "get_batch"
 PUTS = "puts"  # several puts in one record, answered by one record (docs/protocol.md)
-GETS = "gets"  # several alike gets in one record, each answered as a get (docs/protocol.md)
+GETS = "gets"  # several gets alike but for their keys in one record, each answered as a get
 QSIZE, FULL, STATS, ACK, CANCEL, SHUTDOWN = "qsize", "full", "stats", "ack", "cancel", "shutdown"
 PEEK = "peek"  # copies of head items, left in place (docs/protocol.md)
 SHM_HELLO, SHM_RELEASE = "shm_hi", "shm_rel"  # same-host shared memory (docs/shm.md)
@@ -152,9 +152,10 @@ class Get(Request, tag=GET):
 
 
 class GetRun(Request, tag=GETS):
-    """Several gets of one client on one key with the same options, in one record: ``g`` the
-    gets' own request ids (distinct, none of them the record's ``id``).  The broker handles
-    them in order, each exactly as a ``get`` record with that id (parked, served, timed out,
+    """Several gets of one client with the same options, in one record: ``g`` the gets' own
+    request ids (distinct, none of them the record's ``id``), all of key ``k``, or each of its
+    own key: ``ks``, one key per id (then ``k`` is nil).  The broker handles them in order,
+    each exactly as a ``get`` record with that id and key (parked, served, timed out,
     cancelled and answered under its own id), then answers the record's ``id`` with an empty
     success; an error on ``id`` means the record was refused whole and none of its gets was
     handled."""
@@ -165,6 +166,8 @@ class GetRun(Request, tag=GETS):
     ack: bool = False
     ids: Annotated[list[Count], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] = field(
         default_factory=list, name="g")
+    keys: Annotated[list[Any], Meta(min_length=1, max_length=MAX_BATCH_PUTS)] | None = field(
+        default=None, name="ks")
 
 
 class GetBatch(Request, tag=GET_BATCH):
