@@ -210,6 +210,13 @@ def test_a_gets_record_with_a_key_per_get_serves_each_key_in_fifo_order(channels
         assert [(r["id"], value(r)) for r in got] == [(41, "a4"), (43, "a5")]
         raw.send_multipart([pack_header([{"op": "cancel", "id": 44, "rid": 42}])])
         assert recv_records(raw, 1) == [{"id": 44, "r": True}]
+        # parked with a short timeout: each times out under its own id, taking nothing
+        assert exchange(raw, [keyed_gets(50, ["a", "c"], [51, 52], t=0.2)]) == [{"id": 50}]
+        expired = recv_records(raw, 2)
+        assert sorted(r["id"] for r in expired) == [51, 52]
+        assert all(r["e"][0] == "TimeoutError" for r in expired)
+        ch.put("a6", key="a")
+        assert ch.get("a", timeout=5) == "a6"
     assert ch.qsize() == 0
 
 
