@@ -92,9 +92,11 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
         raise ValueError("a gets record names a get twice, or names itself among its gets")
     if frames:
         raise ValueError("a gets record carries no frames")
-    if keys is not None and (rec.key is not None or len(keys) != len(ids)):
-        raise ValueError("a gets record names one key (k) or a key per get (ks: as many keys "
-                         "as ids), not both")
+    if keys is not None and rec.key is not None:
+        raise ValueError("a gets record names one key (k) or a key per get (ks), not both")
+    if keys is not None and len(keys) != len(ids):
+        raise ValueError(f"a gets record's ks names {len(keys)} keys for {len(ids)} gets: "
+                         "it needs a key per get")
     broker.counters.get_runs += 1
     one = Get(id=0, key=rec.key, timeout=rec.timeout, nowait=rec.nowait, ack=rec.ack)
     if keys is not None:
