@@ -121,7 +121,9 @@ class ChunkJoiner:
             buffer = buffers[fkey]
             buffer.append(fragment)
             total = sum(f.sources[0].size for f in buffer)
-            if total > B or source.offset + source.size > B:
+            # only a received total above B exceeds the batch; a fragment outside [0, B)
+            # waits and is refused as non-contiguous once the total reaches B
+            if total > B:
                 raise ValueError(
                     f"{kind.__name__} fragments for {source.key} exceed source batch size {B}: "
                     f"{_describe(buffer)}."

@@ -209,9 +209,13 @@ def test_oversized_fragments_raise_and_store_nothing():
     assert joiner_state(j) == before
 
 
-def test_fragment_beyond_batch_end_raises():
-    with pytest.raises(ValueError, match="exceed source batch size"):
-        ChunkJoiner(2).push(policy(K0, 1, 2))
+def test_fragment_beyond_batch_end_waits_then_is_non_contiguous():
+    j = ChunkJoiner(2)
+    assert j.push(policy(K0, 1, 2)) == []  # a received total below B waits
+    before = joiner_state(j)
+    with pytest.raises(ValueError, match="Non-contiguous trajectory fragments"):
+        j.push(policy(K0, 1, 0))  # total B, offsets [0, 2]
+    assert joiner_state(j) == before
 
 
 def test_rejected_multi_source_part_changes_nothing():

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from zchannel.broker import Channel
+from zchannel.broker import Channel, HookError
+from zchannel.embodied import PolicyPart, Trajectory, TrajectorySource
 
 from embodied.test_collector import hooks, key, make_plan, parts, put
 
@@ -106,9 +107,6 @@ def test_rollout_trajectories_dealt_least_loaded(workers, channels):
 
 
 def test_failed_put_reaches_putter_as_hook_error(channels):
-    from zchannel.broker import HookError
-    from zchannel.embodied import PolicyPart, TrajectorySource
-
     plan = make_plan(**PIPE)
     ch = Channel.create("trajbad", collector="embodied_trajectory",
                         dispatcher="embodied_trajectory", consumers={"actor": 2},
@@ -155,3 +153,26 @@ def test_lerobot_unfinished_episode_carries_across_steps(channels):
     finally:
         for actor in actors:
             actor.close()
+
+
+def test_fragment_outside_the_batch_waits_then_is_refused_as_non_contiguous(channels):
+    # fragments whose sizes sum below B wait; at B their offsets must tile [0, B)
+    plan = make_plan(mode="rollout", source_batch_size=2)
+    ch = Channel.create("trajfrag", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", consumers={"actor": 1},
+                        options=plan.to_options())
+    channels.append(ch)
+    policy, env = parts(plan, key())
+    head, _ = policy.split([1, 1])
+    k = policy.sources[0].key
+    outside = PolicyPart([TrajectorySource(k, 1, 2)], {"states": policy.obs["states"][1:]},
+                         policy.output.split([1, 1])[1])
+    ch.put(outside)  # total 1 < B: waits
+    with pytest.raises(HookError, match="Non-contiguous trajectory fragments") as info:
+        ch.put(head)  # total B, offsets [0, 2]
+    assert info.value.exc_type == "ValueError"
+    ch.put(env)
+    ch.put(policy)  # a whole part still joins: the broker carries on and nothing was lost
+    actor = Channel.connect("trajfrag", identity="actor:0")
+    channels.append(actor)
+    assert isinstance(actor.get(timeout=30), Trajectory)
