@@ -9,7 +9,7 @@ import torch
 from zchannel.broker import Channel, HookError
 from zchannel.embodied import PolicyPart, Trajectory, TrajectorySource
 
-from embodied.test_collector import hooks, key, make_plan, parts, put
+from embodied.test_collector import episode_data, hooks, key, make_plan, parts, put
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,8 +124,6 @@ def test_failed_put_reaches_putter_as_hook_error(channels):
 
 
 def test_lerobot_unfinished_episode_carries_across_steps(channels):
-    from embodied.test_collector import episode_data
-
     plan = make_plan(mode="lerobot", num_chunks=2, actor_world_size=2, num_action_chunks=2)
     ch = Channel.create("trajlerobot", collector="embodied_trajectory",
                         dispatcher="embodied_trajectory", consumers={"actor": 2},
