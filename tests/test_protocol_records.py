@@ -198,6 +198,11 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
         return ints | st.binary(max_size=3) | st.lists(ints, max_size=2)
     if kinds <= {mi.BytesType, mi.NoneType}:
         return ints | st.text(max_size=3).filter(lambda t: t != "") | st.lists(ints, max_size=2)
+    if kinds <= {mi.ListType, mi.NoneType}:  # a list of values of any type, of bounded length
+        (bounded,) = [t for t in info.types if isinstance(t, mi.ListType)]
+        assert bounded.min_length == 1 and bounded.max_length is not None
+        return (ints | st.text(max_size=3) | st.binary(max_size=3) | st.just([])
+                | st.just([0] * (bounded.max_length + 1)))
     raise AssertionError(tp)
 
 
