@@ -193,17 +193,23 @@ def _wrong_value(tp: object) -> st.SearchStrategy:
     info = msgspec.inspect.type_info(tp)
     if recordgen.numeric(info):  # numbers out of their bounds, and non-numbers
         return st.sampled_from(recordgen.refused(info))
-    kinds = {type(k) for k in (info.types if isinstance(info, mi.UnionType) else (info,))}
+    return _wrong_for_kinds(info, ints)
+
+
+def _wrong_for_kinds(info: mi.Type, ints: st.SearchStrategy) -> st.SearchStrategy:
+    """A wrong value for a str, bytes or bounded-list field (each maybe nil)."""
+    types = info.types if isinstance(info, mi.UnionType) else (info,)
+    kinds = {type(k) for k in types}
     if kinds <= {mi.StrType, mi.NoneType}:
         return ints | st.binary(max_size=3) | st.lists(ints, max_size=2)
     if kinds <= {mi.BytesType, mi.NoneType}:
         return ints | st.text(max_size=3).filter(lambda t: t != "") | st.lists(ints, max_size=2)
     if kinds <= {mi.ListType, mi.NoneType}:  # a list of values of any type, of bounded length
-        (bounded,) = [t for t in info.types if isinstance(t, mi.ListType)]
+        (bounded,) = [t for t in types if isinstance(t, mi.ListType)]
         assert bounded.min_length == 1 and bounded.max_length is not None
         return (ints | st.text(max_size=3) | st.binary(max_size=3) | st.just([])
                 | st.just([0] * (bounded.max_length + 1)))
-    raise AssertionError(tp)
+    raise AssertionError(info)
 
 
 TYPED = [(cls, f) for cls in REQUEST_TYPES for f in _fields(cls)
