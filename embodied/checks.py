@@ -2,7 +2,8 @@
 
 ``check_env_part`` / ``check_policy_part`` raise ``ValueError("<Part> <key>: field '<name>' ...")``
 for a key outside the plan, a missing required field, a tensor whose shape does not fit
-``[B, C]`` / ``[B, D]``, non-finite ``transition.rewards`` or a non-finite policy action.  They
+``[B, C]`` / ``[B, D]`` (values: ``[B, 1]`` or ``[B, C]``), non-finite ``transition.rewards`` or
+a non-finite policy action.  They
 change nothing, so a rejected part loses nothing else in flight.
 """
 
@@ -72,6 +73,7 @@ def check_env_part(part: EnvPart, plan: TrajectoryPlan, *, strict: bool = True) 
     for name in ("rewards", "dones", "terminations", "truncations"):
         _check_shape(what, f"transition.{name}", getattr(t, name), (B, C))
     _check_finite(what, "transition.rewards", t.rewards)
+    _check_value_shape(what, "final_prev_values", part.final_prev_values, B, C)
     if not strict:
         return
     if key.chunk_id == 0 and part.initial_transition is None:
@@ -105,6 +107,20 @@ def check_policy_part(part: PolicyPart, plan: TrajectoryPlan) -> None:
         _check_finite(what, name, action)
     if part.output.prev_logprobs is not None and part.output.prev_logprobs.shape[0] != B:
         raise ValueError(f"{what}: field 'output.prev_logprobs' has {part.output.prev_logprobs.shape[0]} rows, expected {B}")
+    _check_value_shape(what, "output.prev_values", part.output.prev_values, B, C)
+
+
+def _check_value_shape(what: str, name: str, value: Any, B: int, C: int) -> None:
+    """``value`` (a value-head output, or None) is a tensor ``[B, 1]`` (one value per chunk) or
+    ``[B, C]`` (one per action)."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{what}: field '{name}' must be a tensor, got {type(value).__name__}")
+    if tuple(value.shape) not in ((B, 1), (B, C)):
+        raise ValueError(f"{what}: field '{name}' has shape {list(value.shape)}, expected "
+                         f"[B, 1] or [B, C] = [{B}, 1] or [{B}, {C}] (B envs, C "
+                         "num_action_chunks)")
 
 
 def check_part(part: Any, plan: TrajectoryPlan, *, strict: bool = True) -> None:

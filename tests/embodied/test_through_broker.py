@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,3 +175,27 @@ def test_fragment_outside_the_batch_waits_then_is_refused_as_non_contiguous(chan
     actor = Channel.connect("trajfrag", identity="actor:0")
     channels.append(actor)
     assert isinstance(actor.get(timeout=30), Trajectory)
+
+
+def test_a_value_of_the_wrong_shape_is_refused_at_the_put(channels):
+    # values are [B, 1] (per chunk) or [B, C] (per action): another shape is refused when put,
+    # naming the field, and nothing the channel held is lost
+    plan = make_plan(mode="rollout", source_batch_size=2, num_chunks=1, num_action_chunks=2)
+    ch = Channel.create("trajvalues", collector="embodied_trajectory",
+                        dispatcher="embodied_trajectory", consumers={"actor": 1},
+                        options=plan.to_options())
+    channels.append(ch)
+    policy, env = parts(plan, key())
+    wide = dataclasses.replace(policy.output, prev_values=torch.zeros(2, 3))
+    with pytest.raises(HookError, match="output.prev_values") as info:
+        ch.put(PolicyPart(policy.sources, policy.obs, wide))
+    assert info.value.exc_type == "ValueError" and "[2, 1] or [2, 2]" in str(info.value)
+    flat = dataclasses.replace(env, final_prev_values=torch.zeros(2))
+    with pytest.raises(HookError, match="final_prev_values"):
+        ch.put(flat)
+    ch.put(env)
+    ch.put(policy)
+    actor = Channel.connect("trajvalues", identity="actor:0")
+    channels.append(actor)
+    assert isinstance(actor.get(timeout=30), Trajectory)
+
