@@ -307,9 +307,10 @@ class DistributedChannel(BrokerChannel):
         died = False  # a replica it started was killed: its files wait for the others' end
         for sub in self._each_sub():
             try:
-                if sub._proc is not None:
-                    died = died or sub._proc.poll() not in (None, 0)
-                    sub.shutdown()
+                proc = sub._proc
+                if proc is not None:
+                    sub.shutdown()  # waits for the process: its exit status is known after
+                    died = died or proc.poll() not in (None, 0)
                 else:
                     sub.close()
             except Exception:
