@@ -92,10 +92,7 @@ def test_pipeline_actor_batches_through_broker(workers, channels):
 def test_rollout_trajectories_dealt_least_loaded(workers, channels):
     options = dict(PIPE, mode="rollout", micro_batch_size=None)
     plan = make_plan(**options)
-    ch = Channel.create("trajroll", collector="embodied_trajectory",
-                        dispatcher="embodied_trajectory", consumers={"actor": 2},
-                        options=plan.to_options())
-    channels.append(ch)
+    ch = trajectory_channel(channels, "trajroll", plan, actors=2)
     producers = [workers.start(PRODUCER, ch.address, json.dumps(options), str(r)) for r in range(2)]
     for p in producers:
         assert workers.finish(p).strip() == "done"
@@ -109,10 +106,7 @@ def test_rollout_trajectories_dealt_least_loaded(workers, channels):
 
 def test_failed_put_reaches_putter_as_hook_error(channels):
     plan = make_plan(**PIPE)
-    ch = Channel.create("trajbad", collector="embodied_trajectory",
-                        dispatcher="embodied_trajectory", consumers={"actor": 2},
-                        options=plan.to_options())
-    channels.append(ch)
+    ch = trajectory_channel(channels, "trajbad", plan, actors=2)
     bad = PolicyPart([TrajectorySource(key(epoch=5), 4, 0)], {"s": torch.zeros(4)},
                      external_actions=torch.zeros(4, 2))
     with pytest.raises(HookError) as info:
@@ -126,10 +120,7 @@ def test_failed_put_reaches_putter_as_hook_error(channels):
 
 def test_lerobot_unfinished_episode_carries_across_steps(channels):
     plan = make_plan(mode="lerobot", num_chunks=2, actor_world_size=2, num_action_chunks=2)
-    ch = Channel.create("trajlerobot", collector="embodied_trajectory",
-                        dispatcher="embodied_trajectory", consumers={"actor": 2},
-                        options=plan.to_options())
-    channels.append(ch)
+    ch = trajectory_channel(channels, "trajlerobot", plan, actors=2)
     actors = [Channel.connect("trajlerobot", identity=f"actor:{a}") for a in range(2)]
     try:
         for step, last_done in ((0, False), (1, True)):
@@ -157,10 +148,7 @@ def test_lerobot_unfinished_episode_carries_across_steps(channels):
 def test_fragment_outside_the_batch_waits_then_is_refused_as_non_contiguous(channels):
     # fragments whose sizes sum below B wait; at B their offsets must tile [0, B)
     plan = make_plan(mode="rollout", source_batch_size=2)
-    ch = Channel.create("trajfrag", collector="embodied_trajectory",
-                        dispatcher="embodied_trajectory", consumers={"actor": 1},
-                        options=plan.to_options())
-    channels.append(ch)
+    ch = trajectory_channel(channels, "trajfrag", plan, actors=1)
     policy, env = parts(plan, key())
     head, _ = policy.split([1, 1])
     k = policy.sources[0].key
@@ -181,10 +169,7 @@ def test_a_value_of_the_wrong_shape_is_refused_at_the_put(channels):
     # values are [B, 1] (per chunk) or [B, C] (per action): another shape is refused when put,
     # naming the field, and nothing the channel held is lost
     plan = make_plan(mode="rollout", source_batch_size=2, num_chunks=1, num_action_chunks=2)
-    ch = Channel.create("trajvalues", collector="embodied_trajectory",
-                        dispatcher="embodied_trajectory", consumers={"actor": 1},
-                        options=plan.to_options())
-    channels.append(ch)
+    ch = trajectory_channel(channels, "trajvalues", plan, actors=1)
     policy, env = parts(plan, key())
     wide = dataclasses.replace(policy.output, prev_values=torch.zeros(2, 3))
     with pytest.raises(HookError, match="output.prev_values") as info:
@@ -198,4 +183,13 @@ def test_a_value_of_the_wrong_shape_is_refused_at_the_put(channels):
     actor = Channel.connect("trajvalues", identity="actor:0")
     channels.append(actor)
     assert isinstance(actor.get(timeout=30), Trajectory)
+
+
+def trajectory_channel(channels: list, name: str, plan, actors: int) -> Channel:
+    """A channel ``name`` with the trajectory hooks of ``plan`` dealing to ``actors`` actors
+    (shut down by the ``channels`` fixture)."""
+    ch = Channel.create(name, collector="embodied_trajectory", dispatcher="embodied_trajectory",
+                        consumers={"actor": actors}, options=plan.to_options())
+    channels.append(ch)
+    return ch
 
