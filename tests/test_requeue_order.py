@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
+from zchannel.broker.core.waiters import take_heads
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.metrics import Counters
 from zchannel.broker.server.sessions import Sessions
@@ -100,3 +101,29 @@ def test_a_run_of_gets_served_at_once_goes_back_in_its_order(run_dir):
     assert [rid for rid, _, _ in out.records[-1].items] == [30, 31, 32, 33]
     sessions._end_client(consumer.address, sessions._out.pop(consumer.address).deliveries)
     assert [item.payload[0] for item in core.peek("k", 4)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_a_run_of_gets_of_several_keys_goes_back_to_each_key_in_its_order(run_dir):
+    """Gets of a ``gets`` record naming a key per get, served in one pass
+    (``waiters.take_heads``), are answered as entries of one ``items`` record in order, and
+    each delivery goes back to the head of its own key's queue."""
+    sessions, core = _broker_parts(run_dir)
+    producer = Client(address=b"producer")
+    consumer = Client(address=b"consumer", items=True)
+    sessions.clients.update({consumer.address: consumer, producer.address: producer})
+    for rid, (key, body) in enumerate((("k", b"a"), ("j", b"x"), ("k", b"b"), ("j", b"y")),
+                                      start=1):
+        core.put(producer, rid, key, _item(body), None, False)
+    # the fourth get finds "k" empty (its items went to the first and third): the run ends there
+    assert take_heads(core.waiters, consumer, [40, 41, 42, 43], ["k", "j", "k", "k"], 0) == 3
+    out = sessions._out[consumer.address]
+    assert [(rid, body) for rid, body, _ in out.records[-1].items] == [
+        (40, b"a"), (41, b"x"), (42, b"b")]
+    assert [(origin, [it.payload[0] for it in items]) for _, origin, items, _ in out.deliveries] \
+        == [(("k", None), [b"a"]), (("j", None), [b"x"]), (("k", None), [b"b"])]
+    assert (core.qsize("k"), core.qsize("j")) == (0, 1)
+
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address).deliveries)
+
+    assert [item.payload[0] for item in core.peek("k", 2)] == [b"a", b"b"]
+    assert [item.payload[0] for item in core.peek("j", 2)] == [b"x", b"y"]

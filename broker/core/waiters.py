@@ -47,8 +47,9 @@ log = logging.getLogger("zchannel.broker")
 # reply(client, rid, *, result=, error=, items=, batch=, lease=, origin=): the transport sends
 # the outcome of request ``rid`` to ``client`` (``sessions.Sessions.reply``, ``local._LocalBroker._reply``)
 SendReply = Callable[..., None]
-# ``(client, rids, items, origin)``: plain gets ``rids`` answered with ``items``, one each
-SendRun = Callable[[Client, list[int], list[Item], tuple[Any, str | None]], None]
+# ``(client, rids, items, origins)``: plain gets ``rids`` answered with ``items``, one each,
+# taken from the queues ``origins`` names (``(key, private consumer or None)``, one per item)
+SendRun = Callable[[Client, list[int], list[Item], list[tuple[Any, str | None]]], None]
 
 
 
@@ -400,20 +401,41 @@ def take_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
     return n
 
 
-def take_head(waiters: Waiters, client: Client, rid: int, key: Any) -> bool:
-    """The common case of a plain get ``rid`` (no ``ack``) of ``key`` as it came off the wire:
-    a str or int key whose shared queue holds items nobody else waits for, served at once as
-    ``Waiters.get`` would (``serve_head``); False, with nothing changed, in any other case (a
-    new key, dealing, waiting getters, a duplicate id: ``QueueCore.get`` then sees to it).
-    A key found among the queues' keys was checked when it was made."""
-    if type(key) is not str and type(key) is not int:
-        return False
-    ks = waiters.queues.keys.get(key)
-    if (ks is None or not ks.shared or ks.getters or waiters.hooks.deals
-            or rid in client.parked or (client.identity is not None and client.consumer is None)):
-        return False
-    waiters.serve_head(client, rid, ks)
-    return True
+def take_heads(waiters: Waiters, client: Client, rids: list[int], keys: list[Any],
+               start: int) -> int:
+    """The common case of plain gets (no ``ack``) of a ``gets`` record naming a key per get, as
+    they came off the wire: from ``rids[start]`` on, the gets of a str or int key whose shared
+    queue holds items nobody else waits for, served at once and in order as ``Waiters.get``
+    would serve each (``serve_head``), answered as one run; how many, stopping at the first
+    get of any other case (a new key, dealing, waiting getters, a duplicate id:
+    ``QueueCore.get`` then sees to it).  A key found among the queues' keys was checked when
+    it was made."""
+    if waiters.hooks.deals or (client.identity is not None and client.consumer is None):
+        return 0
+    known, parked = waiters.queues.keys, client.parked
+    items: list[Item] = []
+    states: list[KeyState] = []
+    end = start
+    for rid, key in zip(rids[start:], keys[start:], strict=True):
+        if type(key) is not str and type(key) is not int:
+            break
+        ks = known.get(key)
+        if ks is None or not ks.shared or ks.getters or rid in parked:
+            break
+        items.append(ks.shared.popleft())
+        states.append(ks)
+        end += 1
+    if items:
+        waiters.queues.bytes_held -= sum(item.nbytes for item in items)
+        if waiters.log is not None:
+            waiters.log.taken(items)
+        waiters.reply_run(client, rids[start:end], items, [(ks.key, None) for ks in states])
+        if waiters.putters:
+            waiters.admit_putters()
+        mark_idle = waiters.queues.mark_idle
+        for ks in states:
+            mark_idle(ks)
+    return end - start
 
 
 def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
@@ -437,10 +459,10 @@ def park_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState,
 
 
 def reply_each(reply: SendReply, client: Client, rids: list[int], items: list[Item],
-               origin: tuple[Any, str | None]) -> None:
+               origins: list[tuple[Any, str | None]]) -> None:
     """Answer plain gets ``rids`` with ``items``, one reply each, in order: the ``SendRun`` of a
     transport that has no way of its own to answer a run (``Waiters.reply_run``)."""
-    for rid, item in zip(rids, items, strict=True):
+    for rid, item, origin in zip(rids, items, origins, strict=True):
         reply(client, rid, items=[item], origin=origin)
 
 
@@ -494,7 +516,7 @@ def _answer_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState)
     waiters.queues.bytes_held -= sum(item.nbytes for item in items)
     if waiters.log is not None:
         waiters.log.taken(items)
-    waiters.reply_run(client, rids, items, (ks.key, None))
+    waiters.reply_run(client, rids, items, [(ks.key, None)] * len(items))
 
 
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:

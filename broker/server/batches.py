@@ -27,10 +27,10 @@ and the gets the queue does not cover are parked in order in one pass when nothi
 from waiting (no ``nowait``, a timeout above 0, no dealing, no ``max_bytes`` limit), also
 behind getters waiting already on an empty queue; any other get goes get by get.  Of a record
 naming a key per get (``ks``), each plain get of a str or int key whose shared queue holds
-items nobody else waits for is served at once (``waiters.take_head``), in order, the others
-get by get.  A record whose ids repeat, or name the record itself, or whose ``ks`` does not
-hold a key per id (or comes with ``k``), is refused whole (a ``ValueError`` reply to its id,
-none of its gets handled).
+items nobody else waits for is served at once (``waiters.take_heads``: consecutive such gets
+answered as one run), in order, the others get by get.  A record whose ids repeat, or name
+the record itself, or whose ``ks`` does not hold a key per id (or comes with ``k``), is
+refused whole (a ``ValueError`` reply to its id, none of its gets handled).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import logging
 from typing import Any
 
 from zchannel.broker.core.state import Client
-from zchannel.broker.core.waiters import take_head
+from zchannel.broker.core.waiters import take_heads
 from zchannel.broker.errors import KeyMoved
 from zchannel.broker.server.putrun import store_at_once
 from zchannel.broker.wire.argchecks import check_key, check_timeout
@@ -103,12 +103,17 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
         # each get of its own key, in order: the common case served at once, get by get
         quick = broker.replica is None and not rec.ack
         waiters = broker.core.waiters
-        for rid, key in zip(ids, keys, strict=True):
-            if quick and take_head(waiters, client, rid, key):
-                broker.counters.gets += 1
-                continue
-            one.key = key
-            _one_get(broker, client, one, rid)
+        at = 0
+        while at < len(ids):
+            if quick:
+                served = take_heads(waiters, client, ids, keys, at)
+                broker.counters.gets += served
+                at += served
+                if at == len(ids):
+                    break
+            one.key = keys[at]
+            _one_get(broker, client, one, ids[at])
+            at += 1
     else:
         served = _take_at_once(broker, client, rec)  # the common case, in one pass
         for rid in ids[served:] if served else ids:

@@ -64,6 +64,17 @@ def _add_items(out: Outbox, entries: list[tuple[int, bytes, int | None]]) -> int
     return made
 
 
+def _run_deliveries(client: Client, items: list[Item],
+                    origins: list[tuple[Any, str | None]]) -> list[tuple]:
+    """The deliveries of a run of gets answered with ``items`` from the queues ``origins``
+    names (handed back in order if the client cannot be reached): one for a run of one queue,
+    else one per item."""
+    first = origins[0]
+    if origins.count(first) == len(origins):
+        return [(client, first, items, None)]
+    return [(client, origin, [item], None) for origin, item in zip(origins, items, strict=True)]
+
+
 def _inline_bodies(items: list[Item]) -> list[bytes] | None:
     """The bodies of a get_batch's ``items`` when each is one frame of at most ``INLINE_BODY``
     bytes (not in shared memory), together at most ``MAX_INLINE_BATCH_BYTES``; else None."""
@@ -174,18 +185,19 @@ class Sessions:
             rec.result = result
         out.records.append(rec)
 
-    def reply_run(self, client: Client, rids: list[int], items: list[Item], origin: Any) -> None:
+    def reply_run(self, client: Client, rids: list[int], items: list[Item],
+                  origins: list[tuple[Any, str | None]]) -> None:
         """Queue the replies of plain gets ``rids`` served at once with ``items``, one each in
-        order, from ``origin``'s queue (``QueueCore.take_run``): for a client that reads
-        ``items`` records, small items as entries of the last one (or new ones) and the run as
-        one delivery (handed back in order if the client cannot be reached); else reply by
-        reply, as ``reply`` answers each."""
+        order, from the queues ``origins`` names (one per item; ``QueueCore.take_run``,
+        ``waiters.take_heads``): for a client that reads ``items`` records, small items as
+        entries of the last one (or new ones; ``_run_deliveries``); else reply by reply, as
+        ``reply`` answers each."""
         bodies = _inline_bodies(items) if client.items else None
         if bodies is None:
-            reply_each(self.reply, client, rids, items, origin)
+            reply_each(self.reply, client, rids, items, origins)
             return
         out = self._outbox(client.address)
-        out.deliveries.append((client, origin, items, None))
+        out.deliveries.extend(_run_deliveries(client, items, origins))
         self.counters.delivered += len(items)
         self.counters.item_records += _add_items(
             out, [(rid, body, None) for rid, body in zip(rids, bodies, strict=True)])
