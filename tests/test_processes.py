@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -115,6 +116,22 @@ def test_sigkill_broker_while_get_waits(channels):
         work.wait(timeout=60)
     with pytest.raises(BrokerUnavailable):
         ch.put("while down")
+
+
+def test_a_killed_broker_is_reaped_and_its_death_logged_by_its_creator(channels, caplog):
+    """The process that created a channel without a journal reaps its broker when it dies
+    (no zombie until ``shutdown``) and logs the exit status and what it means."""
+    ch = Channel.create("reaped")
+    channels.append(ch)
+    pid = ch.stats()["pid"]
+    with caplog.at_level(logging.WARNING, logger="zchannel.client"):
+        os.kill(pid, signal.SIGKILL)
+        # a zombie keeps its /proc entry until its parent reaps it
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60), \
+            "the creator left its killed broker a zombie"
+        assert wait_until(lambda: "reaped" in caplog.text, timeout=60)
+    assert f"(pid {pid}) exited with status -9: the items it held are lost" in caplog.text
+    ch.shutdown()  # nothing left to stop: returns at once, no error
 
 
 def test_broker_dies_with_its_creator(workers):

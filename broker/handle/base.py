@@ -69,7 +69,7 @@ class ChannelHandle:
         self._conn_lock = threading.Lock()
         self._closed = False
         self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
-        self._keeper: Any = None  # a durable channel's BrokerKeeper (handle/keeper.py)
+        self._keeper: Any = None  # the BrokerKeeper watching the broker it started (keeper.py)
         self.created = False
         _open_handles.add(self)
 

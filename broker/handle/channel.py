@@ -371,9 +371,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         except BaseException:
             spawned._kill_broker()
             raise
-        if config.get("journal") is not None:  # started again when it dies (handle/keeper.py)
-            spawned._keeper = BrokerKeeper(name, dict(config, address=real_address), proc,
-                                           spawned._broker_restarted)
+        # watched: reaped and logged when it dies, started again if durable (handle/keeper.py)
+        spawned._keeper = BrokerKeeper(name, dict(config, address=real_address), proc,
+                                       spawned._broker_restarted,
+                                       restart=config.get("journal") is not None)
         return spawned
 
     @classmethod

@@ -417,9 +417,10 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
         keys = replica_client_keys(curve_keys, r.server_key)
         sub = subs[i] = BrokerChannel(name, real_address, identity=identity,
                                       curve_keys=keys)._adopt(proc, token)
-        if config.get("journal") is not None:  # started again when it dies (handle/keeper.py)
-            sub._keeper = BrokerKeeper(f"{name}.replica{i}", dict(rconfig, address=real_address),
-                                       proc, sub._broker_restarted)
+        # watched: reaped and logged when it dies, started again if durable (handle/keeper.py)
+        sub._keeper = BrokerKeeper(f"{name}.replica{i}", dict(rconfig, address=real_address),
+                                   proc, sub._broker_restarted,
+                                   restart=config.get("journal") is not None)
 
     try:
         # the node's replicas start in parallel (each is a child process, as in create())

@@ -1,19 +1,25 @@
-"""``BrokerKeeper``: the process that created a durable channel's broker starts it again when it
-dies, on the same address and journal, so that nobody has to (``docs/durability.md``).
+"""``BrokerKeeper``: the process that created a channel's broker watches it; a durable channel's
+broker that dies is started again, on the same address and journal, so that nobody has to
+(``docs/durability.md``).
 
 A thread waits on the broker process.  When it exits without being asked to (SIGKILL, OOM, a
-crash; not ``shutdown()``), the keeper takes the channel lock the dead broker held and starts a
-broker with the same settings: it reads the journal back before it takes requests, and the
-handles, which say ``hello`` again every heartbeat interval while their broker is silent, resume
-by themselves (their calls in flight failed with ``BrokerUnavailable``).  A start that fails is
-tried again after 0.1 s, doubling up to 5 s; a broker that another process started meanwhile
-ends the keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
+crash; not ``shutdown()``), the keeper logs its exit status, which also reaps the process (no
+zombie is left until ``shutdown()``).  A channel without a journal ends the watch there: the
+items its broker held are gone, and its handles fail with ``BrokerUnavailable``.  For a durable
+channel the keeper takes the channel lock the dead broker held and starts a broker with the
+same settings: it reads the journal back before it takes requests, and the handles, which say
+``hello`` again every heartbeat interval while their broker is silent, resume by themselves
+(their calls in flight failed with ``BrokerUnavailable``).  A start that fails is tried again
+after 0.1 s, doubling up to 5 s; a broker that another process started meanwhile ends the
+keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -32,14 +38,16 @@ Restarted = Callable[[BrokerProcess, str], None]
 
 
 class BrokerKeeper:
-    """Watches the broker started by ``Channel.create(..., journal=DIR)`` and starts it again
-    when it dies (see the module docstring)."""
+    """Watches the broker started by ``Channel.create`` and, for a channel with a journal
+    (``restart``), starts it again when it dies (see the module docstring)."""
 
     def __init__(self, name: str, config: dict, proc: BrokerProcess,
-                 on_restart: Restarted) -> None:
+                 on_restart: Restarted, restart: bool = True) -> None:
         self.name = name
+        self.restart = restart
         self.config = dict(config)
         self.proc = proc
+        self._pidfd = _pidfd_of(proc)  # opened before anyone may reap it; the watch closes it
         self.restarts = 0
         self._on_restart = on_restart
         self._stopped = threading.Event()
@@ -56,8 +64,14 @@ class BrokerKeeper:
 
     def _watch(self) -> None:
         while True:
-            code = self.proc.wait()
+            code = _wait_exit(self.proc, self._pidfd)
+            self._pidfd = None
             if self._stopped.is_set():
+                return
+            if not self.restart:
+                log.warning("the broker of channel %r (pid %d) exited with status %s: the items "
+                            "it held are lost (a channel without a journal; "
+                            "docs/durability.md)", self.name, self.proc.pid, code)
                 return
             log.warning("the broker of durable channel %r (pid %d) exited with status %s: "
                         "starting it again on %s and its journal", self.name, self.proc.pid,
@@ -90,6 +104,7 @@ class BrokerKeeper:
                             stop_broker(proc)
                             return False
                         self.proc = proc
+                        self._pidfd = _pidfd_of(proc)
                         self.restarts += 1
                         self._on_restart(proc, token)
                     return True
@@ -102,3 +117,29 @@ class BrokerKeeper:
         """Wait for the watch to end (after ``stop`` and the broker's exit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _pidfd_of(proc: BrokerProcess) -> int | None:
+    """A pidfd of ``proc`` when it is this process's child (``subprocess.Popen``) and pidfds
+    exist; None otherwise (a forked broker's ``wait`` sleeps on its own exit pipe)."""
+    if not isinstance(proc, subprocess.Popen):
+        return None
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfds here, or it exited and was reaped already
+        return None
+
+
+def _wait_exit(proc: BrokerProcess, pidfd: int | None) -> int:
+    """Wait for ``proc`` to exit and reap it; its status.  A child's exit is awaited on
+    ``pidfd`` (closed here) first: a ``Popen.wait()`` blocked in ``waitpid`` holds the lock
+    ``shutdown``'s ``wait(timeout)`` and ``poll()`` need, which would then see the exit only by
+    polling."""
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll()
+        finally:
+            os.close(pidfd)
+    return proc.wait()
