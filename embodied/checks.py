@@ -30,11 +30,16 @@ def _rows(part: Any) -> int:
     return sum(source.size for source in part.sources)
 
 
+def _check_tensor(what: str, name: str, value: Any) -> None:
+    """``value`` is a tensor (``ValueError`` naming the field otherwise)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{what}: field '{name}' must be a tensor, got {type(value).__name__}")
+
+
 def _check_shape(what: str, name: str, value: Any, shape: tuple[int, ...]) -> None:
     if value is None:
         return
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{what}: field '{name}' must be a tensor, got {type(value).__name__}")
+    _check_tensor(what, name, value)
     if tuple(value.shape) != shape:
         raise ValueError(f"{what}: field '{name}' has shape {tuple(value.shape)}, expected "
                          f"{shape}")
@@ -115,8 +120,7 @@ def _check_value_shape(what: str, name: str, value: Any, B: int, C: int) -> None
     ``[B, C]`` (one per action)."""
     if value is None:
         return
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{what}: field '{name}' must be a tensor, got {type(value).__name__}")
+    _check_tensor(what, name, value)
     if tuple(value.shape) not in ((B, 1), (B, C)):
         raise ValueError(f"{what}: field '{name}' has shape {list(value.shape)}, expected "
                          f"[B, 1] or [B, C] = [{B}, 1] or [{B}, {C}] (B envs, C "
