@@ -416,11 +416,12 @@ def take_heads(waiters: Waiters, client: Client, rids: list[int], keys: list[Any
     items: list[Item] = []
     states: list[KeyState] = []
     end = start
-    for rid, key in zip(rids[start:], keys[start:], strict=True):
+    while end < len(rids):
+        key = keys[end]
         if type(key) is not str and type(key) is not int:
             break
         ks = known.get(key)
-        if ks is None or not ks.shared or ks.getters or rid in parked:
+        if ks is None or not ks.shared or ks.getters or rids[end] in parked:
             break
         items.append(ks.shared.popleft())
         states.append(ks)

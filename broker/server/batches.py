@@ -100,7 +100,8 @@ def get_run(broker: Any, client: Client, rec: GetRun, frames: list) -> None:
     broker.counters.get_runs += 1
     one = Get(id=0, key=rec.key, timeout=rec.timeout, nowait=rec.nowait, ack=rec.ack)
     if keys is not None:
-        # each get of its own key, in order: the common case served at once, get by get
+        # each get of its own key, in order: runs of the common case served at once
+        # (take_heads), every other get by the single-get handler at its place
         quick = broker.replica is None and not rec.ack
         waiters = broker.core.waiters
         at = 0
