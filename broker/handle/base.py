@@ -209,6 +209,8 @@ class ChannelHandle:
             proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             self._kill_broker()
+        if self._keeper is not None:  # its watch ends with the broker: no thread outlives this
+            self._keeper.join(timeout=10.0)
         if proc.poll() not in (None, 0) and self._name is not None:
             clean_after_dead_broker(self._name)  # killed: it removed nothing of its own
         self._proc = None
