@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import msgpack
@@ -132,6 +133,18 @@ def test_a_killed_broker_is_reaped_and_its_death_logged_by_its_creator(channels,
         assert wait_until(lambda: "reaped" in caplog.text, timeout=60)
     assert f"(pid {pid}) exited with status -9: the items it held are lost" in caplog.text
     ch.shutdown()  # nothing left to stop: returns at once, no error
+    assert "zchannel-keeper-reaped" not in [t.name for t in threading.enumerate()]
+
+
+def test_shutdown_leaves_no_thread_watching_the_broker(channels):
+    """The creator watches its broker from a thread (reaping it if it dies); ``shutdown``
+    returns only once that watch ended."""
+    ch = Channel.create("watched")
+    channels.append(ch)
+    assert "zchannel-keeper-watched" in [t.name for t in threading.enumerate()]
+    ch.put(b"x")
+    ch.shutdown()
+    assert "zchannel-keeper-watched" not in [t.name for t in threading.enumerate()]
 
 
 def test_broker_dies_with_its_creator(workers):
