@@ -127,3 +127,25 @@ def test_a_run_of_gets_of_several_keys_goes_back_to_each_key_in_its_order(run_di
 
     assert [item.payload[0] for item in core.peek("k", 2)] == [b"a", b"b"]
     assert [item.payload[0] for item in core.peek("j", 2)] == [b"x", b"y"]
+
+
+def test_a_getter_waiting_on_a_key_takes_its_handed_back_items_in_order(run_dir):
+    """Deliveries of one key made in one turn (a keyed run over k, j, k) go back to a key on
+    which another client waits: that getter takes the key's first item, not its last (the
+    getters of a key are served once all its items are back)."""
+    sessions, core = _broker_parts(run_dir)
+    producer = Client(address=b"producer")
+    consumer = Client(address=b"consumer", items=True)
+    other = Client(address=b"other")
+    sessions.clients.update({c.address: c for c in (producer, consumer, other)})
+    for rid, (key, body) in enumerate((("k", b"a"), ("j", b"x"), ("k", b"b")), start=1):
+        core.put(producer, rid, key, _item(body), None, False)
+    assert take_heads(core.waiters, consumer, [41, 42, 43], ["k", "j", "k"], 0) == 3
+    core.get(other, 7, "k", None, False)  # k is empty now: the get waits
+    assert 7 in other.parked
+
+    sessions._end_client(consumer.address, sessions._out.pop(consumer.address).deliveries)
+
+    assert [(rec.id, rec.body) for rec in sessions._out[other.address].records] == [(7, b"a")]
+    assert [item.payload[0] for item in core.peek("k", 2)] == [b"b"]
+    assert [item.payload[0] for item in core.peek("j", 2)] == [b"x"]

@@ -217,24 +217,22 @@ class QueueCore:
 
     def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
                 lease_id: int | None) -> None:
-        """A delivery could not reach ``client``: its items go back to the head of their queue
-        (also the items a durable channel's journal held when its broker started)."""
-        key, consumer = origin
-        lease = self.lease_book.find(lease_id)
-        if lease is not None:
-            self.lease_book.end(lease)
-        else:
-            for item in items:
-                self.queues.bytes_held += item.nbytes
-            if self.log is not None:
-                self.log.returned(items)
-        ks = self.queues.state(key)
-        if consumer is not None and not self.roster.known(consumer):
-            for item in items:
-                self._redeal(ks, item, consumer)
-        else:
-            ks.put_back(self.queues.queue(ks, consumer), items)
-        self.waiters.serve(ks)
+        """A delivery could not reach ``client``: ``hand_back`` of that one delivery."""
+        self.hand_back([(client, origin, items, lease_id)])
+
+    def hand_back(self, deliveries: list[tuple]) -> None:
+        """Deliveries that could not reach their client (``(client, origin, items, lease id)``
+        in the order they were made; also the items a durable channel's journal held when its
+        broker started): their items go back to the head of their queues, the last first, so
+        that each queue has them in the order it gave them; then the getters waiting on those
+        keys are served, each key once (served after each, a getter would take a later item
+        before an earlier one of its key)."""
+        touched: dict[int, KeyState] = {}
+        for _, origin, items, lease_id in reversed(deliveries):
+            ks = _put_back(self, origin, items, lease_id)
+            touched[id(ks)] = ks
+        for ks in reversed(touched.values()):  # the queue of the first delivery first
+            self.waiters.serve(ks)
 
     # -- consumers and leases --------------------------------------------------------------------
 
@@ -347,6 +345,28 @@ class QueueCore:
             "uptime_s": round(time.time() - self.started, 3),
             **self.hooks.stats(),
         }
+
+
+def _put_back(core: QueueCore, origin: tuple[Any, str | None], items: list[Item],
+              lease_id: int | None) -> KeyState:
+    """The items of one delivery that did not reach its client back at the head of the queue
+    ``origin`` names (dealt again if its consumer left), its lease ended; their key's state."""
+    key, consumer = origin
+    lease = core.lease_book.find(lease_id)
+    if lease is not None:
+        core.lease_book.end(lease)
+    else:
+        for item in items:
+            core.queues.bytes_held += item.nbytes
+        if core.log is not None:
+            core.log.returned(items)
+    ks = core.queues.state(key)
+    if consumer is not None and not core.roster.known(consumer):
+        for item in items:
+            core._redeal(ks, item, consumer)
+    else:
+        ks.put_back(core.queues.queue(ks, consumer), items)
+    return ks
 
 
 def _duplicate_id(rid: int) -> ValueError:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
 from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.host.procs import process_running
 from zchannel.broker.server import rundir
 from zchannel.broker.server.starting import BrokerProcess, stop_broker
 from zchannel.broker.transport.curve import client_keys
@@ -199,20 +200,25 @@ class ChannelHandle:
             self._keeper.stop()  # a broker stopped on purpose is not started again
         proc = self._proc
         try:
-            if proc.poll() is None and not self._closed:
+            # poll() says None while the keeper's thread reaps a dead broker (it holds Popen's
+            # waitpid lock): one that exited (a zombie) is not asked to stop
+            if proc.poll() is None and process_running(proc.pid) and not self._closed:
                 self._request_shutdown(self._token, timeout=5.0)
-        except (ChannelError, TimeoutError):
-            pass
+        except (ChannelError, TimeoutError) as exc:  # it died meanwhile: it stopped already
+            exc.__traceback__ = None  # its frames refer back to it: no cycle left for the GC
         self._closed = True
         self._give_back(settle_puts=False, withdraw=False, bye=False)  # the broker stops
         try:
             proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             self._kill_broker()
-        if self._keeper is not None:  # its watch ends with the broker: no thread outlives this
-            self._keeper.join(timeout=10.0)
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:  # its watch ends with the broker: no thread outlives this
+            keeper.join(timeout=10.0)
         if proc.poll() not in (None, 0) and self._name is not None:
-            clean_after_dead_broker(self._name)  # killed: it removed nothing of its own
+            # killed: it removed nothing of its own (its socket files too, wherever they are:
+            # a replica's are outside the channel's default place)
+            clean_after_dead_broker(self._name, (self.address,))
         self._proc = None
         self._stopped_broker = True
 

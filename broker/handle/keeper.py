@@ -5,7 +5,10 @@ broker that dies is started again, on the same address and journal, so that nobo
 A thread waits on the broker process.  When it exits without being asked to (SIGKILL, OOM, a
 crash; not ``shutdown()``), the keeper logs its exit status, which also reaps the process (no
 zombie is left until ``shutdown()``).  A channel without a journal ends the watch there: the
-items its broker held are gone, and its handles fail with ``BrokerUnavailable``.  For a durable
+items its broker held are gone (a warning says so; an exit with status 0, a stop with the
+broker's shutdown token, is noted at INFO), and its handles fail with ``BrokerUnavailable``.
+The keeper refers to the handle it tells of a restart weakly: its thread keeps no handle
+alive.  For a durable
 channel the keeper takes the channel lock the dead broker held and starts a broker with the
 same settings: it reads the journal back before it takes requests, and the handles, which say
 ``hello`` again every heartbeat interval while their broker is silent, resume by themselves
@@ -22,6 +25,7 @@ import select
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from zchannel.broker.errors import BrokerStartError
@@ -49,7 +53,8 @@ class BrokerKeeper:
         self.proc = proc
         self._pidfd = _pidfd_of(proc)  # opened before anyone may reap it; the watch closes it
         self.restarts = 0
-        self._on_restart = on_restart
+        # weak: the keeper's thread must not keep the handle it reports to alive
+        self._on_restart = weakref.WeakMethod(on_restart)
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name=f"zchannel-keeper-{name}",
@@ -69,9 +74,13 @@ class BrokerKeeper:
             if self._stopped.is_set():
                 return
             if not self.restart:
-                log.warning("the broker of channel %r (pid %d) exited with status %s: the items "
-                            "it held are lost (a channel without a journal; "
-                            "docs/durability.md)", self.name, self.proc.pid, code)
+                if code == 0:  # stopped on request (its shutdown token: zchannel broker stop)
+                    log.info("the broker of channel %r (pid %d) stopped", self.name,
+                             self.proc.pid)
+                else:
+                    log.warning("the broker of channel %r (pid %d) exited with status %s: the "
+                                "items it held are lost (a channel without a journal; "
+                                "docs/durability.md)", self.name, self.proc.pid, code)
                 return
             log.warning("the broker of durable channel %r (pid %d) exited with status %s: "
                         "starting it again on %s and its journal", self.name, self.proc.pid,
@@ -106,7 +115,9 @@ class BrokerKeeper:
                         self.proc = proc
                         self._pidfd = _pidfd_of(proc)
                         self.restarts += 1
-                        self._on_restart(proc, token)
+                        on_restart = self._on_restart()
+                        if on_restart is not None:  # (its handle is gone: nobody to tell)
+                            on_restart(proc, token)
                     return True
             if self._stopped.wait(delay):
                 return False

@@ -289,9 +289,7 @@ class Sessions:
         requests, holds)."""
         client = self.clients.pop(address, None)
         self.last_sent.pop(address, None)
-        # the last first: each goes back in front of the ones after it
-        for c, origin, items, lease in reversed(unsent):
-            self._core().requeue(c, origin, items, lease)
+        self._core().hand_back(unsent)  # each queue keeps its order
         if client is not None:
             self.client_gone(client)
         return client
