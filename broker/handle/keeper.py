@@ -7,14 +7,13 @@ crash; not ``shutdown()``), the keeper logs its exit status, which also reaps th
 zombie is left until ``shutdown()``).  A channel without a journal ends the watch there: the
 items its broker held are gone (a warning says so; an exit with status 0, a stop with the
 broker's shutdown token, is noted at INFO), and its handles fail with ``BrokerUnavailable``.
-The keeper refers to the handle it tells of a restart weakly: its thread keeps no handle
-alive.  For a durable
-channel the keeper takes the channel lock the dead broker held and starts a broker with the
-same settings: it reads the journal back before it takes requests, and the handles, which say
-``hello`` again every heartbeat interval while their broker is silent, resume by themselves
-(their calls in flight failed with ``BrokerUnavailable``).  A start that fails is tried again
-after 0.1 s, doubling up to 5 s; a broker that another process started meanwhile ends the
-keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
+The keeper refers to the handle it tells of a restart weakly: its thread keeps no handle alive.
+For a durable channel the keeper takes the channel lock the dead broker held and starts a
+broker with the same settings: it reads the journal back before it takes requests, and the
+handles, which say ``hello`` again every heartbeat interval while their broker is silent,
+resume by themselves (their calls in flight failed with ``BrokerUnavailable``).  A start that
+fails is tried again after 0.1 s, doubling up to 5 s; a broker that another process started
+meanwhile ends the keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
 """
 
 from __future__ import annotations
