@@ -3,8 +3,8 @@
 ``check_env_part`` / ``check_policy_part`` raise ``ValueError("<Part> <key>: field '<name>' ...")``
 for a key outside the plan, a missing required field, a tensor whose shape does not fit
 ``[B, C]`` / ``[B, D]`` (values: ``[B, 1]`` or ``[B, C]``), non-finite ``transition.rewards`` or
-a non-finite policy action.  They
-change nothing, so a rejected part loses nothing else in flight.
+a non-finite policy action.  They change nothing, so a rejected part loses nothing else in
+flight.
 """
 
 from __future__ import annotations

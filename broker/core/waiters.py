@@ -427,10 +427,7 @@ def take_heads(waiters: Waiters, client: Client, rids: list[int], keys: list[Any
         states.append(ks)
         end += 1
     if items:
-        waiters.queues.bytes_held -= sum(item.nbytes for item in items)
-        if waiters.log is not None:
-            waiters.log.taken(items)
-        waiters.reply_run(client, rids[start:end], items, [(ks.key, None) for ks in states])
+        _answer_taken(waiters, client, rids[start:end], items, [(ks.key, None) for ks in states])
         if waiters.putters:
             waiters.admit_putters()
         mark_idle = waiters.queues.mark_idle
@@ -514,10 +511,18 @@ def _answer_run(waiters: Waiters, client: Client, rids: list[int], ks: KeyState)
     queue, in order, as one run (``reply_run``)."""
     popleft = ks.shared.popleft
     items = [popleft() for _ in rids]
+    _answer_taken(waiters, client, rids, items, [(ks.key, None)] * len(items))
+
+
+def _answer_taken(waiters: Waiters, client: Client, rids: list[int], items: list[Item],
+                  origins: list[tuple[Any, str | None]]) -> None:
+    """Answer plain gets ``rids`` of ``client`` with ``items``, taken from the queues
+    ``origins`` names, as one run (``reply_run``): they leave the bytes held, and a durable
+    channel's journal is told they were taken."""
     waiters.queues.bytes_held -= sum(item.nbytes for item in items)
     if waiters.log is not None:
         waiters.log.taken(items)
-    waiters.reply_run(client, rids, items, [(ks.key, None)] * len(items))
+    waiters.reply_run(client, rids, items, origins)
 
 
 def batch_take(queue: deque[Item], target: int | float, final: bool) -> int:
