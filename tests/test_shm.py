@@ -18,7 +18,7 @@ from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel, shm
 from zchannel.broker.shm.pool import SLOT_WAIT_CUT
 from zchannel.broker.shm.segment import Segment
-from zchannel.broker.wire import codec
+from zchannel.broker.wire import arrays
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +41,7 @@ def _raw(nbytes: int, seed: int) -> np.ndarray:
 
 def _np_values() -> list[np.ndarray]:
     out = []
-    for i, (_name, dtype) in enumerate(sorted(codec._NP_DTYPES.items())):
+    for i, (_name, dtype) in enumerate(sorted(arrays.NP_DTYPES.items())):
         raw = _raw(2 * T, i)
         if dtype.kind == "b":
             raw %= 2
@@ -52,9 +52,9 @@ def _np_values() -> list[np.ndarray]:
 
 
 def _torch_values() -> list[torch.Tensor]:
-    codec._torch()
+    arrays.torch_module()
     out = []
-    for i, (_name, dtype) in enumerate(sorted(codec._TORCH_DTYPES.items())):
+    for i, (_name, dtype) in enumerate(sorted(arrays.TORCH_DTYPES.items())):
         raw = torch.from_numpy(_raw(2 * T, 100 + i))
         if dtype == torch.bool:
             raw %= 2

@@ -45,7 +45,7 @@ from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct_broker
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
 from zchannel.broker.transport.sockets import recv_message
-from zchannel.broker.wire import codec
+from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.classtags import register_paths
 from zchannel.broker.wire.protocol import (
     BYE,
@@ -145,7 +145,7 @@ class Broker:
         self.sched_policy = "other"  # the loop's scheduling policy once serving (stats)
         _load_classes(config)
         if config.allowed_dtypes is not None or config.max_rank is not None:
-            codec.restrict(config.allowed_dtypes, config.max_rank)
+            arrays.restrict(config.allowed_dtypes, config.max_rank)
         self.replica = None  # distributed: this broker is one replica (cluster/replica.py)
         self.handlers = HANDLERS
         lock_name = config.name
@@ -201,7 +201,7 @@ class Broker:
         if not hooks.passthrough or (hooks.deals and hooks.dispatcher.needs_item):
             # A hook decodes items: import torch before serving, not on the first tensor (that
             # takes seconds on a loaded machine, long enough for clients to miss heartbeats).
-            codec.preload()
+            arrays.preload()
         self.sessions.core = self.core
         if config.journal is not None:  # a durable channel (broker/journal/)
             self.journal = open_journal(config, self.lock_name, self.core, self.sessions)

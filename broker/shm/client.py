@@ -28,7 +28,7 @@ from zchannel.broker.shm.segment import (
     SHM_DIR,
     Segment,
 )
-from zchannel.broker.wire import codec
+from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
 OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
@@ -278,11 +278,11 @@ def empty_array(pool: Pool | None, shape: Any, dtype: Any) -> Any:
     dims = _dims(shape)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
-        nbytes = math.prod(dims) * codec.tensor_itemsize(dtype)
+        nbytes = math.prod(dims) * arrays.tensor_itemsize(dtype)
         view = pool.lend(nbytes) if pool is not None else None
         if view is None:
             return torch.empty(dims, dtype=dtype)
-        return codec.tensor_over(view, dtype, dims)
+        return arrays.tensor_over(view, dtype, dims)
     try:
         kind = np.dtype(dtype)
     except TypeError:

@@ -49,15 +49,27 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import struct
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
+from zchannel.broker.wire.arrays import (
+    NP_DTYPES,
+    array_layout,
+    array_payload,
+    check_dtype,
+    is_size,
+    is_tensor,
+    numpy_of,
+    restore_device,
+    tensor_bytes,
+    tensor_head,
+    tensor_over,
+    tensor_payload,
+    torch_module,
+)
 from zchannel.broker.wire.classtags import (
     CLS_TO_TAG,
     PUBLISHED_PENDING,
@@ -69,7 +81,6 @@ from zchannel.broker.wire.classtags import (
 )
 
 INLINE_LIMIT = 64 * 1024
-MAX_RANK = 32
 
 EXT_TUPLE, EXT_NDARRAY, EXT_TENSOR, EXT_DATACLASS, EXT_NPSCALAR, EXT_BYTES = 1, 2, 3, 4, 5, 6
 EXT_SET, EXT_FROZENSET, EXT_COMPLEX, EXT_BIGINT, EXT_SIZE, EXT_ENUM = 7, 8, 9, 10, 11, 12
@@ -84,68 +95,6 @@ def too_deep(what: str) -> str:
     """The error message for an item nested deeper than ``MAX_DEPTH``."""
     return (f"cannot {what} item: tuples, sets, frozensets and dataclasses nested deeper than "
             f"the depth limit of {MAX_DEPTH} (docs/values.md)")
-
-# numpy dtypes allowed on the wire: numeric and bool, either byte order.
-_NP_DTYPES: dict[str, np.dtype] = {}
-for _code in ("b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16"):
-    for _order in ("<", ">", "|"):
-        _dt = np.dtype(_order + _code) if _code[1:] != "1" or _order == "|" else None
-        if _dt is not None:
-            _NP_DTYPES[_dt.str] = _dt
-
-_TORCH_DTYPE_NAMES = (
-    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 "
-    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
-).split()
-_TORCH_DTYPES: dict[str, Any] = {}
-_TORCH_DTYPE_NAME: dict[Any, str] = {}
-_TORCH_ITEMSIZE: dict[Any, int] = {}  # torch dtype -> bytes per element
-_TORCH_NUMPY: dict[Any, np.dtype] = {}  # torch dtype -> numpy dtype, where numpy has one
-_torch_tables = False  # the tables above are built (restrict() may empty _TORCH_DTYPES later)
-
-
-def preload() -> None:
-    """Import torch now (decoding imports it lazily on the first tensor)."""
-    try:
-        _torch()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-
-
-def _torch() -> Any:
-    """torch, imported on first use (a broker that never decodes a tensor never imports it)."""
-    import torch
-
-    global _torch_tables
-    if not _torch_tables:
-        with warnings.catch_warnings():  # "ComplexHalf support is experimental"
-            warnings.simplefilter("ignore")
-            for name in _TORCH_DTYPE_NAMES:
-                if hasattr(torch, name):
-                    dtype = getattr(torch, name)
-                    _TORCH_DTYPES[name] = dtype
-                    _TORCH_DTYPE_NAME[dtype] = name
-                    probe = torch.empty(0, dtype=dtype)
-                    _TORCH_ITEMSIZE[dtype] = probe.element_size()
-                    try:
-                        _TORCH_NUMPY[dtype] = probe.numpy().dtype
-                    except (TypeError, RuntimeError):
-                        pass  # bfloat16, float8, complex32: no numpy dtype
-        _torch_tables = True
-    return torch
-
-
-def is_tensor(obj: Any) -> bool:
-    """Whether ``obj`` is a torch tensor (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def is_size(obj: Any) -> bool:
-    """Whether ``obj`` is a ``torch.Size`` (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Size)
-
 
 def bigint_bytes(value: int) -> bytes:
     """The payload of an ``EXT_BIGINT``: ``value`` in big-endian two's complement."""
@@ -178,44 +127,11 @@ def refuse(obj: Any) -> NoReturn:
 # Encoding
 
 
-def tensor_dtype_name(t: Any) -> str:
-    """The wire name of tensor ``t``'s dtype; ``TypeError`` for a tensor that cannot travel."""
-    torch = _torch()
-    name = _TORCH_DTYPE_NAME.get(t.dtype)
-    if name is None:
-        raise TypeError(f"torch dtype {t.dtype} cannot be sent")
-    if t.layout != torch.strided:
-        raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
-    if t.is_meta:
-        raise TypeError("cannot send a tensor on the meta device: it has no data")
-    return name
-
-
 def check_array(obj: Any) -> None:
     """``TypeError`` for a numpy array or scalar that cannot travel."""
     if type(obj) is not np.ndarray and isinstance(obj, np.ma.MaskedArray):
         refuse(obj)
-    if obj.dtype.str not in _NP_DTYPES:
-        what = "numpy dtype" if isinstance(obj, np.ndarray) else "numpy scalar of dtype"
-        raise TypeError(f"{what} {obj.dtype} cannot be sent (numeric and bool dtypes only)")
-
-
-def _tensor_bytes(t: Any, device: str) -> np.ndarray:
-    """A flat uint8 numpy view of a tensor's data (on ``device``, ``str(t.device)``): copied to
-    the CPU and made contiguous once if needed."""
-    torch = _torch()
-    if t.requires_grad:
-        t = t.detach()
-    if device != "cpu":
-        t = t.cpu()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.contiguous()
-    if t.dtype in _TORCH_NUMPY:  # numpy's reshape and view cost a third of torch's
-        return t.numpy().reshape(-1).view(np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    check_dtype(obj)
 
 
 def _small_buffer() -> dict[str, int]:
@@ -252,7 +168,10 @@ class _Encoder:
         unpacker's) refuses everything the unpacker would.  An item that is a memoryview
         travels as its bytes, in C order when it is not C-contiguous (msgpack packs only
         contiguous ones: inside an item, such a view is a ``TypeError``)."""
-        if type(obj) is memoryview and not obj.c_contiguous:
+        kind = type(obj)
+        if kind is np.ndarray or kind.__module__ == "torch" and is_tensor(obj):
+            return _plain_packer.pack(self.default(obj))  # nothing inside to nest
+        if kind is memoryview and not obj.c_contiguous:
             obj = obj.tobytes()
         return msgpack.Packer(default=self.default, **_PACKER_ARGS).pack([obj])[1:]
 
@@ -273,35 +192,34 @@ class _Encoder:
         self.buffers.append(data)
         return len(self.buffers) - 1
 
-    def array_loc(self, data: Any, nbytes: int) -> Any:
-        """``loc`` of an array's or tensor's bytes: a shared-memory slot ``[i]`` when the
-        allocator takes it (same host, above its threshold, a free slot), else ``loc``."""
-        if self.shm is not None and nbytes >= INLINE_LIMIT:
-            ref = self.shm(data, nbytes)
+    def array_loc(self, arr: np.ndarray) -> Any:
+        """``loc`` of a C-contiguous array's bytes (an array's or a tensor's): a shared-memory
+        slot ``[i]`` when the allocator takes it (same host, above its threshold, a free slot),
+        else ``loc``."""
+        nbytes = arr.nbytes
+        if nbytes < INLINE_LIMIT:
+            return arr.tobytes()
+        if self.shm is not None:
+            ref = self.shm(arr, nbytes)
             if ref is not None:
                 self.refs.append(ref)
                 return [len(self.refs) - 1]
-        return self.loc(data, nbytes)
+        self.buffers.append(arr)
+        return len(self.buffers) - 1
 
     def default(self, obj: Any) -> Any:
         if type(obj) is tuple:  # the commonest ext: no subclass question to ask
             return self.nest(EXT_TUPLE, list(obj))
-        if is_tensor(obj):
-            name = tensor_dtype_name(obj)
-            shape = list(obj.shape)
-            device = str(obj.device)
-            raw = _tensor_bytes(obj, device)
-            return msgpack.ExtType(
-                EXT_TENSOR, self.pack([name, shape, self.array_loc(raw, raw.nbytes), device])
-            )
         if isinstance(obj, np.ndarray):
-            check_array(obj)
+            if type(obj) is not np.ndarray:
+                check_array(obj)  # (array_payload checks a plain array's dtype)
             # (np.ascontiguousarray would make a 0-d array 1-d)
             arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
-            return msgpack.ExtType(
-                EXT_NDARRAY,
-                self.pack([arr.dtype.str, list(arr.shape), self.array_loc(arr, arr.nbytes)]),
-            )
+            return msgpack.ExtType(EXT_NDARRAY, array_payload(arr, self.array_loc(arr)))
+        if is_tensor(obj):
+            head = tensor_head(obj)  # (checks the tensor before its bytes are taken)
+            return msgpack.ExtType(EXT_TENSOR,
+                                   tensor_payload(head, self.array_loc(tensor_bytes(obj))))
         tag = CLS_TO_TAG.get(type(obj))
         if tag is not None:
             if isinstance(obj, enum.Enum):
@@ -417,38 +335,6 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
 # Decoding
 
 
-def restrict(dtypes: list[str] | None = None, max_rank: int | None = None) -> None:
-    """Narrow what this process decodes (a broker's ``allowed_dtypes`` / ``max_rank`` limits).
-
-    ``dtypes`` names numpy ``dtype.str`` values (``"<f4"``) and/or torch dtype names
-    (``"bfloat16"``); anything outside the built-in allow-lists is a ``ValueError``.
-    """
-    global MAX_RANK
-    if max_rank is not None:
-        if not 0 <= max_rank <= 32:
-            raise ValueError("max_rank must be in [0, 32]")
-        MAX_RANK = max_rank
-    if dtypes is not None:
-        _torch()
-        unknown = [d for d in dtypes if d not in _NP_DTYPES and d not in _TORCH_DTYPES]
-        if unknown:
-            raise ValueError(f"allowed_dtypes: unknown or not allowed dtypes {unknown}")
-        for table in (_NP_DTYPES, _TORCH_DTYPES):
-            for name in [d for d in table if d not in dtypes]:
-                del table[name]
-        for dtype in [d for d, n in _TORCH_DTYPE_NAME.items() if n not in dtypes]:
-            del _TORCH_DTYPE_NAME[dtype]
-
-
-def _check_shape(shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, list) or len(shape) > MAX_RANK:
-        raise ValueError(f"array shape must be a list of at most {MAX_RANK} ints")
-    for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"invalid array dimension {dim!r}")
-    return tuple(shape)
-
-
 def _leaf_ext(code: int, data: bytes) -> Any:
     """The ext types a descriptor may hold: a big int (a ``Flag`` member's value) only."""
     if code == EXT_BIGINT:
@@ -554,46 +440,24 @@ def _read_ndarray(dec: _Decoder, data: bytes) -> np.ndarray:
     value = _unpack_leaf(data)
     if not (isinstance(value, list) and len(value) == 3):
         raise ValueError("malformed array descriptor")
-    dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-    if dtype is None:
-        raise ValueError(f"array dtype {value[0]!r} is not allowed")
-    shape = _check_shape(value[1])
-    nbytes = math.prod(shape) * dtype.itemsize
-    return dec.raw(value[2], nbytes).view(dtype).reshape(shape)
+    dtype, shape, nbytes = array_layout(value[0], value[1], tensor=False)
+    loc = value[2]
+    if type(loc) is bytes and len(loc) == nbytes:  # inline: an array of its own, in one call
+        return np.ndarray(shape, dtype, bytearray(loc))
+    return dec.raw(loc, nbytes).view(dtype).reshape(shape)
 
 
 def _read_tensor(dec: _Decoder, data: bytes) -> Any:
     value = _unpack_leaf(data)
     if not (isinstance(value, list) and len(value) == 4):
         raise ValueError("malformed tensor descriptor")
-    _torch()
-    dtype = _TORCH_DTYPES.get(value[0]) if isinstance(value[0], str) else None
-    if dtype is None:
-        raise ValueError(f"tensor dtype {value[0]!r} is not allowed")
-    shape = _check_shape(value[1])
-    raw = dec.raw(value[2], math.prod(shape) * _TORCH_ITEMSIZE[dtype])
-    return _restore_device(tensor_over(raw, dtype, shape), value[3])
-
-
-def tensor_itemsize(dtype: Any) -> int:
-    """Bytes per element of torch ``dtype`` (from the table built once; a dtype outside it is
-    probed)."""
-    torch = _torch()
-    size = _TORCH_ITEMSIZE.get(dtype)
-    return size if size is not None else int(torch.empty(0, dtype=dtype).element_size())
-
-
-def tensor_over(raw: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """A CPU tensor of torch ``dtype`` and ``shape`` sharing the memory of ``raw`` (a flat uint8
-    array of exactly its bytes): one torch call where numpy has the dtype (view and reshape in
-    numpy cost a third of torch's)."""
-    torch = _torch()
-    np_dtype = _TORCH_NUMPY.get(dtype)
-    if np_dtype is not None:
-        return torch.from_numpy(raw.view(np_dtype).reshape(shape))
-    tensor = torch.from_numpy(raw)
-    tensor = tensor.view(dtype) if raw.size else torch.empty(0, dtype=dtype)
-    return tensor.reshape(shape)
+    dtype, shape, nbytes = array_layout(value[0], value[1], tensor=True)
+    loc, np_dtype = value[2], numpy_of(dtype)
+    if type(loc) is bytes and len(loc) == nbytes and np_dtype is not None:  # as an array's
+        tensor = torch_module().from_numpy(np.ndarray(shape, np_dtype, bytearray(loc)))
+    else:
+        tensor = tensor_over(dec.raw(loc, nbytes), dtype, shape)
+    return restore_device(tensor, value[3])
 
 
 def _read_dataclass(dec: _Decoder, data: bytes) -> Any:
@@ -612,7 +476,7 @@ def _read_npscalar(dec: _Decoder, data: bytes) -> Any:
     value = _unpack_leaf(data)
     if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
         raise ValueError("malformed numpy scalar")
-    dtype = _NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
+    dtype = NP_DTYPES.get(value[0]) if isinstance(value[0], str) else None
     if dtype is None:
         raise ValueError(f"numpy scalar dtype {value[0]!r} is not allowed")
     if len(value[1]) != dtype.itemsize:
@@ -667,7 +531,7 @@ def _read_size(dec: _Decoder, data: bytes) -> Any:
         type(d) is int and INT_MIN <= d < 2**63 for d in value
     ):
         raise ValueError("malformed torch.Size: not an array of 64-bit ints")
-    return _torch().Size(value)
+    return torch_module().Size(value)
 
 
 def _read_enum(dec: _Decoder, data: bytes) -> enum.Enum:
@@ -694,23 +558,6 @@ _EXT_READERS: dict[int, Callable[[_Decoder, bytes], Any]] = {
     EXT_SIZE: _read_size,
     EXT_ENUM: _read_enum,
 }
-
-
-def _restore_device(tensor: Any, device: Any) -> Any:
-    torch = _torch()
-    if not isinstance(device, str) or len(device) > 32:
-        raise ValueError("malformed tensor device")
-    kind = device.partition(":")[0]
-    if kind == "cpu":
-        return tensor
-    backend = getattr(torch, kind, None)
-    is_available = getattr(backend, "is_available", None)
-    if is_available is None or not is_available():
-        return tensor  # no such device here: the tensor stays on the CPU
-    try:
-        return tensor.to(device)
-    except (RuntimeError, ValueError):
-        return tensor.to(kind)
 
 
 _UNSET = object()  # a dataclass field never set

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from zchannel.broker.wire import codec
+from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.classtags import CLS_TO_TAG, PUBLISHED_PENDING, published_tag
 
 WALK_DEPTH = 128  # containers of any kind; deeper items are encoded and decoded instead
@@ -62,7 +62,7 @@ def _form(obj: Any, level: int, nest: int) -> Any:
         return _array(obj)
     torch = sys.modules.get("torch")  # (not imported: no tensor can exist)
     if torch is not None and isinstance(obj, torch.Tensor):
-        codec.tensor_dtype_name(obj)
+        arrays.tensor_dtype_name(obj)
         if kind is not torch.Tensor or obj.requires_grad:
             obj = obj.detach().as_subclass(torch.Tensor)
         return obj if obj.is_contiguous() else obj.contiguous()
@@ -76,7 +76,7 @@ def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
     if kind in CLS_TO_TAG:
         return obj if isinstance(obj, enum.Enum) else _dataclass(obj, level, _nest(nest))
     if isinstance(obj, tuple):
-        if codec.is_size(obj):
+        if arrays.is_size(obj):
             size = sys.modules["torch"].Size
             return obj if kind is size else size(obj)
         return _sequence(obj, tuple, level, _nest(nest))
