@@ -75,6 +75,22 @@ def test_channel_with_zmq_baseline_writes_json(tmp_path):
     assert row["rss_peak_mb"] > 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ptype", ["tensor", "tensor_dict"])
+def test_the_mp_baseline_carries_tensors_as_torch_shares_them(tmp_path, ptype):
+    """With torch imported, multiprocessing.Queue sends a tensor's memory as a descriptor its
+    producer hands out: the baseline's producer stays until its items were taken."""
+    out = tmp_path / "bench.json"
+    result = _run("--scenario", "channel", "--payload-type", ptype, "--messages", "300",
+                  "--window", "8", "--baseline", "mp", "--repeat", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True and doc["error"] is None
+    rows = {row["kind"]: row for row in doc["rows"]}
+    assert set(rows) == {"zchannel", "mp"}
+    assert rows["mp"]["messages"] == 300 and rows["mp"]["items_s"] > 0
+
+
 @pytest.mark.timeout(40)
 def test_config_file_and_scenarios(tmp_path):
     cfg = tmp_path / "b.toml"

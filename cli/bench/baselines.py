@@ -180,7 +180,11 @@ def zmq_echo_client_worker(
 
 
 def mp_producer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
-    """Puts ``n`` fresh items (the queue pickles them later, in its feeder thread)."""
+    """Puts ``n`` fresh items (the queue pickles them later, in its feeder thread), then stays
+    until the consumers got every item: torch's reducers, which ``multiprocessing`` uses for
+    tensors once torch is imported, send each tensor's shared memory as a descriptor its
+    producer hands out (torch.multiprocessing's rule: a producer outlives its tensors'
+    consumers)."""
     fac = PayloadFactory(spec["ptype"], spec["size"])
     q = spec["queue"]
     base = spec["pidx"] << SEQ_SHIFT
@@ -191,7 +195,11 @@ def mp_producer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[
         q.put(fac.make(base | i, i, fresh=True)[0])
     q.close()
     q.join_thread()
-    return {"t_start": t_start, "t_end": time.monotonic_ns(), "count": spec["n"]}
+    t_end = time.monotonic_ns()
+    deadline = time.monotonic() + WORKER_DEADLINE_S
+    while not _counts_done(spec["counts"], spec["total"]) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return {"t_start": t_start, "t_end": t_end, "count": spec["n"]}
 
 
 def mp_consumer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
@@ -425,6 +433,8 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
                     "n": n,
                     "ptype": case.ptype,
                     "size": case.size,
+                    "counts": counts_arr,
+                    "total": case.messages,
                 },
             )
         for c in range(case.consumers):
