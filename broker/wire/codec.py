@@ -23,7 +23,9 @@ code   value           payload
                        ``[tag, int value]``)
 =====  ==============  ==========================================================
 
-What becomes of every Python type (base values of subclasses, refusals) is ``docs/values.md``;
+The arrays' and tensors' part -- dtype allow-lists, descriptor heads kept per dtype and
+shape, the checks of a received descriptor -- is ``broker/wire/arrays.py``.  What becomes of
+every Python type (base values of subclasses, refusals) is ``docs/values.md``;
 :func:`wire_form` (``broker/wire/wireform.py``) gives the same answer without encoding.
 
 ``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
