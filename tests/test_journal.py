@@ -8,6 +8,7 @@ broker again), ``zchannel broker --journal``, or forks of a prepared process
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -29,6 +30,7 @@ from zchannel.broker import (
     QueueFull,
 )
 from zchannel.broker.core.state import Item
+from zchannel.broker.host import paths
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.journal import Journal, JournalSettings
 
@@ -72,6 +74,33 @@ def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, t
     assert proc.poll() is not None
     channels.remove(ch)
     again = Channel.create("durable-a", journal=tmp_path / "j")
+    channels.append(again)
+    assert again.get(key="a", timeout=5) == "kept"
+
+
+@pytest.mark.parametrize("how", ["token", "sigterm"])
+def test_a_durable_broker_stopped_on_request_is_not_started_again(channels, tmp_path, caplog, how):
+    """A stop on request (the broker's shutdown token, as ``zchannel broker stop`` sends it, or
+    SIGTERM) is no death: the creator notes it and starts nothing; the journal stays."""
+    name = f"durable-stop-{how}"
+    ch = Channel.create(name, journal=tmp_path / "j")
+    channels.append(ch)
+    ch.put("kept", key="a")
+    pid = ch.stats()["pid"]
+    keeper = ch._keeper
+    with caplog.at_level(logging.INFO, logger="zchannel.client"):
+        if how == "token":
+            Channel.connect(name).shutdown(token=paths.read_token_file(name)["token"])
+        else:
+            os.kill(pid, signal.SIGTERM)
+        keeper.join(timeout=60)  # the watch ends without a restart
+    assert not keeper._thread.is_alive() and keeper.restarts == 0
+    assert f"(pid {pid}) stopped on request: not started again; its journal stays" in caplog.text
+    assert "starting it again" not in caplog.text
+    assert not os.path.exists(f"/proc/{pid}")  # reaped
+    ch.shutdown()
+    channels.remove(ch)
+    again = Channel.create(name, journal=tmp_path / "j")
     channels.append(again)
     assert again.get(key="a", timeout=5) == "kept"
 

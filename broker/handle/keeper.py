@@ -2,18 +2,22 @@
 broker that dies is started again, on the same address and journal, so that nobody has to
 (``docs/durability.md``).
 
-A thread waits on the broker process.  When it exits without being asked to (SIGKILL, OOM, a
-crash; not ``shutdown()``), the keeper logs its exit status, which also reaps the process (no
-zombie is left until ``shutdown()``).  A channel without a journal ends the watch there: the
-items its broker held are gone (a warning says so; an exit with status 0, a stop with the
-broker's shutdown token, is noted at INFO), and its handles fail with ``BrokerUnavailable``.
-The keeper refers to the handle it tells of a restart weakly: its thread keeps no handle alive.
-For a durable channel the keeper takes the channel lock the dead broker held and starts a
-broker with the same settings: it reads the journal back before it takes requests, and the
-handles, which say ``hello`` again every heartbeat interval while their broker is silent,
-resume by themselves (their calls in flight failed with ``BrokerUnavailable``).  A start that
-fails is tried again after 0.1 s, doubling up to 5 s; a broker that another process started
-meanwhile ends the keeper's watch.  The keeper stops with ``shutdown()`` or with its process.
+A thread waits on the broker process.  When it exits without ``shutdown()``, the keeper logs
+its exit status, which also reaps the process (no zombie is left until ``shutdown()``).  An
+exit with status 0 is a stop on request (the broker's shutdown token, ``zchannel broker
+stop``, or SIGTERM / SIGINT), noted at INFO: the watch ends there, for a durable channel too
+(its journal stays for the next broker).  Any other exit (SIGKILL, OOM, a crash) of a channel
+without a journal ends the watch as well: the items its broker held are gone (a warning says
+so), and its handles fail with ``BrokerUnavailable``.  The keeper refers to the handle it
+tells of a restart weakly: its thread keeps no handle alive.
+
+For a durable channel whose broker died so, the keeper takes the channel lock the dead broker
+held and starts a broker with the same settings: it reads the journal back before it takes
+requests, and the handles, which say ``hello`` again every heartbeat interval while their
+broker is silent, resume by themselves (their calls in flight failed with
+``BrokerUnavailable``).  A start that fails is tried again after 0.1 s, doubling up to 5 s; a
+broker that another process started meanwhile ends the keeper's watch.  The keeper stops with
+``shutdown()`` or with its process.
 """
 
 from __future__ import annotations
@@ -72,14 +76,15 @@ class BrokerKeeper:
             self._pidfd = None
             if self._stopped.is_set():
                 return
+            if code == 0:  # stopped on request (its shutdown token, SIGTERM, SIGINT)
+                log.info("the broker of channel %r (pid %d) stopped on request%s", self.name,
+                         self.proc.pid, ": not started again; its journal stays"
+                         if self.restart else "")
+                return
             if not self.restart:
-                if code == 0:  # stopped on request (its shutdown token: zchannel broker stop)
-                    log.info("the broker of channel %r (pid %d) stopped", self.name,
-                             self.proc.pid)
-                else:
-                    log.warning("the broker of channel %r (pid %d) exited with status %s: the "
-                                "items it held are lost (a channel without a journal; "
-                                "docs/durability.md)", self.name, self.proc.pid, code)
+                log.warning("the broker of channel %r (pid %d) exited with status %s: the "
+                            "items it held are lost (a channel without a journal; "
+                            "docs/durability.md)", self.name, self.proc.pid, code)
                 return
             log.warning("the broker of durable channel %r (pid %d) exited with status %s: "
                         "starting it again on %s and its journal", self.name, self.proc.pid,
