@@ -194,3 +194,19 @@ class DoubledFlatten(FlattenBatch):
         for out_key, value in super().collect(item, key):
             yield out_key, value
             yield out_key, value
+
+
+class GatedStart(Collector):
+    """A broker whose start waits at a gate: ``setup`` writes ``started-<pid>`` into the
+    directory ``options["dir"]``, then reads one byte from the FIFO ``options["gate"]`` (it
+    opens when a writer opens it)."""
+
+    def setup(self, ctx):
+        folder = ctx.options["dir"]
+        with open(os.path.join(folder, f"started-{os.getpid()}"), "w"):
+            pass
+        with open(ctx.options["gate"], "rb") as gate:
+            gate.read(1)
+
+    def collect(self, item, key):
+        yield key, item

@@ -15,13 +15,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 from cluster_util import write_cluster
-from conftest import drain, until_available, wait_until
+from conftest import drain, pid_alive, until_available, wait_until
 from zchannel.broker import (
     BrokerStartError,
     BrokerUnavailable,
@@ -103,6 +104,48 @@ def test_a_durable_broker_stopped_on_request_is_not_started_again(channels, tmp_
     again = Channel.create(name, journal=tmp_path / "j")
     channels.append(again)
     assert again.get(key="a", timeout=5) == "kept"
+
+
+def _open_gate(fifo) -> threading.Thread:
+    """A thread that lets one waiting broker start through the gate of ``hookmods.GatedStart``
+    (its open of the FIFO returns once the broker opens it to read)."""
+
+    def open_it():
+        with open(fifo, "wb") as gate:
+            gate.write(b"1")
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_shutdown_during_a_restart_returns_once_the_restarted_broker_stopped(channels, tmp_path):
+    """``shutdown()`` while the keeper starts a dead broker again waits for that start and the
+    stop of its broker: no broker outlives the call."""
+    gate, starts = tmp_path / "gate", tmp_path / "starts"
+    os.mkfifo(gate)
+    starts.mkdir()
+    opened = _open_gate(gate)
+    ch = Channel.create("durable-restarting", journal=tmp_path / "j",
+                        collector="hookmods:GatedStart",
+                        options={"gate": str(gate), "dir": str(starts)})
+    channels.append(ch)
+    opened.join(timeout=60)
+    pid = ch.stats()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: len(os.listdir(starts)) == 2, timeout=60), "no restart began"
+    new_pid = int(next(f for f in os.listdir(starts) if f != f"started-{pid}").split("-")[1])
+    stopping = threading.Thread(target=ch.shutdown, daemon=True)
+    stopping.start()
+    try:
+        stopping.join(timeout=12)  # (a shutdown that gave up waiting would be back by now)
+        returned_early = not stopping.is_alive() and pid_alive(new_pid)
+    finally:
+        _open_gate(gate)  # the restarted broker starts; the keeper stops it
+        stopping.join(timeout=120)
+    assert not returned_early, "shutdown returned while the restarted broker ran"
+    assert not stopping.is_alive() and not pid_alive(new_pid)
+    channels.remove(ch)
 
 
 def test_cli_broker_journal_flags_config_file_and_stat(tmp_path, run_dir):

@@ -214,7 +214,7 @@ class ChannelHandle:
             self._kill_broker()
         keeper, self._keeper = self._keeper, None
         if keeper is not None:  # its watch ends with the broker: no thread outlives this
-            keeper.join(timeout=10.0)
+            keeper.join()  # (a restart under way ends with its broker stopped)
         if proc.poll() not in (None, 0) and self._name is not None:
             # killed: it removed nothing of its own (its socket files too, wherever they are:
             # a replica's are outside the channel's default place)

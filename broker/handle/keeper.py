@@ -33,12 +33,20 @@ from collections.abc import Callable
 
 from zchannel.broker.errors import BrokerStartError
 from zchannel.broker.host import paths
-from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
+from zchannel.broker.server.starting import (
+    START_TIMEOUT_S,
+    BrokerProcess,
+    spawn_broker,
+    stop_broker,
+)
 
 log = logging.getLogger("zchannel.client")
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
+# after ``stop``, the longest the watch takes to end: a start under way (its ready line) and
+# the stop of the broker it started (``stop_broker``: SIGTERM, then SIGKILL)
+WATCH_END_S = START_TIMEOUT_S + 20.0
 
 # called with the new broker process and its shutdown token after each restart
 Restarted = Callable[[BrokerProcess, str], None]
@@ -128,8 +136,10 @@ class BrokerKeeper:
             delay = min(delay * 2, RETRY_MAX_S)
         return False
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the watch to end (after ``stop`` and the broker's exit)."""
+    def join(self, timeout: float | None = WATCH_END_S) -> None:
+        """Wait for the watch to end (after ``stop`` and the broker's exit); by default as long
+        as a start under way and the stop of its broker take, so that no broker it started
+        outlives the wait."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
