@@ -563,16 +563,26 @@ _EXT_READERS: dict[int, Callable[[_Decoder, bytes], Any]] = {
 
 
 _UNSET = object()  # a dataclass field never set
+_FIELDS: dict[type, dict[str, bool]] = {}  # dataclass -> {field name: taken by __init__}
+
+
+def _fields(cls: type) -> dict[str, bool]:
+    """The fields of dataclass ``cls`` by name, each with whether ``__init__`` takes it (read
+    once per class: a class's fields do not change once it is made)."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = {f.name: f.init for f in dataclasses.fields(cls)}
+    return fields
 
 
 def dataclass_values(obj: Any) -> dict[str, Any]:
     """The fields of a dataclass instance by name; a field never set (``init=False`` without a
     default) is left out, and stays unset in the rebuilt instance."""
     values = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name, _UNSET)
+    for name in _fields(type(obj)):
+        value = getattr(obj, name, _UNSET)
         if value is not _UNSET:
-            values[f.name] = value
+            values[name] = value
     return values
 
 
@@ -583,12 +593,12 @@ def build_dataclass(cls: type, fields: dict) -> Any:
     that refuses the values."""
     init: dict[str, Any] = {}
     rest: dict[str, Any] = {}
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = _fields(cls)
     for name, value in fields.items():
-        f = known.get(name)
-        if f is None:
+        taken = known.get(name)
+        if taken is None:
             raise ValueError(f"{cls.__qualname__} has no field {name!r}")
-        (init if f.init else rest)[name] = value
+        (init if taken else rest)[name] = value
     try:
         obj = cls(**init)
     except TypeError as exc:
