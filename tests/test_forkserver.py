@@ -3,14 +3,16 @@ spawned ones, report their exit status, stop with their creator; unset, brokers 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 
 import pytest
-from conftest import exited, pid_alive, start_forkserver
+from conftest import exited, pid_alive, start_forkserver, wait_until
 from zchannel.broker import BrokerStartError, Channel
-from zchannel.broker.server.forkclient import ENV, ForkedBroker
+from zchannel.broker.host import paths
+from zchannel.broker.server.forkclient import ENV, UNKNOWN_EXIT, ForkedBroker
 from zchannel.embodied.plan import TrajectoryPlan
 
 
@@ -120,3 +122,42 @@ def test_without_the_variable_brokers_are_children(spawned_brokers, channels):
     channels.append(ch)
     assert isinstance(ch._proc, subprocess.Popen)
     assert ppid_of(ch._proc.pid) == os.getpid()
+
+
+@pytest.mark.parametrize("how", ["token", "killed"])
+def test_a_forked_brokers_status_is_known_once_its_fork_server_is_gone(tmp_path, monkeypatch,
+                                                                       caplog, how):
+    """A fork server that stops leaves its brokers running; a durable one of them stopped on
+    request later still says so (its 0, written by itself), and one killed is known to have
+    died: the keeper starts nothing for the first, and its watch ends either way."""
+    folder = f"/tmp/zcfg-{os.urandom(5).hex()}"
+    os.makedirs(folder, mode=0o700)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    server = start_forkserver(folder, env)
+    monkeypatch.setenv(ENV, os.path.join(folder, "forkserver.sock"))
+    name = f"fs-gone-{how}"
+    ch = Channel.create(name, journal=tmp_path / "j")
+    try:
+        ch.put("kept", key="a")
+        pid, keeper = ch.stats()["pid"], ch._keeper
+        server.terminate()
+        server.wait(30)
+        server.stdout.close()
+        assert pid_alive(pid)  # the server's brokers outlive it
+        with caplog.at_level(logging.INFO, logger="zchannel.client"):
+            if how == "token":
+                other = Channel.connect(name)
+                other.shutdown(token=paths.read_token_file(name)["token"])
+                keeper.join(timeout=60)
+                assert not keeper._thread.is_alive() and keeper.restarts == 0
+                assert ch._proc.returncode == 0
+                assert "stopped on request: not started again" in caplog.text
+            else:
+                os.kill(pid, signal.SIGKILL)
+                # its death is seen (no status: the server is gone), and a start is tried
+                assert wait_until(lambda: "starting it again" in caplog.text, timeout=60)
+                assert ch._proc.returncode == UNKNOWN_EXIT
+        assert exited(pid, 30)
+    finally:
+        ch.shutdown()
+        os.rmdir(folder)

@@ -24,6 +24,7 @@ from zchannel.broker.errors import BrokerStartError
 
 ENV = "ZCHANNEL_BROKER_FORKSERVER"
 HEADER = struct.Struct("!Q")
+STATUS = struct.Struct("!i")  # a broker's exit status on its exit pipe
 UNKNOWN_EXIT = -1  # the server went away before reporting the broker's exit status
 
 
@@ -68,14 +69,19 @@ class ForkedBroker:
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
-            data = os.read(self._exit_fd, 4)
-            if len(data) == 4:
-                (self.returncode,) = struct.unpack("!i", data)
-                return self.returncode
-        # the server is gone without a status: wait for the process itself
+            data = os.read(self._exit_fd, STATUS.size)
+            if len(data) == STATUS.size:
+                (code,) = STATUS.unpack(data)
+                if self._pidfd is not None:  # a 0 comes from the broker just before it exits
+                    select.select([self._pidfd], [], [], None)
+                self.returncode = code
+                return code
+        # the server is gone without a status: wait for the process itself (its pidfd is
+        # readable once it exited, also while it is a zombie nobody reaped yet)
         if self._pidfd is not None:
-            select.select([self._pidfd], [], [], timeout)
-        if self._alive():
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                return None
+        elif self._alive():
             return None
         self.returncode = UNKNOWN_EXIT
         return self.returncode

@@ -15,8 +15,10 @@ get); brokers it started keep running (each in its own session, watching the pro
 
 A request carries the broker's config and the requester's environment and working directory,
 with four descriptors: the channel lock, the pipe the broker prints ``ready``/``error`` on, the
-requester's stderr, and a pipe on which this server writes the broker's exit status (4 bytes,
-``os.waitstatus_to_exitcode``) once it has reaped it.  The answer is the broker's pid.
+requester's stderr, and a pipe for the broker's exit status (4 bytes,
+``os.waitstatus_to_exitcode``): a broker that stops on request writes its 0 there itself as it
+exits (so it is known also once this server is gone), and this server writes any other status
+once it has reaped the broker.  The answer is the broker's pid.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import traceback
 from typing import Any
 
 import msgpack
+from zchannel.broker.server.forkclient import STATUS
 from zchannel.broker.server.loop import main_from_stdin
 from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
@@ -110,10 +113,12 @@ class ForkServer:
                 return
             fd = self.exit_pipes.pop(pid, None)
             if fd is not None:
-                try:
-                    os.write(fd, struct.pack("!i", os.waitstatus_to_exitcode(status)))
-                except OSError:
-                    pass
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:  # (a broker that exited with 0 wrote it itself)
+                    try:
+                        os.write(fd, STATUS.pack(code))
+                    except OSError:
+                        pass
                 os.close(fd)
 
     def handle(self, conn: socket.socket) -> None:
@@ -165,14 +170,19 @@ class ForkServer:
             traceback.print_exc()
             os.write(1, f"error {type(exc).__name__}: {exc}\n".encode())
         finally:
+            if code == 0:  # stopped on request: say so now, this server may be gone by then
+                try:
+                    os.write(fds[3], STATUS.pack(0))
+                except OSError:
+                    pass
             os._exit(code)
 
     def _broker_child(self, config: dict, env: dict, cwd: str, fds: list[int]) -> int:
-        lock_fd, out_fd, err_fd, exit_fd = fds
+        lock_fd, out_fd, err_fd, _ = fds  # (the exit pipe stays open: fork_broker writes 0 on it)
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        for fd in (self.wake_r, self.wake_w, exit_fd, *self.exit_pipes.values()):
+        for fd in (self.wake_r, self.wake_w, *self.exit_pipes.values()):
             os.close(fd)
         self.listener.close()
         os.setsid()

@@ -5,10 +5,12 @@ An array travels as the ext type ``EXT_NDARRAY`` whose payload is the msgpack of
 ``[dtype.str, shape, loc]``; a tensor as ``EXT_TENSOR``, ``[dtype name, shape, loc, device]``
 (``loc``: ``codec.py``'s module docstring).  Everything before ``loc`` depends only on the
 dtype and shape, so its msgpack (the *head*) is made once per dtype and shape and kept
-(``tensor_head``, ``array_payload``): a dtype is checked when its first head is made.  The kept
-heads are dropped whenever ``restrict`` narrows what may travel, and are bounded (``MAX_KEPT``
-of each kind, then started afresh).  Reading checks every field of every descriptor
-(``array_layout``).
+(``tensor_head``, ``array_payload``): the dtype (and a tensor's layout and device) is checked
+when a head is made, once per key.  The kept heads are dropped whenever ``restrict`` narrows
+what may travel (under ``_heads_lock``, which a head's check and keeping also hold), and are
+bounded (``MAX_KEPT`` of each kind, then started afresh).  Reading checks every field of every
+descriptor: its dtype and shape here (``array_layout``), its ``loc`` and device in
+``codec.py``.
 
 Torch is imported on first use: a broker that never decodes a tensor never imports it.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -44,9 +47,10 @@ _TORCH_ITEMSIZE: dict[Any, int] = {}  # torch dtype -> bytes per element
 _TORCH_NUMPY: dict[Any, np.dtype] = {}  # torch dtype -> numpy dtype, where numpy has one
 _torch_tables = False  # the tables above are built (restrict() may empty TORCH_DTYPES later)
 
-# one packer for the descriptors' plain fields: packing never calls back into Python, so
-# threads cannot interleave
+# one packer for the descriptors' plain fields: msgpack's C packer never calls back into
+# Python while it packs them, so threads cannot interleave
 _packer = msgpack.Packer(use_bin_type=True)
+_heads_lock = threading.Lock()  # a head's check and keeping, against ``restrict``
 _array_heads: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> head
 _tensor_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # (dtype, shape, device) ->
 #                                                                  (head, packed device name)
@@ -111,13 +115,14 @@ def restrict(dtypes: list[str] | None = None, max_rank: int | None = None) -> No
         unknown = [d for d in dtypes if d not in NP_DTYPES and d not in TORCH_DTYPES]
         if unknown:
             raise ValueError(f"allowed_dtypes: unknown or not allowed dtypes {unknown}")
-        for table in (NP_DTYPES, TORCH_DTYPES):
-            for name in [d for d in table if d not in dtypes]:
-                del table[name]
-        for dtype in [d for d, n in _TORCH_DTYPE_NAME.items() if n not in dtypes]:
-            del _TORCH_DTYPE_NAME[dtype]
-    for kept in (_array_heads, _tensor_heads):
-        kept.clear()
+        with _heads_lock:
+            for table in (NP_DTYPES, TORCH_DTYPES):
+                for name in [d for d in table if d not in dtypes]:
+                    del table[name]
+            for dtype in [d for d, n in _TORCH_DTYPE_NAME.items() if n not in dtypes]:
+                del _TORCH_DTYPE_NAME[dtype]
+            for kept in (_array_heads, _tensor_heads):
+                kept.clear()
 
 
 def _keep(kept: dict, key: Any, value: Any) -> None:
@@ -139,15 +144,16 @@ def check_dtype(obj: Any) -> None:
 
 def array_payload(arr: np.ndarray, loc: Any) -> bytes:
     """The payload of ``arr``'s ``EXT_NDARRAY`` (a C-contiguous array) whose bytes are at
-    ``loc``; ``TypeError`` for a dtype that cannot travel (checked with the dtype's first
-    head)."""
+    ``loc``; ``TypeError`` for a dtype that cannot travel (checked when the head of its dtype
+    and shape is made)."""
     key = (arr.dtype, arr.shape)
     head = _array_heads.get(key)
     if head is None:
-        check_dtype(arr)
-        head = (_packer.pack_array_header(3) + _packer.pack(arr.dtype.str)
-                + _packer.pack(list(arr.shape)))
-        _keep(_array_heads, key, head)
+        with _heads_lock:
+            check_dtype(arr)
+            head = (_packer.pack_array_header(3) + _packer.pack(arr.dtype.str)
+                    + _packer.pack(list(arr.shape)))
+            _keep(_array_heads, key, head)
     return head + _packer.pack(loc)
 
 
@@ -170,10 +176,12 @@ def tensor_head(t: Any) -> tuple[bytes, bytes]:
     key = (t.dtype, t.shape, t.device, t.layout)
     parts = _tensor_heads.get(key)
     if parts is None:
-        name = tensor_dtype_name(t)
-        parts = (_packer.pack_array_header(4) + _packer.pack(name) + _packer.pack(list(t.shape)),
-                 _packer.pack(str(t.device)))
-        _keep(_tensor_heads, key, parts)
+        torch_module()  # (its tables, before the lock: restrict() builds them too)
+        with _heads_lock:
+            name = tensor_dtype_name(t)
+            parts = (_packer.pack_array_header(4) + _packer.pack(name)
+                     + _packer.pack(list(t.shape)), _packer.pack(str(t.device)))
+            _keep(_tensor_heads, key, parts)
     return parts
 
 

@@ -169,7 +169,8 @@ class _Encoder:
         array's one-byte header, so that the packer's nesting limit (one level more than the
         unpacker's) refuses everything the unpacker would.  An item that is a memoryview
         travels as its bytes, in C order when it is not C-contiguous (msgpack packs only
-        contiguous ones: inside an item, such a view is a ``TypeError``)."""
+        contiguous ones: inside an item, such a view is a ``TypeError``).  A top-level array or
+        tensor, which holds nothing to nest, is packed as its ext type alone."""
         kind = type(obj)
         if kind is np.ndarray or kind.__module__ == "torch" and is_tensor(obj):
             return _plain_packer.pack(self.default(obj))  # nothing inside to nest
