@@ -176,7 +176,6 @@ def tensor_head(t: Any) -> tuple[bytes, bytes]:
     key = (t.dtype, t.shape, t.device, t.layout)
     parts = _tensor_heads.get(key)
     if parts is None:
-        torch_module()  # (its tables, before the lock: restrict() builds them too)
         with _heads_lock:
             name = tensor_dtype_name(t)
             parts = (_packer.pack_array_header(4) + _packer.pack(name)

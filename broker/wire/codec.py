@@ -201,14 +201,13 @@ class _Encoder:
         else ``loc``."""
         nbytes = arr.nbytes
         if nbytes < INLINE_LIMIT:
-            return arr.tobytes()
+            return arr.tobytes()  # (cheaper than ``loc``'s memoryview cast)
         if self.shm is not None:
             ref = self.shm(arr, nbytes)
             if ref is not None:
                 self.refs.append(ref)
                 return [len(self.refs) - 1]
-        self.buffers.append(arr)
-        return len(self.buffers) - 1
+        return self.loc(arr, nbytes)
 
     def default(self, obj: Any) -> Any:
         if type(obj) is tuple:  # the commonest ext: no subclass question to ask

@@ -181,9 +181,9 @@ def zmq_echo_client_worker(
 
 def mp_producer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[[], None]) -> dict:
     """Puts ``n`` fresh items (the queue pickles them later, in its feeder thread), then stays
-    until the consumers got every item: torch's reducers, which ``multiprocessing`` uses for
-    tensors once torch is imported, send each tensor's shared memory as a descriptor its
-    producer hands out (torch.multiprocessing's rule: a producer outlives its tensors'
+    until the consumers got every item (``done``): torch's reducers, which ``multiprocessing``
+    uses for tensors once torch is imported, send each tensor's shared memory as a descriptor
+    its producer hands out (torch.multiprocessing's rule: a producer outlives its tensors'
     consumers)."""
     fac = PayloadFactory(spec["ptype"], spec["size"])
     q = spec["queue"]
@@ -196,9 +196,7 @@ def mp_producer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[
     q.close()
     q.join_thread()
     t_end = time.monotonic_ns()
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    while not _counts_done(spec["counts"], spec["total"]) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    spec["done"].wait(WORKER_DEADLINE_S)
     return {"t_start": t_start, "t_end": t_end, "count": spec["n"]}
 
 
@@ -423,6 +421,7 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
         q = w.ctx.Queue(maxsize=max(2, case.window))
         counts_arr = w.counters(case.consumers)
         per_prod = split(case.messages, case.producers)
+        done = w.ctx.Event()
         for p, n in enumerate(per_prod):
             w.start(
                 mp_producer_worker,
@@ -433,8 +432,7 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
                     "n": n,
                     "ptype": case.ptype,
                     "size": case.size,
-                    "counts": counts_arr,
-                    "total": case.messages,
+                    "done": done,
                 },
             )
         for c in range(case.consumers):
@@ -452,7 +450,9 @@ def run_mp_queue(case: Case, tmpdir: str) -> Measured:
             )
         w.wait_ready()
         t_go = w.go()
-        results = w.collect(case.producers + case.consumers)
+        results = w.collect(case.consumers)
+        done.set()
+        results += w.collect(case.producers)
     seconds, lat = checked_stream(results, per_prod, t_go)
     return Measured(case.messages, seconds, lat, extra=cpu_figures(results, case.messages))
 
