@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from rldata.embodied_io_struct import ChunkStepResult
 from zchannel.hooks import Collector, Dispatcher
@@ -199,9 +200,11 @@ class DoubledFlatten(FlattenBatch):
 class GatedStart(Collector):
     """A broker whose start waits at a gate: ``setup`` writes ``started-<pid>`` into the
     directory ``options["dir"]``, then reads one byte from the FIFO ``options["gate"]`` (it
-    opens when a writer opens it)."""
+    opens when a writer opens it); with ``options["ignore_sigint"]`` it ignores SIGINT first."""
 
     def setup(self, ctx):
+        if ctx.options.get("ignore_sigint"):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         folder = ctx.options["dir"]
         with open(os.path.join(folder, f"started-{os.getpid()}"), "w"):
             pass

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from conftest import exited, pid_alive, until_available, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
+from zchannel.broker.shm import prefix_for as shm_prefix_for
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
 
@@ -48,7 +49,9 @@ def test_create_twice_gives_one_broker(channels):
     pid = a.stats()["pid"]
     a.shutdown()
     a.shutdown()  # the handle that stopped its broker: again, nothing (as close())
-    assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped by the first call
+    # stopped by the first call (and reaped: by this process, or by the fork server that
+    # forked it, which may reap it a moment after shutdown() saw it exit)
+    assert not pid_alive(pid)
     with pytest.raises(PermissionError):
         b.shutdown()  # still not this handle's to stop
 
@@ -193,6 +196,35 @@ def test_broker_dies_with_its_creator(workers):
     os.kill(creator.pid, signal.SIGKILL)
     creator.wait()
     assert exited(broker_pid, 10), "the broker outlived its SIGKILLed creator"
+
+
+@pytest.mark.parametrize("started", ["spawned", "forked", "ignores-sigint"])
+def test_a_broker_whose_hook_setup_blocks_stops_when_its_creator_dies(workers, tmp_path, started):
+    """A collector's ``setup`` that never returns (here: it opens a FIFO no one writes) does not
+    keep a broker alive once its creator is gone: the start is interrupted, its lock file and
+    shared memory given back; a start that ignores the interruption ends with its process."""
+    gate, starts = tmp_path / "gate", tmp_path / "starts"
+    os.mkfifo(gate)
+    starts.mkdir()
+    env = None if started == "forked" else {"ZCHANNEL_BROKER_FORKSERVER": ""}
+    options = {"gate": str(gate), "dir": str(starts), "ignore_sigint": started == "ignores-sigint"}
+    creator = workers.start(
+        f"""
+        from zchannel.broker import Channel
+        Channel.create("blocked-start", collector="hookmods:GatedStart", options={options!r})
+        """, env=env)
+    assert wait_until(lambda: os.listdir(starts), timeout=60), "the broker's setup never ran"
+    broker_pid = int(os.listdir(starts)[0].split("-")[1])
+    assert pid_alive(broker_pid)
+    os.kill(creator.pid, signal.SIGKILL)
+    creator.wait()
+    assert exited(broker_pid, 30), "a broker blocked in its start outlived its creator"
+    if started == "ignores-sigint":
+        return  # it exited without giving back its segments (the run dir's teardown does)
+    run_dir = os.environ["ZCHANNEL_RUN_DIR"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(
+        shm_prefix_for("blocked-start", run_dir))], "the interrupted start left its segments"
+    assert not [n for n in os.listdir(run_dir) if n.startswith("blocked-start")]
 
 
 def _consume_pickled(channel, queue):

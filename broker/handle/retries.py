@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 from zchannel.broker.wire import codec
+from zchannel.broker.wire.packers import shared_packer
 
 IN_DOUBT_S = 60.0  # how long a put stays in doubt (its retry is recognised that long)
 MAX_IN_DOUBT = 4096  # puts in doubt kept per handle (the oldest go first)
 
-_packer = msgpack.Packer(use_bin_type=True)
+_packer = shared_packer(use_bin_type=True)
 
 
 def put_digest(key: Any, weight: int | float, item: Any) -> bytes:

@@ -180,8 +180,9 @@ class ForkServer:
     def _broker_child(self, config: dict, env: dict, cwd: str, fds: list[int]) -> int:
         lock_fd, out_fd, err_fd, _ = fds  # (the exit pipe stays open: fork_broker writes 0 on it)
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a spawned interpreter's
         for fd in (self.wake_r, self.wake_w, *self.exit_pipes.values()):
             os.close(fd)
         self.listener.close()

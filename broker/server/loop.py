@@ -40,7 +40,7 @@ from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, TurnCosts, handlers_for, hello
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.sessions import Sessions
-from zchannel.broker.server.stopping import StopSources
+from zchannel.broker.server.stopping import StartWatch, StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct_broker
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
@@ -616,13 +616,24 @@ def main_from_stdin() -> int:
     data = sys.stdin.buffer.read()
     fields = codec.decode(data)
     setup_logging()
+    watch = StartWatch(fields.get("parent_pid"))  # the creator may exit while hooks start
+    broker = None
     try:
         for name in ("collector", "dispatcher"):
             fields[name] = hook_from_wire(fields.get(name))
         broker = Broker(BrokerConfig(**fields))
+        watch.stop()
     except Exception as exc:
+        watch.stop()
         sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
         sys.stdout.flush()
+        return 1
+    except KeyboardInterrupt:
+        watch.stop()
+        if not watch.fired:
+            raise
+        if broker is not None:  # interrupted after its start completed
+            broker.close()
         return 1
     try:
         broker.serve_forever()

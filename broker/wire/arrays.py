@@ -23,8 +23,8 @@ import threading
 import warnings
 from typing import Any
 
-import msgpack
 import numpy as np
+from zchannel.broker.wire.packers import shared_packer
 
 MAX_RANK = 32  # the rank a decoded array or tensor may have (a broker's ``max_rank`` lowers it)
 MAX_KEPT = 4096  # heads kept, of each kind
@@ -47,9 +47,8 @@ _TORCH_ITEMSIZE: dict[Any, int] = {}  # torch dtype -> bytes per element
 _TORCH_NUMPY: dict[Any, np.dtype] = {}  # torch dtype -> numpy dtype, where numpy has one
 _torch_tables = False  # the tables above are built (restrict() may empty TORCH_DTYPES later)
 
-# one packer for the descriptors' plain fields: msgpack's C packer never calls back into
-# Python while it packs them, so threads cannot interleave
-_packer = msgpack.Packer(use_bin_type=True)
+# one packer for the descriptors' plain fields, shared by threads (wire/packers.py)
+_packer = shared_packer(use_bin_type=True)
 _heads_lock = threading.Lock()  # a head's check and keeping, against ``restrict``
 _array_heads: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> head
 _tensor_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # (dtype, shape, device) ->

@@ -81,6 +81,7 @@ from zchannel.broker.wire.classtags import (
     published_tag,
     registration_hint,
 )
+from zchannel.broker.wire.packers import shared_packer
 
 INLINE_LIMIT = 64 * 1024
 
@@ -276,8 +277,8 @@ class _Encoder:
 
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
 _FLAT_TYPES = _PLAIN_TYPES | {bytearray}  # no array inside: never a shared-memory slot
-# one packer for scalars: packing one never calls back into Python, so threads cannot interleave
-_plain_packer = msgpack.Packer(use_bin_type=True)
+# one packer for scalars, shared by threads (wire/packers.py)
+_plain_packer = shared_packer(use_bin_type=True)
 
 
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
