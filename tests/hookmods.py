@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from rldata.embodied_io_struct import ChunkStepResult
 from zchannel.hooks import Collector, Dispatcher
@@ -200,16 +201,25 @@ class DoubledFlatten(FlattenBatch):
 class GatedStart(Collector):
     """A broker whose start waits at a gate: ``setup`` writes ``started-<pid>`` into the
     directory ``options["dir"]``, then reads one byte from the FIFO ``options["gate"]`` (it
-    opens when a writer opens it); with ``options["ignore_sigint"]`` it ignores SIGINT first."""
+    opens when a writer opens it).  Options to misbehave while it waits: ``ignore_sigint``
+    (SIGINT ignored first), ``swallow`` (whatever interrupts the wait is caught, and the setup
+    returns), ``thread`` (a non-daemon thread started first, never ending)."""
 
     def setup(self, ctx):
-        if ctx.options.get("ignore_sigint"):
+        options = ctx.options
+        if options.get("ignore_sigint"):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        folder = ctx.options["dir"]
+        if options.get("thread"):
+            threading.Thread(target=threading.Event().wait, daemon=False).start()
+        folder = options["dir"]
         with open(os.path.join(folder, f"started-{os.getpid()}"), "w"):
             pass
-        with open(ctx.options["gate"], "rb") as gate:
-            gate.read(1)
+        try:
+            with open(options["gate"], "rb") as gate:
+                gate.read(1)
+        except BaseException:
+            if not options.get("swallow"):
+                raise
 
     def collect(self, item, key):
         yield key, item

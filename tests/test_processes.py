@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 
@@ -198,33 +199,89 @@ def test_broker_dies_with_its_creator(workers):
     assert exited(broker_pid, 10), "the broker outlived its SIGKILLed creator"
 
 
-@pytest.mark.parametrize("started", ["spawned", "forked", "ignores-sigint"])
-def test_a_broker_whose_hook_setup_blocks_stops_when_its_creator_dies(workers, tmp_path, started):
-    """A collector's ``setup`` that never returns (here: it opens a FIFO no one writes) does not
-    keep a broker alive once its creator is gone: the start is interrupted, its lock file and
-    shared memory given back; a start that ignores the interruption ends with its process."""
+_BLOCKED_STARTS = {  # case -> (forked by the session's fork server, GatedStart's options)
+    "spawned": (False, {}),
+    "forked": (True, {}),
+    "swallows-the-interruption": (True, {"swallow": True}),
+    "keeps-a-thread": (False, {"thread": True}),
+    "ignores-sigint": (False, {"ignore_sigint": True}),
+    "blocked-in-import": (False, None),  # tests/gatedimport.py, given as an instance
+}
+
+
+@pytest.mark.parametrize("case", list(_BLOCKED_STARTS))
+def test_a_broker_whose_start_blocks_stops_when_its_creator_dies(workers, tmp_path, case):
+    """A start that never ends (a collector's ``setup`` or its module's import waiting at a
+    FIFO no one writes) does not keep a broker alive once its creator is gone: the start is
+    interrupted, and its lock file, run-directory files and shared memory are given back — also
+    when the setup swallows the interruption (the start then completes) or leaves a thread
+    running; a start that ignores SIGINT ends with its process."""
     gate, starts = tmp_path / "gate", tmp_path / "starts"
     os.mkfifo(gate)
     starts.mkdir()
-    env = None if started == "forked" else {"ZCHANNEL_BROKER_FORKSERVER": ""}
-    options = {"gate": str(gate), "dir": str(starts), "ignore_sigint": started == "ignores-sigint"}
+    forked, options = _BLOCKED_STARTS[case]
+    env = {"GATED_IMPORT_GATE": str(gate), "GATED_IMPORT_DIR": str(starts)}
+    if not forked:
+        env["ZCHANNEL_BROKER_FORKSERVER"] = ""
+    if options is None:  # an instance: its module is imported before the broker is made
+        hook = "collector=__import__('gatedimport').PassThrough()"
+    else:
+        hook = f"collector='hookmods:GatedStart', options={dict(options, gate=str(gate), dir=str(starts))!r}"
     creator = workers.start(
         f"""
+        import os
+        os.environ["GATED_IMPORT_CREATOR"] = str(os.getpid())
         from zchannel.broker import Channel
-        Channel.create("blocked-start", collector="hookmods:GatedStart", options={options!r})
+        Channel.create("blocked-start", {hook})
         """, env=env)
-    assert wait_until(lambda: os.listdir(starts), timeout=60), "the broker's setup never ran"
+    assert wait_until(lambda: os.listdir(starts), timeout=60), "the broker's start never began"
     broker_pid = int(os.listdir(starts)[0].split("-")[1])
     assert pid_alive(broker_pid)
+    run_dir = os.environ["ZCHANNEL_RUN_DIR"]
+    assert os.path.exists(os.path.join(run_dir, "blocked-start.lock"))
     os.kill(creator.pid, signal.SIGKILL)
     creator.wait()
     assert exited(broker_pid, 30), "a broker blocked in its start outlived its creator"
-    if started == "ignores-sigint":
-        return  # it exited without giving back its segments (the run dir's teardown does)
-    run_dir = os.environ["ZCHANNEL_RUN_DIR"]
+    if case == "ignores-sigint":
+        return  # it exited without giving back its files (the run dir's teardown does)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(
         shm_prefix_for("blocked-start", run_dir))], "the interrupted start left its segments"
-    assert not [n for n in os.listdir(run_dir) if n.startswith("blocked-start")]
+    assert not [n for n in os.listdir(run_dir) if n.startswith("blocked-start")], os.listdir(run_dir)
+
+
+@pytest.mark.parametrize("watched", ["handed-on", "not-handed-on"])
+def test_a_creator_that_exits_between_start_and_loop_stops_the_broker_cleanly(tmp_path, watched):
+    """The creator exits after the broker was made and before its loop watches it: with the
+    start's pidfd handed on, the loop sees the exit and stops; without it, the start of the loop
+    fails; either way the broker's files are given back."""
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess
+        from zchannel.broker.server.loop import Broker, BrokerConfig
+        creator = subprocess.Popen(["sleep", "60"])
+        broker = Broker(BrokerConfig(name="gap", parent_pid=creator.pid))
+        if {watched == "handed-on"}:
+            broker.parent_fd = os.pidfd_open(creator.pid)
+        creator.kill()
+        creator.wait()  # gone, and reaped, before the loop watches it
+        try:
+            broker.serve_forever()
+            print("stopped", broker.exit_code)
+        except SystemExit as exc:
+            print("refused:", exc)
+        run_dir = os.environ["ZCHANNEL_RUN_DIR"]
+        print("left", sorted(os.listdir(run_dir)),
+              [n for n in os.listdir("/dev/shm") if "+gap+" in n])
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *_, outcome, left = done.stdout.splitlines()  # (after "ready ADDRESS" when it served)
+    if watched == "handed-on":
+        assert outcome == "stopped 0"
+    else:
+        assert outcome.startswith("refused: creator process")
+    assert left == "left [] []"
 
 
 def _consume_pickled(channel, queue):

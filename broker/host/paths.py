@@ -179,6 +179,17 @@ def release_lock(name: str, fd: int) -> None:
         os.close(fd)
 
 
+def release_lock_if_held(name: str, fd: int) -> None:
+    """``release_lock`` if ``fd`` is still open on the lock file of ``name`` (else nothing, and
+    ``fd`` is left alone: closed already, its number may be another file's now)."""
+    try:
+        held = _same_file(fd, lock_path(name))
+    except OSError:
+        held = False
+    if held:
+        release_lock(name, fd)
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path)

@@ -204,3 +204,12 @@ def build_config(file: str | Path | None = None, **overrides: Any) -> BrokerConf
     if not fields.get("name"):
         raise ValueError("a broker needs a channel name (argument NAME or [channel] name)")
     return BrokerConfig(**fields)
+
+
+def lock_name_of(name: str, cluster: str | None = None, replicas: Any = None,
+                 replica: int | None = None) -> str:
+    """The name a broker's channel lock and run-directory files go by: the channel's, or
+    ``NAME.replicaI`` for replica ``I`` of a distributed channel (``cluster`` or ``replicas``)."""
+    if cluster is not None or replicas is not None:
+        return f"{name}.replica{replica}"
+    return name

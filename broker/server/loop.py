@@ -21,7 +21,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
@@ -34,13 +34,14 @@ from zchannel.broker.journal.journal import Journal
 from zchannel.broker.journal.syncing import JournalFailed
 from zchannel.broker.server import metrics
 from zchannel.broker.server.admission import PeerGuard, client_budget, raise_fd_limit
-from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.config import BrokerConfig, lock_name_of
 from zchannel.broker.server.durable import open_journal
 from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, TurnCosts, handlers_for, hello
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.sessions import Sessions
-from zchannel.broker.server.stopping import StartWatch, StopSources
+from zchannel.broker.server.startwatch import StartInterrupted, StartWatch
+from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct_broker
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
@@ -148,12 +149,11 @@ class Broker:
             arrays.restrict(config.allowed_dtypes, config.max_rank)
         self.replica = None  # distributed: this broker is one replica (cluster/replica.py)
         self.handlers = HANDLERS
-        lock_name = config.name
         if config.cluster is not None or config.replicas is not None:
             self.replica = replica_state(config)
             self.handlers = handlers_for(self.replica)
-            lock_name = f"{config.name}.replica{config.replica}"
-        self.lock_name = lock_name
+        self.lock_name = lock_name = lock_name_of(config.name, config.cluster, config.replicas,
+                                                  config.replica)
         self.token = shutdown_token(config)
         self.admin_keys = curve_admins(config)  # CURVE clients that may stop it without the token
         self.announce_token = False  # log where the token is kept (``zchannel broker``)
@@ -162,6 +162,7 @@ class Broker:
                                  client_budget(fd_limit, config.max_clients))
         self.address = self.endpoint.address
         self.exit_code = 0
+        self.parent_fd: int | None = None  # the creator's pidfd, handed on to StopSources
         self.journal: Journal | None = None
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
@@ -254,13 +255,13 @@ class Broker:
             self.bind()
             self.metrics = _metrics_server(self)
             self.sched_policy = _tune_for_serving(batch_wanted(self.config.sched_batch))
+            if self.replica is not None:
+                self.replica.start(self.core)
+            self._running = True  # before the handlers: a signal right after "ready" stops us
+            stops = _stop_sources(self)
         except BaseException:
             self.close()
             raise
-        if self.replica is not None:
-            self.replica.start(self.core)
-        self._running = True  # before the handlers: a signal right after "ready" stops us
-        stops = StopSources(self.config.parent_pid, self.stop)
         sock, _ = self.bound()
         guard, _ = self._admission()
         poll_set: list[tuple[Any, int]] = [(sock, zmq.POLLIN), *stops.poll_items(),
@@ -600,6 +601,37 @@ def shutdown_token(config: BrokerConfig) -> str:
     return secrets.token_hex(16)
 
 
+def _stop_sources(broker: Broker) -> StopSources:
+    """The loop's ``StopSources``, watching the creator on the pidfd the start's watch handed
+    on (``broker.parent_fd``, taken here: closed if they cannot be made)."""
+    parent_fd, broker.parent_fd = broker.parent_fd, None
+    try:
+        return StopSources(broker.config.parent_pid, broker.stop, parent_fd)
+    except BaseException:
+        if parent_fd is not None:
+            os.close(parent_fd)
+        raise
+
+
+def _abandon_start(fields: dict[str, Any], started: list[Broker], parent_fd: int | None) -> NoReturn:
+    """The creator exited while this broker started: give back what the start took (the
+    broker's files, else the channel lock it was handed) and exit, not waiting for threads a
+    hook may have started."""
+    try:
+        if started:
+            started[0].close()
+        elif fields.get("lock_fd") is not None:
+            paths.release_lock_if_held(lock_name_of(fields["name"], fields.get("cluster"),
+                                                    fields.get("replicas"), fields.get("replica")),
+                                       fields["lock_fd"])
+        if parent_fd is not None:
+            os.close(parent_fd)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def run_broker(config: BrokerConfig) -> int:
     """Run a broker in this process until it stops (``zchannel broker``: it logs where its
     shutdown token is kept); the exit status."""
@@ -617,24 +649,29 @@ def main_from_stdin() -> int:
     fields = codec.decode(data)
     setup_logging()
     watch = StartWatch(fields.get("parent_pid"))  # the creator may exit while hooks start
-    broker = None
+    started: list[Broker] = []
+    error: Exception | None = None
     try:
-        for name in ("collector", "dispatcher"):
-            fields[name] = hook_from_wire(fields.get(name))
-        broker = Broker(BrokerConfig(**fields))
-        watch.stop()
-    except Exception as exc:
-        watch.stop()
-        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
+        try:
+            for name in ("collector", "dispatcher"):
+                fields[name] = hook_from_wire(fields.get(name))
+            started.append(Broker(BrokerConfig(**fields)))
+        except Exception as exc:
+            error = exc
+        watch.disarm()
+    except StartInterrupted:  # raised once at most: nothing after this may raise it
+        pass
+    parent_fd = watch.stop()
+    if watch.fired:  # however the start ended (a hook may have swallowed the interruption)
+        _abandon_start(fields, started, parent_fd)
+    if error is not None or not started:
+        if parent_fd is not None:
+            os.close(parent_fd)
+        sys.stdout.write(f"error {type(error).__name__}: {error}\n")
         sys.stdout.flush()
         return 1
-    except KeyboardInterrupt:
-        watch.stop()
-        if not watch.fired:
-            raise
-        if broker is not None:  # interrupted after its start completed
-            broker.close()
-        return 1
+    broker = started[0]
+    broker.parent_fd = parent_fd  # the loop watches the creator on it from now on
     try:
         broker.serve_forever()
     except (zmq.ZMQError, ValueError, OSError, RuntimeError) as exc:
