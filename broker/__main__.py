@@ -2,7 +2,7 @@
 
 import sys
 
-from zchannel.broker.server.loop import main_from_stdin
+from zchannel.broker.server.entry import main_from_stdin
 
 if __name__ == "__main__":
     sys.exit(main_from_stdin())

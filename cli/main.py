@@ -136,7 +136,7 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     (with that token), from any process of the same user.
     """
     from zchannel.broker.server.config import build_config, read_config_file
-    from zchannel.broker.server.loop import run_broker
+    from zchannel.broker.server.entry import run_broker
 
     # expected failures (bad values, unreadable files, a busy address, a name already served)
     # become one line on stderr and exit status 2 (cli/failures.py)

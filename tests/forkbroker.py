@@ -16,7 +16,7 @@ from typing import Any
 
 def _serve(conn: Any) -> None:
     from zchannel.broker.server.config import BrokerConfig
-    from zchannel.broker.server.loop import run_broker
+    from zchannel.broker.server.entry import run_broker
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # killed brokers are reaped by the kernel
     while True:

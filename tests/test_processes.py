@@ -19,6 +19,7 @@ import pytest
 import zmq
 from conftest import exited, pid_alive, until_available, wait_until
 from zchannel.broker import BrokerUnavailable, Channel, ChannelNotFound
+from zchannel.broker.host import paths
 from zchannel.broker.shm import prefix_for as shm_prefix_for
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.protocol import INLINE_BODY, PROTOCOL_VERSION, pack_header
@@ -249,39 +250,65 @@ def test_a_broker_whose_start_blocks_stops_when_its_creator_dies(workers, tmp_pa
     assert not [n for n in os.listdir(run_dir) if n.startswith("blocked-start")], os.listdir(run_dir)
 
 
-@pytest.mark.parametrize("watched", ["handed-on", "not-handed-on"])
+@pytest.mark.parametrize("watched", ["handed-on", "not-handed-on", "stdout-gone"])
 def test_a_creator_that_exits_between_start_and_loop_stops_the_broker_cleanly(tmp_path, watched):
     """The creator exits after the broker was made and before its loop watches it: with the
     start's pidfd handed on, the loop sees the exit and stops; without it, the start of the loop
-    fails; either way the broker's files are given back."""
+    fails; with the creator's end of stdout gone too, "ready" cannot be written; each way the
+    broker's files are given back."""
     script = textwrap.dedent(
         f"""
-        import os, subprocess
+        import os, subprocess, sys
         from zchannel.broker.server.loop import Broker, BrokerConfig
         creator = subprocess.Popen(["sleep", "60"])
         broker = Broker(BrokerConfig(name="gap", parent_pid=creator.pid))
-        if {watched == "handed-on"}:
+        if {watched != "not-handed-on"}:
             broker.parent_fd = os.pidfd_open(creator.pid)
+        out = os.fdopen(os.dup(1), "w")
+        if {watched == "stdout-gone"}:  # the creator's end of the pipe closed with it
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, 1)
+            os.close(read_end)
         creator.kill()
         creator.wait()  # gone, and reaped, before the loop watches it
         try:
             broker.serve_forever()
-            print("stopped", broker.exit_code)
-        except SystemExit as exc:
-            print("refused:", exc)
+            outcome = f"stopped {{broker.exit_code}}"
+        except BaseException as exc:
+            outcome = f"raised {{type(exc).__name__}}"
         run_dir = os.environ["ZCHANNEL_RUN_DIR"]
+        print(outcome, file=out)
         print("left", sorted(os.listdir(run_dir)),
-              [n for n in os.listdir("/dev/shm") if "+gap+" in n])
+              [n for n in os.listdir("/dev/shm") if "+gap+" in n], file=out, flush=True)
+        os._exit(0)
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     *_, outcome, left = done.stdout.splitlines()  # (after "ready ADDRESS" when it served)
-    if watched == "handed-on":
-        assert outcome == "stopped 0"
-    else:
-        assert outcome.startswith("refused: creator process")
+    assert outcome == {"handed-on": "stopped 0", "not-handed-on": "raised SystemExit",
+                       "stdout-gone": "raised BrokenPipeError"}[watched]
     assert left == "left [] []"
+
+
+def test_a_broker_whose_creator_is_gone_before_its_start_exits_and_leaves_nothing(run_dir):
+    """The creator exits (and is reaped) before the broker's start watches it: the start is
+    interrupted at its beginning, the channel lock it was handed is given back."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock_fd = paths.try_lock("gone-creator")
+    try:
+        body, _ = codec.encode({"name": "gone-creator", "parent_pid": dead.pid,
+                                "lock_fd": lock_fd})
+        env = dict(os.environ, ZCHANNEL_BROKER_FORKSERVER="")
+        done = subprocess.run([sys.executable, "-m", "zchannel.broker"], input=body,
+                              pass_fds=(lock_fd,), capture_output=True, timeout=120, env=env)
+    finally:
+        os.close(lock_fd)
+    assert done.returncode == 1, done.stderr.decode()[-2000:]
+    assert b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]
+    assert b"exited while the broker was starting" in done.stderr
+    assert os.listdir(run_dir) == []
 
 
 def _consume_pickled(channel, queue):

@@ -34,8 +34,8 @@ import traceback
 from typing import Any
 
 import msgpack
+from zchannel.broker.server.entry import main_from_stdin
 from zchannel.broker.server.forkclient import STATUS
-from zchannel.broker.server.loop import main_from_stdin
 from zchannel.broker.server.starting import child_environ
 from zchannel.broker.wire import codec
 from zchannel.hooks import forget_entry_point_scan, load_entry_points

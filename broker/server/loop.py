@@ -21,7 +21,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
@@ -40,7 +40,7 @@ from zchannel.broker.server.endpoint import Endpoint
 from zchannel.broker.server.handlers import HANDLERS, TurnCosts, handlers_for, hello
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.server.sessions import Sessions
-from zchannel.broker.server.startwatch import StartInterrupted, StartWatch
+from zchannel.broker.server.startwatch import close_pidfd
 from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct_broker
@@ -62,12 +62,9 @@ from zchannel.broker.wire.protocol import (
     unpack_requests,
 )
 from zchannel.hooks import (
-    Collector,
     expand_consumers,
     import_named,
     import_path,
-    register_collector,
-    register_dispatcher,
     resolve_collector,
     resolve_dispatcher,
 )
@@ -238,30 +235,30 @@ class Broker:
     def serve_forever(self) -> None:
         """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
         or the death of the parent process."""
-        stops = self._start_serving()
+        stops: StopSources | None = None
         try:
+            stops = self._start_serving()
+            sys.stdout.write(f"ready {self.address}\n")  # EPIPE: the creator is gone
+            sys.stdout.flush()
             self._serve(stops)
         except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
             log.critical("channel %r stops: %s", self.config.name, exc)
             self.exit_code = 3
         finally:
             self.close()
-            stops.close()
+            if stops is not None:
+                stops.close()
 
     def _start_serving(self) -> StopSources:
-        """Bind, start the metrics server and the replica link, make the poll set and print
-        ``ready <address>``; the sources of a stop (signals, the parent's death) returned."""
-        try:
-            self.bind()
-            self.metrics = _metrics_server(self)
-            self.sched_policy = _tune_for_serving(batch_wanted(self.config.sched_batch))
-            if self.replica is not None:
-                self.replica.start(self.core)
-            self._running = True  # before the handlers: a signal right after "ready" stops us
-            stops = _stop_sources(self)
-        except BaseException:
-            self.close()
-            raise
+        """Bind, start the metrics server and the replica link and make the poll set; the
+        sources of a stop (signals, the parent's death) returned."""
+        self.bind()
+        self.metrics = _metrics_server(self)
+        self.sched_policy = _tune_for_serving(batch_wanted(self.config.sched_batch))
+        if self.replica is not None:
+            self.replica.start(self.core)
+        self._running = True  # before the handlers: a signal right after "ready" stops us
+        stops = _stop_sources(self)
         sock, _ = self.bound()
         guard, _ = self._admission()
         poll_set: list[tuple[Any, int]] = [(sock, zmq.POLLIN), *stops.poll_items(),
@@ -270,8 +267,6 @@ class Broker:
             poll_set.append((self.metrics.fd, zmq.POLLIN))
         self._poll_base = poll_set
         self._poll_set = list(poll_set)
-        sys.stdout.write(f"ready {self.address}\n")
-        sys.stdout.flush()
         log.debug("broker %r serving %s (pid %d)", self.config.name, self.address, os.getpid())
         return stops
 
@@ -334,6 +329,8 @@ class Broker:
         if self.journal is not None:
             self.journal.close()
             self.journal = None
+        fd, self.parent_fd = self.parent_fd, None  # not handed on: the loop never started
+        close_pidfd(fd)
         self._release_files()
 
     def _release_files(self) -> None:
@@ -567,21 +564,6 @@ def _encode_item(value: Any, weight: int | float) -> Item:
     return Item(frames, weight, item_bytes(sum(len(f) for f in frames), len(frames)), value, True)
 
 
-def hook_from_wire(spec: Any) -> Any:
-    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``;
-    a class its creator registered under a name, ``{"class": path, "name": name}``, is
-    registered here under that name too and given as the class."""
-    if isinstance(spec, dict) and "class" in spec:
-        cls = import_path(spec["class"])
-        if "name" in spec:
-            register = register_collector if issubclass(cls, Collector) else register_dispatcher
-            return register(spec["name"])(cls)
-        obj = cls.__new__(cls)
-        obj.__dict__.update(spec.get("state") or {})
-        return obj
-    return spec
-
-
 def shutdown_token(config: BrokerConfig) -> str:
     """The broker's shutdown token: ``config.token`` (``Channel.create`` makes one), else the
     first line of ``config.token_file``, else a random one (``docs/security.md``)."""
@@ -608,78 +590,8 @@ def _stop_sources(broker: Broker) -> StopSources:
     try:
         return StopSources(broker.config.parent_pid, broker.stop, parent_fd)
     except BaseException:
-        if parent_fd is not None:
-            os.close(parent_fd)
+        close_pidfd(parent_fd)
         raise
 
 
-def _abandon_start(fields: dict[str, Any], started: list[Broker], parent_fd: int | None) -> NoReturn:
-    """The creator exited while this broker started: give back what the start took (the
-    broker's files, else the channel lock it was handed) and exit, not waiting for threads a
-    hook may have started."""
-    try:
-        if started:
-            started[0].close()
-        elif fields.get("lock_fd") is not None:
-            paths.release_lock_if_held(lock_name_of(fields["name"], fields.get("cluster"),
-                                                    fields.get("replicas"), fields.get("replica")),
-                                       fields["lock_fd"])
-        if parent_fd is not None:
-            os.close(parent_fd)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def run_broker(config: BrokerConfig) -> int:
-    """Run a broker in this process until it stops (``zchannel broker``: it logs where its
-    shutdown token is kept); the exit status."""
-    setup_logging()
-    broker = Broker(config)
-    broker.announce_token = True
-    broker.serve_forever()
-    return broker.exit_code
-
-
-def main_from_stdin() -> int:
-    """Entry of ``python -m zchannel.broker``: the config arrives as msgpack on stdin (the trusted
-    start-up pipe of ``Channel.create``)."""
-    data = sys.stdin.buffer.read()
-    fields = codec.decode(data)
-    setup_logging()
-    watch = StartWatch(fields.get("parent_pid"))  # the creator may exit while hooks start
-    started: list[Broker] = []
-    error: Exception | None = None
-    try:
-        try:
-            for name in ("collector", "dispatcher"):
-                fields[name] = hook_from_wire(fields.get(name))
-            started.append(Broker(BrokerConfig(**fields)))
-        except Exception as exc:
-            error = exc
-        watch.disarm()
-    except StartInterrupted:  # raised once at most: nothing after this may raise it
-        pass
-    parent_fd = watch.stop()
-    if watch.fired:  # however the start ended (a hook may have swallowed the interruption)
-        _abandon_start(fields, started, parent_fd)
-    if error is not None or not started:
-        if parent_fd is not None:
-            os.close(parent_fd)
-        sys.stdout.write(f"error {type(error).__name__}: {error}\n")
-        sys.stdout.flush()
-        return 1
-    broker = started[0]
-    broker.parent_fd = parent_fd  # the loop watches the creator on it from now on
-    try:
-        broker.serve_forever()
-    except (zmq.ZMQError, ValueError, OSError, RuntimeError) as exc:
-        # a busy address, a bad key file, a metrics endpoint that cannot start (RuntimeError)
-        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
-        sys.stdout.flush()
-        return 1
-    return broker.exit_code
-
-
-__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "run_broker"]
+__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "setup_logging"]

@@ -4,8 +4,9 @@ A start imports hook modules, runs the collector's and dispatcher's ``setup`` an
 journal through the collector: any of them may take long, or never end.  ``StartWatch`` runs a
 thread that waits on the creator's pidfd meanwhile.  When the creator exits first, the thread
 sends SIGINT to the main thread, whose handler (installed for the start) raises
-``StartInterrupted`` there once: the start unwinds and gives back what it took
-(``main_from_stdin`` then exits).  A start still running ``START_GRACE_S`` later (the
+``StartInterrupted`` there once, between ``arm`` and ``disarm`` (the block that catches it): the
+start unwinds and gives back what it took (``main_from_stdin`` then exits).  Any other SIGINT
+is handled as by the handler it replaced.  A start still running ``START_GRACE_S`` later (the
 interruption ignored or swallowed by a hook, or a hook blocked outside Python) ends with the
 process.  When the start ends, ``stop`` hands the pidfd on to the loop (``StopSources``), so an
 exit of the creator between the two is not missed.
@@ -29,12 +30,12 @@ class StartInterrupted(BaseException):
 
 class StartWatch:
     """The creator ``parent_pid``'s watch during a start (None: no creator, nothing watched).
-    Made, ``disarm``-ed and ``stop``-ped by the main thread."""
+    Made, ``arm``-ed, ``disarm``-ed and ``stop``-ped by the main thread."""
 
     def __init__(self, parent_pid: int | None) -> None:
         self.parent_pid = parent_pid
         self.fired = False  # the creator exited before ``stop`` (set before the SIGINT)
-        self._armed = True  # StartInterrupted may still be raised (once at most)
+        self._armed = False  # StartInterrupted may be raised (``arm``; once at most)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -51,17 +52,39 @@ class StartWatch:
             # fork server cannot tell (its loop refuses to start: ``StopSources``)
             if os.getppid() != parent_pid:
                 return
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        self._previous = signal.SIG_DFL if previous is None else previous
         self._rfd, self._wfd = os.pipe()
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self._previous = signal.default_int_handler if previous is None else previous
         self._thread = threading.Thread(target=self._run, name="zchannel-start-watch",
                                         daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            signal.signal(signal.SIGINT, self._previous)
+            for fd in (self._rfd, self._wfd, self._pidfd):
+                if fd is not None:
+                    os.close(fd)
+            raise
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if not self.fired:  # not ours: what Python's own handler does
-            signal.default_int_handler(signum, frame)
+        if not self.fired:  # not the watch's: as the handler this one replaced
+            if self._previous is signal.SIG_IGN:
+                return
+            self._armed = False  # the start ends with this interruption, not with ours
+            if callable(self._previous):
+                self._previous(signum, frame)
+            else:
+                signal.default_int_handler(signum, frame)
         elif self._armed:
+            self._armed = False
+            raise StartInterrupted(f"creator process {self.parent_pid} exited")
+
+    def arm(self) -> None:
+        """From here on (the main thread is where ``StartInterrupted`` is caught) the creator's
+        exit raises it: at once if the creator exited already."""
+        self._armed = True
+        if self.fired:
             self._armed = False
             raise StartInterrupted(f"creator process {self.parent_pid} exited")
 
@@ -115,6 +138,12 @@ class StartWatch:
         if signal.getsignal(signal.SIGINT) == self._on_sigint:
             signal.signal(signal.SIGINT, self._previous)
         return self._pidfd
+
+
+def close_pidfd(fd: int | None) -> None:
+    """Close a creator's pidfd that ``stop`` handed on (None: there was none)."""
+    if fd is not None:
+        os.close(fd)
 
 
 def _say(text: str) -> None:
