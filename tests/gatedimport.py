@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 
+from hookmods import wait_at_gate
 from zchannel.hooks import Collector
 
 if os.environ.get("GATED_IMPORT_CREATOR", str(os.getpid())) != str(os.getpid()):
-    with open(os.path.join(os.environ["GATED_IMPORT_DIR"], f"started-{os.getpid()}"), "w"):
-        pass
-    with open(os.environ["GATED_IMPORT_GATE"], "rb") as gate:
-        gate.read(1)
+    wait_at_gate(os.environ["GATED_IMPORT_DIR"], os.environ["GATED_IMPORT_GATE"])
 
 
 class PassThrough(Collector):

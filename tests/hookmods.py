@@ -198,6 +198,15 @@ class DoubledFlatten(FlattenBatch):
             yield out_key, value
 
 
+def wait_at_gate(folder: str, gate: str) -> None:
+    """Write ``started-<pid>`` into ``folder``, then read one byte from the FIFO ``gate`` (its
+    open returns once a writer opens it)."""
+    with open(os.path.join(folder, f"started-{os.getpid()}"), "w"):
+        pass
+    with open(gate, "rb") as fifo:
+        fifo.read(1)
+
+
 class GatedStart(Collector):
     """A broker whose start waits at a gate: ``setup`` writes ``started-<pid>`` into the
     directory ``options["dir"]``, then reads one byte from the FIFO ``options["gate"]`` (it
@@ -211,12 +220,8 @@ class GatedStart(Collector):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if options.get("thread"):
             threading.Thread(target=threading.Event().wait, daemon=False).start()
-        folder = options["dir"]
-        with open(os.path.join(folder, f"started-{os.getpid()}"), "w"):
-            pass
         try:
-            with open(options["gate"], "rb") as gate:
-                gate.read(1)
+            wait_at_gate(options["dir"], options["gate"])
         except BaseException:
             if not options.get("swallow"):
                 raise

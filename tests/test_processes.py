@@ -300,9 +300,8 @@ def test_a_broker_whose_creator_is_gone_before_its_start_exits_and_leaves_nothin
     try:
         body, _ = codec.encode({"name": "gone-creator", "parent_pid": dead.pid,
                                 "lock_fd": lock_fd})
-        env = dict(os.environ, ZCHANNEL_BROKER_FORKSERVER="")
         done = subprocess.run([sys.executable, "-m", "zchannel.broker"], input=body,
-                              pass_fds=(lock_fd,), capture_output=True, timeout=120, env=env)
+                              pass_fds=(lock_fd,), capture_output=True, timeout=120)
     finally:
         os.close(lock_fd)
     assert done.returncode == 1, done.stderr.decode()[-2000:]

@@ -77,16 +77,18 @@ class StartWatch:
             else:
                 signal.default_int_handler(signum, frame)
         elif self._armed:
-            self._armed = False
-            raise StartInterrupted(f"creator process {self.parent_pid} exited")
+            self._interrupt()
 
     def arm(self) -> None:
         """From here on (the main thread is where ``StartInterrupted`` is caught) the creator's
         exit raises it: at once if the creator exited already."""
         self._armed = True
         if self.fired:
-            self._armed = False
-            raise StartInterrupted(f"creator process {self.parent_pid} exited")
+            self._interrupt()
+
+    def _interrupt(self) -> None:
+        self._armed = False  # once at most
+        raise StartInterrupted(f"creator process {self.parent_pid} exited")
 
     def _creator_gone(self) -> bool:
         """Wait for the creator's exit (True) or for ``stop`` (False)."""
@@ -124,9 +126,9 @@ class StartWatch:
         self._armed = False
 
     def stop(self) -> int | None:
-        """The start ended: the thread stops, its pipe closes, Python's SIGINT handler is back
-        (unless a hook installed another); the creator's pidfd, now the caller's (None
-        without one).  Call it once, after ``disarm``."""
+        """The start ended: the thread stops, its pipe closes, the SIGINT handler the watch
+        replaced is back (unless a hook installed another); the creator's pidfd, now the
+        caller's (None without one).  Call it once, after ``disarm``."""
         with self._lock:
             self._stopped.set()
         if self._thread is None:

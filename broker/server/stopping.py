@@ -90,4 +90,3 @@ class StopSources:
         if self._parent_fd is not None:
             os.close(self._parent_fd)
             self._parent_fd = None
-
