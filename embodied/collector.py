@@ -21,6 +21,7 @@ from typing import Any
 
 from zchannel.broker import DEFAULT_KEY
 from zchannel.embodied.checks import check_part
+from zchannel.embodied.collector_state import collector_state, load_collector_state
 from zchannel.embodied.joiner import ChunkJoiner
 from zchannel.embodied.modes import (
     EXTERNAL_ACTIONS_MESSAGE,
@@ -105,11 +106,23 @@ class TrajectoryCollector(Collector):
             yield DEFAULT_KEY, output
 
     def holds_state(self) -> bool:
-        """Halves waiting for their other half, fragments or open scopes: a durable channel
-        keeps (and replays at a restart) the puts since none was held."""
+        """Halves waiting for their other half, fragments, open scopes or (LeRobot mode)
+        episodes open across training steps: a durable channel keeps (and replays at a
+        restart) the puts since none was held."""
         joiner = self.joiner
         return bool(joiner.policy_parts or joiner.env_parts or joiner.fragments
-                    or self.mode.scopes)
+                    or self.mode.scopes or self.mode.holds_side_state())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Halves, fragments, open scopes and the mode's side state (generators, LeRobot
+        accumulators) as a value the channel carries: a durable channel's journal writes it
+        in place of the puts taken so far (``embodied/collector_state.py``)."""
+        return collector_state(self.joiner, self.mode)
+
+    def load_state_dict(self, state: Any) -> None:
+        """Take back a ``state_dict`` of a collector of the same plan; ``ValueError`` naming
+        what does not fit (nothing changes then)."""
+        load_collector_state(self.joiner, self.mode, state)
 
     def _check_item(self, item: Any) -> None:
         if not isinstance(item, (PolicyPart, EnvPart)):

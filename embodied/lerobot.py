@@ -491,6 +491,30 @@ class _EpisodeRecorder:
         episodes, self._episodes = self._episodes, []
         return episodes
 
+    def open_episodes(self) -> int:
+        """Environments whose episode is open (frames recorded, or a first observation kept)."""
+        return sum(bool(s.frames) or s.seed is not None for s in self._states)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each env's open episode, the finished episodes not drained and the count emitted
+        (the frames shared: they are not changed once recorded)."""
+        return {
+            "envs": [(list(s.frames), s.success, s.segment_id, s.seed) for s in self._states],
+            "episodes": list(self._episodes),
+            "emitted": self.num_emitted,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``state_dict`` returned (``ValueError`` if it does not fit)."""
+        envs = state["envs"]
+        if len(envs) != len(self._states):
+            raise ValueError(f"a recorder state of {len(envs)} environments for "
+                             f"{len(self._states)}")
+        self._states = [_EnvState(list(frames), bool(success), int(segment_id), seed)
+                        for frames, success, segment_id, seed in envs]
+        self._episodes = list(state["episodes"])
+        self.num_emitted = int(state["emitted"])
+
     def advance(self, env: int, step: _Step, own_info: Any) -> None:
         """Run the state machine of env ``env`` (docs/embodied.md: "LeRobot mode") for one step."""
         state = self._states[env]
@@ -599,6 +623,25 @@ class LeRobotEpisodeAccumulator:
     def num_emitted(self) -> int:
         """Episodes emitted so far (the next ``episode_index``)."""
         return self._recorder.num_emitted
+
+    @property
+    def open_episodes(self) -> int:
+        """Environments whose episode is open: its frames wait for the episode's end."""
+        return self._recorder.open_episodes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the accumulator holds between chunks: each environment's open episode (its
+        frames, success, segment and kept first observation), finished episodes not drained
+        and ``num_emitted`` -- plain lists, tuples and the recorded values, which a channel
+        carries (a durable channel's journal writes it, docs/durability.md)."""
+        return self._recorder.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back a ``state_dict`` of an accumulator of the same sizes.
+
+        Raises ``ValueError`` when its number of environments differs.
+        """
+        self._recorder.load_state_dict(state)
 
     def drain_episodes(self) -> list[list[dict[str, Any]]]:
         """Return the finished episodes and clear only that list (unfinished ones stay)."""

@@ -102,6 +102,18 @@ class OutputMode:
     def commit_side(self, side: dict[Any, Any]) -> None:  # noqa: B027 - optional override
         """Install side state computed by ``flush`` (must not fail)."""
 
+    def holds_side_state(self) -> bool:
+        """Whether side state holds data of earlier puts that later outputs need (beyond the
+        open scopes); statistics and generators do not count."""
+        return False
+
+    def side_state(self) -> dict[str, Any]:
+        """The side state as plain values (``TrajectoryCollector.state_dict``)."""
+        return {}
+
+    def load_side_state(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional override
+        """Take back what ``side_state`` returned."""
+
     # -- the two phases ----------------------------------------------------------------------
 
     def prepare(self, chunks: Iterable[JoinedChunk]) -> PreparedPut:
@@ -269,6 +281,17 @@ class PipelineMode(OutputMode):
 
     def commit_side(self, side: dict[Any, Any]) -> None:
         self.generators.update(side.get("generators", {}))
+
+    def side_state(self) -> dict[str, Any]:
+        """Each actor's shuffle generator, as its state tensor."""
+        return {"generators": [(actor, g.get_state()) for actor, g in self.generators.items()]}
+
+    def load_side_state(self, state: dict[str, Any]) -> None:
+        generators: dict[int, torch.Generator] = {}
+        for actor, generator_state in state["generators"]:
+            generators[int(actor)] = torch.Generator()
+            generators[int(actor)].set_state(generator_state)
+        self.generators = generators
 
     def micro_batches(
         self,
@@ -467,6 +490,23 @@ class LeRobotMode(OutputMode):
 
     def commit_side(self, side: dict[Any, Any]) -> None:
         self.accumulators.update(side.get("accumulators", {}))
+
+    def holds_side_state(self) -> bool:
+        """An episode still open on some env: its frames of earlier steps wait for its end."""
+        return any(acc.open_episodes for acc in self.accumulators.values())
+
+    def side_state(self) -> dict[str, Any]:
+        """Each source's accumulator (its open episodes and the count emitted)."""
+        return {"accumulators": [(source, acc.state_dict())
+                                 for source, acc in self.accumulators.items()]}
+
+    def load_side_state(self, state: dict[str, Any]) -> None:
+        accumulators: dict[SourceID, LeRobotEpisodeAccumulator] = {}
+        for source, acc_state in state["accumulators"]:
+            accumulator = self._new_accumulator()
+            accumulator.load_state_dict(acc_state)
+            accumulators[(int(source[0]), int(source[1]))] = accumulator
+        self.accumulators = accumulators
 
     def held_objects(self) -> Iterator[Any]:
         yield from super().held_objects()

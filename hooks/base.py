@@ -120,6 +120,23 @@ class Collector:
         Default: False, nothing is kept between puts."""
         return False
 
+    def state_dict(self) -> Any:
+        """Optional, with ``holds_state``: the state the collector keeps between puts, as a
+        value the channel can carry (what a put may hold: msgpack types, tensors and arrays,
+        registered types).  A durable channel's journal writes it now and then in place of
+        the puts it took so far (a snapshot), so the puts it keeps stay few however long the
+        collector holds something; a broker starting on the journal calls
+        ``load_state_dict`` with it, then replays the puts that came after it.  The value
+        must not change after it was returned (return copies of what ``collect`` changes in
+        place).  Not overridden: no snapshot, every put since ``holds_state`` was last False
+        is kept."""
+        raise NotImplementedError(f"{type(self).__qualname__} keeps no state_dict")
+
+    def load_state_dict(self, state: Any) -> None:
+        """Take back a state ``state_dict`` returned (decoded as a get returns items), in a
+        collector just set up; raising stops the broker's start (the state is not lost)."""
+        raise NotImplementedError(f"{type(self).__qualname__} keeps no state_dict")
+
 
 class Dispatcher:
     """Decides, per output item, whether it stays shared or is dealt to one consumer.

@@ -158,6 +158,36 @@ class Pairs(Collector):
         return bool(self.waiting)
 
 
+class CountedPairs(Pairs):
+    """``Pairs`` that numbers its pairs (``(n, first, second)``): once a pair was made it always
+    holds state (the count), and it writes that state down (``state_dict``), so a durable
+    channel's journal keeps a snapshot and the puts after it.  A half ``"refuse"`` makes a
+    state that ``load_state_dict`` refuses."""
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.pairs = 0
+
+    def collect(self, item, key):
+        if key in self.waiting:
+            self.pairs += 1
+            yield key, (self.pairs, self.waiting.pop(key), item)
+        else:
+            self.waiting[key] = item
+
+    def holds_state(self):
+        return bool(self.waiting) or self.pairs > 0
+
+    def state_dict(self):
+        return {"pairs": self.pairs, "waiting": [[k, v] for k, v in self.waiting.items()]}
+
+    def load_state_dict(self, state):
+        if any(v == "refuse" for _, v in state["waiting"]):
+            raise ValueError("this state holds a half it refuses")
+        self.pairs = state["pairs"]
+        self.waiting = {k: v for k, v in state["waiting"]}
+
+
 class ObserveRefusesOnce(Dispatcher):
     """``observe`` raises the first time consumer ``late:0`` joins (then lets it join)."""
 

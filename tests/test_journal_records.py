@@ -194,9 +194,9 @@ def test_a_puts_record_reads_back_as_its_puts(count):
     assert list(fmt.records(memoryview(record[:-1]), crc, 0, torn)) == [] and torn.torn
 
 
-def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
+def test_a_version_1_journal_is_read_and_continued_in_the_version_written_now(tmp_path):
     """Segments written before ``PUTS`` records (``ZCJRNL01``: a ``PUT`` record per item) are
-    recovered as before; the new segment the broker writes in is version 2."""
+    recovered as before; the new segment the broker writes in is version 3."""
     kind = fmt.default_kind()
     crc = fmt.checksum_of(kind)
     directory = tmp_path / "j"
@@ -216,7 +216,7 @@ def test_a_version_1_journal_is_read_and_continued_in_version_2(tmp_path):
         journal.commit()
     finally:
         journal.close()
-    assert (directory / f"old.{2:010d}.zcj").read_bytes()[:8] == fmt.MAGIC == b"ZCJRNL02"
+    assert (directory / f"old.{2:010d}.zcj").read_bytes()[:8] == fmt.MAGIC == b"ZCJRNL03"
     again = Journal(JournalSettings(directory=str(directory), name="old"))
     try:
         (group,) = again.recover()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.cluster import clusterfile
@@ -199,9 +200,22 @@ def wrap_collector(collector: Collector, state: ReplicaState) -> Collector:
     if type(collector).collect is Collector.collect:
         return collector
     inner_cls = type(collector)
-    cls = type(f"Bound{inner_cls.__name__}", (_BindingCollector,),
-               {"hook_name": hook_name(collector)})
+    namespace: dict[str, Any] = {"hook_name": hook_name(collector)}
+    # what the broker asks only of collectors that override it (state kept between puts, a
+    # journal's snapshots of it) is passed on only when the wrapped one does
+    for method in ("holds_state", "state_dict", "load_state_dict"):
+        if getattr(inner_cls, method) is not getattr(Collector, method):
+            namespace[method] = _passed_on(method)
+    cls = type(f"Bound{inner_cls.__name__}", (_BindingCollector,), namespace)
     return cls(collector, state)
+
+
+def _passed_on(method: str) -> Callable[..., Any]:
+    """A method of ``_BindingCollector`` that calls the wrapped collector's ``method``."""
+    def call(self: _BindingCollector, *args: Any) -> Any:
+        return getattr(self.inner, method)(*args)
+    call.__name__ = method
+    return call
 
 
 def replica_state(config: Any) -> ReplicaState:

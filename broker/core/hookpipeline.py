@@ -46,6 +46,9 @@ class HookPipeline:
         # a collector that says when it keeps state between puts (Collector.holds_state): a
         # durable channel's journal (``log``) keeps the puts it may still need
         self.stateful = type(collector).holds_state is not Collector.holds_state
+        # ... and can write that state down (Collector.state_dict): the journal then keeps the
+        # puts since its last snapshot, not all those since the collector last held nothing
+        self.snapshots = self.stateful and type(collector).state_dict is not Collector.state_dict
         self.log: StateLog | None = None
         self.deals = dispatcher.deals
         self.ctx = ChannelContext(
@@ -65,8 +68,11 @@ class HookPipeline:
             item.decoded = True
         return item.value
 
-    def collect(self, item: Item, key: Any, weight: int | float) -> list[tuple[Any, Item]]:
-        """The (key, item) pairs a put of ``item`` under ``key`` stores."""
+    def collect(self, item: Item, key: Any, weight: int | float,
+                settled: bool = False) -> list[tuple[Any, Item]]:
+        """The (key, item) pairs a put of ``item`` under ``key`` stores.  ``settled``: no put
+        waits for room, so the outputs of every put collected before this one are stored (a
+        snapshot of the collector's state may then replace the puts it took)."""
         if self.passthrough:
             return [(key, item)]
         value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
@@ -88,8 +94,26 @@ class HookPipeline:
         except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if self.log is not None and self.stateful:
-            self.log.collected(item, key, self.holds_state(), len(outputs))
+            snapshot = self.state_item if self.snapshots and settled and not outputs else None
+            self.log.collected(item, key, self.holds_state(), len(outputs), snapshot)
         return outputs
+
+    def state_item(self) -> Item | None:
+        """``Collector.state_dict`` encoded as an item (None, logged, if it failed: the puts
+        it took are kept instead)."""
+        try:
+            return self.encode_item(self.collector.state_dict(), 1)
+        except HOOK_FAILURES:
+            log.exception("Collector.state_dict failed: the puts it took are kept instead")
+            return None
+
+    def restore_state(self, item: Item) -> None:
+        """``Collector.load_state_dict`` of a state ``state_item`` encoded; ``HookError`` if
+        it could not be decoded or the collector refused it."""
+        try:
+            self.collector.load_state_dict(self.decode_item(item))
+        except HOOK_FAILURES as exc:
+            raise hook_error(exc) from None
 
     def holds_state(self) -> bool:
         """``Collector.holds_state`` (a failure counts as holding state)."""

@@ -27,15 +27,18 @@ The order of the calls is the order of the changes, and the log may rely on it:
 - ``room(nbytes)``: whether the log has room for a put of ``nbytes`` now (a put waits while it
   has not, as for ``max_bytes``), asked only when ``limited``; ``fits(nbytes)``: whether it
   could ever have;
-- ``collected(item, key, holds_state, outputs)``: a collector that keeps state between puts
-  (``Collector.holds_state``) took a put that yielded ``outputs`` items (before they are
-  stored); the log keeps the puts since ``holds_state`` was last False (and those outputs
-  stored), to rebuild the collector's state.
+- ``collected(item, key, holds_state, outputs, snapshot)``: a collector that keeps state
+  between puts (``Collector.holds_state``) took a put that yielded ``outputs`` items (before
+  they are stored); the log keeps the puts since ``holds_state`` was last False (and those
+  outputs stored), to rebuild the collector's state.  ``snapshot`` (None: not now) returns the
+  collector's state as an item (``Collector.state_dict``; None if that failed), offered when
+  the put yielded nothing and no put waits for room: the log may keep it in place of the puts
+  taken up to this one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from zchannel.broker.core.state import Item
@@ -65,4 +68,5 @@ class StateLog(Protocol):
 
     def fits(self, nbytes: int) -> bool: ...
 
-    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int) -> None: ...
+    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int,
+                  snapshot: Callable[[], Item | None] | None = None) -> None: ...

@@ -10,7 +10,11 @@ naming the collector its broker runs (``name``: its registered name, else
 ``options``, as canonical JSON), and a broker whose collector is not the one the table names
 does not start while the journal holds inputs (``check_collector``).  With no held inputs any
 collector may start.  A journal without the table (written before it existed) is replayed as
-before.  ``docs/durability.md`` (Hook state).
+before.
+
+A collector that can write its state down (``Collector.state_dict``) has it written now and then
+(a ``STATE`` record) in place of the inputs taken up to then; ``CollectorState`` keeps the
+last one and says when the next is due.  ``docs/durability.md`` (Hook state).
 """
 
 from __future__ import annotations
@@ -18,11 +22,50 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from zchannel.broker.core.state import Item
 from zchannel.broker.errors import JournalError
+from zchannel.broker.journal.items import LiveSet
+from zchannel.broker.journal.segments import SegmentFile
 from zchannel.hooks import Collector
 
 TABLE_NAME = "collector"
 PASS_THROUGH = f"{Collector.__module__}:{Collector.__qualname__}"  # no collector configured
+# a state is written once the inputs kept since the last one take this much, and at least twice
+# that state's bytes: the inputs kept stay within about twice the state
+SNAPSHOT_BYTES = 4 << 20
+
+
+class CollectorState:
+    """The last state of a collector written in a journal: ``record`` holds its ``STATE``
+    record (one entry, whose key is the jid of the put the state follows), ``recovered`` the
+    state read back at the start (for the broker to give to the collector), ``written`` how
+    many were written, and ``due_at`` the bytes of kept inputs that make the next one due."""
+
+    def __init__(self) -> None:
+        self.record = LiveSet()
+        self.recovered: Item | None = None
+        self.written = 0
+        self.due_at = SNAPSHOT_BYTES
+
+    def __bool__(self) -> bool:
+        return bool(self.record)
+
+    def upto(self) -> int | None:
+        """The jid of the put the state follows (None: no state)."""
+        return next((entry[2] for entry in self.record.entries.values()), None)
+
+    def replace(self, jid: int, seg: SegmentFile, nbytes: int, upto: int, item: Item) -> None:
+        """The state ``item`` after the put ``upto``, in the record ``jid`` of ``nbytes`` in
+        ``seg``, replaces the one before."""
+        self.drop()
+        self.record.add(jid, seg, nbytes, upto, item)
+        self.due_at = max(SNAPSHOT_BYTES, 2 * nbytes)
+
+    def drop(self) -> None:
+        """The collector holds nothing (or a newer state came): the state is not needed."""
+        for jid in list(self.record.entries):
+            self.record.forget(jid)
+        self.due_at = SNAPSHOT_BYTES
 
 
 def collector_identity(name: str, options: dict[str, Any]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The on-disk format of a journal: segment files holding checksummed records.
 
-A segment file starts with a 16-byte preamble (``ZCJRNL02``, the checksum kind, 7 zero bytes)
+A segment file starts with a 16-byte preamble (``ZCJRNL03``, the checksum kind, 7 zero bytes)
 and then holds records back to back.  The rest of the file, preallocated and never written, is
 zeros: a zero record header ends the data.  A record is a 9-byte header — the length of its
 body (u32), the checksum of its type byte and body (u32), its type (u8), little-endian — then
@@ -10,7 +10,7 @@ the body:
 type          body
 ============  ==================================================================================
 ``SEGMENT``   msgpack map: ``channel`` (the journal's name), ``seq`` (the segment's number),
-              ``created`` (Unix time), ``version`` (2); always the first record of a segment
+              ``created`` (Unix time), ``version`` (3); always the first record of a segment
 ``PUT``       u32 length of the meta, the meta (msgpack ``[jid, key, weight, consumer, sizes,
               slots, extra]``), then the item's frames back to back, ``sizes`` bytes each: the
               frames the broker received, raw; the last ``slots`` of them hold the bytes of the
@@ -33,11 +33,17 @@ type          body
 ``INPUT_OUT`` as ``INPUT``, for a put whose outputs are stored after it (``PUT`` records; the
               last carries the put's ``extra``): its ``extra`` counts as stored only with them,
               and a replay stores the outputs of one whose outputs were not stored
+``STATE``     as ``PUT``, with ``extra`` ``["state", J]``: the state of that collector
+              (``Collector.state_dict``, encoded as an item) after the put of ``J``; it
+              replaces the ``INPUT`` records up to ``J`` and any ``STATE`` before it, and is
+              not needed after an ``IDLE`` of ``J`` or later
 ============  ==================================================================================
 
-Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record; this code reads both
-and writes version 2.  A reader of version 1 refuses a version-2 segment by its magic (it
-does not skip records it does not know: it would take them for torn data).  This reader
+Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record, a version-2 one
+(``ZCJRNL02``) no ``STATE`` record; this code reads all three and writes version 3.  A reader
+of an earlier version refuses a later segment by its magic (version 1 does not skip records it
+does not know: it would take them for torn data; version 2 would skip a ``STATE`` record and
+lose the collector state it replaces).  This reader
 yields a record of a type it does not know, whose checksum matches, like any other (recovery
 skips it).
 
@@ -64,24 +70,25 @@ try:  # the hardware CRC-32C; zlib's CRC-32 otherwise (slower: ~1 GB/s here)
 except ImportError:  # pragma: no cover - depends on the install
     _crc32c = None  # type: ignore[assignment]  # without the durable extra: zlib's CRC-32
 
-MAGIC = b"ZCJRNL02"  # the version written
-MAGICS = {b"ZCJRNL01": 1, MAGIC: 2}  # the versions read
+MAGIC = b"ZCJRNL03"  # the version written
+MAGICS = {b"ZCJRNL01": 1, b"ZCJRNL02": 2, MAGIC: 3}  # the versions read
 PREAMBLE = struct.Struct("<8sB7x")  # magic, checksum kind
 HEADER = struct.Struct("<IIB")  # body length, checksum of type + body, type
 U32 = struct.Struct("<I")
 HEADER_META = struct.Struct("<IIBI")  # a put record's header and the length of its meta
 TYPE_META = struct.Struct("<BI")  # the first bytes a put record's checksum covers
-VERSION = 2
+VERSION = 3
 SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT = range(10)
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT}
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE = range(11)
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE}
 _TYPE_BYTE = tuple(bytes((t,)) for t in range(256))  # what each type's checksum starts with
 ZEROS_CHECKED = 1 << 20  # the bytes after the data are checked for zeros this much at a time
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
 PART = "part"  # the tag of an output of a put with several outputs (``part_extra``)
+STATE_TAG = "state"  # the tag of a collector's state (``state_extra``)
 PUT_ENTRY_BYTES = 40  # what a put in a ``PUTS`` record takes besides its body, about
 
 Checksum = Callable[[Any, int], int]
@@ -138,6 +145,19 @@ def part_of(extra: Any) -> int | None:
     """The jid of the last output of the put whose output carries ``extra`` (None: the record
     is a whole put, or that last output)."""
     if (isinstance(extra, list) and len(extra) == 2 and extra[0] == PART
+            and type(extra[1]) is int and extra[1] > 0):
+        return extra[1]
+    return None
+
+
+def state_extra(upto: int) -> list[Any]:
+    """The ``extra`` of a ``STATE`` record: the state after the put of ``upto``."""
+    return [STATE_TAG, upto]
+
+
+def state_of(extra: Any) -> int | None:
+    """The jid of the put a ``STATE`` record's state follows (None: a malformed ``extra``)."""
+    if (isinstance(extra, list) and len(extra) == 2 and extra[0] == STATE_TAG
             and type(extra[1]) is int and extra[1] > 0):
         return extra[1]
     return None

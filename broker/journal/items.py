@@ -30,9 +30,13 @@ def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item
                rtype: int = fmt.PUT, part_of: int = 0) -> tuple[list[Any], int]:
     """The record of ``item`` (its frames raw; the bytes of its shared-memory slots straight
     from the slots, after them) and its length; ``part_of``: the jid of the last output of
-    the put whose earlier output ``item`` is (``format.part_extra``), 0 for a whole put."""
+    the put whose earlier output ``item`` is (``format.part_extra``), 0 for a whole put.  A
+    ``STATE`` record's ``key`` is the jid its state follows (``format.state_extra``)."""
     payload = item.payload
-    extra = fmt.part_extra(part_of) if part_of else item.origin
+    if rtype == fmt.STATE:
+        extra: Any = fmt.state_extra(key)
+    else:
+        extra = fmt.part_extra(part_of) if part_of else item.origin
     if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
         body = payload[0]  # the common small item, as small puts carry it inline
         return fmt.small_put(crc, (jid, key, item.weight, consumer, (len(body),), 0, extra),

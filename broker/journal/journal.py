@@ -12,6 +12,10 @@ writes (``journal/format.py``):
   had not left when the broker died is there again after a restart (at least once);
 - a ``LEASE`` record for every delivery under a lease (counted as a redelivery when it comes
   back after a restart);
+- for a collector that keeps state between puts, ``INPUT`` records of the puts it took since
+  it last held nothing (``IDLE`` marks such a moment), or, for one that can write its state
+  down, a ``STATE`` record now and then that replaces those taken up to then
+  (``journal/collectors.py``);
 - ``TABLE`` records for the tables kept beside the items (``_tables``), whole at the start of
   every segment, so that older segments are never needed for them: ``producers`` holds the put
   sequences of each producer whose puts were recorded (each ``PUT`` record carries its put's
@@ -42,7 +46,7 @@ from zchannel.broker.errors import JournalError
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.batch import PutBatch
 from zchannel.broker.journal.collectors import TABLE_NAME as COLLECTOR_TABLE
-from zchannel.broker.journal.collectors import check_collector
+from zchannel.broker.journal.collectors import CollectorState, check_collector
 from zchannel.broker.journal.compaction import COMPACT_BYTES_PER_TICK, Compaction
 from zchannel.broker.journal.items import LiveSet, item_parts, recovered_item
 from zchannel.broker.journal.recovery import Recovered, read_journal
@@ -88,6 +92,7 @@ class Journal:
             raise
         self.live = LiveSet()  # the items still the channel's
         self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
+        self.collector_state = CollectorState()  # its last state written (``STATE``)
         # the inputs read back, to replay: (key, input, whether its outputs were not stored)
         self.replay: list[tuple[Any, Item, bool]] = []
         self._idle_after: int | None = None  # the put that emptied the collector (its outputs due)
@@ -119,7 +124,8 @@ class Journal:
         started = time.monotonic()
         rec = self.recovered = read_journal(self.dir, self.settings.fsync == "always")
         check_collector(rec.tables.get(COLLECTOR_TABLE), self.settings.collector,
-                        len(rec.inputs), self.settings.name, self.dir.path)
+                        len(rec.inputs) + (rec.state is not None), self.settings.name,
+                        self.dir.path)
         for seg in rec.segments:
             self.store.adopt(seg)
         self._next_jid = rec.max_jid + 1
@@ -130,15 +136,7 @@ class Journal:
             if got is not None:
                 self.live.add(jid, seg, nbytes, *got)
                 groups[got[0]].append(got[1])
-        for jid, (seg, nbytes, put) in sorted(rec.inputs.items()):
-            got = recovered_item(jid, put)
-            if got is not None:
-                self.inputs.add(jid, seg, nbytes, *got)
-                origin = origin_of(put.extra)
-                got[1].origin = origin
-                unstored = (jid in rec.awaiting and origin is not None
-                            and not rec.sequences.marked(origin))
-                self.replay.append((*got, unstored))
+        _recover_collector(self, rec)
         self.recovered_items = len(self.live)
         self.redelivered = len(rec.leased)
         self.store.start()
@@ -226,11 +224,11 @@ class Journal:
         for item in items:
             self._sending.discard(item.jid)
 
-    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int) -> None:
-        if not (holds_state or self.inputs):
+    def collected(self, item: Item, key: Any, holds_state: bool, outputs: int,
+                  snapshot: Callable[[], Item | None] | None = None) -> None:
+        if not (holds_state or self.inputs or self.collector_state):
             return  # the collector holds nothing, before and after this put
-        # kept, to replay: also the put that empties the collector, until its outputs are
-        # stored (an IDLE written before them would let a crash lose what they consumed)
+        # kept, to replay, also when it empties the collector: until its outputs are stored
         jid = self._next_jid
         parts, nbytes = item_parts(self.store.crc, jid, key, None, item,
                                    _input_type(self.sequences, item, outputs))
@@ -241,26 +239,29 @@ class Journal:
             self.sequences.mark(item.origin)
         if holds_state:
             self._idle_after = None  # it holds something again: every input stays
+            if snapshot is not None and self.inputs.nbytes >= self.collector_state.due_at:
+                _write_state(self, jid, snapshot)
         elif outputs:
             self._idle_after = jid  # written by ``stored``, after the outputs
         else:
             self._idle(jid)
 
     def replayed(self, holds_state: bool) -> None:
-        """The inputs read back went through the collector again: one that holds nothing after
-        them (its replay stored what waited) needs none of them any more."""
-        if self.inputs.entries and not holds_state:
-            self._idle(max(self.inputs.entries))
+        """The state and inputs read back went through the collector again: one that holds
+        nothing after them (its replay stored what waited) needs none of them any more."""
+        upto = max([*self.inputs.entries, self.collector_state.upto() or 0], default=0)
+        if upto and not holds_state:
+            self._idle(upto)
 
     def _idle(self, upto: int) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed."""
         body = fmt.pack([upto])
-        self._append([fmt.record(self.store.crc, fmt.IDLE, body)],
-                          fmt.HEADER.size + len(body))
+        self._append([fmt.record(self.store.crc, fmt.IDLE, body)], fmt.HEADER.size + len(body))
         for jid in [j for j in self.inputs.entries if j <= upto]:
             self.inputs.forget(jid)
+        self.collector_state.drop()
         self._idle_after = None
-        self._drop_dead()
+        self._drop_dead(sync_first=True)
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
@@ -288,10 +289,13 @@ class Journal:
         self.live.forget_all(jids)
         self._drop_dead()
 
-    def _drop_dead(self) -> None:
-        """Remove the oldest segments that hold nothing needed (puts may fit again)."""
+    def _drop_dead(self, sync_first: bool = False) -> None:
+        """Remove the oldest segments that hold nothing needed (puts may fit again);
+        ``sync_first``: the record that made them so (``IDLE``, ``STATE``) is synced first."""
         segments = self.store.segments
         if segments[0].live == 0 and len(segments) > 1:
+            if sync_first:
+                self.store.sync_now()
             if self.store.drop_dead_prefix() and self.on_room is not None:
                 self.on_room()
 
@@ -372,6 +376,50 @@ class Journal:
                 self.dir.close()
 
 
+def _recover_collector(journal: Journal, rec: Recovered) -> None:
+    """What a stateful collector needs, read back: its last state (``STATE``), for the
+    broker to give back first, and the inputs after it, to replay."""
+    for jid, (seg, nbytes, put) in sorted(rec.inputs.items()):
+        got = recovered_item(jid, put)
+        if got is not None:
+            journal.inputs.add(jid, seg, nbytes, *got)
+            origin = origin_of(put.extra)
+            got[1].origin = origin
+            unstored = (jid in rec.awaiting and origin is not None
+                        and not rec.sequences.marked(origin))
+            journal.replay.append((*got, unstored))
+    if rec.state is not None:
+        seg, nbytes, put, upto = rec.state
+        got = recovered_item(put.jid, put)
+        if got is not None:
+            journal.collector_state.replace(put.jid, seg, nbytes, upto, got[1])
+            journal.collector_state.recovered = got[1]
+
+
+def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None]) -> None:
+    """Write the collector's state after the put ``upto`` (a ``STATE`` record) in place of
+    the inputs up to it and of its previous state; a state that could not be made or
+    written leaves them kept (the next try once twice as many inputs are kept)."""
+    journal.collector_state.due_at = 2 * journal.inputs.nbytes
+    item = snapshot()
+    if item is None:
+        return
+    jid = journal._next_jid
+    parts, nbytes = item_parts(journal.store.crc, jid, upto, None, item, fmt.STATE)
+    try:  # as a put: the room kept for removals is not for it
+        seg = journal._append(parts, nbytes, True)
+    except JournalError as exc:
+        log.warning("journal of %r: the collector's state was not written (%s): the puts "
+                    "it took stay", journal.settings.name, exc)
+        return
+    journal._next_jid = jid + 1
+    journal.collector_state.written += 1
+    journal.collector_state.replace(jid, seg, nbytes, upto, item)
+    for done in [j for j in journal.inputs.entries if j <= upto]:
+        journal.inputs.forget(done)
+    journal._drop_dead(sync_first=True)
+
+
 def _input_type(sequences: StoredSequences, item: Item, outputs: int = 1) -> int:
     """The record type of a collector's input: ``INPUT_OUT`` for a retry-safe put whose
     outputs are not stored yet (its origin counts once they are), else ``INPUT``."""
@@ -386,17 +434,19 @@ def _compact(journal: Journal) -> int:
     the end, at most ``COMPACT_BYTES_PER_TICK``, when ``Compaction.due`` says it frees space,
     so that segment can go; the bytes copied."""
     store, live, inputs = journal.store, journal.live, journal.inputs
-    removals = live.removed + inputs.removed
-    if not journal.compaction.due(store, live.nbytes + inputs.nbytes,
+    state = journal.collector_state.record
+    removals = live.removed + inputs.removed + state.removed
+    if not journal.compaction.due(store, live.nbytes + inputs.nbytes + state.nbytes,
                                   journal.settings.max_bytes, removals):
         return 0
     oldest = store.segments[0]
     copied = 0
-    for held in (live, inputs):
+    for held in (live, inputs, state):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
-            rtype = fmt.PUT if held is live else _input_type(journal.sequences, item)
+            rtype = (fmt.PUT if held is live else fmt.STATE if held is state
+                     else _input_type(journal.sequences, item))
             parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
             try:
                 new = journal._append(parts, nbytes)
@@ -426,6 +476,9 @@ def _stats(journal: Journal) -> dict[str, Any]:
         "items": len(journal.live),
         "item_bytes": journal.live.nbytes,
         "collector_inputs": len(journal.inputs),
+        "collector_input_bytes": journal.inputs.nbytes,
+        "collector_state_bytes": journal.collector_state.record.nbytes,
+        "collector_states": journal.collector_state.written,
         "max_journal_bytes": journal.settings.max_bytes,
         "fsync_lag_ms": round(store.lag(now) * 1000, 3),
         "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),

@@ -54,6 +54,9 @@ class Recovered:
     inputs: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
     # those whose newest record is an ``INPUT_OUT``: stored only if their origin is marked
     awaiting: set[int] = field(default_factory=set)
+    # that collector's state after the put of ``upto`` (a ``STATE`` record), replacing the
+    # inputs up to it: (its segment, record bytes, the record, upto)
+    state: tuple[SegmentFile, int, fmt.PutRecord, int] | None = None
     tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
     # the put sequences of each producer the journal recorded (journal/sequences.py)
     sequences: StoredSequences = field(default_factory=StoredSequences)
@@ -271,6 +274,11 @@ def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -
         log.error("journal segment %s: a put record that does not hold together (%s): "
                   "skipped", seg.path, exc)
         return
+    if rtype != fmt.PUT and rec.state is not None and put.jid <= rec.state[3]:
+        origin = origin_of(put.extra) if rtype == fmt.INPUT else None
+        if origin is not None:  # an input the collector's state holds already: no replay
+            rec.sequences.mark(origin)
+        return
     if rtype == fmt.INPUT_OUT:  # its outputs, once stored, mark its origin
         rec.awaiting.add(put.jid)
     elif rtype == fmt.INPUT:
@@ -310,11 +318,35 @@ def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Re
 
 
 def _apply_idle(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
-    """A hook went idle up to a jid: the inputs up to it are done."""
+    """A hook went idle up to a jid: the inputs up to it, and its state, are done."""
     upto = fmt.unpack(body)
     if isinstance(upto, list) and upto and isinstance(upto[0], int):
-        for jid in [j for j in rec.inputs if j <= upto[0]]:
-            del rec.inputs[jid]
+        _inputs_done(rec, upto[0])
+        if rec.state is not None and rec.state[3] <= upto[0]:
+            rec.state = None
+
+
+def _apply_state(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """A collector's state after a put: the inputs up to that put, and an earlier state, are
+    not needed any more."""
+    try:
+        put = fmt.read_put(body)
+    except (ValueError, TypeError) as exc:
+        put = None
+        log.error("journal segment %s: a state record that does not hold together (%s): "
+                  "skipped", seg.path, exc)
+    upto = fmt.state_of(put.extra) if put is not None else None
+    if put is None or upto is None:
+        return
+    rec.max_jid = max(rec.max_jid, put.jid)
+    if rec.state is None or rec.state[3] <= upto:
+        rec.state = (seg, fmt.HEADER.size + len(body), put, upto)
+        _inputs_done(rec, upto)
+
+
+def _inputs_done(rec: Recovered, upto: int) -> None:
+    for jid in [j for j in rec.inputs if j <= upto]:
+        del rec.inputs[jid]
 
 
 def _apply_jids(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
@@ -351,7 +383,7 @@ def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
 
 _APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
     fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.INPUT_OUT: _apply_put,
-    fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle,
+    fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle, fmt.STATE: _apply_state,
     fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
 }
 

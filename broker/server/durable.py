@@ -7,6 +7,7 @@ import logging
 
 from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.errors import HookError, JournalError
 from zchannel.broker.journal.collectors import collector_identity
 from zchannel.broker.journal.journal import Journal, JournalSettings
 from zchannel.broker.server.config import BrokerConfig
@@ -32,6 +33,7 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     try:
         for key, items in journal.recover():
             core.requeue(None, (key, None), items, None)
+        _restore(journal, core)
         _replay(journal, core)
     except BaseException:
         journal.close()
@@ -41,6 +43,26 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     journal.on_room = core.waiters.admit_putters
     sessions.journal = journal
     return journal
+
+
+def _restore(journal: Journal, core: QueueCore) -> None:
+    """Give the collector back the state the journal holds (``Collector.load_state_dict``);
+    ``JournalError`` if it cannot take it (the broker does not start: the puts that state
+    replaced would be lost)."""
+    state = journal.collector_state.recovered
+    if state is None:
+        return
+    journal.collector_state.recovered = None
+    try:
+        core.hooks.restore_state(state)
+    except HookError as exc:
+        raise JournalError(
+            f"the journal of channel {journal.settings.name!r} in {journal.dir.path!r} holds "
+            f"the state of collector {hook_name(core.hooks.collector)!r} "
+            f"(Collector.state_dict), which its load_state_dict refused: {exc}.  Start the "
+            "broker with a collector that takes it, or remove this channel's journal (the "
+            f"files {journal.dir.path}/{journal.settings.name}.*.zcj; every item it holds is "
+            "lost with them)") from None
 
 
 def _replay(journal: Journal, core: QueueCore) -> None:
@@ -60,7 +82,7 @@ def _replay(journal: Journal, core: QueueCore) -> None:
                 stored += len(routed)
         except Exception as exc:  # the put failed the same way when it came
             log.warning("replaying a put of key %r through the collector failed: %s", key, exc)
-    if journal.replay:
+    if journal.replay or journal.collector_state:
         log.info("journal of %r: %d puts replayed through the collector (%d items stored that "
                  "had waited for room)", journal.settings.name, len(journal.replay), stored)
         journal.replayed(core.hooks.holds_state())

@@ -606,6 +606,21 @@ def test_lerobot_mode():
     assert [s.episodes[0][0]["episode_index"] for s in out] == [1, 2]
 
 
+def test_lerobot_episode_open_across_steps_is_state_a_journal_keeps():
+    """An episode still open when its step's scope flushed holds frames of that step: the
+    collector holds state (a durable channel keeps the puts it needs) until the episode ends."""
+    plan = make_plan(mode="lerobot", num_chunks=2, num_action_chunks=2)
+    collector, _, _ = hooks(plan)
+    out = feed(collector, plan, [key(chunk=c) for c in range(2)], episode_data=episode_data(False))
+    assert out and all(shard.episodes == [] for shard in out)
+    assert not collector.mode.scopes and collector.holds_state()
+    out = feed(collector, plan, [key(step=1, chunk=c) for c in range(2)],
+               episode_data=episode_data(True))
+    # the episode open since step 0 ends in step 1's first chunk; its second chunk is one more
+    assert [len(episode) for shard in out for episode in shard.episodes] == [6, 2]
+    assert not collector.holds_state()
+
+
 def test_lerobot_failed_flush_changes_nothing():
     plan = make_plan(mode="lerobot", num_action_chunks=2)
     collector, _, _ = hooks(plan)

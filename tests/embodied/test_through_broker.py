@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 
 import pytest
 import torch
+from cluster_util import until_available
 from zchannel.broker import Channel, HookError
 from zchannel.embodied import PolicyPart, Trajectory, TrajectorySource
 
@@ -183,6 +186,68 @@ def test_a_value_of_the_wrong_shape_is_refused_at_the_put(channels):
     actor = Channel.connect("trajvalues", identity="actor:0")
     channels.append(actor)
     assert isinstance(actor.get(timeout=30), Trajectory)
+
+
+def test_a_lerobot_episode_open_across_steps_survives_a_broker_crash(channels, tmp_path):
+    """LeRobot mode on a durable channel: an episode open when its first step flushed, the
+    broker SIGKILLed, the episode ended after the restart -- the shard holds all its frames,
+    those of the step before the crash too (they are rebuilt from the journaled puts)."""
+    plan = make_plan(mode="lerobot", num_chunks=2, num_action_chunks=2)
+    ch, actor = _durable_lerobot(channels, "trajcrash", plan, tmp_path)
+    _open_step(ch, actor, plan, 0)
+    assert ch.stats()["journal"]["collector_inputs"] == 4  # the open episode's puts
+    # the episode open since step 0 (4 frames before the crash) ends in step 1's first chunk
+    assert _crash_and_end(ch, actor, plan, 1) == [[0, 1], [0, 1, 2, 3, 4, 5]]
+    assert ch.stats()["journal"]["collector_inputs"] == 0  # the episode ended: none kept
+
+
+def test_a_lerobot_episode_longer_than_a_snapshot_comes_back_from_the_state(channels, tmp_path):
+    """An episode open over many training steps keeps the LeRobot collector holding state:
+    the journal writes the collector's state (``state_dict``) instead of keeping every put, and
+    after a SIGKILL the restarted broker loads it -- the episode ends with all its frames."""
+    plan = make_plan(mode="lerobot", num_chunks=2, num_action_chunks=2)
+    ch, actor = _durable_lerobot(channels, "trajstate", plan, tmp_path)
+    big = {"states": torch.zeros(1, 16384)}  # 64 KiB per env part: a state every ~32 steps
+    steps = 0
+    while ch.stats()["journal"]["collector_states"] < 2:
+        _open_step(ch, actor, plan, steps, next_obs=big)
+        steps += 1
+        assert steps < 200, ch.stats()["journal"]
+    journal = ch.stats()["journal"]
+    assert journal["collector_inputs"] < 4 * steps // 2, journal  # not every put since step 0
+    assert _crash_and_end(ch, actor, plan, steps) == [[0, 1], list(range(4 * steps + 2))]
+
+
+def _durable_lerobot(channels: list, name: str, plan, tmp_path) -> tuple[Channel, Channel]:
+    """A durable trajectory channel ``name`` of ``plan`` and its one actor's handle."""
+    ch = Channel.create(name, collector="embodied_trajectory", dispatcher="embodied_trajectory",
+                        consumers={"actor": 1}, options=plan.to_options(),
+                        journal=tmp_path / "j")
+    channels.append(ch)
+    actor = Channel.connect(name, identity="actor:0")
+    channels.append(actor)
+    return ch, actor
+
+
+def _open_step(ch: Channel, actor: Channel, plan, step: int, **kw) -> None:
+    """Put the chunks of ``step`` (no episode ends) and take its shards (no episode in them)."""
+    for c in range(2):
+        for part in parts(plan, key(step=step, chunk=c), episode_data=episode_data(False), **kw):
+            ch.put(part)
+    assert all(actor.get(timeout=30).episodes == [] for _ in range(plan.shards_per_source))
+
+
+def _crash_and_end(ch: Channel, actor: Channel, plan, step: int) -> list[list[int]]:
+    """SIGKILL the broker, put the chunks of ``step`` (an episode ends in each), and return the
+    frame indexes of the episodes its shards hold, shortest first."""
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    for c in range(2):
+        for part in parts(plan, key(step=step, chunk=c), episode_data=episode_data(True)):
+            until_available(ch, lambda part=part: ch.put(part, timeout=30))
+    shards = [until_available(actor, lambda: actor.get(timeout=30))
+              for _ in range(plan.shards_per_source)]
+    episodes = sorted((episode for shard in shards for episode in shard.episodes), key=len)
+    return [[frame["frame_index"] for frame in episode] for episode in episodes]
 
 
 def trajectory_channel(channels: list, name: str, plan, actors: int) -> Channel:

@@ -1,0 +1,178 @@
+"""A collector's state in a durable channel's journal (``Collector.state_dict``): a snapshot of
+it replaces the puts it took, so a collector that always holds something keeps a bounded
+journal, and a broker started on the journal gives the state back before it replays the puts
+that came after it (``docs/durability.md``, Hook state)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from conftest import drain
+from hookmods import CountedPairs, Pairs
+from zchannel.broker import Channel
+from zchannel.broker.cluster.replica import wrap_collector
+from zchannel.broker.core.state import Item
+from zchannel.broker.journal import collectors
+from zchannel.broker.journal.collectors import SNAPSHOT_BYTES
+from zchannel.broker.journal.journal import Journal, JournalSettings
+from zchannel.hooks import Collector
+
+HALF = 64 << 10  # each put's bytes: a snapshot is due after SNAPSHOT_BYTES of them
+
+
+def _pairs(ch: Channel, first: int, count: int) -> list:
+    """Put ``count`` pairs of 64 KiB halves (keys ``k<first>``...) and take each pair."""
+    got = []
+    for i in range(first, first + count):
+        ch.put(b"a" * HALF, key=f"k{i}")
+        ch.put(b"b" * HALF, key=f"k{i}")
+        got.extend(drain(ch, f"k{i}"))
+    return got
+
+
+def test_a_collector_that_always_holds_state_keeps_a_snapshot_not_every_put(
+        brokers, run_dir, tmp_path):
+    """A half that never finds its other half and a pair count: the collector always holds
+    something, so without snapshots the journal would keep every put it ever took.  It keeps
+    its state and the puts since it instead, and after a SIGKILL the restarted broker has the
+    half and the count back (the half pairs with a put after the restart, numbered on)."""
+    config = dict(name="durable-state", address=f"ipc://{run_dir}/state.sock",
+                  journal=str(tmp_path / "j"), collector="hookmods:CountedPairs")
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    pairs = 3 * SNAPSHOT_BYTES // HALF  # three snapshots' worth of puts
+    try:
+        ch.put("stuck-a", key="stuck")
+        got = _pairs(ch, 0, pairs)
+        assert [n for n, _, _ in got] == list(range(1, pairs + 1))
+        stats = ch.stats()["journal"]
+        assert stats["collector_states"] >= 2, stats
+        # the puts kept: those since the last state, well under all 2 * pairs + 1 taken
+        assert stats["collector_inputs"] <= 2 * SNAPSHOT_BYTES // HALF + 2, stats
+        assert stats["collector_input_bytes"] <= 2 * SNAPSHOT_BYTES + 2 * HALF, stats
+    finally:
+        ch.close()
+    brokers.kill(pid)
+    brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    try:
+        ch.put("stuck-b", key="stuck")
+        assert ch.get(key="stuck", timeout=10) == (pairs + 1, "stuck-a", "stuck-b")
+        assert [n for n, _, _ in _pairs(ch, pairs, 2)] == [pairs + 2, pairs + 3]
+    finally:
+        ch.close()
+
+
+def test_a_state_the_collector_refuses_stops_the_start_and_loses_nothing(
+        brokers, run_dir, tmp_path):
+    """``load_state_dict`` raising: the broker does not start (the puts the state replaced
+    would be lost), naming the collector and its error; the segments are left as they were."""
+    journal = tmp_path / "j"
+    config = dict(name="durable-refused", address=f"ipc://{run_dir}/refused.sock",
+                  journal=str(journal), collector="hookmods:CountedPairs")
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    try:
+        ch.put("refuse", key="held")
+        _pairs(ch, 0, 2 * SNAPSHOT_BYTES // HALF)
+        assert ch.stats()["journal"]["collector_states"] >= 1
+    finally:
+        ch.close()
+    brokers.kill(pid)
+    with pytest.raises(RuntimeError, match=r"holds the state of collector 'hookmods:Counted"
+                                           r"Pairs'.*load_state_dict refused.*a half it "
+                                           r"refuses"):
+        brokers.start(**config)
+    kept = Journal(JournalSettings(directory=str(journal), name="durable-refused"))
+    try:  # the state is still there, with the half
+        kept.recover()
+        assert kept.collector_state.recovered is not None
+        assert b"refuse" in b"".join(bytes(f) for f in kept.collector_state.recovered.payload)
+    finally:
+        kept.close()
+
+
+class _Snapshots:
+    """A collector state for ``Journal.collected``: an item naming the snapshot's number."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def __call__(self) -> Item:
+        self.made += 1
+        body = f"state-{self.made}".encode()
+        return Item([body], 1, len(body))
+
+
+def _input(i: int) -> Item:
+    return Item([i.to_bytes(4, "big") * 1024], 1, 4096)
+
+
+def test_a_state_replaces_the_inputs_before_it_also_across_compaction(tmp_path, monkeypatch):
+    """``STATE`` records: the newest state and the inputs after it are read back, also when
+    compaction copied the state to a new segment (the segments of the inputs it replaced are
+    removed); an ``IDLE`` after it leaves neither."""
+    monkeypatch.setattr(collectors, "SNAPSHOT_BYTES", 16 << 10)  # every 4 inputs
+    settings = JournalSettings(directory=str(tmp_path), name="states", fsync="never",
+                               segment_bytes=64 << 10)
+    journal = Journal(settings)
+    journal.recover()
+    snapshots = _Snapshots()
+    try:
+        for i in range(1, 42):
+            journal.collected(_input(i), "k", True, 0, snapshots)
+        assert journal.collector_state.written == snapshots.made >= 3
+        kept = sorted(int.from_bytes(bytes(e[3].payload[0][:4]), "big")
+                      for e in journal.inputs.entries.values())
+        assert kept and kept[-1] == 41 and len(kept) < 41
+        # the inputs' segments went: only what the state and the kept inputs need is left
+        assert len(journal.store.segments) <= 3
+        state_segment = next(iter(journal.collector_state.record.entries.values()))[0]
+        for _ in range(200):  # items of other keys come and go: the state's segment ages
+            item = Item([os.urandom(4000)], 1, 4000)
+            journal.stored([("other", None, item)])
+            journal.taken([item])
+            journal.sent()
+            journal.tick(time.monotonic())
+        assert journal.compaction.copied_bytes > 0
+        assert next(iter(journal.collector_state.record.entries.values()))[0] is not state_segment
+        assert state_segment not in journal.store.segments
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        again.recover()
+        assert again.collector_state.recovered is not None
+        assert bytes(again.collector_state.recovered.payload[0]) == f"state-{snapshots.made}".encode()
+        assert [int.from_bytes(bytes(item.payload[0][:4]), "big")
+                for _, item, _ in again.replay] == kept
+        again.collected(_input(99), "k", False, 1)  # it holds nothing any more
+        again.stored([("k", None, Item([b"out"], 1, 3))])
+    finally:
+        again.close()
+    third = Journal(settings)
+    try:
+        third.recover()
+        assert third.collector_state.recovered is None and third.replay == []
+    finally:
+        third.close()
+
+
+def test_a_replicas_collector_passes_on_what_the_broker_asks_of_stateful_collectors():
+    """A distributed channel's replica wraps its collector: ``holds_state`` and the state
+    methods reach the wrapped collector only where it has them, so the broker treats the
+    wrapper as it would the collector (a durable replica keeps the puts a stateful one needs,
+    and its snapshots)."""
+    counted = wrap_collector(CountedPairs(), None)  # type: ignore[arg-type]
+    counted.setup(None)
+    counted.inner.waiting["k"] = "half"
+    assert type(counted).holds_state is not Collector.holds_state
+    assert counted.holds_state() is True
+    assert counted.state_dict() == {"pairs": 0, "waiting": [["k", "half"]]}
+    counted.load_state_dict({"pairs": 5, "waiting": []})
+    assert counted.inner.pairs == 5 and counted.holds_state() is True
+    pairs = wrap_collector(Pairs(), None)  # type: ignore[arg-type]
+    assert type(pairs).holds_state is not Collector.holds_state
+    assert type(pairs).state_dict is Collector.state_dict  # no snapshots: every put is kept
