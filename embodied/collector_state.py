@@ -61,7 +61,7 @@ def load_collector_state(joiner: ChunkJoiner, mode: OutputMode, state: Any) -> N
                   for sid, keys, sources in state["scopes"]}
         side = state["side"]
         mode.load_side_state(side)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: torch
         raise ValueError(f"a malformed embodied_trajectory collector state: "
                          f"{type(exc).__name__}: {exc}") from None
     joiner.policy_parts, joiner.env_parts, joiner.fragments = policy_parts, env_parts, fragments

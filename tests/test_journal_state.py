@@ -6,12 +6,13 @@ that came after it (``docs/durability.md``, Hook state)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
-from conftest import drain
+from conftest import drain, until_available, wait_until
 from hookmods import CountedPairs, Pairs
-from zchannel.broker import Channel
+from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.cluster.replica import wrap_collector
 from zchannel.broker.core.state import Item
 from zchannel.broker.journal import collectors
@@ -94,6 +95,42 @@ def test_a_state_the_collector_refuses_stops_the_start_and_loses_nothing(
         kept.close()
 
 
+@pytest.mark.parametrize("collector", ["hookmods:CountedPairs", "hookmods:Pairs"])
+def test_a_put_waiting_for_room_when_the_collector_lets_go_of_its_input_is_stored_after_a_crash(
+        channels, tmp_path, collector):
+    """A pair's second half completes a pair that waits for room (``maxsize=1``) while other
+    keys' traffic goes on: the collector writes its state (``CountedPairs``) or holds nothing
+    for a moment (``Pairs``, an ``IDLE``), which lets go of the waiting put's input, so its
+    output is kept as a ``PENDING`` record.  After a SIGKILL the restarted broker stores that
+    pair, and the producer's retry of the put in doubt is known as stored."""
+    counted = collector.endswith("CountedPairs")
+    ch = Channel.create(f"durable-waiting{int(counted)}", journal=tmp_path / "j",
+                        collector=collector, maxsize=1)
+    channels.append(ch)
+    ch.put("a1", key="k")
+    ch.put("a2", key="k")  # a pair: stored, and the queue of k is full
+    ch.put("b1", key="k")
+    waiting = ch.put("b2", key="k", async_op=True)  # the pair (b1, b2) waits for room
+    wait_until(lambda: ch.stats()["keys"]["k"]["putters"] == 1)
+    _pairs(ch, 0, 2 * SNAPSHOT_BYTES // HALF if counted else 1)
+    journal = ch.stats()["journal"]
+    if counted:
+        assert journal["collector_states"] >= 1, journal
+    assert journal["collector_pending"] == 1, journal  # the pair's output, not b1 and b2
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    with pytest.raises(BrokerUnavailable):
+        waiting.wait(60)
+    until_available(ch, lambda: ch.put("b2", key="k", timeout=5))  # the retry in doubt
+    firsts = [until_available(ch, lambda: ch.get(key="k", timeout=5)) for _ in range(2)]
+    if counted:
+        assert firsts == [(1, "a1", "a2"), (2, "b1", "b2")]
+    else:
+        assert firsts == [("a1", "a2"), ("b1", "b2")]
+    with pytest.raises(TimeoutError):
+        ch.get(key="k", timeout=0.5)
+    assert ch.stats()["duplicate_puts"] == 1
+
+
 class _Snapshots:
     """A collector state for ``Journal.collected``: an item naming the snapshot's number."""
 
@@ -158,6 +195,39 @@ def test_a_state_replaces_the_inputs_before_it_also_across_compaction(tmp_path, 
         assert third.collector_state.recovered is None and third.replay == []
     finally:
         third.close()
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+def test_the_output_of_a_waiting_put_a_state_consumed_is_stored_once(tmp_path, monkeypatch,
+                                                                     admitted):
+    """A state written while a put waits for room: that put's output is written as a
+    ``PENDING`` record the state adopts.  Read back, it is stored (its sequence known as
+    stored) -- once, also when the put got room and was stored before the broker stopped."""
+    monkeypatch.setattr(collectors, "SNAPSHOT_BYTES", 16 << 10)
+    settings = JournalSettings(directory=str(tmp_path), name="waiting", fsync="never")
+    producer = b"p" * 16
+    waiting = [("k", None, Item([b"the pair"], 1, 8, origin=(producer, 7)))]
+    journal = Journal(settings)
+    journal.recover()
+    journal.waiting_outputs = lambda: [waiting]
+    try:
+        for i in range(1, 6):
+            journal.collected(_input(i), "k", True, 0, _Snapshots())
+        assert journal.collector_state.written >= 1 and journal.collector_state.adopted
+        if admitted:  # the put got room: its output is stored under the same jid
+            journal.stored(waiting)
+            journal.waiting_outputs = list
+            assert journal.stats()["collector_pending"] == 0
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        groups = again.recover()
+        assert [[bytes(f) for f in item.payload] for _, items in groups for item in items] == \
+            [[b"the pair"]]
+        assert again.sequences.windows[producer].marked(7)
+    finally:
+        again.close()
 
 
 def test_a_replicas_collector_passes_on_what_the_broker_asks_of_stateful_collectors():

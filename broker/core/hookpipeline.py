@@ -68,11 +68,8 @@ class HookPipeline:
             item.decoded = True
         return item.value
 
-    def collect(self, item: Item, key: Any, weight: int | float,
-                settled: bool = False) -> list[tuple[Any, Item]]:
-        """The (key, item) pairs a put of ``item`` under ``key`` stores.  ``settled``: no put
-        waits for room, so the outputs of every put collected before this one are stored (a
-        snapshot of the collector's state may then replace the puts it took)."""
+    def collect(self, item: Item, key: Any, weight: int | float) -> list[tuple[Any, Item]]:
+        """The (key, item) pairs a put of ``item`` under ``key`` stores."""
         if self.passthrough:
             return [(key, item)]
         value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
@@ -94,7 +91,7 @@ class HookPipeline:
         except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if self.log is not None and self.stateful:
-            snapshot = self.state_item if self.snapshots and settled and not outputs else None
+            snapshot = self.state_item if self.snapshots and not outputs else None
             self.log.collected(item, key, self.holds_state(), len(outputs), snapshot)
         return outputs
 
@@ -102,10 +99,12 @@ class HookPipeline:
         """``Collector.state_dict`` encoded as an item (None, logged, if it failed: the puts
         it took are kept instead)."""
         try:
-            return self.encode_item(self.collector.state_dict(), 1)
+            item = self.encode_item(self.collector.state_dict(), 1)
         except HOOK_FAILURES:
             log.exception("Collector.state_dict failed: the puts it took are kept instead")
             return None
+        item.value, item.decoded = None, False  # the journal keeps the frames, not the value
+        return item
 
     def restore_state(self, item: Item) -> None:
         """``Collector.load_state_dict`` of a state ``state_item`` encoded; ``HookError`` if

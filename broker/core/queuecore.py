@@ -132,8 +132,7 @@ class QueueCore:
                 if key not in queues.keys:
                     queues.check_new_keys((key,))
             else:
-                routed = hooks.routed(
-                    hooks.collect(item, key, item.weight, not self.waiters.putters), item.origin)
+                routed = hooks.routed(hooks.collect(item, key, item.weight), item.origin)
                 queues.check_new_keys({k for k, _, _ in routed})
         except Exception as exc:
             self.reply(client, rid, error=exc)

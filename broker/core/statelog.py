@@ -32,8 +32,8 @@ The order of the calls is the order of the changes, and the log may rely on it:
   they are stored); the log keeps the puts since ``holds_state`` was last False (and those
   outputs stored), to rebuild the collector's state.  ``snapshot`` (None: not now) returns the
   collector's state as an item (``Collector.state_dict``; None if that failed), offered when
-  the put yielded nothing and no put waits for room: the log may keep it in place of the puts
-  taken up to this one.
+  the put yielded nothing: the log may keep it in place of the puts taken up to this one (and
+  then keeps the outputs of the puts that wait for room, which that state has consumed).
 """
 
 from __future__ import annotations

@@ -39,13 +39,18 @@ class CollectorState:
     """The last state of a collector written in a journal: ``record`` holds its ``STATE``
     record (one entry, whose key is the jid of the put the state follows), ``recovered`` the
     state read back at the start (for the broker to give to the collector), ``written`` how
-    many were written, and ``due_at`` the bytes of kept inputs that make the next one due."""
+    many were written, and ``due_at`` the bytes of kept inputs that make the next one due.
+    ``pending`` holds the ``PENDING`` records of the outputs of puts that waited for room
+    when a ``STATE`` or ``IDLE`` let go of their inputs, ``adopted`` their jids as the last
+    of those records named them."""
 
     def __init__(self) -> None:
         self.record = LiveSet()
         self.recovered: Item | None = None
         self.written = 0
         self.due_at = SNAPSHOT_BYTES
+        self.pending = LiveSet()
+        self.adopted: list[int] = []
 
     def __bool__(self) -> bool:
         return bool(self.record)

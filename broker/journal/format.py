@@ -25,18 +25,24 @@ type          body
               replacing what came before; else ``data`` is ``[[key, value], ...]`` to set)
 ``INPUT``     as ``PUT``: a put a collector that keeps state took (``Collector.holds_state``),
               replayed through it when a broker starts on the journal
-``IDLE``      msgpack ``[jid]``: the collector held nothing after the put of ``jid``: the
-              ``INPUT`` records up to it are not needed any more
+``IDLE``      msgpack ``[jid, [P...]]``: the collector held nothing after the put of ``jid``: the
+              ``INPUT`` records up to it are not needed any more; ``P...``, the ``PENDING``
+              records it adopts (``[jid]`` alone before version 3)
 ``PUTS``      msgpack list of small puts stored in one loop turn, each ``[jid, key, weight,
               consumer, extra, body]`` (``body``: the item's one frame, bytes): what ``PUT``
               records of those items would hold, in one record (version 2)
 ``INPUT_OUT`` as ``INPUT``, for a put whose outputs are stored after it (``PUT`` records; the
               last carries the put's ``extra``): its ``extra`` counts as stored only with them,
               and a replay stores the outputs of one whose outputs were not stored
-``STATE``     as ``PUT``, with ``extra`` ``["state", J]``: the state of that collector
+``STATE``     as ``PUT``, with ``extra`` ``["state", J, [P...]]``: the state of that collector
               (``Collector.state_dict``, encoded as an item) after the put of ``J``; it
               replaces the ``INPUT`` records up to ``J`` and any ``STATE`` before it, and is
-              not needed after an ``IDLE`` of ``J`` or later
+              not needed after an ``IDLE`` of ``J`` or later.  ``P...``: the jids of the
+              ``PENDING`` records it adopts
+``PENDING``   as ``PUT``: an output of a put that waits for room, written when a ``STATE`` or
+              ``IDLE`` lets go of that put's input (the collector consumed it); it counts as
+              stored if the last ``STATE`` or ``IDLE`` adopts it and no ``PUT`` record of its
+              jid (the output stored, when the put got room) follows
 ============  ==================================================================================
 
 Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record, a version-2 one
@@ -82,8 +88,8 @@ SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE = range(11)
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE}
+END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING = range(12)
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING}
 _TYPE_BYTE = tuple(bytes((t,)) for t in range(256))  # what each type's checksum starts with
 ZEROS_CHECKED = 1 << 20  # the bytes after the data are checked for zeros this much at a time
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers
@@ -150,17 +156,24 @@ def part_of(extra: Any) -> int | None:
     return None
 
 
-def state_extra(upto: int) -> list[Any]:
-    """The ``extra`` of a ``STATE`` record: the state after the put of ``upto``."""
-    return [STATE_TAG, upto]
+def state_extra(upto: int, adopted: list[int]) -> list[Any]:
+    """The ``extra`` of a ``STATE`` record: the state after the put of ``upto``, adopting the
+    ``PENDING`` records ``adopted``."""
+    return [STATE_TAG, upto, adopted]
 
 
-def state_of(extra: Any) -> int | None:
-    """The jid of the put a ``STATE`` record's state follows (None: a malformed ``extra``)."""
-    if (isinstance(extra, list) and len(extra) == 2 and extra[0] == STATE_TAG
-            and type(extra[1]) is int and extra[1] > 0):
-        return extra[1]
+def state_of(extra: Any) -> tuple[int, list[int]] | None:
+    """The jid of the put a ``STATE`` record's state follows and the ``PENDING`` records it
+    adopts (None: a malformed ``extra``)."""
+    if (isinstance(extra, list) and len(extra) == 3 and extra[0] == STATE_TAG
+            and type(extra[1]) is int and extra[1] > 0 and jid_list(extra[2])):
+        return extra[1], extra[2]
     return None
+
+
+def jid_list(value: Any) -> bool:
+    """Whether ``value`` is a list of jids."""
+    return isinstance(value, list) and all(type(j) is int and j > 0 for j in value)
 
 
 def unpack(data: Any) -> Any:

@@ -27,15 +27,14 @@ Entry = tuple[SegmentFile, int, Any, Item]
 
 
 def item_parts(crc: fmt.Checksum, jid: int, key: Any, consumer: str | None, item: Item,
-               rtype: int = fmt.PUT, part_of: int = 0) -> tuple[list[Any], int]:
+               rtype: int = fmt.PUT, part_of: int = 0,
+               extra: Any = None) -> tuple[list[Any], int]:
     """The record of ``item`` (its frames raw; the bytes of its shared-memory slots straight
     from the slots, after them) and its length; ``part_of``: the jid of the last output of
-    the put whose earlier output ``item`` is (``format.part_extra``), 0 for a whole put.  A
-    ``STATE`` record's ``key`` is the jid its state follows (``format.state_extra``)."""
+    the put whose earlier output ``item`` is (``format.part_extra``), 0 for a whole put;
+    ``extra``: the record's ``extra`` when it is neither (a ``STATE``'s)."""
     payload = item.payload
-    if rtype == fmt.STATE:
-        extra: Any = fmt.state_extra(key)
-    else:
+    if extra is None:
         extra = fmt.part_extra(part_of) if part_of else item.origin
     if len(payload) == 1 and type(payload) is list and type(payload[0]) is bytes:
         body = payload[0]  # the common small item, as small puts carry it inline

@@ -93,6 +93,11 @@ class Journal:
         self.live = LiveSet()  # the items still the channel's
         self.inputs = LiveSet()  # a stateful collector's puts since it last held nothing
         self.collector_state = CollectorState()  # its last state written (``STATE``)
+        # an IDLE or STATE (or the last broker's records, at a start) let go of records and
+        # may not be on disk: synced before the segments they freed are removed
+        self._unsynced_release = False
+        # the outputs of the puts waiting for room (set by the broker; what a state consumed)
+        self.waiting_outputs: Callable[[], list[Sequence[Output]]] = list
         # the inputs read back, to replay: (key, input, whether its outputs were not stored)
         self.replay: list[tuple[Any, Item, bool]] = []
         self._idle_after: int | None = None  # the put that emptied the collector (its outputs due)
@@ -121,35 +126,7 @@ class Journal:
         """Read the journal (``journal/recovery.py``) and open a new segment to write in; the
         items still the channel's, grouped by key (whatever private queue held them), each
         group in put order."""
-        started = time.monotonic()
-        rec = self.recovered = read_journal(self.dir, self.settings.fsync == "always")
-        check_collector(rec.tables.get(COLLECTOR_TABLE), self.settings.collector,
-                        len(rec.inputs) + (rec.state is not None), self.settings.name,
-                        self.dir.path)
-        for seg in rec.segments:
-            self.store.adopt(seg)
-        self._next_jid = rec.max_jid + 1
-        self.sequences = self.batch.sequences = rec.sequences
-        groups: dict[Any, list[Item]] = defaultdict(list)
-        for jid, (seg, nbytes, put) in rec.items.items():
-            got = recovered_item(jid, put)
-            if got is not None:
-                self.live.add(jid, seg, nbytes, *got)
-                groups[got[0]].append(got[1])
-        _recover_collector(self, rec)
-        self.recovered_items = len(self.live)
-        self.redelivered = len(rec.leased)
-        self.store.start()
-        self.store.drop_dead_prefix()  # segments whose items all left before the restart
-        self.recovery_s = time.monotonic() - started
-        if self.live or rec.segments:
-            log.info("journal of %r: %d items recovered (%d were out on a lease) from %d "
-                     "segments, %.1f MiB read in %.2fs", self.settings.name, len(self.live),
-                     self.redelivered, len(rec.segments), rec.bytes_read / (1 << 20),
-                     self.recovery_s)
-        for items in groups.values():
-            items.sort(key=lambda it: it.jid)
-        return list(groups.items())
+        return _recover(self)
 
     def _table_records(self) -> list[bytes]:
         """The ``TABLE`` records of the whole tables, that every new segment starts with."""
@@ -163,18 +140,25 @@ class Journal:
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
         store, live, batch = self.store, self.live, self.batch
+        # outputs written as PENDING records while their put waited keep those jids
+        pending = bool(outputs) and outputs[-1][2].jid
         last = self._next_jid + len(outputs) - 1 if len(outputs) > 1 else 0  # format.part_of
+        if pending and last:
+            last = outputs[-1][2].jid
         try:
             for key, consumer, item in outputs:
-                jid = self._next_jid
-                if not last and batch.take(jid, key, consumer, item):  # the turn's record
-                    self._next_jid = jid + 1
+                jid = item.jid if pending else self._next_jid
+                if not last and not pending and batch.take(jid, key, consumer, item):
+                    self._next_jid = jid + 1  # in the turn's record
                     written.append(jid)
                     continue
                 parts, nbytes = item_parts(store.crc, jid, key, consumer, item,
                                            part_of=last if jid < last else 0)
                 seg = self._append(parts, nbytes, True)
-                self._next_jid, item.jid = jid + 1, jid
+                if pending:
+                    self.collector_state.pending.forget(jid)
+                else:
+                    self._next_jid, item.jid = jid + 1, jid
                 live.add(jid, seg, nbytes, key, item)
                 written.append(jid)
                 if item.origin is not None:
@@ -254,14 +238,21 @@ class Journal:
             self._idle(upto)
 
     def _idle(self, upto: int) -> None:
-        """The collector held nothing after the put ``upto``: the inputs are not needed."""
-        body = fmt.pack([upto])
+        """The collector held nothing after the put ``upto``: the inputs are not needed (the
+        outputs of the puts that wait for room are kept as ``PENDING`` records)."""
+        self._idle_after = None
+        try:
+            body = fmt.pack([upto, _adopt_waiting(self)])
+        except JournalError as exc:  # the inputs stay, until the next moment it holds nothing
+            log.warning("journal of %r: the outputs of puts waiting for room could not be "
+                        "written (%s): the collector's inputs stay", self.settings.name, exc)
+            return
         self._append([fmt.record(self.store.crc, fmt.IDLE, body)], fmt.HEADER.size + len(body))
         for jid in [j for j in self.inputs.entries if j <= upto]:
             self.inputs.forget(jid)
         self.collector_state.drop()
-        self._idle_after = None
-        self._drop_dead(sync_first=True)
+        self._unsynced_release = True
+        self._drop_dead()
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
@@ -289,13 +280,14 @@ class Journal:
         self.live.forget_all(jids)
         self._drop_dead()
 
-    def _drop_dead(self, sync_first: bool = False) -> None:
-        """Remove the oldest segments that hold nothing needed (puts may fit again);
-        ``sync_first``: the record that made them so (``IDLE``, ``STATE``) is synced first."""
+    def _drop_dead(self) -> None:
+        """Remove the oldest segments that hold nothing needed (puts may fit again); first,
+        sync what let go of records that are not removals (``_unsynced_release``)."""
         segments = self.store.segments
         if segments[0].live == 0 and len(segments) > 1:
-            if sync_first:
+            if self._unsynced_release:
                 self.store.sync_now()
+                self._unsynced_release = False
             if self.store.drop_dead_prefix() and self.on_room is not None:
                 self.on_room()
 
@@ -376,6 +368,40 @@ class Journal:
                 self.dir.close()
 
 
+def _recover(journal: Journal) -> list[tuple[Any, list[Item]]]:
+    """``Journal.recover``."""
+    started = time.monotonic()
+    rec = journal.recovered = read_journal(journal.dir, journal.settings.fsync == "always")
+    check_collector(rec.tables.get(COLLECTOR_TABLE), journal.settings.collector,
+                    len(rec.inputs) + (rec.state is not None), journal.settings.name,
+                    journal.dir.path)
+    for seg in rec.segments:
+        journal.store.adopt(seg)
+    journal._next_jid = rec.max_jid + 1
+    journal.sequences = journal.batch.sequences = rec.sequences
+    groups: dict[Any, list[Item]] = defaultdict(list)
+    for jid, (seg, nbytes, put) in rec.items.items():
+        got = recovered_item(jid, put)
+        if got is not None:
+            journal.live.add(jid, seg, nbytes, *got)
+            groups[got[0]].append(got[1])
+    _recover_collector(journal, rec)
+    journal.recovered_items = len(journal.live)
+    journal.redelivered = len(rec.leased)
+    journal.store.start()
+    journal._unsynced_release = True  # what the last broker wrote may not be on disk yet
+    journal._drop_dead()  # segments whose items all left before the restart
+    journal.recovery_s = time.monotonic() - started
+    if journal.live or rec.segments:
+        log.info("journal of %r: %d items recovered (%d were out on a lease) from %d "
+                 "segments, %.1f MiB read in %.2fs", journal.settings.name, len(journal.live),
+                 journal.redelivered, len(rec.segments), rec.bytes_read / (1 << 20),
+                 journal.recovery_s)
+    for items in groups.values():
+        items.sort(key=lambda it: it.jid)
+    return list(groups.items())
+
+
 def _recover_collector(journal: Journal, rec: Recovered) -> None:
     """What a stateful collector needs, read back: its last state (``STATE``), for the
     broker to give back first, and the inputs after it, to replay."""
@@ -391,9 +417,11 @@ def _recover_collector(journal: Journal, rec: Recovered) -> None:
     if rec.state is not None:
         seg, nbytes, put, upto = rec.state
         got = recovered_item(put.jid, put)
-        if got is not None:
-            journal.collector_state.replace(put.jid, seg, nbytes, upto, got[1])
-            journal.collector_state.recovered = got[1]
+        if got is None:  # the inputs it replaced are gone: nothing could rebuild the state
+            raise JournalError(f"the collector state in {seg.path} (after put {upto}) cannot "
+                               "be read back; the broker does not start on it")
+        journal.collector_state.replace(put.jid, seg, nbytes, upto, got[1])
+        journal.collector_state.recovered = got[1]
 
 
 def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None]) -> None:
@@ -404,9 +432,11 @@ def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None
     item = snapshot()
     if item is None:
         return
-    jid = journal._next_jid
-    parts, nbytes = item_parts(journal.store.crc, jid, upto, None, item, fmt.STATE)
     try:  # as a put: the room kept for removals is not for it
+        extra = fmt.state_extra(upto, _adopt_waiting(journal))
+        jid = journal._next_jid
+        parts, nbytes = item_parts(journal.store.crc, jid, upto, None, item, fmt.STATE,
+                                   extra=extra)
         seg = journal._append(parts, nbytes, True)
     except JournalError as exc:
         log.warning("journal of %r: the collector's state was not written (%s): the puts "
@@ -417,7 +447,66 @@ def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None
     journal.collector_state.replace(jid, seg, nbytes, upto, item)
     for done in [j for j in journal.inputs.entries if j <= upto]:
         journal.inputs.forget(done)
-    journal._drop_dead(sync_first=True)
+    journal._unsynced_release = True
+    journal._drop_dead()
+
+
+def _adopt_waiting(journal: Journal) -> list[int]:
+    """The jids of ``PENDING`` records of the outputs of every put waiting for room, written
+    now for those that have none (a ``STATE`` or ``IDLE`` about to be written lets go of their
+    inputs: the collector consumed them); the records of puts that stopped waiting without
+    being stored (timed out, withdrawn) are not needed any more.  ``JournalError`` if a record
+    could not be written (that put keeps no record: nothing may let go of its input)."""
+    held = journal.collector_state
+    adopted: list[int] = []
+    for outputs in journal.waiting_outputs():
+        if not outputs:
+            continue
+        if not outputs[-1][2].jid:
+            _write_pending(journal, outputs)
+        adopted.extend(item.jid for _, _, item in outputs)
+    kept = set(adopted)
+    for jid in [j for j in held.pending.entries if j not in kept]:
+        held.pending.forget(jid)
+    held.adopted = adopted
+    return adopted
+
+
+def _write_pending(journal: Journal, outputs: Sequence[Output]) -> None:
+    """``PENDING`` records of the outputs of a put that waits for room, under the jids its
+    ``PUT`` records take when it is stored (``Item.jid``, set here)."""
+    first = journal._next_jid
+    last = first + len(outputs) - 1 if len(outputs) > 1 else 0
+    try:
+        for i, (key, consumer, item) in enumerate(outputs):
+            jid = first + i
+            parts, nbytes = item_parts(journal.store.crc, jid, key, consumer, item, fmt.PENDING,
+                                       part_of=last if jid < last else 0)
+            seg = journal._append(parts, nbytes, True)
+            journal.collector_state.pending.add(jid, seg, nbytes, key, item)
+    except JournalError:
+        for jid in range(first, first + len(outputs)):
+            journal.collector_state.pending.forget(jid)
+        raise
+    finally:
+        journal._next_jid = first + len(outputs)
+    for i, (_, _, item) in enumerate(outputs):
+        item.jid = first + i
+
+
+def _copy_parts(journal: Journal, held: LiveSet, jid: int, key: Any,
+                item: Item) -> tuple[list[Any], int]:
+    """The parts of a copy of the record of ``jid`` in ``held`` (compaction)."""
+    held_state = journal.collector_state
+    if held is journal.live:
+        return item_parts(journal.store.crc, jid, key, None, item, fmt.PUT)
+    if held is held_state.record:
+        extra = fmt.state_extra(key, held_state.adopted)
+        return item_parts(journal.store.crc, jid, key, None, item, fmt.STATE, extra=extra)
+    if held is held_state.pending:
+        return item_parts(journal.store.crc, jid, key, None, item, fmt.PENDING)
+    return item_parts(journal.store.crc, jid, key, None, item,
+                      _input_type(journal.sequences, item))
 
 
 def _input_type(sequences: StoredSequences, item: Item, outputs: int = 1) -> int:
@@ -434,20 +523,19 @@ def _compact(journal: Journal) -> int:
     the end, at most ``COMPACT_BYTES_PER_TICK``, when ``Compaction.due`` says it frees space,
     so that segment can go; the bytes copied."""
     store, live, inputs = journal.store, journal.live, journal.inputs
-    state = journal.collector_state.record
-    removals = live.removed + inputs.removed + state.removed
-    if not journal.compaction.due(store, live.nbytes + inputs.nbytes + state.nbytes,
-                                  journal.settings.max_bytes, removals):
+    state, pending = journal.collector_state.record, journal.collector_state.pending
+    removals = live.removed + inputs.removed + state.removed + pending.removed
+    if not journal.compaction.due(store, live.nbytes + inputs.nbytes + state.nbytes
+                                  + pending.nbytes, journal.settings.max_bytes, removals):
         return 0
     oldest = store.segments[0]
     copied = 0
-    for held in (live, inputs, state):
+    pending = journal.collector_state.pending
+    for held in (live, inputs, state, pending):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
-            rtype = (fmt.PUT if held is live else fmt.STATE if held is state
-                     else _input_type(journal.sequences, item))
-            parts, nbytes = item_parts(store.crc, jid, key, None, item, rtype)
+            parts, nbytes = _copy_parts(journal, held, jid, key, item)
             try:
                 new = journal._append(parts, nbytes)
             except JournalError:
@@ -479,6 +567,7 @@ def _stats(journal: Journal) -> dict[str, Any]:
         "collector_input_bytes": journal.inputs.nbytes,
         "collector_state_bytes": journal.collector_state.record.nbytes,
         "collector_states": journal.collector_state.written,
+        "collector_pending": len(journal.collector_state.pending),
         "max_journal_bytes": journal.settings.max_bytes,
         "fsync_lag_ms": round(store.lag(now) * 1000, 3),
         "last_fsync_ms": round(store.sync.last_sync_s * 1000, 3),

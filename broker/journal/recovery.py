@@ -57,6 +57,11 @@ class Recovered:
     # that collector's state after the put of ``upto`` (a ``STATE`` record), replacing the
     # inputs up to it: (its segment, record bytes, the record, upto)
     state: tuple[SegmentFile, int, fmt.PutRecord, int] | None = None
+    # the outputs of puts that waited for room when a state or an idle moment let go of their
+    # inputs (``PENDING`` records not followed by a ``PUT`` of their jid), and the jids the
+    # last ``STATE`` or ``IDLE`` adopted: those are stored (``_adopt_pending``)
+    pending: dict[int, tuple[SegmentFile, int, fmt.PutRecord]] = field(default_factory=dict)
+    adopted: set[int] = field(default_factory=set)
     tables: dict[str, dict[Any, Any]] = field(default_factory=dict)
     # the put sequences of each producer the journal recorded (journal/sequences.py)
     sequences: StoredSequences = field(default_factory=StoredSequences)
@@ -97,8 +102,21 @@ def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
             _trim(seg, size)  # the zeros after the data (a preallocated segment)
     if torn is not None:
         _drop_torn(*torn, last=True, rec=rec)
+    _adopt_pending(rec)
     _drop_unfinished_puts(jdir, rec)
     return rec
+
+
+def _adopt_pending(rec: Recovered) -> None:
+    """The outputs the last ``STATE`` or ``IDLE`` adopted, of puts that waited for room and
+    were not stored when the broker stopped: stored now (the collector's state consumed their
+    puts), each put's sequence marked (its retry is known as stored)."""
+    for jid in sorted(rec.adopted):
+        got = rec.pending.get(jid)
+        if got is not None:
+            seg, nbytes, put = got
+            _hold(rec.items, put, seg, nbytes, rec)
+    rec.pending.clear()
 
 
 def _drop_unfinished_puts(jdir: JournalDir, rec: Recovered) -> None:
@@ -274,6 +292,10 @@ def _apply_put(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -
         log.error("journal segment %s: a put record that does not hold together (%s): "
                   "skipped", seg.path, exc)
         return
+    if rtype == fmt.PENDING:
+        rec.pending[put.jid] = (seg, fmt.HEADER.size + len(body), put)
+        rec.max_jid = max(rec.max_jid, put.jid)
+        return
     if rtype != fmt.PUT and rec.state is not None and put.jid <= rec.state[3]:
         origin = origin_of(put.extra) if rtype == fmt.INPUT else None
         if origin is not None:  # an input the collector's state holds already: no replay
@@ -305,6 +327,8 @@ def _hold(held: dict, put: fmt.PutRecord, seg: SegmentFile, nbytes: int, rec: Re
     its origin marked as stored (``mark``)."""
     held.pop(put.jid, None)
     held[put.jid] = (seg, nbytes, put)
+    if rec.pending and held is rec.items:
+        rec.pending.pop(put.jid, None)  # a waiting put's output, stored since
     rec.max_jid = max(rec.max_jid, put.jid)
     if held is rec.items:
         last = fmt.part_of(put.extra)
@@ -324,6 +348,7 @@ def _apply_idle(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) 
         _inputs_done(rec, upto[0])
         if rec.state is not None and rec.state[3] <= upto[0]:
             rec.state = None
+        rec.adopted = set(upto[1]) if len(upto) > 1 and fmt.jid_list(upto[1]) else set()
 
 
 def _apply_state(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
@@ -335,12 +360,14 @@ def _apply_state(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
         put = None
         log.error("journal segment %s: a state record that does not hold together (%s): "
                   "skipped", seg.path, exc)
-    upto = fmt.state_of(put.extra) if put is not None else None
-    if put is None or upto is None:
+    of = fmt.state_of(put.extra) if put is not None else None
+    if put is None or of is None:
         return
+    upto, adopted = of
     rec.max_jid = max(rec.max_jid, put.jid)
     if rec.state is None or rec.state[3] <= upto:
         rec.state = (seg, fmt.HEADER.size + len(body), put, upto)
+        rec.adopted = set(adopted)
         _inputs_done(rec, upto)
 
 
@@ -383,6 +410,7 @@ def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
 
 _APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
     fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.INPUT_OUT: _apply_put,
+    fmt.PENDING: _apply_put,
     fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle, fmt.STATE: _apply_state,
     fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
 }

@@ -59,6 +59,7 @@ class SegmentStore:
         self.kind = kind
         self.crc = fmt.checksum_of(kind)
         self.segments: list[SegmentFile] = []
+        self.read_back: list[str] = []  # segments read at the start, not synced since
         self.disk_bytes = 0  # what the segments take on disk (allocated)
         self.next_seq = 1
         self.buf = bytearray()
@@ -82,6 +83,7 @@ class SegmentStore:
     def adopt(self, seg: SegmentFile) -> None:
         """A segment read at start: it is kept (and removed once its items are gone)."""
         self.segments.append(seg)
+        self.read_back.append(seg.path)
         self.disk_bytes += seg.allocated
         self.next_seq = max(self.next_seq, seg.seq + 1)
 
@@ -255,9 +257,13 @@ class SegmentStore:
 
     def sync_now(self) -> None:
         """Write the buffer and (unless ``never``) sync everything written, now: compaction's
-        copies are on disk before the segment they come from is removed."""
+        copies are on disk before the segment they come from is removed; the segments read
+        at the start too (the broker that wrote them may have died before it synced them)."""
         self.flush_buffer()
         if self.policy != "never":
+            while self.read_back:
+                _sync_file(self.read_back[-1])
+                self.read_back.pop()
             self.sync.sync_all()
 
     def due(self) -> float | None:
@@ -299,3 +305,15 @@ class SegmentStore:
 def _pages(nbytes: int) -> int:
     """``nbytes`` rounded up to whole pages (what a file of them takes on disk, about)."""
     return -(-nbytes // 4096) * 4096
+
+
+def _sync_file(path: str) -> None:
+    """``fdatasync`` the file at ``path`` (``JournalFailed`` if that fails)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise JournalFailed(f"the journal could not sync {path}: {exc}") from None

@@ -41,6 +41,7 @@ def open_journal(config: BrokerConfig, name: str, core: QueueCore, sessions: Ses
     sessions.producers.restore(journal.sequences.windows)  # retry-safe puts go on
     core.attach_log(journal)
     journal.on_room = core.waiters.admit_putters
+    journal.waiting_outputs = lambda: [req.outputs for req in core.waiters.putters]
     sessions.journal = journal
     return journal
 
