@@ -226,6 +226,60 @@ def test_the_output_of_a_waiting_put_a_state_consumed_is_stored_once(tmp_path, m
         assert [[bytes(f) for f in item.payload] for _, items in groups for item in items] == \
             [[b"the pair"]]
         assert again.sequences.windows[producer].marked(7)
+        (_, (stored,)), = groups
+        again.taken([stored])  # a consumer takes it
+        again.sent()
+    finally:
+        again.close()
+    third = Journal(settings)
+    try:  # taken: not stored again by a later start (the state that adopted it is still there)
+        assert third.recover() == []
+    finally:
+        third.close()
+
+
+def _waiting(body: bytes, seq: int) -> list:
+    """The outputs of a put that waits for room, as ``Journal.waiting_outputs`` lists them."""
+    return [("k", None, Item([body], 1, len(body), origin=(b"p" * 16, seq)))]
+
+
+def test_outputs_an_idle_adopted_survive_compaction_and_a_put_that_ended_unstored_does_not(
+        tmp_path):
+    """A waiting put's output adopted by an ``IDLE``: compaction that copies its ``PENDING``
+    record out of the old segment (the ``IDLE`` goes with it) writes which records are
+    adopted, so a start stores it; the output of a put that timed out is removed, not stored
+    at a start; an item whose jid came from another record (a replayed input) gets its own."""
+    settings = JournalSettings(directory=str(tmp_path), name="adopted", fsync="never",
+                               segment_bytes=64 << 10)
+    journal = Journal(settings)
+    journal.recover()
+    try:
+        kept, timed_out = _waiting(b"kept", 1), _waiting(b"timed out", 2)
+        journal.waiting_outputs = lambda: [kept, timed_out]
+        journal.collected(_input(1), "k", True, 0)  # the collector holds something
+        journal.collected(_input(2), "k", False, 0)  # and nothing: an IDLE adopts both
+        assert journal.stats()["collector_pending"] == 2
+        journal.unstored(timed_out)  # it ended without room
+        journal.waiting_outputs = lambda: [kept]
+        assert journal.stats()["collector_pending"] == 1
+        replayed = Item([b"replayed"], 1, 8, jid=1)  # the jid of its own (input) record
+        journal.stored([("r", None, replayed)])
+        assert replayed.jid > 2
+        first = journal.store.segments[0]
+        for _ in range(100):  # other items come and go: the first segment is compacted
+            item = Item([os.urandom(4000)], 1, 4000)
+            journal.stored([("other", None, item)])
+            journal.taken([item])
+            journal.sent()
+            journal.tick(time.monotonic())
+        assert first not in journal.store.segments and journal.compaction.copied_bytes > 0
+    finally:
+        journal.close()
+    again = Journal(settings)
+    try:
+        groups = dict(again.recover())
+        assert {key: [bytes(item.payload[0]) for item in items]
+                for key, items in groups.items()} == {"k": [b"kept"], "r": [b"replayed"]}
     finally:
         again.close()
 

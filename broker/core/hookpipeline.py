@@ -74,6 +74,7 @@ class HookPipeline:
             return [(key, item)]
         value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
         outputs: list[tuple[Any, Item]] = []
+        reused = False
         try:
             produced = self.collector.collect(value, key)
             for out in produced if produced is not None else ():
@@ -84,8 +85,9 @@ class HookPipeline:
                     )
                 out_key = check_key(out[0])
                 out_weight = check_weight(out[2]) if len(out) == 3 else weight
-                if out[1] is value and out_weight == weight:
-                    outputs.append((out_key, item))
+                if out[1] is value and out_weight == weight and not reused:
+                    outputs.append((out_key, item))  # its frames, as received
+                    reused = True  # once: each output is an item of its own (its own jid)
                 else:
                     outputs.append((out_key, self.encode_item(out[1], out_weight)))
         except HOOK_FAILURES as exc:

@@ -24,6 +24,8 @@ The order of the calls is the order of the changes, and the log may rely on it:
   ack's error;
 - ``returned(items)`` when items taken by a delivery that could not be sent go back to
   their queue;
+- ``unstored(outputs)`` when a put that waited for room ends without being stored (timed out,
+  withdrawn): what the log kept of its outputs meanwhile is not needed;
 - ``room(nbytes)``: whether the log has room for a put of ``nbytes`` now (a put waits while it
   has not, as for ``max_bytes``), asked only when ``limited``; ``fits(nbytes)``: whether it
   could ever have;
@@ -63,6 +65,8 @@ class StateLog(Protocol):
     def acked(self, item: Item) -> None: ...
 
     def returned(self, items: Sequence[Item]) -> None: ...
+
+    def unstored(self, outputs: Sequence[Output]) -> None: ...
 
     def room(self, nbytes: int) -> bool: ...
 

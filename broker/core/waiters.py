@@ -70,6 +70,8 @@ class Waiters:
         self.put_targets: dict[tuple[Any, str | None], int] = {}  # queue -> puts waiting for it
         self.log: StateLog | None = None  # a durable channel's journal (``core/statelog.py``)
         self.waiting_bytes = 0  # what the waiting requests count against max_bytes
+        self.admitting = False  # in ``admit_putters`` (a journal's ``on_room`` may call it)
+        self.admit_again = False
         self.request_overhead = request_overhead  # what each of them counts, items aside
         self.key_overhead = key_overhead  # and each key it made
 
@@ -123,28 +125,16 @@ class Waiters:
         costs each get a look at its head, not at the whole line."""
         if not self.putters:
             return
-        blocked: set = set()
-        admitted = False
-        waiting = self.put_targets
-        for req in list(self.putters):
-            if len(blocked) >= len(waiting) and blocked.issuperset(waiting):
-                break
-            if not req.alive:
-                continue
-            outputs = req.outputs
-            if self.queues.admits(outputs, blocked):
-                error = _unlogged(self.log, outputs)
-                self._unpark_putter(req, stored=error is None)
-                admitted = True
-                if error is not None:
-                    self.reply(req.client, req.rid, error=error)
-                    continue
-                for ks in self.queues.store(outputs):
-                    self.serve(ks)
-                self.reply(req.client, req.rid)
-            else:
-                blocked |= self.queues.targets(outputs)
-        if admitted:
+        if self.admitting:  # a journal freed room while it recorded one of these puts
+            self.admit_again = True
+            return
+        self.admitting = True
+        try:
+            again = _admit_fitting(self)
+        finally:
+            self.admitting = False
+        if again or self.admit_again:
+            self.admit_again = False
             self.admit_putters()
 
     def reroute_putters(self, departed: str,
@@ -170,6 +160,8 @@ class Waiters:
             self.putters.remove(req)
         except ValueError:
             return  # ended before
+        if not stored and self.log is not None:
+            self.log.unstored(req.outputs)
         _count(self.put_targets, self.queues.targets(req.outputs), -1)
         for k in {k for k, _, _ in req.outputs}:
             ks = self.queues.keys.get(k)
@@ -352,6 +344,32 @@ class Waiters:
             ks = self._remove_getter(req)
             if ks is not None:
                 self.serve(ks)
+
+
+def _admit_fitting(waiters: Waiters) -> bool:
+    """One pass of ``admit_putters``: whether it admitted a put (room may have changed)."""
+    blocked: set = set()
+    admitted = False
+    waiting = waiters.put_targets
+    for req in list(waiters.putters):
+        if len(blocked) >= len(waiting) and blocked.issuperset(waiting):
+            break
+        if not req.alive:
+            continue
+        outputs = req.outputs
+        if waiters.queues.admits(outputs, blocked):
+            error = _unlogged(waiters.log, outputs)
+            waiters._unpark_putter(req, stored=error is None)
+            admitted = True
+            if error is not None:
+                waiters.reply(req.client, req.rid, error=error)
+                continue
+            for ks in waiters.queues.store(outputs):
+                waiters.serve(ks)
+            waiters.reply(req.client, req.rid)
+        else:
+            blocked |= waiters.queues.targets(outputs)
+    return admitted
 
 
 def _steal(waiters: Waiters, ks: KeyState, starving: list[Parked], blocked: set) -> None:

@@ -27,7 +27,7 @@ type          body
               replayed through it when a broker starts on the journal
 ``IDLE``      msgpack ``[jid, [P...]]``: the collector held nothing after the put of ``jid``: the
               ``INPUT`` records up to it are not needed any more; ``P...``, the ``PENDING``
-              records it adopts (``[jid]`` alone before version 3)
+              records it adopts (``[jid]`` alone in earlier versions: it adopts none)
 ``PUTS``      msgpack list of small puts stored in one loop turn, each ``[jid, key, weight,
               consumer, extra, body]`` (``body``: the item's one frame, bytes): what ``PUT``
               records of those items would hold, in one record (version 2)
@@ -41,8 +41,11 @@ type          body
               ``PENDING`` records it adopts
 ``PENDING``   as ``PUT``: an output of a put that waits for room, written when a ``STATE`` or
               ``IDLE`` lets go of that put's input (the collector consumed it); it counts as
-              stored if the last ``STATE`` or ``IDLE`` adopts it and no ``PUT`` record of its
-              jid (the output stored, when the put got room) follows
+              stored if the last ``STATE``, ``IDLE`` or ``ADOPT`` adopts it and no ``PUT``
+              record (the output stored, when the put got room) or ``REMOVE`` (the put ended
+              without room, or its item left) of its jid follows
+``ADOPT``     msgpack list of jids: the ``PENDING`` records adopted, written after compaction
+              copied some (the ``IDLE`` that adopted them may go with the old segment)
 ============  ==================================================================================
 
 Versions: a version-1 segment (``ZCJRNL01``) holds no ``PUTS`` record, a version-2 one
@@ -88,8 +91,10 @@ SUFFIX = ".zcj"
 MAX_BODY = (1 << 32) - 1
 
 CRC32C, CRC32 = 1, 2  # the checksum kinds of the preamble
-END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING = range(12)
-RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING}
+(END, SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING,
+ ADOPT) = range(13)
+RECORD_TYPES = {SEGMENT, PUT, REMOVE, LEASE, TABLE, INPUT, IDLE, PUTS, INPUT_OUT, STATE, PENDING,
+                ADOPT}
 _TYPE_BYTE = tuple(bytes((t,)) for t in range(256))  # what each type's checksum starts with
 ZEROS_CHECKED = 1 << 20  # the bytes after the data are checked for zeros this much at a time
 ARRAY16, ARRAY32 = struct.Struct(">BH"), struct.Struct(">BI")  # msgpack array headers

@@ -116,7 +116,7 @@ class Journal:
         self.recovery_s = 0.0
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
-        self.store.tables = self._table_records
+        self.store.tables = lambda: _table_records(self)
         self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
         self.compaction = Compaction()
 
@@ -128,20 +128,13 @@ class Journal:
         group in put order."""
         return _recover(self)
 
-    def _table_records(self) -> list[bytes]:
-        """The ``TABLE`` records of the whole tables, that every new segment starts with."""
-        crc = self.store.crc
-        return [fmt.record(crc, fmt.TABLE,
-                           fmt.pack([name, True, [[k, v] for k, v in snapshot().items()]]))
-                for name, snapshot in self._tables.items()]
-
     # -- StateLog ----------------------------------------------------------------------------
 
     def stored(self, outputs: Sequence[Output]) -> None:
         written: list[int] = []
         store, live, batch = self.store, self.live, self.batch
         # outputs written as PENDING records while their put waited keep those jids
-        pending = bool(outputs) and outputs[-1][2].jid
+        pending = bool(self.collector_state.pending) and _is_pending(self, outputs)
         last = self._next_jid + len(outputs) - 1 if len(outputs) > 1 else 0  # format.part_of
         if pending and last:
             last = outputs[-1][2].jid
@@ -168,9 +161,20 @@ class Journal:
                 self._idle(self._idle_after)
         except JournalError:
             self.refused += 1
+            if pending:  # none of its outputs is stored: their PENDING records go too
+                written = [item.jid for _, _, item in outputs]
+                self.collector_state.pending.forget_all(written)
             if written:  # a put is all or nothing
                 self._remove(written)
             raise
+
+    def unstored(self, outputs: Sequence[Output]) -> None:
+        """A put that waited for room ended without being stored (timed out, withdrawn):
+        ``PENDING`` records of its outputs are removed (they would be stored at a restart)."""
+        if self.collector_state.pending and _is_pending(self, outputs):
+            jids = [item.jid for _, _, item in outputs]
+            self.collector_state.pending.forget_all(jids)
+            self._remove(jids)
 
     def stored_each(self, outputs: Sequence[Output]) -> int:
         n = 0
@@ -368,6 +372,14 @@ class Journal:
                 self.dir.close()
 
 
+def _table_records(journal: Journal) -> list[bytes]:
+    """The ``TABLE`` records of the whole tables, that every new segment starts with."""
+    crc = journal.store.crc
+    return [fmt.record(crc, fmt.TABLE,
+                       fmt.pack([name, True, [[k, v] for k, v in snapshot().items()]]))
+            for name, snapshot in journal._tables.items()]
+
+
 def _recover(journal: Journal) -> list[tuple[Any, list[Item]]]:
     """``Journal.recover``."""
     started = time.monotonic()
@@ -462,7 +474,7 @@ def _adopt_waiting(journal: Journal) -> list[int]:
     for outputs in journal.waiting_outputs():
         if not outputs:
             continue
-        if not outputs[-1][2].jid:
+        if not _is_pending(journal, outputs):
             _write_pending(journal, outputs)
         adopted.extend(item.jid for _, _, item in outputs)
     kept = set(adopted)
@@ -470,6 +482,15 @@ def _adopt_waiting(journal: Journal) -> list[int]:
         held.pending.forget(jid)
     held.adopted = adopted
     return adopted
+
+
+def _is_pending(journal: Journal, outputs: Sequence[Output]) -> bool:
+    """Whether the outputs of a put have ``PENDING`` records (written while it waited): the
+    record of the last one's jid holds that very item (``Item.jid`` alone says nothing: a
+    recovered item replayed as an output has the jid of its own record)."""
+    item = outputs[-1][2]
+    entry = journal.collector_state.pending.entries.get(item.jid)
+    return entry is not None and entry[3] is item
 
 
 def _write_pending(journal: Journal, outputs: Sequence[Output]) -> None:
@@ -531,6 +552,15 @@ def _compact(journal: Journal) -> int:
     oldest = store.segments[0]
     copied = 0
     pending = journal.collector_state.pending
+    if any(True for _ in pending.in_segment(oldest)):
+        # the IDLE that adopted them may go with the old segment: a newer record says so
+        body = fmt.pack_plain(journal.collector_state.adopted)
+        try:
+            journal._append([fmt.record(store.crc, fmt.ADOPT, body)],
+                            fmt.HEADER.size + len(body))
+        except JournalError:
+            journal.compaction.stalled(removals)
+            return 0
     for held in (live, inputs, state, pending):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:

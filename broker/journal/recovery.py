@@ -356,19 +356,25 @@ def _apply_state(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
     not needed any more."""
     try:
         put = fmt.read_put(body)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError):
         put = None
-        log.error("journal segment %s: a state record that does not hold together (%s): "
-                  "skipped", seg.path, exc)
     of = fmt.state_of(put.extra) if put is not None else None
-    if put is None or of is None:
-        return
+    if put is None or of is None:  # the inputs it replaced are gone: no state to rebuild
+        raise fmt.JournalFormatError(f"{seg.path}: a collector state record that does not "
+                                     "hold together; the broker does not start on it")
     upto, adopted = of
     rec.max_jid = max(rec.max_jid, put.jid)
     if rec.state is None or rec.state[3] <= upto:
         rec.state = (seg, fmt.HEADER.size + len(body), put, upto)
         rec.adopted = set(adopted)
         _inputs_done(rec, upto)
+
+
+def _apply_adopt(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) -> None:
+    """The ``PENDING`` records adopted, as compaction wrote them after copying some."""
+    jids = fmt.unpack(body)
+    if fmt.jid_list(jids):
+        rec.adopted = set(jids)
 
 
 def _inputs_done(rec: Recovered, upto: int) -> None:
@@ -387,6 +393,7 @@ def _apply_jids(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered) 
         if rtype == fmt.REMOVE:
             rec.items.pop(jid, None)
             rec.leased.discard(jid)
+            rec.pending.pop(jid, None)
         elif jid in rec.items:
             rec.leased.add(jid)
         rec.max_jid = max(rec.max_jid, jid)
@@ -410,7 +417,7 @@ def _apply_table(rtype: int, body: memoryview, seg: SegmentFile, rec: Recovered)
 
 _APPLY: dict[int, Callable[[int, memoryview, SegmentFile, Recovered], None]] = {
     fmt.PUT: _apply_put, fmt.INPUT: _apply_put, fmt.INPUT_OUT: _apply_put,
-    fmt.PENDING: _apply_put,
+    fmt.PENDING: _apply_put, fmt.ADOPT: _apply_adopt,
     fmt.PUTS: _apply_puts, fmt.IDLE: _apply_idle, fmt.STATE: _apply_state,
     fmt.REMOVE: _apply_jids, fmt.LEASE: _apply_jids, fmt.TABLE: _apply_table,
 }

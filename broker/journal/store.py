@@ -262,7 +262,11 @@ class SegmentStore:
         self.flush_buffer()
         if self.policy != "never":
             while self.read_back:
-                _sync_file(self.read_back[-1])
+                try:
+                    _sync_file(self.read_back[-1])
+                except OSError as exc:
+                    self.sync.failed = exc
+                    raise JournalFailed(f"the journal could not sync its files: {exc}") from None
                 self.read_back.pop()
             self.sync.sync_all()
 
@@ -308,12 +312,9 @@ def _pages(nbytes: int) -> int:
 
 
 def _sync_file(path: str) -> None:
-    """``fdatasync`` the file at ``path`` (``JournalFailed`` if that fails)."""
+    """``fdatasync`` the file at ``path`` (``OSError`` if that fails)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise JournalFailed(f"the journal could not sync {path}: {exc}") from None
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)

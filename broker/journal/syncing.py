@@ -67,10 +67,13 @@ class Syncing:
     def sync_all(self) -> None:
         """``fdatasync`` every file written since the last sync, and the directory if it
         changed, now (``JournalFailed`` if that fails)."""
-        if not (self.dirty or self.dir_dirty):
+        in_flight = [fd for _, fd, _ in self.job.files] if self.job is not None else []
+        if not (self.dirty or self.dir_dirty or in_flight):
             return
         started = time.monotonic()
         try:
+            for fd in in_flight:  # handed to the sync thread, maybe not synced yet: now
+                os.fdatasync(fd)
             for seg in self.dirty:
                 os.fdatasync(seg.fileno())
                 seg.synced = seg.written
