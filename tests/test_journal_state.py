@@ -131,6 +131,27 @@ def test_a_put_waiting_for_room_when_the_collector_lets_go_of_its_input_is_store
     assert ch.stats()["duplicate_puts"] == 1
 
 
+def test_a_waiting_pair_stored_when_the_collector_empties_is_taken_once(channels, tmp_path):
+    """The put that empties the collector waits for room; when it gets room its outputs are
+    stored and the collector's moment of holding nothing is recorded then: that put is not
+    also kept as waiting (it used to be, and came back at every restart after it was taken)."""
+    ch = Channel.create("durable-emptied", journal=tmp_path / "j", collector="hookmods:Pairs",
+                        maxsize=1)
+    channels.append(ch)
+    for half in ("a1", "a2", "b1"):
+        ch.put(half, key="k")
+    waiting = ch.put("b2", key="k", async_op=True)  # (b1, b2) waits; the collector is empty
+    wait_until(lambda: ch.stats()["keys"]["k"]["putters"] == 1)
+    assert ch.get(key="k", timeout=10) == ("a1", "a2")
+    waiting.wait(30)  # stored now
+    assert ch.get(key="k", timeout=10) == ("b1", "b2")
+    journal = ch.stats()["journal"]
+    assert journal["items"] == 0 and journal["collector_pending"] == 0, journal
+    os.kill(ch.stats()["pid"], signal.SIGKILL)
+    with pytest.raises(TimeoutError):  # nothing comes back
+        until_available(ch, lambda: ch.get(key="k", timeout=1))
+
+
 class _Snapshots:
     """A collector state for ``Journal.collected``: an item naming the snapshot's number."""
 

@@ -158,7 +158,7 @@ class Journal:
                     self.sequences.mark(item.origin)
                     item.origin = None  # recorded: the tables carry it from here on
             if self._idle_after is not None:
-                self._idle(self._idle_after)
+                self._idle(self._idle_after, outputs)
         except JournalError:
             self.refused += 1
             if pending:  # none of its outputs is stored: their PENDING records go too
@@ -241,12 +241,12 @@ class Journal:
         if upto and not holds_state:
             self._idle(upto)
 
-    def _idle(self, upto: int) -> None:
+    def _idle(self, upto: int, storing: Sequence[Output] = ()) -> None:
         """The collector held nothing after the put ``upto``: the inputs are not needed (the
-        outputs of the puts that wait for room are kept as ``PENDING`` records)."""
+        outputs of the puts that wait for room, but ``storing``, are kept as ``PENDING``)."""
         self._idle_after = None
         try:
-            body = fmt.pack([upto, _adopt_waiting(self)])
+            body = fmt.pack([upto, _adopt_waiting(self, storing)])
         except JournalError as exc:  # the inputs stay, until the next moment it holds nothing
             log.warning("journal of %r: the outputs of puts waiting for room could not be "
                         "written (%s): the collector's inputs stay", self.settings.name, exc)
@@ -463,16 +463,17 @@ def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None
     journal._drop_dead()
 
 
-def _adopt_waiting(journal: Journal) -> list[int]:
+def _adopt_waiting(journal: Journal, storing: Sequence[Output] = ()) -> list[int]:
     """The jids of ``PENDING`` records of the outputs of every put waiting for room, written
     now for those that have none (a ``STATE`` or ``IDLE`` about to be written lets go of their
     inputs: the collector consumed them); the records of puts that stopped waiting without
     being stored (timed out, withdrawn) are not needed any more.  ``JournalError`` if a record
-    could not be written (that put keeps no record: nothing may let go of its input)."""
+    could not be written (that put keeps no record: nothing may let go of its input).
+    ``storing``: the outputs of a waiting put being stored now (``stored``), not adopted."""
     held = journal.collector_state
     adopted: list[int] = []
     for outputs in journal.waiting_outputs():
-        if not outputs:
+        if not outputs or outputs is storing:
             continue
         if not _is_pending(journal, outputs):
             _write_pending(journal, outputs)
@@ -515,6 +516,18 @@ def _write_pending(journal: Journal, outputs: Sequence[Output]) -> None:
         item.jid = first + i
 
 
+def _write_adopt(journal: Journal) -> bool:
+    """An ``ADOPT`` record of the ``PENDING`` records adopted (compaction copies some: the
+    ``IDLE`` that adopted them may go with the old segment); False if there was no room."""
+    body = fmt.pack_plain(journal.collector_state.adopted)
+    try:
+        journal._append([fmt.record(journal.store.crc, fmt.ADOPT, body)],
+                        fmt.HEADER.size + len(body))
+    except JournalError:
+        return False
+    return True
+
+
 def _copy_parts(journal: Journal, held: LiveSet, jid: int, key: Any,
                 item: Item) -> tuple[list[Any], int]:
     """The parts of a copy of the record of ``jid`` in ``held`` (compaction)."""
@@ -552,15 +565,10 @@ def _compact(journal: Journal) -> int:
     oldest = store.segments[0]
     copied = 0
     pending = journal.collector_state.pending
-    if any(True for _ in pending.in_segment(oldest)):
-        # the IDLE that adopted them may go with the old segment: a newer record says so
-        body = fmt.pack_plain(journal.collector_state.adopted)
-        try:
-            journal._append([fmt.record(store.crc, fmt.ADOPT, body)],
-                            fmt.HEADER.size + len(body))
-        except JournalError:
-            journal.compaction.stalled(removals)
-            return 0
+    adopting = any(True for _ in pending.in_segment(oldest))
+    if adopting and not _write_adopt(journal):  # no room: nothing is copied
+        journal.compaction.stalled(removals)
+        return 0
     for held in (live, inputs, state, pending):
         for jid, (_, _, key, item) in held.in_segment(oldest):
             if copied >= COMPACT_BYTES_PER_TICK:
@@ -573,6 +581,11 @@ def _compact(journal: Journal) -> int:
                 break
             held.move(jid, new, nbytes)
             copied += nbytes
+    # again after the copies, which may have rolled to a newer segment than the first one:
+    # the newest ADOPT must not go before them (a small record: the removals' room takes it)
+    if adopting and copied and not _write_adopt(journal):
+        log.error("journal of %r: no room for the record of the pending outputs copied",
+                  journal.settings.name)
     if copied:
         store.sync_now()  # the copies are on disk before the originals go
     before = len(store.segments)

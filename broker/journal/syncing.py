@@ -67,17 +67,19 @@ class Syncing:
     def sync_all(self) -> None:
         """``fdatasync`` every file written since the last sync, and the directory if it
         changed, now (``JournalFailed`` if that fails)."""
-        in_flight = [fd for _, fd, _ in self.job.files] if self.job is not None else []
-        if not (self.dirty or self.dir_dirty or in_flight):
+        job = self.job  # handed to the sync thread, maybe not synced yet: synced here too
+        in_flight = [fd for _, fd, _ in job.files] if job is not None else []
+        directory = self.dir_dirty or (job is not None and job.directory)
+        if not (self.dirty or directory or in_flight):
             return
         started = time.monotonic()
         try:
-            for fd in in_flight:  # handed to the sync thread, maybe not synced yet: now
+            for fd in in_flight:
                 os.fdatasync(fd)
             for seg in self.dirty:
                 os.fdatasync(seg.fileno())
                 seg.synced = seg.written
-            if self.dir_dirty and self.dir.dir_fd is not None:
+            if directory and self.dir.dir_fd is not None:
                 os.fsync(self.dir.dir_fd)
         except OSError as exc:
             self.failed = exc
