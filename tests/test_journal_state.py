@@ -9,16 +9,18 @@ import os
 import signal
 import time
 
+import msgpack
 import pytest
 from conftest import drain, until_available, wait_until
 from hookmods import CountedPairs, Pairs
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.cluster.replica import wrap_collector
-from zchannel.broker.core.state import Item
+from zchannel.broker.core.queuecore import QueueCore
+from zchannel.broker.core.state import Client, Item
 from zchannel.broker.journal import collectors
 from zchannel.broker.journal.collectors import SNAPSHOT_BYTES
 from zchannel.broker.journal.journal import Journal, JournalSettings
-from zchannel.hooks import Collector
+from zchannel.hooks import Collector, Dispatcher
 
 HALF = 64 << 10  # each put's bytes: a snapshot is due after SNAPSHOT_BYTES of them
 
@@ -303,6 +305,60 @@ def test_outputs_an_idle_adopted_survive_compaction_and_a_put_that_ended_unstore
                 for key, items in groups.items()} == {"k": [b"kept"], "r": [b"replayed"]}
     finally:
         again.close()
+
+
+class _HoldUntilReleased(Collector):
+    """Holds the bodies of ``("hold", body)`` puts (nothing out), lets go of them at a
+    ``("release", body)`` put; every other put's body goes out as it is."""
+
+    def setup(self, ctx):
+        self.held = []
+
+    def collect(self, item, key):
+        command, body = item
+        if command == "hold":
+            self.held.append(body)
+            return
+        if command == "release":
+            self.held.clear()
+        yield key, body
+
+    def holds_state(self):
+        return bool(self.held)
+
+
+def test_room_freed_while_a_waiting_put_is_recorded_admits_it_once(tmp_path):
+    """The put that empties the collector waits for room; when a get makes room, recording
+    it writes an ``IDLE`` that frees a journal segment, which admits waiting puts: not that
+    put again (it was stored twice and answered twice)."""
+    replies: list[int] = []
+
+    def encode(value, weight):
+        return Item([msgpack.packb(value)], weight, 16)
+
+    core = QueueCore(name="reenter", maxsize=1, collector=_HoldUntilReleased(),
+                     dispatcher=Dispatcher(), reply=lambda client, rid, **kw: replies.append(rid),
+                     decode_item=lambda item: msgpack.unpackb(item.payload[0]),
+                     encode_item=encode)
+    journal = Journal(JournalSettings(directory=str(tmp_path), name="reenter", fsync="never",
+                                      segment_bytes=64 << 10))
+    journal.recover()
+    core.attach_log(journal)
+    journal.on_room = core.waiters.admit_putters
+    journal.waiting_outputs = lambda: [req.outputs for req in core.waiters.putters]
+    producer, consumer = Client(address=b"p"), Client(address=b"c")
+    try:
+        for rid, value in enumerate([["hold", "x" * 40000], ["hold", "y" * 40000],
+                                     ["pass", "filler"]], 1):  # the held puts fill a segment
+            assert core.put(producer, rid, "k", encode(value, 1), None, False) is True
+        waiting = core.put(producer, 4, "k", encode(["release", "P"], 1), None, False)
+        assert waiting is not True and waiting is not False  # it waits: k is full
+        core.get(consumer, 10, "k", None, False, ack=True)  # a lease takes the filler: room
+        queue = core.queues.keys["k"].shared
+        assert [msgpack.unpackb(item.payload[0]) for item in queue] == ["P"]
+        assert replies.count(4) == 1
+    finally:
+        journal.close()
 
 
 def test_a_replicas_collector_passes_on_what_the_broker_asks_of_stateful_collectors():
