@@ -289,8 +289,9 @@ class PipelineMode(OutputMode):
     def load_side_state(self, state: dict[str, Any]) -> None:
         generators: dict[int, torch.Generator] = {}
         for actor, generator_state in state["generators"]:
-            generators[int(actor)] = torch.Generator()
-            generators[int(actor)].set_state(generator_state)
+            generator = torch.Generator()
+            generator.set_state(generator_state)
+            generators[int(actor)] = generator
         self.generators = generators
 
     def micro_batches(

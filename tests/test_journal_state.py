@@ -166,6 +166,17 @@ class _Snapshots:
         return Item([body], 1, len(body))
 
 
+def _come_and_go(journal: Journal, n: int) -> None:
+    """``n`` items of another key of 4,000 bytes, each stored, taken and its removal written,
+    with a ``tick`` (compaction) after each: the older segments age."""
+    for _ in range(n):
+        item = Item([os.urandom(4000)], 1, 4000)
+        journal.stored([("other", None, item)])
+        journal.taken([item])
+        journal.sent()
+        journal.tick(time.monotonic())
+
+
 def _input(i: int) -> Item:
     return Item([i.to_bytes(4, "big") * 1024], 1, 4096)
 
@@ -190,12 +201,7 @@ def test_a_state_replaces_the_inputs_before_it_also_across_compaction(tmp_path, 
         # the inputs' segments went: only what the state and the kept inputs need is left
         assert len(journal.store.segments) <= 3
         state_segment = next(iter(journal.collector_state.record.entries.values()))[0]
-        for _ in range(200):  # items of other keys come and go: the state's segment ages
-            item = Item([os.urandom(4000)], 1, 4000)
-            journal.stored([("other", None, item)])
-            journal.taken([item])
-            journal.sent()
-            journal.tick(time.monotonic())
+        _come_and_go(journal, 200)  # the state's segment ages
         assert journal.compaction.copied_bytes > 0
         assert next(iter(journal.collector_state.record.entries.values()))[0] is not state_segment
         assert state_segment not in journal.store.segments
@@ -289,12 +295,7 @@ def test_outputs_an_idle_adopted_survive_compaction_and_a_put_that_ended_unstore
         journal.stored([("r", None, replayed)])
         assert replayed.jid > 2
         first = journal.store.segments[0]
-        for _ in range(100):  # other items come and go: the first segment is compacted
-            item = Item([os.urandom(4000)], 1, 4000)
-            journal.stored([("other", None, item)])
-            journal.taken([item])
-            journal.sent()
-            journal.tick(time.monotonic())
+        _come_and_go(journal, 100)  # the first segment is compacted
         assert first not in journal.store.segments and journal.compaction.copied_bytes > 0
     finally:
         journal.close()

@@ -68,8 +68,7 @@ class CollectorState:
 
     def drop(self) -> None:
         """The collector holds nothing (or a newer state came): the state is not needed."""
-        for jid in list(self.record.entries):
-            self.record.forget(jid)
+        self.record.forget_all(list(self.record.entries))
         self.due_at = SNAPSHOT_BYTES
 
 

@@ -252,8 +252,7 @@ class Journal:
                         "written (%s): the collector's inputs stay", self.settings.name, exc)
             return
         self._append([fmt.record(self.store.crc, fmt.IDLE, body)], fmt.HEADER.size + len(body))
-        for jid in [j for j in self.inputs.entries if j <= upto]:
-            self.inputs.forget(jid)
+        self.inputs.forget_all([j for j in self.inputs.entries if j <= upto])
         self.collector_state.drop()
         self._unsynced_release = True
         self._drop_dead()
@@ -457,8 +456,7 @@ def _write_state(journal: Journal, upto: int, snapshot: Callable[[], Item | None
     journal._next_jid = jid + 1
     journal.collector_state.written += 1
     journal.collector_state.replace(jid, seg, nbytes, upto, item)
-    for done in [j for j in journal.inputs.entries if j <= upto]:
-        journal.inputs.forget(done)
+    journal.inputs.forget_all([j for j in journal.inputs.entries if j <= upto])
     journal._unsynced_release = True
     journal._drop_dead()
 
@@ -479,8 +477,7 @@ def _adopt_waiting(journal: Journal, storing: Sequence[Output] = ()) -> list[int
             _write_pending(journal, outputs)
         adopted.extend(item.jid for _, _, item in outputs)
     kept = set(adopted)
-    for jid in [j for j in held.pending.entries if j not in kept]:
-        held.pending.forget(jid)
+    held.pending.forget_all([j for j in held.pending.entries if j not in kept])
     held.adopted = adopted
     return adopted
 
@@ -507,8 +504,7 @@ def _write_pending(journal: Journal, outputs: Sequence[Output]) -> None:
             seg = journal._append(parts, nbytes, True)
             journal.collector_state.pending.add(jid, seg, nbytes, key, item)
     except JournalError:
-        for jid in range(first, first + len(outputs)):
-            journal.collector_state.pending.forget(jid)
+        journal.collector_state.pending.forget_all(list(range(first, first + len(outputs))))
         raise
     finally:
         journal._next_jid = first + len(outputs)
