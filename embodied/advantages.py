@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.trajectory import Trajectory
@@ -97,13 +98,13 @@ def _finish_training_batch(batch: dict[str, Any], plan: TrajectoryPlan) -> dict[
 def _merge_epochs(batch: dict[str, Any]) -> dict[str, Any]:
     """Fold the epochs of a time-major batch into its batch dimension (docs/embodied.md).
 
-    ``E' = rows(dones) − rows(actions)``.  Every tensor leaf (also inside nested dicts)
-    ``[E'·T', W, …]`` becomes ``[T', E'·W, …]``; column ``e·W + w`` is env ``w`` of epoch ``e``.
-    Non-tensor values (e.g. None) are kept as they are.  Returns a new dict; the input is not
-    modified.
+    ``E' = rows(dones) − rows(actions)``.  Every tensor or numpy array leaf (also inside
+    nested dicts) ``[E'·T', W, …]`` becomes ``[T', E'·W, …]`` of its own type; column
+    ``e·W + w`` is env ``w`` of epoch ``e``.  Other values (e.g. None) are kept as they are.
+    Returns a new dict; the input is not modified.
 
-    Raises ``ValueError`` when ``dones`` or ``actions`` is missing, when ``E' < 1``, or when a
-    tensor leaf has fewer than two dims or a row count not divisible by ``E'``.
+    Raises ``ValueError`` when ``dones`` or ``actions`` is missing, when ``E' < 1``, or when an
+    array leaf has fewer than two dims or a row count not divisible by ``E'``.
     """
     dones, actions = batch.get("dones"), batch.get("actions")
     if not isinstance(dones, torch.Tensor) or not isinstance(actions, torch.Tensor):
@@ -125,27 +126,32 @@ def _merge_epochs_dict(values: dict[str, Any], epochs: int, prefix: str) -> dict
         path = f"{prefix}{name}"
         if isinstance(value, dict):
             out[name] = _merge_epochs_dict(value, epochs, prefix=f"{path}.")
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, (torch.Tensor, np.ndarray)):
             out[name] = _merge_epochs_leaf(value, epochs, path)
         else:
             out[name] = value
     return out
 
 
-def _merge_epochs_leaf(value: torch.Tensor, epochs: int, path: str) -> torch.Tensor:
-    if value.dim() < 2:
+def _merge_epochs_leaf(value: Any, epochs: int, path: str) -> Any:
+    """One tensor or numpy array leaf ``[E'·T', W, …]`` as a contiguous ``[T', E'·W, …]`` of
+    the same type."""
+    if value.ndim < 2:
         raise ValueError(f"Cannot merge epochs of {path!r}: expected [time, batch, ...].")
     rows, width = value.shape[0], value.shape[1]
     if rows % epochs:
         raise ValueError(
             f"Cannot merge epochs of {path!r}: {rows} rows are not divisible by {epochs} epochs."
         )
-    if epochs == 1:
-        return value.contiguous()
-    rest = tuple(value.shape[2:])
-    per_epoch = rows // epochs
-    merged = value.reshape(epochs, per_epoch, width, *rest).transpose(0, 1)
-    return merged.reshape(per_epoch, epochs * width, *rest).contiguous()
+    merged = value
+    if epochs > 1:
+        rest = tuple(value.shape[2:])
+        per_epoch = rows // epochs
+        merged = value.reshape(epochs, per_epoch, width, *rest).swapaxes(0, 1)
+        merged = merged.reshape(per_epoch, epochs * width, *rest)
+    if isinstance(merged, np.ndarray):
+        return np.ascontiguousarray(merged)
+    return merged.contiguous()
 
 
 # ------------------------------------------------------------------------------------------

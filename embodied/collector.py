@@ -235,8 +235,16 @@ class TrajectoryDispatcher(Dispatcher):
         return choice
 
     def key_dropped(self, key: Any) -> None:
-        """Forget the dealing counts of an idle key."""
-        self._dealt.pop(key, None)
+        """Forget the dealing counts of an idle key when they are even (each consumer present
+        or counted dealt as many items): least-loaded dealing then goes on as before.  Uneven
+        counts stay (a source that flushes after the broker dropped the idle key still deals
+        its shards to the consumers that got fewer, however long the pause)."""
+        counts = self._dealt.get(key)
+        if counts is None:
+            return
+        dealt = {counts.get(c, 0) for c in (*counts, *self.ctx.consumers)}
+        if len(dealt) <= 1:
+            del self._dealt[key]
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -647,6 +647,31 @@ class LeRobotEpisodeAccumulator:
         """Return the finished episodes and clear only that list (unfinished ones stay)."""
         return self._recorder.drain()
 
+    def check_chunk(
+        self,
+        *,
+        policy_output: Any,
+        rewards: Any,
+        chunk_actions: Any,
+        obs_list: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+        terminations: Any,
+        truncations: Any,
+        infos_list: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
+        valid_action_mask: Any = None,
+    ) -> None:
+        """Raise what ``append_chunk`` would raise for these arguments, recording nothing."""
+        for _ in self._decoder.decode(
+            policy_output=policy_output,
+            rewards=rewards,
+            chunk_actions=chunk_actions,
+            obs_list=obs_list,
+            terminations=terminations,
+            truncations=truncations,
+            infos_list=infos_list,
+            valid_action_mask=valid_action_mask,
+        ):
+            pass
+
     def append_chunk(
         self,
         *,

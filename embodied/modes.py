@@ -410,8 +410,9 @@ class LeRobotMode(OutputMode):
     """Scope ``(step_id, env_rank, stage_id)``; flushes ``shards_per_source`` EpisodeShards.
 
     Each source keeps one ``LeRobotEpisodeAccumulator`` across training steps.  A scope stores
-    its chunks' inputs and feeds them to the accumulator in ``(epoch_id, chunk_id)`` order when
-    it flushes; the flush works on a snapshot of the accumulator that replaces it on commit.
+    its chunks' inputs, each checked when it comes (``check_chunk``), and feeds them to the
+    accumulator in ``(epoch_id, chunk_id)`` order when it flushes; the flush works on a
+    snapshot of the accumulator that replaces it on commit.
     """
 
     name = "lerobot"
@@ -419,6 +420,7 @@ class LeRobotMode(OutputMode):
     def __init__(self, plan: TrajectoryPlan) -> None:
         super().__init__(plan)
         self.accumulators: dict[SourceID, LeRobotEpisodeAccumulator] = {}
+        self._chunk_checker: LeRobotEpisodeAccumulator | None = None
 
     def scope_id(self, key: TrajectoryKey) -> ScopeID:
         return (key.step_id, key.env_rank, key.stage_id)
@@ -441,8 +443,25 @@ class LeRobotMode(OutputMode):
         if not isinstance(data["obs_list"], list):
             raise ValueError(f"episode_data['obs_list'] of {chunk.key} must be a list.")
         output = chunk.policy.output
+        self._checker().check_chunk(
+            policy_output=output,
+            rewards=transition.rewards,
+            chunk_actions=data["chunk_actions"],
+            obs_list=data["obs_list"],
+            terminations=data["terminations"],
+            truncations=data["truncations"],
+            infos_list=data["infos_list"],
+            valid_action_mask=data.get("valid_action_mask"),
+        )
         records = scope.sources.setdefault(chunk.source, [])
         records.append((chunk.key, output, transition.rewards, data))
+
+    def _checker(self) -> LeRobotEpisodeAccumulator:
+        """An accumulator that only checks chunks (``add``): a malformed chunk fails its own
+        put, not the later put that completes its scope."""
+        if self._chunk_checker is None:
+            self._chunk_checker = self._new_accumulator()
+        return self._chunk_checker
 
     def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
         plan = self.plan

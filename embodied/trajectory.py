@@ -50,8 +50,31 @@ def _bool(value: torch.Tensor | None) -> torch.Tensor | None:
     return value
 
 
-def _without_dropped_keys(obs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in obs.items() if k not in _DROPPED_OBS_KEYS}
+def _without_dropped_keys(obs: dict[str, Any], name: str) -> dict[str, Any]:
+    """``obs`` without the keys a trajectory drops, its leaves checked: a trajectory stacks
+    them step by step (``TypeError`` at the put that brings a leaf that cannot stack, rather
+    than at the flush)."""
+    kept = {k: v for k, v in obs.items() if k not in _DROPPED_OBS_KEYS}
+    _check_stackable(kept, name, 0)
+    return kept
+
+
+_MAX_OBS_DEPTH = 32
+
+
+def _check_stackable(values: dict[Any, Any], name: str, depth: int) -> None:
+    """``TypeError`` unless every leaf of ``values`` is a tensor, a numpy array or None."""
+    if depth >= _MAX_OBS_DEPTH:
+        raise TypeError(f"{name!r} nests dicts deeper than {_MAX_OBS_DEPTH} levels.")
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _check_stackable(value, f"{name}.{key}", depth + 1)
+        elif value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise TypeError(
+                f"{name}.{key} is a {type(value).__name__}: a trajectory's observation leaves "
+                "must be tensors, numpy arrays or dicts of them (only 'task_descriptions' is "
+                "dropped)."
+            )
 
 
 def get_model_weights_id(versions: torch.Tensor | None) -> str:
@@ -79,11 +102,13 @@ def _step_observations(policy: PolicyPart, env: EnvPart, forward_inputs: dict[st
         )
         if env.next_rlt_obs is None:
             raise ValueError("enable_rlt needs EnvPart.next_rlt_obs (the next RLT features).")
-        return _without_dropped_keys(curr_obs), _without_dropped_keys(env.next_rlt_obs)
+        return (_without_dropped_keys(curr_obs, "curr_obs"),
+                _without_dropped_keys(env.next_rlt_obs, "next_obs"))
     if collect_transitions:
         if env.next_obs is None:
             raise ValueError("collect_transitions needs EnvPart.next_obs.")
-        return _without_dropped_keys(policy.obs or {}), _without_dropped_keys(env.next_obs)
+        return (_without_dropped_keys(policy.obs or {}, "curr_obs"),
+                _without_dropped_keys(env.next_obs, "next_obs"))
     return None, None
 
 # ---------------------------------------------------------------------------------------------

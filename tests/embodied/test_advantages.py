@@ -77,6 +77,25 @@ def test_merge_epochs_column_order():
                 assert torch.equal(out["dones"][t, e * W + w], dones[e * (N + 1) + t, w])
 
 
+def test_merge_epochs_folds_numpy_leaves_as_numpy():
+    """An observation dict may hold numpy arrays: they fold like tensors and stay numpy."""
+    E, N, W = 2, 2, 3
+    actions = torch.arange(E * N * W, dtype=torch.float32).view(E * N, W, 1)
+    obs = np.arange(E * N * W * 2, dtype=np.float32).reshape(E * N, W, 2)
+    out = _merge_epochs({"actions": actions, "dones": torch.zeros(E * (N + 1), W, 1),
+                         "curr_obs": {"np_state": obs, "states": torch.from_numpy(obs.copy())}})
+    merged = out["curr_obs"]["np_state"]
+    assert isinstance(merged, np.ndarray) and merged.shape == (N, E * W, 2)
+    assert merged.flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(merged, out["curr_obs"]["states"].numpy())
+    for e in range(E):
+        for w in range(W):
+            np.testing.assert_array_equal(merged[:, e * W + w], obs[e * N:(e + 1) * N, w])
+    with pytest.raises(ValueError, match="divisible"):
+        _merge_epochs({"actions": actions, "dones": torch.zeros(E * (N + 1), W, 1),
+                       "curr_obs": {"np_state": np.zeros((3, W))}})
+
+
 def test_merge_epochs_errors():
     with pytest.raises(ValueError):
         _merge_epochs({"actions": torch.zeros(2, 1, 1)})

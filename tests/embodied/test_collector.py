@@ -306,6 +306,41 @@ def test_failed_emit_keeps_halves_and_state():
     assert_empty(collector)
 
 
+def test_an_observation_leaf_that_cannot_stack_fails_its_own_put():
+    """With collect_transitions a trajectory stacks observations step by step: a list (other
+    than task_descriptions) is refused at the put that brings it, not at the scope's flush."""
+    plan = make_plan(num_chunks=2, collect_transitions=True)
+    collector, _, _ = hooks(plan)
+    nxt = {"states": torch.ones(1, 3)}
+    policy, env = parts(plan, key(chunk=0), next_obs=nxt)
+    put(collector, env)
+    policy.obs["extra"] = ["not", "stackable"]
+    with pytest.raises(TypeError, match="curr_obs.extra is a list"):
+        put(collector, policy)
+    assert not collector.mode.scopes
+    del policy.obs["extra"]
+    assert put(collector, policy) == []
+    (traj,) = feed(collector, plan, [key(chunk=1)], next_obs=nxt)
+    assert traj.curr_obs["states"].shape == (2, 1, 3)
+    assert_empty(collector)
+
+
+def test_dealing_counts_outlive_an_idle_key_drop_unless_even():
+    """Least-loaded dealing counts items dealt so far: the broker dropping the idle key (a
+    source that flushes long after the others) forgets them only when they are even."""
+    plan = make_plan(num_sources=2, source_batch_size=2, actor_world_size=4)
+    collector, dispatcher, _ = hooks(plan)
+    out0 = feed(collector, plan, [key(rank=0)])
+    assert [dispatcher.route(t, DEFAULT_KEY) for t in out0] == ["actor:0", "actor:1"]
+    dispatcher.key_dropped(DEFAULT_KEY)  # idle for key_grace seconds
+    out1 = feed(collector, plan, [key(rank=1)])
+    assert [dispatcher.route(t, DEFAULT_KEY) for t in out1] == ["actor:2", "actor:3"]
+    dispatcher.key_dropped(DEFAULT_KEY)  # even now: forgotten
+    assert dispatcher.stats()["keys_with_state"] == 0
+    out2 = feed(collector, plan, [key(step=1, rank=0)])
+    assert [dispatcher.route(t, DEFAULT_KEY) for t in out2] == ["actor:0", "actor:1"]
+
+
 def test_multi_key_put_is_atomic():
     """A PolicyPart spanning two sources: one bad chunk fails the whole put."""
     plan = make_plan(num_sources=2, actor_world_size=2, collect_transitions=True)
@@ -619,6 +654,23 @@ def test_lerobot_episode_open_across_steps_is_state_a_journal_keeps():
     # the episode open since step 0 ends in step 1's first chunk; its second chunk is one more
     assert [len(episode) for shard in out for episode in shard.episodes] == [6, 2]
     assert not collector.holds_state()
+
+
+def test_lerobot_malformed_chunk_fails_its_own_put():
+    """A chunk is checked when it comes: a malformed one fails its own put (before, it was
+    taken and failed the valid put that completed the scope, every time)."""
+    plan = make_plan(mode="lerobot", num_chunks=2, num_action_chunks=2)
+    collector, _, _ = hooks(plan)
+    bad = dict(episode_data(False), chunk_actions=torch.zeros(1, 5))
+    policy, env = parts(plan, key(chunk=0), episode_data=bad)
+    put(collector, policy)
+    with pytest.raises(ValueError, match="chunk_actions"):
+        put(collector, env)
+    assert not collector.mode.scopes
+    assert feed(collector, plan, [key(chunk=1)], episode_data=episode_data(True)) == []
+    (shard,) = put(collector, parts(plan, key(chunk=0), episode_data=episode_data(False))[1])
+    assert [len(episode) for episode in shard.episodes] == [4]
+    assert_empty(collector)
 
 
 def test_lerobot_failed_flush_changes_nothing():
