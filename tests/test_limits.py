@@ -16,10 +16,10 @@ import torch
 import zmq
 from conftest import wait_until
 from zchannel.broker import Channel
-from zchannel.broker.server.handlers import PEEKED_PER_TURN
+from zchannel.broker.server.handlers import PEEKED_PER_TURN, STATS_BURST_S, TurnCosts
 from zchannel.broker.server.outbox import MAX_REPLY_BYTES, MAX_REPLY_FRAMES, Outbox
 from zchannel.broker.transport.direct_broker import MAX_QUEUED_MESSAGES
-from zchannel.broker.wire import codec
+from zchannel.broker.wire import codec, protocol
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, Reply, pack_header
 
 pytestmark = pytest.mark.timeout(90)
@@ -287,7 +287,7 @@ def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
 def test_a_message_of_many_peeks_is_bounded_per_turn(channels):
     """Each ``peek n=1024`` record copies 1024 items into its reply: one message of thousands
     made millions of reply frames in one turn (seconds of a stalled loop, gigabytes held for a
-    client that does not read).  A turn copies at most ``PEEKED_PER_TURN`` items (later peeks
+    client that does not read).  A turn copies at most ``PEEKED_PER_TURN`` frames (later peeks
     are refused, naming why), and reply messages are cut at ``MAX_REPLY_FRAMES`` frames."""
     ch = Channel.create("peekflood")
     channels.append(ch)
@@ -313,8 +313,106 @@ def test_a_message_of_many_peeks_is_bounded_per_turn(channels):
         assert len(answered) == peeks
         refused = [r for r in answered if "e" in r]
         assert len(answered) - len(refused) == PEEKED_PER_TURN // 1024
-        assert all("peeked in this turn" in str(r["e"]) for r in refused)
+        assert all("frames in this turn" in str(r["e"]) for r in refused)
         assert largest <= MAX_REPLY_FRAMES + 1024
         assert ch.qsize("p") == 1024  # peeks take nothing
     finally:
         sock.close()
+
+
+def _hello(sock) -> None:
+    sock.send_multipart([pack_header([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+    assert sock.poll(30_000)
+    sock.recv_multipart()
+
+
+def _replies_until(sock, last_id: int) -> list:
+    """The records the broker sends until the reply to request ``last_id``."""
+    got: list = []
+    while not any(r.get("id") == last_id for r in got):
+        assert sock.poll(60_000), f"no reply to request {last_id}"
+        header, *_ = sock.recv_multipart()
+        got += msgpack.unpackb(header, raw=False)
+    return got
+
+
+def test_requests_in_counts_each_put_and_get_of_a_batch_record():
+    put = protocol.Put(id=1, key="k", body=b"x")
+    records = [protocol.PutBatch(id=2, puts=[put] * 3), protocol.GetRun(id=3, key="k", ids=[4, 5]),
+               protocol.Stats(id=6)]
+    assert protocol.requests_in(records) == 3 + 2 + 1
+
+
+def test_a_message_standing_for_more_requests_than_the_limit_is_dropped(channels):
+    """A ``gets`` record stands for up to 4096 gets: a header of 87 of them made the broker
+    answer 356,352 gets in one go (seconds of a stalled loop, other clients expired).  A message
+    standing for more than ``MAX_REQUESTS`` requests is dropped whole; at the limit it is
+    served."""
+    ch = Channel.create("manygets")
+    channels.append(ch)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+    try:
+        _hello(sock)
+        run = {"op": "gets", "k": "empty", "nw": True}
+        over = [dict(run, id=100_000 + r, g=list(range(r * 4096 + 1, r * 4096 + 4097)))
+                for r in range(2)]
+        sock.send_multipart([pack_header(over)])
+        sock.send_multipart([pack_header([{"op": "stats", "id": 200_000}])])
+        got = _replies_until(sock, 200_000)
+        assert [r["id"] for r in got if "id" in r] == [200_000], "the over-limit message was served"
+        at_limit = dict(run, id=300_000, g=list(range(1, protocol.MAX_REQUESTS + 1)))
+        sock.send_multipart([pack_header([at_limit])])
+        got = _replies_until(sock, 300_000)
+        emptied = {r["id"] for r in got if r.get("e") and r["e"][0] == "QueueEmpty"}
+        assert emptied == set(range(1, protocol.MAX_REQUESTS + 1))
+        assert ch.qsize("empty") == 0
+    finally:
+        sock.close()
+
+
+def test_a_peek_of_items_of_many_frames_is_bounded_by_frames(channels):
+    """``peek`` counted items: a few peeks of items of 65,535 frames each copied millions of
+    reply frames in one turn.  It counts frames: a peek past ``PEEKED_PER_TURN`` is refused,
+    naming why; a smaller one is served, and so is everyone else."""
+    ch = Channel.create("peekframes")
+    channels.append(ch)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ch.address)
+    nf = PEEKED_PER_TURN // 2 + 1
+    try:
+        _hello(sock)
+        body = codec.encode(b"x")[0]
+        for i in range(2):
+            sock.send_multipart([pack_header([{"op": "put", "id": 10 + i, "k": "many", "nf": nf}]),
+                                 body] + [b""] * (nf - 1))
+            (reply,) = [r for r in _replies_until(sock, 10 + i) if r.get("id") == 10 + i]
+            assert "e" not in reply, reply
+        sock.send_multipart([pack_header([{"op": "peek", "id": 20, "k": "many", "n": 2}])])
+        (reply,) = [r for r in _replies_until(sock, 20) if r.get("id") == 20]
+        assert reply["e"][0] == "ValueError" and "frames in this turn" in reply["e"][1], reply
+        sock.send_multipart([pack_header([{"op": "peek", "id": 21, "k": "many", "n": 1}])])
+        (reply,) = [r for r in _replies_until(sock, 21) if r.get("id") == 21]
+        assert "e" not in reply and reply["n"] == [nf], reply
+        assert ch.qsize("many") == 2
+        ch.put("still served", key="g")
+        assert ch.get(key="g", timeout=30) == "still served"
+    finally:
+        sock.close()
+
+
+def test_stats_bodies_are_made_afresh_within_a_share_of_the_loops_time():
+    """A stats body of 100,000 keys takes ~0.3 s: asked for every turn it would leave the other
+    clients a fraction of the loop.  Past ``STATS_SHARE`` of the time the last body made is
+    answered again; a cheap body never runs the credit out."""
+    costs = TurnCosts()
+    for _ in range(100):
+        assert costs.may_make_stats()
+        costs.made_stats(1, b"cheap", 0.0001)
+        costs.new_turn()
+    costs.made_stats(1, b"dear", STATS_BURST_S + 1.0)  # a body that took 1.5 s
+    costs.new_turn()
+    assert not costs.may_make_stats()  # about 10 s of loop time before the next one
+    assert costs.bodies[1] == b"dear"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -224,14 +225,23 @@ def full(broker: Broker, client: Client, rec: Full, frames: list) -> None:
 # its own reply, so one message of 4096 ``stats`` records stalled the broker for minutes and
 # held gigabytes of replies
 FRESH_STATS_PER_TURN = 4
-# items ``peek`` records may copy in one turn: past it a ``peek`` is refused (``ValueError``:
-# peek again), so one message of thousands of ``peek n=1024`` records cannot stall the loop
+# Over time, making ``stats`` bodies takes at most this share of the loop's time (a credit of
+# seconds that refills at this rate, up to STATS_BURST_S): a body of 100,000 keys takes ~0.3 s,
+# so a client asking for one per turn would otherwise leave the others a fraction of the loop.
+# Past it a ``stats`` record gets the last body made (of its ``clients`` figure) until the
+# credit is back; a body of a few keys takes ~0.1 ms, so small channels never see one reused.
+STATS_SHARE = 0.1
+STATS_BURST_S = 0.5
+# frames ``peek`` records may copy in one turn (an item of many frames counts each): a ``peek``
+# that would go past it is refused (``ValueError``: peek again, or fewer items), so neither one
+# message of thousands of ``peek n=1024`` records nor a few peeks of items of 65,535 frames
+# each can stall the loop
 PEEKED_PER_TURN = 65536
 
 
 class TurnCosts:
     """What the records of the current turn cost beyond one record each (``Broker`` starts
-    anew each turn): the ``stats`` bodies made, and the items ``peek`` records copied (each
+    anew each turn): the ``stats`` bodies made, and the frames ``peek`` records copied (each
     counts against the turn's record budget, ``RECORDS_PER_TURN``: a message of 4096
     ``peek n=1024`` records made 4 million reply frames in one turn)."""
 
@@ -239,12 +249,31 @@ class TurnCosts:
         self.made = 0
         self.bodies: dict[int, bytes] = {}  # by the ``clients`` figure they report
         self.peeked = 0
+        self.stats_credit = STATS_BURST_S  # seconds of making stats bodies (STATS_SHARE)
+        self._credit_at = time.monotonic()
 
     def new_turn(self) -> None:
         self.peeked = 0
-        if self.made:
-            self.made = 0
-            self.bodies.clear()
+        self.made = 0
+
+    def may_make_stats(self) -> bool:
+        """Whether a ``stats`` record may have a body made afresh (FRESH_STATS_PER_TURN, and
+        the credit of STATS_SHARE)."""
+        if self.made >= FRESH_STATS_PER_TURN:
+            return False
+        now = time.monotonic()
+        self.stats_credit = min(STATS_BURST_S,
+                                self.stats_credit + (now - self._credit_at) * STATS_SHARE)
+        self._credit_at = now
+        return self.stats_credit > 0
+
+    def made_stats(self, clients: int, body: bytes, seconds: float) -> None:
+        """A body made afresh in ``seconds``: the one later records get while none may be."""
+        if clients not in self.bodies and len(self.bodies) >= 16:
+            self.bodies.clear()  # one per ``clients`` figure seen lately
+        self.bodies[clients] = body
+        self.made += 1
+        self.stats_credit -= seconds
 
 
 def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
@@ -254,11 +283,11 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
     costs = broker.turn_costs
-    body = costs.bodies.get(clients) if costs.made >= FRESH_STATS_PER_TURN else None
+    body = None if costs.may_make_stats() else costs.bodies.get(clients)
     if body is None:
+        start = time.perf_counter()
         body = _stats_body(broker, clients)
-        costs.made += 1
-        costs.bodies[clients] = body
+        costs.made_stats(clients, body, time.perf_counter() - start)
     broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 
@@ -286,12 +315,16 @@ def ack(broker: Broker, client: Client, rec: Ack, frames: list) -> None:
 def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
     """Copies of head items: sent like a batch, never tracked as delivered."""
     costs = broker.turn_costs
-    if costs.peeked >= PEEKED_PER_TURN:
-        raise ValueError(f"more than {PEEKED_PER_TURN} items were peeked in this turn of the "
-                         "broker's loop (one message of many peek records): peek again")
     items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
                              check_consumer(rec.consumer))
-    costs.peeked += len(items)
+    copied = 0
+    for item in items:
+        copied += len(item.payload)
+    if costs.peeked + copied > PEEKED_PER_TURN:
+        raise ValueError(f"peeking {len(items)} items of {copied} frames would copy more than "
+                         f"{PEEKED_PER_TURN} frames in this turn of the broker's loop (with "
+                         f"{costs.peeked} copied already): peek again, or fewer items")
+    costs.peeked += copied
     broker.sessions.reply(client, rec.id, items=items, batch=True, raw=True,
                  weights=[item.weight for item in items])
 

@@ -59,6 +59,7 @@ from zchannel.broker.wire.protocol import (
     ProtocolError,
     Request,
     op_of,
+    requests_in,
     unpack_requests,
 )
 from zchannel.hooks import (
@@ -341,9 +342,9 @@ class Broker:
     # -- receiving ---------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` records
-        (the replies of a turn wait in memory until it ends); called when a poll said one is
-        there."""
+        """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` requests
+        (a batch record's puts or gets counted each; the replies of a turn wait in memory until
+        it ends); called when a poll said one is there."""
         sock, _ = self.bound()
         records = 0
         for i in range(4096):
@@ -366,7 +367,7 @@ class Broker:
 
     def _handle_message(self, address: bytes, header: Any, frames: list, pos: int) -> int:
         """One message of ``address``: its header and, from ``frames[pos]`` on, its frames;
-        the number of records it held."""
+        the number of requests it stood for (``requests_in``)."""
         if len(frames) - pos > self.config.max_frames:
             log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
                         self.config.max_frames)
@@ -403,7 +404,7 @@ class Broker:
                 self.sessions.reply(client, rec.id, error=exc)
             if kind is Bye:
                 client = None
-        return len(records)
+        return requests_in(records)
 
     def stop(self) -> None:
         """End the loop after this turn (a shutdown request)."""

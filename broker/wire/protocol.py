@@ -60,6 +60,10 @@ MAX_RECORDS = 4096
 # ``items`` record, at most (a client sends
 # at most MAX_OPS_PER_MESSAGE, 512, records in one message).
 MAX_BATCH_PUTS = 4096
+# Requests one message stands for, at most: a record each, but a ``puts`` or ``gets`` record
+# counts every put or get it stands for (a client sends at most 512), so one header cannot
+# hold hundreds of thousands of requests for the broker to answer in one go.
+MAX_REQUESTS = 4096
 # A get_batch reply carries its items' bodies inside its record (field ``bs``) when every item
 # is one frame of at most INLINE_BODY bytes and they add up to at most this many bytes.
 MAX_INLINE_BATCH_BYTES = 64 << 10
@@ -471,7 +475,24 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
     if not records or len(records) > MAX_RECORDS:
         raise ProtocolError("a header is a non-empty list of records")
     _check_frames(records, nframes)
+    requests = requests_in(records)
+    if requests > MAX_REQUESTS:
+        raise ProtocolError(f"a header stands for {requests} requests, more than "
+                            f"{MAX_REQUESTS} (puts and gets of batch records counted each)")
     return records
+
+
+def requests_in(records: collections.abc.Sequence[Any]) -> int:
+    """The requests ``records`` stand for: one each, a ``puts`` or ``gets`` record one per put
+    or get of it."""
+    total = len(records)
+    for record in records:
+        kind = type(record)
+        if kind is PutBatch:
+            total += len(record.puts) - 1
+        elif kind is GetRun:
+            total += len(record.ids) - 1
+    return total
 
 
 def _check_frames(records: collections.abc.Sequence[Any], nframes: int) -> None:
