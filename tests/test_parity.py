@@ -143,6 +143,25 @@ def test_a_lease_is_acknowledged_only_through_the_connection_that_got_it(make):
         theirs.close()
 
 
+def test_a_str_that_utf8_cannot_hold_is_the_same_type_error_on_every_path(make):
+    """A lone surrogate (what ``os.fsdecode`` makes of undecodable bytes) cannot travel: as an
+    item, inside one, or in a key it is a ``TypeError`` naming the cause, on a local channel
+    too (which took and delivered it before; the broker path raised ``UnicodeEncodeError``
+    for a whole item or a key)."""
+    ch = make("surrogates")
+    for item in ("\udc80", {"a": "\udc80"}, ["ok", "\ud800"], {"\udc80": 1}):
+        with pytest.raises(TypeError, match="cannot encode item: .*surrogates not allowed"):
+            ch.put(item)
+    for key in ("\udc80", ("a", "\ud800")):
+        with pytest.raises(TypeError, match="a key str must be valid Unicode"):
+            ch.put(1, key=key)
+        with pytest.raises(TypeError, match="a key str must be valid Unicode"):
+            ch.qsize(key=key)
+    ch.put("é\u20ac", key="clé")  # valid non-ASCII text travels as it is
+    assert ch.get(key="clé", timeout=30) == "é\u20ac"
+    assert ch.qsize() == 0
+
+
 def test_local_create_refuses_options_that_cannot_travel_as_the_broker_path_does(run_dir):
     """``options`` must be msgpack-able (hooks read them from ``ChannelContext``): a local
     channel refuses what a broker channel refuses, with the same message, and is not made."""
@@ -172,6 +191,36 @@ def test_a_broker_channel_may_not_take_the_name_of_a_local_one(run_dir):
         local.shutdown()
     with pytest.raises(ChannelNotFound):
         Channel.connect("onename", timeout=1.0)
+
+
+def test_a_local_channel_may_not_take_the_name_of_a_live_broker(run_dir):
+    """The other way round: ``create(name, local=True)`` while a broker serves ``name`` would
+    hide that broker from ``connect(name)`` in this process; it is refused, and the broker
+    channel stays reachable by name."""
+    broker = Channel.create("onebroker")
+    try:
+        broker.put("y")
+        with pytest.raises(ValueError, match="a broker on this host serves channel 'onebroker'"):
+            Channel.create("onebroker", local=True)
+        other = Channel.connect("onebroker")
+        assert not other.is_local and other.get(timeout=30) == "y"
+        other.close()
+    finally:
+        broker.shutdown()
+    local = Channel.create("onebroker", local=True)  # the broker is gone: the name is free
+    assert local.is_local
+    local.shutdown()
+
+
+def test_channel_names_end_where_they_seem_to(run_dir):
+    """A name is 1-64 characters of ``[A-Za-z0-9._-]`` and nothing after: a trailing newline
+    (which ``$`` lets through) is refused, as is a 65th character after it."""
+    for name in ("nl\n", "a" * 64 + "\n"):
+        for local in (False, True):
+            with pytest.raises(ValueError, match="invalid channel name"):
+                Channel.create(name, local=local)
+        with pytest.raises(ValueError, match="invalid channel name"):
+            Channel.connect(name)
 
 
 def test_a_handle_dropped_unclosed_leaves_as_a_closed_one(make):

@@ -291,6 +291,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
             metrics_port, journal, lease_timeout)
         if local:
+            if LocalChannel.lookup(name) is None and _broker_serves(name):
+                raise ValueError(f"a broker on this host serves channel {name!r}: one name is one "
+                                 "channel (Channel.create or Channel.connect reaches it; give a "
+                                 "local channel another name)")
             local_handle = LocalChannel.create_local(
                 name, maxsize, collector=collector, dispatcher=dispatcher,
                 producers=list(producers or ()), consumers=declared, options=dict(options or {}),
@@ -441,6 +445,13 @@ def _address_on_this_host(name: str) -> str | None:
     if address is None or _gone(address):
         return _replica_on_this_host(name) or address
     return address
+
+
+def _broker_serves(name: str) -> bool:
+    """Whether a live broker on this host serves channel ``name`` (``connect(name)`` would
+    reach it)."""
+    address = paths.read_address(name)
+    return address is not None and not _gone(address)
 
 
 def _gone(address: str) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from zchannel.broker.errors import ChannelNotFound, UnsafeRunDir
 from zchannel.broker.host.procs import process_running
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 IPC_PATH_LIMIT = 107
 
 

@@ -39,7 +39,7 @@ from zchannel.broker.wire.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 log = logging.getLogger("zchannel.shm")
 
 PROVEN_ADDRESSES = 4096  # connections remembered as same-host after their client left
-_CREATOR_RE = re.compile(r"^([0-9]+)-[0-9a-f]+$")  # what a segment's name holds after its prefix
+_CREATOR_RE = re.compile(r"^([0-9]+)-[0-9a-f]+\Z")  # what a segment's name holds after its prefix
 
 
 class Hold:

@@ -41,8 +41,8 @@ DEFAULT_POOL_BYTES = 1 << 30  # per producer connection, all size classes togeth
 _HEAD = struct.Struct("<8sQQQ")  # magic, slot_size, nslots, creator pid
 
 # the channel part: a channel name (1-64 characters), or a replica's ``<name>.replica<i>``
-NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+[A-Za-z0-9._-]{1,64}$")
-PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+$")
+NAME_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+[A-Za-z0-9._-]{1,64}\Z")
+PREFIX_RE = re.compile(r"^zc\+[0-9a-f]{10}\+[A-Za-z0-9._-]{1,80}\+\Z")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 

@@ -40,9 +40,18 @@ def check_key(key: Any) -> Any:
     as an item travels, so that a key is the same on every path and in ``stats()``.  A tuple
     key holds at most ``MAX_KEY_PARTS`` parts in all (nested tuples' parts counted) and at
     most ``MAX_KEY_BYTES`` characters and bytes of str and bytes parts in all."""
-    if type(key) is str and len(key) <= MAX_KEY_BYTES:  # the common case, checked first
+    if type(key) is str and len(key) <= MAX_KEY_BYTES and key.isascii():  # the common case
         return key
     return _checked_key(key, 0, [MAX_KEY_PARTS, MAX_KEY_BYTES])
+
+
+def _check_key_text(key: str) -> None:
+    """``TypeError`` for a str key that UTF-8 cannot hold (a lone surrogate): it could not
+    travel, so no path takes it."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TypeError(f"a key str must be valid Unicode that UTF-8 can hold: {exc}") from None
 
 
 def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
@@ -55,6 +64,8 @@ def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
         if left[1] < 0:
             raise ValueError(f"key longer than the key size limit ({MAX_KEY_BYTES} characters "
                              "and bytes of str and bytes parts in all)")
+        if isinstance(key, str) and not key.isascii():
+            _check_key_text(key)
         if type(key) is str or type(key) is bytes:
             return key
         return str.__str__(key) if isinstance(key, str) else bytes(key)

@@ -292,7 +292,10 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
         if kind is bytes and len(obj) >= INLINE_LIMIT:  # a large bytes item: its own frame
             return msgpack.packb(msgpack.ExtType(EXT_BYTES, msgpack.packb(0))), [obj]
         if kind is not int or INT_MIN <= obj < INT_END:
-            return _plain_packer.pack(obj), []  # fast path: no ext types needed
+            try:
+                return _plain_packer.pack(obj), []  # fast path: no ext types needed
+            except ValueError as exc:  # a str that UTF-8 cannot hold (a lone surrogate)
+                raise refusal(exc) from None
     elif kind is bytearray:  # msgpack bin, as the strict packer makes it (never an ext type)
         return _plain_packer.pack(obj), []
     enc = _Encoder()
@@ -314,6 +317,16 @@ def refusal(exc: ValueError | RecursionError | BufferError) -> TypeError:
         return TypeError("cannot encode item: a memoryview inside it is not C-contiguous; "
                          "put bytes(view) (or a contiguous view) there")
     return TypeError(f"cannot encode item: {exc}")
+
+
+def check_text(text: str) -> None:
+    """The ``TypeError`` ``encode`` raises for a str that UTF-8 cannot hold (a lone surrogate,
+    as ``os.fsdecode`` makes of undecodable bytes), for the paths that do not encode."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise refusal(exc) from None
 
 
 def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:

@@ -25,7 +25,8 @@ from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.classtags import CLS_TO_TAG, PUBLISHED_PENDING, published_tag
 
 WALK_DEPTH = 128  # containers of any kind; deeper items are encoded and decoded instead
-_AS_IS = frozenset({type(None), bool, int, float, complex, str, bytes})
+# values that travel as they are (a str too once UTF-8 holds it: ``_form`` checks)
+_AS_IS = frozenset({type(None), bool, int, float, complex, bytes})
 
 
 class _Deep(Exception):
@@ -49,6 +50,9 @@ def _form(obj: Any, level: int, nest: int) -> Any:
     value refused for several reasons is refused for the same one."""
     kind = type(obj)
     if kind in _AS_IS:
+        return obj
+    if kind is str:
+        codec.check_text(obj)
         return obj
     if level >= WALK_DEPTH:
         raise _Deep
