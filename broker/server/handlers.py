@@ -249,6 +249,7 @@ class TurnCosts:
         self.made = 0
         self.bodies: dict[int, bytes] = {}  # by the ``clients`` figure they report
         self.peeked = 0
+        self.last: bytes | None = None
         self.stats_credit = STATS_BURST_S  # seconds of making stats bodies (STATS_SHARE)
         self._credit_at = time.monotonic()
 
@@ -267,11 +268,17 @@ class TurnCosts:
         self._credit_at = now
         return self.stats_credit > 0
 
+    def last_stats(self, clients: int) -> bytes | None:
+        """The body to answer again while none may be made: the last one of the ``clients``
+        figure, else the last one made (its ``clients`` may be off by the asker or a
+        connection), None before the first."""
+        return self.bodies.get(clients, self.last)
+
     def made_stats(self, clients: int, body: bytes, seconds: float) -> None:
         """A body made afresh in ``seconds``: the one later records get while none may be."""
-        if clients not in self.bodies and len(self.bodies) >= 16:
-            self.bodies.clear()  # one per ``clients`` figure seen lately
-        self.bodies[clients] = body
+        if clients not in self.bodies and len(self.bodies) >= 2:
+            self.bodies.clear()  # the two figures of an observer and of a client, lately
+        self.bodies[clients] = self.last = body
         self.made += 1
         self.stats_credit -= seconds
 
@@ -283,7 +290,7 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
     costs = broker.turn_costs
-    body = None if costs.may_make_stats() else costs.bodies.get(clients)
+    body = None if costs.may_make_stats() else costs.last_stats(clients)
     if body is None:
         start = time.perf_counter()
         body = _stats_body(broker, clients)
