@@ -293,6 +293,19 @@ def test_one_bad_record_leaves_the_others_of_its_message():
     assert all(isinstance(r.error, ProtocolError) for r in records if type(r) is BadRecord)
 
 
+def test_a_record_nested_too_deeply_after_a_bad_one_drops_the_message_as_malformed():
+    """The slow path (a message whose records are decoded one by one after one failed) met a
+    record nested thousands deep with a ``RecursionError`` that left the broker's loop as an
+    unexpected error; it is the ``ProtocolError`` the fast path raises."""
+    deep = b"\x91" * 5000 + b"\x01"
+    bad = msgpack.packb({"op": "put", "id": "not an int"})
+    record = (b"\x83" + msgpack.packb("op") + msgpack.packb("qsize") + msgpack.packb("id")
+              + msgpack.packb(8) + msgpack.packb("k") + deep)
+    for header in (b"\x92" + bad + record, b"\x92" + record + bad):
+        with pytest.raises(ProtocolError, match="nested too deeply"):
+            unpack_requests(header, 0)
+
+
 def test_bind_and_load_answers():
     """A ``bind`` redirect and a ``load`` answer travel as the documented maps; what a replica
     cannot use is None, never a half-valid answer."""

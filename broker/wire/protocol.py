@@ -511,6 +511,14 @@ def _record_by_record(data: bytes | memoryview, one: msgspec.msgpack.Decoder) ->
     ``BadRecord`` with its ``op``, ``id`` and ``nf`` (read by ``_RecordHead``), the others are
     handled as usual."""
     try:
+        return _each_record(data, one)
+    except RecursionError:  # a field nested about 1,000 deep (msgspec counts its recursion)
+        raise ProtocolError("malformed header: nested too deeply") from None
+
+
+def _each_record(data: bytes | memoryview, one: msgspec.msgpack.Decoder) -> list[Any]:
+    """``_record_by_record`` but for a record nested too deeply (``RecursionError``)."""
+    try:
         raws = _raw_records.decode(data)
     except msgspec.MsgspecError as exc:
         raise ProtocolError(f"malformed header: {exc}") from None
