@@ -515,6 +515,22 @@ class _EpisodeRecorder:
         self._episodes = list(state["episodes"])
         self.num_emitted = int(state["emitted"])
 
+    def check_step(self, step: _Step, own_info: Any) -> None:
+        """Build, and drop, every frame ``advance`` could build from ``step``'s own values: its
+        observation, or the first observation it keeps for the next step, with its action
+        (``ValueError`` or ``TypeError`` as ``_build_frame`` raises them)."""
+        flags = own_info if isinstance(own_info, Mapping) else {}
+        if _truthy(flags.get("record_reset")):
+            seen = [(step.own_obs, own_info)]
+        elif _truthy(flags.get("pre_record")):
+            seen = []
+        else:
+            seen = [(step.obs, step.info)]
+        if step.reset_seed is not None and not _truthy(flags.get("record_reset")):
+            seen.append(step.reset_seed)
+        for obs, info in seen:
+            _build_frame(obs, info, step, 0, self.action_dim)
+
     def advance(self, env: int, step: _Step, own_info: Any) -> None:
         """Run the state machine of env ``env`` (docs/embodied.md: "LeRobot mode") for one step."""
         state = self._states[env]
@@ -659,8 +675,10 @@ class LeRobotEpisodeAccumulator:
         infos_list: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
         valid_action_mask: Any = None,
     ) -> None:
-        """Raise what ``append_chunk`` would raise for these arguments, recording nothing."""
-        for _ in self._decoder.decode(
+        """Raise what ``append_chunk`` would raise for this chunk's own values (actions, flags,
+        infos, observations and images, each step's frame built and dropped), recording
+        nothing."""
+        for _env, step, own_info in self._decoder.decode(
             policy_output=policy_output,
             rewards=rewards,
             chunk_actions=chunk_actions,
@@ -670,7 +688,7 @@ class LeRobotEpisodeAccumulator:
             infos_list=infos_list,
             valid_action_mask=valid_action_mask,
         ):
-            pass
+            self._recorder.check_step(step, own_info)
 
     def append_chunk(
         self,

@@ -408,9 +408,9 @@ def test_stats_bodies_are_made_afresh_within_a_share_of_the_loops_time():
     clients a fraction of the loop.  Past ``STATS_SHARE`` of the time the last body made is
     answered again; a cheap body never runs the credit out."""
     costs = TurnCosts()
-    for _ in range(100):
+    for _ in range(2000):  # 2 s of cheap bodies, one per turn: each made afresh
         assert costs.may_make_stats()
-        costs.made_stats(1, b"cheap", 0.0001)
+        costs.made_stats(1, b"cheap", 0.001)
         costs.new_turn()
     costs.made_stats(1, b"dear", STATS_BURST_S + 1.0)  # a body that took 1.5 s
     costs.new_turn()

@@ -148,8 +148,12 @@ def test_a_str_that_utf8_cannot_hold_is_the_same_type_error_on_every_path(make):
     item, inside one, or in a key it is a ``TypeError`` naming the cause, on a local channel
     too (which took and delivered it before; the broker path raised ``UnicodeEncodeError``
     for a whole item or a key)."""
+    class Text(str):
+        pass
+
     ch = make("surrogates")
-    for item in ("\udc80", {"a": "\udc80"}, ["ok", "\ud800"], {"\udc80": 1}):
+    for item in ("\udc80", {"a": "\udc80"}, ["ok", "\ud800"], {"\udc80": 1}, Text("\udc80"),
+                 [Text("\udc80")]):
         with pytest.raises(TypeError, match="cannot encode item: .*surrogates not allowed"):
             ch.put(item)
     for key in ("\udc80", ("a", "\ud800")):
@@ -210,6 +214,21 @@ def test_a_local_channel_may_not_take_the_name_of_a_live_broker(run_dir):
     local = Channel.create("onebroker", local=True)  # the broker is gone: the name is free
     assert local.is_local
     local.shutdown()
+
+
+def test_a_local_channel_needs_no_run_directory(monkeypatch, tmp_path):
+    """Looking for a broker of the name must not make a local channel depend on the run
+    directory: one that is unsafe (writable by others) finds no broker, and the channel is made."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("ZCHANNEL_RUN_DIR", str(shared))
+    ch = Channel.create("inprocess", local=True)
+    try:
+        ch.put(1)
+        assert ch.get(timeout=5) == 1
+    finally:
+        ch.shutdown()
 
 
 def test_channel_names_end_where_they_seem_to(run_dir):

@@ -450,7 +450,10 @@ def _address_on_this_host(name: str) -> str | None:
 def _broker_serves(name: str) -> bool:
     """Whether a live broker on this host serves channel ``name`` (``connect(name)`` would
     reach it)."""
-    address = paths.read_address(name)
+    try:
+        address = paths.read_address(name)
+    except OSError:  # no usable run directory (UnsafeRunDir too): no broker found by name here
+        return False
     return address is not None and not _gone(address)
 
 

@@ -225,17 +225,20 @@ def full(broker: Broker, client: Client, rec: Full, frames: list) -> None:
 # its own reply, so one message of 4096 ``stats`` records stalled the broker for minutes and
 # held gigabytes of replies
 FRESH_STATS_PER_TURN = 4
-# Over time, making ``stats`` bodies takes at most this share of the loop's time (a credit of
-# seconds that refills at this rate, up to STATS_BURST_S): a body of 100,000 keys takes ~0.3 s,
-# so a client asking for one per turn would otherwise leave the others a fraction of the loop.
-# Past it a ``stats`` record gets the last body made (of its ``clients`` figure) until the
-# credit is back; a body of a few keys takes ~0.1 ms, so small channels never see one reused.
+# Over time, making dear ``stats`` bodies takes at most this share of the loop's time (a credit
+# of seconds that refills at this rate, up to STATS_BURST_S): a body of 100,000 keys takes
+# ~0.3 s, so a client asking for one per turn would otherwise leave the others a fraction of
+# the loop.  Past it a ``stats`` record gets the last body made until the credit is back.  A
+# body is dear when the last one took STATS_DEAR_S or more (some thousands of keys): a body of
+# a few keys takes ~0.1 ms and is always made afresh (at most FRESH_STATS_PER_TURN a turn).
 STATS_SHARE = 0.1
 STATS_BURST_S = 0.5
+STATS_DEAR_S = 0.01
 # frames ``peek`` records may copy in one turn (an item of many frames counts each): a ``peek``
 # that would go past it is refused (``ValueError``: peek again, or fewer items), so neither one
 # message of thousands of ``peek n=1024`` records nor a few peeks of items of 65,535 frames
-# each can stall the loop
+# each can stall the loop; the first peek of a turn always gets one item (its frames are
+# bounded by ``max_frames``)
 PEEKED_PER_TURN = 65536
 
 
@@ -250,6 +253,7 @@ class TurnCosts:
         self.bodies: dict[int, bytes] = {}  # by the ``clients`` figure they report
         self.peeked = 0
         self.last: bytes | None = None
+        self.last_cost = 0.0  # seconds the last body took to make
         self.stats_credit = STATS_BURST_S  # seconds of making stats bodies (STATS_SHARE)
         self._credit_at = time.monotonic()
 
@@ -266,7 +270,7 @@ class TurnCosts:
         self.stats_credit = min(STATS_BURST_S,
                                 self.stats_credit + (now - self._credit_at) * STATS_SHARE)
         self._credit_at = now
-        return self.stats_credit > 0
+        return self.last_cost < STATS_DEAR_S or self.stats_credit > 0
 
     def last_stats(self, clients: int) -> bytes | None:
         """The body to answer again while none may be made: the last one of the ``clients``
@@ -280,7 +284,9 @@ class TurnCosts:
             self.bodies.clear()  # the two figures of an observer and of a client, lately
         self.bodies[clients] = self.last = body
         self.made += 1
-        self.stats_credit -= seconds
+        self.last_cost = seconds
+        if seconds >= STATS_DEAR_S:
+            self.stats_credit -= seconds
 
 
 def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
@@ -327,7 +333,7 @@ def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
     copied = 0
     for item in items:
         copied += len(item.payload)
-    if costs.peeked + copied > PEEKED_PER_TURN:
+    if costs.peeked + copied > PEEKED_PER_TURN and (costs.peeked or len(items) > 1):
         raise ValueError(f"peeking {len(items)} items of {copied} frames would copy more than "
                          f"{PEEKED_PER_TURN} frames in this turn of the broker's loop (with "
                          f"{costs.peeked} copied already): peek again, or fewer items")

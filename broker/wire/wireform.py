@@ -104,7 +104,9 @@ def _form_base(obj: Any, kind: type, level: int, nest: int) -> Any:
     if isinstance(obj, list):
         return _sequence(obj, list, level, nest)
     if isinstance(obj, str):
-        return str.__str__(obj)
+        text = str.__str__(obj)
+        codec.check_text(text)
+        return text
     if isinstance(obj, int):
         return int.__int__(obj)
     if isinstance(obj, float):
@@ -144,7 +146,8 @@ def _sequence(obj: Any, base: type, level: int, nest: int) -> Any:
     itself if nothing changes, else a new ``base``."""
     out: list | None = None
     for i, value in enumerate(obj):
-        if out is None and type(value) in _AS_IS:  # the common element: nothing to call
+        if out is None and (type(value) in _AS_IS  # the common elements: nothing to call
+                            or type(value) is str and value.isascii()):
             continue
         form = _form(value, level + 1, nest)
         if out is None:
@@ -160,7 +163,8 @@ def _sequence(obj: Any, base: type, level: int, nest: int) -> Any:
 def _dict(obj: dict, level: int, nest: int) -> dict:
     out: dict | None = None
     for i, (key, value) in enumerate(obj.items()):
-        if out is None and type(key) in _AS_IS and type(value) in _AS_IS:
+        if out is None and (type(key) in _AS_IS or type(key) is str and key.isascii()) \
+                and (type(value) in _AS_IS or type(value) is str and value.isascii()):
             continue
         key_form, value_form = _form(key, level + 1, nest), _form(value, level + 1, nest)
         if out is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 from zchannel.broker import DEFAULT_KEY
@@ -318,6 +319,9 @@ def test_an_observation_leaf_that_cannot_stack_fails_its_own_put():
     with pytest.raises(TypeError, match="curr_obs.extra is a list"):
         put(collector, policy)
     assert not collector.mode.scopes
+    policy.obs["extra"] = np.array(["a str array"])  # cannot travel to the actors
+    with pytest.raises(TypeError, match="curr_obs.extra is a numpy array of dtype <U11"):
+        put(collector, policy)
     del policy.obs["extra"]
     assert put(collector, policy) == []
     (traj,) = feed(collector, plan, [key(chunk=1)], next_obs=nxt)
@@ -666,6 +670,11 @@ def test_lerobot_malformed_chunk_fails_its_own_put():
     put(collector, policy)
     with pytest.raises(ValueError, match="chunk_actions"):
         put(collector, env)
+    assert not collector.mode.scopes
+    # a value only the frame builds would refuse (states that are not numbers): refused too
+    texts = dict(episode_data(False), obs_list=[{"states": np.array([["a", "b"]])}] * 2)
+    with pytest.raises(ValueError, match="could not convert string to float"):
+        put(collector, parts(plan, key(chunk=0), episode_data=texts)[1])
     assert not collector.mode.scopes
     assert feed(collector, plan, [key(chunk=1)], episode_data=episode_data(True)) == []
     (shard,) = put(collector, parts(plan, key(chunk=0), episode_data=episode_data(False))[1])
