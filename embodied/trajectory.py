@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from zchannel.broker import register_type
 from zchannel.embodied.batch import to_cpu_contiguous
+from zchannel.embodied.observations import kept_observations
 from zchannel.embodied.types import (
     EnvPart,
     PolicyPart,
@@ -34,8 +35,6 @@ from zchannel.embodied.types import (
 
 RLT_KEYS = ("z_rl", "proprio", "ref_chunk")
 """``forward_inputs`` keys kept as the current RLT transition features."""
-
-_DROPPED_OBS_KEYS = ("task_descriptions",)
 
 
 @overload
@@ -48,47 +47,6 @@ def _bool(value: torch.Tensor | None) -> torch.Tensor | None:
     if value is not None and value.dtype != torch.bool:
         return value.bool()
     return value
-
-
-def _without_dropped_keys(obs: dict[str, Any], name: str) -> dict[str, Any]:
-    """``obs`` without the keys a trajectory drops, its leaves checked: a trajectory stacks
-    them step by step (``TypeError`` at the put that brings a leaf that cannot stack, rather
-    than at the flush)."""
-    kept = {k: v for k, v in obs.items() if k not in _DROPPED_OBS_KEYS}
-    _check_stackable(kept, name, 0)
-    return kept
-
-
-_MAX_OBS_DEPTH = 32
-
-
-def _check_stackable(values: dict[Any, Any], name: str, depth: int) -> None:
-    """``TypeError`` unless every leaf of ``values`` is a tensor, a numpy array of a dtype that
-    travels (numeric or bool) or None."""
-    if depth >= _MAX_OBS_DEPTH:
-        raise TypeError(f"{name!r} nests dicts deeper than {_MAX_OBS_DEPTH} levels.")
-    for key, value in values.items():
-        if isinstance(value, dict):
-            _check_stackable(value, f"{name}.{key}", depth + 1)
-        elif isinstance(value, np.ndarray):
-            if not _travels(value.dtype):
-                raise TypeError(
-                    f"{name}.{key} is a numpy array of dtype {value.dtype}: a trajectory's "
-                    "observation arrays must be numeric or bool (they travel to the actors)."
-                )
-        elif value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{name}.{key} is a {type(value).__name__}: a trajectory's observation leaves "
-                "must be tensors, numpy arrays or dicts of them (only 'task_descriptions' is "
-                "dropped)."
-            )
-
-
-def _travels(dtype: np.dtype) -> bool:
-    """Whether a numpy array of ``dtype`` travels: bool, integers, floats up to 64 bits and
-    complex up to 128 (what the channel's codec sends)."""
-    kind, size = dtype.kind, dtype.itemsize
-    return kind in "biu" or kind == "f" and size <= 8 or kind == "c" and size <= 16
 
 
 def get_model_weights_id(versions: torch.Tensor | None) -> str:
@@ -116,13 +74,13 @@ def _step_observations(policy: PolicyPart, env: EnvPart, forward_inputs: dict[st
         )
         if env.next_rlt_obs is None:
             raise ValueError("enable_rlt needs EnvPart.next_rlt_obs (the next RLT features).")
-        return (_without_dropped_keys(curr_obs, "curr_obs"),
-                _without_dropped_keys(env.next_rlt_obs, "next_obs"))
+        return (kept_observations(curr_obs, "curr_obs"),
+                kept_observations(env.next_rlt_obs, "next_obs"))
     if collect_transitions:
         if env.next_obs is None:
             raise ValueError("collect_transitions needs EnvPart.next_obs.")
-        return (_without_dropped_keys(policy.obs or {}, "curr_obs"),
-                _without_dropped_keys(env.next_obs, "next_obs"))
+        return (kept_observations(policy.obs or {}, "curr_obs"),
+                kept_observations(env.next_obs, "next_obs"))
     return None, None
 
 # ---------------------------------------------------------------------------------------------
