@@ -50,16 +50,36 @@ class CommandFailure(click.ClickException):
 
 class Cli(click.Group):
     """The ``zchannel`` group: every command's expected failures become ``fail()``;
-    ``zchannel broker stop NAME`` runs the command registered as ``"broker stop"`` (``broker
-    stop`` alone, or followed by options, still runs the broker of a channel named stop)."""
+    ``zchannel broker stop [OPTIONS] TARGET`` runs the command registered as ``"broker stop"``
+    (``broker stop`` alone, or followed by an option only ``zchannel broker`` has, still runs
+    the broker of a channel named stop)."""
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
-        if len(args) > 2 and args[:2] == ["broker", "stop"] and (
-                not args[2].startswith("-") or args[2] == "--help"):
+        if len(args) > 2 and args[:2] == ["broker", "stop"]:
             command = self.get_command(ctx, "broker stop")
-            if command is not None:
+            if command is not None and self._stops(ctx, command, args[2:]):
                 return "broker stop", command, args[2:]
         return super().resolve_command(ctx, args)
+
+    def _stops(self, ctx: click.Context, stop: click.Command, rest: list[str]) -> bool:
+        """Whether ``broker stop REST`` means the stop command: REST holds ``--help``, a
+        target (an argument that is no option's value: ``zchannel broker`` takes one name,
+        ``stop`` here), or an option only the stop command has."""
+        broker = self.get_command(ctx, "broker")
+        broker_opts = {o for p in (broker.params if broker else ()) for o in p.opts}
+        valued = {o for p in (*stop.params, *(broker.params if broker else ()))
+                  if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+        stop_only = {o for p in stop.params for o in p.opts} - broker_opts
+        i = 0
+        while i < len(rest):
+            arg = rest[i]
+            if arg == "--help" or not arg.startswith("-") or arg == "--":
+                return True
+            name = arg.split("=", 1)[0]
+            if name in stop_only:
+                return True
+            i += 2 if name in valued and "=" not in arg else 1
+        return False
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
@@ -97,3 +117,15 @@ def _click_message(exc: click.ClickException) -> str:
     if isinstance(exc, click.UsageError) and ctx is not None:
         return f"{message} (see '{ctx.command_path} --help')"
     return message
+
+
+def require_companions(needs: dict[str, str]) -> None:
+    """A usage error for an option given (on the command line) without the option it works
+    with: ``needs`` maps an option's parameter name to its companion's."""
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    for name, companion in needs.items():
+        given = ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+        if given and not ctx.params.get(companion):
+            raise click.UsageError(f"{params[name].opts[-1]} does nothing without "
+                                   f"{params[companion].opts[-1]}")

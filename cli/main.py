@@ -11,7 +11,7 @@ import click
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.broker.wire.argchecks import key_from_label, key_label
-from zchannel.cli.failures import Cli
+from zchannel.cli.failures import Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import summarize
 
@@ -320,6 +320,8 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
     """
     from zchannel.broker import Channel
 
+    require_companions({"count": "watch", "interval": "watch", "peek_count": "peek_key",
+                 "peek_consumer": "peek_key"})
     curve_keys = _stat_keys(curve_secret_key, curve_server_key)
     if target is None:
         from zchannel.cli.host import show_host

@@ -130,7 +130,14 @@ def test_config_file_values_are_checked_too(tmp_path):
     config.write_text('[channel]\nname = "fromfile"\nmaxsize = -3\n')
     out = _zchannel("broker", "--config", str(config))
     assert out.returncode == 2
-    assert "maxsize must be an int >= 0" in _one_line(out.stderr)
+    assert f"{config}: maxsize must be an int >= 0" in _one_line(out.stderr)
+    out = _zchannel("broker", "--config", str(config), "--maxsize", "-4")  # the flag's value
+    assert out.returncode == 2
+    assert _one_line(out.stderr).startswith("error: maxsize must be an int >= 0")
+    config.write_text('[channel]\nname = "fromfile"\n\n[bench]\nmessages = 10\n')
+    out = _zchannel("broker", "--config", str(config))
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert f"{config}: unknown table(s) ['bench']" in _one_line(out.stderr)
     config.write_text("[channel\n")
     out = _zchannel("broker", "--config", str(config))
     assert out.returncode == 2
@@ -146,6 +153,7 @@ BENCH_CONFIGS = [
     ("messages = 1.9", "messages = 1.9 in [bench] of"),  # not cast to 1
     ("window = true", "window = True in [bench] of"),
     ('json = "/nonexistent/dir/x.json"', "directory /nonexistent/dir does not exist"),
+    ("[bnch]\nmessages = 10", "unknown table(s) ['bnch']"),  # a typo, not the default suite
 ]
 
 
@@ -240,7 +248,17 @@ def test_help_and_debug_tracebacks(monkeypatch):
     (["bench", "--scenario", "get_only", "--plot", "."], "--plot draws the scaling curves"),
     (["broker", "nometrics", "--metrics-address", "0.0.0.0"],
      "--metrics-address sets the metrics endpoint: give --metrics-port PORT too"),
-], ids=["fsync", "max-journal-bytes", "public-keys", "plot", "metrics-address"])
+    (["stat", "somechannel", "--count", "3"], "--count does nothing without --watch"),
+    (["stat", "somechannel", "-n", "3"], "-n does nothing without --peek"),
+    (["stat", "somechannel", "--consumer", "actor:0"], "--consumer does nothing without --peek"),
+    (["demo", "embodied", "--ray-nodes", "3", "--steps", "1"],
+     "--ray-nodes does nothing without --ray"),
+    (["demo", "embodied", "--overwrite", "--steps", "1"],
+     "--overwrite does nothing without --dataset"),
+    (["demo", "embodied", "--fps", "5", "--steps", "1"],
+     "--dataset, --only-success and --fps need --mode lerobot"),
+], ids=["fsync", "max-journal-bytes", "public-keys", "plot", "metrics-address", "stat-count",
+        "stat-n", "stat-consumer", "ray-nodes", "overwrite", "fps"])
 def test_options_that_would_do_nothing_are_refused(run_dir, args, message):
     """An option whose companion is missing would be silently ignored: it is one line naming
     what to add, status 2, and nothing starts."""
@@ -347,3 +365,14 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
     config.write_bytes(b"\xff\xfe")
     out = _zchannel("broker", "enc", "--config", str(config))
     assert out.returncode == 2 and f"{config} is not valid TOML" in _one_line(out.stderr)
+
+
+def test_broker_stop_takes_its_options_before_the_target(run_dir):
+    """``Usage: zchannel broker stop [OPTIONS] TARGET``: an option before the target is the
+    stop command's (it was taken for a broker of a channel named stop, and refused)."""
+    out = _zchannel("broker", "stop", "--timeout", "3", "nosuchchannel")
+    assert out.returncode == 2
+    assert "no shutdown token for 'nosuchchannel'" in _one_line(out.stderr)
+    out = _zchannel("broker", "stop", "--token-file", os.devnull, "tcp://127.0.0.1:1")
+    assert out.returncode == 2
+    assert "no broker at tcp://127.0.0.1:1" in _one_line(out.stderr)

@@ -277,7 +277,12 @@ def test_stat_does_not_count_itself(make_remote):
         assert result.exit_code == 0, result.output
         assert "clients 2 " in result.output  # ch and other, not stat itself
         result = CliRunner().invoke(main, ["stat", "statself", "--json"])
-        assert json.loads(result.output)["clients"] == 2
+        shown = json.loads(result.output)
+        assert shown["clients"] == 2
+        # nor among the same-host (shared-memory) clients: those ch and other are, as before
+        assert shown["shm"]["clients"] == other.stats()["shm"]["clients"]
+        assert other.stats(exclude_self=True)["shm"]["clients"] == \
+            other.stats()["shm"]["clients"] - 1
     finally:
         other.close()
     assert ch.stats(exclude_self=True)["clients"] == 0

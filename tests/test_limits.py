@@ -410,10 +410,10 @@ def test_stats_bodies_are_made_afresh_within_a_share_of_the_loops_time():
     costs = TurnCosts()
     for _ in range(2000):  # 2 s of cheap bodies, one per turn: each made afresh
         assert costs.may_make_stats()
-        costs.made_stats(1, b"cheap", 0.001)
+        costs.made_stats((1, 0), b"cheap", 0.001)
         costs.new_turn()
-    costs.made_stats(1, b"dear", STATS_BURST_S + 1.0)  # a body that took 1.5 s
+    costs.made_stats((1, 0), b"dear", STATS_BURST_S + 1.0)  # a body that took 1.5 s
     costs.new_turn()
     assert not costs.may_make_stats()  # about 10 s of loop time before the next one
-    assert costs.last_stats(1) == b"dear"
-    assert costs.last_stats(2) == b"dear"  # another clients figure: the last body made
+    assert costs.last_stats((1, 0)) == b"dear"
+    assert costs.last_stats((2, 0)) == b"dear"  # another clients figure: the last body made

@@ -174,7 +174,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a broker TOML file into ``BrokerConfig`` fields; unknown keys are a ``ValueError``."""
     data = read_toml(path)
     fields: dict[str, Any] = {}
-    unknown = set(data) - {"channel", "hooks", "options", "bench"}
+    unknown = set(data) - {"channel", "hooks", "options"}
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
     for table in data:
@@ -194,6 +194,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def build_config(file: str | Path | None = None, **overrides: Any) -> BrokerConfig:
     """A ``BrokerConfig`` from an optional file, with non-None ``overrides`` taking precedence."""
     fields = read_config_file(file) if file else {}
+    from_file = set(fields)
     for key, value in overrides.items():
         if value is None or value == () or value == []:
             continue
@@ -201,9 +202,17 @@ def build_config(file: str | Path | None = None, **overrides: Any) -> BrokerConf
             fields["options"] = {**fields.get("options", {}), **value}
         else:
             fields[key] = value
+            from_file.discard(key)
     if not fields.get("name"):
         raise ValueError("a broker needs a channel name (argument NAME or [channel] name)")
-    return BrokerConfig(**fields)
+    try:
+        return BrokerConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        # the checks name the setting first ("maxsize must be ..."): one the file set is
+        # named with the file
+        if type(exc) in (ValueError, TypeError) and str(exc).split(" ", 1)[0] in from_file:
+            raise type(exc)(f"{file}: {exc}") from None
+        raise
 
 
 def lock_name_of(name: str, cluster: str | None = None, replicas: Any = None,

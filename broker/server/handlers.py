@@ -250,7 +250,8 @@ class TurnCosts:
 
     def __init__(self) -> None:
         self.made = 0
-        self.bodies: dict[int, bytes] = {}  # by the ``clients`` figure they report
+        # by the figures they report: ``clients`` and the asker left out of the same-host ones
+        self.bodies: dict[tuple[int, int], bytes] = {}
         self.peeked = 0
         self.last: bytes | None = None
         self.last_cost = 0.0  # seconds the last body took to make
@@ -272,17 +273,17 @@ class TurnCosts:
         self._credit_at = now
         return self.last_cost < STATS_DEAR_S or self.stats_credit > 0
 
-    def last_stats(self, clients: int) -> bytes | None:
-        """The body to answer again while none may be made: the last one of the ``clients``
-        figure, else the last one made (its ``clients`` may be off by the asker or a
-        connection), None before the first."""
-        return self.bodies.get(clients, self.last)
+    def last_stats(self, figures: tuple[int, int]) -> bytes | None:
+        """The body to answer again while none may be made: the last one of the asker's
+        ``figures`` (``stats``), else the last one made (its client counts may be off by the
+        asker or a connection), None before the first."""
+        return self.bodies.get(figures, self.last)
 
-    def made_stats(self, clients: int, body: bytes, seconds: float) -> None:
+    def made_stats(self, figures: tuple[int, int], body: bytes, seconds: float) -> None:
         """A body made afresh in ``seconds``: the one later records get while none may be."""
-        if clients not in self.bodies and len(self.bodies) >= 2:
-            self.bodies.clear()  # the two figures of an observer and of a client, lately
-        self.bodies[clients] = self.last = body
+        if figures not in self.bodies and len(self.bodies) >= 2:
+            self.bodies.clear()  # the figures of an observer and of a client, lately
+        self.bodies[figures] = self.last = body
         self.made += 1
         self.last_cost = seconds
         if seconds >= STATS_DEAR_S:
@@ -295,16 +296,21 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
     if broker.replica is not None:  # the other replicas' links are not clients
         clients -= broker.replica.bindings.peer_clients(c.identity for c in table.values())
+    # the asker's own same-host (shared-memory) connection likewise
+    same_host = 1 if rec.exclude_self and client in broker.shm.verified else 0
+    figures = (clients, same_host)
     costs = broker.turn_costs
-    body = None if costs.may_make_stats() else costs.last_stats(clients)
+    body = None if costs.may_make_stats() else costs.last_stats(figures)
     if body is None:
         start = time.perf_counter()
-        body = _stats_body(broker, clients)
-        costs.made_stats(clients, body, time.perf_counter() - start)
+        body = _stats_body(broker, clients, same_host)
+        costs.made_stats(figures, body, time.perf_counter() - start)
     broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 
-def _stats_body(broker: Broker, clients: int) -> bytes:
+def _stats_body(broker: Broker, clients: int, same_host_asker: int) -> bytes:
+    """The stats dict, encoded; ``clients`` counted already, and ``same_host_asker`` (1 or 0)
+    taken from the shared-memory clients."""
     stats = broker.core.stats()
     guard = broker.endpoint.guard  # the connection budget (server/admission.py)
     if guard is not None:  # bound
@@ -315,6 +321,7 @@ def _stats_body(broker: Broker, clients: int) -> bytes:
                  shm=broker.shm.stats(), **broker.counters.as_dict(),
                  metrics=broker.metrics.url if broker.metrics is not None else None,
                  journal=broker.journal.stats() if broker.journal is not None else None)
+    stats["shm"]["clients"] -= same_host_asker
     if broker.replica is not None:
         broker.replica.annotate(stats)
     body, _ = codec.encode(stats)

@@ -82,7 +82,12 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
     """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
     if not path:
         return values
-    table = read_toml(path).get("bench", {})
+    data = read_toml(path)
+    unknown = set(data) - {"bench", "targets"}
+    if unknown:
+        raise click.BadParameter(f"{path}: unknown table(s) {sorted(unknown)} (a bench config "
+                                 "holds [bench] and [targets])")
+    table = data.get("bench", {})
     if not isinstance(table, dict):
         raise click.BadParameter(f"[bench] of {path} must be a table")
     params = {p.name: p for p in ctx.command.params}
