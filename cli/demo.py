@@ -341,6 +341,7 @@ def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
     from zchannel.embodied.presets import preset
     from zchannel.embodied.runners import run
 
+    _import_from_cwd()
     base = preset(env_name, env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
                   steps=steps, shm_threshold=shm_threshold)
     if num_chunks is not None:

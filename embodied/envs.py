@@ -221,7 +221,9 @@ class ChunkedEnv:
             reward = torch.as_tensor(reward, dtype=torch.float32).reshape(B)
             self._check_reward(reward, c)
             term = torch.as_tensor(term, dtype=torch.bool).reshape(B)
-            trunc = torch.as_tensor(trunc, dtype=torch.bool).reshape(B)
+            # a terminal state reached on a time limit's last step (Gymnasium's TimeLimit says
+            # both) is terminal: it must not be bootstrapped as a truncation is
+            trunc = torch.as_tensor(trunc, dtype=torch.bool).reshape(B) & ~term
             done = term | trunc
             self.env_steps += B
             self._ret += reward

@@ -20,6 +20,7 @@ dataset, ``lerobot_writer``) or keeps them, and releases each step's version as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -30,8 +31,9 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -286,6 +288,7 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     names = cfg.names()
     torch.set_num_threads(1)
     try:
+        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
         scaler = RewardScaler(cfg.env_batch, cfg.gamma) if cfg.normalize_reward else None
@@ -315,6 +318,7 @@ def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> N
     names = cfg.names()
     torch.set_num_threads(1)
     try:
+        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
         requests, actions, trajectory, sync = _handles(
@@ -340,6 +344,7 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     names = cfg.names()
     torch.set_num_threads(1)
     try:
+        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
         if channels is None:
@@ -368,6 +373,27 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
 # The driver
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while a worker process is spawned: the worker inherits
+    the mask, so a Ctrl-C while it still imports is held for it instead of printing its
+    traceback (``_take_sigint`` lets it in once the worker runs); one that reaches this
+    thread meanwhile comes when the block ends.  multiprocessing's resource tracker is started
+    first: starting it unblocks SIGINT in the calling thread."""
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _take_sigint() -> None:
+    """A worker starts taking SIGINT (blocked while it was spawned: ``_sigint_blocked``): a
+    Ctrl-C held meanwhile is its KeyboardInterrupt now, inside its try."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class _Workers:
     """Worker processes (spawn) or threads (inproc), by name ``group:rank``."""
 
@@ -386,10 +412,12 @@ class _Workers:
 
             proc: threading.Thread | multiprocessing.process.BaseProcess = threading.Thread(
                 target=body, name=name, daemon=True)
+            proc.start()
         else:
             proc = multiprocessing.get_context("spawn").Process(target=target, args=args,
                                                                 name=name, daemon=True)
-        proc.start()
+            with _sigint_blocked():
+                proc.start()
         self.procs[name] = proc
 
     def dead(self) -> dict[str, str]:
@@ -400,6 +428,19 @@ class _Workers:
                 if proc.exitcode not in (None, 0):
                     out[name] = f"exit code {proc.exitcode}"
         return out
+
+    def join_threads(self, timeout: float = 30.0) -> None:
+        """Wait for inproc worker threads to end (after their channels were shut down), so
+        that none is still running torch when the caller's interpreter exits."""
+        if not self.inproc:
+            return
+        deadline = time.monotonic() + timeout
+        for thread in self.procs.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = [name for name, thread in self.procs.items() if thread.is_alive()]
+        if left:
+            log.warning("inproc workers still running %.0f s after the run ended: %s",
+                        timeout, ", ".join(left))
 
     def abort(self) -> None:
         """End the worker processes now (threads end when their channels are shut down)."""
@@ -632,6 +673,8 @@ def _end_run(writer: LeRobotDatasetWriter | None, workers: Any, stopped: bool, r
             ch.shutdown()
         except Exception:
             pass
+    if isinstance(workers, _Workers):
+        workers.join_threads()
 
 
 def _placement(channel: Any) -> list | None:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -75,3 +76,48 @@ def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
     assert proc.returncode == 1, err
     assert "Aborted!" in err and "Traceback" not in err, err
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s children that are multiprocessing spawn workers."""
+    out = []
+    for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        try:
+            cmdline = open(f"/proc/{child}/cmdline", "rb").read()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            out.append(int(child))
+    return out
+
+
+def _loading_torch(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's library (it is importing torch, or did)."""
+    try:
+        return "libtorch" in open(f"/proc/{pid}/maps").read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_ctrl_c_while_the_workers_start_is_quiet(tmp_path):
+    """Ctrl-C reaches the whole process group: workers still importing (torch takes seconds)
+    printed a KeyboardInterrupt traceback each.  They are spawned with SIGINT held, and take
+    it once they run: exit 1, "Aborted!", no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "demo", "embodied", "--runner", "async",
+         "--steps", "1000"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(_loading_torch(child) for child in _spawned_children(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no worker started"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does, mid-import
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert "Aborted!" in err and "Traceback" not in err, err

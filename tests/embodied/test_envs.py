@@ -56,3 +56,28 @@ def test_gymnasium_vector_env_adapter():
         finals += out.final_obs is not None
     assert chunked.stats.lengths == [5] * 8  # finished envs reset in the same step
     assert finals == 2  # episodes ending on a chunk's last slot give the override
+
+
+def test_a_terminal_state_on_the_time_limits_last_step_is_no_truncation():
+    """Gymnasium's TimeLimit says terminated and truncated both when an episode ends on its
+    last allowed step: the state is terminal, and a truncation would have it bootstrapped
+    (gamma * V(final observation) added to its reward)."""
+    gymnasium = pytest.importorskip("gymnasium")
+    lake = {"desc": ["SG"], "is_slippery": False}  # moving right reaches the goal at once
+    vec = gymnasium.make_vec("FrozenLake-v1", num_envs=2, vectorization_mode="sync",
+                             max_episode_steps=1, **lake)
+    env = make_env("gym:FrozenLake-v1", 2, lake)
+    raw = type(env)(vec)
+    raw.reset(seed=0)
+    _, _, term, trunc, _ = raw.step(torch.full((2, 1), 2.0))
+    assert term.all() and trunc.all()  # what Gymnasium reports
+    vec = gymnasium.make_vec("FrozenLake-v1", num_envs=2, vectorization_mode="sync",
+                             max_episode_steps=1, **lake)
+    chunked = ChunkedEnv(type(env)(vec), num_action_chunks=1)
+    chunked.reset(seed=0)
+    t = chunked.step_chunk(torch.full((2, 1, 1), 2.0)).transition
+    assert t.terminations.all() and not t.truncations.any() and t.dones.all()
+    rewards = t.compute_rewards(bootstrap_values=torch.full((2, 1), 100.0),
+                                env_reward_weight=1.0, reward_weight=1.0, auto_reset=True,
+                                bootstrap_type="standard", gamma=0.9)
+    assert torch.equal(rewards, t.rewards)  # nothing bootstrapped onto the terminal reward

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -57,6 +58,19 @@ def test_inproc_transport_learns_without_a_broker():
     _check_records(cfg, result)
     assert max(r["policy_lag"] for r in result["records"]) <= 1
     assert _margin(cfg, result) > 3.0
+
+
+@pytest.mark.timeout(120)
+def test_an_inproc_run_stopped_early_leaves_no_worker_thread_running():
+    """``on_step`` returning True ends the workers: inproc, their threads are joined before
+    ``run`` returns (they were left running torch, and a script that exited at once could
+    abort with "terminate called without an active exception")."""
+    cfg = RunConfig(runner="async", transport="inproc", steps=20, seed=1)
+    result = run(cfg, on_step=lambda record: record["step"] >= 1)
+    assert result["stopped_early"]
+    left = [t.name for t in threading.enumerate()
+            if re.fullmatch(r"(env|rollout|actor):\d+", t.name)]
+    assert left == []
 
 
 @pytest.mark.slow
