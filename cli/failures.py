@@ -51,8 +51,9 @@ class CommandFailure(click.ClickException):
 class Cli(click.Group):
     """The ``zchannel`` group: every command's expected failures become ``fail()``;
     ``zchannel broker stop [OPTIONS] TARGET`` runs the command registered as ``"broker stop"``
-    (``broker stop`` alone, or followed by an option only ``zchannel broker`` has, still runs
-    the broker of a channel named stop)."""
+    (``broker stop`` alone, or followed only by options ``zchannel broker`` takes, with their
+    values, and none only the stop command has, still runs the broker of a channel named
+    stop)."""
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         if len(args) > 2 and args[:2] == ["broker", "stop"]:
@@ -73,7 +74,9 @@ class Cli(click.Group):
         i = 0
         while i < len(rest):
             arg = rest[i]
-            if arg == "--help" or not arg.startswith("-") or arg == "--":
+            if arg == "--":  # a target follows, or nothing does (the broker named stop)
+                return i + 1 < len(rest)
+            if arg == "--help" or not arg.startswith("-"):
                 return True
             name = arg.split("=", 1)[0]
             if name in stop_only:

@@ -321,7 +321,7 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
     from zchannel.broker import Channel
 
     require_companions({"count": "watch", "interval": "watch", "peek_count": "peek_key",
-                 "peek_consumer": "peek_key"})
+                        "peek_consumer": "peek_key"})
     curve_keys = _stat_keys(curve_secret_key, curve_server_key)
     if target is None:
         from zchannel.cli.host import show_host

@@ -20,20 +20,17 @@ dataset, ``lerobot_writer``) or keeps them, and releases each step's version as 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import json
 import logging
-import multiprocessing
 import signal
 import sys
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from zchannel.broker import Channel
 from zchannel.broker.shm import MAX_SLOTS
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
+from zchannel.embodied.launch import Workers
 from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
 from zchannel.embodied.models import ActorCritic
 from zchannel.embodied.normalize import RewardScaler
@@ -288,7 +286,6 @@ def env_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     names = cfg.names()
     torch.set_num_threads(1)
     try:
-        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         requests, actions, sync = _handles(names, channels, ("requests", "actions", "sync"))
         scaler = RewardScaler(cfg.env_batch, cfg.gamma) if cfg.normalize_reward else None
@@ -318,7 +315,6 @@ def rollout_worker(data: dict, rank: int = 0, channels: dict | None = None) -> N
     names = cfg.names()
     torch.set_num_threads(1)
     try:
-        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
         requests, actions, trajectory, sync = _handles(
@@ -344,7 +340,6 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
     names = cfg.names()
     torch.set_num_threads(1)
     try:
-        _take_sigint()
         plan = cfg.plan(_spaces(cfg)[1])
         policy = _policy(cfg)
         if channels is None:
@@ -373,105 +368,16 @@ def actor_worker(data: dict, rank: int, channels: dict | None = None) -> None:
 # The driver
 
 
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread while a worker process is spawned: the worker inherits
-    the mask, so a Ctrl-C while it still imports is held for it instead of printing its
-    traceback (``_take_sigint`` lets it in once the worker runs); one that reaches this
-    thread meanwhile comes when the block ends.  multiprocessing's resource tracker is started
-    first: starting it unblocks SIGINT in the calling thread."""
-    resource_tracker.ensure_running()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def _take_sigint() -> None:
-    """A worker starts taking SIGINT (blocked while it was spawned: ``_sigint_blocked``): a
-    Ctrl-C held meanwhile is its KeyboardInterrupt now, inside its try."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-class _Workers:
-    """Worker processes (spawn) or threads (inproc), by name ``group:rank``."""
-
-    def __init__(self, inproc: bool) -> None:
-        self.inproc = inproc
-        self.procs: dict[str, Any] = {}
-        self.failed: dict[str, str] = {}
-
-    def start(self, name: str, target: Callable, *args: Any) -> None:
-        if self.inproc:
-            def body() -> None:
-                try:
-                    target(*args)
-                except BaseException as exc:  # reported through the errors key as well
-                    self.failed[name] = repr(exc)
-
-            proc: threading.Thread | multiprocessing.process.BaseProcess = threading.Thread(
-                target=body, name=name, daemon=True)
-            proc.start()
-        else:
-            proc = multiprocessing.get_context("spawn").Process(target=target, args=args,
-                                                                name=name, daemon=True)
-            with _sigint_blocked():
-                proc.start()
-        self.procs[name] = proc
-
-    def dead(self) -> dict[str, str]:
-        """Workers that ended abnormally: name -> how."""
-        out = dict(self.failed)
-        if not self.inproc:
-            for name, proc in self.procs.items():
-                if proc.exitcode not in (None, 0):
-                    out[name] = f"exit code {proc.exitcode}"
-        return out
-
-    def join_threads(self, timeout: float = 30.0) -> None:
-        """Wait for inproc worker threads to end (after their channels were shut down), so
-        that none is still running torch when the caller's interpreter exits."""
-        if not self.inproc:
-            return
-        deadline = time.monotonic() + timeout
-        for thread in self.procs.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        left = [name for name, thread in self.procs.items() if thread.is_alive()]
-        if left:
-            log.warning("inproc workers still running %.0f s after the run ended: %s",
-                        timeout, ", ".join(left))
-
-    def abort(self) -> None:
-        """End the worker processes now (threads end when their channels are shut down)."""
-        if not self.inproc:
-            for proc in self.procs.values():
-                if proc.is_alive():
-                    proc.terminate()
-            for proc in self.procs.values():
-                proc.join(10)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.1, deadline - time.monotonic()))
-        if not self.inproc:
-            for proc in self.procs.values():
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(5)
-
-
 class _LocalLauncher:
     """Workers as local processes (spawn) or, for ``transport="inproc"``, threads."""
 
     def __init__(self, inproc: bool) -> None:
-        self.workers = _Workers(inproc)
+        self.workers = Workers(inproc)
 
     def groups(self) -> tuple[list | None, Any]:
         return None, None
 
-    def start(self, cfg: RunConfig, data: dict, channels: dict) -> _Workers:
+    def start(self, cfg: RunConfig, data: dict, channels: dict) -> Workers:
         for rank in range(cfg.envs):
             self.workers.start(f"env:{rank}", env_worker, data, rank)
         self.workers.start("rollout:0", rollout_worker, data, 0)
@@ -673,7 +579,7 @@ def _end_run(writer: LeRobotDatasetWriter | None, workers: Any, stopped: bool, r
             ch.shutdown()
         except Exception:
             pass
-    if isinstance(workers, _Workers):
+    if isinstance(workers, Workers):
         workers.join_threads()
 
 
@@ -686,7 +592,7 @@ def _placement(channel: Any) -> list | None:
     return None if not replicas else [r.get("node") for r in replicas]
 
 
-def _check_workers(workers: _Workers, sync: Any, dead_actors: set, cfg: RunConfig) -> None:
+def _check_workers(workers: Workers, sync: Any, dead_actors: set, cfg: RunConfig) -> None:
     try:
         error = sync.get_nowait(key=ERRORS)
     except asyncio.QueueEmpty:
