@@ -663,31 +663,11 @@ class LeRobotEpisodeAccumulator:
         """Return the finished episodes and clear only that list (unfinished ones stay)."""
         return self._recorder.drain()
 
-    def check_chunk(
-        self,
-        *,
-        policy_output: Any,
-        rewards: Any,
-        chunk_actions: Any,
-        obs_list: Sequence[Mapping[str, Any]] | Mapping[str, Any],
-        terminations: Any,
-        truncations: Any,
-        infos_list: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
-        valid_action_mask: Any = None,
-    ) -> None:
-        """Raise what ``append_chunk`` would raise for this chunk's own values (actions, flags,
-        infos, observations and images, each step's frame built and dropped), recording
-        nothing."""
-        for _env, step, own_info in self._decoder.decode(
-            policy_output=policy_output,
-            rewards=rewards,
-            chunk_actions=chunk_actions,
-            obs_list=obs_list,
-            terminations=terminations,
-            truncations=truncations,
-            infos_list=infos_list,
-            valid_action_mask=valid_action_mask,
-        ):
+    def check_chunk(self, **chunk: Any) -> None:
+        """Raise what ``append_chunk(**chunk)`` would raise for this chunk's own values
+        (actions, flags, infos, observations and images, each step's frame built and dropped),
+        recording nothing."""
+        for _env, step, own_info in self._decoder.decode(**chunk):
             self._recorder.check_step(step, own_info)
 
     def append_chunk(

@@ -406,6 +406,21 @@ def flatten_rows(
     return out
 
 
+def _chunk_arguments(output: Any, rewards: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """``LeRobotEpisodeAccumulator.append_chunk``'s arguments for a chunk's policy output,
+    rewards and ``episode_data``."""
+    return {
+        "policy_output": output,
+        "rewards": rewards,
+        "chunk_actions": data["chunk_actions"],
+        "obs_list": data["obs_list"],
+        "terminations": data["terminations"],
+        "truncations": data["truncations"],
+        "infos_list": data["infos_list"],
+        "valid_action_mask": data.get("valid_action_mask"),
+    }
+
+
 class LeRobotMode(OutputMode):
     """Scope ``(step_id, env_rank, stage_id)``; flushes ``shards_per_source`` EpisodeShards.
 
@@ -443,16 +458,7 @@ class LeRobotMode(OutputMode):
         if not isinstance(data["obs_list"], list):
             raise ValueError(f"episode_data['obs_list'] of {chunk.key} must be a list.")
         output = chunk.policy.output
-        self._checker().check_chunk(
-            policy_output=output,
-            rewards=transition.rewards,
-            chunk_actions=data["chunk_actions"],
-            obs_list=data["obs_list"],
-            terminations=data["terminations"],
-            truncations=data["truncations"],
-            infos_list=data["infos_list"],
-            valid_action_mask=data.get("valid_action_mask"),
-        )
+        self._checker().check_chunk(**_chunk_arguments(output, transition.rewards, data))
         records = scope.sources.setdefault(chunk.source, [])
         records.append((chunk.key, output, transition.rewards, data))
 
@@ -475,16 +481,7 @@ class LeRobotMode(OutputMode):
             accumulators[source] = accumulator
         records = sorted(scope.sources[source], key=lambda r: (r[0].epoch_id, r[0].chunk_id))
         for _key, output, rewards, data in records:
-            accumulator.append_chunk(
-                policy_output=output,
-                rewards=rewards,
-                chunk_actions=data["chunk_actions"],
-                obs_list=data["obs_list"],
-                terminations=data["terminations"],
-                truncations=data["truncations"],
-                infos_list=data["infos_list"],
-                valid_action_mask=data.get("valid_action_mask"),
-            )
+            accumulator.append_chunk(**_chunk_arguments(output, rewards, data))
         episodes = list(accumulator.drain_episodes())
         k = plan.shards_per_source
         return [
