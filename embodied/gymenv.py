@@ -10,8 +10,8 @@ it in ``GymVectorEnv``, which
 - turns each batched observation into the flat dict of ``zchannel.embodied.spaces``: uint8
   images (3-D uint8 Box leaves, H x W x C) keep their shape under ``main_images`` /
   ``wrist_images`` / ``extra_view_images`` (or the keys ``obs_map`` names), every other leaf
-  (Box, Discrete and MultiDiscrete as one-hot, MultiBinary) is flattened into float32
-  ``states``;
+  (Box, Discrete and MultiDiscrete as one-hot, MultiBinary), and an image ``obs_map`` sends to
+  ``states``, is flattened into float32 ``states``;
 - refuses, at construction, a 3-D uint8 Box that looks channel-first (``_looks_channel_first``:
   C x H x W, or a stack of k H x W frames) unless ``obs_map`` sends it to ``states`` or drops it,
   with a ``ValueError`` naming the leaf, its shape and the remedies;
@@ -174,7 +174,7 @@ def _image_groups(leaves: list[_Leaf], obs_map: dict[str, str | None]) -> dict[s
             continue
         if leaf.name in obs_map:
             key = obs_map[leaf.name]
-            if key is None:
+            if key is None or key == "states":  # dropped, or flattened into the states
                 continue
         elif "wrist" in leaf.name.lower():
             key = "wrist_images"
@@ -332,8 +332,10 @@ class GymVectorEnv:
             if not leaf.image and target not in ("states", None):
                 raise ValueError(f"obs_map maps the non-image leaf {leaf.name!r} to {target!r}:"
                                  " non-image leaves go to 'states' (or None: dropped)")
-        self._states = [leaf for leaf in self._leaves if not leaf.image
-                        and self.obs_map.get(leaf.name, "states") is not None]
+        # the non-image leaves and the images obs_map sends to "states", flattened to float32
+        self._states = [leaf for leaf in self._leaves
+                        if self.obs_map.get(leaf.name, None if leaf.image else "states")
+                        == "states"]
         self._images = _image_groups(self._leaves, self.obs_map)
         images = {}
         for key, group in self._images.items():

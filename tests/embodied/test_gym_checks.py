@@ -75,6 +75,19 @@ def test_obs_map_carries_a_channel_first_leaf_as_states_or_drops_it():
         GymVectorEnv(_vec(obs_space), obs_map={"frames": "main_images"})
 
 
+def test_obs_map_carries_a_channels_last_image_as_states():
+    """``obs_map={"image": "states"}`` flattens the image into the state vector (it was taken
+    for an image key named "states", and the first step failed on its shape)."""
+    obs_space = spaces.Dict({"image": _uint8(6, 8, 3), "state": spaces.Box(-1, 1, (2,))})
+    env = GymVectorEnv(_vec(obs_space), obs_map={"image": "states"})
+    assert env.spec.images == {} and env.spec.state_dim == 6 * 8 * 3 + 2
+    obs, _ = env.reset(seed=0)
+    assert set(obs) == {"states"} and obs["states"].dtype == torch.float32
+    assert obs["states"].shape == (2, 6 * 8 * 3 + 2)
+    obs = env.step(torch.zeros(2, 1))[0]
+    assert obs["states"].shape == (2, 6 * 8 * 3 + 2)
+
+
 @pytest.mark.parametrize("shape", [(32, 48, 3), (24, 24, 1), (16, 16, 4), (84, 84, 12),
                                    (4, 4, 4)])
 def test_channel_last_uint8_observations_stay_images(shape):
