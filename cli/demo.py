@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
-from zchannel.cli.failures import output_file, require_companions
+from zchannel.cli.failures import given_on_command_line, output_file, require_companions
 
 if TYPE_CHECKING:  # the demo imports zchannel.embodied when it runs
     from zchannel.embodied.runners import RunConfig
@@ -142,7 +142,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     _import_from_cwd()
     require_companions({"ray_nodes": "use_ray", "overwrite": "dataset"})
     try:
-        if mode != "lerobot" and (dataset or only_success or _given("lerobot_fps")):
+        if mode != "lerobot" and (dataset or only_success or given_on_command_line("lerobot_fps")):
             raise ValueError("--dataset, --only-success and --fps need --mode lerobot")
         if dataset and os.path.exists(dataset) and not overwrite:
             raise ValueError(f"--dataset {dataset} exists: pass --overwrite to replace it")
@@ -244,12 +244,6 @@ def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[
     if plot_path:
         _plot(records, plot_path, title, evaluation["random_return"])
         click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
-
-
-def _given(name: str) -> bool:
-    """Whether option ``name`` (its parameter name) was given on the command line."""
-    source = click.get_current_context().get_parameter_source(name)
-    return source is click.core.ParameterSource.COMMANDLINE
 
 
 def _run_demo(cfg: RunConfig, on_step: Callable[[dict], Any], ray_nodes: int | None) -> dict:

@@ -122,13 +122,19 @@ def _click_message(exc: click.ClickException) -> str:
     return message
 
 
+def given_on_command_line(name: str) -> bool:
+    """Whether the current command's option ``name`` (its parameter name) was given on the
+    command line."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is click.core.ParameterSource.COMMANDLINE
+
+
 def require_companions(needs: dict[str, str]) -> None:
     """A usage error for an option given (on the command line) without the option it works
     with: ``needs`` maps an option's parameter name to its companion's."""
     ctx = click.get_current_context()
     params = {p.name: p for p in ctx.command.params}
     for name, companion in needs.items():
-        given = ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
-        if given and not ctx.params.get(companion):
+        if given_on_command_line(name) and not ctx.params.get(companion):
             raise click.UsageError(f"{params[name].opts[-1]} does nothing without "
                                    f"{params[companion].opts[-1]}")

@@ -522,12 +522,10 @@ class _EpisodeRecorder:
         flags = own_info if isinstance(own_info, Mapping) else {}
         if _truthy(flags.get("record_reset")):
             seen = [(step.own_obs, own_info)]
-        elif _truthy(flags.get("pre_record")):
-            seen = []
         else:
-            seen = [(step.obs, step.info)]
-        if step.reset_seed is not None and not _truthy(flags.get("record_reset")):
-            seen.append(step.reset_seed)
+            seen = [] if _truthy(flags.get("pre_record")) else [(step.obs, step.info)]
+            if step.reset_seed is not None:
+                seen.append(step.reset_seed)
         for obs, info in seen:
             _build_frame(obs, info, step, 0, self.action_dim)
 

@@ -246,9 +246,7 @@ def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
     ch = Channel.create("statsflood")
     channels.append(ch)
     pid = ch.stats()["pid"]
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ch.address)
+    sock = _dealer(ch.address)
 
     def replies(n: int, timeout: float) -> list:
         got: list = []
@@ -291,9 +289,7 @@ def test_a_message_of_many_peeks_is_bounded_per_turn(channels):
     are refused, naming why), and reply messages are cut at ``MAX_REPLY_FRAMES`` frames."""
     ch = Channel.create("peekflood")
     channels.append(ch)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ch.address)
+    sock = _dealer(ch.address)
     got: list = []
     largest = 0
     try:
@@ -318,6 +314,14 @@ def test_a_message_of_many_peeks_is_bounded_per_turn(channels):
         assert ch.qsize("p") == 1024  # peeks take nothing
     finally:
         sock.close()
+
+
+def _dealer(address: str):
+    """A raw DEALER socket connected to ``address`` (closed without lingering)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
 
 
 def _hello(sock) -> None:
@@ -350,9 +354,7 @@ def test_a_message_standing_for_more_requests_than_the_limit_is_dropped(channels
     served."""
     ch = Channel.create("manygets")
     channels.append(ch)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ch.address)
+    sock = _dealer(ch.address)
     try:
         _hello(sock)
         run = {"op": "gets", "k": "empty", "nw": True}
@@ -378,9 +380,7 @@ def test_a_peek_of_items_of_many_frames_is_bounded_by_frames(channels):
     naming why; a smaller one is served, and so is everyone else."""
     ch = Channel.create("peekframes")
     channels.append(ch)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ch.address)
+    sock = _dealer(ch.address)
     nf = PEEKED_PER_TURN // 2 + 1
     try:
         _hello(sock)
