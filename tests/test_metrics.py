@@ -15,6 +15,12 @@ import pytest
 from conftest import wait_until
 from zchannel.broker import BrokerStartError, Channel
 from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
+from zchannel.broker.server.metrics import (
+    MAX_KEY_SERIES,
+    SNAPSHOT_MAX_AGE_S,
+    SNAPSHOT_SHARE,
+    young,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -116,6 +122,47 @@ def test_scraped_metrics_match_stat(run_dir):
     finally:
         _stop(proc)
     assert proc.returncode == 0
+
+
+def test_key_series_are_the_deepest_keys_with_their_sizes(run_dir):
+    """Past MAX_KEY_SERIES keys, the series are the deepest keys' (chosen before their sizes
+    are summed), each with its own items and bytes; ``zchannel_keys`` counts them all."""
+    proc, line = _start_broker("mk", run_dir, "--metrics-port", "0")
+    try:
+        assert line.startswith("ready "), proc.stderr.read()
+        address = line.split()[1]
+        producer = Channel.connect(address)
+        deep = MAX_KEY_SERIES // 2
+        works = [producer.put(bytes(50), key=k, async_op=True)
+                 for k in range(MAX_KEY_SERIES + deep) for _ in range(2 if k < deep else 1)]
+        for work in works:
+            work.wait(30)
+        m = _scrape(_stat_json(address)["metrics"])
+        assert m["zchannel_keys"] == MAX_KEY_SERIES + deep
+        held = {k: v for k, v in m.items() if k.startswith("zchannel_key_items_held{")}
+        assert len(held) == MAX_KEY_SERIES
+        assert all(held[f'zchannel_key_items_held{{key="{k}"}}'] == 2 for k in range(deep))
+        assert sum(v == 1 for v in held.values()) == MAX_KEY_SERIES - deep
+        one = [v for k, v in m.items() if k.startswith("zchannel_key_bytes_held{")
+               and held[k.replace("bytes", "items")] == 1]
+        assert len(set(one)) == 1 and one[0] > 50
+        assert all(m[f'zchannel_key_bytes_held{{key="{k}"}}'] == 2 * one[0] for k in range(deep))
+        producer.close()
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+
+
+def test_a_dear_snapshot_is_served_again_for_ten_times_its_cost():
+    """A snapshot is served again while younger than half a second, or than its cost over
+    SNAPSHOT_SHARE: scrapes in a row of a channel of many keys take at most that share of
+    the loop's time."""
+    cheap = {"time": 100.0, "cost_s": 0.001}
+    assert young(cheap, 100.4) and not young(cheap, 100.5)
+    dear = {"time": 100.0, "cost_s": 0.2}
+    assert young(dear, 100.0 + 0.2 / SNAPSHOT_SHARE - 0.01)
+    assert not young(dear, 100.0 + 0.2 / SNAPSHOT_SHARE)
+    assert SNAPSHOT_SHARE <= 0.1 and SNAPSHOT_MAX_AGE_S == 0.5
 
 
 def test_keys_that_print_alike_stay_apart(run_dir):
