@@ -118,6 +118,129 @@ def test_a_damaged_record_inside_the_journal(brokers, run_dir, tmp_path, fsync):
     assert 0 < got[0] and got == list(range(got[0], 40))
 
 
+def _damaged_journal(brokers, run_dir, tmp_path, fsync: str, name: str):
+    """A journal of 40 items of 4 KiB in segments of 64 KiB, its broker killed: its config
+    and segment files, oldest first."""
+    journal = str(tmp_path / "j")
+    config = dict(name=name, address=f"ipc://{run_dir}/{name}.sock", journal=journal,
+                  journal_segment_bytes=64 << 10, shm_threshold=0, fsync=fsync)
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    for i in range(40):
+        ch.put(i.to_bytes(4, "big") * 1024)
+    ch.close()
+    brokers.kill(pid)
+    segments = _segments(journal, name)
+    assert len(segments) >= 3
+    return config, segments
+
+
+@pytest.mark.parametrize("fsync", ["always", "interval"])
+def test_a_damaged_first_record_with_records_after_it_is_not_an_unfinished_segment(
+        brokers, run_dir, tmp_path, fsync):
+    """One flipped byte in the ``SEGMENT`` record of a segment that later segments follow: not
+    a segment a broker was making when it died (records follow it), so it is a torn record
+    at the end of the preamble.  With ``always`` the start is refused naming it and nothing
+    is removed; with ``interval`` its items are dropped (logged) and the later ones served."""
+    config, (first, second, *later) = _damaged_journal(brokers, run_dir, tmp_path, fsync,
+                                                       "durable-head")
+    sizes = {path: os.path.getsize(path) for path in [first, second, *later]}
+    with open(second, "r+b") as f:
+        f.seek(fmt.PREAMBLE.size + fmt.HEADER.size + 3)
+        byte = f.read(1)
+        f.seek(fmt.PREAMBLE.size + fmt.HEADER.size + 3)
+        f.write(bytes((byte[0] ^ 0xFF,)))
+    if fsync == "always":
+        with pytest.raises(RuntimeError, match=f"{os.path.basename(second)}: a torn or damaged "
+                                               f"record at offset {fmt.PREAMBLE.size} .*not the "
+                                               "journal's last"):
+            brokers.start(**config)
+        assert {path: os.path.getsize(path) for path in sizes} == sizes
+        return
+    brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    try:
+        got = [int.from_bytes(x[:4], "big") for x in drain(ch)]
+    finally:
+        ch.close()
+    assert got[0] == 0 and got[-1] == 39 and 0 < 40 - len(got) < 40  # the second's are gone
+    assert got == sorted(got)
+
+
+@pytest.mark.parametrize("content", ["random bytes", "zeros, then data"])
+def test_a_short_or_zeroed_file_with_data_is_refused_not_removed(brokers, run_dir, tmp_path,
+                                                                  content):
+    """A file named like a segment that was not cut short while a broker made it: 20 bytes
+    that are no start of a segment, or a segment whose first page was zeroed (data after
+    it).  The start is refused naming it; the file stays."""
+    config, segments = _damaged_journal(brokers, run_dir, tmp_path, "interval", "durable-odd")
+    if content == "random bytes":
+        odd = segments[-1][:-len(".zcj") - 10] + "0000000099.zcj"
+        with open(odd, "wb") as f:
+            f.write(bytes(range(100, 120)))
+        match = "is not a zchannel journal segment"
+    else:
+        odd = segments[1]
+        with open(odd, "r+b") as f:
+            f.write(bytes(4096))
+        match = "whose start is zeros but that holds data further on"
+    with pytest.raises(RuntimeError, match=f"{os.path.basename(odd)}.*{match}"):
+        brokers.start(**config)
+    assert os.path.exists(odd)
+
+
+def test_segments_read_at_the_start_give_their_disk_back_once_drained(brokers, run_dir,
+                                                                       tmp_path):
+    """A broker started on a journal of several segments, its items taken: the segments go,
+    and the broker keeps none of them open or mapped (their disk space comes back)."""
+    config, _ = _damaged_journal(brokers, run_dir, tmp_path, "interval", "durable-drain")
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    assert len(drain(ch)) == 40
+    ch.put(b"after")  # a removal of the last items, then a put: the old segments went
+    assert ch.get(timeout=10) == b"after"
+    assert ch.stats()["journal"]["segments"] == 1
+    ch.close()
+    with open(f"/proc/{pid}/maps") as f:
+        held = [line for line in f if ".zcj" in line and "(deleted)" in line]
+    fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    assert held == [] and not [fd for fd in fds if ".zcj" in fd and "(deleted)" in fd]
+
+
+def test_max_journal_bytes_stores_any_item_up_to_it_and_restarts_add_no_segments(
+        brokers, run_dir, tmp_path):
+    """Under ``max_journal_bytes``, an item of up to the limit is stored once the queues are
+    empty (the segments that hold nothing do not count); a journal at its limit, its broker
+    killed again and again, keeps its segments (a restart adds none that stays, and its new
+    segment fits the room under the limit)."""
+    limit = 1 << 20
+    journal = str(tmp_path / "j")
+    config = dict(name="durable-cap", address=f"ipc://{run_dir}/cap.sock", journal=journal,
+                  max_journal_bytes=limit, shm_threshold=0)
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    for size in (600_000, 600_000, 950_000, 500_000):
+        ch.put(b"x" * size, timeout=10)
+        assert len(ch.get(timeout=10)) == size
+    with pytest.raises(QueueFull, match="max_journal_bytes"):
+        for i in range(4000):
+            ch.put_nowait(i.to_bytes(4, "big") * 256)  # 1 KiB each
+    ch.close()
+    counts = []
+    for _ in range(3):
+        brokers.kill(pid)
+        pid = brokers.start(**config)
+        ch = Channel.connect(config["address"])
+        stats = ch.stats()["journal"]
+        ch.close()
+        counts.append(stats["segments"])
+        assert stats["bytes"] <= limit + 8192, stats
+    assert counts[0] == counts[1] == counts[2]
+    ch = Channel.connect(config["address"])
+    assert [int.from_bytes(x[:4], "big") for x in drain(ch)] == list(range(i))
+    ch.close()
+
+
 # -- files named like segments --------------------------------------------------------------
 
 

@@ -110,7 +110,6 @@ class Journal:
         self._tables: dict[str, Callable[[], dict]] = {TABLE_NAME: lambda: self.sequences.snapshot()}
         if settings.collector is not None:  # the collector its held inputs belong to
             self._tables[COLLECTOR_TABLE] = lambda: dict(settings.collector or {})
-        self.recovered: Recovered | None = None
         self.recovered_items = 0
         self.redelivered = 0
         self.recovery_s = 0.0
@@ -159,6 +158,8 @@ class Journal:
                     item.origin = None  # recorded: the tables carry it from here on
             if self._idle_after is not None:
                 self._idle(self._idle_after, outputs)
+            if self.store.segments[0].live == 0:  # a new segment after ones that hold nothing
+                self._drop_dead()
         except JournalError:
             self.refused += 1
             if pending:  # none of its outputs is stored: their PENDING records go too
@@ -382,7 +383,9 @@ def _table_records(journal: Journal) -> list[bytes]:
 def _recover(journal: Journal) -> list[tuple[Any, list[Item]]]:
     """``Journal.recover``."""
     started = time.monotonic()
-    rec = journal.recovered = read_journal(journal.dir, journal.settings.fsync == "always")
+    # not kept: its records hold views of the segments' mappings, whose disk space a removed
+    # segment would keep while the broker runs (items keep views of their own frames only)
+    rec = read_journal(journal.dir, journal.settings.fsync == "always")
     check_collector(rec.tables.get(COLLECTOR_TABLE), journal.settings.collector,
                     len(rec.inputs) + (rec.state is not None), journal.settings.name,
                     journal.dir.path)
@@ -399,7 +402,7 @@ def _recover(journal: Journal) -> list[tuple[Any, list[Item]]]:
     _recover_collector(journal, rec)
     journal.recovered_items = len(journal.live)
     journal.redelivered = len(rec.leased)
-    journal.store.start()
+    journal.store.start(journal.settings.max_bytes)
     journal._unsynced_release = True  # what the last broker wrote may not be on disk yet
     journal._drop_dead()  # segments whose items all left before the restart
     journal.recovery_s = time.monotonic() - started

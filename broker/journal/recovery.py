@@ -5,9 +5,13 @@ Each segment is mapped and read once, checking every record's checksum (the one 
 data that recovery costs).  Items keep their frames as views of the mapping (large frames) or
 as copies (small ones).  What the segments may hold, and what recovery does with it:
 
-- a zero-length file, one shorter than its first record, or one whose first record is all
-  zeros (a broker died while making it, between preallocating and writing it): removed, it
-  held nothing;
+- a zero-length file, or one whose first record is not whole and that holds nothing but zeros
+  after the head a broker writes (a broker died while making it, between preallocating and
+  writing its head): removed, it held nothing;
+- a first record that is torn or damaged with data after it: a torn record at the end of the
+  preamble, handled as the next two cases say;
+- a segment holding nothing but the tables every segment starts with, after segments read
+  whole: removed (those give the same tables);
 - a torn record (a broker or the machine died while it was written) in the last segment that
   holds records: the data end before it — nothing acknowledged can be there, since a reply
   waits for its record (``docs/durability.md``) — logged with the bytes dropped, and the file
@@ -35,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.segments import JournalDir, SegmentFile
 from zchannel.broker.journal.sequences import TABLE_NAME, StoredSequences, origin_of
@@ -85,6 +90,7 @@ def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
     is trimmed there, as the last one is, and the error logged."""
     rec = Recovered()
     torn: tuple[SegmentFile, int] | None = None  # a torn segment and its size
+    whole = False  # whether the segments kept so far were read to their end
     for seq, path in jdir.listing():
         read = _read_segment(jdir, seq, path, rec)
         if read is None:
@@ -95,6 +101,14 @@ def read_journal(jdir: JournalDir, synced_always: bool = False) -> Recovered:
             _drop_torn(*torn, last=False, rec=rec)
             torn = None
         seg, size, is_torn = read
+        if whole and not is_torn and seg.used == seg.head:
+            # nothing but the whole tables a broker starts a segment with, which the segments
+            # before it give as well (a broker started, or rolled, and wrote nothing more):
+            # removed, or every restart of a broker that died at once would add a segment
+            log.info("journal segment %s holds nothing but its tables: removed", path)
+            _remove(path, rec)
+            continue
+        whole = not is_torn
         rec.segments.append(seg)
         if is_torn:
             torn = (seg, size)
@@ -209,45 +223,64 @@ def _map(jdir: JournalDir, path: str, fd: int) -> mmap.mmap:
 def _read_segment(jdir: JournalDir, seq: int, path: str,
                   rec: Recovered) -> tuple[SegmentFile, int, bool] | None:
     """Read one segment into ``rec``: it, its file's size, and whether its data end at a torn
-    record; None for a file removed (it held nothing)."""
+    record; None for a file removed (a broker stopped while making it: it held nothing)."""
     fd, size = _open_segment(jdir, path)
-    head_size = fmt.PREAMBLE.size + fmt.HEADER.size
-    if size < head_size:
+    if size == 0:
         os.close(fd)
-        log.warning("journal segment %s has %d bytes (a broker stopped while making it): "
-                    "removed", path, size)
+        log.warning("journal segment %s is empty (a broker stopped while making it): removed",
+                    path)
         _remove(path, rec)
         return None
     data = _map(jdir, path, fd)
     view = memoryview(data)
-    magic, kind = fmt.PREAMBLE.unpack_from(view, 0)
-    if not any(view[:head_size]):  # made (preallocated) but nothing written in it yet
-        log.warning("journal segment %s holds only zeros (a broker stopped while making it): "
-                    "removed", path)
-        view.release()
-        data.close()
-        _remove(path, rec)
-        return None
-    if magic not in fmt.MAGICS:
-        raise fmt.JournalFormatError(f"{path} is not a zchannel journal segment (it is named "
-                                     f"like one of channel {jdir.name!r}); move it away")
-    crc = fmt.checksum_of(kind, path)
+    magic, kind = (fmt.PREAMBLE.unpack_from(view, 0) if size >= fmt.PREAMBLE.size
+                   else (b"", 0))
     scan = fmt.Scan()
-    records = fmt.records(view, crc, fmt.PREAMBLE.size, scan)
-    first = next(records, None)
+    records: Iterator[tuple[int, memoryview]] = iter(())
+    first = None
+    if magic in fmt.MAGICS:
+        records = fmt.records(view, fmt.checksum_of(kind, path), fmt.PREAMBLE.size, scan)
+        first = next(records, None)
     if first is None or first[0] != fmt.SEGMENT:
-        if scan.end == fmt.PREAMBLE.size and (scan.torn or first is None):
-            log.warning("journal segment %s has no complete first record (a broker stopped "
-                        "while making it): removed", path)
+        if _unfinished(jdir, seq, view):
+            log.warning("journal segment %s holds no whole first record and nothing after it "
+                        "(a broker stopped while making it): removed", path)
             _remove(path, rec)
             return None
-        raise fmt.JournalFormatError(f"{path}: its first record is not a segment record")
+        if not any(view[: fmt.PREAMBLE.size]):
+            raise fmt.JournalFormatError(
+                f"{path}: a segment of channel {jdir.name!r} whose start is zeros but that "
+                "holds data further on: damaged (not cut short while a broker made it), so "
+                "the broker does not start on it; move it away")
+        if magic not in fmt.MAGICS:
+            raise fmt.JournalFormatError(
+                f"{path} is not a zchannel journal segment (it is named like one of channel "
+                f"{jdir.name!r}); move it away")
+        if scan.end != fmt.PREAMBLE.size or not scan.torn:
+            raise fmt.JournalFormatError(f"{path}: its first record is not a segment record")
+        # a damaged first record with data after it: the segment's data end at its preamble
+        # (``read_journal`` refuses it, or drops them, as any torn record)
+        used = fmt.PREAMBLE.size
+        return (SegmentFile(seq, path, None, size, used, head=used, written=used, synced=used,
+                            recovered=True), size, True)
     _check_segment_record(jdir, seq, path, first[1])
     seg = SegmentFile(seq, path, None, size, 0, recovered=True)
     _apply_records(records, seg, rec, scan)
     seg.used = seg.written = seg.synced = scan.end
     rec.bytes_read += scan.end
     return seg, size, scan.torn
+
+
+def _unfinished(jdir: JournalDir, seq: int, view: memoryview) -> bool:
+    """Whether a segment whose first record is not whole was cut short while a broker made it
+    (between preallocating it and writing its head): it starts with zeros or with the magic a
+    broker writes, and nothing but zeros follows the length of that head.  A file of other
+    bytes, or with data further on, is no such segment (damage, or a file of something else)."""
+    start = bytes(view[: len(fmt.MAGIC)])
+    if any(start) and start != fmt.MAGIC[: len(start)]:
+        return False
+    bound = len(jdir.head(seq, fmt.CRC32))
+    return len(view) <= bound or not np.frombuffer(view, np.uint8, offset=bound).any()
 
 
 def _check_segment_record(jdir: JournalDir, seq: int, path: str, body: memoryview) -> None:

@@ -143,12 +143,16 @@ class JournalDir:
         return JournalError(f"the journal of channel {self.name!r} in {self.path!r} has no "
                             f"room for {what}: no space left on device{more}")
 
+    def head(self, seq: int, kind: int) -> bytes:
+        """What a new segment ``seq`` starts with: its preamble and ``SEGMENT`` record."""
+        return fmt.preamble(kind) + fmt.record(fmt.checksum_of(kind), fmt.SEGMENT, fmt.pack(
+            {"channel": self.name, "seq": seq, "created": time.time(), "version": fmt.VERSION}))
+
     def make(self, seq: int, size: int, kind: int, sync: bool) -> SegmentFile:
         """A new segment of ``size`` bytes (preallocated), its preamble and ``SEGMENT`` record
         written; ``JournalError`` naming the cause (a full disk) if it cannot be made."""
         path = self.segment_path(seq)
-        head = fmt.preamble(kind) + fmt.record(fmt.checksum_of(kind), fmt.SEGMENT, fmt.pack(
-            {"channel": self.name, "seq": seq, "created": time.time(), "version": fmt.VERSION}))
+        head = self.head(seq, kind)
         size = max(size, len(head))
         fd = None
         try:

@@ -87,15 +87,18 @@ class SegmentStore:
         self.disk_bytes += seg.allocated
         self.next_seq = max(self.next_seq, seg.seq + 1)
 
-    def start(self) -> None:
-        """Open a new segment to write in (after the recovered ones)."""
-        self._roll(0)
+    def start(self, limit: int = 0) -> None:
+        """Open a new segment to write in (after the recovered ones); with a ``limit`` on the
+        journal's disk use, no larger than the room the recovered ones leave under it (down
+        to the least a segment takes: the removals it is for may pass the limit)."""
+        self._roll(0, room=limit - self.disk_bytes if limit else None)
 
-    def _roll(self, need: int, for_put: bool = False) -> None:
+    def _roll(self, need: int, for_put: bool = False, room: int | None = None) -> None:
         """Continue in a new segment, of at least ``need`` free bytes after the tables it starts
         with (``JournalError`` on a full disk: the current one stays).  On a disk too full for
         a segment of ``segment_bytes``, a smaller one, down to the tables and this record; its
-        removals' margin is a sixteenth of it (at least a page).  A put (``for_put``) never
+        removals' margin is a sixteenth of it (at least a page); none larger than ``room``
+        (down to that least).  A put (``for_put``) never
         takes the room a broker started again on this journal needs for its first segment (the
         tables and two pages); removals may: they are what makes room."""
         if self.segments:
@@ -105,6 +108,8 @@ class SegmentStore:
         own = need + tables + 4096
         least = own + self.full_margin
         largest = max(self.segment_bytes, least)
+        if room is not None:
+            largest = max(least, min(largest, room))
         sizes = [largest, least, own]
         try:
             stat = os.statvfs(self.dir.path)
@@ -151,10 +156,17 @@ class SegmentStore:
         self.sync.retire(seg)
 
     def room_for(self, nbytes: int, limit: int) -> bool:
-        """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now."""
+        """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now: in the
+        current segment, or in a new one beside the segments that stay once it is made (the
+        oldest ones that hold nothing any more go, the current one too)."""
         if self.segments and self.current.free - self.margin >= nbytes:
             return True
-        return self.disk_bytes + max(self.segment_bytes, nbytes + self.full_margin + 4096) <= limit
+        staying = self.disk_bytes
+        for seg in self.segments:
+            if seg.live:
+                break
+            staying -= seg.allocated
+        return staying + max(self.segment_bytes, nbytes + self.full_margin + 4096) <= limit
 
     def drop_dead_prefix(self) -> int:
         """Remove the oldest segments while none of their items is left (never the current
