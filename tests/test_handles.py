@@ -18,6 +18,7 @@ import pytest
 from conftest import REPO, wait_until
 from zchannel.broker import Channel, ChannelError
 from zchannel.broker.connection import sharing
+from zchannel.broker.handle import base
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -399,3 +400,24 @@ def test_a_broker_started_again_at_its_address_gets_a_new_connection(direct, mon
     old.put("through the old handle", timeout=10)
     assert new.get(timeout=10) == "through the old handle"
     new.shutdown()
+
+
+@pytest.mark.parametrize("how", ["close then shutdown", "close in a with block"])
+def test_shutdown_after_close_stops_the_broker_without_waiting_it_out(run_dir, monkeypatch, how):
+    """The creating handle closed, then ``shutdown()`` (or the ``with`` block's end): no
+    connection is left to ask on, so the broker is sent SIGTERM at once and exits cleanly;
+    it is not waited for ten seconds, then stopped as one that did not answer."""
+    forced = []
+    monkeypatch.setattr(base, "stop_broker", lambda proc, *a: forced.append(proc.pid))
+    if how == "close in a with block":
+        with Channel.create("closedfirst") as ch:
+            ch.put("x")
+            proc = ch._proc
+            ch.close()
+    else:
+        ch = Channel.create("closedfirst")
+        proc = ch._proc
+        ch.close()
+        ch.shutdown()
+    assert forced == [] and proc.poll() == 0
+    assert not os.path.exists(os.path.join(run_dir, "closedfirst.sock"))

@@ -20,6 +20,7 @@ from conftest import pid_alive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zchannel.broker import Channel
+from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.wire import protocol
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, REQUEST_TYPES, op_of
 
@@ -277,3 +278,37 @@ def test_a_record_with_int_map_keys_or_a_bad_timestamp_is_refused_alone(channels
         assert ch.qsize("key") == 4
     finally:
         raw.close()
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_settings_past_what_a_broker_can_send_are_refused(channels, local):
+    """An int setting above 2**63 - 1 (what msgpack and ZeroMQ's socket options hold) is a
+    ``ValueError`` naming it, wherever the broker is configured: 2**64 made a broker crash
+    on its first hello reply, and the creator waited a minute for it."""
+    for big in (2**63, 2**64):
+        with pytest.raises(ValueError, match=r"maxsize must be an int >= 0 and <= 9223372036"):
+            Channel.create("too-big", maxsize=big, local=local)
+    ch = Channel.create("big-enough", maxsize=2**63 - 1, local=local)
+    channels.append(ch)
+    ch.put("x")
+    assert ch.get(timeout=10) == "x"
+    with pytest.raises(ValueError, match="max_message_bytes must be an int"):
+        BrokerConfig(name="too-big", max_message_bytes=2**64)
+
+
+def test_a_deadline_years_ahead_leaves_a_local_channels_timers_running(channels):
+    """A local channel's timer thread sleeps at most TIMER_WAIT_S at a time: a get waiting
+    1e10 s (past what a lock can wait) does not end it, so other deadlines still fire, and
+    ``shutdown()`` returns once it has ended."""
+    ch = Channel.create("far-deadline", local=True, lease_timeout=1e10)
+    far = ch.get(key="far", timeout=1e10, async_op=True)
+    ch.put("leased", key="l")
+    assert ch.get(key="l", ack=True, timeout=10).item == "leased"
+    with pytest.raises(TimeoutError, match="get timed out"):
+        ch.get(key="near", timeout=0.2)
+    timer = ch._broker.timer
+    assert timer.is_alive()
+    ch.put("x", key="far")
+    assert far.wait(10) == "x"
+    ch.shutdown()
+    assert not timer.is_alive()

@@ -13,12 +13,14 @@ import sys
 import threading
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import drain, until_available, wait_until
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.core.state import Parked
+from zchannel.broker.connection import waiting
 from zchannel.broker.handle import retries
 from zchannel.broker.server.producers import (
     DUPLICATE,
@@ -41,6 +43,62 @@ def _retry_until_stored(ch, item, **kw) -> None:
 
 
 # -- the user's retry after the broker stopped answering ------------------------------------------
+
+
+class Interrupted(Exception):
+    """What the test's signal handler raises (as Ctrl-C raises ``KeyboardInterrupt``)."""
+
+
+def _interrupt_when_waiting(producer, broker_pid: int) -> threading.Thread:
+    """A thread that, once ``producer`` has a request in flight (the broker is stopped, so
+    it stays there), interrupts the main thread with SIGUSR1 and lets the broker run again."""
+    def interrupt() -> None:
+        assert wait_until(lambda: producer._share.conn._requests.pending, 30, interval=0.005)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(broker_pid, signal.SIGCONT)
+
+    return threading.Thread(target=interrupt)
+
+
+@pytest.mark.parametrize("phase", ["reading replies", "waiting"])
+def test_an_interrupted_put_is_in_doubt_and_its_retry_is_stored_once(channels, monkeypatch,
+                                                                     phase):
+    """A blocking put interrupted while it waits for its answer (a signal handler raising,
+    as Ctrl-C does) may be stored: its retry on the same handle is recognised, as a put
+    that failed without an answer is.  Interrupted while the caller itself reads the replies
+    (``Waiting.call``), its shared-memory slots stay the queued request's: a later put does
+    not take them while the broker holds the item."""
+    monkeypatch.setattr(waiting, "DRIVE_S", 30.0 if phase == "reading replies" else 0.0)
+
+    def raise_interrupted(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
+    ch = Channel.create("interrupted", shm_threshold=4096)
+    channels.append(ch)
+    producer = Channel.connect(ch.address, identity="p:0")
+    try:
+        pid = ch.stats()["pid"]
+        first = np.full(1 << 16, 1, np.uint8)
+        producer.put(first, key="w")
+        assert np.array_equal(ch.get(key="w", timeout=10), first)
+        os.kill(pid, signal.SIGSTOP)
+        thread = _interrupt_when_waiting(producer, pid)
+        thread.start()
+        try:
+            with pytest.raises(Interrupted):
+                producer.put(first, key="k", timeout=30)
+        finally:
+            thread.join()
+            os.kill(pid, signal.SIGCONT)
+        producer.put(first, key="k", timeout=30)  # the retry
+        for _ in range(4):  # later puts take slots: never the one the broker holds
+            producer.put(np.full(1 << 16, 2, np.uint8), key="later", timeout=30)
+        assert ch.qsize("k") == 1 and ch.stats()["duplicate_puts"] == 1
+        assert np.array_equal(ch.get(key="k", timeout=10), first)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        producer.close()
 
 
 @pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"], ids=["ipc", "tcp"])

@@ -186,3 +186,26 @@ def test_a_restarted_broker_keeps_live_producers_old_segments_for_the_grace(run_
         for path in (live, dead):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+@pytest.mark.parametrize("copy", [None, True])
+def test_a_get_completed_before_close_and_read_after_it_is_its_own_item(make_remote, copy):
+    """A get's ``Work`` that completed before its handle closed, read after: the item it got,
+    not what a later put wrote in its slot (the handle reads it before saying bye, when the
+    broker gives the slot back to its producer)."""
+    owner = make_remote("readafter", shm_threshold=T)
+    producer = Channel.connect(owner.address, identity="p:0")
+    consumer = Channel.connect(owner.address, identity="c:0")
+    try:
+        producer.put(np.full(4 * T, 1, np.uint8), key="k")
+        work = consumer.get(key="k", async_op=True, copy=copy, timeout=10)
+        assert wait_until(work.done, 10)
+        assert owner.stats()["shm"]["consumer_holds"] == 1
+        consumer.close()
+        assert wait_until(lambda: owner.stats()["shm"]["consumer_holds"] == 0, 10)
+        for _ in range(4):  # the producer's pool reuses the freed slot
+            producer.put(np.full(4 * T, 2, np.uint8), key="k2")
+        assert np.unique(work.wait(10)).tolist() == [1]
+        assert len(owner.get_batch(4, key="k2", timeout=10)) == 4
+    finally:
+        producer.close()

@@ -60,6 +60,7 @@ from zchannel.broker.connection.work import _DONE, Work
 from zchannel.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
+    ChannelError,
     error_from_wire,
 )
 from zchannel.broker.host import paths
@@ -408,13 +409,20 @@ class Connection:
 def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClient) -> Convert:
     """``convert`` of reply ``rec`` to ``work``; when the reply names slots held for this
     consumer, they are released if ``work`` is collected unread (docs/shm.md), and the
-    conversion disarms that (it releases them itself, or hands them to its views)."""
+    conversion disarms that (it releases them itself, or hands them to its views).  The
+    connection reads it before it says bye (``ShmClient.read_unread``); a first read after
+    that fails (``ChannelError``): its slots went back to the broker."""
     holds = reply_hold_ids(rec.slots)
     if not holds:
         return convert
     dropped = weakref.finalize(work, shm.release, holds)
+    shm.unread.add(work)  # read before the connection says bye (ShmClient.read_unread)
 
     def converting(*args: Any) -> Any:
         dropped.detach()
+        if shm.let_go:
+            raise ChannelError("this channel handle closed before the item was read: its "
+                               "shared-memory slots went back to the broker, and the item "
+                               "with them")
         return convert(*args)
     return converting

@@ -106,6 +106,8 @@ class IOThread:
                     self._socket_turn()
                 finally:
                     sock_lock.release()
+            if line.state == UP:
+                self._shm.read_unread()  # before bye gives their slots back
             if self.say_bye and line.state == UP:
                 liveness.say_bye()
         except Exception:  # pragma: no cover - a bug here must not hang callers
@@ -158,6 +160,7 @@ class IOThread:
         requests = self._requests
         line.set_state(CLOSED)
         requests.fail_all(ChannelError("this channel handle is closed"))
+        self._shm.read_unread()
         self._shm.close()
         queue = self._queue
         while queue:

@@ -202,8 +202,11 @@ class ChannelHandle:
         try:
             # poll() says None while the keeper's thread reaps a dead broker (it holds Popen's
             # waitpid lock): one that exited (a zombie) is not asked to stop
-            if proc.poll() is None and process_running(proc.pid) and not self._closed:
-                self._request_shutdown(self._token, timeout=5.0)
+            if proc.poll() is None and process_running(proc.pid):
+                if self._closed:  # no connection to ask on: SIGTERM stops it the same way
+                    proc.terminate()
+                else:
+                    self._request_shutdown(self._token, timeout=5.0)
         except (ChannelError, TimeoutError) as exc:  # it died meanwhile: it stopped already
             exc.__traceback__ = None  # its frames refer back to it: no cycle left for the GC
         self._closed = True

@@ -90,7 +90,10 @@ class BrokerChannel(ChannelHandle):
             work = send(rec, frames, convert, cancellable=kind is Put or kind is Get
                         or kind is GetBatch, owner=share)
         except BaseException:
-            shm_undo(conn, getattr(rec, "slots", None))  # not sent: its slots go back to the pool
+            if not rec.id:  # never queued: its slots go back to the pool
+                shm_undo(conn, getattr(rec, "slots", None))
+            elif isinstance(rec, Put):  # queued (the queue sees to its slots), then
+                self._note_in_doubt(rec, item, conn)  # interrupted reading replies: maybe stored
             raise
         if kind is Put:
             if retried is not None and self._in_doubt is not None:
@@ -155,7 +158,16 @@ class BrokerChannel(ChannelHandle):
         rec = Put(id=0, key=check_key(key), weight=check_weight(weight),
                   timeout=None if timeout is None else check_timeout(timeout))
         work = self._submit(rec, item, has_item=True, wait=not async_op)
-        return work if async_op else _wait_or_withdraw(work)
+        if async_op:
+            return work
+        on_error = work._on_error  # (fn, rec, item, conn) while it may still fail
+        try:
+            _wait_or_withdraw(work)
+            return None
+        except BaseException as exc:
+            if on_error is not None and exc is not work._value:
+                self._note_in_doubt(rec, item, on_error[3])  # interrupted: maybe stored
+            raise
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         """Enqueue without waiting; ``QueueFull`` (nothing enqueued) if a target is full: it
@@ -169,14 +181,20 @@ class BrokerChannel(ChannelHandle):
         """A put's error was seen: without an answer from the broker (``BrokerUnavailable``)
         it is in doubt, and an equal put is taken as its retry."""
         if isinstance(error, BrokerUnavailable) and not isinstance(error, ChannelNotFound):
-            if self._in_doubt is None:
-                with self._conn_lock:
-                    if self._in_doubt is None:
-                        self._in_doubt = InDoubtPuts()
-            try:
-                self._in_doubt.add(rec.key, rec.weight, item, rec.sequence(), conn)
-            except Exception:  # the put's own error is what the caller sees
-                log.exception("could not note a put in doubt; its retry is a new put")
+            self._note_in_doubt(rec, item, conn)
+
+    def _note_in_doubt(self, rec: Put, item: Any, conn: Any) -> None:
+        """The put ``rec`` of ``item``, sent over ``conn``, may be stored without its caller
+        knowing (no answer came: the broker went away, or the caller was interrupted while it
+        waited): an equal put on this handle is taken as its retry, under its sequence."""
+        if self._in_doubt is None:
+            with self._conn_lock:
+                if self._in_doubt is None:
+                    self._in_doubt = InDoubtPuts()
+        try:
+            self._in_doubt.add(rec.key, rec.weight, item, rec.sequence(), conn)
+        except Exception:  # the put's own error (or the interruption) is what the caller sees
+            log.exception("could not note a put in doubt; its retry is a new put")
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:

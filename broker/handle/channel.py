@@ -285,7 +285,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         ``"interval"`` (within ``fsync_interval`` seconds, default 0.01) or ``"never"`` (when
         the OS writes it).  ``max_journal_bytes`` (0: none) makes puts wait while the journal
         would take more disk.  A journaled broker that dies is started again by this process,
-        on the same address and journal, while the handle that created it is open.
+        on the same address and journal, until the creating handle's ``shutdown()`` (its
+        ``close()`` leaves the broker serving, and watched) or this process's exit.
         """
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,

@@ -97,7 +97,9 @@ class _LocalBroker:
                 if deadline is not None and deadline <= now:
                     self.core.tick(now)
                     continue
-                self.cv.wait(None if deadline is None else deadline - now)
+                # at most TIMER_WAIT_S: a deadline years ahead would overflow the wait
+                self.cv.wait(TIMER_WAIT_S if deadline is None
+                             else min(deadline - now, TIMER_WAIT_S))
 
     def _reply(self, client: Client, rid: int, result: Any = None,
                error: BaseException | None = None, items: list[Item] | None = None,
@@ -252,11 +254,15 @@ class _LocalBroker:
             for entry in pending.values():
                 entry[0].set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
+        if self.timer is not threading.current_thread():  # (a done-callback may shut it down)
+            self.timer.join()
         with _registry_lock:
             if _registry.get(self.name) is self:
                 del _registry[self.name]
 
 
+# the longest the timer thread sleeps before it looks at its deadlines again
+TIMER_WAIT_S = 3600.0
 # how long a closing handle's puts waiting for room may take to get in: a broker handle's
 # wait for its puts' acknowledgements, at the default heartbeat expiry
 CLOSE_WAIT_S = 3.0

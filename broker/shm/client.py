@@ -63,6 +63,11 @@ class ShmClient:
         self.unlinked_at = 0.0  # when ``_drop_unlinked`` last looked (``time.monotonic``)
         self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
         self.reserved: dict[int, int] = {}  # nbytes -> slots asked for with reserve()
+        # the completed gets whose replies hold slots (``Work``s, converted by their first
+        # reader): read before this connection says bye, when the broker gives those slots
+        # back to their producers (``read_unread``); a result not read by then fails
+        self.unread: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.let_go = False
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
@@ -120,6 +125,20 @@ class ShmClient:
     def empty(self, shape: Any, dtype: Any) -> Any:
         """``Channel.empty_shm``: ``empty_array`` in this connection's pool."""
         return empty_array(self.pool, shape, dtype)
+
+    def read_unread(self) -> None:
+        """Before the connection says bye (or closes): read every completed get whose reply
+        holds slots and that nobody read yet (its item copied out, or its error kept in it).
+        From here on a result read for the first time fails: its slots are the broker's
+        again, and another item may be in them."""
+        if self.let_go:
+            return
+        for work in list(self.unread):
+            try:
+                work.result()
+            except Exception:  # the error stays with the Work, for its reader
+                pass
+        self.let_go = True
 
     def close(self) -> None:
         pool, self.pool = self.pool, None

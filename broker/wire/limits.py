@@ -29,6 +29,9 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "journal_segment_bytes": (65536, True, "bytes"),
 }
 _POSITIVE = {"lease_timeout", "heartbeat_interval", "fsync_interval"}
+# the largest int setting: what msgpack (a broker's hello reply) and a C long (ZeroMQ's
+# socket options) hold; 2**64 made a broker crash on its first hello
+MAX_INT = 2**63 - 1
 
 
 def check_settings(values: dict[str, Any]) -> None:
@@ -39,8 +42,11 @@ def check_settings(values: dict[str, Any]) -> None:
         low, ints, meaning = RANGES[name]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = number and (isinstance(value, int) or not ints) and math.isfinite(value) and (
-            value > low if name in _POSITIVE else value >= low)
+            value > low if name in _POSITIVE else value >= low) and (
+            not isinstance(value, int) or value <= MAX_INT)
         if not ok:
             bound = f"> {low}" if name in _POSITIVE else f">= {low}"
+            if ints:
+                bound += f" and <= {MAX_INT}"
             kind = "an int" if ints else "a number"
             raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {value!r}")
