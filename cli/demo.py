@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from zchannel.cli.failures import given_on_command_line, output_file, require_companions
+from zchannel.cli.workdir import import_from_cwd
 
 if TYPE_CHECKING:  # the demo imports zchannel.embodied when it runs
     from zchannel.embodied.runners import RunConfig
@@ -139,7 +140,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
              if v is not None}
     _check_plot_extra(plot_path)
-    _import_from_cwd()
+    import_from_cwd()
     require_companions({"ray_nodes": "use_ray", "overwrite": "dataset"})
     try:
         if mode != "lerobot" and (dataset or only_success or given_on_command_line("lerobot_fps")):
@@ -184,17 +185,6 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
         return
     _report_training(cfg, spec, result, records, json_path, plot_path,
                      f"{env_name}, {runner} runner, {mode} mode")
-
-
-def _import_from_cwd() -> None:
-    """Make ``gym:<module>:<EnvId>`` and ``--env`` modules of the working directory importable,
-    as ``python script.py`` would (a console script's ``sys.path[0]`` is its ``bin`` folder),
-    here and in the workers (spawned processes get ``sys.path``; others ``PYTHONPATH``)."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-        paths = os.environ.get("PYTHONPATH", "")
-        os.environ["PYTHONPATH"] = cwd + (os.pathsep + paths if paths else "")
 
 
 def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict],
@@ -335,7 +325,7 @@ def embodied_bench(steps: int, repeats: int, runners: str, env_name: str,
     from zchannel.embodied.presets import preset
     from zchannel.embodied.runners import run
 
-    _import_from_cwd()
+    import_from_cwd()
     base = preset(env_name, env_kwargs=_json_option(env_kwargs, "--env-kwargs") or {},
                   steps=steps, shm_threshold=shm_threshold)
     if num_chunks is not None:

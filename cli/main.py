@@ -14,6 +14,7 @@ from zchannel.broker.wire.argchecks import key_from_label, key_label
 from zchannel.cli.failures import Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import summarize
+from zchannel.cli.workdir import import_from_cwd
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
@@ -77,7 +78,8 @@ def main() -> None:
 @click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
 @click.option("--producers", multiple=True, help="producer group names")
 @click.option("--option", "options", multiple=True, help="hook option key=value (JSON values)")
-@click.option("--import", "imports", multiple=True, help="module to import before resolving hooks")
+@click.option("--import", "imports", multiple=True, help="module to import before resolving hooks (modules of the working "
+                   "directory are found, as by python script.py)")
 @click.option("--lease-timeout", type=float, help="seconds before an unacknowledged delivery returns")
 @click.option("--max-bytes", type=int, help="bytes of items held before puts wait (payload + 320 "
               "per item), and again of waiting requests before they are refused (0 = no limit)")
@@ -138,6 +140,7 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     from zchannel.broker.server.config import build_config, read_config_file
     from zchannel.broker.server.entry import run_broker
 
+    import_from_cwd()  # --import myhooks, --collector myhooks:Pass: myhooks.py of the cwd
     # expected failures (bad values, unreadable files, a busy address, a name already served)
     # become one line on stderr and exit status 2 (cli/failures.py)
     config = build_config(

@@ -4,9 +4,12 @@ status 2, and the CLI refuses what the Python API refuses."""
 from __future__ import annotations
 
 import os
+import select
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from click.testing import CliRunner
@@ -376,3 +379,47 @@ def test_broker_stop_takes_its_options_before_the_target(run_dir):
     out = _zchannel("broker", "stop", "--token-file", os.devnull, "tcp://127.0.0.1:1")
     assert out.returncode == 2
     assert "no broker at tcp://127.0.0.1:1" in _one_line(out.stderr)
+
+
+def _console_script() -> str:
+    """The installed ``zchannel`` console script (whose ``sys.path[0]`` is its own folder, not
+    the directory it runs in, unlike ``python -m zchannel.cli.main``)."""
+    path = os.path.join(sysconfig.get_path("scripts"), "zchannel")
+    path = path if os.access(path, os.X_OK) else shutil.which("zchannel")
+    if path is None:
+        pytest.skip("no zchannel console script installed")
+    return path
+
+
+@pytest.mark.parametrize("where", ["options", "config file"])
+def test_broker_imports_hook_modules_of_the_working_directory(run_dir, tmp_path, where):
+    """``zchannel broker NAME --import cwdhooks --collector cwdhooks:Doubling`` (or a config
+    file naming ``cwdhooks:Doubling``) run from the directory holding ``cwdhooks.py`` finds it,
+    as ``python script.py`` would; the console script's ``sys.path[0]`` is its ``bin`` folder."""
+    (tmp_path / "cwdhooks.py").write_text(
+        "from zchannel.hooks import Collector\n"
+        "class Doubling(Collector):\n"
+        "    def collect(self, item, key):\n"
+        "        yield key, item * 2\n")
+    args = ["broker", "cwdhk", "--import", "cwdhooks", "--collector", "cwdhooks:Doubling"]
+    if where == "config file":
+        (tmp_path / "cwdhooks.toml").write_text(
+            '[channel]\nname = "cwdhk"\n[hooks]\ncollector = "cwdhooks:Doubling"\n')
+        args = ["broker", "--config", "cwdhooks.toml"]
+    assert str(tmp_path) not in os.environ.get("PYTHONPATH", "")
+    proc = subprocess.Popen([_console_script(), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # a generous start deadline
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("ready "):
+            proc.kill()
+            _, err = proc.communicate(timeout=20)
+            pytest.fail(f"the broker did not start: {line!r} {err}")
+        with Channel.connect("cwdhk") as ch:
+            assert ch.stats()["collector"] == "cwdhooks:Doubling"
+            ch.put(21)
+            assert ch.get(timeout=10) == 42
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)

@@ -1,4 +1,5 @@
-"""The runnable examples of docs/embodied.md (docs/examples/embodied_*.py) stay true.
+"""The runnable examples of docs/embodied.md (docs/examples/embodied_*.py) and docs/hooks.md
+(docs/examples/run_seed_example.py) stay true.
 
 Each example is run as the docs say (``python docs/examples/NAME.py`` from the repository root),
 with this test's private run directory, and its printed facts are checked.
@@ -66,6 +67,22 @@ def test_lerobot_example():
         for key in ("'observation.state'", "'observation.images.main'", "'action'",
                     "'next.done'", "'timestamp'", "'episode_index'"):
             assert key in line
+
+
+def test_seed_example_finds_its_hooks_without_pythonpath():
+    """``python docs/examples/run_seed_example.py`` (docs/hooks.md) imports ``seed_hooks`` from
+    its own folder, and the brokers it starts (children, not forked) do too: they get the
+    script's ``sys.path``, with no ``PYTHONPATH`` naming that folder."""
+    examples = os.path.join(REPO, "docs", "examples")
+    env = {k: v for k, v in os.environ.items() if k != "ZCHANNEL_BROKER_FORKSERVER"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != examples)
+    proc = subprocess.run([sys.executable, os.path.join("docs", "examples", "run_seed_example.py")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dealt = "{'actor:0': ['s0', 's3'], 'actor:1': ['s1', 's4'], 'actor:2': ['s2', 's5']}"
+    assert proc.stdout.splitlines() == [f"built-ins: {dealt}", f"seed classes: {dealt}"]
 
 
 def test_readme_and_docs_are_self_contained():

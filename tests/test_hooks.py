@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import hookmods
 import pytest
@@ -13,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zchannel.broker import Channel, HookError
 from zchannel.broker.core.hookpipeline import hook_name
+from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
+from zchannel.broker.server.starting import broker_environ
 from zchannel.hooks import (
     ChannelContext,
     Collector,
@@ -218,6 +222,55 @@ def test_hook_registered_at_run_time_reaches_the_broker(channels):
         ch.put(1)
         assert ch.get(timeout=5) == ("seen", 1)
         ch.shutdown()
+
+
+BESIDE_SCRIPT = """
+import besidehooks
+from zchannel.broker import Channel
+
+with Channel.create("beside", collector=besidehooks.Doubling) as ch:
+    ch.put(21)
+    print(ch.get(timeout=30), ch.stats()["collector"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("start", ["spawned", "forkserver"])
+def test_hook_module_beside_the_creating_script_reaches_the_broker(tmp_path, monkeypatch,
+                                                                      start):
+    """A collector class whose module sits next to the script that creates the channel, run from
+    another directory: the broker (a child, or forked by the fork server) gets the creator's
+    ``sys.path``, as a spawned multiprocessing child does, not only its ``PYTHONPATH``."""
+    if start == "spawned":
+        monkeypatch.delenv(FORKSERVER_ENV, raising=False)
+    elif not os.environ.get(FORKSERVER_ENV):
+        pytest.skip("no fork server in this run (ZCHANNEL_TEST_FORKSERVER=0)")
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "besidehooks.py").write_text(
+        "from zchannel.hooks import Collector\n"
+        "class Doubling(Collector):\n"
+        "    def collect(self, item, key):\n"
+        "        yield key, item * 2\n")
+    (project / "app.py").write_text(BESIDE_SCRIPT)
+    assert str(project) not in os.environ.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, str(project / "app.py")], cwd=elsewhere,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["42", "besidehooks:Doubling"]
+
+
+def test_broker_environ_puts_the_creators_sys_path_first(tmp_path, monkeypatch):
+    """Directories of ``sys.path`` first (``''`` as the working directory), each once, then the
+    ``PYTHONPATH`` entries not among them; entries that are no directory are left out."""
+    a, b, cwd = tmp_path / "a", tmp_path / "b", tmp_path / "cwd"
+    for folder in (a, b, cwd):
+        folder.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", ["", str(a), str(tmp_path / "gone.zip"), str(a)])
+    env = broker_environ({"PYTHONPATH": os.pathsep.join([str(b), str(a), "", str(b)])})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(cwd), str(a), str(b)]
+    assert broker_environ({})["PYTHONPATH"].split(os.pathsep) == [str(cwd), str(a)]
 
 
 def test_seed_example_local(channels):

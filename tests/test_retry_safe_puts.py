@@ -19,8 +19,8 @@ import zmq
 from cluster_util import Replicas, free_tcp_ports, write_cluster
 from conftest import drain, until_available, wait_until
 from zchannel.broker import BrokerUnavailable, Channel
-from zchannel.broker.core.state import Parked
 from zchannel.broker.connection import waiting
+from zchannel.broker.core.state import Parked
 from zchannel.broker.handle import retries
 from zchannel.broker.server.producers import (
     DUPLICATE,

@@ -1,7 +1,8 @@
 """Starting a broker process for ``Channel.create``: the hooks as the child receives them
 (checked here first, so that a wrong name fails before anything starts), the child process
-itself with the environment zchannel gives the processes it starts (``child_environ``), the
-errors of a start that failed (``docs/errors.md``), and stopping it again."""
+itself with the environment zchannel gives the processes it starts (``child_environ``) and
+this process's ``sys.path`` (``broker_environ``), the errors of a start that failed
+(``docs/errors.md``), and stopping it again."""
 
 from __future__ import annotations
 
@@ -47,6 +48,29 @@ def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         return env
     entry = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES:#x}"
     env["GLIBC_TUNABLES"] = f"{current}:{entry}" if current else entry
+    return env
+
+
+def broker_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a broker this process starts: ``child_environ(environ)`` with this
+    process's ``sys.path`` ahead of its ``PYTHONPATH``, so that the broker imports a hook's
+    module wherever this process found it (next to the script it runs, say), as
+    ``multiprocessing``'s spawn start method hands a child the parent's ``sys.path``.
+
+    The entries that are directories go first, absolute (``''`` is the working directory),
+    each once; the ``PYTHONPATH`` entries not among them follow, in their order.
+    """
+    env = child_environ(environ)
+    entries: list[str] = []
+    for entry in sys.path:
+        path = os.path.abspath(entry)  # ("" is the working directory)
+        if path not in entries and os.path.isdir(path):
+            entries.append(path)
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.abspath(entry) not in entries:
+            entries.append(entry)
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
     return env
 
 
@@ -115,17 +139,18 @@ def hook_label(spec: Any) -> str | None:
 
 def spawn_broker(config: dict, lock_fd: int) -> tuple[BrokerProcess, str, str]:
     """Start ``python -m zchannel.broker`` as a child in its own session (environment:
-    ``child_environ``); it inherits the lock fd and stderr, reads its config from stdin and
-    prints ``ready <address>``.  With ``ZCHANNEL_BROKER_FORKSERVER`` set, the fork server that
-    variable names forks the broker instead (``forkclient``), with the same config, lock,
-    environment and stderr."""
+    ``broker_environ``, so it imports what this process's ``sys.path`` finds); it inherits the
+    lock fd and stderr, reads its config from stdin and prints ``ready <address>``.  With
+    ``ZCHANNEL_BROKER_FORKSERVER`` set, the fork server that variable names forks the broker
+    instead (``forkclient``), with the same config, lock, environment and stderr."""
     token = secrets.token_hex(16)
     config = dict(config, parent_pid=os.getpid(), lock_fd=lock_fd, token=token)
     body, buffers = codec.encode(config)
     assert not buffers
     server = forkclient.forkserver_path()
     if server is not None:
-        forked = forkclient.spawn_forked(server, body, lock_fd, child_environ())
+        # (the forked broker puts the PYTHONPATH entries its sys.path lacks first on it)
+        forked = forkclient.spawn_forked(server, body, lock_fd, broker_environ())
         return forked, _ready_address(forked, config["name"]), token
     proc = subprocess.Popen(
         [sys.executable, "-m", "zchannel.broker"],
@@ -134,7 +159,7 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[BrokerProcess, str, str]:
         pass_fds=(lock_fd,),
         start_new_session=True,
         close_fds=True,
-        env=child_environ(),
+        env=broker_environ(),
     )
     stdin = proc.stdin
     assert stdin is not None  # stdin=PIPE

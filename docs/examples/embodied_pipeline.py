@@ -77,6 +77,7 @@ with Channel.create(
                 channel.put(env)  # env half first: the order does not matter
                 channel.put(policy)
 
+    assert plan.micro_batch_size is not None  # set above: a pipeline plan deals micro-batches
     per_epoch = plan.num_chunks * plan.actor_width // plan.micro_batch_size
     for rank in range(plan.actor_world_size):
         actor = Channel.connect(NAME, identity=f"actor:{rank}")  # "actor:1" is rank 1

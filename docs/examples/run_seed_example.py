@@ -4,35 +4,31 @@
 
 prints which consumer received which sample and checks actor:0 s0 s3 / actor:1 s1 s4 /
 actor:2 s2 s5, with the built-ins and with the seed's own classes (seed_hooks.py).
+
+``seed_hooks`` is imported from this file's folder (``sys.path[0]`` of a script), and so does
+the broker ``Channel.create`` starts: it gets this process's ``sys.path``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
+import seed_hooks
 from zchannel.broker import Channel
 
 
-def run(name: str, collector, dispatcher) -> dict[str, list[str]]:
+def run(name: str, collector: object, dispatcher: object) -> dict[str, list[str]]:
     with Channel.create(name, collector=collector, dispatcher=dispatcher,
                         producers=["rollout"], consumers={"actor": 3}) as channel:
         channel.put(["s0", "s1", "s2", "s3", "s4", "s5"])
         dealt = {}
         for rank in range(3):
-            actor = Channel.connect(name, identity=f"actor:{rank}")
-            dealt[actor.identity] = [actor.get(timeout=10), actor.get(timeout=10)]
+            identity = f"actor:{rank}"
+            actor = Channel.connect(name, identity=identity)
+            dealt[identity] = [actor.get(timeout=10), actor.get(timeout=10)]
             actor.close()
         return dealt
 
 
 if __name__ == "__main__":
-    # the broker child must be able to import seed_hooks: put its folder on PYTHONPATH
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, here)
-    import seed_hooks  # noqa: E402
-
     expected = {"actor:0": ["s0", "s3"], "actor:1": ["s1", "s4"], "actor:2": ["s2", "s5"]}
     builtins = run("seed-builtins", "flatten_batch", "round_robin")
     seed = run("seed-classes", seed_hooks.FlattenBatchCollector, seed_hooks.EvenDispatcher)
