@@ -258,3 +258,10 @@ class GatedStart(Collector):
 
     def collect(self, item, key):
         yield key, item
+
+
+class Split(Collector):
+    """A put of ``[(key, value), ...]`` yields one output per pair, to that key."""
+
+    def collect(self, item, key):
+        yield from ((k, v) for k, v in item)

@@ -13,7 +13,7 @@ import torch
 from conftest import drain, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from zchannel.broker import Channel, HookError
+from zchannel.broker import Channel, HookError, QueueFull
 from zchannel.broker.core.hookpipeline import hook_name
 from zchannel.broker.server.forkclient import ENV as FORKSERVER_ENV
 from zchannel.broker.server.starting import broker_environ
@@ -704,3 +704,26 @@ def test_producer_group_names_are_checked(local, channels):
     ch = Channel.create("groups", producers=["rollout", "env.1"], local=local)
     channels.append(ch)
     assert ch.stats()["producers"] == ["rollout", "env.1"]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["broker", "local"])
+def test_a_put_behind_an_earlier_waiting_put_says_so_and_names_the_queue(channels, local):
+    """Puts waiting for room are stored in arrival order, queue by queue: a put for queue B
+    waits behind an earlier put of outputs for A (full) and B, although B has room; its
+    ``QueueFull`` says why, naming B, and one for a full queue names that queue, not the
+    put's own key."""
+    ch = Channel.create("hol", maxsize=1, collector="hookmods:Split", local=local)
+    channels.append(ch)
+    ch.put([("A", 1)])
+    waiting = ch.put([("A", 2), ("B", 2)], async_op=True, timeout=60)
+    assert wait_until(lambda: ch.stats()["keys"]["A"]["putters"] == 1, 10)
+    assert not ch.full("B")
+    with pytest.raises(QueueFull, match="an earlier put waits for room and targets the queue "
+                                        "of key 'B' too"):
+        ch.put_nowait([("B", 3)])
+    ch.put([("C", 1)], key="elsewhere")
+    with pytest.raises(QueueFull, match=r"the queue of key 'C' is full \(maxsize 1\)"):
+        ch.put_nowait([("C", 3)], key="elsewhere")
+    assert ch.get(key="A", timeout=10) == 1
+    waiting.wait(10)
+    assert ch.get(key="A", timeout=10) == 2 and ch.get(key="B", timeout=10) == 2

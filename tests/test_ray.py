@@ -3,8 +3,12 @@ machine; producers pinned to nodes by custom resources.  Skipped when ray is not
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -14,7 +18,13 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zcha
 import torch  # noqa: E402
 from cluster_util import audit  # noqa: E402
 from conftest import exited, pid_alive, until_available, wait_until  # noqa: E402
-from zchannel.broker import Channel, ChannelError, ChannelNotFound  # noqa: E402
+from zchannel.broker import (  # noqa: E402
+    BrokerUnavailable,
+    Channel,
+    ChannelError,
+    ChannelNotFound,
+)
+from zchannel.broker.handle import ray_placement  # noqa: E402
 from zchannel.broker.handle.distributed import DistributedChannel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -154,9 +164,11 @@ def test_creator_death_leaves_no_brokers(cluster, workers):
         ch = Channel.create("orphan", distributed=True)
         ch.put("x", key="k")
         print(" ".join(str(r["pid"]) for r in ch.stats()["replicas"]), flush=True)
+        print(" ".join(r.workdir for r in ch._ray_owner.remains), flush=True)
         sys.stdin.readline()
     """, cluster.address)
     pids = [int(p) for p in workers.wait_line(proc, timeout=120).split()]
+    workdirs = workers.wait_line(proc, timeout=30).split()
     assert len(pids) == 3 and all(pid_alive(p) for p in pids)
     os.kill(proc.pid, signal.SIGKILL)  # the creator dies: Ray removes its actors, brokers follow
     proc.wait()
@@ -167,6 +179,8 @@ def test_creator_death_leaves_no_brokers(cluster, workers):
     for name in set(os.listdir(shm.SHM_DIR)) - before:
         if "+orphan+" in name:
             os.unlink(os.path.join(shm.SHM_DIR, name))
+    for workdir in workdirs:  # and their work directories stay (docs/distributed.md)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_broker_actor_restarts_and_channel_keeps_serving(cluster):
@@ -385,5 +399,163 @@ def test_connect_by_name_while_the_broker_actor_restarts(cluster):
         other = Channel.connect("rayrc")
         until_available(other._sub(0), lambda: other.put(1, key="after", timeout=5))
         other.close()
+    finally:
+        ch.shutdown()
+
+
+# a creator that ends Ray (``ray.shutdown()``) before it shuts its channel down, or exits
+# without shutdown(); it prints its brokers' pids and the work directories they made
+_CREATOR_SCRIPT = """
+    import glob, os, sys, tempfile, time
+    pattern = os.path.join(tempfile.gettempdir(), "zchannel-ray-*")
+    began = time.time() - 1
+    if sys.argv[2] == "ray_first":
+        import ray
+        from zchannel.broker import Channel
+    else:  # zchannel's exit handler is registered first: Ray's runs (and ends Ray) before it
+        from zchannel.broker import Channel
+        import ray
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    ch = Channel.create(sys.argv[3], distributed=True)
+    ch.put("x", key="k")
+    print(" ".join(str(r["pid"]) for r in ch.stats()["replicas"]), flush=True)
+    print(" ".join(d for d in glob.glob(pattern) if os.stat(d).st_ctime >= began), flush=True)
+    if sys.argv[4] == "shutdown_after_ray":
+        ray.shutdown()
+        ch.shutdown()
+        print(ray.is_initialized(), flush=True)
+"""
+
+
+def test_shutdown_after_ray_shutdown_does_not_start_ray(cluster, workers):
+    """``shutdown()`` of the creating handle after ``ray.shutdown()`` calls no actor (that
+    started a new local Ray cluster, about 8 s) and removes the brokers' work directories
+    (CURVE keys) on this host, which Ray's end of the actors leaves."""
+    proc = workers.start(_CREATOR_SCRIPT, cluster.address, "ray_first", "rayend",
+                         "shutdown_after_ray")
+    pids = [int(p) for p in workers.wait_line(proc, timeout=120).split()]
+    workdirs = workers.wait_line(proc, timeout=30).split()
+    initialized = workers.wait_line(proc, timeout=120)
+    assert initialized == "False", "ch.shutdown() after ray.shutdown() started Ray again"
+    assert proc.wait(60) == 0
+    assert exited(pids, 60), "brokers outlived their creator"
+    assert len(workdirs) == 3 and not any(os.path.exists(w) for w in workdirs), workdirs
+
+
+@pytest.mark.parametrize("order", ["ray_first", "zchannel_first"])
+def test_creator_exit_without_shutdown_leaves_no_work_dirs(cluster, workers, order):
+    """A creator that exits normally without ``shutdown()`` leaves neither brokers nor their
+    work directories (they hold the channel's CURVE secret keys), whichever of Ray's and
+    zchannel's exit handlers runs first."""
+    proc = workers.start(_CREATOR_SCRIPT, cluster.address, order, f"rayexit{order[0]}", "exit")
+    pids = [int(p) for p in workers.wait_line(proc, timeout=120).split()]
+    workdirs = workers.wait_line(proc, timeout=30).split()
+    assert proc.wait(120) == 0
+    assert exited(pids, 60), "brokers outlived their creator"
+    assert len(workdirs) == 3 and not any(os.path.exists(w) for w in workdirs), workdirs
+
+
+def test_connect_by_name_after_replica_0_node_is_lost(cluster):
+    """Replica 0's node dies (its actor cannot be placed again: hard node affinity):
+    ``Channel.connect(name)`` raises ``BrokerUnavailable`` naming replica 0's actor while Ray
+    still knows it, then ``ChannelNotFound``; never Ray's ``ActorUnschedulableError``."""
+    node = cluster.add_node(num_cpus=0)
+    cluster.wait_for_nodes()
+    ch = Channel.create("raylost", node_rank=_sorted_nodes().index(node.node_id))
+    try:
+        assert ch.replicas[0]["node"] == node.node_id
+        lost_workdir = ch._ray_owner.remains[0].workdir
+        cluster.remove_node(node, allow_graceful=False)
+        seen: list[BrokerUnavailable] = []
+        deadline = time.monotonic() + 120
+        while True:  # until Ray dropped the actor's name (a Ray exception fails the test)
+            try:
+                Channel.connect("raylost", timeout=2).close()  # the node's end not seen yet
+            except ChannelNotFound as exc:
+                if "no channel named" in str(exc):
+                    break
+                seen.append(exc)
+            except BrokerUnavailable as exc:
+                seen.append(exc)
+            assert time.monotonic() < deadline, f"the name stayed: {seen[-3:]}"
+        assert any("replica 0's broker actor" in str(e) for e in seen), seen
+    finally:
+        ch.shutdown()
+    # the lost node was this host: shutdown() removed what its killed actor left here
+    assert not os.path.exists(lost_workdir)
+
+
+def test_dropping_the_creating_handle_keeps_the_channel(cluster):
+    """The creating handle is dropped without ``shutdown()``: the channel lives on (as a broker
+    started off Ray does, until the creating process ends); its actors were killed by Ray as
+    soon as the handle was collected."""
+    import ray._private.state as state
+
+    def actor_state(actor_id: str) -> str:
+        return state.actors(actor_id=actor_id)["State"]
+
+    ch = Channel.create("raygc", distributed=True)
+    ch.put("kept", key="k")
+    actor_ids = [a._actor_id.hex() for a in ch._ray_owner.actors]
+    pids = [r["pid"] for r in ch.stats()["replicas"]]
+    del ch
+    gc.collect()
+    # a witness actor dropped after the channel's handle: once Ray ended it, Ray has handled
+    # the drop of the channel's actors too
+    witness = Producer.remote()
+    witness_id = witness._actor_id.hex()
+    ray.get(witness.node.remote())
+    del witness
+    gc.collect()
+    assert wait_until(lambda: actor_state(witness_id) == "DEAD", 60)
+    assert [actor_state(i) for i in actor_ids] == ["ALIVE"] * 3
+    other = Channel.connect("raygc")
+    assert other.get("k", timeout=30) == "kept"
+    other.close()
+    placement = next(p for p in list(ray_placement._placements)
+                     if [a._actor_id.hex() for a in p.actors] == actor_ids)
+    placement.teardown()
+    _assert_gone(pids, "zchannel:raygc", actor_ids)
+
+
+def test_same_name_in_another_cluster_keeps_its_work_dir(cluster):
+    """The work directory of a broker actor is its own: a directory another Ray cluster on the
+    host made for the same channel name and replica (every cluster's first job is 01000000)
+    is left alone; it used to be removed, CURVE keys and all, by the new actor."""
+    job = ray.get_runtime_context().get_job_id()
+    others = [os.path.join(tempfile.gettempdir(), f"zchannel-ray-{job}-raytwo-r0-{os.getuid()}"),
+              os.path.join(tempfile.gettempdir(), f"zchannel-ray-{job}-raytwo-r0")]
+    for other in others:
+        os.makedirs(os.path.join(other, "keys"), mode=0o700, exist_ok=True)
+        with open(os.path.join(other, "keys", "server.key_secret"), "w") as f:
+            f.write("the other cluster's key\n")
+    ch = Channel.create("raytwo", node_rank=0)
+    try:
+        ch.put("x")
+        for other in others:
+            assert os.path.exists(os.path.join(other, "keys", "server.key_secret")), other
+        _host, workdir = ray.get(ch._ray_owner.actors[0].host_and_work_dir.remote())
+        assert workdir not in others and os.path.isdir(workdir)
+        # a long channel name's socket falls back to a 16-hex-digit name in the run directory
+        assert len(os.path.join(workdir, "run", "0123456789abcdef.sock")) <= 107
+    finally:
+        ch.shutdown()
+        for other in others:
+            shutil.rmtree(other, ignore_errors=True)
+    assert not os.path.exists(workdir)
+
+
+def test_second_create_logs_the_settings_it_ignores(cluster, caplog):
+    """A second ``create`` of a Ray-placed channel attaches and logs each setting it ignores
+    (maxsize, lease_timeout), as a second create of a broker channel does."""
+    ch = Channel.create("raysettings", maxsize=2, lease_timeout=5.0, distributed=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zchannel.client"):
+            again = Channel.create("raysettings", maxsize=7, lease_timeout=9.0, distributed=True)
+        assert not again.created
+        again.close()
+        text = caplog.text
+        assert "maxsize=7 ignored" in text, text
+        assert "lease_timeout=9.0 ignored" in text, text
     finally:
         ch.shutdown()

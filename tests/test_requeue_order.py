@@ -11,6 +11,9 @@ is up to the kernel and libzmq, so no socket test can pick it)."""
 
 from __future__ import annotations
 
+import pytest
+from conftest import wait_until
+from zchannel.broker import Channel
 from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import ITEM_OVERHEAD, Client, Item
 from zchannel.broker.core.waiters import take_heads
@@ -149,3 +152,43 @@ def test_a_getter_waiting_on_a_key_takes_its_handed_back_items_in_order(run_dir)
     assert [(rec.id, rec.body) for rec in sessions._out[other.address].records] == [(7, b"a")]
     assert [item.payload[0] for item in core.peek("k", 2)] == [b"b"]
     assert [item.payload[0] for item in core.peek("j", 2)] == [b"x"]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["broker", "local"])
+def test_a_departed_consumers_unacknowledged_delivery_goes_to_the_head_of_its_new_queue(
+        channels, local):
+    """A consumer leaves holding a lease on an item of its private queue: the item is dealt
+    again to the head of the queue it goes to (before that queue's own items), then the
+    departed consumer's other items follow at the tail, in their order."""
+    ch = Channel.create("lease-leave", local=local, dispatcher="round_robin",
+                        consumers={"a": 2})
+    channels.append(ch)
+    for i in range(6):  # a:0 holds 0, 2, 4; a:1 holds 1, 3, 5
+        ch.put(i, key="k")
+    a0 = Channel.connect(ch.name, identity="a:0")
+    a1 = Channel.connect(ch.name, identity="a:1")
+    try:
+        assert a0.get("k", ack=True, timeout=10).item == 0
+        a0.close()
+        assert wait_until(lambda: ch.qsize("k", consumer="a:1") == 6, 10)
+        assert [x for x in ch.peek("k", 10, consumer="a:1")] == [0, 1, 3, 5, 2, 4]
+    finally:
+        a1.close()
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["broker", "local"])
+def test_a_get_batch_that_times_out_behind_a_waiting_one_takes_nothing(channels, local):
+    """Getters of a queue are served in arrival order: a ``get_batch`` whose timeout comes
+    while an earlier ``get_batch`` still waits on the same queue takes nothing (it used to
+    take the items the earlier one was waiting to complete its batch with)."""
+    ch = Channel.create("batch-order", local=local)
+    channels.append(ch)
+    ch.put("x", weight=3, key="k")
+    first = ch.get_batch(10, key="k", async_op=True, timeout=60)
+    assert wait_until(lambda: ch.stats()["keys"]["k"]["getters"] == 1, 10)
+    with pytest.raises(TimeoutError):
+        ch.get_batch(2, key="k", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        ch.get_batch(2, key="k", timeout=0)
+    ch.put("y", weight=7, key="k")
+    assert first.wait(10) == ["x", "y"]

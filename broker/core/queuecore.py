@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -211,9 +212,14 @@ class QueueCore:
         client.gone = True
         for req in list(client.parked.values()):
             self.waiters.withdraw(req)
-        leases = [self.lease_book.find(lease_id) for lease_id in client.leases]  # issue order
-        self._return_leases([lease for lease in leases if lease is not None])
-        self._leave(client)
+        found = [self.lease_book.find(lease_id) for lease_id in client.leases]  # issue order
+        leases = [lease for lease in found if lease is not None and self.lease_book.is_open(lease)]
+        self._return_leases(leases)
+        # the deliveries it took from its own queue are at that queue's head now: if it
+        # leaves, they go to the head of the queues they are dealt to
+        returned = Counter(lease.key for lease in leases
+                           if lease.origin is not None and lease.origin == client.consumer)
+        self._leave(client, returned)
 
     def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
                 lease_id: int | None) -> None:
@@ -245,7 +251,9 @@ class QueueCore:
             if ks.private.get(joined):
                 self.waiters.serve(ks)
 
-    def _leave(self, client: Client) -> None:
+    def _leave(self, client: Client, returned: Counter | None = None) -> None:
+        """``client`` is gone; if it was its consumer's last handle, the consumer leaves and its
+        private items are dealt again (``_deal_again``; ``returned``: by key, its leases)."""
         departed = self.roster.leave(client)
         if departed is None:
             return
@@ -253,19 +261,13 @@ class QueueCore:
         for ks in list(self.queues.keys.values()):
             queue = ks.private.get(departed)
             if queue:
-                items = ks.take_all(queue)
-                for item in items:
-                    self._redeal(ks, item, departed)
+                _deal_again(self, ks, ks.take_all(queue), departed,
+                            returned.get(ks.key, 0) if returned else 0)
                 self.waiters.serve(ks)
         # puts waiting for room in the departed consumer's private queue were routed to it
         # while it was present: route those outputs again, or they would be stored for nobody
         self.waiters.reroute_putters(departed, self.hooks.route_again)
         self.waiters.admit_putters()
-
-    def _redeal(self, ks: KeyState, item: Item, departed: str) -> None:
-        """Deal ``item`` of ``ks`` again (its consumer ``departed``): appended to the queue it
-        goes to, which may be the departed consumer's own (it waits for it to come back)."""
-        self.queues.queue(ks, self.hooks.route_again(item, ks.key, departed)).append(item)
 
     def _return_leases(self, leases: list[Lease]) -> None:
         """Unacknowledged deliveries (``leases``, in the order they were issued) go back to the
@@ -362,8 +364,7 @@ def _put_back(core: QueueCore, origin: tuple[Any, str | None], items: list[Item]
             core.log.returned(items)
     ks = core.queues.state(key)
     if consumer is not None and not core.roster.known(consumer):
-        for item in items:
-            core._redeal(ks, item, consumer)
+        _deal_again(core, ks, items, consumer)
     else:
         ks.put_back(core.queues.queue(ks, consumer), items)
     return ks
@@ -384,3 +385,20 @@ def _unacked(log: StateLog | None, item: Item) -> Exception | None:
     except Exception as exc:
         return exc
     return None
+
+
+def _deal_again(core: QueueCore, ks: KeyState, items: list[Item], departed: str,
+                front: int = 0) -> None:
+    """Deal ``items`` of ``ks`` again (their consumer ``departed``), each to the queue the
+    dispatcher names now, which may be the departed consumer's own (it waits for it to come
+    back): the first ``front`` (deliveries it had not acknowledged) to the head of their
+    queues, in their order, the others appended."""
+    heads: dict[int, tuple[deque[Item], list[Item]]] = {}
+    for i, item in enumerate(items):
+        target = core.queues.queue(ks, core.hooks.route_again(item, ks.key, departed))
+        if i < front:
+            heads.setdefault(id(target), (target, []))[1].append(item)
+        else:
+            target.append(item)
+    for target, back in heads.values():
+        ks.put_back(target, back)

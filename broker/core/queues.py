@@ -195,9 +195,15 @@ class KeyedQueues:
             return f"put of {nbytes} bytes exceeds the broker's max_journal_bytes limit"
         return None
 
-    def why_full(self, key: Any, outputs: Outputs) -> str:
-        """Why a put of ``outputs`` under ``key`` does not fit now: ``max_bytes``, the journal's
-        ``max_journal_bytes`` or ``maxsize``."""
+    def why_full(self, key: Any, outputs: Outputs,
+                 blocked: AbstractSet[tuple[Any, str | None]] = frozenset()) -> str:
+        """Why a put of ``outputs`` under ``key`` does not fit now: an earlier put waits for
+        one of its target queues (``blocked``), ``max_bytes``, the journal's
+        ``max_journal_bytes``, or a full target queue (named)."""
+        held = sorted(self.targets(outputs) & blocked, key=repr)
+        if held:
+            return (f"an earlier put waits for room and targets the queue of {_queue_name(*held[0])} "
+                    "too: puts into a queue are stored in the order they came")
         if self.log is not None and not self.log.room(self.outputs_bytes(outputs)):
             return "the journal holds max_journal_bytes: no room for this put"
         if self.max_bytes and self.bytes_held \
@@ -205,6 +211,11 @@ class KeyedQueues:
             return (f"the broker holds {self.bytes_held} bytes of items, and this put would "
                     f"pass its max_bytes limit ({self.max_bytes}; an item counts its payload "
                     f"plus {ITEM_OVERHEAD} bytes, and {FRAME_OVERHEAD} per frame after its first)")
+        for k, c in sorted(self.targets(outputs), key=repr):
+            ks = self.keys.get(k)
+            queue = None if ks is None else ks.shared if c is None else ks.private.get(c)
+            if queue is not None and 0 < self.maxsize <= len(queue):
+                return f"the queue of {_queue_name(k, c)} is full (maxsize {self.maxsize})"
         return f"a target queue of key {key!r} is full (maxsize {self.maxsize})"
 
     def store(self, outputs: Outputs) -> list[KeyState]:
@@ -279,3 +290,8 @@ class KeyedQueues:
 
 def _put_order(item: Item) -> int:
     return item.jid
+
+
+def _queue_name(key: Any, consumer: str | None) -> str:
+    """A queue as an error names it: ``key 'k'``, or ``key 'k', consumer 'a:0'``."""
+    return f"key {key!r}" if consumer is None else f"key {key!r}, consumer {consumer!r}"

@@ -102,7 +102,7 @@ class Waiters:
             self.reply(client, rid, error=ValueError(never))
             return False
         if nowait or (timeout is not None and timeout <= 0):
-            self.reply(client, rid, error=self._put_refused(req, nowait))
+            self.reply(client, rid, error=self._put_refused(req, nowait, parked=False))
             return False
         new_keys = sum(k not in queues.keys for k in {k for k, _, _ in outputs})
         if not self._may_wait(req, self.request_overhead + queues.outputs_bytes(outputs)
@@ -170,11 +170,14 @@ class Waiters:
                 self.queues.mark_idle(ks)
         req.outputs = []
 
-    def _put_refused(self, req: Parked, nowait: bool) -> Exception:
+    def _put_refused(self, req: Parked, nowait: bool, parked: bool = True) -> Exception:
         """The error of a put that does not fit and may wait no longer, naming why it does not
-        fit (``max_bytes``, the journal, ``maxsize``): ``QueueFull`` for ``nowait``, else
-        ``TimeoutError``."""
-        why = self.queues.why_full(req.key, req.outputs)
+        fit (an earlier waiting put, ``max_bytes``, the journal, ``maxsize``): ``QueueFull`` for
+        ``nowait``, else ``TimeoutError``.  ``parked``: ``req`` waits (its targets count in
+        ``put_targets``)."""
+        own = self.queues.targets(req.outputs) if parked else set()
+        blocked = {t for t, n in self.put_targets.items() if n > (t in own)}
+        why = self.queues.why_full(req.key, req.outputs, blocked)
         return QueueFull(why) if nowait else TimeoutError(f"put timed out: {why}")
 
     def _may_wait(self, req: Parked, cost: int) -> bool:
@@ -321,7 +324,10 @@ class Waiters:
         ks = self.queues.keys.get(req.key)
         if req.kind == "batch" and ks is not None:
             origin, queue = self.queues.source(ks, req.client.consumer) or (None, ks.shared)
-            n = batch_take(queue, req.target, True)
+            # getters of a queue are served in arrival order: one that came earlier and
+            # still waits on the same queue is served first, so this one takes nothing
+            n = 0 if _waits_ahead(self.queues, ks, req, origin) else batch_take(queue, req.target,
+                                                                           True)
             if n:
                 self._deliver(req, ks, origin, queue, n)
                 self.serve(ks)  # getters it held back may take the rest now, or steal
@@ -649,3 +655,15 @@ def _count(counts: dict[Any, int], targets: Iterable[Any], step: int) -> None:
             counts[target] = n
         else:
             counts.pop(target, None)
+
+
+def _waits_ahead(queues: KeyedQueues, ks: KeyState, req: Parked, origin: str | None) -> bool:
+    """Whether a getter of ``ks`` that came before ``req`` waits on the queue ``origin`` names
+    (``KeyedQueues.source``: its consumer's private queue, else the shared one)."""
+    for other in ks.getters:
+        if other is req:
+            return False
+        source = queues.source(ks, other.client.consumer)
+        if source is not None and source[0] == origin:
+            return True
+    return False

@@ -27,7 +27,6 @@ from zchannel.broker.core.hookpipeline import registered_name
 from zchannel.broker.errors import (
     BrokerStartError,
     BrokerUnavailable,
-    ChannelError,
     ChannelNotFound,
 )
 from zchannel.broker.handle import ray_placement
@@ -36,6 +35,7 @@ from zchannel.broker.handle.distributed import (
     DistributedChannel,
     connect_from_cluster,
     create_from_cluster,
+    log_ignored_settings,
 )
 from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.local import LocalChannel
@@ -169,12 +169,6 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     return config
 
 
-def _warn_differences(handle: BrokerChannel, config: dict[str, Any]) -> None:
-    """Log what of ``create``'s arguments the running broker ``handle`` attached to ignores."""
-    hooks = {kind: hook_label(config[kind]) for kind in ("collector", "dispatcher")}
-    _log_differences(handle, config, handle._connection().broker_info.maxsize, hooks)
-
-
 def _local_hook_label(spec: Any) -> str | None:
     """A hook given to a local ``create`` (a name, a class or an instance), named as the
     channel's ``stats()`` names it."""
@@ -182,45 +176,6 @@ def _local_hook_label(spec: Any) -> str | None:
         return hook_label(spec)
     cls = spec if isinstance(spec, type) else type(spec)
     return registered_name(cls) or f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _log_differences(handle: BrokerChannel, config: dict[str, Any], maxsize: int | None,
-                     hooks: dict[str, str | None]) -> None:
-    """Log what of ``config`` (``create``'s arguments) the running channel of ``handle`` (its
-    ``maxsize``, its ``stats()``) ignores; ``hooks``: the given hooks' labels."""
-    if maxsize is not None and maxsize != config["maxsize"]:
-        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
-                    config["name"], maxsize, config["maxsize"])
-    declared = list(expand_consumers(config.get("consumers")))
-    producers = list(config.get("producers") or ())
-    journal = config.get("journal")
-    lease_timeout = config.get("lease_timeout", DEFAULT_LEASE_TIMEOUT)
-    if not (any(hooks.values()) or declared or producers or journal is not None
-            or lease_timeout != DEFAULT_LEASE_TIMEOUT):
-        return  # nothing given that the hello did not already compare
-    try:
-        running = handle.stats()
-    except ChannelError:
-        return
-    differences: list[tuple[str, Any, Any]] = [
-        (kind, running.get(kind), given) for kind, given in hooks.items()
-        if given is not None and given != running.get(kind)]
-    if any(c not in (running.get("consumers") or ()) for c in declared):
-        differences.append(("consumers", running.get("consumers"), declared))
-    if producers and producers != list(running.get("producers") or ()):
-        differences.append(("producers", running.get("producers"), producers))
-    running_journal = running.get("journal")
-    if journal is not None and running_journal is None:
-        differences.append(("journal", None, journal))
-    elif journal is not None and running_journal is not None:  # directory and fsync policy
-        for field, key in (("journal", "directory"), ("fsync", "fsync")):
-            if running_journal.get(key) != config[field]:
-                differences.append((field, running_journal.get(key), config[field]))
-    if running.get("lease_timeout") not in (None, lease_timeout):
-        differences.append(("lease_timeout", running.get("lease_timeout"), lease_timeout))
-    for field, theirs, given in differences:
-        log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
-                    field, theirs, field, given)
 
 
 class Channel(BrokerChannel, metaclass=ABCMeta):
@@ -302,7 +257,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 identity=identity, lease_timeout=lease_timeout,
             )
             if not local_handle.created:  # attached: what it ignores is logged, as a broker's
-                _log_differences(
+                log_ignored_settings(
                     local_handle, {"name": name, "maxsize": maxsize, "consumers": declared,
                                    "producers": producers, "lease_timeout": lease_timeout},
                     local_handle._broker.core.queues.maxsize,
@@ -329,7 +284,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 spread = create_from_cluster(config, path, identity=identity,
                                              curve_keys=curve_keys)
                 if not spread.created:  # attached: this node's replica says what it ignores
-                    _warn_differences(spread._sub(spread._home), config)
+                    log_ignored_settings(spread._sub(spread._home), config)
                 return _as_channel(spread)
             log.info("distributed=True without Ray or a cluster file: one local replica")
         if node_rank is not None:
@@ -358,7 +313,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 if handle is not None:
                     handle._name = name
                     handle._log_attached()
-                    _warn_differences(handle, config)
+                    log_ignored_settings(handle, config)
                     return handle
             if time.monotonic() > deadline:
                 raise BrokerStartError(f"channel {name!r} is locked but no broker answers")

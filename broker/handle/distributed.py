@@ -36,10 +36,11 @@ from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.routing import KeyRouting
 from zchannel.broker.host import paths
-from zchannel.broker.server.starting import START_TIMEOUT_S, spawn_broker
+from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT
+from zchannel.broker.server.starting import START_TIMEOUT_S, hook_label, spawn_broker
 from zchannel.broker.transport.curve import replica_client_keys
 from zchannel.broker.wire.argchecks import check_target_weight, check_timeout, check_weight
-from zchannel.hooks import consumer_sort_key
+from zchannel.hooks import consumer_sort_key, expand_consumers
 
 log = logging.getLogger("zchannel.client")
 
@@ -503,5 +504,59 @@ def connect_from_cluster(name: str, *, identity: str | None,
     return handle
 
 
+def log_ignored_settings(handle: Any, config: dict[str, Any], maxsize: int | None = None,
+                         hooks: dict[str, str | None] | None = None) -> None:
+    """Log what of ``config`` (``create``'s arguments) the running channel ``handle`` is
+    connected to ignores -- maxsize, hooks, declared consumers and producers, journal,
+    lease_timeout -- for a ``create`` that attached to a channel running already.
+    ``maxsize``: the running channel's (default: what its broker's hello said); ``hooks``: the
+    given hooks' labels (default: those of ``config``'s hooks)."""
+    if maxsize is None:
+        maxsize = handle._connection().broker_info.maxsize
+    if hooks is None:
+        hooks = {kind: hook_label(config.get(kind)) for kind in ("collector", "dispatcher")}
+    if maxsize is not None and maxsize != config["maxsize"]:
+        log.warning("channel %r already runs with maxsize=%s; maxsize=%s ignored",
+                    config["name"], maxsize, config["maxsize"])
+    if not (any(hooks.values()) or config.get("consumers") or config.get("producers")
+            or config.get("journal") is not None
+            or config.get("lease_timeout", DEFAULT_LEASE_TIMEOUT) != DEFAULT_LEASE_TIMEOUT):
+        return  # nothing given that the hello did not already compare
+    try:
+        running = handle.stats()
+    except ChannelError:
+        return
+    for field, theirs, given in _ignored(config, hooks, running):
+        log.warning("channel %r already runs with %s=%s; %s=%s ignored", config["name"],
+                    field, theirs, field, given)
+
+
+def _ignored(config: dict[str, Any], hooks: dict[str, str | None],
+             running: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(setting, the running channel's, the given)`` for each given setting of ``config``
+    (hooks by their labels ``hooks``) that the running channel's ``stats()`` differs from."""
+    declared = list(expand_consumers(config.get("consumers")))
+    producers = list(config.get("producers") or ())
+    journal = config.get("journal")
+    lease_timeout = config.get("lease_timeout", DEFAULT_LEASE_TIMEOUT)
+    differences: list[tuple[str, Any, Any]] = [
+        (kind, running.get(kind), given) for kind, given in hooks.items()
+        if given is not None and given != running.get(kind)]
+    if any(c not in (running.get("consumers") or ()) for c in declared):
+        differences.append(("consumers", running.get("consumers"), declared))
+    if producers and producers != list(running.get("producers") or ()):
+        differences.append(("producers", running.get("producers"), producers))
+    running_journal = running.get("journal")
+    if journal is not None and running_journal is None:
+        differences.append(("journal", None, journal))
+    elif journal is not None and running_journal is not None:  # directory and fsync policy
+        for field, key in (("journal", "directory"), ("fsync", "fsync")):
+            if running_journal.get(key) != config[field]:
+                differences.append((field, running_journal.get(key), config[field]))
+    if running.get("lease_timeout") not in (None, lease_timeout):
+        differences.append(("lease_timeout", running.get("lease_timeout"), lease_timeout))
+    return differences
+
+
 __all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",
-           "replica_curve_settings"]
+           "log_ignored_settings", "replica_curve_settings"]

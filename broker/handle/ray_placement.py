@@ -5,10 +5,11 @@ When the creating process is connected to Ray (``ray.is_initialized()``; zchanne
 ``ray.init()``), ``Channel.create(name, distributed=True)`` starts one broker replica per alive
 Ray node, each run by a small actor (``num_cpus=0``, ``NodeAffinitySchedulingStrategy``, owned by
 the creator: not detached) that spawns the broker process bound to the node's IP on a free tcp
-port.  ``node_rank=i`` (or producers/consumers given as actor handles or node ids) places a single
-broker: on the i-th node (sorted node ids), else the first producer's node, else the first
-consumer's, else the creator's.  A single broker is a one-replica distributed channel (it behaves
-exactly like a plain one, and its stats say on which node it runs).
+port.  Any other create on Ray places a single broker: on the i-th node (sorted node ids) for
+``node_rank=i``, else on the node of the first producer, else of the first consumer, given as
+actor handles or node ids, else on the creator's node.  A single broker is a one-replica
+distributed channel (it behaves exactly like a plain one, and its stats say on which node it
+runs).
 
 The replica table is published by replica 0's actor, named ``zchannel:<name>`` in the job's Ray
 namespace: any process of the job finds it with ``Channel.connect(name)``.  When a node IP is not
@@ -16,13 +17,18 @@ loopback (and ``insecure=True`` was not given), the channel gets CURVE keys gene
 brokers admit only the channel's client key; the client key pair and the brokers' public key
 travel inside the published table (and inside pickled handles) as z85 text.
 
-Tearing down (``shutdown()`` of the creating handle) stops the broker processes and kills the
-actors; if the creator dies, Ray removes its actors and each broker, which watches its actor
-process, stops within a second.
+The placement lives as long as the creating process: it stays registered here (dropping every
+handle does not end the channel) until ``shutdown()`` of the creating handle, or the process's
+exit, tears it down: stops the broker processes and kills the actors, whose work directories go
+with them.  If Ray is no longer connected then (``ray.shutdown()`` ran first), the actors went
+with Ray: only what is on this host is removed (the work directories and ``/dev/shm`` segments
+of the brokers that ran here).  If the creator dies, Ray removes its actors and each broker,
+which watches its actor process, stops within a second.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -37,10 +43,16 @@ from typing import Any
 
 import msgpack
 import zmq
-from zchannel.broker.errors import BrokerUnavailable, ChannelError
-from zchannel.broker.handle.distributed import DistributedChannel, connect_home
+from zchannel.broker.errors import BrokerStartError, BrokerUnavailable, ChannelError
+from zchannel.broker.handle.distributed import (
+    DistributedChannel,
+    connect_home,
+    log_ignored_settings,
+)
 from zchannel.broker.host import paths
+from zchannel.broker.host.procs import process_running
 from zchannel.broker.server.starting import BrokerProcess, spawn_broker, stop_broker
+from zchannel.broker.shm.segment import list_segments, run_prefix, unlink
 from zchannel.broker.transport.curve import CurveKeys
 
 log = logging.getLogger("zchannel.client")
@@ -51,6 +63,8 @@ START_TIMEOUT_S = 120.0
 MAX_RESTARTS = -1
 RESTART_BIND_S = 30.0
 STATE_FILE = "actor-state.msgpack"
+STOP_TIMEOUT_S = 30.0  # teardown: how long the actors may take to stop their brokers
+LOCAL_BROKER_EXIT_S = 5.0  # teardown without Ray: how long a broker of this host may take to end
 
 
 @dataclass(frozen=True)
@@ -80,9 +94,10 @@ class BrokerActor:
 
     Ray restarts a failed actor (``max_restarts``) on the same node (hard node affinity); the
     restarted actor finds what ``start`` and ``set_info`` were given in its work directory
-    (``<tmp>/zchannel-ray-<job>-<name>-r<replica>``, mode 0700) and starts the broker again on
-    the same address, which joins the other replicas like any restarted replica; handles
-    reconnect by themselves, and ``Channel.connect`` finds the republished table."""
+    (``work_dir``: keyed by the actor id, which Ray keeps across restarts and no other actor,
+    of this cluster or another one on the host, has) and starts the broker again on the same
+    address, which joins the other replicas like any restarted replica; handles reconnect by
+    themselves, and ``Channel.connect`` finds the republished table."""
 
     def __init__(self, name: str = "", replica: int = 0) -> None:
         import ray
@@ -90,9 +105,7 @@ class BrokerActor:
         self.proc: BrokerProcess | None = None
         self.token: str | None = None
         self.info: dict | None = None
-        job = ray.get_runtime_context().get_job_id()
-        self.workdir = os.path.join(tempfile.gettempdir(),
-                                    f"zchannel-ray-{job}-{name}-r{replica}-{os.getuid()}")
+        self.workdir = work_dir(str(ray.get_runtime_context().get_actor_id()))  # in an actor: set
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if not restarted:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -125,6 +138,11 @@ class BrokerActor:
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def host_and_work_dir(self) -> tuple[str, str]:
+        """This actor's host name and work directory (what a creator on the same host removes
+        when it tears the channel down without Ray)."""
+        return socket.gethostname(), self.workdir
 
     def where(self) -> tuple[str, str]:
         """This actor's Python and the ``zchannel/broker/__init__.py`` it runs."""
@@ -205,25 +223,92 @@ class BrokerActor:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def work_dir(actor_id: str) -> str:
+    """The work directory of the broker actor ``actor_id`` (mode 0700: its broker's run files,
+    the channel's CURVE keys, what a restarted actor starts from): ``<tmp>/zchannel-ray-<uid>-
+    <actor id>``, short enough that the run directory's socket paths stay under the ipc limit."""
+    return os.path.join(tempfile.gettempdir(), f"zchannel-ray-{os.getuid()}-{actor_id}")
+
+
+@dataclass(frozen=True)
+class LocalRemains:
+    """What a broker actor leaves on its host when Ray kills it: its work directory, and the
+    ``/dev/shm`` segments of its broker (``pid``), named after the run directory inside."""
+
+    host: str
+    workdir: str
+    pid: int
+
+    def remove(self, deadline: float) -> None:
+        """Remove them once the broker ended (it watches its actor: within a second), waiting
+        for it until ``deadline`` (``time.monotonic()``); nothing on another host."""
+        if self.host != socket.gethostname():
+            return
+        while self.pid > 0 and process_running(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for segment in list_segments(run_prefix(os.path.join(self.workdir, "run"))):
+            unlink(segment)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 class RayPlacement:
-    """The actors of one channel, owned by the creating handle."""
+    """The actors of one channel, owned by the creating handle and kept in this module's
+    registry until ``teardown`` (the handle's ``shutdown()``, else the process's exit), so the
+    channel lives as long as the creating process, as a broker started off Ray does."""
 
     def __init__(self, actors: list) -> None:
         self.actors = actors
+        self.remains: list[LocalRemains] = []  # filled once the brokers started
+        self.pid = os.getpid()
+        _placements.add(self)
 
     def teardown(self) -> None:
+        """Stop the brokers and kill the actors (their work directories go with them; those of
+        an actor that could not stop its broker are removed here if they are on this host);
+        without Ray (``ray.shutdown()`` ran first: the actors went with it) remove what is on
+        this host only.  Never starts Ray."""
         import ray
 
-        try:
-            ray.get([a.stop.remote() for a in self.actors], timeout=30)
-        except Exception:
-            log.warning("stopping the broker actors failed; killing them")
-        for a in self.actors:
+        _placements.discard(self)
+        actors, self.actors = self.actors, []
+        if not ray.is_initialized():
+            deadline = time.monotonic() + LOCAL_BROKER_EXIT_S
+            for remains in self.remains:
+                remains.remove(deadline)
+            return
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        failed = []  # the actors that did not stop their broker (e.g. their node is lost)
+        for i, ref in enumerate([a.stop.remote() for a in actors]):
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                failed.append(i)
+        if failed:
+            log.warning("stopping the broker actors %s failed; killing them", failed)
+        for a in actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        self.actors = []
+        deadline = time.monotonic() + LOCAL_BROKER_EXIT_S
+        for i in failed:
+            if i < len(self.remains):
+                self.remains[i].remove(deadline)
+
+
+_placements: set[RayPlacement] = set()  # this process's placements not torn down yet
+
+
+@atexit.register
+def _teardown_all() -> None:
+    """At interpreter exit: tear down the placements this process created (a forked child
+    leaves its parent's alone)."""
+    for placement in list(_placements):
+        if placement.pid == os.getpid():
+            try:
+                placement.teardown()
+            except Exception:
+                log.exception("tearing down a Ray placement at exit failed")
 
 
 @functools.cache
@@ -293,52 +378,53 @@ def _handle(name: str, info: dict, identity: str | None,
 
 
 def _lookup(name: str) -> dict | None:
+    """The replica table replica 0's actor publishes, or None if Ray knows no such actor.
+    ``BrokerUnavailable`` naming Ray's error when that actor does not answer (it is gone for
+    good: killed, its node lost, while the other replicas may still serve); while Ray restarts
+    it, it is asked again (up to the start timeout).  No Ray exception escapes."""
     import ray
 
     try:
         actor = ray.get_actor(ACTOR_PREFIX + name)
     except ValueError:
         return None
-    # while Ray restarts the actor (its broker died, or it was killed) a call fails with
-    # ActorUnavailableError / RayActorError: ask again until it answers, never let it escape
+    except ray.exceptions.RayError as exc:
+        raise _unavailable(name, exc) from exc
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
             return ray.get(actor.get_info.remote(), timeout=START_TIMEOUT_S)
-        except ray.exceptions.RayActorError as exc:
-            restarting = isinstance(exc, ray.exceptions.ActorUnavailableError)
-            if not restarting or time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"the broker actor of channel {name!r} is unavailable: "
-                                        f"{exc}") from exc
+        except ray.exceptions.ActorUnavailableError as exc:  # being restarted: ask again
+            if time.monotonic() >= deadline:
+                raise _unavailable(name, exc) from exc
             time.sleep(0.2)
+        except ray.exceptions.RayError as exc:  # e.g. ActorDiedError, ActorUnschedulableError
+            raise _unavailable(name, exc) from exc
+
+
+def _unavailable(name: str, exc: BaseException) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"channel {name!r}: its replica table lives on replica 0's broker actor "
+        f"{ACTOR_PREFIX}{name}, which does not answer ({type(exc).__name__}: {exc}); handles "
+        "made before keep working with the live replicas")
 
 
 def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
            identity: str | None, curve_keys: Any) -> DistributedChannel:
-    """What ``Channel.create`` does on Ray: attach to the channel Ray placed already, else place
-    its broker(s) (see the module docstring) and connect to replica 0."""
+    """What ``Channel.create`` does on Ray: attach to the channel Ray placed already (logging
+    what of ``config`` it ignores, as any attaching create), else place its broker(s) (see the
+    module docstring) and connect to replica 0.  ``BrokerStartError`` (naming Ray's error) if
+    an actor fails while its broker starts."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = config["name"]
     info = _lookup(name)
-    if info is not None:  # placed by Ray already: attach (logged like any attaching create)
+    if info is not None:  # placed by Ray already: attach
         handle = _handle(name, info, identity)
         handle._log_attached()
+        log_ignored_settings(handle._sub(handle._home), config)
         return handle
-    nodes = _alive_nodes()
-    if distributed:
-        if node_rank is not None:
-            log.info("node_rank=%s ignored: a distributed channel has a replica on every node", node_rank)
-        placement = nodes
-    elif node_rank is not None:
-        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < len(nodes):
-            raise ValueError(f"node_rank={node_rank!r}: the Ray cluster has {len(nodes)} nodes")
-        placement = [nodes[node_rank]]
-    elif targets:
-        placement = [_node_of(targets[0])]
-    else:
-        placement = [ray.get_runtime_context().get_node_id()]
     actors = [
         _actor_class().options(
             name=ACTOR_PREFIX + name if i == 0 else None,
@@ -346,36 +432,72 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
             max_restarts=MAX_RESTARTS,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(name, i)
-        for i, node_id in enumerate(placement)
+        for i, node_id in enumerate(_placement(distributed, node_rank, targets))
     ]
     owner = RayPlacement(actors)
     try:
-        located = ray.get([a.node.remote() for a in actors], timeout=START_TIMEOUT_S)
-        ports = ray.get([a.free_port.remote(ip) for a, (_, ip, _) in zip(actors, located, strict=True)],
-                        timeout=START_TIMEOUT_S)
-        table = [{"node": node, "address": f"tcp://{ip}:{port}", "hostnames": []}
-                 for (node, ip, _), port in zip(located, ports, strict=True)]
-        secure = not config.get("insecure") and not all(
-            paths.is_loopback_host(ip) for _, ip, _ in located)
-        curve = None
-        if secure:
-            server_public, server_secret = zmq.curve_keypair()
-            client_public, client_secret = zmq.curve_keypair()
-            curve = {"server_public": server_public.decode(), "server_secret": server_secret.decode(),
-                     "client_public": client_public.decode(), "client_secret": client_secret.decode()}
-        replicas_cfg = [dict(config, address=row["address"], replica=i, replicas=table)
-                        for i, row in enumerate(table)]
-        ray.get([a.start.remote(cfg, curve) for a, cfg in zip(actors, replicas_cfg, strict=True)],
-                timeout=START_TIMEOUT_S)
-        public = None if curve is None else {k: v for k, v in curve.items() if k != "server_secret"}
-        info = {"replicas": table, "curve": public}
-        ray.get(actors[0].set_info.remote(info), timeout=START_TIMEOUT_S)
+        info = _start_brokers(owner, config)
         handle = _handle(name, info, identity, owner)
         handle._sub(0)._connection(timeout=START_TIMEOUT_S)
+    except ray.exceptions.RayError as exc:  # an actor or its node failed while starting
+        owner.teardown()
+        raise BrokerStartError(f"channel {name!r}: a broker actor failed while starting "
+                               f"({type(exc).__name__}: {exc})", type(exc).__name__) from exc
     except BaseException:
         owner.teardown()
         raise
     return handle
+
+
+def _placement(distributed: bool, node_rank: int | None, targets: list) -> list[str]:
+    """The node ids to place the channel's brokers on (see the module docstring)."""
+    import ray
+
+    nodes = _alive_nodes()
+    if distributed:
+        if node_rank is not None:
+            log.info("node_rank=%s ignored: a distributed channel has a replica on every node", node_rank)
+        return nodes
+    if node_rank is not None:
+        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < len(nodes):
+            raise ValueError(f"node_rank={node_rank!r}: the Ray cluster has {len(nodes)} nodes")
+        return [nodes[node_rank]]
+    if targets:
+        return [_node_of(targets[0])]
+    return [ray.get_runtime_context().get_node_id()]
+
+
+def _start_brokers(owner: RayPlacement, config: dict) -> dict:
+    """Start the broker of each of ``owner``'s actors (a free port on its node's IP; CURVE keys
+    unless every IP is loopback or ``insecure``), note what each leaves on its host, and
+    publish the replica table on replica 0's actor: that table."""
+    import ray
+
+    actors = owner.actors
+    located = ray.get([a.node.remote() for a in actors], timeout=START_TIMEOUT_S)
+    ports = ray.get([a.free_port.remote(ip) for a, (_, ip, _) in zip(actors, located, strict=True)],
+                    timeout=START_TIMEOUT_S)
+    table = [{"node": node, "address": f"tcp://{ip}:{port}", "hostnames": []}
+             for (node, ip, _), port in zip(located, ports, strict=True)]
+    secure = not config.get("insecure") and not all(
+        paths.is_loopback_host(ip) for _, ip, _ in located)
+    curve = None
+    if secure:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        curve = {"server_public": server_public.decode(), "server_secret": server_secret.decode(),
+                 "client_public": client_public.decode(), "client_secret": client_secret.decode()}
+    replicas_cfg = [dict(config, address=row["address"], replica=i, replicas=table)
+                    for i, row in enumerate(table)]
+    started = ray.get([a.start.remote(cfg, curve) for a, cfg in zip(actors, replicas_cfg, strict=True)],
+                      timeout=START_TIMEOUT_S)
+    hosts = ray.get([a.host_and_work_dir.remote() for a in actors], timeout=START_TIMEOUT_S)
+    owner.remains = [LocalRemains(host, workdir, pid)
+                     for (host, workdir), (_, pid) in zip(hosts, started, strict=True)]
+    public = None if curve is None else {k: v for k, v in curve.items() if k != "server_secret"}
+    info = {"replicas": table, "curve": public}
+    ray.get(actors[0].set_info.remote(info), timeout=START_TIMEOUT_S)
+    return info
 
 
 def connect(name: str, *, identity: str | None, timeout: float) -> DistributedChannel | None:
