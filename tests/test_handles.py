@@ -4,6 +4,7 @@ exit.  Real brokers, real worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -421,3 +422,27 @@ def test_shutdown_after_close_stops_the_broker_without_waiting_it_out(run_dir, m
         ch.shutdown()
     assert forced == [] and proc.poll() == 0
     assert not os.path.exists(os.path.join(run_dir, "closedfirst.sock"))
+
+
+def test_a_local_channel_shut_down_from_a_done_callback_returns(channels):
+    """``shutdown()`` of a local channel from a done-callback (it runs in the thread that
+    completed the get, holding the channel's lock) returns: it does not wait for the timer
+    thread, which needs that lock to end."""
+    ch = Channel.create("local-callback-shutdown", local=True)
+    work = ch.get(async_op=True)
+    returned = threading.Event()
+
+    def shut(_work) -> None:
+        ch.shutdown()
+        returned.set()
+
+    def put() -> None:
+        with contextlib.suppress(ChannelError):  # the callback shut the channel down under it
+            ch.put(1)
+
+    work.add_done_callback(shut)
+    putter = threading.Thread(target=put, daemon=True)
+    putter.start()
+    assert returned.wait(30)
+    putter.join(30)
+    assert not putter.is_alive() and work.wait(10) == 1

@@ -12,7 +12,7 @@ import os
 
 import pytest
 from conftest import drain
-from zchannel.broker import Channel, JournalError, QueueFull
+from zchannel.broker import BrokerStartError, Channel, JournalError, QueueFull
 from zchannel.broker.core.state import Item
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.collectors import collector_identity
@@ -368,3 +368,36 @@ def test_a_journal_of_live_items_near_its_limit_is_not_rewritten(brokers, run_di
     assert ch.stats()["journal"]["compacted_bytes"] == 0
     assert [int.from_bytes(x[:4], "big") for x in drain(ch, "k")] == list(range(i))
     ch.close()
+
+
+def test_an_unfinished_segment_of_an_older_version_is_removed(brokers, run_dir, tmp_path):
+    """A segment a broker of an earlier journal version was making when it died (its magic,
+    then zeros) is removed as the current version's would be; the items are served."""
+    config, segments = _damaged_journal(brokers, run_dir, tmp_path, "interval", "durable-v2")
+    older = next(magic for magic in fmt.MAGICS if magic != fmt.MAGIC)
+    unfinished = segments[-1][:-len(".zcj") - 10] + "0000000099.zcj"
+    with open(unfinished, "wb") as f:
+        f.write(fmt.PREAMBLE.pack(older, fmt.CRC32) + bytes(64 << 10))
+    brokers.start(**config)
+    assert not os.path.exists(unfinished)
+    ch = Channel.connect(config["address"])
+    assert len(drain(ch)) == 40
+    ch.close()
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling symlink"])
+def test_a_lock_file_that_is_no_regular_file_is_named(tmp_path, channels, kind):
+    """The journal's lock file is a directory, or a symbolic link to nowhere: the start is
+    refused naming the lock file (not the journal directory), and nothing is made through
+    the link."""
+    journal = tmp_path / "j"
+    journal.mkdir()
+    lock = journal / "durable-lock.zcj-lock"
+    elsewhere = tmp_path / "elsewhere"
+    if kind == "directory":
+        lock.mkdir()
+    else:
+        lock.symlink_to(elsewhere)
+    with pytest.raises(BrokerStartError, match=f"the lock file '{lock}' of the journal"):
+        Channel.create("durable-lock", journal=journal)
+    assert not elsewhere.exists()

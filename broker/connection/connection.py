@@ -416,7 +416,8 @@ def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClien
     if not holds:
         return convert
     dropped = weakref.finalize(work, shm.release, holds)
-    shm.unread.add(work)  # read before the connection says bye (ShmClient.read_unread)
+    with shm.lock:  # read before the connection says bye (ShmClient.read_unread)
+        shm.unread.add(work)
 
     def converting(*args: Any) -> Any:
         dropped.detach()

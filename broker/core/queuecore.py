@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from zchannel.broker.core.consumers import Consumers
@@ -214,11 +215,11 @@ class QueueCore:
             self.waiters.withdraw(req)
         found = [self.lease_book.find(lease_id) for lease_id in client.leases]  # issue order
         leases = [lease for lease in found if lease is not None and self.lease_book.is_open(lease)]
+        # the deliveries it took from its own queue go back to it: if it leaves, they go to
+        # the head of the queues they are dealt to (known by identity: a steal may take one)
+        returned = {id(lease.item) for lease in leases
+                    if lease.origin is not None and lease.origin == client.consumer}
         self._return_leases(leases)
-        # the deliveries it took from its own queue are at that queue's head now: if it
-        # leaves, they go to the head of the queues they are dealt to
-        returned = Counter(lease.key for lease in leases
-                           if lease.origin is not None and lease.origin == client.consumer)
         self._leave(client, returned)
 
     def requeue(self, client: Client | None, origin: tuple[Any, str | None], items: list[Item],
@@ -251,9 +252,9 @@ class QueueCore:
             if ks.private.get(joined):
                 self.waiters.serve(ks)
 
-    def _leave(self, client: Client, returned: Counter | None = None) -> None:
+    def _leave(self, client: Client, returned: AbstractSet[int] = frozenset()) -> None:
         """``client`` is gone; if it was its consumer's last handle, the consumer leaves and its
-        private items are dealt again (``_deal_again``; ``returned``: by key, its leases)."""
+        private items are dealt again (``_deal_again``; ``returned``: its leases' items' ids)."""
         departed = self.roster.leave(client)
         if departed is None:
             return
@@ -261,8 +262,7 @@ class QueueCore:
         for ks in list(self.queues.keys.values()):
             queue = ks.private.get(departed)
             if queue:
-                _deal_again(self, ks, ks.take_all(queue), departed,
-                            returned.get(ks.key, 0) if returned else 0)
+                _deal_again(self, ks, ks.take_all(queue), departed, returned)
                 self.waiters.serve(ks)
         # puts waiting for room in the departed consumer's private queue were routed to it
         # while it was present: route those outputs again, or they would be stored for nobody
@@ -388,15 +388,15 @@ def _unacked(log: StateLog | None, item: Item) -> Exception | None:
 
 
 def _deal_again(core: QueueCore, ks: KeyState, items: list[Item], departed: str,
-                front: int = 0) -> None:
+                returned: AbstractSet[int] = frozenset()) -> None:
     """Deal ``items`` of ``ks`` again (their consumer ``departed``), each to the queue the
     dispatcher names now, which may be the departed consumer's own (it waits for it to come
-    back): the first ``front`` (deliveries it had not acknowledged) to the head of their
-    queues, in their order, the others appended."""
+    back): those in ``returned`` (ids: deliveries it had not acknowledged) to the head of
+    their queues, in their order, the others appended."""
     heads: dict[int, tuple[deque[Item], list[Item]]] = {}
-    for i, item in enumerate(items):
+    for item in items:
         target = core.queues.queue(ks, core.hooks.route_again(item, ks.key, departed))
-        if i < front:
+        if id(item) in returned:
             heads.setdefault(id(target), (target, []))[1].append(item)
         else:
             target.append(item)

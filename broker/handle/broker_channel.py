@@ -23,7 +23,7 @@ import numpy as np
 from zchannel.broker.connection.connection import Connection
 from zchannel.broker.connection.requestqueue import Convert
 from zchannel.broker.connection.waiting import withdraw
-from zchannel.broker.connection.work import _DONE, Delivery, Work
+from zchannel.broker.connection.work import _DONE, CancelledError, Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelNotFound, UndecodableItems
 from zchannel.broker.handle.base import ChannelHandle
 from zchannel.broker.handle.retries import InDoubtPuts
@@ -165,7 +165,8 @@ class BrokerChannel(ChannelHandle):
             _wait_or_withdraw(work)
             return None
         except BaseException as exc:
-            if on_error is not None and exc is not work._value:
+            if on_error is not None and exc is not work._value \
+                    and not isinstance(work._value, CancelledError):  # not withdrawn
                 self._note_in_doubt(rec, item, on_error[3])  # interrupted: maybe stored
             raise
 

@@ -512,7 +512,10 @@ def log_ignored_settings(handle: Any, config: dict[str, Any], maxsize: int | Non
     ``maxsize``: the running channel's (default: what its broker's hello said); ``hooks``: the
     given hooks' labels (default: those of ``config``'s hooks)."""
     if maxsize is None:
-        maxsize = handle._connection().broker_info.maxsize
+        try:
+            maxsize = handle._connection().broker_info.maxsize
+        except ChannelError:  # only what is logged depends on it
+            return
     if hooks is None:
         hooks = {kind: hook_label(config.get(kind)) for kind in ("collector", "dispatcher")}
     if maxsize is not None and maxsize != config["maxsize"]:

@@ -254,7 +254,9 @@ class _LocalBroker:
             for entry in pending.values():
                 entry[0].set_exception(BrokerUnavailable(f"local channel {self.name!r} was shut down"))
             self.cv.notify_all()
-        if self.timer is not threading.current_thread():  # (a done-callback may shut it down)
+        # not from the timer thread, nor from a thread holding the lock (a done-callback runs
+        # there): the timer thread could not take the lock to end
+        if self.timer is not threading.current_thread() and not self.reads_here():
             self.timer.join()
         with _registry_lock:
             if _registry.get(self.name) is self:

@@ -158,8 +158,6 @@ class Journal:
                     item.origin = None  # recorded: the tables carry it from here on
             if self._idle_after is not None:
                 self._idle(self._idle_after, outputs)
-            if self.store.segments[0].live == 0:  # a new segment after ones that hold nothing
-                self._drop_dead()
         except JournalError:
             self.refused += 1
             if pending:  # none of its outputs is stored: their PENDING records go too
@@ -260,7 +258,8 @@ class Journal:
 
     def room(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
-        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD + self.batch.nbytes, limit)
+        return not limit or self.store.room_for(nbytes + PUT_OVERHEAD + self.batch.nbytes, limit,
+                                                current_stays=bool(self.batch))
 
     def fits(self, nbytes: int) -> bool:
         limit = self.settings.max_bytes
@@ -310,7 +309,10 @@ class Journal:
     # -- the loop ----------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Before the broker sends replies: what they confirm is written (``always``: synced)."""
+        """Before the broker sends replies: what they confirm is written (``always``: synced).
+        First, segments that hold nothing any more since a put began a new one go (puts
+        waiting for room may fit: admitted here, not in the middle of another put)."""
+        self._drop_dead()
         if self.batch:
             self.batch.flush()
         if self._leases:

@@ -274,10 +274,10 @@ def _read_segment(jdir: JournalDir, seq: int, path: str,
 def _unfinished(jdir: JournalDir, seq: int, view: memoryview) -> bool:
     """Whether a segment whose first record is not whole was cut short while a broker made it
     (between preallocating it and writing its head): it starts with zeros or with the magic a
-    broker writes, and nothing but zeros follows the length of that head.  A file of other
+    broker of some version writes, and nothing but zeros follows the length of that head.  A file of other
     bytes, or with data further on, is no such segment (damage, or a file of something else)."""
     start = bytes(view[: len(fmt.MAGIC)])
-    if any(start) and start != fmt.MAGIC[: len(start)]:
+    if any(start) and not any(magic[: len(start)] == start for magic in fmt.MAGICS):
         return False
     bound = len(jdir.head(seq, fmt.CRC32))
     return len(view) <= bound or not np.frombuffer(view, np.uint8, offset=bound).any()

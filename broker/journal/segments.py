@@ -87,14 +87,23 @@ class JournalDir:
         self.lock_path = os.path.join(self.path, f"{name}.zcj-lock")
         self._held = False
         try:
+            if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
             os.makedirs(self.path, exist_ok=True)
             self.dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            self._lock()
         except OSError as exc:
             self.close()
             raise JournalError(f"journal directory {self.path!r} of channel {name!r} cannot be "
                                f"used: {exc.strerror or exc} (it must be a writable "
                                "directory)") from None
+        try:
+            self._lock()
+        except OSError as exc:
+            self.close()
+            raise JournalError(f"the lock file {self.lock_path!r} of the journal of channel "
+                               f"{name!r} cannot be used: {exc.strerror or exc} (it must be a "
+                               "regular file, not a directory or a symbolic link; move it "
+                               "away)") from None
         if not self._held:
             self.close()
             raise JournalError(f"the journal of channel {name!r} in {self.path!r} is in use by "
@@ -108,7 +117,9 @@ class JournalDir:
         """Take the lock file (``flock``); a file its holder removed meanwhile is not the
         lock any more: open the path again."""
         while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            # never through a symbolic link: it would make (and lock) a file elsewhere
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

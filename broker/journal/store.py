@@ -91,7 +91,7 @@ class SegmentStore:
         """Open a new segment to write in (after the recovered ones); with a ``limit`` on the
         journal's disk use, no larger than the room the recovered ones leave under it (down
         to the least a segment takes: the removals it is for may pass the limit)."""
-        self._roll(0, room=limit - self.disk_bytes if limit else None)
+        self._roll(0, room=limit - self.staying() if limit else None)
 
     def _roll(self, need: int, for_put: bool = False, room: int | None = None) -> None:
         """Continue in a new segment, of at least ``need`` free bytes after the tables it starts
@@ -155,18 +155,25 @@ class SegmentStore:
             log.warning("could not trim journal segment %s: %s", seg.path, exc)
         self.sync.retire(seg)
 
-    def room_for(self, nbytes: int, limit: int) -> bool:
+    def room_for(self, nbytes: int, limit: int, current_stays: bool = False) -> bool:
         """Whether a put record of ``nbytes`` fits in ``limit`` bytes of disk now: in the
-        current segment, or in a new one beside the segments that stay once it is made (the
-        oldest ones that hold nothing any more go, the current one too)."""
+        current segment, or in a new one beside the segments that stay once it is made
+        (``staying``; ``current_stays``: records are about to go into the current one)."""
         if self.segments and self.current.free - self.margin >= nbytes:
             return True
+        return self.staying(current_stays) + max(
+            self.segment_bytes, nbytes + self.full_margin + 4096) <= limit
+
+    def staying(self, current_stays: bool = False) -> int:
+        """The disk the segments take, but for the oldest ones that hold nothing any more
+        (they go once a new segment is made): the current one too, unless ``current_stays``."""
         staying = self.disk_bytes
+        keep = self.segments[-1] if current_stays and self.segments else None
         for seg in self.segments:
-            if seg.live:
+            if seg.live or seg is keep:
                 break
             staying -= seg.allocated
-        return staying + max(self.segment_bytes, nbytes + self.full_margin + 4096) <= limit
+        return staying
 
     def drop_dead_prefix(self) -> int:
         """Remove the oldest segments while none of their items is left (never the current

@@ -210,7 +210,8 @@ class MetricsServer:
         self._ready.set()
 
     def fresh(self) -> dict | None:
-        """Scrape thread: a snapshot at most ``SNAPSHOT_MAX_AGE_S`` old, or the last one."""
+        """Scrape thread: the last snapshot while it is ``young``, else a fresh one (the last one
+        if the loop does not answer within ``SCRAPE_WAIT_S``)."""
         with self._scrape_lock:
             snap = self._snapshot
             if self._closed or (snap is not None and young(snap, time.monotonic())):

@@ -131,14 +131,19 @@ class ShmClient:
         holds slots and that nobody read yet (its item copied out, or its error kept in it).
         From here on a result read for the first time fails: its slots are the broker's
         again, and another item may be in them."""
-        if self.let_go:
-            return
-        for work in list(self.unread):
-            try:
-                work.result()
-            except Exception:  # the error stays with the Work, for its reader
-                pass
-        self.let_go = True
+        read: set[int] = set()
+        while not self.let_go:
+            with self.lock:  # a caller reading the link may add one meanwhile
+                works = [w for w in self.unread if id(w) not in read]
+                if not works:
+                    self.let_go = True
+                    return
+            for work in works:
+                read.add(id(work))
+                try:
+                    work.result()
+                except Exception:  # the error stays with the Work, for its reader
+                    pass
 
     def close(self) -> None:
         pool, self.pool = self.pool, None

@@ -46,7 +46,7 @@ def check_settings(values: dict[str, Any]) -> None:
             not isinstance(value, int) or value <= MAX_INT)
         if not ok:
             bound = f"> {low}" if name in _POSITIVE else f">= {low}"
-            if ints:
+            if ints or (isinstance(value, int) and value > MAX_INT):
                 bound += f" and <= {MAX_INT}"
             kind = "an int" if ints else "a number"
             raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {value!r}")
