@@ -7,10 +7,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import zmq.auth
 from click.testing import CliRunner
-from zchannel.broker import AuthenticationFailed, Channel
+from zchannel.broker import AuthenticationFailed, Channel, shm
 from zchannel.broker.handle.distributed import DistributedChannel
+from zchannel.broker.server import rundir
+from zchannel.broker.shm.segment import Segment
+from zchannel.broker.transport import curve_keys
 from zchannel.cli.main import main as cli
 
 pytestmark = pytest.mark.timeout(90)
@@ -309,3 +314,70 @@ def test_a_secret_key_alone_encrypts_but_does_not_authenticate(keys):
                                   "--curve-secret-key", keys["server_sec"])
     err = _stop(proc)
     assert "uses CURVE without the clients' public keys" in err and "any client with a key pair" in err
+
+
+def test_keygen_writes_the_secret_key_where_no_other_user_can_open_it(tmp_path, monkeypatch):
+    """pyzmq writes certificate files with the umask's mode (0644 here): ``keygen`` has it
+    write them in a private directory (0700) inside the target, makes the secret 0600, then
+    moves both in, so another user never has a moment to open the secret file."""
+    made_in = []
+    create = zmq.auth.create_certificates
+
+    def spying(directory, name):
+        made_in.append((directory, os.stat(directory).st_mode & 0o777))
+        return create(directory, name)
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", spying)
+    public, secret = curve_keys.keygen(str(tmp_path / "keys"), "broker")
+    ((directory, mode),) = made_in
+    assert directory != str(tmp_path / "keys") and mode == 0o700
+    assert os.stat(secret).st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(tmp_path / "keys")) == ["broker.key", "broker.key_secret"]
+    assert curve_keys.load_key_file(secret, "a key pair")[1] is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_a_file_made_in_advance_at_a_probe_name_is_left_alone(run_dir, channels):
+    """``/dev/shm`` is shared by every user: another user's file made in advance where a
+    broker's probe used to go (``PREFIXprobe``, a name known in advance) is neither written
+    with the broker's token nor taken for its probe; the probe gets a random name, mode
+    0600."""
+    prefix = shm.prefix_for("probed", run_dir)
+    planted = os.path.join(shm.SHM_DIR, f"{prefix}probe")
+    fd = os.open(planted, os.O_CREAT | os.O_WRONLY, 0o666)
+    os.close(fd)
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o666)
+    try:
+        ch = Channel.create("probed", shm_threshold=4096)
+        channels.append(ch)
+        assert os.path.getsize(planted) == 0
+        (probe,) = [n for n in shm.list_segments(prefix) if n.startswith(f"{prefix}probe-")]
+        assert os.stat(os.path.join(shm.SHM_DIR, probe)).st_mode & 0o777 == 0o600
+        big = np.arange(1 << 18, dtype=np.float32)
+        ch.put(big)
+        assert np.array_equal(ch.get(timeout=10), big)
+        assert ch.stats()["shm"]["slots_in"] == 1  # same-host proven through the real probe
+    finally:
+        os.unlink(planted)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_segments_of_another_user_are_not_ours(run_dir):
+    """A file of another user named like a segment of this run directory's channels is never
+    listed (so ``zchannel stat`` and ``clean`` leave it alone) nor mapped: another user could
+    cut it short under a broker mapping it."""
+    prefix = shm.prefix_for("foreign", run_dir)
+    name = f"{prefix}999999-deadbeef"
+    path = os.path.join(shm.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(bytes(1 << 16))
+    os.chown(path, 65534, 65534)
+    try:
+        assert shm.list_segments(prefix) == []
+        _, stale = rundir.scan()
+        assert not any(path in entry.files for entry in stale)
+        with pytest.raises(ValueError, match="belongs to another user"):
+            Segment.open(name)
+    finally:
+        os.unlink(path)

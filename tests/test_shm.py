@@ -31,6 +31,11 @@ def _segments(ch_or_prefix) -> list[str]:
     return shm.list_segments(prefix)
 
 
+def _probes(prefix: str, names: list[str]) -> list[bool]:
+    """Which of the segment ``names`` are a broker's probe (``PREFIXprobe-RANDOM``)."""
+    return [n.startswith(f"{prefix}probe-") for n in names]
+
+
 def _shm_stats(ch) -> dict:
     return ch.stats()["shm"]
 
@@ -648,17 +653,19 @@ def test_sigkill_producer_mid_write_consumer_with_view_and_broker(make_remote, w
     # both clients expire; the dead producer's segment goes with the last release, and the
     # mid-write one (never named in a put) once the broker finds its creator dead
     assert wait_until(lambda: _shm_stats(ch)["consumer_holds"] == 0 and _shm_stats(ch)["segments"] == 0
-                      and _segments(prefix) == [f"{prefix}probe"], timeout=30)
+                      and _probes(prefix, _segments(prefix)) == [True], timeout=30)
     ch.put(torch.full((16384,), 5.0))  # the broker holds a slot of a live producer too
     os.kill(ch._proc.pid, signal.SIGKILL)
     ch._proc.wait()
     assert len(_segments(prefix)) == 2  # a SIGKILLed broker removes nothing...
-    old_live = [n for n in _segments(prefix) if n != f"{prefix}probe"]  # this process's
+    old_live = [n for n in _segments(prefix) if not _probes(prefix, [n])[0]]  # this process's
     ch2 = Channel.create("kill", shm_threshold=T)
     channels.append(ch2)
     # ...the next one makes its probe anew, and keeps the live producer's segment for the
     # grace period (a reply the dead broker sent may name it to a consumer not done with it)
-    assert _segments(prefix) == sorted([f"{prefix}probe", *old_live])
+    now = _segments(prefix)
+    assert [n for n in now if not _probes(prefix, [n])[0]] == old_live
+    assert sum(_probes(prefix, now)) == 1
     ch2.put(torch.full((16384,), 1.0))
     assert float(ch2.get(timeout=10)[0]) == 1.0
     # the first handle reconnects by itself and puts through a fresh pool

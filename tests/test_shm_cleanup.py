@@ -58,7 +58,8 @@ def test_a_consumer_stops_mapping_segments_of_departed_producers(make_remote, wo
     view = produced.pop(2)
     assert list(cache) == names
     # the broker unlinks the departed producers' segments nothing holds (the view holds one)
-    assert wait_until(lambda: shm.list_segments(prefix) == sorted([f"{prefix}probe", names[2]]),
+    assert wait_until(lambda: [n for n in shm.list_segments(prefix)
+                               if not n.startswith(f"{prefix}probe-")] == [names[2]],
                       timeout=60)
     os.unlink(os.path.join(shm.SHM_DIR, names[2]))  # as a broker stop does, while the view lives
     last = produce(3)  # the next segment mapped: the cache looks for unlinked segments
@@ -169,14 +170,15 @@ def test_a_restarted_broker_keeps_live_producers_old_segments_for_the_grace(run_
     prefix = shm.prefix_for("restarted", run_dir)
     live = os.path.join(shm.SHM_DIR, f"{prefix}{os.getpid()}-0123abcd")
     dead = os.path.join(shm.SHM_DIR, f"{prefix}{_dead_pid()}-4567abcd")
-    probe = os.path.join(shm.SHM_DIR, f"{prefix}probe")
+    probe = os.path.join(shm.SHM_DIR, f"{prefix}probe-0123456789abcdef")  # the dead broker's
     for path in (live, dead, probe):
         with open(path, "wb") as f:
             f.write(b"\0" * 4096)
     broker = ShmBroker("restarted", run_dir, threshold=T, orphan_grace=30.0)
     try:
-        assert os.path.exists(live) and not os.path.exists(dead)
-        assert os.path.exists(probe)  # the new broker's own probe, made anew
+        assert os.path.exists(live) and not os.path.exists(dead) and not os.path.exists(probe)
+        assert broker.probe is not None and broker.probe.startswith(f"{prefix}probe-")
+        assert os.path.exists(os.path.join(shm.SHM_DIR, broker.probe))  # its own, made anew
         broker.sweep(time.monotonic())
         assert os.path.exists(live)  # within the grace
         broker.sweep(time.monotonic() + 31.0)

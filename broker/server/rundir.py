@@ -252,6 +252,8 @@ def _clean(entry: StaleEntry) -> list[str]:
                     removed.append(path)
                 except FileNotFoundError:
                     pass
+                except PermissionError:  # not this user's to remove: left alone
+                    pass
         while held:
             lock, fd = held.pop()
             existed = lock in entry.locks

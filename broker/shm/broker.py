@@ -203,9 +203,14 @@ class ShmBroker:
                 self.threshold = 0
 
     def _make_probe(self) -> None:
+        """Write the probe: the magic and a fresh token, in a new file of mode 0600 under a
+        random name (``/dev/shm`` is shared by every user: a name known in advance could be
+        made first by another user, who would then read the token, or be a symbolic link to
+        a file the broker would overwrite)."""
         self._token = secrets.token_bytes(16)
-        name = f"{self.prefix}probe"
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        name = f"{self.prefix}probe-{secrets.token_hex(8)}"
+        fd = os.open(os.path.join(SHM_DIR, name),
+                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, MAGIC + self._token)
         finally:

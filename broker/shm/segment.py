@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 from typing import Any
 
@@ -57,11 +58,21 @@ def prefix_for(name: str, run_dir: str) -> str:
 
 
 def list_segments(prefix: str) -> list[str]:
-    """Names of the segments in ``/dev/shm`` that start with ``prefix``."""
+    """Names of the segments in ``/dev/shm`` that start with ``prefix`` and are files of this
+    user (another user's file of that name is none of ours: never listed, mapped or removed)."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except OSError:
         return []
+    return [n for n in names if _own_file(os.path.join(SHM_DIR, n))]
+
+
+def _own_file(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def unlink(name: str) -> None:
@@ -135,11 +146,13 @@ class Segment:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError(f"invalid shared-memory segment name {name!r}")
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise ValueError(f"cannot open shared-memory segment {name!r}: {exc}") from None
         try:
             st = os.fstat(fd)
+            if st.st_uid != os.geteuid():  # another user's file: it could be cut short under us
+                raise ValueError(f"shared-memory segment {name!r} belongs to another user")
             size = st.st_size
             if size < HEADER_BYTES:
                 raise ValueError(f"shared-memory segment {name!r} is too small")

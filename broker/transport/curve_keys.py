@@ -8,6 +8,7 @@ client is given its own secret file and the broker's public file (``transport/cu
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import zmq
@@ -29,8 +30,15 @@ def load_key_file(path: str, what: str) -> tuple[bytes, bytes | None]:
 
 
 def keygen(directory: str, name: str) -> tuple[str, str]:
-    """Write ``NAME.key`` and ``NAME.key_secret`` (mode 0600) into ``directory``."""
+    """Write ``NAME.key`` and ``NAME.key_secret`` (mode 0600) into ``directory``.  They are
+    made in a private directory inside it (mode 0700) and moved in once the secret file is
+    0600: pyzmq writes them with the umask's mode, which another user could open meanwhile."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".keygen-") as private:
+        made_public, made_secret = zmq.auth.create_certificates(private, name)
+        os.chmod(made_secret, 0o600)
+        public = os.path.join(directory, os.path.basename(made_public))
+        secret = os.path.join(directory, os.path.basename(made_secret))
+        os.replace(made_public, public)
+        os.replace(made_secret, secret)
     return public, secret
