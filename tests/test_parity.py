@@ -323,3 +323,24 @@ def test_copy_and_target_weight_are_checked_the_same_everywhere(make):
                                              r"(in \(0, 2\*\*53\]|> 0)"):
             ch.get_batch(target, key="k", timeout=5)
     assert ch.get(key="k", timeout=5, copy=True) == 1  # nothing was taken meanwhile
+
+
+def test_closing_a_handle_with_requests_waiting_one_behind_the_other(make):
+    """A handle closed with a ``get_batch`` waiting and a get waiting behind it on one key:
+    ``close()`` returns, both fail with ``ChannelError``, the item stays queued and the
+    consumer id leaves (a local channel raised ``KeyError`` from ``close()``: withdrawing
+    the batch served the get, and the handle stayed a consumer)."""
+    if make.distributed:
+        pytest.skip("the same handle code as a broker channel's")
+    ch = make("close-waiting")
+    handle = Channel.connect(ch.name, identity="a:0")
+    ch.put("item", 1, key="k")
+    batch = handle.get_batch(5, key="k", async_op=True)  # waits: weight 1 of 5
+    behind = handle.get(key="k", async_op=True)  # waits behind it
+    assert wait_until(lambda: ch.stats()["keys"]["k"]["getters"] == 2, timeout=10)
+    handle.close()
+    for work in (batch, behind):
+        with pytest.raises(ChannelError, match="closed"):
+            work.wait(10)
+    assert wait_until(lambda: ch.stats()["consumers"] == [], timeout=30)
+    assert ch.qsize("k") == 1 and ch.get(key="k", timeout=10) == "item"

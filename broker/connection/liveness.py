@@ -148,7 +148,8 @@ class Liveness:
             silent = now - max(line.last_recv, link.last_read)
         if line.state in (UP, CONNECTING) and silent > line.hb * line.liveness:
             if line.state == UP:
-                log.warning("the broker at %s is silent for %.1fs: unavailable", self.address, silent)
+                log.warning("nothing came from the broker at %s for %.1fs (it, or this "
+                            "process, was held up): unavailable", self.address, silent)
             line.set_state(DOWN)
             self._requests.fail_all(BrokerUnavailable(
                 f"the broker at {self.address} did not answer for {silent:.1f}s"))

@@ -217,7 +217,9 @@ def withdraw_requests(conn: Connection, owner: Share, limit: float) -> None:
     inside = conn.holds_socket()
     if not inside:
         conn.flush()  # after this, no request of the closed owner can go out
-    mine = [rid for rid, _, _ in conn.requests_of(owner)]
+    # the newest first: withdrawing one lets the broker serve the requests behind it, which
+    # would take items for this closed share if they were its own
+    mine = [rid for rid, _, _ in conn.requests_of(owner)][::-1]
     closed = ChannelError("this channel handle is closed")
     asks = []
     for rid in mine:

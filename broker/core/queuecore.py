@@ -211,7 +211,9 @@ class QueueCore:
         if client.gone:
             return
         client.gone = True
-        for req in list(client.parked.values()):
+        # the newest first: withdrawing one serves the getters behind it, which would take
+        # items for this departed handle if they were its own
+        for req in reversed(list(client.parked.values())):
             self.waiters.withdraw(req)
         found = [self.lease_book.find(lease_id) for lease_id in client.leases]  # issue order
         leases = [lease for lease in found if lease is not None and self.lease_book.is_open(lease)]

@@ -215,10 +215,14 @@ class _LocalBroker:
                     self.cv.wait(remaining)
             finally:
                 self.closing -= 1
-            for key in [k for k, entry in self.pending.items() if entry[2] is handle]:
-                work = self.pending.pop(key)[0]
+            # the newest first: withdrawing one lets the core serve the requests behind it,
+            # which are then no longer this handle's
+            for key in reversed([k for k, entry in self.pending.items() if entry[2] is handle]):
+                entry = self.pending.pop(key, None)
+                if entry is None:  # answered meanwhile
+                    continue
                 self.core.cancel(client, next(self.ids), key[1])  # its answer goes nowhere
-                work.set_exception(ChannelError("this channel handle is closed"))
+                entry[0].set_exception(ChannelError("this channel handle is closed"))
             self._release(client)
 
     def _release(self, client: Client) -> None:
