@@ -385,12 +385,10 @@ class Connection:
                 work._finish(_DONE, None)
 
     def _on_expired(self) -> None:
-        """The broker expired this client (it heard nothing from it for too long, or it is a
-        broker started again that never knew it): register again."""
+        """The broker expired this client (silent too long, or a broker restarted): register."""
         log.warning("the broker at %s expired this client: registering again", self.address)
-        self._requests.fail_all(BrokerUnavailable(
-            "the broker expired this client (it was silent too long, or the broker was "
-            "restarted); the request was dropped"))
+        self._requests.fail_all(BrokerUnavailable("the broker expired this client (silent too "
+                                                  "long, or it restarted); request dropped"))
         self.shm.end_session()
         self._liveness.send_hello()
 
