@@ -347,9 +347,13 @@ class Ref:
         return False
 
     def close(self, handle: int, consumer: str | None, parked_rids: list[int]) -> None:
-        for rid in parked_rids:  # in the order they were parked
+        for rid in reversed(parked_rids):  # the newest first
             self.cancel(rid)
-        self.unlease([s for s, lease in self.leases.items() if lease["handle"] == handle])
+        mine = [s for s, lease in self.leases.items() if lease["handle"] == handle]
+        # its deliveries from its own queue: dealt again to the heads of their new queues
+        returned = {id(self.leases[s]["item"]) for s in mine
+                    if consumer is not None and self.leases[s]["origin"] == consumer}
+        self.unlease(mine)
         if consumer is None:
             return
         self.consumers[consumer] -= 1
@@ -358,8 +362,15 @@ class Ref:
         del self.consumers[consumer]
         for key in KEYS:
             items = self.private[key].pop(consumer, [])
+            heads: dict[int, tuple[list, list]] = {}
             for item in items:
-                self.queue(key, self.target(item, consumer)).append(item)
+                target = self.queue(key, self.target(item, consumer))
+                if id(item) in returned:
+                    heads.setdefault(id(target), (target, []))[1].append(item)
+                else:
+                    target.append(item)
+            for target, back in heads.values():
+                target[:0] = back
             if items:
                 self.serve(key)
         for put in self.putters:  # puts waiting for its queue are dealt again
