@@ -35,6 +35,15 @@ def _record_offsets(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def _flip_byte(path: str, offset: int) -> None:
+    """Damage the byte at ``offset`` of ``path`` (its bits inverted)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes((byte[0] ^ 0xFF,)))
+
+
 def _write_bytes(pid: int) -> int:
     """Bytes process ``pid`` handed to write calls so far (``/proc/PID/io``)."""
     with open(f"/proc/{pid}/io") as f:
@@ -95,11 +104,7 @@ def test_a_damaged_record_inside_the_journal(brokers, run_dir, tmp_path, fsync):
     assert later
     offset, length, rtype = next(r for r in _record_offsets(first) if r[2] == fmt.PUT)
     sizes = {path: os.path.getsize(path) for path in [first, *later]}
-    with open(first, "r+b") as f:  # one flipped byte in the body of a put
-        f.seek(offset + length - 1)
-        byte = f.read(1)
-        f.seek(offset + length - 1)
-        f.write(bytes((byte[0] ^ 0xFF,)))
+    _flip_byte(first, offset + length - 1)  # one flipped byte in the body of a put
     if fsync == "always":
         with pytest.raises(RuntimeError, match=f"{os.path.basename(first)}: a torn or damaged "
                                                f"record at offset {offset} .*not the journal's "
@@ -145,11 +150,7 @@ def test_a_damaged_first_record_with_records_after_it_is_not_an_unfinished_segme
     config, (first, second, *later) = _damaged_journal(brokers, run_dir, tmp_path, fsync,
                                                        "durable-head")
     sizes = {path: os.path.getsize(path) for path in [first, second, *later]}
-    with open(second, "r+b") as f:
-        f.seek(fmt.PREAMBLE.size + fmt.HEADER.size + 3)
-        byte = f.read(1)
-        f.seek(fmt.PREAMBLE.size + fmt.HEADER.size + 3)
-        f.write(bytes((byte[0] ^ 0xFF,)))
+    _flip_byte(second, fmt.PREAMBLE.size + fmt.HEADER.size + 3)  # in its SEGMENT record
     if fsync == "always":
         with pytest.raises(RuntimeError, match=f"{os.path.basename(second)}: a torn or damaged "
                                                f"record at offset {fmt.PREAMBLE.size} .*not the "
