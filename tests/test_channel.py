@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -582,10 +583,31 @@ def test_cancelling_await_does_not_cancel_operation(make):
     assert asyncio.run(main()) == "still delivered"
 
 
+def test_awaits_given_up_leave_nothing_behind_on_the_pending_work(make):
+    """``asyncio.wait_for(work, t)`` timing out again and again on one pending ``Work``: each
+    given-up await takes its wake-up callback (holding its future and loop) back with it;
+    a later await still gets the item."""
+    ch = make()
+
+    async def main():
+        work = ch.get(async_op=True)
+        before = len(work._callbacks or [])  # (a distributed channel's chains its replica's)
+        for _ in range(200):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(work, 0.0001)
+        added = len(work._callbacks or []) - before
+        ch.put("at last")
+        return added, await work
+
+    assert asyncio.run(main()) == (0, "at last")
+
+
 def test_work_cancel(make):
     ch = make()
     pending = ch.get(async_op=True)
     assert pending.cancel() is True
+    with pytest.raises(concurrent.futures.CancelledError):  # (docs/errors.md)
+        pending.wait(timeout=5)
     ch.put("x")
     assert ch.get(timeout=5) == "x"  # the cancelled get did not swallow it
     done = ch.put("y", async_op=True)

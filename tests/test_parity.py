@@ -5,6 +5,7 @@ and ``timeout``, and a closed handle's ``stats``."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import threading
 import warnings
 
@@ -344,3 +345,70 @@ def test_closing_a_handle_with_requests_waiting_one_behind_the_other(make):
             work.wait(10)
     assert wait_until(lambda: ch.stats()["consumers"] == [], timeout=30)
     assert ch.qsize("k") == 1 and ch.get(key="k", timeout=10) == "item"
+
+
+def _get_in_forked_child(ch, result) -> None:
+    """A forked child's ``get`` on ``ch``: what it raised (or got), and whether ``create``
+    of the name makes the child's own local channel."""
+    try:
+        outcome = ("got", ch.get(timeout=0.5))
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    own = Channel.create(ch.name, local=True)
+    own.put("child's")
+    result.put((outcome, own.get(timeout=5)))
+    own.shutdown()
+
+
+def test_a_local_channel_in_a_forked_child_is_a_clear_error_not_a_copy(run_dir):
+    """A local channel lives in its creating process: a forked child (multiprocessing's fork,
+    a DataLoader worker) has only a copy, whose timer thread does not exist there; its handles
+    raise ``ChannelError`` at once (no get that never times out, no item taken from a copy
+    while the parent delivers it too), and the name is free for the child's own channel."""
+    ch = Channel.create("forked", local=True)
+    try:
+        ch.put("parent's")
+        context = multiprocessing.get_context("fork")
+        result = context.Queue()
+        child = context.Process(target=_get_in_forked_child, args=(ch, result))
+        child.start()
+        (kind, message), own = result.get(timeout=60)
+        child.join(60)
+        assert kind == "ChannelError" and "is a fork of it and has only a copy" in message
+        assert own == "child's" and child.exitcode == 0
+        assert ch.get(timeout=5) == "parent's"  # the parent's item stayed the parent's
+    finally:
+        ch.shutdown()
+
+
+def test_a_local_handle_reaches_the_channel_made_again_under_its_name(run_dir):
+    """As a broker channel's handle reconnects to a broker serving its address again, a local
+    channel's handle reaches the channel ``create(name, local=True)`` makes after the first
+    one's ``shutdown()``; until then it is ``BrokerUnavailable``."""
+    first = Channel.create("again", local=True)
+    other = Channel.connect("again")
+    first.shutdown()
+    with pytest.raises(BrokerUnavailable, match="was shut down"):
+        other.put("lost")
+    second = Channel.create("again", local=True)
+    try:
+        second.put("new")
+        assert other.get(timeout=5) == "new"
+        other.put("back")
+        assert second.get(timeout=5) == "back"
+    finally:
+        other.close()
+        second.shutdown()
+
+
+def test_create_checks_its_numeric_settings_the_same_local_or_not(run_dir):
+    """``shm_threshold``, ``fsync_interval`` and ``max_journal_bytes`` out of range are the same
+    ``ValueError`` from a local ``create`` as from a broker's (the local one used to take them)."""
+    for setting, value in (("shm_threshold", -1), ("fsync_interval", 0),
+                           ("max_journal_bytes", -5)):
+        messages = []
+        for local in (False, True):
+            with pytest.raises(ValueError) as raised:
+                Channel.create("numbers", local=local, **{setting: value})
+            messages.append(str(raised.value))
+        assert messages[0] == messages[1] and setting in messages[0]

@@ -83,6 +83,10 @@ class Items(list):
     pass
 
 
+class Blob(bytes):
+    pass
+
+
 class Frame(np.ndarray):
     pass
 
@@ -151,6 +155,8 @@ def _table() -> list[tuple[str, object, object]]:
         ("np.float64", np.float64(-1.25), np.float64(-1.25)),
         ("np.int64", np.int64(-3), np.int64(-3)),
         ("np.uint8", np.uint8(200), np.uint8(200)),
+        ("np.longlong", np.longlong(-5), np.int64(-5)),  # a C-named alias: its sized type
+        ("np.ulonglong", np.ulonglong(7), np.uint64(7)),
         ("np.bool_", np.bool_(True), np.bool_(True)),
         ("np.complex128", np.complex128(1 - 1j), np.complex128(1 - 1j)),
         ("np.str_", np.str_("s"), "s"),
@@ -190,6 +196,7 @@ def _table() -> list[tuple[str, object, object]]:
         ("bytes", b"\x00bytes", b"\x00bytes"),
         ("bytes 100 KiB", bytes(range(256)) * 400, bytes(range(256)) * 400),
         ("bytearray", bytearray(b"ba"), b"ba"),
+        ("bytes subclass", Blob(b"sub"), b"sub"),
         ("memoryview", memoryview(b"mv"), b"mv"),
         ("memoryview with a step inside", [memoryview(b"abcdef")[::2]],
          Refused("cannot encode item: a memoryview inside it is not C-contiguous")),

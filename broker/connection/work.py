@@ -248,9 +248,19 @@ class Work:
                     pass
 
             self.add_done_callback(wake)
-            # shield: cancelling the awaiting task does not cancel the operation
-            await asyncio.shield(future)
+            try:
+                # shield: cancelling the awaiting task does not cancel the operation
+                await asyncio.shield(future)
+            except asyncio.CancelledError:  # (a timed-out wait_for): its wake-up goes too
+                self._discard_callback(wake)
+                raise
         return self.result()
+
+    def _discard_callback(self, callback: Callable[[Work], None]) -> None:
+        """Forget ``callback`` if the operation is still pending (an await given up)."""
+        with self._lock:
+            if self._callbacks is not None and callback in self._callbacks:
+                self._callbacks.remove(callback)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.async_wait().__await__()

@@ -101,13 +101,14 @@ def _checked_create_args(
     name: str, maxsize: Any, distributed: Any, node_rank: Any, local: Any,
     identity: str | None, producers: Iterable[str] | None,
     consumers: Iterable[str] | Mapping[str, int] | None, metrics_port: int | None,
-    journal: Any, lease_timeout: Any,
+    journal: Any, settings: dict[str, Any],
 ) -> tuple[Any, list[str], list[Any]]:
     """``create``'s arguments checked (``ValueError``/``TypeError`` naming the first wrong
-    one): the producers, the declared consumer ids, and on Ray the placement targets among
-    them (actor handles, node ids)."""
+    one; ``settings``: the numeric ones, by their broker setting's range, local or not): the
+    producers, the declared consumer ids, and on Ray the placement targets among them (actor
+    handles, node ids)."""
     paths.check_name(name)
-    check_settings({"maxsize": maxsize, "lease_timeout": lease_timeout})
+    check_settings({"maxsize": maxsize, **settings})
     for flag, value in (("distributed", distributed), ("local", local)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r} (create's positional "
@@ -245,7 +246,10 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         """
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
-            metrics_port, journal, lease_timeout)
+            metrics_port, journal,
+            {"lease_timeout": lease_timeout, "fsync_interval": fsync_interval,
+             "max_journal_bytes": max_journal_bytes,
+             **({} if shm_threshold is None else {"shm_threshold": shm_threshold})})
         if local:
             if LocalChannel.lookup(name) is None and _broker_serves(name):
                 raise ValueError(f"a broker on this host serves channel {name!r}: one name is one "

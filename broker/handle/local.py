@@ -5,13 +5,15 @@ items are passed by reference (no serialization), in the form a broker would del
 (``wireform.wire_form``: the item itself unless something in it travels in a base form, e.g. an
 unregistered ``str`` Enum member as its value).  A small timer thread expires deadlines.
 A local channel is not picklable; ``Channel.connect(name)`` in the same process returns another
-handle to it.
+handle to it.  It lives in the process that created it: a forked child has only a copy, whose
+handles raise ``ChannelError`` and whose names are free there.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -60,6 +62,7 @@ class _LocalBroker:
                  producers: list[str], consumers: list[str], options: dict[str, Any],
                  lease_timeout: float) -> None:
         self.name = name
+        self.pid = os.getpid()  # the process it lives in (a forked child has a copy)
         self.lease_timeout = float(lease_timeout)  # in stats(), as a broker's
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
@@ -278,6 +281,18 @@ SELF_CALL = ("a blocking channel call in a done-callback or then() of a local ch
              "async_op=True, or from another thread")
 
 
+def _forget_parent_channels() -> None:
+    """In a forked child: the parent's local channels are not this process's (their handles
+    raise ``ChannelError``, ``LocalChannel._live_broker``) and their names are free here; a
+    lock a parent's thread held at the fork is not this process's either."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _registry.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_channels)
+
+
 def _cancel_of(broker: _LocalBroker, client: Client, rid: int, _work: Work) -> bool:
     """The cancel function of request ``rid`` of ``client`` (its ``Work``'s)."""
     return broker.cancel(client, rid)
@@ -327,12 +342,36 @@ class LocalChannel(BrokerChannel):
                 copy: bool | None = None, wait: bool = False) -> Work:
         if self._closed:
             raise ChannelError("this channel handle is closed")
-        if wait and self._broker.reads_here():  # in a done-callback, as on a broker channel
+        broker = self._live_broker()
+        if wait and broker.reads_here():  # in a done-callback, as on a broker channel
             raise RuntimeError(SELF_CALL)
-        client = self._client or self._broker.attach(self)
+        client = self._client or broker.attach(self)
         if has_item:  # no serialization, but what a broker would deliver, or its TypeError
             item = wire_form(item)
-        return self._broker.submit(self, client, rec, item, copy)
+        return broker.submit(self, client, rec, item, copy)
+
+    def _live_broker(self) -> _LocalBroker:
+        """The channel this handle reaches: ``ChannelError`` in a forked child (the channel
+        lives in its creating process; the child has a copy nobody serves: no timer thread, a
+        lock maybe held for ever); once shut down, the channel created again under its name,
+        if any (as a broker channel's handle reconnects to a broker serving its address again;
+        its leases were the old channel's)."""
+        broker = self._broker
+        if broker.pid != os.getpid():
+            raise ChannelError(
+                f"local channel {broker.name!r} lives in process {broker.pid}, which created "
+                f"it; this process ({os.getpid()}) is a fork of it and has only a copy: share a "
+                "channel between processes with a broker channel (local=False)")
+        if broker.closed:
+            fresh = LocalChannel.lookup(broker.name)
+            if fresh is not None and fresh is not broker:
+                with self._conn_lock:
+                    if self._broker is broker:
+                        if self._finalizer is not None:
+                            self._finalizer.detach()
+                        self._broker, self._client, self._finalizer = fresh, None, None
+                broker = self._broker
+        return broker
 
     @property
     def is_local(self) -> bool:
@@ -354,7 +393,7 @@ class LocalChannel(BrokerChannel):
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        if self._client is not None:
+        if self._client is not None and self._broker.pid == os.getpid():  # not a fork's copy
             self._broker.leave(self, self._client)
 
     def shutdown(self, token: str | None = None) -> None:
@@ -363,7 +402,8 @@ class LocalChannel(BrokerChannel):
         if not self._owner:
             raise PermissionError("only the handle that created the channel may shut it down")
         self.close()
-        self._broker.shutdown()
+        if self._broker.pid == os.getpid():  # a forked child's copy is nobody's to stop
+            self._broker.shutdown()
 
     def _owns_broker(self) -> bool:
         return self._owner

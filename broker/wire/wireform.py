@@ -86,7 +86,8 @@ def _form_other(obj: Any, kind: type, level: int, nest: int) -> Any:
         return _sequence(obj, tuple, level, _nest(nest))
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         codec.check_array(obj)
-        return obj
+        scalar = arrays.NP_DTYPES[obj.dtype.str].type  # a C-named alias (np.longlong) comes
+        return obj if kind is scalar else scalar(obj)  # as its sized type, as decoded
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj)
         if level and not view.c_contiguous:  # as the codec: only an item itself is made so
