@@ -216,6 +216,11 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
     from zchannel.broker.host.procs import process_running
 
     if paths.is_address(target):
+        if not token_file and not curve_secret_key:
+            raise click.UsageError(
+                f"{target} is an address: give --token-file FILE (the broker's shutdown token), "
+                "or stop it with a CURVE admin key (--curve-secret-key, --curve-server-key); "
+                "`zchannel broker stop NAME` reads the token of a broker of this host")
         info: dict = {"address": target, "token": ""}
         if token_file:
             info["token"] = open(token_file).readline().strip()
@@ -227,7 +232,7 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
                                "broker of this user serves it on this host (`zchannel stat` "
                                "lists them)")
         info = found
-    keys = _stat_keys(curve_secret_key, curve_server_key)
+    keys = _stat_keys(curve_secret_key, curve_server_key, target)
     handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
     pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
     handle.shutdown(token=info["token"])
@@ -325,7 +330,7 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
 
     require_companions({"count": "watch", "interval": "watch", "peek_count": "peek_key",
                         "peek_consumer": "peek_key"})
-    curve_keys = _stat_keys(curve_secret_key, curve_server_key)
+    curve_keys = _stat_keys(curve_secret_key, curve_server_key, target)
     if target is None:
         from zchannel.cli.host import show_host
 
@@ -430,16 +435,42 @@ def _echo_peek(key: Any, items: list, stats: dict) -> None:
                    "what ID would take next)")
 
 
-def _stat_keys(secret: str | None, server: str | None) -> Any:
-    if bool(secret) != bool(server):
-        raise click.UsageError("--curve-secret-key and --curve-server-key go together")
-    if not secret or not server:
+def _stat_keys(secret: str | None, server: str | None, target: str | None = None) -> Any:
+    """The CURVE keys ``stat`` and ``broker stop`` connect with: this client's key pair file
+    with the broker's public key file; with the pair alone, the public key the broker of a
+    ``target`` name left in its token file (a broker of this user on this host), else none
+    but ``$ZCHANNEL_CURVE_SECRET_KEY`` set to the pair: a distributed channel's replicas
+    send their public keys in its replica table."""
+    if server and not secret:
+        raise click.UsageError("--curve-server-key (ZCHANNEL_CURVE_SERVER_KEY) needs this "
+                               "client's key pair: --curve-secret-key (ZCHANNEL_CURVE_SECRET_KEY)")
+    if not secret:
         return None
-    from zchannel.broker.transport.curve import CurveKeys
+    from zchannel.broker.transport.curve import CurveKeys, ReplicaCurveKeys
+    from zchannel.broker.transport.curve_keys import load_key_file
 
-    keys = CurveKeys(secret, server)
+    found = {} if server else _token_record(target)
+    if server:
+        keys = CurveKeys(secret, server)
+    elif found.get("curve_public_key"):
+        keys = ReplicaCurveKeys(secret, str(found["curve_public_key"]))
+    else:
+        load_key_file(secret, "the client's CURVE key pair")
+        os.environ["ZCHANNEL_CURVE_SECRET_KEY"] = secret  # what the option stands for
+        return None
     keys.load()  # a file that does not hold a key: say which, now
     return keys
+
+
+def _token_record(target: str | None) -> dict:
+    """The token file's record of the broker of the name ``target`` ({} for an address, or
+    when there is none to read)."""
+    if target is None or paths.is_address(target):
+        return {}
+    try:
+        return paths.read_token_file(paths.check_name(target)) or {}
+    except ValueError:  # not a name, or not a token file: the connection says what is wrong
+        return {}
 
 
 def _json_keys(value: Any) -> Any:

@@ -3,6 +3,7 @@ when its address lets others in (docs/security.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -21,9 +22,11 @@ from zchannel.broker.server.loop import Broker
 pytestmark = pytest.mark.timeout(120)
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 60,
+         env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zchannel.cli.main", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env_extra or {})})
 
 
 def _start(*args: str) -> tuple[subprocess.Popen, str]:
@@ -109,7 +112,11 @@ def test_a_token_file_sets_the_token(run_dir, tmp_path):
     try:
         assert paths.read_token_file("chosen")["token"] == "0123456789abcdef0123"
         wrong = _cli("broker", "stop", address)  # an address: no token file, no admin key
-        assert wrong.returncode == 2 and "shutdown refused" in wrong.stderr
+        assert wrong.returncode == 2 and "give --token-file FILE" in wrong.stderr
+        guessed = tmp_path / "guessed"
+        guessed.write_text("not-the-token-at-all\n")
+        refused = _cli("broker", "stop", address, "--token-file", str(guessed))
+        assert refused.returncode == 2 and "shutdown refused" in refused.stderr
         out = _cli("broker", "stop", address, "--token-file", str(secret))
         assert out.returncode == 0, out.stderr
         assert proc.wait(timeout=30) == 0
@@ -143,6 +150,32 @@ def _keygen(directory, name):
     out = _cli("keygen", str(directory), "--name", name)
     assert out.returncode == 0, out.stderr
     return str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")
+
+
+def test_stop_and_stat_of_a_curve_broker_by_name_need_only_the_client_key_pair(tmp_path,
+                                                                              run_dir):
+    """A CURVE broker of this host leaves its public key beside its token: ``zchannel broker
+    stop NAME`` and ``zchannel stat NAME`` connect with the client's key pair alone (its
+    option or ``$ZCHANNEL_CURVE_SECRET_KEY``), as a distributed channel's clients do."""
+    keys = tmp_path / "keys"
+    server_pub, server_sec = _keygen(keys, "broker")
+    _, user_sec = _keygen(keys, "user")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    os.link(keys / "user.key", allowed / "user.key")
+    proc, address = _start("curvename", "--address", "tcp://127.0.0.1:0", "--curve-secret-key",
+                           server_sec, "--curve-public-keys", str(allowed))
+    try:
+        assert paths.read_token_file("curvename")["curve_public_key"] == \
+            open(server_pub).read().split('public-key = "')[1].split('"')[0]
+        shown = _cli("stat", "curvename", "--json", "--curve-secret-key", user_sec)
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["name"] == "curvename"
+        out = _cli("broker", "stop", "curvename", env_extra={"ZCHANNEL_CURVE_SECRET_KEY": user_sec})
+        assert out.returncode == 0, out.stderr
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _stop(proc)
 
 
 def test_a_curve_admin_key_stops_the_broker_without_the_token(tmp_path, run_dir):

@@ -13,6 +13,7 @@ import sys
 import msgpack
 import pytest
 import zmq
+from conftest import wait_until
 from zchannel.broker import Channel
 from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD, item_bytes
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION
@@ -170,3 +171,59 @@ def test_an_item_of_many_empty_frames_counts_each_frame(bounded_broker):
     finally:
         sock.close()
         ch.close()
+
+
+def _flood_unread(address: str, messages: list[bytes], marker_key: str) -> zmq.Socket:
+    """Send ``messages`` (packed records) from a raw DEALER that never reads a reply (its
+    receive queue holds one: the replies stay with the broker), each followed by a put of
+    one item under ``marker_key`` (a well-behaved handle counts them to know what the broker
+    has read); the socket returned."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.connect(address)
+    sock.send_multipart([msgpack.packb([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
+    assert sock.poll(30_000)
+    sock.recv_multipart()
+    body = msgpack.packb(None)
+    for i, records in enumerate(messages):
+        put = msgpack.packb([{"op": "put", "id": 1_000_000 + i, "k": marker_key, "nf": 1}])
+        sock.send_multipart([records])
+        sock.send_multipart([put, body])
+    return sock
+
+
+def test_replies_nobody_reads_share_the_stats_bodies_and_the_peeked_items(bounded_broker):
+    """A client that floods ``stats`` and ``peek`` and never reads the replies: each reply
+    refers to the one stats body and to the queued items' own bytes (``zmq.Frame``s), where
+    pyzmq copied a bytes object under its copy threshold into every reply (256 stats records
+    a message made 256 copies of the body; a message of ``peek`` records a copy of each
+    peeked item per record: gigabytes from a few MB of requests).  The broker's resident
+    memory grows by far less than the copies would take, and it serves the others."""
+    pid, address = bounded_broker
+    ch = Channel.connect(address, timeout=30)
+    for k in range(100):
+        ch.put(b"k" * 8, key=f"key-{k}")  # a stats body of some KiB
+    for _ in range(512):
+        ch.put(b"y" * 480, key="small")
+    body_bytes = len(msgpack.packb(ch.stats()))
+    rounds = 300
+    start = _rss(pid)
+    stats = msgpack.packb([{"op": "stats", "id": 10 + j} for j in range(256)])
+    flooder = _flood_unread(address, [stats] * rounds, "marker")
+    wait_until(lambda: ch.qsize("marker") == rounds, timeout=180)
+    grown = _rss(pid) - start
+    copies = rounds * 256 * body_bytes
+    assert copies > 400 << 20 and grown < 64 << 20, (body_bytes, grown)
+    peeks = msgpack.packb([{"op": "peek", "id": 10 + j, "k": "small", "n": 512}
+                           for j in range(8)])
+    flooder2 = _flood_unread(address, [peeks] * rounds, "marker2")
+    wait_until(lambda: ch.qsize("marker2") == rounds, timeout=180)
+    grown = _rss(pid) - start
+    copies = rounds * 8 * 512 * 480
+    assert copies > 500 << 20 and grown < 200 << 20, grown
+    ch.put("served", key="other")
+    assert ch.get(key="other", timeout=30) == "served"
+    flooder.close()
+    flooder2.close()
+    ch.close()

@@ -236,16 +236,21 @@ def token_path(lock_name: str) -> Path:
     return run_dir() / f"{lock_name}.token"
 
 
-def write_token_file(lock_name: str, address: str, token: str) -> Path:
-    """Write ``{"address", "pid", "token"}`` to ``token_path(lock_name)``, readable by its
-    owner only (mode 0600, created so: never readable by others, not even for a moment)."""
+def write_token_file(lock_name: str, address: str, token: str,
+                     curve_public_key: str | None = None) -> Path:
+    """Write ``{"address", "pid", "token"}`` (and the broker's CURVE public key, z85, when it
+    has one: ``zchannel broker stop`` and ``stat`` connect with it and the client's own key
+    pair) to ``token_path(lock_name)``, readable by its owner only (mode 0600, created so:
+    never readable by others, not even for a moment)."""
     path = token_path(lock_name)
     tmp = path.with_suffix(f".token.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps({"address": address, "pid": os.getpid(),
-                                 "token": token}).encode() + b"\n")
+        record = {"address": address, "pid": os.getpid(), "token": token}
+        if curve_public_key:
+            record["curve_public_key"] = curve_public_key
+        os.write(fd, json.dumps(record).encode() + b"\n")
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -253,7 +258,8 @@ def write_token_file(lock_name: str, address: str, token: str) -> Path:
 
 
 def read_token_file(lock_name: str) -> dict | None:
-    """The ``{"address", "pid", "token"}`` a running broker wrote (None: no such file)."""
+    """The ``{"address", "pid", "token"}`` (and ``"curve_public_key"``) a running broker
+    wrote (None: no such file)."""
     try:
         data = json.loads(token_path(lock_name).read_text())
     except FileNotFoundError:

@@ -22,6 +22,7 @@ from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.transport import direct_broker, direct_framing
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, RefusalLog, secure_server
+from zchannel.broker.transport.curve_keys import load_key_file
 
 log = logging.getLogger("zchannel.broker")
 
@@ -113,7 +114,11 @@ class Endpoint:
             except OSError as exc:  # clients then use ZeroMQ only
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
-        self.token_file = paths.write_token_file(self._lock_name, self.address, token)
+        secret_file = self.config.curve_secret_key if self._auth else None
+        self.token_file = paths.write_token_file(  # (the public key: for broker stop and stat)
+            self._lock_name, self.address, token,
+            load_key_file(secret_file, "the broker's CURVE key pair")[0].decode()
+            if secret_file else None)
         for warning in paths.bind_warnings(
                 self.address, bool(self._auth and self.config.curve_public_keys),
                 encrypted=bool(self._auth)):

@@ -251,9 +251,11 @@ class TurnCosts:
     def __init__(self) -> None:
         self.made = 0
         # by the figures they report: ``clients`` and the asker left out of the same-host ones
-        self.bodies: dict[tuple[int, int], bytes] = {}
+        # (zmq.Frames: every reply refers to one body, where pyzmq would copy a bytes object
+        # under its copy threshold into each: a flood of stats nobody reads costs references)
+        self.bodies: dict[tuple[int, int], zmq.Frame] = {}
         self.peeked = 0
-        self.last: bytes | None = None
+        self.last: zmq.Frame | None = None
         self.last_cost = 0.0  # seconds the last body took to make
         self.stats_credit = STATS_BURST_S  # seconds of making stats bodies (STATS_SHARE)
         self._credit_at = time.monotonic()
@@ -273,21 +275,23 @@ class TurnCosts:
         self._credit_at = now
         return self.last_cost < STATS_DEAR_S or self.stats_credit > 0
 
-    def last_stats(self, figures: tuple[int, int]) -> bytes | None:
+    def last_stats(self, figures: tuple[int, int]) -> zmq.Frame | None:
         """The body to answer again while none may be made: the last one of the asker's
         ``figures`` (``stats``), else the last one made (its client counts may be off by the
         asker or a connection), None before the first."""
         return self.bodies.get(figures, self.last)
 
-    def made_stats(self, figures: tuple[int, int], body: bytes, seconds: float) -> None:
-        """A body made afresh in ``seconds``: the one later records get while none may be."""
+    def made_stats(self, figures: tuple[int, int], body: bytes, seconds: float) -> zmq.Frame:
+        """A body made afresh in ``seconds``: the one later records get while none may be (as
+        the frame every reply refers to, returned)."""
         if figures not in self.bodies and len(self.bodies) >= 2:
             self.bodies.clear()  # the figures of an observer and of a client, lately
-        self.bodies[figures] = self.last = body
+        frame = self.bodies[figures] = self.last = zmq.Frame(body)
         self.made += 1
         self.last_cost = seconds
         if seconds >= STATS_DEAR_S:
             self.stats_credit -= seconds
+        return frame
 
 
 def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
@@ -303,8 +307,8 @@ def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
     body = None if costs.may_make_stats() else costs.last_stats(figures)
     if body is None:
         start = time.perf_counter()
-        body = _stats_body(broker, clients, same_host)
-        costs.made_stats(figures, body, time.perf_counter() - start)
+        made = _stats_body(broker, clients, same_host)
+        body = costs.made_stats(figures, made, time.perf_counter() - start)
     broker.sessions.reply(client, rec.id, items=[Item([body], 0, len(body))], raw=True)
 
 
@@ -345,8 +349,21 @@ def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
                          f"{PEEKED_PER_TURN} frames in this turn of the broker's loop (with "
                          f"{costs.peeked} copied already): peek again, or fewer items")
     costs.peeked += copied
+    for item in items:
+        _share_frames(item.payload)
     broker.sessions.reply(client, rec.id, items=items, batch=True, raw=True,
                  weights=[item.weight for item in items])
+
+
+def _share_frames(payload: Any) -> None:
+    """Make the bytes frames of a queued item's ``payload`` (a list; slots are left alone)
+    ``zmq.Frame``s in place, holding the same bytes once: every reply then refers to them,
+    where pyzmq would copy a bytes object under its copy threshold into each (a flood of
+    peeks nobody reads costs the broker references, not copies of the queue)."""
+    if type(payload) is list:
+        for i, frame in enumerate(payload):
+            if type(frame) is bytes:
+                payload[i] = zmq.Frame(frame)
 
 
 def cancel(broker: Broker, client: Client, rec: Cancel, frames: list) -> None:

@@ -218,11 +218,6 @@ class Broker:
         ``close()`` then removes what was made)."""
         self.address = self.endpoint.bind(self.token)
         self.sock, self.peers = self.endpoint.sock, self.endpoint.peers
-        token_file = self.endpoint.token_file
-        if self.announce_token and token_file is not None:
-            log.info("shutdown token of %r kept in %s (readable by its owner only): "
-                     "`zchannel broker stop %s` stops this broker", self.config.name,
-                     token_file, token_file.stem)
         self.sessions.peers = self.peers
         return self.address
 
@@ -258,6 +253,11 @@ class Broker:
         self.sched_policy = _tune_for_serving(batch_wanted(self.config.sched_batch))
         if self.replica is not None:
             self.replica.start(self.core)
+        token_file = self.endpoint.token_file
+        if self.announce_token and token_file is not None:  # (once nothing more can fail)
+            log.info("shutdown token of %r kept in %s (readable by its owner only): "
+                     "`zchannel broker stop %s` stops this broker", self.config.name,
+                     token_file, token_file.stem)
         self._running = True  # before the handlers: a signal right after "ready" stops us
         stops = _stop_sources(self)
         sock, _ = self.bound()

@@ -52,16 +52,14 @@ class CurveKeys:
 
 @dataclass(frozen=True)
 class ReplicaCurveKeys(CurveKeys):
-    """A client's key pair file and one replica's public key as z85 text (a distributed channel
-    from a cluster file with CURVE: every replica has its own key pair)."""
+    """A client's key pair file and one broker's public key as z85 text (a replica's, from a
+    distributed channel's replica table; a broker's of this host, from its token file)."""
 
-    def apply(self, sock: zmq.Socket) -> None:
-        public, secret = zmq.auth.load_certificate(self.secret_key)
+    def load(self) -> tuple[bytes, bytes, bytes]:
+        public, secret = load_key_file(self.secret_key, "the client's CURVE key pair")
         if secret is None:
             raise ValueError(f"{self.secret_key} holds no secret key")
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
-        sock.curve_serverkey = self.server_public_key.encode()
+        return public, secret, self.server_public_key.encode()
 
 
 def replica_client_keys(curve_keys: Any, server_key: str | None) -> Any:

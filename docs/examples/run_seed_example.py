@@ -1,9 +1,12 @@
-"""The seed's worked example, runnable: six samples, three consumers.
+"""A worked example of hooks, runnable: six samples, three consumers.
 
     python docs/examples/run_seed_example.py
 
 prints which consumer received which sample and checks actor:0 s0 s3 / actor:1 s1 s4 /
-actor:2 s2 s5, with the built-ins and with the seed's own classes (seed_hooks.py).
+actor:2 s2 s5, with the built-ins (flatten_batch, round_robin) and with RLinf-style classes of
+its own (seed_hooks.py: FlattenBatchCollector, EvenDispatcher). "seed" in these names refers to
+the original design document zchannel was built from, which used this example; nothing here
+needs it (docs/hooks.md, "An RLinf-style worked example").
 
 ``seed_hooks`` is imported from this file's folder (``sys.path[0]`` of a script), and so does
 the broker ``Channel.create`` starts: it gets this process's ``sys.path``.

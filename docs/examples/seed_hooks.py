@@ -1,7 +1,9 @@
-"""The seed's two example hooks, in an importable module (see run_seed_example.py).
+"""Two RLinf-style example hooks, in an importable module (see run_seed_example.py; "seed"
+in these names refers to the original design document zchannel was built from, which used
+this example).
 
 actor:0 gets s0 s3, actor:1 s1 s4, actor:2 s2 s5 — once with the built-ins
-(``flatten_batch`` + ``round_robin``) and once with the seed's own classes, which live in an
+(``flatten_batch`` + ``round_robin``) and once with these classes of its own, which live in an
 importable module (here: this file, imported as ``seed_hooks``) and are registered under names of
 their own because ``flatten_batch`` is a built-in.
 """
