@@ -154,7 +154,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                      lerobot_only_success=only_success, **given)
         spec = env_spec(cfg)  # an env that cannot be made or carried is refused here
         cfg.plan(spec.action_dim)  # geometry errors (e.g. pipeline widths) before anything starts
-        check_recordable(cfg)  # a dataset's cameras: 1 or 3 channels
+        check_recordable(cfg)  # lerobot mode: recordable cameras (a dataset: 1 or 3 channels)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
     envs, env_batch, steps = cfg.envs, cfg.env_batch, cfg.steps
@@ -187,6 +187,23 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                      f"{env_name}, {runner} runner, {mode} mode")
 
 
+def _mean(evaluations: list[dict], name: str) -> float | None:
+    """The mean of ``name`` over the episodes of ``evaluations`` (``evaluate`` results, each
+    weighted by its episodes); None when none finished an episode."""
+    counted = [r for r in evaluations if r["episodes"]]
+    episodes = sum(r["episodes"] for r in counted)
+    return sum(r[name] * r["episodes"] for r in counted) / episodes if episodes else None
+
+
+def _figures(evaluation: dict, policy: str) -> str:
+    """``policy``'s (trained or random) return and success in ``evaluation``, or that no
+    episode finished."""
+    if evaluation[f"{policy}_return"] is None:
+        return "no episode finished"
+    return (f"return {evaluation[f'{policy}_return']:.2f}, success "
+            f"{evaluation[f'{policy}_success']:.2f}")
+
+
 def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict],
                      json_path: str | None, plot_path: str | None, title: str) -> None:
     """The end of a training run: the trained and a random policy evaluated on the same env
@@ -203,18 +220,13 @@ def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[
                                          action=spec.action), episodes_seed=s)
               for s in seeds]
 
-    def mean(rows: list[dict], name: str) -> float:
-        return sum(r[name] for r in rows) / len(rows)
-
-    evaluation: dict[str, Any] = {"seeds": seeds, "trained_return": mean(trained, "mean_return"),
-                  "random_return": mean(random, "mean_return"),
-                  "trained_success": mean(trained, "success_rate"),
-                  "random_success": mean(random, "success_rate")}
-    click.echo(f"trained policy: return {evaluation['trained_return']:.2f}, success "
-               f"{evaluation['trained_success']:.2f}   random policy: return "
-               f"{evaluation['random_return']:.2f}, success {evaluation['random_success']:.2f}"
-               f"   (first episode of each of {len(seeds)} x {cfg.env_batch} envs, same env "
-               f"seeds {seeds})")
+    evaluation: dict[str, Any] = {"seeds": seeds, "trained_return": _mean(trained, "mean_return"),
+                  "random_return": _mean(random, "mean_return"),
+                  "trained_success": _mean(trained, "success_rate"),
+                  "random_success": _mean(random, "success_rate")}
+    click.echo(f"trained policy: {_figures(evaluation, 'trained')}   random policy: "
+               f"{_figures(evaluation, 'random')}   (first episode of each of {len(seeds)} x "
+               f"{cfg.env_batch} envs, same env seeds {seeds})")
     unfinished = sum(r["unfinished"] for r in trained + random)
     if unfinished:
         click.echo(f"({unfinished} evaluation envs finished no episode within the chunk limit "

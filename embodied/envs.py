@@ -23,6 +23,7 @@ Every env describes its observations and actions with an ``EnvSpec`` (``spec``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -150,9 +151,11 @@ class ChunkedEnv:
 
     ``reward_scaler`` (optional) scales the rewards put into the transition; the statistics
     keep the env's own rewards.  Every observation is checked against ``env.spec``
-    (``ObservationError`` naming the key) and every reward must be finite (``RewardError``
-    naming the env, the sub-env, its episode step and the chunk slot, raised before the reward
-    reaches the statistics or the transition).  ``name`` (default: the env's class name) names
+    (``ObservationError`` naming the key), its float values (and those of each finished
+    sub-env's final observation) must be finite (``ObservationError`` naming the env, the
+    sub-env, the observation leaf, its episode step and the chunk slot) and every reward must
+    be finite (``RewardError`` naming the same, raised before the reward reaches the statistics
+    or the transition).  ``name`` (default: the env's class name) names
     the env in those errors.  ``record_episodes`` attaches each chunk's ``episode_data``
     (lerobot mode).  An env that reports an expert intervention (``info["intervene_action"]``
     with ``info["intervene_flag"]``) gets it into the transition's ``intervene_actions`` /
@@ -175,10 +178,53 @@ class ChunkedEnv:
         self._len = torch.zeros(env.num_envs, dtype=torch.long)
         self.obs: dict[str, torch.Tensor] | None = None
 
-    def _checked(self, obs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _checked(self, obs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
+                 when: Callable[[int], str] = lambda b: "at the reset of its episode",
+                 ) -> dict[str, torch.Tensor]:
+        """``obs`` checked against the spec, and its float values (those of the sub-envs
+        ``rows``, default all) finite: ``ObservationError`` naming the env, the sub-env, the
+        observation leaf and ``when(sub_env)``."""
         if self.spec is not None:
             check_observation(obs, self.spec, self.num_envs)
+        for key, value in obs.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            flat = value.reshape(self.num_envs, -1)
+            bad = ~torch.isfinite(flat)
+            if rows is not None:
+                bad &= rows.reshape(-1, 1)
+            if bool(bad.any()):
+                b, column = (int(i) for i in torch.nonzero(bad)[0])
+                raise ObservationError(
+                    f"env {self.name!r}: sub-env {b} returned the non-finite observation "
+                    f"{self._leaf_name(key, column)!r} value {float(flat[b, column])} "
+                    f"{when(b)}; observations must be finite (non-finite sub-envs: "
+                    f"{torch.nonzero(bad.any(dim=1)).flatten().tolist()})")
         return obs
+
+    def _leaf_name(self, key: str, column: int) -> str:
+        """The observation leaf of column ``column`` of ``obs[key]`` (the env's
+        ``state_names`` for ``states``, when it has them)."""
+        names = getattr(self.env, "state_names", None)
+        if key == "states" and names is not None and column < len(names):
+            return str(names[column])
+        return f"{key}[{column}]"
+
+    def _check_step(self, obs: dict[str, torch.Tensor], reward: torch.Tensor,
+                    done: torch.Tensor, info: dict[str, Any], slot: int) -> None:
+        """Check one low-level step before the episode counters move: the reward finite, the
+        observation checked, and so the observation each finished sub-env ended in."""
+        self._check_reward(reward, slot)
+
+        def at_step(b: int) -> str:
+            return (f"at step {int(self._len[b]) + 1} of its episode (slot {slot} of the "
+                    "action chunk)")
+
+        if bool(done.any()) and isinstance(info.get(FINAL_OBS), dict):
+            ended = torch.as_tensor(info.get(FINAL_MASK, done), dtype=torch.bool).reshape(-1)
+            self._checked(info[FINAL_OBS], ended & done, at_step)
+        self._checked(obs, ~done, at_step)
+        self._checked(obs, done, lambda b: f"at the reset after {at_step(b)}")
 
     def _check_reward(self, reward: torch.Tensor, slot: int) -> None:
         bad = ~torch.isfinite(reward)
@@ -215,16 +261,15 @@ class ChunkedEnv:
                 obs_list.append({k: v.clone() if isinstance(v, torch.Tensor) else v
                                  for k, v in (self.obs or {}).items()})
             obs, reward, term, trunc, info = self.env.step(actions[:, c])
-            obs = self._checked(obs)
-            if self.record_episodes:
-                infos_list.append({k: info[k] for k in RECORDED_INFO_KEYS if k in info})
             reward = torch.as_tensor(reward, dtype=torch.float32).reshape(B)
-            self._check_reward(reward, c)
             term = torch.as_tensor(term, dtype=torch.bool).reshape(B)
             # a terminal state reached on a time limit's last step (Gymnasium's TimeLimit says
             # both) is terminal: it must not be bootstrapped as a truncation is
             trunc = torch.as_tensor(trunc, dtype=torch.bool).reshape(B) & ~term
             done = term | trunc
+            self._check_step(obs, reward, done, info, c)
+            if self.record_episodes:
+                infos_list.append({k: info[k] for k in RECORDED_INFO_KEYS if k in info})
             self.env_steps += B
             self._ret += reward
             self._len += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -84,13 +85,24 @@ class Worker:
         return ray.get_runtime_context().get_node_id()
 
 
+LAUNCH_CALL = 0  # the call id of a local worker's construction; method calls count from 1
+
+
 def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: int,
            conn: Any) -> None:
-    """A local worker process: build the worker, then run the calls that arrive on ``conn``."""
+    """A local worker process: build the worker (answering ``(LAUNCH_CALL, status, error)``;
+    a constructor that raises is answered with its traceback and ends the process), then run
+    the calls ``(call_id, method, args, kwargs)`` that arrive on ``conn``, answering each with
+    ``(call_id, "ok", result)`` or ``(call_id, "err", traceback)``."""
     os.environ[IDENTITY_ENV] = f"{group}:{rank}"
-    worker = cls(*args, **kwargs)
-    worker._zchannel_setup(group, rank, world)
-    conn.send(("ok", None))
+    try:
+        worker = cls(*args, **kwargs)
+        worker._zchannel_setup(group, rank, world)
+    except BaseException:
+        conn.send((LAUNCH_CALL, "err", f"constructing {cls.__name__} raised:\n"
+                                       f"{traceback.format_exc()}"))
+        return
+    conn.send((LAUNCH_CALL, "ok", None))
     while True:
         try:
             call = conn.recv()
@@ -98,11 +110,11 @@ def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: i
             return
         if call is None:
             return
-        method, a, kw = call
+        call_id, method, a, kw = call
         try:
-            conn.send(("ok", worker._zchannel_call(method, a, kw)))
+            conn.send((call_id, "ok", worker._zchannel_call(method, a, kw)))
         except BaseException:
-            conn.send(("err", traceback.format_exc()))
+            conn.send((call_id, "err", traceback.format_exc()))
 
 
 def _ray_done(ray: Any, ref: Any) -> bool:
@@ -172,33 +184,47 @@ class WorkerGroup:
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._actors: list[Any] = []
+        # per local rank: call id -> (status, value), the answers read but not yet taken (an
+        # answer is read when it or a later call's answer is awaited)
+        self._answers: list[dict[int, tuple[str, Any]]] = []
+        self._calls = LAUNCH_CALL  # the id of the last call sent to the local ranks
 
     def launch(self, num_workers: int = 1, *, name: str | None = None, ray: bool = False,
                node_ranks: list[int] | None = None) -> WorkerGroup:
         """Start ``num_workers`` ranks named ``<name>:<rank>`` as local processes, or as Ray
         actors (``ray=True``; ``node_ranks[i]`` pins rank i to the i-th alive node in node-id
-        order).  Returns the group once every rank is constructed."""
+        order).  Returns the group once every rank is constructed; when a rank fails to start
+        (a local rank: ``WorkerError`` naming it, with its constructor's traceback or its exit
+        code), every rank already started is stopped before the error is raised."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if name is not None:
             self._name = name
         self._ray = bool(ray)
-        if self._ray:
-            self._launch_ray(num_workers, node_ranks)
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            for rank in range(num_workers):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_serve, name=f"{self._name}:{rank}", daemon=True,
-                                   args=(self._cls, self._args, self._kwargs, self._name, rank,
-                                         num_workers, child))
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(parent)
-            for rank in range(num_workers):
-                self._local_result(rank, None)
+        try:
+            if self._ray:
+                self._launch_ray(num_workers, node_ranks)
+            else:
+                self._launch_local(num_workers)
+        except BaseException:
+            self.shutdown()
+            raise
         return self
+
+    def _launch_local(self, num_workers: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(num_workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, name=f"{self._name}:{rank}", daemon=True,
+                               args=(self._cls, self._args, self._kwargs, self._name, rank,
+                                     num_workers, child))
+            self._procs.append(proc)
+            self._conns.append(parent)
+            self._answers.append({})
+            proc.start()
+            child.close()
+        for rank in range(num_workers):
+            self._local_result(rank, LAUNCH_CALL, None)
 
     def _launch_ray(self, num_workers: int, node_ranks: list[int] | None) -> None:
         import ray
@@ -239,20 +265,44 @@ class WorkerGroup:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def _local_done(self, rank: int) -> bool:
-        """Whether rank ``rank``'s answer is there (or its process ended)."""
-        return self._conns[rank].poll(0) or not self._procs[rank].is_alive()
+    def _died(self, rank: int) -> WorkerError:
+        proc = self._procs[rank]
+        proc.join(5)  # its pipe ended: the exit code follows
+        return WorkerError(f"worker {self._name}:{rank} died (exit code {proc.exitcode})")
 
-    def _local_result(self, rank: int, timeout: float | None) -> Any:
-        conn, proc = self._conns[rank], self._procs[rank]
-        while not conn.poll(0.2 if timeout is None else min(0.2, timeout)):
-            if not proc.is_alive():
-                raise WorkerError(f"worker {self._name}:{rank} died (exit code {proc.exitcode})")
-            if timeout is not None:
-                timeout -= 0.2
-                if timeout <= 0:
-                    raise TimeoutError(f"{self._name}:{rank} did not answer in time")
-        status, value = conn.recv()
+    def _receive(self, rank: int) -> None:
+        """Read one answer of rank ``rank`` into ``self._answers``; ``WorkerError`` naming the
+        rank and its exit code when the pipe ended (the process died)."""
+        try:
+            call_id, status, value = self._conns[rank].recv()
+        except (EOFError, OSError):
+            raise self._died(rank) from None
+        self._answers[rank][call_id] = (status, value)
+
+    def _local_done(self, rank: int, call_id: int) -> bool:
+        """Whether rank ``rank``'s answer to call ``call_id`` is there (or its process ended)."""
+        try:
+            while call_id not in self._answers[rank] and self._conns[rank].poll(0):
+                self._receive(rank)
+        except WorkerError:
+            return True
+        return call_id in self._answers[rank] or not self._procs[rank].is_alive()
+
+    def _local_result(self, rank: int, call_id: int, timeout: float | None) -> Any:
+        """Rank ``rank``'s answer to call ``call_id`` (answers of other calls read on the way
+        are kept for them): ``TimeoutError`` after ``timeout`` seconds, ``WorkerError`` for an
+        error or a dead process."""
+        conn, proc, answers = self._conns[rank], self._procs[rank], self._answers[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while call_id not in answers:
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            if conn.poll(wait):
+                self._receive(rank)
+            elif not proc.is_alive() and not conn.poll(0):
+                raise self._died(rank)
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._name}:{rank} did not answer in time")
+        status, value = answers.pop(call_id)
         if status == "err":
             raise WorkerError(f"worker {self._name}:{rank} failed:\n{value}")
         return value
@@ -276,11 +326,14 @@ class WorkerGroup:
 
             return GroupCall(self, method, [waiter(r, i) for i, r in enumerate(refs)],
                              [functools.partial(_ray_done, ray, r) for r in refs])
+        self._calls += 1
         for conn in self._conns:
-            conn.send((method, args, kwargs))
+            conn.send((self._calls, method, args, kwargs))
         return GroupCall(self, method,
-                         [functools.partial(self._local_result, r) for r in range(self.size)],
-                         [functools.partial(self._local_done, r) for r in range(self.size)])
+                         [functools.partial(self._local_result, r, self._calls)
+                          for r in range(self.size)],
+                         [functools.partial(self._local_done, r, self._calls)
+                          for r in range(self.size)])
 
     def __getattr__(self, method: str) -> Callable[..., GroupCall]:
         if method.startswith("_") or not callable(getattr(self._cls, method, None)):
@@ -311,7 +364,7 @@ class WorkerGroup:
                 proc.join(5)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._answers = [], [], []
 
 
 __all__ = ["GroupCall", "Worker", "WorkerError", "WorkerGroup"]

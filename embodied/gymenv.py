@@ -17,8 +17,9 @@ it in ``GymVectorEnv``, which
   with a ``ValueError`` naming the leaf, its shape and the remedies;
 - reads ``info["success"]`` only when its values are bools or numbers (``_info_flags``: any other
   value, such as the string ``"no"``, is a ``ValueError`` naming the key and the dtype);
-- turns action chunks back into the action space (Box: [-1, 1] onto the bounds; Discrete,
-  MultiDiscrete, MultiBinary: integer indices of the right shape and dtype), and an env's
+- turns action chunks back into the action space (Box: [-1, 1] onto the bounds, rounded to
+  the nearest integer in the bounds for an integer Box; Discrete, MultiDiscrete, MultiBinary:
+  integer indices of the right shape and dtype), and an env's
   ``info["intervene_action"]`` (the action it executed, in its action space) back into the
   policy's (``from_space``), so training and recording see what the policy would have emitted;
 - refuses a non-finite action (NaN, inf) with a ``ValueError`` naming the policy output and the
@@ -319,6 +320,11 @@ class GymVectorEnv:
         self.autoreset_mode = _autoreset_mode(env)
         action = _action_spec(self.action_space)
         self._leaves = _leaves(env.single_observation_space)
+        not_keys = {leaf: target for leaf, target in self.obs_map.items()
+                    if target is not None and not isinstance(target, str)}
+        if not_keys:
+            raise ValueError(f"obs_map maps {not_keys}: each leaf goes to an image key (a "
+                             "string such as 'main_images'), to 'states' or to None (dropped)")
         known = {leaf.name for leaf in self._leaves}
         unknown = sorted(set(self.obs_map) - known)
         if unknown:
@@ -344,6 +350,9 @@ class GymVectorEnv:
             images[key] = (len(group), *shape) if stacked else shape
         self.spec = EnvSpec(sum(_state_width(leaf.space) for leaf in self._states), action,
                             images)
+        # the observation leaf of each column of ``states`` (names the leaf of a bad value)
+        self.state_names = tuple(leaf.name for leaf in self._states
+                                 for _ in range(_state_width(leaf.space)))
         self.state_dim = self.spec.state_dim
         self.action_dim = action.dim
         if action.kind == "box":
@@ -381,7 +390,8 @@ class GymVectorEnv:
     # -- actions --------------------------------------------------------------------------
 
     def to_space(self, actions: torch.Tensor) -> np.ndarray:
-        """A ``[B, A]`` float action batch in the action space's form."""
+        """A ``[B, A]`` float action batch in the action space's form (an integer Box: the
+        mapped values rounded to the nearest integer in ``[low, high]``)."""
         a = torch.as_tensor(actions, dtype=torch.float32).reshape(self.num_envs, -1).numpy()
         spec, space = self.spec.action, self.action_space
         if a.shape[1] != spec.dim:
@@ -395,8 +405,10 @@ class GymVectorEnv:
                              f"space {space} must be finite")
         if spec.kind == "box":
             scaled = self._low + (np.clip(a, -1, 1) + 1) * 0.5 * (self._high - self._low)
-            a = np.where(self._scaled, scaled, a)
-            return a.reshape(self.num_envs, *space.shape).astype(space.dtype, copy=False)
+            a = np.where(self._scaled, scaled, a).reshape(self.num_envs, *space.shape)
+            if np.issubdtype(space.dtype, np.integer):  # the nearest integer, as for indices
+                a = np.clip(np.rint(a), space.low, space.high)
+            return a.astype(space.dtype, copy=False)
         index = np.rint(a).astype(np.int64)
         nvec = np.asarray(spec.nvec)
         if (index < 0).any() or (index >= nvec).any():

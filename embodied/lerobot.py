@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["LeRobotEpisodeAccumulator"]
+__all__ = ["CAMERA_KEYS", "LeRobotEpisodeAccumulator", "camera_of"]
 
 _MAIN_KEYS = ("main_images", "image", "full_image")
 _WRIST_KEYS = ("wrist_images", "wrist_image")
@@ -34,6 +34,15 @@ _CAMERAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wrist", _WRIST_KEYS),
     ("extra_view", _EXTRA_KEYS),
 )
+CAMERA_KEYS = _MAIN_KEYS + _WRIST_KEYS + _EXTRA_KEYS  # the image keys a frame records
+
+
+def camera_of(key: str) -> str | None:
+    """The recorded camera (``main``, ``wrist``, ``extra_view``) of the observation image key
+    ``key``; None for a key no frame records."""
+    return next((camera for camera, keys in _CAMERAS if key in keys), None)
+
+
 _SUCCESS_KEYS = ("success_once", "success_at_end", "success")
 _FINAL_KEYS = ("final_observation", "final_info")
 _UNKNOWN_TASK = "unknown task"

@@ -39,6 +39,7 @@ from zchannel.broker.shm import MAX_SLOTS
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
 from zchannel.embodied.launch import Workers
+from zchannel.embodied.lerobot import CAMERA_KEYS, camera_of
 from zchannel.embodied.lerobot_writer import LeRobotDatasetWriter
 from zchannel.embodied.models import ActorCritic
 from zchannel.embodied.normalize import RewardScaler
@@ -186,11 +187,29 @@ def env_spec(cfg: RunConfig) -> EnvSpec:
 
 
 def check_recordable(cfg: RunConfig) -> None:
-    """A run that writes a LeRobot dataset (``cfg.dataset``) needs cameras of 1 or 3 channels,
-    what the writer stores: ``ValueError`` naming the image key before anything starts."""
+    """A lerobot-mode run records every camera of the env, so each image key must be one a
+    frame records (``lerobot.CAMERA_KEYS``), one per camera, and a run that writes a LeRobot
+    dataset (``cfg.dataset``) needs cameras of 1 or 3 channels, what the writer stores:
+    ``ValueError`` naming the image key before anything starts."""
+    if cfg.mode != "lerobot":
+        return
+    images = env_spec(cfg).images
+    recorded: dict[str, str] = {}
+    for key in images:
+        camera = camera_of(key)
+        if camera is None or camera in recorded:
+            leaf = next((leaf for leaf, target in (cfg.obs_map or {}).items() if target == key),
+                        "<leaf>")
+            reason = (f"records the {camera} camera from {recorded[camera]!r} already"
+                      if camera is not None else f"records the image keys {list(CAMERA_KEYS)} "
+                      "only")
+            raise ValueError(f"image {key!r} of env {cfg.env!r} would not be recorded: lerobot "
+                             f"mode {reason}; send the camera to one of them with obs_map (e.g. "
+                             f"{{{leaf!r}: 'main_images'}}) or drop it (None)")
+        recorded[camera] = key
     if not cfg.dataset:
         return
-    for key, shape in env_spec(cfg).images.items():
+    for key, shape in images.items():
         if shape[-1] not in (1, 3):
             raise ValueError(f"image {key!r} of env {cfg.env!r} has {shape[-1]} channels "
                              f"(per-env shape {list(shape)}): a LeRobot dataset holds images "
@@ -697,7 +716,8 @@ def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
     average over every finished episode would favour the envs whose episodes are short).  An
     env without a finished episode after ``max_chunks`` action chunks is left out and counted
     in ``unfinished``.  The result: ``mean_return`` (undiscounted, the env's own rewards),
-    ``success_rate``, ``episodes`` (the envs counted) and ``unfinished``."""
+    ``success_rate`` (both None when no env finished an episode: there is nothing to average),
+    ``episodes`` (the envs counted) and ``unfinished``."""
     env = ChunkedEnv(make_env(cfg.env, cfg.env_batch, cfg.env_kwargs, cfg.obs_map),
                      cfg.num_action_chunks, name=cfg.env)
     env.reset(seed=episodes_seed)
@@ -717,8 +737,8 @@ def evaluate(cfg: RunConfig, policy: torch.nn.Module, *, episodes_seed: int,
         if len(first) == cfg.env_batch:
             break
     n = len(first)
-    return {"mean_return": sum(ret for ret, _ in first.values()) / max(n, 1),
-            "success_rate": sum(success for _, success in first.values()) / max(n, 1),
+    return {"mean_return": sum(ret for ret, _ in first.values()) / n if n else None,
+            "success_rate": sum(success for _, success in first.values()) / n if n else None,
             "episodes": n, "unfinished": cfg.env_batch - n}
 
 

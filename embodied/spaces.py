@@ -16,7 +16,7 @@ policy constructors (``zchannel.embodied.models``):
 
 ``check_observation`` checks a batch against the spec; a wrong dtype or shape is an
 ``ObservationError`` naming the key.  ``ChunkedEnv`` raises ``RewardError`` for a non-finite
-reward.
+reward and ``ObservationError`` for a non-finite observation value.
 """
 
 from __future__ import annotations

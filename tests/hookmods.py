@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -18,16 +19,32 @@ class Raising(Collector):
         yield key, item
 
 
+class Ending(BaseException):
+    """A ``BaseException`` of a hook's own (neither an error nor an exit)."""
+
+
 class Exits(Collector):
-    """Raises what ends a process: ``sys.exit`` for ``"exit"``, ``KeyboardInterrupt`` for
-    ``"interrupt"`` (a hook's failure like any other)."""
+    """Raises what ends a process or a task: ``sys.exit`` for ``"exit"``, ``KeyboardInterrupt``
+    for ``"interrupt"``, ``asyncio.CancelledError`` for ``"cancel"``, a ``BaseException`` of
+    its own for ``"base"`` (each a hook's failure like any other)."""
 
     def collect(self, item, key):
         if item == "exit":
             raise SystemExit(3)
         if item == "interrupt":
             raise KeyboardInterrupt
+        if item == "cancel":
+            raise asyncio.CancelledError
+        if item == "base":
+            raise Ending("the hook's own")
         yield key, item
+
+
+class UnsendableStats(Collector):
+    """Its ``stats()`` returns what cannot travel."""
+
+    def stats(self):
+        return {"handle": object()}
 
 
 class BadYield(Collector):
@@ -265,3 +282,11 @@ class Split(Collector):
 
     def collect(self, item, key):
         yield from ((k, v) for k, v in item)
+
+
+class FanOut(Collector):
+    """Yields the put ``n`` (an int) times, 64 bytes each."""
+
+    def collect(self, item, key):
+        for _ in range(item):
+            yield key, b"f" * 64

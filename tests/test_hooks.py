@@ -424,12 +424,24 @@ def test_failing_observe_and_rebalance_reach_the_get(make):
 def test_a_hook_that_exits_or_interrupts_is_a_hook_error(make):
     ch = make("exits", collector="hookmods:Exits")
     ch.put("kept")
-    for item, kind in (("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt")):
+    for item, kind in (("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt"),
+                       ("cancel", "CancelledError"), ("base", "Ending")):
         with pytest.raises(HookError) as info:
             ch.put(item)
         assert info.value.exc_type == kind
     ch.put("after")  # the broker serves on, and lost nothing
     assert [ch.get(timeout=5), ch.get(timeout=5)] == ["kept", "after"]
+
+
+def test_hook_stats_that_cannot_travel_are_an_error_entry_not_a_broken_stats(make):
+    """A hook whose ``stats()`` returns what cannot travel: ``stats()`` (and ``zchannel
+    stat``) still answer, its entry naming the hook and the cause."""
+    ch = make("badstats", collector="hookmods:UnsendableStats")
+    ch.put("x")
+    figures = ch.stats()
+    error = figures["collector_stats"]["error"]
+    assert error.startswith("UnsendableStats.stats(): TypeError") and "builtins.object" in error
+    assert figures["keys"]["default_queue"]["depth"] == 1
 
 
 def test_a_broker_that_decodes_knows_the_classes_its_creator_registered(make_remote):

@@ -7,6 +7,7 @@ memory grows by less than twice ``max_bytes`` (read from ``/proc/<pid>/status``)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import wait_until
-from zchannel.broker import Channel
+from zchannel.broker import Channel, HookError
 from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD, item_bytes
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION
 
@@ -226,4 +227,41 @@ def test_replies_nobody_reads_share_the_stats_bodies_and_the_peeked_items(bounde
     assert ch.get(key="other", timeout=30) == "served"
     flooder.close()
     flooder2.close()
+    ch.close()
+
+
+def test_max_bytes_bounds_a_put_into_an_empty_broker_and_a_collectors_fan_out(run_dir):
+    """An item larger than ``max_bytes`` is refused also while the broker holds nothing (it
+    was stored then, and only the next one refused), and a collector's outputs of one put are
+    refused as soon as they pass ``max_bytes`` (they were all made and stored: 400,000 outputs
+    of one 8-byte put held 130 MB under a 1 MB limit)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "fanout",
+                             "--max-bytes", str(MAX_BYTES), "--collector", "hookmods:FanOut"],
+                            stdout=subprocess.PIPE, text=True, cwd=tests_dir)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        ch = Channel.connect(line.split()[1], timeout=30)
+        with pytest.raises(HookError, match="outputs of one put take more than the broker's "
+                                            "max_bytes limit") as info:
+            ch.put(400_000)
+        assert info.value.exc_type == "ValueError"
+        stats = ch.stats()
+        assert stats["bytes_held"] == 0 and stats["keys"] == {}
+        ch.put(10)
+        assert ch.qsize() == 10
+        ch.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_item_over_max_bytes_is_refused_into_an_empty_broker(bounded_broker):
+    _, address = bounded_broker
+    ch = Channel.connect(address, timeout=30)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="exceeds the broker's max_bytes limit"):
+            ch.put(b"x" * (MAX_BYTES + 1))
+    assert ch.stats()["bytes_held"] == 0
     ch.close()

@@ -47,6 +47,24 @@ def brokers():
         proc.communicate(timeout=20)
 
 
+def test_a_broker_of_another_name_does_not_take_a_served_ipc_address(brokers, run_dir):
+    """The channel lock keeps brokers of one name apart, not brokers of two names given one
+    ``ipc://`` address: the second is refused as on a busy tcp port (it used to remove the
+    first's socket file and serve there, stranding the first's items), and the first keeps
+    its socket file."""
+    address = f"ipc://{run_dir}/shared.sock"
+    first, _ = brokers("first", "--address", address)
+    ch = Channel.connect(address, timeout=30)
+    ch.put("precious")
+    out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "second",
+                          "--address", address], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Address already in use" in out.stderr, out.stderr
+    again = Channel.connect(address, timeout=30)
+    assert again.stats()["name"] == "first" and again.get(timeout=30) == "precious"
+    again.close()
+    ch.close()
+
+
 def test_failed_starts_leave_nothing(run_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

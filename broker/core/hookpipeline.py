@@ -24,9 +24,10 @@ from zchannel.hooks import ChannelContext, Collector, Dispatcher
 
 log = logging.getLogger("zchannel.broker")
 
-# what a hook may raise: any error, also ``sys.exit()`` and a ``KeyboardInterrupt`` it raises
-# itself (a broker takes SIGINT with a handler, never as an exception), is the hook's failure
-HOOK_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+# what a hook may raise: anything, also ``sys.exit()``, a ``KeyboardInterrupt`` it raises
+# itself (a broker takes SIGINT with a handler, never as an exception), ``asyncio``'s
+# ``CancelledError`` and its own ``BaseException`` subclasses, is the hook's failure
+HOOK_FAILURES = (BaseException,)
 
 
 class HookPipeline:
@@ -35,8 +36,9 @@ class HookPipeline:
     def __init__(self, *, name: str, maxsize: int, collector: Collector, dispatcher: Dispatcher,
                  producers: tuple[str, ...], options: dict | None, roster: Consumers,
                  decode_item: Callable[[Item], Any],
-                 encode_item: Callable[[Any, int | float], Item]) -> None:
+                 encode_item: Callable[[Any, int | float], Item], max_bytes: int = 0) -> None:
         self.collector = collector
+        self.max_bytes = max_bytes  # the outputs of one put beyond it are refused as made
         self.dispatcher = dispatcher
         self.roster = roster
         self.decode_item = decode_item
@@ -75,6 +77,7 @@ class HookPipeline:
         value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
         outputs: list[tuple[Any, Item]] = []
         reused = False
+        made = 0  # their bytes, checked as they come: a fan-out past max_bytes stops there
         try:
             produced = self.collector.collect(value, key)
             for out in produced if produced is not None else ():
@@ -90,6 +93,10 @@ class HookPipeline:
                     reused = True  # once: each output is an item of its own (its own jid)
                 else:
                     outputs.append((out_key, self.encode_item(out[1], out_weight)))
+                made += outputs[-1][1].nbytes
+                if self.max_bytes and made > self.max_bytes:
+                    raise ValueError(f"the collector's outputs of one put take more than the "
+                                     f"broker's max_bytes limit ({self.max_bytes})")
         except HOOK_FAILURES as exc:
             raise hook_error(exc) from None
         if self.log is not None and self.stateful:
@@ -205,8 +212,8 @@ class HookPipeline:
         return {
             "collector": hook_name(self.collector),
             "dispatcher": hook_name(self.dispatcher),
-            "collector_stats": _safe_stats(self.collector),
-            "dispatcher_stats": _safe_stats(self.dispatcher),
+            "collector_stats": _safe_stats(self.collector, self.encode_item),
+            "dispatcher_stats": _safe_stats(self.dispatcher, self.encode_item),
         }
 
 
@@ -231,9 +238,15 @@ def hook_name(hook: Any) -> str:
     return registered_name(type(hook)) or f"{type(hook).__module__}:{type(hook).__qualname__}"
 
 
-def _safe_stats(hook: Any) -> dict:
+def _safe_stats(hook: Any, encode_item: Callable[[Any, int | float], Item]) -> dict:
+    """``hook.stats()`` as a dict that travels (``encode_item`` takes it as a stats reply
+    must); what it raised or returned otherwise as ``{"error": ...}``, naming the hook, and
+    logged: one hook's figures never break ``stats()`` and ``zchannel stat``."""
     try:
-        return dict(hook.stats())
-    except HOOK_FAILURES:
-        log.exception("hook stats() failed")
-        return {}
+        figures = dict(hook.stats())
+        encode_item(figures, 0)
+        return figures
+    except HOOK_FAILURES as exc:
+        name = type(hook).__name__
+        log.exception("%s.stats() failed or returned what cannot travel", name)
+        return {"error": f"{name}.stats(): {type(exc).__name__}: {exc}"}

@@ -84,7 +84,7 @@ class QueueCore:
         self.hooks = HookPipeline(name=name, maxsize=maxsize, collector=collector,
                                   dispatcher=dispatcher, producers=producers, options=options,
                                   roster=self.roster, decode_item=decode_item,
-                                  encode_item=encode_item)
+                                  encode_item=encode_item, max_bytes=max_bytes)
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,

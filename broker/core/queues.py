@@ -169,9 +169,8 @@ class KeyedQueues:
         targets = self.targets(outputs)
         if blocked and targets & blocked:
             return False
-        if self.max_bytes and self.bytes_held \
-                and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
-            return False
+        if self.max_bytes and self.bytes_held + self.outputs_bytes(outputs) > self.max_bytes:
+            return False  # (one larger than max_bytes never fits: never_fits refuses it)
         if self.log is not None and not self.log.room(self.outputs_bytes(outputs)):
             return False
         if self.maxsize <= 0:

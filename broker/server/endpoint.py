@@ -54,6 +54,7 @@ class Endpoint:
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None
+        self._bound = False  # the socket is bound (its socket file, if any, is this broker's)
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
         self.guard: PeerGuard | None = None  # its connection budget (set by bind)
         self.token_file: Path | None = None  # where the shutdown token is kept (set by bind)
@@ -90,12 +91,18 @@ class Endpoint:
                                                   self.fd_limit)
         ipc = paths.ipc_path(self.address)
         if ipc and os.path.exists(ipc):
-            os.unlink(ipc)  # stale: we hold the channel lock, so no live broker owns it
+            # the channel lock keeps brokers of this name off it, not one of another name
+            # given the same address: a socket file something listens at is not stale
+            if not paths.nothing_listens(self.address):
+                raise zmq.ZMQError(zmq.EADDRINUSE, f"cannot bind {self.address}: Address "
+                                   "already in use (a process listens at that socket file)")
+            os.unlink(ipc)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:  # a busy address: say which
             reason = zmq.strerror(exc.errno or 0)
             raise zmq.ZMQError(exc.errno, f"cannot bind {self.address}: {reason}") from None
+        self._bound = True  # the socket file is this broker's to remove
         if self.address.startswith("tcp://"):
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if ipc:
@@ -141,7 +148,7 @@ class Endpoint:
         paths.remove_address(self.config.name, self.address)
         paths.remove_token_file(self._lock_name)
         ipc = paths.ipc_path(self.address)
-        if ipc:
+        if ipc and self._bound:
             try:
                 os.unlink(ipc)
             except FileNotFoundError:

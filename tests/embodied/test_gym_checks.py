@@ -133,3 +133,12 @@ def test_a_string_success_is_refused_when_a_run_steps_the_env():
     env.reset(seed=0)
     with pytest.raises(ValueError, match=r"info\['success'\] has dtype object.*'no' \(str\)"):
         env.step(torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("target", [5, 1.5, ["main_images"], True])
+def test_an_obs_map_target_that_is_not_a_key_is_refused_naming_it(target):
+    """Refused when the env is made, not a step later inside the policy."""
+    obs_space = spaces.Dict({"cam": _uint8(8, 8, 3), "state": spaces.Box(-1, 1, (2,))})
+    with pytest.raises(ValueError, match=r"obs_map maps \{'cam': .*\}: each leaf goes to an "
+                       r"image key \(a string"):
+        GymVectorEnv(_vec(obs_space), obs_map={"cam": target})

@@ -132,3 +132,30 @@ def test_a_camera_only_env_records_episodes_without_a_state(tmp_path):
     assert features["observation.images.main"]["shape"] == [16, 16, 3]
     assert features["observation.images.wrist"]["shape"] == [16, 16, 3]
     assert all(1 <= len(e) <= 4 for e in _episodes(root))  # max_steps (or success) ends each
+
+
+@pytest.mark.parametrize("obs_map, refused", [
+    ({"state": None, "wrist": "top_images"}, "image 'top_images' of env "),
+    ({"wrist": "image"}, "records the main camera from 'main_images' already"),
+])
+def test_a_camera_lerobot_mode_would_not_record_is_refused_before_the_run(tmp_path, obs_map,
+                                                                          refused):
+    """An image key that is no recorded camera (or a second key for one camera) would leave the
+    camera out of every frame (a camera-only env would record nothing): refused, naming the key
+    and the keys that are recorded, before anything starts."""
+    pytest.importorskip("gymnasium")
+    root = tmp_path / "cams"
+    cfg = RunConfig(env="gym:zchannel.embodied.toyenvs:TwoCameraReach-v0",
+                    env_kwargs={"size": 16, "max_steps": 4}, obs_map=obs_map, mode="lerobot",
+                    transport="inproc", envs=1, env_batch=2, steps=1, num_chunks=4,
+                    num_action_chunks=1, dataset=str(root))
+    with pytest.raises(ValueError, match="would not be recorded") as err:
+        run(cfg)
+    assert refused in str(err.value)
+    assert "'main_images'" in str(err.value) and "obs_map" in str(err.value)
+    assert os.listdir(tmp_path) == []  # nothing started, nothing written
+    result = CliRunner().invoke(cli, [
+        "demo", "embodied", "--mode", "lerobot", "--env", cfg.env, "--env-kwargs",
+        json.dumps(cfg.env_kwargs), "--obs-map", json.dumps(obs_map), "--steps", "1",
+        "--quiet"])
+    assert result.exit_code != 0 and refused in result.output, result.output

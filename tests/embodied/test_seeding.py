@@ -72,7 +72,15 @@ class LengthBySeed(gymnasium.Env):
         return np.zeros(1, np.float32), 1.0, done, False, {"success": done and self.length > 1}
 
 
+class NeverEnds(SeedProbe):
+    """SeedProbe whose episodes never end."""
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 1.0, False, False, {}
+
+
 gymnasium.register("ZchannelSeedProbe-v0", entry_point=SeedProbe)
+gymnasium.register("ZchannelNeverEnds-v0", entry_point=NeverEnds)
 gymnasium.register("ZchannelLengthBySeed-v0", entry_point=LengthBySeed)
 
 
@@ -89,21 +97,23 @@ def test_every_sub_env_of_every_env_worker_gets_its_own_seed():
     assert seeds == list(range(1 * 3 * 4, 2 * 3 * 4))
 
 
-def _demo_evaluation(tmp_path, monkeypatch, seed: int) -> dict:
-    """The demo's end-of-run evaluation on the probe env (``run`` replaced by one record and
-    the initial weights, so no workers start); the ``--json`` file's ``evaluation``."""
+def _demo_evaluation(tmp_path, monkeypatch, seed: int, env: str = "gym:ZchannelSeedProbe-v0",
+                     *options: str) -> dict:
+    """The demo's end-of-run evaluation on ``env`` (``run`` replaced by one record and the
+    initial weights, so no workers start); the ``--json`` file's ``evaluation`` and, under
+    ``"output"``, what the demo printed."""
     def one_step_run(cfg, on_step, ray_nodes):
-        on_step({"step": 0, "policy_lag": 0})
+        on_step({"step": 0, "policy_lag": 0, "mean_return": None})
         return {"final_weights": build_policy(cfg).state_dict(), "wall_s": 0.0,
                 "placement": None, "config": cfg.to_dict(), "episodes": [], "rollout": {}}
 
     monkeypatch.setattr(demo, "_run_demo", one_step_run)
     path = tmp_path / f"run{seed}.json"
-    result = CliRunner().invoke(cli, ["demo", "embodied", "--env", "gym:ZchannelSeedProbe-v0",
-                                      "--env-batch", "4", "--steps", "1", "--seed", str(seed),
-                                      "--quiet", "--json", str(path)])
+    result = CliRunner().invoke(cli, ["demo", "embodied", "--env", env, "--env-batch", "4",
+                                      "--steps", "1", "--seed", str(seed), "--quiet", "--json",
+                                      str(path), *options])
     assert result.exit_code == 0, result.output
-    return json.loads(path.read_text())["evaluation"]
+    return {**json.loads(path.read_text())["evaluation"], "output": result.output}
 
 
 def test_the_demo_evaluates_on_distinct_env_seeds(tmp_path, monkeypatch):
@@ -136,3 +146,24 @@ def test_evaluate_leaves_out_an_env_without_a_finished_episode():
     result = evaluate(cfg, RandomPolicy(1, 2, seed=0), episodes_seed=0, max_chunks=3)
     assert result == {"mean_return": 1.0, "success_rate": 0.0, "episodes": 1, "unfinished": 1}
 
+
+
+def test_an_evaluation_without_a_finished_episode_has_no_return():
+    cfg = RunConfig(env="gym:ZchannelNeverEnds-v0", env_batch=2, num_action_chunks=2)
+    result = evaluate(cfg, RandomPolicy(1, 2, seed=0), episodes_seed=0, max_chunks=3)
+    assert result == {"mean_return": None, "success_rate": None, "episodes": 0, "unfinished": 2}
+
+
+def test_the_demo_says_when_no_evaluation_episode_finished(tmp_path, monkeypatch):
+    """Not a return of 0.00: the table line, the JSON (null) and the plot (no random-policy
+    line) say there is none."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "never.png"
+    evaluation = _demo_evaluation(tmp_path, monkeypatch, 0, "gym:ZchannelNeverEnds-v0",
+                                  "--plot", str(plot))
+    assert evaluation["trained_return"] is None and evaluation["random_return"] is None
+    assert evaluation["trained_success"] is None and evaluation["random_success"] is None
+    assert "trained policy: no episode finished   random policy: no episode finished" in \
+        evaluation["output"]
+    assert "(24 evaluation envs finished no episode" in evaluation["output"]
+    assert plot.stat().st_size > 0

@@ -91,6 +91,21 @@ def test_actions_reach_the_env_in_its_own_form():
         md.to_space(torch.zeros(2, 1))
 
 
+def test_an_integer_box_action_is_rounded_to_the_nearest_integer_in_its_bounds():
+    """Box(0, 3, int64): [-1, 1] maps onto [0, 3] and rounds (truncating would reach 3 only at
+    exactly 1.0 and skew every value down); the env's own check passes (``_Env.step``)."""
+    env = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
+                            spaces.Box(0, 3, (1,), np.int64), n=9))
+    out = env.to_space(torch.linspace(-1, 1, 9).reshape(9, 1))
+    assert out.dtype == np.int64 and out.shape == (9, 1)
+    assert out.flatten().tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3]  # 0.75 -> 2.625 -> 3
+    nearly = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
+                               spaces.Box(-2, 2, (2,), np.int8), n=2))
+    mapped = nearly.to_space(torch.tensor([[0.99, -0.99], [0.3, -0.3]]))
+    assert mapped.dtype == np.int8 and mapped.tolist() == [[2, -2], [1, -1]]
+    env.step(torch.linspace(-1, 1, 9).reshape(9, 1))
+
+
 @pytest.mark.parametrize("action", ["box", "discrete"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_action_is_refused_naming_the_policy_output(action, bad):
