@@ -135,6 +135,11 @@ WRONG = [
      lambda rec: [_pack([{"id": rec["id"], "nf": 2}]), _pack(1), _pack(2)], "counted as"),
     ("a batch counting more frames than came", "get_batch",
      lambda rec: [_pack([{"id": rec["id"], "nf": 1, "n": [1, 1]}]), _pack(1)], "counted as"),
+    ("a batch of no item", "get_batch", _reply(n=[]), "a batch is never empty"),
+    ("a batch answered with nothing", "get_batch", _reply(r=None), "a batch is never empty"),
+    ("shared-memory entries not one per item", "get_batch",
+     lambda rec: [_pack([{"id": rec["id"], "nf": 1, "n": [1], "sm": [None, None, None]}]),
+                  _pack(1)], "3 shared-memory entries for a batch of 1 items"),
 ]
 
 
@@ -167,6 +172,21 @@ def test_a_malformed_replicas_table_in_the_hello_is_named(run_dir, monkeypatch, 
     try:
         with pytest.raises(ValueError, match="replicas table"):
             Channel.connect(broker.address, timeout=30)
+    finally:
+        broker.close()
+
+
+def test_a_hello_with_a_heartbeat_too_short_to_follow_is_not_taken(run_dir, monkeypatch):
+    """A broker whose hello says ``hb`` 1e-9 s would make the client's I/O thread wake all the
+    time (it spun a CPU): that hello is not taken (as any malformed hello: the defaults, a
+    heartbeat a second), and the client works on."""
+    monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
+    broker = HostileBroker(f"ipc://{run_dir}/hb.sock", _reply(r=3), {**HELLO, "hb": 1e-9})
+    try:
+        ch = Channel.connect(broker.address, timeout=30)
+        assert ch.qsize("k") == 3
+        assert ch._acquired().conn.broker_info.hb == 1.0
+        ch.close()
     finally:
         broker.close()
 

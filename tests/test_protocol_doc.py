@@ -7,7 +7,11 @@ side), as an independent client written from the documentation would.
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
+import struct
 import time
+import uuid
 from collections.abc import Iterator
 
 import msgpack
@@ -310,3 +314,50 @@ def test_slot_converted_to_frames_is_indexed_among_the_items_frames(channels):
         rec, frames = raw.reply(1)
     assert rec["nf"] == 2 and rec["sm"] == [[1]]  # frame 1 of the item: the body is frame 0
     assert np.array_equal(np.frombuffer(frames[1], dtype=np.int64), array)
+
+
+def test_a_refused_put_gives_its_shared_memory_slots_back(channels):
+    """Only the broker frees a slot (docs/shm.md): a put it refuses (frame sizes that do not
+    match, a NaN weight, a negative timeout: checked before or while the record is decoded)
+    gives its slots back to the producer at once, as a stored item's would be once taken."""
+    ch = Channel.create("slotback")
+    channels.append(ch)
+    with raw_client(ch, hello=False) as raw:
+        offer = raw.hello()["shm"]
+        with open(f"/dev/shm/{offer['probe']}", "rb") as probe:
+            token = probe.read(24)[8:24]
+        raw.send([{"op": "shm_hi", "id": 0, "tok": token, "cpid": os.getpid()}])
+        name = f"{offer['prefix']}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        nslots, slot_size = 4, 1 << 16
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, 4096 + nslots * slot_size)
+            segment = mmap.mmap(fd, 4096 + nslots * slot_size)
+            struct.pack_into("<8sQQQ", segment, 0, b"ZCSHM001", slot_size, nslots, os.getpid())
+            body, _ = encode(None)
+            refused = [{"k": "q", "fs": [len(body) + 1]}, {"k": "q", "w": float("nan")},
+                       {"k": "q", "t": -1}]
+            for slot, fields in enumerate(refused):
+                segment[64 + slot] = 1  # USED: the producer's, until the broker frees it
+                raw.send([{"op": "put", "id": 10 + slot, "nf": 1, "sm": [[name, slot, 16]],
+                           **fields}], [body])
+                rec, _ = raw.reply(10 + slot)
+                assert rec["e"][0] == "ValueError", rec
+            assert list(segment[64:64 + len(refused)]) == [0] * len(refused)  # FREE again
+            segment.close()
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_invalid_records_of_ops_without_replies_get_none(channels):
+    """``hb``, ``shm_hi`` and ``shm_rel`` are answered with nothing: invalid ones are dropped
+    (logged), not answered with an error under id 0; the message's other records are served."""
+    ch = Channel.create("noreply")
+    channels.append(ch)
+    with raw_client(ch) as raw:
+        raw.send([{"op": "shm_rel", "id": 0, "h": [2**64 - 1, -1, "x"]},
+                  {"op": "shm_hi", "id": 0, "tok": 12345},
+                  {"op": "qsize", "id": 7, "k": "q"}])
+        assert raw.reply(7)[0] == {"id": 7, "r": 0}
+        assert [rec for rec, _ in raw.backlog] + raw.quiet(0.5) == []

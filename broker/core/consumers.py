@@ -8,6 +8,8 @@ Its last handle leaving makes it absent, declared or not (its private items are 
 
 from __future__ import annotations
 
+import bisect
+
 from zchannel.broker.core.state import Client, Consumer
 from zchannel.hooks import consumer_sort_key
 
@@ -18,11 +20,16 @@ class Consumers:
     def __init__(self, declared: tuple[str, ...]) -> None:
         self.consumers: dict[str, Consumer] = {c: Consumer(declared=True) for c in declared}
         self.declared = frozenset(declared)
+        # every listed consumer (each one is present), kept sorted as they come and go: a
+        # burst of thousands of joins must not sort them all at each one
+        self._sorted = sorted(self.consumers, key=consumer_sort_key)
+        self._present: tuple[str, ...] | None = None
 
     def present(self) -> tuple[str, ...]:
         """The present consumers, sorted by ``(group, int(rank))`` (``ChannelContext.consumers``)."""
-        present = [c for c, st in self.consumers.items() if st.declared or st.handles]
-        return tuple(sorted(present, key=consumer_sort_key))
+        if self._present is None:
+            self._present = tuple(self._sorted)
+        return self._present
 
     def listed(self, consumer: str) -> bool:
         """Whether ``consumer`` is declared and has not left, or has a connected handle."""
@@ -43,6 +50,8 @@ class Consumers:
         if state is None:
             state = self.consumers[cid] = Consumer(declared=False)
             state.handles = 1
+            bisect.insort(self._sorted, cid, key=consumer_sort_key)
+            self._present = None
             return cid
         state.handles += 1
         return None
@@ -60,4 +69,7 @@ class Consumers:
             return None
         # A consumer that made contact and left is no longer present, declared or not.
         del self.consumers[cid]
+        del self._sorted[bisect.bisect_left(self._sorted, consumer_sort_key(cid),
+                                            key=consumer_sort_key)]
+        self._present = None
         return cid

@@ -400,9 +400,13 @@ def _inline_item(body: bytes, lease: int | None) -> Any:
     return Delivery(item, lease) if lease is not None else item
 
 
-def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
+def _batch_converter(copy: bool | None, shm: Any = None, *, empty: bool = False) -> Convert:
+    """How a batch reply becomes its items (``empty``: it may have none, as a peek's; a
+    ``get_batch``'s never does)."""
     def convert(rec: Reply, frames: list[Any]) -> list[Any]:
         bodies = rec.bodies
+        if not empty and not (bodies or rec.counts or frames):
+            raise _malformed("a get_batch answered with no item (a batch is never empty)")
         if bodies is not None:  # small items inside the record
             if frames or rec.counts is not None or rec.slots:
                 raise ValueError("malformed reply: a batch of inline items has no frames, "
@@ -419,6 +423,8 @@ def _batch_converter(copy: bool | None, shm: Any = None) -> Convert:
         errors: list[tuple[int, ValueError]] = []
         pos = 0
         sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
+        if sm and len(sm) != len(counts):
+            raise _malformed(f"{len(sm)} shared-memory entries for a batch of {len(counts)} items")
         append, decode_frames = out.append, codec.decode_frames
         for i, n in enumerate(counts):
             try:  # each item is tried (its slots released or kept as for a single get)
@@ -462,7 +468,7 @@ def _undecodable(items: list[Any], errors: list[tuple[int, ValueError]], n: int)
 
 
 def _peek_converter(shm: Any = None) -> Convert:
-    batch = _batch_converter(True, shm)  # copies: nothing the caller holds points into a slot
+    batch = _batch_converter(True, shm, empty=True)  # copies: nothing points into a slot
 
     def convert(rec: Reply, frames: list[Any]) -> list[Any]:
         items = batch(rec, frames)

@@ -115,14 +115,17 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
 
 
 def put(broker: Broker, client: Client, rec: Put, frames: list) -> None:
+    # shared-memory slots first: held by the payload (counted in item.nbytes), they go back to
+    # their producer with it when a check below refuses the put (only the broker frees them)
+    slots = None if rec.slots is None else broker.shm.attach_put(client, rec.slots, [])
     frames, nbytes = _put_frames(rec, frames, broker.config.max_message_bytes)
     weight = check_weight(rec.weight)
     key, timeout = key_from_wire(rec.key), check_timeout(rec.timeout)
     nframes = len(frames)
-    if rec.slots is not None:  # shared-memory slots: held by the payload, counted in item.nbytes
-        payload = broker.shm.attach_put(client, rec.slots, frames)
-        nbytes += payload.slot_bytes
-        frames = payload
+    if slots is not None:
+        slots.extend(frames)
+        nbytes += slots.slot_bytes
+        frames = slots
     item = Item(frames, weight, item_bytes(nbytes, nframes))
     broker.counters.puts += 1
     window = client.producer

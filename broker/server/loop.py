@@ -481,6 +481,10 @@ def _replica_collector(broker: Broker, collector: Any) -> Any:
 _GETS = (Get, GetBatch, GetRun)
 
 
+# the ops that get no reply (docs/protocol.md): an invalid one is dropped, logged
+_UNANSWERED = frozenset({"hb", "shm_hi", "shm_rel"})
+
+
 def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None, rec: BadRecord,
                 now: float) -> None:
     """A record that failed its checks: its error replied (a client unknown here is told
@@ -490,8 +494,13 @@ def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None
             sessions.tell_expired(address, now)
         return
     client.last_seen = now
-    if rec.id is None:
-        log.warning("dropped a record without a request id (op %r)", rec.op)
+    if rec.slots is not None:  # a refused put's slots go back to its producer (if they check
+        try:                   # out: their holds are dropped at once)
+            sessions.shm.attach_put(client, rec.slots, [])
+        except ValueError:
+            pass
+    if rec.id is None or rec.op in _UNANSWERED:
+        log.warning("dropped an invalid record (op %r): %s", rec.op, rec.error)
     else:
         sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
 

@@ -302,6 +302,9 @@ CLIENT_HEARTBEAT = Heartbeat(id=0)
 BROKER_EXPIRED = Reply(op=EXPIRED)
 
 
+MIN_HEARTBEAT_S = 0.001  # the shortest heartbeat interval a client takes from a broker
+
+
 class HelloInfo(Struct, kw_only=True):
     """The result of a ``hello`` reply: the broker's parameters (``hb`` in seconds, ``liveness``
     in intervals); ``replica``, ``node`` and ``replicas`` only from a replica of a distributed
@@ -309,7 +312,9 @@ class HelloInfo(Struct, kw_only=True):
 
     name: str | None = None
     pid: int | None = None
-    hb: Annotated[float, Meta(gt=0, le=sys.float_info.max)] = 1.0
+    # at least a millisecond: a client's I/O thread wakes every ``hb`` (a broker's own
+    # ``heartbeat_interval`` is far above it; 1e-9 spun a client's CPU)
+    hb: Annotated[float, Meta(ge=MIN_HEARTBEAT_S, le=sys.float_info.max)] = 1.0
     liveness: Annotated[int, Meta(ge=1)] = 3
     deals: bool = False
     maxsize: Count = 0
@@ -427,6 +432,7 @@ class BadRecord(NamedTuple):
     id: int | None
     nf: int
     error: ProtocolError
+    slots: Any = None  # a put's ``sm`` as it came (unchecked): its slots go back to the producer
 
 
 # -- encoding and decoding ----------------------------------------------------------------------
@@ -445,6 +451,7 @@ class _RecordHead(Struct):
     op: Any = None
     id: Any = None
     nf: Any = 0
+    sm: Any = None
 
 
 _record_head = msgspec.msgpack.Decoder(_RecordHead)
@@ -540,7 +547,8 @@ def _each_record(data: bytes | memoryview, one: msgspec.msgpack.Decoder) -> list
             raise ProtocolError("record field nf must be an int >= 0")
         op = head.op if type(head.op) is str else None
         out.append(BadRecord(op, rid if type(rid) is int else None, nf,
-                             ProtocolError(f"invalid {op!r} record: {error}")))
+                             ProtocolError(f"invalid {op!r} record: {error}"),
+                             head.sm if op == PUT else None))
     return out
 
 
