@@ -416,32 +416,38 @@ def _batch_converter(copy: bool | None, shm: Any = None, *, empty: bool = False)
                 return [decode(body) for body in bodies]
             except ValueError:  # again one at a time (no side effects), to keep those that decode
                 return _decoded_apart(decode, bodies)
-        counts = rec.counts or ()
-        if sum(counts) != len(frames) or any(n < 1 for n in counts):
-            raise _malformed(f"a batch of {len(frames)} frames counted as {list(counts)}")
-        out: list[Any] = []
-        errors: list[tuple[int, ValueError]] = []
-        pos = 0
-        sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
-        if sm and len(sm) != len(counts):
-            raise _malformed(f"{len(sm)} shared-memory entries for a batch of {len(counts)} items")
-        append, decode_frames = out.append, codec.decode_frames
-        for i, n in enumerate(counts):
-            try:  # each item is tried (its slots released or kept as for a single get)
-                if i < len(sm) and sm[i]:
-                    append(shm.decode(sm[i], frames[pos : pos + n], copy))
-                elif n == 1:  # the common small item: its body alone
-                    append(decode_frames((frames[pos],), copy))
-                else:
-                    append(decode_frames(frames[pos : pos + n], copy))
-            except ValueError as exc:
-                errors.append((i, exc))
-            pos += n
-        if errors:
-            raise _undecodable(out, errors, len(counts))
-        return out
+        return _counted_items(rec, frames, copy, shm)
 
     return convert
+
+
+def _counted_items(rec: Reply, frames: list[Any], copy: bool | None, shm: Any) -> list[Any]:
+    """The items of a batch reply whose frames ``rec.counts`` counts (and ``rec.slots``, one
+    entry per item, names shared-memory slots of), each decoded on its own."""
+    counts = rec.counts or ()
+    if sum(counts) != len(frames) or any(n < 1 for n in counts):
+        raise _malformed(f"a batch of {len(frames)} frames counted as {list(counts)}")
+    sm = rec.slots or ()  # shared-memory slots per item (broker/shm/client.py)
+    if sm and len(sm) != len(counts):
+        raise _malformed(f"{len(sm)} shared-memory entries for a batch of {len(counts)} items")
+    out: list[Any] = []
+    errors: list[tuple[int, ValueError]] = []
+    pos = 0
+    append, decode_frames = out.append, codec.decode_frames
+    for i, n in enumerate(counts):
+        try:  # each item is tried (its slots released or kept as for a single get)
+            if i < len(sm) and sm[i]:
+                append(shm.decode(sm[i], frames[pos : pos + n], copy))
+            elif n == 1:  # the common small item: its body alone
+                append(decode_frames((frames[pos],), copy))
+            else:
+                append(decode_frames(frames[pos : pos + n], copy))
+        except ValueError as exc:
+            errors.append((i, exc))
+        pos += n
+    if errors:
+        raise _undecodable(out, errors, len(counts))
+    return out
 
 
 def _decoded_apart(decode: Callable[[bytes], Any], bodies: list[bytes]) -> list[Any]:
