@@ -223,8 +223,8 @@ class ChunkedEnv:
         if bool(done.any()) and isinstance(info.get(FINAL_OBS), dict):
             ended = torch.as_tensor(info.get(FINAL_MASK, done), dtype=torch.bool).reshape(-1)
             self._checked(info[FINAL_OBS], ended & done, at_step)
-        self._checked(obs, ~done, at_step)
-        self._checked(obs, done, lambda b: f"at the reset after {at_step(b)}")
+        self._checked(obs, None, lambda b: f"at the reset after {at_step(b)}" if done[b]
+                      else at_step(b))  # (a finished sub-env's observation is its reset's)
 
     def _check_reward(self, reward: torch.Tensor, slot: int) -> None:
         bad = ~torch.isfinite(reward)

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -187,6 +188,7 @@ class WorkerGroup:
         # per local rank: call id -> (status, value), the answers read but not yet taken (an
         # answer is read when it or a later call's answer is awaited)
         self._answers: list[dict[int, tuple[str, Any]]] = []
+        self._dropped_calls: set[int] = set()  # calls whose GroupCall nobody holds any more
         self._calls = LAUNCH_CALL  # the id of the last call sent to the local ranks
 
     def launch(self, num_workers: int = 1, *, name: str | None = None, ray: bool = False,
@@ -218,10 +220,15 @@ class WorkerGroup:
             proc = ctx.Process(target=_serve, name=f"{self._name}:{rank}", daemon=True,
                                args=(self._cls, self._args, self._kwargs, self._name, rank,
                                      num_workers, child))
+            try:
+                proc.start()
+            except BaseException:  # (an argument that cannot be pickled): no rank of it
+                parent.close()
+                child.close()
+                raise
             self._procs.append(proc)
             self._conns.append(parent)
             self._answers.append({})
-            proc.start()
             child.close()
         for rank in range(num_workers):
             self._local_result(rank, LAUNCH_CALL, None)
@@ -277,7 +284,8 @@ class WorkerGroup:
             call_id, status, value = self._conns[rank].recv()
         except (EOFError, OSError):
             raise self._died(rank) from None
-        self._answers[rank][call_id] = (status, value)
+        if call_id not in self._dropped_calls:  # (nobody can wait for a dropped call's)
+            self._answers[rank][call_id] = (status, value)
 
     def _local_done(self, rank: int, call_id: int) -> bool:
         """Whether rank ``rank``'s answer to call ``call_id`` is there (or its process ended)."""
@@ -329,11 +337,19 @@ class WorkerGroup:
         self._calls += 1
         for conn in self._conns:
             conn.send((self._calls, method, args, kwargs))
-        return GroupCall(self, method,
-                         [functools.partial(self._local_result, r, self._calls)
-                          for r in range(self.size)],
-                         [functools.partial(self._local_done, r, self._calls)
-                          for r in range(self.size)])
+        handle = GroupCall(self, method,
+                           [functools.partial(self._local_result, r, self._calls)
+                            for r in range(self.size)],
+                           [functools.partial(self._local_done, r, self._calls)
+                            for r in range(self.size)])
+        weakref.finalize(handle, self._drop_call, self._calls)
+        return handle
+
+    def _drop_call(self, call_id: int) -> None:
+        """The ``GroupCall`` of ``call_id`` was dropped: its answers, come or to come, go."""
+        self._dropped_calls.add(call_id)
+        for answers in self._answers:
+            answers.pop(call_id, None)
 
     def __getattr__(self, method: str) -> Callable[..., GroupCall]:
         if method.startswith("_") or not callable(getattr(self._cls, method, None)):

@@ -431,6 +431,10 @@ def test_a_hook_that_exits_or_interrupts_is_a_hook_error(make):
         assert info.value.exc_type == kind
     ch.put("after")  # the broker serves on, and lost nothing
     assert [ch.get(timeout=5), ch.get(timeout=5)] == ["kept", "after"]
+    if not make.distributed:  # the operator sees them (a replica's own figures: its keys')
+        figures = ch.stats()
+        assert figures["hook_failures"] == 4
+        assert figures["last_hook_failure"] == "collector.collect: Ending: the hook's own"
 
 
 def test_hook_stats_that_cannot_travel_are_an_error_entry_not_a_broken_stats(make):

@@ -11,6 +11,7 @@ the starved get's; ``forget`` and ``key_dropped``, which no request calls, are l
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ log = logging.getLogger("zchannel.broker")
 # itself (a broker takes SIGINT with a handler, never as an exception), ``asyncio``'s
 # ``CancelledError`` and its own ``BaseException`` subclasses, is the hook's failure
 HOOK_FAILURES = (BaseException,)
+FAILURE_LOG_S = 10.0  # a hook failing again and again logs a line this often, with the count
 
 
 class HookPipeline:
@@ -39,6 +41,10 @@ class HookPipeline:
                  encode_item: Callable[[Any, int | float], Item], max_bytes: int = 0) -> None:
         self.collector = collector
         self.max_bytes = max_bytes  # the outputs of one put beyond it are refused as made
+        # the hooks' failures, for the operator (``stats()``; logged at most every FAILURE_LOG_S)
+        self.failures = 0
+        self.last_failure: str | None = None
+        self._next_log = 0.0
         self.dispatcher = dispatcher
         self.roster = roster
         self.decode_item = decode_item
@@ -98,7 +104,7 @@ class HookPipeline:
                     raise ValueError(f"the collector's outputs of one put take more than the "
                                      f"broker's max_bytes limit ({self.max_bytes})")
         except HOOK_FAILURES as exc:
-            raise hook_error(exc) from None
+            raise self._failed(exc, "collector.collect") from None
         if self.log is not None and self.stateful:
             snapshot = self.state_item if self.snapshots and not outputs else None
             self.log.collected(item, key, self.holds_state(), len(outputs), snapshot)
@@ -121,7 +127,7 @@ class HookPipeline:
         try:
             self.collector.load_state_dict(self.decode_item(item))
         except HOOK_FAILURES as exc:
-            raise hook_error(exc) from None
+            raise self._failed(exc, "collector.load_state_dict") from None
 
     def holds_state(self) -> bool:
         """``Collector.holds_state`` (a failure counts as holding state)."""
@@ -150,14 +156,14 @@ class HookPipeline:
         try:
             target = self.dispatcher.route(value, key)
         except HOOK_FAILURES as exc:
-            raise hook_error(exc) from None
+            raise self._failed(exc, "dispatcher.route") from None
         if target is None:
             return None
         if not isinstance(target, str):
-            raise HookError(
+            raise self._failed(HookError(
                 f"Dispatcher.route returned {type(target).__name__}, expected a consumer id or None",
                 "TypeError",
-            )
+            ), "dispatcher.route")
         if target != departed and not self.roster.known(target):
             log.warning("route returned unknown consumer %r: the item goes to the shared queue", target)
             return None
@@ -190,7 +196,7 @@ class HookPipeline:
         except HOOK_FAILURES as exc:
             self.roster.leave(client)
             self.ctx.consumers = self.roster.present()
-            raise hook_error(exc) from None
+            raise self._failed(exc, "dispatcher.observe") from None
 
     def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
         """The dispatcher's donor for ``starved`` (None: none); ``HookError`` if it raises or
@@ -198,11 +204,26 @@ class HookPipeline:
         try:
             donor = self.dispatcher.rebalance(key, starved, depths)
         except HOOK_FAILURES as exc:
-            raise hook_error(exc) from None
+            raise self._failed(exc, "dispatcher.rebalance") from None
         if donor is not None and not isinstance(donor, str):
-            raise HookError(f"Dispatcher.rebalance returned {type(donor).__name__}, expected "
-                            "a consumer id or None", "TypeError")
+            raise self._failed(HookError(
+                f"Dispatcher.rebalance returned {type(donor).__name__}, expected a consumer id "
+                "or None", "TypeError"), "dispatcher.rebalance")
         return donor
+
+    def _failed(self, exc: BaseException, where: str) -> HookError:
+        """``exc``, raised by the hook method ``where`` (``"collector.collect"``), as the
+        ``HookError`` its request gets; counted and kept for the operator (``stats()``'s
+        ``hook_failures``, ``last_hook_failure``) and logged, at most once per
+        ``FAILURE_LOG_S`` (with the count so far)."""
+        error = hook_error(exc)
+        self.failures += 1
+        self.last_failure = f"{where}: {error}"
+        now = time.monotonic()
+        if now >= self._next_log:
+            log.warning("hook %s failed (%d failure(s) so far): %s", where, self.failures, error)
+            self._next_log = now + FAILURE_LOG_S
+        return error
 
     def consumer_left(self, consumer: str) -> None:
         self.ctx.consumers = self.roster.present()
@@ -214,6 +235,8 @@ class HookPipeline:
             "dispatcher": hook_name(self.dispatcher),
             "collector_stats": _safe_stats(self.collector, self.encode_item),
             "dispatcher_stats": _safe_stats(self.dispatcher, self.encode_item),
+            "hook_failures": self.failures,
+            "last_hook_failure": self.last_failure,
         }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 
 import pytest
 from zchannel.embodied.groups import IDENTITY_ENV, Worker, WorkerError
@@ -79,3 +80,31 @@ def test_a_constructor_that_raises_fails_launch_and_stops_the_started_ranks():
     assert "FileNotFoundError: no checkpoint at /nope.pt" in message
     assert group.pids() == []
     assert [p for p in multiprocessing.active_children() if p.name.startswith("half:")] == []
+
+
+class Answers(Worker):
+    def blob(self, n: int) -> bytes:
+        return b"x" * n
+
+
+def test_a_launch_that_cannot_start_a_rank_raises_why():
+    """A constructor argument that cannot be pickled for the spawned rank: ``launch`` raises
+    pickle's error (it raised ``AssertionError: can only join a started process`` from its
+    clean-up, hiding the cause) and holds no rank."""
+    group = Gate.create_group(threading.Lock())
+    with pytest.raises(TypeError, match="pickle"):
+        group.launch(1, name="unpicklable")
+    assert group.pids() == [] and group.size == 0
+
+
+def test_answers_of_calls_nobody_holds_are_not_kept():
+    """Calls made and dropped without a wait: their answers, read on the way to a later call's,
+    are dropped (50 dropped calls of 1 MiB answers were all kept until ``shutdown``)."""
+    group = Answers.create_group().launch(1, name="blobs")
+    try:
+        for _ in range(50):
+            group.blob(1 << 20)  # dropped at once
+        assert group.blob(3).wait(60) == [b"xxx"]
+        assert group._answers == [{}]
+    finally:
+        group.shutdown()
