@@ -42,6 +42,23 @@ def _parse_consumers(values: tuple[str, ...]) -> Any:
     return mapping or ids
 
 
+# the tables of the other TOML files zchannel reads, and what to do with such a file
+_OTHER_FILES = (({"bench", "targets"}, "this looks like a `zchannel bench --config` file"),
+                ({"cluster", "replica"}, "this looks like a cluster file: use `zchannel broker "
+                                         "--cluster FILE --replica I`"))
+
+
+def _refuse_other_files(path: str) -> None:
+    """``ValueError`` for a ``--config`` file of ``zchannel bench`` or a cluster file given
+    as a broker's config file: its unknown tables, and the command it is meant for."""
+    from zchannel.broker.host.toml import read_toml
+
+    unknown = sorted(set(read_toml(path)) - {"channel", "hooks", "options"})
+    for tables, hint in _OTHER_FILES:
+        if tables & set(unknown):
+            raise ValueError(f"{path}: unknown table(s) {unknown}: {hint}")
+
+
 def _parse_options(values: tuple[str, ...]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for value in values:
@@ -134,13 +151,16 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     """Run the broker of channel NAME in the foreground.
 
     Prints ``ready <address>`` on stdout once bound; logs go to stderr, among them where its
-    shutdown token is kept; SIGINT/SIGTERM stop it, and so does ``zchannel broker stop NAME``
-    (with that token), from any process of the same user.
+    shutdown token is kept; SIGINT, SIGTERM and SIGHUP (its terminal closed; not under nohup)
+    stop it, and so does ``zchannel broker stop NAME`` (with that token), from any process of
+    the same user.
     """
     from zchannel.broker.server.config import build_config, read_config_file
     from zchannel.broker.server.entry import run_broker
 
     import_from_cwd()  # --import myhooks, --collector myhooks:Pass: myhooks.py of the cwd
+    if config_file:
+        _refuse_other_files(config_file)
     # expected failures (bad values, unreadable files, a busy address, a name already served)
     # become one line on stderr and exit status 2 (cli/failures.py)
     config = build_config(
@@ -376,7 +396,10 @@ def _echo_stats(stats: dict) -> None:
     click.echo(f"channel   {stats.get('name')}  at {stats.get('address')}  (pid {stats.get('pid')})")
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
                f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
-    click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}")
+    failures = stats.get("hook_failures") or 0
+    click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}"
+               + (f"  failures {failures} (last: {stats.get('last_hook_failure')})"
+                  if failures else ""))
     if "puts" in stats:  # request counters since the broker started (--watch shows their rates)
         click.echo(f"requests  puts {stats['puts']}   gets {stats['gets']}   "
                    f"delivered {stats['delivered']}")

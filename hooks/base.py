@@ -53,8 +53,15 @@ def check_groups(groups: object) -> list[str]:
     return names
 
 
+# the most consumer ids ``consumers=`` declares, over all its groups: each id declared takes
+# memory in the broker (a few hundred bytes, with its private queue) before any consumer comes
+MAX_CONSUMERS = 65536
+
+
 def expand_consumers(consumers: Iterable[str] | Mapping[str, int] | None) -> tuple[str, ...]:
-    """Expand ``consumers=`` (a list of ids or a mapping ``{"actor": 3}``) to sorted ids."""
+    """Expand ``consumers=`` (a list of ids or a mapping ``{"actor": 3}``) to sorted ids;
+    ``ValueError`` for a count that is not an int >= 0, and for more than ``MAX_CONSUMERS``
+    ids in all (naming the group that goes past it)."""
     if consumers is None:
         return ()
     if isinstance(consumers, Mapping):
@@ -62,11 +69,18 @@ def expand_consumers(consumers: Iterable[str] | Mapping[str, int] | None) -> tup
         for group, count in consumers.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"consumer count for group {group!r} must be an int >= 0")
+            if len(ids) + count > MAX_CONSUMERS:
+                raise ValueError(f"consumer count for group {group!r} must be an int >= 0 and "
+                                 f"<= {MAX_CONSUMERS - len(ids)} (a channel declares "
+                                 f"{MAX_CONSUMERS} consumers at most), got {count}")
             ids.extend(check_consumer_id(f"{group}:{rank}") for rank in range(count))
     elif isinstance(consumers, str):
         raise TypeError("consumers= takes a list of ids or a mapping {group: count}, not a str")
     else:
         ids = [check_consumer_id(c) for c in consumers]
+        if len(set(ids)) > MAX_CONSUMERS:
+            raise ValueError(f"{len(set(ids))} consumer ids declared: a channel declares "
+                             f"{MAX_CONSUMERS} consumers at most")
     return tuple(sorted(set(ids), key=consumer_sort_key))
 
 

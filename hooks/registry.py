@@ -98,16 +98,21 @@ def entry_point_objects() -> dict[str, Any]:
 
 
 def import_named(module_name: str, what: str | None = None) -> Any:
-    """Import module ``module_name``; ``ValueError`` naming ``what`` (default: the module)
-    when there is no such module (a ``ModuleNotFoundError`` raised by code inside a module
-    that exists is left as it is)."""
+    """Import module ``module_name``; a ``ValueError`` naming ``what`` (default: the module)
+    when there is no such module, or when importing it raised (a dependency that is missing, a
+    ``SyntaxError``, any other exception, ``sys.exit``): it names the exception's type and
+    message, and keeps the exception as its ``__cause__``."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if not exc.name or not (module_name + ".").startswith(exc.name + "."):
-            raise
-        raise ValueError(f"cannot import {what or module_name!r}: No module named "
-                         f"{exc.name!r}") from None
+        if exc.name and (module_name + ".").startswith(exc.name + "."):
+            raise ValueError(f"cannot import {what or module_name!r}: No module named "
+                             f"{exc.name!r}") from None
+        failure: BaseException = exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed
+        failure = exc
+    raise ValueError(f"cannot import {what or module_name!r}: importing {module_name} raised "
+                     f"{type(failure).__name__}: {failure}") from failure
 
 
 def import_path(path: str) -> Any:
@@ -126,16 +131,16 @@ def import_path(path: str) -> Any:
 
 
 def _make(kind: str, cls: type) -> Any:
-    """An instance of hook class ``cls``: its own ``ValueError``/``TypeError`` (a refused
-    option) as it is, any other exception of its constructor as a ``ValueError`` naming the
-    class (the CLI prints one line; ``ZCHANNEL_DEBUG=1`` and ``__cause__`` keep the traceback)."""
+    """An instance of hook class ``cls``; whatever its constructor raises (a refused option,
+    any other exception, ``sys.exit``) as a ``ValueError`` (a ``TypeError`` stays one) naming
+    the kind, the class, and the exception's type and message (the CLI prints one line;
+    ``ZCHANNEL_DEBUG=1`` and ``__cause__`` keep the traceback)."""
     try:
         return cls()
-    except (ValueError, TypeError):
-        raise
-    except Exception as exc:
-        raise ValueError(f"{kind} {cls.__module__}:{cls.__qualname__} could not be made: "
-                         f"{type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(f"{kind} {_qualified(cls)} could not be made: {type(exc).__name__}: "
+                    f"{exc}") from exc
 
 
 def _resolve(base: type, spec: Any) -> Any:

@@ -20,7 +20,14 @@ from zchannel.broker.connection.line import CLOSED, CONNECTING, DOWN, UP, Line
 from zchannel.broker.connection.requestqueue import RequestQueue
 from zchannel.broker.connection.tuning import BATCH
 from zchannel.broker.errors import AuthenticationFailed, BrokerUnavailable
-from zchannel.broker.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, Bye, Hello, HelloInfo
+from zchannel.broker.wire.protocol import (
+    CLIENT_HEARTBEAT,
+    MIN_HEARTBEAT_S,
+    PROTOCOL_VERSION,
+    Bye,
+    Hello,
+    HelloInfo,
+)
 
 log = logging.getLogger("zchannel.client")
 
@@ -204,7 +211,7 @@ class Liveness:
         """Both sides keep the broker's heartbeat interval and liveness (its hello reply
         says them): a broker set to expire clients sooner (or later) is judged the same way."""
         hb, liveness = info.hb, info.liveness
-        if (isinstance(hb, (int, float)) and not isinstance(hb, bool) and 0 < hb <= 3600
+        if (isinstance(hb, (int, float)) and not isinstance(hb, bool) and MIN_HEARTBEAT_S <= hb <= 3600
                 and isinstance(liveness, int) and not isinstance(liveness, bool)
                 and 1 <= liveness <= 1000):
             line = self._line

@@ -66,8 +66,8 @@ class HookPipeline:
             consumers=roster.present(),
             options=dict(options or {}),
         )
-        collector.setup(self.ctx)
-        dispatcher.setup(self.ctx)
+        _setup(collector, "collector", self.ctx)
+        _setup(dispatcher, "dispatcher", self.ctx)
 
     def value(self, item: Item) -> Any:
         """The decoded value of ``item`` (decoded once, kept on the item)."""
@@ -238,6 +238,18 @@ class HookPipeline:
             "hook_failures": self.failures,
             "last_hook_failure": self.last_failure,
         }
+
+
+def _setup(hook: Any, kind: str, ctx: ChannelContext) -> None:
+    """``hook.setup(ctx)``; whatever it raises (``sys.exit`` too) as a ``ValueError`` (a
+    ``TypeError`` stays one) naming the hook and the exception's type and message, its
+    ``__cause__`` the exception (``create`` and ``zchannel broker`` report it)."""
+    try:
+        hook.setup(ctx)
+    except (Exception, SystemExit) as exc:
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(f"{kind} {hook_name(hook)} failed in setup: {type(exc).__name__}: "
+                    f"{exc}") from exc
 
 
 def hook_error(exc: BaseException) -> HookError:

@@ -481,7 +481,8 @@ def _replica_collector(broker: Broker, collector: Any) -> Any:
 _GETS = (Get, GetBatch, GetRun)
 
 
-# the ops that get no reply (docs/protocol.md): an invalid one is dropped, logged
+# the ops that get no reply (docs/protocol.md): an invalid one sent as they are (id 0) is
+# dropped, logged; one with an id of its own is answered
 _UNANSWERED = frozenset({"hb", "shm_hi", "shm_rel"})
 
 
@@ -499,7 +500,7 @@ def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None
             sessions.shm.attach_put(client, rec.slots, [])
         except ValueError:
             pass
-    if rec.id is None or rec.op in _UNANSWERED:
+    if rec.id is None or rec.id == 0 and rec.op in _UNANSWERED:
         log.warning("dropped an invalid record (op %r): %s", rec.op, rec.error)
     else:
         sessions.reply(client, rec.id, error=ValueError(str(rec.error)))

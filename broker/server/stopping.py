@@ -1,4 +1,5 @@
-"""What ends a broker's loop from outside: SIGINT or SIGTERM, and the exit of the process that
+"""What ends a broker's loop from outside: SIGINT, SIGTERM or SIGHUP (its terminal closed; not
+when the broker was started ignoring it, as ``nohup`` does), and the exit of the process that
 created it (``config.parent_pid``).
 
 A signal handler only sets a flag; the signal also writes a byte into a wake-up pipe the loop
@@ -20,6 +21,9 @@ from typing import Any
 import zmq
 
 log = logging.getLogger("zchannel.broker")
+# each stops the loop as a shutdown does (the broker's files and shared memory removed, exit 0);
+# SIGHUP comes when the terminal of a ``zchannel broker`` closes (kept ignored under ``nohup``)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopSources:
@@ -37,8 +41,9 @@ class StopSources:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
         self._old_wakeup = signal.set_wakeup_fd(self._wfd)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        for sig in STOP_SIGNALS:
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self._on_signal)
 
     def _watch_parent(self) -> int | None:
         # the creator is this process's parent, or (a broker forked by the fork server,

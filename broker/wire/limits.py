@@ -10,7 +10,8 @@ from typing import Any
 RANGES: dict[str, tuple[float, bool, str]] = {
     "maxsize": (0, True, "per-queue capacity, 0 = unbounded"),
     "lease_timeout": (0, False, "seconds"),
-    "heartbeat_interval": (0, False, "seconds"),
+    # (a client takes a broker's heartbeat interval from 1 ms: wire/protocol.py HelloInfo)
+    "heartbeat_interval": (0.001, False, "seconds"),
     "liveness": (1, True, "heartbeats"),
     "max_bytes": (0, True, "bytes, 0 = no limit"),
     "max_keys": (1, True, "keys"),
@@ -28,7 +29,18 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "max_journal_bytes": (0, True, "bytes, 0 = no limit"),
     "journal_segment_bytes": (65536, True, "bytes"),
 }
-_POSITIVE = {"lease_timeout", "heartbeat_interval", "fsync_interval"}
+_POSITIVE = {"lease_timeout", "fsync_interval"}
+# the longest time setting, in seconds (about 317 years): a deadline that far stays an
+# ordinary float; the broker's poll waits at most half a heartbeat_interval, and a local
+# channel's timer thread a short while, at a time (a heartbeat_interval of 1e300 ended the
+# loop in an OverflowError once the broker was serving)
+MAX_SECONDS = 10**10
+# field -> its highest value (the others: MAX_INT); a client adopts the heartbeat interval
+# and liveness of a broker's hello reply only up to 3600 s and 1000 (connection/liveness.py)
+HIGHEST: dict[str, float] = {
+    "heartbeat_interval": 3600, "liveness": 1000, "lease_timeout": MAX_SECONDS,
+    "key_grace": MAX_SECONDS, "producer_grace": MAX_SECONDS, "fsync_interval": MAX_SECONDS,
+}
 # the largest int setting: what msgpack (a broker's hello reply) and a C long (ZeroMQ's
 # socket options) hold; 2**64 made a broker crash on its first hello
 MAX_INT = 2**63 - 1
@@ -40,13 +52,11 @@ def check_settings(values: dict[str, Any]) -> None:
         if name not in RANGES:
             continue
         low, ints, meaning = RANGES[name]
+        high = HIGHEST.get(name, MAX_INT)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = number and (isinstance(value, int) or not ints) and math.isfinite(value) and (
-            value > low if name in _POSITIVE else value >= low) and (
-            not isinstance(value, int) or value <= MAX_INT)
+            value > low if name in _POSITIVE else value >= low) and value <= high
         if not ok:
-            bound = f"> {low}" if name in _POSITIVE else f">= {low}"
-            if ints or (isinstance(value, int) and value > MAX_INT):
-                bound += f" and <= {MAX_INT}"
+            bound = f"> {low} and <= {high}" if name in _POSITIVE else f">= {low} and <= {high}"
             kind = "an int" if ints else "a number"
             raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {value!r}")

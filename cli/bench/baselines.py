@@ -483,7 +483,8 @@ def run_zmq_proxy_at_depth(case: Case, tmpdir: str) -> Measured:
 register_baseline(Baseline(
     "zmq.proxy", run_zmq_proxy,
     "raw zmq.proxy relay: producer DEALERs -> ROUTER/DEALER proxy -> consumer DEALERs, no "
-    "broker logic, libzmq's default high-water marks (1000) for items under 64 KiB",
+    "broker logic; each row's hwm: libzmq's default (1000) for items under 64 KiB, the "
+    "case's window (at least 2) for larger ones, so its queues hold what the channel's do",
     suffix=lambda case: f" hwm={default_relay_hwm(case)}",
 ))
 register_baseline(Baseline(

@@ -138,7 +138,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     return thresholds
 
 
-@click.command()
+@click.command(short_help="Benchmark a broker against ZeroMQ, mp, Redis and Ray baselines.")
 @click.option(
     "--scenario",
     type=click.Choice(SCENARIOS),
@@ -265,7 +265,7 @@ def bench(
     plot_dir: str | None,
     **values: Any,
 ) -> None:
-    """Benchmark a channel broker against raw-ZeroMQ (or mp, Ray) baselines.
+    """Benchmark a channel broker against raw-ZeroMQ (or mp, Redis, Ray) baselines.
 
     Starts what it needs (or measures --address), runs bounded load, checks every item and
     prints one table with a legend and the ratios in words (docs/benchmarks.md: how to read
