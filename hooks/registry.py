@@ -138,9 +138,16 @@ def _make(kind: str, cls: type) -> Any:
     try:
         return cls()
     except (Exception, SystemExit) as exc:
-        error = TypeError if isinstance(exc, TypeError) else ValueError
-        raise error(f"{kind} {_qualified(cls)} could not be made: {type(exc).__name__}: "
-                    f"{exc}") from exc
+        raise hook_failure(kind, _qualified(cls), "could not be made", exc) from exc
+
+
+def hook_failure(kind: str, name: str, doing: str, exc: BaseException) -> Exception:
+    """What hook ``name`` (a ``kind``: collector or dispatcher) raised while ``doing`` (being
+    made, its ``setup``) as the error ``create`` and ``zchannel broker`` report: a
+    ``ValueError`` (a ``TypeError`` stays one) naming the hook and the exception's type and
+    message; raise it ``from exc``."""
+    error = TypeError if isinstance(exc, TypeError) else ValueError
+    return error(f"{kind} {name} {doing}: {type(exc).__name__}: {exc}")
 
 
 def _resolve(base: type, spec: Any) -> Any:

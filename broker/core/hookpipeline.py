@@ -22,6 +22,7 @@ from zchannel.broker.core.statelog import Output, StateLog
 from zchannel.broker.errors import HookError
 from zchannel.broker.wire.argchecks import check_key, check_weight
 from zchannel.hooks import ChannelContext, Collector, Dispatcher
+from zchannel.hooks.registry import hook_failure
 
 log = logging.getLogger("zchannel.broker")
 
@@ -247,9 +248,7 @@ def _setup(hook: Any, kind: str, ctx: ChannelContext) -> None:
     try:
         hook.setup(ctx)
     except (Exception, SystemExit) as exc:
-        error = TypeError if isinstance(exc, TypeError) else ValueError
-        raise error(f"{kind} {hook_name(hook)} failed in setup: {type(exc).__name__}: "
-                    f"{exc}") from exc
+        raise hook_failure(kind, hook_name(hook), "failed in setup", exc) from exc
 
 
 def hook_error(exc: BaseException) -> HookError:
