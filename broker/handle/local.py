@@ -126,6 +126,10 @@ class _LocalBroker:
         else:
             work.set_result(result)
 
+    def lives_here(self) -> bool:
+        """Whether this process is the one the channel lives in (not a forked child's copy)."""
+        return self.pid == os.getpid()
+
     def reads_here(self) -> bool:
         """Whether this thread is completing requests of this channel (it holds its lock: a
         done-callback or ``then()`` runs there), where a blocking call would wait for itself -
@@ -357,7 +361,7 @@ class LocalChannel(BrokerChannel):
         if any (as a broker channel's handle reconnects to a broker serving its address again;
         its leases were the old channel's)."""
         broker = self._broker
-        if broker.pid != os.getpid():
+        if not broker.lives_here():
             raise ChannelError(
                 f"local channel {broker.name!r} lives in process {broker.pid}, which created "
                 f"it; this process ({os.getpid()}) is a fork of it and has only a copy: share a "
@@ -393,7 +397,7 @@ class LocalChannel(BrokerChannel):
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        if self._client is not None and self._broker.pid == os.getpid():  # not a fork's copy
+        if self._client is not None and self._broker.lives_here():  # not a fork's copy
             self._broker.leave(self, self._client)
 
     def shutdown(self, token: str | None = None) -> None:
@@ -402,7 +406,7 @@ class LocalChannel(BrokerChannel):
         if not self._owner:
             raise PermissionError("only the handle that created the channel may shut it down")
         self.close()
-        if self._broker.pid == os.getpid():  # a forked child's copy is nobody's to stop
+        if self._broker.lives_here():  # a forked child's copy is nobody's to stop
             self._broker.shutdown()
 
     def _owns_broker(self) -> bool:
