@@ -28,6 +28,13 @@ def _start(name: str, ignore_hup: bool = False) -> subprocess.Popen:
     return proc
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """End ``proc`` by its PID if a test left it running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=20)
+
+
 def _segments(name: str) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f"+{name}+" in f]
 
@@ -44,9 +51,7 @@ def test_sighup_stops_a_cli_broker_cleanly_as_sigterm_does(run_dir, sig):
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=20)
+        _reap(proc)
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
     assert os.listdir(run_dir) == [] and _segments(name) == []
@@ -61,7 +66,5 @@ def test_a_broker_started_under_nohup_keeps_serving_after_sighup(run_dir):
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=20)
+        _reap(proc)
     assert proc.returncode == 0, err
