@@ -290,3 +290,34 @@ class FanOut(Collector):
     def collect(self, item, key):
         for _ in range(item):
             yield key, b"f" * 64
+
+
+class Duplicate(Collector):
+    """Yields the put, unchanged, to key ``"a"`` and then to key ``"b"``."""
+
+    def collect(self, item, key):
+        yield "a", item
+        yield "b", item
+
+
+class KeepsLast(Collector):
+    """Yields each put unchanged and keeps it: the next put also yields it again, to ``"old"``."""
+
+    def setup(self, ctx):
+        self.last = None
+
+    def collect(self, item, key):
+        if self.last is not None:
+            yield "old", self.last
+        self.last = item
+        yield key, item
+
+    def holds_state(self):
+        return self.last is not None
+
+
+class Unchanged(Collector):
+    """Yields each put unchanged, to its own key (a collector that is not the default one)."""
+
+    def collect(self, item, key):
+        yield key, item

@@ -594,6 +594,32 @@ def test_hooks_see_slot_views_and_outputs_stay_valid(make_remote):
         consumer.close()
 
 
+@pytest.mark.parametrize("collector", ["hookmods:Duplicate", "hookmods:KeepsLast", "hookmods:Unchanged"])
+def test_a_writable_view_of_a_collector_output_changes_no_other_output(make_remote, collector):
+    """An output that is the put unchanged reuses its slot only while nothing else the
+    collector left views that slot: a ``copy=False`` view is writable and private, so writing
+    into it must change neither a second output of the same put nor what the collector
+    keeps and yields later."""
+    ch = make_remote("alias", shm_threshold=T, collector=collector)
+    other = Channel.connect("alias")
+    try:
+        first_key = "in" if collector != "hookmods:Duplicate" else "a"
+        ch.put(np.full(T, 1, np.uint8), key="in")
+        view = ch.get(first_key, timeout=10, copy=False)
+        view[:] = 7  # private to this consumer
+        if collector == "hookmods:Duplicate":
+            assert (other.get("b", timeout=10) == 1).all()
+        elif collector == "hookmods:KeepsLast":
+            ch.put(np.full(T, 2, np.uint8), key="in")
+            assert (other.get("old", timeout=10) == 1).all()
+            assert (other.get("in", timeout=10) == 2).all()
+        else:  # nothing else views it: the output keeps the put's slot (no copy)
+            assert _shm_stats(ch)["consumer_holds"] == 1
+        del view
+    finally:
+        other.close()
+
+
 def test_byte_limit_and_stat_count_shm_bytes(run_dir):
     proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "lim",
                              "--shm-threshold", str(T), "--max-bytes", str(3 * MIB)],

@@ -39,7 +39,8 @@ class HookPipeline:
     def __init__(self, *, name: str, maxsize: int, collector: Collector, dispatcher: Dispatcher,
                  producers: tuple[str, ...], options: dict | None, roster: Consumers,
                  decode_item: Callable[[Item], Any],
-                 encode_item: Callable[[Any, int | float], Item], max_bytes: int = 0) -> None:
+                 encode_item: Callable[[Any, int | float], Item], max_bytes: int = 0,
+                 slots_viewed: Callable[[Item], bool] | None = None) -> None:
         self.collector = collector
         self.max_bytes = max_bytes  # the outputs of one put beyond it are refused as made
         # the hooks' failures, for the operator (``stats()``; logged at most every FAILURE_LOG_S)
@@ -50,6 +51,7 @@ class HookPipeline:
         self.roster = roster
         self.decode_item = decode_item
         self.encode_item = encode_item
+        self.slots_viewed = slots_viewed
         # the default collector passes each put through unchanged: no call, no decoding
         self.passthrough = type(collector).collect is Collector.collect
         # a collector that says when it keeps state between puts (Collector.holds_state): a
@@ -78,12 +80,31 @@ class HookPipeline:
         return item.value
 
     def collect(self, item: Item, key: Any, weight: int | float) -> list[tuple[Any, Item]]:
-        """The (key, item) pairs a put of ``item`` under ``key`` stores."""
+        """The (key, item) pairs a put of ``item`` under ``key`` stores.  An output that is the
+        put's value unchanged keeps the put's frames and slots, unless something the collector
+        left behind (its state, another output) still views those slots: a consumer's
+        ``copy=False`` view of a slot is writable and private, so that output is encoded again,
+        as frames, like the others."""
         if self.passthrough:
             return [(key, item)]
+        outputs, reused_at = self._run_collector(item, key, weight)
+        if reused_at is not None and self.slots_viewed is not None:
+            item.value, item.decoded = None, False  # the pipeline's own views go with it
+            if self.slots_viewed(item):
+                outputs[reused_at] = (outputs[reused_at][0],
+                                      self.encode_item(self.value(item), weight))
+        if self.log is not None and self.stateful:
+            snapshot = self.state_item if self.snapshots and not outputs else None
+            self.log.collected(item, key, self.holds_state(), len(outputs), snapshot)
+        return outputs
+
+    def _run_collector(self, item: Item, key: Any, weight: int | float
+                       ) -> tuple[list[tuple[Any, Item]], int | None]:
+        """``Collector.collect``'s outputs for ``item``, and the index of the one that reuses
+        ``item`` itself (None if none does)."""
         value = self.value(item)  # a decode error is the putter's ValueError, not a HookError
         outputs: list[tuple[Any, Item]] = []
-        reused = False
+        reused_at = None
         made = 0  # their bytes, checked as they come: a fan-out past max_bytes stops there
         try:
             produced = self.collector.collect(value, key)
@@ -95,9 +116,9 @@ class HookPipeline:
                     )
                 out_key = check_key(out[0])
                 out_weight = check_weight(out[2]) if len(out) == 3 else weight
-                if out[1] is value and out_weight == weight and not reused:
+                if out[1] is value and out_weight == weight and reused_at is None:
+                    reused_at = len(outputs)  # once: each output is an item of its own (jid)
                     outputs.append((out_key, item))  # its frames, as received
-                    reused = True  # once: each output is an item of its own (its own jid)
                 else:
                     outputs.append((out_key, self.encode_item(out[1], out_weight)))
                 made += outputs[-1][1].nbytes
@@ -106,10 +127,7 @@ class HookPipeline:
                                      f"broker's max_bytes limit ({self.max_bytes})")
         except HOOK_FAILURES as exc:
             raise self._failed(exc, "collector.collect") from None
-        if self.log is not None and self.stateful:
-            snapshot = self.state_item if self.snapshots and not outputs else None
-            self.log.collected(item, key, self.holds_state(), len(outputs), snapshot)
-        return outputs
+        return outputs, reused_at
 
     def state_item(self) -> Item | None:
         """``Collector.state_dict`` encoded as an item (None, logged, if it failed: the puts

@@ -15,8 +15,9 @@ This class checks each request, hands it to those parts, and carries out what co
 of them: consumers joining and leaving (a departed consumer's private items are dealt again),
 leases ending, deliveries that could not be sent, and deadlines.  Its callers give it
 ``reply(client, rid, ...)``, which sends the outcome of a request, and ``decode_item`` /
-``encode_item``, which turn the transport's item payloads into values for hooks and back; the
-core never looks into a payload itself.  Every request ends in exactly one call of ``reply`` —
+``encode_item``, which turn the transport's item payloads into values for hooks and back, and
+``slots_viewed`` (a broker's shared memory: ``HookPipeline.collect``); the core never looks
+into a payload itself.  Every request ends in exactly one call of ``reply`` —
 a result or an error — unless the client withdrew it or went away.
 """
 
@@ -73,6 +74,7 @@ class QueueCore:
         request_overhead: int = REQUEST_OVERHEAD,
         key_overhead: int = KEY_OVERHEAD,
         reply_run: SendRun | None = None,
+        slots_viewed: Callable[[Item], bool] | None = None,
     ) -> None:
         self.name = name
         self.reply = reply
@@ -84,7 +86,8 @@ class QueueCore:
         self.hooks = HookPipeline(name=name, maxsize=maxsize, collector=collector,
                                   dispatcher=dispatcher, producers=producers, options=options,
                                   roster=self.roster, decode_item=decode_item,
-                                  encode_item=encode_item, max_bytes=max_bytes)
+                                  encode_item=encode_item, max_bytes=max_bytes,
+                                  slots_viewed=slots_viewed)
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,

@@ -191,6 +191,7 @@ class Broker:
             reply=self.sessions.reply, reply_run=self.sessions.reply_run,
             decode_item=self.shm.decode_item(_decode_item),
             encode_item=_encode_item,
+            slots_viewed=self.shm.slots_viewed,
             lease_timeout=config.lease_timeout,
             max_bytes=config.max_bytes,
             max_keys=config.max_keys,

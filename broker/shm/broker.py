@@ -106,12 +106,13 @@ class SlotFrames(list):
     """The frames of a put that also refers to shared-memory slots: the item's payload in the
     queue core (which never looks into it), keeping the slots' ``Hold``s as long as it exists."""
 
-    __slots__ = ("holds", "slot_bytes")
+    __slots__ = ("holds", "slot_bytes", "views")
 
     def __init__(self, frames: list, holds: list[Hold]) -> None:
         super().__init__(frames)
         self.holds = holds
         self.slot_bytes = sum(h.nbytes for h in holds)  # counted in the item's nbytes
+        self.views: list[weakref.ref] = []  # the slot views decoding gave hooks (weakly)
 
 
 class FramedSlots(SlotFrames):
@@ -344,9 +345,19 @@ class ShmBroker:
                 slots = [np.frombuffer(_buffer(frames[k]), np.uint8) for k in frames.framed]
             else:
                 slots = [h.view() for h in frames.holds]
+                frames.views = [r for r in frames.views if r() is not None]
+                frames.views.extend(weakref.ref(v) for v in slots)
             return codec.decode(body, frames[1:], shm=slots, shm_copy=False)
 
         return decode
+
+    @staticmethod
+    def slots_viewed(item: Any) -> bool:
+        """Whether anything still holds a view of ``item``'s slots that decoding gave a hook
+        (a collector's state, another output's frames): the item may then not hand its slots
+        to a consumer, whose ``copy=False`` view is writable and private."""
+        frames = item.payload
+        return isinstance(frames, SlotFrames) and any(r() is not None for r in frames.views)
 
     # -- lifetime ------------------------------------------------------------------------------
 
