@@ -290,6 +290,24 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path):
     assert not out.stdout and not (tmp_path / "plots").exists()
 
 
+# the same for the baselines' extras: Ray's package and Redis's client missing
+_WITHOUT_RAY_AND_REDIS = ("import sys; sys.modules['ray'] = sys.modules['redis'] = None; "
+                          "sys.argv[0] = 'zchannel'; from zchannel.cli.main import main; main()")
+
+
+@pytest.mark.parametrize("kind, extra", [("ray", "ray"), ("redis", "redis"),
+                                         ("redis-mem.single", "redis")])
+def test_bench_baseline_that_cannot_run_here_is_refused_before_the_run(kind, extra):
+    """``bench --baseline ray|redis...`` without its extra stops at once with one line naming
+    the extra, instead of measuring every case and skipping the baseline asked for."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_RAY_AND_REDIS, "bench", "--baseline",
+                          kind], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = _one_line(out.stderr)
+    assert line.startswith(f"error: --baseline {kind} cannot run here: "), line
+    assert f"pip install 'zchannel[{extra}]'" in line and not out.stdout
+
+
 def test_companion_settings_in_a_config_file_are_refused_too(run_dir, tmp_path):
     """``fsync`` in a config file without a journal would start a broker that is not durable."""
     config = tmp_path / "broker.toml"

@@ -145,6 +145,16 @@ def test_version_is_written_once():
                         assert f'"{version}"' not in f.read(), os.path.join(root, file)
 
 
+def test_the_version_has_its_changelog_release():
+    """Each release moves the version on: a wheel of new code under an old number would not
+    replace an installed older one (pip keeps a wheel whose version is already installed), so
+    the version in ``setup.cfg`` is the newest release named in ``CHANGELOG.md``."""
+    version = _setup_cfg().get("metadata", "version")
+    with open(os.path.join(REPO, "CHANGELOG.md"), encoding="utf-8") as f:
+        releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", f.read(), re.M)
+    assert releases and releases[0] == version, (version, releases[:3])
+
+
 def test_each_extra_pulls_only_what_it_needs():
     """An extra names the distributions of its feature, none of the install requirements."""
     required = _requirements(_setup_cfg().get("options", "install_requires"))

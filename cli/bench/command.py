@@ -18,9 +18,11 @@ import click.core
 from zchannel.broker import Channel, ChannelError
 from zchannel.broker.host.toml import read_toml
 from zchannel.broker.server.starting import child_environ
+from zchannel.cli.bench.baselines import ray_available
 from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
 from zchannel.cli.bench.durable import DURABLE_STEPS, run_durable_targets
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
+from zchannel.cli.bench.registry import BASELINES
 from zchannel.cli.bench.report import (
     Progress,
     TargetResult,
@@ -283,6 +285,7 @@ def bench(
     _worker_environment(ctx, base)
     scenario = opts["scenario"]
     _check_plot(plot_dir, scenario)
+    _check_baseline(opts["baseline"])
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     if opts.get("address"):  # no broker there: an expected failure (status 2), before any run
         Channel.connect(opts["address"], timeout=5.0).close()
@@ -315,6 +318,18 @@ def _check_plot(plot_dir: str | None, scenario: str) -> None:
     except ImportError:
         raise click.UsageError(
             "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'") from None
+
+
+def _check_baseline(kind: str) -> None:
+    """A ``--baseline`` that cannot run here (its extra or server missing) is a usage error
+    before the run, not a skipped row after it."""
+    if kind == "ray":
+        why = None if ray_available() else "Ray is not installed (pip install 'zchannel[ray]')"
+    else:
+        entry = BASELINES.get(kind)
+        why = entry.unavailable() if entry is not None else None
+    if why is not None:
+        raise click.UsageError(f"--baseline {kind} cannot run here: {why}")
 
 
 @dataclasses.dataclass

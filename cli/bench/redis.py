@@ -42,13 +42,11 @@ LARGE_ITEM = 1 << 20
 def unavailable() -> str | None:
     """Why the Redis baseline cannot run here (None: it can)."""
     if shutil.which("redis-server") is None:
-        return ("redis baseline skipped: redis-server is not on PATH (Debian/Ubuntu: "
-                "apt-get install redis-server)")
+        return "redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)"
     try:
         import redis  # noqa: F401
     except ImportError:
-        return ("redis baseline skipped: the redis package is not installed "
-                "(pip install 'zchannel[redis]')")
+        return "the redis package is not installed (pip install 'zchannel[redis]')"
     return None
 
 

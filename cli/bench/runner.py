@@ -198,7 +198,7 @@ class Runner:
         else:
             why = baseline(kind).unavailable()
             if why is not None:
-                self.note(why)
+                self.note(f"{kind} baseline skipped: {why}")
                 return None
         return kind, base_case
 
