@@ -443,3 +443,17 @@ def test_broker_imports_hook_modules_of_the_working_directory(run_dir, tmp_path,
     finally:
         proc.terminate()
         proc.communicate(timeout=20)
+
+
+def test_the_broker_child_run_by_hand_says_what_it_is():
+    """``python -m zchannel.broker`` is the process ``Channel.create`` starts (its settings come
+    as msgpack on stdin): ``--help`` says so and names ``zchannel broker``; no settings on
+    stdin is one line on stderr and status 2, not a traceback."""
+    run = [sys.executable, "-m", "zchannel.broker"]
+    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "zchannel broker NAME" in helped.stdout, helped.stderr
+    for stdin in (b"", b"hello\n"):
+        out = subprocess.run(run, input=stdin, capture_output=True, timeout=60)
+        err = out.stderr.decode()
+        assert out.returncode == 2 and "Traceback" not in err, err
+        assert _one_line(err).startswith("error: no broker settings on stdin"), err

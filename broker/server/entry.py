@@ -84,7 +84,14 @@ def main_from_stdin() -> int:
     """Entry of ``python -m zchannel.broker``: the config arrives as msgpack on stdin (the trusted
     start-up pipe of ``Channel.create``)."""
     data = sys.stdin.buffer.read()
-    fields = codec.decode(data)
+    try:
+        fields = codec.decode(data)
+        if not isinstance(fields, dict):
+            raise ValueError(f"a {type(fields).__name__}, not a table of settings")
+    except ValueError as exc:
+        print(f"error: no broker settings on stdin ({exc}); this is the process Channel.create "
+              "starts: run `zchannel broker NAME` instead", file=sys.stderr)
+        return 2
     setup_logging()
     watch = StartWatch(fields.get("parent_pid"))  # the creator may exit while hooks start
     started: list[Broker] = []
