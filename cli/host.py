@@ -34,7 +34,8 @@ def _broker_row(name: str, address: str | None, locks: list[str], timeout: float
                 curve_keys: Any, replica: bool = False) -> dict[str, Any]:
     row: dict[str, Any] = {"name": name, "address": address, "locks": locks}
     if address is None:
-        row["error"] = "no address file (a distributed channel: stat one of its replicas)"
+        row["error"] = ("no address file yet (a broker still starting, or a distributed "
+                        "channel: stat one of its replicas)")
         return row
     try:
         # a replica's own figures: a plain handle (Channel.connect would merge the replicas)

@@ -4,6 +4,7 @@ with different seeds share none), the demo's evaluations use distinct seeds too,
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -16,6 +17,7 @@ from click.testing import CliRunner  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 from zchannel.cli import demo  # noqa: E402
 from zchannel.cli.main import main as cli  # noqa: E402
+from zchannel.embodied import runners  # noqa: E402
 from zchannel.embodied.policy import RandomPolicy  # noqa: E402
 from zchannel.embodied.runners import (  # noqa: E402
     RunConfig,
@@ -158,6 +160,8 @@ def test_the_demo_says_when_no_evaluation_episode_finished(tmp_path, monkeypatch
     """Not a return of 0.00: the table line, the JSON (null) and the plot (no random-policy
     line) say there is none."""
     pytest.importorskip("matplotlib")
+    # a never-ending env runs every evaluation to the chunk limit: 2,000 chunks, 6 times over
+    monkeypatch.setattr(runners, "evaluate", functools.partial(runners.evaluate, max_chunks=20))
     plot = tmp_path / "never.png"
     evaluation = _demo_evaluation(tmp_path, monkeypatch, 0, "gym:ZchannelNeverEnds-v0",
                                   "--plot", str(plot))
