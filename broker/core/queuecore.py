@@ -83,11 +83,10 @@ class QueueCore:
         self.queues = KeyedQueues(maxsize=maxsize, max_bytes=max_bytes, max_keys=max_keys,
                                   key_grace=key_grace, deadlines=self.deadlines)
         self.roster = Consumers(consumers)
-        self.hooks = HookPipeline(name=name, maxsize=maxsize, collector=collector,
-                                  dispatcher=dispatcher, producers=producers, options=options,
-                                  roster=self.roster, decode_item=decode_item,
-                                  encode_item=encode_item, max_bytes=max_bytes,
-                                  slots_viewed=slots_viewed)
+        self.hooks = HookPipeline(
+            name=name, maxsize=maxsize, collector=collector, dispatcher=dispatcher,
+            producers=producers, options=options, roster=self.roster, decode_item=decode_item,
+            encode_item=encode_item, max_bytes=max_bytes, slots_viewed=slots_viewed)
         self.lease_book = LeaseBook(lease_timeout=lease_timeout, queues=self.queues,
                                     deadlines=self.deadlines)
         self.waiters = Waiters(queues=self.queues, hooks=self.hooks, leases=self.lease_book,

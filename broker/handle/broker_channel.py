@@ -124,10 +124,12 @@ class BrokerChannel(ChannelHandle):
         if refs:
             rec.slots = refs
         limit = conn.broker_info.max_message_bytes
-        if limit and sum(sizes) > limit:
-            shm_undo(conn, refs)
-            raise ValueError(f"item of {sum(sizes)} bytes exceeds the broker's "
-                             f"max_message_bytes limit ({limit})")
+        if limit:  # slot bytes count: a consumer on another host receives them as frames
+            total = sum(sizes) + sum(ref[2] for ref in refs or ())
+            if total > limit:
+                shm_undo(conn, refs)
+                raise ValueError(f"item of {total} bytes exceeds the broker's "
+                                 f"max_message_bytes limit ({limit})")
         return frames, retried
 
     # put and get_batch: None / the items when waiting, a Work with async_op=True (the last

@@ -94,7 +94,11 @@ class ShmClient:
         if not self.enabled or offer is None:
             return
         probe, prefix = offer.probe, offer.prefix
-        threshold, budget = offer.threshold, offer.pool or DEFAULT_POOL_BYTES
+        # a broker that names no pool budget means the default; a budget of 0 turns it off
+        threshold = offer.threshold
+        budget = DEFAULT_POOL_BYTES if offer.pool is None else offer.pool
+        if budget == 0:
+            return  # this client's puts go as frames (as with shm=False)
         if not (isinstance(prefix, str) and PREFIX_RE.match(prefix) and isinstance(threshold, int)
                 and threshold > 0 and isinstance(budget, int) and isinstance(probe, str)
                 and NAME_RE.match(probe) and probe.startswith(prefix)):
@@ -297,11 +301,13 @@ def empty_array(pool: Pool | None, shape: Any, dtype: Any) -> Any:
     """An uninitialised array of ``shape`` and ``dtype`` (a numpy dtype; a torch dtype gives a
     CPU tensor) in a slot lent by ``pool`` (``Pool.lend``: a put sends the slot itself), or a
     plain ``numpy.empty`` / ``torch.empty`` without a pool, below its threshold, or with no
-    slot free in time.  ``TypeError`` for another dtype or a shape that is not ints,
-    ``ValueError`` for a negative dimension."""
+    slot free in time.  ``TypeError`` for a dtype or rank no put accepts (the encoder's
+    own checks) or a shape that is not ints, ``ValueError`` for a negative dimension."""
     dims = _dims(shape)
+    arrays.check_rank(len(dims))
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
+        arrays.torch_dtype_name(dtype)  # (the encoder's check: what no put accepts is refused)
         nbytes = math.prod(dims) * arrays.tensor_itemsize(dtype)
         view = pool.lend(nbytes) if pool is not None else None
         if view is None:
@@ -311,8 +317,7 @@ def empty_array(pool: Pool | None, shape: Any, dtype: Any) -> Any:
         kind = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be a numpy or torch dtype, got {dtype!r}") from None
-    if kind.hasobject:
-        raise TypeError(f"dtype {kind} holds Python objects: it cannot travel as an array")
+    arrays.check_numpy_dtype(kind)
     view = pool.lend(math.prod(dims) * kind.itemsize) if pool is not None else None
     if view is None:
         return np.empty(dims, dtype=kind)

@@ -196,7 +196,7 @@ class Pool:
         """A free slot of class ``size``, marked USED: taken, or after waiting for (or making)
         a segment, or for the broker to free one for up to the class's wait (``slot_wait`` at
         first, shorter after waits that got nothing: ``SLOT_WAIT_CUT``) or ``wait`` seconds if
-        shorter; None if none came."""
+        shorter; None if none came, at once when the class has no slot to wait for."""
         for _ in range(3):  # take; or wait for (or make) a segment and take again
             with self.lock:
                 self.classes.setdefault(size, [])
@@ -215,6 +215,8 @@ class Pool:
                 pending.wait()
         if size in self.stalled or (wait is not None and wait <= 0):
             return None  # (no wait: nothing to learn from)
+        if not self.classes[size]:
+            return None  # the class has no slot (pool budget, /dev/shm): none can be freed
         budget = self.wait_s.get(size, self.slot_wait)
         got = self._wait_free(size, budget if wait is None else min(wait, budget))
         if got is not None:

@@ -28,6 +28,7 @@ from zchannel.broker.wire.packers import shared_packer
 
 MAX_RANK = 32  # the rank a decoded array or tensor may have (a broker's ``max_rank`` lowers it)
 MAX_KEPT = 4096  # heads kept, of each kind
+_MAX_EXTENT = 2**63 - 1  # numpy's largest array size in bytes (its intp), zero dimensions aside
 
 # numpy dtypes allowed on the wire: numeric and bool, either byte order.
 NP_DTYPES: dict[str, np.dtype] = {}
@@ -136,9 +137,35 @@ def _keep(kept: dict, key: Any, value: Any) -> None:
 
 def check_dtype(obj: Any) -> None:
     """``TypeError`` for a numpy array or scalar of a dtype that cannot travel."""
-    if obj.dtype.str not in NP_DTYPES:
-        what = "numpy dtype" if isinstance(obj, np.ndarray) else "numpy scalar of dtype"
-        raise TypeError(f"{what} {obj.dtype} cannot be sent (numeric and bool dtypes only)")
+    check_numpy_dtype(obj.dtype, "numpy dtype" if isinstance(obj, np.ndarray)
+                      else "numpy scalar of dtype")
+
+
+def check_numpy_dtype(dtype: np.dtype, what: str = "numpy dtype") -> None:
+    """``TypeError`` for a numpy ``dtype`` that cannot travel (``what`` names the value)."""
+    if dtype.str not in NP_DTYPES:
+        raise TypeError(f"{what} {dtype} cannot be sent (numeric and bool dtypes only)")
+
+
+def check_rank(ndim: int) -> None:
+    """``TypeError`` for an array or tensor of more dimensions than a decoder accepts
+    (``MAX_RANK``): refused at the put rather than by every receiver."""
+    if ndim > MAX_RANK:
+        raise TypeError(f"cannot send an array or tensor of rank {ndim}: at most {MAX_RANK} "
+                        "dimensions travel")
+
+
+def check_extent(shape: tuple[int, ...], itemsize: int) -> None:
+    """``TypeError`` for a shape whose non-zero dimensions times ``itemsize`` pass numpy's
+    largest array size (a receiver cannot make the array, even one of no elements)."""
+    extent = itemsize
+    for dim in shape:
+        if dim:
+            extent *= dim
+    if extent > _MAX_EXTENT:
+        raise TypeError(f"cannot send an array or tensor of shape {tuple(shape)}: numpy cannot "
+                        "hold that shape (its non-zero dimensions times the item size pass "
+                        f"{_MAX_EXTENT} bytes)")
 
 
 def array_payload(arr: np.ndarray, loc: Any) -> bytes:
@@ -150,28 +177,48 @@ def array_payload(arr: np.ndarray, loc: Any) -> bytes:
     if head is None:
         with _heads_lock:
             check_dtype(arr)
+            check_rank(arr.ndim)
             head = (_packer.pack_array_header(3) + _packer.pack(arr.dtype.str)
                     + _packer.pack(list(arr.shape)))
             _keep(_array_heads, key, head)
     return head + _packer.pack(loc)
 
 
-def tensor_dtype_name(t: Any) -> str:
-    """The wire name of tensor ``t``'s dtype; ``TypeError`` for a tensor that cannot travel."""
-    torch = torch_module()
-    name = _TORCH_DTYPE_NAME.get(t.dtype)
+def torch_dtype_name(dtype: Any) -> str:
+    """The wire name of torch ``dtype``; ``TypeError`` for a dtype that cannot travel."""
+    torch_module()
+    name = _TORCH_DTYPE_NAME.get(dtype)
     if name is None:
-        raise TypeError(f"torch dtype {t.dtype} cannot be sent")
-    if t.layout != torch.strided:
+        raise TypeError(f"torch dtype {dtype} cannot be sent")
+    return name
+
+
+def check_not_nested(t: Any) -> None:
+    """``TypeError`` for a nested tensor (of any layout: a strided one has no single shape)."""
+    if t.is_nested:
+        raise TypeError("cannot send a nested tensor; convert it to a dense tensor "
+                        "(torch.nested.to_padded_tensor) or send its components as a list")
+
+
+def tensor_dtype_name(t: Any) -> str:
+    """The wire name of tensor ``t``'s dtype; ``TypeError`` for a tensor that cannot travel
+    (its dtype, a nested or non-strided layout, the meta device, a rank above ``MAX_RANK``, a
+    shape numpy cannot hold)."""
+    check_not_nested(t)
+    name = torch_dtype_name(t.dtype)
+    if t.layout != torch_module().strided:
         raise TypeError(f"cannot send a {t.layout} tensor; convert it to a dense tensor")
     if t.is_meta:
         raise TypeError("cannot send a tensor on the meta device: it has no data")
+    check_rank(t.dim())
+    check_extent(tuple(t.shape), _TORCH_ITEMSIZE[t.dtype])
     return name
 
 
 def tensor_head(t: Any) -> tuple[bytes, bytes]:
     """The msgpack of tensor ``t``'s descriptor before its ``loc`` and after it (its device);
     ``TypeError`` for a tensor that cannot travel."""
+    check_not_nested(t)  # (before its shape, which a nested tensor does not have)
     key = (t.dtype, t.shape, t.device, t.layout)
     parts = _tensor_heads.get(key)
     if parts is None:

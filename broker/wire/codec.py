@@ -62,6 +62,7 @@ from zchannel.broker.wire.arrays import (
     array_layout,
     array_payload,
     check_dtype,
+    check_rank,
     is_size,
     is_tensor,
     numpy_of,
@@ -116,6 +117,8 @@ def refuse(obj: Any) -> NoReturn:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         raise TypeError(f"dataclass {name} is not registered for the wire: {registration_hint(cls)}")
     if isinstance(obj, np.ma.MaskedArray):
+        if cls is np.ma.MaskedArray:  # its public name (numpy < 2 says numpy.ma.core)
+            name = "numpy.ma.MaskedArray"
         raise TypeError(
             f"cannot send a {name}: its mask would be lost; send arr.filled(value), or arr.data "
             "and arr.mask as two arrays"
@@ -131,10 +134,12 @@ def refuse(obj: Any) -> NoReturn:
 
 
 def check_array(obj: Any) -> None:
-    """``TypeError`` for a numpy array or scalar that cannot travel."""
+    """``TypeError`` for a numpy array or scalar that cannot travel (a masked array, its
+    dtype, a rank above ``arrays.MAX_RANK``)."""
     if type(obj) is not np.ndarray and isinstance(obj, np.ma.MaskedArray):
         refuse(obj)
     check_dtype(obj)
+    check_rank(obj.ndim)
 
 
 def _small_buffer() -> dict[str, int]:

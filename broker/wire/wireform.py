@@ -4,7 +4,8 @@ A local channel (``broker/handle/local.py``) passes items by reference, yet must
 delivers: ``wire_form(obj)`` is ``obj`` itself whenever ``decode(encode(obj))`` would hold the
 same types and values (the common case: nothing is copied; C-contiguous, writable arrays and
 contiguous tensors are not touched, others are copied into that form, as a broker delivers
-them), else a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
+them, and a tensor's conjugate or negative bit is resolved, as the encoder resolves it), else
+a rebuilt value holding the base forms of ``docs/values.md`` (``"stop"`` for an unregistered
 ``str`` Enum member, ``tuple`` for a named tuple, ``bytes`` for a ``bytearray``, a detached plain
 tensor for a ``Parameter``...).  What the codec refuses is the same ``TypeError`` here, the
 nesting limit included (``codec.MAX_DEPTH`` tuples, sets, frozensets and dataclasses inside each
@@ -66,10 +67,7 @@ def _form(obj: Any, level: int, nest: int) -> Any:
         return _array(obj)
     torch = sys.modules.get("torch")  # (not imported: no tensor can exist)
     if torch is not None and isinstance(obj, torch.Tensor):
-        arrays.tensor_dtype_name(obj)
-        if kind is not torch.Tensor or obj.requires_grad:
-            obj = obj.detach().as_subclass(torch.Tensor)
-        return obj if obj.is_contiguous() else obj.contiguous()
+        return _tensor(obj, kind, torch)
     return _form_other(obj, kind, level, nest)
 
 
@@ -133,6 +131,21 @@ def _array(obj: np.ndarray) -> np.ndarray:
     if flags.c_contiguous and flags.writeable:
         return obj
     return np.array(obj, order="C")
+
+
+def _tensor(obj: Any, kind: type, torch: Any) -> Any:
+    """A tensor as a broker delivers it: ``obj`` itself if it is a plain, contiguous tensor
+    without grad, conjugate or negative bit, else a plain tensor that is (its storage
+    shared where nothing needs resolving); the codec's ``TypeError`` for one that cannot
+    travel."""
+    arrays.tensor_dtype_name(obj)
+    if kind is not torch.Tensor or obj.requires_grad:
+        obj = obj.detach().as_subclass(torch.Tensor)
+    if obj.is_conj():  # (the encoder sends the values, never the lazy bits)
+        obj = obj.resolve_conj()
+    if obj.is_neg():
+        obj = obj.resolve_neg()
+    return obj if obj.is_contiguous() else obj.contiguous()
 
 
 def _nest(nest: int) -> int:
