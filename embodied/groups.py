@@ -238,6 +238,8 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        if node_ranks is not None:
+            _check_node_ranks(node_ranks, len(nodes))
         remote = ray.remote(num_cpus=0)(self._cls)
         for rank in range(num_workers):
             options: dict[str, Any] = {"runtime_env": {"env_vars": {
@@ -384,3 +386,15 @@ class WorkerGroup:
 
 
 __all__ = ["GroupCall", "Worker", "WorkerError", "WorkerGroup"]
+
+
+def _check_node_ranks(node_ranks: Any, n_nodes: int) -> None:
+    """``ValueError`` unless ``node_ranks`` is a non-empty list of node ranks in
+    ``0 .. n_nodes - 1`` (as ``Channel.create(node_rank=)`` checks one)."""
+    if not isinstance(node_ranks, (list, tuple)) or not node_ranks:
+        raise ValueError(f"node_ranks={node_ranks!r}: give a non-empty list of node ranks "
+                         "(or None: Ray places the ranks)")
+    for rank in node_ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n_nodes:
+            raise ValueError(f"node_ranks={node_ranks!r}: node rank {rank!r} is not in "
+                             f"0..{n_nodes - 1}: the Ray cluster has {n_nodes} nodes")

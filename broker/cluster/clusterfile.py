@@ -27,7 +27,8 @@ replicas with its own key pair; clients learn each replica's public key from the
 are relative to the file.  ``zchannel keygen DIR --replicas N`` writes such a set.
 
 An ``address`` may contain ``{name}``, replaced by the channel name, so that one file serves
-several channels (``ipc:///run/zc/{name}-0.sock``).  Several replicas may share a node: keys of
+several channels (``ipc:///run/zc/{name}-0.sock``); a relative ipc path is relative to the
+file, as key paths are.  Several replicas may share a node: keys of
 that node are then spread over them by a stable hash of the key.
 
 The file is found through ``options={"cluster": FILE}`` given to ``Channel.create``, the
@@ -92,7 +93,8 @@ class Cluster:
 
 
 def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | None) -> Replica:
-    """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced."""
+    """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced and a
+    relative ipc path made absolute against the file's directory (``_absolute_ipc``)."""
     if not isinstance(row, dict):
         raise ValueError(f"{path}: replica {i} must be a table ([[replica]]), got {row!r}")
     bad = set(row) - {"node", "address", "hostnames"}
@@ -106,12 +108,39 @@ def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | N
     hostnames = row.get("hostnames") or []
     if not isinstance(hostnames, list) or not all(isinstance(h, str) for h in hostnames):
         raise ValueError(f"{path}: replica {i}: hostnames must be a list of str, got {hostnames!r}")
-    return Replica(str(row["node"]), address, tuple(hostnames))
+    return Replica(str(row["node"]), _absolute_ipc(path, address), tuple(hostnames))
+
+
+def _absolute_ipc(path: str | os.PathLike, address: str) -> str:
+    """``address`` with a relative ipc path resolved against the directory of the cluster
+    file ``path`` (as its key paths are), so that every process finds the same socket
+    whatever its working directory; other addresses (absolute or abstract ``@`` ipc paths,
+    tcp) unchanged."""
+    if not address.startswith("ipc://"):
+        return address
+    socket_path = address[len("ipc://"):]
+    if not socket_path or socket_path.startswith(("/", "@")):
+        return address
+    return "ipc://" + str(Path(path).resolve().parent / socket_path)
 
 
 def load(path: str | os.PathLike, name: str | None = None) -> Cluster:
-    """Read a cluster file; ``{name}`` in addresses is replaced by the channel ``name``."""
-    data = read_toml(path)
+    """Read a cluster file; ``{name}`` in addresses is replaced by the channel ``name``.
+    ``ValueError`` naming the file when it cannot be read or is malformed."""
+    return parse(path, read_cluster_toml(path), name)
+
+
+def read_cluster_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The tables of cluster file ``path``; ``ValueError`` naming it when it cannot be read
+    (missing, a directory, no permission) or is not valid TOML."""
+    try:
+        return read_toml(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read the cluster file {path}: {exc.strerror or exc}") from None
+
+
+def parse(path: str | os.PathLike, data: dict[str, Any], name: str | None = None) -> Cluster:
+    """The cluster of file ``path``'s tables ``data`` (``load``)."""
     unknown = set(data) - {"cluster", "replica"}
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
@@ -199,14 +228,21 @@ def find_file(options: dict | None = None) -> str | None:
 
 def load_found(name: str) -> Cluster | None:
     """The cluster file of ``$ZCHANNEL_CLUSTER`` if it describes channel ``name`` (None: no
-    file, or one that does not)."""
+    variable, or a file whose ``[cluster] name`` is another channel).  ``ValueError`` naming
+    the variable, the file and the cause when the file cannot be read or is malformed: a
+    variable that names a broken file is a mistake to report, not a channel to skip."""
     path = find_file()
     if not path:
         return None
     try:
-        return load(path, name)
-    except ValueError:
-        return None
+        data = read_cluster_toml(path)
+        head = data.get("cluster")
+        if isinstance(head, dict) and isinstance(head.get("name"), str) and head["name"] != name:
+            return None  # the only channel the file serves is another one
+        return parse(path, data, name)
+    except ValueError as exc:
+        raise ValueError(f"${ENV_CLUSTER} names the cluster file {path}, which cannot be "
+                         f"used: {exc}") from None
 
 
 def _hostnames() -> set[str]:
@@ -271,4 +307,5 @@ def choose_replica(replicas: list[Replica], node: str | None, key: Any) -> int:
     return candidates[key_hash(key) % len(candidates)]
 
 
-__all__ = ["Cluster", "Replica", "choose_replica", "find_file", "load", "local_node"]
+__all__ = ["Cluster", "Replica", "choose_replica", "find_file", "load", "load_found",
+           "local_node", "parse", "read_cluster_toml"]

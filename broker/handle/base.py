@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
 from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.host import paths
 from zchannel.broker.host.procs import process_running
 from zchannel.broker.server import rundir
 from zchannel.broker.server.starting import BrokerProcess, stop_broker
@@ -51,6 +53,9 @@ class ChannelHandle:
     operations."""
 
     _stopped_broker = False  # this handle's shutdown() stopped its broker (again: a no-op)
+    # a replica's handle within a distributed one (``DistributedChannel._sub``): a new
+    # connection first checks that something can listen at the address (``paths.probe``)
+    _probes_before_connecting = False
 
     def __init__(self, name: str | None, address: str, *, identity: str | None = None,
                  curve_keys: Any = None, shm: bool | None = None) -> None:
@@ -110,7 +115,9 @@ class ChannelHandle:
 
     def _acquired(self, timeout: float = 10.0) -> sharing.Share:
         """This handle's share of the process's connection to its broker, taken at first use
-        (and again in a forked child, or after the connection ended)."""
+        (and again in a forked child, or after the connection ended), waiting at most
+        ``timeout`` seconds for the broker's hello: ``ChannelNotFound`` then, or at once when
+        ``_probes_before_connecting`` and nothing can be listening at the address."""
         share = self._share
         if share is not None and share.conn.pid == _pid[0] and share.conn.state != CLOSED:
             return share
@@ -125,9 +132,12 @@ class ChannelHandle:
                 share.close(settle_puts=False, withdraw=False, bye=False)
             if self._closed:
                 raise ChannelError("this channel handle is closed")
+            deadline = time.monotonic() + timeout
+            if self._probes_before_connecting:
+                paths.probe(self._address)  # a dead replica's stale socket: no 10 s wait
             share = sharing.acquire(self._address, self.identity, client_keys(self._curve_keys),
                                     self._shm, self._broker_pid)
-            if not share.conn.wait_up(timeout):
+            if not share.conn.wait_up(max(0.0, deadline - time.monotonic())):
                 share.close(settle_puts=False, withdraw=False)
                 if share.conn.refused is not None:  # a CURVE mismatch (AuthenticationFailed)
                     raise share.conn.refused

@@ -163,7 +163,10 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     if metrics_port is not None:
         config["metrics_port"] = check_port(metrics_port)
     if journal is not None:  # a durable channel (docs/durability.md)
-        config.update(journal=os.path.abspath(os.fspath(journal)), fsync=fsync,
+        where = os.fspath(journal)
+        if not where:
+            raise ValueError("journal must be a directory path, got ''")
+        config.update(journal=os.path.abspath(os.path.expanduser(where)), fsync=fsync,
                       fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
     BrokerConfig(**config)  # wrong values fail here, not in the broker
     codec.encode(config)  # options must be msgpack-able: fail here, not in the child

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -34,7 +35,7 @@ from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFo
 from zchannel.broker.handle.base import clean_after_dead_broker
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
-from zchannel.broker.handle.routing import KeyRouting
+from zchannel.broker.handle.routing import KeyRouting, connect_budget
 from zchannel.broker.host import paths
 from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT
 from zchannel.broker.server.starting import START_TIMEOUT_S, hook_label, spawn_broker
@@ -110,6 +111,7 @@ class DistributedChannel(BrokerChannel):
                               identity=self._explicit_identity,
                               curve_keys=replica_client_keys(self._curve_keys,
                                                              self._replicas[index].server_key))
+                sub._probes_before_connecting = True  # a dead replica's keys fail at once
                 self._subs[index] = sub
             return sub
 
@@ -142,7 +144,8 @@ class DistributedChannel(BrokerChannel):
             async_op: bool = False, timeout: float | None = None) -> Work | None:
         check_weight(weight)
         check_timeout(timeout)
-        return self._routing.on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout))
+        return self._routing.on(key, lambda sub, _: sub.put(item, weight, key, async_op, timeout),
+                                connect_s=connect_budget(timeout, async_op), async_op=async_op)
 
     def put_nowait(self, item: Any, weight: int | float = 0, key: Any = DEFAULT_KEY) -> None:
         check_weight(weight)
@@ -160,7 +163,8 @@ class DistributedChannel(BrokerChannel):
                 return result.then(lambda d: self._tag(d, index))
             return self._tag(result, index)
 
-        return self._routing.on(key, call)
+        return self._routing.on(key, call, connect_s=connect_budget(timeout, async_op),
+                                async_op=async_op)
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         def call(sub: BrokerChannel, index: int) -> Any:
@@ -191,7 +195,8 @@ class DistributedChannel(BrokerChannel):
         check_target_weight(target_weight)
         check_timeout(timeout)
         return self._routing.on(key, lambda sub, _: sub.get_batch(target_weight, key, async_op, timeout,
-                                                          copy=copy))
+                                                          copy=copy),
+                                connect_s=connect_budget(timeout, async_op), async_op=async_op)
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
         return self._routing.on(key, lambda sub, _: sub.qsize(key, consumer))
@@ -233,26 +238,12 @@ class DistributedChannel(BrokerChannel):
         ``ChannelError`` once this handle is closed, as every other call."""
         if self._closed:
             raise ChannelError("this channel handle is closed")
-        parts: list[dict[str, Any]] = []
-        summaries: list[dict[str, Any]] = []
-        for i, r in enumerate(self._replicas):
-            summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
-            try:
-                sub = self._sub(i)
-                sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
-                s = sub.stats(exclude_self=exclude_self)
-            except (BrokerUnavailable, ChannelError) as exc:
-                summary["error"] = f"{type(exc).__name__}: {exc}"
-                summaries.append(summary)
-                continue
-            parts.append(s)
-            summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
-                           keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
-                           uptime_s=s.get("uptime_s"))
-            for name in _REPLICA_FIELDS:
-                if name in s:
-                    summary[name] = s[name]
-            summaries.append(summary)
+        # every replica at once: a dead one (its connection wait) holds up none of the others
+        with ThreadPoolExecutor(max_workers=len(self._replicas)) as pool:
+            answers = list(pool.map(lambda i: self._replica_stats(i, exclude_self),
+                                    range(len(self._replicas))))
+        summaries = [summary for summary, _ in answers]
+        parts = [s for _, s in answers if s is not None]
         if not parts:
             raise BrokerUnavailable(f"no replica of channel {self._name!r} answers")
         first = parts[0]
@@ -273,6 +264,27 @@ class DistributedChannel(BrokerChannel):
         out["node"] = self._node
         out["replicas"] = summaries
         return out
+
+    def _replica_stats(self, i: int, exclude_self: bool) -> tuple[dict[str, Any],
+                                                                 dict[str, Any] | None]:
+        """Replica ``i``'s summary for ``stats()["replicas"]`` and its stats (None, and an
+        ``error`` in the summary, when it does not answer)."""
+        r = self._replicas[i]
+        summary: dict[str, Any] = {"replica": i, "node": r.node, "address": r.address}
+        try:
+            sub = self._sub(i)
+            sub._connection(timeout=STATS_CONNECT_S)  # a dead replica must not hold stats up
+            s = sub.stats(exclude_self=exclude_self)
+        except (BrokerUnavailable, ChannelError) as exc:
+            summary["error"] = f"{type(exc).__name__}: {exc}"
+            return summary, None
+        summary.update(pid=s.get("pid"), bytes_held=s.get("bytes_held", 0),
+                       keys=len(s.get("keys") or {}), clients=s.get("clients", 0),
+                       uptime_s=s.get("uptime_s"))
+        for name in _REPLICA_FIELDS:
+            if name in s:
+                summary[name] = s[name]
+        return summary, s
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -373,9 +385,17 @@ def connect_home(channel: DistributedChannel, timeout: float) -> int:
 
 def check_table(channel: DistributedChannel, source: str | None, index: int) -> None:
     """``ChannelError`` naming ``source`` (a cluster file) when replica ``index`` serves another
-    replica table than ``channel``'s (a mismatched file would otherwise send binding requests
-    to a replica that is not the binder); the handle is closed then."""
+    channel (a file whose addresses lack ``{name}`` lists the same replicas for every name)
+    or another replica table than ``channel``'s (a mismatched file would otherwise send
+    binding requests to a replica that is not the binder); the handle is closed then."""
     info = channel._sub(index)._connection().broker_info
+    if channel._name is not None and info.name != channel._name:
+        channel.close()
+        raise ChannelError(
+            f"{source} does not describe channel {channel._name!r}: its replica {index} at "
+            f"{channel._replicas[index].address} serves channel {info.name!r}; give this "
+            "channel a cluster file of its own, or put {name} in the file's addresses (or "
+            "[cluster] name) so that one file serves several channels")
     theirs = None if isinstance(info.replicas, UnsetType) else [
         (r.node, r.address) for r in clusterfile.from_table(info.replicas)]
     ours = [(r.node, r.address) for r in channel._replicas]

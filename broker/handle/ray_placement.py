@@ -416,24 +416,29 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     module docstring) and connect to replica 0.  ``BrokerStartError`` (naming Ray's error) if
     an actor fails while its broker starts."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = config["name"]
+    if (config.get("options") or {}).get("cluster"):
+        log.warning("channel %r: the cluster file %s is ignored: on Ray, Ray places the "
+                    "replicas", name, config["options"]["cluster"])
     info = _lookup(name)
+    actors: list = []
+    if info is None:
+        nodes = _placement(distributed, node_rank, targets)
+        try:  # replica 0's actor holds the name: made first, it settles a race of two creates
+            actors.append(_broker_actor(name, 0, nodes[0]))
+        except ray.exceptions.ActorAlreadyExistsError:  # another create placed it meanwhile
+            info = _published(name)
     if info is not None:  # placed by Ray already: attach
         handle = _handle(name, info, identity)
         handle._log_attached()
         log_ignored_settings(handle._sub(handle._home), config)
         return handle
-    actors = [
-        _actor_class().options(
-            name=ACTOR_PREFIX + name if i == 0 else None,
-            num_cpus=0,
-            max_restarts=MAX_RESTARTS,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(name, i)
-        for i, node_id in enumerate(_placement(distributed, node_rank, targets))
-    ]
+    try:
+        actors += [_broker_actor(name, i, node) for i, node in enumerate(nodes) if i > 0]
+    except BaseException:
+        RayPlacement(actors).teardown()
+        raise
     owner = RayPlacement(actors)
     try:
         info = _start_brokers(owner, config)
@@ -447,6 +452,35 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
         owner.teardown()
         raise
     return handle
+
+
+def _broker_actor(name: str, index: int, node_id: str) -> Any:
+    """The broker actor of replica ``index`` on node ``node_id`` (replica 0's is the named
+    actor ``zchannel:<name>``: ``ActorAlreadyExistsError`` when the name is taken)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return _actor_class().options(
+        name=ACTOR_PREFIX + name if index == 0 else None,
+        num_cpus=0,
+        max_restarts=MAX_RESTARTS,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(name, index)
+
+
+def _published(name: str) -> dict:
+    """The replica table of channel ``name`` once the create that placed it (in another
+    process, at the same time) publishes it; ``BrokerStartError`` when it does not within the
+    start timeout (that create failed, or is still starting)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        info = _lookup(name)
+        if info is not None:
+            return info
+        if time.monotonic() >= deadline:
+            raise BrokerStartError(f"channel {name!r}: another create of this name placed its "
+                                   f"actors but published no replica table within "
+                                   f"{START_TIMEOUT_S}s", "Timeout")
+        time.sleep(0.1)
 
 
 def _placement(distributed: bool, node_rank: int | None, targets: list) -> list[str]:

@@ -7,7 +7,8 @@ it starts with the replica that answered last, follows ``BindAnswer`` redirects,
 next replica when one is unavailable, and waits while a replica joins.  A replica that has not
 answered within ``BIND_HEDGE_S`` stays asked and the next one is asked meanwhile: a binder that
 died is replaced the moment its heartbeat expiry ends, before this handle's own connection to it
-notices.  The answer is cached; a channel that moves keys (``steal``, ``broker/cluster/moving.py``)
+notices; a replica that cannot be connected (nothing can be listening at its address:
+``paths.probe``) is passed over at once.  The answer is cached; a channel that moves keys (``steal``, ``broker/cluster/moving.py``)
 answers an operation on a key that moved with ``KeyMoved``, and the cached binding follows it.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from zchannel.broker.cluster.clusterfile import Replica
 from zchannel.broker.connection.work import Work
@@ -33,6 +34,9 @@ BIND_RETRY_S = 0.02
 BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
 BIND_DEADLINE_S = 30.0
 BIND_HEDGE_S = 0.25  # a replica silent this long on a bind request: ask the next one too
+# an operation's wait for a first connection to its key's replica (``connect_budget``)
+CONNECT_S = 10.0  # at most (an operation without a timeout)
+CONNECT_MIN_S = 2.0  # at least (a hello under load), and all an asynchronous operation waits
 
 
 _T = TypeVar("_T")
@@ -120,8 +124,12 @@ class KeyRouting:
             elif answer is not None:
                 time.sleep(BIND_RETRY_S)  # a replica joins, or the binder changes: ask again
 
-    def on(self, key: Any, call: Callable[[BrokerChannel, int], _T]) -> _T:
-        """``call(handle, index)`` on the replica holding ``key``.  A channel that moves keys
+    def on(self, key: Any, call: Callable[[BrokerChannel, int], _T], *,
+           connect_s: float = CONNECT_S, async_op: bool = False) -> _T:
+        """``call(handle, index)`` on the replica holding ``key``, after at most ``connect_s``
+        seconds for this handle's first connection to that replica (``ChannelNotFound`` then,
+        or at once when nothing can be listening there: a replica that died; for an
+        asynchronous operation, ``async_op``, a ``Work`` failed with it).  A channel that moves keys
         (``steal``) answers an operation on a key that moved with ``KeyMoved`` (nothing
         happened): the cached binding is corrected and the operation sent again, there.  An
         asynchronous operation's ``Work`` fails with it instead (its binding corrected: send it
@@ -129,8 +137,17 @@ class KeyRouting:
         deadline = None
         while True:
             index = self.replica_of(key)
+            sub = self._sub(index)
             try:
-                result = call(self._sub(index), index)
+                sub._acquired(connect_s)  # a first connection: at once when nothing listens
+            except BrokerUnavailable as exc:
+                if not async_op:
+                    raise
+                failed = Work()
+                failed.set_exception(exc)
+                return cast(_T, failed)
+            try:
+                result = call(sub, index)
             except KeyMoved as moved:
                 deadline = deadline or time.monotonic() + BIND_DEADLINE_S
                 self._moved(key, index, moved, deadline)
@@ -156,7 +173,18 @@ class KeyRouting:
             self._bindings[key] = moved.replica
 
 
-__all__ = ["BIND_DEADLINE_S", "BIND_HEDGE_S", "KeyRouting"]
+__all__ = ["BIND_DEADLINE_S", "BIND_HEDGE_S", "KeyRouting", "connect_budget"]
+
+
+def connect_budget(timeout: float | None, async_op: bool = False) -> float:
+    """How long an operation with ``timeout`` waits for a first connection to its key's
+    replica: its timeout, but at least ``CONNECT_MIN_S`` and at most ``CONNECT_S``; an
+    asynchronous one ``CONNECT_MIN_S``."""
+    if async_op:
+        return CONNECT_MIN_S
+    if timeout is None:
+        return CONNECT_S
+    return min(CONNECT_S, max(timeout, CONNECT_MIN_S))
 
 
 def _late_answers(asked: dict[int, Work], failed: dict[int, float]) -> list[tuple[int, Any]]:
