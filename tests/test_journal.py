@@ -34,6 +34,7 @@ from zchannel.broker.core.state import Item
 from zchannel.broker.host import paths
 from zchannel.broker.journal import format as fmt
 from zchannel.broker.journal.journal import Journal, JournalSettings
+from zchannel.broker.server.config import BrokerConfig
 
 
 def test_create_journal_survives_sigkill_and_the_creator_restarts_it(channels, tmp_path):
@@ -195,6 +196,25 @@ def test_bad_journal_arguments(tmp_path):
         Channel.create("durable-bad", journal=tmp_path, max_journal_bytes=-1)
     with pytest.raises(ValueError, match="fsync_interval"):
         Channel.create("durable-bad", journal=tmp_path, fsync_interval=0)
+    with pytest.raises(ValueError, match="journal must be a directory path, got ''"):
+        Channel.create("durable-bad", journal="")  # not the working directory
+    with pytest.raises(ValueError, match=r"max_journal_bytes must be 0 \(no limit\) or at least"):
+        Channel.create("durable-bad", journal=tmp_path, max_journal_bytes=1000)
+    with pytest.raises(ValueError, match="journal_segment_bytes must be an int >= 65536 and <= "):
+        BrokerConfig(name="durable-bad", journal=str(tmp_path), journal_segment_bytes=10**14)
+
+
+def test_a_journal_under_home_is_found_from_any_directory(tmp_path, monkeypatch, channels):
+    """``journal="~/..."`` (the docs' advice for an ordinary user) is the home directory's,
+    in ``Channel.create`` and in a config file alike, not a folder named ``~`` under the
+    working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    ch = Channel.create("durable-home", journal="~/zc-journal")
+    channels.append(ch)
+    assert ch.stats()["journal"]["directory"] == str(tmp_path / "home" / "zc-journal")
+    assert not (tmp_path / "~").exists()
+    assert BrokerConfig(name="x", journal="~/j").journal == str(tmp_path / "home" / "j")
 
 
 def test_a_journal_serves_one_broker_at_a_time(brokers, run_dir, tmp_path):
@@ -384,12 +404,14 @@ def test_unwritable_journal_directory_is_a_clear_error(tmp_path, channels):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root); unmounted lazily when a broker still has files open there."""
+def small_disk(tmp_path, request):
+    """A 1 MiB tmpfs (needs root; another size by indirect parametrization: "2m"); unmounted
+    lazily when a broker still has files open there."""
     where = tmp_path / "small"
     where.mkdir()
+    size = getattr(request, "param", "1m")
     if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
             capture_output=True).returncode != 0:
         pytest.skip("mounting a small tmpfs needs root")
     yield str(where)
@@ -424,6 +446,56 @@ def test_full_disk_refuses_puts_and_keeps_every_acknowledged_one(brokers, run_di
     ch = Channel.connect(config["address"])
     assert [x["i"] for x in drain(ch, "default_queue")] == [1000, 1001, 1002]
     ch.close()
+
+
+@pytest.mark.parametrize("small_disk, acks", [("1m", True), ("2m", True), ("2m", False)],
+                         indirect=["small_disk"])
+def test_a_full_disk_with_leases_and_acks_survives_a_restart_and_drains(brokers, run_dir,
+                                                                       small_disk, acks):
+    """Puts over three keys until the disk is full, every item taken with ``ack=True`` (and,
+    with ``acks``, half of them acknowledged), then a kill: the broker starts again (the lease
+    and ack records took none of the room kept for that), serves every item not
+    acknowledged, and its consumers can take all of them on the full disk, acknowledging each
+    (``acks``) or with plain gets, key after key (their removals need no new segment the disk
+    cannot hold), after which puts are stored again."""
+    config = dict(name="durable-leased-full", address=f"ipc://{run_dir}/leasedfull.sock",
+                  journal=os.path.join(small_disk, "j"), shm_threshold=0, fsync="always")
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    stored = []
+    with pytest.raises(JournalError, match="no space left on device"):
+        for i in range(2000):  # 2000 x 3 KB: more than the disk holds
+            ch.put({"i": i, "pad": b"p" * 3000}, key=f"k{i % 3}")
+            stored.append(i)
+    leased = [ch.get(f"k{i % 3}", ack=True, timeout=10) for i in range(len(stored))]
+    for delivery in leased[::2] if acks else ():
+        ch.ack(delivery)
+    brokers.kill(pid)
+    ch.close()
+    pid = brokers.start(**config)
+    ch = Channel.connect(config["address"])
+    left = sorted(d.item["i"] for d in (leased[1::2] if acks else leased))
+    got = []
+    for key in ("k0", "k1", "k2"):
+        while ch.qsize(key):
+            if acks:
+                delivery = ch.get(key, ack=True, timeout=10)
+                ch.ack(delivery)  # a removal record on a full disk
+                got.append(delivery.item["i"])
+            else:
+                got.append(ch.get(key, timeout=10)["i"])
+    assert sorted(got) == left
+    assert wait_until(lambda: _put_is_stored(ch), timeout=30), ch.stats()["journal"]
+    ch.close()
+
+
+def _put_is_stored(ch) -> bool:
+    """Whether a put is stored now (False: refused for want of disk)."""
+    try:
+        ch.put(b"after", key="after", timeout=5)
+    except JournalError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("seed", [1, 4, 11])
@@ -505,7 +577,8 @@ def test_max_journal_bytes_makes_puts_wait(brokers, run_dir, tmp_path):
                   journal=str(tmp_path / "j"), max_journal_bytes=limit, shm_threshold=0)
     brokers.start(**config)
     ch = Channel.connect(config["address"])
-    with pytest.raises(ValueError, match="max_journal_bytes"):
+    with pytest.raises(ValueError, match=r"exceeds the \d+ bytes one put may take under the "
+                                         rf"broker's max_journal_bytes limit \({limit}"):
         ch.put(b"x" * limit)
     n = 0
     with pytest.raises(QueueFull, match="max_journal_bytes"):

@@ -190,9 +190,7 @@ class KeyedQueues:
         nbytes = self.outputs_bytes(outputs)
         if self.max_bytes and nbytes > self.max_bytes:
             return f"put of {nbytes} bytes exceeds the broker's max_bytes limit ({self.max_bytes})"
-        if self.log is not None and not self.log.fits(nbytes):
-            return f"put of {nbytes} bytes exceeds the broker's max_journal_bytes limit"
-        return None
+        return self.log.too_large(nbytes) if self.log is not None else None
 
     def why_full(self, key: Any, outputs: Outputs,
                  blocked: AbstractSet[tuple[Any, str | None]] = frozenset()) -> str:

@@ -55,9 +55,9 @@ class PutBatch:
             raise JournalFailed(f"the journal failed: {store.sync.failed}")
         origin = item.origin
         n = len(entry)
-        if self.nbytes + n > BATCH_BYTES or not self._room_for(n):
+        if self.nbytes + n > BATCH_BYTES or not self._room_for(n, 1):
             self.flush()
-            store.ensure_room(n + RECORD_EXTRA, for_put=True)
+            store.ensure_room(n + RECORD_EXTRA, puts=1)
             seg = store.segments[-1]
             if seg.allocated - seg.used < n + RECORD_EXTRA:  # a nearly full disk's last segment
                 raise store.dir.no_room(f"a put of {n} bytes")
@@ -88,7 +88,7 @@ class PutBatch:
         total = sum(map(len, entries))
         if self.nbytes + total > BATCH_BYTES:
             self.flush()
-        if total > BATCH_BYTES or not self._room_for(total):
+        if total > BATCH_BYTES or not self._room_for(total, n):
             return 0
         self.entries += entries
         items = self.items
@@ -100,12 +100,15 @@ class PutBatch:
         self.nbytes += total
         return n
 
-    def _room_for(self, nbytes: int) -> bool:
-        """Whether the current segment holds ``nbytes`` more of entries beside those gathered,
-        the record's header and the removals' margin."""
+    def _room_for(self, nbytes: int, puts: int) -> bool:
+        """Whether the current segment holds ``nbytes`` more of entries (``puts`` puts) beside
+        those gathered, the record's header and the removals' margin, and the disk then keeps
+        what ``DiskReserve.for_puts`` says."""
         store = self.store
         seg = store.segments[-1]
-        return seg.allocated - seg.used - store.margin - self.nbytes >= nbytes + RECORD_EXTRA
+        left = seg.allocated - seg.used - self.nbytes - nbytes - RECORD_EXTRA
+        return left >= store.margin and not store.reserve.short(
+            left, len(self.entries) + puts)
 
     def flush(self) -> None:
         """Append the ``PUTS`` record of the gathered puts (to the room reserved for them)."""

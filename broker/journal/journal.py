@@ -116,6 +116,7 @@ class Journal:
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.tables = lambda: _table_records(self)
+        self.store.reserve.live_items = self.live.__len__
         self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
         self.compaction = Compaction()
 
@@ -261,9 +262,8 @@ class Journal:
         return not limit or self.store.room_for(nbytes + PUT_OVERHEAD + self.batch.nbytes, limit,
                                                 current_stays=bool(self.batch))
 
-    def fits(self, nbytes: int) -> bool:
-        limit = self.settings.max_bytes
-        return not limit or nbytes + PUT_OVERHEAD + self.store.full_margin + 4096 <= limit
+    def too_large(self, nbytes: int) -> str | None:
+        return _too_large(self, nbytes)
 
     # -- records -----------------------------------------------------------------------------
 
@@ -318,11 +318,10 @@ class Journal:
         if self._leases:
             leases, self._leases = self._leases, []
             body = fmt.pack_plain(leases)
-            try:
-                self._append([fmt.record(self.store.crc, fmt.LEASE, body)],
-                                  fmt.HEADER.size + len(body))
-            except JournalError as exc:  # only counts redeliveries: not worth failing for
-                log.debug("lease record dropped: %s", exc)
+            # (it only counts redeliveries: left out where it would take room kept for others)
+            if not self.store.append_spare([fmt.record(self.store.crc, fmt.LEASE, body)],
+                                           fmt.HEADER.size + len(body)):
+                log.debug("lease record left out: no spare room in the journal")
         self.store.commit()
 
     def sent(self) -> None:
@@ -593,6 +592,18 @@ def _compact(journal: Journal) -> int:
     journal._drop_dead()
     journal.compaction.copied(copied, before - len(store.segments))
     return copied
+
+
+def _too_large(journal: Journal, nbytes: int) -> str | None:
+    """Why a put of ``nbytes`` could never be stored under ``max_journal_bytes`` (beside its
+    record, a segment's removals' margin and a page), or None."""
+    limit = journal.settings.max_bytes
+    most = limit - PUT_OVERHEAD - journal.store.full_margin - 4096
+    if not limit or nbytes <= most:
+        return None
+    return (f"put of {nbytes} bytes exceeds the {most} bytes one put may take under the "
+            f"broker's max_journal_bytes limit ({limit}: less a segment's margin for removal "
+            "records)")
 
 
 def _stats(journal: Journal) -> dict[str, Any]:

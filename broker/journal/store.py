@@ -16,8 +16,12 @@ The fsync policies (``docs/durability.md``):
   loop: ``due``/``tick``);
 - ``never``: written, and never synced by the journal (the OS writes it back).
 
-Every put keeps ``margin`` bytes of its segment free for removal records, so that a full disk
-still lets consumers take (and acknowledge) what is queued.
+Every put keeps ``margin`` bytes of its segment free for removal records and, on the disk,
+room for the removal of every item the journal holds (``REMOVAL_BYTES`` each) and for the
+first segment of a broker started again on the journal, so that a full disk still lets
+consumers take (and acknowledge) what is queued, also after a restart.  Removal records may
+use all of that but the restart's room; lease records, which only count redeliveries, use
+none of it (``append_spare``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ POLICIES = ("always", "interval", "never")
 SEGMENT_BYTES = 64 << 20
 BUFFER_BYTES = 256 << 10  # the buffer of small records is written once it holds this much
 DIRECT_BYTES = 64 << 10  # records at least this large are written at once, from their frames
+REMOVAL_BYTES = 32  # the disk a put keeps for the removal record of each item held
 
 
 class SegmentStore:
@@ -68,6 +73,7 @@ class SegmentStore:
         self.sync = Syncing(jdir, policy, interval)
         # the records of the whole tables every new segment starts with
         self.tables: Callable[[], list[bytes]] | None = None
+        self.reserve = DiskReserve()  # the disk kept for removals and a restart
 
     @property
     def failed(self) -> BaseException | None:
@@ -90,17 +96,20 @@ class SegmentStore:
     def start(self, limit: int = 0) -> None:
         """Open a new segment to write in (after the recovered ones); with a ``limit`` on the
         journal's disk use, no larger than the room the recovered ones leave under it (down
-        to the least a segment takes: the removals it is for may pass the limit)."""
-        self._roll(0, room=limit - self.staying() if limit else None)
+        to the least a segment takes: the removals it is for may pass the limit).  It may
+        take the room the journal kept for a restart: this is the restart."""
+        self._roll(0, room=limit - self.staying() if limit else None, restarting=True)
 
-    def _roll(self, need: int, for_put: bool = False, room: int | None = None) -> None:
+    def _roll(self, need: int, for_put: bool = False, room: int | None = None,
+              restarting: bool = False) -> None:
         """Continue in a new segment, of at least ``need`` free bytes after the tables it starts
         with (``JournalError`` on a full disk: the current one stays).  On a disk too full for
         a segment of ``segment_bytes``, a smaller one, down to the tables and this record; its
         removals' margin is a sixteenth of it (at least a page); none larger than ``room``
-        (down to that least).  A put (``for_put``) never
-        takes the room a broker started again on this journal needs for its first segment (the
-        tables and two pages); removals may: they are what makes room."""
+        (down to that least).  A put (``for_put``) leaves ``DiskReserve.for_puts`` free; other
+        records (removals: they are what makes room) leave ``DiskReserve.for_restart``, the
+        room a broker started again on this journal needs, which only that start
+        (``restarting``) takes."""
         if self.segments:
             self.flush_buffer()
         head = self.tables() if self.tables is not None else []
@@ -110,19 +119,9 @@ class SegmentStore:
         largest = max(self.segment_bytes, least)
         if room is not None:
             largest = max(least, min(largest, room))
-        sizes = [largest, least, own]
-        try:
-            stat = os.statvfs(self.dir.path)
-            disk_free = stat.f_bavail * stat.f_frsize
-        except OSError:
-            disk_free = None
-        if disk_free is not None:
-            keep = tables + 2 * 4096 if for_put else 0
-            sizes.append(max(own, min(largest, (disk_free - keep) * 3 // 4)))
-            sizes = [size for size in sizes if _pages(size) + keep <= disk_free]
-            if not sizes:
-                raise self.dir.no_room(f"a segment of {own} bytes",
-                                       " (beside the room kept for a restart)" if keep else "")
+        keep = (self.reserve.for_puts(tables, 1) if for_put else 0 if restarting
+                else self.reserve.for_restart(tables))
+        sizes, disk_free = _fitting(self.dir, [largest, least, own], keep, for_put)
         sync = self.policy != "never"
         seg: SegmentFile | None = None
         for size in sorted(set(sizes), reverse=True):
@@ -138,6 +137,7 @@ class SegmentStore:
             self._seal(self.current)
         self.segments.append(seg)
         self.disk_bytes += seg.allocated
+        self.reserve.rolled(disk_free, _pages(seg.allocated), tables)
         self.margin = min(self.full_margin, max(4096, seg.allocated // 16))
         for record in head:  # the room for them was counted above
             self.append([record], len(record))
@@ -150,6 +150,7 @@ class SegmentStore:
         try:
             os.ftruncate(seg.fileno(), seg.used)
             self.disk_bytes -= seg.allocated - seg.used
+            self.reserve.spared(seg.allocated - seg.used)
             seg.allocated = seg.used
         except OSError as exc:
             log.warning("could not trim journal segment %s: %s", seg.path, exc)
@@ -183,6 +184,7 @@ class SegmentStore:
             seg = self.segments.pop(0)
             self.dir.remove(seg)
             self.disk_bytes -= seg.allocated
+            self.reserve.spared(seg.allocated)
             self.sync.removed(seg)
             dropped += 1
         return dropped
@@ -191,19 +193,25 @@ class SegmentStore:
 
     def _reserve(self, nbytes: int, for_put: bool) -> tuple[SegmentFile, int]:
         seg = self.current
-        if seg.free - (self.margin if for_put else 0) < nbytes:
+        if self._short(seg.free, nbytes, 1) if for_put else seg.free < nbytes:
             self._roll(nbytes, for_put)
             seg = self.current
         offset = seg.used
         seg.used += nbytes
         return seg, offset
 
-    def ensure_room(self, nbytes: int, for_put: bool) -> None:
-        """Make sure the current segment has ``nbytes`` free (a put: beside the removals'
-        margin), continuing in a new one if not (``JournalError`` on a full disk)."""
+    def _short(self, free: int, nbytes: int, new_items: int) -> bool:
+        """Whether ``free`` bytes of the current segment lack room for a record of ``nbytes``
+        that keeps the removals' margin and ``DiskReserve.for_puts`` of ``new_items`` more."""
+        return free - self.margin < nbytes or self.reserve.short(free - nbytes, new_items)
+
+    def ensure_room(self, nbytes: int, puts: int) -> None:
+        """Make sure the current segment has ``nbytes`` free for a record of ``puts`` puts,
+        beside the removals' margin and ``DiskReserve.for_puts``, continuing in a new one if not
+        (``JournalError`` on a full disk)."""
         seg = self.segments[-1]
-        if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
-            self._roll(nbytes, for_put)
+        if self._short(seg.allocated - seg.used, nbytes, puts):
+            self._roll(nbytes, True)
 
     def append(self, parts: Sequence[Any], nbytes: int, for_put: bool = False) -> SegmentFile:
         """Append a record (its ``parts``, ``nbytes`` in all); the segment it went to.
@@ -212,7 +220,8 @@ class SegmentStore:
             raise JournalFailed(f"the journal failed: {self.sync.failed}")
         if nbytes < DIRECT_BYTES:  # into the buffer (``_reserve`` inlined: once per item)
             seg = self.segments[-1]
-            if seg.allocated - seg.used - (self.margin if for_put else 0) < nbytes:
+            free = seg.allocated - seg.used
+            if self._short(free, nbytes, 1) if for_put else free < nbytes:
                 self._roll(nbytes, for_put)  # writes the buffer, then the new segment's tables
                 seg = self.segments[-1]
             offset = seg.used
@@ -241,6 +250,16 @@ class SegmentStore:
         seg.written = offset + nbytes
         self.sync.wrote(seg)
         return seg
+
+    def append_spare(self, parts: Sequence[Any], nbytes: int) -> bool:
+        """Append a record the journal can do without, only where it takes none of the room
+        kept for removals and a restart: in the current segment beside its removals' margin,
+        never in a new segment.  False (nothing written) where it does not fit."""
+        seg = self.segments[-1]
+        if self._short(seg.allocated - seg.used, nbytes, 0):
+            return False
+        self.append(parts, nbytes)
+        return True
 
     def _truncate_at(self, seg: SegmentFile, offset: int) -> None:
         try:
@@ -323,6 +342,66 @@ class SegmentStore:
                     f.truncate(cur.used)
             except OSError:
                 pass
+
+
+class DiskReserve:
+    """The disk a journal keeps free for the removal of the items it holds and for a restart
+    (``docs/durability.md``, "A nearly full disk"), and what it knows of the disk beside its
+    segments."""
+
+    def __init__(self) -> None:
+        self.live_items: Callable[[], int] = lambda: 0  # the items the journal holds
+        self.tables = 0  # the size of the tables the current segment began with
+        self.spare: int | None = None  # the disk free beside the segments (None: unknown)
+
+    @staticmethod
+    def for_restart(tables: int) -> int:
+        """The disk a broker started again on this journal needs for its first segment."""
+        return tables + 2 * 4096
+
+    def for_puts(self, tables: int, new_items: int) -> int:
+        """The disk a put leaves free (``new_items``: those it adds): room for a restart, for
+        the tables of the segments the removals may need, and for the removal of every item."""
+        return 2 * self.for_restart(tables) + REMOVAL_BYTES * (self.live_items() + new_items)
+
+    def short(self, left_in_segment: int, new_items: int) -> bool:
+        """Whether ``new_items`` more items, leaving ``left_in_segment`` bytes free in the
+        current segment, would leave less than ``for_puts`` with the disk beside it."""
+        spare = self.spare
+        return spare is not None and left_in_segment + spare < self.for_puts(
+            self.tables, new_items)
+
+    def rolled(self, disk_free: int | None, taken: int, tables: int) -> None:
+        """A new segment took ``taken`` bytes of the ``disk_free`` (None: unknown) there were,
+        and began with ``tables`` bytes of tables."""
+        self.spare = None if disk_free is None else max(0, disk_free - taken)
+        self.tables = tables
+
+    def spared(self, nbytes: int) -> None:
+        """The segments gave ``nbytes`` of disk back."""
+        if self.spare is not None:
+            self.spare += nbytes
+
+
+def _fitting(jdir: JournalDir, sizes: list[int], keep: int,
+             for_put: bool) -> tuple[list[int], int | None]:
+    """Of the segment ``sizes`` (the largest first, the least a record needs last), those the
+    disk holds beside ``keep`` bytes, with three quarters of what it holds when that is
+    smaller than the largest; and the disk's free bytes (None when unknown: all of them).
+    ``JournalError`` when not even the least fits."""
+    try:
+        stat = os.statvfs(jdir.path)
+    except OSError:
+        return sizes, None
+    disk_free = stat.f_bavail * stat.f_frsize
+    least = sizes[-1]
+    sizes = [*sizes, max(least, min(sizes[0], (disk_free - keep) * 3 // 4))]
+    fitting = [size for size in sizes if _pages(size) + keep <= disk_free]
+    if not fitting:
+        raise jdir.no_room(f"a segment of {least} bytes", (
+            " (beside the room kept for the removal of the items held and a restart)"
+            if for_put else " (beside the room kept for a restart)" if keep else ""))
+    return fitting, disk_free
 
 
 def _pages(nbytes: int) -> int:

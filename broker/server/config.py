@@ -24,13 +24,14 @@ A file has up to three tables::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zchannel.broker.host.toml import read_toml
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
-from zchannel.broker.wire.limits import check_settings
+from zchannel.broker.wire.limits import MIN_JOURNAL_LIMIT, check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
 from zchannel.hooks.base import check_groups
 
@@ -104,8 +105,14 @@ class BrokerConfig:
             raise ValueError("types must be a list of [tag, 'module:qualname'] pairs, got "
                              f"{self.types!r}")
         self.producers = check_groups(self.producers)
-        if self.journal is not None and (not isinstance(self.journal, str) or not self.journal):
-            raise ValueError(f"journal must be a directory path, got {self.journal!r}")
+        if self.journal is not None:
+            if not isinstance(self.journal, str) or not self.journal:
+                raise ValueError(f"journal must be a directory path, got {self.journal!r}")
+            self.journal = os.path.expanduser(self.journal)  # (a config file's "~/...")
+        if 0 < self.max_journal_bytes < MIN_JOURNAL_LIMIT:
+            raise ValueError(f"max_journal_bytes must be 0 (no limit) or at least "
+                             f"{MIN_JOURNAL_LIMIT} (a segment and its removals' margin), got "
+                             f"{self.max_journal_bytes}")
         if self.curve_public_keys and not self.curve_secret_key:
             raise ValueError("curve_public_keys (the clients' keys let in) needs the broker's "
                              "own key pair: give curve_secret_key (--curve-secret-key FILE) too")

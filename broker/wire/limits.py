@@ -40,7 +40,11 @@ MAX_SECONDS = 10**10
 HIGHEST: dict[str, float] = {
     "heartbeat_interval": 3600, "liveness": 1000, "lease_timeout": MAX_SECONDS,
     "key_grace": MAX_SECONDS, "producer_grace": MAX_SECONDS, "fsync_interval": MAX_SECONDS,
+    # a segment is preallocated whole when it is made: a typo must not take the host's disk
+    "journal_segment_bytes": 1 << 30,
 }
+# a journal limit below this could not hold a segment of the least size and its removals
+MIN_JOURNAL_LIMIT = 1 << 20
 # the largest int setting: what msgpack (a broker's hello reply) and a C long (ZeroMQ's
 # socket options) hold; 2**64 made a broker crash on its first hello
 MAX_INT = 2**63 - 1
