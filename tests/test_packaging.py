@@ -187,6 +187,9 @@ with Channel.create("typed", maxsize=64) as ch:
     work: Work = ch.get_batch(4, "train", async_op=True)
     work.wait()
     ch.get_batch(4, "train", True).wait()
+    got: Work = ch.get("train", async_op=True)
+    got.wait()
+    ch.get("train", True, 1.0).wait()
 print(importlib.resources.files(zchannel.configs))
 """
 
@@ -201,6 +204,7 @@ def run(ch: Channel, flag: bool) -> None:
     ch.get_batch(4)[0].wait()
     ch.get_batch(4).wait()  # E: the items are a list
     ch.put("s1", async_op=flag).wait()  # E: None when flag is False
+    ch.get(async_op=True).items  # E: a Work has no items
 """
 
 
@@ -217,8 +221,8 @@ follow_imports_for_stubs = True
 @pytest.mark.timeout(400)  # the wheel's build and a cold mypy run
 def test_a_users_type_checker_sees_precise_types(wheel, tmp_path):
     """``put``/``get_batch`` return None / a list when they wait and a ``Work`` with
-    ``async_op=True``, as mypy sees them on ``Channel.create``'s handle from the installed
-    wheel; ``zchannel.configs`` is typed too (its ``py.typed``)."""
+    ``async_op=True`` (``get`` a ``Work`` too), as mypy sees them on ``Channel.create``'s
+    handle from the installed wheel; ``zchannel.configs`` is typed too (its ``py.typed``)."""
     pytest.importorskip("mypy", reason="the test extra is not installed")
     site = tmp_path / "site"
     wheel.extractall(site)

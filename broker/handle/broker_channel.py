@@ -199,6 +199,20 @@ class BrokerChannel(ChannelHandle):
         except Exception:  # the put's own error (or the interruption) is what the caller sees
             log.exception("could not note a put in doubt; its retry is a new put")
 
+    # get: the item (or a Delivery) when waiting, a Work with async_op=True
+    @overload
+    def get(self, key: Any = ..., async_op: Literal[False] = ..., timeout: float | None = ...,
+            *, ack: bool = ..., copy: bool | None = ...) -> Any: ...
+    @overload
+    def get(self, key: Any, async_op: Literal[True], timeout: float | None = ..., *,
+            ack: bool = ..., copy: bool | None = ...) -> Work: ...
+    @overload
+    def get(self, key: Any = ..., *, async_op: Literal[True], timeout: float | None = ...,
+            ack: bool = ..., copy: bool | None = ...) -> Work: ...
+    @overload
+    def get(self, key: Any = ..., async_op: bool = ..., timeout: float | None = ..., *,
+            ack: bool = ..., copy: bool | None = ...) -> Any: ...
+
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
         """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
