@@ -1,57 +1,18 @@
-"""The config files installed with zchannel (package ``zchannel.configs``) and the ``FILE.toml``
-arguments that may name them.
+"""The ``FILE.toml`` arguments of the command line that may name a config installed with zchannel.
 
 ``zchannel broker --config configs/embodied_rollout.toml`` runs as the docs show it in a
 checkout (the path exists) and anywhere else too: a ``--config`` / ``--cluster`` path that does
 not exist, but whose name (``NAME.toml`` or ``configs/NAME.toml``) is a shipped config, is read
-from the installed package instead.
+from the installed package instead (``broker/host/shipped.py``).
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import os
-from pathlib import Path
 from typing import Any
 
 import click
-
-PACKAGE = "zchannel.configs"
-
-
-def shipped_dir() -> Path:
-    """The folder of the installed configs (the checkout's ``configs/`` in an editable install)."""
-    folder = importlib.resources.files(PACKAGE)
-    if not isinstance(folder, os.PathLike):  # e.g. inside a zip: no folder to hand out
-        raise RuntimeError(f"the configs of {PACKAGE} are not on the file system ({folder!r})")
-    return Path(os.fspath(folder))
-
-
-def shipped_names() -> list[str]:
-    """The file names of the shipped configs, sorted."""
-    return sorted(p.name for p in shipped_dir().glob("*.toml"))
-
-
-def shipped_path(name: str) -> Path:
-    """The installed copy of ``configs/NAME``."""
-    path = shipped_dir() / name
-    if not path.is_file():
-        raise FileNotFoundError(f"zchannel ships no config {name!r} (it has: "
-                                f"{', '.join(shipped_names())})")
-    return path
-
-
-def resolve(value: str) -> str:
-    """``value`` when it is a file; else the shipped config it names (``NAME.toml`` or
-    ``configs/NAME.toml``); else a ``FileNotFoundError`` naming the file and the shipped ones."""
-    if os.path.isfile(value):
-        return value
-    head, name = os.path.split(os.path.normpath(value))
-    if head in ("", "configs") and name in shipped_names():
-        return str(shipped_path(name))
-    kind = "a directory, not a file" if os.path.isdir(value) else "no such file"
-    raise FileNotFoundError(f"{value}: {kind} (configs shipped with zchannel, usable as "
-                            f"configs/NAME: {', '.join(shipped_names())})")
+from zchannel.broker.host.shipped import resolve
 
 
 class ConfigFile(click.ParamType):
@@ -67,4 +28,4 @@ class ConfigFile(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-__all__ = ["ConfigFile", "resolve", "shipped_dir", "shipped_names", "shipped_path"]
+__all__ = ["ConfigFile"]

@@ -354,7 +354,7 @@ def test_the_default_import_path_imports_no_extra():
 def test_configs_named_as_in_the_docs_resolve_anywhere(tmp_path, monkeypatch):
     """``--config configs/NAME.toml`` reads the checkout's file in a checkout and the installed
     copy elsewhere; a path that is neither names the shipped configs."""
-    from zchannel.cli.shipped import resolve, shipped_names
+    from zchannel.broker.host.shipped import resolve, shipped_names
 
     assert "bench_targets.toml" in shipped_names() and "embodied_rollout.toml" in shipped_names()
     monkeypatch.chdir(REPO)
@@ -370,3 +370,20 @@ def test_configs_named_as_in_the_docs_resolve_anywhere(tmp_path, monkeypatch):
         resolve("configs/nope.toml")
     with pytest.raises(FileNotFoundError, match="no such file"):
         resolve("elsewhere/embodied_rollout.toml")
+
+
+def test_the_cluster_example_named_in_the_environment_resolves_anywhere(tmp_path,
+                                                                         monkeypatch):
+    """``ZCHANNEL_CLUSTER=configs/cluster_example.toml``, as the file's own header tells
+    clients, reads the installed copy outside a checkout (as ``--cluster`` does); a missing
+    file that is not a shipped one is the ``ValueError`` naming the variable."""
+    from zchannel.broker.cluster.clusterfile import ENV_CLUSTER, load_found
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV_CLUSTER, "configs/cluster_example.toml")
+    found = load_found("samples")
+    assert found is not None and found.name == "samples" and len(found.replicas) == 3
+    monkeypatch.setenv(ENV_CLUSTER, "configs/no_such_cluster.toml")
+    with pytest.raises(ValueError, match=r"\$ZCHANNEL_CLUSTER names the cluster file "
+                                         r"configs/no_such_cluster\.toml"):
+        load_found("samples")

@@ -48,6 +48,7 @@ from typing import Any
 
 import msgpack
 import zmq.auth
+from zchannel.broker.host.shipped import resolve
 from zchannel.broker.host.toml import read_toml
 
 ENV_CLUSTER = "ZCHANNEL_CLUSTER"
@@ -221,9 +222,16 @@ def from_table(table: Any) -> list[Replica]:
 
 
 def find_file(options: dict | None = None) -> str | None:
-    """The cluster file given in ``options["cluster"]``, else ``$ZCHANNEL_CLUSTER``."""
+    """The cluster file given in ``options["cluster"]``, else ``$ZCHANNEL_CLUSTER``; a path
+    that does not exist but names a config shipped with zchannel
+    (``configs/cluster_example.toml``) is its installed copy."""
     path = (options or {}).get("cluster") or os.environ.get(ENV_CLUSTER)
-    return str(Path(path)) if path else None
+    if not path:
+        return None
+    try:
+        return resolve(str(Path(path)))
+    except FileNotFoundError:
+        return str(Path(path))  # (reading it names the file and the cause)
 
 
 def load_found(name: str) -> Cluster | None:

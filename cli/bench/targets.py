@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from zchannel.broker.host.shipped import shipped_path
 from zchannel.broker.host.toml import read_toml
 from zchannel.cli.bench.cases import MIB, Case, bounded
 from zchannel.cli.bench.channel import (
@@ -25,7 +26,6 @@ from zchannel.cli.bench.payloads import verify_seqs
 from zchannel.cli.bench.report import Result, TargetResult
 from zchannel.cli.bench.runner import Runner, measure_ray_actor
 from zchannel.cli.bench.workers import Workers
-from zchannel.cli.shipped import shipped_path
 
 SHM_STEPS = 10  # progress-bar length of the shm targets (cases + baselines)
 TARGET_STEPS = 16 + SHM_STEPS  # progress-bar length of the targets suite (cases + baselines)
