@@ -10,6 +10,7 @@ same environment seeds.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -140,6 +141,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
     given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
              if v is not None}
     _check_plot_extra(plot_path)
+    _check_dataset_extra(dataset)
     import_from_cwd()
     require_companions({"ray_nodes": "use_ray", "overwrite": "dataset"})
     try:
@@ -276,6 +278,18 @@ def _check_plot_extra(plot_path: str | None) -> None:
             raise click.UsageError(
                 "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'"
             ) from None
+
+
+def _check_dataset_extra(dataset: str | None) -> None:
+    """``--dataset`` needs pyarrow and Pillow (the ``dataset`` extra): say so before the run,
+    not after its brokers and workers started and recorded."""
+    if dataset:
+        try:
+            for module in ("pyarrow.parquet", "PIL.Image"):
+                importlib.import_module(module)
+        except ImportError:
+            raise click.UsageError("--dataset needs pyarrow and Pillow; install the extra: "
+                                   "pip install 'zchannel[dataset]'") from None
 
 
 def _report_recording(result: dict, records: list[dict], json_path: str | None) -> None:

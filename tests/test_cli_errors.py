@@ -457,3 +457,20 @@ def test_the_broker_child_run_by_hand_says_what_it_is():
         err = out.stderr.decode()
         assert out.returncode == 2 and "Traceback" not in err, err
         assert _one_line(err).startswith("error: no broker settings on stdin"), err
+
+
+_WITHOUT_PYARROW = ("import sys; sys.modules['pyarrow'] = None; sys.argv[0] = 'zchannel'; "
+                    "from zchannel.cli.main import main; main()")
+
+
+def test_demo_dataset_without_its_extra_is_refused_before_the_run(tmp_path):
+    """``demo embodied --mode lerobot --dataset DIR`` without the ``dataset`` extra stops at once
+    with one line naming it, before any broker or worker starts (nothing recorded)."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_PYARROW, "demo", "embodied", "--mode",
+                          "lerobot", "--dataset", str(tmp_path / "d"), "--steps", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert _one_line(out.stderr).startswith(
+        "error: --dataset needs pyarrow and Pillow; install the extra: "
+        "pip install 'zchannel[dataset]'"), out.stderr
+    assert "recording" not in out.stdout and not (tmp_path / "d").exists()
