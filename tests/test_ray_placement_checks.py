@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'zchannel[ray]')")
 
-from zchannel.broker import Channel  # noqa: E402
+from zchannel.broker import Channel, ChannelNotFound  # noqa: E402
 from zchannel.broker.handle import ray_placement  # noqa: E402
 from zchannel.embodied.groups import Worker  # noqa: E402
 
@@ -88,3 +88,11 @@ def test_cluster_file_on_ray_is_ignored_with_a_warning(ray_cluster, caplog, tmp_
         assert f"the cluster file {path} is ignored" in caplog.text, caplog.text
     finally:
         ch.shutdown()
+
+
+def test_connect_to_a_name_ray_does_not_know_says_it_looked_on_ray(ray_cluster):
+    """With Ray connected, a name neither this host nor Ray serves is ``ChannelNotFound``
+    saying both were asked (not only "on this host")."""
+    with pytest.raises(ChannelNotFound, match=r"no channel named 'raynone' on this host nor "
+                                              r"on Ray \(no actor 'zchannel:raynone'"):
+        Channel.connect("raynone", timeout=1)

@@ -383,11 +383,14 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                 # a distributed channel: cluster file (also where a replica's .addr is on this
                 # host: the file holds each replica's server key), else Ray
                 found = connect_from_cluster(name, identity=identity, timeout=timeout)
-                if found is None and clusterfile.ray_connected():
+                on_ray = found is None and clusterfile.ray_connected()
+                if on_ray:
                     found = ray_placement.connect(name, identity=identity, timeout=timeout)
                 if found is not None:
                     return _as_channel(found)
-                raise ChannelNotFound(f"no channel named {name!r} on this host")
+                raise ChannelNotFound(f"no channel named {name!r} on this host" + (
+                    " nor on Ray (no actor 'zchannel:" + name + "' in this job's namespace: "
+                    "never created, still starting, or its replica 0 gone)" if on_ray else ""))
         keys = client_keys(curve_keys)
         if keys is not None:
             keys.load()  # a key file that does not hold its key: ValueError naming it, first
