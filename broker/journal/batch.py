@@ -107,8 +107,11 @@ class PutBatch:
         store = self.store
         seg = store.segments[-1]
         left = seg.allocated - seg.used - self.nbytes - nbytes - RECORD_EXTRA
-        return left >= store.margin and not store.reserve.short(
-            left, len(self.entries) + puts)
+        if left < store.margin:
+            return False
+        reserve = store.reserve
+        new = len(self.entries) + puts
+        return len(reserve.live) + new <= reserve.roomy or not reserve.short(left, new)
 
     def flush(self) -> None:
         """Append the ``PUTS`` record of the gathered puts (to the room reserved for them)."""

@@ -116,7 +116,7 @@ class Journal:
         self.refused = 0  # puts and acks it could not record
         self.limited = bool(settings.max_bytes)  # StateLog: room() may say no
         self.store.tables = lambda: _table_records(self)
-        self.store.reserve.live_items = self.live.__len__
+        self.store.reserve.live = self.live.entries
         self.batch = PutBatch(self.store, self.live, self.sequences)  # a turn's small puts
         self.compaction = Compaction()
 
@@ -574,8 +574,8 @@ def _compact(journal: Journal) -> int:
             if copied >= COMPACT_BYTES_PER_TICK:
                 break
             parts, nbytes = _copy_parts(journal, held, jid, key, item)
-            try:
-                new = journal._append(parts, nbytes)
+            try:  # as a put: the copies leave the room kept for removals and a restart
+                new = journal._append(parts, nbytes, for_put=True)
             except JournalError:
                 journal.compaction.stalled(removals)
                 break

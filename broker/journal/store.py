@@ -20,8 +20,8 @@ Every put keeps ``margin`` bytes of its segment free for removal records and, on
 room for the removal of every item the journal holds (``REMOVAL_BYTES`` each) and for the
 first segment of a broker started again on the journal, so that a full disk still lets
 consumers take (and acknowledge) what is queued, also after a restart.  Removal records may
-use all of that but the restart's room; lease records, which only count redeliveries, use
-none of it (``append_spare``).
+use all of that but the restart's room; compaction's copies and lease records (which only
+count redeliveries: ``append_spare``) use none of it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 from zchannel.broker.errors import JournalError
@@ -253,11 +254,15 @@ class SegmentStore:
 
     def append_spare(self, parts: Sequence[Any], nbytes: int) -> bool:
         """Append a record the journal can do without, only where it takes none of the room
-        kept for removals and a restart: in the current segment beside its removals' margin,
-        never in a new segment.  False (nothing written) where it does not fit."""
+        kept for removals and a restart: beside the current segment's removals' margin, or in
+        a new segment made as for a put.  False (nothing written) where the disk has no such
+        room."""
         seg = self.segments[-1]
         if self._short(seg.allocated - seg.used, nbytes, 0):
-            return False
+            try:
+                self._roll(nbytes, True)
+            except JournalError:
+                return False
         self.append(parts, nbytes)
         return True
 
@@ -350,9 +355,14 @@ class DiskReserve:
     segments."""
 
     def __init__(self) -> None:
-        self.live_items: Callable[[], int] = lambda: 0  # the items the journal holds
+        self.live: Sized = ()  # the items the journal holds (``LiveSet.entries``)
         self.tables = 0  # the size of the tables the current segment began with
         self.spare: int | None = None  # the disk free beside the segments (None: unknown)
+        # ``spare`` less the room kept for restarts (``for_puts`` but its removals): what the
+        # current segment's free bytes and this may give the removals (unknown: ``roomy``)
+        self.budget = 0
+        # ``short`` is False while the journal holds at most this many items (a quick test)
+        self.roomy = sys.maxsize
 
     @staticmethod
     def for_restart(tables: int) -> int:
@@ -362,25 +372,35 @@ class DiskReserve:
     def for_puts(self, tables: int, new_items: int) -> int:
         """The disk a put leaves free (``new_items``: those it adds): room for a restart, for
         the tables of the segments the removals may need, and for the removal of every item."""
-        return 2 * self.for_restart(tables) + REMOVAL_BYTES * (self.live_items() + new_items)
+        return 2 * self.for_restart(tables) + REMOVAL_BYTES * (len(self.live) + new_items)
 
     def short(self, left_in_segment: int, new_items: int) -> bool:
         """Whether ``new_items`` more items, leaving ``left_in_segment`` bytes free in the
-        current segment, would leave less than ``for_puts`` with the disk beside it."""
-        spare = self.spare
-        return spare is not None and left_in_segment + spare < self.for_puts(
-            self.tables, new_items)
+        current segment, would leave less than ``for_puts`` with the disk beside it (once per
+        put: ``budget`` holds the rest of that sum)."""
+        items = len(self.live) + new_items
+        return items > self.roomy and left_in_segment + self.budget < REMOVAL_BYTES * items
 
     def rolled(self, disk_free: int | None, taken: int, tables: int) -> None:
         """A new segment took ``taken`` bytes of the ``disk_free`` (None: unknown) there were,
         and began with ``tables`` bytes of tables."""
         self.spare = None if disk_free is None else max(0, disk_free - taken)
         self.tables = tables
+        self._rebudget()
 
     def spared(self, nbytes: int) -> None:
         """The segments gave ``nbytes`` of disk back."""
         if self.spare is not None:
             self.spare += nbytes
+            self._rebudget()
+
+    def _rebudget(self) -> None:
+        spare = self.spare
+        if spare is None:
+            self.budget, self.roomy = 0, sys.maxsize
+        else:
+            self.budget = spare - 2 * self.for_restart(self.tables)
+            self.roomy = self.budget // REMOVAL_BYTES
 
 
 def _fitting(jdir: JournalDir, sizes: list[int], keep: int,

@@ -109,7 +109,7 @@ class BrokerConfig:
             if not isinstance(self.journal, str) or not self.journal:
                 raise ValueError(f"journal must be a directory path, got {self.journal!r}")
             self.journal = os.path.expanduser(self.journal)  # (a config file's "~/...")
-        if 0 < self.max_journal_bytes < MIN_JOURNAL_LIMIT:
+        if self.journal is not None and 0 < self.max_journal_bytes < MIN_JOURNAL_LIMIT:
             raise ValueError(f"max_journal_bytes must be 0 (no limit) or at least "
                              f"{MIN_JOURNAL_LIMIT} (a segment and its removals' margin), got "
                              f"{self.max_journal_bytes}")
