@@ -1,6 +1,7 @@
 """SIGHUP (the terminal of ``zchannel broker`` closed) stops the broker as SIGTERM does: its
 run-directory files and shared memory removed, exit status 0; under ``nohup`` (SIGHUP
-ignored when it started) the broker keeps serving."""
+ignored when it started) the broker keeps serving; while it starts, SIGTERM and SIGHUP
+interrupt it as SIGINT does, and the start gives back what it took."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import wait_until
 from zchannel.broker import Channel
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,3 +70,31 @@ def test_a_broker_started_under_nohup_keeps_serving_after_sighup(run_dir):
     finally:
         _reap(proc)
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_while_the_broker_starts_leaves_no_files(run_dir, tmp_path, sig):
+    """A broker whose start waits (a collector's ``setup`` at a gate), its lock and shared
+    memory taken: SIGTERM or SIGHUP there ends the start as Ctrl-C does ("Aborted!", status 1),
+    with its lock file and probe segment given back, not left as stale entries."""
+    gate, starts = tmp_path / "gate", tmp_path / "starts"
+    os.mkfifo(gate)
+    starts.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (os.path.join(os.path.dirname(__file__)), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zchannel.cli.main", "broker", "gatedcli", "--collector",
+         "hookmods:GatedStart", "--option", f'dir="{starts}"', "--option", f'gate="{gate}"'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        # the collector's setup waits at the gate
+        assert wait_until(lambda: os.listdir(starts) or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None, proc.communicate()
+        assert os.path.exists(os.path.join(run_dir, "gatedcli.lock")) and _segments("gatedcli")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _reap(proc)
+    assert proc.returncode == 1 and "Aborted!" in err and "ready" not in out, err
+    assert "Traceback" not in err, err
+    assert os.listdir(run_dir) == [] and _segments("gatedcli") == []

@@ -5,7 +5,9 @@ config from its creator on stdin, the start watched by ``StartWatch``, then the 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from typing import Any, NoReturn
 
 import zmq
@@ -72,8 +74,14 @@ def _abandon_start(fields: dict[str, Any], started: list[Broker], parent_fd: int
 
 def run_broker(config: BrokerConfig) -> int:
     """Run a broker in this process until it stops (``zchannel broker``: it logs where its
-    shutdown token is kept); the exit status."""
+    shutdown token is kept); the exit status.  While it starts, SIGTERM and SIGHUP (unless
+    ignored: ``nohup``) interrupt it as SIGINT does, so a start they end gives back what it
+    took (its lock, its shared memory); the loop then handles them as stops."""
     setup_logging()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, signal.default_int_handler)
     broker = Broker(config)
     broker.announce_token = True
     broker.serve_forever()
