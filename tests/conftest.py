@@ -357,3 +357,31 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def cli_broker(run_dir, tmp_path):
+    """``start(name, *flags, config=TOML)``: a ``zchannel broker`` process (``config``: the text
+    of a ``--config`` file); its address once it printed ``ready``.  Ended at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *flags: str, config: str | None = None) -> str:
+        args = [sys.executable, "-m", "zchannel.cli.main", "broker", name, *flags]
+        if config is not None:
+            path = tmp_path / f"{name}.toml"
+            path.write_text(config)
+            args += ["--config", str(path)]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        return line.split()[1]
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

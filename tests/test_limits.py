@@ -25,28 +25,6 @@ from zchannel.broker.wire.protocol import PROTOCOL_VERSION, Reply, pack_header
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture
-def cli_broker(run_dir):
-    procs = []
-
-    def start(name, *flags):
-        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", name, *flags],
-                                stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), line
-        return line.split()[1]
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_limits_name_themselves_and_store_nothing(cli_broker):
     address = cli_broker("limited", "--max-keys", "2", "--max-bytes", "200000",
                          "--max-message-bytes", "150000")

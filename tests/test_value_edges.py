@@ -5,9 +5,6 @@ same-host pool (``max_message_bytes``, ``shm_pool_bytes``).  Real brokers, real 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -30,31 +27,6 @@ class Prompt:
 
     def __post_init__(self) -> None:
         self.tokens = [0, *self.tokens]
-
-
-@pytest.fixture
-def cli_broker(run_dir, tmp_path) -> Iterator[Callable[..., str]]:
-    """``start(name, *flags, config=TOML)`` a ``zchannel broker`` process (shared-memory
-    threshold ``T``); its address.  Stopped at teardown."""
-    procs: list[subprocess.Popen] = []
-
-    def start(name: str, *flags: str, config: str | None = None) -> str:
-        args = [sys.executable, "-m", "zchannel.cli.main", "broker", name,
-                "--shm-threshold", str(T), *flags]
-        if config is not None:
-            path = tmp_path / f"{name}.toml"
-            path.write_text(config)
-            args += ["--config", str(path)]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), line
-        return line.split()[1]
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -163,7 +135,7 @@ def test_max_message_bytes_counts_shared_memory_slots(cli_broker, channels):
     """A same-host put whose array goes through a slot is refused over ``max_message_bytes``
     as a frames put is (a consumer on another host receives the slot's bytes as a frame),
     and its slot goes back to the pool."""
-    address = cli_broker("capped", "--max-message-bytes", str(4 * T))
+    address = cli_broker("capped", "--shm-threshold", str(T), "--max-message-bytes", str(4 * T))
     ch = Channel.connect(address)
     channels.append(ch)
     item = np.zeros(8 * T, np.uint8)
@@ -181,7 +153,7 @@ def test_max_message_bytes_counts_shared_memory_slots(cli_broker, channels):
 def test_pool_budget_of_zero_turns_shared_memory_off(cli_broker, channels):
     """``shm_pool_bytes = 0``: the broker's offer says 0 and no client makes a pool; large
     items go as frames and ``empty_shm`` gives plain arrays."""
-    address = cli_broker("nopool", config="[channel]\nshm_pool_bytes = 0\n")
+    address = cli_broker("nopool", "--shm-threshold", str(T), config="[channel]\nshm_pool_bytes = 0\n")
     ch = Channel.connect(address)
     channels.append(ch)
     assert ch.qsize() == 0  # (the hello is answered)
@@ -197,7 +169,7 @@ def test_pool_budget_of_zero_turns_shared_memory_off(cli_broker, channels):
 def test_pool_too_small_for_any_slot_falls_back_to_frames_without_waiting(cli_broker, channels):
     """A pool whose budget holds no slot of an item's class has nothing a consumer could free:
     the item goes as a frame at once (no wait for a free slot, nothing learnt from one)."""
-    address = cli_broker("tinypool", config="[channel]\nshm_pool_bytes = 4096\n")
+    address = cli_broker("tinypool", "--shm-threshold", str(T), config="[channel]\nshm_pool_bytes = 4096\n")
     ch = Channel.connect(address)
     channels.append(ch)
     assert ch.qsize() == 0
