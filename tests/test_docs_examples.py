@@ -7,6 +7,7 @@ with this test's private run directory, and its printed facts are checked.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -88,11 +89,7 @@ def test_seed_example_finds_its_hooks_without_pythonpath():
 def test_readme_and_docs_are_self_contained():
     """README.md and docs/ link only to files of this repository, and cite no '§' of files a
     user does not have."""
-    pages = [os.path.join(REPO, "README.md")]
-    docs = os.path.join(REPO, "docs")
-    for folder, _, files in os.walk(docs):
-        pages += [os.path.join(folder, f) for f in files if f.endswith(".md")]
-    for page in pages:
+    for page in _pages():
         text = open(page, encoding="utf-8").read()
         name = os.path.relpath(page, REPO)
         assert "§" not in text, name
@@ -104,6 +101,33 @@ def test_readme_and_docs_are_self_contained():
                 resolved = os.path.normpath(os.path.join(os.path.dirname(page), path))
                 assert resolved.startswith(REPO + os.sep), f"{name}: {target} leaves the repo"
                 assert os.path.exists(resolved), f"{name}: {target} does not exist"
+
+
+def _pages() -> list[str]:
+    """README.md and every page under docs/."""
+    pages = [os.path.join(REPO, "README.md")]
+    for folder, _, files in os.walk(os.path.join(REPO, "docs")):
+        pages += [os.path.join(folder, f) for f in files if f.endswith(".md")]
+    return pages
+
+
+def test_every_test_the_docs_cite_exists():
+    """A promise names its test as ``tests/FILE.py::NAME``: that file defines that test (a
+    renamed or moved test leaves no citation pointing nowhere)."""
+    defined: dict[str, set[str]] = {}
+    cited = 0
+    for page in _pages():
+        text = open(page, encoding="utf-8").read()
+        for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", text):
+            where = os.path.join(REPO, path)
+            assert os.path.exists(where), f"{os.path.relpath(page, REPO)} cites {path}"
+            if path not in defined:
+                tree = ast.parse(open(where, encoding="utf-8").read())
+                defined[path] = {node.name for node in ast.walk(tree) if isinstance(
+                    node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            assert name in defined[path], f"{os.path.relpath(page, REPO)} cites {path}::{name}"
+            cited += 1
+    assert cited > 50  # the guarantees page alone cites more
 
 
 def test_custom_policy_example():
