@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import zmq
 from zchannel.broker.host import paths
@@ -39,15 +39,26 @@ def hook_from_wire(spec: Any) -> Any:
     return spec
 
 
-def _report_error(exc: BaseException | None) -> None:
-    """Tell the creator why the start failed (``error NAME: message`` on stdout); a creator
-    gone (a broken pipe) is told nothing, and stdout goes to /dev/null (no error at exit)."""
+def _report_pipe() -> TextIO:
+    """The pipe to the creator, which reads one ``ready``/``error`` line on it, moved off
+    stdout: what hooks print (at import, in ``setup``, on every put) goes to stderr, so it
+    neither garbles that line nor fills a pipe nobody reads after it."""
+    sys.stdout.flush()
+    report = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return report
+
+
+def _report_error(exc: BaseException | None, report: TextIO) -> None:
+    """Tell the creator why the start failed (``error NAME: message`` on ``report``); a
+    creator gone (a broken pipe) is told nothing, and ``report`` goes to /dev/null (no error
+    at exit)."""
     try:
-        sys.stdout.write(f"error {type(exc).__name__}: {exc}\n")
-        sys.stdout.flush()
+        report.write(f"error {type(exc).__name__}: {exc}\n")
+        report.flush()
     except OSError:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, report.fileno())
         os.close(devnull)
 
 
@@ -100,6 +111,7 @@ def main_from_stdin() -> int:
         print(f"error: no broker settings on stdin ({exc}); this is the process Channel.create "
               "starts: run `zchannel broker NAME` instead", file=sys.stderr)
         return 2
+    report = _report_pipe()
     setup_logging()
     watch = StartWatch(fields.get("parent_pid"))  # the creator may exit while hooks start
     started: list[Broker] = []
@@ -125,16 +137,16 @@ def main_from_stdin() -> int:
         _abandon_start(fields, started, parent_fd)
     if error is not None or not started:
         close_pidfd(parent_fd)
-        _report_error(error)
+        _report_error(error, report)
         return 1
     broker = started[0]
     broker.parent_fd = parent_fd  # the loop watches the creator on it from now on
     try:
-        broker.serve_forever()
+        broker.serve_forever(report)
     except (zmq.ZMQError, ValueError, OSError, RuntimeError) as exc:
         # a busy address, a bad key file, a metrics endpoint that cannot start (RuntimeError),
         # a creator gone before "ready" (BrokenPipeError)
-        _report_error(exc)
+        _report_error(exc, report)
         return 1
     return broker.exit_code
 

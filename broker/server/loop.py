@@ -21,7 +21,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import zmq
 from zchannel.broker.cluster.replica import replica_state, wrap_collector
@@ -228,14 +228,14 @@ class Broker:
             raise RuntimeError(f"the broker of {self.config.name!r} is not bound")
         return sock, peers
 
-    def serve_forever(self) -> None:
-        """Bind, print ``ready <address>``, and run the loop until a signal, a shutdown request
-        or the death of the parent process."""
+    def serve_forever(self, report: TextIO | None = None) -> None:
+        """Bind, print ``ready <address>`` on ``report`` (else stdout), and run the loop until a
+        signal, a shutdown request or the death of the parent process."""
         stops: StopSources | None = None
         try:
             stops = self._start_serving()
-            sys.stdout.write(f"ready {self.address}\n")  # EPIPE: the creator is gone
-            sys.stdout.flush()
+            # EPIPE: the creator is gone
+            print(f"ready {self.address}", file=report or sys.stdout, flush=True)
             self._serve(stops)
         except JournalFailed as exc:  # stop unanswered: a restarted broker recovers the disk's
             log.critical("channel %r stops: %s", self.config.name, exc)

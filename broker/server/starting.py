@@ -175,13 +175,17 @@ def spawn_broker(config: dict, lock_fd: int) -> tuple[BrokerProcess, str, str]:
 
 def _ready_address(proc: BrokerProcess, name: str) -> str:
     """The address a starting broker reports on its ``ready`` line; a broker that reports an
-    error (or nothing in time) is killed and its error raised (``start_error``)."""
+    error (or nothing in time) is killed and its error raised (``start_error``).  The pipe is
+    closed once read: the broker writes nothing more on it."""
     try:
         line = read_line(proc, START_TIMEOUT_S)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
     if not line.startswith("ready "):
         proc.kill()
         proc.wait()
