@@ -63,8 +63,9 @@ def _parse_options(values: tuple[str, ...]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for value in values:
         key, sep, raw = value.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{value!r}: expected key=value")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{value!r}: expected key=value (a non-empty key)",
+                                     param_hint="'--option'")
         try:
             options[key] = json.loads(raw)
         except json.JSONDecodeError:

@@ -272,6 +272,15 @@ def test_options_that_would_do_nothing_are_refused(run_dir, args, message):
     assert message in _one_line(out.stderr)
 
 
+@pytest.mark.parametrize("value", ["=3", " =3", "x"])
+def test_a_hook_option_needs_a_key(run_dir, value):
+    """``--option KEY=VALUE`` without a key (``=3``) or without ``=`` is one line naming
+    ``--option``, status 2, and no broker starts."""
+    out = _zchannel("broker", "optkey", "--option", value)
+    assert out.returncode == 2 and "ready" not in out.stdout
+    assert "--option" in _one_line(out.stderr) and "expected key=value" in out.stderr
+
+
 # runs the zchannel command in a Python where ``import matplotlib`` fails (the plot extra missing)
 _WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'zchannel'; "
                        "from zchannel.cli.main import main; main()")
