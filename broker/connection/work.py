@@ -103,7 +103,11 @@ class Work:
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         """Call ``callback(work)`` once the operation is done (at once if it already is), in the
         thread that completes it.  An exception it raises is logged and goes no further (as
-        ``concurrent.futures`` does): that thread may be completing other requests too."""
+        ``concurrent.futures`` does): that thread may be completing other requests too.
+        ``TypeError`` at once for a ``callback`` that is not callable."""
+        if not callable(callback):
+            raise TypeError(f"add_done_callback() takes a callable, not "
+                            f"{type(callback).__name__}")
         with self._lock:
             if self._state == _PENDING:
                 if self._callbacks is None:

@@ -33,6 +33,7 @@ from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import (
     check_consumer,
     check_copy,
+    check_flag,
     check_key,
     check_peek_count,
     check_target_weight,
@@ -159,6 +160,8 @@ class BrokerChannel(ChannelHandle):
         """
         rec = Put(id=0, key=check_key(key), weight=check_weight(weight),
                   timeout=None if timeout is None else check_timeout(timeout))
+        if async_op is not False and async_op is not True:
+            async_op = check_flag(async_op, "async_op")
         work = self._submit(rec, item, has_item=True, wait=not async_op)
         if async_op:
             return work
@@ -218,7 +221,10 @@ class BrokerChannel(ChannelHandle):
         """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
         then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
         rec = Get(id=0, key=check_key(key),
-                  timeout=None if timeout is None else check_timeout(timeout), ack=bool(ack))
+                  timeout=None if timeout is None else check_timeout(timeout),
+                  ack=ack if ack is False else check_flag(ack, "ack"))
+        if async_op is not False and async_op is not True:
+            async_op = check_flag(async_op, "async_op")
         work = self._submit(rec, copy=copy if copy is None else check_copy(copy),
                             wait=not async_op)
         return work if async_op else _wait_or_withdraw(work)
@@ -226,7 +232,8 @@ class BrokerChannel(ChannelHandle):
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
         both ``asyncio.QueueEmpty`` and ``queue.Empty``."""
-        rec = Get(id=0, key=check_key(key), nowait=True, ack=bool(ack))
+        rec = Get(id=0, key=check_key(key), nowait=True,
+                  ack=ack if ack is False else check_flag(ack, "ack"))
         return self._submit(rec, copy=copy if copy is None else check_copy(copy),
                             wait=True).wait()
 
@@ -256,7 +263,7 @@ class BrokerChannel(ChannelHandle):
         rec = GetBatch(id=0, key=check_key(key), target=check_target_weight(target_weight),
                        timeout=check_timeout(timeout))
         work = self._submit(rec, copy=copy if copy is None else check_copy(copy),
-                            wait=not async_op)
+                            wait=not check_flag(async_op, "async_op"))
         return work if async_op else _wait_or_withdraw(work)
 
     def qsize(self, key: Any = DEFAULT_KEY, consumer: str | None = None) -> int:
@@ -289,6 +296,7 @@ class BrokerChannel(ChannelHandle):
         """
         rec = Peek(id=0, key=check_key(key), count=check_peek_count(n),
                    consumer=check_consumer(consumer))
+        weights = check_flag(weights, "weights")
         pairs = self._submit(rec, copy=True, wait=True).wait()
         return [tuple(p) for p in pairs] if weights else [item for item, _ in pairs]
 

@@ -80,6 +80,18 @@ def _worker_identity(current_worker: Any) -> str | None:
         f"as zchannel.embodied.groups.Worker), not {type(current_worker).__name__}")
 
 
+def _check_connect_timeout(timeout: Any) -> None:
+    """``connect``'s timeout: a finite number of seconds >= 0 — not None, as elsewhere, because
+    a connect that finds no broker must end."""
+    try:
+        if timeout is not None and check_timeout(timeout) is not None:
+            return
+    except ValueError:
+        pass
+    raise ValueError("connect needs a timeout: a finite number of seconds >= 0 (not None, a "
+                     f"bool, NaN or infinite), got {timeout!r}")
+
+
 def _connect_target(name_or_address: str | None, name: str | None) -> str:
     """What ``connect`` attaches to: ``name_or_address``, or RLinf's keyword ``name=``."""
     if name is not None:
@@ -360,8 +372,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
         name_or_address = _connect_target(name_or_address, name)
-        if timeout is None or check_timeout(timeout) is None:
-            raise ValueError("connect needs a timeout: a finite number of seconds >= 0")
+        _check_connect_timeout(timeout)
         worker_identity = _worker_identity(current_worker)
         if worker_identity is not None:
             if identity is not None and identity != worker_identity:

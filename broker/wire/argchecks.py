@@ -14,6 +14,7 @@ import numbers
 import sys
 from typing import Any
 
+import numpy as np
 from zchannel.hooks import check_consumer_id
 
 MAX_KEY_BYTES = 1024
@@ -85,7 +86,15 @@ def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
     if isinstance(key, tuple):
         raise TypeError(f"a key's tuples may be nested {MAX_KEY_DEPTH} deep at most "
                         "(the key itself counted)")
-    raise TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
+    raise _not_a_key(key)
+
+
+def _not_a_key(key: Any) -> TypeError:
+    """The error of a key of no key type, with the fix for a numpy integer (``np.arange``)."""
+    if isinstance(key, numbers.Integral):
+        return TypeError(f"a key may not be a {type(key).__name__}: pass int(key) (an int key "
+                         f"is a Python int, not another integer type; {_KEY_WHY})")
+    return TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
 
 
 def key_label(key: Any) -> str:
@@ -152,6 +161,16 @@ def check_copy(copy: Any) -> bool | None:
     if copy is None or copy is True or copy is False:
         return copy
     raise TypeError(f"copy must be None, True or False, got {copy!r}")
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``ack``, ``async_op``, ``weights``: True or False (a numpy bool too), else ``TypeError`` —
+    a truthy ``"no"`` must not switch a mode on."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_timeout(timeout: Any) -> float | None:
