@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -154,6 +155,7 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
                      obs_map=_json_option(obs_map, "--obs-map"), dataset=dataset or "",
                      overwrite=overwrite, lerobot_fps=lerobot_fps,
                      lerobot_only_success=only_success, **given)
+        _check_split(cfg)  # in the demo's own options, before the plan names its fields
         spec = env_spec(cfg)  # an env that cannot be made or carried is refused here
         cfg.plan(spec.action_dim)  # geometry errors (e.g. pipeline widths) before anything starts
         check_recordable(cfg)  # lerobot mode: recordable cameras (a dataset: 1 or 3 channels)
@@ -187,6 +189,23 @@ def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerob
         return
     _report_training(cfg, spec, result, records, json_path, plot_path,
                      f"{env_name}, {runner} runner, {mode} mode")
+
+
+def _check_split(cfg: RunConfig) -> None:
+    """``ValueError`` naming ``--envs``, ``--env-batch`` and ``--actors`` when the envs cannot
+    be split evenly among the actors (the plan would name fields a demo user never set).  Rollout
+    mode splits each env worker's batch into ``actors / gcd(envs, actors)`` equal shards;
+    pipeline mode splits all ``envs × env_batch`` envs among the actors."""
+    shards = cfg.actors // math.gcd(cfg.envs, cfg.actors)
+    if cfg.mode == "rollout" and cfg.env_batch % shards:
+        of = f"--actors {cfg.actors}" if shards == cfg.actors else \
+            f"{shards} (--actors {cfg.actors} / gcd(--envs {cfg.envs}, --actors {cfg.actors}))"
+        raise ValueError(f"--env-batch {cfg.env_batch} must be a multiple of {of}: each env "
+                         "worker's envs are split evenly among the actors")
+    total = cfg.envs * cfg.env_batch
+    if cfg.mode == "pipeline" and total % cfg.actors:
+        raise ValueError(f"--envs {cfg.envs} x --env-batch {cfg.env_batch} = {total} envs cannot "
+                         f"be split evenly among --actors {cfg.actors}")
 
 
 def _mean(evaluations: list[dict], name: str) -> float | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from zchannel.broker import DEFAULT_KEY
 from zchannel.embodied.checks import check_part
 from zchannel.embodied.collector_state import collector_state, load_collector_state
@@ -31,8 +32,8 @@ from zchannel.embodied.modes import (
     make_mode,
 )
 from zchannel.embodied.plan import TrajectoryPlan
-from zchannel.embodied.trajectory import ActorBatch
-from zchannel.embodied.types import EnvPart, PolicyPart, TrajectoryKey
+from zchannel.embodied.trajectory import ActorBatch, Trajectory
+from zchannel.embodied.types import COLUMN_STRIDE, EnvPart, PolicyPart, TrajectoryKey
 from zchannel.hooks import (
     ChannelContext,
     Collector,
@@ -229,10 +230,27 @@ class TrajectoryDispatcher(Dispatcher):
         consumers = self.ctx.consumers
         if not consumers:
             return None
+        bound = self._shard_consumer(item) if self.plan.deal_by_shard else None
+        if bound is not None:
+            return bound
         counts = self._dealt.setdefault(key, {})
         choice = min(consumers, key=lambda c: counts.get(c, 0))
         counts[choice] = counts.get(choice, 0) + 1
         return choice
+
+    def _shard_consumer(self, item: Any) -> str | None:
+        """``deal_by_shard``: the present consumer of rank ``(r·k + i) mod AW`` for shard i of
+        env rank r (k shards per source), read from the shard's first ``column`` tag
+        (``r·10^6 + row``); None (least-loaded) for an item without tags or when that rank
+        is absent (its shards are then dealt among the present ones)."""
+        column = item.forward_inputs.get("column") if isinstance(item, Trajectory) else None
+        if not isinstance(column, torch.Tensor) or column.numel() == 0:
+            return None
+        env_rank, row = divmod(int(column.reshape(-1)[0]), COLUMN_STRIDE)
+        k = self.plan.shards_per_source
+        rank = (env_rank * k + row // (self.plan.source_batch_size // k)) \
+            % self.plan.actor_world_size
+        return next((c for c in self.ctx.consumers if consumer_rank(c) == rank), None)
 
     def key_dropped(self, key: Any) -> None:
         """Forget the dealing counts of an idle key when they are even (each consumer present

@@ -36,7 +36,8 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """Base class of group workers: ``rank``, ``world_size``, ``worker_name`` are set per rank."""
+    """Base class of group workers: ``rank``, ``world_size``, ``worker_name`` are set per rank,
+    already when ``__init__`` runs."""
 
     _group_name: str = "worker"
     _rank: int = 0
@@ -91,14 +92,17 @@ LAUNCH_CALL = 0  # the call id of a local worker's construction; method calls co
 
 def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: int,
            conn: Any) -> None:
-    """A local worker process: build the worker (answering ``(LAUNCH_CALL, status, error)``;
+    """A local worker process: build the worker, its rank and name set before its ``__init__``
+    runs (answering ``(LAUNCH_CALL, status, error)``;
     a constructor that raises is answered with its traceback and ends the process), then run
     the calls ``(call_id, method, args, kwargs)`` that arrive on ``conn``, answering each with
     ``(call_id, "ok", result)`` or ``(call_id, "err", traceback)``."""
     os.environ[IDENTITY_ENV] = f"{group}:{rank}"
     try:
-        worker = cls(*args, **kwargs)
-        worker._zchannel_setup(group, rank, world)
+        worker_class: Any = cls  # built as ``cls(*args, **kwargs)`` is, set up in between:
+        worker = worker_class.__new__(worker_class, *args, **kwargs)
+        worker._zchannel_setup(group, rank, world)  # rank and name are there in ``__init__``
+        worker_class.__init__(worker, *args, **kwargs)
     except BaseException:
         conn.send((LAUNCH_CALL, "err", f"constructing {cls.__name__} raised:\n"
                                        f"{traceback.format_exc()}"))
@@ -116,6 +120,17 @@ def _serve(cls: type, args: tuple, kwargs: dict, group: str, rank: int, world: i
             conn.send((call_id, "ok", worker._zchannel_call(method, a, kw)))
         except BaseException:
             conn.send((call_id, "err", traceback.format_exc()))
+
+
+def _ranked_class(cls: Any) -> type:
+    """A subclass of ``cls`` (same name) whose constructor takes ``(group, rank, world)`` first
+    and sets them up before ``cls.__init__`` runs: Ray builds its actors itself, and this is how
+    a Ray rank knows its rank and name in ``__init__``."""
+    def __init__(self: Any, _zchannel_rank: tuple, *args: Any, **kwargs: Any) -> None:
+        self._zchannel_setup(*_zchannel_rank)
+        cls.__init__(self, *args, **kwargs)
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 def _ray_done(ray: Any, ref: Any) -> bool:
@@ -240,7 +255,7 @@ class WorkerGroup:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         if node_ranks is not None:
             _check_node_ranks(node_ranks, len(nodes))
-        remote = ray.remote(num_cpus=0)(self._cls)
+        remote: Any = ray.remote(num_cpus=0)(_ranked_class(self._cls))
         for rank in range(num_workers):
             options: dict[str, Any] = {"runtime_env": {"env_vars": {
                 IDENTITY_ENV: f"{self._name}:{rank}",
@@ -249,10 +264,10 @@ class WorkerGroup:
             if node_ranks is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                     nodes[node_ranks[rank % len(node_ranks)]], soft=False)
-            actor = remote.options(**options).remote(*self._args, **self._kwargs)
+            actor = remote.options(**options).remote((self._name, rank, num_workers),
+                                                     *self._args, **self._kwargs)
             self._actors.append(actor)
-        ray.get([a._zchannel_setup.remote(self._name, r, num_workers)
-                 for r, a in enumerate(self._actors)])
+        ray.get([a._zchannel_node.remote() for a in self._actors])  # every rank constructed
 
     # -- the zchannel group protocol ---------------------------------------------------------
 
@@ -336,9 +351,7 @@ class WorkerGroup:
 
             return GroupCall(self, method, [waiter(r, i) for i, r in enumerate(refs)],
                              [functools.partial(_ray_done, ray, r) for r in refs])
-        self._calls += 1
-        for conn in self._conns:
-            conn.send((self._calls, method, args, kwargs))
+        self._send_call(method, args, kwargs)
         handle = GroupCall(self, method,
                            [functools.partial(self._local_result, r, self._calls)
                             for r in range(self.size)],
@@ -346,6 +359,22 @@ class WorkerGroup:
                             for r in range(self.size)])
         weakref.finalize(handle, self._drop_call, self._calls)
         return handle
+
+    def _send_call(self, method: str, args: tuple, kwargs: dict) -> None:
+        """Send the next call to every local rank; ``WorkerError`` naming a rank that died (and
+        its exit code) before the call could reach it, the call then dropped (the answers of
+        the ranks it reached are not kept for a later call)."""
+        self._calls += 1
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._drop_call(self._calls)
+                raise self._died(rank)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((self._calls, method, args, kwargs))
+            except OSError:  # (it died since: its pipe is broken)
+                self._drop_call(self._calls)
+                raise self._died(rank) from None
 
     def _drop_call(self, call_id: int) -> None:
         """The ``GroupCall`` of ``call_id`` was dropped: its answers, come or to come, go."""

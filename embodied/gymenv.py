@@ -17,9 +17,9 @@ it in ``GymVectorEnv``, which
   with a ``ValueError`` naming the leaf, its shape and the remedies;
 - reads ``info["success"]`` only when its values are bools or numbers (``_info_flags``: any other
   value, such as the string ``"no"``, is a ``ValueError`` naming the key and the dtype);
-- turns action chunks back into the action space (Box: [-1, 1] onto the bounds, rounded to
-  the nearest integer in the bounds for an integer Box; Discrete, MultiDiscrete, MultiBinary:
-  integer indices of the right shape and dtype), and an env's
+- turns action chunks back into the action space (Box: [-1, 1] onto the bounds, for an
+  integer Box cut into one equal-width bin per integer of the bounds; Discrete, MultiDiscrete,
+  MultiBinary: integer indices of the right shape and dtype), and an env's
   ``info["intervene_action"]`` (the action it executed, in its action space) back into the
   policy's (``from_space``), so training and recording see what the policy would have emitted;
 - refuses a non-finite action (NaN, inf) with a ``ValueError`` naming the policy output and the
@@ -59,11 +59,13 @@ from zchannel.embodied.spaces import (
 try:  # the optional extra: this module only works with it, the package imports without it
     import gymnasium
     from gymnasium import spaces as gs
+    from gymnasium.envs.registration import find_highest_version, parse_env_id
     from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 except ImportError:  # pragma: no cover - exercised only without the extra
     gymnasium = None  # type: ignore[assignment]  # without the extra: checked before use
     gs = None  # type: ignore[assignment]  # without the extra: checked before use
     concatenate = create_empty_array = iterate = None  # type: ignore[assignment]  # same
+    find_highest_version = parse_env_id = None  # type: ignore[assignment]  # same
 
 MAX_DEPTH = 8  # nesting of Dict / Tuple observation spaces
 # Gymnasium's autoreset modes (the values of gymnasium.vector.AutoresetMode, Gymnasium >= 1.1)
@@ -390,8 +392,8 @@ class GymVectorEnv:
     # -- actions --------------------------------------------------------------------------
 
     def to_space(self, actions: torch.Tensor) -> np.ndarray:
-        """A ``[B, A]`` float action batch in the action space's form (an integer Box: the
-        mapped values rounded to the nearest integer in ``[low, high]``)."""
+        """A ``[B, A]`` float action batch in the action space's form (an integer Box: one
+        equal-width bin of [-1, 1] per integer of ``[low, high]``, ``_to_integers``)."""
         a = torch.as_tensor(actions, dtype=torch.float32).reshape(self.num_envs, -1).numpy()
         spec, space = self.spec.action, self.action_space
         if a.shape[1] != spec.dim:
@@ -404,10 +406,10 @@ class GymVectorEnv:
                              f"{a[bad][:4].tolist()} for env rows {rows}: actions for the action "
                              f"space {space} must be finite")
         if spec.kind == "box":
+            if np.issubdtype(space.dtype, np.integer):
+                return self._to_integers(a)
             scaled = self._low + (np.clip(a, -1, 1) + 1) * 0.5 * (self._high - self._low)
             a = np.where(self._scaled, scaled, a).reshape(self.num_envs, *space.shape)
-            if np.issubdtype(space.dtype, np.integer):  # the nearest integer, as for indices
-                a = np.clip(np.rint(a), space.low, space.high)
             return a.astype(space.dtype, copy=False)
         index = np.rint(a).astype(np.int64)
         nvec = np.asarray(spec.nvec)
@@ -419,16 +421,32 @@ class GymVectorEnv:
             index = index + np.asarray(spec.start)
         return index.reshape(self.num_envs, *space.shape).astype(space.dtype, copy=False)
 
+    def _to_integers(self, a: np.ndarray) -> np.ndarray:
+        """``[B, A]`` floats as an integer Box's values: [-1, 1] cut into one equal-width bin
+        per integer of ``[low, high]`` (the last bin closed), so a uniform output reaches each
+        integer equally often."""
+        space = self.action_space
+        low = np.asarray(space.low, dtype=np.float64).reshape(-1)
+        high = np.asarray(space.high, dtype=np.float64).reshape(-1)
+        n = high - low + 1
+        index = np.minimum(np.floor((np.clip(a, -1, 1) + 1) * 0.5 * n), n - 1)
+        values = (low + index).reshape(self.num_envs, *space.shape)
+        return values.astype(space.dtype, copy=False)
+
     def from_space(self, values: Any) -> np.ndarray:
         """The inverse of ``to_space``: a batch of actions of the action space (e.g. an env's
         executed ``intervene_action``) as the policy's float32 ``[B, A]``: Box values mapped
-        from ``[low, high]`` back onto [-1, 1] (clipped; infinite bounds pass through),
-        indices without the space's ``start``."""
+        from ``[low, high]`` back onto [-1, 1] (clipped; infinite bounds pass through; an
+        integer Box's value onto the middle of its bin), indices without the space's
+        ``start``."""
         a = np.asarray(values, dtype=np.float32).reshape(self.num_envs, -1)
         spec = self.spec.action
         if a.shape[1] != spec.dim:
             raise ValueError(f"an action of the action space {self.action_space} has "
                              f"{spec.dim} numbers per env, got {a.shape[1]}")
+        if spec.kind == "box" and np.issubdtype(self.action_space.dtype, np.integer):
+            n = self._high - self._low + 1
+            return np.clip(2 * (a - self._low + 0.5) / n - 1, -1, 1).astype(np.float32)
         if spec.kind == "box":
             unscaled = np.clip(2 * (a - self._low) / (self._high - self._low) - 1, -1, 1)
             return np.where(self._scaled, unscaled, a).astype(np.float32)
@@ -521,6 +539,30 @@ def _resolve_id(env_id: str) -> str:
     return env_id
 
 
+def _names_an_env(env_id: str) -> bool:
+    """Whether ``env_id`` (``[<module>:]<EnvId>``) names an env: its module is there (importing
+    it fails, if at all, on something else it imports) and the id, or an unversioned id's
+    latest version, is registered."""
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if module == missing or module.startswith(f"{missing}."):
+                return False
+            return True  # the module is there; a dependency of it is not
+        except ImportError:
+            return True
+    if name in gymnasium.registry:
+        return True
+    try:
+        namespace, base, version = parse_env_id(name)
+    except gymnasium.error.Error:
+        return False
+    return version is None and find_highest_version(namespace, base) is not None
+
+
 def make_gym_env(env_id: str, num_envs: int, env_kwargs: dict[str, Any] | None = None,
                  obs_map: dict[str, str | None] | None = None) -> GymVectorEnv:
     """``GymVectorEnv`` over ``gymnasium.make_vec(env_id, num_envs, vectorization_mode="sync",
@@ -530,7 +572,9 @@ def make_gym_env(env_id: str, num_envs: int, env_kwargs: dict[str, Any] | None =
     try:
         vec = gymnasium.make_vec(resolved, num_envs=num_envs, vectorization_mode="sync",
                                  wrappers=[ObservationCheck], **dict(env_kwargs or {}))
-    except (gymnasium.error.Error, ImportError) as exc:  # gym:<module>:<EnvId>, module missing
+    except (gymnasium.error.Error, ImportError) as exc:
+        if _names_an_env(resolved):  # it was found: making it failed (a missing dependency)
+            raise ValueError(f"gym:{env_id}: {exc}") from exc
         raise ValueError(
             f"gym:{env_id}: {exc} (forms that work: gym:<EnvId> for registered ids, "
             "gym:<namespace>/<EnvId> when importing the module <namespace> registers it, "

@@ -9,8 +9,8 @@ dataset does, with numpy only (no LeRobot, no pyarrow):
   ``"image"`` features ``(H, W, C)``, then LeRobot's own ``timestamp``, ``frame_index``,
   ``episode_index``, ``index`` and ``task_index``;
 * ``check_episode(frames, features, fps)`` — every frame has exactly those keys, dtypes and
-  shapes, and ``frame_index``/``timestamp`` count from 0 at ``fps`` (``ValueError`` naming the
-  frame and key otherwise);
+  shapes, float values are finite, and ``frame_index``/``timestamp`` count from 0 at ``fps``
+  (``ValueError`` naming the frame and key otherwise);
 * ``to_lerobot_frame(frame, features)`` — the frame as ``LeRobotDataset.add_frame`` takes it
   (shape-``(1,)`` arrays, no keys LeRobot assigns itself), for users who record with LeRobot's
   own writer (videos, Hub upload);
@@ -106,7 +106,8 @@ def check_episode(frames: Sequence[Mapping[str, Any]], features: Mapping[str, di
 
     Every frame has exactly the feature keys (less ``index``, ``task_index`` and the per-episode
     keys, which are optional: ``frame_index``, ``episode_index``, ``timestamp``) plus ``task``;
-    values keep the feature's dtype and shape; ``frame_index`` (if present) is the frame's
+    values keep the feature's dtype and shape, and float values are finite (no NaN or
+    infinity: the statistics would not be valid JSON); ``frame_index`` (if present) is the frame's
     position and ``timestamp`` (if present) ``frame_index / fps`` within 1e-4 s.  Raises
     ``ValueError`` naming ``where``, the frame and the key.
     """
@@ -129,6 +130,10 @@ def check_episode(frames: Sequence[Mapping[str, Any]], features: Mapping[str, di
             if dtype != feature["dtype"] or shape != list(feature["shape"]):
                 raise ValueError(f"{where}, frame {i}, key {key!r}: {dtype} {shape} where the "
                                  f"dataset has {feature['dtype']} {list(feature['shape'])}")
+            if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+                raise ValueError(f"{where}, frame {i}, key {key!r}: non-finite values "
+                                 f"{arr[~np.isfinite(arr)][:4].tolist()}: a dataset's values "
+                                 "(and its statistics) must be finite")
         if "frame_index" in frame and int(frame["frame_index"]) != i:
             raise ValueError(f"{where}, frame {i}: frame_index is {frame['frame_index']}")
         if "timestamp" in frame and abs(float(frame["timestamp"]) - i / fps) > 1e-4:

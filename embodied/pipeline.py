@@ -40,6 +40,7 @@ from zchannel.embodied.plan import TrajectoryPlan
 from zchannel.embodied.policy import chunk_actions, stamp_version
 from zchannel.embodied.spaces import ObservationError, RewardError
 from zchannel.embodied.types import (
+    COLUMN_STRIDE,
     EnvPart,
     EnvTransition,
     PolicyInput,
@@ -320,7 +321,9 @@ class EnvLoop:
 
 
 class Rollout:
-    """Serves env requests and is the only producer of the trajectory channel."""
+    """Serves env requests and is the only producer of the trajectory channel.  With
+    ``sample_seed`` (reproducible runs) it re-seeds the policy's ``generator`` per chunk key: a
+    policy without one is a ``ValueError``."""
 
     def __init__(self, policy: torch.nn.Module, plan: TrajectoryPlan, *, requests: Any,
                  actions: Any, trajectory: Any, weights: WeightReceiver,
@@ -330,6 +333,12 @@ class Rollout:
         self.requests, self.actions, self.trajectory = requests, actions, trajectory
         self.weights, self.max_staleness, self.merge = weights, max_staleness, merge
         self.tag_columns = tag_columns
+        if sample_seed is not None and not isinstance(getattr(policy, "generator", None),
+                                                       torch.Generator):
+            raise ValueError(
+                f"reproducible sampling needs a policy that samples from its 'generator' (a "
+                f"torch.Generator the rollout re-seeds per chunk); {type(policy).__name__} has "
+                f"none, so its samples would not be reproducible")
         self.sample_seed = sample_seed
         self.chunks = 0
         self.lags: list[int] = []
@@ -523,7 +532,7 @@ def _tag(output: PolicyOutput, request: PolicyInput) -> None:
         step.append(torch.full((source.size, 1), float(k.step_id)))
         column.append(torch.arange(source.offset, source.offset + source.size,
                                    dtype=torch.float32).reshape(-1, 1)
-                      + float(k.env_rank * 1_000_000))
+                      + float(k.env_rank * COLUMN_STRIDE))
     output.forward_inputs["step_id"] = torch.cat(step)
     output.forward_inputs["column"] = torch.cat(column)
 

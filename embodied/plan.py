@@ -59,6 +59,7 @@ _BOOLS = (
     "enable_rlt",
     "shuffle",
     "lerobot_only_success",
+    "deal_by_shard",
 )
 _LEROBOT_DEFAULTS: dict[str, Any] = {"lerobot_only_success": False, "lerobot_fps": 10}
 
@@ -143,6 +144,11 @@ class TrajectoryPlan:
     """LeRobot mode: keep only successful, terminated episodes."""
     lerobot_fps: float = 10
     """LeRobot mode: ``timestamp = frame_index / lerobot_fps``."""
+    deal_by_shard: bool = False
+    """Rollout mode: shard i of env rank r goes to actor rank ``(r·shards_per_source + i) mod
+    AW`` while that actor is present (read from the rows' ``column`` tags), not least-loaded:
+    which actor trains which shard then does not depend on which source flushed first (the
+    runners set it for ``reproducible=True``)."""
     intervention_precedence: str = "model"
     """Whose intervention flags a chunk keeps when the env intervened and the model flagged
     too: ``"model"`` (the model's flags overwrite the env's; actions stay the executed ones) or

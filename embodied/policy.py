@@ -60,7 +60,9 @@ def stamp_version(output: PolicyOutput, version: int) -> PolicyOutput:
 
 
 class MLPPolicy(nn.Module):
-    """A tanh MLP with a diagonal Gaussian over the flattened chunk and a value head."""
+    """A tanh MLP with a diagonal Gaussian over the flattened chunk and a value head; ``forward``
+    samples from ``generator`` (a ``torch.Generator``: the runners seed it, and a reproducible
+    run re-seeds it per chunk), never from the global RNG."""
 
     def __init__(self, state_dim: int, action_dim: int, num_action_chunks: int, *,
                  hidden: int = 64, init_log_std: float = -0.5) -> None:
@@ -75,6 +77,7 @@ class MLPPolicy(nn.Module):
         self.log_std = nn.Parameter(torch.full((out,), init_log_std))
         nn.init.orthogonal_(self.mean.weight, 0.01)
         nn.init.zeros_(self.mean.bias)
+        self.generator = torch.Generator()
 
     def _dist(self, states: torch.Tensor) -> torch.distributions.Normal:
         mean = self.mean(self.body(states))
@@ -84,7 +87,7 @@ class MLPPolicy(nn.Module):
     def forward(self, obs: dict[str, Any]) -> PolicyOutput:
         states = torch.as_tensor(obs["states"], dtype=torch.float32)
         dist = self._dist(states)
-        action = dist.sample()
+        action = dist.loc + dist.scale * torch.randn(dist.loc.shape, generator=self.generator)
         return PolicyOutput(
             forward_inputs={"states": states, "action": action},
             prev_logprobs=dist.log_prob(action),
@@ -109,13 +112,13 @@ class RandomPolicy(nn.Module):
         self.action_dim, self.num_action_chunks = action_dim, num_action_chunks
         self.nvec = torch.tensor(action.nvec, dtype=torch.float32) \
             if action is not None and action.discrete else None
-        self.gen = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
     def forward(self, obs: dict[str, Any]) -> PolicyOutput:
         batch = next(v for v in obs.values() if isinstance(v, torch.Tensor)).shape[0]
         d = self.action_dim * self.num_action_chunks
-        action = torch.rand(batch, d, generator=self.gen)
+        action = torch.rand(batch, d, generator=self.generator)
         if self.nvec is None:
             action = action * 2 - 1
         else:

@@ -11,6 +11,8 @@ stop): ``PPOConfig.cleanrl()`` gives its hyperparameters.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,12 @@ class PPOConfig:
     ``minibatch_adv_norm``: normalise advantages in each minibatch (CleanRL) instead of once per
     batch in ``compute_advantages`` (the plan's ``normalize_advantages``; a run sets it off
     when this is on).  ``anneal_lr``: the actor decays the learning rate linearly to 0 over the
-    run.  ``target_kl``: stop the epochs of a step once the approximate KL passes it."""
+    run.  ``target_kl``: stop the epochs of a step once the approximate KL passes it.
+
+    Every field is checked when the config is made (``ValueError`` naming it): ``epochs`` and
+    ``minibatches`` ints >= 1; ``lr``, ``clip`` and ``target_kl`` (unless None) finite and
+    > 0; ``value_coef``, ``entropy_coef`` and ``adam_eps`` finite and >= 0; ``max_grad_norm``
+    > 0 (``inf``: no clipping); the three switches bools."""
 
     lr: float = 3e-3
     clip: float = 0.2
@@ -45,6 +52,25 @@ class PPOConfig:
     clip_vloss: bool = False
     target_kl: float | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("epochs", "minibatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise _invalid(name, value, "an int >= 1")
+        for name, positive in (("lr", True), ("clip", True), ("value_coef", False),
+                               ("entropy_coef", False), ("adam_eps", False)):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0 or (positive and value == 0):
+                raise _invalid(name, value, f"a finite number {'>' if positive else '>='} 0")
+        if not (_finite(self.max_grad_norm) or self.max_grad_norm == math.inf) \
+                or self.max_grad_norm <= 0:
+            raise _invalid("max_grad_norm", self.max_grad_norm, "a number > 0 (inf: no clipping)")
+        if self.target_kl is not None and (not _finite(self.target_kl) or self.target_kl <= 0):
+            raise _invalid("target_kl", self.target_kl, "None or a finite number > 0")
+        for name in ("anneal_lr", "minibatch_adv_norm", "clip_vloss"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, getattr(self, name), "a bool")
+
     @classmethod
     def cleanrl(cls, **overrides: Any) -> PPOConfig:
         """CleanRL ``ppo.py``'s defaults (lr 2.5e-4 annealed, 4 epochs × 4 minibatches, clip
@@ -54,6 +80,16 @@ class PPOConfig:
                              entropy_coef=0.01, max_grad_norm=0.5, adam_eps=1e-5,
                              anneal_lr=True, minibatch_adv_norm=True, clip_vloss=True),
                       **overrides})
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _invalid(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"PPOConfig.{name} must be {expected}, got {value!r}")
 
 
 def pack(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:

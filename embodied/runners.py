@@ -150,6 +150,7 @@ class RunConfig:
             auto_reset=True, reward_type="chunk_level", seed=self.seed,
             intervention_precedence="env",
             normalize_advantages=not self.ppo.minibatch_adv_norm,
+            deal_by_shard=self.reproducible,  # each actor trains the same shards in every run
         )
         if self.mode == "pipeline":
             rows = self.num_chunks * self.envs * self.env_batch // self.actors

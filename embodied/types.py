@@ -26,6 +26,9 @@ from zchannel.embodied.batch import (
 SourceID = tuple[int, int]
 """``(env_rank, stage_id)``: one logical source."""
 
+COLUMN_STRIDE = 1_000_000
+"""The rollout tags row ``row`` of env rank ``r`` with the global column ``r·COLUMN_STRIDE + row``."""
+
 
 _T = TypeVar("_T")
 

@@ -14,6 +14,10 @@ import time
 import pytest
 
 pytest.importorskip("gymnasium")
+
+from click.testing import CliRunner  # noqa: E402
+from zchannel.cli.main import main as cli  # noqa: E402
+
 pytestmark = pytest.mark.timeout(300)
 
 TOY = "gym:zchannel.embodied.toyenvs:SpacesToy-v0"
@@ -50,6 +54,24 @@ def test_demo_refuses_bad_env_input_before_starting(args, match, tmp_path):
     proc = _demo(*args, "--steps", "1", tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert re.search(match, proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--envs", "3", "--env-batch", "1", "--actors", "2"],
+     "--env-batch 1 must be a multiple of --actors 2: each env worker's envs are split evenly "
+     "among the actors"),
+    (["--envs", "2", "--env-batch", "3", "--actors", "4"],
+     "--env-batch 3 must be a multiple of 2 (--actors 4 / gcd(--envs 2, --actors 4))"),
+    (["--mode", "pipeline", "--envs", "1", "--env-batch", "3", "--actors", "2"],
+     "--envs 1 x --env-batch 3 = 3 envs cannot be split evenly among --actors 2"),
+])
+def test_envs_that_cannot_be_split_among_the_actors_are_named_in_the_demos_options(args,
+                                                                                   message):
+    """A usage error in the options the user gave (it named ``TrajectoryPlan.source_batch_size``
+    and ``shards_per_source``, which a demo user never set)."""
+    result = CliRunner().invoke(cli, ["demo", "embodied", *args, "--steps", "1", "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "TrajectoryPlan" not in result.output, result.output
 
 
 def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):

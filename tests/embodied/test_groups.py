@@ -14,6 +14,10 @@ from zchannel.embodied.groups import Worker, WorkerError
 class Echo(Worker):
     def __init__(self, base: int = 0) -> None:
         self.base = base
+        self.in_init = self.worker_name, self.rank, self.world_size
+
+    def seen_in_init(self) -> tuple:
+        return self.in_init
 
     def whoami(self) -> tuple:
         return self.worker_name, self.rank, self.world_size, self.base
@@ -66,6 +70,29 @@ def test_local_group_calls_and_channel_binding(channels):
         group.shutdown()
 
 
+class ConnectsInInit(Worker):
+    """Connects its channel in ``__init__``, where its rank and name must already be its own."""
+
+    def __init__(self, channel_name: str) -> None:
+        self.ch = self.connect_channel(channel_name)
+        self.in_init = self.worker_name, self.rank, self.world_size
+
+    def seen(self) -> tuple:
+        return self.in_init, self.ch.identity
+
+
+@pytest.mark.timeout(120)
+def test_rank_and_name_are_set_before_init_runs(channels):
+    """Inside ``__init__`` each rank sees its own rank, world size and name, so a channel it
+    connects there acts for it (every rank saw rank 0 and ``worker:0``)."""
+    channels.append(Channel.create("init-binds"))
+    group = ConnectsInInit.create_group("init-binds").launch(3, name="w")
+    try:
+        assert group.seen().wait(60) == [((f"w:{r}", r, 3), f"w:{r}") for r in range(3)]
+    finally:
+        group.shutdown()
+
+
 def test_a_workers_channel_methods_take_rlinfs_parameters(channels):
     """``create_channel(channel_name, maxsize, distributed, node_rank, local)`` and
     ``connect_channel(channel_name)``, as RLinf's ``Worker`` has them; the handles act for the
@@ -110,6 +137,7 @@ def test_seed_placement_rule_and_a_whole_demo_run_on_three_nodes(cluster):
     actors = Echo.create_group().launch(2, name="actor", ray=True, node_ranks=[2])
     try:
         assert rollout.node().wait(60) == [nodes[1]]
+        assert actors.seen_in_init().wait(60) == [("actor:0", 0, 2), ("actor:1", 1, 2)]
         assert actors.node().wait(60) == [nodes[2], nodes[2]]
         placed = {}
         for name, kw in (("by-producer", dict(producers=[rollout], consumers=[actors])),

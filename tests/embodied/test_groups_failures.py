@@ -71,6 +71,37 @@ def test_a_rank_that_dies_is_a_worker_error_naming_it_and_its_exit_code():
         group.shutdown()
 
 
+def test_a_call_after_a_rank_died_is_a_worker_error_naming_it():
+    """Calling the group again after a rank died: the documented ``WorkerError`` (it was a bare
+    ``BrokenPipeError`` from sending the call to the dead rank's pipe)."""
+    group = Gate.create_group(_release()).launch(2, name="w")
+    try:
+        with pytest.raises(WorkerError):
+            group.die().wait(60)
+        for _ in range(2):
+            with pytest.raises(WorkerError, match=r"^worker w:1 died \(exit code 3\)$"):
+                group.fast()
+    finally:
+        group.shutdown()
+
+
+def test_a_call_that_reached_some_ranks_before_a_dead_one_leaves_no_answer():
+    """A rank dies after the liveness check, so the call reaches rank 0 and breaks on rank 1's
+    pipe: ``WorkerError``, and rank 0's answer to that call is dropped when it comes."""
+    group = Gate.create_group(_release()).launch(2, name="w")
+    try:
+        with pytest.raises(WorkerError):
+            group.die().wait(60)
+        group._procs[1].is_alive = lambda: True  # (as if it died just after the check)
+        with pytest.raises(WorkerError, match=r"^worker w:1 died \(exit code 3\)$"):
+            group.fast()
+        assert group._conns[0].poll(60)  # rank 0 got the call and answers it
+        group._receive(0)
+        assert group._answers == [{}, {}]
+    finally:
+        group.shutdown()
+
+
 def test_a_constructor_that_raises_fails_launch_and_stops_the_started_ranks():
     group = FailsOnRankOne.create_group()
     with pytest.raises(WorkerError) as err:

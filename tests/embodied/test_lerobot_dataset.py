@@ -198,6 +198,27 @@ def test_a_mismatching_episode_is_refused_and_nothing_of_it_written(tmp_path):
     assert read_data(root).column("episode_index").to_pylist() == [0, 0, 1]
 
 
+@pytest.mark.parametrize("key", ["observation.state", "next.reward"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_is_refused_naming_its_feature(tmp_path, key, bad):
+    """A NaN or infinite float value (in the first episode too, which sets the features) is a
+    ``ValueError`` naming the frame and the key, and nothing of the episode is written: it was
+    written, and ``meta/stats.json`` held bare ``NaN`` tokens (not JSON)."""
+    root = str(tmp_path / "ds")
+    writer = LeRobotDatasetWriter(root, fps=FPS)
+    for index in (0, 1):
+        episode = frames(3, seed=index, images=False)
+        episode[1][key] = bad if key == "next.reward" else np.full(4, bad, np.float32)
+        with pytest.raises(ValueError, match=rf"episode {index}, frame 1, key '{key}': "
+                                             "non-finite values"):
+            writer.add_episode(episode)
+        assert writer.add_episode(frames(2, seed=index, images=False)) == index
+    writer.close()
+    stats = json.loads((tmp_path / "ds/meta/stats.json").read_text(),
+                       parse_constant=lambda c: pytest.fail(f"{c} in stats.json"))
+    assert np.isfinite(stats["observation.state"]["mean"]).all()
+
+
 def test_bad_writer_arguments(tmp_path):
     with pytest.raises(ValueError, match="fps must be a positive integer"):
         LeRobotDatasetWriter(tmp_path / "a", fps=12.5)

@@ -5,6 +5,7 @@ are correct (tanh with its Jacobian), and bad observations are errors naming the
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -91,19 +92,36 @@ def test_actions_reach_the_env_in_its_own_form():
         md.to_space(torch.zeros(2, 1))
 
 
-def test_an_integer_box_action_is_rounded_to_the_nearest_integer_in_its_bounds():
-    """Box(0, 3, int64): [-1, 1] maps onto [0, 3] and rounds (truncating would reach 3 only at
-    exactly 1.0 and skew every value down); the env's own check passes (``_Env.step``)."""
+def test_an_integer_box_action_takes_one_equal_bin_of_the_range_per_integer():
+    """Box(0, 3, int64): [-1, 1] is cut into four equal bins, one per integer (the last one
+    closed at 1.0); the env's own check passes (``_Env.step``)."""
     env = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
                             spaces.Box(0, 3, (1,), np.int64), n=9))
     out = env.to_space(torch.linspace(-1, 1, 9).reshape(9, 1))
     assert out.dtype == np.int64 and out.shape == (9, 1)
-    assert out.flatten().tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3]  # 0.75 -> 2.625 -> 3
+    assert out.flatten().tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 3]  # 0.5 starts the last bin
     nearly = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
                                spaces.Box(-2, 2, (2,), np.int8), n=2))
     mapped = nearly.to_space(torch.tensor([[0.99, -0.99], [0.3, -0.3]]))
     assert mapped.dtype == np.int8 and mapped.tolist() == [[2, -2], [1, -1]]
     env.step(torch.linspace(-1, 1, 9).reshape(9, 1))
+
+
+def test_a_uniform_output_reaches_every_integer_of_an_integer_box_equally_often():
+    """Uniform outputs over [-1, 1] give each of Box(0, 3, int64)'s integers a quarter of the
+    actions (rounding an affine map gave the end values half the share of the others:
+    {0: 1/6, 1: 1/3, 2: 1/3, 3: 1/6}); an executed value maps back to the middle of its bin."""
+    n = 4000
+    env = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
+                            spaces.Box(0, 3, (1,), np.int64), n=n))
+    outputs = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
+    values, counts = np.unique(env.to_space(outputs.reshape(n, 1)), return_counts=True)
+    assert values.tolist() == [0, 1, 2, 3] and counts.tolist() == [n // 4] * 4
+    back = GymVectorEnv(_vec(spaces.Box(-1, 1, (2,), np.float32),
+                             spaces.Box(0, 3, (1,), np.int64), n=4))
+    middles = back.from_space(np.arange(4).reshape(4, 1))
+    assert middles.flatten().tolist() == pytest.approx([-0.75, -0.25, 0.25, 0.75])
+    assert back.to_space(torch.from_numpy(middles)).flatten().tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("action", ["box", "discrete"])
@@ -167,6 +185,42 @@ def test_env_ids_kwargs_and_errors_name_the_forms_that_work():
         make_env("gym:NoSuchEnv-v0", 1)
     with pytest.raises(ValueError, match="obs_map names"):
         make_env(CAMERAS, 1, obs_map={"top": "main_images"})
+
+
+NEEDS_DEPENDENCY = """
+import gymnasium
+
+
+def _make(**kwargs):
+    raise gymnasium.error.DependencyNotInstalled('pygame is not installed, run `pip install pygame`')
+
+
+gymnasium.register("NeedsDependency-v0", entry_point=_make)
+"""
+
+
+def test_a_found_env_that_misses_a_dependency_is_reported_as_that_alone(tmp_path, monkeypatch):
+    """An id that resolves but whose env (or module) needs a missing package: its error alone,
+    chained, without the hint about the id's forms (a missing pygame read as a misnamed env)."""
+    (tmp_path / "needs_dependency_env.py").write_text(NEEDS_DEPENDENCY)
+    (tmp_path / "imports_dependency_env.py").write_text("import zchannel_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "needs_dependency_env", raising=False)
+    try:
+        with pytest.raises(ValueError) as err:
+            make_env("gym:needs_dependency_env:NeedsDependency-v0", 1)
+        assert str(err.value) == ("gym:needs_dependency_env:NeedsDependency-v0: pygame is not "
+                                  "installed, run `pip install pygame`")
+        assert isinstance(err.value.__cause__, gymnasium.error.DependencyNotInstalled)
+        with pytest.raises(ValueError, match="zchannel_absent_dependency") as err:
+            make_env("gym:imports_dependency_env:Any-v0", 1)
+        assert "forms that work" not in str(err.value)
+        assert isinstance(err.value.__cause__, ModuleNotFoundError)
+        with pytest.raises(ValueError, match="forms that work"):  # the id names no env
+            make_env("gym:needs_dependency_env:NoSuchEnv-v0", 1)
+    finally:
+        gymnasium.registry.pop("NeedsDependency-v0", None)
+        sys.modules.pop("needs_dependency_env", None)
 
 
 def test_bad_image_mid_run_names_the_key():
