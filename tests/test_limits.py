@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def test_limits_name_themselves_and_store_nothing(cli_broker):
     address = cli_broker("limited", "--max-keys", "2", "--max-bytes", "200000",
-                         "--max-message-bytes", "150000")
+                         "--max-message-bytes", "262144")  # its least (but 0)
     ch = Channel.connect(address)
     try:
         ch.put(1, key="a")
@@ -46,7 +46,7 @@ def test_limits_name_themselves_and_store_nothing(cli_broker):
         ch.get(key="a")
         ch.put(torch.zeros(30_000), key="a")  # admitted once bytes were freed
         with pytest.raises(ValueError, match="max_message_bytes"):
-            ch.put(torch.zeros(60_000), key="b", timeout=2)
+            ch.put(torch.zeros(70_000), key="b", timeout=2)  # 280 kB
     finally:
         ch.close()
     fresh = Channel.connect(address)

@@ -30,31 +30,47 @@ def check_name(name: object) -> str:
 
 def run_dir() -> Path:
     """The directory of this user's channel files (sockets, locks, address files), created
-    with mode 0700: ``$ZCHANNEL_RUN_DIR``, else ``$XDG_RUNTIME_DIR/zchannel`` when
-    ``$XDG_RUNTIME_DIR`` is a directory of this user, else ``/tmp/zchannel-<uid>``.
+    with mode 0700: ``$ZCHANNEL_RUN_DIR`` (its last component alone is created: its parent
+    must exist), else ``$XDG_RUNTIME_DIR/zchannel`` when ``$XDG_RUNTIME_DIR`` is a directory
+    of this user, else ``/tmp/zchannel-<uid>``.
 
-    ``UnsafeRunDir`` when it is not this user's alone (``check_run_dir``)."""
+    ``UnsafeRunDir`` when it cannot be made, or is not this user's alone (``check_run_dir``)."""
     base = os.environ.get("ZCHANNEL_RUN_DIR")
     if base:
-        path = Path(base)
-    elif _own_dir(os.environ.get("XDG_RUNTIME_DIR")):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel"
-    else:
-        path = _tmp_dir()
-    return _private_dir(path)
+        return _private_dir(Path(base), parents=False)
+    if _own_dir(os.environ.get("XDG_RUNTIME_DIR")):
+        return _private_dir(Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel")
+    return _private_dir(_tmp_dir())
 
 
 def _tmp_dir() -> Path:
     return Path(f"/tmp/zchannel-{os.getuid()}")
 
 
-def _private_dir(path: Path) -> Path:
-    """``path``, created with mode 0700 if missing; ``UnsafeRunDir`` unless it is this user's
+# what a refused run directory's message offers besides removing it: another directory
+YOURS = "a directory of yours with mode 0700, or a new path in one: zchannel makes it so"
+ELSEWHERE = f"set ZCHANNEL_RUN_DIR to {YOURS}"
+
+
+def _private_dir(path: Path, parents: bool = True) -> Path:
+    """``path``, created with mode 0700 if missing -- with its missing parents (``parents``,
+    zchannel's default locations), or alone (``$ZCHANNEL_RUN_DIR``: never a tree of the
+    user's mistyping); ``UnsafeRunDir`` when it cannot be made, or unless it is this user's
     alone (``check_run_dir``)."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except FileExistsError:  # a file, or a dangling symbolic link: check_run_dir says which
-        pass
+    if not os.path.lexists(path):
+        named = "" if parents else " (ZCHANNEL_RUN_DIR)"
+        try:
+            path.mkdir(mode=0o700, parents=parents)
+        except FileExistsError:  # made meanwhile: check_run_dir looks at what it is
+            pass
+        except FileNotFoundError:
+            raise UnsafeRunDir(
+                f"run directory {path}{named} cannot be made: its parent {path.parent} does "
+                f"not exist (zchannel makes the last component only); create the parent, or "
+                f"{ELSEWHERE}") from None
+        except OSError as exc:
+            raise UnsafeRunDir(f"run directory {path}{named} cannot be made "
+                               f"({exc.strerror}): {ELSEWHERE}") from None
     check_run_dir(path)
     return path
 
@@ -71,40 +87,55 @@ def _own_dir(path: str | None) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
+def _default_location(path: Path) -> bool:
+    """Whether ``path`` is one of zchannel's own run directories (``/tmp/zchannel-<uid>``,
+    ``$XDG_RUNTIME_DIR/zchannel``), which a refusal may tell to remove; any other is a
+    directory the user named (``$ZCHANNEL_RUN_DIR``: ``/etc``, ``/tmp``...), never so."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return path == _tmp_dir() or bool(xdg) and path == Path(str(xdg)) / "zchannel"
+
+
 def check_run_dir(path: Path) -> None:
     """Refuse (``UnsafeRunDir``) a run directory that is not this user's alone: it must be a
     directory owned by this user (as must a symbolic link naming it), and its mode must give
     others nothing.  Another user could otherwise replace a broker's socket or address file
     and receive the next connection (``docs/security.md``).  Nothing is changed: files
     planted while the directory was open stay planted, so a wider mode is refused rather
-    than narrowed."""
+    than narrowed.  The message offers removing it only for zchannel's own default
+    locations (``_default_location``); a directory the user named is theirs to keep: the
+    fix is another ``ZCHANNEL_RUN_DIR``."""
     uid = os.getuid()
-    remove = f"remove it (rm -r {path}) if no broker of yours runs there"
-    elsewhere = "or set ZCHANNEL_RUN_DIR to a directory of yours with mode 0700"
+    if _default_location(path):
+        fix = f"remove it (rm -r {path}) if no broker of yours runs there, or {ELSEWHERE}"
+        widened = (f"remove it (rm -r {path}) if no broker of yours runs there, or check its "
+                   f"files and chmod 700 it, or {ELSEWHERE}")
+        foreign = f"ask them (or root) to remove it, or {ELSEWHERE}"
+    else:
+        fix = foreign = f"choose another ZCHANNEL_RUN_DIR ({YOURS})"
+        widened = (f"{fix}; a directory you made for zchannel alone may be used once you have "
+                   "checked its files and made it mode 0700")
     try:
         link = os.lstat(path)
         st = os.stat(path)
     except OSError as exc:
-        raise UnsafeRunDir(f"run directory {path} cannot be used ({exc.strerror}): {remove}, "
-                           f"{elsewhere}") from None
+        raise UnsafeRunDir(f"run directory {path} cannot be used ({exc.strerror}): "
+                           f"{fix}") from None
     if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
         raise UnsafeRunDir(
             f"run directory {path} is a symbolic link owned by {_owner(link.st_uid)}, not by "
-            f"this user ({_owner(uid)}): its owner can point it elsewhere; {remove}, "
-            f"{elsewhere}")
+            f"this user ({_owner(uid)}): its owner can point it elsewhere; {fix}")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeRunDir(f"run directory {path} is not a directory: {remove}, {elsewhere}")
+        raise UnsafeRunDir(f"run directory {path} is not a directory: {fix}")
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != uid:
         raise UnsafeRunDir(
             f"run directory {path} is owned by {_owner(st.st_uid)} with mode {mode:04o}, not "
             f"by this user ({_owner(uid)}): its owner could replace a broker's socket and "
-            f"receive the next connection; ask them (or root) to remove it, {elsewhere}")
+            f"receive the next connection; {foreign}")
     if mode & 0o077:
         raise UnsafeRunDir(
             f"run directory {path} (owned by {_owner(uid)}) has mode {mode:04o}: other users "
-            f"may have placed files in it (a socket, an address file); {remove}, or check its "
-            f"files and chmod 700 it, {elsewhere}")
+            f"may have placed files in it (a socket, an address file); {widened}")
 
 
 def _owner(uid: int) -> str:
@@ -358,6 +389,50 @@ def _socket_file(address: str) -> str | None:
     """The socket file of an ipc ``address``; None for tcp and abstract ipc addresses."""
     path = ipc_path(address)
     return path if path and not path.startswith("@") else None
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+          (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"))
+
+
+def clear_socket_file(path: str, address: str | None = None) -> None:
+    """Make room at ``path`` for a socket (of ``address``, which the error names first): remove
+    the socket file a broker that is gone left there (the caller knows nothing listens on it),
+    nothing when the path is free.  Anything else there -- a regular file, a directory, a
+    symbolic link (never followed) -- is not a broker's to remove: ``FileExistsError`` naming
+    ``path`` and what it is."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "a device")
+        raise FileExistsError(f"{f'cannot bind {address}: ' if address else ''}{path} exists "
+                              f"and is not a socket (it is {kind}): not removing it; choose "
+                              "another address")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def socket_identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the socket file at ``path`` (None: no socket file there)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
+def remove_socket_file(path: str, made: tuple[int, int] | None) -> None:
+    """Remove the socket file at ``path`` if it is still the one ``made`` identifies
+    (``socket_identity`` when it was bound); anything else there, or nothing made, is left."""
+    if made is not None and socket_identity(path) == made:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def nothing_listens(address: str) -> bool:

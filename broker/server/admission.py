@@ -235,8 +235,8 @@ class IpcGate:
         self.path, self.real, self.stand_in, self.tmp = path, real, stand_in, tmp
         self.closed = False
         self._lock = threading.Lock()
-        for name in (real, stand_in, tmp):
-            _unlink(name)
+        for name in (real, stand_in, tmp):  # a broker's left there (else FileExistsError)
+            paths.clear_socket_file(name)
         os.link(path, real)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -271,17 +271,28 @@ class IpcGate:
         os.replace(self.tmp, self.path)
 
     def remove(self) -> None:
-        """Remove the gate's files (the path itself stays: its owner removes it)."""
+        """Remove the gate's files, the path naming the broker's socket again if it was shut
+        (the path itself stays: its owner removes it, when it is still that socket)."""
+        with self._lock:  # (only while the path is still the stand-in: nothing else is replaced)
+            stand_in = paths.socket_identity(self.stand_in)
+            if self.closed and stand_in and paths.socket_identity(self.path) == stand_in:
+                try:
+                    self._point(self.real)
+                except OSError:
+                    pass
+            self.closed = False
         self._sock.close()
         for name in (self.real, self.stand_in, self.tmp):
             _unlink(name)
 
 
 def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    """Remove the socket file at ``path`` (the gate's own); anything else there is left."""
+    if paths.socket_identity(path) is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _local_address(address: str) -> object:

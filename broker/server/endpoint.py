@@ -3,8 +3,9 @@ configured, and the guard of its connection budget reading its monitor), the dir
 name them (address file, ipc socket file) or hold its shutdown token (``NAME.token``).
 
 ``Endpoint`` takes the lock when made (or adopts ``config.lock_fd``), binds in ``bind``, and
-undoes both: ``close`` closes the sockets and removes the address and socket files,
-``release_lock`` last of all lets a successor start.
+undoes both: ``close`` closes the sockets and removes the address file and the socket files
+it made (nothing but a socket file is ever removed: ``clear_address``), ``release_lock`` last
+of all lets a successor start.
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ def already_served(name: str, lock_name: str) -> str:
             + "; stop it, or choose another name (zchannel stat lists this host's brokers)")
 
 
+def clear_address(address: str) -> None:
+    """Make room for a socket at ``address``: an ipc path's socket file a broker that is gone
+    left there is removed.  ``ZMQError`` (``EADDRINUSE``) when a process listens at it -- the
+    channel lock keeps brokers of one name apart, not brokers of two names given one address
+    -- and ``FileExistsError`` when the path is not a socket (a regular file, a directory, a
+    symbolic link: ``paths.clear_socket_file``); nothing but a socket file is ever removed."""
+    ipc = paths.ipc_path(address)
+    if not ipc or ipc.startswith("@"):
+        return
+    if paths.socket_identity(ipc) is not None and not paths.nothing_listens(address):
+        raise zmq.ZMQError(zmq.EADDRINUSE, f"cannot bind {address}: Address already in use "
+                           "(a process listens at that socket file)")
+    paths.clear_socket_file(ipc, address)
+
+
 class Endpoint:
     """The lock, socket and files of one broker serving channel ``config.name``."""
 
@@ -54,7 +70,7 @@ class Endpoint:
         self.sock: zmq.Socket | None = None
         self.peers: Peers | None = None  # the clients' transports (set by bind)
         self._auth = None
-        self._bound = False  # the socket is bound (its socket file, if any, is this broker's)
+        self._made: tuple[int, int] | None = None  # the socket file bind made (its identity)
         self.handshakes: BrokerHandshakes | None = None  # its security handshakes (set by bind)
         self.guard: PeerGuard | None = None  # its connection budget (set by bind)
         self.token_file: Path | None = None  # where the shutdown token is kept (set by bind)
@@ -71,8 +87,9 @@ class Endpoint:
     def bind(self, token: str) -> str:
         """Bind the socket, write the address file and the shutdown ``token``'s file (readable
         by its owner only), and log what the address exposes (``paths.bind_warnings``).
-        ``ZMQError`` for a busy address, ``ValueError`` for bad key files: ``close()`` then
-        removes what was made."""
+        ``ZMQError`` for a busy address, ``FileExistsError`` for an ipc path that is not a
+        socket (``clear_address``), ``ValueError`` for bad key files: ``close()`` then removes
+        what was made."""
         ctx: zmq.Context = zmq.Context.instance()
         sock = self.sock = ctx.socket(zmq.ROUTER)
         peers = self.peers = Peers(sock)
@@ -90,22 +107,16 @@ class Endpoint:
         self.guard = peers.guard = PeerGuard(sock, self.address, self.max_clients,
                                                   self.fd_limit)
         ipc = paths.ipc_path(self.address)
-        if ipc and os.path.exists(ipc):
-            # the channel lock keeps brokers of this name off it, not one of another name
-            # given the same address: a socket file something listens at is not stale
-            if not paths.nothing_listens(self.address):
-                raise zmq.ZMQError(zmq.EADDRINUSE, f"cannot bind {self.address}: Address "
-                                   "already in use (a process listens at that socket file)")
-            os.unlink(ipc)
+        clear_address(self.address)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:  # a busy address: say which
             reason = zmq.strerror(exc.errno or 0)
             raise zmq.ZMQError(exc.errno, f"cannot bind {self.address}: {reason}") from None
-        self._bound = True  # the socket file is this broker's to remove
         if self.address.startswith("tcp://"):
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if ipc:
+        if ipc:  # the socket file this broker made, and alone removes (``close``)
+            self._made = paths.socket_identity(ipc)
             os.chmod(ipc, 0o600)
         self.guard.bound(self.address)
         # beside shared memory only (see transport.open_transport); never around CURVE
@@ -133,7 +144,8 @@ class Endpoint:
         return self.address
 
     def close(self) -> None:
-        """Close the sockets and remove the address and socket files (the lock stays held)."""
+        """Close the sockets and remove the address file and the socket file ``bind`` made
+        (the lock stays held)."""
         if self.sock is None:
             return
         if self.guard is not None:  # its thread stops before the monitor and socket close
@@ -148,11 +160,8 @@ class Endpoint:
         paths.remove_address(self.config.name, self.address)
         paths.remove_token_file(self._lock_name)
         ipc = paths.ipc_path(self.address)
-        if ipc and self._bound:
-            try:
-                os.unlink(ipc)
-            except FileNotFoundError:
-                pass
+        if ipc:  # only the socket bind made: never a file that took its path meanwhile
+            paths.remove_socket_file(ipc, self._made)
 
     def release_lock(self) -> None:
         """Release the channel lock: a successor may start."""

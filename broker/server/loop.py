@@ -75,6 +75,9 @@ log = logging.getLogger("zchannel.broker")
 # records handled per turn of the loop at most (then the replies go out): a client's flood of
 # requests in large messages cannot pile up replies without bound
 RECORDS_PER_TURN = 16384
+# a token file's token, in characters: a guess must be hopeless, and ``zchannel broker stop``
+# must be able to send it (a header is at most ``max_header_bytes``, at least 256 KiB)
+MIN_TOKEN_CHARS, MAX_TOKEN_CHARS = 16, 1024
 # plain ints: an operation on pyzmq's enum flags costs an Enum call, per link and turn
 _POLLOUT, _POLLIN_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
 # the frames of a record that has none (handlers never change the list they are given)
@@ -577,19 +580,22 @@ def _encode_item(value: Any, weight: int | float) -> Item:
 
 def shutdown_token(config: BrokerConfig) -> str:
     """The broker's shutdown token: ``config.token`` (``Channel.create`` makes one), else the
-    first line of ``config.token_file``, else a random one (``docs/security.md``)."""
+    first line of ``config.token_file`` (``MIN_TOKEN_CHARS`` to ``MAX_TOKEN_CHARS``
+    characters, else a ``ValueError`` naming the file), else a random one
+    (``docs/security.md``)."""
     if config.token:
         return config.token
     if config.token_file:
         try:
-            with open(config.token_file) as f:
-                token = f.readline().strip()
+            with open(config.token_file) as f:  # no more than a token's worth is read
+                token = f.readline(MAX_TOKEN_CHARS + 2).strip()
         except OSError as exc:
             raise ValueError(f"cannot read the shutdown token from {config.token_file}: "
                              f"{exc.strerror}") from None
-        if len(token) < 16:
-            raise ValueError(f"{config.token_file}: a shutdown token is at least 16 "
-                             "characters (its first line)")
+        if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
+            raise ValueError(f"{config.token_file}: a shutdown token is at least "
+                             f"{MIN_TOKEN_CHARS} characters and at most {MAX_TOKEN_CHARS} (its "
+                             f"first line has {'more' if len(token) > MAX_TOKEN_CHARS else len(token)})")
         return token
     return secrets.token_hex(16)
 

@@ -11,6 +11,7 @@ import socket
 import time
 from collections import deque
 
+from zchannel.broker.host import paths
 from zchannel.broker.transport.direct_framing import (
     IOV_MAX,
     Reader,
@@ -104,15 +105,19 @@ class Peer:
 
 
 class Listener:
-    """The broker's listening socket for direct links and its peers (by fd and by address)."""
+    """The broker's listening socket for direct links and its peers (by fd and by address).
+    ``FileExistsError`` when ``path`` is taken by something other than a socket file (it is
+    left alone)."""
 
     def __init__(self, path: str, max_parts: int, max_header: int, max_part: int,
                  max_total: int = 0) -> None:
-        if os.path.exists(path):
-            os.unlink(path)  # stale: the broker holds the channel lock
+        # a socket file there is stale (the broker holds the channel lock and its own address);
+        # anything else is not the broker's: FileExistsError, and no direct link
+        paths.clear_socket_file(path)
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
+        self.made = paths.socket_identity(path)  # ``close`` removes this file only
         os.chmod(path, 0o600)
         self.sock.listen(128)
         self.sock.setblocking(False)
@@ -157,7 +162,4 @@ class Listener:
         for peer in list(self.by_fd.values()):
             self.drop(peer)
         self.sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        paths.remove_socket_file(self.path, self.made)

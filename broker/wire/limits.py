@@ -45,13 +45,19 @@ HIGHEST: dict[str, float] = {
 }
 # a journal limit below this could not hold a segment of the least size and its removals
 MIN_JOURNAL_LIMIT = 1 << 20
+# field -> its least value other than 0 (0: no limit): a client's coalesced message has one
+# header frame of up to 512 records with their inline bodies and keys (~200 KiB at most:
+# broker/connection/tuning.py), checked against max_message_bytes like any frame; a broker
+# below it drops ordinary traffic of small items (at 10 bytes, every hello)
+OFF_OR_AT_LEAST: dict[str, int] = {"max_message_bytes": 256 << 10}
 # the largest int setting: what msgpack (a broker's hello reply) and a C long (ZeroMQ's
 # socket options) hold; 2**64 made a broker crash on its first hello
 MAX_INT = 2**63 - 1
 
 
 def check_settings(values: dict[str, Any]) -> None:
-    """``ValueError`` naming the first setting of ``values`` out of its range (others pass)."""
+    """``ValueError`` naming the first setting of ``values`` out of its range (others pass):
+    below its lowest value, above its highest, or between 0 and its ``OFF_OR_AT_LEAST``."""
     for name, value in values.items():
         if name not in RANGES:
             continue
@@ -60,6 +66,11 @@ def check_settings(values: dict[str, Any]) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = number and (isinstance(value, int) or not ints) and math.isfinite(value) and (
             value > low if name in _POSITIVE else value >= low) and value <= high
+        floor = OFF_OR_AT_LEAST.get(name, 0)
+        if floor and (not ok or 0 < value < floor):
+            raise ValueError(f"{name} must be an int >= {floor} and <= {high}, or 0 for no "
+                             "limit (bytes; less would refuse a client's ordinary messages), "
+                             f"got {value!r}")
         if not ok:
             bound = f"> {low} and <= {high}" if name in _POSITIVE else f">= {low} and <= {high}"
             kind = "an int" if ints else "a number"
