@@ -131,10 +131,13 @@ def given_on_command_line(name: str) -> bool:
 
 def require_companions(needs: dict[str, str]) -> None:
     """A usage error for an option given (on the command line) without the option it works
-    with: ``needs`` maps an option's parameter name to its companion's."""
+    with: ``needs`` maps an option's parameter name to its companion's, which counts as
+    missing when it is None (not given) or False (a flag not set): an empty value such as
+    ``--peek ''`` is given."""
     ctx = click.get_current_context()
     params = {p.name: p for p in ctx.command.params}
     for name, companion in needs.items():
-        if given_on_command_line(name) and not ctx.params.get(companion):
+        value = ctx.params.get(companion)
+        if given_on_command_line(name) and (value is None or value is False):
             raise click.UsageError(f"{params[name].opts[-1]} does nothing without "
                                    f"{params[companion].opts[-1]}")

@@ -8,12 +8,21 @@ import sys
 from typing import Any
 
 import click
+
+try:  # zchannel.broker reads the client's ZCHANNEL_* settings as it loads (connection/tuning.py)
+    import zchannel.broker  # noqa: F401
+except ValueError as exc:  # a malformed setting: one line and status 2, whatever the command
+    if os.environ.get("ZCHANNEL_DEBUG", "").strip() not in ("", "0"):
+        raise
+    click.echo(f"error: {' '.join(str(exc).split())}", err=True)
+    sys.exit(2)
+
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.broker.wire.argchecks import key_from_label, key_label
 from zchannel.cli.failures import Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
-from zchannel.cli.summary import summarize
+from zchannel.cli.summary import key_text, printable, summarize
 from zchannel.cli.workdir import import_from_cwd
 
 
@@ -102,7 +111,7 @@ def main() -> None:
 @click.option("--max-bytes", type=int, help="bytes of items held before puts wait (payload + 320 "
               "per item), and again of waiting requests before they are refused (0 = no limit)")
 @click.option("--max-keys", type=int, help="number of keys the broker holds at most (default 100000)")
-@click.option("--max-message-bytes", type=int, help="largest message accepted (0 = no limit)")
+@click.option("--max-message-bytes", type=int, help="largest message accepted, in bytes (0 = no limit, else at least 262144)")
 @click.option("--shm-threshold", type=int,
               help="arrays/tensors of at least this many bytes use same-host shared memory "
                    "(default 1048576; 0 = off)")
@@ -398,8 +407,9 @@ def _echo_stats(stats: dict) -> None:
     click.echo(f"uptime    {stats.get('uptime_s', 0):.1f}s   clients {stats.get('clients', 0)}   "
                f"bytes held {stats.get('bytes_held', 0)}   maxsize {stats.get('maxsize', 0)}")
     failures = stats.get("hook_failures") or 0
+    last_failure = printable(str(stats.get("last_hook_failure")))  # it may quote a key
     click.echo(f"hooks     collector={stats.get('collector')}  dispatcher={stats.get('dispatcher')}"
-               + (f"  failures {failures} (last: {stats.get('last_hook_failure')})"
+               + (f"  failures {failures} (last: {last_failure})"
                   if failures else ""))
     if "puts" in stats:  # request counters since the broker started (--watch shows their rates)
         click.echo(f"requests  puts {stats['puts']}   gets {stats['gets']}   "
@@ -434,13 +444,14 @@ def _echo_stats(stats: dict) -> None:
 
 
 def _echo_key_table(stats: dict) -> None:
-    """``stat``'s table of keys (depth, weight, waiting getters and putters, private queues)."""
+    """``stat``'s table of keys (depth, weight, waiting getters and putters, private queues);
+    a key shows as ``key_text`` makes it (escaped, at most ``KEY_WIDTH`` characters)."""
     keys = stats.get("keys") or {}
     nodes = "replicas" in stats
     rows = [("key", "depth", "weight", "getters", "putters", "private") + (("node",) if nodes else ())]
     for key, ks in sorted(keys.items(), key=lambda kv: repr(kv[0])):
         private = " ".join(f"{c}={d}" for c, d in sorted(ks.get("private", {}).items()))
-        rows.append((key_label(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
+        rows.append((key_text(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
                      str(ks["putters"]), private or "-") + ((str(ks.get("node")),) if nodes else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -450,7 +461,7 @@ def _echo_key_table(stats: dict) -> None:
 def _echo_peek(key: Any, items: list, stats: dict) -> None:
     """The ``--peek`` section: one line per head item (index, weight, summary)."""
     key_stats = (stats.get("keys") or {}).get(key, {})
-    click.echo(f"peek      {key_label(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
+    click.echo(f"peek      {key_text(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
                "item(s), head first, left in place")
     for i, (item, weight) in enumerate(items):
         click.echo(f"  [{i}] weight {weight}  {summarize(item)}")

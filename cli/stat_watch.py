@@ -15,11 +15,12 @@ from typing import Any
 
 import click
 from zchannel.broker import BrokerUnavailable, ChannelError
-from zchannel.broker.wire.argchecks import key_label
+from zchannel.cli.summary import key_text
 
 COUNTERS = ("puts", "gets", "delivered")
 MAX_KEY_ROWS = 20  # keys shown per frame (the deepest)
-MAX_KEY_TEXT = 28  # a longer key is cut, so that a key row fits in WIDTH
+MAX_KEY_TEXT = 28  # a longer key is cut, so that a key row fits in WIDTH (control characters
+# of a key are escaped: ``summary.key_text``)
 WIDTH = 80  # a frame fits an 80-column terminal
 LABEL = 10  # the column of the values after a line's label
 
@@ -67,11 +68,6 @@ def _packed(label: str | None, items: list[str], sep: str = "   ") -> list[str]:
     return lines
 
 
-def _key_text(key: Any) -> str:
-    text = key_label(key)
-    return text if len(text) <= MAX_KEY_TEXT else text[: MAX_KEY_TEXT - 3] + "..."
-
-
 def render(stats: dict, per_s: dict, interval: float) -> list[str]:
     """The lines of one frame, each at most ``WIDTH`` columns (but an address that long)."""
     held = sum(ks["depth"] for ks in (stats.get("keys") or {}).values())
@@ -100,7 +96,7 @@ def render(stats: dict, per_s: dict, interval: float) -> list[str]:
     rows = [("key", "depth", "depth/s", "getters", "putters", "leases")]
     for key, ks in shown:
         change = f"{depth_rate[key]:+,.1f}" if key in depth_rate else "-"
-        rows.append((_key_text(key), f"{ks['depth']:,}", change,
+        rows.append((key_text(key, MAX_KEY_TEXT), f"{ks['depth']:,}", change,
                      str(ks.get("getters", 0)), str(ks.get("putters", 0)),
                      str(ks.get("leases", 0))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

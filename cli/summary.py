@@ -1,12 +1,33 @@
 """One-line summaries of channel items (``zchannel stat NAME --peek KEY``; the key is read by
-``argchecks.key_from_label``)."""
+``argchecks.key_from_label``), and keys as ``zchannel stat`` shows them on a terminal:
+``key_text`` escapes what a terminal would act on and cuts a long key (``--json`` keeps keys
+exact)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from zchannel.broker.wire.argchecks import key_label
+
 WIDTH = 100
+KEY_WIDTH = 60  # ``zchannel stat``'s key column: a longer key is cut, ending with "..."
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal could act on (control characters such as ESC
+    and newline, line separators, bidirectional overrides: whatever is not printable) escaped
+    as ``repr`` writes it (``\\x1b``, ``\\n``, ``\\u202e``); printable text is returned as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def key_text(key: Any, width: int = KEY_WIDTH, more: str = "...") -> str:
+    """``key_label(key)`` made ``printable``, cut to ``width`` characters (ending with
+    ``more``) when longer."""
+    text = printable(key_label(key))
+    return text if len(text) <= width else text[: width - len(more)] + more
 
 
 def summarize(value: Any, width: int = WIDTH) -> str:

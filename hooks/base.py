@@ -107,9 +107,10 @@ class ChannelContext:
 class Collector:
     """Turns one put into zero or more ``(out_key, out_item)`` or ``(out_key, out_item, weight)``.
 
-    The default collector passes the item through unchanged.  ``collect`` may be a generator.
-    Raising, or yielding anything but a 2- or 3-tuple, fails the put with ``HookError`` and
-    enqueues nothing of it.
+    The default collector passes the item through unchanged.  ``collect`` may be a generator,
+    or return an iterable of the outputs other than a tuple (None: none).  Raising, returning a
+    non-empty tuple (``return key, item`` for ``yield key, item``), or yielding anything but a
+    2- or 3-tuple, fails the put with ``HookError`` and enqueues nothing of it.
     """
 
     def setup(self, ctx: ChannelContext) -> None:  # noqa: B027 - optional override
@@ -117,7 +118,8 @@ class Collector:
 
     def collect(self, item: Any, key: Any) -> Iterable[tuple]:
         """Yield ``(out_key, out_item)`` or ``(out_key, out_item, weight)`` for one put; yield
-        nothing to drop it.  An output without a weight inherits the put's."""
+        nothing to drop it.  An output without a weight weighs what the whole put weighed
+        (every one of them: give each its own, ``yield key, part, 1``, to count parts)."""
         yield key, item
 
     def stats(self) -> dict[str, Any]:

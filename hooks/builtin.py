@@ -11,7 +11,9 @@ from zchannel.hooks.registry import register_collector, register_dispatcher
 
 @register_collector("flatten_batch")
 class FlattenBatch(Collector):
-    """One output per element of a list or tuple put (other items pass through unchanged).
+    """One output per element of a list or tuple put (other items pass through unchanged);
+    each output weighs what the whole put weighed (``put([a, b, c], 5)`` stores three items of
+    weight 5).
 
     This is also the smallest example of a collector: ``collect`` is a generator of
     ``(key, item)`` pairs, and it may change the key or yield nothing to drop the item.

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeVar
 
 from zchannel.hooks.base import Collector, Dispatcher
@@ -18,6 +19,11 @@ _entry_points_loaded = False
 # what each entry point of the group loaded, by its (lowercased) name: a module whose import
 # registers hooks, or a hook class published under that name
 _entry_point_objects: dict[str, Any] = {}
+# the entry points of the group that could not be loaded, by (lowercased) name: their
+# ``name = target`` and what loading them raised (a lookup of that name reports it)
+_entry_point_failures: dict[str, tuple[str, BaseException]] = {}
+
+log = logging.getLogger("zchannel.hooks")
 
 
 def _qualified(cls: type) -> str:
@@ -66,28 +72,50 @@ def registered(base: type) -> dict[str, type]:
 
 
 def load_entry_points() -> None:
-    """Import every module published under the ``zchannel.hooks`` entry-point group (once)."""
+    """Load every entry point of the ``zchannel.hooks`` group (once): import the modules
+    published there, take the hook classes.  One that cannot be loaded is logged in one line
+    (a lookup of its name says why) and skipped: a broken plug-in must not break every channel."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            _entry_point_objects[ep.name.lower()] = ep.load()
-        except Exception:  # a broken plug-in must not break every channel
-            import logging
+        _load(ep, quiet=False)
 
-            logging.getLogger("zchannel.hooks").warning(
-                "could not load hook entry point %s", ep.value, exc_info=True
-            )
+
+def _load_named(lname: str) -> None:
+    """Load the entry points of the group named ``lname`` (case-insensitively), and only those:
+    what the others publish is not imported (nor their failures logged) for this name."""
+    if _entry_points_loaded or lname in _entry_point_objects or lname in _entry_point_failures:
+        return  # loaded (or failed) already, or every entry point was
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name.lower() == lname:
+            _load(ep, quiet=True)  # its failure is the lookup's error, not a log line
+
+
+def _load(ep: EntryPoint, *, quiet: bool) -> None:
+    """Load ``ep`` into ``_entry_point_objects`` unless it was loaded, or failed, already; a
+    failure (whatever its import raised, ``sys.exit`` too) is kept in ``_entry_point_failures``
+    and, unless ``quiet``, logged in one line naming the entry point, its target and the error."""
+    lname = ep.name.lower()
+    if lname in _entry_point_objects or lname in _entry_point_failures:
+        return
+    try:
+        _entry_point_objects[lname] = ep.load()
+    except (Exception, SystemExit) as exc:
+        _entry_point_failures[lname] = (f"{ep.name} = {ep.value}", exc)
+        if not quiet:
+            log.warning("hook entry point %s = %s (group %s) could not be loaded: %s: %s",
+                        ep.name, ep.value, ENTRY_POINT_GROUP, type(exc).__name__, exc)
 
 
 def forget_entry_point_scan() -> None:
     """Scan the ``zchannel.hooks`` group again at the next lookup of a name not registered
-    (``sys.path`` changed: other plug-ins may be visible); modules imported already are not
-    imported again."""
+    (``sys.path`` changed: other plug-ins may be visible, a broken one may load now); modules
+    imported already are not imported again."""
     global _entry_points_loaded
     _entry_points_loaded = False
+    _entry_point_failures.clear()
 
 
 def entry_point_objects() -> dict[str, Any]:
@@ -162,23 +190,42 @@ def _resolve(base: type, spec: Any) -> Any:
         if ":" in spec:
             obj = import_path(spec)
             return _resolve(base, obj)
-        lname = spec.lower()
-        registry = _registries[base]
-        if lname not in registry:
-            load_entry_points()
-        published = _entry_point_objects.get(lname)
-        if lname not in registry and isinstance(published, type) and issubclass(published, base):
-            return _make(kind, published)  # a hook class published under this entry-point name
-        if lname not in registry:
-            published = {n for n, obj in _entry_point_objects.items()
-                         if isinstance(obj, type) and issubclass(obj, base)}
-            known = ", ".join(sorted(set(registry) | published)) or "(none)"
-            raise ValueError(f"unknown {kind} {spec!r}; known {kind}s: {known}")
-        return _make(kind, registry[lname])
+        return _resolve_name(base, spec)
     raise TypeError(
         f"a {kind} is given as an instance, a class, 'module:ClassName' or a registered name, "
         f"not {type(spec).__name__}"
     )
+
+
+def _resolve_name(base: type, name: str) -> Any:
+    """An instance of the hook of kind ``base`` named ``name``: registered under it, or
+    published under that entry-point name (the entry point of that name is loaded first, alone;
+    a ``ValueError`` naming it, its target and the error when it cannot be, the error as its
+    ``__cause__``), or registered by some published module (all are loaded then); else a
+    ``ValueError`` listing the known names."""
+    kind = base.__name__.lower()
+    lname = name.lower()
+    registry = _registries[base]
+    if lname not in registry:
+        _load_named(lname)
+        failed = _entry_point_failures.get(lname)
+        if failed is not None and lname not in registry:
+            raise ValueError(f"cannot load {kind} {name!r}: entry point {failed[0]} of group "
+                             f"{ENTRY_POINT_GROUP} raised {type(failed[1]).__name__}: "
+                             f"{failed[1]}") from failed[1]
+        published = _entry_point_objects.get(lname)
+        if lname not in registry and isinstance(published, type) and issubclass(published, base):
+            return _make(kind, published)  # a hook class published under this entry-point name
+    if lname not in registry:
+        load_entry_points()  # a module published under another name may register it
+    if lname not in registry:
+        published = {n for n, obj in _entry_point_objects.items()
+                     if isinstance(obj, type) and issubclass(obj, base)}
+        known = ", ".join(sorted(set(registry) | published)) or "(none)"
+        broken = ", ".join(sorted(_entry_point_failures))
+        raise ValueError(f"unknown {kind} {name!r}; known {kind}s: {known}"
+                         + (f" (entry points that could not be loaded: {broken})" if broken else ""))
+    return _make(kind, registry[lname])
 
 
 def resolve_collector(spec: Any) -> Collector:

@@ -18,7 +18,7 @@ from zchannel.broker.cluster import clusterfile
 from zchannel.broker.cluster.binding import BindingTable
 from zchannel.broker.cluster.clusterfile import Replica, from_table
 from zchannel.broker.cluster.moving import KeyMover
-from zchannel.broker.core.hookpipeline import hook_name
+from zchannel.broker.core.hookpipeline import collected, hook_name
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, HookError
 from zchannel.broker.transport.curve import ReplicaCurveKeys, client_keys
 from zchannel.broker.wire.argchecks import check_key
@@ -186,8 +186,7 @@ class _BindingCollector(Collector):
         return self.inner.stats()
 
     def collect(self, item: Any, key: Any):
-        produced = self.inner.collect(item, key)
-        for out in produced if produced is not None else ():
+        for out in collected(self.inner.collect(item, key)):
             # the put's own key was bound to this replica by the client that routed it here
             if isinstance(out, tuple) and len(out) in (2, 3) and out[0] != key:
                 self.state.check_outputs(check_key(out[0]))

@@ -181,8 +181,8 @@ class Connection:
         return self._line.closing
 
     @property
-    def refused(self) -> AuthenticationFailed | None:
-        """Why the CURVE handshake was refused (None: it was not)."""
+    def refused(self) -> AuthenticationFailed | ProtocolError | None:
+        """Why the CURVE handshake, or the peer's answer to the hello, was refused (None: no)."""
         return self._liveness.refused
 
     @property
@@ -197,7 +197,7 @@ class Connection:
 
     def wait_up(self, timeout: float) -> bool:
         """Wait until the broker answered the hello; False on timeout, or at once when the
-        handshake was refused (``refused`` then says why)."""
+        handshake or the answer was refused (``refused`` then says why)."""
         deadline = time.monotonic() + timeout
         line, liveness = self._line, self._liveness
         with line.state_cv:
@@ -334,7 +334,7 @@ class Connection:
         pos = 0
         for rec in records:
             if isinstance(rec, BadRecord):
-                self._requests.malformed(rec.id, rec.error)
+                self._liveness.malformed(rec.id, rec.error)
             else:
                 self._on_reply(rec, frames[pos : pos + rec.nf])
             pos += rec.nf

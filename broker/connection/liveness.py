@@ -1,5 +1,6 @@
 """Liveness of a client connection: hello and bye, heartbeats, a broker that went silent or
-away, a direct link the broker closed, a refused CURVE handshake.
+away, a direct link the broker closed, a refused CURVE handshake, a peer whose answer to the
+first hello cannot be read (no zchannel broker).
 
 ``Liveness`` is that part of ``connection.Connection``: it gets the connection's ``Line``
 (transport, state, heartbeat, traffic times), its ``RequestQueue`` (request ids, what is
@@ -27,6 +28,7 @@ from zchannel.broker.wire.protocol import (
     Bye,
     Hello,
     HelloInfo,
+    ProtocolError,
 )
 
 log = logging.getLogger("zchannel.client")
@@ -62,9 +64,10 @@ class Liveness:
         self.hello_id = 0  # the hello awaiting its answer
         self.bye_id: int | None = None  # the bye awaiting its answer
         self.relink_at = 0.0  # when a broken direct link is tried again
-        # a CURVE mismatch fails the connection at once (broker/transport/curve.py); set by the
-        # I/O thread, which alone reads the transport's ``handshake``
-        self.refused: AuthenticationFailed | None = None
+        # a CURVE mismatch fails the connection at once (broker/transport/curve.py), and so does
+        # an unreadable answer to the first hello (``malformed``); set by the I/O thread (or a
+        # thread holding the socket), which alone reads the transport
+        self.refused: AuthenticationFailed | ProtocolError | None = None
 
     def broker_gone(self) -> bool:
         """Down, or (ZeroMQ over ipc) nothing listens at the broker's path any more."""
@@ -88,6 +91,27 @@ class Liveness:
             with line.state_cv:
                 line.state_cv.notify_all()
         return True
+
+    def malformed(self, rid: int | None, error: ProtocolError) -> None:
+        """A reply that cannot be read (``error`` says why).  Before the first hello was
+        answered, whatever answers at the address is no zchannel broker (or one of another
+        protocol version): the connection is refused at once with one ``ProtocolError``
+        naming the address and ``error`` (what the handle waiting for the hello raises), and
+        later replies of that peer are dropped unlogged.  Afterwards the request(s) it answers
+        fail (``RequestQueue.malformed``)."""
+        line = self._line
+        if line.state != CONNECTING:
+            self._requests.malformed(rid, error)
+            return
+        if self.refused is not None:
+            return
+        self.refused = ProtocolError(
+            f"{self.address} answered the hello with a reply this client cannot read "
+            f"({error}): it is no zchannel broker, or one of another protocol version")
+        log.debug("%s", self.refused)
+        self._requests.fail_all(self.refused)
+        with line.state_cv:
+            line.state_cv.notify_all()
 
     def relink(self, now: float) -> None:
         """The broker closed the direct link: connect again.  Nothing listening at its path means

@@ -21,13 +21,15 @@ share (its I/O thread stops and is joined; the thread closes the descriptors as 
 see ``connection/connection.py``).  A request in flight holds its handle's share: a ``Work`` outlives the
 handle that issued it.  A forked child never uses its parent's connections: its handles connect
 anew (``_after_fork``).  At interpreter exit ``close_all`` stops every connection in
-order.
+order.  A new connection to a tcp address whose host does not resolve is refused at once
+(``check_host``: ``ChannelNotFound``), not left to wait out the hello's timeout.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import socket
 import threading
 import time
 import weakref
@@ -39,7 +41,8 @@ from zchannel.broker.connection.connection import JOIN_S, Connection, Flow
 from zchannel.broker.connection.liveness import CLOSED, GONE_CHECK_S, UP
 from zchannel.broker.connection.tuning import direct_enabled
 from zchannel.broker.connection.work import Work
-from zchannel.broker.errors import ChannelError
+from zchannel.broker.errors import ChannelError, ChannelNotFound
+from zchannel.broker.host.paths import tcp_host_port
 from zchannel.broker.shm.client import env_enabled as shm_env_enabled
 from zchannel.broker.wire.protocol import Cancel
 
@@ -107,6 +110,7 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
     finally:
         _unlock()
     if conn is None:
+        check_host(address)
         fresh = Connection(address, identity=identity, curve=curve, shm=shm)
         _lock.acquire()
         try:
@@ -119,6 +123,29 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
         if conn is not fresh:  # another thread made one first
             fresh.close(bye=False)
     return Share(conn)
+
+
+def check_host(address: str) -> None:
+    """``ChannelNotFound`` at once for a tcp ``address`` whose host is neither an IP address
+    nor a name that resolves (``tcp://256.1.1.1:5555``, ``tcp://example.invalid:5555``):
+    ZeroMQ would try it in the background until the hello's timeout.  One lookup, made for a
+    new connection only; a lookup that fails for another reason (no answer from the name
+    server) is left to the hello."""
+    hp = tcp_host_port(address)
+    if hp is None or hp[0] == "*":
+        return
+    try:
+        socket.getaddrinfo(hp[0], hp[1], type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_SUCH_HOST:
+            raise ChannelNotFound(f"no broker at {address}: its host {hp[0]!r} is no IP address "
+                                  f"and no name that resolves ({exc.strerror})") from None
+    except (OSError, UnicodeError):
+        pass  # what ZeroMQ makes of it is the hello's to tell
+
+
+# getaddrinfo's answers that the host does not exist (not that no name server answered)
+_NO_SUCH_HOST = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 def _take(key: tuple, broker_pid: int | None = None) -> Connection | None:

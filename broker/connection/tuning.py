@@ -1,8 +1,12 @@
 """Client tuning: how a connection batches, spins, drives its socket and uses direct links.
 
 Read once at import; ``ZCHANNEL_SPIN_US``, ``ZCHANNEL_LAZY_MS``, ``ZCHANNEL_BATCH`` and
-``ZCHANNEL_DIRECT`` change them (README, ``docs/decisions.md``).  ``connection/connection.py`` and its parts use them;
-the broker's direct-link listener sizes its message limit by ``MAX_BYTES_PER_MESSAGE``.
+``ZCHANNEL_DIRECT`` change them (README, ``docs/decisions.md``).  Each is parsed strictly
+(``broker/host/environ.py``: an int >= 0, or a flag 0/1, false/true, no/yes, off/on in any
+case): a malformed value is a ``ValueError`` naming the variable, raised at import (and
+``ZCHANNEL_DIRECT``, read again at each connect, there too).  ``connection/connection.py`` and
+its parts use them; the broker's direct-link listener sizes its message limit by
+``MAX_BYTES_PER_MESSAGE``.
 """
 
 from __future__ import annotations
@@ -70,5 +74,9 @@ BATCH = env_flag("ZCHANNEL_BATCH", True)
 
 
 def direct_enabled() -> bool:
-    """Whether handles of this process use direct links (``ZCHANNEL_DIRECT=0``: never)."""
-    return os.environ.get("ZCHANNEL_DIRECT", "1").strip() not in ("0", "false", "no", "off")
+    """Whether handles of this process use direct links (``ZCHANNEL_DIRECT=0``: never; a value
+    that is no flag: ``ValueError`` naming the variable)."""
+    return env_flag("ZCHANNEL_DIRECT", True)
+
+
+direct_enabled()  # a malformed ZCHANNEL_DIRECT fails at import, as the settings above do

@@ -5,7 +5,8 @@ Items stay in the form their transport gave them; ``decode_item`` and ``encode_i
 the broker or the local channel) turn them into values only when a hook needs to see one.  A
 hook that raises is its caller's ``HookError``: a collector's or ``route``'s the putter's,
 ``observe``'s the get of the consumer that joined (it has not joined then), ``rebalance``'s
-the starved get's; ``forget`` and ``key_dropped``, which no request calls, are logged.
+the starved get's; ``forget`` and ``key_dropped``, which no request calls, fail nothing but are,
+like every hook failure, counted and logged (``HookPipeline._failed``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from zchannel.broker.core.consumers import Consumers
@@ -107,8 +108,7 @@ class HookPipeline:
         reused_at = None
         made = 0  # their bytes, checked as they come: a fan-out past max_bytes stops there
         try:
-            produced = self.collector.collect(value, key)
-            for out in produced if produced is not None else ():
+            for out in collected(self.collector.collect(value, key)):
                 if not isinstance(out, tuple) or len(out) not in (2, 3):
                     raise TypeError(
                         "Collector.collect must yield (key, item) or (key, item, weight) tuples, "
@@ -200,11 +200,12 @@ class HookPipeline:
 
     def notify(self, fn: Callable, *args: Any) -> None:
         """Call a dispatcher notification with no caller to answer (``forget``,
-        ``key_dropped``); a failure is logged, never raised."""
+        ``key_dropped``); a failure is counted and logged as any hook's (``_failed``), never
+        raised."""
         try:
             fn(*args)
-        except HOOK_FAILURES:
-            log.exception("dispatcher hook %s failed", getattr(fn, "__name__", fn))
+        except HOOK_FAILURES as exc:
+            self._failed(exc, f"dispatcher.{getattr(fn, '__name__', fn)}")
 
     def consumer_joined(self, client: Client, consumer: str) -> None:
         """``observe`` the consumer ``client`` made present; ``HookError`` if it raises (the
@@ -267,6 +268,26 @@ def _setup(hook: Any, kind: str, ctx: ChannelContext) -> None:
         hook.setup(ctx)
     except (Exception, SystemExit) as exc:
         raise hook_failure(kind, hook_name(hook), "failed in setup", exc) from exc
+
+
+def collected(produced: Any) -> Iterator[Any]:
+    """The outputs of what ``Collector.collect`` returned: a generator's, or any iterable's but
+    a tuple's (None: none).  A ``TypeError`` for a non-empty tuple: ``return key, item`` written
+    for ``yield key, item`` would otherwise store the key and the item as outputs of their own
+    (a tuple key and a pair item make two well-formed outputs), or fail on the first of them."""
+    if produced is None:
+        return iter(())
+    if isinstance(produced, tuple) and produced:
+        raise TypeError(
+            "Collector.collect must yield (key, item[, weight]) tuples or return an iterable of "
+            f"them; it returned a tuple of {len(produced)} (`return key, item` where "
+            "`yield key, item` was meant?)"
+        )
+    try:
+        return iter(produced)
+    except TypeError:
+        raise TypeError("Collector.collect must yield (key, item[, weight]) tuples or return an "
+                        f"iterable of them; it returned {type(produced).__name__}") from None
 
 
 def hook_error(exc: BaseException) -> HookError:

@@ -257,20 +257,20 @@ class QueueCore:
                 self.waiters.serve(ks)
 
     def _leave(self, client: Client, returned: AbstractSet[int] = frozenset()) -> None:
-        """``client`` is gone; if it was its consumer's last handle, the consumer leaves and its
-        private items are dealt again (``_deal_again``; ``returned``: its leases' items' ids)."""
+        """``client`` is gone; if it was its consumer's last handle, the consumer leaves: its
+        private items (``_deal_again``; ``returned``: its leases' items' ids), then the puts
+        waiting for room in its queues, are dealt again before getters are served (serving
+        admits waiting puts: one still routed to it would be stored for nobody)."""
         departed = self.roster.leave(client)
         if departed is None:
             return
         self.hooks.consumer_left(departed)
-        for ks in list(self.queues.keys.values()):
-            queue = ks.private.get(departed)
-            if queue:
-                _deal_again(self, ks, ks.take_all(queue), departed, returned)
-                self.waiters.serve(ks)
-        # puts waiting for room in the departed consumer's private queue were routed to it
-        # while it was present: route those outputs again, or they would be stored for nobody
+        touched = [ks for ks in list(self.queues.keys.values()) if ks.private.get(departed)]
+        for ks in touched:
+            _deal_again(self, ks, ks.take_all(ks.private[departed]), departed, returned)
         self.waiters.reroute_putters(departed, self.hooks.route_again)
+        for ks in touched:
+            self.waiters.serve(ks)
         self.waiters.admit_putters()
 
     def _return_leases(self, leases: list[Lease]) -> None:

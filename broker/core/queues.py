@@ -85,6 +85,7 @@ class KeyedQueues:
         self.keys: dict[Any, KeyState] = {}
         self.bytes_held = 0  # items queued or delivered under a lease not yet acknowledged
         self.log: StateLog | None = None  # a durable channel's journal: its room limits puts too
+        self._order = itertools.count(1)  # the put order of items (``number``, ``Item.seq``)
 
     def state(self, key: Any) -> KeyState:
         """The queues of ``key`` (created on first use); the key is in use again."""
@@ -99,7 +100,8 @@ class KeyedQueues:
         if self.max_keys and len(self.keys) + len(keys) > self.max_keys:
             new = [k for k in keys if k not in self.keys]
             if len(self.keys) + len(new) > self.max_keys:
-                raise ValueError(f"the broker holds {len(self.keys)} keys: the max_keys limit "
+                raise ValueError(f"the broker holds {len(self.keys)} keys and this request "
+                                 f"would add {len(new)} more: the max_keys limit "
                                  f"({self.max_keys}) is reached")
 
     @staticmethod
@@ -114,14 +116,16 @@ class KeyedQueues:
 
     @staticmethod
     def source(ks: KeyState, consumer: str | None) -> tuple[str | None, deque[Item]] | None:
-        """Where ``consumer``'s next get takes from (the queue's origin and the queue): its
-        private queue, else the key's shared one; None when both are empty.  On a durable
-        channel the queue whose head was put first: items read back from the journal wait in
-        the shared queue, and items dealt to the consumer since were put after them."""
+        """Where ``consumer``'s next get takes from (the queue's origin and the queue): of its
+        private queue and the key's shared one, the one whose head was put first
+        (``put_order``; the private one on a tie), so that a consumer gets a key's items in put
+        order (items put while no consumer was present wait in the shared queue, as do items
+        read back from a durable channel's journal, and items dealt to it since were put after
+        them); None when both are empty."""
         private = ks.private.get(consumer) if consumer is not None else None
         shared = ks.shared
         if private:
-            if shared and 0 < shared[0].jid < private[0].jid:
+            if shared and put_order(shared[0]) < put_order(private[0]):
                 return None, shared
             return consumer, private
         return (None, shared) if shared else None
@@ -215,6 +219,12 @@ class KeyedQueues:
                 return f"the queue of {_queue_name(k, c)} is full (maxsize {self.maxsize})"
         return f"a target queue of key {key!r} is full (maxsize {self.maxsize})"
 
+    def number(self, outputs: Outputs) -> None:
+        """Number the items of a put that arrived in put order (``Item.seq``), whether it is
+        stored now or waits for room: a put stored while an earlier one waits comes after it."""
+        for _, _, item in outputs:
+            item.seq = next(self._order)
+
     def store(self, outputs: Outputs) -> list[KeyState]:
         """Append a put's items to their queues; the states of the keys it touched."""
         if len(outputs) == 1:  # the common case: one item, one queue
@@ -244,18 +254,15 @@ class KeyedQueues:
 
     def peek(self, key: Any, n: int, consumer: str | None = None) -> list[Item]:
         """Up to ``n`` items at the head of ``key``'s queue, left in place: the shared queue,
-        or what ``consumer``'s gets would take next (its private queue, then the shared one;
-        on a durable channel the two in put order, as ``source`` chooses)."""
+        or what ``consumer``'s gets would take next (its private queue and the shared one in
+        put order, as ``source`` chooses: ``merged``)."""
         ks = self.keys.get(check_key(key))
         if ks is None:
             return []
         private = ks.private.get(consumer) if consumer is not None else None
         if not private:
             return list(itertools.islice(ks.shared, n))
-        heads = [itertools.islice(private, n), itertools.islice(ks.shared, n)]
-        if ks.shared and ks.shared[0].jid:  # a durable channel: in put order, as gets take them
-            return list(itertools.islice(heapq.merge(*heads, key=_put_order), n))
-        return list(itertools.islice(itertools.chain(*heads), n))
+        return [item for _, item in itertools.islice(merged(private, ks.shared), n)]
 
     def full(self, key: Any, consumer: str | None = None) -> bool:
         key = check_key(key)  # a bad key is an error also where nothing can be full
@@ -285,8 +292,32 @@ class KeyedQueues:
         return keys
 
 
-def _put_order(item: Item) -> int:
-    return item.jid
+def put_order(item: Item) -> tuple[int, int]:
+    """Where ``item`` stands in its channel's put order: items read back from a durable
+    channel's journal (``seq`` 0) first, by journal number, then those of the puts since, in
+    the order the puts arrived (``KeyedQueues.number``)."""
+    return item.seq, item.jid
+
+
+def merged(private: deque[Item], shared: deque[Item]) -> Iterator[tuple[bool, Item]]:
+    """The items of a consumer's ``private`` queue and of the ``shared`` queue in the order its
+    gets take them, each with whether it is ``private``'s: each step the head put first
+    (``put_order``; the private one on a tie), each queue's own order kept."""
+    ours, theirs = iter(private), iter(shared)
+    mine, other = next(ours, None), next(theirs, None)
+    while mine is not None and other is not None:
+        if put_order(other) < put_order(mine):
+            yield False, other
+            other = next(theirs, None)
+        else:
+            yield True, mine
+            mine = next(ours, None)
+    if mine is not None:
+        yield True, mine
+        yield from ((True, item) for item in ours)
+    if other is not None:
+        yield False, other
+        yield from ((False, item) for item in theirs)
 
 
 def _queue_name(key: Any, consumer: str | None) -> str:

@@ -41,6 +41,12 @@ class Item:
     # opaque to the core, which moves it to the last output of a collector; the journal drops
     # it once recorded
     origin: tuple[bytes, int] | None = None
+    # its place in the channel's put order, numbered when its put arrived
+    # (``KeyedQueues.number``), which tells which of a consumer's private queue and the shared
+    # queue holds the item put first (``queues.put_order``); 0 for an item read back from the
+    # journal (put before any put since) or stored by a broker's put run (a channel that deals
+    # no items: no private queues)
+    seq: int = 0
 
 
 @dataclass(eq=False, slots=True)

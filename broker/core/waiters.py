@@ -1,13 +1,14 @@
 """Gets and puts that wait: who is served, in which order, and when a wait ends.
 
 ``Waiters`` matches the requests of one channel with its queues.  Getters of a key are served in
-arrival order, each from its consumer's private queue, else from the shared queue; a ``get_batch``
-takes head items until the next one would exceed its target weight (at least one) or the total
-reaches it (plus the weight-0 items right behind), keeps its place until then and holds back
-later getters of the same queue.  A getter with nothing to take may steal one item from the
-private queue the dispatcher's ``rebalance`` names.  A put that does not fit (``maxsize``,
-``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts are admitted in
-arrival order as room appears.  Every request ends in exactly one call of ``reply``.
+arrival order, each from its consumer's private queue and the shared queue, whichever head was
+put first (``KeyedQueues.source``); a ``get_batch`` takes head items (of both queues, in put
+order: ``merged_batch_take``) until the next one would exceed its target weight (at least one)
+or the total reaches it (plus the weight-0 items right behind), keeps its place until then and
+holds back later getters of the queues it takes from.  A getter with nothing to take may steal
+one item from the private queue the dispatcher's ``rebalance`` names.  A put that does not fit
+(``maxsize``, ``max_bytes``, or an earlier waiting put to the same queue) waits; waiting puts
+are admitted in arrival order as room appears.  Every request ends in exactly one call of ``reply``.
 
 Waiting costs memory too: with ``max_bytes`` set, the requests waiting at one time count up to
 ``max_bytes`` more (``REQUEST_OVERHEAD`` each, plus a put's items, plus ``KEY_OVERHEAD`` for
@@ -29,7 +30,7 @@ from typing import Any
 
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
-from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs
+from zchannel.broker.core.queues import Deadlines, KeyedQueues, Outputs, merged
 from zchannel.broker.core.state import (
     KEY_OVERHEAD,
     REQUEST_OVERHEAD,
@@ -85,6 +86,7 @@ class Waiters:
         if not outputs:
             self.reply(client, rid)
             return True
+        queues.number(outputs)
         if queues.admits(outputs, self.put_targets.keys()):
             if self.log is not None:
                 error = _unlogged(self.log, outputs)
@@ -275,6 +277,9 @@ class Waiters:
         for req in list(ks.getters):
             if not (ks.shared or ks.private or deals):
                 break  # nothing left to hand out, nothing to steal: the rest keep waiting
+            if req.kind == "batch" and _draws_both(ks, req):
+                _serve_merged_batch(self, req, ks, blocked)
+                continue
             source = self.queues.source(ks, req.client.consumer)
             if source is None:
                 starving.append(req)
@@ -295,7 +300,13 @@ class Waiters:
 
     def _deliver(self, req: Parked, ks: KeyState, origin: str | None, queue: deque[Item],
                  n: int) -> None:
-        items = [queue.popleft()] if n == 1 else [queue.popleft() for _ in range(n)]
+        self._hand(req, ks, origin, [queue.popleft()] if n == 1
+                   else [queue.popleft() for _ in range(n)])
+
+    def _hand(self, req: Parked, ks: KeyState, origin: str | None, items: list[Item]) -> None:
+        """Answer getter ``req`` with ``items``, taken from the queue ``origin`` names (a
+        consumer's get_batch that took from its private queue and the shared one names the
+        private queue: a delivery that does not reach it goes back there)."""
         self._remove_getter(req)
         lease_id = None
         if req.ack and req.kind == "get":
@@ -322,17 +333,10 @@ class Waiters:
             self.admit_putters()
             return
         ks = self.queues.keys.get(req.key)
-        if req.kind == "batch" and ks is not None:
-            origin, queue = self.queues.source(ks, req.client.consumer) or (None, ks.shared)
-            # getters of a queue are served in arrival order: one that came earlier and
-            # still waits on the same queue is served first, so this one takes nothing
-            n = 0 if _waits_ahead(self.queues, ks, req, origin) else batch_take(queue, req.target,
-                                                                           True)
-            if n:
-                self._deliver(req, ks, origin, queue, n)
-                self.serve(ks)  # getters it held back may take the rest now, or steal
-                self.admit_putters()  # it freed room for waiting puts
-                return
+        if req.kind == "batch" and ks is not None and _taken_at_deadline(self, req, ks):
+            self.serve(ks)  # getters it held back may take the rest now, or steal
+            self.admit_putters()  # it freed room for waiting puts
+            return
         self._remove_getter(req)
         if nowait:
             self.reply(req.client, req.rid, error=QueueEmpty(f"no item for key {req.key!r}"))
@@ -657,13 +661,85 @@ def _count(counts: dict[Any, int], targets: Iterable[Any], step: int) -> None:
             counts.pop(target, None)
 
 
-def _waits_ahead(queues: KeyedQueues, ks: KeyState, req: Parked, origin: str | None) -> bool:
-    """Whether a getter of ``ks`` that came before ``req`` waits on the queue ``origin`` names
-    (``KeyedQueues.source``: its consumer's private queue, else the shared one)."""
+def _waits_ahead(queues: KeyedQueues, ks: KeyState, req: Parked,
+                 origins: set[str | None]) -> bool:
+    """Whether a getter of ``ks`` that came before ``req`` waits on a queue ``origins`` names
+    (``_waits_on``)."""
     for other in ks.getters:
         if other is req:
             return False
-        source = queues.source(ks, other.client.consumer)
-        if source is not None and source[0] == origin:
+        if not origins.isdisjoint(_waits_on(queues, ks, other)):
             return True
     return False
+
+
+def _waits_on(queues: KeyedQueues, ks: KeyState, req: Parked) -> set[str | None]:
+    """The queues (their origins) getter ``req`` of ``ks`` takes its next items from: its
+    consumer's private queue and the shared one for a get_batch that draws on both
+    (``_draws_both``), else the one ``KeyedQueues.source`` names (none if both are empty)."""
+    if req.kind == "batch" and _draws_both(ks, req):
+        return {req.client.consumer, None}
+    source = queues.source(ks, req.client.consumer)
+    return set() if source is None else {source[0]}
+
+
+def _draws_both(ks: KeyState, req: Parked) -> bool:
+    """Whether get_batch ``req`` takes from two queues of ``ks``: its consumer's private queue
+    and the shared queue both hold items (it takes them in put order: ``merged_batch_take``)."""
+    consumer = req.client.consumer
+    return consumer is not None and bool(ks.shared) and bool(ks.private.get(consumer))
+
+
+def merged_batch_take(private: deque[Item], shared: deque[Item], target: int | float,
+                      final: bool) -> list[bool]:
+    """What a consumer's get_batch of ``target`` takes now from its ``private`` queue and the
+    ``shared`` queue, both holding items: ``batch_take`` of the two in the order its gets
+    would take them (``queues.merged``), as whether each item taken comes from ``private``
+    (empty: not complete yet).  It counts both queues from their heads each time."""
+    pairs = list(merged(private, shared))
+    n = batch_take(deque(item for _, item in pairs), target, final)
+    return [mine for mine, _ in pairs[:n]]
+
+
+def _take_merged(waiters: Waiters, req: Parked, ks: KeyState, sides: list[bool]) -> None:
+    """Answer get_batch ``req`` with the head items of its consumer's private queue (``True``
+    in ``sides``) and of the shared queue (``False``), in that order."""
+    consumer = req.client.consumer
+    private, shared = ks.private[consumer], ks.shared  # type: ignore[index]
+    req.scan = None
+    waiters._hand(req, ks, consumer, [(private if mine else shared).popleft() for mine in sides])
+
+
+def _serve_merged_batch(waiters: Waiters, req: Parked, ks: KeyState, blocked: set) -> None:
+    """``serve`` of a get_batch that draws on its consumer's private queue and the shared
+    queue (``_draws_both``): served once it completes over both, unless an earlier getter holds
+    back either queue (``blocked``); while it waits it holds back later getters of both."""
+    both = {req.client.consumer, None}
+    sides = [] if not blocked.isdisjoint(both) else merged_batch_take(
+        ks.private[req.client.consumer], ks.shared, req.target, False)  # type: ignore[index]
+    if not sides:
+        blocked |= both
+        return
+    _take_merged(waiters, req, ks, sides)
+
+
+def _taken_at_deadline(waiters: Waiters, req: Parked, ks: KeyState) -> bool:
+    """A get_batch of ``ks`` at its deadline (or ``nowait``) takes what it can, as
+    ``batch_take`` with ``final`` (``merged_batch_take`` when it draws on two queues): whether
+    it took items.  Getters of a queue are served in arrival order: when one that came earlier
+    still waits on a queue it takes from, it takes nothing."""
+    queues = waiters.queues
+    consumer = req.client.consumer
+    if _draws_both(ks, req):
+        if _waits_ahead(queues, ks, req, {consumer, None}):
+            return False
+        _take_merged(waiters, req, ks, merged_batch_take(
+            ks.private[consumer], ks.shared, req.target, True))  # type: ignore[index]
+        return True
+    origin, queue = queues.source(ks, consumer) or (None, ks.shared)
+    if _waits_ahead(queues, ks, req, {origin}):
+        return False
+    n = batch_take(queue, req.target, True)
+    if n:
+        waiters._deliver(req, ks, origin, queue, n)
+    return bool(n)

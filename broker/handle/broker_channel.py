@@ -218,8 +218,9 @@ class BrokerChannel(ChannelHandle):
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None,
             *, ack: bool = False, copy: bool | None = None) -> Any:
-        """Remove and return the head of this consumer's queue for ``key`` (private, then shared,
-        then a steal), waiting while there is none.  ``ack=True`` returns a ``Delivery``."""
+        """Remove and return the head of this consumer's queue for ``key`` (its private and the
+        shared queue's items in put order, then a steal), waiting while there is none.
+        ``ack=True`` returns a ``Delivery``."""
         rec = Get(id=0, key=check_key(key),
                   timeout=None if timeout is None else check_timeout(timeout),
                   ack=ack if ack is False else check_flag(ack, "ack"))
@@ -289,7 +290,7 @@ class BrokerChannel(ChannelHandle):
         changes nothing in the channel.  ``[]`` for an empty or unknown key.
 
         Without ``consumer`` it shows the shared queue; with a consumer id, what that
-        consumer's gets would take next (its private queue, then the shared one).
+        consumer's gets would take next (its private queue and the shared one, in put order).
         ``weights=True`` gives ``(item, weight)`` pairs.  For debugging: RLinf's
         ``str(channel)`` listed the default queue, zchannel's ``str()`` never touches the
         network.

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+from zchannel.broker.host.environ import env_flag
 from zchannel.broker.host.procs import pid_namespace
 from zchannel.broker.shm.pool import Pool, check_reserve
 from zchannel.broker.shm.segment import (
@@ -47,8 +48,12 @@ UNLINKED_HIT_S = 1.0
 
 
 def env_enabled() -> bool:
-    """``ZCHANNEL_SHM=0|off|false|no`` turns the shared-memory path off in this process."""
-    return os.environ.get("ZCHANNEL_SHM", "1").strip().lower() not in ("0", "off", "false", "no")
+    """``ZCHANNEL_SHM=0|off|false|no`` turns the shared-memory path off in this process
+    (``1|on|true|yes`` or unset: on; any other value: ``ValueError`` naming the variable)."""
+    return env_flag("ZCHANNEL_SHM", True)
+
+
+env_enabled()  # a malformed ZCHANNEL_SHM fails at import, as connection/tuning.py's settings do
 
 
 class ShmClient:
