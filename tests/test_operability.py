@@ -149,6 +149,34 @@ def test_a_stopping_broker_removes_only_the_socket_it_made(short_dir):
     assert _intact(path, "file")
 
 
+def test_clean_removes_a_killed_brokers_sockets_but_not_a_file_at_its_address(short_dir,
+                                                                             run_dir):
+    """``zchannel clean`` after a broker was killed: the socket files at its address go, a
+    regular file the user has put at one of those paths since stays (and is not listed)."""
+    path = os.path.join(short_dir, "cl")
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "cl",
+                             "--address", f"ipc://{path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), proc.stderr.read() if proc.poll() is not None else line
+    finally:
+        proc.kill()  # by PID: its files stay behind
+        proc.communicate(timeout=30)
+    sockets = [p for p in os.listdir(short_dir) if stat.S_ISSOCK(os.lstat(
+        os.path.join(short_dir, p)).st_mode)]
+    assert "cl" in sockets and len(sockets) >= 2  # the socket and its direct-link socket
+    _occupy(path + ".new", "file")
+    os.replace(path + ".new", path)  # the user's file now has the address's name
+    listed = _zchannel("clean", "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    assert f"{path}\n" not in listed.stdout + "\n" and f"{path}.d" in listed.stdout
+    out = _zchannel("clean")
+    assert out.returncode == 0, out.stderr
+    assert _intact(path, "file")
+    assert not os.path.lexists(path + ".d")  # the killed broker's direct-link socket went
+
+
 # -- the run directory --------------------------------------------------------------------------
 
 

@@ -100,12 +100,14 @@ def _channel_of(lock_name: str) -> str:
 
 def _address_files(address: str | None) -> list[str]:
     """The socket files of an ipc address (the socket, its direct-link socket and its gate's
-    files)."""
+    files) that are there; a path holding anything but a socket (a file the user put there
+    since) is no broker's to remove."""
     ipc = paths.ipc_path(address or "")
     if not ipc or ipc.startswith("@"):
         return []
     link = direct_framing.link_path(ipc)
-    return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ())) if p and os.path.lexists(p)]
+    return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ()))
+            if p and paths.socket_identity(p) is not None]
 
 
 def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
