@@ -31,8 +31,10 @@ class HostileBroker:
     """A ROUTER at ``address`` answering hello, bye and heartbeats as a broker does, and every
     other request with ``answer(record)`` (the message parts to send; [] for none)."""
 
-    def __init__(self, address: str, answer: Answer, hello: dict = HELLO) -> None:
+    def __init__(self, address: str, answer: Answer, hello: dict = HELLO,
+                 hello_error: list | None = None) -> None:
         self.address, self.answer, self.hello = address, answer, hello
+        self.hello_error = hello_error  # the hello's answer is this error reply when set
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
@@ -49,7 +51,9 @@ class HostileBroker:
                 for rec in msgpack.unpackb(header, raw=False):
                     op = rec.get("op")
                     if op == "hello":
-                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": self.hello}])])
+                        answer = ({"e": self.hello_error} if self.hello_error is not None
+                                  else {"r": self.hello})
+                        self.sock.send_multipart([ident, _pack([{"id": rec["id"], **answer}])])
                     elif op == "bye":
                         self.sock.send_multipart([ident, _pack([{"id": rec["id"], "r": True}])])
                     elif op not in ("hb", "shm_hi", "shm_rel"):
@@ -172,6 +176,21 @@ def test_a_malformed_replicas_table_in_the_hello_is_named(run_dir, monkeypatch, 
     try:
         with pytest.raises(ValueError, match="replicas table"):
             Channel.connect(broker.address, timeout=30)
+    finally:
+        broker.close()
+
+
+def test_a_hello_answered_with_an_error_refuses_the_connection(run_dir, monkeypatch):
+    """A broker that refuses the hello (another protocol version) makes ``connect`` raise a
+    ``ProtocolError`` carrying its message at once, not a connection taken as up with the
+    defaults."""
+    monkeypatch.setenv("ZCHANNEL_DIRECT", "0")
+    broker = HostileBroker(f"ipc://{run_dir}/refusing.sock", _reply(r=0), hello_error=[
+        "ValueError", "protocol version 2 is not this broker's version 1", None])
+    try:
+        with pytest.raises(ProtocolError, match="refused this client's hello: ValueError: "
+                                                "protocol version 2 is not this broker's"):
+            Channel.connect(broker.address, timeout=30).qsize("k")
     finally:
         broker.close()
 

@@ -107,16 +107,9 @@ def open_transport(address: str, curve: Any, stall_s: float, direct_ok: bool) ->
 class Connection:
     """A connection to one broker address (see the module docstring)."""
 
-    def __init__(
-        self,
-        address: str,
-        identity: str | None = None,
-        heartbeat_interval: float = 1.0,
-        liveness: int = 3,
-        max_inflight: int = 1024,
-        curve: Any = None,
-        shm: bool | None = None,
-    ) -> None:
+    def __init__(self, address: str, identity: str | None = None, heartbeat_interval: float = 1.0,
+                 liveness: int = 3, max_inflight: int = 1024, curve: Any = None,
+                 shm: bool | None = None) -> None:
         self.address = address
         self.identity = identity
         self.broker_info = HelloInfo()
@@ -394,11 +387,14 @@ class Connection:
 
     def _on_hello_or_bye(self, rid: int, rec: Reply) -> None:
         """The answer to a bye (the broker withdrew this connection's parked requests) or to a
-        hello (the connection is up); a reply to a request forgotten meanwhile is dropped."""
+        hello (the connection is up, or refused: an error); a reply to a request forgotten
+        meanwhile is dropped."""
         liveness = self._liveness
         if rid == liveness.bye_id:
             liveness.bye_id = None
         elif rid == liveness.hello_id:
+            if rec.error is not None:  # another protocol version, say: the connection is refused
+                return liveness.hello_refused(error_from_wire(rec.error))
             self.broker_info = hello_info(rec.result)
             liveness.adopt_heartbeat(self.broker_info)
             self.shm.on_hello(self.broker_info)

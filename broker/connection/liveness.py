@@ -113,6 +113,18 @@ class Liveness:
         with line.state_cv:
             line.state_cv.notify_all()
 
+    def hello_refused(self, error: BaseException) -> None:
+        """The broker answered the hello with ``error`` (a protocol version it does not speak):
+        the connection is refused with a ``ProtocolError`` naming the address and the broker's
+        message (what the handle waiting for the hello raises, and every request since)."""
+        if self._line.state != CONNECTING or self.refused is not None:
+            return
+        self.refused = ProtocolError(f"the broker at {self.address} refused this client's hello: "
+                                     f"{type(error).__name__}: {error}")
+        self._requests.fail_all(self.refused)
+        with self._line.state_cv:
+            self._line.state_cv.notify_all()
+
     def relink(self, now: float) -> None:
         """The broker closed the direct link: connect again.  Nothing listening at its path means
         the broker is gone: pending requests fail now with ``BrokerUnavailable``, not at the
