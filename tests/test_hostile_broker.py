@@ -5,6 +5,7 @@ hangs and never returns a value of the wrong type."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
@@ -178,6 +179,19 @@ def test_a_malformed_replicas_table_in_the_hello_is_named(run_dir, monkeypatch, 
             Channel.connect(broker.address, timeout=30)
     finally:
         broker.close()
+
+
+def test_unreadable_replies_fail_each_request_and_are_logged_once_in_a_while(hostile, caplog):
+    """A broker answering every request with a header that does not decode: each request
+    fails with ``ProtocolError``, and the log gets one line (with the count), not one per
+    reply."""
+    caplog.set_level(logging.ERROR, logger="zchannel")
+    ch = hostile(lambda rec: [b"\xc1 not msgpack"])
+    for _ in range(20):
+        with pytest.raises(ProtocolError, match="cannot read"):
+            ch.qsize("k")
+    lines = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(lines) == 1 and "(1 so far)" in lines[0], lines
 
 
 def test_a_hello_answered_with_an_error_refuses_the_connection(run_dir, monkeypatch):

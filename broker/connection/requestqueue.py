@@ -63,6 +63,9 @@ Convert = Callable[[Any, list], Any]
 Pending = tuple[Work, Convert | None, bool, Any]
 
 log = logging.getLogger("zchannel.client")
+# unreadable replies of one broker are logged at most this often (with the count so far): each
+# fails its request, which says so; a broker sending nothing else must not flood the log
+MALFORMED_LOG_S = 10.0
 
 
 class Flow:
@@ -102,6 +105,8 @@ class RequestQueue:
         self._flow = Flow()
         self._room = threading.Condition()
         self._room_waiters = 0
+        self.malformed_replies = 0  # unreadable replies so far (``malformed``), logged when due
+        self._malformed_log_at = 0.0
 
     def enqueue(self, rec: Request, frames: list, convert: Convert | None,
                  cancellable: bool, room: bool = True, owner: Any = None) -> Work:
@@ -224,7 +229,12 @@ class RequestQueue:
         ``rid`` fails, or each of the ``puts``/``gets`` record ``rid`` (``batching.py``);
         without an id (a message unreadable whole, an ``items`` record) it may answer any
         request, so every request in flight fails (none waits for an answer that came)."""
-        log.error("a reply from the broker at %s cannot be read: %s", self.address, error)
+        self.malformed_replies += 1  # (logged at most once per MALFORMED_LOG_S)
+        now = time.monotonic()
+        if now >= self._malformed_log_at:
+            self._malformed_log_at = now + MALFORMED_LOG_S
+            log.error("a reply from the broker at %s cannot be read (%d so far): %s", self.address,
+                      self.malformed_replies, error)
         failure = ProtocolError(f"the broker at {self.address} sent a reply this client cannot "
                                 f"read ({error})")
         if rid is None:
