@@ -185,6 +185,10 @@ WRONG_TYPES = [
     ("[hooks]\nproducers = \"rollout\"", "producers must be a list of str"),
     ("[hooks]\nimports = \"json\"", "imports must be a list"),
     ("[hooks]\nconsumers = 3", "consumers must be a list of consumer ids"),
+    ("[hooks]\ncollector = 5", "broker.toml: collector must be a hook name"),
+    ("[hooks]\ndispatcher = [\"round_robin\"]", "broker.toml: dispatcher must be a hook name"),
+    ("[hooks]\ndispatcher = \"round_robin\"\nconsumers = [\"actor\"]",
+     "broker.toml: consumers must be a list of consumer ids ('group:rank'"),
 ]
 
 

@@ -33,7 +33,7 @@ from zchannel.broker.host.toml import read_toml
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
 from zchannel.broker.wire.limits import MIN_JOURNAL_LIMIT, check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
-from zchannel.hooks.base import check_groups
+from zchannel.hooks.base import CONSUMER_ID_RE, MAX_CONSUMER_ID, check_groups
 
 DEFAULT_LEASE_TIMEOUT = 30.0  # seconds an unacknowledged delivery is held
 
@@ -137,10 +137,17 @@ def _is_str_list(value: Any) -> bool:
 
 
 def _is_consumers(value: Any) -> bool:
-    """None, a list of consumer ids, or a mapping of groups to counts."""
-    return value is None or _is_str_list(value) or (
+    """None, a list of consumer ids (``group:rank``), or a mapping of groups to counts."""
+    return value is None or (_is_str_list(value) and all(
+        len(v) <= MAX_CONSUMER_ID and CONSUMER_ID_RE.fullmatch(v) for v in value)) or (
         isinstance(value, dict) and all(isinstance(k, str) and type(v) is int
                                         for k, v in value.items()))
+
+
+def _is_hook(value: Any) -> bool:
+    """What names a hook: None, a name or ``module:ClassName``, a class or an instance — not
+    a number, a bool, a list or a table (a file's typo)."""
+    return not isinstance(value, (bool, int, float, list, dict, tuple))
 
 
 def _str(what: str, optional: bool = True) -> tuple[Any, str]:
@@ -165,7 +172,10 @@ _TYPES: dict[str, tuple[Any, str]] = {
     "imports": (_is_str_list, "a list of module names (str)"),
     "allowed_dtypes": (lambda v: v is None or _is_str_list(v), "a list of dtype names (str)"),
     "max_rank": (lambda v: v is None or (type(v) is int and v >= 0), "an int >= 0"),
-    "consumers": (_is_consumers, "a list of consumer ids or a table of group = count"),
+    "consumers": (_is_consumers, "a list of consumer ids ('group:rank', e.g. 'actor:0') or a "
+                                 "table of group = count"),
+    "collector": (_is_hook, "a hook name, 'module:ClassName', a class or an instance"),
+    "dispatcher": (_is_hook, "a hook name, 'module:ClassName', a class or an instance"),
     "options": (lambda v: isinstance(v, dict), "a table"),
 }
 
