@@ -19,6 +19,7 @@ except ValueError as exc:  # a malformed setting: one line and status 2, whateve
 
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
+from zchannel.broker.server.loop import read_token_file
 from zchannel.broker.wire.argchecks import key_from_label, key_label
 from zchannel.cli.failures import Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
@@ -253,7 +254,7 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
                 "`zchannel broker stop NAME` reads the token of a broker of this host")
         info: dict = {"address": target, "token": ""}
         if token_file:
-            info["token"] = open(token_file).readline().strip()
+            info["token"] = read_token_file(token_file)
     else:
         paths.check_name(target)
         found = paths.read_token_file(target)

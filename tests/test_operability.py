@@ -243,8 +243,17 @@ def test_a_token_too_long_to_send_is_refused_at_start(tmp_path, run_dir):
                              "--token-file", str(longest)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("ready ")
-        stop = _zchannel("broker", "stop", "bt")
+        line = proc.stdout.readline()
+        assert line.startswith("ready ")
+        address = line.split()[1]
+        # broker stop --token-file reads the token as the broker does: a huge one is refused
+        # in one line naming the file, before anything is sent
+        refused = _zchannel("broker", "stop", "--token-file", str(huge), address)
+        assert refused.returncode == 2 and _one_line(refused.stderr) == (
+            f"error: {huge}: a shutdown token is at least 16 characters and at most 1024 (its "
+            "first line has more)")
+        assert proc.poll() is None
+        stop = _zchannel("broker", "stop", "--token-file", str(longest), address)
         assert stop.returncode == 0, stop.stderr
         assert proc.wait(timeout=30) == 0
     finally:

@@ -586,18 +586,25 @@ def shutdown_token(config: BrokerConfig) -> str:
     if config.token:
         return config.token
     if config.token_file:
-        try:
-            with open(config.token_file) as f:  # no more than a token's worth is read
-                token = f.readline(MAX_TOKEN_CHARS + 2).strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the shutdown token from {config.token_file}: "
-                             f"{exc.strerror}") from None
-        if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
-            raise ValueError(f"{config.token_file}: a shutdown token is at least "
-                             f"{MIN_TOKEN_CHARS} characters and at most {MAX_TOKEN_CHARS} (its "
-                             f"first line has {'more' if len(token) > MAX_TOKEN_CHARS else len(token)})")
-        return token
+        return read_token_file(config.token_file)
     return secrets.token_hex(16)
+
+
+def read_token_file(path: str) -> str:
+    """The shutdown token on the first line of the file at ``path`` (``--token-file`` of
+    ``zchannel broker`` and of ``zchannel broker stop``): ``MIN_TOKEN_CHARS`` to
+    ``MAX_TOKEN_CHARS`` characters, else a ``ValueError`` naming the file; no more than a
+    token's worth is read."""
+    try:
+        with open(path) as f:
+            token = f.readline(MAX_TOKEN_CHARS + 2).strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the shutdown token from {path}: {exc.strerror}") from None
+    if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
+        raise ValueError(f"{path}: a shutdown token is at least {MIN_TOKEN_CHARS} characters and "
+                         f"at most {MAX_TOKEN_CHARS} (its first line has "
+                         f"{'more' if len(token) > MAX_TOKEN_CHARS else len(token)})")
+    return token
 
 
 def _stop_sources(broker: Broker) -> StopSources:
@@ -611,4 +618,4 @@ def _stop_sources(broker: Broker) -> StopSources:
         raise
 
 
-__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "setup_logging"]
+__all__ = ["Broker", "BrokerConfig", "BrokerUnavailable", "read_token_file", "setup_logging"]
