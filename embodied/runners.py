@@ -486,27 +486,27 @@ def run(cfg: RunConfig, on_step: Callable[[dict], None] | None = None,
     """
     if not cfg.run_id:
         cfg = replace(cfg, run_id=f"emb{uuid.uuid4().hex[:8]}")
-    previous = _interrupt_on_sigterm()
+    previous = _interrupt_on_stop_signals()
     try:
         return _run(cfg, on_step, kill, launcher)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _interrupt_on_sigterm() -> Any:
-    """In the main thread, while SIGTERM has its default action: make it a KeyboardInterrupt,
-    so that ``timeout``, ``kill``, Slurm or Kubernetes end a run as Ctrl-C does (workers
-    stopped, channels shut down, an unfinished dataset removed).  The previous handler, or
-    None when nothing was installed."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
+def _interrupt_on_stop_signals() -> dict[int, Any]:
+    """In the main thread, SIGTERM and SIGHUP that have their default action become a
+    KeyboardInterrupt, so that ``timeout``, ``kill``, Slurm or Kubernetes, or a closed
+    terminal, end a run as Ctrl-C does (workers stopped, channels shut down, an unfinished
+    dataset removed).  The previous handlers of those installed, by signal."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    return {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(signum) is signal.SIG_DFL}
 
 
 def _run(cfg: RunConfig, on_step: Callable[[dict], None] | None,

@@ -74,10 +74,11 @@ def test_envs_that_cannot_be_split_among_the_actors_are_named_in_the_demos_optio
     assert message in result.output and "TrajectoryPlan" not in result.output, result.output
 
 
-def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
-    """SIGTERM (``timeout``, ``kill``, a cluster's scheduler) ends a run as Ctrl-C does: workers
-    stopped quietly, exit 1 ("Aborted!"), and a LeRobot dataset being written leaves nothing
-    behind, not even its hidden staging directory."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path, sig):
+    """SIGTERM (``timeout``, ``kill``, a cluster's scheduler) and SIGHUP (its terminal closed)
+    end a run as Ctrl-C does: workers stopped quietly, exit 1 ("Aborted!"), and a LeRobot
+    dataset being written leaves nothing behind, not even its hidden staging directory."""
     pytest.importorskip("pyarrow")
     proc = subprocess.Popen(
         [sys.executable, "-m", "zchannel.cli.main", "demo", "embodied", "--mode", "lerobot",
@@ -89,7 +90,7 @@ def test_sigterm_to_the_demo_stops_it_as_ctrl_c_does(tmp_path):
                 break
         else:
             pytest.fail(f"the demo printed no step: {proc.stderr.read()}")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
