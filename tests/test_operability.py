@@ -262,6 +262,32 @@ def test_a_token_too_long_to_send_is_refused_at_start(tmp_path, run_dir):
         proc.communicate(timeout=30)
 
 
+def test_secret_files_others_can_read_are_warned_about(tmp_path, run_dir):
+    """A CURVE secret key file or a token file with a mode that lets other users read it is
+    used, with a warning naming it and the fix (``chmod 600``), as ssh does for a private key;
+    0600 files get none."""
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "keygen", str(keys),
+                           "--name", "broker"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    secret, token = keys / "broker.key_secret", tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    args = ("sec", "--address", "tcp://127.0.0.1:0", "--curve-secret-key", str(secret),
+            "--curve-public-keys", str(keys), "--token-file", str(token))
+    for mode in (0o644, 0o600):
+        os.chmod(secret, mode)
+        os.chmod(token, mode)
+        status, line, err = _broker_start(*args)
+        assert status is None and line.startswith("ready "), err
+        warned = [w for w in err.splitlines() if "other users may read it" in w]
+        if mode == 0o644:
+            assert len(warned) == 2, err
+            assert f"secret key file {secret} has mode 0644" in warned[0] + warned[1]
+            assert f"chmod 600 {token}" in warned[0] + warned[1]
+        else:
+            assert warned == [], err
+
+
 # -- max_message_bytes --------------------------------------------------------------------------
 
 

@@ -45,6 +45,7 @@ from zchannel.broker.server.stopping import StopSources
 from zchannel.broker.shm.broker import ShmBroker
 from zchannel.broker.transport import direct_broker
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, admin_keys
+from zchannel.broker.transport.curve_keys import warn_if_others_can_read
 from zchannel.broker.transport.sockets import recv_message
 from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.classtags import register_paths
@@ -600,6 +601,7 @@ def read_token_file(path: str) -> str:
             token = f.readline(MAX_TOKEN_CHARS + 2).strip()
     except OSError as exc:
         raise ValueError(f"cannot read the shutdown token from {path}: {exc.strerror}") from None
+    warn_if_others_can_read(path, "token file")
     if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
         raise ValueError(f"{path}: a shutdown token is at least {MIN_TOKEN_CHARS} characters and "
                          f"at most {MAX_TOKEN_CHARS} (its first line has "

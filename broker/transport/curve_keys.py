@@ -7,12 +7,17 @@ client is given its own secret file and the broker's public file (``transport/cu
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import zmq
 import zmq.auth
+
+log = logging.getLogger("zchannel.security")
+_warned_about: set[str] = set()  # the files warn_if_others_can_read named already
 
 
 def load_key_file(path: str, what: str) -> tuple[bytes, bytes | None]:
@@ -26,7 +31,23 @@ def load_key_file(path: str, what: str) -> tuple[bytes, bytes | None]:
     if len(public) != 40 or (secret is not None and len(secret) != 40):
         raise ValueError(f"cannot read {what} from {path}: not a CURVE certificate "
                          "(zchannel keygen writes them)")
+    if secret is not None:
+        warn_if_others_can_read(path, "secret key file")
     return public, secret
+
+
+def warn_if_others_can_read(path: str, what: str) -> None:
+    """Log a warning when the file at ``path`` (a secret: a CURVE key pair, a shutdown token)
+    gives its group or other users any access, as ssh does for a private key; it is used
+    all the same (``zchannel keygen`` writes 0600).  Once per file and process."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077 and path not in _warned_about:
+        _warned_about.add(path)
+        log.warning("%s %s has mode %04o: other users may read it; chmod 600 %s", what, path,
+                    mode, path)
 
 
 def keygen(directory: str, name: str) -> tuple[str, str]:
