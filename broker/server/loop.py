@@ -601,11 +601,11 @@ def read_token_file(path: str) -> str:
             token = f.readline(MAX_TOKEN_CHARS + 2).strip()
     except OSError as exc:
         raise ValueError(f"cannot read the shutdown token from {path}: {exc.strerror}") from None
-    warn_if_others_can_read(path, "token file")
     if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
         raise ValueError(f"{path}: a shutdown token is at least {MIN_TOKEN_CHARS} characters and "
                          f"at most {MAX_TOKEN_CHARS} (its first line has "
                          f"{'more' if len(token) > MAX_TOKEN_CHARS else len(token)})")
+    warn_if_others_can_read(path, "token file")
     return token
 
 
