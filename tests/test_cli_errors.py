@@ -403,13 +403,16 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
     assert out.returncode == 2 and f"{config} is not valid TOML" in _one_line(out.stderr)
 
 
-def test_broker_stop_takes_its_options_before_the_target(run_dir):
+def test_broker_stop_takes_its_options_before_the_target(run_dir, tmp_path):
     """``Usage: zchannel broker stop [OPTIONS] TARGET``: an option before the target is the
     stop command's (it was taken for a broker of a channel named stop, and refused)."""
     out = _zchannel("broker", "stop", "--timeout", "3", "nosuchchannel")
     assert out.returncode == 2
     assert "no shutdown token for 'nosuchchannel'" in _one_line(out.stderr)
-    out = _zchannel("broker", "stop", "--token-file", os.devnull, "tcp://127.0.0.1:1")
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    out = _zchannel("broker", "stop", "--token-file", str(token), "tcp://127.0.0.1:1")
     assert out.returncode == 2
     assert "no broker at tcp://127.0.0.1:1" in _one_line(out.stderr)
 

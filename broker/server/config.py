@@ -145,9 +145,10 @@ def _is_consumers(value: Any) -> bool:
 
 
 def _is_hook(value: Any) -> bool:
-    """What names a hook: None, a name or ``module:ClassName``, a class or an instance — not
-    a number, a bool, a list or a table (a file's typo)."""
-    return not isinstance(value, (bool, int, float, list, dict, tuple))
+    """What names a hook: None, a name or ``module:ClassName``, a class or an instance (or an
+    instance's wire form, a table: ``entry.hook_from_wire``) — not a number, a bool or a list
+    (a file's typo)."""
+    return not isinstance(value, (bool, int, float, list, tuple))
 
 
 def _str(what: str, optional: bool = True) -> tuple[Any, str]:
