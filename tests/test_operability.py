@@ -42,6 +42,19 @@ def _broker_start(*args: str) -> tuple[int | None, str, str]:
     return proc.returncode, line + out, err
 
 
+def _serving_broker(*args: str) -> tuple[subprocess.Popen, str]:
+    """Start ``zchannel broker ARGS`` and wait for its ``ready`` line: the process (the caller
+    ends it by PID) and the address it serves."""
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("ready "):
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the broker did not get ready: {line!r} {err}")
+    return proc, line.split()[1]
+
+
 def _one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
@@ -133,12 +146,8 @@ def test_a_stopping_broker_removes_only_the_socket_it_made(short_dir):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # a socket file left behind, nothing listening
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "own",
-                             "--address", f"ipc://{path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc, _ = _serving_broker("own", "--address", f"ipc://{path}")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), proc.stderr.read() if proc.poll() is not None else line
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
         _occupy(path + ".new", "file")
         os.replace(path + ".new", path)  # the operator's file now has that name
@@ -154,15 +163,9 @@ def test_clean_removes_a_killed_brokers_sockets_but_not_a_file_at_its_address(sh
     """``zchannel clean`` after a broker was killed: the socket files at its address go, a
     regular file the user has put at one of those paths since stays (and is not listed)."""
     path = os.path.join(short_dir, "cl")
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "cl",
-                             "--address", f"ipc://{path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), proc.stderr.read() if proc.poll() is not None else line
-    finally:
-        proc.kill()  # by PID: its files stay behind
-        proc.communicate(timeout=30)
+    proc, _ = _serving_broker("cl", "--address", f"ipc://{path}")
+    proc.kill()  # by PID: its files stay behind
+    proc.communicate(timeout=30)
     sockets = [p for p in os.listdir(short_dir) if stat.S_ISSOCK(os.lstat(
         os.path.join(short_dir, p)).st_mode)]
     assert "cl" in sockets and len(sockets) >= 2  # the socket and its direct-link socket
@@ -239,13 +242,8 @@ def test_a_token_too_long_to_send_is_refused_at_start(tmp_path, run_dir):
                               "most 1024 (its first line has more)")
     longest = tmp_path / "longest"
     longest.write_text("b" * 1024 + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "bt",
-                             "--token-file", str(longest)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc, address = _serving_broker("bt", "--token-file", str(longest))
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("ready ")
-        address = line.split()[1]
         # broker stop --token-file reads the token as the broker does: a huge one is refused
         # in one line naming the file, before anything is sent
         refused = _zchannel("broker", "stop", "--token-file", str(huge), address)
@@ -334,11 +332,8 @@ def test_a_broker_stopped_while_its_gate_is_shut_leaves_no_socket_file(short_dir
     socket (server/admission.py): stopping then still removes the path and the gate's files
     (the path is pointed back at the broker's own socket first)."""
     path = os.path.join(short_dir, "gated")
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "gated",
-                             "--address", f"ipc://{path}", "--max-clients", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, _ = _serving_broker("gated", "--address", f"ipc://{path}", "--max-clients", "1")
     try:
-        assert proc.stdout.readline().startswith("ready ")
         real = os.lstat(path)
         ch = Channel.connect(f"ipc://{path}", timeout=30)
         channels.append(ch)
