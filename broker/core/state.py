@@ -44,8 +44,8 @@ class Item:
     # its place in the channel's put order, numbered when its put arrived
     # (``KeyedQueues.number``), which tells which of a consumer's private queue and the shared
     # queue holds the item put first (``queues.put_order``); 0 for an item read back from the
-    # journal (put before any put since) or stored by a broker's put run (a channel that deals
-    # no items: no private queues)
+    # journal (put before any put since) and on a channel that deals no items (no private
+    # queues: nothing to order it against)
     seq: int = 0
 
 

@@ -86,7 +86,8 @@ class Waiters:
         if not outputs:
             self.reply(client, rid)
             return True
-        queues.number(outputs)
+        if self.hooks.deals:  # (only a channel with private queues has two queues to order)
+            queues.number(outputs)
         if queues.admits(outputs, self.put_targets.keys()):
             if self.log is not None:
                 error = _unlogged(self.log, outputs)
@@ -304,9 +305,8 @@ class Waiters:
                    else [queue.popleft() for _ in range(n)])
 
     def _hand(self, req: Parked, ks: KeyState, origin: str | None, items: list[Item]) -> None:
-        """Answer getter ``req`` with ``items``, taken from the queue ``origin`` names (a
-        consumer's get_batch that took from its private queue and the shared one names the
-        private queue: a delivery that does not reach it goes back there)."""
+        """Answer getter ``req`` with ``items`` taken from the queue ``origin`` names (a batch
+        taken from both of its consumer's queues names the private one: undelivered, back there)."""
         self._remove_getter(req)
         lease_id = None
         if req.ack and req.kind == "get":
