@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -16,7 +17,12 @@ import torch
 import zmq
 from conftest import wait_until
 from zchannel.broker import Channel
-from zchannel.broker.server.handlers import PEEKED_PER_TURN, STATS_BURST_S, TurnCosts
+from zchannel.broker.server.handlers import (
+    PEEKED_PER_TURN,
+    STATS_BURST_S,
+    STATS_SHARE,
+    TurnCosts,
+)
 from zchannel.broker.server.outbox import MAX_REPLY_BYTES, MAX_REPLY_FRAMES, Outbox
 from zchannel.broker.transport.direct_broker import MAX_QUEUED_MESSAGES
 from zchannel.broker.wire import codec, protocol
@@ -219,8 +225,8 @@ def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
     records on a broker of 5000 keys made 1000 bodies in one turn (tens of seconds during which
     nobody else was served, and a gigabyte held at 20000 keys).  The broker makes a few per turn
     (``FRESH_STATS_PER_TURN``) and the later ones of the turn share the last: every record is
-    answered with a whole stats dict, for about the broker CPU of ten records (measured as a
-    ratio of the broker's own CPU time, not a wall-clock figure)."""
+    answered with a whole stats dict, for about the broker CPU of ten records and at most the
+    stats credit (``STATS_SHARE``) more (measured in the broker's own CPU time)."""
     ch = Channel.create("statsflood")
     channels.append(ch)
     pid = ch.stats()["pid"]
@@ -234,12 +240,12 @@ def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
             got += [(r, frames) for r in recs]
         return got
 
-    def stats_burst(n: int, first_id: int) -> tuple[list, int]:
-        before = _cpu_ticks(pid)
+    def stats_burst(n: int, first_id: int) -> tuple[list, int, float]:
+        before, start = _cpu_ticks(pid), time.monotonic()
         sock.send_multipart([pack_header([{"op": "stats", "id": first_id + i}
                                           for i in range(n)])])
         got = replies(n, 300)
-        return got, _cpu_ticks(pid) - before
+        return got, _cpu_ticks(pid) - before, time.monotonic() - start
 
     try:
         sock.send_multipart([pack_header([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])])
@@ -250,11 +256,16 @@ def test_a_message_of_many_stats_records_costs_a_few_stats(channels):
                                                "nw": True} for i in range(part, part + 2500)])])
         assert len(replies(keys, 60)) == keys
         few = min(stats_burst(10, 10_000)[1] for _ in range(3))
-        got, many = stats_burst(1000, 20_000)
+        got, many, seconds = stats_burst(1000, 20_000)
         assert len(got) == 1000 and all("e" not in r for r, _ in got)
         for _, frames in got[:: 100]:
             assert len(codec.decode(frames[0], [])["keys"]) == keys
-        assert many <= 10 * max(few, 5), f"1000 stats records: {many} ticks, 10: {few}"
+        # when a body takes STATS_DEAR_S or more (a loaded machine), the later turns of the
+        # burst may make fresh ones within the credit: STATS_BURST_S, and STATS_SHARE of the
+        # burst's time (the answers to 1000 records go out over several turns)
+        credit = (STATS_BURST_S + seconds * STATS_SHARE) * os.sysconf("SC_CLK_TCK")
+        assert many <= 10 * max(few, 5) + credit, \
+            f"1000 stats records: {many} ticks in {seconds:.1f}s, 10: {few}"
         assert ch.qsize("k0") == 1
     finally:
         sock.close()
