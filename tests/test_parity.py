@@ -8,6 +8,8 @@ import gc
 import multiprocessing
 import threading
 import warnings
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -324,6 +326,19 @@ def test_copy_and_target_weight_are_checked_the_same_everywhere(make):
                                              r"(in \(0, 2\*\*53\]|> 0)"):
             ch.get_batch(target, key="k", timeout=5)
     assert ch.get(key="k", timeout=5, copy=True) == 1  # nothing was taken meanwhile
+
+
+def test_a_weight_of_another_number_type_is_refused_not_rounded(make):
+    """A weight is an int or a float (numpy's count as the one they equal): a ``Fraction`` is
+    refused as a ``Decimal`` is, not stored as a rounded float; nothing is stored."""
+    ch = make("weights")
+    for weight in (Fraction(1, 3), Decimal("0.5")):
+        with pytest.raises(ValueError, match=r"weight must be an int or a finite float"):
+            ch.put("x", weight, key="k", timeout=5)
+    ch.put("a", np.float32(0.5), key="k", timeout=5)
+    ch.put("b", np.int16(2), key="k", timeout=5)
+    assert ch.qsize("k") == 2
+    assert ch.get_batch(2.5, key="k", timeout=5) == ["a", "b"]
 
 
 def test_closing_a_handle_with_requests_waiting_one_behind_the_other(make):

@@ -124,7 +124,8 @@ def key_from_label(text: str) -> Any:
 
 def check_weight(weight: Any, what: str = "weight") -> int | float:
     """Return ``weight`` if it is an int or a finite float in ``[0, 2**53]`` (numpy numbers
-    become the int or float they equal), else ``ValueError`` naming the value."""
+    become the int or float they equal), else ``ValueError`` naming the value: other numbers
+    (``Fraction``, ``Decimal``) are refused, not rounded to a float."""
     kind = type(weight)
     if kind is int or kind is float:
         if 0 <= weight <= MAX_WEIGHT:  # NaN fails every comparison, inf the upper bound
@@ -133,7 +134,7 @@ def check_weight(weight: Any, what: str = "weight") -> int | float:
         whole = int(weight)
         if 0 <= whole <= MAX_WEIGHT:
             return whole
-    elif not isinstance(weight, bool) and isinstance(weight, numbers.Real):
+    elif isinstance(weight, (float, np.floating)):  # a numpy float, or a float subclass
         value = float(weight)
         if 0 <= value <= MAX_WEIGHT:
             return value
