@@ -19,9 +19,11 @@ import zmq
 from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
 from zchannel.cli.bench.payloads import (
     SEQ_SHIFT,
+    Mismatch,
     PayloadFactory,
     Tally,
     checked_stream,
+    lost_items,
     verify_seqs,
 )
 from zchannel.cli.bench.registry import Baseline, register_baseline
@@ -141,7 +143,7 @@ def zmq_consumer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable
         elif _counts_done(counts, total):
             break
         elif time.monotonic() > deadline:
-            raise TimeoutError(f"relay consumer got {n} items; all together {sum(counts)}/{total}")
+            raise lost_items("relay consumer", n, sum(counts), total)
     sock.close()
     ctx.term()
     return tally.result()
@@ -212,7 +214,7 @@ def mp_consumer_worker(spec: dict, ready: Callable[[], None], go_wait: Callable[
             if _counts_done(counts, total):
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError("mp consumer timed out") from None
+                raise lost_items("mp consumer", n, sum(counts), total) from None
             continue
         seq, t_sent = fac.check(item)
         tally.add(seq, t_sent)
@@ -471,7 +473,7 @@ def run_copyto(case: Case, tmpdir: str) -> Measured:
         lat[i] = time.monotonic_ns() - t0
     seconds = (time.monotonic_ns() - start) / 1e9
     if not np.array_equal(dst[-4096:], src[-4096:]):
-        raise RuntimeError("np.copyto baseline: the copy differs from its source")
+        raise Mismatch("np.copyto baseline: the copy differs from its source")
     return Measured(case.messages, max(seconds, 1e-9), lat)
 
 

@@ -115,15 +115,24 @@ def split(total: int, parts: int) -> list[int]:
 
 
 def bounded(case: Case) -> Case:
-    """Cap messages and window of large payloads (bytes per case, bytes in flight); a label
-    that names the window names the one run."""
+    """Cap messages and window of large payloads (bytes per case, bytes in flight; at least
+    one item and a window of one, so an item larger than the cap runs alone); a label that
+    names the window names the one run."""
     nbytes = max(case.size, 1)
-    messages = min(case.messages, max(8, case.max_bytes // nbytes))
+    messages = min(case.messages, max(1, case.max_bytes // nbytes))
     window = max(1, min(case.window, case.max_inflight // nbytes))
     label = case.label
     if window != case.window:
         label = re.sub(rf"\bw{case.window}\b", f"w{window}", label)
     return dataclasses.replace(case, messages=messages, window=window, label=label)
+
+
+def keys_named(case: Case) -> int:
+    """The distinct keys the items of ``case`` are put on: one, except in ``random_key``,
+    where each producer spreads its items over ``keys`` keys of its own."""
+    if case.scenario != "random_key":
+        return 1
+    return sum(min(n, max(1, case.keys)) for n in split(case.messages, case.producers))
 
 
 def percentiles(lat_ns: np.ndarray) -> tuple[float, float]:

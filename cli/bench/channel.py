@@ -28,6 +28,7 @@ from zchannel.cli.bench.payloads import (
     PayloadFactory,
     Tally,
     checked_stream,
+    lost_items,
     verify_consumers,
 )
 from zchannel.cli.bench.workers import (
@@ -232,6 +233,7 @@ class _Consumer:
         # the request's start is read only when request latencies are recorded: a stream's
         # consumer then does per item what the baselines' consumers do (take, check, count)
         t0 = time.monotonic_ns() if self.request_latency else 0
+        target = 0  # the items a get_batch asked for
         if self.sync:
             work = Work()
             try:
@@ -249,7 +251,7 @@ class _Consumer:
         else:
             work = ch.get(key=key, async_op=True, timeout=GET_TIMEOUT_S, copy=self.copy)
         self.issued += 1
-        self.inflight.append((work, t0))
+        self.inflight.append((work, t0, target))
 
     def run(self) -> dict:
         """Keep ``window`` requests in flight until done; the tally (and request latencies)."""
@@ -263,10 +265,11 @@ class _Consumer:
                 self.issue()
             if not inflight:
                 break
-            work, t0 = inflight.popleft()
+            work, t0, target = inflight.popleft()
             try:
                 got = work.wait(WORKER_DEADLINE_S)
             except TimeoutError:
+                self.asked -= target  # a get_batch that timed out took nothing: ask again
                 self._timed_out(deadline)
                 continue
             self._received(got, t0)
@@ -281,9 +284,7 @@ class _Consumer:
         if sum(self.counts) >= self.total or (self.keys is not None and self.n >= len(self.keys)):
             self.stopping = True
         elif time.monotonic() > deadline:
-            raise TimeoutError(
-                f"consumer got {self.n}; all together {sum(self.counts)}/{self.total}"
-            ) from None
+            raise lost_items("consumer", self.n, sum(self.counts), self.total) from None
 
     def _received(self, got: Any, t0: int) -> None:
         """Check and count what a request got; stop when all consumers got everything."""

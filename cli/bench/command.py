@@ -11,15 +11,24 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
 import click.core
-from zchannel.broker import Channel, ChannelError
+from zchannel.broker import Channel
 from zchannel.broker.host.toml import read_toml
+from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.starting import child_environ
 from zchannel.cli.bench.baselines import ray_available
-from zchannel.cli.bench.cases import SCENARIOS, Case, bounded, parse_size, scenario_cases
+from zchannel.cli.bench.cases import (
+    SCENARIOS,
+    Case,
+    bounded,
+    keys_named,
+    parse_size,
+    scenario_cases,
+)
 from zchannel.cli.bench.durable import DURABLE_STEPS, run_durable_targets
 from zchannel.cli.bench.payloads import PAYLOAD_TYPES, Mismatch
 from zchannel.cli.bench.registry import BASELINES
@@ -36,25 +45,31 @@ from zchannel.cli.bench.scaling import (
     Point,
     plot_scaling,
     run_scaling,
+    scaling_cases,
     scaling_table,
 )
 from zchannel.cli.bench.targets import (
     SHM_STEPS,
     TARGET_STEPS,
     Threshold,
+    check_target_names,
     load_thresholds,
     parse_thresholds,
     run_shm_targets,
     run_targets,
 )
-from zchannel.cli.failures import CommandFailure, output_file
+from zchannel.cli.bench.workers import WorkerFailure
+from zchannel.cli.failures import EXPECTED, CommandFailure, output_file
 from zchannel.cli.shipped import ConfigFile
 
 
 class BenchFailure(CommandFailure):
-    """A run that must exit with status 1 (a mismatch, a worker failure)."""
+    """A run that failed: status 1 for a lost, duplicated or corrupted item or an unexpected
+    error (a bug, its traceback printed), 2 for an expected one (a refusal, a timeout)."""
 
-    exit_code = 1
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 _OPTION_NAMES = (
@@ -136,7 +151,9 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     if config_path:
         table = read_toml(config_path).get("targets")
         if table is not None:
-            thresholds.update(parse_thresholds(table, config_path))
+            given = parse_thresholds(table, config_path)
+            check_target_names(given, thresholds, config_path)
+            thresholds.update(given)
     return thresholds
 
 
@@ -168,7 +185,7 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     type=click.IntRange(1),
     default=20000,
     show_default=True,
-    help="items per case (large payloads are capped at 1 GiB per case)",
+    help="items per case (large payloads are capped at 1 GiB per case, at least one item)",
 )
 @click.option("--num-producers", "producers", type=click.IntRange(1, 64), default=1,
               show_default=True, help="producer processes per case")
@@ -212,7 +229,8 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
     "--keys",
     type=click.IntRange(1),
     default=None,
-    help="keys of the random_key scenario (default: up to 128)",
+    help="keys of each producer of the random_key scenario (default: up to 128; in all at "
+    f"most the {BrokerConfig.max_keys:,} keys the broker bench starts holds)",
 )
 @click.option(
     "--trajectory-batch",
@@ -271,7 +289,8 @@ def bench(
 
     Starts what it needs (or measures --address), runs bounded load, checks every item and
     prints one table with a legend and the ratios in words (docs/benchmarks.md: how to read
-    it); exits 1 on a lost, duplicated or corrupted item.  Progress goes to stderr.
+    it); exits 1 on a lost, duplicated or corrupted item (or a worker's unexpected error, its
+    traceback printed), 2 on another failure.  Progress goes to stderr.
     """
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so every worker and broker is ended in its finally block
@@ -286,6 +305,8 @@ def bench(
     scenario = opts["scenario"]
     _check_plot(plot_dir, scenario)
     _check_baseline(opts["baseline"])
+    if not opts.get("address"):
+        _check_keys(base, scenario, opts.get("keys"))
     thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
     if opts.get("address"):  # no broker there: an expected failure (status 2), before any run
         Channel.connect(opts["address"], timeout=5.0).close()
@@ -300,14 +321,19 @@ def bench(
         started = time.monotonic()
         run = _run_scenario(ctx, runner, base, opts, thresholds, config_path)
         elapsed = time.monotonic() - started
-    _report(opts, machine, runner, run, elapsed, plot_dir, base.size)
+    out = _report(opts, machine, runner, run, elapsed, base.size)
+    if plot_dir and run.points:
+        _plot(run, plot_dir, opts.get("json_path"), out)
+    if run.traceback is not None:  # a worker's unexpected error: what a bug report needs
+        click.echo(run.traceback.rstrip(), err=True)
     if run.error is not None:
-        raise BenchFailure(run.error)
+        raise BenchFailure(run.error, run.status)
 
 
 def _check_plot(plot_dir: str | None, scenario: str) -> None:
-    """``--plot`` draws the scaling curves with matplotlib (the ``plot`` extra): a missing
-    ``--scenario scaling`` or matplotlib is a usage error before the run, not after it."""
+    """``--plot`` draws the scaling curves with matplotlib (the ``plot`` extra) in DIR: a
+    missing ``--scenario scaling`` or matplotlib, or a DIR that cannot be made or written, is
+    a usage error before the run, not after it (DIR is made now)."""
     if plot_dir is None:
         return
     if scenario != "scaling":
@@ -318,6 +344,35 @@ def _check_plot(plot_dir: str | None, scenario: str) -> None:
     except ImportError:
         raise click.UsageError(
             "--plot needs matplotlib; install the extra: pip install 'zchannel[plot]'") from None
+    try:
+        os.makedirs(plot_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=plot_dir):
+            pass
+    except OSError as exc:
+        raise click.UsageError(f"--plot {plot_dir}: cannot write the plots there: "
+                               f"{exc.strerror or exc}") from None
+
+
+def _check_keys(base: Case, scenario: str, keys: int | None) -> None:
+    """The keys of each case of ``scenario`` against the ``max_keys`` limit of the broker the
+    bench starts (it refuses a key past the limit): too many is a usage error before the run,
+    naming ``--keys`` (or, for the scaling curve, which takes its own key counts, the
+    options that make its keys too many)."""
+    cases = ([c for _, _, c in scaling_cases(base)] if scenario == "scaling"
+             else scenario_cases(scenario, base, keys))
+    limit = BrokerConfig.max_keys
+    for case in cases:
+        named = keys_named(bounded(case))
+        if named <= limit:
+            continue
+        why = (f"the case {case.name} puts its items on {named:,} keys ({case.producers} "
+               f"producer(s), each on up to {case.keys:,} keys of its own), and the broker "
+               f"zchannel bench starts holds at most {limit:,} keys (its max_keys)")
+        if scenario == "scaling":
+            raise click.UsageError(f"{why}; give fewer --messages or --num-producers")
+        raise click.BadParameter(
+            f"{keys}: {why}; give --keys {limit // case.producers:,} or fewer, or measure a "
+            "broker started with a larger --max-keys (--address)", param_hint="--keys")
 
 
 def _check_baseline(kind: str) -> None:
@@ -339,6 +394,8 @@ class _Run:
     targets: list[TargetResult] = dataclasses.field(default_factory=list)
     points: list[Point] = dataclasses.field(default_factory=list)
     error: str | None = None
+    status: int = 0  # the exit status of the error (``BenchFailure``)
+    traceback: str | None = None  # of a worker's unexpected error
 
 
 def _deprecated_counts(ctx: click.Context, values: dict[str, Any]) -> None:
@@ -426,9 +483,13 @@ def _run_scenario(ctx: click.Context, runner: Runner, base: Case, opts: dict[str
             else:
                 run_scenario(runner, scenario, base, keys)
     except Mismatch as exc:
-        run.error = f"content check failed: {exc}"
-    except (ChannelError, RuntimeError, TimeoutError, OSError) as exc:
-        run.error = f"benchmark failed: {exc}"
+        run.error, run.status = f"content check failed: {exc}", 1
+    except WorkerFailure as exc:  # a bug (its traceback) is status 1, an expected error 2
+        run.traceback = exc.traceback
+        unexpected = " (an unexpected error: its traceback is on stderr)" if exc.traceback else ""
+        run.error, run.status = f"benchmark failed: {exc}{unexpected}", 1 if unexpected else 2
+    except (*EXPECTED, RuntimeError) as exc:
+        run.error, run.status = f"benchmark failed: {exc}", 2
     return run
 
 
@@ -447,8 +508,9 @@ def _trajectory(ctx: click.Context, runner: Runner, base: Case, opts: dict[str, 
 
 
 def _report(opts: dict[str, Any], machine: dict[str, Any], runner: Runner, run: _Run,
-            elapsed: float, plot_dir: str | None, size: int) -> None:
-    """The table, the scaling curves (and their plots) and the --json file."""
+            elapsed: float, size: int) -> Callable[[str], None]:
+    """The table, the scaling curves and the --json file; returns where the report's lines
+    went (stdout, or stderr with ``--json -``)."""
     scenario = opts["scenario"]
     # with --json - the JSON owns stdout and the report goes to stderr
     out = (lambda line: click.echo(line, err=True)) if opts.get("json_path") == "-" else click.echo
@@ -465,11 +527,26 @@ def _report(opts: dict[str, Any], machine: dict[str, Any], runner: Runner, run: 
         out("scaling (markdown; ratio = items/s over the baseline's, same run):")
         for line in scaling_table(run.points):
             out(line)
-        if plot_dir:
-            for path in plot_scaling(run.points, plot_dir):
-                out(f"plot: {path}")
     if opts.get("json_path"):
         options = {k: opts.get(k) for k in _OPTION_NAMES}
         options["payload_bytes"] = size
         write_json(opts["json_path"], machine, options, runner.rows, run.targets, runner.notes,
                    run.error is None, run.error, warnings)
+    return out
+
+
+def _plot(run: _Run, plot_dir: str, json_path: str | None, out: Callable[[str], None]) -> None:
+    """The PNGs of the scaling curves in ``plot_dir``, drawn after the table and the --json
+    file, so a failure here loses no result: it is an error naming --plot (a warning when
+    the run failed already, whose error then stands)."""
+    try:
+        for path in plot_scaling(run.points, plot_dir):
+            out(f"plot: {path}")
+    except OSError as exc:
+        kept = "" if not json_path else (" and in the JSON on stdout" if json_path == "-"
+                                         else f" and in {json_path}")
+        message = (f"--plot {plot_dir}: the plots could not be written: {exc}; the results "
+                   f"are in the table above{kept}")
+        if run.error is None:
+            raise click.ClickException(message) from None
+        out(f"warning: {message}")

@@ -32,7 +32,13 @@ from collections.abc import Callable
 
 import numpy as np
 from zchannel.cli.bench.cases import Case, Measured, cpu_figures
-from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, checked_stream
+from zchannel.cli.bench.payloads import (
+    SEQ_SHIFT,
+    Mismatch,
+    PayloadFactory,
+    checked_stream,
+    lost_items,
+)
 from zchannel.cli.bench.registry import Baseline, register_baseline
 from zchannel.cli.bench.workers import WORKER_DEADLINE_S, Workers, start_consumer
 
@@ -79,7 +85,7 @@ def run_copyto_stream(case: Case, tmpdir: str) -> Measured:
     seconds = (time.monotonic_ns() - start) / 1e9
     last = case.messages - 1
     if case.messages and not np.array_equal(dsts[(last + n // 2) % n], srcs[last % n]):
-        raise RuntimeError("np.copyto.stream baseline: a copy differs from its source")
+        raise Mismatch("np.copyto.stream baseline: a copy differs from its source")
     return Measured(case.messages, max(seconds, 1e-9), lat)
 
 
@@ -127,7 +133,7 @@ def pipeline_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[
     fac, tally, _ = start_consumer(spec, ready, go_wait)
     for i in range(total):
         if not full.acquire(timeout=WORKER_DEADLINE_S):
-            raise TimeoutError(f"consumer got {i}/{total}")
+            raise lost_items("copy.pipeline consumer", i, i, total)
         out = owned[i % 2]
         np.copyto(out, slots[i % window])
         free.release()

@@ -25,6 +25,7 @@ HEADER = struct.Struct("<QQ")  # sequence number, send time (time.monotonic_ns)
 PAYLOAD_TYPES = ("bytes", "numpy", "tensor", "tensor_list", "tensor_dict", "dataclass")
 DICT_FIELDS = ("obs", "action", "reward", "done")
 SEQ_SHIFT = 40  # seq = producer index << SEQ_SHIFT | item index
+SEQ_TOP_BYTE = 7  # the header's byte holding the sequence number's top 8 bits (always 0 sent)
 CORRUPT_ENV = "ZCHANNEL_BENCH_CORRUPT"  # test hook: producers corrupt the item with this index
 
 
@@ -124,10 +125,18 @@ class PayloadFactory:
         return self._stamp(item, [view], seq, index)
 
     def _stamp(self, item: Any, views: list[np.ndarray], seq: int, index: int) -> Any:
-        """``item`` with its header (``seq``, send time now) and last byte stamped."""
+        """``item`` with its header (``seq``, send time now) and its last byte stamped: the
+        pattern's byte, flipped on the item the corruption hook names.  An item of the header
+        alone (one 16-byte buffer) has no pattern byte: that item gets the top byte of its
+        sequence number flipped instead (0 in every sequence number sent, so ``check`` finds
+        the content wrong)."""
         HEADER.pack_into(views[0].data, 0, seq, time.monotonic_ns())
+        corrupt = index == self.corrupt
         last = views[-1]
-        last[-1] = self.expected[-1][-1] ^ (0xFF if index == self.corrupt else 0)
+        if len(views) > 1 or last.nbytes > HEADER.size:
+            last[-1] = self.expected[-1][-1] ^ (0xFF if corrupt else 0)
+        elif corrupt:
+            views[0][SEQ_TOP_BYTE] ^= 0xFF
         if isinstance(item, BenchSample):
             item.seq = seq
         return item
@@ -195,7 +204,7 @@ class PayloadFactory:
                 raise Mismatch(f"buffer {i} holds {got.nbytes} bytes, expected {want.nbytes}")
         seq, t_ns = HEADER.unpack_from(arrays[0].data, 0)
         h = HEADER.size
-        ok = _equal(arrays[0][h:], expected[0][h:]) and all(
+        ok = seq >> (8 * SEQ_TOP_BYTE) == 0 and _equal(arrays[0][h:], expected[0][h:]) and all(
             _equal(g, w) for g, w in zip(arrays[1:], expected[1:], strict=True)
         )
         if not ok:
@@ -237,6 +246,13 @@ def _equal(got: np.ndarray, want: np.ndarray) -> bool:
         np.array_equal(got[:n].view(np.uint64), want[:n].view(np.uint64))
         and np.array_equal(got[n:], want[n:])
     )
+
+
+def lost_items(who: str, got: int, together: int, total: int) -> Mismatch:
+    """A consumer's deadline passed before all consumers ``together`` got the ``total`` items
+    sent: the rest count as lost."""
+    return Mismatch(f"{who} got {got}; all consumers together got {together} of the {total} "
+                    f"items sent by the deadline: {total - together} lost")
 
 
 def expected_seqs(counts: list[int]) -> np.ndarray:

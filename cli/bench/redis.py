@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.cli.bench.cases import Case, Measured, cpu_figures, split
-from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, checked_stream
+from zchannel.cli.bench.payloads import SEQ_SHIFT, PayloadFactory, checked_stream, lost_items
 from zchannel.cli.bench.registry import Baseline, register_baseline
 from zchannel.cli.bench.workers import (
     Workers,
@@ -138,7 +138,7 @@ def redis_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable[[], 
             popped = client.blpop([KEY], timeout=0.05)
             if popped is None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis consumer got {n}; all together {sum(counts)}/{total}")
+                    raise lost_items("redis consumer", n, sum(counts), total)
                 continue
             got = [popped[1]]
         now = time.monotonic_ns()

@@ -174,13 +174,21 @@ def _run_figure(result: Any) -> str:
     items, seconds = getattr(result, "items", None), getattr(result, "seconds", None)
     if isinstance(result, dict):
         items, seconds = result.get("chunks"), result.get("seconds")
-    return f", {items / seconds:,.0f} items/s" if items and seconds else ""
+    return f", {rate_text(items / seconds, ',')} items/s" if items and seconds else ""
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return "-"
     return format(value, spec)
+
+
+def rate_text(value: float | None, grouping: str = "") -> str:
+    """An items/s figure: whole from 10 up (``grouping`` "," groups the thousands), with two
+    decimals below (half an item per second of a large item is 0.50, not 1); "-" for none."""
+    if value is not None and not np.isnan(value) and abs(value) < 10:
+        return format(value, ".2f")
+    return _fmt(value, f"{grouping}.0f")
 
 
 def _print_grid(table: list[tuple], out: Callable[[str], None], width: int = WIDTH) -> None:
@@ -321,8 +329,8 @@ def spread_warnings(rows: list[Result]) -> list[str]:
             continue
         parts = []
         if spread is not None and spread[2] > WIDE_SPREAD:
-            parts.append(f"items/s varied {spread[2]:.0%} between repeats ({spread[0]:,.0f}-"
-                         f"{spread[1]:,.0f})")
+            parts.append(f"items/s varied {spread[2]:.0%} between repeats "
+                         f"({rate_text(spread[0], ',')}-{rate_text(spread[1], ',')})")
         if ratio_spread > WIDE_SPREAD:
             parts.append(f"its ratio varied {min(ratios):.2f}x-{max(ratios):.2f}x between rounds")
         warnings.append(f"{r.case}: {'; '.join(parts)}")
@@ -349,8 +357,8 @@ def _tables(rows: list[Result], tags: dict[str, str], out: Callable[[str], None]
     slow: list[tuple] = [("case", "lat", "p50 us", "p99 us", "RSS MB", "vs baseline (p50)")]
     for r in rows:
         spread = r.spread()
-        fast.append((r.case, _fmt(r.items_s),
-                     "-" if spread is None else f"{spread[0]:.0f}-{spread[1]:.0f}",
+        fast.append((r.case, rate_text(r.items_s),
+                     "-" if spread is None else f"{rate_text(spread[0])}-{rate_text(spread[1])}",
                      "-" if spread is None else f"{spread[2]:.0%}", _fmt(r.mb_s, ".1f"),
                      _versus(r, tags, THROUGHPUT_METRICS)))
         slow.append((r.case, r.latency, _fmt(r.p50_us, ".1f") + ("*" if _queued(r) else ""),

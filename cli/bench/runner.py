@@ -48,7 +48,7 @@ def _summarise(case: Case, kind: str, runs: list[Measured], latency: str) -> Res
     for r in runs:
         for k, v in r.extra.items():
             extra.setdefault(k, []).append(v)
-    per_run = [round(r.items / r.seconds, 1) for r in runs]
+    per_run = [round(r.items / r.seconds, 1 if r.items >= 10 * r.seconds else 3) for r in runs]
     return Result(
         case=case.name,
         kind=kind,

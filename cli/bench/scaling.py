@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 from zchannel.cli.bench.cases import MIB, Case, bounded, fmt_size
-from zchannel.cli.bench.report import Result
+from zchannel.cli.bench.report import Result, rate_text
 from zchannel.cli.bench.runner import Runner
 
 PROCESS_COUNTS = (1, 2, 4, 8)
@@ -105,7 +105,8 @@ def scaling_table(points: list[Point]) -> list[str]:
         c, b = _figures(p.case), _figures(p.baseline)
         x = fmt_size(p.x) if p.axis == "size" else f"{p.x:,}"
         lines.append(
-            f"| {p.axis} | {x} | {c[0]:,.0f} | {b[0]:,.0f} | {c[0] / b[0]:.2f} | "
+            f"| {p.axis} | {x} | {rate_text(c[0], ',')} | {rate_text(b[0], ',')} | "
+            f"{c[0] / b[0]:.2f} | "
             f"{c[1] / 1e3:.1f} | {b[1] / 1e3:.1f} | {c[2]:.1f} | {b[2]:.1f} | {c[3]:.0f} | "
             f"{b[3]:.0f} |"
         )

@@ -9,6 +9,9 @@ mark is data, the ``[targets]`` table of ``configs/bench_targets.toml`` (``load_
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +68,26 @@ def parse_thresholds(table: Any, source: str) -> dict[str, Threshold]:
                 f"{source}: targets.{name} must be {{ min = NUMBER }} or {{ max = NUMBER }}, "
                 f"got {entry!r}"
             )
+        if not math.isfinite(value):  # nan never passes, inf always or never
+            raise click.ClickException(
+                f"{source}: targets.{name} must be a finite number, got {entry!r}")
         out[name] = Threshold(float(value), "min" in bounds)
     return out
+
+
+def check_target_names(names: Iterable[str], known: Iterable[str], source: str) -> None:
+    """A ``ClickException`` naming the first of ``names`` that is not a target of ``known``
+    (with the target it may mean, and the list of all)."""
+    targets = sorted(known)
+    for name in names:
+        if name in targets:
+            continue
+        same = [t for t in targets if t.lower() == name.lower()]
+        near = same or difflib.get_close_matches(name, targets, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise click.ClickException(
+            f"{source}: unknown target {name!r} in [targets]{hint}; the targets are "
+            f"{', '.join(targets)}")
 
 
 def load_thresholds(path: str | Path | None = None) -> dict[str, Threshold]:

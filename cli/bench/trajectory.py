@@ -22,7 +22,7 @@ import click
 import torch
 from zchannel.broker import Channel
 from zchannel.cli.bench.cases import MIB, Case
-from zchannel.cli.bench.payloads import Mismatch
+from zchannel.cli.bench.payloads import Mismatch, lost_items
 from zchannel.cli.bench.report import Result, set_ratio
 from zchannel.cli.bench.runner import Runner
 from zchannel.cli.bench.workers import (
@@ -233,9 +233,7 @@ def trajectory_consumer(spec: dict, ready: Callable[[], None], go_wait: Callable
             if sum(counts) >= total:
                 stopping = True
             elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{spec['identity']} got {n}; all {sum(counts)}/{total}"
-                ) from None
+                raise lost_items(spec["identity"], n, sum(counts), total) from None
             continue
         t_end = time.monotonic_ns()
         if not isinstance(item, expect):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.cli.bench.payloads import Mismatch, PayloadFactory, Tally
+from zchannel.cli.failures import EXPECTED
 
 WORKER_DEADLINE_S = 300.0
 POLL_S = 0.05  # receive-poll interval of the baselines' consumers
@@ -42,9 +43,29 @@ def _worker_entry(fn: Callable[..., dict], spec: dict, ready: Any, go: Any, out:
             result["cpu_ns"] = time.process_time_ns() - cpu_at_go[0]
     except Mismatch as exc:
         result = {"name": spec.get("name"), "mismatch": str(exc)}
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        result = {"name": spec.get("name"), "error": f"{exc!r}\n{traceback.format_exc()}"}
+    except EXPECTED as exc:  # a refusal, a limit, a timeout: its message says it all
+        result = {"name": spec.get("name"), "error": f"{type(exc).__name__}: {exc}"}
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, with its traceback
+        result = {"name": spec.get("name"), "error": repr(exc),
+                  "traceback": traceback.format_exc()}
     out.put(result)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker reported an exception.  ``traceback`` is its traceback when the exception is
+    none of the expected kinds (``zchannel.cli.failures.EXPECTED``: a refusal, a limit, a
+    timeout), i.e. a bug; None for an expected one."""
+
+    def __init__(self, message: str, traceback_text: str | None = None) -> None:
+        super().__init__(message)
+        self.traceback = traceback_text
+
+
+def _failure(message: str, res: dict) -> Exception:
+    """The exception a worker's report ``res`` stands for, its text after ``message``."""
+    if "mismatch" in res:
+        return Mismatch(f"{res.get('name')}: {res['mismatch']}")
+    return WorkerFailure(f"{message}: {res.get('error', res)}", res.get("traceback"))
 
 
 class Workers:
@@ -100,7 +121,8 @@ class Workers:
                 proc.join(max(0.0, deadline - time.monotonic()))
 
     def collect(self, n: int, timeout: float = WORKER_DEADLINE_S) -> list[dict]:
-        """Results of ``n`` workers; raises on an error, ``Mismatch`` on a content mismatch."""
+        """Results of ``n`` workers; ``WorkerFailure`` on a worker's error, ``Mismatch`` on a
+        content mismatch."""
         results: list[dict] = []
         deadline = time.monotonic() + timeout
         while len(results) < n:
@@ -112,21 +134,18 @@ class Workers:
                 if not any(p.is_alive() for p in self.procs):
                     self._raise_error("all workers exited before reporting")
                 continue
-            if "mismatch" in res:
-                raise Mismatch(f"{res.get('name')}: {res['mismatch']}")
-            if "error" in res:
-                raise RuntimeError(f"worker {res.get('name')} failed: {res['error']}")
+            if "mismatch" in res or "error" in res:
+                raise _failure(f"worker {res.get('name')} failed", res)
             results.append(res)
         return results
 
     def _raise_error(self, message: str) -> None:
+        """Raise ``message`` with the report of a worker that failed, if one is queued."""
         try:
             res = self.out.get_nowait()
         except queue_mod.Empty:
-            raise RuntimeError(message) from None
-        if "mismatch" in res:
-            raise Mismatch(f"{res.get('name')}: {res['mismatch']}")
-        raise RuntimeError(f"{message}: {res.get('error', res)}")
+            raise WorkerFailure(message) from None
+        raise _failure(message, res)
 
     def close(self) -> None:
         for proc in self.procs:
