@@ -4,7 +4,9 @@ Expected failures are bad options and arguments (click's usage errors), zchannel
 (``ChannelError`` and its subclasses), invalid values (``ValueError``, ``TypeError``), files
 that cannot be read (``OSError``), ZeroMQ errors such as a busy address, and an ``ImportError``
 that names the optional extra to install (``pip install 'zchannel[ray]'``).  Set
-``ZCHANNEL_DEBUG=1`` to get the traceback of such a failure instead.
+``ZCHANNEL_DEBUG=1`` to get the traceback of such a failure instead (a flag as the client's
+others: ``0``/``1``, ``false``/``true``, ``no``/``yes``, ``off``/``on``; another value is itself
+an expected failure).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import zmq
 from zchannel.broker.errors import ChannelError
+from zchannel.broker.host.environ import env_flag
 
 USAGE_STATUS = 2
+DEBUG_ENV = "ZCHANNEL_DEBUG"  # set: tracebacks instead of the one line
 EXPECTED = (ChannelError, ValueError, TypeError, OSError, zmq.ZMQError)
 EXTRA_HINT = "pip install 'zchannel["  # an ImportError naming the extra to install is expected
 # click >= 8.2 raises this for a group called without arguments (it shows the help)
@@ -38,7 +42,7 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     return value
 
 
-def fail(message: str, status: int = USAGE_STATUS) -> None:
+def fail(message: str, status: int = USAGE_STATUS) -> NoReturn:
     """Print ``error: MESSAGE`` (one line) on stderr and exit with ``status`` (2 by default)."""
     click.echo(f"error: {' '.join(message.split())}", err=True)
     sys.exit(status)
@@ -89,7 +93,10 @@ class Cli(click.Group):
              **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **kwargs)
-        debug = os.environ.get("ZCHANNEL_DEBUG", "").strip() not in ("", "0")
+        try:
+            debug = env_flag(DEBUG_ENV, False)
+        except ValueError as exc:  # neither of the flag's words
+            fail(str(exc))
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **kwargs)
         except click.exceptions.Abort:

@@ -12,7 +12,13 @@ import click
 try:  # zchannel.broker reads the client's ZCHANNEL_* settings as it loads (connection/tuning.py)
     import zchannel.broker  # noqa: F401
 except ValueError as exc:  # a malformed setting: one line and status 2, whatever the command
-    if os.environ.get("ZCHANNEL_DEBUG", "").strip() not in ("", "0"):
+    try:  # their reader (host/environ.py) loaded before the failing setting and stays loaded
+        from zchannel.broker.host.environ import env_flag
+
+        debug = env_flag("ZCHANNEL_DEBUG", False)
+    except ValueError:  # ZCHANNEL_DEBUG is malformed too: the first failure, one line
+        debug = False
+    if debug:
         raise
     click.echo(f"error: {' '.join(str(exc).split())}", err=True)
     sys.exit(2)
@@ -20,10 +26,10 @@ except ValueError as exc:  # a malformed setting: one line and status 2, whateve
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.broker.server.loop import read_token_file
-from zchannel.broker.wire.argchecks import key_from_label, key_label
+from zchannel.broker.wire.argchecks import key_label
 from zchannel.cli.failures import Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
-from zchannel.cli.summary import key_text, printable, summarize
+from zchannel.cli.summary import key_from_text, key_text, pad, printable, summarize, text_width
 from zchannel.cli.workdir import import_from_cwd
 
 
@@ -331,8 +337,9 @@ def keygen(directory: str, name: str, replicas: int | None, force: bool) -> None
               show_default=True, help="seconds to wait for the broker")
 @_client_curve_options
 @click.option("--peek", "peek_key", metavar="KEY",
-              help="also show copies of the head items of KEY, left in place (int, bytes and "
-                   "tuple keys as Python literals: 7, b'x', ('train', 3))")
+              help="also show copies of the head items of KEY, left in place; KEY as stat "
+                   "prints it (int, bytes and tuple keys as Python literals: 7, b'x', "
+                   "('train', 3); in a str key \\n is a newline, \\\\ a backslash)")
 @click.option("-n", "peek_count", type=click.IntRange(1, 1024), default=10, show_default=True,
               help="how many head items --peek shows")
 @click.option("--consumer", "peek_consumer", metavar="ID",
@@ -361,6 +368,10 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
 
     require_companions({"count": "watch", "interval": "watch", "peek_count": "peek_key",
                         "peek_consumer": "peek_key"})
+    try:
+        key = None if peek_key is None else key_from_text(peek_key)  # as stat prints it
+    except ValueError as exc:  # a backslash that starts no escape stat prints
+        raise click.BadParameter(str(exc), param_hint="'--peek'") from None
     curve_keys = _stat_keys(curve_secret_key, curve_server_key, target)
     if target is None:
         from zchannel.cli.host import show_host
@@ -384,8 +395,8 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
         return
     try:
         stats = channel.stats(exclude_self=True)
-        peeked = None if peek_key is None else (key_from_label(peek_key), channel.peek(
-            key_from_label(peek_key), peek_count, consumer=peek_consumer, weights=True))
+        peeked = None if peek_key is None else (key, channel.peek(
+            key, peek_count, consumer=peek_consumer, weights=True))
     except (ValueError, TypeError) as exc:  # a key or consumer id the channel refuses
         raise click.UsageError(str(exc)) from None
     finally:
@@ -446,7 +457,8 @@ def _echo_stats(stats: dict) -> None:
 
 def _echo_key_table(stats: dict) -> None:
     """``stat``'s table of keys (depth, weight, waiting getters and putters, private queues);
-    a key shows as ``key_text`` makes it (escaped, at most ``KEY_WIDTH`` characters)."""
+    a key shows as ``key_text`` makes it (escaped, at most ``KEY_WIDTH`` terminal columns), and
+    the columns line up in terminal columns (a wide character takes two)."""
     keys = stats.get("keys") or {}
     nodes = "replicas" in stats
     rows = [("key", "depth", "weight", "getters", "putters", "private") + (("node",) if nodes else ())]
@@ -454,9 +466,9 @@ def _echo_key_table(stats: dict) -> None:
         private = " ".join(f"{c}={d}" for c, d in sorted(ks.get("private", {}).items()))
         rows.append((key_text(key), str(ks["depth"]), str(ks["weight"]), str(ks["getters"]),
                      str(ks["putters"]), private or "-") + ((str(ks.get("node")),) if nodes else ()))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max(text_width(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        click.echo("  ".join(pad(cell, w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _echo_peek(key: Any, items: list, stats: dict) -> None:

@@ -82,7 +82,11 @@ class HookTime:
 
 def time_hooks(core: Any, hook_time: HookTime) -> None:
     """Wrap the hook methods the core calls per item (``collect``, ``route``, ``rebalance``)
-    so their time adds up in ``hook_time``; a built-in pass-through hook is left alone."""
+    so their time adds up in ``hook_time``; a built-in pass-through hook is left alone.  A
+    wrapped method returns what the hook returned and raises what it raised, so the hook
+    pipeline checks and reports it as without the wrapper; only an iterator that ``collect``
+    returns (a generator does its work as it is iterated) comes back wrapped in
+    ``_timed_outputs``, which yields the same outputs, lazily, and times each step."""
     perf = time.perf_counter
 
     def timed(fn: Callable, which: str) -> Callable:
@@ -90,8 +94,8 @@ def time_hooks(core: Any, hook_time: HookTime) -> None:
             t0 = perf()
             try:
                 out = fn(*args)
-                if which == "collector" and out is not None and not isinstance(out, (list, tuple)):
-                    out = list(out)  # a generator does its work when iterated: time that too
+                if which == "collector" and isinstance(out, Iterator):
+                    return _timed_outputs(out, hook_time)
                 return out
             finally:
                 if which == "collector":
@@ -115,6 +119,27 @@ def time_hooks(core: Any, hook_time: HookTime) -> None:
             setattr(hook, method, timed(getattr(hook, method), which))
         except AttributeError:  # a hook with __slots__: its time is not measured
             log.warning("cannot time %s.%s (no instance attributes)", type(hook).__name__, method)
+
+
+def _timed_outputs(outputs: Iterator, hook_time: HookTime) -> Iterator:
+    """The items of ``outputs`` (an iterator a collector returned), each step's time added to
+    ``hook_time.collector_s``; what a step raises passes through, and closing this closes
+    ``outputs`` (a consumer that stops early, past ``max_bytes``, ends the generator)."""
+    perf = time.perf_counter
+    try:
+        while True:
+            t0 = perf()
+            try:
+                out = next(outputs)
+            except StopIteration:
+                return
+            finally:
+                hook_time.collector_s += perf() - t0
+            yield out
+    finally:
+        close = getattr(outputs, "close", None)
+        if close is not None:
+            close()
 
 
 def snapshot(broker: Broker) -> dict[str, Any]:
