@@ -112,6 +112,14 @@ class BrokerChannel(ChannelHandle):
             retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
             if retried is not None:
                 rec.seq = retried.seq  # sent under the sequence of the put it repeats
+        limit = conn.broker_info.max_message_bytes
+        pool = conn.shm.pool if conn.shm is not None else None
+        if limit and pool is not None and type(item) not in codec.FLAT_TYPES:
+            # its size before any of its arrays is copied into a slot (the pool's class of a
+            # large array would be made and faulted in first)
+            total = codec.encoded_bytes(item, pool.threshold)
+            if total > limit:
+                raise _too_large(total, limit)
         body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
         if not buffers and not refs and len(body) <= INLINE_BODY:
             rec.body = body  # a small item rides in its record (no frame)
@@ -124,13 +132,11 @@ class BrokerChannel(ChannelHandle):
             rec.sizes = sizes = [len(body)]
         if refs:
             rec.slots = refs
-        limit = conn.broker_info.max_message_bytes
         if limit:  # slot bytes count: a consumer on another host receives them as frames
             total = sum(sizes) + sum(ref[2] for ref in refs or ())
             if total > limit:
                 shm_undo(conn, refs)
-                raise ValueError(f"item of {total} bytes exceeds the broker's "
-                                 f"max_message_bytes limit ({limit})")
+                raise _too_large(total, limit)
         return frames, retried
 
     # put and get_batch: None / the items when waiting, a Work with async_op=True (the last
@@ -341,6 +347,13 @@ class BrokerChannel(ChannelHandle):
             raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
         self._submit(Ack(id=0, lease=delivery.lease_id), wait=True).wait()
 
+
+
+def _too_large(total: int, limit: int) -> ValueError:
+    """The error of a put of an item of ``total`` bytes, over the broker's
+    ``max_message_bytes`` ``limit``."""
+    return ValueError(f"item of {total} bytes exceeds the broker's max_message_bytes "
+                      f"limit ({limit})")
 
 
 def _wait_or_withdraw(work: Work) -> Any:

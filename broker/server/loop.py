@@ -470,8 +470,11 @@ def _direct_read(broker: Broker, peer: direct_broker.Peer) -> bool:
 
 
 def _decode_item(item: Item) -> Any:
+    """An item's value for the hooks: its tensors stay on the CPU, each remembering the device
+    it was sent from, which ``_encode_item`` sends again (``codec.decode``)."""
     frames = item.payload
-    return codec.decode(frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0], frames[1:])
+    body = frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]
+    return codec.decode(body, frames[1:], restore_devices=False)
 
 
 def _replica_collector(broker: Broker, collector: Any) -> Any:

@@ -333,7 +333,8 @@ class ShmBroker:
 
     def decode_item(self, fallback: Any) -> Any:
         """A ``decode_item`` for the core: items with slots decode to views of them (each keeps
-        its slot alive while a hook, or a frame made from it, still uses it)."""
+        its slot alive while a hook, or a frame made from it, still uses it), their tensors on
+        the CPU (``codec.decode``'s ``restore_devices``)."""
 
         def decode(item: Any) -> Any:
             frames = item.payload
@@ -347,7 +348,8 @@ class ShmBroker:
                 slots = [h.view() for h in frames.holds]
                 frames.views = [r for r in frames.views if r() is not None]
                 frames.views.extend(weakref.ref(v) for v in slots)
-            return codec.decode(body, frames[1:], shm=slots, shm_copy=False)
+            return codec.decode(body, frames[1:], shm=slots, shm_copy=False,
+                                restore_devices=False)
 
         return decode
 

@@ -12,12 +12,18 @@ bounded (``MAX_KEPT`` of each kind, then started afresh).  Reading checks every 
 descriptor: its dtype and shape here (``array_layout``), its ``loc`` and device in
 ``codec.py``.
 
+A tensor is restored to the device it was sent from where the receiver can put it there, else
+left on the CPU (``restore_device``).  A broker's hooks get it on the CPU, marked with that
+device (``keep_sent_device``), which an encoding of the same tensor sends again (``tensor_head``).
+
 Torch is imported on first use: a broker that never decodes a tensor never imports it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import sys
 import threading
 import warnings
@@ -26,9 +32,14 @@ from typing import Any
 import numpy as np
 from zchannel.broker.wire.packers import shared_packer
 
+log = logging.getLogger("zchannel.client")
+
 MAX_RANK = 32  # the rank a decoded array or tensor may have (a broker's ``max_rank`` lowers it)
 MAX_KEPT = 4096  # heads kept, of each kind
 _MAX_EXTENT = 2**63 - 1  # numpy's largest array size in bytes (its intp), zero dimensions aside
+MAX_DEVICE_CHARS = 32  # the longest device name a tensor descriptor may hold
+# the attribute of a CPU tensor a broker decoded that names the device it was sent from
+SENT_DEVICE = "_zchannel_sent_device"
 
 # numpy dtypes allowed on the wire: numeric and bool, either byte order.
 NP_DTYPES: dict[str, np.dtype] = {}
@@ -51,6 +62,7 @@ _torch_tables = False  # the tables above are built (restrict() may empty TORCH_
 # one packer for the descriptors' plain fields, shared by threads (wire/packers.py)
 _packer = shared_packer(use_bin_type=True)
 _heads_lock = threading.Lock()  # a head's check and keeping, against ``restrict``
+_warned_pid = 0  # the process that warned of a tensor left on the CPU (``restore_device``)
 _array_heads: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> head
 _tensor_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}  # (dtype, shape, device) ->
 #                                                                  (head, packed device name)
@@ -216,8 +228,9 @@ def tensor_dtype_name(t: Any) -> str:
 
 
 def tensor_head(t: Any) -> tuple[bytes, bytes]:
-    """The msgpack of tensor ``t``'s descriptor before its ``loc`` and after it (its device);
-    ``TypeError`` for a tensor that cannot travel."""
+    """The msgpack of tensor ``t``'s descriptor before its ``loc`` and after it (its device:
+    the one it was sent from for a tensor a broker decoded, ``sent_device``); ``TypeError``
+    for a tensor that cannot travel."""
     check_not_nested(t)  # (before its shape, which a nested tensor does not have)
     key = (t.dtype, t.shape, t.device, t.layout)
     parts = _tensor_heads.get(key)
@@ -227,7 +240,15 @@ def tensor_head(t: Any) -> tuple[bytes, bytes]:
             parts = (_packer.pack_array_header(4) + _packer.pack(name)
                      + _packer.pack(list(t.shape)), _packer.pack(str(t.device)))
             _keep(_tensor_heads, key, parts)
-    return parts
+    sent = sent_device(t)
+    return parts if sent is None else (parts[0], _packer.pack(sent))
+
+
+def sent_device(t: Any) -> str | None:
+    """The device tensor ``t`` was sent from when it is a tensor a broker decoded
+    (``keep_sent_device``) and still on the CPU; None for any other tensor."""
+    device = getattr(t, SENT_DEVICE, None)
+    return device if device is not None and t.is_cpu else None
 
 
 def tensor_payload(head: tuple[bytes, bytes], loc: Any) -> bytes:
@@ -313,21 +334,57 @@ def tensor_over(raw: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> Any:
     return tensor.reshape(shape)
 
 
+def check_device(device: Any) -> str:
+    """A received tensor descriptor's device name; ``ValueError`` unless it is a str of at
+    most ``MAX_DEVICE_CHARS`` characters."""
+    if not isinstance(device, str) or len(device) > MAX_DEVICE_CHARS:
+        raise ValueError("malformed tensor device")
+    return device
+
+
 def restore_device(tensor: Any, device: Any) -> Any:
-    """``tensor`` (on the CPU) moved to ``device``, the name it was sent from, where this
-    process has such a device; else left on the CPU."""
+    """``tensor`` (on the CPU) moved to ``device``, the exact device it was sent from
+    (``"cuda:3"``, not the receiver's current device), where this process has that kind of
+    device; else left on the CPU.  A move that fails (no device of that index here, CUDA not
+    usable in this process -- a child forked after its parent used it --, the device's memory
+    full) also leaves it on the CPU, never losing the item: the first such tensor of a
+    process logs a warning naming the device and the error (``_left_on_cpu``)."""
     if device == "cpu":
         return tensor
-    if not isinstance(device, str) or len(device) > 32:
-        raise ValueError("malformed tensor device")
-    kind = device.partition(":")[0]
+    kind = check_device(device).partition(":")[0]
     if kind == "cpu":
         return tensor
     backend = getattr(torch_module(), kind, None)
     is_available = getattr(backend, "is_available", None)
-    if is_available is None or not is_available():
-        return tensor  # no such device here: the tensor stays on the CPU
     try:
+        if is_available is None or not is_available():
+            return tensor  # no such kind of device here: the tensor stays on the CPU
         return tensor.to(device)
-    except (RuntimeError, ValueError):
-        return tensor.to(kind)
+    except Exception as exc:
+        _left_on_cpu(device, exc)
+        return tensor
+
+
+def _left_on_cpu(device: str, exc: Exception) -> None:
+    """Log that a tensor sent from ``device`` stays on the CPU because moving it there raised
+    ``exc``: a warning for the first in this process, later ones at debug level."""
+    global _warned_pid
+    pid = os.getpid()
+    if _warned_pid == pid:
+        log.debug("a tensor sent from %s stays on the CPU: %s: %s", device,
+                  type(exc).__name__, exc)
+        return
+    _warned_pid = pid
+    log.warning("a tensor sent from %s stays on the CPU: moving it there failed (%s: %s); "
+                "later tensors this process cannot move are logged at debug level only",
+                device, type(exc).__name__, exc)
+
+
+def keep_sent_device(tensor: Any, device: Any) -> Any:
+    """``tensor`` (on the CPU) left there, marked with ``device``, the one it was sent from, for
+    a broker's hooks: the broker never moves a tensor onto its own devices, and an encoding
+    of this tensor sends that device again (``tensor_head``), so its receivers restore it as
+    they would have without the hooks."""
+    if check_device(device).partition(":")[0] != "cpu":
+        setattr(tensor, SENT_DEVICE, device)
+    return tensor

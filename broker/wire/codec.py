@@ -31,7 +31,10 @@ every Python type (base values of subclasses, refusals) is ``docs/values.md``;
 ``loc`` is the raw bytes inline (below ``INLINE_LIMIT``) or the index of a buffer, or ``[i]``: the
 ``i``-th shared-memory slot of the item (same-host path, ``broker/shm/``).  Every buffer is
 ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
-(dtype allow-list, rank, sizes, frame indices) and never unpickles anything.
+(dtype allow-list, rank, sizes, frame indices) and never unpickles anything; it restores a
+tensor's ``device`` where the receiver can (a broker decoding for its hooks keeps tensors on the
+CPU: ``decode(..., restore_devices=False)``).  ``encoded_bytes`` gives the bytes an item takes
+without taking its arrays' data (a put refused for ``max_message_bytes`` copies nothing).
 
 Nesting.  The payload of a tuple, set, frozenset or dataclass (the *nesting* ext types) is
 decoded by a nested call of msgpack's unpacker, through ``ext_hook``; each such level costs
@@ -65,6 +68,7 @@ from zchannel.broker.wire.arrays import (
     check_rank,
     is_size,
     is_tensor,
+    keep_sent_device,
     numpy_of,
     restore_device,
     tensor_bytes,
@@ -281,7 +285,8 @@ class _Encoder:
 
 
 _PLAIN_TYPES = frozenset({bytes, str, int, float, bool, type(None)})
-_FLAT_TYPES = _PLAIN_TYPES | {bytearray}  # no array inside: never a shared-memory slot
+# items that hold no array: never a shared-memory slot
+FLAT_TYPES = _PLAIN_TYPES | {bytearray}
 # one packer for scalars, shared by threads (wire/packers.py)
 _plain_packer = shared_packer(use_bin_type=True)
 
@@ -338,7 +343,7 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
     """:func:`encode` with a shared-memory slot allocator ``alloc(data, nbytes) -> ref | None``
     (``broker/shm/pool.py``): arrays and tensors it takes travel as ``[i]`` locs; returns
     ``(body, buffers, refs)``."""
-    if type(obj) in _FLAT_TYPES:
+    if type(obj) in FLAT_TYPES:
         body, buffers = encode(obj)
         return body, buffers, []
     enc = _Encoder(alloc)
@@ -350,6 +355,68 @@ def encode_shm(obj: Any, alloc: Any) -> tuple[bytes, list[Any], list[Any]]:
             raise refusal(exc) from None
         raise
     return body, enc.buffers, enc.refs
+
+
+class _Sizer(_Encoder):
+    """Packs an item as ``encode_shm`` does when every array and tensor of at least
+    ``slot_from`` bytes gets a slot (0: none does), counting the bytes of its arrays',
+    tensors' and large bytes' data in ``outside`` instead of taking them (``encoded_bytes``)."""
+
+    __slots__ = ("slot_from", "outside")
+
+    def __init__(self, slot_from: int) -> None:
+        super().__init__()
+        self.slot_from = slot_from
+        self.outside = 0  # bytes of the item's buffers and slots
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if type(obj) is not np.ndarray:
+                check_array(obj)
+            # (the head and loc of its C-contiguous copy, which has its dtype, shape and size)
+            return msgpack.ExtType(EXT_NDARRAY, array_payload(obj, self.sized_loc(obj.nbytes)))
+        if is_tensor(obj):
+            head = tensor_head(obj)
+            nbytes = obj.numel() * obj.element_size()
+            return msgpack.ExtType(EXT_TENSOR, tensor_payload(head, self.sized_loc(nbytes)))
+        return super().default(obj)
+
+    def sized_loc(self, nbytes: int) -> Any:
+        """The ``loc`` of an array's ``nbytes`` bytes of data: inline bytes of that length (all
+        zero), a slot or a buffer (counted)."""
+        if nbytes < INLINE_LIMIT:
+            return bytes(nbytes)
+        if self.slot_from and nbytes >= self.slot_from:
+            self.outside += nbytes
+            self.refs.append(None)
+            return [len(self.refs) - 1]
+        return self.loc(None, nbytes)
+
+    def loc(self, data: Any, nbytes: int) -> Any:
+        """``_Encoder.loc``, a buffer counted instead of kept."""
+        if nbytes < INLINE_LIMIT:
+            return super().loc(data, nbytes)
+        self.outside += nbytes
+        self.buffers.append(None)
+        return len(self.buffers) - 1
+
+
+def encoded_bytes(obj: Any, slot_from: int = 0) -> int:
+    """The bytes item ``obj`` takes -- its body, buffers and shared-memory slots as
+    :func:`encode_shm` makes them when every array and tensor of at least ``slot_from`` bytes
+    gets a slot (0: as :func:`encode` makes them) -- worked out without taking the data of any
+    array or tensor: nothing is copied, made contiguous, moved off its device or put in a slot,
+    so that a put can be refused for its size before anything is.  Raises the ``TypeError``
+    :func:`encode` raises for a value that cannot travel."""
+    if type(obj) in FLAT_TYPES:
+        body, buffers = encode(obj)
+        return len(body) + sum(memoryview(b).nbytes for b in buffers)
+    sizer = _Sizer(slot_from)
+    try:
+        body = sizer.pack_value(obj)
+    except (ValueError, RecursionError, BufferError) as exc:
+        raise refusal(exc) from None
+    return len(body) + sizer.outside
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,14 +447,15 @@ class _Decoder:
     """Decodes one item's body at nesting level ``depth`` (0: the body itself); the payloads of
     nesting ext types go to ``inner()``, the decoder one level deeper."""
 
-    __slots__ = ("frames", "copy", "shm", "shm_copy", "depth", "_inner")
+    __slots__ = ("frames", "copy", "shm", "shm_copy", "restore_devices", "depth", "_inner")
 
     def __init__(self, frames: Sequence[Any], copy: bool, shm: Sequence[Any] = (),
-                 shm_copy: bool = True, depth: int = 0) -> None:
+                 shm_copy: bool = True, restore_devices: bool = True, depth: int = 0) -> None:
         self.frames = frames
         self.copy = copy
         self.shm = shm  # uint8 arrays of the item's shared-memory slots
         self.shm_copy = shm_copy
+        self.restore_devices = restore_devices  # False: tensors stay on the CPU (a broker's)
         self.depth = depth
         self._inner: _Decoder | None = None
 
@@ -414,7 +482,7 @@ class _Decoder:
             if self.depth >= MAX_DEPTH:
                 raise ValueError(too_deep("decode"))
             inner = self._inner = _Decoder(self.frames, self.copy, self.shm, self.shm_copy,
-                                           self.depth + 1)
+                                           self.restore_devices, self.depth + 1)
         return inner
 
     def raw(self, loc: Any, nbytes: int) -> np.ndarray:
@@ -478,7 +546,9 @@ def _read_tensor(dec: _Decoder, data: bytes) -> Any:
         tensor = torch_module().from_numpy(np.ndarray(shape, np_dtype, bytearray(loc)))
     else:
         tensor = tensor_over(dec.raw(loc, nbytes), dtype, shape)
-    return restore_device(tensor, value[3])
+    if dec.restore_devices:
+        return restore_device(tensor, value[3])
+    return keep_sent_device(tensor, value[3])
 
 
 def _read_dataclass(dec: _Decoder, data: bytes) -> Any:
@@ -627,25 +697,34 @@ def build_dataclass(cls: type, fields: dict) -> Any:
     return obj
 
 
-_INLINE = _Decoder((), False)  # items without frames or slots (stateless: shared by threads)
+# items without frames or slots (stateless: shared by threads), tensors restored to their
+# devices or (a broker's) left on the CPU
+_INLINE = _Decoder((), False)
+_INLINE_ON_CPU = _Decoder((), False, restore_devices=False)
 
 
 def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Sequence[Any] = (),
-           shm_copy: bool = True) -> Any:
+           shm_copy: bool = True, restore_devices: bool = True) -> Any:
     """Decode an item encoded by :func:`encode`.
 
     ``frames`` are the buffers (``zmq.Frame``, bytes, memoryview...).  Arrays and tensors read
     from frames are writable views of them unless ``copy`` is true; inline ones are owned
     copies.  ``shm`` are the uint8 arrays of the item's shared-memory slots (``broker/shm/``),
-    copied out unless ``shm_copy`` is false.  Raises ``ValueError`` for anything malformed or not
-    allowed.
+    copied out unless ``shm_copy`` is false.  A tensor goes to the device it was sent from
+    where this process can put it there (``arrays.restore_device``); with ``restore_devices``
+    false (a broker decoding for its hooks) every tensor stays on the CPU, marked with that
+    device, which encoding the same tensor sends again (``arrays.keep_sent_device``).  Raises
+    ``ValueError`` for anything malformed or not allowed.
     """
     if not (frames or shm) and (type(body) is bytes or type(body) is memoryview) \
             and len(body) >= 2 and body[0] == 0xC4 and len(body) == 2 + body[1]:
         # a small bytes item (msgpack bin 8): nothing else to look at (a frame of a batch
         # reply comes as a memoryview of the message: its bytes copied out)
         return body[2:] if type(body) is bytes else bytes(body[2:])
-    dec = _Decoder(frames, copy, shm, shm_copy) if frames or shm else _INLINE
+    if frames or shm:
+        dec = _Decoder(frames, copy, shm, shm_copy, restore_devices)
+    else:
+        dec = _INLINE if restore_devices else _INLINE_ON_CPU
     try:
         return dec.unpack(body)
     except Exception as exc:  # msgpack's own errors (ValueError subclasses), RecursionError, ...
