@@ -133,6 +133,7 @@ class Connection:
         line = self._line = Line(transport, heartbeat_interval, liveness)
         requests = self._requests = RequestQueue(line, address, max_inflight, self.shm,
                                                  self.request)
+        self.shm.releases.ids = requests.ids  # its marks are request ids (shm.client.Releases)
         self._waiting = Waiting(line, requests, self._recv_one)
         if line.callers_read:  # a thread waiting on a Work reads the link itself
             requests.reader = self._waiting
@@ -296,9 +297,10 @@ class Connection:
         self.join()
 
     def after_fork(self) -> None:
-        """In a forked child: ``Line.after_fork`` and ``RequestQueue.after_fork``."""
+        """In a forked child: ``after_fork`` of the ``Line``, ``RequestQueue`` and ``ShmClient``."""
         self._line.after_fork()
         self._requests.after_fork()
+        self.shm.after_fork()
 
     def _recv_all(self) -> None:
         while self._recv_one():
@@ -347,6 +349,7 @@ class Connection:
                 self.shm.release(reply_hold_ids(rec.slots))  # an answer nobody awaits: its slots go
             return
         self._release(pending[3])
+        self.shm.releases.answered(rid)  # the releases queued before it reached the broker
         work, convert, is_put, _ = pending
         if rec.error is not None:
             work.set_exception(error_from_wire(rec.error))
@@ -359,7 +362,7 @@ class Connection:
         """An ``items`` record: complete each get it answers as a reply of the get's own id
         with its inline item would (an id no longer awaited is dropped).  A converter's
         ``inline`` (a get's) converts the entry's body and lease, with no ``Reply`` made."""
-        pending_of, release = self._pending, self._release
+        pending_of, release, answered = self._pending, self._release, self.shm.releases.answered
         last: Convert | None = None
         inline: Any = None
         for rid, body, lease in items:
@@ -367,6 +370,7 @@ class Connection:
             if pending is None:
                 continue
             release(pending[3])
+            answered(rid)
             work, convert = pending[0], pending[1]
             if convert is not last:  # the gets of one record share their converter
                 last, inline = convert, getattr(convert, "inline", None)

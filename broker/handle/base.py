@@ -3,9 +3,9 @@
 A handle takes its share of this process's connection to its broker (``connection/sharing.py``) at first
 use, and again in a forked child or after the connection ended; gives it back on ``close``;
 stops the broker on ``shutdown`` if its ``create`` started it; pickles to its name, address,
-identity and keys (an unpickled copy connects anew).  At interpreter exit the brokers this
-process started are stopped and every connection closed.  The operations (``put``, ``get``,
-...) are ``BrokerChannel``'s (``handle/broker_channel.py``).
+identity, keys and shared-memory switch (an unpickled copy connects anew).  At interpreter exit
+the brokers this process started are stopped and every connection closed.  The operations
+(``put``, ``get``, ...) are ``BrokerChannel``'s (``handle/broker_channel.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from zchannel.broker.host import paths
 from zchannel.broker.host.procs import process_running
 from zchannel.broker.server import rundir
 from zchannel.broker.server.starting import BrokerProcess, stop_broker
+from zchannel.broker.shm.client import check_shm_switch
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire.protocol import Shutdown
 from zchannel.hooks import check_consumer_id
@@ -74,7 +75,8 @@ class ChannelHandle:
         self._share: sharing.Share | None = None  # of this process's connection to the broker
         self._conn_lock = threading.Lock()
         self._closed = False
-        self._shm = shm  # same-host shared memory: None = on unless ZCHANNEL_SHM=0
+        # same-host shared memory: None = on unless ZCHANNEL_SHM=0 (TypeError for a non-bool)
+        self._shm = check_shm_switch(shm)
         self._keeper: Any = None  # the BrokerKeeper watching the broker it started (keeper.py)
         self.created = False
         _open_handles.add(self)
@@ -269,7 +271,7 @@ class ChannelHandle:
 
     def __reduce__(self) -> Any:
         return (_unpickle, (type(self), self._name, self._address, self._explicit_identity,
-                            self._curve_keys))
+                            self._curve_keys, self._shm))
 
     def __repr__(self) -> str:
         # cheap and local on purpose: no request (RLinf's str() fetched items; see peek())
@@ -279,8 +281,10 @@ class ChannelHandle:
 
 
 def _unpickle(cls: type[ChannelHandle], name: str | None, address: str, identity: str | None,
-              curve_keys: Any) -> ChannelHandle:
-    return cls(name, address, identity=identity, curve_keys=curve_keys)
+              curve_keys: Any, shm: bool | None = None) -> ChannelHandle:
+    """A pickled handle again (``shm``: absent from pickles of older versions, which did not
+    keep it)."""
+    return cls(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
 
 
 def clean_after_dead_broker(name: str, addresses: tuple[str, ...] = ()) -> None:

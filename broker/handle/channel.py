@@ -49,6 +49,7 @@ from zchannel.broker.server.starting import (
     hook_label,
     spawn_broker,
 )
+from zchannel.broker.shm.client import check_shm_switch
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
 from zchannel.broker.wire.argchecks import check_timeout
@@ -368,9 +369,11 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         str (``zchannel.embodied.groups.Worker``).  None keeps ``identity=``, else
         ``ZCHANNEL_IDENTITY``.  ``name=`` is RLinf's keyword for ``name_or_address``.
         ``shm=False`` keeps this handle off the same-host shared-memory path (default: on when
-        the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``).
+        the broker offers it, unless ``ZCHANNEL_SHM=0``; see ``docs/shm.md``); anything but
+        None, True or False is a ``TypeError``.
         Raises ``ChannelNotFound`` (quickly when nothing can be listening) if no broker answers.
         """
+        check_shm_switch(shm)
         name_or_address = _connect_target(name_or_address, name)
         _check_connect_timeout(timeout)
         worker_identity = _worker_identity(current_worker)

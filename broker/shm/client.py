@@ -2,8 +2,9 @@
 per ``Connection``: it proves same-host at hello (reads the token of the broker's probe segment
 and sends it back), owns the producer's ``Pool``, lends slots to producers that write their
 tensors in place (``Channel.empty_shm``), maps the segments named in replies, decodes items
-whose slots it receives and sends ``shm_rel`` records for them.  ``client_submit`` encodes a
-put through the pool.
+whose slots it receives (copies out into ``CopyOuts``' recycled buffers) and sends ``shm_rel``
+records for them (``Releases``: none is lost while the broker re-registers this client).
+``client_submit`` encodes a put through the pool.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,15 @@ from zchannel.broker.shm.segment import (
 from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
-OUT_CACHE = 4  # copy-out buffers of one size a consumer keeps for reuse (pages stay mapped)
+# Copy-out buffers a consumer keeps for reuse (their pages stay mapped: ``CopyOuts``): at most
+# OUT_CACHE of one size, of the OUT_CACHE_SIZES sizes recycled last, and OUT_CACHE_BYTES in all
+# per connection (a larger buffer is freed with its copy).
+OUT_CACHE = 4
+OUT_CACHE_SIZES = 16
+OUT_CACHE_BYTES = 256 << 20
+# Hold ids per ``shm_rel`` record when releases kept back go out together (``Releases.resume``):
+# a record far below the broker's header limit (``MAX_HEADER_BYTES``, 1 MiB).
+RELEASE_IDS_PER_RECORD = 4096
 # The release of slots this large or larger goes at once (the I/O thread woken for it): a
 # size class of them holds few slots (``pool.CLASS_BYTES``: 32 of 4 MiB, 8 of 16 MiB), and a
 # producer whose pool is full waits for each; copying one out takes long enough that a
@@ -56,17 +66,29 @@ def env_enabled() -> bool:
 env_enabled()  # a malformed ZCHANNEL_SHM fails at import, as connection/tuning.py's settings do
 
 
+def check_shm_switch(shm: Any) -> bool | None:
+    """A handle's ``shm=``: None (on unless ``ZCHANNEL_SHM=0``), True or False, else
+    ``TypeError`` naming it (a ``"false"`` read from a config file is truthy: taken as it is, it
+    would switch shared memory on)."""
+    if shm is None or shm is True or shm is False:
+        return shm
+    raise TypeError(f"shm must be None, True or False, got {shm!r} (None: on unless "
+                    "ZCHANNEL_SHM=0)")
+
+
 class ShmClient:
     """The shared-memory side of one ``Connection`` (see the module docstring)."""
 
     def __init__(self, conn: Any, enabled: bool | None = None) -> None:
         self.conn = conn
-        self.enabled = env_enabled() if enabled is None else bool(enabled)
+        enabled = check_shm_switch(enabled)
+        self.enabled = env_enabled() if enabled is None else enabled
         self.pool: Pool | None = None  # set while same-host is proven for the current hello
         self.mapped: OrderedDict[str, Segment] = OrderedDict()
         self.lock = threading.Lock()
         self.unlinked_at = 0.0  # when ``_drop_unlinked`` last looked (``time.monotonic``)
-        self.out_cache: dict[int, list[np.ndarray]] = {}  # nbytes -> free copy-out buffers
+        self.copies = CopyOuts()
+        self.releases = Releases(conn)
         self.reserved: dict[int, int] = {}  # nbytes -> slots asked for with reserve()
         # the completed gets whose replies hold slots (``Work``s, converted by their first
         # reader): read before this connection says bye, when the broker gives those slots
@@ -76,10 +98,17 @@ class ShmClient:
 
     # -- hello (I/O thread) --------------------------------------------------------------------
 
+    @property
+    def out_cache(self) -> OrderedDict[int, list[np.ndarray]]:
+        """The free copy-out buffers by size (``CopyOuts``)."""
+        return self.copies.free
+
     def end_session(self) -> None:
         """The broker no longer knows this connection (it expired it, or it restarted): puts
         go as frames until a new hello proves same-host again (a put with slots that reached
-        the broker before that proof would be refused)."""
+        the broker before that proof would be refused), and releases wait for that proof
+        (``Releases``)."""
+        self.releases.end_session()
         old, self.pool = self.pool, None
         if old is not None:
             old.close()
@@ -93,28 +122,38 @@ class ShmClient:
 
     def on_hello(self, info: HelloInfo) -> None:
         """A broker answered ``hello``: drop the pool of the previous session, and if the broker
-        offers shared memory, prove same-host by echoing its probe's token."""
+        offers shared memory, prove same-host by echoing its probe's token; then send the
+        releases kept back since the previous session ended (``Releases.resume``)."""
         self.end_session()
+        proven = False
+        try:
+            proven = self._prove(info)
+        finally:  # whatever happened, releases are no longer kept back
+            self.releases.resume(proven)
+
+    def _prove(self, info: HelloInfo) -> bool:
+        """Prove same-host to the broker that answered ``hello`` with ``info`` (``shm_hi``) and
+        make this session's pool; False when there is no shared memory with it."""
         offer = shm_offer(info.shm)
         if not self.enabled or offer is None:
-            return
+            return False
         probe, prefix = offer.probe, offer.prefix
         # a broker that names no pool budget means the default; a budget of 0 turns it off
         threshold = offer.threshold
         budget = DEFAULT_POOL_BYTES if offer.pool is None else offer.pool
         if budget == 0:
-            return  # this client's puts go as frames (as with shm=False)
+            return False  # this client's puts go as frames (as with shm=False)
         if not (isinstance(prefix, str) and PREFIX_RE.match(prefix) and isinstance(threshold, int)
                 and threshold > 0 and isinstance(budget, int) and isinstance(probe, str)
                 and NAME_RE.match(probe) and probe.startswith(prefix)):
-            return
+            return False
         try:
             with open(os.path.join(SHM_DIR, probe), "rb") as f:
                 data = f.read(64)
         except OSError:
-            return  # another host (or another /dev/shm): frames
+            return False  # another host (or another /dev/shm): frames
         if len(data) < 24 or data[:8] != MAGIC:
-            return
+            return False
         self.conn.send_unanswered(ShmHello(id=0, token=data[8:24], pid=os.getpid(),
                                               pid_ns=pid_namespace()), now=True)
         pool = self.pool = Pool(prefix, threshold, budget, self.conn.hb * self.conn.liveness)
@@ -122,6 +161,7 @@ class ShmClient:
             wanted = dict(self.reserved)
             threading.Thread(target=lambda: [pool.reserve(n, k) for n, k in wanted.items()],
                              daemon=True, name="zchannel-shm-reserve").start()
+        return True
 
     def reserve(self, nbytes: int, slots: int) -> int:
         """``Channel.reserve_shm``: the slots of ``nbytes`` the pool now holds (0: no shared
@@ -155,10 +195,26 @@ class ShmClient:
                     pass
 
     def close(self) -> None:
+        """The connection closed: its pool, mappings, copy-out buffers and releases go."""
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.close()
         self.mapped.clear()
+        self.copies.close()
+        self.releases.close()
+
+    def after_fork(self) -> None:
+        """In a forked child (``Connection.after_fork``): this connection is the parent's, and
+        so are its slots.  The pool's lent arrays stay the parent's (``Pool.after_fork``: a
+        child dropping its copy of one, or exiting, frees nothing), views the child drops
+        release nothing (``Releases.after_fork``), and the locks are new (a parent's thread
+        may have held one at the fork)."""
+        self.lock = threading.Lock()
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.after_fork()
+        self.releases.after_fork()
+        self.copies.after_fork()
 
     # -- consumer side -------------------------------------------------------------------------
 
@@ -199,32 +255,18 @@ class ShmClient:
                         del self.mapped[seg.name]
 
     def copy_out(self, view: np.ndarray) -> np.ndarray:
-        """An owned copy of a slot, in a buffer recycled from copies already garbage collected
-        (a fresh allocation would fault in every page of it again)."""
-        n = view.nbytes
-        free = self.out_cache.get(n)
-        owner = free.pop() if free else np.empty(n, dtype=np.uint8)
-        np.copyto(owner, view.reshape(-1).view(np.uint8))
-        out = np.frombuffer(owner.data, dtype=np.uint8)  # views of it all share `out`
-        weakref.finalize(out, self._recycle, owner)
-        return out
-
-    def _recycle(self, owner: np.ndarray) -> None:
-        free = self.out_cache.setdefault(owner.nbytes, [])
-        if len(free) < OUT_CACHE:
-            free.append(owner)
-        if len(self.out_cache) > 16:  # many sizes: keep only the newest
-            for n in list(self.out_cache)[:-16]:
-                self.out_cache.pop(n, None)
+        """An owned copy of a slot (``CopyOuts.copy``)."""
+        return self.copies.copy(view)
 
     def release(self, hold_ids: list[int], at_once: bool = True) -> None:
         """Tell the broker these slots are no longer used here (no reply; any thread):
         ``at_once``, the I/O thread woken for it (the producer of the slots may be waiting
         for them, its pool at its limit, while this consumer works on what it got), else
         with this connection's next message, which goes within ``LAZY_S``
-        (``RequestQueue.send_unanswered``)."""
+        (``RequestQueue.send_unanswered``).  Kept until the broker is known to have it
+        (``Releases``)."""
         if hold_ids:
-            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), soon=at_once)
+            self.releases.send(hold_ids, at_once)
 
     def _slot(self, entry: Any) -> np.ndarray:
         if hold_id(entry) is None:
@@ -269,6 +311,170 @@ class ShmClient:
         finally:
             # copied out (or failed): the slots go back now, large ones at once
             self.release(holds, largest >= RELEASE_AT_ONCE_BYTES)
+
+
+class Releases:
+    """The ``shm_rel`` records of one connection, kept until the broker is known to have them.
+
+    A broker that expired this client while its process still runs (stopped past the heartbeat
+    expiry: SIGSTOP, a debugger, swapping) keeps the holds of its views for that process and
+    makes them this client's again only when it proves the same host again (``shm_hi``,
+    ``shm/holds.py``).  A release that reaches the broker in between is dropped there: one sent
+    before this client learnt it expired (the broker no longer knows it), or after its new
+    hello but before ``shm_hi`` (its new session holds nothing yet).  The slots would stay held
+    until the process ends.  So a release is kept here until it is known to have arrived in a
+    live session, and one that may not have is sent again once the next session is proven:
+
+    - each release sent is kept with a *mark*: an id drawn from the connection's request ids
+      (``ids``, which the connection sets) after the record was queued, so that no request
+      takes it.  Requests are queued as they draw their ids, and go out in queue order: one
+      with a larger id went out after the release, and the broker answering it (rather than
+      telling this client it expired) handled the release before it, from this live client.
+      So the reply to request ``rid`` settles every release marked below ``rid``
+      (``answered``);
+    - when the session ends (``end_session``: the broker expired this client, the link broke, a
+      new hello was answered), the releases not settled yet are kept back, and so is every
+      release made from then on, until the next session has sent ``shm_hi``: they go right after
+      it (``resume``).  One the broker did handle goes twice: the broker ignores a hold id it
+      does not hold, and hold ids are never used twice.
+
+    The client holding them (rather than the broker remembering releases of ids a client does
+    not hold) is what covers both gaps: a release sent while the broker no longer knew this
+    client never reached anything that could remember it."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.ids: Iterator[int] = iter(())  # the connection's request ids (it sets them)
+        # finalizers release (any thread, also while this thread holds the lock: a collection)
+        self.lock = threading.RLock()
+        self.sent: deque[tuple[int, list[int]]] = deque()  # (mark, hold ids), not yet settled
+        self.held: list[int] | None = None  # hold ids kept back until shm_hi (None: sent now)
+        self.ended = False  # the connection closed, or this is a forked child's copy
+
+    def send(self, hold_ids: list[int], at_once: bool) -> None:
+        """Send a release of ``hold_ids`` (``ShmClient.release``), or keep it back while no
+        session is proven."""
+        with self.lock:
+            if self.ended:
+                return
+            if self.held is not None:
+                self.held.extend(hold_ids)
+                return
+            self.conn.send_unanswered(ShmRelease(id=0, holds=hold_ids), soon=at_once)
+            self.sent.append((next(self.ids), hold_ids))
+
+    def answered(self, rid: int) -> None:
+        """The broker answered request ``rid``: the releases marked below it reached it."""
+        sent = self.sent
+        if sent and sent[0][0] < rid:
+            with self.lock:
+                while sent and sent[0][0] < rid:
+                    sent.popleft()
+
+    def end_session(self) -> None:
+        """The session ended: what is not settled, and every release from now on, waits for
+        the next session's ``shm_hi`` (``resume``)."""
+        with self.lock:
+            held = self.held if self.held is not None else []
+            for _, hold_ids in self.sent:
+                held.extend(hold_ids)
+            self.sent.clear()
+            self.held = held
+
+    def resume(self, proven: bool) -> None:
+        """The hello was answered and, if ``proven``, ``shm_hi`` sent (on the socket, by this
+        thread): send the releases kept back, right behind it.  Not proven, the broker makes
+        no holds this client's again: they are dropped."""
+        with self.lock:
+            held, self.held = self.held, None
+            if not proven or not held or self.ended:
+                return
+            for start in range(0, len(held), RELEASE_IDS_PER_RECORD):
+                chunk = held[start : start + RELEASE_IDS_PER_RECORD]
+                self.conn.send_unanswered(ShmRelease(id=0, holds=chunk), now=True)
+                self.sent.append((next(self.ids), chunk))
+
+    def close(self) -> None:
+        """The connection closed (its bye drops this client's holds): nothing more is sent."""
+        with self.lock:
+            self.ended = True
+            self.sent.clear()
+            self.held = None
+
+    def after_fork(self) -> None:
+        """In a forked child: the releases are the parent's; the child's send none."""
+        self.lock = threading.RLock()
+        self.ended = True
+        self.sent.clear()
+        self.held = None
+
+
+class CopyOuts:
+    """The owned copies of slots a consumer makes (``copy=None``/``True``), in buffers recycled
+    from copies already garbage collected: a fresh buffer faults in every page again, which
+    costs several times the copy itself (``docs/decisions.md``).  Kept for reuse: at most
+    ``OUT_CACHE`` free buffers of one size, of the ``OUT_CACHE_SIZES`` sizes recycled last, and
+    ``OUT_CACHE_BYTES`` in all (the sizes recycled longest ago give theirs up first); a larger
+    buffer, or one past these limits, is freed with its copy.  ``close`` frees them all."""
+
+    def __init__(self) -> None:
+        # copies are recycled by finalizers: any thread, also inside a copy on this one
+        self.lock = threading.RLock()
+        self.free: OrderedDict[int, list[np.ndarray]] = OrderedDict()  # size -> free buffers
+        self.nbytes = 0  # bytes of the free buffers
+        self.closed = False
+
+    def copy(self, view: np.ndarray) -> np.ndarray:
+        """An owned copy of ``view`` (a slot's bytes), in a recycled buffer if one is free."""
+        n = view.nbytes
+        with self.lock:
+            free = self.free.get(n)
+            owner = free.pop() if free else None
+            if owner is not None:
+                self.nbytes -= n
+        if owner is None:
+            owner = np.empty(n, dtype=np.uint8)
+        np.copyto(owner, view.reshape(-1).view(np.uint8))
+        out = np.frombuffer(owner.data, dtype=np.uint8)  # views of it all share `out`
+        weakref.finalize(out, self._recycle, owner)
+        return out
+
+    def _recycle(self, owner: np.ndarray) -> None:
+        """A copy was collected: keep its buffer for the next copy of its size, within the
+        limits."""
+        n = owner.nbytes
+        if n > OUT_CACHE_BYTES or self.closed:
+            return
+        fresh: list[np.ndarray] = []  # made outside the lock (an allocation may collect)
+        with self.lock:
+            if self.closed:
+                return
+            free = self.free.setdefault(n, fresh)
+            self.free.move_to_end(n)
+            if len(free) >= OUT_CACHE:
+                return
+            free.append(owner)
+            self.nbytes += n
+            while self.free and (self.nbytes > OUT_CACHE_BYTES
+                                 or len(self.free) > OUT_CACHE_SIZES):
+                oldest = next(iter(self.free))
+                buffers = self.free.get(oldest)
+                if buffers:
+                    buffers.pop()
+                    self.nbytes -= oldest
+                if not buffers:
+                    self.free.pop(oldest, None)
+
+    def close(self) -> None:
+        """Free every buffer kept; copies collected later free theirs."""
+        with self.lock:
+            self.closed = True
+            self.free.clear()
+            self.nbytes = 0
+
+    def after_fork(self) -> None:
+        """In a forked child: a new lock (a parent's thread may have held it at the fork)."""
+        self.lock = threading.RLock()
 
 
 def hold_id(entry: Any) -> int | None:

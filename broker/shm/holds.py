@@ -4,7 +4,10 @@ Each delivered slot is a ``Hold`` (``shm/broker.py``) under a hold id the reply 
 consumer releases it by that id (``shm_rel``) when it copied the slot out or its view was
 collected.  A consumer that leaves has its holds dropped, except one the broker expired while
 its process still runs (stopped, in a debugger): its views live on, so its holds are kept by
-(pid, identity) until that process registers again (``adopt``) or ends (``sweep``).
+(pid, identity) until that process registers again (``adopt``) or ends (``sweep``).  A release
+of an id the client does not hold is ignored: the client sends a release again, after it
+proved the same host anew, when it cannot know whether the broker took it in time
+(``shm/client.py``, ``Releases``), and hold ids are never used twice.
 """
 
 from __future__ import annotations

@@ -345,6 +345,11 @@ class Pool:
         for ref in refs:
             self.announced.add(ref[0])
 
+    def after_fork(self) -> None:
+        """In a forked child: the lent slots are the parent's (their finalizers free nothing)."""
+        self.lock = threading.Lock()  # a parent's thread may have held it at the fork
+        self.lent.clear()
+
     def close(self) -> None:
         """Unlink the segments the broker never heard of (it removes the others)."""
         with self.lock:
