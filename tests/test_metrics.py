@@ -226,6 +226,26 @@ def test_hook_time_is_measured(run_dir, tmp_path):
         _stop(proc)
 
 
+def test_create_with_metrics_port_needs_the_extra_before_a_broker_starts(run_dir, tmp_path):
+    """``Channel.create(..., metrics_port=0)`` without prometheus_client: an ``ImportError``
+    naming ``metrics_port`` and the extra, before a broker is started (no lock is left)."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "prometheus_client.py").write_text("raise ImportError('not installed')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ["PYTHONPATH"]]),
+               ZCHANNEL_RUN_DIR=run_dir)
+    script = ("from zchannel.broker import Channel\n"
+              "try:\n"
+              "    Channel.create('nometrics', metrics_port=0)\n"
+              "except ImportError as exc:\n"
+              "    print('ImportError', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == ("ImportError metrics_port needs prometheus_client: "
+                                  "pip install 'zchannel[metrics]'"), out.stderr
+    assert not [f for f in os.listdir(run_dir) if f.startswith("nometrics")]
+
+
 def test_metrics_port_errors(run_dir, tmp_path):
     """Without prometheus_client: one line naming the extra; a busy port: one line naming it;
     a bad port value: a usage error."""

@@ -11,6 +11,7 @@ import signal
 
 import numpy as np
 import pytest
+from cluster_util import write_cluster
 from conftest import wait_until
 from zchannel.broker import Channel
 from zchannel.broker.shm import client as shm_client
@@ -187,4 +188,29 @@ def test_a_pickled_handle_keeps_shm_off(make_remote, workers):
         assert _shm_stats(ch)["slots_in"] == 0  # every put went as frames
         here.close()
     finally:
+        off.close()
+
+
+def test_a_distributed_handle_keeps_shm_off_on_every_replica(run_dir, monkeypatch, channels):
+    """``Channel.connect(name, shm=False)`` of a distributed channel: the handle of each
+    replica it reaches keeps shared memory off too (and so does a pickled copy), so large
+    arrays go as frames to every replica."""
+    monkeypatch.setenv("ZCHANNEL_CLUSTER", write_cluster(run_dir))
+    monkeypatch.setenv("ZCHANNEL_NODE", "n0")
+    ch = Channel.create("distshm", distributed=True, shm_threshold=T)
+    channels.append(ch)
+    off = Channel.connect("distshm", shm=False)
+    copy = pickle.loads(pickle.dumps(off))
+    try:
+        keys = [f"k{i}" for i in range(12)]
+        assert len({off.replica_of(k) for k in keys}) == 3  # every replica gets some
+        for handle in (off, copy):
+            for key in keys:
+                handle.put(np.full(T, 3, np.uint8), key=key)
+        for index in range(3):
+            assert off._sub(index)._connection().shm.pool is None
+            assert ch._sub(index).stats()["shm"]["slots_in"] == 0  # every put went as frames
+        assert all((ch.get(key=k, timeout=10) == 3).all() for k in keys for _ in range(2))
+    finally:
+        copy.close()
         off.close()

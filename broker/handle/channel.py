@@ -42,7 +42,7 @@ from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
 from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT, BrokerConfig
-from zchannel.broker.server.metrics import check_port
+from zchannel.broker.server.metrics import check_port, require_prometheus
 from zchannel.broker.server.starting import (
     START_TIMEOUT_S,
     hook_for_child,
@@ -175,6 +175,7 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
         config["shm_threshold"] = shm_threshold
     if metrics_port is not None:
         config["metrics_port"] = check_port(metrics_port)
+        require_prometheus("metrics_port")  # before a broker starts (it would refuse to)
     if journal is not None:  # a durable channel (docs/durability.md)
         where = os.fspath(journal)
         if not where:
@@ -396,10 +397,11 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             if address is None or _cluster_file_serves(name, address):
                 # a distributed channel: cluster file (also where a replica's .addr is on this
                 # host: the file holds each replica's server key), else Ray
-                found = connect_from_cluster(name, identity=identity, timeout=timeout)
+                found = connect_from_cluster(name, identity=identity, timeout=timeout, shm=shm)
                 on_ray = found is None and clusterfile.ray_connected()
                 if on_ray:
-                    found = ray_placement.connect(name, identity=identity, timeout=timeout)
+                    found = ray_placement.connect(name, identity=identity, timeout=timeout,
+                                                  shm=shm)
                 if found is not None:
                     return _as_channel(found)
                 raise ChannelNotFound(f"no channel named {name!r} on this host" + (

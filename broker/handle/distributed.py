@@ -59,13 +59,13 @@ class DistributedChannel(BrokerChannel):
     def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
                  identity: str | None = None, curve_keys: Any = None,
                  subs: dict[int, BrokerChannel] | None = None, owner: bool = False,
-                 ray_owner: Any = None) -> None:
+                 ray_owner: Any = None, shm: bool | None = None) -> None:
         self._replicas = clusterfile.from_table(replicas)
         self._node = clusterfile.local_node(self._replicas)
         local = [i for i, r in enumerate(self._replicas) if r.node == self._node]
         self._home = local[0] if local else 0
         super().__init__(name, self._replicas[self._home].address, identity=identity,
-                         curve_keys=curve_keys)
+                         curve_keys=curve_keys, shm=shm)
         self._subs: dict[int, BrokerChannel] = dict(subs or {})
         self._subs_lock = threading.Lock()
         self._routing = KeyRouting(self._replicas, self._node, name, self._sub)
@@ -82,7 +82,7 @@ class DistributedChannel(BrokerChannel):
             raise ChannelError(f"the broker at {handle._address} is not a replica")
         dist = cls(handle._name or info.name, info.replicas,
                    identity=handle._explicit_identity, curve_keys=handle._curve_keys,
-                   subs={int(info.replica or 0): handle})
+                   subs={int(info.replica or 0): handle}, shm=handle._shm)
         dist._via = int(info.replica or 0)
         return dist
 
@@ -110,7 +110,8 @@ class DistributedChannel(BrokerChannel):
                 sub = BrokerChannel(self._name, self._replicas[index].address,
                               identity=self._explicit_identity,
                               curve_keys=replica_client_keys(self._curve_keys,
-                                                             self._replicas[index].server_key))
+                                                             self._replicas[index].server_key),
+                              shm=self._shm)
                 sub._probes_before_connecting = True  # a dead replica's keys fail at once
                 self._subs[index] = sub
             return sub
@@ -342,7 +343,8 @@ class DistributedChannel(BrokerChannel):
         return self._owner and self._creator_pid == os.getpid()
 
     def __reduce__(self) -> Any:
-        return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys))
+        return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys,
+                            self._shm))
 
     def __repr__(self) -> str:
         return (f"DistributedChannel(name={self._name!r}, replicas={len(self._replicas)}, "
@@ -350,8 +352,9 @@ class DistributedChannel(BrokerChannel):
 
 
 def _unpickle(name: str | None, replicas: list[Any], identity: str | None,
-              curve_keys: Any) -> DistributedChannel:
-    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys)
+              curve_keys: Any, shm: bool | None = None) -> DistributedChannel:
+    """A pickled handle again (``shm``: absent from pickles of older versions)."""
+    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys, shm=shm)
 
 
 # -- creating and finding distributed channels ---------------------------------------------
@@ -511,15 +514,15 @@ def replica_curve_settings(cl: clusterfile.Cluster, local: list[int],
     return settings
 
 
-def connect_from_cluster(name: str, *, identity: str | None,
-                         timeout: float) -> DistributedChannel | None:
-    """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER``; None if
-    there is none or it does not serve the name.  ``ChannelNotFound`` if this node's replica
-    does not answer within ``timeout``."""
+def connect_from_cluster(name: str, *, identity: str | None, timeout: float,
+                         shm: bool | None = None) -> DistributedChannel | None:
+    """A handle of channel ``name`` from the cluster file of ``$ZCHANNEL_CLUSTER`` (``shm``:
+    its replicas' handles' shared-memory switch); None if there is none or it does not serve
+    the name.  ``ChannelNotFound`` if this node's replica does not answer within ``timeout``."""
     cl = clusterfile.load_found(name)
     if cl is None:
         return None
-    handle = DistributedChannel(name, cl.table(), identity=identity)
+    handle = DistributedChannel(name, cl.table(), identity=identity, shm=shm)
     check_table(handle, cl.source, connect_home(handle, timeout))
     return handle
 

@@ -369,12 +369,12 @@ def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
 
 
 def _handle(name: str, info: dict, identity: str | None,
-            owner: RayPlacement | None = None) -> DistributedChannel:
+            owner: RayPlacement | None = None, shm: bool | None = None) -> DistributedChannel:
     curve = info.get("curve")
     keys = None if curve is None else InlineCurveKeys(
         f"{curve['client_public']}:{curve['client_secret']}", curve["server_public"])
     return DistributedChannel(name, info["replicas"], identity=identity, curve_keys=keys,
-                              owner=owner is not None, ray_owner=owner)
+                              owner=owner is not None, ray_owner=owner, shm=shm)
 
 
 def _lookup(name: str) -> dict | None:
@@ -534,12 +534,14 @@ def _start_brokers(owner: RayPlacement, config: dict) -> dict:
     return info
 
 
-def connect(name: str, *, identity: str | None, timeout: float) -> DistributedChannel | None:
-    """A handle of the Ray-placed channel ``name``, or None if Ray knows no such channel."""
+def connect(name: str, *, identity: str | None, timeout: float,
+            shm: bool | None = None) -> DistributedChannel | None:
+    """A handle of the Ray-placed channel ``name`` (``shm``: its shared-memory switch), or
+    None if Ray knows no such channel."""
     info = _lookup(name)
     if info is None:
         return None
-    handle = _handle(name, info, identity)
+    handle = _handle(name, info, identity, shm=shm)
     connect_home(handle, timeout)
     return handle
 

@@ -191,6 +191,17 @@ def young(snap: dict[str, Any], now: float) -> bool:
     return now - snap["time"] < max(SNAPSHOT_MAX_AGE_S, snap.get("cost_s", 0.0) / SNAPSHOT_SHARE)
 
 
+def require_prometheus(setting: str) -> None:
+    """``ImportError`` naming ``setting`` and the extra to install when prometheus_client (the
+    ``metrics`` extra) cannot be imported: ``Channel.create(metrics_port=...)`` checks it
+    before it starts a broker."""
+    try:
+        import prometheus_client  # noqa: F401  (an optional dependency)
+    except ImportError:
+        raise ImportError(f"{setting} needs prometheus_client: "
+                          "pip install 'zchannel[metrics]'") from None
+
+
 class MetricsServer:
     """The HTTP endpoint (a thread) and the pipe through which scrapes ask the loop for a
     snapshot.  The loop polls ``fd`` and calls ``publish`` when it is readable."""
