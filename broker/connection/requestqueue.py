@@ -279,14 +279,19 @@ class RequestQueue:
 
     def _next_message(self, queue: deque) -> tuple[list[Request], list]:
         """Take from ``queue`` the requests of one message (within the limits of
-        ``connection/tuning.py``), moving them to ``pending``: the records and their frames."""
+        ``connection/tuning.py``), moving them to ``pending``: the records and their frames.
+        Its frames stay within ``MAX_FRAMES_PER_MESSAGE``, the lowest ``max_frames`` of a
+        broker, unless its one request has more (a put checked against its broker's own
+        ``max_frames``): coalescing never makes a message a broker refuses."""
         records: list[Request] = []
         frames: list = []
         nbytes = 0
         inline = 0  # bytes of inline bodies: they make the header (the broker limits it)
         in_flight = self.pending
         while (queue and len(records) < MAX_OPS_PER_MESSAGE and nbytes < MAX_BYTES_PER_MESSAGE
-               and inline < MAX_INLINE_PER_MESSAGE and len(frames) < MAX_FRAMES_PER_MESSAGE):
+               and inline < MAX_INLINE_PER_MESSAGE):
+            if records and len(frames) + len(queue[0][1]) > MAX_FRAMES_PER_MESSAGE:
+                break  # its frames go in the next message: this one stays within max_frames
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):

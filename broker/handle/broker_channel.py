@@ -47,6 +47,7 @@ from zchannel.broker.wire.protocol import (
     Full,
     Get,
     GetBatch,
+    HelloInfo,
     Peek,
     ProtocolError,
     Put,
@@ -56,6 +57,7 @@ from zchannel.broker.wire.protocol import (
     Stats,
     op_of,
 )
+from zchannel.broker.wire.refusals import refused_at
 
 log = logging.getLogger("zchannel.client")
 
@@ -112,15 +114,17 @@ class BrokerChannel(ChannelHandle):
             retried = self._in_doubt.match(rec.key, rec.weight, item, conn)
             if retried is not None:
                 rec.seq = retried.seq  # sent under the sequence of the put it repeats
-        limit = conn.broker_info.max_message_bytes
+        info = conn.broker_info
+        limit, max_frames = info.max_message_bytes, info.max_frames
         pool = conn.shm.pool if conn.shm is not None else None
-        if limit and pool is not None and type(item) not in codec.FLAT_TYPES:
-            # its size before any of its arrays is copied into a slot (the pool's class of a
-            # large array would be made and faulted in first)
-            total = codec.encoded_bytes(item, pool.threshold)
-            if total > limit:
-                raise _too_large(total, limit)
-        body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
+        try:
+            if limit and pool is not None and type(item) not in codec.FLAT_TYPES:
+                # its size (and frames) before any of its arrays is copied into a slot (the
+                # pool's class of a large array would be made and faulted in first)
+                _check_limits(info, *codec.encoded_extent(item, pool.threshold))
+            body, buffers, refs = shm_submit(conn, item, rec)  # refs: shm slots or None
+        except TypeError as exc:  # a value that cannot travel: say where it is in the item
+            raise refused_at(exc, item) from None
         if not buffers and not refs and len(body) <= INLINE_BODY:
             rec.body = body  # a small item rides in its record (no frame)
             sizes = [len(body)]
@@ -132,11 +136,12 @@ class BrokerChannel(ChannelHandle):
             rec.sizes = sizes = [len(body)]
         if refs:
             rec.slots = refs
-        if limit:  # slot bytes count: a consumer on another host receives them as frames
-            total = sum(sizes) + sum(ref[2] for ref in refs or ())
-            if total > limit:
-                shm_undo(conn, refs)
-                raise _too_large(total, limit)
+        if limit or max_frames and len(buffers) >= max_frames:
+            try:  # slot bytes count: a consumer on another host receives them as frames
+                _check_limits(info, sum(sizes) + sum(ref[2] for ref in refs or ()), len(buffers))
+            except ValueError:
+                shm_undo(conn, refs)  # its slots go back to the pool
+                raise
         return frames, retried
 
     # put and get_batch: None / the items when waiting, a Work with async_op=True (the last
@@ -349,12 +354,22 @@ class BrokerChannel(ChannelHandle):
 
 
 
-def _too_large(total: int, limit: int) -> ValueError:
-    """The error of a put of an item of ``total`` bytes, over the broker's
-    ``max_message_bytes`` ``limit``."""
-    return ValueError(f"item of {total} bytes exceeds the broker's max_message_bytes "
-                      f"limit ({limit})")
-
+def _check_limits(info: HelloInfo, nbytes: int, nbuffers: int) -> None:
+    """``ValueError`` for an item of ``nbytes`` bytes (its slots' included) and ``nbuffers``
+    buffers over the broker's ``max_message_bytes`` or ``max_frames``, as its hello reply told
+    them (a limit it did not tell, as an older broker's ``max_frames``, is not checked).  The
+    item's frames are its body and one per buffer: an array, tensor or bytes of
+    ``codec.INLINE_LIMIT`` bytes or more outside shared memory."""
+    limit = info.max_message_bytes
+    if limit and nbytes > limit:
+        raise ValueError(f"item of {nbytes} bytes exceeds the broker's max_message_bytes "
+                         f"limit ({limit})")
+    if info.max_frames and 1 + nbuffers > info.max_frames:
+        raise ValueError(
+            f"item of {1 + nbuffers} frames exceeds the broker's max_frames limit "
+            f"({info.max_frames}): each array, tensor or bytes of 64 KiB or more outside "
+            "shared memory travels as a frame of its own; put fewer, larger ones (np.stack, "
+            "torch.stack), or raise the broker's max_frames")
 
 def _wait_or_withdraw(work: Work) -> Any:
     """A blocking get's (or put's) result; interrupted while it waits, the request is withdrawn

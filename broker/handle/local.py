@@ -48,6 +48,7 @@ from zchannel.broker.wire.protocol import (
     Stats,
     op_of,
 )
+from zchannel.broker.wire.refusals import refused_at
 from zchannel.broker.wire.wireform import wire_form
 from zchannel.hooks import resolve_collector, resolve_dispatcher
 
@@ -351,7 +352,10 @@ class LocalChannel(BrokerChannel):
             raise RuntimeError(SELF_CALL)
         client = self._client or broker.attach(self)
         if has_item:  # no serialization, but what a broker would deliver, or its TypeError
-            item = wire_form(item)
+            try:
+                item = wire_form(item)
+            except TypeError as exc:  # (naming where the refused value is in the item)
+                raise refused_at(exc, item) from None
         return broker.submit(self, client, rec, item, copy)
 
     def _live_broker(self) -> _LocalBroker:

@@ -107,7 +107,8 @@ def hello(broker: Broker, address: bytes, rec: Hello, head: Any = None) -> Clien
         name=broker.config.name, pid=os.getpid(), hb=broker.config.heartbeat_interval,
         liveness=broker.config.liveness, deals=broker.core.hooks.deals,
         maxsize=broker.core.queues.maxsize,
-        max_message_bytes=broker.config.max_message_bytes, shm=broker.shm.hello_info())
+        max_message_bytes=broker.config.max_message_bytes, max_frames=broker.config.max_frames,
+        shm=broker.shm.hello_info())
     if broker.replica is not None:
         broker.replica.describe(info)
     broker.sessions.reply(client, rid, result=info)

@@ -58,6 +58,7 @@ from zchannel.broker.wire.protocol import (
     GetRun,
     Hello,
     ProtocolError,
+    PutBatch,
     Request,
     op_of,
     requests_in,
@@ -373,9 +374,7 @@ class Broker:
         """One message of ``address``: its header and, from ``frames[pos]`` on, its frames;
         the number of requests it stood for (``requests_in``)."""
         if len(frames) - pos > self.config.max_frames:
-            log.warning("dropped a message of %d frames (frame limit %d)", len(frames) - pos,
-                        self.config.max_frames)
-            return 0
+            return _refuse_frames(self, address, header, len(frames) - pos)
         try:
             records = unpack_requests(header, len(frames) - pos, self.config.max_header_bytes)
         except ProtocolError as exc:
@@ -502,15 +501,54 @@ def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None
             sessions.tell_expired(address, now)
         return
     client.last_seen = now
-    if rec.slots is not None:  # a refused put's slots go back to its producer (if they check
-        try:                   # out: their holds are dropped at once)
-            sessions.shm.attach_put(client, rec.slots, [])
-        except ValueError:
-            pass
+    _give_back_slots(sessions, client, rec.slots)  # a refused put's
     if rec.id is None or rec.id == 0 and rec.op in _UNANSWERED:
         log.warning("dropped an invalid record (op %r): %s", rec.op, rec.error)
     else:
         sessions.reply(client, rec.id, error=ValueError(str(rec.error)))
+
+
+def _refuse_frames(broker: Broker, address: bytes, header: Any, nframes: int) -> int:
+    """A message of ``address`` with ``nframes`` frames, over ``max_frames``: none of its records
+    is handled; each one's id, read from the header (decoded within the usual limits: a header
+    that breaks them drops the message), is answered with a ``ValueError`` naming the limit,
+    and its puts' shared-memory slots go back to their producer.  Returns the requests the
+    message stood for (``requests_in``)."""
+    limit = broker.config.max_frames
+    try:
+        records = unpack_requests(header, nframes, broker.config.max_header_bytes)
+    except ProtocolError as exc:
+        log.warning("dropped a message of %d frames (frame limit %d): %s", nframes, limit, exc)
+        return 0
+    log.warning("refused a message of %d frames (frame limit %d)", nframes, limit)
+    sessions = broker.sessions
+    client = sessions.clients.get(address)
+    now = time.monotonic()
+    ops = [rec.op if isinstance(rec, BadRecord) else op_of(rec) for rec in records]
+    if client is None:  # answered as any message of an unknown client (a bye is not)
+        if any(op != BYE for op in ops):
+            sessions.tell_expired(address, now)
+        return requests_in(records)
+    client.last_seen = now
+    error = ValueError(f"a message of {nframes} frames exceeds the broker's max_frames limit "
+                       f"({limit}); none of its requests was handled")
+    for rec, op in zip(records, ops, strict=True):
+        for put in rec.puts if isinstance(rec, PutBatch) else (rec,):
+            _give_back_slots(sessions, client, getattr(put, "slots", None))
+        if rec.id is not None and not (rec.id == 0 and op in _UNANSWERED):
+            sessions.reply(client, rec.id, error=error)
+    return requests_in(records)
+
+
+def _give_back_slots(sessions: Sessions, client: Client, slots: Any) -> None:
+    """The shared-memory slots ``slots`` (a put's ``sm`` as it came) of a put refused before it
+    was handled back to ``client``, its producer, if they check out (their holds dropped at
+    once)."""
+    if slots is not None:
+        try:
+            sessions.shm.attach_put(client, slots, [])
+        except ValueError:
+            pass
 
 
 def _side_events(broker: Broker, ready: list, stops: StopSources, guard: PeerGuard,

@@ -33,8 +33,9 @@ every Python type (base values of subclasses, refusals) is ``docs/values.md``;
 ``prod(shape) * itemsize`` bytes of C-contiguous data.  ``decode`` validates every field
 (dtype allow-list, rank, sizes, frame indices) and never unpickles anything; it restores a
 tensor's ``device`` where the receiver can (a broker decoding for its hooks keeps tensors on the
-CPU: ``decode(..., restore_devices=False)``).  ``encoded_bytes`` gives the bytes an item takes
-without taking its arrays' data (a put refused for ``max_message_bytes`` copies nothing).
+CPU: ``decode(..., restore_devices=False)``).  ``encoded_extent`` gives the bytes and buffers an
+item takes without taking its arrays' data (a put refused for ``max_message_bytes`` or
+``max_frames`` copies nothing).
 
 Nesting.  The payload of a tuple, set, frozenset or dataclass (the *nesting* ext types) is
 decoded by a nested call of msgpack's unpacker, through ``ext_hook``; each such level costs
@@ -47,7 +48,10 @@ other ext types (arrays, tensors, scalars...) are descriptors decoded without ex
 (``EXT_BIGINT`` aside), so they never nest.  Lists and dicts nest inside one payload without
 recursion: msgpack's own limits bound them (its unpacker refuses more than 1,024 nested in a
 row; every payload is packed inside a one-element array, so that the packer, which allows one
-level more, refuses first).  ``wireform.py`` gives the same verdicts for ``local=True``.
+level more, refuses first).  Encoding recurses on the Python stack (per nesting level; with the
+pure-Python msgpack per list and dict too): an item that reaches Python's recursion limit first
+is refused naming that limit (``out_of_stack``).  ``wireform.py`` gives the same verdicts for
+``local=True``.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+import sys
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any, NoReturn
 
 import msgpack
@@ -97,6 +103,9 @@ _COMPLEX = struct.Struct("<dd")
 NESTED_TOO_DEEPLY = "cannot encode item: nested too deeply"
 MAX_DEPTH = 100  # tuples, sets, frozensets and dataclasses inside each other, along any path
 HEAP_DEPTH = 4  # from this many nesting levels on, payloads are decoded by a heap Unpacker
+# msgpack's pure-Python fallback (MSGPACK_PUREPYTHON=1, or a msgpack built without its C
+# extension) packs each list and dict level in Python frames of its own
+PURE_PYTHON_MSGPACK = msgpack.Packer.__module__ == "msgpack.fallback"
 
 
 def too_deep(what: str) -> str:
@@ -317,16 +326,40 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
 
 
 def refusal(exc: ValueError | RecursionError | BufferError) -> TypeError:
-    """The ``TypeError`` for msgpack's ``ValueError`` (too deep, too large), a
-    ``RecursionError`` (tuples, sets... nested too deeply) or a ``BufferError`` (a memoryview
-    inside the item that is not C-contiguous)."""
-    if isinstance(exc, RecursionError) or "recursion limit" in str(exc):
+    """The ``TypeError`` for msgpack's ``ValueError`` (lists and dicts nested past its limit,
+    too large), a ``RecursionError`` (Python's recursion limit reached: ``out_of_stack``) or a
+    ``BufferError`` (a memoryview inside the item that is not C-contiguous)."""
+    if isinstance(exc, RecursionError):
+        return TypeError(out_of_stack())
+    if "recursion limit" in str(exc):  # msgpack's own count of nested lists and dicts
         return TypeError(f"{NESTED_TOO_DEEPLY}: lists and dicts nest at most about 1,000 "
                          "levels in a row (msgpack's limit)")
     if isinstance(exc, BufferError):
         return TypeError("cannot encode item: a memoryview inside it is not C-contiguous; "
                          "put bytes(view) (or a contiguous view) there")
     return TypeError(f"cannot encode item: {exc}")
+
+
+def out_of_stack() -> str:
+    """The message of an encoding that reached Python's recursion limit (a ``RecursionError``)
+    before any nesting limit of the codec: the encoder recurses in Python once per nesting
+    level (tuples, sets, frozensets, dataclasses), the pure-Python msgpack once per list and
+    dict level too, on top of the frames already on the stack (counted when it happened)."""
+    depth = 0
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        depth += 1
+        frame = frame.f_back
+    takes = ("each nested tuple, set, frozenset, dataclass, list and dict takes Python frames "
+             "(the pure-Python msgpack is in use here: msgpack.fallback)"
+             if PURE_PYTHON_MSGPACK else
+             "each nested tuple, set, frozenset and dataclass takes Python frames")
+    fix = (", or install msgpack with its compiled extension (and leave MSGPACK_PUREPYTHON "
+           "unset)" if PURE_PYTHON_MSGPACK else "")
+    return (f"{NESTED_TOO_DEEPLY} for Python's recursion limit (sys.getrecursionlimit() = "
+            f"{sys.getrecursionlimit()}), reached before any nesting limit of docs/values.md: "
+            f"{takes}, and {depth} frames were on the stack below the encoding; put it from a "
+            f"shallower stack, or raise the limit (sys.setrecursionlimit){fix}")
 
 
 def check_text(text: str) -> None:
@@ -402,21 +435,27 @@ class _Sizer(_Encoder):
 
 
 def encoded_bytes(obj: Any, slot_from: int = 0) -> int:
+    """The bytes item ``obj`` takes (``encoded_extent``)."""
+    return encoded_extent(obj, slot_from)[0]
+
+
+def encoded_extent(obj: Any, slot_from: int = 0) -> tuple[int, int]:
     """The bytes item ``obj`` takes -- its body, buffers and shared-memory slots as
     :func:`encode_shm` makes them when every array and tensor of at least ``slot_from`` bytes
-    gets a slot (0: as :func:`encode` makes them) -- worked out without taking the data of any
-    array or tensor: nothing is copied, made contiguous, moved off its device or put in a slot,
-    so that a put can be refused for its size before anything is.  Raises the ``TypeError``
-    :func:`encode` raises for a value that cannot travel."""
+    gets a slot (0: as :func:`encode` makes them) -- and the number of its buffers (a frame
+    each), worked out without taking the data of any array or tensor: nothing is copied, made
+    contiguous, moved off its device or put in a slot, so that a put can be refused for its
+    size before anything is.  Raises the ``TypeError`` :func:`encode` raises for a value that
+    cannot travel."""
     if type(obj) in FLAT_TYPES:
         body, buffers = encode(obj)
-        return len(body) + sum(memoryview(b).nbytes for b in buffers)
+        return len(body) + sum(memoryview(b).nbytes for b in buffers), len(buffers)
     sizer = _Sizer(slot_from)
     try:
         body = sizer.pack_value(obj)
     except (ValueError, RecursionError, BufferError) as exc:
         raise refusal(exc) from None
-    return len(body) + sizer.outside
+    return len(body) + sizer.outside, len(sizer.buffers)
 
 
 # ---------------------------------------------------------------------------------------------

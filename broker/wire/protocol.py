@@ -319,6 +319,7 @@ class HelloInfo(Struct, kw_only=True):
     deals: bool = False
     maxsize: Count = 0
     max_message_bytes: Count | None = None
+    max_frames: Count | None = None  # frames after a message's header (nil: an older broker)
     shm: Any = None  # read by shm_offer: a malformed offer turns shared memory off, no more  # {probe, prefix, threshold, pool} or nil (docs/shm.md)
     replica: int | UnsetType = UNSET
     node: str | UnsetType = UNSET
