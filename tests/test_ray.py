@@ -406,9 +406,7 @@ def test_connect_by_name_while_the_broker_actor_restarts(cluster):
 # a creator that ends Ray (``ray.shutdown()``) before it shuts its channel down, or exits
 # without shutdown(); it prints its brokers' pids and the work directories they made
 _CREATOR_SCRIPT = """
-    import glob, os, sys, tempfile, time
-    pattern = os.path.join(tempfile.gettempdir(), "zchannel-ray-*")
-    began = time.time() - 1
+    import os, sys
     if sys.argv[2] == "ray_first":
         import ray
         from zchannel.broker import Channel
@@ -419,7 +417,9 @@ _CREATOR_SCRIPT = """
     ch = Channel.create(sys.argv[3], distributed=True)
     ch.put("x", key="k")
     print(" ".join(str(r["pid"]) for r in ch.stats()["replicas"]), flush=True)
-    print(" ".join(d for d in glob.glob(pattern) if os.stat(d).st_ctime >= began), flush=True)
+    # its brokers' work directories (by their actors' ids: other Ray jobs may make theirs)
+    print(" ".join(r.workdir for r in ch._ray_owner.remains if os.path.isdir(r.workdir)),
+          flush=True)
     if sys.argv[4] == "shutdown_after_ray":
         ray.shutdown()
         ch.shutdown()
