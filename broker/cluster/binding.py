@@ -72,6 +72,8 @@ class BindingTable:
         self._lower_seen: dict[int, float] = {}  # lower-index peer -> when it asked to sync
         self._slow_until: dict[int, float] = {}
         self._owed: dict[int, list] = {}  # peer -> bindings whose learn failed (sent again)
+        self._judged_hello: dict[int, Any] = {}  # peer -> the hello its link was last judged by
+        self._foreign: set[int] = set()  # peers whose address is served by another broker
 
     # -- links ---------------------------------------------------------------------------------
 
@@ -104,17 +106,13 @@ class BindingTable:
             if i in self._synced:
                 continue
             work = self._syncs.get(i)
+            if self.foreign(i):  # another channel's broker: nothing to learn from it
+                self._syncs.pop(i, None)
+                self._synced.add(i)
+                continue
             if work is not None and work.done():
                 del self._syncs[i]
-                try:
-                    self._merge(sync_answer(work.result()).entries)
-                    self._synced.add(i)
-                    continue
-                except ChannelError:
-                    pass  # expired or went down: asked again below, or counted as down
-                except Exception as exc:  # not a replica of this channel: nothing to learn
-                    log.warning("replica %d did not answer the table request: %s", i, exc)
-                    self._synced.add(i)
+                if self._learned_from(i, conn, work):
                     continue
             if conn.state == DOWN:
                 continue
@@ -128,7 +126,23 @@ class BindingTable:
             self.ready = True
             self._syncs.clear()
             log.info("replica %d of %r ready: %d binding(s) learned from %s", self.index,
-                     self.name, len(self.table), sorted(self._synced) or "no live replica")
+                     self.name, len(self.table),
+                     sorted(self._synced - self._foreign) or "no live replica")
+
+    def _learned_from(self, i: int, conn: Connection, work: Any) -> bool:
+        """Merge peer ``i``'s answered table request ``work``; True when peer ``i`` is synced
+        (its table merged, or it answered with an error: nothing to learn), False to ask
+        again (the link went down or expired meanwhile)."""
+        if conn.state != UP:
+            return False  # the link went down since: this peer's hello was not judged
+        try:
+            self._merge(sync_answer(work.result()).entries)
+        except ChannelError:
+            return False  # expired or went down: asked again, or counted as down
+        except Exception as exc:  # not a replica of this channel: nothing to learn
+            log.warning("replica %d did not answer the table request: %s", i, exc)
+        self._synced.add(i)
+        return True
 
     def _entries(self, entries: Any) -> list[tuple[Any, int]]:
         """Validated ``[[key, replica], ...]`` from the wire (``ValueError`` names the cause)."""
@@ -168,14 +182,41 @@ class BindingTable:
             self._lower_seen[sender] = time.monotonic()  # it takes over once ready: stop deciding
         return SyncAnswer(ready=self.ready, entries=[[k, r] for k, r in self.table.items()])
 
+    def foreign(self, index: int) -> bool:
+        """True when the link to replica ``index`` reached a broker that is not replica
+        ``index`` of this channel (its hello names another channel or replica: a cluster file
+        that gives two channels one address).  Such a peer is never synced from, told
+        bindings or bound to; judged once per hello of the link (an error logged once)."""
+        conn = self._peers.get(index)
+        if conn is None or conn.state != UP:
+            return index in self._foreign  # the last verdict holds until the next hello
+        info = conn.broker_info
+        if self._judged_hello.get(index) is info:
+            return index in self._foreign
+        self._judged_hello[index] = info
+        if info.name == self.name and info.replica == index:
+            if index in self._foreign:
+                log.warning("replica %d of %r at %s serves this channel again", index, self.name,
+                            conn.address)
+            self._foreign.discard(index)
+            return False
+        if index not in self._foreign:
+            log.error("replica %d of %r: the broker at %s (listed as replica %d) serves channel "
+                      "%r as replica %s: it is not used (no bindings learned from or sent to "
+                      "it; give each channel its own addresses: {name} in the cluster file)",
+                      self.index, self.name, conn.address, index, info.name, info.replica)
+        self._foreign.add(index)
+        return True
+
     def alive(self, index: int, now: float) -> bool:
         """Replica ``index`` may be alive in this replica's view: it is this one, or its link
-        is not down and it was heard from within one heartbeat expiry, judged now (not at the
-        link's next keepalive tick): a replica is dead for binding the moment its expiry ends."""
+        is not down, reached this channel's replica ``index`` (``foreign``) and it was heard
+        from within one heartbeat expiry, judged now (not at the link's next keepalive tick):
+        a replica is dead for binding the moment its expiry ends."""
         if index == self.index:
             return True
         conn = self._peers.get(index)
-        if conn is None or conn.state in (DOWN, CLOSED):
+        if conn is None or conn.state in (DOWN, CLOSED) or self.foreign(index):
             return False
         return conn.silent_for(now) <= conn.hb * conn.liveness
 
@@ -273,8 +314,8 @@ class BindingTable:
         return [i for i in self._peers if self.alive(i, now)]
 
     def _send_all(self, entries: list, force: bool = False) -> None:
-        for conn in self._peers.values():
-            if conn.state != DOWN:
+        for i, conn in self._peers.items():
+            if conn.state != DOWN and not self.foreign(i):
                 try:
                     conn.request(Learn(id=0, entries=entries, force=force), [])
                 except ChannelError:
@@ -285,7 +326,7 @@ class BindingTable:
         self.progress()
         for i in list(self._owed):
             conn = self._peers.get(i)
-            if conn is None or conn.state == DOWN:
+            if conn is None or conn.state == DOWN or self.foreign(i):
                 self._owed.pop(i, None)  # it learns everything by joining when it is back
                 continue
             if conn.state != UP:

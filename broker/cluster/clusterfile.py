@@ -38,6 +38,7 @@ connect to any replica also receive the table in the broker's hello reply, so th
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -48,11 +49,13 @@ from typing import Any
 
 import msgpack
 import zmq.auth
+from zchannel.broker.host import paths
 from zchannel.broker.host.shipped import resolve
 from zchannel.broker.host.toml import read_toml
 
 ENV_CLUSTER = "ZCHANNEL_CLUSTER"
 ENV_NODE = "ZCHANNEL_NODE"
+MAX_REPLICAS = 1024  # replicas a cluster file may list (each replica links to every other)
 
 
 @dataclass(frozen=True)
@@ -95,21 +98,70 @@ class Cluster:
 
 def _replica(path: str | os.PathLike, i: int, row: dict[str, Any], name: str | None) -> Replica:
     """Row ``i`` of the file's ``[[replica]]``s, ``{name}`` in its address replaced and a
-    relative ipc path made absolute against the file's directory (``_absolute_ipc``)."""
+    relative ipc path made absolute against the file's directory (``_absolute_ipc``);
+    ``ValueError`` naming the file and the replica for a malformed row (``check_address``)."""
     if not isinstance(row, dict):
         raise ValueError(f"{path}: replica {i} must be a table ([[replica]]), got {row!r}")
     bad = set(row) - {"node", "address", "hostnames"}
     if bad or "node" not in row or "address" not in row:
         raise ValueError(f"{path}: replica {i} needs node and address (and only hostnames besides)")
-    address = str(row["address"])
+    node, address = row["node"], row["address"]
+    for field_name, value in (("node", node), ("address", address)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{path}: replica {i}: {field_name} must be a non-empty string, "
+                             f"got {value!r}")
     if "{name}" in address:
         if name is None:
-            raise ValueError(f"{path}: address {address!r} needs a channel name")
+            raise ValueError(f"{path}: replica {i}: address {address!r} needs a channel name")
         address = address.replace("{name}", name)
+    problem = check_address(address)
+    if problem is not None:
+        raise ValueError(f"{path}: replica {i}: address {address!r} {problem}")
     hostnames = row.get("hostnames") or []
     if not isinstance(hostnames, list) or not all(isinstance(h, str) for h in hostnames):
         raise ValueError(f"{path}: replica {i}: hostnames must be a list of str, got {hostnames!r}")
-    return Replica(str(row["node"]), _absolute_ipc(path, address), tuple(hostnames))
+    return Replica(node, _absolute_ipc(path, address), tuple(hostnames))
+
+
+def check_address(address: str) -> str | None:
+    """What is wrong with ``address`` as a replica's address (None: nothing): it is
+    ``ipc://PATH`` with a path, or ``tcp://HOST:PORT`` with a host other than ``*`` and a port
+    in 1-65535 (port 0 would make the replica serve at a random port no other process can
+    find in the file)."""
+    if address.startswith("ipc://"):
+        return None if address[len("ipc://"):] else "has no socket path"
+    try:
+        host_port = paths.tcp_host_port(address)
+    except ValueError as exc:
+        return f"is not usable: {exc}"
+    if host_port is None:
+        return "must be ipc://PATH or tcp://HOST:PORT"
+    host, port = host_port
+    if not host or host == "*":
+        return "names no host a client can connect to"
+    if port == 0:
+        return "has port 0 (a random port): give the port the replica serves at"
+    return None
+
+
+def address_identity(address: str) -> str:
+    """The form of ``address`` two spellings of one address share, for finding replicas listed
+    twice without a name lookup: a tcp host in lower case, ``localhost`` as ``127.0.0.1``, an
+    IP literal in its canonical form; an ipc path normalised.  Other host names are compared as
+    written."""
+    host_port = paths.tcp_host_port(address)
+    if host_port is None:
+        socket_path = paths.ipc_path(address)
+        return address if socket_path is None else "ipc://" + os.path.normpath(socket_path)
+    host, port = host_port
+    host = host.lower()
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    return f"tcp://{host}:{port}"
 
 
 def _absolute_ipc(path: str | os.PathLike, address: str) -> str:
@@ -151,18 +203,14 @@ def parse(path: str | os.PathLike, data: dict[str, Any], name: str | None = None
     bad = set(head) - {"name", "insecure", "server_keys", "client_keys", "steal"}
     if bad:
         raise ValueError(f"{path}: unknown key(s) {sorted(bad)} in [cluster]")
-    file_name = head.get("name")
-    if file_name is not None and name is not None and file_name != name:
-        raise ValueError(f"{path} describes channel {file_name!r}, not {name!r}")
+    file_name = _file_name(path, head, name)
     rows = data.get("replica") or []
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: a cluster file lists at least one [[replica]]")
+    if len(rows) > MAX_REPLICAS:
+        raise ValueError(f"{path}: {len(rows)} replicas listed, at most {MAX_REPLICAS}")
     replicas = [_replica(path, i, row, name or file_name) for i, row in enumerate(rows)]
-    addresses = [r.address for r in replicas]
-    twice = sorted({a for a in addresses if addresses.count(a) > 1})
-    if twice:  # two brokers cannot serve one address (the second would be another's)
-        raise ValueError(f"{path}: each replica has an address of its own; listed more than "
-                         f"once: {twice}")
+    _check_distinct(path, replicas)
     here = Path(path).resolve().parent
     server_keys = head.get("server_keys")
     client_dir = head.get("client_keys")
@@ -185,6 +233,29 @@ def parse(path: str | os.PathLike, data: dict[str, Any], name: str | None = None
                    source=str(path), client_keys=client_dir,
                    server_key_files=key_files if server_keys is not None else [],
                    steal=_flag(head, "steal", path))
+
+
+def _file_name(path: str | os.PathLike, head: dict[str, Any], name: str | None) -> str | None:
+    """The file's ``[cluster] name`` (None: it serves any channel); ``ValueError`` when it is
+    not a non-empty str, or is not ``name``."""
+    file_name = head.get("name")
+    if not isinstance(file_name, (str, type(None))) or file_name == "":
+        raise ValueError(f"{path}: [cluster] name is a channel name, not {file_name!r}")
+    if file_name is not None and name is not None and file_name != name:
+        raise ValueError(f"{path} describes channel {file_name!r}, not {name!r}")
+    return file_name
+
+
+def _check_distinct(path: str | os.PathLike, replicas: list[Replica]) -> None:
+    """``ValueError`` naming the file and both replicas when two list one address (as
+    ``address_identity`` compares them): two brokers cannot serve one address."""
+    first_of: dict[str, int] = {}  # address_identity -> the first replica listing it
+    for i, r in enumerate(replicas):
+        j = first_of.setdefault(address_identity(r.address), i)
+        if j != i:
+            raise ValueError(f"{path}: each replica has an address of its own; listed more "
+                             f"than once: replica {j} ({replicas[j].address}) and replica {i} "
+                             f"({r.address})")
 
 
 def _flag(head: dict, name: str, path: Any) -> bool:
@@ -315,5 +386,6 @@ def choose_replica(replicas: list[Replica], node: str | None, key: Any) -> int:
     return candidates[key_hash(key) % len(candidates)]
 
 
-__all__ = ["Cluster", "Replica", "choose_replica", "find_file", "load", "load_found",
+__all__ = ["MAX_REPLICAS", "Cluster", "Replica", "address_identity", "check_address",
+           "choose_replica", "find_file", "load", "load_found",
            "local_node", "parse", "read_cluster_toml"]

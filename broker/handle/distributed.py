@@ -30,6 +30,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from msgspec import UnsetType
 from zchannel.broker.cluster import clusterfile
+from zchannel.broker.connection import sharing
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
 from zchannel.broker.handle.base import clean_after_dead_broker
@@ -53,13 +54,60 @@ NO_LOCAL_REPLICA_WAIT_S = 10.0  # create() on a node without a replica: wait for
 CONNECT_SLICE_S = 1.0  # connect(): how long to wait for one replica before trying the next
 
 
+class ReplicaChannel(BrokerChannel):
+    """The handle of one replica inside a ``DistributedChannel``: a ``BrokerChannel`` that,
+    once per hello of the broker it reaches, checks that the broker is replica ``index`` of
+    the channel (its hello's name and replica index); ``ChannelError`` naming ``source`` (the
+    cluster file, or where the table came from) and both channels otherwise, before anything
+    is sent to it -- a broker of another channel at a listed address is never used."""
+
+    def __init__(self, name: str | None, address: str, index: int, source: str | None, *,
+                 identity: str | None = None, curve_keys: Any = None,
+                 shm: bool | None = None) -> None:
+        super().__init__(name, address, identity=identity, curve_keys=curve_keys, shm=shm)
+        self._replica_index = index
+        self._table_source = source
+        self._checked_hello: Any = None  # the broker_info of the last hello that was checked
+
+    def _acquired(self, timeout: float = 10.0) -> sharing.Share:
+        share = super()._acquired(timeout)
+        info = share.conn.broker_info
+        if info is not self._checked_hello:
+            problem = replica_mismatch(info, self._name, self._replica_index)
+            if problem is not None:
+                self._give_back(settle_puts=False, withdraw=False)
+                raise ChannelError(
+                    f"{self._table_source or 'the replica table'} does not match the running "
+                    f"channel {self._name!r}: it lists {self._address} as replica "
+                    f"{self._replica_index}, but the broker there {problem}; nothing was sent "
+                    "to it")
+            self._checked_hello = info
+        return share
+
+
+def replica_mismatch(info: Any, name: str | None, index: int) -> str | None:
+    """What is wrong with a broker whose hello is ``info`` as replica ``index`` of channel
+    ``name``, and the remedy (None: nothing; a ``name`` of None matches any channel)."""
+    if name is not None and info.name != name:
+        return (f"serves channel {info.name!r}; give each channel its own addresses ({{name}} "
+                "in a cluster file's addresses)")
+    if isinstance(info.replica, UnsetType):
+        return f"serves channel {info.name!r} alone, not as a replica"
+    if info.replica != index:
+        return (f"is replica {info.replica} of channel {info.name!r}, not replica {index}; "
+                "give every process the same cluster file (or connect by address)")
+    return None
+
+
 class DistributedChannel(BrokerChannel):
-    """A handle of a channel served by several broker replicas (see the module docstring)."""
+    """A handle of a channel served by several broker replicas (see the module docstring);
+    ``source``: where its replica table came from (a cluster file), for error messages."""
 
     def __init__(self, name: str | None, replicas: list[dict[str, Any]], *,
                  identity: str | None = None, curve_keys: Any = None,
                  subs: dict[int, BrokerChannel] | None = None, owner: bool = False,
-                 ray_owner: Any = None, shm: bool | None = None) -> None:
+                 ray_owner: Any = None, shm: bool | None = None,
+                 source: str | None = None) -> None:
         self._replicas = clusterfile.from_table(replicas)
         self._node = clusterfile.local_node(self._replicas)
         local = [i for i, r in enumerate(self._replicas) if r.node == self._node]
@@ -73,6 +121,7 @@ class DistributedChannel(BrokerChannel):
         self.created = owner
         self._ray_owner = ray_owner  # the Ray placement (actors) this handle created
         self._via: int | None = None  # the replica this handle was connected through, if any
+        self._source = source
 
     @classmethod
     def from_handle(cls, handle: BrokerChannel) -> DistributedChannel:
@@ -107,11 +156,11 @@ class DistributedChannel(BrokerChannel):
         with self._subs_lock:
             sub = self._subs.get(index)
             if sub is None:
-                sub = BrokerChannel(self._name, self._replicas[index].address,
-                              identity=self._explicit_identity,
-                              curve_keys=replica_client_keys(self._curve_keys,
-                                                             self._replicas[index].server_key),
-                              shm=self._shm)
+                sub = ReplicaChannel(self._name, self._replicas[index].address, index,
+                                     self._source, identity=self._explicit_identity,
+                                     curve_keys=replica_client_keys(
+                                         self._curve_keys, self._replicas[index].server_key),
+                                     shm=self._shm)
                 sub._probes_before_connecting = True  # a dead replica's keys fail at once
                 self._subs[index] = sub
             return sub
@@ -344,7 +393,7 @@ class DistributedChannel(BrokerChannel):
 
     def __reduce__(self) -> Any:
         return (_unpickle, (self._name, self.replicas, self._explicit_identity, self._curve_keys,
-                            self._shm))
+                            self._shm, self._source))
 
     def __repr__(self) -> str:
         return (f"DistributedChannel(name={self._name!r}, replicas={len(self._replicas)}, "
@@ -352,9 +401,11 @@ class DistributedChannel(BrokerChannel):
 
 
 def _unpickle(name: str | None, replicas: list[Any], identity: str | None,
-              curve_keys: Any, shm: bool | None = None) -> DistributedChannel:
-    """A pickled handle again (``shm``: absent from pickles of older versions)."""
-    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys, shm=shm)
+              curve_keys: Any, shm: bool | None = None,
+              source: str | None = None) -> DistributedChannel:
+    """A pickled handle again (``shm``, ``source``: absent from pickles of older versions)."""
+    return DistributedChannel(name, replicas, identity=identity, curve_keys=curve_keys, shm=shm,
+                              source=source)
 
 
 # -- creating and finding distributed channels ---------------------------------------------
@@ -391,7 +442,11 @@ def check_table(channel: DistributedChannel, source: str | None, index: int) -> 
     channel (a file whose addresses lack ``{name}`` lists the same replicas for every name)
     or another replica table than ``channel``'s (a mismatched file would otherwise send
     binding requests to a replica that is not the binder); the handle is closed then."""
-    info = channel._sub(index)._connection().broker_info
+    try:
+        info = channel._sub(index)._connection().broker_info  # (ReplicaChannel checks it)
+    except ChannelError:
+        channel.close()
+        raise
     if channel._name is not None and info.name != channel._name:
         channel.close()
         raise ChannelError(
@@ -439,8 +494,8 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
             return
         os.close(lock_fd)  # the replica holds it now
         keys = replica_client_keys(curve_keys, r.server_key)
-        sub = subs[i] = BrokerChannel(name, real_address, identity=identity,
-                                      curve_keys=keys)._adopt(proc, token)
+        sub = subs[i] = ReplicaChannel(name, real_address, i, path, identity=identity,
+                                       curve_keys=keys)._adopt(proc, token)
         # watched: reaped and logged when it dies, started again if durable (handle/keeper.py)
         sub._keeper = BrokerKeeper(f"{name}.replica{i}", dict(rconfig, address=real_address),
                                    proc, sub._broker_restarted,
@@ -457,7 +512,7 @@ def create_from_cluster(config: dict[str, Any], path: str, *, identity: str | No
         if errors:
             raise errors[0]
         handle = DistributedChannel(name, table, identity=identity, curve_keys=curve_keys,
-                                    subs=subs, owner=bool(subs))
+                                    subs=subs, owner=bool(subs), source=path)
         reached = handle._home
         if threads:
             handle._sub(reached)._connection(timeout=START_TIMEOUT_S)  # this node's replica
@@ -522,7 +577,7 @@ def connect_from_cluster(name: str, *, identity: str | None, timeout: float,
     cl = clusterfile.load_found(name)
     if cl is None:
         return None
-    handle = DistributedChannel(name, cl.table(), identity=identity, shm=shm)
+    handle = DistributedChannel(name, cl.table(), identity=identity, shm=shm, source=cl.source)
     check_table(handle, cl.source, connect_home(handle, timeout))
     return handle
 
@@ -584,5 +639,5 @@ def _ignored(config: dict[str, Any], hooks: dict[str, str | None],
     return differences
 
 
-__all__ = ["DistributedChannel", "connect_from_cluster", "create_from_cluster",
+__all__ = ["DistributedChannel", "ReplicaChannel", "connect_from_cluster", "create_from_cluster",
            "log_ignored_settings", "replica_curve_settings"]

@@ -3,11 +3,17 @@
 ``tomllib`` is in the standard library from Python 3.11; on 3.10 the same parser is the
 ``tomli`` package (an install requirement there).  ``read_toml(path)`` reads a file and names
 it when it is not valid TOML; ``tomllib`` itself is here too.
+
+What is read is bounded before it is parsed: only a regular file (a FIFO, a device such as
+``/dev/zero`` or a directory is refused after a ``stat``, never opened), of at most
+``MAX_TOML_BYTES``; nesting deeper than the parser's recursion allows is refused as invalid
+TOML, not raised as a ``RecursionError``.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from typing import Any
 
@@ -16,14 +22,32 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["read_toml", "tomllib"]
+__all__ = ["MAX_TOML_BYTES", "read_toml", "tomllib"]
+
+MAX_TOML_BYTES = 1 << 20  # 1 MiB: far above any configuration or cluster file zchannel reads
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """The tables of TOML file ``path``; ``ValueError`` naming the file when it is not valid
-    TOML (``OSError`` when it cannot be read)."""
-    with open(path, "rb") as f:
-        try:
-            return tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    """The tables of TOML file ``path``; ``ValueError`` naming the file when it is not a
+    regular file, is larger than ``MAX_TOML_BYTES`` or is not valid TOML (nested too deeply
+    included); ``OSError`` when it cannot be read (missing, no permission)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file (a FIFO, a socket or a device): "
+                         "a configuration file is read only from a regular file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the stat
+            raise ValueError(f"{path} is not a regular file")
+        data = f.read(MAX_TOML_BYTES + 1)
+    if len(data) > MAX_TOML_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_TOML_BYTES} bytes: not a configuration "
+                         "file zchannel reads")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid TOML: nested too deeply") from None
