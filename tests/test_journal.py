@@ -193,8 +193,18 @@ def test_bad_journal_arguments(tmp_path):
         Channel.create("durable-bad", journal=tmp_path, max_journal_bytes=-1)
     with pytest.raises(ValueError, match="fsync_interval"):
         Channel.create("durable-bad", journal=tmp_path, fsync_interval=0)
-    with pytest.raises(ValueError, match="journal must be a directory path, got ''"):
+    with pytest.raises(ValueError, match=r"journal must be a directory path \(not empty, no NUL "
+                                         r"character\), got ''"):
         Channel.create("durable-bad", journal="")  # not the working directory
+    for journal in (5, b"/tmp/j", ["/tmp/j"]):  # named, before a broker starts
+        with pytest.raises(TypeError, match=r"^journal must be a directory path \(a str or an "
+                                            r"os.PathLike of one\), got "):
+            Channel.create("durable-bad", journal=journal)
+    with pytest.raises(ValueError, match=r"^journal must be a directory path \(not empty, no "
+                                         r"NUL character\), got '/tmp/a\\x00b'"):
+        Channel.create("durable-bad", journal="/tmp/a\0b")
+    with pytest.raises(ValueError, match="no NUL character"):
+        BrokerConfig(name="durable-bad", journal="/tmp/a\0b")
     with pytest.raises(ValueError, match=r"max_journal_bytes must be 0 \(no limit\) or at least"):
         Channel.create("durable-bad", journal=tmp_path, max_journal_bytes=1000)
     with pytest.raises(ValueError, match="journal_segment_bytes must be an int >= 65536 and <= "):

@@ -177,9 +177,13 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
         config["metrics_port"] = check_port(metrics_port)
         require_prometheus("metrics_port")  # before a broker starts (it would refuse to)
     if journal is not None:  # a durable channel (docs/durability.md)
-        where = os.fspath(journal)
-        if not where:
-            raise ValueError("journal must be a directory path, got ''")
+        where = os.fspath(journal) if isinstance(journal, (str, os.PathLike)) else None
+        if not isinstance(where, str):
+            raise TypeError(f"journal must be a directory path (a str or an os.PathLike of "
+                            f"one), got {journal!r}")
+        if not where or "\0" in where:
+            raise ValueError(f"journal must be a directory path (not empty, no NUL "
+                             f"character), got {where!r}")
         config.update(journal=os.path.abspath(os.path.expanduser(where)), fsync=fsync,
                       fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
     BrokerConfig(**config)  # wrong values fail here, not in the broker

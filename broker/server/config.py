@@ -106,8 +106,9 @@ class BrokerConfig:
                              f"{self.types!r}")
         self.producers = check_groups(self.producers)
         if self.journal is not None:
-            if not isinstance(self.journal, str) or not self.journal:
-                raise ValueError(f"journal must be a directory path, got {self.journal!r}")
+            if not isinstance(self.journal, str) or not self.journal or "\0" in self.journal:
+                raise ValueError(f"journal must be a directory path (not empty, no NUL "
+                                 f"character), got {self.journal!r}")
             self.journal = os.path.expanduser(self.journal)  # (a config file's "~/...")
         if self.journal is not None and 0 < self.max_journal_bytes < MIN_JOURNAL_LIMIT:
             raise ValueError(f"max_journal_bytes must be 0 (no limit) or at least "
