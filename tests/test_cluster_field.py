@@ -11,12 +11,15 @@ import subprocess
 import sys
 import threading
 
+import msgpack
 import pytest
+import zmq
 from cluster_util import Replicas, free_tcp_ports
 from zchannel.broker import Channel
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import toml as toml_reader
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,6 +68,37 @@ def test_a_replica_of_another_channel_is_never_used(tmp_path, monkeypatch):
     finally:
         if y is not None:
             y.shutdown()
+        replicas.stop_all()
+
+
+def test_a_replica_refuses_a_table_request_of_another_channel(tmp_path):
+    """A replica's first table request (``sync``) may go out before its peer's hello is
+    checked: a replica of another channel answers it with an error naming both channels and
+    sends no table; one of its own channel gets the table."""
+    port = free_tcp_ports(1)[0]
+    path = _write(tmp_path / "shared.toml",
+                  f'[[replica]]\nnode = "na"\naddress = "ipc://{tmp_path}/{{name}}-0.sock"\n'
+                  f'[[replica]]\nnode = "nb"\naddress = "tcp://127.0.0.1:{port}"\n')
+    replicas = Replicas()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        replicas.start("fx", path, (0, 1))
+        sock.connect(f"tcp://127.0.0.1:{port}")
+
+        def answer(record: dict) -> dict:
+            sock.send_multipart([pack_header([record])])
+            assert sock.poll(30_000)
+            return msgpack.unpackb(sock.recv_multipart()[0], raw=False)[0]
+
+        answer({"op": "hello", "id": 1, "v": PROTOCOL_VERSION})
+        refused = answer({"op": "sync", "id": 2, "from": 0, "ch": "fy"})
+        assert "'fx'" in str(refused.get("e")) and "'fy'" in str(refused.get("e")), refused
+        assert "r" not in refused
+        own = answer({"op": "sync", "id": 3, "from": 0, "ch": "fx"})
+        assert "e" not in own and "r" in own, own
+    finally:
+        sock.close()
         replicas.stop_all()
 
 

@@ -118,7 +118,8 @@ class BindingTable:
                 continue
             if i not in self._syncs:
                 try:
-                    self._syncs[i] = conn.request(Sync(id=0, sender=self.index), [])
+                    self._syncs[i] = conn.request(Sync(id=0, sender=self.index,
+                                                       channel=self.name), [])
                 except ChannelError:
                     pass
         pending = [i for i in self._peers if i not in self._synced and self.alive(i, now)]
@@ -177,6 +178,9 @@ class BindingTable:
                 self.table.update(self._entries(entries))
                 return []
             return self._merge(entries)
+        if isinstance(rec, Sync) and rec.channel not in (None, self.name):  # before its hello check
+            raise ValueError(f"replica {self.index} serves channel {self.name!r}, not "
+                             f"{rec.channel!r}: its table is not that channel's")
         sender = rec.sender
         if isinstance(sender, int) and not isinstance(sender, bool) and sender < self.index:
             self._lower_seen[sender] = time.monotonic()  # it takes over once ready: stop deciding

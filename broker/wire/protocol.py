@@ -238,6 +238,9 @@ class Learn(Request, tag=LEARN):
 
 class Sync(Request, tag=SYNC):
     sender: Count | None = field(default=None, name="from")
+    # the asking replica's channel (a peer of another channel refuses it: a cluster file that
+    # gave two channels one address); nil from peers that do not send it
+    channel: Annotated[str, Meta(max_length=64)] | None = field(default=None, name="ch")
 
 
 class Load(Request, tag=LOAD):
