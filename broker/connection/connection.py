@@ -362,7 +362,8 @@ class Connection:
         """An ``items`` record: complete each get it answers as a reply of the get's own id
         with its inline item would (an id no longer awaited is dropped).  A converter's
         ``inline`` (a get's) converts the entry's body and lease, with no ``Reply`` made."""
-        pending_of, release, answered = self._pending, self._release, self.shm.releases.answered
+        pending_of, release = self._pending, self._release
+        self.shm.releases.answered_items(items)  # those queued before these gets reached it
         last: Convert | None = None
         inline: Any = None
         for rid, body, lease in items:
@@ -370,7 +371,6 @@ class Connection:
             if pending is None:
                 continue
             release(pending[3])
-            answered(rid)
             work, convert = pending[0], pending[1]
             if convert is not last:  # the gets of one record share their converter
                 last, inline = convert, getattr(convert, "inline", None)

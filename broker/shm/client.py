@@ -371,6 +371,12 @@ class Releases:
                 while sent and sent[0][0] < rid:
                     sent.popleft()
 
+    def answered_items(self, items: list) -> None:
+        """An ``items`` record answered the gets its entries ``(rid, body, lease)`` name: the
+        releases marked below the last of them reached the broker (``answered``)."""
+        if self.sent:
+            self.answered(max(entry[0] for entry in items))
+
     def end_session(self) -> None:
         """The session ended: what is not settled, and every release from now on, waits for
         the next session's ``shm_hi`` (``resume``)."""
