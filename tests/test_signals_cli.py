@@ -77,24 +77,25 @@ def test_a_stop_signal_while_the_broker_starts_leaves_no_files(run_dir, tmp_path
     """A broker whose start waits (a collector's ``setup`` at a gate), its lock and shared
     memory taken: SIGTERM or SIGHUP there ends the start as Ctrl-C does ("Aborted!", status 1),
     with its lock file and probe segment given back, not left as stale entries."""
+    name = f"gated{sig.value}"  # its own per signal: the cases may run at once (/dev/shm is shared)
     gate, starts = tmp_path / "gate", tmp_path / "starts"
     os.mkfifo(gate)
     starts.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (os.path.join(os.path.dirname(__file__)), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zchannel.cli.main", "broker", "gatedcli", "--collector",
+        [sys.executable, "-m", "zchannel.cli.main", "broker", name, "--collector",
          "hookmods:GatedStart", "--option", f'dir="{starts}"', "--option", f'gate="{gate}"'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         # the collector's setup waits at the gate
         assert wait_until(lambda: os.listdir(starts) or proc.poll() is not None, timeout=60)
         assert proc.poll() is None, proc.communicate()
-        assert os.path.exists(os.path.join(run_dir, "gatedcli.lock")) and _segments("gatedcli")
+        assert os.path.exists(os.path.join(run_dir, f"{name}.lock")) and _segments(name)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         _reap(proc)
     assert proc.returncode == 1 and "Aborted!" in err and "ready" not in out, err
     assert "Traceback" not in err, err
-    assert os.listdir(run_dir) == [] and _segments("gatedcli") == []
+    assert os.listdir(run_dir) == [] and _segments(name) == []
