@@ -255,13 +255,14 @@ def test_a_creator_that_exits_between_start_and_loop_stops_the_broker_cleanly(tm
     """The creator exits after the broker was made and before its loop watches it: with the
     start's pidfd handed on, the loop sees the exit and stops; without it, the start of the loop
     fails; with the creator's end of stdout gone too, "ready" cannot be written; each way the
-    broker's files are given back."""
+    broker's files are given back (each case its own channel name: the cases may run at once,
+    and /dev/shm is shared)."""
     script = textwrap.dedent(
         f"""
         import os, subprocess, sys
         from zchannel.broker.server.loop import Broker, BrokerConfig
         creator = subprocess.Popen(["sleep", "60"])
-        broker = Broker(BrokerConfig(name="gap", parent_pid=creator.pid))
+        broker = Broker(BrokerConfig(name="gap-{watched}", parent_pid=creator.pid))
         if {watched != "not-handed-on"}:
             broker.parent_fd = os.pidfd_open(creator.pid)
         out = os.fdopen(os.dup(1), "w")
@@ -279,7 +280,7 @@ def test_a_creator_that_exits_between_start_and_loop_stops_the_broker_cleanly(tm
         run_dir = os.environ["ZCHANNEL_RUN_DIR"]
         print(outcome, file=out)
         print("left", sorted(os.listdir(run_dir)),
-              [n for n in os.listdir("/dev/shm") if "+gap+" in n], file=out, flush=True)
+              [n for n in os.listdir("/dev/shm") if "+gap-{watched}+" in n], file=out, flush=True)
         os._exit(0)
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
