@@ -32,6 +32,7 @@ from zchannel.broker.shm.segment import (
     Segment,
 )
 from zchannel.broker.wire import arrays, codec
+from zchannel.broker.wire.argchecks import check_switch
 from zchannel.broker.wire.protocol import HelloInfo, Put, ShmHello, ShmRelease, shm_offer
 
 # Copy-out buffers a consumer keeps for reuse (their pages stay mapped: ``CopyOuts``): at most
@@ -70,10 +71,7 @@ def check_shm_switch(shm: Any) -> bool | None:
     """A handle's ``shm=``: None (on unless ``ZCHANNEL_SHM=0``), True or False, else
     ``TypeError`` naming it (a ``"false"`` read from a config file is truthy: taken as it is, it
     would switch shared memory on)."""
-    if shm is None or shm is True or shm is False:
-        return shm
-    raise TypeError(f"shm must be None, True or False, got {shm!r} (None: on unless "
-                    "ZCHANNEL_SHM=0)")
+    return check_switch(shm, "shm", " (None: on unless ZCHANNEL_SHM=0)")
 
 
 class ShmClient:

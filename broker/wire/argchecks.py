@@ -157,11 +157,17 @@ def check_target_weight(target: Any) -> int | float:
     return value
 
 
+def check_switch(value: Any, name: str, hint: str = "") -> bool | None:
+    """``value`` if it is None, True or False (a numpy bool or a truthy str is not), else
+    ``TypeError`` naming ``name`` (and ``hint``)."""
+    if value is None or value is True or value is False:
+        return value
+    raise TypeError(f"{name} must be None, True or False, got {value!r}{hint}")
+
+
 def check_copy(copy: Any) -> bool | None:
     """A get's ``copy``: None (the default form), True or False, else ``TypeError``."""
-    if copy is None or copy is True or copy is False:
-        return copy
-    raise TypeError(f"copy must be None, True or False, got {copy!r}")
+    return check_switch(copy, "copy")
 
 
 def check_flag(value: Any, name: str) -> bool:
