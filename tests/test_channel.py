@@ -191,6 +191,38 @@ def test_bad_arguments(make):
         Channel.create("x" * 65)
 
 
+def test_get_nowait_behind_a_waiting_get_batch_names_why(make):
+    """Items held but promised to an earlier waiting get_batch: ``get_nowait``'s
+    ``QueueEmpty`` says so instead of claiming the key holds nothing."""
+    ch = make()
+    batch = ch.get_batch(10, async_op=True, timeout=60)
+    for i in range(3):
+        ch.put(i, weight=1)
+    assert wait_until(lambda: ch.qsize() == 3, timeout=30)
+    with pytest.raises(QueueEmpty, match=r"holds 3 item\(s\), and 1 earlier get\(s\) waiting"):
+        ch.get_nowait()
+    for i in range(3, 10):
+        ch.put(i, weight=1)
+    assert batch.wait(60) == list(range(10))
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "broker"])
+def test_create_options_are_checked_by_name(local, run_dir):
+    """``options`` is a dict of str keys and sendable values: anything else is refused by
+    name before a broker starts, never turned into a dict."""
+    for options, match in (([("a", 1)], "options must be a dict"), ("s", "options must be a dict"),
+                           ({1: 2}, "options keys must be str"),
+                           ({"a": object()}, "options cannot be sent to the broker")):
+        with pytest.raises(TypeError, match=match):
+            Channel.create("badoptions", local=local, options=options)
+    ch = Channel.create("goodoptions", local=local, options={"a": {"b": [1, 2]}})
+    try:
+        ch.put("item")
+        assert ch.get(timeout=30) == "item"
+    finally:
+        ch.shutdown()
+
+
 def _roundtrip_values():
     from payloads import Sample
 

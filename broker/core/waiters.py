@@ -339,7 +339,7 @@ class Waiters:
             return
         self._remove_getter(req)
         if nowait:
-            self.reply(req.client, req.rid, error=QueueEmpty(f"no item for key {req.key!r}"))
+            self.reply(req.client, req.rid, error=QueueEmpty(_no_item_for(req.key, ks)))
         else:
             self.reply(req.client, req.rid, error=TimeoutError(f"get timed out on key {req.key!r}"))
         if ks is not None:
@@ -721,6 +721,19 @@ def _serve_merged_batch(waiters: Waiters, req: Parked, ks: KeyState, blocked: se
         blocked |= both
         return
     _take_merged(waiters, req, ks, sides)
+
+
+def _no_item_for(key: Any, ks: KeyState | None) -> str:
+    """A ``get_nowait``'s ``QueueEmpty`` message: the key holds no item, or none this get may
+    take now (gets waiting on it come first; other consumers' private queues are theirs)."""
+    if ks is None or not ks.depth():
+        return f"no item for key {key!r}"
+    held = f"no item for key {key!r} that this get may take now: the key holds {ks.depth()} item(s)"
+    if not ks.getters:
+        return f"{held}, in other consumers' private queues"
+    batch = any(g.kind == "batch" for g in ks.getters)
+    return (f"{held}, and {len(ks.getters)} earlier get(s) waiting on it come first"
+            + (" (a get_batch waits until its target weight is met)" if batch else ""))
 
 
 def _taken_at_deadline(waiters: Waiters, req: Parked, ks: KeyState) -> bool:

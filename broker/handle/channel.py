@@ -145,6 +145,25 @@ def _checked_create_args(
     return producers, declared, targets
 
 
+def _checked_options(options: Any) -> dict[str, Any]:
+    """``create``'s ``options`` (settings for the channel's hooks) as a new dict: None, or a
+    mapping of str keys to values a broker can receive (msgpack-able, as items are)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict of hook settings (str keys), got "
+                        f"{type(options).__name__} {options!r:.80}")
+    checked = dict(options)
+    for key in checked:
+        if not isinstance(key, str):
+            raise TypeError(f"options keys must be str, got {type(key).__name__} {key!r:.80}")
+    try:
+        codec.encode(checked)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"options cannot be sent to the broker: {exc}") from exc
+    return checked
+
+
 def _broker_config(name: str, maxsize: int, address: str | None, *, collector: Any,
                    dispatcher: Any, producers: Any, consumers: list[str],
                    options: Mapping[str, Any] | None, curve_keys: Any, insecure: bool,
@@ -265,6 +284,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         on the same address and journal, until the creating handle's ``shutdown()`` (its
         ``close()`` leaves the broker serving, and watched) or this process's exit.
         """
+        options = _checked_options(options)
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
             metrics_port, journal,
