@@ -231,6 +231,10 @@ class ObservationCheck(_WRAPPER_BASE):
 
 
 def _action_spec(space: Any) -> ActionSpec:
+    """The ``ActionSpec`` of a Gymnasium action space; ``ValueError`` naming a space that
+    cannot be carried (an unknown kind, or one with no action at all)."""
+    if isinstance(space, (gs.Box, gs.MultiBinary, gs.MultiDiscrete)) and not np.prod(space.shape):
+        raise ValueError(f"action space {space} has no action to take (shape {space.shape})")
     if isinstance(space, gs.Box):
         dim = int(np.prod(space.shape))
         return ActionSpec("box", dim, low=tuple(float(x) for x in space.low.reshape(-1)),
@@ -352,6 +356,11 @@ class GymVectorEnv:
             images[key] = (len(group), *shape) if stacked else shape
         self.spec = EnvSpec(sum(_state_width(leaf.space) for leaf in self._states), action,
                             images)
+        if not self.spec.state_dim and not images:
+            raise ValueError(
+                f"the observation leaves {sorted(known)} give a policy nothing to see: no state "
+                "column and no image (an empty Box, or obs_map drops every leaf); keep at least "
+                "one leaf (obs_map: 'states' or an image key)")
         # the observation leaf of each column of ``states`` (names the leaf of a bad value)
         self.state_names = tuple(leaf.name for leaf in self._states
                                  for _ in range(_state_width(leaf.space)))

@@ -566,6 +566,17 @@ def test_a_cut_or_padded_bin8_body_is_a_value_error(body):
     assert codec.decode(b"\xc4\x02ab") == b"ab"
 
 
+@pytest.mark.parametrize("body, cause", [
+    (b"\xc1", "not valid msgpack"),
+    (msgpack.packb(msgpack.ExtType(4, b"\xc1")), "not valid msgpack"),
+    (b"\x91" * 3000 + b"\xc0", "deeper than msgpack's decoder allows"),
+], ids=["reserved-byte", "reserved-byte-in-ext", "nested-3000-deep"])
+def test_msgpack_errors_without_a_message_still_name_the_cause(body, cause):
+    """msgpack's FormatError and StackError carry no text: the ValueError says what they mean."""
+    with pytest.raises(ValueError, match=cause):
+        codec.decode(body)
+
+
 # -- malformed new forms against live brokers ----------------------------------------------------
 
 _p = msgpack.packb

@@ -106,6 +106,12 @@ HEAP_DEPTH = 4  # from this many nesting levels on, payloads are decoded by a he
 # msgpack's pure-Python fallback (MSGPACK_PUREPYTHON=1, or a msgpack built without its C
 # extension) packs each list and dict level in Python frames of its own
 PURE_PYTHON_MSGPACK = msgpack.Packer.__module__ == "msgpack.fallback"
+# what msgpack's errors that carry no message of their own mean
+_MSGPACK_CAUSES: dict[type, str] = {
+    msgpack.exceptions.FormatError: "the body is not valid msgpack (a reserved or unknown byte)",
+    msgpack.exceptions.StackError: "the body nests lists and maps deeper than msgpack's "
+                                   "decoder allows",
+}
 
 
 def too_deep(what: str) -> str:
@@ -769,7 +775,8 @@ def decode(body: Any, frames: Sequence[Any] = (), *, copy: bool = False, shm: Se
     except Exception as exc:  # msgpack's own errors (ValueError subclasses), RecursionError, ...
         if type(exc) is ValueError:  # the decoder's own words
             raise
-        raise ValueError(f"cannot decode item: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"cannot decode item: {type(exc).__name__}: "
+                         f"{str(exc) or _MSGPACK_CAUSES.get(type(exc), 'malformed body')}") from None
 
 
 def decode_frames(frames: Sequence[Any], copy: bool | None, shm: Sequence[Any] = (),

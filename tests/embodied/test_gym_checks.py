@@ -142,3 +142,23 @@ def test_an_obs_map_target_that_is_not_a_key_is_refused_naming_it(target):
     with pytest.raises(ValueError, match=r"obs_map maps \{'cam': .*\}: each leaf goes to an "
                        r"image key \(a string"):
         GymVectorEnv(_vec(obs_space), obs_map={"cam": target})
+
+
+@pytest.mark.parametrize("obs_space, obs_map", [
+    (spaces.Box(-1, 1, (0,)), None),
+    (spaces.Box(-1, 1, (3,)), {"<observation>": None}),
+    (spaces.Dict({"cam": _uint8(8, 8, 3), "state": spaces.Box(-1, 1, (2,))}),
+     {"cam": None, "state": None}),
+], ids=["empty-box", "only-leaf-dropped", "every-leaf-dropped"])
+def test_an_observation_that_gives_the_policy_nothing_is_refused_when_made(obs_space, obs_map):
+    """No state column and no image: refused when the env is made (the demo's check before
+    anything starts), not later inside the workers' policy."""
+    with pytest.raises(ValueError, match="give a policy nothing to see"):
+        GymVectorEnv(_vec(obs_space), obs_map=obs_map)
+
+
+def test_an_action_space_of_no_actions_is_refused_naming_it():
+    env = gymnasium.vector.SyncVectorEnv([lambda: _Env(spaces.Box(-1, 1, (2,)))] * 2)
+    env.single_action_space = spaces.Box(-1, 1, (0,), np.float32)
+    with pytest.raises(ValueError, match=r"action space Box\(.*\) has no action to take"):
+        GymVectorEnv(env)
