@@ -188,7 +188,9 @@ class Dispatcher:
         """A consumer left (``ctx.consumers`` no longer includes it)."""
 
     def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
-        """Name a donor whose oldest item the starved consumer takes, or ``None``."""
+        """Name a donor whose oldest item the starved consumer takes, or ``None``: a consumer
+        of the channel other than ``starved`` (one of ``depths``, or a declared one); any other
+        id fails the starved get with a ``HookError``."""
         return None
 
     def key_dropped(self, key: Any) -> None:  # noqa: B027 - optional override

@@ -5,8 +5,9 @@ Items stay in the form their transport gave them; ``decode_item`` and ``encode_i
 the broker or the local channel) turn them into values only when a hook needs to see one.  A
 hook that raises is its caller's ``HookError``: a collector's or ``route``'s the putter's,
 ``observe``'s the get of the consumer that joined (it has not joined then), ``rebalance``'s
-the starved get's; ``forget`` and ``key_dropped``, which no request calls, fail nothing but are,
-like every hook failure, counted and logged (``HookPipeline._failed``).
+the starved get's; ``forget`` and ``key_dropped``, which no request calls, and a durable
+channel's ``holds_state`` and ``state_dict``, fail nothing but are, like every hook failure,
+counted and logged (``HookPipeline._failed``).
 """
 
 from __future__ import annotations
@@ -130,12 +131,13 @@ class HookPipeline:
         return outputs, reused_at
 
     def state_item(self) -> Item | None:
-        """``Collector.state_dict`` encoded as an item (None, logged, if it failed: the puts
-        it took are kept instead)."""
+        """``Collector.state_dict`` encoded as an item; None if it failed, or returned what
+        cannot travel (the puts it took are kept instead), counted and logged as every hook
+        failure (``_failed``)."""
         try:
             item = self.encode_item(self.collector.state_dict(), 1)
-        except HOOK_FAILURES:
-            log.exception("Collector.state_dict failed: the puts it took are kept instead")
+        except HOOK_FAILURES as exc:
+            self._failed(exc, "collector.state_dict")
             return None
         item.value, item.decoded = None, False  # the journal keeps the frames, not the value
         return item
@@ -149,11 +151,12 @@ class HookPipeline:
             raise self._failed(exc, "collector.load_state_dict") from None
 
     def holds_state(self) -> bool:
-        """``Collector.holds_state`` (a failure counts as holding state)."""
+        """``Collector.holds_state``; a failure counts as holding state (the journal keeps
+        the puts), and is counted and logged as every hook failure (``_failed``)."""
         try:
             return bool(self.collector.holds_state())
-        except HOOK_FAILURES:
-            log.exception("Collector.holds_state failed")
+        except HOOK_FAILURES as exc:
+            self._failed(exc, "collector.holds_state")
             return True
 
     def routed(self, outputs: list[tuple[Any, Item]], origin: Any) -> list[Output]:
@@ -220,15 +223,25 @@ class HookPipeline:
 
     def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
         """The dispatcher's donor for ``starved`` (None: none); ``HookError`` if it raises or
-        names something other than a consumer id."""
+        names anything but None or a consumer of the channel (one of ``depths``, or declared)
+        other than ``starved``."""
         try:
             donor = self.dispatcher.rebalance(key, starved, depths)
         except HOOK_FAILURES as exc:
             raise self._failed(exc, "dispatcher.rebalance") from None
-        if donor is not None and not isinstance(donor, str):
+        if donor is None:
+            return None
+        if not isinstance(donor, str):
             raise self._failed(HookError(
                 f"Dispatcher.rebalance returned {type(donor).__name__}, expected a consumer id "
                 "or None", "TypeError"), "dispatcher.rebalance")
+        if donor == starved or (donor not in depths and not self.roster.known(donor)):
+            why = ("the starved consumer itself" if donor == starved
+                   else "not a consumer of this channel")
+            raise self._failed(HookError(
+                f"Dispatcher.rebalance returned {_short(donor)}, {why}: expected one of the "
+                f"consumers of depths other than {_short(starved)}, or None (no donor)",
+                "ValueError"), "dispatcher.rebalance")
         return donor
 
     def _failed(self, exc: BaseException, where: str) -> HookError:
@@ -288,6 +301,11 @@ def collected(produced: Any) -> Iterator[Any]:
     except TypeError:
         raise TypeError("Collector.collect must yield (key, item[, weight]) tuples or return an "
                         f"iterable of them; it returned {type(produced).__name__}") from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """``repr(text)``, cut after ``limit`` characters (a hook may return any string)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}..."
 
 
 def hook_error(exc: BaseException) -> HookError:

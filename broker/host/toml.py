@@ -6,16 +6,18 @@ it when it is not valid TOML; ``tomllib`` itself is here too.
 
 What is read is bounded before it is parsed: only a regular file (a FIFO, a device such as
 ``/dev/zero`` or a directory is refused after a ``stat``, never opened), of at most
-``MAX_TOML_BYTES``; nesting deeper than the parser's recursion allows is refused as invalid
-TOML, not raised as a ``RecursionError``.
+``MAX_TOML_BYTES`` (``host/regularfile.py``, which reads key and token files alike); nesting
+deeper than the parser's recursion allows is refused as invalid TOML, not raised as a
+``RecursionError``.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from typing import Any
+
+from zchannel.broker.host.regularfile import read_regular_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,20 +33,7 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     """The tables of TOML file ``path``; ``ValueError`` naming the file when it is not a
     regular file, is larger than ``MAX_TOML_BYTES`` or is not valid TOML (nested too deeply
     included); ``OSError`` when it cannot be read (missing, no permission)."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(21, "Is a directory", str(path))
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{path} is not a regular file (a FIFO, a socket or a device): "
-                         "a configuration file is read only from a regular file")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the stat
-            raise ValueError(f"{path} is not a regular file")
-        data = f.read(MAX_TOML_BYTES + 1)
-    if len(data) > MAX_TOML_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_TOML_BYTES} bytes: not a configuration "
-                         "file zchannel reads")
+    data = read_regular_file(path, MAX_TOML_BYTES, "a configuration file")
     try:
         return tomllib.loads(data.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -25,8 +25,9 @@ from zchannel.hooks import (
 
 
 def hook_from_wire(spec: Any) -> Any:
-    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``;
-    a class its creator registered under a name, ``{"class": path, "name": name}``, is
+    """Rebuild a hook given to ``create`` as an instance: ``{"class": path, "state": {...}}``
+    (its ``vars()``) and, for a class with ``__slots__``, ``"slots": {...}``, set as they
+    were; a class its creator registered under a name, ``{"class": path, "name": name}``, is
     registered here under that name too and given as the class."""
     if isinstance(spec, dict) and "class" in spec:
         cls = import_path(spec["class"])
@@ -35,6 +36,8 @@ def hook_from_wire(spec: Any) -> Any:
             return register(spec["name"])(cls)
         obj = cls.__new__(cls)
         obj.__dict__.update(spec.get("state") or {})
+        for name, value in (spec.get("slots") or {}).items():
+            object.__setattr__(obj, name, value)  # past any __setattr__ of its, as __dict__ is
         return obj
     return spec
 

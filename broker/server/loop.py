@@ -15,11 +15,14 @@ scrape asks (``server/metrics.py``).
 from __future__ import annotations
 
 import gc
+import io
 import logging
+import math
 import os
 import secrets
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -29,6 +32,7 @@ from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import Client, Item, item_bytes
 from zchannel.broker.errors import BrokerUnavailable, KeyMoved
 from zchannel.broker.host import paths
+from zchannel.broker.host.regularfile import open_regular_file
 from zchannel.broker.host.scheduling import batch_wanted, use_batch_policy
 from zchannel.broker.journal.journal import Journal
 from zchannel.broker.journal.syncing import JournalFailed
@@ -51,6 +55,7 @@ from zchannel.broker.wire import arrays, codec
 from zchannel.broker.wire.classtags import register_paths
 from zchannel.broker.wire.protocol import (
     BYE,
+    HELLO,
     BadRecord,
     Bye,
     Get,
@@ -88,26 +93,52 @@ _NO_FRAMES: list = []
 
 class _RateLimitFilter(logging.Filter):
     """At most ``burst`` records of the same message template per ``period`` seconds; the first
-    record of a later period says how many of the template the period before it dropped."""
+    record of a later period says how many of the template the period before it dropped.
+
+    At most ``max_templates`` templates are tracked, by hash (a long message costs no more
+    than a short one), in the order their periods started.  When the table is full, the
+    templates whose period ended are forgotten; if none has, a record of a template not in it
+    counts against one budget those share (``burst`` per ``period`` too): messages that
+    differ every time (an f-string with a counter) neither grow the table nor flood the log."""
 
     def __init__(self, burst: int = 5, period: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_templates: int = 1024) -> None:
         super().__init__()
         self.burst, self.period, self._clock = burst, period, clock
-        self._seen: dict[str, tuple[float, int]] = {}
+        self.max_templates = max_templates
+        self._seen: OrderedDict[int, tuple[float, int]] = OrderedDict()  # hash -> (start, count)
+        self._others: tuple[float, int] = (-math.inf, 0)  # the shared budget's (start, count)
 
     def filter(self, record: logging.LogRecord) -> bool:
         now = self._clock()
         template = str(record.msg)
-        start, count = self._seen.get(template, (now, 0))
+        key = hash(template)
+        if key not in self._seen and len(self._seen) >= self.max_templates:
+            self._forget_ended(now)
+        shared = key not in self._seen and len(self._seen) >= self.max_templates
+        start, count = self._others if shared else self._seen.get(key, (now, 0))
         if now - start > self.period:
             dropped = count - self.burst
             if dropped > 0:
-                record.msg = (f"{template} ({dropped} more like this were not logged in "
-                              f"the previous {self.period:g} s window)")
+                like = (f"more of messages beyond the {self.max_templates} tracked"
+                        if shared else "more like this")
+                record.msg = (f"{template} ({dropped} {like} were not logged in the previous "
+                              f"{self.period:g} s window)")
             start, count = now, 0
-        self._seen[template] = (start, count + 1)
+            self._seen.pop(key, None)  # a new period: the template moves to the table's end
+        if shared:
+            self._others = (start, count + 1)
+        else:
+            self._seen[key] = (start, count + 1)
         return count < self.burst
+
+    def _forget_ended(self, now: float) -> None:
+        """Drop the templates whose period ended (the oldest first, up to a live one)."""
+        while self._seen:
+            key, (start, _) = next(iter(self._seen.items()))
+            if now - start <= self.period:
+                return
+            del self._seen[key]
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -495,7 +526,12 @@ _UNANSWERED = frozenset({"hb", "shm_hi", "shm_rel"})
 def _answer_bad_record(sessions: Sessions, address: bytes, client: Client | None, rec: BadRecord,
                 now: float) -> None:
     """A record that failed its checks: its error replied (a client unknown here is told
-    it expired, unless the record was its bye)."""
+    it expired, unless the record was its bye or a hello, whose error it gets)."""
+    if rec.op == HELLO:  # an invalid hello: its error (under id 0 without an int id), as a
+        # hello of another version gets; nothing is registered (anew)
+        sessions.reply(client or Client(address=address), rec.id or 0,
+                       error=ValueError(str(rec.error)))
+        return
     if client is None:
         if rec.op != BYE:
             sessions.tell_expired(address, now)
@@ -635,13 +671,20 @@ def shutdown_token(config: BrokerConfig) -> str:
 def read_token_file(path: str) -> str:
     """The shutdown token on the first line of the file at ``path`` (``--token-file`` of
     ``zchannel broker`` and of ``zchannel broker stop``): ``MIN_TOKEN_CHARS`` to
-    ``MAX_TOKEN_CHARS`` characters, else a ``ValueError`` naming the file; no more than a
+    ``MAX_TOKEN_CHARS`` characters of UTF-8 text, else a ``ValueError`` naming the file; only
+    a regular file is opened (``host/regularfile.py``: a FIFO would block), and no more than a
     token's worth is read."""
     try:
-        with open(path) as f:
+        opened = open_regular_file(path, "a shutdown token file")
+        with io.TextIOWrapper(opened, encoding="utf-8") as f:
             token = f.readline(MAX_TOKEN_CHARS + 2).strip()
     except OSError as exc:
         raise ValueError(f"cannot read the shutdown token from {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"cannot read the shutdown token from {path}: it is not UTF-8 text "
+                         f"({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise ValueError(f"cannot read the shutdown token: {exc}") from None
     if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
         raise ValueError(f"{path}: a shutdown token is at least {MIN_TOKEN_CHARS} characters and "
                          f"at most {MAX_TOKEN_CHARS} (its first line has "

@@ -83,17 +83,7 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
     process (its environment decides which exist): an unknown one is its ``ValueError``.
     """
     if isinstance(hook, (Collector, Dispatcher)):
-        state = dict(vars(hook))
-        try:
-            codec.encode(state)
-        except TypeError as exc:
-            raise TypeError(
-                f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
-                "or name and configure it through options="
-            ) from None
-        cls = type(hook)
-        hook_spec(cls)  # raises for classes the broker process cannot import
-        return {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+        return _instance_for_child(hook)
     if isinstance(hook, str) and ":" not in hook:
         named = registered(base).get(hook.lower())
         if named is not None and not named.__module__.startswith("zchannel."):
@@ -106,6 +96,44 @@ def hook_for_child(hook: Any, imports: list[str], base: type) -> Any:
         if name is not None and registered(base).get(name) is hook:
             return _registered_for_child(hook, name)
     return hook_spec(hook)
+
+
+def _instance_for_child(hook: Collector | Dispatcher) -> dict[str, Any]:
+    """A hook instance as the broker child receives it: its class's path, its ``vars()``
+    (``"state"``) and, when its class has ``__slots__``, the slots that are set (``"slots"``,
+    by attribute name); ``TypeError`` when a value cannot travel, or the class cannot be
+    imported by the broker process."""
+    state = dict(vars(hook))
+    slots = {name: getattr(hook, name) for name in _slot_names(type(hook)) if hasattr(hook, name)}
+    try:
+        codec.encode([state, slots])
+    except TypeError as exc:
+        raise TypeError(
+            f"hook instance {hook!r} cannot be handed to the broker ({exc}); pass its class "
+            "or name and configure it through options="
+        ) from None
+    cls = type(hook)
+    hook_spec(cls)  # raises for classes the broker process cannot import
+    spec: dict[str, Any] = {"class": f"{cls.__module__}:{cls.__qualname__}", "state": state}
+    if slots:
+        spec["slots"] = slots
+    return spec
+
+
+def _slot_names(cls: type) -> list[str]:
+    """The attribute names of the ``__slots__`` of ``cls`` and its bases (private ones
+    mangled, as Python stores them; ``__dict__`` and ``__weakref__`` left out)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def _registered_for_child(cls: type, name: str) -> Any:

@@ -93,8 +93,11 @@ def secure_server(sock: zmq.Socket, secret_key_file: str, public_keys_dir: str |
         raise ValueError(f"--curve-public-keys {public_keys_dir} is not a directory")
     auth = _Authenticator(sock.context, refusals)
     auth.start()
-    if public_keys_dir:
-        auth.configure_curve(domain="*", location=str(public_keys_dir))
+    if public_keys_dir:  # each key file read as the broker's own is (regular, bounded)
+        files = sorted(Path(public_keys_dir).glob("*.key"))
+        auth.allow_any = False
+        auth.certs["*"] = dict.fromkeys(
+            (load_key_file(str(f), "a client's CURVE public key")[0] for f in files), True)
     else:
         auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
     sock.curve_secretkey = secret

@@ -15,25 +15,55 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zchannel.broker.host.regularfile import read_regular_file
+from zmq.utils.z85 import Z85CHARS
 
 log = logging.getLogger("zchannel.security")
 _warned_about: set[str] = set()  # the files warn_if_others_can_read named already
+# a certificate file zchannel keygen writes takes ~300 bytes; one larger than this is no key file
+MAX_KEY_FILE_BYTES = 64 << 10
 
 
 def load_key_file(path: str, what: str) -> tuple[bytes, bytes | None]:
     """(public, secret or None) of a certificate file; ``ValueError`` naming the file and
-    ``what`` it should hold when it is missing, unreadable or holds no key."""
+    ``what`` it should hold when it is missing, unreadable, not a regular file, larger than
+    ``MAX_KEY_FILE_BYTES`` or holds no key.  Nothing is opened before the file is known to be
+    a regular file, nor more than ``MAX_KEY_FILE_BYTES`` read (``host/regularfile.py``)."""
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        reason = "no such file" if not os.path.exists(path) else str(exc)
+        data = read_regular_file(path, MAX_KEY_FILE_BYTES, "a CURVE key file")
+    except OSError as exc:
+        reason = "no such file" if not os.path.exists(path) else (exc.strerror or str(exc))
         raise ValueError(f"cannot read {what} from {path}: {reason}") from None
-    if len(public) != 40 or (secret is not None and len(secret) != 40):
+    except ValueError as exc:
+        raise ValueError(f"cannot read {what}: {exc}") from None
+    public, secret = certificate_keys(data)
+    if public is None or not _is_key(public) or (secret is not None and not _is_key(secret)):
         raise ValueError(f"cannot read {what} from {path}: not a CURVE certificate "
                          "(zchannel keygen writes them)")
     if secret is not None:
         warn_if_others_can_read(path, "secret key file")
     return public, secret
+
+
+def certificate_keys(data: bytes) -> tuple[bytes | None, bytes | None]:
+    """The (public, secret) keys a ZeroMQ certificate file's text ``data`` holds, each None when
+    it has no such line; read as ``zmq.auth.load_certificate`` reads a file: the first
+    ``public-key`` and ``secret-key`` lines, their value unquoted, ``#`` lines skipped."""
+    public = secret = None
+    for raw in data.splitlines():
+        line = raw.strip()
+        if line.startswith(b"#"):
+            continue
+        if line.startswith(b"public-key") and public is None:
+            public = line.split(b"=", 1)[-1].strip(b" \t'\"")
+        elif line.startswith(b"secret-key") and secret is None:
+            secret = line.split(b"=", 1)[-1].strip(b" \t'\"")
+    return public, secret
+
+
+def _is_key(key: bytes) -> bool:
+    """Whether ``key`` is a CURVE key in Z85 text: 40 characters of its alphabet."""
+    return len(key) == 40 and all(c in Z85CHARS for c in key)
 
 
 def warn_if_others_can_read(path: str, what: str) -> None:
