@@ -44,7 +44,7 @@ from zchannel.broker.core.state import (
     Parked,
 )
 from zchannel.broker.core.statelog import StateLog
-from zchannel.broker.core.waiters import SendReply, SendRun, Waiters, take_run
+from zchannel.broker.core.waiters import SendReply, SendRun, Waiters, found_nothing, take_run
 from zchannel.broker.wire.argchecks import check_key, check_target_weight, check_weight
 from zchannel.hooks import Collector, Dispatcher
 
@@ -145,25 +145,20 @@ class QueueCore:
 
     def get(self, client: Client, rid: int, key: Any, timeout: float | None, nowait: bool,
             ack: bool = False, batch_target: int | float = 0) -> None:
-        """A get (``batch_target`` 0) or a get_batch of that target weight."""
+        """A get (``batch_target`` 0) or a get_batch of that target weight.  One of a key the
+        broker does not hold that may not wait (``nowait``, or a ``timeout`` of 0) finds
+        nothing, and makes no key: only a get that waits holds one."""
+        waits = not nowait and (timeout is None or timeout > 0)
         try:
-            if rid in client.parked:
-                raise _duplicate_id(rid)
-            key = check_key(key)
-            if batch_target:
-                check_target_weight(batch_target)
-            if key not in self.queues.keys:
-                self.queues.check_new_keys((key,))
-            if self.hooks.deals and client.identity is None:
-                raise ValueError(
-                    f"channel {self.name!r} deals items to consumers: a consumer needs an "
-                    "identity (identity='group:rank' or ZCHANNEL_IDENTITY)"
-                )
+            key = _checked_get(self, client, rid, key, batch_target, waits)
             self._join(client)
         except Exception as exc:
             self.reply(client, rid, error=exc)
             return
         new_key = key not in self.queues.keys
+        if new_key and not waits:  # no items, no private queue to steal from
+            self.reply(client, rid, error=found_nothing(key, None, nowait))
+            return
         self.waiters.get(client, rid, self.queues.state(key), timeout, nowait, ack, batch_target,
                          new_key)
 
@@ -372,6 +367,26 @@ def _put_back(core: QueueCore, origin: tuple[Any, str | None], items: list[Item]
     else:
         ks.put_back(core.queues.queue(ks, consumer), items)
     return ks
+
+
+def _checked_get(core: QueueCore, client: Client, rid: int, key: Any,
+                 batch_target: int | float, waits: bool) -> Any:
+    """The checked key of a get of ``client`` (``batch_target``: of a get_batch), or the error
+    that refuses it: a duplicate id, a bad key or target, a new key past ``max_keys`` (for one
+    that ``waits``: one that may not holds no key), no identity on a channel that deals."""
+    if rid in client.parked:
+        raise _duplicate_id(rid)
+    key = check_key(key)
+    if batch_target:
+        check_target_weight(batch_target)
+    if waits and key not in core.queues.keys:
+        core.queues.check_new_keys((key,))
+    if core.hooks.deals and client.identity is None:
+        raise ValueError(
+            f"channel {core.name!r} deals items to consumers: a consumer needs an "
+            "identity (identity='group:rank' or ZCHANNEL_IDENTITY)"
+        )
+    return key
 
 
 def _duplicate_id(rid: int) -> ValueError:

@@ -140,6 +140,15 @@ class KeyedQueues:
                 ks.idle_timer = True
                 self.deadlines.add(ks.idle_since + self.key_grace, ks)
 
+    def let_go(self, ks: KeyState, made: bool) -> None:
+        """A request that did not wait is done with ``ks``: a key ``made`` for it (it held
+        nothing before) that is still idle is forgotten at once, as if it had never been made;
+        any other key starts its grace period if idle (``mark_idle``)."""
+        if made and ks.idle() and self.keys.get(ks.key) is ks:
+            del self.keys[ks.key]
+        else:
+            self.mark_idle(ks)
+
     def drop_if_idle(self, ks: KeyState, now: float) -> bool:
         """Forget ``ks`` if it is still the state of its key and stayed idle for the grace
         period; True if it went.  (Its deadline came: a key idle again since then gets the

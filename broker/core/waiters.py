@@ -223,7 +223,7 @@ class Waiters:
             return
         if not self._may_wait(req, self.request_overhead + new_key * self.key_overhead):
             self._remove_getter(req)
-            self.queues.mark_idle(ks)
+            self.queues.let_go(ks, new_key)  # a key made for it goes with it
             return
         self._park(req, timeout)
 
@@ -338,10 +338,7 @@ class Waiters:
             self.admit_putters()  # it freed room for waiting puts
             return
         self._remove_getter(req)
-        if nowait:
-            self.reply(req.client, req.rid, error=QueueEmpty(_no_item_for(req.key, ks)))
-        else:
-            self.reply(req.client, req.rid, error=TimeoutError(f"get timed out on key {req.key!r}"))
+        self.reply(req.client, req.rid, error=found_nothing(req.key, ks, nowait))
         if ks is not None:
             self.serve(ks)
 
@@ -721,6 +718,15 @@ def _serve_merged_batch(waiters: Waiters, req: Parked, ks: KeyState, blocked: se
         blocked |= both
         return
     _take_merged(waiters, req, ks, sides)
+
+
+def found_nothing(key: Any, ks: KeyState | None, nowait: bool) -> Exception:
+    """The error of a get of ``key`` (its state ``ks``; None: the broker holds no such key)
+    that found nothing it may take and may wait no longer: ``QueueEmpty`` naming why for
+    ``nowait`` (``_no_item_for``), else ``TimeoutError``."""
+    if nowait:
+        return QueueEmpty(_no_item_for(key, ks))
+    return TimeoutError(f"get timed out on key {key!r}")
 
 
 def _no_item_for(key: Any, ks: KeyState | None) -> str:

@@ -197,13 +197,37 @@ def repeated(broker: Broker, client: Client, rec: Put, seq: int, verdict: int) -
                          "it was stored")
 
 
+def _carries_frames(rec: Request, frames: list) -> ValueError:
+    """The error of a record that owns frames although its operation takes none (only a
+    ``put`` and a ``puts`` carry frames): refused, as its frames would be dropped unread."""
+    return ValueError(f"records of op {op_of(rec)!r} carry no frames (this one owns "
+                      f"{len(frames)}): only a put and a puts record do")
+
+
+def _unanswered_with_frames(rec: Request, frames: list) -> bool:
+    """Whether a record of an operation that gets no reply (``hb``, ``shm_hi``, ``shm_rel``)
+    owns frames, which it may not: dropped and logged with id 0, as such records are sent
+    (True), refused (``_carries_frames``) with an id of its own; False when it owns none."""
+    if not frames:
+        return False
+    if rec.id != 0:
+        raise _carries_frames(rec, frames)
+    log.warning("dropped a %r record that owns %d frames (it carries none)", op_of(rec),
+                len(frames))
+    return True
+
+
 def get(broker: Broker, client: Client, rec: Get, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
     broker.counters.gets += 1
     broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
                     rec.nowait, ack=rec.ack, batch_target=0)
 
 
 def get_batch(broker: Broker, client: Client, rec: GetBatch, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
     target = check_target_weight(rec.target)
     broker.counters.gets += 1
     broker.core.get(client, rec.id, key_from_wire(rec.key), check_timeout(rec.timeout),
@@ -211,15 +235,19 @@ def get_batch(broker: Broker, client: Client, rec: GetBatch, frames: list) -> No
 
 
 def heartbeat(broker: Broker, client: Client, rec: Heartbeat, frames: list) -> None:
-    pass  # a sign of life: the caller noted it
+    _unanswered_with_frames(rec, frames)  # a sign of life all the same: the caller noted it
 
 
 def qsize(broker: Broker, client: Client, rec: QSize, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
     result = broker.core.qsize(key_from_wire(rec.key), check_consumer(rec.consumer))
     broker.sessions.reply(client, rec.id, result=result)
 
 
 def full(broker: Broker, client: Client, rec: Full, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
     result = broker.core.full(key_from_wire(rec.key), check_consumer(rec.consumer))
     broker.sessions.reply(client, rec.id, result=result)
 
@@ -299,6 +327,8 @@ class TurnCosts:
 
 
 def stats(broker: Broker, client: Client, rec: Stats, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
     # an observer (zchannel stat) does not count itself
     table = broker.sessions.clients
     clients = len(table) - (1 if rec.exclude_self and client.address in table else 0)
@@ -337,11 +367,18 @@ def _stats_body(broker: Broker, clients: int, same_host_asker: int) -> bytes:
 
 
 def ack(broker: Broker, client: Client, rec: Ack, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
+    if rec.lease is None:
+        raise ValueError("an ack record names the lease it acknowledges (field 'lease', an "
+                         "int >= 0, as the get's reply gave it)")
     broker.core.ack(client, rec.id, rec.lease)
 
 
 def peek(broker: Broker, client: Client, rec: Peek, frames: list) -> None:
     """Copies of head items: sent like a batch, never tracked as delivered."""
+    if frames:
+        raise _carries_frames(rec, frames)
     costs = broker.turn_costs
     items = broker.core.peek(key_from_wire(rec.key), check_peek_count(rec.count),
                              check_consumer(rec.consumer))
@@ -371,23 +408,33 @@ def _share_frames(payload: Any) -> None:
 
 
 def cancel(broker: Broker, client: Client, rec: Cancel, frames: list) -> None:
+    if frames:
+        raise _carries_frames(rec, frames)
+    if rec.request_id is None:
+        raise ValueError("a cancel record names the request it withdraws (field 'rid', the "
+                         "int id of a waiting put or get of this client)")
     broker.core.cancel(client, rec.id, rec.request_id)
 
 
 def bye(broker: Broker, client: Client, rec: Bye, frames: list) -> None:
+    """The client leaves (frames it should not own change nothing: a bye always ends the
+    session, as the loop takes it)."""
     broker.sessions.clients.pop(client.address, None)
     broker.sessions.client_gone(client)
     broker.sessions.reply(client, rec.id, result=True)
 
 
 def shm_record(broker: Broker, client: Client, rec: ShmHello | ShmRelease, frames: list) -> None:
-    broker.shm.handle(client, rec)
+    if not _unanswered_with_frames(rec, frames):
+        broker.shm.handle(client, rec)
 
 
 def shutdown(broker: Broker, client: Client, rec: Shutdown, frames: list) -> None:
     """Stop the broker for a request with its shutdown token, or from a CURVE client whose
     public key is one of ``curve_admin_keys`` (``docs/security.md``); ``PermissionError``
     (nothing changes) for anyone else."""
+    if frames:
+        raise _carries_frames(rec, frames)
     token = rec.token
     valid = isinstance(token, str) and hmac.compare_digest(token.encode(), broker.token.encode())
     if not valid and not (client.user is not None and client.user in broker.admin_keys):
@@ -409,6 +456,8 @@ def replica_record(broker: Broker, client: Client, rec: Bind | Learn | Sync | Lo
     (``broker/cluster/moving.py``)."""
     if broker.replica is None:
         raise ValueError(f"unknown op {op_of(rec)!r}")
+    if frames:
+        raise _carries_frames(rec, frames)
     broker.sessions.reply(client, rec.id, result=broker.replica.handle(rec))
 
 

@@ -133,11 +133,13 @@ class Sessions:
         self._acked: list[int] = []
 
     def tell_expired(self, address: bytes, now: float) -> None:
-        """A message came from ``address``, which is no client (any more): say ``expired``."""
+        """A message came from ``address``, which is no client (any more): say ``expired``,
+        after the replies queued for it this turn (to the records before, such as those
+        before its ``bye``: records go out in the order they were produced)."""
         if now - self._expired_told.get(address, 0.0) < 0.2:
             return
         self._expired_told[address] = now
-        self._send(address, [BROKER_EXPIRED], [])
+        self._outbox(address).records.append(BROKER_EXPIRED)
 
     def forget_expired(self, address: bytes) -> None:
         """``address`` said hello: an ``expired`` is due again at once when it is unknown next."""
@@ -370,7 +372,8 @@ class Sessions:
                 del self.clients[address]
                 self.last_sent.pop(address, None)
                 self.client_gone(client, expired=True)
-                self._send(address, [BROKER_EXPIRED], [])
+                # after the replies of this turn (a parked get's timeout, say): in order
+                self._outbox(address).records.append(BROKER_EXPIRED)
                 if self.peers is not None:
                     self.peers.expired(address, now)
             elif now - self.last_sent.get(address, 0.0) >= hb / 2 and address not in self._out:
