@@ -19,7 +19,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
-from zchannel.cli.failures import given_on_command_line, output_file, require_companions
+from zchannel.cli.failures import (
+    TOO_DEEP,
+    given_on_command_line,
+    output_file,
+    require_companions,
+)
 from zchannel.cli.workdir import import_from_cwd
 
 if TYPE_CHECKING:  # the demo imports zchannel.embodied when it runs
@@ -48,6 +53,8 @@ def _json_option(text: str | None, name: str) -> dict | None:
         value = json.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint=name) from None
+    except RecursionError:  # Python's parser recurses once per array or object
+        raise click.BadParameter(TOO_DEEP, param_hint=name) from None
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object", param_hint=name)
     return value

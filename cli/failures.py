@@ -24,6 +24,8 @@ from zchannel.broker.host.environ import env_flag
 USAGE_STATUS = 2
 DEBUG_ENV = "ZCHANNEL_DEBUG"  # set: tracebacks instead of the one line
 EXPECTED = (ChannelError, ValueError, TypeError, OSError, zmq.ZMQError)
+# JSON on the command line nested past Python's recursion limit (its parser recurses)
+TOO_DEEP = "JSON nested too deeply to parse (arrays and objects inside each other)"
 EXTRA_HINT = "pip install 'zchannel["  # an ImportError naming the extra to install is expected
 # click >= 8.2 raises this for a group called without arguments (it shows the help)
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())

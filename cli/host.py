@@ -23,7 +23,7 @@ def _rows_of(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> list
     for lock in replicas:
         try:
             found = paths.read_token_file(lock)
-        except ValueError:
+        except (ValueError, ChannelError):  # unreadable, or its broker is gone by now
             found = None
         rows.append(_broker_row(lock, found["address"] if found else None, [lock], timeout,
                                 curve_keys, replica=True))

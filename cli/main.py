@@ -27,10 +27,11 @@ from zchannel.broker.errors import ChannelError
 from zchannel.broker.host import paths
 from zchannel.broker.server.loop import read_token_file
 from zchannel.broker.wire.argchecks import key_label
-from zchannel.cli.failures import Cli, require_companions
+from zchannel.cli.failures import TOO_DEEP, Cli, require_companions
 from zchannel.cli.shipped import ConfigFile
 from zchannel.cli.summary import key_from_text, key_text, pad, printable, summarize, text_width
 from zchannel.cli.workdir import import_from_cwd
+from zchannel.hooks import expand_consumers
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
@@ -55,6 +56,7 @@ def _parse_consumers(values: tuple[str, ...]) -> Any:
     if mapping and ids:
         raise click.BadParameter("give either group:count values (actor:3 --consumers critic:2) "
                                  "or lists of ids (actor:0,actor:1), not both")
+    expand_consumers(mapping or ids)  # ValueError naming a group whose count is past the limit
     return mapping or ids
 
 
@@ -86,6 +88,9 @@ def _parse_options(values: tuple[str, ...]) -> dict[str, Any]:
             options[key] = json.loads(raw)
         except json.JSONDecodeError:
             options[key] = raw
+        except RecursionError:  # Python's parser recurses once per array or object
+            raise click.BadParameter(f"the value of {key}: {TOO_DEEP}",
+                                     param_hint="'--option'") from None
     return options
 
 
@@ -306,7 +311,13 @@ def keygen(directory: str, name: str, replicas: int | None, force: bool) -> None
     from zchannel.broker.transport.curve_keys import keygen as make_keys
 
     paths.check_name(name)  # a file name stem: no separators
-    stems = [name] if replicas is None else [f"replica{i}" for i in range(replicas)] + [name]
+    replica_stems = [f"replica{i}" for i in range(replicas or 0)]
+    if name in replica_stems:  # the client pair would be written over that replica's pair
+        raise click.BadParameter(
+            f"{name!r} is the file name stem of replica {replica_stems.index(name)}'s pair "
+            f"(--replicas {replicas} writes replica0 .. {replica_stems[-1]}): give the client "
+            "pair another name", param_hint="'--name'")
+    stems = replica_stems + [name]
     taken = [f for stem in stems for f in (os.path.join(directory, f"{stem}.key"),
                                            os.path.join(directory, f"{stem}.key_secret"))
              if os.path.exists(f)]

@@ -35,9 +35,11 @@ def shipped_path(name: str) -> Path:
 
 
 def resolve(value: str) -> str:
-    """``value`` when it is a file; else the shipped config it names (``NAME.toml`` or
-    ``configs/NAME.toml``); else a ``FileNotFoundError`` naming the file and the shipped ones."""
-    if os.path.isfile(value):
+    """``value`` when something other than a directory is there (a FIFO or a device as well
+    as a file: its reader, ``read_toml``, refuses what is not a regular file, naming it);
+    else the shipped config it names (``NAME.toml`` or ``configs/NAME.toml``); else a
+    ``FileNotFoundError`` naming the file and the shipped ones."""
+    if os.path.exists(value) and not os.path.isdir(value):
         return value
     head, name = os.path.split(os.path.normpath(value))
     if head in ("", "configs") and name in shipped_names():

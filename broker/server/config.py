@@ -29,11 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zchannel.broker.host import paths
 from zchannel.broker.host.toml import read_toml
+from zchannel.broker.server.metrics import check_port
 from zchannel.broker.shm.segment import DEFAULT_POOL_BYTES, DEFAULT_THRESHOLD
+from zchannel.broker.wire import arrays
 from zchannel.broker.wire.limits import MIN_JOURNAL_LIMIT, check_settings
 from zchannel.broker.wire.protocol import MAX_FRAMES, MAX_HEADER_BYTES
-from zchannel.hooks.base import CONSUMER_ID_RE, MAX_CONSUMER_ID, check_groups
+from zchannel.hooks.base import (
+    CONSUMER_ID_RE,
+    GROUP_RE,
+    MAX_CONSUMER_ID,
+    MAX_CONSUMERS,
+    check_groups,
+)
 
 DEFAULT_LEASE_TIMEOUT = 30.0  # seconds an unacknowledged delivery is held
 
@@ -96,6 +105,10 @@ class BrokerConfig:
     def __post_init__(self) -> None:
         check_settings(vars(self))
         check_types(vars(self))
+        if self.address is not None:
+            refuse_abstract_ipc(self.address)
+        if self.metrics_port is not None:
+            check_port(self.metrics_port)
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got "
                              f"{self.fsync!r}")
@@ -137,12 +150,28 @@ def _is_str_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
+def _is_consumer_id(value: str) -> bool:
+    return len(value) <= MAX_CONSUMER_ID and CONSUMER_ID_RE.fullmatch(value) is not None
+
+
 def _is_consumers(value: Any) -> bool:
-    """None, a list of consumer ids (``group:rank``), or a mapping of groups to counts."""
-    return value is None or (_is_str_list(value) and all(
-        len(v) <= MAX_CONSUMER_ID and CONSUMER_ID_RE.fullmatch(v) for v in value)) or (
-        isinstance(value, dict) and all(isinstance(k, str) and type(v) is int
-                                        for k, v in value.items()))
+    """None, a list of consumer ids (``group:rank``), or a mapping of groups to counts (ints
+    >= 0 whose ids ``group:0`` .. ``group:count-1`` are valid); ``MAX_CONSUMERS`` ids at most:
+    what ``expand_consumers`` takes."""
+    if value is None:
+        return True
+    if _is_str_list(value):
+        return all(_is_consumer_id(v) for v in value) and len(set(value)) <= MAX_CONSUMERS
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and type(v) is int and v >= 0
+        and (v == 0 or _is_consumer_id(f"{k}:{v - 1}")) for k, v in value.items()
+    ) and sum(value.values()) <= MAX_CONSUMERS
+
+
+def _is_groups(value: Any) -> bool:
+    """A list of producer group names (what ``check_groups`` takes)."""
+    return _is_str_list(value) and all(
+        len(v) < MAX_CONSUMER_ID and GROUP_RE.fullmatch(v) for v in value)
 
 
 def _is_hook(value: Any) -> bool:
@@ -170,12 +199,14 @@ _TYPES: dict[str, tuple[Any, str]] = {
     "curve_admin_keys": _PATH, "cluster": _PATH,
     "token": _str("a str"),
     "metrics_address": _str("a str (a host)", optional=False),
-    "producers": (_is_str_list, "a list of str"),
+    "producers": (_is_groups, f"a list of str (group names: [A-Za-z0-9._-] characters, at "
+                              f"most {MAX_CONSUMER_ID - 1} each, e.g. 'rollout')"),
     "imports": (_is_str_list, "a list of module names (str)"),
     "allowed_dtypes": (lambda v: v is None or _is_str_list(v), "a list of dtype names (str)"),
     "max_rank": (lambda v: v is None or (type(v) is int and v >= 0), "an int >= 0"),
     "consumers": (_is_consumers, "a list of consumer ids ('group:rank', e.g. 'actor:0') or a "
-                                 "table of group = count"),
+                                 "table of group = count (an int >= 0), declaring "
+                                 f"{MAX_CONSUMERS} consumers at most"),
     "collector": (_is_hook, "a hook name, 'module:ClassName', a class or an instance"),
     "dispatcher": (_is_hook, "a hook name, 'module:ClassName', a class or an instance"),
     "options": (lambda v: isinstance(v, dict), "a table"),
@@ -187,6 +218,29 @@ def check_types(fields: dict[str, Any]) -> None:
     for name, (ok, what) in _TYPES.items():
         if name in fields and not ok(fields[name]):
             raise ValueError(f"{name} must be {what}, got {fields[name]!r}")
+
+
+def refuse_abstract_ipc(address: str) -> None:
+    """``ValueError`` naming ``address`` when it is a Linux abstract socket (``ipc://@NAME``):
+    a broker serves an ipc address only as a socket file, which its mode (0600) keeps to its
+    owner and which clients and ``zchannel stat`` / ``clean`` find; an abstract socket has no
+    file permissions (any local user could connect) and no file."""
+    if (paths.ipc_path(address) or "").startswith("@"):
+        raise ValueError(f"address {address} is a Linux abstract socket, which a broker does not "
+                         "serve (it has no file permissions: any local user could connect, and "
+                         "no socket file clients find); give ipc://PATH, a socket file only "
+                         "its owner may open")
+
+
+def check_dtype_names(dtypes: list[str]) -> None:
+    """``ValueError`` naming the ``allowed_dtypes`` entries a broker does not decode (what
+    ``arrays.restrict`` refuses as the broker starts), checked before it starts."""
+    arrays.torch_module()  # builds the table of torch dtype names
+    unknown = [d for d in dtypes if d not in arrays.NP_DTYPES and d not in arrays.TORCH_DTYPES]
+    if unknown:
+        raise ValueError(f"allowed_dtypes names unknown or not allowed dtypes {unknown}: give "
+                         "numpy dtype.str values ('<f4', '|b1') or torch dtype names "
+                         "('float32', 'bfloat16') of numeric and bool dtypes")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -225,7 +279,10 @@ def build_config(file: str | Path | None = None, **overrides: Any) -> BrokerConf
     if not fields.get("name"):
         raise ValueError("a broker needs a channel name (argument NAME or [channel] name)")
     try:
-        return BrokerConfig(**fields)
+        config = BrokerConfig(**fields)
+        if config.allowed_dtypes is not None:  # (else checked only as the broker starts)
+            check_dtype_names(config.allowed_dtypes)
+        return config
     except (ValueError, TypeError) as exc:
         # the checks name the setting first ("maxsize must be ..."): one the file set is
         # named with the file

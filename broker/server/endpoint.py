@@ -19,7 +19,7 @@ from zchannel.broker.connection.tuning import MAX_BYTES_PER_MESSAGE
 from zchannel.broker.host import paths
 from zchannel.broker.server import rundir
 from zchannel.broker.server.admission import PeerGuard
-from zchannel.broker.server.config import BrokerConfig
+from zchannel.broker.server.config import BrokerConfig, refuse_abstract_ipc
 from zchannel.broker.server.peers import Peers
 from zchannel.broker.transport import direct_broker, direct_framing
 from zchannel.broker.transport.curve_broker import BrokerHandshakes, RefusalLog, secure_server
@@ -43,10 +43,12 @@ def clear_address(address: str) -> None:
     left there is removed.  ``ZMQError`` (``EADDRINUSE``) when a process listens at it -- the
     channel lock keeps brokers of one name apart, not brokers of two names given one address
     -- and ``FileExistsError`` when the path is not a socket (a regular file, a directory, a
-    symbolic link: ``paths.clear_socket_file``); nothing but a socket file is ever removed."""
+    symbolic link: ``paths.clear_socket_file``); nothing but a socket file is ever removed.
+    ``ValueError`` for a Linux abstract socket (``ipc://@NAME``: ``refuse_abstract_ipc``)."""
     ipc = paths.ipc_path(address)
-    if not ipc or ipc.startswith("@"):
+    if not ipc:
         return
+    refuse_abstract_ipc(address)
     if paths.socket_identity(ipc) is not None and not paths.nothing_listens(address):
         raise zmq.ZMQError(zmq.EADDRINUSE, f"cannot bind {address}: Address already in use "
                            "(a process listens at that socket file)")
@@ -77,6 +79,7 @@ class Endpoint:
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve_broker.py)
         try:
             self.address = config.address or paths.default_address(config.name)
+            refuse_abstract_ipc(self.address)  # (a replica's, from its cluster file)
             paths.check_bind_address(
                 self.address, secure=bool(config.curve_secret_key and config.curve_public_keys),
                 insecure=config.insecure)
