@@ -430,7 +430,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
                     return _as_channel(found)
                 raise ChannelNotFound(f"no channel named {name!r} on this host" + (
                     " nor on Ray (no actor 'zchannel:" + name + "' in this job's namespace: "
-                    "never created, still starting, or its replica 0 gone)" if on_ray else ""))
+                    "never created, still starting, or its replica 0 gone)" if on_ray else "")
+                    + _stale_address_note(name))
         keys = client_keys(curve_keys)
         if keys is not None:
             keys.load()  # a key file that does not hold its key: ValueError naming it, first
@@ -439,18 +440,51 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         # a channel's broker names itself in its lock file: the connection must be to that one
         handle._broker_pid = None if name is None else paths.read_lock_holder(name)
         handle._connection(timeout=timeout)
+        if name is not None:
+            _check_serves(handle, name)
         if handle._connection().broker_info.replicas is not UNSET:  # a replica: route per key (distributed.py)
             return _as_channel(DistributedChannel.from_handle(handle))
         return handle
 
 
 def _address_on_this_host(name: str) -> str | None:
-    """The address in ``name``'s ``.addr`` file; when its writer stopped or died, the address
-    of another live replica of that (distributed) channel on this host, if any."""
+    """The address in ``name``'s ``.addr`` file while a broker of the channel holds its lock
+    (its own or a replica's); when its writer stopped or died, the address of another live
+    replica of that (distributed) channel on this host, if any.  A killed broker's file names
+    an address another broker may have taken over: it is not followed (``paths.nobody_serves``)
+    unless nothing listens there (``paths.probe`` then says the socket file is left)."""
     address = paths.read_address(name)
     if address is None or _gone(address):
         return _replica_on_this_host(name) or address
+    if paths.nobody_serves(name):
+        return _replica_on_this_host(name)
     return address
+
+
+def _stale_address_note(name: str) -> str:
+    """What a ``ChannelNotFound`` for ``name`` adds when a killed broker's ``.addr`` file of
+    that name is left ("" when there is none)."""
+    try:
+        address = paths.read_address(name)
+        if address is None or not paths.nobody_serves(name):
+            return ""
+    except OSError:
+        return ""
+    return (f" (its address file {paths.addr_path(name)} is left from a broker that is gone: "
+            f"nobody holds the channel's lock, and {address} may be another broker's now; "
+            "`zchannel clean` removes the file)")
+
+
+def _check_serves(handle: Channel, name: str) -> None:
+    """``ChannelNotFound`` (the handle closed) unless the broker ``handle`` said hello to
+    serves channel ``name``: the run directory's files may name an address that another
+    channel's broker took over."""
+    served = handle._connection().broker_info.name
+    if served != name:
+        handle.close()
+        raise ChannelNotFound(
+            f"no broker serves channel {name!r} at {handle.address}, where this host's run "
+            f"directory says it is: the broker there serves channel {served!r}")
 
 
 def _broker_serves(name: str) -> bool:
@@ -458,9 +492,9 @@ def _broker_serves(name: str) -> bool:
     reach it)."""
     try:
         address = paths.read_address(name)
+        return address is not None and not _gone(address) and not paths.nobody_serves(name)
     except OSError:  # no usable run directory (UnsafeRunDir too): no broker found by name here
         return False
-    return address is not None and not _gone(address)
 
 
 def _gone(address: str) -> bool:

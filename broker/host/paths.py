@@ -290,36 +290,125 @@ def write_token_file(lock_name: str, address: str, token: str,
 
 def read_token_file(lock_name: str) -> dict | None:
     """The ``{"address", "pid", "token"}`` (and ``"curve_public_key"``) a running broker
-    wrote (None: no such file)."""
+    wrote (None: no such file).  ``ChannelNotFound`` when the file is left from a broker that
+    is gone (``lock_free``: its lock is held by nobody; where that cannot be told, its pid
+    runs no more): its address may be another broker's by now."""
+    path = token_path(lock_name)
     try:
-        data = json.loads(token_path(lock_name).read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the shutdown token file {token_path(lock_name)}: "
-                         f"{exc}") from None
+        raise ValueError(f"cannot read the shutdown token file {path}: {exc}") from None
     if not (isinstance(data, dict) and isinstance(data.get("token"), str)
             and isinstance(data.get("address"), str)):
-        raise ValueError(f"{token_path(lock_name)} is not a shutdown token file")
+        raise ValueError(f"{path} is not a shutdown token file")
+    gone = _writer_gone(lock_name, data.get("pid"))
+    if gone:
+        raise ChannelNotFound(
+            f"no broker serves {lock_name!r} on this host: its shutdown token file {path} is "
+            f"left from a broker that is gone ({gone}), and {data['address']} may be another "
+            "broker's now; `zchannel clean` removes the file")
     return data
+
+
+def _writer_gone(lock_name: str, pid: object) -> str | None:
+    """Why the broker that held lock ``lock_name`` (process ``pid``, from its token file) is
+    known to be gone, or None: nobody holds the lock, or -- where ``/proc/locks`` cannot tell
+    that -- its process runs no more."""
+    flocked = flocked_inodes()
+    if flocked is not None:
+        return "nobody holds its lock" if lock_free(lock_name, flocked) else None
+    if isinstance(pid, int) and not process_running(pid):
+        return f"its process {pid} runs no more"
+    return None
 
 
 def replica_addresses(name: str) -> list[str]:
     """The addresses of the replicas of distributed channel ``name`` that run on this host, from
-    their token files (``NAME.replicaI.token``; a killed replica's file is left: it is skipped
-    when its pid is gone).  Each replica serves the whole channel (its hello carries the table),
-    so any one of them will do when the ``.addr`` file's replica is gone."""
+    their token files (``NAME.replicaI.token``; a killed replica's file is left: it is skipped,
+    as is the file of a channel merely named so: ``replica_channel``).  Each replica serves the
+    whole channel (its hello carries the table), so any one of them will do when the ``.addr``
+    file's replica is gone."""
     found = []
     for path in sorted(run_dir().glob(f"{check_name(name)}.replica*.token")):
+        lock_name = path.name.removesuffix(".token")
+        if replica_channel(lock_name) != name:
+            continue
         try:
-            data = read_token_file(path.name.removesuffix(".token"))
-        except ValueError:
+            data = read_token_file(lock_name)
+        except (ValueError, ChannelNotFound):
             continue
         pid = data.get("pid") if data else None
         if data is None or not isinstance(pid, int) or not process_running(pid):
             continue
         found.append(data["address"])
     return found
+
+
+_REPLICA_LOCK = re.compile(r"^(?P<channel>.+)\.replica[0-9]+\Z")
+
+
+def replica_channel(lock_name: str) -> str | None:
+    """The distributed channel whose replica goes by ``lock_name`` (``NAME.replicaI``: its lock,
+    token and shared-memory names), None for any other name.  A channel of its own may be named
+    like that (``foo.replica0``); its broker writes an address file of that name, which a
+    replica never does (the replicas of ``NAME`` write ``NAME.addr``), so a lock name with an
+    address file of its own is that channel's, not a replica's."""
+    found = _REPLICA_LOCK.match(lock_name)
+    if found is None or addr_path(lock_name).exists():
+        return None
+    return found.group("channel")
+
+
+def flocked_inodes() -> set[int] | None:
+    """The inodes of the files with a lock, from ``/proc/locks`` (None when it cannot be
+    read); looking there takes no lock, so it never makes a starter back off.  Every kind of
+    lock counts (``flock`` locks show as ``POSIX`` ones on NFS), waiters do not.  Inodes only:
+    on an overlay file system the device there differs from ``stat``'s, and a match by chance
+    only makes a free lock look held, never the reverse."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] != "->":
+            try:
+                found.add(int(parts[5].rsplit(":", 1)[1]))
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+def lock_free(lock_name: str, flocked: set[int] | None) -> bool:
+    """Whether the lock of ``lock_name`` is known to be held by no broker: its file is missing,
+    or no lock is on it (its inode is not among ``flocked``: ``flocked_inodes``) and the pid its
+    last holder wrote in it (``write_lock_holder``) runs no more.  False while it is held, and
+    when ``flocked`` is None (``/proc/locks`` could not be read: nothing can be told)."""
+    if flocked is None:
+        return False
+    try:
+        if os.stat(lock_path(lock_name)).st_ino in flocked:
+            return False
+    except FileNotFoundError:
+        return True
+    holder = read_lock_holder(lock_name)
+    return holder is None or not process_running(holder)
+
+
+def nobody_serves(name: str) -> bool:
+    """Whether no broker of channel ``name`` runs from this run directory, as its locks tell:
+    neither the channel's own nor a replica's (``NAME.replicaI``) is held.  False when that
+    cannot be told (``lock_free``).  A broker holds its lock for as long as it runs, so the
+    ``.addr`` and token files of a channel that nobody serves are a killed broker's."""
+    flocked = flocked_inodes()
+    replicas = [path.name.removesuffix(".lock")
+                for path in run_dir().glob(f"{check_name(name)}.replica*.lock")]
+    return all(lock_free(lock, flocked)
+               for lock in [name, *(r for r in replicas if replica_channel(r) == name)])
 
 
 def remove_token_file(lock_name: str) -> None:

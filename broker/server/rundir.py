@@ -5,12 +5,15 @@ removes its files when it exits.  A broker that was killed leaves them: its lock
 nobody), address file, shutdown token file, ipc socket file, direct-link socket and
 shared-memory segments.  Those
 are *stale*; ``zchannel stat`` lists them and ``zchannel clean`` removes them (``clean``).
+A socket file is never a stale entry while a process listens at it or a live broker's address
+names it: another broker may have taken over the address of a killed one.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +21,6 @@ from zchannel.broker.host import paths
 from zchannel.broker.host.procs import pid_alive
 from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
 from zchannel.broker.transport import direct_framing
-
-_REPLICA = ".replica"
 
 
 @dataclass
@@ -39,33 +40,23 @@ class StaleEntry:
     files: list[str] = field(default_factory=list)
     locks: list[str] = field(default_factory=list)  # lock names among ``files``
     live: bool = False  # the channel runs (replicas): only its free lock files are stale
+    # the socket files among ``files`` and their ``paths.socket_identity`` when listed: one
+    # made there since (a broker that took the address over) is not removed
+    sockets: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-
-def _flocked() -> set[int] | None:
-    """The inodes of the files with a flock lock, from ``/proc/locks`` (None when it cannot be
-    read); looking there takes no lock, so it never makes a starter back off.  Inodes only: on
-    an overlay file system the device there differs from ``stat``'s, and a match by chance
-    only makes a stale entry look live (kept), never the reverse."""
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    found = set()
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->":
-            try:
-                found.add(int(parts[5].rsplit(":", 1)[1]))
-            except (IndexError, ValueError):
-                continue
-    return found
+    def add(self, paths_found: Iterable[str]) -> None:
+        """List ``paths_found`` (the identity of each socket file among them too)."""
+        for path in paths_found:
+            self.files.append(path)
+            made = paths.socket_identity(path)
+            if made is not None:
+                self.sockets[path] = made
 
 
 def lock_holder(lock_name: str) -> int | None:
     """The pid of the broker that holds the lock of ``lock_name``: the one it wrote in the
     lock file, while the lock is held (None when that cannot be told)."""
-    if not _held(lock_name, _flocked()):
+    if not _held(lock_name, paths.flocked_inodes()):
         return None
     pid = paths.read_lock_holder(lock_name)
     return pid if pid is not None and pid_alive(pid) else None
@@ -94,8 +85,9 @@ def _held(lock_name: str, flocked: set[int] | None) -> bool:
 
 
 def _channel_of(lock_name: str) -> str:
-    base, sep, index = lock_name.rpartition(_REPLICA)
-    return base if sep and index.isdigit() else lock_name
+    """The channel a lock name is of: the distributed channel of a replica's
+    (``paths.replica_channel``), else the channel of that name."""
+    return paths.replica_channel(lock_name) or lock_name
 
 
 def _address_files(address: str | None) -> list[str]:
@@ -108,6 +100,21 @@ def _address_files(address: str | None) -> list[str]:
     link = direct_framing.link_path(ipc)
     return [p for p in (ipc, link, *(paths.gate_paths(ipc) or ()))
             if p and paths.socket_identity(p) is not None]
+
+
+def _left_at(address: str | None, taken: set[str]) -> list[str]:
+    """The socket files a broker that is gone left at ``address`` (``_address_files``): none
+    while a process listens there (a broker took the address over, or the path names another
+    broker's socket), and none that a live broker's address names (``taken``)."""
+    files = [path for path in _address_files(address) if path not in taken]
+    if files and address and not paths.nothing_listens(address):
+        return []
+    return files
+
+
+def _listening(path: str) -> bool:
+    """Whether a process listens at the socket file ``path`` (True when that cannot be told)."""
+    return not paths.nothing_listens(f"ipc://{path}")
 
 
 def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
@@ -123,12 +130,15 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
         name = _channel_of(lock_name)
         segments.setdefault(name, {}).setdefault(lock_name, []).append(os.path.join(SHM_DIR, seg))
         names.setdefault(name, [])
+    flocked = paths.flocked_inodes()
+    held = {name: [lock for lock in sorted(locks) if _held(lock, flocked)]
+            for name, locks in names.items()}
+    taken = {path for name in names if held[name] for path in _channel_addresses(name)}
     live: list[HostBroker] = []
     stale: list[StaleEntry] = []
     claimed: set[str] = set()  # socket files that belong to a known channel
-    flocked = _flocked()
     for name in sorted(names):
-        broker, leftover = _channel_files(name, sorted(names[name]), flocked, claimed,
+        broker, leftover = _channel_files(name, sorted(names[name]), held[name], taken, claimed,
                                           segments.get(name, {}))
         if broker is not None:
             live.append(broker)
@@ -141,10 +151,18 @@ def scan() -> tuple[list[HostBroker], list[StaleEntry]]:
     for lock_name, path in found.tokens:
         if not _held(lock_name, flocked):
             _add(stale, _channel_of(lock_name), str(path))
-    for path in found.sockets:
-        if str(path) not in claimed:  # a socket no channel's address names: nobody serves it
+    for path in found.sockets:  # a socket no channel's address names: a broker's left there
+        if str(path) not in claimed and not _listening(str(path)):
             _add(stale, path.name.split(".sock")[0], str(path))
     return live, stale
+
+
+def _channel_addresses(name: str) -> list[str]:
+    """The socket files at channel ``name``'s addresses: the one its ``.addr`` file names and
+    its default one (``_address_files``)."""
+    if not paths.NAME_RE.match(name):
+        return []
+    return _address_files(paths.read_address(name)) + _address_files(paths.default_address(name))
 
 
 @dataclass
@@ -175,38 +193,41 @@ class _RunDirFiles:
         return found
 
 
-def _channel_files(name: str, locks: list[str], flocked: set[int] | None, claimed: set[str],
-                   segments: dict[str, list[str]]) -> tuple[HostBroker | None, StaleEntry]:
-    """Channel ``name``'s live broker (None: no lock of it is held) and its stale files;
-    the socket files its address names are added to ``claimed``.  ``segments``: its
-    shared-memory segments by the lock name of the broker that made them (a replica's own):
-    those of a broker whose lock is held are live."""
-    held = [lock for lock in locks if _held(lock, flocked)]
+def _channel_files(name: str, locks: list[str], held: list[str], taken: set[str],
+                   claimed: set[str], segments: dict[str, list[str]]
+                   ) -> tuple[HostBroker | None, StaleEntry]:
+    """Channel ``name``'s live broker (None: none of its ``locks`` is ``held``) and its stale
+    files; the socket files its addresses name are added to ``claimed``, and those a live
+    broker uses (``taken``, or a process listens there: ``_left_at``) are never stale.
+    ``segments``: its shared-memory segments by the lock name of the broker that made them (a
+    replica's own): those of a broker whose lock is held are live."""
     address = paths.read_address(name) if paths.NAME_RE.match(name) else None
-    own = set(_address_files(address))
-    if paths.NAME_RE.match(name):
-        own.update(_address_files(paths.default_address(name)))
-    claimed.update(own)
+    claimed.update(_channel_addresses(name))
     leftover = StaleEntry(name, live=bool(held))
     leftover.locks = [lock for lock in locks if lock not in held]
-    leftover.files = [str(paths.lock_path(lock)) for lock in leftover.locks]
+    leftover.add(str(paths.lock_path(lock)) for lock in leftover.locks)
     dead_segments = [seg for lock, segs in sorted(segments.items()) if lock not in held
                      for seg in segs]
     if held:
-        leftover.files += dead_segments  # a replica that died while others serve
+        leftover.add(dead_segments)  # a replica that died while others serve
         return HostBroker(name, address, held), leftover
     if paths.addr_path(name).exists():
-        leftover.files.append(str(paths.addr_path(name)))
-    leftover.files += sorted(own) + dead_segments
+        leftover.add([str(paths.addr_path(name))])
+    own = set(_left_at(address, taken))
+    if paths.NAME_RE.match(name):
+        own.update(_left_at(paths.default_address(name), taken))
+    leftover.add(sorted(own) + dead_segments)
     return None, leftover
 
 
 def _add(stale: list[StaleEntry], name: str, path: str) -> None:
     for entry in stale:
         if entry.name == name:
-            entry.files.append(path)
+            entry.add([path])
             return
-    stale.append(StaleEntry(name, [path]))
+    entry = StaleEntry(name)
+    entry.add([path])
+    stale.append(entry)
 
 
 def clean() -> list[str]:
@@ -228,8 +249,8 @@ def clean_channel(name: str, addresses: tuple[str, ...] = ()) -> list[str]:
     for entry in scan()[1]:
         if entry.name == name:
             if not entry.live:
-                entry.files += [f for a in addresses for f in _address_files(a)
-                                if f not in entry.files]
+                entry.add(f for a in addresses for f in _left_at(a, set())
+                          if f not in entry.files)
             removed += _clean(entry)
     return removed
 
@@ -248,7 +269,7 @@ def _clean(entry: StaleEntry) -> list[str]:
             held.append((lock, fd))
         lock_files = {str(paths.lock_path(lock)) for lock in locks}
         for path in entry.files:
-            if path not in lock_files and not entry.live:
+            if path not in lock_files and not entry.live and _still_stale(entry, path):
                 try:
                     os.unlink(path)
                     removed.append(path)
@@ -266,3 +287,13 @@ def _clean(entry: StaleEntry) -> list[str]:
         for _, fd in held:
             os.close(fd)
     return removed
+
+
+def _still_stale(entry: StaleEntry, path: str) -> bool:
+    """Whether ``path`` of ``entry`` may be removed now: any file but a socket file; a socket
+    file only while it is the one listed and nothing listens at it (a broker of another name
+    may have taken the address over since: the channel's lock does not keep it out)."""
+    made = entry.sockets.get(path)
+    if made is None:
+        return paths.socket_identity(path) is None
+    return paths.socket_identity(path) == made and not _listening(path)
