@@ -16,11 +16,20 @@ departed ones; at most ``MAX_PRODUCERS`` windows (the departed that expire first
 A forgotten window leaves its highest sequence behind (``Producers.forgotten``, as many): a
 producer that comes back gets a window whose sequences up to that one are ``TOO_OLD``, so that
 a late retry is refused rather than stored a second time.
+
+Memory: a live window is a ``WINDOW``-bit bitmap (2 KiB), one per connected producer (bounded
+by the clients the broker serves).  A departed window is kept compressed (``ProducerWindow.
+pack``: tens of bytes for a real producer's bits), and the departed windows and forgotten
+sequences together cost at most ``DEPARTED_BYTES`` by the estimates ``PACKED_COST`` (plus the
+compressed bits) and ``FORGOTTEN_COST``: past it, the sequences forgotten first go, then the
+departed windows that expire first are forgotten, so that a client saying hello with ever new
+producer ids cannot grow the broker without bound.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections import OrderedDict
 from typing import Any
 
@@ -28,6 +37,12 @@ from zchannel.broker.core.sequences import WINDOW, SequenceBits
 from zchannel.broker.core.state import Client, Parked
 
 MAX_PRODUCERS = 1 << 16
+DEPARTED_BYTES = 8 << 20  # departed windows and forgotten sequences, all together
+# measured resident bytes (with a margin) of a departed window besides its compressed bits
+# (the window, its producer id, its entries in ``windows`` and ``departed``), and of one
+# forgotten sequence (its producer id, the int, its ``forgotten`` entry)
+PACKED_COST = 720
+FORGOTTEN_COST = 240
 
 # what ``ProducerWindow.begin`` says of a put's sequence
 NEW, DUPLICATE, WAITING, TOO_OLD = 0, 1, 2, 3
@@ -35,9 +50,10 @@ NEW, DUPLICATE, WAITING, TOO_OLD = 0, 1, 2, 3
 
 class ProducerWindow(SequenceBits):
     """The stored sequences of one producer among the last ``WINDOW`` (a bit each), and its
-    puts that wait for room (see the module docstring)."""
+    puts that wait for room (see the module docstring).  While ``packed`` holds its bits
+    compressed, ``bits`` is empty and nothing may mark or read them (a departed window)."""
 
-    __slots__ = ("producer", "pending", "sessions", "expires", "floor")
+    __slots__ = ("producer", "pending", "sessions", "expires", "floor", "packed")
 
     def __init__(self, producer: bytes, floor: int = 0) -> None:
         super().__init__(high=floor)
@@ -46,6 +62,24 @@ class ProducerWindow(SequenceBits):
         self.pending: dict[int, Parked] = {}  # sequence -> its put waiting for room
         self.sessions = 0  # clients using it now
         self.expires = 0.0  # with no session: when it is forgotten
+        self.packed: bytes | None = None
+
+    def pack(self) -> None:
+        """Keep the bits compressed (a window without sessions or waiting puts)."""
+        if self.packed is None and not self.pending:
+            self.packed = zlib.compress(self.bits, 1)
+            self.bits = bytearray()
+
+    def unpack(self) -> None:
+        """The bits as they were before ``pack`` (a session uses the window again)."""
+        if self.packed is not None:
+            self.bits = bytearray(zlib.decompress(self.packed, bufsize=WINDOW >> 3))
+            self.packed = None
+
+    def cost(self) -> int:
+        """The bytes this window counts while it is departed (an estimate, see the module
+        docstring)."""
+        return PACKED_COST + len(self.packed if self.packed is not None else self.bits)
 
     def begin(self, seq: int) -> int:
         """A put of sequence ``seq`` arrived: ``NEW`` (marked stored at once: the caller
@@ -80,9 +114,11 @@ class ProducerWindow(SequenceBits):
 class Producers:
     """The windows of the broker's producers, by producer id (see the module docstring)."""
 
-    def __init__(self, grace: float, limit: int = MAX_PRODUCERS) -> None:
+    def __init__(self, grace: float, limit: int = MAX_PRODUCERS,
+                 departed_bytes: int = DEPARTED_BYTES) -> None:
         self.grace = grace
         self.limit = limit
+        self.departed_bytes = departed_bytes
         self.windows: dict[bytes, ProducerWindow] = {}
         # the windows without a session, by producer id, in the order they expire (they all
         # expire ``grace`` after their last session ended): eviction and sweeps take the
@@ -90,6 +126,7 @@ class Producers:
         self.departed: OrderedDict[bytes, ProducerWindow] = OrderedDict()
         # producer id -> the highest sequence of its forgotten window (oldest first)
         self.forgotten: OrderedDict[bytes, int] = OrderedDict()
+        self.kept_bytes = 0  # what departed windows and forgotten sequences count
         self.duplicates = 0  # puts acknowledged without being stored again
 
     def attach(self, client: Client, producer: Any) -> None:
@@ -98,12 +135,13 @@ class Producers:
             return
         window = self.windows.get(producer)
         if window is None:
-            floor = self.forgotten.pop(producer, 0)  # before an eviction may push it out
+            floor = self._recall(producer)  # before an eviction may push it out
             if len(self.windows) >= self.limit:
                 self._evict()
             window = self.windows[producer] = ProducerWindow(producer, floor)
-        else:
-            self.departed.pop(producer, None)
+        elif self.departed.pop(producer, None) is not None:
+            self.kept_bytes -= window.cost()
+            window.unpack()
         window.sessions += 1
         client.producer = window
 
@@ -117,7 +155,7 @@ class Producers:
             window = self.windows[producer] = ProducerWindow(producer)
             window.high, window.bits[:] = seen.high, seen.bits
             window.expires = expires
-            self.departed[producer] = window
+            self._depart(window)
 
     def detach(self, client: Client, now: float | None = None) -> None:
         """``client``'s session ended: its window is kept ``grace`` seconds after the last."""
@@ -128,8 +166,7 @@ class Producers:
         window.sessions -= 1
         if window.sessions <= 0:
             window.expires = (time.monotonic() if now is None else now) + self.grace
-            self.departed[window.producer] = window
-            self.departed.move_to_end(window.producer)
+            self._depart(window)
 
     def sweep(self, now: float) -> None:
         """Forget the windows whose producer left more than ``grace`` seconds ago (one with a
@@ -141,21 +178,64 @@ class Producers:
             if not window.pending:
                 gone.append(producer)
         for producer in gone:
-            del self.departed[producer]
-            self._forget(self.windows.pop(producer))
+            self._forget(self.departed[producer])
+
+    def _depart(self, window: ProducerWindow) -> None:
+        """``window`` has no session any more: packed, last in ``departed``, counted, within
+        ``departed_bytes`` (``_trim``).  A window evicted while it was live (``_evict``) is
+        forgotten already."""
+        producer = window.producer
+        if self.windows.get(producer) is not window:
+            return
+        if self.departed.pop(producer, None) is not None:  # a second detach: counted once
+            self.kept_bytes -= window.cost()
+        window.pack()
+        self.departed[producer] = window
+        self.kept_bytes += window.cost()
+        self._trim()
+
+    def _trim(self) -> None:
+        """Within ``departed_bytes``: the sequences forgotten first go, then the departed
+        windows that expire first are forgotten."""
+        while self.kept_bytes > self.departed_bytes and (self.forgotten or self.departed):
+            if self.forgotten:
+                self._drop_forgotten()
+            else:
+                self._forget(next(iter(self.departed.values())))
+
+    def _recall(self, producer: bytes) -> int:
+        """The highest sequence of ``producer``'s forgotten window (0: none), forgotten now."""
+        floor = self.forgotten.pop(producer, None)
+        if floor is None:
+            return 0
+        self.kept_bytes -= FORGOTTEN_COST
+        return floor
 
     def _forget(self, window: ProducerWindow) -> None:
-        """Drop ``window``, keeping its highest sequence (at most ``limit`` of them)."""
-        self.forgotten[window.producer] = window.high
-        self.forgotten.move_to_end(window.producer)
+        """Drop ``window`` (departed or live), keeping its highest sequence (at most ``limit``
+        of them)."""
+        producer = window.producer
+        if self.windows.get(producer) is window:
+            del self.windows[producer]
+        if self.departed.pop(producer, None) is not None:
+            self.kept_bytes -= window.cost()
+        if self.forgotten.pop(producer, None) is not None:
+            self.kept_bytes -= FORGOTTEN_COST
+        self.forgotten[producer] = window.high
+        self.kept_bytes += FORGOTTEN_COST
         while len(self.forgotten) > self.limit:
-            self.forgotten.popitem(last=False)
+            self._drop_forgotten()
+
+    def _drop_forgotten(self) -> None:
+        """Forget the sequence forgotten first."""
+        self.forgotten.popitem(last=False)
+        self.kept_bytes -= FORGOTTEN_COST
 
     def _evict(self) -> None:
         """Room for one more window: the departed producer that expires first goes (with none
         departed, the oldest window: more live producers than the limit)."""
         if self.departed:
-            producer, _ = self.departed.popitem(last=False)
+            self._forget(next(iter(self.departed.values())))
         else:
-            producer = next(iter(self.windows))
-        self._forget(self.windows.pop(producer))
+            self._forget(next(iter(self.windows.values())))
+        self._trim()

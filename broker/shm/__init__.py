@@ -10,7 +10,9 @@ responsibility:
 - ``client``: a connection's side (same-host proof, its pool, mapping and decoding the slots it
   receives, releasing them);
 - ``broker``: the broker's side (the probe, holds, byte accounting, slots as frames for other
-  hosts, cleanup).
+  hosts, cleanup);
+- ``claims``: which client a producer's segment belongs to (the pid in its name), and a put's
+  slot references checked before the broker records anything.
 
 The names below are re-exported for users and tests; the package's own modules import from
 the module that defines a name.

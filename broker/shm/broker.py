@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 from zchannel.broker.host.procs import pid_namespace, process_running
+from zchannel.broker.shm.claims import BrokerSegment, check_refs, creator_pid
 from zchannel.broker.shm.holds import ConsumerHolds
 from zchannel.broker.shm.segment import (
     DEFAULT_POOL_BYTES,
@@ -27,8 +27,6 @@ from zchannel.broker.shm.segment import (
     FREE,
     MAGIC,
     SHM_DIR,
-    USED,
-    Segment,
     list_segments,
     prefix_for,
     unlink,
@@ -39,7 +37,6 @@ from zchannel.broker.wire.protocol import Reply, ShmHello, ShmOffer, ShmRelease
 log = logging.getLogger("zchannel.shm")
 
 PROVEN_ADDRESSES = 4096  # connections remembered as same-host after their client left
-_CREATOR_RE = re.compile(r"^([0-9]+)-[0-9a-f]+\Z")  # what a segment's name holds after its prefix
 
 
 class Hold:
@@ -47,7 +44,7 @@ class Hold:
 
     __slots__ = ("owner", "seg", "slot", "nbytes", "counted")
 
-    def __init__(self, owner: ShmBroker, seg: _BrokerSegment, slot: int, nbytes: int,
+    def __init__(self, owner: ShmBroker, seg: BrokerSegment, slot: int, nbytes: int,
                  counted: bool) -> None:
         self.owner, self.seg, self.slot, self.nbytes, self.counted = owner, seg, slot, nbytes, counted
         with owner.lock:
@@ -95,13 +92,6 @@ def dead_creator_segments(prefix: str, known: Any, probe: str | None,
     return out
 
 
-def creator_pid(prefix: str, name: str) -> int | None:
-    """The pid of the process that made segment ``name`` of ``prefix`` (None for a name that
-    holds none, such as the probe's)."""
-    m = _CREATOR_RE.match(name[len(prefix):])
-    return int(m.group(1)) if m else None
-
-
 class SlotFrames(list):
     """The frames of a put that also refers to shared-memory slots: the item's payload in the
     queue core (which never looks into it), keeping the slots' ``Hold``s as long as it exists."""
@@ -127,15 +117,6 @@ class FramedSlots(SlotFrames):
     def __init__(self, frames: list, framed: list[int]) -> None:
         super().__init__(frames, [])
         self.framed = framed
-
-
-class _BrokerSegment:
-    __slots__ = ("seg", "owner", "addr", "refs", "orphan", "orphan_at")
-
-    def __init__(self, seg: Segment, owner: Any) -> None:
-        self.seg, self.owner, self.refs, self.orphan = seg, owner, [0] * seg.nslots, False
-        self.addr = owner.address  # the owner's routing id (kept across its reconnects)
-        self.orphan_at = 0.0
 
 
 def _stale_segments(prefix: str, name: str, grace: float) -> list[str]:
@@ -172,11 +153,12 @@ class ShmBroker:
         self.orphan_grace = orphan_grace
         self.prefix = prefix_for(name, run_dir)
         self.lock = threading.RLock()  # holds may be dropped by pyzmq's zero-copy free thread
-        self.segments: dict[str, _BrokerSegment] = {}
+        self.segments: dict[str, BrokerSegment] = {}
         self.verified: set[Any] = set()  # clients that proved they share our /dev/shm
         # addresses (one per connection) that proved it: a client expired under load and
         # registered again still sends puts with slots before its new proof arrives
-        self.proven: OrderedDict[bytes, None] = OrderedDict()
+        # (with the pid their client gave, or None)
+        self.proven: OrderedDict[bytes, int | None] = OrderedDict()
         self.holds = ConsumerHolds()  # slots delivered to consumers, by hold id
         self._freed_count = itertools.count(1)
         self.bytes_held = 0  # slot bytes referenced by items in the broker
@@ -190,6 +172,8 @@ class ShmBroker:
         self.left_at: float | None = None
         self.scanned_at = -float("inf")
         self.client_pids: dict[Any, int] = {}  # proven clients' pids (``_note_pid``)
+        # the pid each proven client gave (as it sees it): the pid its segments' names carry
+        self.given_pids: dict[Any, int | None] = {}
         self.foreign_pids = False  # a proven client's pid was not visible here
         # A previous broker of this channel and run dir died: its probe and the segments of
         # dead producers go now; a live producer's go after the grace period (``sweep``), as a
@@ -237,8 +221,10 @@ class ShmBroker:
             token = rec.token
             if self.enabled and isinstance(token, bytes) and secrets.compare_digest(token, self._token):
                 self._note_pid(client, rec.pid, rec.pid_ns)
+                pid = rec.pid if type(rec.pid) is int and rec.pid > 0 else None
+                self.given_pids[client] = pid
                 self.verified.add(client)
-                self.proven[client.address] = None
+                self.proven[client.address] = pid
                 while len(self.proven) > PROVEN_ADDRESSES:
                     self.proven.popitem(last=False)
             return
@@ -274,34 +260,23 @@ class ShmBroker:
     def attach_put(self, client: Any, refs: Any, frames: list) -> SlotFrames:
         """The payload of a put of ``frames`` with the slot references ``refs``: the frames and
         a ``Hold`` per slot (their bytes in ``SlotFrames.slot_bytes``).  ``ValueError`` for
-        anything that does not check out."""
+        anything that does not check out (``claims.check_refs``): a refused reference records
+        nothing, and the slots of the put's references that did check out go back to their
+        producer, as a refused put's do."""
         if client not in self.verified and client.address in self.proven:
             self.verified.add(client)  # the same connection: the same host
+            self.given_pids[client] = self.proven[client.address]
         if client not in self.verified:
             raise ValueError("shared-memory slots from a client that did not prove it shares "
                              "the broker's host")
-        if not isinstance(refs, list) or not refs or len(refs) > 4096:
-            raise ValueError("malformed shared-memory slot list")
-        holds = []
-        for ref in refs:
-            if not (isinstance(ref, list) and len(ref) == 3):
-                raise ValueError("malformed shared-memory slot reference")
-            name, slot, nbytes = ref
-            if not isinstance(name, str) or not name.startswith(self.prefix) or name == self.probe:
-                raise ValueError(f"shared-memory segment {name!r} is not one of this channel")
-            bseg = self.segments.get(name)
-            if bseg is None:
-                bseg = self.segments[name] = _BrokerSegment(Segment.open(name), client)
-            if bseg.owner is not client and not (bseg.owner is None and bseg.addr == client.address):
-                raise ValueError(f"shared-memory segment {name!r} belongs to another client")
-            seg = bseg.seg
-            if (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < seg.nslots
-                    or isinstance(nbytes, bool) or not isinstance(nbytes, int)
-                    or not 0 < nbytes <= seg.slot_size):
-                raise ValueError("shared-memory slot reference out of range")
-            if seg.states[slot] != USED or bseg.refs[slot]:
-                raise ValueError(f"shared-memory slot {slot} of {name!r} is not a fresh slot")
-            holds.append(Hold(self, bseg, slot, nbytes, True))
+        checked = check_refs(refs, client, self.given_pids.get(client), self.segments,
+                             self.prefix, self.probe)
+        if checked.error is not None:
+            for bseg, slot, nbytes in checked.slots:  # a hold dropped at once: FREE again
+                Hold(self, bseg, slot, nbytes, True)
+            raise checked.error
+        self.segments.update(checked.opened)
+        holds = [Hold(self, bseg, slot, nbytes, True) for bseg, slot, nbytes in checked.slots]
         self.slots_in += len(holds)
         return SlotFrames(frames, holds)
 
@@ -378,7 +353,7 @@ class ShmBroker:
                         and not any(bseg.refs)):
                     self._remove(bseg)
 
-    def _remove(self, bseg: _BrokerSegment) -> None:
+    def _remove(self, bseg: BrokerSegment) -> None:
         if self.segments.get(bseg.seg.name) is bseg:
             del self.segments[bseg.seg.name]
         unlink(bseg.seg.name)
@@ -388,6 +363,7 @@ class ShmBroker:
         whose process still runs keeps them until it registers again or its process ends:
         its views live on); its own segments go once nothing references them any more."""
         self.verified.discard(client)
+        self.given_pids.pop(client, None)
         pid = self.client_pids.pop(client, None)
         stalled = expired and pid is not None and process_running(pid)
         self.holds.client_gone(client, pid if stalled else None)
