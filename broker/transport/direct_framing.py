@@ -7,8 +7,10 @@ A broker bound to ``ipc://PATH`` also listens on the Unix stream socket ``PATH.d
 their sum against its limits before it allocates anything for the message (the sum, without a
 limit of its own, against the host's memory: a message larger than that cannot be held); a
 stream that breaks them is closed (as libzmq drops a peer that breaks ``ZMQ_MAXMSGSIZE``), and
-so is one whose message the allocator refuses.  The client's end is ``transport/direct.py``,
-the broker's ``transport/direct_broker.py``.
+so is one whose message the allocator refuses.  No part the reader hands out keeps alive more
+memory than its own bytes: a part the broker keeps as a queued item must not hold the rest of
+its message (the other items, consumed long ago) with it.  The client's end is
+``transport/direct.py``, the broker's ``transport/direct_broker.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import numpy as np
 _COUNT = struct.Struct("<I")
 IOV_MAX = 1024
 SCRATCH = 256 << 10  # messages up to half of this are read in place and copied out
+# A larger message is read straight into the buffers of its parts: a part of SMALL_PART bytes or
+# more into a buffer of its own (handed out as it is, not copied), the smaller parts between
+# them into shared buffers of RUN_BYTES at most, copied out of them when the message is whole.
+SMALL_PART = 64 << 10
+RUN_BYTES = 1 << 20
 # Large messages cross the socket in pieces of its send buffer, each piece a wake-up of the
 # reader and then of the writer: ask for 4 MiB (the kernel caps it at net.core.wmem_max).
 SOCKET_BUFFER = 4 << 20
@@ -64,9 +71,71 @@ def byte_view(part: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class LargeMessage:
+    """A message larger than the scratch buffer while it is read: its parts' buffers in stream
+    order (``pieces``: a buffer and None for a part with a buffer of its own, or a buffer and
+    the lengths of the small parts it holds back to back) and the views of them still to be
+    filled (``unfilled``).  ``MemoryError`` when the buffers cannot be allocated."""
+
+    __slots__ = ("pieces", "unfilled")
+
+    def __init__(self, lens: tuple[int, ...]) -> None:
+        pieces: list[tuple[np.ndarray, tuple[int, ...] | None]] = []
+        run: list[int] = []
+        run_bytes = 0
+        for n in lens:
+            if n < SMALL_PART and run_bytes + n <= RUN_BYTES:
+                run.append(n)
+                run_bytes += n
+                continue
+            if run:
+                pieces.append((np.empty(run_bytes, np.uint8), tuple(run)))
+            run, run_bytes = [], 0
+            if n < SMALL_PART:
+                run, run_bytes = [n], n
+            else:  # not zero-filled, unlike a bytearray
+                pieces.append((np.empty(n, np.uint8), None))
+        if run:
+            pieces.append((np.empty(run_bytes, np.uint8), tuple(run)))
+        self.pieces = pieces
+        self.unfilled: deque[memoryview] = deque(buf.data for buf, _ in pieces if buf.nbytes)
+
+    def fill(self, data: memoryview) -> None:
+        """Copy ``data`` (the next bytes of the message) into the unfilled buffers."""
+        unfilled = self.unfilled
+        while data.nbytes:
+            head = unfilled[0]
+            n = min(head.nbytes, data.nbytes)
+            head[:n] = data[:n]
+            data = data[n:]
+            advance(unfilled, n)
+
+    def parts(self) -> list:
+        """The whole message's parts: the large ones as writable views of their own buffers,
+        the small ones (and the header) as ``bytes`` (each shared buffer is let go once its
+        parts are copied out: the message is not held twice)."""
+        parts: list = []
+        pieces = self.pieces
+        self.pieces = []
+        pieces.reverse()
+        while pieces:
+            buf, run = pieces.pop()
+            if run is None:
+                parts.append(buf.data)
+                continue
+            view, pos = buf.data, 0
+            for n in run:
+                parts.append(bytes(view[pos : pos + n]))
+                pos += n
+        if type(parts[0]) is not bytes:
+            parts[0] = bytes(parts[0])  # the header: decoded at once
+        return parts
+
+
 class Reader:
-    """Cuts a byte stream into messages (lists of parts: ``bytes`` for parts of messages that
-    fit the scratch buffer, writable ``memoryview`` slices of one buffer for larger ones)."""
+    """Cuts a byte stream into messages: lists of parts, ``bytes`` for a small part (all the
+    parts of a message that fits the scratch buffer) and a writable ``memoryview`` of a buffer
+    of its own for a large one (``LargeMessage``)."""
 
     def __init__(self, max_parts: int, max_header: int, max_part: int = 0,
                  max_total: int = 0) -> None:
@@ -76,24 +145,22 @@ class Reader:
         self.max_total = max_total or host_memory()  # all parts of one message
         self.buf = bytearray(SCRATCH)
         self.start = self.end = 0
-        self.big: tuple[np.ndarray, int, tuple[int, ...]] | None = None  # buffer, filled, lengths
+        self.big: LargeMessage | None = None  # the large message being read
         self.messages: deque[list] = deque()
 
     def read(self, fd: int) -> int:
         """Read what the socket has (one system call) and cut the messages it completes into
         ``messages``; the bytes read, 0 at end of stream.  ``BlockingIOError`` when nothing is
         there; ``FramingError`` on a broken stream."""
-        if self.big is not None:
-            buf, filled, lens = self.big
-            n = os.readv(fd, [buf.data[filled:]])
+        big = self.big
+        if big is not None:
+            n = os.readv(fd, head_buffers(big.unfilled))
             if n == 0:
                 return 0
-            filled += n
-            if filled < buf.nbytes:
-                self.big = (buf, filled, lens)
-                return n
-            self.big = None
-            self.messages.append(slices(buf.data, lens))
+            advance(big.unfilled, n)
+            if not big.unfilled:
+                self.big = None
+                self.messages.append(big.parts())
             return n
         if self.end == len(self.buf):
             self._compact()
@@ -150,33 +217,23 @@ class Reader:
                 self.start = pos
                 self.messages.append(parts)
                 continue
-            # a large message: its own buffer, read into directly (its parts are not copied again)
             try:
-                big = np.empty(total, np.uint8)  # not zero-filled, unlike a bytearray
+                big = LargeMessage(lens)
             except MemoryError:
                 raise FramingError(f"no memory for a message of {total} bytes") from None
             have = min(total, avail - prefix)
-            big[:have] = np.frombuffer(buf, np.uint8, have, start + prefix)
+            with memoryview(buf) as view:
+                big.fill(view[start + prefix : start + prefix + have])
             self.start += prefix + have
             if have == total:
-                self.messages.append(slices(big.data, lens))
+                self.messages.append(big.parts())
                 continue
-            self.big = (big, have, lens)
+            self.big = big
             break
         if self.start == self.end:
             self.start = self.end = 0
         elif self.end > len(buf) - 4096:
             self._compact()
-
-
-def slices(view: memoryview, lens: tuple[int, ...]) -> list:
-    parts: list = []
-    pos = 0
-    for n in lens:
-        parts.append(view[pos : pos + n])
-        pos += n
-    parts[0] = bytes(parts[0])  # the header: small, and decoded at once
-    return parts
 
 
 def iovec(parts: list) -> tuple[list, int]:
