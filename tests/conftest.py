@@ -347,6 +347,15 @@ def exited(pids, timeout: float = 30.0) -> bool:
     return True
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (``VmRSS`` of ``/proc/PID/status``), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import rss_bytes
 from zchannel.broker import Channel, shm
 from zchannel.broker.server import producers
 from zchannel.broker.server.producers import DUPLICATE, NEW, Producers
@@ -229,14 +230,6 @@ def test_the_window_budget_counts_what_the_table_keeps():
     assert table.forgotten and table.departed
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.fixture
 def bounded_broker(run_dir) -> Iterator[tuple[int, str]]:
     proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "windows",
@@ -279,9 +272,9 @@ def test_a_flood_of_producer_ids_stays_within_the_window_budget(bounded_broker):
     ch = Channel.connect(address)
     try:
         _hellos(client, 4096)  # the paths the flood takes, once, before measuring
-        idle = _rss(pid)
+        idle = rss_bytes(pid)
         _hellos(client, 65_536)
-        grown = _rss(pid) - idle
+        grown = rss_bytes(pid) - idle
         # the departed windows' budget (8 MiB) and the allocator's slack for the replies
         assert grown < 32 << 20, f"the broker grew by {grown / 2**20:.0f} MiB"
         ch.put("after", key="good", timeout=30)

@@ -16,6 +16,7 @@ import socket
 import msgpack
 import numpy as np
 import pytest
+from conftest import rss_bytes
 from zchannel.broker import Channel
 from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
@@ -28,14 +29,6 @@ BIG = 16 << 20
 # kept alive whole made the old reader grow by ~370 MiB for 23 messages, ~140-260 MiB for the
 # 23 bursts of the ordinary client.
 ALLOWED_GROWTH = 64 << 20
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _frame(parts: list) -> bytes:
@@ -105,11 +98,11 @@ def test_a_queued_small_item_does_not_keep_its_messages_large_item(cli_broker):
         link.send([{"op": "hello", "id": 0, "v": PROTOCOL_VERSION}])
         assert not link.replies({0})[0][0].get("e")
         _put_small_and_big_and_take_the_big(link, 0)  # the path once, before measuring
-        idle = _rss(pid)
+        idle = rss_bytes(pid)
         rounds = 24
         for round_ in range(1, rounds):
             _put_small_and_big_and_take_the_big(link, round_)
-        grown = _rss(pid) - idle
+        grown = rss_bytes(pid) - idle
         assert ch.qsize("small") == rounds and ch.qsize("big") == 0
         assert grown < ALLOWED_GROWTH, (
             f"the broker grew by {grown >> 20} MiB holding {ch.stats()['bytes_held']} bytes")
@@ -139,11 +132,11 @@ def test_bursts_of_an_ordinary_client_leave_only_their_small_items(cli_broker):
                 assert ch.get(key="big", timeout=30) == big
 
         burst(0)  # the path once, before measuring
-        idle = _rss(pid)
+        idle = rss_bytes(pid)
         rounds = 24
         for round_ in range(1, rounds):
             burst(round_)
-        grown = _rss(pid) - idle
+        grown = rss_bytes(pid) - idle
         assert ch.qsize("status") == rounds and ch.qsize("big") == 0
         assert grown < ALLOWED_GROWTH, (
             f"the broker grew by {grown >> 20} MiB holding {ch.stats()['bytes_held']} bytes")

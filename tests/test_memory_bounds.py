@@ -14,21 +14,13 @@ import sys
 import msgpack
 import pytest
 import zmq
-from conftest import wait_until
+from conftest import rss_bytes, wait_until
 from zchannel.broker import Channel, HookError
 from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD, item_bytes
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(240)
 MAX_BYTES = 1 << 20
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture
@@ -107,7 +99,7 @@ def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
         for _ in range(200):  # the paths the floods take, once, before measuring
             ch.put(None, key="warm")
             ch.get(key="warm")
-        idle = _rss(pid)
+        idle = rss_bytes(pid)
         refused, why = _flood_empty_items(ch, 60_000)
         held = MAX_BYTES // (1 + ITEM_OVERHEAD)  # None is one byte of msgpack
         assert ch.qsize("flood") == held and refused == 60_000 - held
@@ -122,7 +114,7 @@ def test_floods_of_items_and_waiting_gets_stop_at_max_bytes(bounded_broker):
         costs = {REQUEST_OVERHEAD, REQUEST_OVERHEAD + KEY_OVERHEAD}
         assert all(any(f"it would take {c} bytes" in w for c in costs) for w in why), why
 
-        grown = _rss(pid) - idle
+        grown = rss_bytes(pid) - idle
         # twice max_bytes, plus the allocator's slack: the same broker grows 1.7-2.2 MiB here
         # depending on its heap layout (which imports it made); unbounded, these floods would
         # grow it by ~20 MiB
@@ -152,7 +144,7 @@ def test_an_item_of_many_empty_frames_counts_each_frame(bounded_broker):
         sock.recv_multipart()
         ch.put(None, key="warm")
         ch.get(key="warm")
-        idle = _rss(pid)
+        idle = rss_bytes(pid)
         stored, refused = 0, []
         for rid in range(1, 41):
             sock.send_multipart([msgpack.packb([{"op": "put", "id": rid, "k": "frames",
@@ -167,7 +159,7 @@ def test_an_item_of_many_empty_frames_counts_each_frame(bounded_broker):
         assert per_item > frames * 200 and stored == MAX_BYTES // per_item
         assert refused and all(e[0] == "QueueFull" and "max_bytes" in e[1] for e in refused)
         assert ch.stats()["bytes_held"] == stored * per_item
-        assert _rss(pid) - idle < 3 * MAX_BYTES
+        assert rss_bytes(pid) - idle < 3 * MAX_BYTES
         assert ch.qsize("frames") == stored
     finally:
         sock.close()
@@ -209,18 +201,18 @@ def test_replies_nobody_reads_share_the_stats_bodies_and_the_peeked_items(bounde
         ch.put(b"y" * 480, key="small")
     body_bytes = len(msgpack.packb(ch.stats()))
     rounds = 300
-    start = _rss(pid)
+    start = rss_bytes(pid)
     stats = msgpack.packb([{"op": "stats", "id": 10 + j} for j in range(256)])
     flooder = _flood_unread(address, [stats] * rounds, "marker")
     wait_until(lambda: ch.qsize("marker") == rounds, timeout=180)
-    grown = _rss(pid) - start
+    grown = rss_bytes(pid) - start
     copies = rounds * 256 * body_bytes
     assert copies > 400 << 20 and grown < 64 << 20, (body_bytes, grown)
     peeks = msgpack.packb([{"op": "peek", "id": 10 + j, "k": "small", "n": 512}
                            for j in range(8)])
     flooder2 = _flood_unread(address, [peeks] * rounds, "marker2")
     wait_until(lambda: ch.qsize("marker2") == rounds, timeout=180)
-    grown = _rss(pid) - start
+    grown = rss_bytes(pid) - start
     copies = rounds * 8 * 512 * 480
     assert copies > 500 << 20 and grown < 200 << 20, grown
     ch.put("served", key="other")

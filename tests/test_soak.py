@@ -18,7 +18,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import pid_alive, wait_until
+from conftest import pid_alive, rss_bytes, wait_until
 from zchannel.broker import Channel
 
 KEYS = 8
@@ -113,11 +113,7 @@ print("done", flush=True)
 
 
 def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    return rss_bytes(pid) // 1024
 
 
 class _Proc:
