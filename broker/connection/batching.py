@@ -13,7 +13,7 @@ stands for in ``RequestQueue.batches`` until its reply comes:
   their own ids;
 - a ``gets`` reply is an empty success once every get of the run was handled (each get is
   answered, now or when an item comes, under its own id, exactly as a single get, or by an
-  entry of an ``items`` record: ``Connection._on_items``);
+  entry of an ``items`` record: ``connection._deliver_items``);
 - an error on the record itself (the broker refused it whole: nothing of it was done) fails
   each put or get of it still waiting for an answer.
 
@@ -113,7 +113,7 @@ def on_batch_reply(requests: RequestQueue, rec: Reply) -> bool:
     """The reply to a ``puts`` or ``gets`` record (``rec.id`` in ``requests.batches``): complete
     the puts it stored, or fail every request of a record refused whole.  False when ``rec``
     answers no such record."""
-    entry = requests.batches.pop(rec.id, None)  # type: ignore[arg-type]
+    entry = requests.batches.get(rec.id)  # type: ignore[arg-type]
     if entry is None:
         return False
     is_puts, ids = entry
@@ -121,22 +121,33 @@ def on_batch_reply(requests: RequestQueue, rec: Reply) -> bool:
         error = error_from_wire(rec.error)
         for rid in ids:
             requests.forget(rid, error)
-        return True
-    if not is_puts:
+    elif not is_puts:
         if rec.result is not None or rec.nf:
             log.warning("a reply to a gets record carries a result: ignored")
-        return True
+    else:
+        _complete_puts(requests, rec, ids)
+    # dropped last: a delivery an interruption cut short is made again with it
+    requests.batches.pop(rec.id, None)  # type: ignore[arg-type]
+    return True
+
+
+def _complete_puts(requests: RequestQueue, rec: Reply, ids: frozenset[int]) -> None:
+    """The reply to a ``puts`` record: complete the puts it stored (``inflight.py``: none is
+    lost to an interruption)."""
     try:
         stored = batch_answer(rec.result, ids)
     except ProtocolError as exc:
         log.warning("malformed reply to a batch of puts from the broker: %s", exc)
         for rid in ids:
             requests.forget(rid, exc)
-        return True
-    pending_of = requests.pending
+        return
+    pending_of, inflight = requests.pending, requests.inflight
     for rid in stored:
-        pending = pending_of.pop(rid, None)
+        pending = pending_of.get(rid)  # (it stays there until delivered)
         if pending is not None:
-            requests.release(pending[3])
-            pending[0]._finish(_DONE, None)
-    return True
+            inflight.release(rid, pending[3])
+            if pending[0]._state:  # completed by a delivery an interruption cut short
+                pending[0]._wake()
+            else:
+                pending[0]._finish(_DONE, None)
+            inflight.delivered(rid)

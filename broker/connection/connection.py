@@ -37,7 +37,7 @@ its condition, the heartbeat and the times of the last traffic), ``connection/re
 back into the connection gets the callback explicitly (``read_one``/``read_all``: the reply
 path; ``issue``: ``request``).  This module keeps the choice of transport
 (``open_transport``), the public surface and the path of an incoming message (``_recv_one``,
-``_on_message``, ``_on_reply``).
+``_on_message``, ``_on_reply``, ``_deliver_items``).
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.connection.batching import on_batch_reply
+from zchannel.broker.connection.flowcontrol import Flow
 from zchannel.broker.connection.iothread import IOThread
 from zchannel.broker.connection.line import CLOSED, DOWN, UP, Line
 from zchannel.broker.connection.liveness import Liveness
-from zchannel.broker.connection.requestqueue import Convert, Flow, RequestQueue
+from zchannel.broker.connection.requestqueue import Convert, RequestQueue
 from zchannel.broker.connection.tuning import SEND_RUN, direct_enabled
 from zchannel.broker.connection.waiting import Waiting
 from zchannel.broker.connection.work import _DONE, Work
@@ -83,6 +85,9 @@ log = logging.getLogger("zchannel.client")
 
 # How long a close waits for the I/O thread.
 JOIN_S = 5.0
+# A message's delivery interrupted (``_recv_one``): tries to deliver the rest, each of which
+# another interruption may cut short too.
+REDELIVERIES = 8
 
 __all__ = ["CLOSED", "DOWN", "UP", "Connection", "Convert", "Flow", "JOIN_S", "open_transport",
            "running"]
@@ -144,7 +149,7 @@ class Connection:
         # what the paths run per request and per reply use, bound once
         self._queue = requests.queue
         self._pending = requests.pending
-        self._release = requests.release
+        self._inflight = requests.inflight
         self._callers_read = line.callers_read
         running.add(self)
         self._io.start()
@@ -203,12 +208,15 @@ class Connection:
         return True
 
     def request(self, rec: Request, frames: list, convert: Convert | None = None,
-                cancellable: bool = False, room: bool = True, owner: Any = None) -> Work:
+                cancellable: bool = False, room: bool = True, owner: Any = None,
+                async_op: bool = False) -> Work:
         """Send one request; the returned ``Work`` completes with ``convert(reply, frames)``
         (or the reply's ``r`` field) or with the reply's error.  ``owner``: the share of the
-        handle that issues it (``sharing.Share``; its close withdraws the request)."""
-        work = self._requests.enqueue(rec, frames, convert, cancellable, room, owner)
-        if work._state:  # failed already: the handle closed meanwhile
+        handle that issues it (``sharing.Share``; its close withdraws the request).
+        ``async_op``: nobody waits for it now; on an event loop's thread, a request that finds
+        no room waits for it in its ``Work`` (``connection/flowcontrol.py``)."""
+        work = self._requests.enqueue(rec, frames, convert, cancellable, room, owner, async_op)
+        if work._state or type(work._tag) is not int:  # failed already, or waits for room
             return work
         line = self._line
         if self._callers_read:
@@ -218,25 +226,17 @@ class Connection:
                 # (or the I/O thread's look within LAZY_S) and goes out with those after it
                 self.held_back += 1
                 return work
-            if line.take():
-                # a direct link costs one system call to send on: the caller sends, and wakes
-                # the I/O thread only when it sleeps without watching the link
-                try:
-                    self._requests.send_queued()
-                finally:
-                    line.give()
-                if not self._queue:
-                    if self._io.idle:
-                        line.wake_io()
-                    return work
+            # a direct link costs one system call to send on: the caller sends, and wakes
+            # the I/O thread only when it sleeps without watching the link
+            if line.run_if_free(self._requests.send_queued) and not self._queue:
+                if self._io.idle:
+                    line.wake_io()
+                return work
         # A caller issuing many async requests holds the GIL, so the I/O thread would only
         # send them once the caller blocks; sending full runs from here lets the broker work
         # on one run while the caller issues the next.
-        if len(self._queue) >= SEND_RUN and line.take():
-            try:
-                self._requests.send_queued()
-            finally:
-                line.give()
+        if len(self._queue) >= SEND_RUN:
+            line.run_if_free(self._requests.send_queued)
         line.wake_io()
         return work
 
@@ -255,6 +255,12 @@ class Connection:
     def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
         return self._requests.requests_of(owner)
+
+    def drop_waiting(self, owner: Flow) -> None:
+        """Fail the requests of ``owner`` (a closed share) that wait for room in their
+        ``Work`` (``connection/flowcontrol.py``) with ``ChannelError``."""
+        if owner.deferred:
+            self._requests.flows.drop(owner, ChannelError("this channel handle is closed"))
 
     def flush(self) -> None:
         """Send what is queued now (requests of closed owners are dropped)."""
@@ -317,10 +323,18 @@ class Connection:
                 if now >= self._liveness.relink_at:
                     self._liveness.relink(now)
             return False
-        self._on_message(*message)
+        try:
+            self._on_message(*message)
+        except BaseException:  # interrupted: the replies still awaited are delivered first
+            _redeliver(self._on_message, message)
+            raise
         return True
 
-    def _on_message(self, header: bytes, frames: list) -> None:
+    def _on_message(self, header: bytes, frames: list, again: bool = False) -> None:
+        """Deliver the replies of one message.  ``again``: its delivery was interrupted;
+        deliver only the replies whose requests still wait for them (a request stays in
+        ``pending`` until delivered, ``connection/inflight.py``: none is lost or delivered
+        twice)."""
         self._line.last_recv = time.monotonic()
         try:
             records = unpack_replies(header, len(frames))
@@ -331,55 +345,38 @@ class Connection:
             if isinstance(rec, BadRecord):
                 self._liveness.malformed(rec.id, rec.error)
             else:
-                self._on_reply(rec, frames[pos : pos + rec.nf])
+                self._on_reply(rec, frames[pos : pos + rec.nf], again)
             pos += rec.nf
 
-    def _on_reply(self, rec: Reply, frames: list) -> None:
+    def _on_reply(self, rec: Reply, frames: list, again: bool = False) -> None:
         if (rid := rec.id) is None:
             if rec.items is not None:
-                self._on_items(rec.items)
-            elif rec.op == EXPIRED:
+                _deliver_items(self._requests, self.shm, rec.items)
+            elif rec.op == EXPIRED and not again:
                 self._on_expired()
             return
         # ids come from one counter: a hello's or a bye's is never in flight as a request
-        pending = self._pending.pop(rid, None)
+        inflight = self._inflight
+        pending = self._pending.get(rid)  # (it stays there until delivered: inflight.py)
         if pending is None:
-            if not (self._requests.batches and on_batch_reply(self._requests, rec)):
+            if not (self._requests.batches and on_batch_reply(self._requests, rec)) \
+                    and not again:
                 self._on_hello_or_bye(rid, rec)
                 self.shm.release(reply_hold_ids(rec.slots))  # an answer nobody awaits: its slots go
             return
-        self._release(pending[3])
+        inflight.release(rid, pending[3])
         self.shm.releases.answered(rid)  # the releases queued before it reached the broker
         work, convert, is_put, _ = pending
-        if rec.error is not None:
+        if work._state:  # completed by a delivery an interruption cut short
+            work._wake()
+        elif rec.error is not None:
             work.set_exception(error_from_wire(rec.error))
         elif convert is not None:  # converted by its first reader
-            work._finish(_DONE, (rec, frames), _released_if_dropped(work, convert, rec, self.shm))
+            work._finish(_DONE, (rec, frames),
+                         _released_if_dropped(work, convert, rec, self.shm, again))
         else:
             work._finish(_DONE, None if is_put else rec.result)  # a put's result is None
-
-    def _on_items(self, items: list[ItemEntry]) -> None:
-        """An ``items`` record: complete each get it answers as a reply of the get's own id
-        with its inline item would (an id no longer awaited is dropped).  A converter's
-        ``inline`` (a get's) converts the entry's body and lease, with no ``Reply`` made."""
-        pending_of, release = self._pending, self._release
-        self.shm.releases.answered_items(items)  # those queued before these gets reached it
-        last: Convert | None = None
-        inline: Any = None
-        for rid, body, lease in items:
-            pending = pending_of.pop(rid, None)
-            if pending is None:
-                continue
-            release(pending[3])
-            work, convert = pending[0], pending[1]
-            if convert is not last:  # the gets of one record share their converter
-                last, inline = convert, getattr(convert, "inline", None)
-            if inline is not None:
-                work._finish(_DONE, (body, lease), inline)
-            elif convert is not None:
-                work._finish(_DONE, (Reply(id=rid, body=body, lease=lease), []), convert)
-            else:
-                work._finish(_DONE, None)
+        inflight.delivered(rid)
 
     def _on_expired(self) -> None:
         """The broker expired this client (silent too long, or a broker restarted): register."""
@@ -406,18 +403,66 @@ class Connection:
                 self._line.set_state(UP)
 
 
-def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClient) -> Convert:
+def _redeliver(on_message: Callable[..., None], message: tuple[bytes, list]) -> None:
+    """An interruption (a signal handler's exception: Ctrl-C in the main thread) cut the
+    delivery of ``message`` short (``Connection._recv_one``): deliver its replies still
+    awaited (``on_message(..., again=True)``) before the interruption goes on; again while
+    interruptions cut that short too, ``REDELIVERIES`` times at most."""
+    for _ in range(REDELIVERIES):
+        try:
+            on_message(*message, again=True)
+            return
+        except BaseException:  # interrupted again
+            continue
+
+
+def _deliver_items(requests: RequestQueue, shm: ShmClient, items: list[ItemEntry]) -> None:
+    """An ``items`` record: complete each get it answers as a reply of the get's own id
+    with its inline item would (an id no longer awaited is dropped).  A converter's
+    ``inline`` (a get's) converts the entry's body and lease, with no ``Reply`` made."""
+    pending_of, inflight = requests.pending, requests.inflight
+    shm.releases.answered_items(items)  # those queued before these gets reached it
+    last: Convert | None = None
+    inline: Any = None
+    for rid, body, lease in items:
+        pending = pending_of.get(rid)  # (it stays there until delivered: inflight.py)
+        if pending is None:
+            continue
+        inflight.release(rid, pending[3])
+        work, convert = pending[0], pending[1]
+        if convert is not last:  # the gets of one record share their converter
+            last, inline = convert, getattr(convert, "inline", None)
+        if work._state:  # completed by a delivery an interruption cut short
+            work._wake()
+        elif inline is not None:
+            work._finish(_DONE, (body, lease), inline)
+        elif convert is not None:
+            work._finish(_DONE, (Reply(id=rid, body=body, lease=lease), []), convert)
+        else:
+            work._finish(_DONE, None)
+        inflight.delivered(rid)
+
+
+def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClient,
+                         again: bool = False) -> Convert:
     """``convert`` of reply ``rec`` to ``work``; when the reply names slots held for this
     consumer, they are released if ``work`` is collected unread (docs/shm.md), and the
     conversion disarms that (it releases them itself, or hands them to its views).  The
     connection reads it before it says bye (``ShmClient.read_unread``); a first read after
-    that fails (``ChannelError``): its slots went back to the broker."""
+    that fails (``ChannelError``): its slots went back to the broker.  ``again``: a delivery
+    an interruption cut short may have armed one already: it is disarmed (only one holds)."""
     holds = reply_hold_ids(rec.slots)
     if not holds:
         return convert
+    if again:
+        for ref in weakref.getweakrefs(work):
+            armed = getattr(ref, "__callback__", None)
+            if isinstance(armed, weakref.finalize) and (armed.peek() or (0, 0))[1] == shm.release:
+                armed.detach()
     dropped = weakref.finalize(work, shm.release, holds)
     with shm.lock:  # read before the connection says bye (ShmClient.read_unread)
         shm.unread.add(work)
+    tried: list[bool] = []
 
     def converting(*args: Any) -> Any:
         dropped.detach()
@@ -425,5 +470,10 @@ def _released_if_dropped(work: Work, convert: Convert, rec: Reply, shm: ShmClien
             raise ChannelError("this channel handle closed before the item was read: its "
                                "shared-memory slots went back to the broker, and the item "
                                "with them")
+        if tried:  # a read interrupted (KeyboardInterrupt): it gave the slots back, or not yet
+            shm.release(holds)  # (a hold released already is ignored)
+            raise ChannelError("reading this item out of shared memory was interrupted, and "
+                               "its slots went back to the broker: the item is lost")
+        tried.append(True)
         return convert(*args)
     return converting

@@ -18,18 +18,23 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from zchannel.broker.transport.seam import Transport
 from zchannel.broker.wire.protocol import pack_header
 
 CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
+_AT_ONCE = (False,)  # ``sock_lock.acquire``'s argument in ``take``: do not block
+# the thread Python runs signal handlers in (a forked child's: the thread that forked)
+_main = [threading.main_thread().ident]
+os.register_at_fork(after_in_child=lambda: _main.__setitem__(0, threading.get_ident()))
 
 
 class Line:
     """A connection's transport, its locks, wake-up, state and traffic times (module docstring)."""
 
     __slots__ = ("transport", "callers_read", "readable", "pid", "hb", "liveness", "state",
-                 "state_cv", "sock_lock", "holder", "io_ident", "fds_closed", "closing", "wake", "wake_lock",
+                 "state_cv", "sock_lock", "holder", "took", "io_ident", "fds_closed", "closing", "wake", "wake_lock",
                  "wake_closed", "woken", "last_recv", "last_send")
 
     def __init__(self, transport: Transport, hb: float, liveness: int) -> None:
@@ -47,6 +52,7 @@ class Line:
         self.state_cv = threading.Condition()
         self.sock_lock = threading.Lock()
         self.holder = 0  # the user thread that holds sock_lock (close() must not join then)
+        self.took: list[bool] = []  # what ``take``'s acquire returned, in the main thread
         self.io_ident = 0  # the I/O thread's (set when it starts)
         self.fds_closed = False  # the I/O thread closed the transport (under sock_lock)
         self.closing = False  # the I/O thread was asked to end (``Connection.stop``)
@@ -77,17 +83,64 @@ class Line:
         return threading.get_ident() in (self.holder, self.io_ident)
 
     def take(self) -> bool:
-        """Take the socket for this (user) thread if it is free and still open."""
-        if not self.sock_lock.acquire(blocking=False):
+        """Take the socket for this (user) thread if it is free and still open.  The caller
+        gives it back in a ``finally`` it entered before the call (``give_back``): in the main
+        thread, where signal handlers run, an interruption (a signal handler's exception, which
+        comes when a call returns) right after the lock was acquired must not leave it taken,
+        so there the acquire's result is recorded by the call that makes it (``took``)."""
+        me = threading.get_ident()
+        if me != _main[0]:
+            if not self.sock_lock.acquire(blocking=False):
+                return False
+            if self.fds_closed:
+                self.sock_lock.release()
+                return False
+            self.holder = me
+            return True
+        took = self.took
+        took.extend(map(self.sock_lock.acquire, _AT_ONCE))
+        if not took[-1]:
+            del took[-1]
             return False
         if self.fds_closed:
-            self.sock_lock.release()
+            self.give()
             return False
-        self.holder = threading.get_ident()
+        self.holder = me
+        del took[-1]  # (no call between the two: ``holder`` says it from here on)
         return True
+
+    def run_if_free(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` with the socket taken if it is free and open (True), else not (False)."""
+        taken = False
+        try:  # entered before the socket is taken: an interruption never leaves it taken
+            taken = self.take()
+            if taken:
+                fn()
+            return taken
+        finally:
+            if taken:  # given back before any call (an interruption comes at calls)
+                self.holder = 0
+                self.sock_lock.release()
+            else:
+                self.give_back()
+
+    def give_back(self) -> None:
+        """In a ``finally`` whose ``take`` returned False: give the socket back if that take
+        acquired it before an interruption cut it short (never when this thread held it
+        already: a take made then fails).  A ``take`` that returned True is given back with
+        no call before the release (``run_if_free``): this one's call could be interrupted."""
+        took = self.took
+        if took and threading.get_ident() == _main[0]:
+            if took[-1]:
+                self.give()
+            else:
+                del took[:]
 
     def give(self) -> None:
         """Give back the socket ``take`` took."""
+        took = self.took
+        if took:
+            del took[:]  # (no call before the release)
         self.holder = 0
         self.sock_lock.release()
 
@@ -124,6 +177,7 @@ class Line:
         self.closing = True
         self.wake_lock = threading.Lock()
         self.sock_lock = threading.Lock()
+        self.took = []
         self.fds_closed = True
         self.transport.close_after_fork()
         if not self.wake_closed:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 from zchannel.broker.connection.line import CLOSED, CONNECTING, DOWN, UP, Line
-from zchannel.broker.connection.requestqueue import RequestQueue
+from zchannel.broker.connection.requestqueue import RequestQueue, fail_unreadable
 from zchannel.broker.connection.tuning import BATCH
 from zchannel.broker.errors import AuthenticationFailed, BrokerUnavailable
 from zchannel.broker.wire.protocol import (
@@ -98,10 +98,10 @@ class Liveness:
         protocol version): the connection is refused at once with one ``ProtocolError``
         naming the address and ``error`` (what the handle waiting for the hello raises), and
         later replies of that peer are dropped unlogged.  Afterwards the request(s) it answers
-        fail (``RequestQueue.malformed``)."""
+        fail (``requestqueue.fail_unreadable``)."""
         line = self._line
         if line.state != CONNECTING:
-            self._requests.malformed(rid, error)
+            fail_unreadable(self._requests, rid, error)
             return
         if self.refused is not None:
             return
@@ -158,12 +158,17 @@ class Liveness:
         heartbeats only at its next tick).  The broker is dead once this exceeds the expiry
         (``hb * liveness``), whether or not the I/O thread has noticed yet."""
         line = self._line
-        if line.sock_lock.acquire(blocking=False):
-            try:
-                if not line.fds_closed and line.state != CLOSED and line.transport is not None:
-                    self._read_all()
-            finally:
+        taken = False
+        try:  # (``Line.take``: an interruption never leaves the socket taken)
+            taken = line.take()
+            if taken and line.state != CLOSED and line.transport is not None:
+                self._read_all()
+        finally:
+            if taken:  # given back before any call (an interruption comes at calls)
+                line.holder = 0
                 line.sock_lock.release()
+            else:
+                line.give_back()
         return now - self._last_life()
 
     def _last_life(self) -> float:

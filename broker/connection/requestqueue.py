@@ -7,13 +7,16 @@ shared-memory client (a put's slots) and ``issue`` (the connection's ``request``
 a request).  A request is queued by the thread that issues it; whoever holds the socket lock
 (``Line.sock_lock``: the I/O thread, or a caller sending and reading itself,
 ``connection/waiting.py``) sends what is queued, coalesced into as few messages as the limits of
-``connection/tuning.py`` allow; the reply path (``Connection._on_reply``) takes a request out of
-``pending`` and gives its issuer's slot back (``release``).  ``queue`` and ``pending`` stay the
-same objects for the connection's life: the other parts keep references to them.
+``connection/tuning.py`` allow; the reply path (``Connection._on_reply``) gives a request's slot
+back to its issuer and takes it out of ``pending`` once its ``Work`` is completed
+(``connection/inflight.py``; the flow control itself is ``connection/flowcontrol.py``).
+``queue`` and ``pending`` stay the same objects for the connection's life: the other parts
+keep references to them.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -23,6 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker.connection.batching import group_records
+from zchannel.broker.connection.flowcontrol import (
+    Deferred,
+    Flow,
+    FlowControl,
+    in_event_loop,
+    may_wait,
+)
+from zchannel.broker.connection.inflight import InFlight
 from zchannel.broker.connection.line import CLOSED, DOWN, Line
 from zchannel.broker.connection.tuning import (
     BATCH,
@@ -38,22 +49,10 @@ from zchannel.broker.shm.client import ShmClient, client_undo
 from zchannel.broker.wire.protocol import (
     UNSET,
     Cancel,
-    Get,
-    GetBatch,
     ProtocolError,
     Put,
     Request,
-    op_of,
 )
-
-
-def may_wait(rec: Request) -> bool:
-    """Whether the broker may hold ``rec`` waiting (a put, get or get_batch that is not
-    ``nowait``): only those wait for room among ``max_inflight`` outstanding requests.  The
-    others (``*_nowait``, ``qsize``, ``full``, ``stats``, ``ack``...) are answered at once, so
-    they go out even when the handle's outstanding gets are all waiting for items."""
-    return isinstance(rec, (Put, Get, GetBatch)) and not rec.nowait
-
 
 # a reply converter: (the reply record, its frames) -> the Work's result
 Convert = Callable[[Any, list], Any]
@@ -66,19 +65,6 @@ log = logging.getLogger("zchannel.client")
 # unreadable replies of one broker are logged at most this often (with the count so far): each
 # fails its request, which says so; a broker sending nothing else must not flood the log
 MALFORMED_LOG_S = 10.0
-
-
-class Flow:
-    """Flow control of one issuer of requests (a handle's share, or the connection itself):
-    at most ``max_inflight`` issued and not completed (atomic counters)."""
-
-    __slots__ = ("issued", "n_issued", "completed", "completed_count")
-
-    def __init__(self) -> None:
-        self.issued = itertools.count()
-        self.n_issued = 0
-        self.completed = 0
-        self.completed_count = itertools.count(1)
 
 
 class RequestQueue:
@@ -99,45 +85,85 @@ class RequestQueue:
         # the part whose ``wait_for`` reads the link for a waiting ``Work`` (``Waiting``, set
         # by the connection when its callers read the link; None: the I/O thread completes it)
         self.reader: Any = None
-        # Flow control per handle (``Flow``: its share, or this connection's own for requests
-        # of no handle).  Callers wait on ``_room`` only when the limit is reached.
-        self.max_inflight = max_inflight
-        self._flow = Flow()
-        self._room = threading.Condition()
-        self._room_waiters = 0
-        self.malformed_replies = 0  # unreadable replies so far (``malformed``), logged when due
-        self._malformed_log_at = 0.0
+        # flow control per handle (``Flow``: its share, or the connection's own for requests of
+        # no handle); ``_queue_deferred`` queues a request that waited for room in its Work
+        self.flows = FlowControl(line, address, max_inflight)
+        self.flows.issue = self._queue_deferred
+        self.inflight = InFlight(self.pending, self.flows)  # the reply path's (inflight.py)
+        self.malformed_replies = 0  # unreadable replies so far (``fail_unreadable``)
+        self.malformed_log_at = 0.0  # when they are logged next
+
+    @property
+    def max_inflight(self) -> int:  # (``FlowControl``'s)
+        return self.flows.max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, limit: int) -> None:
+        self.flows.max_inflight = limit
 
     def enqueue(self, rec: Request, frames: list, convert: Convert | None,
-                 cancellable: bool, room: bool = True, owner: Any = None) -> Work:
+                cancellable: bool, room: bool = True, owner: Any = None,
+                async_op: bool = False) -> Work:
+        """Queue ``rec`` (with ``frames``) as a request of ``owner`` (a handle's share; None:
+        of no handle), after waiting for room among its ``max_inflight`` outstanding requests
+        unless not ``room``; its ``Work``.  ``async_op`` on a thread that runs an event loop:
+        the request waits for room in its ``Work`` instead (``connection/flowcontrol.py``)."""
         line = self._line
         if line.state == CLOSED or line.closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
         if line.state == DOWN:
             raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-        flow = self._flow if owner is None else owner
+        flows = self.flows
+        flow = flows.own if owner is None else owner
         flow.n_issued = next(flow.issued) + 1
-        if room and flow.n_issued - flow.completed > self.max_inflight and may_wait(rec):
+        work = Work(self._cancel if cancellable else None)
+        work._reader = self.reader
+        work._line = line
+        pending = (work, convert, type(rec) is Put, owner)
+        # no room: the limit is reached, or requests wait for room already (they go first)
+        if room and (flow.n_issued - flow.completed > flows.max_inflight or flow.deferred) \
+                and may_wait(rec):
+            if async_op and in_event_loop():
+                flows.defer(Deferred(rec, frames, pending, flow.n_issued, flow))
+                return work
             try:
-                self._wait_for_room(rec, flow)
+                flows.wait_for_room(rec, flow)
             except BaseException:
                 self.release(owner)  # never issued: give its slot back
                 raise
-        rid = next(self.ids)
-        rec.id = rid
+        rid = next(self.ids)  # (``_queue_request``, here without its call)
+        rec.id = work._tag = rid
         if frames:
             rec.nf = len(frames)  # 0 by default (docs/protocol.md)
-        work = Work(self._cancel if cancellable else None)
-        work._tag = rid
-        work._reader = self.reader
-        work._line = line
-        # (a request whose owner closed meanwhile is dropped unsent by send_queued)
-        self.queue.append((rec, frames, (work, convert, type(rec) is Put, owner)))
+        self.queue.append((rec, frames, pending))
         if line.state == CLOSED:
             # the I/O thread ended after the check above and may have failed the queue before
             # this request joined it: fail it here, or a wait() without a timeout would hang
             work.set_exception(ChannelError("this channel handle is closed"))
         return work
+
+    def _queue_request(self, rec: Request, frames: list, pending: Pending) -> None:
+        """Give ``rec`` its id and queue it (a request whose owner closed meanwhile is dropped
+        unsent by ``send_queued``)."""
+        rid = next(self.ids)
+        rec.id = rid
+        if frames:
+            rec.nf = len(frames)  # 0 by default (docs/protocol.md)
+        pending[0]._tag = rid
+        self.queue.append((rec, frames, pending))
+
+    def _queue_deferred(self, entry: Deferred) -> BaseException | None:
+        """Queue ``entry``, a request that waited for room in its ``Work`` and has it now (in
+        time: ``FlowControl``, which holds its lock); the error that fails it unsent instead."""
+        line, rec, owner = self._line, entry.rec, entry.pending[3]
+        if line.state == CLOSED or line.closing or (owner is not None and owner.closed):
+            return ChannelError("this channel handle is closed")
+        if line.state == DOWN:
+            return BrokerUnavailable(f"the broker at {self.address} went away while this "
+                                     "request waited for room; nothing was sent")
+        self._queue_request(rec, entry.frames, entry.pending)
+        entry.frames = []  # (its timer may hold the entry until it runs)
+        return None
 
     def send_unanswered(self, rec: Request, now: bool = False, soon: bool = False,
                         lazy: bool = False) -> None:
@@ -163,51 +189,27 @@ class RequestQueue:
             except OSError:
                 pass
 
-    def _wait_for_room(self, rec: Request, flow: Flow) -> None:
-        """Block until fewer than ``max_inflight`` requests are outstanding.  The wait counts
-        against the request's ``timeout``: the rest travels with the request, and
-        ``TimeoutError`` (nothing sent) when none is left."""
-        timeout = rec.timeout if isinstance(rec, (Put, Get, GetBatch)) else None
-        start = time.monotonic()
-        line = self._line
-        with self._room:
-            self._room_waiters += 1
-            try:
-                while flow.n_issued - flow.completed > self.max_inflight:
-                    if line.state in (DOWN, CLOSED):
-                        raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-                    wait = line.hb
-                    if timeout is not None:
-                        remaining = timeout - (time.monotonic() - start)
-                        if remaining <= 0:
-                            raise TimeoutError(
-                                f"{op_of(rec)} timed out waiting for room among this "
-                                f"handle's {self.max_inflight} outstanding requests")
-                        wait = min(wait, remaining)
-                    self._room.wait(wait)
-            finally:
-                self._room_waiters -= 1
-        if timeout is not None and isinstance(rec, (Put, Get, GetBatch)):
-            rec.timeout = max(0.0, timeout - (time.monotonic() - start))
-
     def release(self, owner: Flow | None) -> None:
         """A request of ``owner`` (None: of no handle) completed: its slot is free."""
-        flow = self._flow if owner is None else owner
-        flow.completed = next(flow.completed_count)
-        if self._room_waiters:
-            with self._room:
-                self._room.notify_all()
+        self.flows.release(self.flows.flow_of(owner))
 
     def _cancel(self, work: Work) -> bool:
-        if self._line.reads_here():  # its answer could only be read by this thread: refused
+        """``work.cancel()``: ask the broker to withdraw its request; whether it did.  The wait
+        for the answer ends after the heartbeat expiry at the latest (by then a broker that is
+        alive has answered, and one that is not is known gone): False then, and an answer
+        that comes later still withdraws the request."""
+        if self.flows.withdraw(work):  # it waited for room: never sent
+            return True
+        line = self._line
+        if line.reads_here():  # its answer could only be read by this thread: refused
             raise RuntimeError(SELF_WAIT)  # before the request goes out
+        rid = work._tag
         try:
-            answer = self._issue(Cancel(id=0, request_id=work._tag), []).wait()
-        except ChannelError:
+            ask = self._issue(Cancel(id=0, request_id=rid), [])
+            ask.add_done_callback(functools.partial(_withdrawn, self, rid))
+            return bool(ask.wait(line.hb * line.liveness))
+        except (ChannelError, TimeoutError):
             return False
-        if answer:
-            self.forget(work._tag, CancelledError("the broker withdrew the operation"))
-        return bool(answer)
 
     def requests_of(self, owner: Any) -> list[tuple[int, Work, bool]]:
         """``(id, Work, is a put)`` of the outstanding requests of ``owner`` (None: all)."""
@@ -224,31 +226,10 @@ class RequestQueue:
             if not line.fds_closed:
                 self.send_queued()
 
-    def malformed(self, rid: int | None, error: ProtocolError) -> None:
-        """A reply from the broker that cannot be read (``error`` says why): the request
-        ``rid`` fails, or each of the ``puts``/``gets`` record ``rid`` (``batching.py``);
-        without an id (a message unreadable whole, an ``items`` record) it may answer any
-        request, so every request in flight fails (none waits for an answer that came)."""
-        self.malformed_replies += 1  # (logged at most once per MALFORMED_LOG_S)
-        now = time.monotonic()
-        if now >= self._malformed_log_at:
-            self._malformed_log_at = now + MALFORMED_LOG_S
-            log.error("a reply from the broker at %s cannot be read (%d so far): %s", self.address,
-                      self.malformed_replies, error)
-        failure = ProtocolError(f"the broker at {self.address} sent a reply this client cannot "
-                                f"read ({error})")
-        if rid is None:
-            self.fail_all(failure)
-            return
-        batch = self.batches.pop(rid, None)
-        for each in batch[1] if batch is not None else (rid,):
-            self.forget(each, failure)
-
     def forget(self, rid: int, exc: BaseException) -> None:
         """Fail request ``rid`` with ``exc`` unless its reply came (a later reply is dropped)."""
-        pending = self.pending.pop(rid, None)
+        pending = self.inflight.take_out(rid)
         if pending is not None:
-            self.release(pending[3])
             pending[0].set_exception(exc)
 
     def send_queued(self) -> None:
@@ -353,6 +334,8 @@ class RequestQueue:
         exc = ChannelError("this request was made before the process forked: it belongs to "
                            "the parent's connection (the child's handles connect anew)")
         entries = [*self.pending.values(), *(e[2] for e in self.queue if e[2] is not None)]
+        self.flows.after_fork()
+        self.inflight.released.clear()
         self.pending.clear()
         self.queue.clear()
         self.batches.clear()
@@ -364,12 +347,39 @@ class RequestQueue:
         """Fail every request in flight with ``exc`` (each taken out of ``pending`` once: a
         reply read meanwhile completes it instead, never both)."""
         self.batches.clear()
-        pending = self.pending
-        for rid in list(pending):
-            entry = pending.pop(rid, None)
+        take_out = self.inflight.take_out
+        for rid in list(self.pending):
+            entry = take_out(rid)
             if entry is not None:
-                self.release(entry[3])
                 entry[0].set_exception(exc)
+
+
+def fail_unreadable(requests: RequestQueue, rid: int | None, error: ProtocolError) -> None:
+    """A reply from the broker that cannot be read (``error`` says why): the request ``rid``
+    fails, or each of the ``puts``/``gets`` record ``rid`` (``batching.py``); without an id
+    (a message unreadable whole, an ``items`` record) it may answer any request, so every
+    request in flight fails (none waits for an answer that came)."""
+    requests.malformed_replies += 1  # (logged at most once per MALFORMED_LOG_S)
+    now = time.monotonic()
+    if now >= requests.malformed_log_at:
+        requests.malformed_log_at = now + MALFORMED_LOG_S
+        log.error("a reply from the broker at %s cannot be read (%d so far): %s",
+                  requests.address, requests.malformed_replies, error)
+    failure = ProtocolError(f"the broker at {requests.address} sent a reply this client "
+                            f"cannot read ({error})")
+    if rid is None:
+        requests.fail_all(failure)
+        return
+    batch = requests.batches.pop(rid, None)
+    for each in batch[1] if batch is not None else (rid,):
+        requests.forget(each, failure)
+
+
+def _withdrawn(requests: RequestQueue, rid: int, ask: Work) -> None:
+    """The answer to a cancel of request ``rid`` (``RequestQueue._cancel``): withdrawn, the
+    request fails with ``CancelledError`` (no reply of it comes)."""
+    if ask.exception() is None and ask.result():
+        requests.forget(rid, CancelledError("the broker withdrew the operation"))
 
 
 def _key_bytes(key: Any) -> int:

@@ -21,8 +21,10 @@ share (its I/O thread stops and is joined; the thread closes the descriptors as 
 see ``connection/connection.py``).  A request in flight holds its handle's share: a ``Work`` outlives the
 handle that issued it.  A forked child never uses its parent's connections: its handles connect
 anew (``_after_fork``).  At interpreter exit ``close_all`` stops every connection in
-order.  A new connection to a tcp address whose host does not resolve is refused at once
-(``check_host``: ``ChannelNotFound``), not left to wait out the hello's timeout.
+order.  A new connection is refused at once (``ChannelNotFound``) where nothing can be
+listening -- an ipc address without a socket file or with a killed broker's, a tcp connection
+refused (``paths.probe``), a tcp host that does not resolve (``check_host``) --, not left to
+wait out the hello's timeout.
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ from collections import deque
 from typing import Any
 
 from zchannel.broker.connection import connection
-from zchannel.broker.connection.connection import JOIN_S, Connection, Flow
+from zchannel.broker.connection.connection import JOIN_S, Connection
+from zchannel.broker.connection.flowcontrol import Flow
 from zchannel.broker.connection.liveness import CLOSED, GONE_CHECK_S, UP
 from zchannel.broker.connection.tuning import direct_enabled
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import ChannelError, ChannelNotFound
-from zchannel.broker.host.paths import tcp_host_port
+from zchannel.broker.host.paths import probe, tcp_host_port
 from zchannel.broker.shm.client import env_enabled as shm_env_enabled
 from zchannel.broker.wire.protocol import Cancel
 
 # Guards _by_key, _count and _keys.  A garbage collection can run a share's finalizer while
 # a thread (maybe the collecting one) holds it: that release is then deferred (_deferred) and
-# applied by whoever gives the lock back (_unlock).
+# applied by whoever gives the lock back (_apply_deferred).
 _lock = threading.Lock()
 _deferred: deque[Connection] = deque()
 _by_key: dict[tuple, Connection] = {}  # the connection new handles of a key share
@@ -62,12 +65,14 @@ class Share(Flow):
     handle may have ``max_inflight`` requests outstanding); ``close`` or garbage collection
     gives it back."""
 
-    __slots__ = ("conn", "closed", "_finalizer", "__weakref__")
+    __slots__ = ("conn", "closed", "last", "given_back", "_finalizer", "__weakref__")
 
     def __init__(self, conn: Connection) -> None:
         super().__init__()
         self.conn = conn
         self.closed = False  # set first by close(): the connection drops its unsent requests
+        self.last: bool | None = None  # whether it was the connection's last share (``_let_go``)
+        self.given_back = False  # close() ended: nothing of it is left to do
         self._finalizer = weakref.finalize(self, _collected, conn)
         self._finalizer.atexit = False  # at exit close_all stops every connection in order
 
@@ -75,16 +80,33 @@ class Share(Flow):
         """Wait (at most the heartbeat expiry) for this handle's put acknowledgements, then give
         the share back.  The last share closes the connection (``bye``: the broker withdraws
         its parked requests); otherwise this handle's own parked requests are cancelled at the
-        broker (``withdraw``).  Requests it leaves fail with ``ChannelError``.  Idempotent."""
-        if self.closed:
+        broker (``withdraw``).  Requests it leaves fail with ``ChannelError``.  An interruption
+        (Ctrl-C) of the wait for acknowledgements ends that wait: the share is given back all
+        the same; one while it is given back leaves the rest to the next call.  Idempotent."""
+        if self.given_back:
             return
         conn = self.conn
-        if settle_puts and conn.pid == os.getpid() and not conn.holds_socket():
-            settle(conn, self, conn.hb * conn.liveness)
-        self.closed = True
-        self._finalizer.detach()
-        if not _release(conn, bye) and withdraw:
+        try:
+            if settle_puts and not self.closed and conn.pid == os.getpid() \
+                    and not conn.holds_socket():
+                settle(conn, self, conn.hb * conn.liveness)
+        finally:
+            self._give_back(withdraw, bye)
+
+    def _give_back(self, withdraw: bool, bye: bool) -> None:
+        """``close`` after the wait for acknowledgements; each step is done once, whichever
+        interruption cut an earlier call short."""
+        conn = self.conn
+        if self.last is None:
+            self.closed = True
+            self._finalizer.detach()
+            conn.drop_waiting(self)
+            _let_go(conn, self)
+        if self.last:
+            conn.close(bye=bye)  # (again after an interruption: it only waits again)
+        elif withdraw:
             withdraw_requests(conn, self, conn.hb * conn.liveness)
+        self.given_back = True
 
 
 def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) -> tuple:
@@ -96,7 +118,8 @@ def share_key(address: str, identity: str | None, curve: Any, shm: bool | None) 
 def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
             broker_pid: int | None = None) -> Share:
     """A share of this process's connection for these settings, made now if there is none
-    (``wait_up`` on it before use).  ``broker_pid``: the broker process known to serve
+    (``wait_up`` on it before use; ``ChannelNotFound`` at once when none is and nothing can be
+    listening at ``address``).  ``broker_pid``: the broker process known to serve
     ``address`` now (one ``Channel.create`` just started, or the one a channel's lock file
     names); a connection whose hello another process answered is not shared then: a broker
     that replaced a dead one at the same address does not know it (see the module
@@ -104,22 +127,19 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
     if _exiting:
         raise ChannelError("the interpreter is exiting: no new connections")
     key = share_key(address, identity, curve, shm)
-    _lock.acquire()
-    try:
+    with _lock:
         conn = _take(key, broker_pid)
-    finally:
-        _unlock()
+    _apply_deferred()
     if conn is None:
         check_host(address)
+        probe(address)  # nothing can be listening (no socket file...): at once, no hello wait
         fresh = Connection(address, identity=identity, curve=curve, shm=shm)
-        _lock.acquire()
-        try:
+        with _lock:
             conn = _take(key, broker_pid)
             if conn is None:
                 conn = fresh
                 _by_key[key], _keys[conn], _count[conn] = conn, key, 1
-        finally:
-            _unlock()
+        _apply_deferred()
         if conn is not fresh:  # another thread made one first
             fresh.close(bye=False)
     return Share(conn)
@@ -158,18 +178,16 @@ def _take(key: tuple, broker_pid: int | None = None) -> Connection | None:
     return conn
 
 
-def _release(conn: Connection, bye: bool = True) -> bool:
-    """One share of ``conn`` less; True when it was the last (the connection is closed)."""
+def _let_go(conn: Connection, share: Share) -> None:
+    """One share of ``conn`` less: ``share.last`` says whether it was the last (then no new
+    handle can get the connection), set in the same step (an interruption leaves no share
+    dropped twice).  A forked child's copy counts as the last: its parent closes it."""
     if conn.pid != os.getpid():
-        return True  # a forked child's copy: its parent closes it
-    _lock.acquire()
-    try:
-        last = _drop(conn)
-    finally:
-        _unlock()
-    if last:
-        conn.close(bye=bye)
-    return last
+        share.last = True
+        return
+    with _lock:  # (``with``: an interruption never leaves it taken)
+        share.last = _drop(conn)
+    _apply_deferred()
 
 
 def _collected(conn: Connection) -> None:
@@ -193,14 +211,9 @@ def _drop(conn: Connection) -> bool:
     return True
 
 
-def _unlock() -> None:
-    _lock.release()
-    _apply_deferred()
-
-
 def _apply_deferred() -> None:
-    """Apply the releases of collected shares, unless a thread holds ``_lock`` (its
-    ``_unlock`` applies them then)."""
+    """Apply the releases of collected shares, unless a thread holds ``_lock`` (it applies
+    them when it gave the lock back)."""
     while _deferred and _lock.acquire(blocking=False):
         try:
             conn = _deferred.popleft() if _deferred else None
@@ -213,11 +226,10 @@ def _apply_deferred() -> None:
 
 def shares(conn: Connection) -> int:
     """How many handles of this process share ``conn`` now."""
-    _lock.acquire()
-    try:
-        return _count.get(conn, 0)
-    finally:
-        _unlock()
+    with _lock:
+        count = _count.get(conn, 0)
+    _apply_deferred()
+    return count
 
 
 def settle(conn: Connection, owner: Share | None, limit: float) -> None:

@@ -66,38 +66,43 @@ class Waiting:
         work = self._requests.enqueue(rec, frames, convert, cancellable, owner=owner)
         if work._state:  # failed already: the handle closed meanwhile
             return work
-        line = self._line
-        if not line.take():
-            line.wake_io()
-            return work
         spin = bool(self.spin_s) and (
             self.spin_score > 0 or next(self._calls) % SPIN_PROBE == 0)
         try:
-            self._read_for(work, DRIVE_S, spin)
+            if not self._read_for(work, DRIVE_S, spin):
+                self._line.wake_io()
         except BaseException:
             withdraw(work)
             raise
         return work
 
-    def _read_for(self, work: Work, limit: float, spin: bool = False) -> None:
-        """With the socket taken by the caller (``Line.take``; given back here): send what is
-        queued, read replies until ``work`` completes (spinning first if ``spin``), for up to
-        ``limit``."""
-        took_wake = False
+    def _read_for(self, work: Work, limit: float, spin: bool = False) -> bool:
+        """Take the socket if it is free (False if not, at once), send what is queued, read
+        replies until ``work`` completes (spinning first if ``spin``), for up to ``limit``,
+        and give the socket back."""
+        took_wake = taken = False
         line = self._line
-        try:
+        try:  # entered before the socket is taken: an interruption never leaves it taken
+            taken = line.take()
+            if not taken:
+                return False
             self._requests.send_queued()
             if spin:
                 self._spin(work)
             if work._state == 0:
                 took_wake = self._drive(work, limit)
-        finally:  # also when interrupted (KeyboardInterrupt): ``withdraw`` then sees to it
             self.read_end = time.monotonic()
-            line.give()
-            if took_wake or self._queue or (self._pending and not line.callers_read):
-                # the I/O thread takes over the rest (this caller may have consumed the
-                # socket's notification edge, so it must look at the socket itself)
-                line.wake_io()
+        finally:  # also when interrupted (KeyboardInterrupt): ``withdraw`` then sees to it
+            if taken:  # given back before any call (an interruption comes at calls)
+                line.holder = 0
+                line.sock_lock.release()
+                if took_wake or self._queue or (self._pending and not line.callers_read):
+                    # the I/O thread takes over the rest (this caller may have consumed the
+                    # socket's notification edge, so it must look at the socket itself)
+                    line.wake_io()
+            else:
+                line.give_back()
+        return True
 
     def _spin(self, work: Work) -> None:
         """Poll for ``work``'s reply without sleeping, for up to ``SPIN_US``."""
@@ -127,10 +132,9 @@ class Waiting:
         are the I/O thread's once ``LAZY_S`` passed without a reader."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         line = self._line
-        if line.state == UP and not line.closing and os.getpid() == line.pid and line.take():
+        if line.state == UP and not line.closing and os.getpid() == line.pid:
             limit = DRIVE_S if deadline is None else min(DRIVE_S, deadline - time.monotonic())
-            self._read_for(work, max(0.0, limit))
-            if work._state:
+            if self._read_for(work, max(0.0, limit)) and work._state:
                 return
         # sleep on the gate: the I/O thread must watch the link now, not in LAZY_S
         with self._sleepers_lock:

@@ -48,10 +48,11 @@ class Work:
     from ``wait`` leaves the operation pending.  ``await work`` (or ``await work.async_wait()``)
     yields to the event loop without a thread per handle; cancelling the awaiting task does not
     cancel the operation.  ``cancel()`` returns True iff the broker withdrew the operation.
+    A ``Work`` belongs to the process that made the request: pickling it is a ``TypeError``.
     """
 
-    __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_cancel_fn", "_lock",
-                 "_tag", "_reader", "_on_error", "_line", "__weakref__")
+    __slots__ = ("_state", "_value", "_convert", "_gate", "_callbacks", "_waking", "_cancel_fn",
+                 "_lock", "_tag", "_reader", "_on_error", "_line", "__weakref__")
 
     def __init__(self, cancel_fn: Callable[[Work], bool] | None = None) -> None:
         self._state = _PENDING
@@ -61,6 +62,7 @@ class Work:
         # complete before anyone waits, or are read by their waiting thread itself
         self._gate: threading.Lock | None = None
         self._callbacks: list[Callable[[Work], None]] | None = None
+        self._waking: list[Callable[[Work], None]] | None = None  # those ``_wake`` calls
         self._cancel_fn = cancel_fn
         self._tag: Any = None  # the transport's note (the request id), read by ``cancel_fn``
         # a transport whose waiting threads read their replies themselves (a direct link)
@@ -80,15 +82,24 @@ class Work:
             if self._state != _PENDING:
                 return
             self._value, self._convert, self._state = value, convert, state
-            callbacks, self._callbacks = self._callbacks, None
+            self._waking, self._callbacks = self._callbacks, None
             if state == _DONE:
                 self._on_error = None
-            gate = self._gate
+        if self._gate is not None or self._waking:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake what waits for this completed operation: the threads asleep on it, then its
+        done-callbacks, each once.  An interruption (a signal handler's exception) may cut
+        it short: the reply path calls it again (``Connection._on_reply``) and it goes on."""
+        gate = self._gate
         if gate is not None:
+            self._gate = None  # (no call before the release: done once)
             gate.release()
-        if callbacks:
-            for callback in callbacks:
-                _call(callback, self)
+        waking = self._waking
+        while waking:
+            _call(waking[0], self)  # (it returns with no interruption: del follows at once)
+            del waking[0]
 
     def set_result(self, value: Any = None, convert: Callable[[], Any] | None = None) -> None:
         """Complete with ``value``, or with ``convert()`` computed lazily by the first reader."""
@@ -182,9 +193,11 @@ class Work:
             if convert is not None and self._state == _DONE:
                 try:
                     value = convert(*self._value)
-                except BaseException as exc:
+                except Exception as exc:
                     self._state, self._value = _FAILED, exc
                     raise
+                # (an interruption, a signal handler's KeyboardInterrupt, leaves the value to
+                # the next read: converters read their reply again, or say it is lost)
                 self._value = value
                 self._convert = None
         if self._state == _FAILED:
@@ -268,6 +281,12 @@ class Work:
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.async_wait().__await__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a Work cannot be pickled: it is a request this process's handle made, and only "
+            "this process receives its answer; pickle its result (work.wait()) or the channel "
+            "handle instead")
 
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]

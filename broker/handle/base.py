@@ -36,10 +36,26 @@ from zchannel.hooks import check_consumer_id
 
 log = logging.getLogger("zchannel.client")
 
+# an operation's wait for the broker's hello when it makes its handle's first connection
+# (``connect_budget``)
+CONNECT_S = 10.0  # at most (an operation without a timeout)
+CONNECT_MIN_S = 2.0  # at least (a hello under load), and all an asynchronous operation waits
+
 _open_handles: weakref.WeakSet[ChannelHandle] = weakref.WeakSet()
 # os.getpid() on every request is a system call; a forked child updates the cached value.
 _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
+def connect_budget(timeout: float | None, async_op: bool = False) -> float:
+    """How long an operation with ``timeout`` waits for the broker's hello when it makes its
+    handle's first connection: its timeout, but at least ``CONNECT_MIN_S`` and at most
+    ``CONNECT_S``; an asynchronous one ``CONNECT_MIN_S``."""
+    if async_op:
+        return CONNECT_MIN_S
+    if timeout is None:
+        return CONNECT_S
+    return min(CONNECT_S, max(timeout, CONNECT_MIN_S))
 
 
 def _identity(identity: str | None) -> str | None:
@@ -73,6 +89,7 @@ class ChannelHandle:
         self._broker_pid: int | None = None
         self._creator_pid = os.getpid()
         self._share: sharing.Share | None = None  # of this process's connection to the broker
+        self._leaving: sharing.Share | None = None  # its share while ``_give_back`` gives it back
         self._conn_lock = threading.Lock()
         self._closed = False
         # same-host shared memory: None = on unless ZCHANNEL_SHM=0 (TypeError for a non-bool)
@@ -149,12 +166,31 @@ class ChannelHandle:
             self._share, self._broker_pid = share, None
             return share
 
+    def _acquired_for(self, rec: Any, async_op: bool = False) -> sharing.Share:
+        """``_acquired`` for an operation's request ``rec``: a first connection waits for the
+        broker's hello ``connect_budget`` of the operation's timeout (``timeout=0`` for a
+        ``nowait`` one), and the time it took counts against that timeout (``rec.timeout`` is
+        what is left of it)."""
+        share = self._share
+        if share is not None and share.conn.pid == _pid[0] and share.conn.state != CLOSED:
+            return share
+        nowait = getattr(rec, "nowait", False)
+        timeout = 0.0 if nowait else getattr(rec, "timeout", None)
+        start = time.monotonic()
+        share = self._acquired(connect_budget(timeout, async_op))
+        if timeout is not None and not nowait:
+            rec.timeout = max(0.0, timeout - (time.monotonic() - start))
+        return share
+
     def _give_back(self, settle_puts: bool = True, withdraw: bool = True, bye: bool = True) -> None:
-        """Give this handle's share of the connection back (``sharing.Share.close``)."""
+        """Give this handle's share of the connection back (``sharing.Share.close``); a share
+        whose giving back an interruption (Ctrl-C) cut short is finished here."""
         with self._conn_lock:
-            share, self._share = self._share, None
+            share = self._share if self._share is not None else self._leaving
+            self._share, self._leaving = None, share
         if share is not None:
             share.close(settle_puts=settle_puts, withdraw=withdraw, bye=bye)
+            self._leaving = None
 
     @property
     def name(self) -> str | None:
@@ -184,9 +220,9 @@ class ChannelHandle:
     def close(self) -> None:
         """Wait (at most the heartbeat expiry) for this handle's put acknowledgements, withdraw
         its parked requests, and give back its share of the process's connection to the broker,
-        which closes with the last handle using it (``docs/decisions.md``).  Idempotent."""
-        if self._closed:
-            return
+        which closes with the last handle using it (``docs/decisions.md``).  Interrupted
+        (Ctrl-C) while it waits for the acknowledgements, it stops waiting and still withdraws
+        and gives back; what an interruption leaves undone, the next call does.  Idempotent."""
         self._closed = True
         self._give_back()
 

@@ -78,7 +78,7 @@ class BrokerChannel(ChannelHandle):
 
     def _submit(self, rec: Request, item: Any = None, *, has_item: bool = False,
                 copy: bool | None = None, wait: bool = False) -> Work:
-        share = self._acquired()
+        share = self._acquired_for(rec, async_op=not wait)
         conn = share.conn
         frames: list[Any] = []
         retried = None
@@ -88,15 +88,15 @@ class BrokerChannel(ChannelHandle):
             frames, retried = self._put_frames(rec, item, conn)
         kind = type(rec)
         convert = _converter(rec, copy, conn) if kind is not Put else None
-        send = conn.call if wait else conn.request
+        cancellable = kind is Put or kind is Get or kind is GetBatch
         try:
-            work = send(rec, frames, convert, cancellable=kind is Put or kind is Get
-                        or kind is GetBatch, owner=share)
+            if wait:
+                work = conn.call(rec, frames, convert, cancellable, owner=share)
+            else:
+                work = conn.request(rec, frames, convert, cancellable, owner=share,
+                                    async_op=True)
         except BaseException:
-            if not rec.id:  # never queued: its slots go back to the pool
-                shm_undo(conn, getattr(rec, "slots", None))
-            elif isinstance(rec, Put):  # queued (the queue sees to its slots), then
-                self._note_in_doubt(rec, item, conn)  # interrupted reading replies: maybe stored
+            self._not_submitted(rec, item, share)
             raise
         if kind is Put:
             if retried is not None and self._in_doubt is not None:
@@ -104,6 +104,20 @@ class BrokerChannel(ChannelHandle):
             if work._state != _DONE:  # in doubt if it fails without an answer
                 work._on_error = (self._put_failed, rec, item, conn)
         return work
+
+    def _not_submitted(self, rec: Request, item: Any, share: Any) -> None:
+        """``rec`` raised instead of returning its ``Work`` (refused, or interrupted): what it
+        leaves behind.  Never queued, its shared-memory slots go back; a put queued is in doubt
+        (it may be stored); a get or get_batch queued is withdrawn (nobody has its Work)."""
+        conn = share.conn
+        if not rec.id:
+            shm_undo(conn, getattr(rec, "slots", None))
+        elif isinstance(rec, Put):  # (the queue sees to its slots)
+            self._note_in_doubt(rec, item, conn)
+        elif isinstance(rec, (Get, GetBatch)):
+            for rid, queued, _ in conn.requests_of(share):
+                if rid == rec.id:
+                    withdraw(queued)
 
     def _put_frames(self, rec: Put, item: Any, conn: Connection) -> tuple[list[Any], Any]:
         """Encode ``item`` into ``rec`` (inline body, frames, shared-memory slots); the frames
@@ -428,7 +442,7 @@ def _get_converter(copy: bool | None, shm: Any = None, ack: bool = False) -> Con
         return Delivery(item, lease) if lease is not None else item
 
     # an entry of an ``items`` record is converted from its body and lease alone, with no
-    # ``Reply`` made for it (``Connection._on_items``)
+    # ``Reply`` made for it (``connection._deliver_items``)
     convert.inline = _checked_inline if ack else _inline_item  # type: ignore[attr-defined]
     return convert
 

@@ -16,17 +16,16 @@ import os
 import select
 import socket
 import time
-from collections import deque
 
 from zchannel.broker.transport.direct_framing import (
     IOV_MAX,
     FramingError,
     Reader,
-    advance,
+    byte_view,
     close_fds,
-    head_buffers,
     iovec,
     link_path,
+    nbytes,
     tune_socket,
 )
 from zchannel.broker.transport.seam import Transport
@@ -50,12 +49,19 @@ class Link(Transport):
         self.stall_s = stall_s  # a send that cannot progress this long: the broker is gone
         self._idle = os.eventfd(0, os.EFD_CLOEXEC)
         self.fd = self.readable = os.dup(self._idle)
+        self._fd_arg = (self.fd,)  # ``map``'s first iterable in ``send`` (the number never changes)
         os.set_inheritable(self.fd, False)
         self.up = False
         self.closed = False
         self.last_read = 0.0  # when bytes last came from the broker (monotonic)
         self.gone = False  # the last reconnect found nothing listening (the broker is gone)
         self.reader = Reader(1 << 20, 1 << 40)
+        # the message being written (``_write_out``): its buffers (None: none), size, the
+        # bytes of it written and where that is among its buffers (index, bytes before it)
+        self.out: list | None = None
+        self.out_total = self.out_done = 0
+        self.out_at = (0, 0)
+        self.written: list[int] = []  # the count of a write, recorded by the call that writes
         if not self.reconnect():
             self.close()
             raise ConnectionError(f"no direct link at {path}")
@@ -78,75 +84,124 @@ class Link(Transport):
         os.dup2(sock.fileno(), self.fd, inheritable=False)
         sock.close()
         self.reader = Reader(1 << 20, 1 << 40)
+        self.out = None  # (a new stream: no part of a message of the last one)
+        self.written.clear()
         self.up = True
         return True
 
     def drop(self) -> None:
-        """The socket broke: park the descriptor on the idle eventfd."""
+        """The socket broke: park the descriptor on the idle eventfd (a new stream starts with
+        no part of a message of this one)."""
+        self.out = None
+        self.written.clear()
         if self.up:
             self.up = False
             os.dup2(self._idle, self.fd, inheritable=False)
 
     def send(self, parts: list) -> bool:
         """Send one message (blocking up to ``stall_s`` while the socket is full); False, and
-        the link down, when it cannot."""
-        if not self.up:
+        the link down, when it cannot.  The rest of a message an interruption (a signal
+        handler's exception) cut short goes out first: the stream stays in step."""
+        if not self.up or self.out is not None and not self._write_out():
             return False
         bufs, total = iovec(parts)
-        try:
-            n = os.writev(self.fd, bufs[:IOV_MAX])
+        self.out, self.out_total, self.out_done, self.out_at = bufs, total, 0, (0, 0)
+        written = self.written
+        try:  # most messages go out whole in this one call
+            written.extend(map(os.writev, self._fd_arg, (bufs[:IOV_MAX],)))
         except BlockingIOError:
-            n = 0
+            pass
         except OSError:
             self.drop()
             return False
-        if n == total:
+        if written and written[0] == total:
+            del written[0]  # (no call between the two: done once)
+            self.out = None
             return True
-        rest = deque(bufs)
-        advance(rest, n)
-        # a stall is judged on progress: a large message may take longer than stall_s to go
-        # out while the broker is busy, and the broker is alive as long as it takes bytes
-        deadline = time.monotonic() + self.stall_s
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT)
-        while rest:
+        return self._write_out()
+
+    def _write_out(self) -> bool:
+        """Write the rest of ``out``; False, and the link down, when the socket breaks or makes
+        no progress for ``stall_s`` (judged on progress: a large message may take longer to go
+        out while the broker is busy, and the broker is alive as long as it takes bytes).  A
+        write's count is recorded by the call that writes (``written``) and applied with no
+        call in between: an interruption loses no count."""
+        written = self.written
+        stalled_since = 0.0
+        poller = None
+        while True:
+            if written:  # (the count of the last write, also one an interruption left)
+                self.out_done += written[0]
+                del written[0]
+            if self.out_done >= self.out_total:
+                self.out = None
+                return True
+            out = self.out
+            rest = out if out is not None and not self.out_done and len(out) <= IOV_MAX \
+                else self._rest()
             try:
-                n = os.writev(self.fd, head_buffers(rest))
-            except BlockingIOError:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.drop()
-                    return False
-                poller.poll(max(1, int(remaining * 1000)))
+                written.extend(map(os.writev, self._fd_arg, (rest,)))
+                stalled_since = 0.0
                 continue
+            except BlockingIOError:
+                pass
             except OSError:
                 self.drop()
                 return False
-            advance(rest, n)
-            deadline = time.monotonic() + self.stall_s
-        return True
+            now = time.monotonic()
+            if not stalled_since:
+                stalled_since = now
+            elif now - stalled_since >= self.stall_s:
+                self.drop()
+                return False
+            if poller is None:
+                poller = select.poll()
+                poller.register(self.fd, select.POLLOUT)
+            poller.poll(max(1, int((stalled_since + self.stall_s - now) * 1000)))
+
+    def _rest(self) -> list:
+        """The buffers of ``out`` not written yet (at most ``IOV_MAX``)."""
+        bufs, done = self.out, self.out_done
+        assert bufs is not None
+        if not done:
+            return bufs[:IOV_MAX]
+        i, before = self.out_at
+        while True:
+            size = nbytes(bufs[i])
+            if done - before < size:
+                break
+            before += size
+            i += 1
+        self.out_at = (i, before)  # one store: an interruption leaves a true one
+        return [byte_view(bufs[i])[done - before :], *bufs[i + 1 : i + IOV_MAX]]
 
     def recv(self, ready: bool = False) -> tuple[bytes, list] | None:
         """One message as ``(header, frames)`` if there is one (non-blocking), else None."""
-        messages = self.reader.messages
+        reader = self.reader
+        messages = reader.messages
         while not messages:
             if not self.up:
                 return None
             try:
-                if not self.reader.read(self.fd):
+                if not reader.read(self.fd):
                     self.drop()
                     return None
                 self.last_read = time.monotonic()  # life, even within a long message
             except BlockingIOError:
-                return None
+                if not messages:  # (finishing what an interruption left may have made one)
+                    return None
             except (OSError, FramingError):
                 self.drop()
                 return None
-        parts = messages.popleft()
+        parts = messages[0]
+        del messages[0]  # no call between reading it and taking it: an interruption loses none
         return parts[0], parts[1:]
 
     def buffered(self) -> bool:
-        return bool(self.reader.messages)  # one read cuts several messages: the rest wait here
+        # one read cuts several messages: the rest wait here; and bytes an interruption left
+        # uncut wait for the next read, whether or not more come
+        reader = self.reader
+        return bool(reader.messages) or self.up and (reader.dirty or bool(reader.counts))
 
     def notify_fd(self) -> int:
         return self.fd

@@ -74,13 +74,14 @@ def byte_view(part: Any) -> memoryview:
 class LargeMessage:
     """A message larger than the scratch buffer while it is read: its parts' buffers in stream
     order (``pieces``: a buffer and None for a part with a buffer of its own, or a buffer and
-    the lengths of the small parts it holds back to back) and the views of them still to be
-    filled (``unfilled``).  ``MemoryError`` when the buffers cannot be allocated."""
+    the lengths of the small parts it holds back to back), their size (``total``) and how much
+    of it is read (``filled``: the one number a read changes, so that an interruption leaves no
+    half-made change).  ``MemoryError`` when the buffers cannot be allocated."""
 
-    __slots__ = ("pieces", "unfilled")
+    __slots__ = ("pieces", "total", "filled", "made", "next_piece", "_at")
 
     def __init__(self, lens: tuple[int, ...]) -> None:
-        pieces: list[tuple[np.ndarray, tuple[int, ...] | None]] = []
+        pieces: list[Any] = []  # (buffer, run) each, None once ``parts`` let it go
         run: list[int] = []
         run_bytes = 0
         for n in lens:
@@ -98,44 +99,81 @@ class LargeMessage:
         if run:
             pieces.append((np.empty(run_bytes, np.uint8), tuple(run)))
         self.pieces = pieces
-        self.unfilled: deque[memoryview] = deque(buf.data for buf, _ in pieces if buf.nbytes)
+        self.total = sum(lens)
+        self.filled = 0
+        self.made: list = []  # the parts ``parts`` made so far (of pieces before ``next_piece``)
+        self.next_piece = 0
+        self._at = (0, 0)  # (piece index, bytes before it): where ``filled`` was last found
+
+    def head(self) -> memoryview:
+        """The unfilled bytes of the piece ``filled`` is in (``filled < total``)."""
+        pieces = self.pieces
+        i, before = self._at
+        while True:
+            buf = pieces[i][0]
+            if self.filled - before < buf.nbytes:
+                break
+            before += buf.nbytes
+            i += 1
+        self._at = (i, before)  # one store: an interruption leaves a true one
+        return buf.data[self.filled - before :]
+
+    def head_buffers(self) -> list[memoryview]:
+        """The unfilled bytes, in stream order (at most ``IOV_MAX`` buffers)."""
+        views = [self.head()]
+        i = self._at[0]
+        views += [piece[0].data for piece in self.pieces[i + 1 : i + IOV_MAX]]
+        return views
 
     def fill(self, data: memoryview) -> None:
         """Copy ``data`` (the next bytes of the message) into the unfilled buffers."""
-        unfilled = self.unfilled
         while data.nbytes:
-            head = unfilled[0]
+            head = self.head()
             n = min(head.nbytes, data.nbytes)
             head[:n] = data[:n]
             data = data[n:]
-            advance(unfilled, n)
+            self.filled += n
 
     def parts(self) -> list:
         """The whole message's parts: the large ones as writable views of their own buffers,
         the small ones (and the header) as ``bytes`` (each shared buffer is let go once its
-        parts are copied out: the message is not held twice)."""
-        parts: list = []
+        parts are copied out: the message is not held twice).  Interrupted, a second call goes
+        on where the first stopped."""
         pieces = self.pieces
-        self.pieces = []
-        pieces.reverse()
-        while pieces:
-            buf, run = pieces.pop()
+        made = self.made
+        while self.next_piece < len(pieces):
+            k = self.next_piece
+            buf, run = pieces[k]
             if run is None:
-                parts.append(buf.data)
-                continue
-            view, pos = buf.data, 0
-            for n in run:
-                parts.append(bytes(view[pos : pos + n]))
-                pos += n
-        if type(parts[0]) is not bytes:
-            parts[0] = bytes(parts[0])  # the header: decoded at once
-        return parts
+                out = [buf.data]
+            else:
+                view, pos, out = buf.data, 0, []
+                for n in run:
+                    out.append(bytes(view[pos : pos + n]))
+                    pos += n
+            # the parts, the piece let go and the next piece: no call between them, so an
+            # interruption (a signal handler runs at calls) comes before or after all three
+            made += out
+            pieces[k] = None
+            self.next_piece = k + 1
+        if type(made[0]) is not bytes:
+            made[0] = bytes(made[0])  # the header: decoded at once
+        return made
 
 
 class Reader:
     """Cuts a byte stream into messages: lists of parts, ``bytes`` for a small part (all the
     parts of a message that fits the scratch buffer) and a writable ``memoryview`` of a buffer
-    of its own for a large one (``LargeMessage``)."""
+    of its own for a large one (``LargeMessage``).
+
+    A Python signal handler (Ctrl-C's ``KeyboardInterrupt``) runs in the main thread between
+    two bytecodes, right after a call returns among others, and what it raises leaves the
+    function there: bytes a read returned but not yet counted would be lost, and the stream
+    out of step from then on.  So the read's count is recorded by the C call that reads
+    (``counts``, one ``list.extend`` around ``os.readv``), applied with no call in between
+    (``_absorb``), and the cutting into messages (``_settle``) picks up where an interruption
+    left it; ``unsettled`` says whether one left work that no new byte will prompt.  Reading
+    again finishes it."""
 
     def __init__(self, max_parts: int, max_header: int, max_part: int = 0,
                  max_total: int = 0) -> None:
@@ -147,29 +185,71 @@ class Reader:
         self.start = self.end = 0
         self.big: LargeMessage | None = None  # the large message being read
         self.messages: deque[list] = deque()
+        self.counts: list[int] = []  # bytes of reads not yet absorbed (one at most)
+        self.dirty = False  # bytes absorbed and not yet cut into messages
+
+    def unsettled(self) -> bool:
+        """Whether an interruption left read bytes not yet cut into messages."""
+        return self.dirty or bool(self.counts)
 
     def read(self, fd: int) -> int:
         """Read what the socket has (one system call) and cut the messages it completes into
         ``messages``; the bytes read, 0 at end of stream.  ``BlockingIOError`` when nothing is
-        there; ``FramingError`` on a broken stream."""
-        big = self.big
-        if big is not None:
-            n = os.readv(fd, head_buffers(big.unfilled))
-            if n == 0:
-                return 0
-            advance(big.unfilled, n)
-            if not big.unfilled:
-                self.big = None
-                self.messages.append(big.parts())
+        there; ``FramingError`` on a broken stream.  First it finishes what an interruption
+        left (then the bytes it absorbs count as read)."""
+        counts = self.counts
+        if counts:  # a read an interruption cut short of being counted
+            n = self._absorb()
+            if n:
+                self._settle()
             return n
+        if self.dirty:  # bytes an interruption left uncut
+            self._settle()
+        if self.big is not None:
+            counts.extend(map(os.readv, (fd,), (self.big.head_buffers(),)))
+            n = self._absorb()
+            if n:
+                self._settle()
+            return n
+        # the scratch buffer (most reads): as ``_absorb`` and ``_settle``, without their calls
         if self.end == len(self.buf):
             self._compact()
-        n = os.readv(fd, [memoryview(self.buf)[self.end :]])
-        if n == 0:
-            return 0
+        # the count is recorded by the call that reads (``map`` calls ``os.readv``)
+        counts.extend(map(os.readv, (fd,), ([memoryview(self.buf)[self.end :]],)))
+        n = counts[0]
         self.end += n
-        self._cut()
+        self.dirty = True
+        del counts[0]
+        if n:
+            self._cut()
+        self.dirty = False
         return n
+
+    def _absorb(self) -> int:
+        """Apply the recorded count of the last read: the bytes it added (0: end of stream).
+        Nothing but loads and stores from reading the count to dropping it."""
+        counts = self.counts
+        n = counts[0]
+        if self.big is not None:
+            self.big.filled += n
+        else:
+            self.end += n
+        self.dirty = True
+        del counts[0]
+        return n
+
+    def _settle(self) -> None:
+        """Cut the absorbed bytes into messages: complete the large message, or cut the
+        scratch buffer (each step leaves a state the next call goes on from)."""
+        big = self.big
+        if big is not None:
+            if big.filled == big.total:
+                parts = big.parts()
+                self.big = None  # with the append: no call between them
+                self.messages.append(parts)
+        else:
+            self._cut()
+        self.dirty = False
 
     def _compact(self) -> None:
         avail = self.end - self.start
@@ -191,6 +271,10 @@ class Reader:
         return total
 
     def _cut(self) -> None:
+        """Cut the complete messages of the scratch buffer into ``messages``, and start the
+        large message whose beginning it holds.  Each message taken moves ``start`` in the
+        same step as it joins ``messages`` (or ``big``): an interruption never takes one twice
+        or loses one."""
         buf = self.buf
         while True:
             start, avail = self.start, self.end - self.start
@@ -224,10 +308,12 @@ class Reader:
             have = min(total, avail - prefix)
             with memoryview(buf) as view:
                 big.fill(view[start + prefix : start + prefix + have])
-            self.start += prefix + have
             if have == total:
-                self.messages.append(big.parts())
+                parts = big.parts()
+                self.start += prefix + have
+                self.messages.append(parts)
                 continue
+            self.start += prefix + have
             self.big = big
             break
         if self.start == self.end:
@@ -243,11 +329,16 @@ def iovec(parts: list) -> tuple[list, int]:
     return [prefix, *parts], len(prefix) + sum(sizes)
 
 
+def nbytes(buf: Any) -> int:
+    """The size of a buffer of a message's ``iovec``."""
+    return len(buf) if type(buf) is bytes else byte_view(buf).nbytes
+
+
 def advance(bufs: deque, n: int) -> None:
     """Drop the first ``n`` bytes of ``bufs`` (what a ``writev`` wrote)."""
     while n:
         head = bufs[0]
-        size = len(head) if type(head) is bytes else byte_view(head).nbytes
+        size = nbytes(head)
         if n >= size:
             n -= size
             bufs.popleft()
