@@ -33,10 +33,10 @@ from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
-from zchannel.broker.handle.base import clean_after_dead_broker
+from zchannel.broker.handle.base import clean_after_dead_broker, connect_budget
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
-from zchannel.broker.handle.routing import KeyRouting, connect_budget
+from zchannel.broker.handle.routing import KeyRouting
 from zchannel.broker.host import paths
 from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT
 from zchannel.broker.server.starting import START_TIMEOUT_S, hook_label, spawn_broker
@@ -343,8 +343,8 @@ class DistributedChannel(BrokerChannel):
             return list(self._subs.values())
 
     def close(self) -> None:
-        if self._closed:
-            return
+        """Close every replica handle, then give back the home replica's share (each is
+        idempotent: what an interruption left undone, the next call does)."""
         self._closed = True
         for sub in self._each_sub():
             try:

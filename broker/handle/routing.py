@@ -22,6 +22,7 @@ from typing import Any, TypeVar, cast
 from zchannel.broker.cluster.clusterfile import Replica
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
+from zchannel.broker.handle.base import CONNECT_S
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.wire.argchecks import check_key
 from zchannel.broker.wire.protocol import Bind, bind_answer
@@ -34,9 +35,6 @@ BIND_RETRY_S = 0.02
 BIND_RECHECK_S = 0.5  # a replica found unavailable is asked again after this (it may be back)
 BIND_DEADLINE_S = 30.0
 BIND_HEDGE_S = 0.25  # a replica silent this long on a bind request: ask the next one too
-# an operation's wait for a first connection to its key's replica (``connect_budget``)
-CONNECT_S = 10.0  # at most (an operation without a timeout)
-CONNECT_MIN_S = 2.0  # at least (a hello under load), and all an asynchronous operation waits
 
 
 _T = TypeVar("_T")
@@ -173,18 +171,7 @@ class KeyRouting:
             self._bindings[key] = moved.replica
 
 
-__all__ = ["BIND_DEADLINE_S", "BIND_HEDGE_S", "KeyRouting", "connect_budget"]
-
-
-def connect_budget(timeout: float | None, async_op: bool = False) -> float:
-    """How long an operation with ``timeout`` waits for a first connection to its key's
-    replica: its timeout, but at least ``CONNECT_MIN_S`` and at most ``CONNECT_S``; an
-    asynchronous one ``CONNECT_MIN_S``."""
-    if async_op:
-        return CONNECT_MIN_S
-    if timeout is None:
-        return CONNECT_S
-    return min(CONNECT_S, max(timeout, CONNECT_MIN_S))
+__all__ = ["BIND_DEADLINE_S", "BIND_HEDGE_S", "KeyRouting"]
 
 
 def _late_answers(asked: dict[int, Work], failed: dict[int, float]) -> list[tuple[int, Any]]:
