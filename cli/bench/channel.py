@@ -272,6 +272,8 @@ class _Consumer:
                 self.asked -= target  # a get_batch that timed out took nothing: ask again
                 self._timed_out(deadline)
                 continue
+            if target:  # one that timed out with part of its target took that part: ask again
+                self.asked -= target - len(got)
             self._received(got, t0)
         self.ch.close()
         result = self.tally.result()
