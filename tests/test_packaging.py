@@ -94,6 +94,19 @@ def test_every_package_folder_is_in_the_wheel(wheel):
                 assert f"{package.replace('.', '/')}/{file}" in names, f"{folder}/{file}"
 
 
+def test_the_wheel_makes_zchannel_a_regular_package(wheel):
+    """The wheel holds ``zchannel/__init__.py`` (setup.py writes it): an installed ``zchannel``
+    is a regular package, which a folder named ``zchannel`` on ``sys.path`` (a clone of the
+    repository) cannot join, and which ``pip uninstall`` removes whole (its RECORD lists it)."""
+    names = set(wheel.namelist())
+    assert "zchannel/__init__.py" in names
+    (record,) = [n for n in names if n.endswith(".dist-info/RECORD")]
+    assert "zchannel/__init__.py," in wheel.read(record).decode()
+    source = wheel.read("zchannel/__init__.py").decode()
+    compile(source, "zchannel/__init__.py", "exec")  # a module, not an empty marker
+    assert "zchannel.broker" in source
+
+
 def test_package_data_is_in_the_wheel(wheel):
     names = set(wheel.namelist())
     for package in ("broker", "hooks", "embodied", "cli", "configs"):
@@ -190,6 +203,10 @@ with Channel.create("typed", maxsize=64) as ch:
     got: Work = ch.get("train", async_op=True)
     got.wait()
     ch.get("train", True, 1.0).wait()
+    delivery = ch.get("train", timeout=1.0, ack=True)
+    print(delivery.item)
+    ch.ack(delivery)
+    ch.ack(ch.get_nowait("train", ack=True))
 print(importlib.resources.files(zchannel.configs))
 """
 
@@ -205,6 +222,8 @@ def run(ch: Channel, flag: bool) -> None:
     ch.get_batch(4).wait()  # E: the items are a list
     ch.put("s1", async_op=flag).wait()  # E: None when flag is False
     ch.get(async_op=True).items  # E: a Work has no items
+    ch.get(ack=True).akc()  # E: a Delivery has no akc
+    ch.get_nowait(ack=True).akc()  # E: a Delivery has no akc
 """
 
 
@@ -221,7 +240,7 @@ follow_imports_for_stubs = True
 @pytest.mark.timeout(400)  # the wheel's build and a cold mypy run
 def test_a_users_type_checker_sees_precise_types(wheel, tmp_path):
     """``put``/``get_batch`` return None / a list when they wait and a ``Work`` with
-    ``async_op=True`` (``get`` a ``Work`` too), as mypy sees them on ``Channel.create``'s
+    ``async_op=True`` (``get`` a ``Work`` too; with ``ack=True`` a ``Delivery``), as mypy sees them on ``Channel.create``'s
     handle from the installed wheel; ``zchannel.configs`` is typed too (its ``py.typed``)."""
     pytest.importorskip("mypy", reason="the test extra is not installed")
     site = tmp_path / "site"
