@@ -227,7 +227,10 @@ class BrokerChannel(ChannelHandle):
         except Exception:  # the put's own error (or the interruption) is what the caller sees
             log.exception("could not note a put in doubt; its retry is a new put")
 
-    # get: the item (or a Delivery) when waiting, a Work with async_op=True
+    # get: the item (a Delivery with ack=True) when waiting, a Work with async_op=True
+    @overload
+    def get(self, key: Any = ..., async_op: Literal[False] = ..., timeout: float | None = ...,
+            *, ack: Literal[True], copy: bool | None = ...) -> Delivery: ...
     @overload
     def get(self, key: Any = ..., async_op: Literal[False] = ..., timeout: float | None = ...,
             *, ack: bool = ..., copy: bool | None = ...) -> Any: ...
@@ -254,6 +257,11 @@ class BrokerChannel(ChannelHandle):
         work = self._submit(rec, copy=copy if copy is None else check_copy(copy),
                             wait=not async_op)
         return work if async_op else _wait_or_withdraw(work)
+
+    @overload
+    def get_nowait(self, key: Any = ..., *, ack: Literal[True], copy: bool | None = ...) -> Delivery: ...
+    @overload
+    def get_nowait(self, key: Any = ..., *, ack: bool = ..., copy: bool | None = ...) -> Any: ...
 
     def get_nowait(self, key: Any = DEFAULT_KEY, *, ack: bool = False, copy: bool | None = None) -> Any:
         """Like ``get`` without waiting; ``QueueEmpty`` when nothing is available: it subclasses
