@@ -369,6 +369,58 @@ def pid_alive(pid: int) -> bool:
 
 
 @pytest.fixture
+def broker_procs() -> Iterator:
+    """``start(*args)`` runs ``zchannel broker ARGS`` until its ``ready`` line: (process,
+    address), its stdout and stderr piped (read them once it ended); any still running at
+    teardown is killed by PID."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), proc.communicate(timeout=30)
+        return proc, line.split()[1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+# the ``bounded_broker`` fixture's ``--max-bytes``
+BOUNDED_MAX_BYTES = 1 << 20
+
+
+@pytest.fixture
+def bounded_broker(run_dir) -> Iterator[tuple[int, str]]:
+    """A ``zchannel broker bounded --max-bytes BOUNDED_MAX_BYTES`` process (its log goes to the
+    test's stderr: a flood's warnings never fill a pipe): (pid, address).  Ended at teardown."""
+    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "bounded",
+                             "--max-bytes", str(BOUNDED_MAX_BYTES)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), line
+        yield proc.pid, line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    """A directory with a short path (an ipc path takes 107 bytes), removed afterwards."""
+    path = f"/tmp/zcsd-{uuid.uuid4().hex[:8]}"
+    os.makedirs(path, mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def cli_broker(run_dir, tmp_path):
     """``start(name, *flags, config=TOML)``: a ``zchannel broker`` process (``config``: the text
     of a ``--config`` file); its address once it printed ``ready``.  Ended at teardown."""

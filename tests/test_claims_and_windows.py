@@ -9,8 +9,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import subprocess
-import sys
 import tracemalloc
 import uuid
 from collections.abc import Iterator
@@ -228,20 +226,6 @@ def test_the_window_budget_counts_what_the_table_keeps():
             table.sweep(now=float(i))
         assert table.kept_bytes == counted() <= table.departed_bytes
     assert table.forgotten and table.departed
-
-
-@pytest.fixture
-def bounded_broker(run_dir) -> Iterator[tuple[int, str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "windows",
-                             "--max-bytes", str(1 << 20)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), line
-        yield proc.pid, line.split()[1]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _hellos(client: Raw, count: int, per_message: int = 256) -> None:

@@ -14,26 +14,13 @@ import sys
 import msgpack
 import pytest
 import zmq
-from conftest import rss_bytes, wait_until
+from conftest import BOUNDED_MAX_BYTES, rss_bytes, wait_until
 from zchannel.broker import Channel, HookError
 from zchannel.broker.core.state import ITEM_OVERHEAD, KEY_OVERHEAD, REQUEST_OVERHEAD, item_bytes
 from zchannel.broker.wire.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(240)
-MAX_BYTES = 1 << 20
-
-
-@pytest.fixture
-def bounded_broker(run_dir):
-    proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", "bounded",
-                             "--max-bytes", str(MAX_BYTES)], stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), line
-        yield proc.pid, line.split()[1]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+MAX_BYTES = BOUNDED_MAX_BYTES  # the bounded_broker fixture's (conftest.py)
 
 
 def _flood_empty_items(ch: Channel, n: int) -> tuple[int, set[str]]:

@@ -8,14 +8,12 @@ real ``zchannel`` processes."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 from zchannel.broker import BrokerStartError, Channel
@@ -59,15 +57,6 @@ def _one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     return lines[0]
-
-
-@pytest.fixture
-def short_dir():
-    """A directory with a short path (an ipc path takes 107 bytes), removed afterwards."""
-    path = f"/tmp/zcop-{uuid.uuid4().hex[:8]}"
-    os.makedirs(path, mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _occupy(path: str, kind: str) -> None:

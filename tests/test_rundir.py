@@ -26,34 +26,13 @@ def _leftovers(run_dir):
     return sorted(os.listdir(run_dir)) + shm.list_segments(shm.run_prefix(run_dir))
 
 
-@pytest.fixture
-def brokers():
-    """``start(*args)`` runs ``zchannel broker ARGS``: (process, address); any still running
-    at teardown is killed by PID."""
-    procs = []
-
-    def start(*args):
-        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), proc.communicate(timeout=10)
-        return proc, line.split()[1]
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=20)
-
-
-def test_a_broker_of_another_name_does_not_take_a_served_ipc_address(brokers, run_dir):
+def test_a_broker_of_another_name_does_not_take_a_served_ipc_address(broker_procs, run_dir):
     """The channel lock keeps brokers of one name apart, not brokers of two names given one
     ``ipc://`` address: the second is refused as on a busy tcp port (it used to remove the
     first's socket file and serve there, stranding the first's items), and the first keeps
     its socket file."""
     address = f"ipc://{run_dir}/shared.sock"
-    first, _ = brokers("first", "--address", address)
+    first, _ = broker_procs("first", "--address", address)
     ch = Channel.connect(address, timeout=30)
     ch.put("precious")
     out = subprocess.run([sys.executable, "-m", "zchannel.cli.main", "broker", "second",
@@ -86,14 +65,14 @@ def test_failed_starts_leave_nothing(run_dir):
     assert _leftovers(run_dir) == []
 
 
-def test_clean_shutdown_leaves_nothing(run_dir, brokers):
+def test_clean_shutdown_leaves_nothing(run_dir, broker_procs):
     ch = Channel.create("tidy")
     ch.put(b"x" * (2 << 20))  # a shared-memory item: the producer's pool segment exists
     assert any(name.endswith(".lock") for name in os.listdir(run_dir))
     assert shm.list_segments(shm.run_prefix(run_dir))
     ch.shutdown()
     assert _leftovers(run_dir) == []
-    proc, _ = brokers("tidy-cli")
+    proc, _ = broker_procs("tidy-cli")
     assert "tidy-cli.lock" in os.listdir(run_dir)
     proc.send_signal(signal.SIGTERM)  # at once after "ready": it stops all the same
     proc.communicate(timeout=20)
@@ -135,13 +114,13 @@ def test_lock_file_removal_does_not_let_two_holders_in(run_dir):
     assert _leftovers(run_dir) == []
 
 
-def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, brokers):
+def test_stat_lists_brokers_and_stale_entries_and_clean_removes_them(run_dir, broker_procs):
     runner = CliRunner()
     result = runner.invoke(cli, ["stat"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [f"no brokers in {run_dir}", "no stale entries"]
-    live, live_address = brokers("alive")
-    dead, _ = brokers("dead")
+    live, live_address = broker_procs("alive")
+    dead, _ = broker_procs("dead")
     # an identity of its own: the in-process `stat` below must not share its connection (a
     # process's handles of one identity share one, and stat leaves its own out)
     handle = Channel.connect("alive", identity="user:0")

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 from cluster_util import free_tcp_ports
@@ -29,48 +27,18 @@ def _zchannel(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture
-def brokers():
-    """``start(*args)`` runs ``zchannel broker ARGS`` until its ``ready`` line: (process,
-    address); any still running at teardown is killed by PID."""
-    procs: list[subprocess.Popen] = []
-
-    def start(*args: str) -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), proc.communicate(timeout=30)
-        return proc, line.split()[1]
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
-
-
-@pytest.fixture
-def sock_dir():
-    """A directory with a short path for a custom ipc address, removed afterwards."""
-    path = f"/tmp/zcsa-{uuid.uuid4().hex[:8]}"
-    os.makedirs(path, mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` (by PID) and reap it: its run-directory files stay behind."""
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
 
 
-def _taken_over(brokers, address: str) -> subprocess.Popen:
+def _taken_over(broker_procs, address: str) -> subprocess.Popen:
     """Broker ``ca`` served ``address`` and was killed; broker ``cb`` serves it now, holding
     one item under key ``"k"``.  The ``cb`` process."""
-    killed, _ = brokers("ca", "--address", address)
+    killed, _ = broker_procs("ca", "--address", address)
     _kill(killed)
-    taker, real = brokers("cb", "--address", address)
+    taker, real = broker_procs("cb", "--address", address)
     assert real == address
     with Channel.connect("cb", timeout=30) as ch:
         ch.put(b"cb's own", key="k")
@@ -82,24 +50,24 @@ def _socket_files(directory: str) -> list[str]:
 
 
 def test_clean_keeps_the_sockets_of_a_broker_that_took_over_a_killed_brokers_address(
-        brokers, sock_dir, run_dir):
+        broker_procs, short_dir, run_dir):
     """``zchannel stat`` lists the killed broker's lock, address and token files as stale, not
     the socket files at the address a live broker took over; ``zchannel clean`` removes the
     former and leaves the live broker reachable by name."""
-    address = f"ipc://{sock_dir}/c.sock"
-    taker = _taken_over(brokers, address)
-    sockets = _socket_files(sock_dir)
+    address = f"ipc://{short_dir}/c.sock"
+    taker = _taken_over(broker_procs, address)
+    sockets = _socket_files(short_dir)
     assert "c.sock" in sockets
     listed = json.loads(_zchannel("stat", "--json").stdout)
     stale = {entry["name"]: entry["files"] for entry in listed["stale"]}
     assert sorted(stale) == ["ca"], listed
-    assert not [f for f in stale["ca"] if f.startswith(sock_dir)], stale
+    assert not [f for f in stale["ca"] if f.startswith(short_dir)], stale
     assert {os.path.join(run_dir, f"ca.{ext}") for ext in ("lock", "addr", "token")} <= set(
         stale["ca"])
     out = _zchannel("clean")
     assert out.returncode == 0, out.stderr
-    assert sock_dir not in out.stdout, out.stdout
-    assert _socket_files(sock_dir) == sockets
+    assert short_dir not in out.stdout, out.stdout
+    assert _socket_files(short_dir) == sockets
     assert not [f for f in os.listdir(run_dir) if f.startswith("ca.")]
     with Channel.connect("cb", timeout=30) as ch:
         assert ch.get(key="k", timeout=30) == b"cb's own"
@@ -110,20 +78,20 @@ def test_clean_keeps_the_sockets_of_a_broker_that_took_over_a_killed_brokers_add
 
 
 def test_a_stale_entry_listed_before_its_address_was_taken_over_keeps_the_new_sockets(
-        brokers, sock_dir):
+        broker_procs, short_dir):
     """Between ``zchannel clean``'s scan and its removals another broker may take the killed
     broker's address over (the killed channel's lock does not keep a broker of another name
     out): the socket files it made there are not the ones listed, and stay."""
-    address = f"ipc://{sock_dir}/c.sock"
-    killed, _ = brokers("ca", "--address", address)
+    address = f"ipc://{short_dir}/c.sock"
+    killed, _ = broker_procs("ca", "--address", address)
     _kill(killed)
     entry = next(e for e in rundir.scan()[1] if e.name == "ca")
-    assert os.path.join(sock_dir, "c.sock") in entry.files  # nothing listens there yet
-    taker, _ = brokers("cb", "--address", address)
-    sockets = _socket_files(sock_dir)
+    assert os.path.join(short_dir, "c.sock") in entry.files  # nothing listens there yet
+    taker, _ = broker_procs("cb", "--address", address)
+    sockets = _socket_files(short_dir)
     removed = rundir._clean(entry)
-    assert not [f for f in removed if f.startswith(sock_dir)], removed
-    assert _socket_files(sock_dir) == sockets
+    assert not [f for f in removed if f.startswith(short_dir)], removed
+    assert _socket_files(short_dir) == sockets
     with Channel.connect("cb", timeout=30) as ch:
         ch.put(1)
         assert ch.get(timeout=30) == 1
@@ -132,13 +100,13 @@ def test_a_stale_entry_listed_before_its_address_was_taken_over_keeps_the_new_so
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_a_killed_brokers_name_does_not_reach_the_broker_at_its_old_address(
-        brokers, sock_dir, transport):
+        broker_procs, short_dir, transport):
     """Broker ``ca`` was killed and ``cb`` serves at its address now (an ipc path taken over,
     a tcp port reused): ``connect("ca")``, ``zchannel stat ca`` and ``zchannel broker stop
     ca`` find no broker of ``ca`` and say why; ``cb`` keeps serving, its items untouched."""
-    address = (f"ipc://{sock_dir}/c.sock" if transport == "ipc"
+    address = (f"ipc://{short_dir}/c.sock" if transport == "ipc"
                else f"tcp://127.0.0.1:{free_tcp_ports(1)[0]}")
-    taker = _taken_over(brokers, address)
+    taker = _taken_over(broker_procs, address)
     with pytest.raises(ChannelNotFound, match=r"no channel named 'ca' on this host \(its "
                        r"address file .*ca\.addr is left from a broker that is gone"):
         Channel.connect("ca", timeout=30)
@@ -155,12 +123,12 @@ def test_a_killed_brokers_name_does_not_reach_the_broker_at_its_old_address(
         assert {key: k["depth"] for key, k in keys.items()} == {"k": 1}
 
 
-def test_connect_by_name_checks_that_the_broker_serves_that_channel(brokers, sock_dir):
+def test_connect_by_name_checks_that_the_broker_serves_that_channel(broker_procs, short_dir):
     """Even while the channel's lock is held (a broker of it starting, its ``.addr`` not yet
     written anew), an address file that names another channel's broker is not followed: the
     broker's hello names the channel it serves."""
-    address = f"ipc://{sock_dir}/c.sock"
-    _, real = brokers("cb", "--address", address)
+    address = f"ipc://{short_dir}/c.sock"
+    _, real = broker_procs("cb", "--address", address)
     lock_fd = paths.try_lock("ca")
     assert lock_fd is not None
     try:
@@ -175,12 +143,12 @@ def test_connect_by_name_checks_that_the_broker_serves_that_channel(brokers, soc
         assert ch.stats()["keys"] == {}
 
 
-def test_a_channel_named_like_a_replica_is_a_channel_of_its_own(brokers, run_dir):
+def test_a_channel_named_like_a_replica_is_a_channel_of_its_own(broker_procs, run_dir):
     """``foo.replica0`` is a valid channel name: its broker is not a replica of ``foo``
     (``connect("foo")`` finds no channel), ``zchannel stat`` lists it as a live broker with no
     stale entries, ``zchannel clean`` would remove nothing, ``zchannel broker stop`` stops it,
     and once it is killed its files are its own stale entry."""
-    proc, address = brokers("foo.replica0")
+    proc, address = broker_procs("foo.replica0")
     with pytest.raises(ChannelNotFound, match=r"^no channel named 'foo' on this host$"):
         Channel.connect("foo", timeout=30)
     with Channel.connect("foo.replica0", timeout=30) as ch:
@@ -198,7 +166,7 @@ def test_a_channel_named_like_a_replica_is_a_channel_of_its_own(brokers, run_dir
     assert f"{run_dir}/foo.replica0.sock" in listed["stale"][0]["files"]
     assert _zchannel("clean").returncode == 0
     assert not os.listdir(run_dir)
-    again, _ = brokers("foo.replica0")
+    again, _ = broker_procs("foo.replica0")
     stop = _zchannel("broker", "stop", "foo.replica0")
     assert stop.returncode == 0, stop.stderr
     again.communicate(timeout=30)
