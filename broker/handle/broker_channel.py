@@ -96,7 +96,7 @@ class BrokerChannel(ChannelHandle):
                 work = conn.request(rec, frames, convert, cancellable, owner=share,
                                     async_op=True)
         except BaseException:
-            self._not_submitted(rec, item, share)
+            _not_submitted(self, rec, item, share)
             raise
         if kind is Put:
             if retried is not None and self._in_doubt is not None:
@@ -104,20 +104,6 @@ class BrokerChannel(ChannelHandle):
             if work._state != _DONE:  # in doubt if it fails without an answer
                 work._on_error = (self._put_failed, rec, item, conn)
         return work
-
-    def _not_submitted(self, rec: Request, item: Any, share: Any) -> None:
-        """``rec`` raised instead of returning its ``Work`` (refused, or interrupted): what it
-        leaves behind.  Never queued, its shared-memory slots go back; a put queued is in doubt
-        (it may be stored); a get or get_batch queued is withdrawn (nobody has its Work)."""
-        conn = share.conn
-        if not rec.id:
-            shm_undo(conn, getattr(rec, "slots", None))
-        elif isinstance(rec, Put):  # (the queue sees to its slots)
-            self._note_in_doubt(rec, item, conn)
-        elif isinstance(rec, (Get, GetBatch)):
-            for rid, queued, _ in conn.requests_of(share):
-                if rid == rec.id:
-                    withdraw(queued)
 
     def _put_frames(self, rec: Put, item: Any, conn: Connection) -> tuple[list[Any], Any]:
         """Encode ``item`` into ``rec`` (inline body, frames, shared-memory slots); the frames
@@ -374,6 +360,21 @@ class BrokerChannel(ChannelHandle):
             raise TypeError("ack() takes the Delivery returned by get(..., ack=True)")
         self._submit(Ack(id=0, lease=delivery.lease_id), wait=True).wait()
 
+
+
+def _not_submitted(handle: BrokerChannel, rec: Request, item: Any, share: Any) -> None:
+    """``rec`` of ``handle`` raised instead of returning its ``Work`` (refused, or interrupted):
+    what it leaves behind.  Never queued, its shared-memory slots go back; a put queued is in
+    doubt (it may be stored); a get or get_batch queued is withdrawn (nobody has its Work)."""
+    conn = share.conn
+    if not rec.id:
+        shm_undo(conn, getattr(rec, "slots", None))
+    elif isinstance(rec, Put):  # (the queue sees to its slots)
+        handle._note_in_doubt(rec, item, conn)
+    elif isinstance(rec, (Get, GetBatch)):
+        for rid, queued, _ in conn.requests_of(share):
+            if rid == rec.id:
+                withdraw(queued)
 
 
 def _check_limits(info: HelloInfo, nbytes: int, nbuffers: int) -> None:
