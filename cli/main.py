@@ -199,8 +199,7 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
 
     journal_only = given("fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes")
     if journal_only and not config.journal:
-        raise click.UsageError(f"{', '.join(journal_only)} set(s) the journal: give --journal "
-                               "DIR too")
+        raise _journal_missing(journal_only, config_file)
     if given("metrics_address") and config.metrics_port is None:
         raise click.UsageError(f"{given('metrics_address')[0]} sets the metrics endpoint: give "
                                "--metrics-port PORT too")
@@ -222,6 +221,17 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
         sys.exit(run_broker(config))
     except RuntimeError as exc:  # a broker already serves the name
         raise ChannelError(str(exc)) from None
+
+
+def _journal_missing(settings: list[str], config_file: str | None) -> Exception:
+    """The error of journal ``settings`` (``--fsync``, ``fsync in FILE``...) given without a
+    journal directory: a usage error pointing to ``--journal``, or, for a broker given a
+    ``config_file``, a ``ValueError`` pointing to that file's ``journal`` key as well."""
+    message = f"{', '.join(settings)} set(s) the journal: give --journal DIR too"
+    if config_file is None:
+        return click.UsageError(message)
+    return ValueError(f'{message}, or a journal key in [channel] of {config_file} (journal = '
+                      '"DIR", the directory of the channel\'s journal)')
 
 
 def _client_curve_options(command: Any) -> Any:

@@ -252,6 +252,9 @@ def _read_segment(jdir: JournalDir, seq: int, path: str,
                 f"{path}: a segment of channel {jdir.name!r} whose start is zeros but that "
                 "holds data further on: damaged (not cut short while a broker made it), so "
                 "the broker does not start on it; move it away")
+        start = bytes(view[:len(fmt.MAGIC)])  # also of a file shorter than a preamble
+        if _later_version(start):
+            raise _written_later(jdir, path, start)
         if magic not in fmt.MAGICS:
             raise fmt.JournalFormatError(
                 f"{path} is not a zchannel journal segment (it is named like one of channel "
@@ -269,6 +272,30 @@ def _read_segment(jdir: JournalDir, seq: int, path: str,
     seg.used = seg.written = seg.synced = scan.end
     rec.bytes_read += scan.end
     return seg, size, scan.torn
+
+
+def _later_version(magic: bytes) -> int:
+    """The format version of a segment magic a later zchannel writes (``ZCJRNL`` and two
+    digits above ``fmt.VERSION``); 0 for any other magic."""
+    stem, digits = fmt.MAGIC[:-2], magic[len(fmt.MAGIC) - 2:]
+    if magic[:len(stem)] != stem or len(digits) != 2 or not digits.isdigit():
+        return 0
+    version = int(digits)
+    return version if version > fmt.VERSION else 0
+
+
+def _written_later(jdir: JournalDir, path: str, magic: bytes) -> fmt.JournalFormatError:
+    """The error of a segment of ``jdir`` a later zchannel wrote (its ``magic``): its records
+    may be of kinds this version cannot read, so the broker does not start on it; the items
+    in it are acknowledged puts, which the zchannel that wrote it recovers."""
+    read = ", ".join(f"{m.decode()} (version {v})" for m, v in sorted(fmt.MAGICS.items()))
+    return fmt.JournalFormatError(
+        f"{path} is a journal segment of channel {jdir.name!r} written by a later zchannel: "
+        f"its magic {magic.decode()} is journal format version {_later_version(magic)}, and "
+        f"this zchannel reads {read}.  Start the broker with the zchannel version that wrote "
+        "it (or a later one): the segment holds acknowledged items, which moving or removing "
+        "it would lose.  To use this version on the channel again, drain it with that one "
+        "first")
 
 
 def _unfinished(jdir: JournalDir, seq: int, view: memoryview) -> bool:
