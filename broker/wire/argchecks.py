@@ -10,6 +10,7 @@ channel, so that all three refuse the same values with the same messages.
 from __future__ import annotations
 
 import ast
+import enum
 import numbers
 import sys
 from typing import Any
@@ -31,8 +32,10 @@ FLOAT_SLACK = 1e-9
 # the first characters of the Python literals key_from_label reads (int, bytes, str, tuple;
 # literal_eval skips leading blanks)
 _LITERAL_STARTS = frozenset("0123456789+-.bBrR'\"( \t")
-_KEY_WHY = ("keys are str, int, bytes or tuples of those, because True == 1 and 1.0 == 1 "
-            "would share a queue in a Python dict (as in RLinf) but not on the wire")
+_KEY_TYPES = "keys are str, int, bytes or tuples of those"
+# why a bool or a float (any number but an int) is no key
+_NUMBER_WHY = (f"{_KEY_TYPES}, because True == 1 and 1.0 == 1 would share a queue in a Python "
+               "dict (as in RLinf) but not on the wire")
 
 
 def check_key(key: Any) -> Any:
@@ -59,7 +62,7 @@ def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
     """``check_key`` of ``key`` at nesting ``depth``; ``left``: the parts and the str/bytes
     length the whole key may still hold (both counted down here)."""
     if isinstance(key, bool):
-        raise TypeError(f"a key may not be a bool: {_KEY_WHY}")
+        raise TypeError(f"a key may not be a bool: {_NUMBER_WHY}")
     if isinstance(key, (str, bytes)):
         left[1] -= len(key)
         if left[1] < 0:
@@ -90,11 +93,36 @@ def _checked_key(key: Any, depth: int, left: list[int]) -> Any:
 
 
 def _not_a_key(key: Any) -> TypeError:
-    """The error of a key of no key type, with the fix for a numpy integer (``np.arange``)."""
+    """The error of a key of no key type, with what fits its type: for an ``Enum`` member the
+    fix (its value, or its name), for a numpy integer (``np.arange``) ``int(key)``, for a list
+    ``tuple(key)``, for another number (a float) why numbers are no keys; else the key types."""
+    kind = type(key).__name__
+    if isinstance(key, enum.Enum):
+        return TypeError(f"a key may not be a {type(key).__qualname__} (an Enum member): "
+                         f"{_member_fix(key)}; {_KEY_TYPES}")
     if isinstance(key, numbers.Integral):
-        return TypeError(f"a key may not be a {type(key).__name__}: pass int(key) (an int key "
-                         f"is a Python int, not another integer type; {_KEY_WHY})")
-    return TypeError(f"a key may not be a {type(key).__name__}: {_KEY_WHY}")
+        return TypeError(f"a key may not be a {kind}: pass int(key) (an int key is a Python "
+                         f"int, not another integer type; {_KEY_TYPES})")
+    if isinstance(key, numbers.Number):
+        return TypeError(f"a key may not be a {kind}: {_NUMBER_WHY}")
+    if isinstance(key, list):
+        return TypeError(f"a key may not be a list: pass tuple(key) ({_KEY_TYPES})")
+    return TypeError(f"a key may not be {'None' if key is None else 'a ' + kind}: {_KEY_TYPES}")
+
+
+def _member_fix(member: enum.Enum) -> str:
+    """How to pass ``member`` of an Enum whose members are no keys (no ``str`` or ``int``
+    base): as its value if that is a key, else as its name."""
+    name = member._name_
+    spelled = (f"{type(member).__qualname__}.{name}" if name is not None and name.isidentifier()
+               else "member")  # (a combination of Flag members has no one name)
+    try:
+        check_key(member.value)
+    except (TypeError, ValueError):
+        if name is None:
+            return f"pass a str or int that stands for it (its value, {member.value!r}, is no key)"
+        return f"pass its name, key={spelled}.name ({name!r}; its value, {member.value!r}, is no key)"
+    return f"pass its value, key={spelled}.value ({member.value!r})"
 
 
 def key_label(key: Any) -> str:

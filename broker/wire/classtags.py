@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import inspect
 import logging
 import pkgutil
 import threading
@@ -39,15 +40,18 @@ def default_tag(cls: type) -> str:
 def register_type(cls: C, name: str | None = None) -> C:
     """Allow instances of ``cls`` on the wire, tagged ``name`` (default ``"module:qualname"``).
 
-    ``cls`` is a dataclass (an instance travels field by field and is rebuilt with the class's
-    constructor) or an ``Enum`` class (a member travels as tag + member name and arrives as the
-    member itself; a combination of ``Flag`` members travels as tag + value).  Re-registering
-    the same class is a no-op; another class under a taken tag is a ``ValueError``.
+    ``cls`` is a dataclass (an instance travels field by field and is rebuilt with the
+    constructor ``@dataclass`` wrote, or restored field by field: :func:`rebuilt_by_constructor`)
+    or an ``Enum`` class (a member travels as tag + member name and arrives as the member
+    itself; a combination of ``Flag`` members travels as tag + value).  Re-registering the same
+    class is a no-op; another class under a taken tag is a ``ValueError``; a dataclass no
+    receiver could rebuild is a ``TypeError`` (:func:`check_rebuildable`).
     """
     if not isinstance(cls, type) or not (
         dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)
     ):
         raise TypeError(f"register_type takes a dataclass or an Enum class, not {cls!r}")
+    check_rebuildable(cls)
     tag = name or default_tag(cls)
     owner = TAG_TO_CLS.get(tag)
     if owner is not None and owner is not cls and default_tag(owner) != default_tag(cls):
@@ -55,6 +59,55 @@ def register_type(cls: C, name: str | None = None) -> C:
     TAG_TO_CLS[tag] = cls
     CLS_TO_TAG[cls] = tag
     return cls
+
+
+def rebuilt_by_constructor(cls: type) -> bool:
+    """Whether a receiver rebuilds dataclass ``cls`` by calling it with its ``init`` fields (so
+    defaults, ``default_factory`` and ``__post_init__`` run): when its ``__init__`` is the one
+    ``@dataclass`` wrote, takes every ``init`` field of ``cls`` and needs nothing else (no
+    ``InitVar`` without a default, which is not a field and is never sent).
+
+    Any other dataclass — its own ``__init__``, ``@dataclass(init=False)``, an ``__init__``
+    inherited from a base that does not take this class's fields — is restored as ``pickle``
+    and ``copy`` restore an object: ``cls.__new__(cls)``, then each sent field set, neither
+    ``__init__`` nor ``__post_init__`` run.
+    """
+    init = cls.__init__  # type: ignore[misc]
+    code = getattr(init, "__code__", None)
+    # dataclasses compiles the methods it writes from text ("<string>"), inside a function
+    # named __create_fn__ (co_qualname: Python 3.11 on)
+    if code is None or code.co_filename != "<string>" or not getattr(
+        code, "co_qualname", "__create_fn__."
+    ).startswith("__create_fn__."):
+        return False
+    try:
+        params = list(inspect.signature(init).parameters.values())[1:]  # (self)
+    except (TypeError, ValueError):
+        return False
+    init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    required = {p.name for p in params if p.default is inspect.Parameter.empty}
+    return init_fields <= {p.name for p in params} and required <= init_fields
+
+
+def check_rebuildable(cls: type) -> None:
+    """``TypeError`` naming ``cls`` and why if it is a dataclass that no receiver could rebuild:
+    one restored field by field (:func:`rebuilt_by_constructor`) whose ``__new__`` cannot be
+    called with the class alone (``cls.__new__(cls)``)."""
+    if not dataclasses.is_dataclass(cls) or cls.__new__ is object.__new__ \
+            or rebuilt_by_constructor(cls):
+        return
+    try:
+        inspect.signature(cls.__new__).bind(cls)
+    except ValueError:  # no signature to read (a builtin's __new__): cls.__new__(cls) is tried
+        return
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot register {cls.__module__}.{cls.__qualname__} for the wire: its __init__ is "
+            "not the one @dataclass writes for its fields, so a receiver restores it as pickle "
+            f"does, with {cls.__qualname__}.__new__({cls.__qualname__}) and then its fields, but "
+            f"its __new__ needs more arguments ({exc}); give those arguments defaults, or let "
+            "@dataclass write its __init__"
+        ) from None
 
 
 def registrations() -> list[list[str]]:
@@ -99,7 +152,8 @@ def register_module(module_or_name: types.ModuleType | str, *,
 
     Idempotent: calling it again, or on a class registered before, changes nothing (a class
     registered under another tag keeps it).  Nothing is registered if one class cannot be (its
-    default tag belongs to another class: ``ValueError``; a submodule that fails to import:
+    default tag belongs to another class: ``ValueError``; a dataclass no receiver could rebuild:
+    ``TypeError``, :func:`check_rebuildable`; a submodule that fails to import:
     ``ImportError``).  Returns the dataclasses and Enum classes of the module(s), in definition
     order: each is registered when it returns (the same list on every call).
 
@@ -119,6 +173,10 @@ def register_module(module_or_name: types.ModuleType | str, *,
                 f"cannot register {default_tag(cls)}: its tag {default_tag(cls)!r} is already "
                 f"registered to {owner!r}; nothing of {module_or_name!r} was registered"
             )
+        try:
+            check_rebuildable(cls)
+        except TypeError as exc:
+            raise TypeError(f"{exc}; nothing of {module_or_name!r} was registered") from None
     for cls in new:
         register_type(cls)
     return classes

@@ -90,6 +90,7 @@ from zchannel.broker.wire.classtags import (
     member_from_ref,
     member_ref,
     published_tag,
+    rebuilt_by_constructor,
     registration_hint,
 )
 from zchannel.broker.wire.packers import shared_packer
@@ -697,15 +698,18 @@ _EXT_READERS: dict[int, Callable[[_Decoder, bytes], Any]] = {
 
 
 _UNSET = object()  # a dataclass field never set
-_FIELDS: dict[type, dict[str, bool]] = {}  # dataclass -> {field name: taken by __init__}
+_FIELDS: dict[type, dict[str, bool]] = {}  # dataclass -> {field name: passed to its constructor}
+_BY_CONSTRUCTOR: dict[type, bool] = {}  # dataclass -> rebuilt_by_constructor(cls)
 
 
 def _fields(cls: type) -> dict[str, bool]:
-    """The fields of dataclass ``cls`` by name, each with whether ``__init__`` takes it (read
-    once per class: a class's fields do not change once it is made)."""
+    """The fields of dataclass ``cls`` by name, each with whether its rebuild passes it to the
+    constructor (none for a class restored field by field; read once per class)."""
     fields = _FIELDS.get(cls)
     if fields is None:
-        fields = _FIELDS[cls] = {f.name: f.init for f in dataclasses.fields(cls)}
+        by_constructor = _BY_CONSTRUCTOR[cls] = rebuilt_by_constructor(cls)
+        fields = _FIELDS[cls] = {f.name: f.init and by_constructor
+                                 for f in dataclasses.fields(cls)}
     return fields
 
 
@@ -720,11 +724,13 @@ def dataclass_values(obj: Any) -> dict[str, Any]:
     return values
 
 
-def build_dataclass(cls: type, fields: dict) -> Any:
-    """An instance of dataclass ``cls`` from its received ``fields``: the constructor with the
-    ``init`` fields (so ``__post_init__`` runs), then the others set as they were sent (also on a
-    frozen or slots class); ``ValueError`` for a field ``cls`` does not have or a constructor
-    that refuses the values."""
+def build_dataclass(cls: type[object], fields: dict) -> Any:
+    """An instance of dataclass ``cls`` from its received ``fields``: called with the ``init``
+    fields if its ``__init__`` is the one ``@dataclass`` wrote for them (so ``__post_init__``
+    runs), else made with ``cls.__new__(cls)`` as ``pickle`` makes it (``rebuilt_by_constructor``);
+    then the other fields set as sent, with ``object.__setattr__`` (frozen and slots classes too).
+    ``ValueError`` naming the class for a field it lacks or values it refuses (whatever its
+    ``__init__`` or ``__post_init__`` raises)."""
     init: dict[str, Any] = {}
     rest: dict[str, Any] = {}
     known = _fields(cls)
@@ -734,11 +740,12 @@ def build_dataclass(cls: type, fields: dict) -> Any:
             raise ValueError(f"{cls.__qualname__} has no field {name!r}")
         (init if taken else rest)[name] = value
     try:
-        obj = cls(**init)
-    except TypeError as exc:
-        raise ValueError(f"cannot rebuild {cls.__qualname__}: {exc}") from None
-    for name, value in rest.items():
-        object.__setattr__(obj, name, value)
+        obj = cls(**init) if _BY_CONSTRUCTOR[cls] else cls.__new__(cls)
+        for name, value in rest.items():
+            object.__setattr__(obj, name, value)
+    except Exception as exc:  # the class's own code (__init__, __post_init__, a descriptor)
+        raise ValueError(f"cannot rebuild {cls.__qualname__}: {type(exc).__name__}: {exc}") \
+            from None
     return obj
 
 
