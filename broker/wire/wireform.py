@@ -193,7 +193,8 @@ def _dict(obj: dict, level: int, nest: int) -> dict:
 
 def _dataclass(obj: Any, level: int, nest: int) -> Any:
     """A registered dataclass instance: ``obj`` if no field changes, else rebuilt as the
-    receiver rebuilds it (constructor for init fields, then the others)."""
+    receiver rebuilds it (``codec.build_dataclass``: its constructor, or field by field for a class with a
+    constructor of its own)."""
     fields = codec.dataclass_values(obj)
     forms = {name: _form(value, level + 1, nest) for name, value in fields.items()}
     if all(forms[name] is value for name, value in fields.items()):
