@@ -21,8 +21,9 @@ and, step by step, a reference written from the channel contract with plain list
 - a getter with nothing in its private or the shared queue steals one item from the private
   queue the dispatcher's ``rebalance`` names;
 - a consumer's last handle leaving re-deals its private items (the dispatcher may name it
-  again: they then wait for it to come back), then the puts waiting for room in its queues,
-  before any getter is served or put admitted; its unacknowledged deliveries
+  again: they then wait for it to come back), each where put order places it in the queue it
+  goes to, then the puts waiting for room in its queues (stored in put order too), before any
+  getter is served or put admitted; its unacknowledged deliveries
   go back to the head of their queue, as do those whose lease lapsed;
 - deliveries that could not be sent (the handle's connection broke) go back to the head of the
   queue they came from, or are dealt again if that consumer is gone;
@@ -64,7 +65,8 @@ REQUEST_COST = 1  # what a waiting request counts against max_bytes (an item cou
 
 
 class ToDispatcher(Dispatcher):
-    """Routes an item ``(seq, to)`` to ``to``; ``rebalance`` names the deepest other consumer."""
+    """Routes an item ``(seq, to)`` to ``to`` while it is present or declared, else to the
+    shared queue; ``rebalance`` names the deepest other consumer."""
 
     needs_item = True
 
@@ -72,7 +74,8 @@ class ToDispatcher(Dispatcher):
         self.steal = steal
 
     def route(self, item: Any, key: Any) -> str | None:
-        return item[1]
+        to = item[1]  # an undeclared consumer that left: its items are dealt to the shared queue
+        return to if to in self.ctx.consumers or to in DECLARED else None
 
     def rebalance(self, key: Any, starved: str, depths: dict[str, int]) -> str | None:
         if not self.steal:
@@ -114,12 +117,12 @@ class Ref:
         return self.private[key].setdefault(consumer, [])
 
     def target(self, item: tuple, departed: str | None = None) -> str | None:
-        """Where the dispatcher's choice sends ``item``: a present or declared consumer, or the
-        ``departed`` one whose items are dealt again (they wait for it), else the shared queue."""
+        """Where the dispatcher's choice sends ``item``: a present or declared consumer (a
+        declared one that ``departed``: its items wait for it), else the shared queue."""
         if not self.deals:
             return None
         to = item[1]
-        return to if to in self.consumers or to in DECLARED or to == departed else None
+        return to if to in self.consumers or to in DECLARED else None
 
     def depth(self, key: str) -> int:
         return len(self.shared[key]) + sum(len(q) for q in self.private[key].values())
@@ -165,7 +168,7 @@ class Ref:
                 continue
             if self.admissible(put, blocked):
                 self.putters.remove(put)
-                self.queue(put["key"], put["to"]).append(put["item"])
+                merge_in(self.queue(put["key"], put["to"]), [put["item"]])
                 self.replies[put["rid"]] = ("ok", None)
                 self.serve(put["key"])
             else:
@@ -372,8 +375,12 @@ class Ref:
             del self.leases[seqs[0]]
         items = [self.items[s] for s in seqs]
         if origin is not None and origin not in self.consumers and origin not in DECLARED:
+            dealt: dict[int, tuple[list, list]] = {}
             for item in items:
-                self.queue(key, self.target(item, origin)).append(item)
+                target = self.queue(key, self.target(item, origin))
+                dealt.setdefault(id(target), (target, []))[1].append(item)
+            for target, run in dealt.values():
+                merge_in(target, run)
         else:
             self.queue(key, origin)[:0] = items
         self.serve(key)
@@ -412,12 +419,13 @@ class Ref:
         for key in KEYS:
             items = self.private[key].pop(consumer, [])
             heads: dict[int, tuple[list, list]] = {}
+            dealt: dict[int, tuple[list, list]] = {}
             for item in items:
                 target = self.queue(key, self.target(item, consumer))
-                if id(item) in returned:
-                    heads.setdefault(id(target), (target, []))[1].append(item)
-                else:
-                    target.append(item)
+                runs = heads if id(item) in returned else dealt
+                runs.setdefault(id(target), (target, []))[1].append(item)
+            for target, run in dealt.values():
+                merge_in(target, run)
             for target, back in heads.values():
                 target[:0] = back
             if items:
@@ -438,6 +446,20 @@ class Ref:
             for key in KEYS:
                 if self.private[key].get(consumer):
                     self.serve(key)
+
+
+def merge_in(queue: list, items: list) -> None:
+    """``items`` dealt again (or a put admitted) merged into ``queue`` by put order, from the
+    tails, each keeping its own order."""
+    i, j, out = len(queue), len(items), []
+    while i and j:
+        if queue[i - 1][0] > items[j - 1][0]:
+            i -= 1
+            out.append(queue[i])
+        else:
+            j -= 1
+            out.append(items[j])
+    queue[:] = queue[:i] + items[:j] + out[::-1]
 
 
 def merged(private: list, shared: list) -> list[tuple[bool, tuple]]:

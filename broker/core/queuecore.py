@@ -33,7 +33,13 @@ from typing import Any
 from zchannel.broker.core.consumers import Consumers
 from zchannel.broker.core.hookpipeline import HookPipeline
 from zchannel.broker.core.leases import LeaseBook
-from zchannel.broker.core.queues import KEY_GRACE_S, Deadlines, KeyedQueues, Outputs
+from zchannel.broker.core.queues import (
+    KEY_GRACE_S,
+    Deadlines,
+    KeyedQueues,
+    Outputs,
+    merge_in_put_order,
+)
 from zchannel.broker.core.state import (
     KEY_OVERHEAD,
     REQUEST_OVERHEAD,
@@ -230,9 +236,10 @@ class QueueCore:
         """Deliveries that could not reach their client (``(client, origin, items, lease id)``
         in the order they were made; also the items a durable channel's journal held when its
         broker started): their items go back to the head of their queues, the last first, so
-        that each queue has them in the order it gave them; then the getters waiting on those
-        keys are served, each key once (served after each, a getter would take a later item
-        before an earlier one of its key)."""
+        that each queue has them in the order it gave them (those of a consumer that left are
+        dealt again by put order, as never delivered: ``_deal_again``); then the getters
+        waiting on those keys are served, each key once (served after each, a getter would take
+        a later item before an earlier one of its key)."""
         touched: dict[int, KeyState] = {}
         for _, origin, items, lease_id in reversed(deliveries):
             ks = _put_back(self, origin, items, lease_id)
@@ -351,7 +358,8 @@ class QueueCore:
 def _put_back(core: QueueCore, origin: tuple[Any, str | None], items: list[Item],
               lease_id: int | None) -> KeyState:
     """The items of one delivery that did not reach its client back at the head of the queue
-    ``origin`` names (dealt again if its consumer left), its lease ended; their key's state."""
+    ``origin`` names (dealt again by put order if its consumer left), its lease ended; their
+    key's state."""
     key, consumer = origin
     lease = core.lease_book.find(lease_id)
     if lease is not None:
@@ -408,16 +416,19 @@ def _unacked(log: StateLog | None, item: Item) -> Exception | None:
 
 def _deal_again(core: QueueCore, ks: KeyState, items: list[Item], departed: str,
                 returned: AbstractSet[int] = frozenset()) -> None:
-    """Deal ``items`` of ``ks`` again (their consumer ``departed``), each to the queue the
-    dispatcher names now, which may be the departed consumer's own (it waits for it to come
-    back): those in ``returned`` (ids: deliveries it had not acknowledged) to the head of
-    their queues, in their order, the others appended."""
+    """Deal ``items`` of ``ks`` again (their consumer ``departed``, in its queue's order),
+    each to the queue the dispatcher names now, which may be the departed consumer's own (it
+    waits for it to come back): those in ``returned`` (ids: deliveries it had not
+    acknowledged, redelivered) to the head of their queues, in their order; the others, never
+    delivered, where put order places them among the items of their queue
+    (``merge_in_put_order``), so that a consumer still gets a key's items in put order."""
     heads: dict[int, tuple[deque[Item], list[Item]]] = {}
+    dealt: dict[int, tuple[deque[Item], list[Item]]] = {}
     for item in items:
         target = core.queues.queue(ks, core.hooks.route_again(item, ks.key, departed))
-        if id(item) in returned:
-            heads.setdefault(id(target), (target, []))[1].append(item)
-        else:
-            target.append(item)
+        runs = heads if id(item) in returned else dealt
+        runs.setdefault(id(target), (target, []))[1].append(item)
+    for target, run in dealt.values():
+        merge_in_put_order(ks, target, run)
     for target, back in heads.values():
         ks.put_back(target, back)

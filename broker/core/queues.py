@@ -235,11 +235,16 @@ class KeyedQueues:
             item.seq = next(self._order)
 
     def store(self, outputs: Outputs) -> list[KeyState]:
-        """Append a put's items to their queues; the states of the keys it touched."""
+        """Add a put's items to their queues (``add_in_put_order``); the states of the keys
+        it touched."""
         if len(outputs) == 1:  # the common case: one item, one queue
             k, c, item = outputs[0]
             ks = self.state(k)
-            (ks.shared if c is None else self.queue(ks, c)).append(item)
+            queue = ks.shared if c is None else self.queue(ks, c)
+            if item.seq and queue and queue[-1].seq > item.seq:  # (``add_in_put_order``)
+                merge_in_put_order(ks, queue, [item])
+            else:
+                queue.append(item)
             self.bytes_held += item.nbytes
             return [ks]
         touched: dict[Any, KeyState] = {}
@@ -247,7 +252,7 @@ class KeyedQueues:
             found = touched.get(k)
             if found is None:
                 found = touched[k] = self.state(k)
-            self.queue(found, c).append(item)
+            add_in_put_order(found, self.queue(found, c), item)
             self.bytes_held += item.nbytes
         return list(touched.values())
 
@@ -306,6 +311,43 @@ def put_order(item: Item) -> tuple[int, int]:
     channel's journal (``seq`` 0) first, by journal number, then those of the puts since, in
     the order the puts arrived (``KeyedQueues.number``)."""
     return item.seq, item.jid
+
+
+def add_in_put_order(ks: KeyState, queue: deque[Item], item: Item) -> None:
+    """Append the stored ``item`` to ``queue`` (one of ``ks``'s), unless the item at
+    ``queue``'s tail was put after it (a numbered ``item``, ``Item.seq``, whose put order is
+    its number): then it goes before the items put after it (``merge_in_put_order``).  That is
+    a put that waited for room in the private queue of a consumer that left, dealt again to a
+    queue that took later puts meanwhile; every other put arrives behind what its queue holds."""
+    if item.seq and queue and queue[-1].seq > item.seq:
+        merge_in_put_order(ks, queue, [item])
+    else:
+        queue.append(item)
+
+
+def merge_in_put_order(ks: KeyState, queue: deque[Item], items: list[Item]) -> None:
+    """Merge ``items`` (of a queue of ``ks`` whose consumer left, in that queue's order) into
+    ``queue`` (one of ``ks``'s) by put order (``put_order``), each side keeping its own order.
+
+    The two are merged from their tails, so that the items of each that were never delivered
+    (the run at its tail, in put order, behind any deliveries put back at its head) come out
+    in put order together, and what was put back stays ahead of the items put after it.  Each
+    step places one item of either side: at most ``len(items) + len(queue)`` steps, never an
+    insertion per item.  It counts in ``ks.requeued`` (a waiting get_batch's count of
+    ``queue`` is stale)."""
+    if not items:
+        return
+    tail: list[Item] = []  # the merged tail, from the last item back
+    rest = len(items)
+    while rest and queue:
+        if put_order(queue[-1]) > put_order(items[rest - 1]):
+            tail.append(queue.pop())
+        else:
+            rest -= 1
+            tail.append(items[rest])
+    queue.extend(items[:rest])  # (``queue`` was emptied if any are left)
+    queue.extend(reversed(tail))
+    ks.requeued += 1
 
 
 def merged(private: deque[Item], shared: deque[Item]) -> Iterator[tuple[bool, Item]]:

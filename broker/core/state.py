@@ -100,8 +100,9 @@ class KeyState:
     leases: int = 0
     idle_since: float | None = None
     idle_timer: bool = False  # a deadline of its grace period is in the core's timer heap
-    # counts the times items went back to the head of one of its queues, or a queue was emptied
-    # other than by takes (``put_back``, ``take_all``): a get_batch's remembered count of a
+    # counts the times items went back to the head of one of its queues, were merged into one
+    # (``queues.merge_in_put_order``), or a queue was emptied other than by takes
+    # (``put_back``, ``take_all``): a get_batch's remembered count of a
     # queue (``waiters._batch_take_resumed``) is stale then
     requeued: int = 0
 
