@@ -18,6 +18,7 @@ channel goes to the first producer's node, else the first consumer's, else the c
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing
 import os
 import time
@@ -27,8 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from zchannel.broker import Channel
+from zchannel.broker.handle import ray_placement
 
 IDENTITY_ENV = "ZCHANNEL_IDENTITY"
+log = logging.getLogger("zchannel.embodied")
 
 
 class WorkerError(RuntimeError):
@@ -79,6 +82,14 @@ class Worker:
 
     def _zchannel_call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self, method)(*args, **kwargs)
+
+    def _zchannel_release(self) -> None:
+        """Tear down the Ray-placed channels this worker's process created (with
+        ``create_channel`` or ``Channel.create``), as their creating handles' ``shutdown()``
+        would: their broker actors, work directories and shared memory.
+        ``WorkerGroup.shutdown`` calls it before it kills the worker's actor, whose exit
+        handlers (which would do it) Ray does not run."""
+        ray_placement.teardown_all()
 
     def _zchannel_node(self) -> str | None:
         ray = __import__("sys").modules.get("ray")
@@ -387,17 +398,36 @@ class WorkerGroup:
             raise AttributeError(f"{self._cls.__name__} has no public method {method!r}")
         return lambda *args, **kwargs: self.call(method, *args, **kwargs)
 
+    def _shutdown_ray(self, timeout: float) -> None:
+        """Kill the Ray ranks once each tore down the channels it created; a rank still busy
+        after ``timeout`` seconds is killed too, and named in a warning (Ray removes its
+        channels' actors with it, which leave their work directories: docs/distributed.md).
+        A rank that died already had its channels go with it."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        if not actors:
+            return
+        releases = [a._zchannel_release.remote() for a in actors]
+        done, _ = ray.wait(releases, num_returns=len(releases), timeout=timeout)
+        busy = [rank for rank, ref in enumerate(releases) if ref not in done]
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if busy:
+            log.warning("worker group %r: ranks %s did not answer within %g s (busy in a "
+                        "call, or not running yet): killed without tearing down the channels "
+                        "they created, whose broker actors' work directories stay",
+                        self._name, busy, timeout)
+
     def pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every rank (local processes: asked, then terminated; Ray actors: killed)."""
+        """Stop every rank: local processes are asked to end, then terminated after
+        ``timeout`` seconds; Ray actors are asked to tear down the Ray-placed channels they
+        created (``timeout`` seconds for all: ``_shutdown_ray``), then killed."""
         if self._ray:
-            import ray
-
-            for actor in self._actors:
-                ray.kill(actor, no_restart=True)
-            self._actors = []
+            self._shutdown_ray(timeout)
             return
         for conn in self._conns:
             try:

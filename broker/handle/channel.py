@@ -41,7 +41,7 @@ from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.local import LocalChannel
 from zchannel.broker.handle.workergroups import expand_groups
 from zchannel.broker.host import paths
-from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT, BrokerConfig
+from zchannel.broker.server.config import DEFAULT_LEASE_TIMEOUT, FSYNC_POLICIES, BrokerConfig
 from zchannel.broker.server.metrics import check_port, require_prometheus
 from zchannel.broker.server.starting import (
     START_TIMEOUT_S,
@@ -164,19 +164,57 @@ def _checked_options(options: Any) -> dict[str, Any]:
     return checked
 
 
+def _journal_settings(journal: Any, fsync: Any, fsync_interval: Any, max_journal_bytes: Any,
+                      local: bool) -> dict[str, Any]:
+    """The journal's entries of a broker's configuration (none without ``journal``; the fsync
+    settings not given take their defaults).  ``ValueError`` for an ``fsync`` that is no
+    policy, and for fsync settings given without ``journal`` (they would do nothing: the
+    channel would not be durable; a ``local`` one cannot be); ``TypeError``/``ValueError``
+    for a ``journal`` that is no directory path.  The numbers' ranges are checked with the
+    other settings."""
+    if fsync is not None and fsync not in FSYNC_POLICIES:
+        raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
+    given = {"fsync": fsync, "fsync_interval": fsync_interval,
+             "max_journal_bytes": max_journal_bytes}
+    if journal is None:
+        named = [setting for setting, value in given.items() if value is not None]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} set(s) the journal of a durable channel: " + (
+                    "a local channel has none (a journal needs a broker process: local=False, "
+                    "and journal=DIR)" if local else
+                    "give journal=DIR too (without a journal the channel is not durable, and "
+                    "they would do nothing)"))
+        return {}
+    where = os.fspath(journal) if isinstance(journal, (str, os.PathLike)) else None
+    if not isinstance(where, str):
+        raise TypeError(f"journal must be a directory path (a str or an os.PathLike of "
+                        f"one), got {journal!r}")
+    if not where or "\0" in where:
+        raise ValueError(f"journal must be a directory path (not empty, no NUL "
+                         f"character), got {where!r}")
+    defaults = {"fsync": BrokerConfig.fsync, "fsync_interval": BrokerConfig.fsync_interval,
+                "max_journal_bytes": BrokerConfig.max_journal_bytes}
+    return {"journal": os.path.abspath(os.path.expanduser(where)),
+            **{setting: defaults[setting] if value is None else value
+               for setting, value in given.items()}}
+
+
 def _broker_config(name: str, maxsize: int, address: str | None, *, collector: Any,
                    dispatcher: Any, producers: Any, consumers: list[str],
                    options: Mapping[str, Any] | None, curve_keys: Any, insecure: bool,
                    lease_timeout: float, shm_threshold: int | None, metrics_port: int | None,
-                   journal: Any, fsync: str, fsync_interval: float,
-                   max_journal_bytes: int) -> dict[str, Any]:
+                   journal_settings: dict[str, Any]) -> dict[str, Any]:
     """The configuration a broker process starts with (checked: the bind address against
-    ``insecure``, the hooks importable by the child, the options msgpack-able)."""
-    address = address or paths.default_address(name)
+    ``insecure``, the hooks importable by the child, the options msgpack-able).  ``address``
+    None: chosen where each broker starts (on Ray, on its node: nothing of this host's run
+    directory is used); ``journal_settings``: ``_journal_settings``'s."""
     server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
-    paths.check_bind_address(
-        address, secure=bool(server_keys.get("server_secret_key") and server_keys.get("public_keys")),
-        insecure=insecure)
+    if address is not None:
+        paths.check_bind_address(
+            address, secure=bool(server_keys.get("server_secret_key")
+                                 and server_keys.get("public_keys")),
+            insecure=insecure)
     imports: list[str] = []
     config = {
         "name": name, "address": address, "maxsize": maxsize,
@@ -195,19 +233,34 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
     if metrics_port is not None:
         config["metrics_port"] = check_port(metrics_port)
         require_prometheus("metrics_port")  # before a broker starts (it would refuse to)
-    if journal is not None:  # a durable channel (docs/durability.md)
-        where = os.fspath(journal) if isinstance(journal, (str, os.PathLike)) else None
-        if not isinstance(where, str):
-            raise TypeError(f"journal must be a directory path (a str or an os.PathLike of "
-                            f"one), got {journal!r}")
-        if not where or "\0" in where:
-            raise ValueError(f"journal must be a directory path (not empty, no NUL "
-                             f"character), got {where!r}")
-        config.update(journal=os.path.abspath(os.path.expanduser(where)), fsync=fsync,
-                      fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
+    config.update(journal_settings)  # a durable channel (docs/durability.md)
     BrokerConfig(**config)  # wrong values fail here, not in the broker
     codec.encode(config)  # options must be msgpack-able: fail here, not in the child
     return config
+
+
+def _create_local(name: str, maxsize: int, *, collector: Any, dispatcher: Any,
+                  producers: Any, consumers: list[str], options: dict[str, Any],
+                  identity: str | None, lease_timeout: float) -> Channel:
+    """``Channel.create(..., local=True)`` with its arguments checked: the in-process channel
+    ``name`` (made now, or attached to, logging what of the arguments it ignores)."""
+    if LocalChannel.lookup(name) is None and _broker_serves(name):
+        raise ValueError(f"a broker on this host serves channel {name!r}: one name is one "
+                         "channel (Channel.create or Channel.connect reaches it; give a "
+                         "local channel another name)")
+    local_handle = LocalChannel.create_local(
+        name, maxsize, collector=collector, dispatcher=dispatcher,
+        producers=list(producers or ()), consumers=consumers, options=dict(options or {}),
+        identity=identity, lease_timeout=lease_timeout,
+    )
+    if not local_handle.created:  # attached: what it ignores is logged, as a broker's
+        log_ignored_settings(
+            local_handle, {"name": name, "maxsize": maxsize, "consumers": consumers,
+                           "producers": producers, "lease_timeout": lease_timeout},
+            local_handle._broker.core.queues.maxsize,
+            {"collector": _local_hook_label(collector),
+             "dispatcher": _local_hook_label(dispatcher)})
+    return _as_channel(local_handle)
 
 
 def _local_hook_label(spec: Any) -> str | None:
@@ -254,9 +307,9 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         shm_threshold: int | None = None,
         metrics_port: int | None = None,
         journal: str | os.PathLike[str] | None = None,
-        fsync: str = "interval",
-        fsync_interval: float = 0.01,
-        max_journal_bytes: int = 0,
+        fsync: str | None = None,
+        fsync_interval: float | None = None,
+        max_journal_bytes: int | None = None,
     ) -> Channel:
         """Start a broker for ``name`` and return a connected handle (``created`` True); if a
         live broker already serves the name, attach to it (``created`` False, a warning on the
@@ -278,48 +331,47 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         ``journal``: a directory; the channel is durable (``docs/durability.md``): its broker
         records every put and removal there and, started again on it, serves what was not
         taken.  ``fsync`` says when a record is on disk: ``"always"`` (before the reply),
-        ``"interval"`` (within ``fsync_interval`` seconds, default 0.01) or ``"never"`` (when
-        the OS writes it).  ``max_journal_bytes`` (0: none) makes puts wait while the journal
-        would take more disk.  A journaled broker that dies is started again by this process,
-        on the same address and journal, until the creating handle's ``shutdown()`` (its
-        ``close()`` leaves the broker serving, and watched) or this process's exit.
+        ``"interval"`` (the default: within ``fsync_interval`` seconds, default 0.01) or
+        ``"never"`` (when the OS writes it).  ``max_journal_bytes`` (default 0: none) makes
+        puts wait while the journal would take more disk.  These three need ``journal``
+        (without it they are a ``ValueError``: they would do nothing).  A journaled broker
+        that dies is started again by this process, on the same address and journal, until
+        the creating handle's ``shutdown()`` (its ``close()`` leaves the broker serving, and
+        watched) or this process's exit.
+
+        On Ray each broker binds its node's IP on a free port, chosen on that node:
+        ``address`` is then a ``ValueError``.
         """
         options = _checked_options(options)
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
             metrics_port, journal,
-            {"lease_timeout": lease_timeout, "fsync_interval": fsync_interval,
-             "max_journal_bytes": max_journal_bytes,
-             **({} if shm_threshold is None else {"shm_threshold": shm_threshold})})
+            {"lease_timeout": lease_timeout,
+             **{setting: value for setting, value in (
+                 ("fsync_interval", fsync_interval), ("max_journal_bytes", max_journal_bytes),
+                 ("shm_threshold", shm_threshold)) if value is not None}})
+        journal_settings = _journal_settings(journal, fsync, fsync_interval, max_journal_bytes,
+                                             local)
         if local:
-            if LocalChannel.lookup(name) is None and _broker_serves(name):
-                raise ValueError(f"a broker on this host serves channel {name!r}: one name is one "
-                                 "channel (Channel.create or Channel.connect reaches it; give a "
-                                 "local channel another name)")
-            local_handle = LocalChannel.create_local(
-                name, maxsize, collector=collector, dispatcher=dispatcher,
-                producers=list(producers or ()), consumers=declared, options=dict(options or {}),
-                identity=identity, lease_timeout=lease_timeout,
-            )
-            if not local_handle.created:  # attached: what it ignores is logged, as a broker's
-                log_ignored_settings(
-                    local_handle, {"name": name, "maxsize": maxsize, "consumers": declared,
-                                   "producers": producers, "lease_timeout": lease_timeout},
-                    local_handle._broker.core.queues.maxsize,
-                    {"collector": _local_hook_label(collector),
-                     "dispatcher": _local_hook_label(dispatcher)})
-            return _as_channel(local_handle)
+            return _create_local(name, maxsize, collector=collector, dispatcher=dispatcher,
+                                 producers=producers, consumers=declared, options=options,
+                                 identity=identity, lease_timeout=lease_timeout)
         if LocalChannel.lookup(name) is not None:  # connect(name) here would find that one
             raise ValueError(f"this process has a local channel named {name!r}: one name is one "
                              "channel (Channel.create(..., local=True) or Channel.connect "
                              "reaches it; give a broker channel another name)")
+        on_ray = clusterfile.ray_connected()  # then every channel is Ray-placed (ray_placement.py)
+        if on_ray and address is not None:
+            raise ValueError(f"address={address!r} cannot be used on Ray: each broker Ray places "
+                             "binds its node's IP on a free tcp port, chosen on that node "
+                             "(docs/distributed.md, 'On Ray'); leave address out")
         config = _broker_config(
-            name, maxsize, address, collector=collector, dispatcher=dispatcher,
-            producers=producers, consumers=declared, options=options, curve_keys=curve_keys,
-            insecure=insecure, lease_timeout=lease_timeout, shm_threshold=shm_threshold,
-            metrics_port=metrics_port, journal=journal, fsync=fsync,
-            fsync_interval=fsync_interval, max_journal_bytes=max_journal_bytes)
-        if clusterfile.ray_connected():  # on Ray every channel is Ray-placed (ray_placement.py)
+            name, maxsize, None if on_ray else address or paths.default_address(name),
+            collector=collector, dispatcher=dispatcher, producers=producers, consumers=declared,
+            options=options, curve_keys=curve_keys, insecure=insecure,
+            lease_timeout=lease_timeout, shm_threshold=shm_threshold,
+            metrics_port=metrics_port, journal_settings=journal_settings)
+        if on_ray:
             return _as_channel(ray_placement.create(
                 config, distributed=distributed, node_rank=node_rank, targets=targets,
                 identity=identity, curve_keys=curve_keys))

@@ -59,6 +59,7 @@ log = logging.getLogger("zchannel.client")
 
 ACTOR_PREFIX = "zchannel:"
 START_TIMEOUT_S = 120.0
+PLACEMENT_NOTICE_S = 2.0  # a create waiting longer for Ray to place its target actor logs it
 # a failed broker actor is restarted by Ray (on its node), as often as it fails
 MAX_RESTARTS = -1
 RESTART_BIND_S = 30.0
@@ -300,15 +301,16 @@ _placements: set[RayPlacement] = set()  # this process's placements not torn dow
 
 
 @atexit.register
-def _teardown_all() -> None:
-    """At interpreter exit: tear down the placements this process created (a forked child
-    leaves its parent's alone)."""
+def teardown_all() -> None:
+    """Tear down the placements this process created (a forked child leaves its parent's
+    alone), as their creating handles' ``shutdown()`` would: at interpreter exit, and before
+    a process Ray would kill (a worker group's actor, ``WorkerGroup.shutdown``) goes."""
     for placement in list(_placements):
         if placement.pid == os.getpid():
             try:
                 placement.teardown()
             except Exception:
-                log.exception("tearing down a Ray placement at exit failed")
+                log.exception("tearing down a Ray placement failed")
 
 
 @functools.cache
@@ -325,34 +327,90 @@ def _alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
-def _node_of(target: Any) -> str:
-    """The node id of a placement target: a node id, or an actor handle (once it is placed)."""
+def _placed_node(actor_id: str) -> str | None:
+    """The node of the live actor ``actor_id`` as Ray's state has it, or None (not placed,
+    restarting, dead)."""
+    import ray._private.state as state
+
+    entry = state.actors(actor_id=actor_id) or {}
+    node = (entry.get("Address") or {}).get("NodeID")
+    return node if node and entry.get("State") in ("ALIVE", 2) else None
+
+
+def _node_of(given_as: str, target: Any, channel: str) -> str:
+    """The node id of the placement target ``target`` of channel ``channel`` (``given_as``:
+    ``"producers"`` or ``"consumers"``, the argument that gave it): a node id, or an actor
+    handle once Ray placed the actor.  A wait for that is logged (after
+    ``PLACEMENT_NOTICE_S``), and ends after ``START_TIMEOUT_S`` with ``BrokerStartError``;
+    an actor that died or that Ray cannot place is a ``ValueError`` naming it.  No Ray
+    exception escapes."""
     if isinstance(target, str):
         return target
     import ray
-    import ray._private.state as state
 
     actor_id = target._actor_id.hex()
-    deadline = time.monotonic() + START_TIMEOUT_S
+    what = f"channel {channel!r}: the actor {actor_id} given in {given_as}= (its node places the broker)"
+    started = time.monotonic()
+    ready: Any = target.__ray_ready__.remote()
+    noticed = False
     while True:
-        entry = state.actors(actor_id=actor_id) or {}
-        node = (entry.get("Address") or {}).get("NodeID")
-        if node and entry.get("State") in ("ALIVE", 2):
+        node = _placed_node(actor_id)
+        if node is not None:
             return node
-        if time.monotonic() > deadline:
-            raise ChannelError(f"actor {actor_id} was not placed on a node in time")
-        ray.get(target.__ray_ready__.remote(), timeout=START_TIMEOUT_S)  # waits for placement
+        waited = time.monotonic() - started
+        if waited >= START_TIMEOUT_S:
+            raise BrokerStartError(f"{what} was not placed on a node by Ray within the start "
+                                   f"timeout of {START_TIMEOUT_S:g} s (it waits for resources "
+                                   "no node has free, or its node is not up)", "Timeout")
+        if not noticed and waited >= PLACEMENT_NOTICE_S:
+            log.warning("%s is not placed on a node yet (Ray has not scheduled it: it may wait "
+                        "for resources); waiting for it up to %g s", what, START_TIMEOUT_S)
+            noticed = True
+        if ready is None:  # was up, but Ray's state does not say where yet: ask again
+            time.sleep(0.05)
+            ready = target.__ray_ready__.remote()
+        done, _ = ray.wait([ready], timeout=min(0.5, START_TIMEOUT_S - waited))
+        if done:
+            ready = _actor_ready(ready, target, what)
 
 
-def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
+def _actor_ready(ready: Any, target: Any, what: str) -> Any:
+    """None when the finished ``__ray_ready__`` call ``ready`` of actor ``target`` says the
+    actor is up; a new such call while Ray restarts it; ``ValueError`` (``what`` died or
+    cannot be placed) or ``BrokerStartError`` for Ray's other errors."""
+    import ray
+
+    try:
+        ray.get(ready)
+    except ray.exceptions.ActorUnavailableError:  # being restarted: ask again
+        return target.__ray_ready__.remote()
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as exc:
+        raise ValueError(f"{what} is dead or cannot be placed, so it cannot place the channel "
+                         f"({type(exc).__name__}: {_in_one_line(exc)}); give a live actor, a "
+                         "node id, or none") from exc
+    except ray.exceptions.RayError as exc:
+        raise BrokerStartError(f"{what} could not be reached ({type(exc).__name__}: "
+                               f"{_in_one_line(exc)})", type(exc).__name__) from exc
+    return None
+
+
+def _in_one_line(exc: BaseException) -> str:
+    """Ray's error ``exc`` in one line: its first line and, when it has more, its last (Ray
+    puts the actor's details between, and why it died last)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+
+
+def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list[tuple[str, Any]]]:
     """Take Ray actor handles and node ids out of ``producers`` / ``consumers`` (they are
-    placement targets, not group names or consumer ids); producers' targets come first."""
+    placement targets, not group names or consumer ids): ``(argument, target)`` pairs,
+    producers' targets first."""
     import ray
 
     nodes = set(_alive_nodes())
-    targets: list = []
+    targets: list[tuple[str, Any]] = []
 
-    def split(values: Any) -> Any:
+    def split(values: Any, given_as: str) -> Any:
         if values is None or isinstance(values, (str, dict)) or not hasattr(values, "__iter__"):
             return values
         if hasattr(values, "items"):
@@ -360,12 +418,12 @@ def split_targets(producers: Any, consumers: Any) -> tuple[Any, Any, list]:
         kept = []
         for v in values:
             if isinstance(v, ray.actor.ActorHandle) or (isinstance(v, str) and v in nodes):
-                targets.append(v)
+                targets.append((given_as, v))
             else:
                 kept.append(v)
         return kept
 
-    return split(producers), split(consumers), targets
+    return split(producers, "producers"), split(consumers, "consumers"), targets
 
 
 def _handle(name: str, info: dict, identity: str | None,
@@ -409,12 +467,15 @@ def _unavailable(name: str, exc: BaseException) -> BrokerUnavailable:
         "made before keep working with the live replicas")
 
 
-def create(config: dict, *, distributed: bool, node_rank: int | None, targets: list,
-           identity: str | None, curve_keys: Any) -> DistributedChannel:
+def create(config: dict, *, distributed: bool, node_rank: int | None,
+           targets: list[tuple[str, Any]], identity: str | None,
+           curve_keys: Any) -> DistributedChannel:
     """What ``Channel.create`` does on Ray: attach to the channel Ray placed already (logging
     what of ``config`` it ignores, as any attaching create), else place its broker(s) (see the
-    module docstring) and connect to replica 0.  ``BrokerStartError`` (naming Ray's error) if
-    an actor fails while its broker starts."""
+    module docstring; ``targets``: ``split_targets``'s) and connect to replica 0.
+    ``BrokerStartError`` (naming Ray's error) if an actor fails while its broker starts, or
+    a placement target is not placed within the start timeout; ``ValueError`` for a placement
+    target that is dead."""
     import ray
 
     name = config["name"]
@@ -424,7 +485,7 @@ def create(config: dict, *, distributed: bool, node_rank: int | None, targets: l
     info = _lookup(name)
     actors: list = []
     if info is None:
-        nodes = _placement(distributed, node_rank, targets)
+        nodes = _placement(name, distributed, node_rank, targets)
         try:  # replica 0's actor holds the name: made first, it settles a race of two creates
             actors.append(_broker_actor(name, 0, nodes[0]))
         except ray.exceptions.ActorAlreadyExistsError:  # another create placed it meanwhile
@@ -483,7 +544,8 @@ def _published(name: str) -> dict:
         time.sleep(0.1)
 
 
-def _placement(distributed: bool, node_rank: int | None, targets: list) -> list[str]:
+def _placement(name: str, distributed: bool, node_rank: int | None,
+               targets: list[tuple[str, Any]]) -> list[str]:
     """The node ids to place the channel's brokers on (see the module docstring)."""
     import ray
 
@@ -497,7 +559,8 @@ def _placement(distributed: bool, node_rank: int | None, targets: list) -> list[
             raise ValueError(f"node_rank={node_rank!r}: the Ray cluster has {len(nodes)} nodes")
         return [nodes[node_rank]]
     if targets:
-        return [_node_of(targets[0])]
+        given_as, target = targets[0]
+        return [_node_of(given_as, target, name)]
     return [ray.get_runtime_context().get_node_id()]
 
 
@@ -546,4 +609,4 @@ def connect(name: str, *, identity: str | None, timeout: float,
     return handle
 
 
-__all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets"]
+__all__ = ["BrokerActor", "InlineCurveKeys", "connect", "create", "split_targets", "teardown_all"]
