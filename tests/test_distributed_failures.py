@@ -12,6 +12,7 @@ from cluster_util import Replicas, write_cluster
 from conftest import wait_until
 from zchannel.broker import BrokerUnavailable, Channel
 from zchannel.broker.cluster import clusterfile
+from zchannel.broker.connection import tuning
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import ChannelError, ChannelNotFound
 from zchannel.broker.handle import routing
@@ -203,8 +204,8 @@ def test_connect_budget_bounds():
     """An operation waits for a first connection as long as its timeout, at least
     ``CONNECT_MIN_S`` (a hello under load) and at most ``CONNECT_S``; an asynchronous one
     ``CONNECT_MIN_S``."""
-    assert routing.connect_budget(None) == routing.CONNECT_S
-    assert routing.connect_budget(0.0) == routing.CONNECT_MIN_S
-    assert routing.connect_budget(5.0) == 5.0
-    assert routing.connect_budget(1e6) == routing.CONNECT_S
-    assert routing.connect_budget(60.0, async_op=True) == routing.CONNECT_MIN_S
+    assert tuning.connect_budget(None) == tuning.CONNECT_S
+    assert tuning.connect_budget(0.0) == tuning.CONNECT_MIN_S
+    assert tuning.connect_budget(5.0) == 5.0
+    assert tuning.connect_budget(1e6) == tuning.CONNECT_S
+    assert tuning.connect_budget(60.0, async_op=True) == tuning.CONNECT_MIN_S

@@ -37,7 +37,7 @@ DOCUMENTED = {
     ("gets", "g"), ("get_batch", "tw"),
     ("get_batch", "t"), ("peek", "n"), ("ack", "lease"), ("cancel", "rid"),
     ("shm_rel", "h"), ("bind", "replica"), ("bind", "from"), ("learn", "from"),
-    ("sync", "from"), ("release", "to"),
+    ("sync", "from"), ("release", "to"), ("hb", "nb"),
 }
 BY_OP = {op_of(cls(id=0)): cls for cls in REQUEST_TYPES}
 # bad for any numeric field, typed or not

@@ -10,7 +10,9 @@ every reply it reads, and hands the socket back.  Whoever holds the socket lock
 I/O thread waits on the socket's notification fd, not on the socket.  The I/O thread also keeps
 the heartbeat: when the broker is silent for ``liveness`` intervals every pending request fails
 with ``BrokerUnavailable``; when a broker answers again the connection comes back by itself
-(``connection/liveness.py``).
+(``connection/liveness.py``).  On a connection made with ``revives`` (a handle's:
+``connection/sharing.py``) a call made while it is down waits for that within its own budget
+(``connection/revival.py``); on any other (a broker's link to a peer) it fails at once.
 
 Over a direct link (a Unix stream socket to a same-host broker, ``broker/transport/direct.py``) instead
 of the DEALER, sending costs one system call, so a caller whose request finds the socket free
@@ -56,6 +58,7 @@ from zchannel.broker.connection.iothread import IOThread
 from zchannel.broker.connection.line import CLOSED, DOWN, UP, Line
 from zchannel.broker.connection.liveness import Liveness
 from zchannel.broker.connection.requestqueue import Convert, RequestQueue
+from zchannel.broker.connection.revival import Revival
 from zchannel.broker.connection.tuning import SEND_RUN, direct_enabled
 from zchannel.broker.connection.waiting import Waiting
 from zchannel.broker.connection.work import _DONE, Work
@@ -114,7 +117,7 @@ class Connection:
 
     def __init__(self, address: str, identity: str | None = None, heartbeat_interval: float = 1.0,
                  liveness: int = 3, max_inflight: int = 1024, curve: Any = None,
-                 shm: bool | None = None) -> None:
+                 shm: bool | None = None, revives: bool = False) -> None:
         self.address = address
         self.identity = identity
         self.broker_info = HelloInfo()
@@ -139,11 +142,14 @@ class Connection:
         requests = self._requests = RequestQueue(line, address, max_inflight, self.shm,
                                                  self.request)
         self.shm.releases.ids = requests.ids  # its marks are request ids (shm.client.Releases)
+        if revives:  # a handle's: a call made while it is down waits for the broker (revival.py)
+            requests.revive = Revival(line, address)
         self._waiting = Waiting(line, requests, self._recv_one)
         if line.callers_read:  # a thread waiting on a Work reads the link itself
             requests.reader = self._waiting
         self._liveness = Liveness(line, requests, address, identity, self.producer,
                                   self._recv_all)
+        requests.relink_now = self._liveness.relink_now
         self._io = IOThread(line, requests, self._liveness, self._waiting, self._recv_all,
                             self.shm, lambda: running.discard(self), f"zchannel-io {address}")
         # what the paths run per request and per reply use, bound once
@@ -354,6 +360,8 @@ class Connection:
                 _deliver_items(self._requests, self.shm, rec.items)
             elif rec.op == EXPIRED and not again:
                 self._on_expired()
+            elif rec.next_bytes is not None:  # a notice: a large message comes next
+                self._liveness.announced(rec.next_bytes)
             return
         # ids come from one counter: a hello's or a bye's is never in flight as a request
         inflight = self._inflight

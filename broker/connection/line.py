@@ -3,9 +3,10 @@
 ``Line`` holds the transport and who may touch it (the socket lock and its holder), the
 descriptors' closed flags, the wake-up eventfd of the I/O thread (and its lock), the
 connection's state (and the condition that announces it), the broker's heartbeat interval and
-liveness, and the times of the last message sent and received.  ``Connection``
-(``connection/connection.py``) makes one and gives it to each of its parts; a part reads and
-writes these fields and calls these methods, nothing else of another part.
+liveness, the times of the last message sent and received, whether a hello is due at once, and
+the broker's last notice of a large message.
+``Connection`` (``connection/connection.py``) makes one and gives it to each of its parts; a
+part reads and writes these fields and calls these methods, nothing else of another part.
 
 Whoever holds ``sock_lock`` is the only thread touching the transport (zmq sockets are not
 thread-safe); ``holder`` says which user thread it is (0: none, or the I/O thread).  The I/O
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from zchannel.broker.transport.seam import Transport
-from zchannel.broker.wire.protocol import pack_header
+from zchannel.broker.wire.protocol import NOTICE_BYTES, client_notice, pack_header
 
 CONNECTING, UP, DOWN, CLOSED = "connecting", "up", "down", "closed"
 _AT_ONCE = (False,)  # ``sock_lock.acquire``'s argument in ``take``: do not block
@@ -35,7 +36,8 @@ class Line:
 
     __slots__ = ("transport", "callers_read", "readable", "pid", "hb", "liveness", "state",
                  "state_cv", "sock_lock", "holder", "took", "io_ident", "fds_closed", "closing", "wake", "wake_lock",
-                 "wake_closed", "woken", "last_recv", "last_send")
+                 "wake_closed", "woken", "last_recv", "last_send", "hello_due",
+                 "announced_at", "arrival_s")
 
     def __init__(self, transport: Transport, hb: float, liveness: int) -> None:
         self.transport = transport
@@ -64,6 +66,13 @@ class Line:
         self.woken = False  # an eventfd wake-up is pending (saves a system call per request)
         self.last_recv = time.monotonic()  # life from the broker (``Liveness.silent_for``)
         self.last_send = 0.0
+        # a caller waits for the broker to answer again (``connection/revival.py``): the I/O
+        # thread's next turn relinks a broken direct link and says hello, whenever it last did
+        self.hello_due = False
+        # the broker's last notice (``protocol.NOTICE_BYTES``): when it came (``last_recv``
+        # then) and how long its message may take to arrive (``Liveness.life``)
+        self.announced_at = 0.0
+        self.arrival_s = 0.0
 
     def set_state(self, state: str) -> None:
         """Change the state and wake every thread waiting on ``state_cv``."""
@@ -71,10 +80,19 @@ class Line:
             self.state = state
             self.state_cv.notify_all()
 
-    def send(self, records: list, frames: list) -> None:
-        """One message (``records`` in its header, then ``frames``), by the socket's holder."""
-        self.transport.send([pack_header(records), *frames])  # lost if it broke
+    def send(self, records: list, frames: list) -> bool:
+        """One message (``records`` in its header, then ``frames``), by the socket's holder;
+        False when it is lost so (the transport broke: ``Transport.send``)."""
+        sent = self.transport.send([pack_header(records), *frames])
         self.last_send = time.monotonic()
+        return sent
+
+    def announce(self, nbytes: int) -> None:
+        """Before a message of ``nbytes`` of frames (by the socket's holder): over ZeroMQ, which
+        hands a message over only whole, one of at least ``NOTICE_BYTES`` goes right behind a
+        notice naming them (over a direct link, bytes arriving are life already)."""
+        if nbytes >= NOTICE_BYTES and not self.callers_read:
+            self.transport.send([pack_header([client_notice(nbytes)])])
 
     def reads_here(self) -> bool:
         """Whether the calling thread reads this line's replies now (the I/O thread, or a user

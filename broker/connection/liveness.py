@@ -29,6 +29,7 @@ from zchannel.broker.wire.protocol import (
     Hello,
     HelloInfo,
     ProtocolError,
+    arrival_s,
 )
 
 log = logging.getLogger("zchannel.client")
@@ -152,6 +153,12 @@ class Liveness:
                 f"the broker at {self.address} is gone (it closed the direct link and nothing "
                 f"listens at {link.where})"))
 
+    def relink_now(self) -> bool:
+        """A message found the direct link broken as it went out (``requestqueue.send_again``):
+        ``relink`` at once; whether a new link is up (its hello sent)."""
+        self.relink(time.monotonic())
+        return self._line.transport.up
+
     def silent_for(self, now: float) -> float:
         """Seconds since anything came from the broker, read now: what waits unread is read
         first when no other thread holds the socket (an idle connection's I/O thread reads
@@ -169,40 +176,49 @@ class Liveness:
                 line.sock_lock.release()
             else:
                 line.give_back()
-        return now - self._last_life()
+        return now - self.life()
 
-    def _last_life(self) -> float:
+    def life(self) -> float:
+        """When the broker last gave a sign of life: a message, or bytes of one over a direct
+        link; past a notice (``announced``) with no message since, the end of the time its
+        message may take to arrive (``protocol.arrival_s``) if that is later."""
         line = self._line
         transport = line.transport
-        return max(line.last_recv, transport.last_read if transport is not None else 0.0)
+        life = max(line.last_recv, transport.last_read if transport is not None else 0.0)
+        if line.announced_at >= line.last_recv:  # nothing came since the notice
+            life = max(life, line.announced_at + line.arrival_s)
+        return life
+
+    def announced(self, nbytes: int) -> None:
+        """The broker's notice (just read) of a message of ``nbytes`` it sends next: ZeroMQ
+        hands it over only whole, so until it (or anything) arrives, silence counts from the
+        end of its crossing at the floor rate (``life``)."""
+        line = self._line
+        line.announced_at, line.arrival_s = line.last_recv, arrival_s(nbytes)
 
     def expiry_due(self) -> float:
         """Seconds until the broker's silence exceeds the expiry (``hb * liveness``)."""
         line = self._line
-        return self._last_life() + line.hb * line.liveness - time.monotonic()
+        return self.life() + line.hb * line.liveness - time.monotonic()
 
     def keepalive(self, now: float) -> None:
         """The I/O thread's turn (holding the socket): relink a broken direct link, judge the
-        broker's silence (``DOWN`` after the expiry), send a hello or a heartbeat when due."""
+        broker's silence (``DOWN`` after the expiry), send a hello or a heartbeat when due (a
+        hello at once when a caller waits for it: ``Line.hello_due``)."""
         line = self._line
         link = line.transport
-        if not link.up and now >= self.relink_at:
+        if not link.up and (now >= self.relink_at or line.hello_due):
             self.relink(now)
-        # life is any bytes from the broker, not only whole messages: a reply of many large
-        # frames takes a while to arrive, and the broker's heartbeats queue behind it
-        silent = now - max(line.last_recv, link.last_read)
-        if line.state in (UP, CONNECTING) and silent > line.hb * line.liveness:
+        # life is any bytes from the broker, not only whole messages (a direct link), or a
+        # large message announced and still arriving (ZeroMQ): a reply of many large frames
+        # takes a while to arrive, and the broker's heartbeats queue behind it
+        expiry = line.hb * line.liveness
+        if line.state in (UP, CONNECTING) and now - self.life() > expiry:
             self._read_all()  # what waits unread (this thread was held up) is life too
-            silent = now - max(line.last_recv, link.last_read)
-        if line.state in (UP, CONNECTING) and silent > line.hb * line.liveness:
-            if line.state == UP:
-                log.warning("nothing came from the broker at %s for %.1fs (it, or this "
-                            "process, was held up): unavailable", self.address, silent)
-            line.set_state(DOWN)
-            self._requests.fail_all(BrokerUnavailable(
-                f"the broker at {self.address} did not answer for {silent:.1f}s"))
+        if line.state in (UP, CONNECTING) and now - self.life() > expiry:
+            self._judged_dead(now)
         if line.state == DOWN:
-            if now - line.last_send >= line.hb:
+            if line.hello_due or now - line.last_send >= line.hb:
                 self.send_hello()
         elif now - line.last_send >= line.hb / 2:
             # this runs every half interval: a heartbeat due at half an interval of silence
@@ -210,8 +226,25 @@ class Liveness:
             # half the broker's expiry margin gone before this process is ever held up)
             line.send([CLIENT_HEARTBEAT], [])
 
+    def _judged_dead(self, now: float) -> None:
+        """The broker's silence passed the expiry (``keepalive``): ``DOWN``, and every request
+        in flight fails with ``BrokerUnavailable``."""
+        line = self._line
+        silent = now - max(line.last_recv, line.transport.last_read)
+        late = ""
+        if line.announced_at >= line.last_recv:
+            late = (f" (a message it announced did not arrive within {line.arrival_s:.1f}s, "
+                    "its crossing at the slowest rate waited for, and the expiry)")
+        if line.state == UP:
+            log.warning("nothing came from the broker at %s for %.1fs%s (it, or this process, "
+                        "was held up): unavailable", self.address, silent, late)
+        line.set_state(DOWN)
+        self._requests.fail_all(BrokerUnavailable(
+            f"the broker at {self.address} did not answer for {silent:.1f}s{late}"))
+
     def send_hello(self) -> None:
         """Send a hello (by the socket's holder); its answer brings the connection up."""
+        self._line.hello_due = False
         self.hello_id = next(self._requests.ids)
         self._line.send([Hello(id=self.hello_id, identity=self.identity,
                                version=PROTOCOL_VERSION, producer=self.producer,

@@ -47,6 +47,7 @@ from zchannel.broker.connection.work import SELF_WAIT, CancelledError, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError
 from zchannel.broker.shm.client import ShmClient, client_undo
 from zchannel.broker.wire.protocol import (
+    NOTICE_BYTES,
     UNSET,
     Cancel,
     ProtocolError,
@@ -90,6 +91,12 @@ class RequestQueue:
         self.flows = FlowControl(line, address, max_inflight)
         self.flows.issue = self._queue_deferred
         self.inflight = InFlight(self.pending, self.flows)  # the reply path's (inflight.py)
+        # what a request issued while the connection is down does first: wait for the broker
+        # to answer again (``revival.Revival``, a handle's connection) or None: fail at once
+        self.revive: Callable[[Request, bool], None] | None = None
+        # ``Liveness.relink_now`` (set by the connection): a broken direct link linked again at
+        # once, True when a new link is up (``send_again``)
+        self.relink_now: Callable[[], bool] = _no_new_link
         self.malformed_replies = 0  # unreadable replies so far (``fail_unreadable``)
         self.malformed_log_at = 0.0  # when they are logged next
 
@@ -107,12 +114,15 @@ class RequestQueue:
         """Queue ``rec`` (with ``frames``) as a request of ``owner`` (a handle's share; None:
         of no handle), after waiting for room among its ``max_inflight`` outstanding requests
         unless not ``room``; its ``Work``.  ``async_op`` on a thread that runs an event loop:
-        the request waits for room in its ``Work`` instead (``connection/flowcontrol.py``)."""
+        the request waits for room in its ``Work`` instead (``connection/flowcontrol.py``).
+        On a connection that is down it waits for the broker first (``revive``), or fails."""
         line = self._line
         if line.state == CLOSED or line.closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
         if line.state == DOWN:
-            raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
+            if self.revive is None:
+                raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
+            self.revive(rec, async_op)  # up again, or raised (``connection/revival.py``)
         flows = self.flows
         flow = flows.own if owner is None else owner
         flow.n_issued = next(flow.issued) + 1
@@ -236,7 +246,9 @@ class RequestQueue:
         """Send what is queued (by the socket's holder), coalesced into as few messages as the
         limits allow; a request whose handle closed, or a stale put, fails unsent, and so does
         everything queued while the broker is known gone (``DOWN``: its requests in flight were
-        failed then, and one sent now would wait for an answer that never comes)."""
+        failed then, and one sent now would wait for an answer that never comes).  A message
+        that finds the direct link broken, which nothing of it crossed, goes again behind the
+        hello of a new link (``send_again``)."""
         queue = self.queue
         if self._line.state == DOWN:
             self._fail_queued()
@@ -248,19 +260,20 @@ class RequestQueue:
                     self._drop_unsent(rec, pending)
                     return
                 self.pending[rec.id] = pending
-            self._line.send([rec], op_frames)
-            return
-        send = self._line.send
-        while queue:
-            records, frames = self._next_message(queue)
-            if records:
-                if BATCH and len(records) > 1:
-                    records = group_records(self, records)
-                send(records, frames)
+            if op_frames:
+                self._line.announce(_frame_bytes(rec))
+            if self._line.send([rec], op_frames) or self._line.transport.up \
+                    or not send_again(self, [rec], [rec], op_frames):
+                return
+            relinked = True  # it goes out below, behind the new link's hello
+        else:
+            relinked = False
+        _send_messages(self, self._line, relinked)
 
-    def _next_message(self, queue: deque) -> tuple[list[Request], list]:
+    def _next_message(self, queue: deque) -> tuple[list[Request], list, int]:
         """Take from ``queue`` the requests of one message (within the limits of
-        ``connection/tuning.py``), moving them to ``pending``: the records and their frames.
+        ``connection/tuning.py``), moving them to ``pending``: the records, their frames and
+        the frames' bytes.
         Its frames stay within ``MAX_FRAMES_PER_MESSAGE``, the lowest ``max_frames`` of a
         broker, unless its one request has more (a put checked against its broker's own
         ``max_frames``): coalescing never makes a message a broker refuses."""
@@ -293,7 +306,7 @@ class RequestQueue:
                     inline += 4 * len(key)
             elif key is not None and type(key) is not int:
                 inline += _key_bytes(key)
-        return records, frames
+        return records, frames, nbytes
 
     def _stale(self, rec: Request, pending: Pending) -> bool:
         """A put whose shared-memory slots were taken in an earlier session of this
@@ -354,6 +367,59 @@ class RequestQueue:
                 entry[0].set_exception(exc)
 
 
+def _send_messages(requests: RequestQueue, line: Line, relinked: bool) -> None:
+    """``RequestQueue.send_queued`` for more than one request: message after message.  A
+    message that finds the direct link broken goes again on a new one (``send_again``), once
+    per call (``relinked``: done already); otherwise it fails, with the rest of the queue."""
+    queue, send = requests.queue, line.send
+    while queue:
+        records, frames, nbytes = requests._next_message(queue)
+        if records:
+            grouped = group_records(requests, records) if BATCH and len(records) > 1 \
+                else records
+            if nbytes >= NOTICE_BYTES:
+                line.announce(nbytes)
+            if send(grouped, frames) or line.transport.up:
+                continue
+            if relinked or not send_again(requests, records, grouped, frames):
+                requests._fail_queued()
+                return
+            relinked = True
+
+
+def send_again(requests: RequestQueue, records: list[Request], grouped: list[Request],
+               frames: list) -> bool:
+    """A message of ``records`` (sent as ``grouped``: ``batching.group_records``) and ``frames``
+    found the direct link broken (a broker that died or closed it while the connection was
+    idle): nothing of it was read by a broker.  Its requests are taken back out of
+    ``pending``, the link is linked again at once (a hello first, ``Liveness.relink``), and
+    they go back to the front of the queue to go out behind that hello (True); with no new link
+    up they fail unsent (False).  The unanswered records of the message (shared-memory
+    releases) belong to the session that ended with the link: they are dropped."""
+    for rec in grouped:
+        requests.batches.pop(rec.id, None)
+    entries, pos = [], 0
+    for rec in records:
+        nf = rec.nf
+        pending = requests.pending.pop(rec.id, None) if rec.id else None  # (0: unanswered)
+        if pending is not None:
+            entries.append((rec, frames[pos : pos + nf], pending))
+        pos += nf
+    if requests.relink_now():
+        requests.queue.extendleft(reversed(entries))
+        return True
+    for rec, _, pending in entries:
+        requests._drop_unsent(rec, pending, BrokerUnavailable(
+            f"the direct link to the broker at {requests.address} broke and no broker answers "
+            "there now; nothing was sent"))
+    return False
+
+
+def _no_new_link() -> bool:
+    """``RequestQueue.relink_now`` of a queue whose connection set none: no new link."""
+    return False
+
+
 def fail_unreadable(requests: RequestQueue, rid: int | None, error: ProtocolError) -> None:
     """A reply from the broker that cannot be read (``error`` says why): the request ``rid``
     fails, or each of the ``puts``/``gets`` record ``rid`` (``batching.py``); without an id
@@ -380,6 +446,12 @@ def _withdrawn(requests: RequestQueue, rid: int, ask: Work) -> None:
     request fails with ``CancelledError`` (no reply of it comes)."""
     if ask.exception() is None and ask.result():
         requests.forget(rid, CancelledError("the broker withdrew the operation"))
+
+
+def _frame_bytes(rec: Request) -> int:
+    """The bytes of the frames of ``rec``, a put (its ``sizes``; 0 when it names none)."""
+    sizes = getattr(rec, "sizes", None)
+    return sum(sizes) if sizes else 0
 
 
 def _key_bytes(key: Any) -> int:

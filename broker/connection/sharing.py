@@ -133,7 +133,7 @@ def acquire(address: str, identity: str | None, curve: Any, shm: bool | None,
     if conn is None:
         check_host(address)
         probe(address)  # nothing can be listening (no socket file...): at once, no hello wait
-        fresh = Connection(address, identity=identity, curve=curve, shm=shm)
+        fresh = Connection(address, identity=identity, curve=curve, shm=shm, revives=True)
         with _lock:
             conn = _take(key, broker_pid)
             if conn is None:

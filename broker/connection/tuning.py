@@ -80,3 +80,22 @@ def direct_enabled() -> bool:
 
 
 direct_enabled()  # a malformed ZCHANNEL_DIRECT fails at import, as the settings above do
+
+
+# How long an operation waits for the broker's hello when it makes its handle's first
+# connection, or when its connection is down (``connection/revival.py``): its timeout, but at
+# least CONNECT_MIN_S (a hello under load) and at most CONNECT_S; an asynchronous operation
+# CONNECT_MIN_S (``connect_budget``).
+CONNECT_S = 10.0
+CONNECT_MIN_S = 2.0
+
+
+def connect_budget(timeout: float | None, async_op: bool = False) -> float:
+    """How long an operation with ``timeout`` waits for the broker's hello when it makes its
+    handle's first connection (or its connection is down): its timeout, but at least
+    ``CONNECT_MIN_S`` and at most ``CONNECT_S``; an asynchronous one ``CONNECT_MIN_S``."""
+    if async_op:
+        return CONNECT_MIN_S
+    if timeout is None:
+        return CONNECT_S
+    return min(CONNECT_S, max(timeout, CONNECT_MIN_S))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 
 from zchannel.broker.connection import sharing
 from zchannel.broker.connection.connection import CLOSED, Connection
+from zchannel.broker.connection.tuning import connect_budget
 from zchannel.broker.errors import ChannelError, ChannelNotFound
 from zchannel.broker.host import paths
 from zchannel.broker.host.procs import process_running
@@ -36,26 +37,10 @@ from zchannel.hooks import check_consumer_id
 
 log = logging.getLogger("zchannel.client")
 
-# an operation's wait for the broker's hello when it makes its handle's first connection
-# (``connect_budget``)
-CONNECT_S = 10.0  # at most (an operation without a timeout)
-CONNECT_MIN_S = 2.0  # at least (a hello under load), and all an asynchronous operation waits
-
 _open_handles: weakref.WeakSet[ChannelHandle] = weakref.WeakSet()
 # os.getpid() on every request is a system call; a forked child updates the cached value.
 _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
-
-
-def connect_budget(timeout: float | None, async_op: bool = False) -> float:
-    """How long an operation with ``timeout`` waits for the broker's hello when it makes its
-    handle's first connection: its timeout, but at least ``CONNECT_MIN_S`` and at most
-    ``CONNECT_S``; an asynchronous one ``CONNECT_MIN_S``."""
-    if async_op:
-        return CONNECT_MIN_S
-    if timeout is None:
-        return CONNECT_S
-    return min(CONNECT_S, max(timeout, CONNECT_MIN_S))
 
 
 def _identity(identity: str | None) -> str | None:

@@ -31,9 +31,10 @@ import numpy as np
 from msgspec import UnsetType
 from zchannel.broker.cluster import clusterfile
 from zchannel.broker.connection import sharing
+from zchannel.broker.connection.tuning import connect_budget
 from zchannel.broker.connection.work import Delivery, Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, ChannelNotFound
-from zchannel.broker.handle.base import clean_after_dead_broker, connect_budget
+from zchannel.broker.handle.base import clean_after_dead_broker
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.handle.keeper import BrokerKeeper
 from zchannel.broker.handle.routing import KeyRouting

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from zchannel.broker.cluster.clusterfile import Replica
+from zchannel.broker.connection.tuning import CONNECT_S
 from zchannel.broker.connection.work import Work
 from zchannel.broker.errors import BrokerUnavailable, ChannelError, KeyMoved
-from zchannel.broker.handle.base import CONNECT_S
 from zchannel.broker.handle.broker_channel import DEFAULT_KEY, BrokerChannel
 from zchannel.broker.wire.argchecks import check_key
 from zchannel.broker.wire.protocol import Bind, bind_answer

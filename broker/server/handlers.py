@@ -235,7 +235,10 @@ def get_batch(broker: Broker, client: Client, rec: GetBatch, frames: list) -> No
 
 
 def heartbeat(broker: Broker, client: Client, rec: Heartbeat, frames: list) -> None:
-    _unanswered_with_frames(rec, frames)  # a sign of life all the same: the caller noted it
+    """A sign of life (the caller noted it); with ``next_bytes``, a notice: the large message
+    that follows may take a while to arrive whole (``Sessions.announced``)."""
+    if not _unanswered_with_frames(rec, frames) and rec.next_bytes is not None:
+        broker.sessions.announced(client, rec.next_bytes)
 
 
 def qsize(broker: Broker, client: Client, rec: QSize, frames: list) -> None:

@@ -37,7 +37,10 @@ from zchannel.broker.wire.protocol import (
     ITEMS,
     MAX_BATCH_PUTS,
     MAX_INLINE_BATCH_BYTES,
+    NOTICE_BYTES,
     Reply,
+    arrival_s,
+    broker_notice,
     pack_header,
 )
 
@@ -101,6 +104,26 @@ def _inline_body(item: Item) -> bytes | None:
     return body if type(body) is bytes else bytes(body)
 
 
+def _attach_frames(shm: ShmBroker, out: Outbox, client: Client, rec: Reply, items: list[Item],
+                   batch: bool) -> None:
+    """Queue the frames of ``items`` in ``out`` for ``rec`` (``nf``; ``n`` of a batch)."""
+    nf = 0
+    counts = []
+    r0, f0 = len(out.records), len(out.frames)
+    for i, item in enumerate(items):
+        payload = item.payload
+        out.frames.extend(payload)
+        n = len(payload)
+        if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
+            n += shm.attach_reply(client, payload, rec, i, len(items), out.frames)
+        nf += n
+        counts.append(n)
+    rec.nf = nf
+    out.record_added(r0, f0)
+    if batch:
+        rec.counts = counts
+
+
 class Sessions:
     """The clients of one broker, their replies of this turn, their heartbeats and expiry.
 
@@ -125,6 +148,9 @@ class Sessions:
         self.judge_after = config.heartbeat_interval * (config.liveness - 1)
         self._out: dict[bytes, Outbox] = {}
         self._expired_told: dict[bytes, float] = {}
+        # the clients' notices of a large message (``announced``): address -> (when it came,
+        # how long its message may take to arrive); void once a message came since
+        self._arriving: dict[bytes, tuple[float, float]] = {}
         self._peak_held = 0
         self.producers = Producers(config.producer_grace)  # retry-safe puts
         # the batch of puts being handled (``collect_acks``)
@@ -178,7 +204,7 @@ class Sessions:
             out.deliveries.append((client, origin, items, lease))
             self.counters.delivered += len(items)
         elif items is not None:
-            self._attach_frames(out, client, rec, items, batch)
+            _attach_frames(self.shm, out, client, rec, items, batch)
             rec.lease = lease
             if not raw:
                 out.deliveries.append((client, origin, items, lease))
@@ -210,25 +236,6 @@ class Sessions:
         if out is None:
             out = self._out[address] = Outbox()
         return out
-
-    def _attach_frames(self, out: Outbox, client: Client, rec: Reply, items: list[Item],
-                       batch: bool) -> None:
-        """Queue the frames of ``items`` in ``out`` for ``rec`` (``nf``; ``n`` of a batch)."""
-        nf = 0
-        counts = []
-        r0, f0 = len(out.records), len(out.frames)
-        for i, item in enumerate(items):
-            payload = item.payload
-            out.frames.extend(payload)
-            n = len(payload)
-            if isinstance(payload, SlotFrames):  # slot references, or the slots' bytes as frames
-                n += self.shm.attach_reply(client, payload, rec, i, len(items), out.frames)
-            nf += n
-            counts.append(n)
-        rec.nf = nf
-        out.record_added(r0, f0)
-        if batch:
-            rec.counts = counts
 
     def collect_acks(self, client: Client, ids: set[int]) -> list[int]:
         """From now until ``end_acks``, a bare acknowledgement to one of the requests ``ids``
@@ -277,11 +284,33 @@ class Sessions:
 
     def _send_outbox(self, address: bytes, out: Outbox) -> int | None:
         """Send the messages of ``out`` in order; None when all went, else the index of the
-        first delivery of the first message that could not go."""
-        for records, frames, first in out.messages():
+        first delivery of the first message that could not go.  Over ZeroMQ, which hands a
+        message over only whole, one of at least ``NOTICE_BYTES`` of frames goes right behind
+        a notice naming them (the client's judgement of this broker's silence waits for it)."""
+        messages = out.messages()
+        whole = len(messages) == 1  # (then ``out.nbytes`` counts its frames' bytes)
+        for records, frames, first in messages:
+            nbytes = (out.nbytes if whole else sum(len(f) for f in frames)) if frames else 0
+            if nbytes >= NOTICE_BYTES and not direct_broker.is_link_address(address) \
+                    and not self._send(address, [broker_notice(nbytes)], []):
+                return first
             if not self._send(address, records, frames):
                 return first
         return None
+
+    def announced(self, client: Client, nbytes: int) -> None:
+        """``client``'s notice (just read) of a message of ``nbytes`` it sends next: ZeroMQ
+        hands it over only whole, so until it (or anything) arrives, the client's silence
+        counts from the end of its crossing at the floor rate (``protocol.arrival_s``)."""
+        self._arriving[client.address] = (client.last_seen, arrival_s(nbytes))
+
+    def _silent_since(self, address: bytes, client: Client) -> float:
+        """When ``client`` last gave a sign of life: its last message, or past a notice with no
+        message since, the end of the time its message may take to arrive (``announced``)."""
+        notice = self._arriving.get(address)
+        if notice is None or notice[0] < client.last_seen:
+            return client.last_seen
+        return max(client.last_seen, notice[0] + notice[1])
 
     # -- ending clients ----------------------------------------------------------------------
 
@@ -332,6 +361,7 @@ class Sessions:
         log.info("the broker did not read for %.1fs: clients' expiry moved on as much", seconds)
         for client in self.clients.values():
             client.last_seen += seconds
+        self._arriving = {a: (since + seconds, s) for a, (since, s) in self._arriving.items()}
 
     def judged_gone(self, now: float) -> None:
         """Before a turn reads any message: a client this broker sent nothing for about the
@@ -359,7 +389,7 @@ class Sessions:
         """Every half heartbeat interval: expire the silent, heartbeat the idle, close direct
         links that never said hello (or not again after their client expired), and let the
         other periodic chores run."""
-        self._release_memory()
+        self._peak_held = _release_memory(self._core().bytes_held, self._peak_held)
         self.producers.sweep(now)
         if self.replica is not None:
             self.replica.tick()
@@ -367,7 +397,7 @@ class Sessions:
         hb = self.config.heartbeat_interval
         expiry = hb * self.config.liveness
         for address, client in list(self.clients.items()):
-            if now - client.last_seen > expiry:
+            if now - client.last_seen > expiry and now - self._silent_since(address, client) > expiry:
                 log.info("client %s expired (no heartbeat for %.1fs)", address.hex(), now - client.last_seen)
                 del self.clients[address]
                 self.last_sent.pop(address, None)
@@ -381,6 +411,10 @@ class Sessions:
                 self._outbox(address).records.append(BROKER_HEARTBEAT)
         for address in [a for a in self.last_sent if a not in self.clients]:
             del self.last_sent[address]
+        for address, (since, _) in list(self._arriving.items()):
+            known = self.clients.get(address)
+            if known is None or since < known.last_seen:  # gone, or its message came
+                del self._arriving[address]
         listener = self.peers.listener if self.peers is not None else None
         if listener is not None:  # links that never said hello hold a descriptor each
             for peer in [p for p in listener.by_fd.values()
@@ -390,14 +424,16 @@ class Sessions:
         for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
             del self._expired_told[address]
 
-    def _release_memory(self) -> None:
-        """After a large backlog drained, hand freed heap pages back to the OS (glibc keeps them
-        otherwise, and the broker's RSS would stay at its peak)."""
-        held = self._core().bytes_held
-        self._peak_held = max(self._peak_held, held)
-        if held == 0 and self._peak_held >= 16 << 20:
-            self._peak_held = 0
-            try:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-            except (OSError, AttributeError):
-                pass
+
+def _release_memory(held: int, peak: int) -> int:
+    """After a large backlog drained (``held`` bytes now, ``peak`` at most since the last
+    time), hand freed heap pages back to the OS (glibc keeps them otherwise, and the broker's
+    RSS would stay at its peak); the peak from now on."""
+    peak = max(peak, held)
+    if held == 0 and peak >= 16 << 20:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        return 0
+    return peak

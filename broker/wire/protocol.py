@@ -68,6 +68,25 @@ MAX_REQUESTS = 4096
 # is one frame of at most INLINE_BODY bytes and they add up to at most this many bytes.
 MAX_INLINE_BATCH_BYTES = 64 << 10
 
+# Over ZeroMQ, which hands a message over only once all of it arrived, a message of at least
+# NOTICE_BYTES of frames goes right behind a notice, a heartbeat naming its size (``nb``): its
+# receiver does not take the sender for dead while it may still be arriving, ``arrival_s`` of
+# its size past the notice, before the usual expiry starts (docs/protocol.md, "Heartbeats").
+NOTICE_BYTES = 1 << 20
+# The slowest crossing a receiver waits for, in bytes per second (~67 Mbit/s; a 1 GbE link
+# moves ~120 MB/s): low, so that a slow link still gets its message across, and with the size
+# it bounds how long a sender that died meanwhile is waited for.
+FLOOR_BYTES_PER_S = 8 << 20
+# The most bytes a notice may name (64 GiB: 8192 s at the floor rate, the longest such wait).
+MAX_NOTICE_BYTES = 1 << 36
+NoticeBytes = Annotated[int, Meta(ge=0, le=MAX_NOTICE_BYTES)]
+
+
+def arrival_s(nbytes: int) -> float:
+    """How long past its notice a message of ``nbytes`` may still be arriving: its crossing at
+    ``FLOOR_BYTES_PER_S`` (the receiver's expiry comes on top)."""
+    return min(nbytes, MAX_NOTICE_BYTES) / FLOOR_BYTES_PER_S
+
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol: on the client, a reply from the broker that
@@ -118,7 +137,8 @@ class Bye(Request, tag=BYE):
 
 
 class Heartbeat(Request, tag=HEARTBEAT):
-    pass
+    # a notice: the frame bytes of the message that follows it at once (``NOTICE_BYTES``)
+    next_bytes: NoticeBytes | None = field(default=None, name="nb")
 
 
 class Put(Request, tag=PUT):
@@ -281,9 +301,10 @@ class Reply(Struct, omit_defaults=True, kw_only=True):
     ``r`` and/or ``nf`` frames), or, without ``id``, the broker's ``hb`` / ``expired``, or an
     ``items`` record: ``i``, several gets each answered with its small item (``ItemEntry``),
     owning no frame.  A get_batch reply of small items carries their bodies in ``bs``
-    (``InlineBodies``), with no frame and no ``n``.  Decoded leniently (unknown fields
-    ignored; the client checks what it uses), but an ``i`` entry that is not an ``ItemEntry``,
-    or a ``bs`` that is not ``InlineBodies``, makes the header malformed."""
+    (``InlineBodies``), with no frame and no ``n``.  An ``hb`` with ``nb`` is a notice
+    (``NOTICE_BYTES``).  Decoded leniently (unknown fields ignored; the client checks what it
+    uses), but an ``i`` entry that is not an ``ItemEntry``, a ``bs`` that is not
+    ``InlineBodies`` or an ``nb`` that is not ``NoticeBytes`` makes the header malformed."""
 
     op: str | None = None  # only on records without id
     id: int | None = None
@@ -298,11 +319,23 @@ class Reply(Struct, omit_defaults=True, kw_only=True):
     weights: list | None = field(default=None, name="ws")  # peek: the items' weights
     items: Annotated[list[ItemEntry], Meta(max_length=MAX_BATCH_PUTS)] | None = field(
         default=None, name="i")  # op ``items`` only
+    # op ``hb`` only, a notice: the frame bytes of the message that follows it at once
+    next_bytes: NoticeBytes | None = field(default=None, name="nb")
 
 
 BROKER_HEARTBEAT = Reply(op=HEARTBEAT)
 CLIENT_HEARTBEAT = Heartbeat(id=0)
 BROKER_EXPIRED = Reply(op=EXPIRED)
+
+
+def client_notice(nbytes: int) -> Heartbeat:
+    """A client's notice of a message of ``nbytes`` of frames it sends next (``NOTICE_BYTES``)."""
+    return Heartbeat(id=0, next_bytes=min(nbytes, MAX_NOTICE_BYTES))
+
+
+def broker_notice(nbytes: int) -> Reply:
+    """The broker's notice of a message of ``nbytes`` of frames it sends next."""
+    return Reply(op=HEARTBEAT, next_bytes=min(nbytes, MAX_NOTICE_BYTES))
 
 
 MIN_HEARTBEAT_S = 0.001  # the shortest heartbeat interval a client takes from a broker
