@@ -118,8 +118,10 @@ class Peers:
     def read(self, peer: direct_broker.Peer) -> tuple[bool, bool]:
         """Read a ready link until its socket is empty, or for at most ``direct_broker.READ_BUDGET``
         bytes (the other clients wait meanwhile; a loop turn per read would cost more than the
-        read); the messages it completed wait in ``peer.reader.messages``.  ``(alive, got
-        bytes)``: False when the link is gone (end of stream, an error, broken framing)."""
+        read), one read of ``direct_framing.READ_BYTES`` at most at a time (the budget is
+        checked between reads: a large message takes several turns); the messages it completed
+        wait in ``peer.reader.messages``.  ``(alive, got bytes)``: False when the link is gone
+        (end of stream, an error, broken framing)."""
         reader = peer.reader
         alive = True
         budget = direct_broker.READ_BUDGET

@@ -8,7 +8,9 @@ tensor there itself (``Channel.empty_shm``): putting that array then sends the s
 with no copy at all.  When every slot of a class at its limit is in use, a put waits for the
 broker to free one (backpressure: bounded shared memory per producer), for up to the
 connection's heartbeat expiry; after that, or with no shared memory, the pool gives no slot and
-the array goes as a frame (the pool never fails a put).
+the array goes as a frame (the pool never fails a put).  A segment ``/dev/shm`` (or the
+process's limits) refused is not the end of shared memory: smaller segments are tried at once,
+one as large after a back-off (``SegmentCreator``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ SLOT_POLL_MAX_S = 0.001
 # wait per item (docs/shm.md, "Backpressure").
 SLOT_WAIT_CUT = 8
 SLOT_WAIT_MIN_S = 0.002
+# After a segment could not be created, one of more than half its bytes is tried again only
+# RETRY_MIN_S later, a back-off doubled by each further refusal up to RETRY_MAX_S (a failed
+# attempt may zero what /dev/shm has left before it fails), and reset once one that large is
+# made; smaller segments are tried at once (docs/shm.md, "When /dev/shm is full").
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 16.0
 
 
 def check_reserve(nbytes: Any, slots: Any) -> None:
@@ -57,6 +65,69 @@ def _size_class(nbytes: int, threshold: int) -> int:
     while size < nbytes:
         size <<= 1
     return (size + 4095) // 4096 * 4096
+
+
+class SegmentCreator:
+    """Creates a pool's segments and keeps the rule for those it could not create: the
+    smallest refused (``refused`` bytes of slots, 0: none) since one that large was last made,
+    and when segments above half of it may be tried again (``retry_at``).  Thread-safe."""
+
+    __slots__ = ("lock", "refused", "retry_at", "retry_s")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # (taken alone, or inside the pool's lock)
+        self.refused = 0
+        self.retry_at = 0.0
+        self.retry_s = RETRY_MIN_S  # the next back-off
+
+    def allowed(self, size: int) -> int:
+        """The most slots of ``size`` bytes a new segment may have now (``MAX_SLOTS``: any)."""
+        with self.lock:
+            if not self.refused or time.monotonic() >= self.retry_at:
+                return MAX_SLOTS
+            return self.refused // 2 // size
+
+    def create(self, prefix: str, size: int, nslots: int) -> Segment | None:
+        """A new segment of ``nslots`` slots of ``size`` bytes; None (logged) when it cannot
+        be created."""
+        nbytes = size * nslots
+        try:
+            seg = Segment.create(prefix, size, nslots)
+        except OSError as exc:
+            first, retry_s = self.refuse(nbytes)
+            (log.warning if first else log.debug)(
+                "cannot create a shared-memory segment of %d MiB (%s): items that find no free "
+                "slot go as frames; smaller segments are tried at once, one as large in %.0fs",
+                nbytes >> 20, exc, retry_s)
+            return None
+        if self.made(nbytes):
+            log.info("shared-memory segments can be made again (one of %d MiB was)",
+                     nbytes >> 20)
+        return seg
+
+    def refuse(self, nbytes: int) -> tuple[bool, float]:
+        """A segment of ``nbytes`` bytes of slots could not be created: whether it is the
+        first refusal since segments could last be made (worth a warning), and the seconds
+        until one as large is tried again."""
+        now = time.monotonic()
+        with self.lock:
+            first = not self.refused
+            if self.refused and now < self.retry_at:  # a smaller one during the back-off
+                self.refused = min(self.refused, nbytes)
+            else:
+                self.refused = nbytes
+                self.retry_at = now + self.retry_s
+                self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+            return first, self.retry_at - now
+
+    def made(self, nbytes: int) -> bool:
+        """A segment of ``nbytes`` bytes of slots was created; whether that ends the
+        refusals (one at least as large as the smallest refused: worth saying)."""
+        with self.lock:
+            if not self.refused or nbytes < self.refused:
+                return False
+            self.refused, self.retry_s = 0, RETRY_MIN_S
+            return True
 
 
 class Pool:
@@ -86,7 +157,7 @@ class Pool:
         self.fallbacks = 0
         self.stalled: set[int] = set()  # classes whose last wait for a free slot timed out
         self.wait_s: dict[int, float] = {}  # size class -> its waits' length (``_wait_free``)
-        self.failed = False  # a segment could not be created: no more attempts
+        self.creator = SegmentCreator()  # makes segments; backs off after refusals
         self.closed = False
 
     def _cap(self, size: int) -> int:
@@ -95,27 +166,24 @@ class Pool:
         return min(MAX_SLOTS, max(MIN_CLASS_SLOTS, CLASS_BYTES // size,
                                   self.reserved.get(size, 0)))
 
-    def _reserve(self, size: int, want: int | None = None) -> int:
+    def _reserve(self, size: int, want: int | None = None, most: int | None = None) -> int:
         """Slots of the class's next segment, reserving their bytes (under the lock; 0: none
-        allowed): doubling the class (at least the first segment's size), or up to ``want``."""
+        allowed): doubling the class (at least the first segment's size), or up to ``want``;
+        at most ``most``, by default what ``creator`` allows now."""
         have = sum(s.nslots for s in self.classes[size])
         grow = max(have, 2, FIRST_SEGMENT_BYTES // size) if want is None else want - have
-        nslots = min(grow, self._cap(size) - have, (self.budget - self.total) // size)
-        if nslots < 1 or self.failed or self.closed:
+        nslots = min(grow, self._cap(size) - have, (self.budget - self.total) // size,
+                     self.creator.allowed(size) if most is None else most)
+        if nslots < 1 or self.closed:
             return 0
         self.total += size * nslots
         return nslots
 
     def _make(self, size: int, nslots: int) -> Segment | None:
-        """Create a segment (outside the lock) and add it to its class."""
-        try:
-            seg = Segment.create(self.prefix, size, nslots)
-        except OSError as exc:
-            seg = None
-            log.warning("cannot create a shared-memory segment (%s): large items go as frames", exc)
+        """Create a segment (outside the lock) and add it to its class (None: refused)."""
+        seg = self.creator.create(self.prefix, size, nslots)
         with self.lock:
             if seg is None:
-                self.failed = True
                 self.total -= size * nslots
             elif self.closed:  # closed meanwhile: nobody will use (or announce) it
                 unlink(seg.name)
@@ -172,25 +240,27 @@ class Pool:
     def reserve(self, nbytes: int, slots: int) -> int:
         """Make the size class of ``nbytes`` hold at least ``slots`` slots now (creating and
         faulting in its segments here, not on the puts' path); the slots it then holds (capped
-        by ``MAX_SLOTS``, the class and pool byte limits)."""
+        by ``MAX_SLOTS``, the class and pool byte limits, and by ``/dev/shm``: a refused
+        segment is asked again with half the slots, whatever the puts' back-off)."""
         if nbytes < self.threshold:
             return 0
         size = _size_class(nbytes, self.threshold)
         with self.lock:
             self.reserved[size] = max(slots, self.reserved.get(size, 0))
+        most = MAX_SLOTS
         while True:
             with self.lock:
                 segs = self.classes.setdefault(size, [])
                 pending = self.growing.get(size)
-                nslots = 0 if pending is not None else self._reserve(size, slots)
+                nslots = 0 if pending is not None else self._reserve(size, slots, most)
                 if pending is None:
                     if not nslots:  # enough already, or nothing more allowed
                         return sum(s.nslots for s in segs)
                     pending = self.growing[size] = threading.Event()
-            if nslots:
-                self._make(size, nslots)
-            else:
+            if not nslots:
                 pending.wait()  # a segment being made: then look again
+            elif self._make(size, nslots) is None:  # refused: ask for half as many
+                most = nslots // 2
 
     def _acquire(self, size: int, wait: float | None) -> tuple[Segment, int] | None:
         """A free slot of class ``size``, marked USED: taken, or after waiting for (or making)
@@ -307,7 +377,7 @@ class Pool:
         deadline = time.monotonic() + wait
         pause = 50e-6
         segs = self.classes[size]
-        while not self.closed and not self.failed:
+        while not self.closed:
             time.sleep(pause)
             pause = min(2 * pause, SLOT_POLL_MAX_S)
             # most looks find every slot still in use: the state bytes say so without the
@@ -347,7 +417,8 @@ class Pool:
 
     def after_fork(self) -> None:
         """In a forked child: the lent slots are the parent's (their finalizers free nothing)."""
-        self.lock = threading.Lock()  # a parent's thread may have held it at the fork
+        # a parent's thread may have held either lock at the fork
+        self.lock, self.creator.lock = threading.Lock(), threading.Lock()
         self.lent.clear()
 
     def close(self) -> None:

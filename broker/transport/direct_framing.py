@@ -34,6 +34,11 @@ RUN_BYTES = 1 << 20
 # Large messages cross the socket in pieces of its send buffer, each piece a wake-up of the
 # reader and then of the writer: ask for 4 MiB (the kernel caps it at net.core.wmem_max).
 SOCKET_BUFFER = 4 << 20
+# Bytes one read of a large message asks for at most.  A read of a stream socket goes on
+# copying for as long as the writer keeps writing, so one read offered a whole message could
+# take all of it (a broker reading 300 MiB in one call serves no other client for ~1 s): each
+# read is offered this many bytes of buffers, which keeps it to a few milliseconds.
+READ_BYTES = 4 << 20
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -118,11 +123,22 @@ class LargeMessage:
         self._at = (i, before)  # one store: an interruption leaves a true one
         return buf.data[self.filled - before :]
 
-    def head_buffers(self) -> list[memoryview]:
-        """The unfilled bytes, in stream order (at most ``IOV_MAX`` buffers)."""
-        views = [self.head()]
+    def head_buffers(self, limit: int) -> list[memoryview]:
+        """The next ``limit`` unfilled bytes (fewer at the end of the message), in stream
+        order, in at most ``IOV_MAX`` buffers."""
+        head = self.head()
+        if head.nbytes >= limit:
+            return [head[:limit]]
+        views = [head]
+        room = limit - head.nbytes
         i = self._at[0]
-        views += [piece[0].data for piece in self.pieces[i + 1 : i + IOV_MAX]]
+        for piece in self.pieces[i + 1 : i + IOV_MAX]:
+            buf = piece[0].data
+            if buf.nbytes >= room:
+                views.append(buf[:room])
+                break
+            views.append(buf)
+            room -= buf.nbytes
         return views
 
     def fill(self, data: memoryview) -> None:
@@ -193,10 +209,10 @@ class Reader:
         return self.dirty or bool(self.counts)
 
     def read(self, fd: int) -> int:
-        """Read what the socket has (one system call) and cut the messages it completes into
-        ``messages``; the bytes read, 0 at end of stream.  ``BlockingIOError`` when nothing is
-        there; ``FramingError`` on a broken stream.  First it finishes what an interruption
-        left (then the bytes it absorbs count as read)."""
+        """Read what the socket has (one system call, ``READ_BYTES`` at most) and cut the
+        messages it completes into ``messages``; the bytes read, 0 at end of stream.
+        ``BlockingIOError`` when nothing is there; ``FramingError`` on a broken stream.  First
+        it finishes what an interruption left (then the bytes it absorbs count as read)."""
         counts = self.counts
         if counts:  # a read an interruption cut short of being counted
             n = self._absorb()
@@ -206,7 +222,7 @@ class Reader:
         if self.dirty:  # bytes an interruption left uncut
             self._settle()
         if self.big is not None:
-            counts.extend(map(os.readv, (fd,), (self.big.head_buffers(),)))
+            counts.extend(map(os.readv, (fd,), (self.big.head_buffers(READ_BYTES),)))
             n = self._absorb()
             if n:
                 self._settle()
