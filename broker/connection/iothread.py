@@ -67,6 +67,9 @@ class IOThread:
         # under ``Line.sock_lock``, always until it is empty (which re-arms ZMQ_FD).  That fd is
         # polled only while this thread waits for replies; an idle handle's incoming heartbeats
         # are read at the next tick, and a caller driving the socket is not raced for its reply.
+        # the broker's silence counts from here; set before the first read, whose replies (and
+        # a notice of a large message among them, ``Liveness.announced``) are life after it
+        line.last_recv = time.monotonic()
         with line.sock_lock:
             notify_fd = transport.notify_fd()
             liveness.send_hello()
@@ -76,8 +79,6 @@ class IOThread:
         busy_poll: list[tuple[Any, int]] = [(notify_fd, _POLLIN), (wake, _POLLIN)]
         if transport.handshake is not None:  # until the first handshake ends (not connecting: idle)
             busy_poll.append((transport.handshake.socket, _POLLIN))
-        now = time.monotonic()
-        line.last_recv = now
         line.last_send = 0.0
         callers_read = line.callers_read
         try:
