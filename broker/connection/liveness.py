@@ -164,19 +164,14 @@ class Liveness:
         first when no other thread holds the socket (an idle connection's I/O thread reads
         heartbeats only at its next tick).  The broker is dead once this exceeds the expiry
         (``hb * liveness``), whether or not the I/O thread has noticed yet."""
-        line = self._line
-        taken = False
-        try:  # (``Line.take``: an interruption never leaves the socket taken)
-            taken = line.take()
-            if taken and line.state != CLOSED and line.transport is not None:
-                self._read_all()
-        finally:
-            if taken:  # given back before any call (an interruption comes at calls)
-                line.holder = 0
-                line.sock_lock.release()
-            else:
-                line.give_back()
+        self._line.run_if_free(self._read_all_if_open)
         return now - self.life()
+
+    def _read_all_if_open(self) -> None:
+        """``_read_all`` (with the socket taken) unless the connection closed meanwhile."""
+        line = self._line
+        if line.state != CLOSED and line.transport is not None:
+            self._read_all()
 
     def life(self) -> float:
         """When the broker last gave a sign of life: a message, or bytes of one over a direct
