@@ -175,6 +175,17 @@ class Pairs(Collector):
         return bool(self.waiting)
 
 
+class FlakyPairs(Pairs):
+    """``Pairs`` whose ``collect`` raises while ``FLAKY=1`` is in the broker's environment: a
+    collector that fails at a restart (an upgrade with a stricter check, a resource missing
+    after the restart)."""
+
+    def collect(self, item, key):
+        if os.environ.get("FLAKY") == "1":
+            raise RuntimeError("flaky collect")
+        yield from super().collect(item, key)
+
+
 class CountedPairs(Pairs):
     """``Pairs`` that numbers its pairs (``(n, first, second)``): once a pair was made it always
     holds state (the count), and it writes that state down (``state_dict``), so a durable

@@ -20,30 +20,6 @@ from zchannel.broker.journal import format as fmt
 
 START_S = 120.0  # a broker process's start (an interpreter importing zmq) on a loaded machine
 
-# a stateful collector (the Pairs collector of docs/hooks.md) whose collect raises while
-# FLAKY=1 is in the broker's environment: a collector that fails at a restart (an upgrade with
-# a stricter check, a resource missing after the restart)
-FLAKY_HOOKS = '''
-import os
-from zchannel.hooks import Collector
-
-class Pairs(Collector):
-    def setup(self, ctx):
-        self.waiting = {}
-
-    def collect(self, item, key):
-        if os.environ.get("FLAKY") == "1":
-            raise RuntimeError("flaky collect")
-        if key in self.waiting:
-            yield key, (self.waiting.pop(key), item)
-        else:
-            self.waiting[key] = item
-
-    def holds_state(self):
-        return bool(self.waiting)
-'''
-
-
 class CliBrokers:
     """``zchannel broker`` processes (hook modules from ``folder``); ended by pid at teardown."""
 
@@ -101,7 +77,6 @@ class CliBrokers:
 
 @pytest.fixture
 def cli_brokers(run_dir, tmp_path):
-    (tmp_path / "flaky_hooks.py").write_text(FLAKY_HOOKS)
     started = CliBrokers(tmp_path)
     yield started
     started.close()
@@ -114,7 +89,7 @@ def test_a_collector_failing_on_its_replayed_puts_stops_the_start_and_keeps_them
     not start: one error names the channel, the collector, the put's key and the hook's error.
     Started with the collector working again, it still holds the half, which pairs with the
     next put of its key."""
-    args = ("replayed", "--journal", str(tmp_path / "j"), "--collector", "flaky_hooks:Pairs")
+    args = ("replayed", "--journal", str(tmp_path / "j"), "--collector", "hookmods:FlakyPairs")
     proc = cli_brokers.serving(*args)
     ch = Channel.connect("replayed", timeout=30)
     try:
@@ -125,7 +100,7 @@ def test_a_collector_failing_on_its_replayed_puts_stops_the_start_and_keeps_them
     cli_brokers.kill(proc)
 
     error = cli_brokers.refused(*args, FLAKY="1")
-    for part in ("channel 'replayed'", "collector 'flaky_hooks:Pairs'",
+    for part in ("channel 'replayed'", "collector 'hookmods:FlakyPairs'",
                  "its collect failed on the put of key 'a': RuntimeError: flaky collect",
                  "the journal keeps every put"):
         assert part in error, error
