@@ -6,12 +6,19 @@ it in ``GymVectorEnv``, which
 
 - describes the env once (``spec``, an ``EnvSpec``) and refuses, at construction, a space it
   cannot carry, naming it (Text, Graph, Sequence, OneOf; Dict/Tuple action spaces; non-numeric
-  Box dtypes);
+  Box dtypes; a Discrete / MultiDiscrete action index of more than ``MAX_ACTION_CLASSES``
+  classes, which float32 chunks would round; a Discrete / MultiDiscrete observation leaf of
+  more than ``MAX_ONE_HOT_WIDTH`` one-hot columns);
+- checks every sub-env's observation against its space (``ObservationCheck``: each Dict a
+  mapping of exactly its keys, each Tuple a tuple or list of its length, as Gymnasium's
+  ``contains`` accepts, each leaf of its dtype and shape; an ``ObservationError`` naming the
+  leaf otherwise);
 - turns each batched observation into the flat dict of ``zchannel.embodied.spaces``: uint8
   images (3-D uint8 Box leaves, H x W x C) keep their shape under ``main_images`` /
   ``wrist_images`` / ``extra_view_images`` (or the keys ``obs_map`` names), every other leaf
   (Box, Discrete and MultiDiscrete as one-hot, MultiBinary), and an image ``obs_map`` sends to
-  ``states``, is flattened into float32 ``states``;
+  ``states``, is flattened into float32 ``states`` (a finite value beyond float32's range is
+  an ``ObservationError`` naming the leaf and the value);
 - refuses, at construction, a 3-D uint8 Box that looks channel-first (``_looks_channel_first``:
   C x H x W, or a stack of k H x W frames) unless ``obs_map`` sends it to ``states`` or drops it,
   with a ``ValueError`` naming the leaf, its shape and the remedies;
@@ -42,6 +49,7 @@ forms that work.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +58,7 @@ import torch
 from zchannel.embodied.spaces import (
     FINAL_MASK,
     FINAL_OBS,
+    MAX_ACTION_CLASSES,
     RECORDED_INFO_KEYS,
     ActionSpec,
     EnvSpec,
@@ -68,6 +77,10 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     find_highest_version = parse_env_id = None  # type: ignore[assignment]  # same
 
 MAX_DEPTH = 8  # nesting of Dict / Tuple observation spaces
+# the widest one-hot encoding of one Discrete / MultiDiscrete observation leaf, in columns of
+# states (MultiDiscrete: the sum of its nvec): 256 KiB of float32 per env and step
+MAX_ONE_HOT_WIDTH = 2**16
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Gymnasium's autoreset modes (the values of gymnasium.vector.AutoresetMode, Gymnasium >= 1.1)
 NEXT_STEP, SAME_STEP, DISABLED = "NextStep", "SameStep", "Disabled"
 _WRAPPER_BASE: Any = gymnasium.Wrapper if gymnasium is not None else object
@@ -155,16 +168,63 @@ def _state_width(space: Any) -> int:
     return int(np.prod(space.shape))
 
 
-def _state_columns(space: Any, value: Any, batch: int) -> np.ndarray:
+def _check_one_hot_widths(leaves: list[_Leaf]) -> None:
+    """``ValueError`` naming the first Discrete / MultiDiscrete leaf of ``leaves`` whose one-hot
+    encoding would be wider than ``MAX_ONE_HOT_WIDTH`` columns of ``states``."""
+    for leaf in leaves:
+        if not isinstance(leaf.space, (gs.Discrete, gs.MultiDiscrete)):
+            continue
+        width = _state_width(leaf.space)
+        if width > MAX_ONE_HOT_WIDTH:
+            drop = f" or drop the leaf with obs_map {{{leaf.name!r}: None}}" if leaf.path else ""
+            raise ValueError(
+                f"observation leaf {leaf.name!r} is {leaf.space}: its one-hot encoding would be "
+                f"{width} float32 columns of states per env, more than the {MAX_ONE_HOT_WIDTH} "
+                "zchannel encodes; carry the index as a number (wrap the env so the leaf is a "
+                f"Box){drop} (docs/embodied-envs.md)")
+
+
+def _one_hot(space: Any, value: np.ndarray, batch: int) -> np.ndarray:
+    """The indices of a Discrete / MultiDiscrete leaf of a batch as float32 one-hot ``[batch,
+    width]``: one block of ``n`` columns per (sub-)space, set by index into zeros."""
+    if isinstance(space, gs.Discrete):
+        nvec = np.array([int(space.n)], dtype=np.int64)
+        index = value.reshape(batch, 1) - int(space.start)
+    else:
+        nvec = space.nvec.reshape(-1).astype(np.int64)
+        index = (value - space.start).reshape(batch, -1)
+    offsets = np.concatenate(([0], np.cumsum(nvec)[:-1]))
+    out = np.zeros((batch, int(nvec.sum())), dtype=np.float32)
+    out[np.arange(batch)[:, None], offsets + index] = 1.0
+    return out
+
+
+def _as_float32(leaf: _Leaf, columns: np.ndarray) -> np.ndarray:
+    """``columns`` (``[batch, width]``) as float32; ``ObservationError`` naming the leaf, the
+    sub-env and the value when a finite value is beyond float32's range (the cast would make it
+    inf)."""
+    if columns.dtype.kind != "f" or columns.dtype.itemsize <= 4:
+        return columns.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):
+        states = columns.astype(np.float32)
+    beyond = np.isinf(states) & np.isfinite(columns)
+    if beyond.any():
+        row, column = (int(i) for i in np.argwhere(beyond)[0])
+        raise ObservationError(
+            f"observation {leaf.name!r}: sub-env {row} returned the value "
+            f"{float(columns[row, column])!r} (entry {column} of the leaf), beyond the range of "
+            f"float32 (+-{FLOAT32_MAX:.8g}) that states are carried in; scale the observation "
+            "into it (a wrapper) or drop the leaf with obs_map (sub-envs beyond it: "
+            f"{np.flatnonzero(beyond.any(axis=1)).tolist()})")
+    return states
+
+
+def _state_columns(leaf: _Leaf, value: Any, batch: int) -> np.ndarray:
     """One state leaf of a batch as float32 ``[batch, width]`` (indices one-hot)."""
     value = np.asarray(value)
-    if isinstance(space, gs.Discrete):
-        return np.eye(int(space.n), dtype=np.float32)[value.reshape(batch) - int(space.start)]
-    if isinstance(space, gs.MultiDiscrete):
-        index = (value - space.start).reshape(batch, -1)
-        return np.concatenate([np.eye(int(n), dtype=np.float32)[index[:, i]]
-                               for i, n in enumerate(space.nvec.reshape(-1))], axis=1)
-    return value.astype(np.float32, copy=False).reshape(batch, -1)
+    if isinstance(leaf.space, (gs.Discrete, gs.MultiDiscrete)):
+        return _one_hot(leaf.space, value, batch)
+    return _as_float32(leaf, value.reshape(batch, -1))
 
 
 def _image_groups(leaves: list[_Leaf], obs_map: dict[str, str | None]) -> dict[str, list[_Leaf]]:
@@ -194,31 +254,90 @@ def _image_groups(leaves: list[_Leaf], obs_map: dict[str, str | None]) -> dict[s
     return groups
 
 
+def _described(value: Any) -> str:
+    """What ``value`` is, for an error: its type, and its keys, length or dtype and shape."""
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with the keys {list(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype} {list(value.shape)}"
+    return f"the {type(value).__name__} {repr(value)[:60]}"
+
+
+def _check_dict(space: Any, value: Any, path: tuple[str, ...]) -> None:
+    """``value`` is a mapping with exactly the keys of the Dict ``space`` (as Gymnasium's
+    ``Dict.contains`` asks); ``ObservationError`` naming the dict, and a missing leaf, if not."""
+    name = "/".join(path) or "<observation>"
+    keys = list(space.spaces)
+    if not isinstance(value, Mapping):
+        raise ObservationError(f"observation {name!r}: expected a dict with the keys {keys}, "
+                               f"got {_described(value)}")
+    missing = [key for key in keys if key not in value]
+    if missing:
+        raise ObservationError(f"observation {'/'.join((*path, missing[0]))!r} is missing: "
+                               f"the env's dict {name!r} has the keys {list(value)}, its "
+                               f"space {keys}")
+    extra = [key for key in value if key not in space.spaces]
+    if extra:
+        raise ObservationError(f"observation {name!r}: the keys {extra} are not in its space "
+                               f"(keys {keys}); they would be dropped")
+
+
+def _check_tuple(space: Any, value: Any, path: tuple[str, ...]) -> None:
+    """``value`` is a tuple, list or array of as many entries as the Tuple ``space`` (what
+    Gymnasium's ``Tuple.contains`` accepts); ``ObservationError`` naming it if not."""
+    name = "/".join(path) or "<observation>"
+    count = len(space.spaces)
+    sequence = isinstance(value, (tuple, list)) or (isinstance(value, np.ndarray)
+                                                     and value.ndim > 0)
+    if not sequence or len(value) != count:
+        raise ObservationError(f"observation {name!r}: expected a tuple (or list) of {count} "
+                               f"entries, got {_described(value)}")
+
+
+def _check_leaf(space: Any, value: Any, name: str) -> None:
+    """A Box leaf has the space's dtype and shape, any other leaf is in its space
+    (``ObservationError`` naming the leaf)."""
+    value = np.asarray(value)
+    if isinstance(space, gs.Box) and (value.dtype != space.dtype or value.shape != space.shape):
+        raise ObservationError(f"observation {name!r}: expected {space.dtype} "
+                               f"{list(space.shape)}, got {value.dtype} {list(value.shape)}")
+    if not isinstance(space, gs.Box) and not space.contains(value):
+        # an index outside the space would pick a wrong one-hot column (or none)
+        raise ObservationError(f"observation {name!r}: {value.tolist()!r} is not in its space "
+                               f"{space}")
+
+
+def _check_value(space: Any, value: Any, path: tuple[str, ...] = ()) -> None:
+    """``value`` fits ``space`` leaf by leaf: each Dict a mapping of its keys, each Tuple a
+    tuple or list of its length, each leaf of its dtype and shape (``ObservationError`` naming
+    the first leaf, or dict or tuple, that does not)."""
+    if isinstance(space, gs.Dict):
+        _check_dict(space, value, path)
+        for key, sub in space.spaces.items():
+            _check_value(sub, value[key], (*path, key))
+    elif isinstance(space, gs.Tuple):
+        _check_tuple(space, value, path)
+        for i, sub in enumerate(space.spaces):
+            _check_value(sub, value[i], (*path, str(i)))
+    else:
+        _check_leaf(space, value, "/".join(path) or "<observation>")
+
+
 class ObservationCheck(_WRAPPER_BASE):
-    """A sub-env wrapper: every observation's leaves must have the dtype and shape of the
-    observation space (``ObservationError`` naming the leaf, raised before the vector env
-    batches it)."""
+    """A sub-env wrapper: every observation must fit the observation space (``_check_value``:
+    each Dict a mapping of its keys, each Tuple a tuple or list of its entries, each leaf of
+    the space's dtype and shape; ``ObservationError`` naming the leaf, raised before the vector
+    env batches it)."""
 
     def __init__(self, env: Any) -> None:
         super().__init__(env)
-        self._leaves = _leaves(env.observation_space)
+        self._space = env.observation_space
+        _leaves(self._space)  # refuses, naming it, a space that cannot be carried
 
     def _check(self, obs: Any) -> Any:
-        for leaf in self._leaves:
-            value = obs
-            for key in leaf.path:
-                value = value[int(key)] if isinstance(value, tuple) else value[key]
-            value = np.asarray(value)
-            space = leaf.space
-            if isinstance(space, gs.Box) and (value.dtype != space.dtype or
-                                              value.shape != space.shape):
-                raise ObservationError(f"observation {leaf.name!r}: expected {space.dtype} "
-                                       f"{list(space.shape)}, got {value.dtype} "
-                                       f"{list(value.shape)}")
-            if not isinstance(space, gs.Box) and not space.contains(value):
-                # an index outside the space would pick a wrong one-hot column (or none)
-                raise ObservationError(f"observation {leaf.name!r}: {value.tolist()!r} is not "
-                                       f"in its space {space}")
+        _check_value(self._space, obs, ())
         return obs
 
     def reset(self, **kwargs: Any) -> Any:
@@ -232,19 +351,24 @@ class ObservationCheck(_WRAPPER_BASE):
 
 def _action_spec(space: Any) -> ActionSpec:
     """The ``ActionSpec`` of a Gymnasium action space; ``ValueError`` naming a space that
-    cannot be carried (an unknown kind, or one with no action at all)."""
+    cannot be carried (an unknown kind, one with no action at all, or an index of more classes
+    than float32 chunks hold exactly: ``MAX_ACTION_CLASSES``)."""
     if isinstance(space, (gs.Box, gs.MultiBinary, gs.MultiDiscrete)) and not np.prod(space.shape):
         raise ValueError(f"action space {space} has no action to take (shape {space.shape})")
     if isinstance(space, gs.Box):
         dim = int(np.prod(space.shape))
         return ActionSpec("box", dim, low=tuple(float(x) for x in space.low.reshape(-1)),
                           high=tuple(float(x) for x in space.high.reshape(-1)))
-    if isinstance(space, gs.Discrete):
-        return ActionSpec("discrete", 1, nvec=(int(space.n),), start=(int(space.start),))
-    if isinstance(space, gs.MultiDiscrete):
-        nvec = tuple(int(n) for n in space.nvec.reshape(-1))
-        return ActionSpec("multi_discrete", len(nvec), nvec=nvec,
-                          start=tuple(int(s) for s in space.start.reshape(-1)))
+    if isinstance(space, (gs.Discrete, gs.MultiDiscrete)):
+        nvec = (int(space.n),) if isinstance(space, gs.Discrete) else \
+            tuple(int(n) for n in space.nvec.reshape(-1))
+        if max(nvec) > MAX_ACTION_CLASSES:
+            raise ValueError(f"action space {space} cannot be carried: an index of {max(nvec)} "
+                             f"classes, more than the {MAX_ACTION_CLASSES} (2**24) whose indices "
+                             "float32 action chunks hold exactly")
+        kind = "discrete" if isinstance(space, gs.Discrete) else "multi_discrete"
+        return ActionSpec(kind, len(nvec), nvec=nvec,
+                          start=tuple(int(s) for s in np.asarray(space.start).reshape(-1)))
     if isinstance(space, gs.MultiBinary):
         dim = int(np.prod(space.shape))
         return ActionSpec("multi_binary", dim, nvec=(2,) * dim)
@@ -348,6 +472,7 @@ class GymVectorEnv:
         self._states = [leaf for leaf in self._leaves
                         if self.obs_map.get(leaf.name, None if leaf.image else "states")
                         == "states"]
+        _check_one_hot_widths(self._states)
         self._images = _image_groups(self._leaves, self.obs_map)
         images = {}
         for key, group in self._images.items():
@@ -376,7 +501,7 @@ class GymVectorEnv:
 
     def _leaf(self, obs: Any, leaf: _Leaf) -> Any:
         for key in leaf.path:
-            obs = obs[int(key)] if isinstance(obs, tuple) else obs[key]
+            obs = obs[key] if isinstance(obs, Mapping) else obs[int(key)]
         return obs
 
     def convert(self, obs: Any) -> dict[str, torch.Tensor]:
@@ -384,7 +509,7 @@ class GymVectorEnv:
         B = self.num_envs
         out: dict[str, torch.Tensor] = {}
         if self._states:
-            columns = [_state_columns(leaf.space, self._leaf(obs, leaf), B)
+            columns = [_state_columns(leaf, self._leaf(obs, leaf), B)
                        for leaf in self._states]
             states = columns[0] if len(columns) == 1 else np.concatenate(columns, axis=1)
             out["states"] = torch.from_numpy(np.array(states, dtype=np.float32))

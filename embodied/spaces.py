@@ -12,7 +12,8 @@ policy constructors (``zchannel.embodied.models``):
 - actions travel as float32 ``[B, C·A]`` chunks of ``A = ActionSpec.dim`` numbers per step:
   Box values (the policy's [-1, 1] range, mapped onto the Box bounds by the env), or class
   indices (Discrete, MultiDiscrete: one index per sub-space; MultiBinary: 0/1 per bit), which
-  float32 holds exactly.
+  float32 holds exactly: an index may have at most ``MAX_ACTION_CLASSES`` (2**24) classes,
+  float32's last run of exact whole numbers (``ActionSpec`` refuses more).
 
 ``check_observation`` checks a batch against the spec; a wrong dtype or shape is an
 ``ObservationError`` naming the key.  ``ChunkedEnv`` raises ``RewardError`` for a non-finite
@@ -30,6 +31,9 @@ import torch
 FINAL_OBS = "final_observation"  # info key: the observation finished envs ended in
 FINAL_MASK = "_final_observation"  # info key: which rows of FINAL_OBS are set
 ACTION_KINDS = ("box", "discrete", "multi_discrete", "multi_binary")
+# the most classes of one action index: float32 chunks hold every whole number up to 2**24
+# exactly (2**24 + 1 is already rounded to 2**24)
+MAX_ACTION_CLASSES = 2**24
 IMAGE_KEYS = ("main_images", "wrist_images", "extra_view_images")
 # the info keys a recorded step keeps (lerobot mode): success, expert intervention, recording
 RECORDED_INFO_KEYS = ("success", "success_once", "success_at_end", "intervene_action",
@@ -54,6 +58,9 @@ class ActionSpec:
     - ``discrete``: one index in ``[0, nvec[0])`` (``start`` is added by the env).
     - ``multi_discrete``: ``dim`` indices, index ``i`` in ``[0, nvec[i])``.
     - ``multi_binary``: ``dim`` bits (``nvec`` is all 2s).
+
+    A class count above ``MAX_ACTION_CLASSES`` is a ``ValueError``: float32 action chunks could
+    not hold its indices exactly.
     """
 
     kind: str
@@ -71,6 +78,10 @@ class ActionSpec:
         if self.kind != "box" and (len(self.nvec) != self.dim or min(self.nvec) < 1):
             raise ValueError(f"ActionSpec {self.kind}: nvec {self.nvec} must give the class "
                              f"count of each of the {self.dim} action numbers")
+        if self.kind != "box" and max(self.nvec) > MAX_ACTION_CLASSES:
+            raise ValueError(f"ActionSpec {self.kind}: {max(self.nvec)} classes in one action "
+                             f"index, more than the {MAX_ACTION_CLASSES} (2**24) whose indices "
+                             "float32 action chunks hold exactly")
 
     @property
     def discrete(self) -> bool:
@@ -134,6 +145,7 @@ def check_observation(obs: dict[str, Any], spec: EnvSpec, batch: int) -> None:
                                    f"{[batch, spec.state_dim]}, got {got}")
 
 
-__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "RECORDED_INFO_KEYS",
+__all__ = ["ACTION_KINDS", "FINAL_MASK", "FINAL_OBS", "IMAGE_KEYS", "MAX_ACTION_CLASSES",
+           "RECORDED_INFO_KEYS",
            "ActionSpec", "EnvSpec", "ObservationError", "RewardError", "box_spec",
            "check_observation"]
