@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zchannel.broker.connection.batching import group_records
 from zchannel.broker.connection.flowcontrol import (
@@ -54,6 +54,9 @@ from zchannel.broker.wire.protocol import (
     Put,
     Request,
 )
+
+if TYPE_CHECKING:  # revival.py imports liveness.py, which imports this module: the type alone
+    from zchannel.broker.connection.revival import Revival
 
 # a reply converter: (the reply record, its frames) -> the Work's result
 Convert = Callable[[Any, list], Any]
@@ -90,10 +93,11 @@ class RequestQueue:
         # no handle); ``_queue_deferred`` queues a request that waited for room in its Work
         self.flows = FlowControl(line, address, max_inflight)
         self.flows.issue = self._queue_deferred
+        self.flows.give_back = functools.partial(_give_back, self)
         self.inflight = InFlight(self.pending, self.flows)  # the reply path's (inflight.py)
         # what a request issued while the connection is down does first: wait for the broker
         # to answer again (``revival.Revival``, a handle's connection) or None: fail at once
-        self.revive: Callable[[Request, bool], None] | None = None
+        self.revive: Revival | None = None
         # ``Liveness.relink_now`` (set by the connection): a broken direct link linked again at
         # once, True when a new link is up (``send_again``)
         self.relink_now: Callable[[], bool] = _no_new_link
@@ -115,21 +119,31 @@ class RequestQueue:
         of no handle), after waiting for room among its ``max_inflight`` outstanding requests
         unless not ``room``; its ``Work``.  ``async_op`` on a thread that runs an event loop:
         the request waits for room in its ``Work`` instead (``connection/flowcontrol.py``).
-        On a connection that is down it waits for the broker first (``revive``), or fails."""
+        On a connection that is down it waits for the broker first (``revive``), or fails;
+        ``async_op`` on an event loop's thread, it waits for the broker in its ``Work`` too
+        (``Revival.park``)."""
         line = self._line
         if line.state == CLOSED or line.closing or (owner is not None and owner.closed):
             raise ChannelError("this channel handle is closed")
+        parked = False
+        flows = self.flows
+        flow = flows.own if owner is None else owner
         if line.state == DOWN:
             if self.revive is None:
                 raise BrokerUnavailable(f"the broker at {self.address} is unavailable")
-            self.revive(rec, async_op)  # up again, or raised (``connection/revival.py``)
-        flows = self.flows
-        flow = flows.own if owner is None else owner
+            parked = async_op and in_event_loop()
+            if not parked:
+                self.revive(rec, async_op)  # up again, or raised (``connection/revival.py``)
+                if flow.deferred:  # those parked before it go first
+                    flows.issue_waiting(flow)
         flow.n_issued = next(flow.issued) + 1
         work = Work(self._cancel if cancellable else None)
         work._reader = self.reader
         work._line = line
         pending = (work, convert, type(rec) is Put, owner)
+        if parked and self.revive is not None:
+            self.revive.park(Deferred(rec, frames, pending, flow.n_issued, flow), flows)
+            return work
         # no room: the limit is reached, or requests wait for room already (they go first)
         if room and (flow.n_issued - flow.completed > flows.max_inflight or flow.deferred) \
                 and may_wait(rec):
@@ -251,13 +265,13 @@ class RequestQueue:
         hello of a new link (``send_again``)."""
         queue = self.queue
         if self._line.state == DOWN:
-            self._fail_queued()
+            _fail_queued(self)
             return
         if len(queue) == 1:  # the common case of a blocking call: one request, sent alone
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
-                    self._drop_unsent(rec, pending)
+                    _drop_unsent(self, rec, pending)
                     return
                 self.pending[rec.id] = pending
             if op_frames:
@@ -289,7 +303,7 @@ class RequestQueue:
             rec, op_frames, pending = queue.popleft()
             if pending is not None:
                 if pending[3] is not None and pending[3].closed or self._stale(rec, pending):
-                    self._drop_unsent(rec, pending)
+                    _drop_unsent(self, rec, pending)
                     continue
                 in_flight[rec.id] = pending
             records.append(rec)
@@ -314,32 +328,6 @@ class RequestQueue:
         return pending[2] and isinstance(rec, Put) and rec.slots is not None \
             and self.shm.stale(rec.slots)
 
-    def _drop_unsent(self, rec: Request, pending: Pending,
-                     error: BaseException | None = None) -> None:
-        """A request whose handle closed before it went out (``ChannelError``), or a put whose
-        slots are stale (``BrokerUnavailable``: sent again, it takes new ones), or ``error``:
-        never sent, it fails here."""
-        client_undo(self, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
-        self.release(pending[3])
-        if error is not None:
-            pending[0].set_exception(error)
-        elif pending[3] is not None and pending[3].closed:
-            pending[0].set_exception(ChannelError("this channel handle is closed"))
-        else:
-            pending[0].set_exception(BrokerUnavailable(
-                f"the broker at {self.address} was restarted (or expired this client) while "
-                "this put waited to be sent; nothing was stored"))
-
-    def _fail_queued(self) -> None:
-        """Fail what is queued, unsent (the broker is known gone: ``send_queued``)."""
-        queue = self.queue
-        while queue:
-            rec, _, pending = queue.popleft()
-            if pending is not None:
-                self._drop_unsent(rec, pending, BrokerUnavailable(
-                    f"the broker at {self.address} is unavailable (it went away before this "
-                    "request was sent); nothing was sent"))
-
     def after_fork(self) -> None:
         """In a forked child: the requests in flight or queued are the parent's connection's;
         their ``Work`` copies fail here (with fresh locks: a parent's thread may have held
@@ -348,6 +336,8 @@ class RequestQueue:
                            "the parent's connection (the child's handles connect anew)")
         entries = [*self.pending.values(), *(e[2] for e in self.queue if e[2] is not None)]
         self.flows.after_fork()
+        if self.revive is not None:
+            self.revive.after_fork()
         self.inflight.released.clear()
         self.pending.clear()
         self.queue.clear()
@@ -367,6 +357,40 @@ class RequestQueue:
                 entry[0].set_exception(exc)
 
 
+def _drop_unsent(requests: RequestQueue, rec: Request, pending: Pending,
+                 error: BaseException | None = None) -> None:
+    """A request whose handle closed before it went out (``ChannelError``), or a put whose
+    slots are stale (``BrokerUnavailable``: sent again, it takes new ones), or ``error``:
+    never sent, it fails here."""
+    client_undo(requests, getattr(rec, "slots", None))  # its shared-memory slots go back to the pool
+    requests.release(pending[3])
+    if error is not None:
+        pending[0].set_exception(error)
+    elif pending[3] is not None and pending[3].closed:
+        pending[0].set_exception(ChannelError("this channel handle is closed"))
+    else:
+        pending[0].set_exception(BrokerUnavailable(
+            f"the broker at {requests.address} was restarted (or expired this client) while "
+            "this put waited to be sent; nothing was stored"))
+
+
+def _fail_queued(requests: RequestQueue) -> None:
+    """Fail what is queued, unsent (the broker is known gone: ``send_queued``)."""
+    queue = requests.queue
+    while queue:
+        rec, _, pending = queue.popleft()
+        if pending is not None:
+            _drop_unsent(requests, rec, pending, BrokerUnavailable(
+                f"the broker at {requests.address} is unavailable (it went away before this "
+                "request was sent); nothing was sent"))
+
+
+def _give_back(requests: RequestQueue, rec: Request) -> None:
+    """What ``rec``, failing unsent after it waited in its ``Work``, holds goes back: a put's
+    shared-memory slots (``FlowControl.fail``)."""
+    client_undo(requests, getattr(rec, "slots", None))
+
+
 def _send_messages(requests: RequestQueue, line: Line, relinked: bool) -> None:
     """``RequestQueue.send_queued`` for more than one request: message after message.  A
     message that finds the direct link broken goes again on a new one (``send_again``), once
@@ -382,7 +406,7 @@ def _send_messages(requests: RequestQueue, line: Line, relinked: bool) -> None:
             if send(grouped, frames) or line.transport.up:
                 continue
             if relinked or not send_again(requests, records, grouped, frames):
-                requests._fail_queued()
+                _fail_queued(requests)
                 return
             relinked = True
 
@@ -409,7 +433,7 @@ def send_again(requests: RequestQueue, records: list[Request], grouped: list[Req
         requests.queue.extendleft(reversed(entries))
         return True
     for rec, _, pending in entries:
-        requests._drop_unsent(rec, pending, BrokerUnavailable(
+        _drop_unsent(requests, rec, pending, BrokerUnavailable(
             f"the direct link to the broker at {requests.address} broke and no broker answers "
             "there now; nothing was sent"))
     return False

@@ -52,7 +52,7 @@ from zchannel.broker.server.starting import (
 from zchannel.broker.shm.client import check_shm_switch
 from zchannel.broker.transport.curve import client_keys
 from zchannel.broker.wire import codec
-from zchannel.broker.wire.argchecks import check_timeout
+from zchannel.broker.wire.argchecks import check_timeout, shown
 from zchannel.broker.wire.classtags import registrations
 from zchannel.broker.wire.limits import check_settings
 from zchannel.broker.wire.protocol import UNSET
@@ -90,7 +90,7 @@ def _check_connect_timeout(timeout: Any) -> None:
     except ValueError:
         pass
     raise ValueError("connect needs a timeout: a finite number of seconds >= 0 (not None, a "
-                     f"bool, NaN or infinite), got {timeout!r}")
+                     f"bool, NaN or infinite), got {shown(timeout)}")
 
 
 def _connect_target(name_or_address: str | None, name: str | None) -> str:

@@ -1,7 +1,7 @@
 """Checks of the arguments every transport validates the same way: keys, weights, timeouts,
 ``get_batch`` targets, ``peek`` counts and the ``consumer`` of ``qsize``/``full``/``peek``, and
-the weight comparisons of ``get_batch``; and the text that names a key where only text fits
-(``key_label``, ``key_from_label``).
+the weight comparisons of ``get_batch``; the text that names a key where only text fits
+(``key_label``, ``key_from_label``), and a refused number in an error message (``shown``).
 
 Used by the client (before a request is sent), the broker (on what arrives) and the local
 channel, so that all three refuse the same values with the same messages.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import math
 import numbers
 import sys
 from typing import Any
@@ -24,6 +25,11 @@ MAX_KEY_PARTS = 64  # parts of a tuple key in all, those of the tuples inside it
 MAX_WEIGHT = 2**53
 MAX_PEEK = 1024
 MAX_TIMEOUT = sys.float_info.max  # any finite number of seconds
+# an int of more bits than this is named by its size in an error message, not written out
+# (Python refuses to write one of more than 4300 digits: that error would name no argument);
+# another value by its repr, cut after SHOWN_CHARS characters
+SHOWN_INT_BITS = 256
+SHOWN_CHARS = 100
 # Float weights are summed in binary floating point: 0.1 + 0.2 is 0.30000000000000004, which
 # a target of 0.3 would otherwise refuse.  A total within this relative slack of the target
 # counts as reaching it and not as exceeding it (int weights and targets compare exactly).
@@ -167,7 +173,7 @@ def check_weight(weight: Any, what: str = "weight") -> int | float:
         if 0 <= value <= MAX_WEIGHT:
             return value
     raise ValueError(f"{what} must be an int or a finite float in [0, 2**53] (not a bool, NaN, "
-                     f"infinite or negative), got {weight!r}")
+                     f"infinite or negative), got {shown(weight)}")
 
 
 def check_target_weight(target: Any) -> int | float:
@@ -176,7 +182,7 @@ def check_target_weight(target: Any) -> int | float:
         value = check_weight(target, "target_weight")  # the range of a weight
     except ValueError:
         raise ValueError(f"target_weight must be an int or a finite float in (0, 2**53] (not a "
-                         f"bool, NaN, infinite, zero or negative), got {target!r}") from None
+                         f"bool, NaN, infinite, zero or negative), got {shown(target)}") from None
     if value <= 0:
         raise ValueError(
             f"target_weight must be an int or a finite float > 0, got {target!r}: zchannel "
@@ -210,8 +216,10 @@ def check_flag(value: Any, name: str) -> bool:
 
 def check_timeout(timeout: Any) -> float | None:
     """``timeout`` as a float: None (no deadline) or a finite number of seconds >= 0 (an int,
-    float or numpy number), else ``ValueError`` naming the value.  NaN and infinities are
-    refused: a deadline that compares false with every other would stall the broker's timers."""
+    float or numpy number) that a float holds (at most ``MAX_TIMEOUT``), else ``ValueError``
+    naming the value.  NaN and infinities are refused: a deadline that compares false with
+    every other would stall the broker's timers; so is an int (or a ``Fraction``) beyond every
+    float, which no float holds."""
     if timeout is None:
         return None
     kind = type(timeout)
@@ -219,11 +227,14 @@ def check_timeout(timeout: Any) -> float | None:
         return float(timeout)
     # compared as a float: a numpy float32 compared with MAX_TIMEOUT would overflow (a warning)
     if not isinstance(timeout, bool) and isinstance(timeout, numbers.Real):
-        seconds = float(timeout)
+        try:
+            seconds = float(timeout)
+        except OverflowError:  # beyond every float: out of range, as an infinity is
+            seconds = math.inf
         if 0 <= seconds <= MAX_TIMEOUT:  # NaN fails every comparison, inf the upper bound
             return seconds
-    raise ValueError(f"timeout must be None or a finite number of seconds >= 0 (not a bool, "
-                     f"NaN or infinite), got {timeout!r}")
+    raise ValueError(f"timeout must be None or a finite number of seconds >= 0 and <= "
+                     f"{MAX_TIMEOUT:g} (not a bool, NaN or infinite), got {shown(timeout)}")
 
 
 def check_consumer(consumer: Any) -> str | None:
@@ -241,8 +252,22 @@ def check_consumer(consumer: Any) -> str | None:
 def check_peek_count(n: Any) -> int:
     """``peek``'s item count: an int in ``[1, MAX_PEEK]``."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PEEK:
-        raise ValueError(f"n must be an int in [1, {MAX_PEEK}], got {n!r}")
+        raise ValueError(f"n must be an int in [1, {MAX_PEEK}], got {shown(n)}")
     return n
+
+
+def shown(value: Any) -> str:
+    """``value`` in an error message about it: its ``repr``, cut after ``SHOWN_CHARS``
+    characters; an int of more than ``SHOWN_INT_BITS`` bits by its size (``an int of about 401
+    digits``), and a value too large to write out (a ``Fraction`` of such ints) by its type."""
+    if isinstance(value, int) and value.bit_length() > SHOWN_INT_BITS:
+        sign = "a negative" if value < 0 else "an"
+        return f"{sign} int of about {math.floor(math.log10(abs(value))) + 1} digits"
+    try:
+        text = repr(value)
+    except ValueError:  # an int inside it past the digits Python writes out
+        return f"a {type(value).__name__} too large to write out"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}..."
 
 
 def exceeds(total: int | float, target: int | float) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from zchannel.broker.wire.argchecks import shown
+
 # field -> (lowest value, ints only, what it means)
 RANGES: dict[str, tuple[float, bool, str]] = {
     "maxsize": (0, True, "per-queue capacity, 0 = unbounded"),
@@ -64,14 +66,15 @@ def check_settings(values: dict[str, Any]) -> None:
         low, ints, meaning = RANGES[name]
         high = HIGHEST.get(name, MAX_INT)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = number and (isinstance(value, int) or not ints) and math.isfinite(value) and (
+        finite = isinstance(value, int) or (number and math.isfinite(value))  # ints of any size
+        ok = number and (isinstance(value, int) or not ints) and finite and (
             value > low if name in _POSITIVE else value >= low) and value <= high
         floor = OFF_OR_AT_LEAST.get(name, 0)
         if floor and (not ok or 0 < value < floor):
             raise ValueError(f"{name} must be an int >= {floor} and <= {high}, or 0 for no "
                              "limit (bytes; less would refuse a client's ordinary messages), "
-                             f"got {value!r}")
+                             f"got {shown(value)}")
         if not ok:
             bound = f"> {low} and <= {high}" if name in _POSITIVE else f">= {low} and <= {high}"
             kind = "an int" if ints else "a number"
-            raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {value!r}")
+            raise ValueError(f"{name} must be {kind} {bound} ({meaning}), got {shown(value)}")
