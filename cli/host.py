@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import click
@@ -11,6 +13,7 @@ from zchannel.broker import Channel, ChannelError
 from zchannel.broker.handle.broker_channel import BrokerChannel
 from zchannel.broker.host import paths
 from zchannel.broker.server import rundir
+from zchannel.broker.shm.segment import SHM_DIR, list_segments, run_prefix
 
 
 def _rows_of(broker: rundir.HostBroker, timeout: float, curve_keys: Any) -> list[dict[str, Any]]:
@@ -57,16 +60,48 @@ def _broker_row(name: str, address: str | None, locks: list[str], timeout: float
     return row
 
 
+def _missing_run_dir() -> Path | None:
+    """The run directory when nothing is at its path (``zchannel stat`` and ``clean`` then
+    report on it without making it), else None: ``paths.run_dir`` checks what is there, and
+    refuses a path whose parent is no directory (a mistyped ``ZCHANNEL_RUN_DIR``)."""
+    where = paths.run_dir_path()
+    return None if os.path.lexists(where) or not os.path.isdir(where.parent) else where
+
+
+def _orphan_segments(where: Path) -> list[rundir.StaleEntry]:
+    """The shared-memory segments of brokers of the run directory ``where``, which does not
+    exist: no broker serves from it, so each is stale (by the lock name it was made under)."""
+    prefix = run_prefix(str(where))
+    stale: dict[str, rundir.StaleEntry] = {}
+    for segment in list_segments(prefix):
+        lock_name = segment[len(prefix):].split("+", 1)[0]
+        stale.setdefault(lock_name, rundir.StaleEntry(lock_name)).add(
+            [os.path.join(SHM_DIR, segment)])
+    return list(stale.values())
+
+
+def _scan() -> tuple[str, bool, list[rundir.HostBroker], list[rundir.StaleEntry]]:
+    """(the run directory, whether it exists, its live brokers, its stale entries); a missing
+    one is not made: it has no brokers, and its stale entries are segments its brokers left."""
+    missing = _missing_run_dir()
+    if missing is not None:
+        return str(missing), False, [], _orphan_segments(missing)
+    live, stale = rundir.scan()
+    return str(paths.run_dir()), True, live, stale
+
+
 def show_host(as_json: bool, timeout: float, curve_keys: Any) -> None:
     """Print the brokers serving from this host's run directory and its stale entries."""
-    live, stale = rundir.scan()
-    where = str(paths.run_dir())
+    where, exists, live, stale = _scan()
     rows = [row for b in live for row in _rows_of(b, min(timeout, 2.0), curve_keys)]
     if as_json:
-        click.echo(json.dumps({"run_dir": where, "brokers": rows, "stale": [
-            {"name": e.name, "files": e.files} for e in stale]}, indent=2, sort_keys=True))
+        click.echo(json.dumps({"run_dir": where, "run_dir_exists": exists, "brokers": rows,
+                               "stale": [{"name": e.name, "files": e.files} for e in stale]},
+                              indent=2, sort_keys=True))
         return
-    if not rows:
+    if not exists:
+        click.echo(f"no brokers: the run directory {where} does not exist")
+    elif not rows:
         click.echo(f"no brokers in {where}")
     else:
         click.echo(f"brokers in {where}")
@@ -96,16 +131,18 @@ def show_host(as_json: bool, timeout: float, curve_keys: Any) -> None:
 def clean(dry_run: bool) -> None:
     """Remove the stale entries of this host's run directory: lock, address and socket files
     and shared-memory segments of channels whose broker is gone.  Live brokers keep theirs."""
+    where, exists, _, stale = _scan()
+    if not stale:  # (a missing run directory is not made)
+        click.echo(f"nothing to remove in {where}" if exists
+                   else f"nothing to remove: the run directory {where} does not exist")
+        return
     if dry_run:
-        stale = rundir.scan()[1]
         for entry in stale:
             for path in entry.files:
                 click.echo(f"would remove {path}")
-        if not stale:
-            click.echo(f"nothing to remove in {paths.run_dir()}")
         return
     removed = rundir.clean()
     for path in removed:
         click.echo(f"removed {path}")
     if not removed:
-        click.echo(f"nothing to remove in {paths.run_dir()}")
+        click.echo(f"nothing to remove in {where}")

@@ -213,6 +213,11 @@ def test_zchannel_run_dir_is_made_one_level_deep_at_most(tmp_path):
     fresh = tmp_path / "fresh"
     out = _zchannel("stat", env=dict(os.environ, ZCHANNEL_RUN_DIR=str(fresh)))
     assert out.returncode == 0, out.stderr
+    assert not fresh.exists()  # looking does not make it (tests/test_operator_field.py)
+    made = subprocess.run([sys.executable, "-c", "from zchannel.broker.host import paths; "
+                           "paths.run_dir()"], env=dict(os.environ, ZCHANNEL_RUN_DIR=str(fresh)),
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
     assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
 
 

@@ -30,17 +30,42 @@ def check_name(name: object) -> str:
 
 def run_dir() -> Path:
     """The directory of this user's channel files (sockets, locks, address files), created
-    with mode 0700: ``$ZCHANNEL_RUN_DIR`` (its last component alone is created: its parent
-    must exist), else ``$XDG_RUNTIME_DIR/zchannel`` when ``$XDG_RUNTIME_DIR`` is a directory
-    of this user, else ``/tmp/zchannel-<uid>``.
+    with mode 0700: ``run_dir_path()`` -- ``$ZCHANNEL_RUN_DIR`` (its last component alone is
+    created: its parent must exist), else ``$XDG_RUNTIME_DIR/zchannel`` when
+    ``$XDG_RUNTIME_DIR`` is a directory of this user, else ``/tmp/zchannel-<uid>``.
 
     ``UnsafeRunDir`` when it cannot be made, or is not this user's alone (``check_run_dir``)."""
-    base = os.environ.get("ZCHANNEL_RUN_DIR")
-    if base:
-        return _private_dir(Path(base), parents=False)
+    named = _named_run_dir()
+    if named is not None:
+        return _private_dir(named, parents=False)
+    return _private_dir(run_dir_path())
+
+
+def run_dir_path() -> Path:
+    """Where ``run_dir`` is, an absolute path, neither made nor checked here (``zchannel stat``
+    and ``zchannel clean --dry-run`` report a missing one without making it)."""
+    named = _named_run_dir()
+    if named is not None:
+        return named
     if _own_dir(os.environ.get("XDG_RUNTIME_DIR")):
-        return _private_dir(Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel")
-    return _private_dir(_tmp_dir())
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "zchannel"
+    return _tmp_dir()
+
+
+def _named_run_dir() -> Path | None:
+    """``$ZCHANNEL_RUN_DIR`` as an absolute path (None: not set).  A relative one is resolved
+    against the working directory once, the first time it is read, and the variable is set to
+    the absolute path: the ipc addresses made there (the address file's, the one a broker
+    announces) then name the same socket from any working directory, and this process after
+    a ``chdir`` and the processes it starts (which inherit the variable) use the same
+    directory.  Symbolic links are kept, not resolved (``check_run_dir`` checks a link's
+    owner)."""
+    base = os.environ.get("ZCHANNEL_RUN_DIR")
+    if not base:
+        return None
+    if not os.path.isabs(base):
+        base = os.environ["ZCHANNEL_RUN_DIR"] = os.path.abspath(base)
+    return Path(base)
 
 
 def _tmp_dir() -> Path:
@@ -76,9 +101,10 @@ def _private_dir(path: Path, parents: bool = True) -> Path:
 
 
 def _own_dir(path: str | None) -> bool:
-    """Whether ``path`` is a directory owned by this user (``$XDG_RUNTIME_DIR`` left set by
-    ``sudo`` or ``su`` names another user's)."""
-    if not path:
+    """Whether ``path`` is an absolute path of a directory owned by this user
+    (``$XDG_RUNTIME_DIR`` left set by ``sudo`` or ``su`` names another user's; a relative one
+    is invalid, as the XDG Base Directory specification says, and ignored)."""
+    if not path or not os.path.isabs(path):
         return False
     try:
         st = os.stat(path)

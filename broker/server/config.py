@@ -127,7 +127,7 @@ class BrokerConfig:
             raise ValueError(f"max_journal_bytes must be 0 (no limit) or at least "
                              f"{MIN_JOURNAL_LIMIT} (a segment and its removals' margin), got "
                              f"{self.max_journal_bytes}")
-        if self.curve_public_keys and not self.curve_secret_key:
+        if self.curve_public_keys is not None and self.curve_secret_key is None:
             raise ValueError("curve_public_keys (the clients' keys let in) needs the broker's "
                              "own key pair: give curve_secret_key (--curve-secret-key FILE) too")
 
@@ -183,17 +183,28 @@ def _str(what: str, optional: bool = True) -> tuple[Any, str]:
     return (lambda v: isinstance(v, str) or (optional and v is None)), what
 
 
+def _path(what: str) -> tuple[Any, str]:
+    """The check of an optional path field (a file, a directory, an address): None, or a
+    non-empty str without a NUL character -- an empty one is refused, not taken as unset (a
+    template whose variable expanded to nothing would otherwise drop a setting, such as the
+    clients' public keys, without a word) -- and ``what`` it is."""
+    return ((lambda v: v is None or (isinstance(v, str) and v != "" and "\0" not in v)),
+            f"{what}, not empty (leave the key out to set none) and without a NUL character")
+
+
 _FLAG = (lambda v: type(v) is bool, "true or false")
-_PATH = _str("a str (a path)")
 # The fields whose type ``check_types`` checks (the numeric ones are ``check_settings``'s): a
 # value of another type must name its field, not act as another (``"false"`` as true, a
 # number as a file descriptor).
 _TYPES: dict[str, tuple[Any, str]] = {
     "name": _str("a str", optional=False),
-    "address": _str("a str (an address)"),
+    "address": _path("a str (an address: ipc://PATH or tcp://HOST:PORT)"),
     "insecure": _FLAG, "direct": _FLAG, "sched_batch": _FLAG, "steal": _FLAG,
-    "curve_secret_key": _PATH, "curve_public_keys": _PATH, "token_file": _PATH,
-    "curve_admin_keys": _PATH, "cluster": _PATH,
+    "curve_secret_key": _path("a str naming a file (the broker's NAME.key_secret)"),
+    "curve_public_keys": _path("a str naming a directory (of the clients' NAME.key files)"),
+    "token_file": _path("a str naming a file (the shutdown token's)"),
+    "curve_admin_keys": _path("a str naming a file or a directory (of NAME.key files)"),
+    "cluster": _path("a str naming a file (a cluster file)"),
     "token": _str("a str"),
     "metrics_address": _str("a str (a host)", optional=False),
     "producers": (_is_groups, f"a list of str (group names: [A-Za-z0-9._-] characters, at "

@@ -78,11 +78,12 @@ class Endpoint:
         self.token_file: Path | None = None  # where the shutdown token is kept (set by bind)
         self.refusals = RefusalLog()  # refused handshakes, each logged once (broker/transport/curve_broker.py)
         try:
-            self.address = config.address or paths.default_address(config.name)
+            self.address = (config.address if config.address is not None
+                            else paths.default_address(config.name))
             refuse_abstract_ipc(self.address)  # (a replica's, from its cluster file)
             paths.check_bind_address(
-                self.address, secure=bool(config.curve_secret_key and config.curve_public_keys),
-                insecure=config.insecure)
+                self.address, secure=config.curve_secret_key is not None
+                and config.curve_public_keys is not None, insecure=config.insecure)
         except BaseException:
             self.release_lock()
             raise
@@ -102,10 +103,10 @@ class Endpoint:
         sock.setsockopt(zmq.LINGER, 0)
         if self.config.max_message_bytes:
             sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        if self.config.curve_secret_key:
+        if self.config.curve_secret_key is not None:
             self._auth = secure_server(sock, self.config.curve_secret_key,
                                        self.config.curve_public_keys, self.refusals)
-        self.handshakes = BrokerHandshakes(bool(self._auth), self.refusals)
+        self.handshakes = BrokerHandshakes(self._auth is not None, self.refusals)
         # counts the connections from the first one on (before bind), refuses beyond the budget
         self.guard = peers.guard = PeerGuard(sock, self.address, self.max_clients,
                                                   self.fd_limit)
@@ -123,7 +124,7 @@ class Endpoint:
             os.chmod(ipc, 0o600)
         self.guard.bound(self.address)
         # beside shared memory only (see transport.open_transport); never around CURVE
-        link = direct_framing.link_path(ipc) if ipc and self.config.direct and not self._auth \
+        link = direct_framing.link_path(ipc) if ipc and self.config.direct and self._auth is None \
             and self.config.shm_threshold > 0 else None
         if link is not None:
             limit = self.config.max_message_bytes
@@ -135,14 +136,14 @@ class Endpoint:
             except OSError as exc:  # clients then use ZeroMQ only
                 log.warning("no direct link at %s: %s", link, exc)
         paths.write_address(self.config.name, self.address)
-        secret_file = self.config.curve_secret_key if self._auth else None
+        secret_file = self.config.curve_secret_key if self._auth is not None else None
         self.token_file = paths.write_token_file(  # (the public key: for broker stop and stat)
             self._lock_name, self.address, token,
             load_key_file(secret_file, "the broker's CURVE key pair")[0].decode()
-            if secret_file else None)
+            if secret_file is not None else None)
         for warning in paths.bind_warnings(
-                self.address, bool(self._auth and self.config.curve_public_keys),
-                encrypted=bool(self._auth)):
+                self.address, self._auth is not None and self.config.curve_public_keys is not None,
+                encrypted=self._auth is not None):
             log.warning("%s", warning)
         return self.address
 

@@ -62,6 +62,62 @@ class ReplicaCurveKeys(CurveKeys):
         return public, secret, self.server_public_key.encode()
 
 
+# how a Python program gives a client its keys (``KeySettings``)
+_PYTHON_REMEDY = ("pass curve_keys=(own .key_secret, broker's .key), set "
+                  "ZCHANNEL_CURVE_SECRET_KEY and ZCHANNEL_CURVE_SERVER_KEY, or connect to a "
+                  "distributed channel through its cluster file ($ZCHANNEL_CLUSTER)")
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """The settings a client's keys are given by, as its CURVE errors name them: a Python
+    program's (``curve_keys=`` or the environment variables), or a command's (``command``:
+    ``name_key_settings``): ``secret`` this client's key pair file's, ``server`` the
+    broker's public key file's."""
+
+    secret: str = "ZCHANNEL_CURVE_SECRET_KEY"
+    server: str = "ZCHANNEL_CURVE_SERVER_KEY"
+    command: bool = False
+
+    def without_server_key(self, where: str, secret_file: str) -> str:
+        """The error of a client that has its own key pair but not the broker's public key."""
+        if not self.command:
+            return (f"authentication failed: {where} requires CURVE keys and this client has "
+                    f"only its own ({self.secret}), not the broker's public key: "
+                    f"{_PYTHON_REMEDY}")
+        return (f"authentication failed: {where} requires CURVE keys and this client has only "
+                f"its own key pair ({self.secret} {secret_file}), not the broker's public key: "
+                f"give {self.server} FILE (the broker's NAME.key)")
+
+    def without_keys(self, where: str) -> str:
+        """The error of a client without keys at a broker that requires them."""
+        remedy = (f"give {self.secret} FILE (this client's NAME.key_secret) and {self.server} "
+                  "FILE (the broker's NAME.key)" if self.command else _PYTHON_REMEDY)
+        return (f"authentication failed: {where} requires CURVE keys and this client has none: "
+                f"{remedy}")
+
+    def with_keys(self, where: str, secret_file: str) -> str:
+        """The error of a client with keys at a broker without CURVE."""
+        remedy = (f"connect without {self.secret} and {self.server}" if self.command else
+                  "connect without curve_keys (and unset ZCHANNEL_CURVE_SECRET_KEY / "
+                  "ZCHANNEL_CURVE_SERVER_KEY)")
+        return (f"authentication failed: {where} does not use CURVE and this client has keys "
+                f"({secret_file}): {remedy}")
+
+
+_settings = KeySettings()
+
+
+def name_key_settings(secret: str, server: str) -> None:
+    """Name ``secret`` and ``server`` in this process's CURVE errors as the settings of this
+    client's key pair file and of the broker's public key file -- a command's options or
+    variables (``--curve-secret-key``, ``ZCHANNEL_CURVE_SECRET_KEY`` when that is where the
+    command read it; ``--curve-server-key``) -- and their remedies in those terms, instead of
+    a Python program's ``curve_keys=``."""
+    global _settings
+    _settings = KeySettings(secret, server, command=True)
+
+
 def replica_client_keys(curve_keys: Any, server_key: str | None) -> Any:
     """The CURVE settings for connecting to a replica whose public key is ``server_key`` (z85):
     the client's own key pair file (from ``curve_keys`` or ``ZCHANNEL_CURVE_SECRET_KEY``) with
@@ -170,18 +226,11 @@ class HandshakeWatch:
                 "public .key file must be in the broker's --curve-public-keys directory")
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
                 and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            if keys is None:
-                has = ("only its own (ZCHANNEL_CURVE_SECRET_KEY), not the broker's public key"
-                       if os.environ.get("ZCHANNEL_CURVE_SECRET_KEY") else "none")
-                return AuthenticationFailed(
-                    f"authentication failed: {where} requires CURVE keys and this client has "
-                    f"{has}: pass curve_keys=(own .key_secret, broker's .key), set "
-                    "ZCHANNEL_CURVE_SECRET_KEY and ZCHANNEL_CURVE_SERVER_KEY, or connect to a "
-                    "distributed channel through its cluster file ($ZCHANNEL_CLUSTER)")
-            return AuthenticationFailed(
-                f"authentication failed: {where} does not use CURVE and this client has keys "
-                f"({keys.secret_key}): connect without curve_keys (and unset "
-                "ZCHANNEL_CURVE_SECRET_KEY / ZCHANNEL_CURVE_SERVER_KEY)")
+            if keys is not None:
+                return AuthenticationFailed(_settings.with_keys(where, keys.secret_key))
+            own = os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")
+            return AuthenticationFailed(_settings.without_server_key(where, own) if own
+                                        else _settings.without_keys(where))
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             return AuthenticationFailed(
                 f"authentication failed: the handshake with {where} failed (ZMTP protocol "

@@ -89,11 +89,11 @@ def secure_server(sock: zmq.Socket, secret_key_file: str, public_keys_dir: str |
     if secret is None:
         raise ValueError(f"{secret_key_file} holds no secret key: the broker needs its "
                          "NAME.key_secret file (zchannel keygen)")
-    if public_keys_dir and not Path(public_keys_dir).is_dir():
+    if public_keys_dir is not None and not Path(public_keys_dir).is_dir():
         raise ValueError(f"--curve-public-keys {public_keys_dir} is not a directory")
     auth = _Authenticator(sock.context, refusals)
     auth.start()
-    if public_keys_dir:  # each key file read as the broker's own is (regular, bounded)
+    if public_keys_dir is not None:  # each key file read as the broker's own is (regular, bounded)
         files = sorted(Path(public_keys_dir).glob("*.key"))
         auth.allow_any = False
         auth.certs["*"] = dict.fromkeys(

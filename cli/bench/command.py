@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 import click.core
-from zchannel.broker import Channel
+from zchannel.broker.handle.broker_channel import BrokerChannel
 from zchannel.broker.host.toml import read_toml
 from zchannel.broker.server.config import BrokerConfig
 from zchannel.broker.server.starting import child_environ
@@ -94,6 +94,26 @@ _OPTION_NAMES = (
 _CONFIG_ALIASES = {"json": "json_path", "num_producers": "producers",
                    "num_consumers": "consumers", "repeat": "repeats"}
 
+# The options that shape a scenario's cases, and those each scenario reads (the others, given
+# on the command line, are refused: ``_check_scenario_options``).  ``quick`` and ``scaling``
+# choose their own payloads, the target suites nearly everything.
+_STREAM_OPTIONS = frozenset({"payload_type", "payload_size", "messages", "producers",
+                             "consumers", "transport", "window", "baseline", "shm"})
+_CASE_OPTIONS = _STREAM_OPTIONS | {"keys", "trajectory_batch"}
+_SCENARIO_OPTIONS: dict[str, frozenset[str]] = {
+    "quick": _STREAM_OPTIONS - {"payload_type", "payload_size"},
+    "random_key": _STREAM_OPTIONS | {"keys"},
+    "all": _STREAM_OPTIONS | {"keys"},
+    "scaling": _STREAM_OPTIONS - {"payload_type", "payload_size"},
+    "trajectory": frozenset({"messages", "trajectory_batch", "transport", "shm"}),
+    "targets": frozenset({"messages", "shm"}),
+    "shm": frozenset({"shm"}),
+    "durable": frozenset({"shm"}),
+}
+# the parameters of the deprecated spellings (--producers) and the options they stand for
+_DEPRECATED = {"old_producers": "producers", "old_consumers": "consumers"}
+_TARGET_SCENARIOS = ("targets", "shm", "durable")  # the scenarios that read thresholds
+
 
 def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) -> dict[str, Any]:
     """Values from ``[bench]`` of a TOML file, for options not given on the command line."""
@@ -109,11 +129,17 @@ def _apply_config(ctx: click.Context, path: str | None, values: dict[str, Any]) 
         raise click.BadParameter(f"[bench] of {path} must be a table")
     params = {p.name: p for p in ctx.command.params}
     out = dict(values)
+    spelled: dict[str, str] = {}  # option -> the key of the table that set it
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
         key = _CONFIG_ALIASES.get(key, key)
         if key not in _OPTION_NAMES:
             raise click.BadParameter(f"unknown option {raw_key!r} in [bench] of {path}")
+        if key in spelled:  # two spellings of one option (repeat and repeats): which one?
+            raise click.BadParameter(
+                f"[bench] of {path} sets one option twice: {spelled[key]} = "
+                f"{table[spelled[key]]!r} and {raw_key} = {value!r}; keep one")
+        spelled[key] = raw_key
         if ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
             param = params[key]
             # a TOML value keeps its type: true or 1.9 is not an int (click would cast them to 1)
@@ -155,6 +181,17 @@ def _thresholds(config_path: str | None) -> dict[str, Threshold]:
             check_target_names(given, thresholds, config_path)
             thresholds.update(given)
     return thresholds
+
+
+def _scenario_thresholds(scenario: str, config_path: str | None) -> dict[str, Threshold]:
+    """The thresholds of a scenario with targets (``_thresholds``); {} for another, whose
+    ``--config`` file's ``[targets]`` table, if it has one, is checked all the same: a bad
+    table is an error whatever the scenario, not only once a run with targets reads it."""
+    if scenario in _TARGET_SCENARIOS:
+        return _thresholds(config_path)
+    if config_path and read_toml(config_path).get("targets") is not None:
+        _thresholds(config_path)
+    return {}
 
 
 @click.command(short_help="Benchmark a broker against ZeroMQ, mp, Redis and Ray baselines.")
@@ -304,12 +341,13 @@ def bench(
     _worker_environment(ctx, base)
     scenario = opts["scenario"]
     _check_plot(plot_dir, scenario)
+    _check_scenario_options(ctx, scenario)
     _check_baseline(opts["baseline"])
     if not opts.get("address"):
         _check_keys(base, scenario, opts.get("keys"))
-    thresholds = _thresholds(config_path) if scenario in ("targets", "shm", "durable") else {}
-    if opts.get("address"):  # no broker there: an expected failure (status 2), before any run
-        Channel.connect(opts["address"], timeout=5.0).close()
+    thresholds = _scenario_thresholds(scenario, config_path)
+    if opts.get("address"):
+        _check_address(opts["address"])
     machine = machine_description()
     with tempfile.TemporaryDirectory(prefix="zcb-", dir="/tmp") as tmpdir:
         runner = Runner(
@@ -385,6 +423,49 @@ def _check_baseline(kind: str) -> None:
         why = entry.unavailable() if entry is not None else None
     if why is not None:
         raise click.UsageError(f"--baseline {kind} cannot run here: {why}")
+
+
+def _check_scenario_options(ctx: click.Context, scenario: str) -> None:
+    """Options given on the command line that shape cases ``scenario`` does not read (its
+    cases set their own: ``--transport`` for the shared-memory targets, which run over ipc)
+    are a usage error naming them, before the run, not dropped without a word.  A ``[bench]``
+    table's are left unused: one file serves several scenarios."""
+    used = _SCENARIO_OPTIONS.get(scenario, _STREAM_OPTIONS)
+    flags = {param.name or "": param.opts[0] for param in ctx.command.params}
+    unused = {_DEPRECATED.get(name, name): flag for name, flag in flags.items()
+              if _DEPRECATED.get(name, name) in _CASE_OPTIONS - used
+              and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if not unused:
+        return
+    takes = ", ".join(flag for name, flag in flags.items() if name in used) or "none of them"
+    others = ", ".join(s for s in SCENARIOS if set(unused) <= _SCENARIO_OPTIONS.get(
+        s, _STREAM_OPTIONS))
+    raise click.UsageError(
+        f"--scenario {scenario} does not use {', '.join(unused.values())}: its cases set "
+        f"their own (docs/benchmarks.md, \"What is measured\"); of the options that shape "
+        f"cases it takes {takes}.  Leave the others out"
+        + (f", or give a scenario that uses them ({others})" if others else ""))
+
+
+def _check_address(address: str) -> None:
+    """``--address``: no broker there, or a channel that deals items to its consumers, is an
+    expected failure (status 2) before anything is put.  The bench's consumers have no
+    consumer id, which a dealing channel's consumers need: its items would be dealt to the
+    channel's own consumers and stay in their private queues."""
+    handle = BrokerChannel(None, address)
+    try:
+        if not handle._connection(timeout=5.0).broker_info.deals:
+            return
+        stats = handle.stats(exclude_self=True)
+    finally:
+        handle.close()
+    consumers = ", ".join(str(c) for c in stats.get("consumers") or ()) or "none declared"
+    raise BenchFailure(
+        f"--address {address}: channel {stats.get('name')!r} deals items to consumers "
+        f"(dispatcher {stats.get('dispatcher')!r}; consumers: {consumers}): a consumer needs "
+        "an identity, which the bench's consumers do not have, and the bench's items would "
+        "stay in the private queues of the channel's own consumers; nothing was put.  Measure "
+        "a broker whose channel does not deal (no dispatcher, or the shared one)", 2)
 
 
 @dataclasses.dataclass
