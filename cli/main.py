@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from typing import Any
 
 import click
@@ -35,8 +37,11 @@ from zchannel.hooks import expand_consumers
 
 
 def _parse_consumers(values: tuple[str, ...]) -> Any:
-    """``--consumers actor:3`` means ``{"actor": 3}`` (``--consumers actor:3 --consumers
-    critic:2``: ``{"actor": 3, "critic": 2}``); ``--consumers actor:0,actor:2`` a list of ids."""
+    """The declared consumers of ``--consumers`` values: counts (``actor=3``, or the older
+    ``actor:3`` alone in a value, of 2 or more) as a mapping ``{"actor": 3}``
+    (``--consumers actor=3 --consumers critic=2``, or ``actor=3,critic=2``), or lists of ids
+    (``actor:0,actor:2``; one id: ``actor:1,``).  A lone ``actor:0`` or ``actor:1`` reads as a
+    count and as an id alike: it is refused, naming both spellings."""
     if not values:
         return None
     mapping: dict[str, int] = {}
@@ -44,20 +49,59 @@ def _parse_consumers(values: tuple[str, ...]) -> Any:
     for value in values:
         parts = [part.strip() for part in value.split(",") if part.strip()]
         for part in parts:
-            group, sep, count = part.rpartition(":")
-            if not sep or not count.isdigit():
-                raise click.BadParameter(f"{part!r}: expected group:count or group:rank")
-            if len(parts) == 1 and "," not in value:
-                if group in mapping:
-                    raise click.BadParameter(f"{part!r}: group {group!r} is counted twice")
-                mapping[group] = int(count)
-            else:
+            group, sep, count = part.partition("=")
+            if not sep and "," not in value:  # a lone group:N, the older count form
+                group, sep, count = part.rpartition(":")
+                _check_lone_count(part, count)
+            elif not sep:
+                _check_id(part)
                 ids.append(part)
+                continue
+            if not group.strip() or not _digits(count) or int(count) < 1:
+                raise _bad_consumers(f"{part!r}: a count is group=N with N >= 1 "
+                                     "(actor=3 declares actor:0 to actor:2)")
+            if group.strip() in mapping:
+                raise _bad_consumers(f"{part!r}: group {group!r} is counted twice")
+            mapping[group.strip()] = int(count)
     if mapping and ids:
-        raise click.BadParameter("give either group:count values (actor:3 --consumers critic:2) "
-                                 "or lists of ids (actor:0,actor:1), not both")
+        raise _bad_consumers("give either counts (actor=3 --consumers critic=2) or lists of "
+                             "ids (actor:0,actor:1), not both")
     expand_consumers(mapping or ids)  # ValueError naming a group whose count is past the limit
     return mapping or ids
+
+
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a non-negative int written in ASCII digits."""
+    return text.isascii() and text.isdigit()
+
+
+def _bad_consumers(message: str) -> click.BadParameter:
+    """The usage error of a ``--consumers`` value."""
+    return click.BadParameter(message, param_hint="'--consumers'")
+
+
+def _check_id(part: str) -> None:
+    """``BadParameter`` unless ``part`` has the form of a consumer id, ``group:rank``."""
+    group, sep, rank = part.rpartition(":")
+    if not sep or not group or not _digits(rank):
+        raise _bad_consumers(f"{part!r}: expected group:count or group:rank (a count: "
+                             "actor=3, or actor:3 alone; an id: actor:0)")
+
+
+def _check_lone_count(part: str, count: str) -> None:
+    """``BadParameter`` for a lone ``group:N`` that is no count: not of that form, or N of 0
+    or 1, which reads as the one consumer ``group:N`` as well."""
+    _check_id(part)
+    group = part.rpartition(":")[0]
+    if int(count) == 0:
+        raise _bad_consumers(
+            f"{part!r} alone would declare no consumer (a count of 0): for the consumer "
+            f"{part} write {part}, (a list of one id); a count is written {group}=N")
+    if int(count) == 1:
+        raise _bad_consumers(
+            f"{part!r} alone reads both as a count (one consumer, {group}:0) and as the "
+            f"consumer id {part}: write {group}=1 for the count, or {part}, (a list of one "
+            "id) for that consumer")
 
 
 # the tables of the other TOML files zchannel reads, and what to do with such a file
@@ -114,7 +158,9 @@ def main() -> None:
                    "the copy installed with zchannel")
 @click.option("--collector", help="collector: registered name, module:Class")
 @click.option("--dispatcher", help="dispatcher: registered name, module:Class")
-@click.option("--consumers", multiple=True, help="declared consumers: actor:3 or actor:0,actor:1")
+@click.option("--consumers", multiple=True,
+              help="declared consumers: a count, actor=3 (actor:0 to actor:2; actor:3 alone "
+                   "too), or ids, actor:0,actor:2 (one id: actor:1,); repeat for more groups")
 @click.option("--producers", multiple=True, help="producer group names")
 @click.option("--option", "options", multiple=True, help="hook option key=value (JSON values)")
 @click.option("--import", "imports", multiple=True, help="module to import before resolving hooks (modules of the working "
@@ -164,7 +210,8 @@ def main() -> None:
               help="when journal records reach the disk: before the reply, within "
                    "--fsync-interval (default), or when the OS writes them")
 @click.option("--fsync-interval", type=click.FloatRange(min=0, min_open=True),
-              help="seconds between the journal's syncs with --fsync interval (default 0.01)")
+              help="seconds between the journal's syncs with --fsync interval (default 0.01; "
+                   "refused with another --fsync, where it would do nothing)")
 @click.option("--max-journal-bytes", type=click.IntRange(min=0),
               help="puts wait while the journal would take more disk than this (0 = no limit)")
 def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...],
@@ -200,6 +247,9 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     journal_only = given("fsync", "fsync_interval", "max_journal_bytes", "journal_segment_bytes")
     if journal_only and not config.journal:
         raise _journal_missing(journal_only, config_file)
+    if given("fsync_interval") and config.fsync != "interval":
+        raise _interval_unused(given("fsync_interval")[0], config.fsync, given("fsync"),
+                               config_file)
     if given("metrics_address") and config.metrics_port is None:
         raise click.UsageError(f"{given('metrics_address')[0]} sets the metrics endpoint: give "
                                "--metrics-port PORT too")
@@ -214,8 +264,9 @@ def broker(name: str | None, config_file: str | None, consumers: tuple[str, ...]
     if config.cluster is not None:
         remedy = (f"give the replicas CURVE keys (zchannel keygen --replicas N), or set "
                   f"insecure = true in [cluster] of {config.cluster}")
-    paths.check_bind_address(config.address or "ipc://",
-                             bool(config.curve_secret_key and config.curve_public_keys),
+    paths.check_bind_address(config.address if config.address is not None else "ipc://",
+                             config.curve_secret_key is not None
+                             and config.curve_public_keys is not None,
                              bool(config.insecure), remedy=remedy)
     try:
         sys.exit(run_broker(config))
@@ -232,6 +283,20 @@ def _journal_missing(settings: list[str], config_file: str | None) -> Exception:
         return click.UsageError(message)
     return ValueError(f'{message}, or a journal key in [channel] of {config_file} (journal = '
                       '"DIR", the directory of the channel\'s journal)')
+
+
+def _interval_unused(setting: str, policy: str, policy_given: list[str],
+                     config_file: str | None) -> Exception:
+    """The error of an fsync interval (``setting``: ``--fsync-interval`` or ``fsync_interval
+    in FILE``) given with an fsync ``policy`` other than ``interval``, which syncs on no
+    interval: it would do nothing.  A usage error, or, for a broker given a ``config_file``,
+    a ``ValueError`` naming that file's keys too."""
+    where = f" ({policy_given[0]})" if policy_given else ""
+    message = (f"{setting} sets how often the journal syncs under --fsync interval: with "
+               f"fsync {policy}{where} it would do nothing; drop it, or use --fsync interval")
+    if config_file is None:
+        return click.UsageError(message)
+    return ValueError(f"{message} (fsync = \"interval\" in [channel] of {config_file})")
 
 
 def _client_curve_options(command: Any) -> Any:
@@ -254,19 +319,18 @@ def _client_curve_options(command: Any) -> Any:
 @_client_curve_options
 def broker_stop(target: str, token_file: str | None, timeout: float,
                 curve_secret_key: str | None, curve_server_key: str | None) -> None:
-    """Stop the broker of TARGET with its shutdown token.
+    """Stop the broker of TARGET cleanly.
 
     TARGET is a channel name served on this host (NAME.replicaI: one replica of a distributed
-    channel): the token and address are read from NAME.token in the run directory (readable
-    by its owner only), and the command waits until the broker process exited.  Or TARGET is
-    an address: the token comes from --token-file, or a CURVE admin key (the broker's
-    --curve-admin-keys) stops it without one.
+    channel): the broker's pid is read from NAME.token in the run directory (readable by its
+    owner only), the broker gets SIGTERM, which stops it as Ctrl-C does (even when it holds
+    --max-clients connections), and the command waits until the process exited.  A broker
+    busy in a hook call stops once that call returns: if it has not exited within --timeout,
+    the command says so (status 2), and running it again (a second stop signal) interrupts
+    the call and stops the broker at once (docs/hooks.md).  Or TARGET is an address: a
+    shutdown request with the token from --token-file, or from a CURVE admin key (the
+    broker's --curve-admin-keys) without one.
     """
-    import time
-
-    from zchannel.broker import Channel
-    from zchannel.broker.host.procs import process_running
-
     if paths.is_address(target):
         if not token_file and not curve_secret_key:
             raise click.UsageError(
@@ -285,16 +349,116 @@ def broker_stop(target: str, token_file: str | None, timeout: float,
                                "lists them)")
         info = found
     keys = _stat_keys(curve_secret_key, curve_server_key, target)
-    handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
+    if "pid" in info and _takes_stop_signal(target, info["pid"]):
+        _stop_by_signal(target, info["pid"], info["address"], timeout)
+    else:
+        _stop_by_request(target, info, timeout, keys)
+
+
+def _stop_by_signal(name: str, pid: int, address: str, timeout: float) -> None:
+    """Stop the broker of ``name`` (process ``pid``, ``_takes_stop_signal``) with SIGTERM and
+    wait ``timeout`` seconds for it to exit; a ``ChannelError`` saying what to do when it
+    did not (a hook call that has not returned)."""
+    os.kill(pid, signal.SIGTERM)
+    if not _exits_within(pid, timeout):
+        raise ChannelError(
+            f"broker {name!r} (pid {pid}) got the stop signal but has not exited within "
+            f"{timeout}s: it is busy (in a hook call that has not returned?) and stops once "
+            f"its loop runs again; run `zchannel broker stop {name}` again (or kill -TERM "
+            f"{pid}): a second stop signal interrupts the hook call and stops it now")
+    click.echo(f"stopped {name} (pid {pid}, {address})")
+
+
+def _stop_by_request(target: str, info: dict, timeout: float, keys: Any) -> None:
+    """Stop the broker at ``info["address"]`` with a shutdown request carrying
+    ``info["token"]`` (or the CURVE admin key ``keys``); for a ``target`` name, wait until
+    its process (``info["pid"]``) exited."""
+    from zchannel.broker import Channel
+    from zchannel.broker.errors import ChannelNotFound
+
+    try:
+        handle = Channel.connect(info["address"], timeout=timeout, curve_keys=keys)
+    except ChannelNotFound as exc:
+        raise ChannelNotFound(f"{exc}{_silent_broker_hint(target, info)}") from None
     pid = handle.stats(exclude_self=True).get("pid") if "pid" not in info else info["pid"]
     handle.shutdown(token=info["token"])
-    deadline = time.monotonic() + timeout
-    while not paths.is_address(target) and isinstance(pid, int) and process_running(pid):
-        if time.monotonic() > deadline:
-            raise ChannelError(f"broker {target!r} (pid {pid}) accepted the shutdown but did "
-                               f"not exit within {timeout}s")
-        time.sleep(0.05)
+    if not paths.is_address(target) and isinstance(pid, int) and not _exits_within(pid, timeout):
+        raise ChannelError(f"broker {target!r} (pid {pid}) accepted the shutdown but did not "
+                           f"exit within {timeout}s")
     click.echo(f"stopped {target} (pid {pid}, {info['address']})")
+
+
+def _exits_within(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (no child of this one) exited within ``timeout`` seconds."""
+    from zchannel.broker.host.procs import process_running
+
+    deadline = time.monotonic() + timeout
+    while process_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _takes_stop_signal(lock_name: str, pid: object) -> bool:
+    """Whether process ``pid`` (from the token file of ``lock_name``) is that broker and a
+    SIGTERM stops it cleanly: it runs, has the channel's lock file open (``/proc/PID/fd``: the
+    pid is no other process's, of another pid namespace sharing the run directory, say), and
+    catches SIGTERM (``SigCgt``: a broker ``Channel.create`` started catches it only once it
+    serves).  False where ``/proc`` cannot tell."""
+    from zchannel.broker.host.procs import process_running
+
+    if not isinstance(pid, int) or isinstance(pid, bool) or not process_running(pid):
+        return False
+    try:
+        lock = os.stat(paths.lock_path(lock_name))
+        with open(f"/proc/{pid}/status") as f:
+            caught = next((int(line.split()[1], 16) for line in f
+                           if line.startswith("SigCgt:")), 0)
+        if not caught >> (signal.SIGTERM - 1) & 1:
+            return False
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                held = os.stat(os.path.join(fds, fd))
+            except OSError:  # closed meanwhile
+                continue
+            if (held.st_dev, held.st_ino) == (lock.st_dev, lock.st_ino):
+                return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def _silent_broker_hint(target: str, info: dict) -> str:
+    """What to add to "no broker answered" when a broker of this host serving ``target``
+    (its name, or ``info["address"]`` in a token file of the run directory) runs all the
+    same: it is busy or holds all the connections it serves."""
+    from zchannel.broker.host.procs import process_running
+
+    found = _local_broker(target, info["address"])
+    if found is None or not process_running(found[1]):
+        return ""
+    name, pid = found
+    return (f"; yet broker {name!r} of this host (pid {pid}) serves it and runs: it is busy "
+            "(a hook call that has not returned?) or holds --max-clients connections; "
+            f"`zchannel broker stop {name}` stops it with a signal")
+
+
+def _local_broker(target: str, address: str) -> tuple[str, int] | None:
+    """The lock name and pid of the broker of this host serving ``target`` (a name) or
+    ``address``, from the token files of the run directory; None if there is none."""
+    names = [target] if not paths.is_address(target) else sorted(
+        path.stem for path in paths.run_dir().glob("*.token"))
+    for name in names:
+        try:
+            found = paths.read_token_file(name)
+        except (ChannelError, ValueError):  # a killed broker's, or no token file
+            continue
+        if found is not None and found["address"] == address \
+                and isinstance(found.get("pid"), int):
+            return name, found["pid"]
+    return None
 
 
 @main.command()
@@ -422,6 +586,8 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
         raise click.UsageError(str(exc)) from None
     finally:
         channel.close()
+    if peek_consumer is not None:
+        _check_peek_consumer(peek_consumer, key, stats)
     if as_json:
         if peeked is not None:
             stats["peek"] = {"key": key_label(peeked[0]), "items": [
@@ -431,7 +597,22 @@ def stat(target: str | None, as_json: bool, timeout: float, curve_secret_key: st
     _echo_stats(stats)
     _echo_key_table(stats)
     if peeked is not None:
-        _echo_peek(*peeked, stats)
+        _echo_peek(*peeked, stats, peek_consumer)
+
+
+def _check_peek_consumer(consumer: str, key: Any, stats: dict) -> None:
+    """``UsageError`` (status 2) for a ``--consumer`` of ``stat --peek KEY`` that is no consumer
+    of the channel (not among its consumers now, and no private queue of ``key`` waits for
+    it), naming those there are: its peek would show nothing of its own."""
+    consumers = list(stats.get("consumers") or [])
+    private = (stats.get("keys") or {}).get(key, {}).get("private") or {}
+    if consumer in consumers or consumer in private:
+        return
+    known = ", ".join(consumers + sorted(set(private) - set(consumers)))
+    raise click.UsageError(
+        f"--consumer {consumer}: no consumer of channel {stats.get('name')!r} has that id "
+        + (f"(its consumers: {known})" if known else
+           "(it has none: its dispatcher deals no items, or none joined yet)"))
 
 
 def _echo_stats(stats: dict) -> None:
@@ -492,14 +673,17 @@ def _echo_key_table(stats: dict) -> None:
         click.echo("  ".join(pad(cell, w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-def _echo_peek(key: Any, items: list, stats: dict) -> None:
-    """The ``--peek`` section: one line per head item (index, weight, summary)."""
+def _echo_peek(key: Any, items: list, stats: dict, consumer: str | None) -> None:
+    """The ``--peek`` section: one line per head item (index, weight, summary); without
+    ``consumer``, a hint when items of the key wait in private queues, which the shared
+    queue's head leaves out."""
     key_stats = (stats.get("keys") or {}).get(key, {})
+    taker = f", as consumer {consumer} would take them" if consumer is not None else ""
     click.echo(f"peek      {key_text(key)}: {len(items)} of {key_stats.get('depth', len(items))} "
-               "item(s), head first, left in place")
+               f"item(s), head first{taker}, left in place")
     for i, (item, weight) in enumerate(items):
         click.echo(f"  [{i}] weight {weight}  {summarize(item)}")
-    if key_stats.get("private"):
+    if key_stats.get("private") and consumer is None:
         click.echo("  (items dealt to consumers wait in private queues: --consumer ID shows "
                    "what ID would take next)")
 
@@ -513,10 +697,16 @@ def _stat_keys(secret: str | None, server: str | None, target: str | None = None
     if server and not secret:
         raise click.UsageError("--curve-server-key (ZCHANNEL_CURVE_SERVER_KEY) needs this "
                                "client's key pair: --curve-secret-key (ZCHANNEL_CURVE_SECRET_KEY)")
+    from zchannel.broker.transport.curve import CurveKeys, ReplicaCurveKeys, name_key_settings
+    from zchannel.broker.transport.curve_keys import load_key_file
+
+    # this command's CURVE errors name its options (or the variable the key pair came from)
+    source = click.get_current_context().get_parameter_source("curve_secret_key")
+    name_key_settings("ZCHANNEL_CURVE_SECRET_KEY"
+                      if source is click.core.ParameterSource.ENVIRONMENT
+                      else "--curve-secret-key", "--curve-server-key")
     if not secret:
         return None
-    from zchannel.broker.transport.curve import CurveKeys, ReplicaCurveKeys
-    from zchannel.broker.transport.curve_keys import load_key_file
 
     found = {} if server else _token_record(target)
     if server:

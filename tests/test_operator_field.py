@@ -258,3 +258,21 @@ def test_a_curve_error_names_the_settings_the_keys_came_from(curve_broker, monke
     monkeypatch.delenv("ZCHANNEL_CURVE_SECRET_KEY")
     with pytest.raises(AuthenticationFailed, match="has none: give --curve-secret-key FILE"):
         Channel.connect(address, timeout=30)
+
+
+def test_zchannel_stat_names_its_curve_options(curve_broker):
+    """``zchannel stat ADDRESS --curve-secret-key FILE`` without the broker's public key: the
+    error names the setting the key pair came from and ``--curve-server-key FILE``, not a
+    Python program's ``curve_keys=``."""
+    address, client_secret = curve_broker
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZCHANNEL_CURVE_")}
+    out = _zchannel("stat", address, "--curve-secret-key", client_secret, env=env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = _error_line(out.stderr)
+    assert (f"only its own key pair (--curve-secret-key {client_secret}), not the broker's "
+            "public key: give --curve-server-key FILE") in line, line
+    assert "curve_keys=" not in line
+    out = _zchannel("stat", address, env=dict(env, ZCHANNEL_CURVE_SECRET_KEY=client_secret))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert (f"only its own key pair (ZCHANNEL_CURVE_SECRET_KEY {client_secret})"
+            in _error_line(out.stderr))

@@ -186,6 +186,9 @@ def _journal_settings(journal: Any, fsync: Any, fsync_interval: Any, max_journal
                     "give journal=DIR too (without a journal the channel is not durable, and "
                     "they would do nothing)"))
         return {}
+    if fsync_interval is not None and (fsync or BrokerConfig.fsync) != "interval":
+        raise ValueError(f"fsync_interval sets how often the journal syncs under "
+                         f"fsync='interval': with fsync={fsync!r} it would do nothing")
     where = os.fspath(journal) if isinstance(journal, (str, os.PathLike)) else None
     if not isinstance(where, str):
         raise TypeError(f"journal must be a directory path (a str or an os.PathLike of "

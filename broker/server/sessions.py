@@ -274,11 +274,9 @@ class Sessions:
             out_all, self._out = self._out, {}
             for address, out in out_all.items():
                 unsent = self._send_outbox(address, out)
-                if unsent is None:
-                    continue
-                if self._end_client(address, out.deliveries[unsent:]) is not None:
-                    log.info("client went away or stopped reading before its reply was sent; "
-                             "the items of its unsent replies were requeued")
+                if unsent is not None:  # the client ends, its unsent deliveries requeued
+                    dropped = out.deliveries[unsent:]
+                    _log_unreachable(address, self._end_client(address, dropped), dropped)
         if journal is not None:
             journal.sent()
 
@@ -423,6 +421,20 @@ class Sessions:
                 self.direct_gone(peer)
         for address in [a for a, t in self._expired_told.items() if now - t > expiry]:
             del self._expired_told[address]
+
+
+def _log_unreachable(address: bytes, client: Client | None, unsent: list[tuple]) -> None:
+    """A reply to ``address`` could not be sent, and ``client`` (None: none was registered
+    there) ended: when items were in its ``unsent`` deliveries (requeued), a line says how
+    many.  A connection gone with none (as one a process drops right after its hello, which
+    concurrent first connects of its threads do) is no news to the operator: debug."""
+    items = sum(len(delivery[2]) for delivery in unsent)
+    if items:
+        log.info("client %s went away or stopped reading before its reply was sent: %d "
+                 "item(s) of its unsent replies were requeued", address.hex(), items)
+    elif client is not None:
+        log.debug("client %s went away before its reply was sent (it held no items)",
+                  address.hex())
 
 
 def _release_memory(held: int, peak: int) -> int:
