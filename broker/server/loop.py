@@ -82,6 +82,14 @@ log = logging.getLogger("zchannel.broker")
 # records handled per turn of the loop at most (then the replies go out): a client's flood of
 # requests in large messages cannot pile up replies without bound
 RECORDS_PER_TURN = 16384
+# Header bytes and frames the loop takes from its ZeroMQ socket per turn at most (then the
+# replies, heartbeats and timers of the turn run): each message counts, handled or dropped, so
+# a flood of messages that are refused (a header over a limit, more frames than max_frames)
+# cannot hold the loop for longer than decoding this many bytes and receiving this many frames.
+# The message that reaches a bound is handled whole; a direct link has a header budget of its
+# own (``direct_broker.HEADER_BUDGET``).
+HEADER_BYTES_PER_TURN = direct_broker.HEADER_BUDGET
+FRAMES_PER_TURN = 1 << 16
 # a token file's token, in characters: a guess must be hopeless, and ``zchannel broker stop``
 # must be able to send it (a header is at most ``max_header_bytes``, at least 256 KiB)
 MIN_TOKEN_CHARS, MAX_TOKEN_CHARS = 16, 1024
@@ -154,9 +162,9 @@ def setup_logging(level: int = logging.INFO) -> None:
 def curve_admins(config: BrokerConfig) -> frozenset:
     """The CURVE public keys (``curve_admin_keys``) whose clients may stop the broker without
     its shutdown token; ``ValueError`` for admin keys without CURVE."""
-    if not config.curve_admin_keys:
+    if config.curve_admin_keys is None:
         return frozenset()
-    if not config.curve_secret_key:
+    if config.curve_secret_key is None:
         raise ValueError("curve_admin_keys needs CURVE (curve_secret_key): without it the "
                          "broker cannot tell who a client is")
     return admin_keys(config.curve_admin_keys)
@@ -328,7 +336,7 @@ class Broker:
                 self.sessions.judged_gone(woke)
             ready = [obj for obj, _ in events]
             if sock in ready:
-                self._drain()
+                _drain(self)
                 self.sessions.flush()  # replies first: the rest of the turn is not on their path
             if peers.listener is not None and len(events) > (sock in ready):
                 self._direct_events(events)
@@ -376,23 +384,6 @@ class Broker:
         self.endpoint.release_lock()
 
     # -- receiving ---------------------------------------------------------------------------
-
-    def _drain(self) -> None:
-        """Handle the messages waiting, at most 4096 of them and ``RECORDS_PER_TURN`` requests
-        (a batch record's puts or gets counted each; the replies of a turn wait in memory until
-        it ends); called when a poll said one is there."""
-        sock, _ = self.bound()
-        records = 0
-        for i in range(4096):
-            frames = recv_message(sock, ready=i == 0)
-            if frames is None:
-                return
-            try:
-                records += self._handle(frames)
-            except Exception:  # a broker never crashes because of one client
-                log.exception("unexpected error handling a message")
-            if records + self.turn_costs.peeked >= RECORDS_PER_TURN:
-                return
 
     def _handle(self, frames: list[zmq.Frame]) -> int:
         address = frames[0].bytes if len(frames) >= 2 else b""
@@ -468,6 +459,30 @@ class Broker:
                 changed = True
         self.sessions.flush()
         peers.poll_dirty = peers.poll_dirty or changed
+
+
+def _drain(broker: Broker) -> None:
+    """Handle the messages waiting on ``broker``'s ZeroMQ socket, at most 4096 of them,
+    ``RECORDS_PER_TURN`` requests (a batch record's puts or gets counted each; the replies of a
+    turn wait in memory until it ends), ``HEADER_BYTES_PER_TURN`` header bytes and
+    ``FRAMES_PER_TURN`` frames (the last two counting dropped messages too); called when a
+    poll said one is there."""
+    sock, _ = broker.bound()
+    records = header_bytes = nframes = 0
+    for i in range(4096):
+        frames = recv_message(sock, ready=i == 0)
+        if frames is None:
+            return
+        nframes += len(frames)
+        if len(frames) > 1:  # [routing id, header, frames...]
+            header_bytes += len(frames[1])
+        try:
+            records += broker._handle(frames)
+        except Exception:  # a broker never crashes because of one client
+            log.exception("unexpected error handling a message")
+        if (records + broker.turn_costs.peeked >= RECORDS_PER_TURN
+                or header_bytes >= HEADER_BYTES_PER_TURN or nframes >= FRAMES_PER_TURN):
+            return
 
 
 def _greet(broker: Broker, address: bytes, rec: Request, head: Any, now: float) -> Client | None:
@@ -602,7 +617,8 @@ def _side_events(broker: Broker, ready: list, stops: StopSources, guard: PeerGua
 def _turn_timers(broker: Broker, polled: float, woke: float, timeout_ms: int, next_hb: float,
                  peers: Peers, stops: StopSources) -> float:
     """The deadlines of a turn: stalls noted, parked requests and the journal ticked,
-    heartbeats sent and the parent checked when due; the next heartbeat's time returned."""
+    heartbeats sent, the read buffers of quiet direct links given back and the parent checked
+    when due; the next heartbeat's time returned."""
     hb = broker.config.heartbeat_interval
     now = time.monotonic()
     # how long this loop did not look at its sockets beyond what it planned (its
@@ -617,6 +633,8 @@ def _turn_timers(broker: Broker, polled: float, woke: float, timeout_ms: int, ne
     if now >= next_hb:
         broker.sessions.heartbeats(now)
         peers.resume(now)
+        if peers.listener is not None:
+            peers.listener.rest_quiet()
         next_hb = now + hb / 2
         if stops.parent_gone():
             broker.stop()
@@ -663,7 +681,7 @@ def shutdown_token(config: BrokerConfig) -> str:
     (``docs/security.md``)."""
     if config.token:
         return config.token
-    if config.token_file:
+    if config.token_file is not None:
         return read_token_file(config.token_file)
     return secrets.token_hex(16)
 

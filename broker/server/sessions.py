@@ -12,7 +12,6 @@ for a while; the handlers (``server/handlers.py``) answer through ``reply``.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import time
@@ -22,6 +21,7 @@ from zchannel.broker.core.queuecore import QueueCore
 from zchannel.broker.core.state import Client, Item
 from zchannel.broker.core.waiters import reply_each
 from zchannel.broker.errors import error_to_wire
+from zchannel.broker.host.heap import trim_heap
 from zchannel.broker.journal.journal import Journal
 from zchannel.broker.server import metrics
 from zchannel.broker.server.config import BrokerConfig
@@ -443,9 +443,6 @@ def _release_memory(held: int, peak: int) -> int:
     RSS would stay at its peak); the peak from now on."""
     peak = max(peak, held)
     if held == 0 and peak >= 16 << 20:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        trim_heap()
         return 0
     return peak

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zchannel.broker.shm.segment import USED, Segment
+from zchannel.broker.wire.protocol import MAX_SLOT_REFS as MAX_REFS  # slot references in one put
 
 _CREATOR_RE = re.compile(r"^([0-9]+)-[0-9a-f]+\Z")  # what a segment's name holds after its prefix
-MAX_REFS = 4096  # slot references in one put
 
 
 def creator_pid(prefix: str, name: str) -> int | None:

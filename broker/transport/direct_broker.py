@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 from zchannel.broker.host import paths
+from zchannel.broker.host.heap import trim_heap
 from zchannel.broker.transport.direct_framing import (
     IOV_MAX,
     Reader,
@@ -22,6 +23,16 @@ from zchannel.broker.transport.direct_framing import (
 )
 
 READ_BUDGET = 32 << 20  # bytes the broker reads from one link per loop turn at most
+# Header bytes of the messages the broker takes from one link per loop turn at most (more only
+# by what the read that reached it brought), and from its ZeroMQ socket (``server/loop.py``):
+# decoding a header costs up to ~50 ns a byte (a key of a million empty lists), where an
+# item's bytes cost well under 1, so READ_BUDGET alone let one link's headers hold the loop
+# for seconds.
+HEADER_BUDGET = 1 << 20
+# Read buffers given back (links gone quiet or closed) after which the broker hands freed heap
+# pages back to the OS (glibc keeps them otherwise: 1,000 links that said hello and closed
+# kept the broker's RSS 16 MB higher).
+TRIM_BYTES = 8 << 20
 # The broker's address of a link's client: the prefix and an 8-byte serial.  A zchannel client's
 # ZeroMQ routing id is 16 random bytes and one libzmq makes up is 5 starting with \x00; a peer
 # that chose one of this form is refused (``is_link_address``), so that it cannot speak as a link.
@@ -127,6 +138,7 @@ class Listener:
         self.by_address: dict[bytes, Peer] = {}
         self._serial = 0
         self.starved = False  # the last accept ran out of descriptors
+        self.given_back = 0  # bytes of read buffers given back since the heap was last trimmed
 
     def accept(self, limit: int = 1 << 30) -> list[Peer]:
         """Accept the waiting links, at most ``limit``; ``starved`` says whether the process
@@ -146,17 +158,31 @@ class Listener:
             tune_socket(sock)
             self._serial += 1
             address = ADDRESS_PREFIX + self._serial.to_bytes(8, "little")
-            peer = Peer(sock, address, Reader(*self.limits))
+            peer = Peer(sock, address, Reader(*self.limits, header_budget=HEADER_BUDGET))
             self.by_fd[peer.fd] = peer
             self.by_address[address] = peer
             peers.append(peer)
         return peers
 
     def drop(self, peer: Peer) -> None:
+        """Close a link and give back its buffers."""
         self.by_fd.pop(peer.fd, None)
         self.by_address.pop(peer.address, None)
         peer.out.clear()
+        self.given_back += peer.reader.close()
         peer.sock.close()
+
+    def rest_quiet(self) -> None:
+        """Give back the read buffers of the links that sent nothing since the last call
+        (``Reader.rest_if_quiet``; the broker calls it every half heartbeat interval), and
+        the heap's free pages to the OS once ``TRIM_BYTES`` of them were given back."""
+        given_back = self.given_back
+        for peer in self.by_fd.values():
+            given_back += peer.reader.rest_if_quiet()
+        self.given_back = given_back
+        if given_back >= TRIM_BYTES:
+            self.given_back = 0
+            trim_heap()
 
     def close(self) -> None:
         for peer in list(self.by_fd.values()):

@@ -25,7 +25,12 @@ import numpy as np
 
 _COUNT = struct.Struct("<I")
 IOV_MAX = 1024
-SCRATCH = 256 << 10  # messages up to half of this are read in place and copied out
+# Messages up to half of SCRATCH are read in place into a link's read buffer and copied out.
+# The buffer is taken at the link's first read, FIRST_BUFFER bytes, and doubled whenever a
+# message not yet whole fills it (``Reader._make_room``); ``Reader.rest`` gives it back when
+# the link goes quiet, and closing the link does: an idle or closed link holds no buffer.
+SCRATCH = 256 << 10
+FIRST_BUFFER = 16 << 10
 # A larger message is read straight into the buffers of its parts: a part of SMALL_PART bytes or
 # more into a buffer of its own (handed out as it is, not copied), the smaller parts between
 # them into shared buffers of RUN_BYTES at most, copied out of them when the message is whole.
@@ -77,7 +82,7 @@ def byte_view(part: Any) -> memoryview:
 
 
 class LargeMessage:
-    """A message larger than the scratch buffer while it is read: its parts' buffers in stream
+    """A message of more than ``SCRATCH // 2`` bytes while it is read: its parts' buffers in stream
     order (``pieces``: a buffer and None for a part with a buffer of its own, or a buffer and
     the lengths of the small parts it holds back to back), their size (``total``) and how much
     of it is read (``filled``: the one number a read changes, so that an interruption leaves no
@@ -179,8 +184,10 @@ class LargeMessage:
 
 class Reader:
     """Cuts a byte stream into messages: lists of parts, ``bytes`` for a small part (all the
-    parts of a message that fits the scratch buffer) and a writable ``memoryview`` of a buffer
-    of its own for a large one (``LargeMessage``).
+    parts of a message of at most ``SCRATCH // 2`` bytes, read in place into the read buffer)
+    and a writable ``memoryview`` of a buffer of its own for a large one (``LargeMessage``).
+    With a ``header_budget``, it reads nothing more once the messages cut and not yet taken
+    hold that many bytes of headers (their reader handles them first).
 
     A Python signal handler (Ctrl-C's ``KeyboardInterrupt``) runs in the main thread between
     two bytecodes, right after a call returns among others, and what it raises leaves the
@@ -192,17 +199,20 @@ class Reader:
     again finishes it."""
 
     def __init__(self, max_parts: int, max_header: int, max_part: int = 0,
-                 max_total: int = 0) -> None:
+                 max_total: int = 0, header_budget: int = 0) -> None:
         self.max_parts = max_parts
         self.max_header = max_header
         self.max_part = max_part  # 0: no limit
         self.max_total = max_total or host_memory()  # all parts of one message
-        self.buf = bytearray(SCRATCH)
+        self.header_budget = header_budget  # 0: no limit
+        self.buf = bytearray()  # the read buffer: none before the first read (``_make_room``)
         self.start = self.end = 0
         self.big: LargeMessage | None = None  # the large message being read
         self.messages: deque[list] = deque()
+        self.header_bytes = 0  # of the messages cut since ``messages`` was last empty
         self.counts: list[int] = []  # bytes of reads not yet absorbed (one at most)
         self.dirty = False  # bytes absorbed and not yet cut into messages
+        self.busy = False  # it read since the last ``rest_if_quiet``
 
     def unsettled(self) -> bool:
         """Whether an interruption left read bytes not yet cut into messages."""
@@ -211,8 +221,9 @@ class Reader:
     def read(self, fd: int) -> int:
         """Read what the socket has (one system call, ``READ_BYTES`` at most) and cut the
         messages it completes into ``messages``; the bytes read, 0 at end of stream.
-        ``BlockingIOError`` when nothing is there; ``FramingError`` on a broken stream.  First
-        it finishes what an interruption left (then the bytes it absorbs count as read)."""
+        ``BlockingIOError`` when nothing is there, or when the messages not yet taken reached
+        the header budget; ``FramingError`` on a broken stream.  First it finishes what an
+        interruption left (then the bytes it absorbs count as read)."""
         counts = self.counts
         if counts:  # a read an interruption cut short of being counted
             n = self._absorb()
@@ -221,15 +232,20 @@ class Reader:
             return n
         if self.dirty:  # bytes an interruption left uncut
             self._settle()
+        self.busy = True
+        if not self.messages:
+            self.header_bytes = 0
+        elif self.header_budget and self.header_bytes >= self.header_budget:
+            raise BlockingIOError("the messages read are not handled yet")
         if self.big is not None:
             counts.extend(map(os.readv, (fd,), (self.big.head_buffers(READ_BYTES),)))
             n = self._absorb()
             if n:
                 self._settle()
             return n
-        # the scratch buffer (most reads): as ``_absorb`` and ``_settle``, without their calls
+        # the read buffer (most reads): as ``_absorb`` and ``_settle``, without their calls
         if self.end == len(self.buf):
-            self._compact()
+            self._make_room()
         # the count is recorded by the call that reads (``map`` calls ``os.readv``)
         counts.extend(map(os.readv, (fd,), ([memoryview(self.buf)[self.end :]],)))
         n = counts[0]
@@ -256,24 +272,67 @@ class Reader:
 
     def _settle(self) -> None:
         """Cut the absorbed bytes into messages: complete the large message, or cut the
-        scratch buffer (each step leaves a state the next call goes on from)."""
+        read buffer (each step leaves a state the next call goes on from)."""
         big = self.big
         if big is not None:
             if big.filled == big.total:
                 parts = big.parts()
                 self.big = None  # with the append: no call between them
                 self.messages.append(parts)
+                self.header_bytes += len(parts[0])
         else:
             self._cut()
         self.dirty = False
 
     def _compact(self) -> None:
+        """Move the bytes held (a message not yet whole) to the front of the read buffer."""
         avail = self.end - self.start
         if self.start:
             self.buf[:avail] = self.buf[self.start : self.end]
             self.start, self.end = 0, avail
-        if avail == len(self.buf):  # a prefix larger than the scratch buffer (many parts)
-            self.buf.extend(bytes(len(self.buf)))
+
+    def _make_room(self) -> None:
+        """Room in the full read buffer for the next read: the bytes it holds moved to its
+        front, or, when they fill all of it (a message not yet whole; nothing, before the
+        first read), into a buffer twice its size (``FIRST_BUFFER`` at first).  A message
+        read in place is at most ``SCRATCH // 2`` bytes after its part lengths, so the buffer
+        grows past ``SCRATCH`` only for the part lengths of a message of many parts."""
+        buf = self.buf
+        avail = self.end - self.start
+        if avail < len(buf):
+            self._compact()
+            return
+        grown = bytearray(max(FIRST_BUFFER, 2 * len(buf)))
+        with memoryview(buf) as view:
+            grown[:avail] = view[self.start : self.end]
+        self.buf, self.start, self.end = grown, 0, avail  # one step: no call between them
+
+    def rest_if_quiet(self) -> int:
+        """Give back the read buffer (``rest``) if nothing was read since the last call (the
+        broker calls it every half heartbeat interval); the bytes given back."""
+        if self.busy:
+            self.busy = False
+            return 0
+        if len(self.buf) > self.end - self.start and not self.unsettled():
+            return self.rest()
+        return 0
+
+    def rest(self) -> int:
+        """Give back the read buffer, keeping only the bytes it holds (a message not yet
+        whole) in a buffer of their size; the next read takes a buffer again.  The bytes
+        given back."""
+        size, held = len(self.buf), self.end - self.start
+        kept = bytearray(memoryview(self.buf)[self.start : self.end]) if held else bytearray()
+        self.buf, self.start, self.end = kept, 0, held  # one step: no call between them
+        return size - held
+
+    def close(self) -> int:
+        """Give back every buffer: the read buffer, a large message's and the messages not
+        taken (the stream is closed); the read buffer's bytes."""
+        size = len(self.buf)
+        self.buf, self.start, self.end, self.big = bytearray(), 0, 0, None
+        self.messages.clear()
+        return size
 
     def _checked_total(self, lens: tuple[int, ...]) -> int:
         """The bytes of a message of parts ``lens``; ``FramingError`` past a limit."""
@@ -287,7 +346,7 @@ class Reader:
         return total
 
     def _cut(self) -> None:
-        """Cut the complete messages of the scratch buffer into ``messages``, and start the
+        """Cut the complete messages of the read buffer into ``messages``, and start the
         large message whose beginning it holds.  Each message taken moves ``start`` in the
         same step as it joins ``messages`` (or ``big``): an interruption never takes one twice
         or loses one."""
@@ -316,6 +375,7 @@ class Reader:
                 view.release()
                 self.start = pos
                 self.messages.append(parts)
+                self.header_bytes += lens[0]
                 continue
             try:
                 big = LargeMessage(lens)
@@ -328,6 +388,7 @@ class Reader:
                 parts = big.parts()
                 self.start += prefix + have
                 self.messages.append(parts)
+                self.header_bytes += lens[0]
                 continue
             self.start += prefix + have
             self.big = big

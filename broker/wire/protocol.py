@@ -18,6 +18,7 @@ broker can answer it while handling the other records of its message.
 from __future__ import annotations
 
 import collections.abc
+import struct
 import sys
 from typing import Annotated, Any, NamedTuple, cast
 
@@ -56,6 +57,9 @@ INLINE_BODY = 512
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 65536
 MAX_RECORDS = 4096
+# Shared-memory slot references one put names at most (its ``sm``; ``shm/claims.py`` checks
+# the same number): a longer list is refused by its length before any of it is decoded.
+MAX_SLOT_REFS = 4096
 # Puts in one ``puts`` record, gets one ``gets`` record stands for, gets answered in one
 # ``items`` record, at most (a client sends
 # at most MAX_OPS_PER_MESSAGE, 512, records in one message).
@@ -141,13 +145,18 @@ class Heartbeat(Request, tag=HEARTBEAT):
     next_bytes: NoticeBytes | None = field(default=None, name="nb")
 
 
+# a put's shared-memory slot references (at least one), each checked by the broker
+# (``shm/claims.py``)
+SlotRefs = Annotated[list, Meta(min_length=1, max_length=MAX_SLOT_REFS)]
+
+
 class Put(Request, tag=PUT):
     key: Any = field(default=None, name="k")
     weight: Weight = field(default=0, name="w")
     timeout: Timeout = field(default=None, name="t")
     nowait: bool = field(default=False, name="nw")
     sizes: list[Count] | None = field(default=None, name="fs")  # of all frames, body included
-    slots: list | None = field(default=None, name="sm")  # shared-memory slot references
+    slots: SlotRefs | None = field(default=None, name="sm")  # shared-memory slot references
     body: bytes | UnsetType = field(default=UNSET, name="b")  # a small item's body inline
     seq: Sequence | UnsetType = field(default=UNSET, name="sq")  # a retry: the put it repeats
 
@@ -482,17 +491,27 @@ _one_reply = msgspec.msgpack.Decoder(Reply)
 
 
 class _RecordHead(Struct):
-    """What ``_record_by_record`` reads of a record that is not a valid request or reply (the
-    other fields are skipped, whatever they hold)."""
+    """What ``_record_by_record`` reads of a record that is not a valid request or reply: the
+    raw msgpack of four fields (empty when absent), each decoded only as the type it must
+    have (``_head_field``); the other fields are skipped, whatever they hold.  Passing over a
+    value builds nothing, so a field of any shape costs no more than its bytes."""
 
-    op: Any = None
-    id: Any = None
-    nf: Any = 0
-    sm: Any = None
+    op: msgspec.Raw = msgspec.Raw()
+    id: msgspec.Raw = msgspec.Raw()
+    nf: msgspec.Raw = msgspec.Raw()
+    sm: msgspec.Raw = msgspec.Raw()
 
 
 _record_head = msgspec.msgpack.Decoder(_RecordHead)
 _raw_records = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_head_text = msgspec.msgpack.Decoder(str)
+_head_int = msgspec.msgpack.Decoder(int)  # strict: a bool or a float is not an int
+_head_slots = msgspec.msgpack.Decoder(SlotRefs)
+
+# The first byte of a msgpack array of up to 15 elements (its low 4 bits the count), of one
+# whose count follows in 2 bytes, and in 4 bytes.
+_FIXARRAY, _ARRAY16, _ARRAY32 = 0x90, 0xDC, 0xDD
+_COUNT16, _COUNT32 = struct.Struct(">xH"), struct.Struct(">xI")
 
 
 def pack_header(records: list) -> bytes:
@@ -504,9 +523,16 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
                     max_bytes: int = MAX_HEADER_BYTES) -> collections.abc.Sequence[Request | BadRecord]:
     """Decode and check a client's header against the ``nframes`` frames that follow it:
     ``ProtocolError`` for a message to drop whole, else its records, each a ``Request`` or a
-    ``BadRecord``."""
-    if len(data) > max_bytes:
-        raise ProtocolError(f"header of {len(data)} bytes exceeds the header limit ({max_bytes})")
+    ``BadRecord``.  A header over ``max_bytes``, or declaring more than ``MAX_RECORDS``
+    records, is refused before any of it is decoded."""
+    size = len(data)
+    if size > max_bytes:
+        raise ProtocolError(f"header of {size} bytes exceeds the header limit ({max_bytes})")
+    if size > MAX_RECORDS:  # room for more records than allowed (each takes a byte at least)
+        count = record_count(data)
+        if not 0 < count <= MAX_RECORDS:
+            raise ProtocolError(f"a header is a non-empty list of at most {MAX_RECORDS} "
+                                f"records (this one declares {count})")
     records: collections.abc.Sequence[Request | BadRecord]
     try:
         records = _requests.decode(data)
@@ -516,7 +542,7 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
         raise ProtocolError(f"malformed header: {exc}") from None
     except RecursionError:  # a field nested about 1,000 deep (msgspec counts its recursion)
         raise ProtocolError("malformed header: nested too deeply") from None
-    if not records or len(records) > MAX_RECORDS:
+    if not records:
         raise ProtocolError("a header is a non-empty list of records")
     _check_frames(records, nframes)
     requests = requests_in(records)
@@ -524,6 +550,26 @@ def unpack_requests(data: bytes | memoryview, nframes: int,
         raise ProtocolError(f"a header stands for {requests} requests, more than "
                             f"{MAX_REQUESTS} (puts and gets of batch records counted each)")
     return records
+
+
+def record_count(data: bytes | memoryview) -> int:
+    """The records a header declares, read from the length of the msgpack array it must be
+    (its first 1, 3 or 5 bytes), before anything of it is decoded; ``ProtocolError`` for a
+    header that does not start as an array."""
+    if not len(data):
+        raise ProtocolError("a header is a non-empty list of records (this one is empty)")
+    first = data[0]
+    try:
+        if first & 0xF0 == _FIXARRAY:
+            return first & 0x0F
+        if first == _ARRAY16:
+            return _COUNT16.unpack_from(data)[0]
+        if first == _ARRAY32:
+            return _COUNT32.unpack_from(data)[0]
+    except struct.error:
+        raise ProtocolError("malformed header: cut short in its record count") from None
+    raise ProtocolError("a header is a non-empty list of records (this one is not a msgpack "
+                        "array)")
 
 
 def requests_in(records: collections.abc.Sequence[Any]) -> int:
@@ -574,19 +620,33 @@ def _each_record(data: bytes | memoryview, one: msgspec.msgpack.Decoder) -> list
             out.append(one.decode(raw))
             continue
         except msgspec.ValidationError as exc:
-            error = exc
+            # its text, not the exception: that would hold this frame (and the message's
+            # buffer) in a reference cycle until the next garbage collection
+            why = str(exc)
         try:
             head = _record_head.decode(raw)
         except msgspec.MsgspecError:
             raise ProtocolError("a header record is a map") from None
-        nf, rid = head.nf, head.id
-        if type(nf) is not int or nf < 0:  # bool is not int here
+        nf = _head_field(head.nf, _head_int, 0)
+        if nf is None or nf < 0:
             raise ProtocolError("record field nf must be an int >= 0")
-        op = head.op if type(head.op) is str else None
-        out.append(BadRecord(op, rid if type(rid) is int else None, nf,
-                             ProtocolError(f"invalid {op!r} record: {error}"),
-                             head.sm if op == PUT else None))
+        op = _head_field(head.op, _head_text, None)
+        out.append(BadRecord(op, _head_field(head.id, _head_int, None), nf,
+                             ProtocolError(f"invalid {op!r} record: {why}"),
+                             _head_field(head.sm, _head_slots, None) if op == PUT else None))
     return out
+
+
+def _head_field(raw: msgspec.Raw, decoder: msgspec.msgpack.Decoder, absent: Any) -> Any:
+    """A ``_RecordHead`` field decoded by ``decoder``: ``absent`` if the record has none, None
+    if it is not of the decoder's type (refused by its first byte or length: nothing of a
+    value of another type is built)."""
+    if not raw:
+        return absent
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError:
+        return None
 
 
 def unpack_replies(data: bytes, nframes: int) -> collections.abc.Sequence[Reply | BadRecord]:
