@@ -129,6 +129,10 @@ def demo() -> None:
               help="run the workers as Ray actor groups (needs the 'ray' extra)")
 @click.option("--ray-nodes", type=click.IntRange(1, 16), default=1, show_default=True,
               help="with --ray: simulate a cluster of this many nodes on this machine")
+@click.option("--liveness", type=click.IntRange(1, 1000), default=None,
+              help="heartbeats (1 s) a peer of the run's brokers may miss before it is taken "
+                   "for gone  [default: 30 for the trajectory broker, whose collector works on "
+                   "a whole step in one turn; 3 for the others]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               callback=output_file,
               help="write the run (config, one record per step, evaluation) as JSON")
@@ -139,15 +143,15 @@ def demo() -> None:
 def embodied(runner: str, mode: str, dataset: str | None, overwrite: bool, lerobot_fps: int,
              only_success: bool, env_name: str, env_kwargs: str | None,
              obs_map: str | None, envs: int | None, env_batch: int | None, actors: int,
-             steps: int | None, seed: int, use_ray: bool, ray_nodes: int,
+             steps: int | None, seed: int, use_ray: bool, ray_nodes: int, liveness: int | None,
              json_path: str | None, plot_path: str | None, quiet: bool) -> None:
     """Train PPO through zchannel (env → rollout → actors) on PointReach or a Gymnasium env, or
     with --mode lerobot record its episodes (as a LeRobot v3 dataset with --dataset DIR)."""
     from zchannel.embodied.presets import preset
     from zchannel.embodied.runners import check_recordable, env_spec
 
-    given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps).items()
-             if v is not None}
+    given = {k: v for k, v in dict(envs=envs, env_batch=env_batch, steps=steps,
+                                   liveness=liveness).items() if v is not None}
     _check_plot_extra(plot_path)
     _check_dataset_extra(dataset)
     import_from_cwd()
@@ -234,20 +238,54 @@ def _figures(evaluation: dict, policy: str) -> str:
 
 def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[dict],
                      json_path: str | None, plot_path: str | None, title: str) -> None:
-    """The end of a training run: the trained and a random policy evaluated on the same env
-    seeds (``evaluation_seeds``: the first episode of each of 3 x ``env_batch`` envs, every
-    env with its own seed), the run's figures, and the files asked for (``--json``,
-    ``--plot``)."""
+    """The end of a training run: the trained and a random policy evaluated
+    (``_evaluations``), the run's figures and the files asked for (``--json``, ``--plot``).
+    ``--json`` gets the training records before the evaluation (``"evaluation": null``) and
+    the evaluation once it is done, so an evaluation that fails or is interrupted leaves the
+    records; one that fails (its env raised) is a ``ClickException`` naming the exception and
+    the files written (``error: ...``, status 2)."""
+    training = {"config": result["config"], "steps": records, "evaluation": None,
+                "episodes": result["episodes"],
+                "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
+                "trajectory_channel_nodes": result.get("placement"), "wall_s": result["wall_s"]}
+    if json_path:
+        _write_json(json_path, training)
+    try:
+        evaluation = _evaluations(cfg, spec, result["final_weights"])
+    except Exception as exc:  # an env's failure: whatever it raises
+        kept = [f"--json {os.path.abspath(json_path)} has the training records"] if json_path \
+            else []
+        if plot_path:
+            _plot(records, plot_path, title)
+            kept.append(f"--plot {os.path.abspath(plot_path)} the learning curve")
+        raise click.ClickException(
+            f"the evaluation after training failed: {type(exc).__name__}: {exc}"
+            + (f" ({'; '.join(kept)})" if kept else "")) from exc
+    if result.get("placement"):
+        click.echo(f"trajectory channel placed by Ray on node(s) {result['placement']}")
+    click.echo(f"wall {result['wall_s']:.1f}s, policy lag mean "
+               f"{sum(r['policy_lag'] for r in records) / len(records):.2f}")
+    if json_path:
+        _write_json(json_path, {**training, "evaluation": evaluation})
+        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
+    if plot_path:
+        _plot(records, plot_path, title, evaluation["random_return"])
+        click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
+
+
+def _evaluations(cfg: RunConfig, spec: EnvSpec, final_weights: dict) -> dict[str, Any]:
+    """The trained and a random policy evaluated on the same env seeds (``evaluation_seeds``:
+    the first episode of each of 3 x ``env_batch`` envs, every env with its own seed), the
+    figures printed; the ``--json`` ``evaluation``."""
     from zchannel.embodied.policy import RandomPolicy
     from zchannel.embodied.runners import evaluate, evaluation_seeds, trained_policy
 
-    policy = trained_policy(cfg, result["final_weights"])
+    policy = trained_policy(cfg, final_weights)
     seeds = evaluation_seeds(cfg, 3)  # 3 x env_batch envs, each with its own seed
     trained = [evaluate(cfg, policy, episodes_seed=s) for s in seeds]
     random = [evaluate(cfg, RandomPolicy(spec.action_dim, cfg.num_action_chunks, seed=s,
                                          action=spec.action), episodes_seed=s)
               for s in seeds]
-
     evaluation: dict[str, Any] = {"seeds": seeds, "trained_return": _mean(trained, "mean_return"),
                   "random_return": _mean(random, "mean_return"),
                   "trained_success": _mean(trained, "success_rate"),
@@ -259,21 +297,20 @@ def _report_training(cfg: RunConfig, spec: EnvSpec, result: dict, records: list[
     if unfinished:
         click.echo(f"({unfinished} evaluation envs finished no episode within the chunk limit "
                    "and are not counted)")
-    if result.get("placement"):
-        click.echo(f"trajectory channel placed by Ray on node(s) {result['placement']}")
-    click.echo(f"wall {result['wall_s']:.1f}s, policy lag mean "
-               f"{sum(r['policy_lag'] for r in records) / len(records):.2f}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"config": result["config"], "steps": records, "evaluation": evaluation,
-                       "episodes": result["episodes"],
-                       "rollout": {k: v for k, v in result["rollout"].items() if k != "lags"},
-                       "trajectory_channel_nodes": result.get("placement"),
-                       "wall_s": result["wall_s"]}, f, indent=1)
-        click.echo(f"wrote {os.path.abspath(json_path)} (config, one record per step, evaluation)")
-    if plot_path:
-        _plot(records, plot_path, title, evaluation["random_return"])
-        click.echo(f"wrote {os.path.abspath(plot_path)} (learning curve: mean return per step)")
+    return evaluation
+
+
+def _write_json(path: str, value: dict) -> None:
+    """Write ``value`` to ``path`` as JSON, whole or not at all: into a temporary file of the
+    same directory, renamed over ``path`` (a reader never sees half a file)."""
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        with open(partial, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def _run_demo(cfg: RunConfig, on_step: Callable[[dict], Any], ray_nodes: int | None) -> dict:

@@ -12,7 +12,9 @@ An error in ``prepare`` therefore leaves the mode exactly as it was.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from zchannel.embodied.advantages import compute_advantages, to_training_batch
+from zchannel.embodied.batch import to_cpu_contiguous
 from zchannel.embodied.joiner import JoinedChunk
 from zchannel.embodied.lerobot import LeRobotEpisodeAccumulator
 from zchannel.embodied.plan import TrajectoryPlan
@@ -36,6 +39,9 @@ EXTERNAL_ACTIONS_MESSAGE = "External policy actions are only supported for onlin
 PACK_SEPARATOR = "::"
 EPISODE_DATA_KEYS = ("chunk_actions", "obs_list", "terminations", "truncations", "infos_list")
 _BOUNDARY_KEYS = ("dones", "terminations", "truncations", "prev_values")
+# the TrajectoryStep fields a pipeline flush sets aside (StepRows): dicts of [B, ...] leaves,
+# the observations and policy inputs, where the camera images are
+SET_ASIDE_FIELDS = ("forward_inputs", "curr_obs", "next_obs")
 
 ScopeID = tuple[int, ...]
 
@@ -244,6 +250,9 @@ class PipelineMode(OutputMode):
         self.append_step(accumulator, chunk)
 
     def flush(self, sid: ScopeID, scope: Scope, side: dict[Any, Any]) -> list[Any]:
+        """The scope's micro-batches, actor by actor.  The steps' dict fields (the camera
+        images) are kept out of the stacking, splitting and shuffling (``StepRows``): each
+        micro-batch row of theirs is copied once, from the step it came in."""
         plan = self.plan
         if len(scope.sources) != plan.num_sources:
             raise ValueError(
@@ -251,9 +260,12 @@ class PipelineMode(OutputMode):
                 f"{len(scope.sources)} sources; expected exactly {plan.num_sources} sources."
             )
         step_id, epoch_id = sid
+        step_rows = StepRows()
         pieces: dict[int, list[Trajectory]] = {}
         for rank, source in enumerate(sorted(scope.sources)):
-            trajectory = self.to_trajectory(scope.sources[source])
+            steps = scope.sources[source].sorted_steps(plan.reward_weight)
+            trajectory = Trajectory.from_steps([step_rows.stand_in(s) for s in steps],
+                                               max_episode_length=plan.max_episode_length)
             routes = route_source_rows(rank, plan.source_batch_size, plan.actor_width)
             shards = [trajectory] if len(routes) == 1 else trajectory.split([n for _, n in routes])
             for (actor, _), shard in zip(routes, shards, strict=True):
@@ -262,7 +274,8 @@ class PipelineMode(OutputMode):
         for actor in sorted(pieces):
             batch = compute_advantages(to_training_batch(pieces[actor], plan), plan)
             generator = self._generator(actor, side) if plan.shuffle else None
-            outputs.extend(self.micro_batches(actor, step_id, epoch_id, batch, generator))
+            outputs.extend(self.micro_batches(actor, step_id, epoch_id, batch, generator,
+                                              step_rows))
         return outputs
 
     def _generator(self, actor: int, side: dict[Any, Any]) -> torch.Generator:
@@ -301,8 +314,11 @@ class PipelineMode(OutputMode):
         epoch_id: int,
         batch: dict[str, Any],
         generator: torch.Generator | None,
+        step_rows: StepRows | None = None,
     ) -> list[ActorBatch]:
-        """Flatten an actor's training batch to rows, permute and cut it into micro-batches.
+        """Flatten an actor's training batch to rows, permute and cut it into micro-batches
+        (views of the permuted rows).  With ``step_rows``, each micro-batch's row ids of the
+        leaves it set aside are replaced by their rows (``StepRows.fill``).
 
         Raises ``ValueError`` for a key containing ``"env_info"``, a leaf that is not
         ``[T_b, actor_width, ...]`` or a row count not divisible by ``micro_batch_size``.
@@ -324,16 +340,14 @@ class PipelineMode(OutputMode):
         else:
             perm = torch.arange(n)
         rows = flatten_rows(batch, time_rows, width, perm)
-        return [
-            ActorBatch(
-                actor_rank=actor,
-                step_id=step_id,
-                epoch_id=epoch_id,
-                micro_batch_index=m,
-                data={k: v[m * mbs : (m + 1) * mbs] for k, v in rows.items()},
-            )
-            for m in range(n // mbs)
-        ]
+        batches = []
+        for m in range(n // mbs):
+            data = {k: v[m * mbs : (m + 1) * mbs] for k, v in rows.items()}
+            if step_rows is not None:
+                data = step_rows.fill(data)
+            batches.append(ActorBatch(actor_rank=actor, step_id=step_id, epoch_id=epoch_id,
+                                      micro_batch_index=m, data=data))
+        return batches
 
 
 def check_final_value(plan: TrajectoryPlan, chunk: JoinedChunk) -> None:
@@ -404,6 +418,95 @@ def flatten_rows(
     for key, value in batch.items():
         visit(value, str(key), str(key))
     return out
+
+
+class StepRows:
+    """The tensors of the steps' ``SET_ASIDE_FIELDS`` (the camera images among them), set
+    aside while a pipeline flush stacks, splits, concatenates and shuffles the rest.
+
+    ``stand_in`` puts in each such leaf's place its row ids (int64 ``[B]``, unique over the
+    flush), which go through the flush as the leaf would; ``rows`` then stacks a micro-batch's
+    rows straight from the steps they came in: each row is copied once, where the flush would
+    have copied the images at every stage (stack, split, concatenation, shuffle), and each
+    micro-batch holds its own memory of them, freed when it is taken.  Rows are copied with
+    numpy where it has the dtype: unlike torch's copies of large tensors, numpy's never start
+    intra-op threads, which on a busy host (a broker runs under ``SCHED_BATCH``) wait for each
+    other many times longer than the copy takes.
+    """
+
+    def __init__(self) -> None:
+        # packed key ("forward_inputs::main") -> the steps' leaves and the first row id of each
+        self.leaves: dict[str, list[np.ndarray | torch.Tensor]] = {}
+        self.firsts: dict[str, list[int]] = {}
+        # packed key -> the dtype of its rows: numpy's when every leaf is an array of it
+        self.dtypes: dict[str, np.dtype | torch.dtype] = {}
+        self.count = 0
+
+    def stand_in(self, step: TrajectoryStep) -> TrajectoryStep:
+        """A shallow copy of ``step`` whose ``SET_ASIDE_FIELDS`` tensors and arrays (of at
+        least one dim) are their row ids; other values stay (the flush refuses them as before)."""
+        stand_in = copy.copy(step)
+        for name in SET_ASIDE_FIELDS:
+            setattr(stand_in, name, self._row_ids(getattr(step, name), name))
+        return stand_in
+
+    def _row_ids(self, value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {k: self._row_ids(v, f"{path}{PACK_SEPARATOR}{k}") for k, v in value.items()}
+        if not isinstance(value, (torch.Tensor, np.ndarray)) or value.ndim < 1:
+            return value
+        first = self.count
+        self.leaves.setdefault(path, []).append(_row_source(value))
+        self.firsts.setdefault(path, []).append(first)
+        self.count += int(value.shape[0])
+        return torch.arange(first, self.count)
+
+    def fill(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``data`` (a micro-batch's packed rows) with the row ids of every set-aside leaf
+        replaced by its rows (``rows``)."""
+        return {k: self.rows(k, v) if k in self.leaves else v for k, v in data.items()}
+
+    def rows(self, path: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (row ids of ``path``) stacked, of the dtype stacking every step's
+        leaf would give."""
+        leaves, firsts = self.leaves[path], self.firsts[path]
+        dtype = self.dtypes.get(path)
+        if dtype is None:
+            dtype = self.dtypes[path] = _rows_dtype(path, leaves)
+        picked = []
+        for row_id in ids.tolist():
+            step = bisect.bisect_right(firsts, row_id) - 1
+            picked.append(leaves[step][row_id - firsts[step]])
+        if isinstance(dtype, np.dtype):
+            return torch.from_numpy(np.stack(picked))
+        return torch.stack([torch.as_tensor(row) for row in picked]).to(dtype)
+
+
+def _row_source(leaf: torch.Tensor | np.ndarray) -> np.ndarray | torch.Tensor:
+    """A step's leaf as what its rows are copied from: a numpy array (a tensor's memory
+    shared) where numpy has the dtype, else a CPU tensor (bfloat16, ...)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf
+    tensor = to_cpu_contiguous(leaf)
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor
+
+
+def _rows_dtype(path: str, leaves: list[np.ndarray | torch.Tensor]) -> np.dtype | torch.dtype:
+    """The dtype of ``path``'s stacked rows: the arrays' own when every leaf is an array of one
+    dtype, else torch's promotion of theirs.  Raises ``ValueError`` when the leaves differ in
+    shape past dim 0, as stacking them would."""
+    shapes = {tuple(leaf.shape[1:]) for leaf in leaves}
+    if len(shapes) > 1:
+        raise ValueError(f"Cannot stack the steps' {path!r}: their shapes past the batch "
+                         f"dimension differ ({sorted(shapes)}).")
+    dtypes = {leaf.dtype for leaf in leaves}
+    if len(dtypes) == 1 and all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return dtypes.pop()
+    return functools.reduce(torch.promote_types,
+                            [torch.as_tensor(leaf[:0]).dtype for leaf in leaves])
 
 
 def _chunk_arguments(output: Any, rewards: Any, data: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from zchannel.broker import Channel
 from zchannel.broker.shm import MAX_SLOTS
+from zchannel.broker.wire.limits import check_settings
 from zchannel.embodied.actor import ACTOR_METRICS, Actor, members_key
 from zchannel.embodied.envs import ChunkedEnv, make_env
 from zchannel.embodied.launch import Workers
@@ -65,6 +66,12 @@ ERRORS = "errors"
 # seed * envs * env_batch < 2**31 (env_seed); below 2**32 for reasonable seeds, as envs that
 # hand their seed to a 32-bit generator need
 EVALUATION_SEED_BASE = 2**31
+# the trajectory broker's liveness unless RunConfig.liveness says otherwise: heartbeats it may
+# miss before its peers take it for gone.  Its collector works on a whole step in one turn (a
+# pipeline-mode flush cuts every camera image of the step into micro-batches), and a broker
+# loop under SCHED_BATCH on a busy host gets little CPU: such turns took 10-17 s on 2 loaded
+# cores (2 camera 128x128 envs x 24 x 128 chunks); the channel default, 3, fails the run.
+TRAJECTORY_LIVENESS = 30
 
 log = logging.getLogger("zchannel.embodied")
 
@@ -111,6 +118,10 @@ class RunConfig:
     # env has images (camera tensors of a batch take slots; the trajectory's only while a
     # step's fit in half a pool class, else frames: _create_channels), else the channel's default
     shm_threshold: int | None = None
+    # the brokers' heartbeats (seconds; heartbeats a peer may miss before it is taken for gone);
+    # None: the channel's 1.0 s and 3, but TRAJECTORY_LIVENESS for the trajectory broker
+    heartbeat_interval: float | None = None
+    liveness: int | None = None
     transport: str = "broker"  # or "inproc": threads over in-process channels
     gamma: float = 0.95
     gae_lambda: float = 0.95
@@ -140,6 +151,8 @@ class RunConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0 (Gymnasium needs non-negative seeds), "
                              f"got {self.seed!r}")
+        check_settings({k: v for k, v in (("heartbeat_interval", self.heartbeat_interval),
+                                          ("liveness", self.liveness)) if v is not None})
 
     def plan(self, action_dim: int) -> TrajectoryPlan:
         options = dict(
@@ -159,6 +172,16 @@ class RunConfig:
             options.update(lerobot_fps=self.lerobot_fps,
                            lerobot_only_success=self.lerobot_only_success)
         return TrajectoryPlan.from_options(options)
+
+    def heartbeats(self, channel: str) -> dict[str, Any]:
+        """``Channel.create``'s heartbeat arguments for the run's ``channel`` (a key of
+        ``names()``): those set, and the trajectory broker's ``TRAJECTORY_LIVENESS``; none for
+        in-process channels, which have no heartbeats."""
+        liveness = self.liveness
+        if liveness is None and channel == "trajectory":
+            liveness = TRAJECTORY_LIVENESS
+        given = (("heartbeat_interval", self.heartbeat_interval), ("liveness", liveness))
+        return {} if self.transport == "inproc" else {k: v for k, v in given if v is not None}
 
     def names(self) -> dict[str, str]:
         return {k: f"{self.run_id}-{k}" for k in ("requests", "actions", "trajectory", "sync")}
@@ -424,14 +447,15 @@ def _create_channels(cfg: RunConfig, plan: TrajectoryPlan, producers: list | Non
     shm: dict[str, Any] = {} if local or threshold is None else {"shm_threshold": threshold}
     kept: dict[str, Any] = {} if local or held is None else {"shm_threshold": held}
     return {
-        "requests": Channel.create(names["requests"], local=local, **shm),
-        "actions": Channel.create(names["actions"], local=local),
+        "requests": Channel.create(names["requests"], local=local, **shm,
+                                   **cfg.heartbeats("requests")),
+        "actions": Channel.create(names["actions"], local=local, **cfg.heartbeats("actions")),
         "trajectory": Channel.create(
             names["trajectory"], collector="embodied_trajectory",
             dispatcher="embodied_trajectory", producers=producers or ["rollout"],
             consumers=consumers or {"actor": cfg.actors}, options=plan.to_options(), local=local,
-            lease_timeout=cfg.lease_timeout, **kept),
-        "sync": Channel.create(names["sync"], local=local),
+            lease_timeout=cfg.lease_timeout, **kept, **cfg.heartbeats("trajectory")),
+        "sync": Channel.create(names["sync"], local=local, **cfg.heartbeats("sync")),
     }
 
 

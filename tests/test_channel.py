@@ -722,3 +722,19 @@ def test_calls_answered_at_once_go_out_while_every_slot_holds_a_waiting_get(make
         assert gets[0].wait(10) == "first"
     finally:
         feeder.close()
+
+
+def test_create_takes_the_brokers_heartbeat_settings():
+    """``Channel.create(heartbeat_interval=..., liveness=...)`` sets the broker's heartbeats,
+    which its clients take from its hello; out-of-range values and either with ``local=True``
+    (no heartbeats there) are a ``ValueError`` before any broker starts."""
+    with pytest.raises(ValueError, match="need a broker process"):
+        Channel.create("hb-local", local=True, liveness=5)
+    with pytest.raises(ValueError, match="liveness must be an int >= 1 and <= 1000"):
+        Channel.create("hb-zero", liveness=0)
+    ch = Channel.create("hb-set", heartbeat_interval=0.5, liveness=9)
+    try:
+        info = ch._connection().broker_info
+        assert (info.hb, info.liveness) == (0.5, 9)
+    finally:
+        ch.shutdown()

@@ -207,11 +207,12 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
                    dispatcher: Any, producers: Any, consumers: list[str],
                    options: Mapping[str, Any] | None, curve_keys: Any, insecure: bool,
                    lease_timeout: float, shm_threshold: int | None, metrics_port: int | None,
-                   journal_settings: dict[str, Any]) -> dict[str, Any]:
+                   journal_settings: dict[str, Any], heartbeats: dict[str, Any]) -> dict[str, Any]:
     """The configuration a broker process starts with (checked: the bind address against
     ``insecure``, the hooks importable by the child, the options msgpack-able).  ``address``
     None: chosen where each broker starts (on Ray, on its node: nothing of this host's run
-    directory is used); ``journal_settings``: ``_journal_settings``'s."""
+    directory is used); ``journal_settings``: ``_journal_settings``'s; ``heartbeats``: the
+    ``heartbeat_interval`` and ``liveness`` given (the broker's defaults for the others)."""
     server_keys = dict(curve_keys) if isinstance(curve_keys, Mapping) else {}
     if address is not None:
         paths.check_bind_address(
@@ -237,6 +238,7 @@ def _broker_config(name: str, maxsize: int, address: str | None, *, collector: A
         config["metrics_port"] = check_port(metrics_port)
         require_prometheus("metrics_port")  # before a broker starts (it would refuse to)
     config.update(journal_settings)  # a durable channel (docs/durability.md)
+    config.update(heartbeats)
     BrokerConfig(**config)  # wrong values fail here, not in the broker
     codec.encode(config)  # options must be msgpack-able: fail here, not in the child
     return config
@@ -308,6 +310,8 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         insecure: bool = False,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         shm_threshold: int | None = None,
+        heartbeat_interval: float | None = None,
+        liveness: int | None = None,
         metrics_port: int | None = None,
         journal: str | os.PathLike[str] | None = None,
         fsync: str | None = None,
@@ -328,6 +332,12 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         name); a broker that cannot start with valid arguments (busy address) is
         ``BrokerStartError`` (``docs/errors.md``).
 
+        ``heartbeat_interval`` (seconds; default 1.0) and ``liveness`` (default 3): the broker's
+        heartbeats, which its clients take from its hello reply; a peer silent for
+        ``heartbeat_interval × liveness`` is taken for gone (docs/channel.md, "Heartbeats").
+        Raise them for a broker whose hooks work long in one turn.  A local channel has no
+        heartbeats: either is a ``ValueError`` with ``local=True``.
+
         ``metrics_port``: the broker serves Prometheus metrics on ``127.0.0.1:metrics_port``
         (0 = any free port; ``stats()["metrics"]`` has the URL; needs ``zchannel[metrics]``).
 
@@ -346,10 +356,16 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
         ``address`` is then a ``ValueError``.
         """
         options = _checked_options(options)
+        heartbeats = {setting: value for setting, value in (
+            ("heartbeat_interval", heartbeat_interval), ("liveness", liveness))
+            if value is not None}
+        if local and heartbeats:
+            raise ValueError(f"{' and '.join(heartbeats)} need a broker process (local=False): "
+                             "a local channel has no heartbeats")
         producers, declared, targets = _checked_create_args(
             name, maxsize, distributed, node_rank, local, identity, producers, consumers,
             metrics_port, journal,
-            {"lease_timeout": lease_timeout,
+            {"lease_timeout": lease_timeout, **heartbeats,
              **{setting: value for setting, value in (
                  ("fsync_interval", fsync_interval), ("max_journal_bytes", max_journal_bytes),
                  ("shm_threshold", shm_threshold)) if value is not None}})
@@ -373,7 +389,7 @@ class Channel(BrokerChannel, metaclass=ABCMeta):
             collector=collector, dispatcher=dispatcher, producers=producers, consumers=declared,
             options=options, curve_keys=curve_keys, insecure=insecure,
             lease_timeout=lease_timeout, shm_threshold=shm_threshold,
-            metrics_port=metrics_port, journal_settings=journal_settings)
+            metrics_port=metrics_port, journal_settings=journal_settings, heartbeats=heartbeats)
         if on_ray:
             return _as_channel(ray_placement.create(
                 config, distributed=distributed, node_rank=node_rank, targets=targets,
