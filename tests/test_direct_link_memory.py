@@ -8,18 +8,17 @@ came with 16 MiB ones stay queued, where it grew by each of those messages whole
 
 from __future__ import annotations
 
-import os
 import random
-import select
 import socket
 
 import msgpack
 import numpy as np
 import pytest
 from conftest import rss_bytes
+from rawlink import RawLink, frame
 from zchannel.broker import Channel
 from zchannel.broker.transport import direct_framing
-from zchannel.broker.wire.protocol import PROTOCOL_VERSION, pack_header
+from zchannel.broker.wire.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(240)
 MAX_BYTES = 64 << 20
@@ -29,44 +28,6 @@ BIG = 16 << 20
 # kept alive whole made the old reader grow by ~370 MiB for 23 messages, ~140-260 MiB for the
 # 23 bursts of the ordinary client.
 ALLOWED_GROWTH = 64 << 20
-
-
-def _frame(parts: list) -> bytes:
-    return b"".join(bytes(p) for p in direct_framing.iovec(parts)[0])
-
-
-class RawLink:
-    """A hand-driven direct link: frames messages as clients do, reads with a deadline."""
-
-    def __init__(self, address: str) -> None:
-        path = direct_framing.link_path(address[len("ipc://"):])
-        assert path is not None and os.path.exists(path), address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self.reader = direct_framing.Reader(1 << 20, 1 << 30)
-
-    def send(self, records: list[dict], frames: list = ()) -> None:
-        self.sock.sendall(_frame([pack_header(records), *frames]))
-
-    def replies(self, ids: set[int]) -> dict[int, tuple[dict, list]]:
-        """The reply records (with their frames) to the requests ``ids``."""
-        out: dict[int, tuple[dict, list]] = {}
-        while not ids <= out.keys():
-            while not self.reader.messages:
-                ready, _, _ = select.select([self.sock], [], [], 60)
-                assert ready, f"no reply from the broker for {ids - out.keys()}"
-                assert self.reader.read(self.sock.fileno()), "the broker closed the link"
-            parts = self.reader.messages.popleft()
-            pos = 1
-            for rec in msgpack.unpackb(parts[0], raw=False):
-                nf = rec.get("nf", 0)
-                if rec.get("id") in ids:
-                    out[rec["id"]] = (rec, parts[pos : pos + nf])
-                pos += nf
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _bin(payload: bytes) -> bytes:
@@ -188,14 +149,14 @@ def test_the_reader_gives_every_large_part_a_buffer_of_its_own(seed):
         messages.append([rng.randbytes(n) for n in lens])
     messages.append([b"h", *[rng.randbytes(60_000) for _ in range(40)], rng.randbytes(1 << 20)])
     messages.append([b"tiny", b"message"])
-    data = b"".join(_frame(parts) for parts in messages)
+    data = b"".join(frame(parts) for parts in messages)
     got = _read_all(data, rng)
     for sent, parts in zip(messages, got, strict=True):
         assert [bytes(p) for p in parts] == sent
         assert type(parts[0]) is bytes
         for part in parts[1:]:
             if type(part) is bytes:
-                assert len(part) < 1 << 20 or len(_frame(sent)) <= direct_framing.SCRATCH // 2
+                assert len(part) < 1 << 20 or len(frame(sent)) <= direct_framing.SCRATCH // 2
                 continue
             assert isinstance(part, memoryview) and not part.readonly
             owner = part.obj

@@ -20,23 +20,18 @@ the well-behaved handle's round trips or the broker's resident memory (``/proc/P
 
 from __future__ import annotations
 
-import os
-import select
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import msgpack
 import pytest
 import zmq
 from conftest import rss_bytes, wait_until
+from rawlink import RawLink
 from zchannel.broker import Channel
 from zchannel.broker.shm.claims import MAX_REFS
-from zchannel.broker.transport import direct_framing
 from zchannel.broker.wire.protocol import (
     MAX_HEADER_BYTES,
     MAX_RECORDS,
@@ -63,38 +58,20 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def broker(tmp_path) -> Iterator:
-    """``start(name, config=TOML)``: a ``zchannel broker`` process (``config``: the text of a
-    ``--config`` file), (pid, address) once it printed ``ready``; its log goes to the test's
-    stderr (a flood's warnings never fill a pipe).  Ended at teardown, by its pid."""
-    procs: list[subprocess.Popen] = []
+def broker(cli_broker) -> Callable[..., tuple[int, str]]:
+    """``start(name, config=TOML)``: a ``zchannel broker`` process (``cli_broker``'s), (pid,
+    address) once it printed ``ready``; its log goes to the test's stderr (a flood's warnings
+    never fill a pipe)."""
 
     def start(name: str, config: str | None = None) -> tuple[int, str]:
-        flags = []
-        if config is not None:
-            path = tmp_path / f"{name}.toml"
-            path.write_text(config)
-            flags = ["--config", str(path)]
-        proc = subprocess.Popen([sys.executable, "-m", "zchannel.cli.main", "broker", name,
-                                 *flags], stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("ready "), line
-        return proc.pid, line.split()[1]
-
-    yield start
-    for proc in procs:
-        proc.terminate()
+        address = cli_broker(name, config=config)
+        probe = Channel.connect(address, timeout=30)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            return probe.stats(exclude_self=True)["pid"], address
+        finally:
+            probe.close()
 
-
-def _frame(parts: list) -> bytes:
-    return b"".join(bytes(p) for p in direct_framing.iovec(parts)[0])
+    return start
 
 
 def _hello(ident: int) -> dict:
@@ -197,36 +174,6 @@ def test_refused_records_do_not_hold_their_messages(broker):
     assert grown < 100 * MiB, f"the broker grew by {grown / MiB:.0f} MiB for 300 MiB refused"
 
 
-class RawLink:
-    """A hand-made direct link (``PATH.d``): sends framed messages, reads whole replies."""
-
-    def __init__(self, address: str) -> None:
-        path = direct_framing.link_path(address[len("ipc://"):])
-        assert path is not None and os.path.exists(path), address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self.reader = direct_framing.Reader(1 << 20, 1 << 30)
-        self.replies: dict[int, dict] = {}  # reply records by request id, not yet awaited
-
-    def send(self, header: bytes) -> None:
-        self.sock.sendall(_frame([header]))
-
-    def await_reply(self, ident: int) -> dict:
-        """The reply record to request ``ident`` (records without an id skipped)."""
-        while ident not in self.replies:
-            while not self.reader.messages:
-                ready, _, _ = select.select([self.sock], [], [], 120)
-                assert ready, f"no reply from the broker to request {ident}"
-                assert self.reader.read(self.sock.fileno()), "the broker closed the link"
-            for record in msgpack.unpackb(self.reader.messages.popleft()[0], raw=False):
-                if "id" in record:
-                    self.replies[record["id"]] = record
-        return self.replies.pop(ident)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_a_direct_link_flooding_costly_headers_leaves_other_clients_served(broker):
     """A direct link that said hello sends 200 headers of 1 MiB, each a key of a million empty
     lists, back to back; a handle's round trips meanwhile all succeed.  The broker reads 32 MiB
@@ -236,14 +183,14 @@ def test_a_direct_link_flooding_costly_headers_leaves_other_clients_served(broke
     _, address = broker("dflood")
     good = Channel.connect(address)
     link = RawLink(address)
-    link.send(pack_header([_hello(1)]))
-    link.await_reply(1)
+    link.send([_hello(1)])
+    link.replies({1})
     done = threading.Event()
 
     def flood() -> None:
         try:
             for _ in range(200):
-                link.send(KEY_HEADER)
+                link.send_parts([KEY_HEADER])
         except OSError:
             pass  # the link closed: the round trips say whether others were served
         finally:
@@ -287,11 +234,11 @@ def test_idle_and_closed_direct_links_cost_the_broker_little(broker):
             link = RawLink(address)
             links.append(link)
             if i % 2:
-                link.send(pack_header([_hello(1)]))
-                link.send(big)
+                link.send([_hello(1)])
+                link.send_parts([big])
         for link in links[1::2]:
-            link.await_reply(1)
-            assert link.await_reply(2)["e"][0] == "QueueEmpty"
+            replies = link.replies({1, 2})
+            assert replies[2][0]["e"][0] == "QueueEmpty"
         accepted = wait_until(lambda: _connections(observer) >= base + 500, timeout=60)
         assert accepted, f"{_connections(observer) - base} of 500 links accepted"
         quiet = wait_until(lambda: rss_bytes(pid) - before < 20 * MiB, timeout=60)
