@@ -697,11 +697,19 @@ def _stat_keys(secret: str | None, server: str | None, target: str | None = None
     if server and not secret:
         raise click.UsageError("--curve-server-key (ZCHANNEL_CURVE_SERVER_KEY) needs this "
                                "client's key pair: --curve-secret-key (ZCHANNEL_CURVE_SECRET_KEY)")
-    from zchannel.broker.transport.curve import CurveKeys, ReplicaCurveKeys, name_key_settings
+    from zchannel.broker.transport.curve import (
+        CurveKeys,
+        ReplicaCurveKeys,
+        name_key_settings,
+        reset_key_settings,
+    )
     from zchannel.broker.transport.curve_keys import load_key_file
 
-    # this command's CURVE errors name its options (or the variable the key pair came from)
-    source = click.get_current_context().get_parameter_source("curve_secret_key")
+    # this command's CURVE errors name its options (or the variable the key pair came from),
+    # until the command ends
+    context = click.get_current_context()
+    context.call_on_close(reset_key_settings)
+    source = context.get_parameter_source("curve_secret_key")
     name_key_settings("ZCHANNEL_CURVE_SECRET_KEY"
                       if source is click.core.ParameterSource.ENVIRONMENT
                       else "--curve-secret-key", "--curve-server-key")

@@ -276,3 +276,20 @@ def test_zchannel_stat_names_its_curve_options(curve_broker):
     assert out.returncode == 2, out.stdout + out.stderr
     assert (f"only its own key pair (ZCHANNEL_CURVE_SECRET_KEY {client_secret})"
             in _error_line(out.stderr))
+
+
+def test_a_command_run_in_process_leaves_python_curve_errors_as_they_were(curve_broker,
+                                                                          monkeypatch):
+    """A ``zchannel`` command run inside a Python process (``CliRunner``, as tests and
+    notebooks do) names its options in its CURVE errors only while it runs: a handle connected
+    afterwards in the same process gets a Python program's message again."""
+    address, client_secret = curve_broker
+    monkeypatch.delenv("ZCHANNEL_CURVE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("ZCHANNEL_CURVE_SECRET_KEY", raising=False)
+    result = CliRunner().invoke(cli, ["stat", address, "--curve-secret-key", client_secret])
+    assert result.exit_code == 2, result.output
+    monkeypatch.setenv("ZCHANNEL_CURVE_SECRET_KEY", client_secret)
+    with pytest.raises(AuthenticationFailed) as after:
+        Channel.connect(address, timeout=30)
+    assert "only its own (ZCHANNEL_CURVE_SECRET_KEY)" in str(after.value), str(after.value)
+    assert "--curve-server-key" not in str(after.value)

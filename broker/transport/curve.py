@@ -113,9 +113,16 @@ def name_key_settings(secret: str, server: str) -> None:
     client's key pair file and of the broker's public key file -- a command's options or
     variables (``--curve-secret-key``, ``ZCHANNEL_CURVE_SECRET_KEY`` when that is where the
     command read it; ``--curve-server-key``) -- and their remedies in those terms, instead of
-    a Python program's ``curve_keys=``."""
+    a Python program's ``curve_keys=``, until ``reset_key_settings``."""
     global _settings
     _settings = KeySettings(secret, server, command=True)
+
+
+def reset_key_settings() -> None:
+    """Name a Python program's settings in CURVE errors again (``name_key_settings`` undone:
+    a command run inside a Python process, as a test's, leaves nothing behind)."""
+    global _settings
+    _settings = KeySettings()
 
 
 def replica_client_keys(curve_keys: Any, server_key: str | None) -> Any:
