@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -723,10 +724,22 @@ def _stat_keys(secret: str | None, server: str | None, target: str | None = None
         keys = ReplicaCurveKeys(secret, str(found["curve_public_key"]))
     else:
         load_key_file(secret, "the client's CURVE key pair")
-        os.environ["ZCHANNEL_CURVE_SECRET_KEY"] = secret  # what the option stands for
+        # what the option stands for, while the command runs (given back when it ends: a
+        # command run inside a Python process leaves its environment as it was)
+        context.call_on_close(functools.partial(_restore_environ, "ZCHANNEL_CURVE_SECRET_KEY",
+                                                os.environ.get("ZCHANNEL_CURVE_SECRET_KEY")))
+        os.environ["ZCHANNEL_CURVE_SECRET_KEY"] = secret
         return None
     keys.load()  # a file that does not hold a key: say which, now
     return keys
+
+
+def _restore_environ(name: str, value: str | None) -> None:
+    """Set the environment variable ``name`` back to ``value`` (None: unset)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _token_record(target: str | None) -> dict:

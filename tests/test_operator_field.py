@@ -281,13 +281,16 @@ def test_zchannel_stat_names_its_curve_options(curve_broker):
 def test_a_command_run_in_process_leaves_python_curve_errors_as_they_were(curve_broker,
                                                                           monkeypatch):
     """A ``zchannel`` command run inside a Python process (``CliRunner``, as tests and
-    notebooks do) names its options in its CURVE errors only while it runs: a handle connected
-    afterwards in the same process gets a Python program's message again."""
+    notebooks do) names its options in its CURVE errors, and sets ``ZCHANNEL_CURVE_SECRET_KEY``
+    to its key pair, only while it runs: a handle connected afterwards in the same process gets
+    a Python program's message again, and a process started later no key pair."""
     address, client_secret = curve_broker
     monkeypatch.delenv("ZCHANNEL_CURVE_SERVER_KEY", raising=False)
     monkeypatch.delenv("ZCHANNEL_CURVE_SECRET_KEY", raising=False)
     result = CliRunner().invoke(cli, ["stat", address, "--curve-secret-key", client_secret])
     assert result.exit_code == 2, result.output
+    # nor the environment: processes started later do not inherit the command's key pair
+    assert "ZCHANNEL_CURVE_SECRET_KEY" not in os.environ
     monkeypatch.setenv("ZCHANNEL_CURVE_SECRET_KEY", client_secret)
     with pytest.raises(AuthenticationFailed) as after:
         Channel.connect(address, timeout=30)
